@@ -1,0 +1,54 @@
+# q4_add_library(NAME DIR DEPS...): a static library from DIR/src/*.cpp (and DIR/src/*.cu when
+# CUDA kernels are enabled), public headers in DIR/include. Sources are globbed so that adding a
+# file needs no CMake edit.
+function(q4_add_library name dir)
+  file(GLOB _cpp CONFIGURE_DEPENDS ${dir}/src/*.cpp)
+  set(_srcs ${_cpp})
+  if(Q4_WITH_CUDA)
+    file(GLOB _cu CONFIGURE_DEPENDS ${dir}/src/*.cu)
+    list(APPEND _srcs ${_cu})
+  endif()
+  if(NOT _srcs)
+    message(STATUS "q4: ${name} has no sources yet; skipped")
+    return()
+  endif()
+  add_library(${name} STATIC ${_srcs})
+  target_include_directories(${name} PUBLIC ${dir}/include PRIVATE ${dir}/src)
+  target_link_libraries(${name} PUBLIC ${TORCH_LIBRARIES} fmt::fmt-header-only PRIVATE q4_warnings)
+  target_link_libraries(${name} PUBLIC ${ARGN})
+  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  if(Q4_WITH_CUDA)
+    target_compile_definitions(${name} PUBLIC Q4_WITH_CUDA=1)
+    target_link_libraries(${name} PUBLIC CUDA::cudart)
+    set_target_properties(${name} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+    target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--use_fast_math=false -lineinfo>)
+  endif()
+  if(Q4_HAVE_NVTX)
+    target_compile_definitions(${name} PUBLIC Q4_HAVE_NVTX=1)
+    target_include_directories(${name} PUBLIC ${Q4_NVTX3_INCLUDE})
+  endif()
+  q4_use_pch(${name})
+endfunction()
+
+# Precompiled LibTorch headers: a TU that includes <torch/torch.h> costs ~30 s otherwise.
+function(q4_use_pch target)
+  if(Q4_USE_PCH)
+    target_precompile_headers(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
+  endif()
+endfunction()
+
+# q4_add_test(NAME LABELS SOURCES... LINK libs...): one gtest binary, registered with ctest.
+function(q4_add_test name)
+  cmake_parse_arguments(T "" "" "LABELS;SOURCES;LINK" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LINK} GTest::gtest GTest::gtest_main q4_warnings)
+  target_compile_definitions(${name} PRIVATE
+    Q4_FIXTURES_DIR="${PROJECT_SOURCE_DIR}/tests/fixtures"
+    Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
+    Q4_BIN_DIR="${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  q4_use_pch(${name})
+  include(GoogleTest)
+  gtest_discover_tests(${name} PROPERTIES LABELS "${T_LABELS}" DISCOVERY_TIMEOUT 120)
+endfunction()

@@ -1,0 +1,43 @@
+// NVFP4 codec: E2M1 values with one FP8 E4M3FN scale per 16 consecutive elements of a row.
+// The numerics (DESIGN.md "NVFP4 numerics") are reproduced bit-exactly by every path: the
+// scalar `_ref` functions (the readable definition), the vectorized CPU ATen path, and the CUDA
+// kernels. Inputs may be fp32, fp16 or bf16; all arithmetic is fp32.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace q4::quant {
+
+inline constexpr int64_t kNvfp4BlockSize = 16;
+
+// Packed NVFP4 matrix.
+struct Nvfp4Tensor {
+  at::Tensor qdata;  // (r, c/2) uint8; element 2j in the low nibble, 2j+1 in the high nibble
+  at::Tensor scale;  // (r, c/16) uint8; FP8 E4M3FN bits, row-major, not swizzled
+};
+
+// ---- scalar reference (the definition; used by tests and as the spec for the fast paths) ----
+uint8_t e4m3_encode_ref(float x);   // RNE, x already clamped to [0, 448]; NaN in -> 0x7F
+float e4m3_decode_ref(uint8_t bits);  // exponent 0 subnormal m/8*2^-6; only 0x7F/0xFF NaN
+uint8_t e2m1_encode_ref(float d);   // d already clamped to [-6, 6]; thresholds of DESIGN.md
+float e2m1_decode_ref(uint8_t code);  // code 0..15, bit 3 = sign
+// x: (r, c) float tensor on CPU, c % 16 == 0. Per-element C++ loops; small inputs only.
+Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x);
+at::Tensor dequantize_nvfp4_ref(const at::Tensor& qdata, const at::Tensor& scale);  // fp32
+
+// ---- fast paths (CPU: vectorized ATen; CUDA: fused kernels), dispatched on x.device() ----
+// x: (r, c) fp32/fp16/bf16, c % 16 == 0. NaN/Inf in x is an error naming `name`.
+Nvfp4Tensor quantize_nvfp4(const at::Tensor& x, const std::string& name = "tensor");
+// Returns (r, c) in `dtype` on the device of qdata.
+at::Tensor dequantize_nvfp4(const at::Tensor& qdata, const at::Tensor& scale,
+                            at::ScalarType dtype = at::kFloat);
+// dequantize(quantize(w)) in w's dtype without materializing the packed form where a fused
+// kernel exists. No autograd.
+at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name = "tensor");
+// Autograd op: forward = fake_quant_nvfp4_forward(w), backward = identity (straight-through).
+at::Tensor fake_quant_nvfp4(const at::Tensor& w);
+
+}  // namespace q4::quant

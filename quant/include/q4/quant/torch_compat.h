@@ -1,0 +1,14 @@
+// The one place that gates LibTorch APIs that differ between 1.13 (Debian CPU builds, CI) and
+// 2.x (GPU hosts). Everything else in the project includes this header instead of testing
+// TORCH_VERSION_MAJOR itself.
+#pragma once
+
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR >= 2
+#define Q4_HAS_SDPA 1  // at::scaled_dot_product_attention
+#define Q4_HAS_FLOAT8 1  // at::kFloat8_e4m3fn
+#else
+#define Q4_HAS_SDPA 0
+#define Q4_HAS_FLOAT8 0
+#endif
