@@ -20,13 +20,20 @@ struct Nvfp4Tensor {
 };
 
 // ---- scalar reference (the definition; used by tests and as the spec for the fast paths) ----
-uint8_t e4m3_encode_ref(float x);   // RNE, x already clamped to [0, 448]; NaN in -> 0x7F
+uint8_t e4m3_encode_ref(float x);     // RNE, x already clamped to [0, 448]; NaN in -> 0x7F
 float e4m3_decode_ref(uint8_t bits);  // exponent 0 subnormal m/8*2^-6; only 0x7F/0xFF NaN
-uint8_t e2m1_encode_ref(float d);   // d already clamped to [-6, 6]; thresholds of DESIGN.md
+uint8_t e2m1_encode_ref(float d);     // d already clamped to [-6, 6]; thresholds of DESIGN.md
 float e2m1_decode_ref(uint8_t code);  // code 0..15, bit 3 = sign
 // x: (r, c) float tensor on CPU, c % 16 == 0. Per-element C++ loops; small inputs only.
 Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x);
 at::Tensor dequantize_nvfp4_ref(const at::Tensor& qdata, const at::Tensor& scale);  // fp32
+
+// ---- vectorized element codecs (CPU ATen, any shape; also used by other block formats) ----
+// s: float32 CPU tensor of finite values in [0, 448] -> uint8 E4M3FN bits, same as
+// e4m3_encode_ref element-wise.
+at::Tensor e4m3_encode(const at::Tensor& s);
+// bits: uint8 tensor (any device) -> float32 values, same as e4m3_decode_ref element-wise.
+at::Tensor e4m3_decode(const at::Tensor& bits);
 
 // ---- fast paths (CPU: vectorized ATen; CUDA: fused kernels), dispatched on x.device() ----
 // x: (r, c) fp32/fp16/bf16, c % 16 == 0. NaN/Inf in x is an error naming `name`.
@@ -37,7 +44,12 @@ at::Tensor dequantize_nvfp4(const at::Tensor& qdata, const at::Tensor& scale,
 // dequantize(quantize(w)) in w's dtype without materializing the packed form where a fused
 // kernel exists. No autograd.
 at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name = "tensor");
+// Same values, but on CUDA without the NaN/Inf check's device->host sync (one per call):
+// blocks holding NaN/Inf come out NaN instead of raising. CPU: identical to the checked op.
+at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w);
 // Autograd op: forward = fake_quant_nvfp4_forward(w), backward = identity (straight-through).
-at::Tensor fake_quant_nvfp4(const at::Tensor& w);
+// check_finite=false uses the unchecked forward (no device->host sync on CUDA; the training hot
+// path relies on the trainer's non-finite guard on loss and gradients instead).
+at::Tensor fake_quant_nvfp4(const at::Tensor& w, bool check_finite = true);
 
 }  // namespace q4::quant
