@@ -1,0 +1,206 @@
+// Training data: file loading (TSV / JSONL / plain text) into tokenized Examples with a
+// supervision mask, and a deterministic, resumable Batcher that truncates, shuffles, pads or
+// packs them into Batch tensors. Loading errors name file and line; with OnError::kSkip bad
+// lines are skipped and counted in a LoadSummary that the caller prints once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "q4/data/chat.h"
+#include "q4/data/tokenizer.h"
+
+namespace q4::data {
+
+// ---------------------------------------------------------------- loading
+
+enum class DataFormat {
+  kAuto,   // by extension: .tsv -> kTsv, .jsonl/.json -> kJsonl, .txt/.text -> kText; else error
+  kTsv,    // "prompt<TAB>answer" per line (first tab splits); blank and '#' lines skipped;
+           // an optional first row "prompt<TAB>answer" or "prompt<TAB>target" is a header
+  kJsonl,  // {"messages":[{"role","content"},...]} or {"prompt":...,
+           // "answer"|"response"|"target":...}
+  kText,   // one document per line, no template, every token supervised
+};
+
+enum class OnError {
+  kFail,  // first malformed line throws, naming file and line (default)
+  kSkip,  // malformed lines are skipped and counted in LoadSummary
+};
+
+DataFormat parse_data_format(const std::string& name);  // "auto","tsv","jsonl","text"
+OnError parse_on_error(const std::string& name);        // "fail","skip"
+
+struct DatasetOptions {
+  DataFormat format = DataFormat::kAuto;
+  // Prepended as a system turn to every prompt/answer pair and to every "messages"
+  // conversation that has no system message of its own. Empty = no system turn.
+  std::string system_prompt;
+  OnError on_error = OnError::kFail;
+  // kText only: append <|endoftext|> (supervised) to each document so the model learns ends.
+  bool text_append_endoftext = true;
+};
+
+struct SkippedLine {
+  int64_t line = 0;    // 1-based line number in the file
+  std::string reason;  // e.g. "no tab separating prompt and answer"
+};
+
+struct LoadSummary {
+  std::string path;
+  int64_t lines = 0;                       // physical lines read
+  int64_t ignored = 0;                     // blank, '#' comment and header lines
+  int64_t examples = 0;                    // examples produced
+  int64_t skipped = 0;                     // malformed lines skipped (OnError::kSkip)
+  std::vector<SkippedLine> first_skipped;  // the first kMaxReported skipped lines
+  static constexpr int64_t kMaxReported = 20;
+  int64_t tokens = 0;             // sum of example lengths
+  int64_t supervised_tokens = 0;  // sum of supervised labels
+  std::string to_string() const;  // one human-readable paragraph (for tools/trainer to print)
+};
+
+// One tokenized training sequence (before truncation/batching).
+struct Example {
+  std::vector<TokenId> input_ids;  // [L]
+  std::vector<TokenId> labels;     // [L], token id where supervised, kIgnoreIndex elsewhere
+  int64_t source_line = 0;         // 1-based line in the source file (for messages)
+};
+
+struct Dataset {
+  std::vector<Example> examples;
+  LoadSummary summary;
+};
+
+// Loads a file. Errors (OnError::kFail): "<path>:<line>: <what was expected>, found <...>".
+// I/O errors and an unknown format always throw.
+Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer,
+                     const DatasetOptions& options = {});
+// Same from in-memory content (format must not be kAuto unless `name` has an extension).
+Dataset load_dataset_from_string(const std::string& content, const std::string& name,
+                                 const Tokenizer& tokenizer, const DatasetOptions& options = {});
+
+// Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
+Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
+                          const std::string& answer, const std::string& system_prompt = "");
+
+// ---------------------------------------------------------------- batching
+
+enum class Truncation {
+  // Default. Keep the end of the sequence (the answer and its <|im_end|>) and cut tokens from
+  // the left (the prompt side). If the supervised part (first supervised token .. end) is
+  // longer than max_seq_len, the example is dropped and counted instead.
+  kCutLeft,
+  // Keep the first max_seq_len tokens (for plain-text documents). Dropped and counted when no
+  // supervised label remains at positions >= 1.
+  kCutRight,
+  // Drop and count every example longer than max_seq_len.
+  kDrop,
+};
+
+Truncation parse_truncation(const std::string& name);  // "cut_left","cut_right","drop"
+
+struct BatcherOptions {
+  int64_t batch_size = 1;      // rows per batch (examples per batch when not packing)
+  int64_t max_seq_len = 1024;  // tokens per row, upper bound (T <= max_seq_len)
+  uint64_t seed = 0;           // shuffle seed; epoch e uses permutation(seed, e)
+  bool shuffle = true;         // false: file order every epoch
+  bool pack = false;           // greedily pack consecutive (shuffled) examples into rows
+  bool drop_last = false;      // drop the short final batch of each epoch
+  Truncation truncation = Truncation::kCutLeft;
+  int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)
+};
+
+// Counts from applying the truncation policy (done once, at Batcher construction).
+struct TruncationStats {
+  int64_t examples_in = 0;
+  int64_t kept = 0;                   // examples that made it into batches (truncated included)
+  int64_t truncated = 0;              // kept but shortened
+  int64_t dropped = 0;                // removed (all reasons): too long for the policy, or nothing
+                                      // left to supervise at positions >= 1
+  int64_t dropped_unsupervised = 0;   // of `dropped`: no supervised label at positions >= 1
+  int64_t supervised_tokens_cut = 0;  // supervised labels lost by kCutRight truncation
+  int64_t longest_tokens = 0;         // longest example before truncation
+  std::string to_string() const;
+};
+
+// Resume point: serialize it with a checkpoint and pass it back to Batcher::restore().
+struct BatcherState {
+  uint64_t seed = 0;
+  int64_t epoch = 0;         // 0-based epoch of the next batch
+  int64_t cursor = 0;        // index into that epoch's permutation of the next example
+  int64_t batches = 0;       // batches produced so far (all epochs)
+  int64_t num_examples = 0;  // kept examples when saved; restore() checks it still matches
+  std::string to_json() const;
+  static BatcherState from_json(const std::string& json);  // throws on malformed input
+};
+
+// One batch. B = rows, T = longest row in this batch (<= max_seq_len). Padding is on the right.
+// What model code must do with each field:
+//  - input_ids:      embed. Padding holds pad_id; never let it influence real positions.
+//  - labels:         loss = mean CE over logits[:, :-1] vs labels[:, 1:] where label != -100.
+//                    Padding, prompts, and (packed) the first token of every segment are -100,
+//                    so the shifted loss never predicts across examples.
+//  - attention_mask: 1 real token, 0 padding (HF convention). Sufficient on its own when
+//                    pack == false (each row is one example).
+//  - position_ids:   RoPE positions; restart at 0 at the start of every example (packed or not);
+//                    0 on padding. Always use these instead of arange(T).
+//  - segment_ids:    1..k = which example of the row a token belongs to, 0 = padding. Attention
+//                    must be block-diagonal causal: query q may attend key k iff
+//                    segment_ids[q] == segment_ids[k] != 0 and k <= q. block_causal_mask()
+//                    builds it. Without packing every row is segment 1 (+ padding 0).
+struct Batch {
+  at::Tensor input_ids;                  // int64 [B, T]
+  at::Tensor labels;                     // int64 [B, T], kIgnoreIndex where not supervised
+  at::Tensor attention_mask;             // int64 [B, T], 1 real / 0 pad
+  at::Tensor position_ids;               // int64 [B, T]
+  at::Tensor segment_ids;                // int64 [B, T], 0 pad, 1..k segments
+  int64_t epoch = 0;                     // epoch this batch came from
+  int64_t real_tokens = 0;               // attention_mask.sum()
+  int64_t supervised_tokens = 0;         // count of labels[:, 1:] != -100 (what the loss averages)
+  std::vector<int64_t> example_indices;  // indices into the (post-truncation) example list
+};
+
+// bool [B, 1, T, T]: true where attention is allowed (block-diagonal causal, padding rows and
+// columns false except the diagonal so softmax never sees an all-masked row).
+at::Tensor block_causal_mask(const at::Tensor& segment_ids);
+
+// Turns examples into batches. Epochs repeat forever; each epoch visits every kept example
+// once in permutation(seed, epoch) order (a portable splitmix64 Fisher-Yates, identical on
+// every platform). The whole stream is a pure function of (examples, options), so
+// restore(state()) reproduces the exact continuation.
+class Batcher {
+ public:
+  Batcher(std::vector<Example> examples, const BatcherOptions& options);
+
+  Batch next();
+
+  BatcherState state() const;
+  void restore(const BatcherState& state);  // seed must match options.seed
+
+  int64_t num_examples() const;  // kept examples (after truncation policy)
+  // Exact without packing; with packing the row count depends on the order, so this is the
+  // count for epoch 0 (other epochs may differ slightly).
+  int64_t batches_per_epoch() const;
+  const TruncationStats& truncation_stats() const;
+  const BatcherOptions& options() const;
+  const std::vector<Example>& examples() const;  // kept, post-truncation
+
+ private:
+  std::vector<int64_t> permutation(int64_t epoch) const;
+  // Example indices (into examples_) of each row of the batch starting at cursor in `order`.
+  std::vector<std::vector<int64_t>> plan_rows(const std::vector<int64_t>& order, int64_t cursor,
+                                              int64_t* next_cursor) const;
+
+  BatcherOptions options_;
+  std::vector<Example> examples_;
+  TruncationStats stats_;
+  BatcherState state_;
+  std::vector<int64_t> order_;  // permutation of the current epoch
+  int64_t order_epoch_ = -1;
+  int64_t batches_per_epoch_ = 0;
+};
+
+}  // namespace q4::data

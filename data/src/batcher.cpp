@@ -1,0 +1,304 @@
+// Batcher: applies the truncation policy once, then streams batches epoch after epoch. Each
+// epoch's order is a splitmix64 Fisher-Yates permutation of (seed, epoch), so the whole stream
+// is a pure function of (examples, options) and a BatcherState {epoch, cursor} is enough to
+// resume exactly. Packing fills each row greedily with consecutive examples of that order.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "q4/data/dataset.h"
+
+namespace q4::data {
+namespace {
+
+uint64_t splitmix64(uint64_t* x) {
+  uint64_t z = (*x += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+int64_t supervised_from(const std::vector<TokenId>& labels, size_t begin) {
+  int64_t n = 0;
+  for (size_t i = begin; i < labels.size(); ++i) n += labels[i] != kIgnoreIndex;
+  return n;
+}
+
+}  // namespace
+
+Truncation parse_truncation(const std::string& name) {
+  if (name == "cut_left") return Truncation::kCutLeft;
+  if (name == "cut_right") return Truncation::kCutRight;
+  if (name == "drop") return Truncation::kDrop;
+  TORCH_CHECK(false, "truncation: expected cut_left, cut_right or drop, found \"", name, "\"");
+  return Truncation::kCutLeft;
+}
+
+std::string TruncationStats::to_string() const {
+  std::ostringstream s;
+  s << examples_in << " examples, " << kept << " kept (" << truncated << " truncated), " << dropped
+    << " dropped (" << dropped_unsupervised << " with nothing to supervise)";
+  if (supervised_tokens_cut > 0) s << ", " << supervised_tokens_cut << " supervised tokens cut";
+  s << ", longest " << longest_tokens << " tokens";
+  return s.str();
+}
+
+std::string BatcherState::to_json() const {
+  nlohmann::json j = {{"seed", seed},
+                      {"epoch", epoch},
+                      {"cursor", cursor},
+                      {"batches", batches},
+                      {"num_examples", num_examples}};
+  return j.dump();
+}
+
+BatcherState BatcherState::from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    TORCH_CHECK(false, "batcher state: not valid JSON: ", e.what());
+  }
+  TORCH_CHECK(j.is_object(), "batcher state: expected a JSON object");
+  BatcherState s;
+  auto get_int = [&](const char* key) -> int64_t {
+    TORCH_CHECK(j.contains(key) && j[key].is_number_integer(), "batcher state: key \"", key,
+                "\": expected an integer");
+    return j[key].get<int64_t>();
+  };
+  TORCH_CHECK(j.contains("seed") && j["seed"].is_number_unsigned(),
+              "batcher state: key \"seed\": expected an unsigned integer");
+  s.seed = j["seed"].get<uint64_t>();
+  s.epoch = get_int("epoch");
+  s.cursor = get_int("cursor");
+  s.batches = get_int("batches");
+  s.num_examples = get_int("num_examples");
+  TORCH_CHECK(s.epoch >= 0 && s.cursor >= 0 && s.batches >= 0 && s.num_examples >= 0,
+              "batcher state: negative value in ", text);
+  return s;
+}
+
+at::Tensor block_causal_mask(const at::Tensor& segment_ids) {
+  TORCH_CHECK(segment_ids.dim() == 2 && segment_ids.scalar_type() == at::kLong,
+              "block_causal_mask: expected int64 [B, T] segment_ids, found ",
+              segment_ids.scalar_type(), " ", segment_ids.sizes());
+  const int64_t t = segment_ids.size(1);
+  const auto opts = segment_ids.options().dtype(at::kBool);
+  const at::Tensor q = segment_ids.unsqueeze(2);                 // [B, T, 1]
+  const at::Tensor k = segment_ids.unsqueeze(1);                 // [B, 1, T]
+  at::Tensor allowed = q.eq(k).logical_and(q.ne(0));             // [B, T, T]
+  allowed = allowed.logical_and(at::ones({t, t}, opts).tril());  // causal
+  allowed = allowed.logical_or(at::eye(t, opts));                // padding rows see themselves
+  return allowed.unsqueeze(1);                                   // [B, 1, T, T]
+}
+
+Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) : options_(options) {
+  TORCH_CHECK(options_.batch_size >= 1, "batch_size: expected >= 1, found ", options_.batch_size);
+  TORCH_CHECK(options_.max_seq_len >= 2, "max_seq_len: expected >= 2, found ",
+              options_.max_seq_len);
+  TORCH_CHECK(options_.pad_id >= 0, "pad_id: expected a valid token id >= 0, found ",
+              options_.pad_id);
+  const auto max_len = static_cast<size_t>(options_.max_seq_len);
+  stats_.examples_in = static_cast<int64_t>(examples.size());
+  for (size_t i = 0; i < examples.size(); ++i) {
+    Example& ex = examples[i];
+    TORCH_CHECK(ex.input_ids.size() == ex.labels.size(), "example ", i, " (line ", ex.source_line,
+                "): input_ids has ", ex.input_ids.size(), " tokens but labels has ",
+                ex.labels.size());
+    const size_t len = ex.input_ids.size();
+    stats_.longest_tokens = std::max(stats_.longest_tokens, static_cast<int64_t>(len));
+    bool keep = true;
+    if (len > max_len) {
+      if (options_.truncation == Truncation::kDrop) {
+        keep = false;
+      } else if (options_.truncation == Truncation::kCutLeft) {
+        const auto first = std::find_if(ex.labels.begin(), ex.labels.end(),
+                                        [](TokenId l) { return l != kIgnoreIndex; }) -
+                           ex.labels.begin();
+        // Keep every supervised token plus at least one token of context before the first.
+        if (static_cast<size_t>(first) < len && len - first + 1 <= max_len) {
+          const size_t start = len - max_len;
+          ex.input_ids.erase(ex.input_ids.begin(), ex.input_ids.begin() + start);
+          ex.labels.erase(ex.labels.begin(), ex.labels.begin() + start);
+          ++stats_.truncated;
+        } else {
+          keep = false;
+          if (static_cast<size_t>(first) == len) ++stats_.dropped_unsupervised;
+        }
+      } else {  // kCutRight
+        stats_.supervised_tokens_cut += supervised_from(ex.labels, max_len);
+        ex.input_ids.resize(max_len);
+        ex.labels.resize(max_len);
+        ++stats_.truncated;
+        if (supervised_from(ex.labels, 1) == 0) {
+          --stats_.truncated;
+          keep = false;
+        }
+      }
+    }
+    if (keep && supervised_from(ex.labels, 1) == 0) {
+      keep = false;
+      ++stats_.dropped_unsupervised;
+    }
+    if (!keep) {
+      ++stats_.dropped;
+      continue;
+    }
+    for (TokenId id : ex.input_ids) {
+      TORCH_CHECK(id >= 0, "example ", i, " (line ", ex.source_line, "): negative token id ", id);
+    }
+    examples_.push_back(std::move(ex));
+  }
+  stats_.kept = static_cast<int64_t>(examples_.size());
+  TORCH_CHECK(!examples_.empty(), "batcher: no example left after the truncation policy (",
+              stats_.to_string(), "); raise max_seq_len or change truncation");
+  if (options_.drop_last) {
+    if (options_.pack) {
+      int64_t total = 0;
+      for (const auto& ex : examples_) total += static_cast<int64_t>(ex.input_ids.size());
+      // Greedy rows hold <= max_seq_len tokens, so this many tokens always need batch_size rows.
+      TORCH_CHECK(total > (options_.batch_size - 1) * options_.max_seq_len,
+                  "batcher: drop_last with packing needs more than (batch_size-1)*max_seq_len = ",
+                  (options_.batch_size - 1) * options_.max_seq_len, " tokens, found ", total);
+    } else {
+      TORCH_CHECK(stats_.kept >= options_.batch_size,
+                  "batcher: drop_last needs at least batch_size=", options_.batch_size,
+                  " examples, found ", stats_.kept);
+    }
+  }
+  state_.seed = options_.seed;
+  state_.num_examples = stats_.kept;
+  // Batches in epoch 0 (exact without packing).
+  const std::vector<int64_t> order0 = permutation(0);
+  int64_t cursor = 0;
+  while (cursor < stats_.kept) {
+    int64_t next_cursor = 0;
+    if (plan_rows(order0, cursor, &next_cursor).empty()) break;
+    ++batches_per_epoch_;
+    cursor = next_cursor;
+  }
+}
+
+std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
+  const auto n = static_cast<int64_t>(examples_.size());
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  if (!options_.shuffle) return order;
+  uint64_t x = options_.seed;
+  x = splitmix64(&x) ^ (static_cast<uint64_t>(epoch) * 0xD1B54A32D192ED03ULL);
+  for (int64_t i = n - 1; i > 0; --i) {
+    // Unbiased-enough bounded draw (multiply-shift); portable and identical everywhere.
+    const uint64_t r = splitmix64(&x);
+    const auto j = static_cast<int64_t>(
+        (static_cast<unsigned __int128>(r) * static_cast<uint64_t>(i + 1)) >> 64);
+    std::swap(order[i], order[j]);
+  }
+  return order;
+}
+
+std::vector<std::vector<int64_t>> Batcher::plan_rows(const std::vector<int64_t>& order,
+                                                     int64_t cursor, int64_t* next_cursor) const {
+  const auto n = static_cast<int64_t>(order.size());
+  std::vector<std::vector<int64_t>> rows;
+  int64_t c = cursor;
+  while (c < n && static_cast<int64_t>(rows.size()) < options_.batch_size) {
+    std::vector<int64_t> row;
+    int64_t len = 0;
+    while (c < n) {
+      const auto l = static_cast<int64_t>(examples_[order[c]].input_ids.size());
+      if (!row.empty() && (!options_.pack || len + l > options_.max_seq_len)) break;
+      row.push_back(order[c]);
+      len += l;
+      ++c;
+    }
+    rows.push_back(std::move(row));
+  }
+  if (options_.drop_last && static_cast<int64_t>(rows.size()) < options_.batch_size) rows.clear();
+  *next_cursor = c;
+  return rows;
+}
+
+Batch Batcher::next() {
+  const int64_t n = static_cast<int64_t>(examples_.size());
+  std::vector<std::vector<int64_t>> rows;
+  for (int attempts = 0; rows.empty(); ++attempts) {
+    TORCH_INTERNAL_ASSERT(attempts < 4, "batcher: no batch could be formed");
+    if (state_.cursor >= n) {
+      ++state_.epoch;
+      state_.cursor = 0;
+    }
+    if (order_epoch_ != state_.epoch) {
+      order_ = permutation(state_.epoch);
+      order_epoch_ = state_.epoch;
+    }
+    int64_t next_cursor = 0;
+    rows = plan_rows(order_, state_.cursor, &next_cursor);
+    state_.cursor = rows.empty() ? n : next_cursor;  // empty: dropped short tail of the epoch
+  }
+
+  Batch b;
+  b.epoch = state_.epoch;
+  const auto num_rows = static_cast<int64_t>(rows.size());
+  int64_t t = 0;
+  for (const auto& row : rows) {
+    int64_t len = 0;
+    for (int64_t e : row) len += static_cast<int64_t>(examples_[e].input_ids.size());
+    t = std::max(t, len);
+  }
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  b.input_ids = at::full({num_rows, t}, options_.pad_id, opts);
+  b.labels = at::full({num_rows, t}, static_cast<int64_t>(kIgnoreIndex), opts);
+  b.attention_mask = at::zeros({num_rows, t}, opts);
+  b.position_ids = at::zeros({num_rows, t}, opts);
+  b.segment_ids = at::zeros({num_rows, t}, opts);
+  int64_t* ids = b.input_ids.data_ptr<int64_t>();
+  int64_t* labels = b.labels.data_ptr<int64_t>();
+  int64_t* mask = b.attention_mask.data_ptr<int64_t>();
+  int64_t* pos = b.position_ids.data_ptr<int64_t>();
+  int64_t* seg = b.segment_ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    int64_t at = r * t;
+    int64_t segment = 0;
+    for (int64_t e : rows[r]) {
+      const Example& ex = examples_[e];
+      ++segment;
+      for (size_t k = 0; k < ex.input_ids.size(); ++k, ++at) {
+        ids[at] = ex.input_ids[k];
+        // The first token of a segment is never a target: its logit row belongs to the
+        // previous example (or does not exist).
+        labels[at] = k == 0 ? kIgnoreIndex : ex.labels[k];
+        mask[at] = 1;
+        pos[at] = static_cast<int64_t>(k);
+        seg[at] = segment;
+        b.real_tokens += 1;
+        b.supervised_tokens += labels[at] != kIgnoreIndex;
+      }
+      b.example_indices.push_back(e);
+    }
+  }
+  ++state_.batches;
+  return b;
+}
+
+BatcherState Batcher::state() const { return state_; }
+
+void Batcher::restore(const BatcherState& s) {
+  TORCH_CHECK(s.seed == options_.seed, "batcher resume: state seed ", s.seed,
+              " does not match options seed ", options_.seed);
+  TORCH_CHECK(s.num_examples == stats_.kept, "batcher resume: state was saved with ",
+              s.num_examples, " examples, this data has ", stats_.kept,
+              " (different data or truncation settings)");
+  TORCH_CHECK(s.epoch >= 0 && s.cursor >= 0 && s.cursor <= stats_.kept && s.batches >= 0,
+              "batcher resume: invalid state ", s.to_json());
+  state_ = s;
+}
+
+int64_t Batcher::num_examples() const { return static_cast<int64_t>(examples_.size()); }
+int64_t Batcher::batches_per_epoch() const { return batches_per_epoch_; }
+const TruncationStats& Batcher::truncation_stats() const { return stats_; }
+const BatcherOptions& Batcher::options() const { return options_; }
+const std::vector<Example>& Batcher::examples() const { return examples_; }
+
+}  // namespace q4::data

@@ -1,0 +1,254 @@
+// Dataset loaders: TSV prompt/answer pairs, JSONL conversations or pairs, plain-text documents.
+// Each line is validated (UTF-8, shape, roles) and tokenized with its supervision mask; a bad
+// line either throws "<file>:<line>: <reason>" (OnError::kFail) or is skipped and counted in the
+// LoadSummary (OnError::kSkip). Nothing here prints.
+#include "q4/data/dataset.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "utf8.h"
+
+namespace q4::data {
+namespace {
+
+using json = nlohmann::json;
+
+// A malformed line; caught by the loader and turned into an error or a skip.
+struct BadLine {
+  std::string reason;
+};
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool is_blank(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c) != 0; });
+}
+
+std::string quote_excerpt(const std::string& s) {
+  constexpr size_t kMax = 40;
+  std::string e = s.size() > kMax ? s.substr(0, kMax) + "..." : s;
+  return json(utf8::repair(e)).dump();
+}
+
+void check_utf8(const std::string& line) {
+  const size_t bad = utf8::find_invalid(line);
+  if (bad != std::string::npos) {
+    throw BadLine{"invalid UTF-8 at byte " + std::to_string(bad) + " of the line"};
+  }
+}
+
+Example from_chat(ChatTokens&& t, int64_t line) {
+  Example e;
+  e.input_ids = std::move(t.input_ids);
+  e.labels = std::move(t.labels);
+  e.source_line = line;
+  return e;
+}
+
+std::string string_field(const json& obj, const char* key) {
+  const json& v = obj[key];
+  if (!v.is_string()) {
+    throw BadLine{std::string("\"") + key + "\": expected a string, found " +
+                  (v.is_null() ? "null" : v.type_name())};
+  }
+  return v.get<std::string>();
+}
+
+Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& tok,
+                    const DatasetOptions& opt) {
+  json j;
+  try {
+    j = json::parse(line);
+  } catch (const json::parse_error& e) {
+    throw BadLine{std::string("bad JSON: ") + e.what()};
+  }
+  if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};
+  if (j.contains("messages")) {
+    const json& jm = j["messages"];
+    if (!jm.is_array()) throw BadLine{"\"messages\": expected an array"};
+    std::vector<Message> msgs;
+    bool has_system = false, has_assistant = false;
+    for (size_t i = 0; i < jm.size(); ++i) {
+      const json& m = jm[i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string()) {
+        throw BadLine{where + ": expected {\"role\": string, \"content\": string}"};
+      }
+      Message msg{m["role"].get<std::string>(), m["content"].get<std::string>()};
+      if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
+          msg.role != "tool") {
+        throw BadLine{where + ".role: unknown role \"" + msg.role +
+                      "\" (expected system, user, assistant or tool)"};
+      }
+      has_system |= msg.role == "system";
+      has_assistant |= msg.role == "assistant";
+      msgs.push_back(std::move(msg));
+    }
+    if (!has_assistant) throw BadLine{"\"messages\": no assistant message (nothing to supervise)"};
+    if (!has_system && !opt.system_prompt.empty()) {
+      msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
+    }
+    return from_chat(tokenize_chat(tok, msgs), line_no);
+  }
+  if (j.contains("prompt")) {
+    const std::string prompt = string_field(j, "prompt");
+    const char* key = j.contains("answer")     ? "answer"
+                      : j.contains("response") ? "response"
+                      : j.contains("target")   ? "target"
+                                               : nullptr;
+    if (key == nullptr) throw BadLine{"\"prompt\" without \"answer\", \"response\" or \"target\""};
+    const std::string answer = string_field(j, key);
+    if (is_blank(answer)) throw BadLine{std::string("empty \"") + key + "\""};
+    Example e = make_pair_example(tok, prompt, answer, opt.system_prompt);
+    e.source_line = line_no;
+    return e;
+  }
+  throw BadLine{"expected {\"messages\": [...]} or {\"prompt\": ..., \"answer\": ...}"};
+}
+
+DataFormat resolve_format(DataFormat f, const std::string& name) {
+  if (f != DataFormat::kAuto) return f;
+  const size_t dot = name.rfind('.');
+  const std::string ext = dot == std::string::npos ? "" : lower(name.substr(dot + 1));
+  if (ext == "tsv") return DataFormat::kTsv;
+  if (ext == "jsonl" || ext == "json") return DataFormat::kJsonl;
+  if (ext == "txt" || ext == "text") return DataFormat::kText;
+  TORCH_CHECK(false, name, ": cannot infer the data format from the file extension \"", ext,
+              "\"; expected .tsv, .jsonl/.json or .txt, or set the format to tsv, jsonl or text");
+  return f;
+}
+
+}  // namespace
+
+DataFormat parse_data_format(const std::string& name) {
+  const std::string n = lower(name);
+  if (n == "auto") return DataFormat::kAuto;
+  if (n == "tsv") return DataFormat::kTsv;
+  if (n == "jsonl") return DataFormat::kJsonl;
+  if (n == "text" || n == "txt") return DataFormat::kText;
+  TORCH_CHECK(false, "data format: expected auto, tsv, jsonl or text, found \"", name, "\"");
+  return DataFormat::kAuto;
+}
+
+OnError parse_on_error(const std::string& name) {
+  const std::string n = lower(name);
+  if (n == "fail") return OnError::kFail;
+  if (n == "skip") return OnError::kSkip;
+  TORCH_CHECK(false, "on_error: expected fail or skip, found \"", name, "\"");
+  return OnError::kFail;
+}
+
+std::string LoadSummary::to_string() const {
+  std::ostringstream s;
+  s << path << ": " << examples << " examples from " << lines << " lines (" << ignored
+    << " blank/comment/header), " << skipped << " skipped, " << tokens << " tokens, "
+    << supervised_tokens << " supervised";
+  for (const auto& k : first_skipped) s << "\n  skipped line " << k.line << ": " << k.reason;
+  if (skipped > static_cast<int64_t>(first_skipped.size())) {
+    s << "\n  ... and " << (skipped - static_cast<int64_t>(first_skipped.size())) << " more";
+  }
+  return s.str();
+}
+
+Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
+                          const std::string& answer, const std::string& system_prompt) {
+  std::vector<Message> msgs;
+  if (!system_prompt.empty()) msgs.push_back({"system", system_prompt});
+  msgs.push_back({"user", prompt});
+  msgs.push_back({"assistant", answer});
+  return from_chat(tokenize_chat(tokenizer, msgs), 0);
+}
+
+Dataset load_dataset_from_string(const std::string& content, const std::string& name,
+                                 const Tokenizer& tokenizer, const DatasetOptions& options) {
+  const DataFormat format = resolve_format(options.format, name);
+  TORCH_CHECK(utf8::find_invalid(options.system_prompt) == std::string::npos,
+              "system_prompt: not valid UTF-8");
+  Dataset ds;
+  ds.summary.path = name;
+  bool seen_content = false;  // TSV header is only recognized before the first data line
+  size_t pos = 0;
+  int64_t line_no = 0;
+  while (pos < content.size()) {
+    size_t nl = content.find('\n', pos);
+    if (nl == std::string::npos) nl = content.size();
+    std::string line = content.substr(pos, nl - pos);
+    pos = nl + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    ds.summary.lines = line_no;
+    if (is_blank(line)) {
+      ++ds.summary.ignored;
+      continue;
+    }
+    try {
+      Example ex;
+      if (format == DataFormat::kTsv) {
+        if (line[0] == '#') {
+          ++ds.summary.ignored;
+          continue;
+        }
+        check_utf8(line);
+        const size_t tab = line.find('\t');
+        if (!seen_content) {
+          seen_content = true;
+          const std::string l = lower(line);
+          if (l == "prompt\tanswer" || l == "prompt\ttarget" || l == "prompt\tresponse") {
+            ++ds.summary.ignored;
+            continue;
+          }
+        }
+        if (tab == std::string::npos) {
+          throw BadLine{"expected prompt<TAB>answer, found no tab in " + quote_excerpt(line)};
+        }
+        const std::string answer = line.substr(tab + 1);
+        if (is_blank(answer)) throw BadLine{"empty answer after the tab"};
+        ex = make_pair_example(tokenizer, line.substr(0, tab), answer, options.system_prompt);
+      } else if (format == DataFormat::kJsonl) {
+        check_utf8(line);
+        ex = parse_jsonl(line, line_no, tokenizer, options);
+      } else {
+        check_utf8(line);
+        ex.input_ids = tokenizer.encode(line);
+        if (options.text_append_endoftext) ex.input_ids.push_back(tokenizer.endoftext_id());
+        ex.labels = ex.input_ids;
+      }
+      ex.source_line = line_no;
+      ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
+      for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+      ds.examples.push_back(std::move(ex));
+    } catch (const BadLine& bad) {
+      TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line_no, ": ", bad.reason,
+                  " (set on_error: skip to skip malformed lines)");
+      ++ds.summary.skipped;
+      if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
+        ds.summary.first_skipped.push_back({line_no, bad.reason});
+      }
+    }
+  }
+  ds.summary.examples = static_cast<int64_t>(ds.examples.size());
+  return ds;
+}
+
+Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer,
+                     const DatasetOptions& options) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), path, ": cannot open data file");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TORCH_CHECK(!in.bad(), path, ": read error");
+  return load_dataset_from_string(ss.str(), path, tokenizer, options);
+}
+
+}  // namespace q4::data

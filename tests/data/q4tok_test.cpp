@@ -1,0 +1,108 @@
+// End-to-end tests of tools/q4tok (built into Q4_BIN_DIR): encode, decode and chat on the golden
+// fixtures through stdin/stdout, and exit code 2 with a line-numbered message on bad input.
+// The tool must be built first (`cmake --build <dir> --target q4tok`); a missing binary fails.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace q4::data {
+namespace {
+
+using json = nlohmann::json;
+
+struct ToolRun {
+  int exit_code;
+  std::string out;
+};
+
+// Runs `q4tok <args>` with `input` on stdin; stdout (and stderr when merge_err) captured.
+ToolRun run_q4tok(const std::string& args, const std::string& input, bool merge_err = false) {
+  const std::string bin = std::string(Q4_BIN_DIR) + "/q4tok";
+  if (!test::file_exists(bin)) {
+    ADD_FAILURE() << bin << " not found: build the q4tok target first";
+    return {-1, ""};
+  }
+  const test::TempFile in(".in", input);
+  const std::string cmd = bin + " " + args + " --tokenizer " + test::kQwen3TokenizerPath + " < " +
+                          in.path() + (merge_err ? " 2>&1" : "");
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) {
+    ADD_FAILURE() << "popen failed: " << cmd;
+    return {-1, ""};
+  }
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> v;
+  std::istringstream in(s);
+  for (std::string l; std::getline(in, l);) v.push_back(l);
+  return v;
+}
+
+TEST(Q4tok, EncodeDecodeGolden) {
+  test::qwen3_tokenizer();  // fails loudly when the tokenizer file is missing
+  const json gold = test::read_json(Q4_FIXTURES_DIR "/tokenizer_golden.json");
+  std::string enc_in, dec_in;
+  for (const auto& c : gold) {
+    enc_in += c["text"].dump() + "\n";
+    dec_in += c["ids"].dump() + "\n";
+  }
+  const ToolRun e = run_q4tok("encode", enc_in);
+  ASSERT_EQ(e.exit_code, 0);
+  const auto enc = lines_of(e.out);
+  ASSERT_EQ(enc.size(), gold.size());
+  for (size_t k = 0; k < gold.size(); ++k) EXPECT_EQ(json::parse(enc[k]), gold[k]["ids"]) << k;
+  const ToolRun d = run_q4tok("decode", dec_in);
+  ASSERT_EQ(d.exit_code, 0);
+  const auto dec = lines_of(d.out);
+  ASSERT_EQ(dec.size(), gold.size());
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  for (size_t k = 0; k < gold.size(); ++k) {
+    EXPECT_EQ(json::parse(dec[k]).get<std::string>(),
+              tok.decode(gold[k]["ids"].get<std::vector<TokenId>>()));
+  }
+}
+
+TEST(Q4tok, ChatGolden) {
+  test::qwen3_tokenizer();
+  const json gold = test::read_json(Q4_FIXTURES_DIR "/chat_template_golden.json");
+  std::string in;
+  for (const auto& c : gold) in += json({{"messages", c["messages"]}}).dump() + "\n";
+  const ToolRun r = run_q4tok("chat", in);
+  ASSERT_EQ(r.exit_code, 0);
+  const auto out = lines_of(r.out);
+  ASSERT_EQ(out.size(), gold.size());
+  for (size_t k = 0; k < gold.size(); ++k) {
+    const json j = json::parse(out[k]);
+    EXPECT_EQ(j["rendered"], gold[k]["rendered"]);
+    EXPECT_EQ(j["ids"], gold[k]["ids"]);
+    // Mask: 1 exactly on the answer tokens and <|im_end|> of each assistant turn.
+    const auto ids = j["ids"].get<std::vector<int64_t>>();
+    const auto mask = j["mask"].get<std::vector<int>>();
+    ASSERT_EQ(mask.size(), ids.size());
+    EXPECT_EQ(mask.back(), 0);
+    EXPECT_EQ(mask[mask.size() - 2], 1);
+    EXPECT_EQ(ids[mask.size() - 2], 151645);
+  }
+}
+
+TEST(Q4tok, BadInputExitsWithCode2AndLine) {
+  test::qwen3_tokenizer();
+  const ToolRun r = run_q4tok("encode", "\"ok\"\n[1, 2]\n", /*merge_err=*/true);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("stdin:2"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace q4::data

@@ -1,0 +1,144 @@
+// q4tok: line-oriented front end of the q4_data tokenizer, chat template and loaders.
+//   encode: one JSON string per stdin line  -> one JSON array of ids per line
+//   decode: one JSON array of ids per line  -> one JSON string per line (invalid UTF-8 -> U+FFFD)
+//   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
+//           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
+//   data:   load a dataset file and print its LoadSummary and token counts
+// Exit codes: 0 ok, 2 usage or input error, 1 runtime error.
+#include <c10/util/Exception.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "q4/data/chat.h"
+#include "q4/data/dataset.h"
+#include "q4/data/tokenizer.h"
+
+namespace {
+
+using json = nlohmann::json;
+using q4::data::TokenId;
+
+// An input line that is not what the command expects (exit code 2).
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+json parse_line(const std::string& line, int64_t line_no) {
+  try {
+    return json::parse(line);
+  } catch (const json::parse_error& e) {
+    throw InputError("stdin:" + std::to_string(line_no) + ": bad JSON: " + e.what());
+  }
+}
+
+void run_encode(const q4::data::Tokenizer& tok) {
+  std::string line;
+  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+    const json j = parse_line(line, n);
+    if (!j.is_string()) {
+      throw InputError("stdin:" + std::to_string(n) + ": expected a JSON string, found " +
+                       j.type_name());
+    }
+    std::cout << json(tok.encode(j.get<std::string>())).dump() << '\n';
+  }
+}
+
+void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
+  std::string line;
+  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+    const json j = parse_line(line, n);
+    std::vector<TokenId> ids;
+    try {
+      ids = j.get<std::vector<TokenId>>();
+    } catch (const json::exception&) {
+      throw InputError("stdin:" + std::to_string(n) + ": expected a JSON array of ids");
+    }
+    std::cout << json(tok.decode_lossy(ids, skip_special)).dump() << '\n';
+  }
+}
+
+void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt) {
+  std::string line;
+  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+    const json j = parse_line(line, n);
+    const json& jm = j.is_object() && j.contains("messages") ? j["messages"] : j;
+    std::vector<q4::data::Message> msgs;
+    if (!jm.is_array()) {
+      throw InputError("stdin:" + std::to_string(n) +
+                       ": expected {\"messages\": [...]} or an array of messages");
+    }
+    for (const auto& m : jm) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string()) {
+        throw InputError("stdin:" + std::to_string(n) +
+                         ": each message must be {\"role\": string, \"content\": string}");
+      }
+      msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    const auto t = q4::data::tokenize_chat(tok, msgs, add_generation_prompt);
+    std::vector<int> mask(t.labels.size());
+    for (size_t k = 0; k < mask.size(); ++k) mask[k] = t.labels[k] != q4::data::kIgnoreIndex;
+    json out = {{"rendered", q4::data::render_chat(msgs, add_generation_prompt)},
+                {"ids", t.input_ids},
+                {"mask", mask}};
+    std::cout << out.dump() << '\n';
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"q4tok: Qwen3 tokenizer, chat template and dataset tool"};
+  app.require_subcommand(1);
+  std::string tokenizer_path;
+  auto add_tok = [&](CLI::App* sub) {
+    sub->add_option("--tokenizer", tokenizer_path, "HF tokenizer.json")->required();
+  };
+  auto* enc = app.add_subcommand("encode", "JSON string per line -> JSON array of ids per line");
+  add_tok(enc);
+  bool skip_special = false;
+  auto* dec = app.add_subcommand("decode", "JSON array of ids per line -> JSON string per line");
+  add_tok(dec);
+  dec->add_flag("--skip-special", skip_special, "drop special added tokens");
+  bool gen_prompt = false;
+  auto* chat = app.add_subcommand("chat", "JSON conversation per line -> rendered, ids, mask");
+  add_tok(chat);
+  chat->add_flag("--add-generation-prompt", gen_prompt, "append <|im_start|>assistant\\n");
+  std::string data_path, format = "auto", on_error = "fail", system_prompt;
+  auto* data = app.add_subcommand("data", "load a dataset file and print its summary");
+  add_tok(data);
+  data->add_option("--data", data_path, "TSV / JSONL / text file")->required();
+  data->add_option("--format", format, "auto | tsv | jsonl | text");
+  data->add_option("--on-error", on_error, "fail | skip");
+  data->add_option("--system", system_prompt, "system prompt");
+  CLI11_PARSE(app, argc, argv);
+
+  std::ios::sync_with_stdio(false);
+  try {
+    const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
+    if (*enc) run_encode(tok);
+    if (*dec) run_decode(tok, skip_special);
+    if (*chat) run_chat(tok, gen_prompt);
+    if (*data) {
+      q4::data::DatasetOptions opt;
+      opt.format = q4::data::parse_data_format(format);
+      opt.on_error = q4::data::parse_on_error(on_error);
+      opt.system_prompt = system_prompt;
+      const auto ds = q4::data::load_dataset(data_path, tok, opt);
+      std::cout << ds.summary.to_string() << '\n';
+    }
+  } catch (const InputError& e) {
+    std::cerr << "q4tok: " << e.what() << '\n';
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "q4tok: " << e.what_without_backtrace() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "q4tok: " << e.what() << '\n';
+    return 1;
+  }
+  return 0;
+}
