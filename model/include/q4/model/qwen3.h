@@ -1,0 +1,186 @@
+// Qwen3 decoder (HF transformers Qwen3ForCausalLM, module for module) built from plain ATen
+// tensors: masters loaded from an NVFP4 .dat, straight-through fake-quantized linears, per-layer
+// gradient checkpointing, a token-chunked cross-entropy that never materializes [tokens, vocab]
+// logits, export back to .dat, and greedy KV-cache generation. Gradients of trainable masters
+// are accumulated by the model into Parameter::grad (dtype ModelOptions::grad_dtype, which may
+// differ from the master dtype); masters never require grad themselves.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3_config.h"
+
+namespace q4::model {
+
+// Which parameter groups train. Frozen parameters get no gradient and must get no optimizer
+// state. With tied embeddings (no lm_head in the file) embed_tokens trains when either
+// `embeddings` or `lm_head` is set.
+struct TrainableSpec {
+  bool projections = true;      // q/k/v/o/gate/up/down of the selected layers
+  int64_t last_n_layers = -1;   // >= 0: only the last N layers are selected; -1: every layer
+  std::vector<int64_t> layers;  // non-empty: exactly these layers (overrides last_n_layers)
+  bool lm_head = false;         // lm_head.weight (or embed_tokens when tied)
+  bool norms = false;           // RMSNorm weights of the selected layers, plus model.norm
+  bool embeddings = false;      // model.embed_tokens.weight
+
+  static TrainableSpec everything();  // all groups, all layers
+  static TrainableSpec nothing();     // inference only
+  bool layer_selected(int64_t layer, int64_t num_layers) const;
+  // Errors (naming the field) for layer indices out of [0, num_layers) or last_n_layers > L.
+  void validate(int64_t num_layers) const;
+};
+
+struct ModelOptions {
+  at::ScalarType master_dtype = at::kHalf;    // trainable masters: fp16 (default), bf16, fp32
+  at::ScalarType compute_dtype = at::kFloat;  // activations / matmuls: fp32 (CPU), bf16 (GPU)
+  // Gradient storage of trainable parameters; nullopt = default_grad_dtype(master, compute).
+  std::optional<at::ScalarType> grad_dtype;
+  at::Device device = at::kCPU;
+  TrainableSpec trainable;
+  bool gradient_checkpointing = true;  // recompute each decoder layer in backward
+  int64_t loss_chunk_tokens = 1024;    // rows of logits computed at once in loss()
+
+  at::ScalarType resolved_grad_dtype() const;
+  void validate() const;  // dtype / device / chunk checks with messages naming the field
+};
+
+// The measured choice (docs/model.md): fp32 when masters are fp32, else bf16 (fp16 grads
+// underflow; bf16 keeps fp32 range at the size of fp16).
+at::ScalarType default_grad_dtype(at::ScalarType master_dtype, at::ScalarType compute_dtype);
+
+// One model step's token inputs. Only input_ids is required; all tensors are (B, T) on any
+// device (moved to the model's device).
+struct ModelInputs {
+  at::Tensor input_ids;       // (B, T) int64
+  at::Tensor labels;          // (B, T) int64, -100 = not supervised; needed by loss() only
+  at::Tensor attention_mask;  // (B, T) optional; 1 = real token, 0 = padding (right padding)
+  at::Tensor position_ids;    // (B, T) int64 optional; default arange(T) (+ cache length)
+  at::Tensor segment_ids;     // (B, T) int64 optional; packing: attend only within equal ids,
+                              // 0 = padding. Combined with attention_mask when both are given.
+};
+
+struct LossOutput {
+  at::Tensor loss;        // () fp32: mean CE over supervised positions (0 when there are none)
+  at::Tensor loss_sum;    // () fp32: summed CE (same graph; for token-weighted accumulation)
+  at::Tensor num_tokens;  // () int64: supervised positions (labels[:, 1:] != -100), on device
+};
+
+struct Parameter {
+  std::string name;   // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  at::Tensor master;  // trainable: master_dtype master (requires_grad false; update in place
+                      // under NoGradGuard). Frozen: the weight the forward uses, in the
+                      // compute dtype (fake-quantized once for quantized linears).
+  at::Tensor grad;    // trainable: grad_dtype, master's shape; undefined until a backward
+                      // reaches it and after zero_grad(). Frozen: always undefined.
+  bool trainable = false;
+  bool quantized = false;  // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
+};
+
+// Per-layer key/value cache for generation. Holds (B, kv_heads, capacity, head_dim) tensors in
+// the compute dtype; `length` tokens are valid.
+struct KvCache {
+  std::vector<at::Tensor> k;  // per layer (B, KVH, capacity, D)
+  std::vector<at::Tensor> v;  // per layer (B, KVH, capacity, D)
+  int64_t length = 0;
+  int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
+};
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 128;
+  std::vector<int64_t> stop_ids = {151645, 151643};  // Qwen3 <|im_end|>, <|endoftext|>
+};
+
+// Analytic device-memory budget (bytes) for the trainer's --dry-run and VRAM probe.
+struct MemoryEstimate {
+  int64_t master_bytes = 0;      // trainable masters
+  int64_t frozen_bytes = 0;      // frozen weights held in the compute dtype
+  int64_t grad_bytes = 0;        // gradients of trainable masters
+  int64_t activation_bytes = 0;  // saved activations + peak working set of one layer
+  int64_t loss_bytes = 0;        // one chunk of fp32 logits and its softmax/grad temporaries
+  int64_t total_bytes() const {
+    return master_bytes + frozen_bytes + grad_bytes + activation_bytes + loss_bytes;
+  }
+};
+// `include_lm_head`: whether the weights file stores a separate lm_head (the shipped 4B file
+// does; pass !cfg.tie_word_embeddings for a file written by HF conventions).
+MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
+                               int64_t seq_len, bool include_lm_head);
+
+class Qwen3Model {
+ public:
+  // One pass over `weights` in file order; peak host memory about one tensor. Quantized pairs
+  // (qdata elem 0/100 + scale elem 101) are dequantized on the device; raw fp16/bf16/fp32
+  // entries are cast. No lm_head in the file requires tie_word_embeddings (lm_head = embed).
+  // Missing/mis-shaped/ill-typed entries are errors naming the file, key and both shapes.
+  // Entries that are not Qwen3 parameters are ignored at load and copied by export_to().
+  static Qwen3Model load(const Qwen3Config& cfg, const DatReader& weights, ModelOptions opt);
+  // Random weights: linears and embeddings ~ N(0, std), norms 1. Linears count as quantized
+  // (fake-quant in forward); lm_head is separate unless cfg.tie_word_embeddings.
+  static Qwen3Model random_init(const Qwen3Config& cfg, ModelOptions opt, uint64_t seed,
+                                double std = 0.02);
+
+  Qwen3Model(Qwen3Model&&) noexcept;
+  Qwen3Model& operator=(Qwen3Model&&) noexcept;
+  ~Qwen3Model();
+
+  const Qwen3Config& config() const;
+  const ModelOptions& options() const;
+  bool tied() const;  // lm_head is embed_tokens
+
+  // Hidden states after the final norm, (B, T, H) in the compute dtype. With a cache, the
+  // inputs are appended after cache->length tokens (causal mask offset accordingly) and the
+  // cache is extended; then attention_mask/segment_ids must be undefined.
+  at::Tensor hidden_states(const ModelInputs& in, KvCache* cache = nullptr);
+  // Logits (B, T, V) in the compute dtype (materializes the full logits: parity/generation).
+  at::Tensor forward(const ModelInputs& in, KvCache* cache = nullptr);
+  // Chunked CE of logits[:, :-1] vs labels[:, 1:] (HF shift), mean over supervised positions.
+  // Differentiable: loss.backward() accumulates into Parameter::grad of trainable parameters.
+  // No host synchronization.
+  LossOutput loss(const ModelInputs& in);
+
+  // Every parameter in HF order (embed, layers..., norm, lm_head when untied).
+  std::vector<Parameter>& parameters();
+  const std::vector<Parameter>& parameters() const;
+  std::vector<Parameter*> trainable_parameters();
+  Parameter& parameter(const std::string& name);  // error naming the key when absent
+  const Parameter& parameter(const std::string& name) const;
+  void zero_grad();                        // grads -> undefined (freed)
+  int64_t num_trainable_elements() const;  // total elements of trainable masters
+
+  // Writes `path` with the entries of `source` in source order: a trainable parameter whose
+  // master differs from what load() produces from the source entry is requantized (NVFP4
+  // rules, source element types) or cast back to its source element type; everything else is
+  // copied byte-exactly. Atomic (DatWriter). `source` must match this model's shapes.
+  void export_to(const DatReader& source, const std::string& path) const;
+
+  // An empty cache for `batch` sequences of up to `capacity` tokens.
+  KvCache make_cache(int64_t batch, int64_t capacity) const;
+  // Greedy decoding of one prompt with a KV cache (prefill in one pass). Returns the new tokens
+  // only, ending with the stop token when one was produced.
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt_ids,
+                                const GenerateOptions& gen = {});
+
+  struct Impl;
+
+ private:
+  explicit Qwen3Model(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Mean CE of fp32(hidden @ weight^T) rows against `labels` (-100 ignored), computed over chunks
+// of `chunk_tokens` rows; logits are recomputed per chunk in backward, never saved.
+//   hidden (N, H), weight (V, H) same dtype, labels (N) int64. Returns {sum, count}: sum () fp32
+//   differentiable w.r.t. hidden and weight, count () int64.
+std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hidden,
+                                                            const at::Tensor& weight,
+                                                            const at::Tensor& labels,
+                                                            int64_t chunk_tokens);
+
+}  // namespace q4::model

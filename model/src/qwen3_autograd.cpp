@@ -1,0 +1,152 @@
+// Custom autograd functions of the model. Weight taps hand the forward its compute-dtype weight
+// (fake-quantized for NVFP4 linears: straight-through) and, in backward, accumulate the incoming
+// gradient into Parameter::grad in the gradient dtype; masters never require grad, a shared
+// `trigger` leaf puts the taps into the graph. The layer checkpoint keeps only the layer input
+// and recomputes the layer under grad mode in backward (reentrant, as torch.utils.checkpoint).
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdint>
+
+#include "q4/quant/nvfp4.h"
+#include "qwen3_impl.h"
+
+namespace q4::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int64_t ptr_to_int(const void* p) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(p)); }
+template <class T>
+T* int_to_ptr(int64_t v) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(v));
+}
+
+void accumulate(Parameter* p, const at::Tensor& g, at::ScalarType grad_dtype) {
+  if (!p->grad.defined()) {
+    p->grad = g.to(grad_dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  } else {
+    p->grad.add_(g.to(grad_dtype));
+  }
+}
+
+struct WeightTap : public torch::autograd::Function<WeightTap> {
+  // master (any float dtype), trigger () -> weight in the compute dtype (fresh tensor).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master,
+                            const at::Tensor& trigger, int64_t param, int64_t compute_dtype,
+                            int64_t grad_dtype) {
+    ctx->saved_data["param"] = param;
+    ctx->saved_data["grad_dtype"] = grad_dtype;
+    auto* p = int_to_ptr<Parameter>(param);
+    const auto cd = static_cast<at::ScalarType>(compute_dtype);
+    if (p->quantized) {
+      // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
+      // catches NaN/Inf through the loss and gradients); on CPU it still raises.
+      at::Tensor fq = q4::quant::fake_quant_nvfp4_forward_unchecked(master);
+      return fq.scalar_type() == cd ? fq : fq.to(cd);
+    }
+    return master.to(cd, /*non_blocking=*/false, /*copy=*/true);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (grads[0].defined()) {
+      accumulate(int_to_ptr<Parameter>(ctx->saved_data["param"].toInt()), grads[0],
+                 static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt()));
+    }
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
+  // master (V, H), ids (B, T) int64 -> (B, T, H) compute dtype. Backward adds rows into grad.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master, const at::Tensor& ids,
+                            const at::Tensor& trigger, int64_t param, int64_t compute_dtype,
+                            int64_t grad_dtype) {
+    ctx->saved_data["param"] = param;
+    ctx->saved_data["grad_dtype"] = grad_dtype;
+    ctx->saved_data["ids"] = ids;
+    const auto cd = static_cast<at::ScalarType>(compute_dtype);
+    return at::embedding(master, ids).to(cd);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (grads[0].defined()) {
+      auto* p = int_to_ptr<Parameter>(ctx->saved_data["param"].toInt());
+      const auto gd = static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt());
+      at::Tensor ids = ctx->saved_data["ids"].toTensor().reshape({-1});
+      const int64_t H = grads[0].size(-1);
+      at::Tensor g = grads[0].reshape({-1, H});
+      if (!p->grad.defined()) p->grad = at::zeros(p->master.sizes(), p->master.options().dtype(gd));
+      if (gd == at::kFloat || g.is_cuda()) {
+        p->grad.index_add_(0, ids, g.to(gd));
+      } else {
+        // CPU index_add of half types is not available on every LibTorch: add in fp32.
+        at::Tensor acc = at::zeros(p->grad.sizes(), p->grad.options().dtype(at::kFloat));
+        acc.index_add_(0, ids, g.to(at::kFloat));
+        p->grad.add_(acc.to(gd));
+      }
+    }
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
+                            int64_t impl, int64_t layer, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed) {
+    ctx->save_for_backward({h});
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    ctx->saved_data["mask_kind"] = mask_kind;
+    ctx->saved_data["allowed"] = allowed;
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
+    AttnMask mask;
+    mask.kind = static_cast<AttnMask::Kind>(mask_kind);
+    mask.allowed = allowed;
+    return im->layer_forward(layer, h, RopeTables{cos, sin}, mask, nullptr);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    RopeTables rope{ctx->saved_data["cos"].toTensor(), ctx->saved_data["sin"].toTensor()};
+    AttnMask mask;
+    mask.kind = static_cast<AttnMask::Kind>(ctx->saved_data["mask_kind"].toInt());
+    mask.allowed = ctx->saved_data["allowed"].toTensor();
+    at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    at::Tensor out;
+    {
+      at::AutoGradMode enable(true);
+      out = im->layer_forward(layer, h, rope, mask, nullptr);
+    }
+    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    torch::autograd::backward({out}, {g});
+    return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor tap_weight(Parameter* p, const at::Tensor& trigger, at::ScalarType compute_dtype,
+                      at::ScalarType grad_dtype) {
+  return WeightTap::apply(p->master, trigger, ptr_to_int(p), static_cast<int64_t>(compute_dtype),
+                          static_cast<int64_t>(grad_dtype));
+}
+
+at::Tensor tap_embedding(Parameter* p, const at::Tensor& ids, const at::Tensor& trigger,
+                         at::ScalarType compute_dtype, at::ScalarType grad_dtype) {
+  return EmbeddingTap::apply(p->master, ids, trigger, ptr_to_int(p),
+                             static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
+}
+
+at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                            const RopeTables& rope, const AttnMask& mask) {
+  // Function::apply rejects undefined tensor arguments: an empty bool stands in for "no mask".
+  at::Tensor allowed =
+      mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
+  return LayerCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
+                                static_cast<int64_t>(mask.kind), allowed);
+}
+
+}  // namespace q4::model

@@ -1,0 +1,77 @@
+// Export of a (trained) model back to the .dat of its source: same entries, same order, same
+// element types. A trainable parameter is rewritten only when its master differs from what
+// load() would produce from the source entry (requantized with the NVFP4 rules, or cast back to
+// the source's raw type); everything else is copied byte-exactly. DatWriter makes it atomic.
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <unordered_map>
+
+#include "q4/quant/nvfp4.h"
+#include "qwen3_impl.h"
+
+namespace q4::model {
+
+void Qwen3Model::export_to(const DatReader& source, const std::string& path) const {
+  Impl& m = *impl_;
+  TORCH_CHECK(path != source.path(), "export: output path ", path,
+              " must differ from the source file");
+  DatWriter out(path, source.entries().size());
+  // Per quantized parameter: nullopt = unchanged (copy both halves), else the new packed data.
+  std::unordered_map<std::string, std::optional<q4::quant::Nvfp4Tensor>> decided;
+
+  for (size_t i = 0; i < source.entries().size(); ++i) {
+    const DatEntry& e = source.entries()[i];
+    KeyRef ref = classify_key(e.key);
+    Parameter* p = m.find(ref.name);
+    const std::string where = source.path() + ": entry " + std::to_string(i) + " '" + e.key + "'";
+    if (p == nullptr || !p->trainable) {
+      out.copy_from(source, e);
+      continue;
+    }
+    TORCH_CHECK(ref.part == KeyRef::Part::kRaw || p->quantized, where, ": ", p->name,
+                " is raw in this model but quantized in the export source");
+    TORCH_CHECK(ref.part != KeyRef::Part::kRaw || !p->quantized, where, ": ", p->name,
+                " is quantized in this model but raw in the export source");
+    if (ref.part == KeyRef::Part::kRaw) {
+      TORCH_CHECK(e.shape == p->master.sizes().vec(), where, ": shape differs from the model's ",
+                  p->master.sizes());
+      at::Tensor src = source.load(e);
+      at::Tensor as_loaded = src.to(p->master.device()).to(p->master.scalar_type());
+      if (at::equal(as_loaded, p->master)) {
+        out.copy_from(source, e);
+      } else {
+        out.add(e.key, p->master.to(src.scalar_type()).cpu().contiguous(), e.type);
+      }
+      continue;
+    }
+    auto it = decided.find(ref.name);
+    if (it == decided.end()) {
+      const DatEntry& q = source.at(ref.name + ".qdata");
+      const DatEntry& s = source.at(ref.name + ".scale");
+      const at::Device dev = p->master.device();
+      at::Tensor deq = q4::quant::dequantize_nvfp4(source.load(q).to(dev), source.load(s).to(dev),
+                                                   p->master.scalar_type());
+      TORCH_CHECK(deq.sizes() == p->master.sizes(), where, ": dequantized shape ", deq.sizes(),
+                  " differs from the model's ", p->master.sizes());
+      std::optional<q4::quant::Nvfp4Tensor> packed;
+      if (!at::equal(deq, p->master)) {
+        q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(p->master, p->name);
+        packed = q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(), t.scale.cpu().contiguous()};
+      }
+      it = decided.emplace(ref.name, std::move(packed)).first;
+    }
+    if (!it->second) {
+      out.copy_from(source, e);
+    } else if (ref.part == KeyRef::Part::kQData) {
+      TORCH_CHECK(e.shape == it->second->qdata.sizes().vec(), where, ": shape differs");
+      out.add(e.key, it->second->qdata, e.type);
+    } else {
+      TORCH_CHECK(e.shape == it->second->scale.sizes().vec(), where, ": shape differs");
+      out.add(e.key, it->second->scale, e.type);
+    }
+  }
+  out.commit();
+}
+
+}  // namespace q4::model

@@ -1,0 +1,107 @@
+// Private state of Qwen3Model and the building blocks its .cpp files share: the parameter table,
+// per-layer parameter pointers, RoPE tables, attention masks and the decoder-layer forward.
+// Parameters live in a vector that is sized once at construction, so the raw Parameter pointers
+// handed to autograd functions stay valid for the model's lifetime (Impl never moves).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "q4/model/qwen3.h"
+
+namespace q4::model {
+
+struct LayerParams {
+  Parameter* q_proj;
+  Parameter* k_proj;
+  Parameter* v_proj;
+  Parameter* o_proj;
+  Parameter* q_norm;
+  Parameter* k_norm;
+  Parameter* gate_proj;
+  Parameter* up_proj;
+  Parameter* down_proj;
+  Parameter* input_layernorm;
+  Parameter* post_attention_layernorm;
+};
+
+// Attention mask for one forward. kNone: every query sees every key (decode of 1 token).
+// kCausal: plain causal, queries and keys aligned (no cache). kExplicit: `allowed`.
+struct AttnMask {
+  enum class Kind { kNone, kCausal, kExplicit } kind = Kind::kCausal;
+  at::Tensor allowed;  // (B or 1, 1, T, S) bool, true = the query may attend the key
+};
+
+struct RopeTables {
+  at::Tensor cos;  // (B, T, D) compute dtype
+  at::Tensor sin;  // (B, T, D) compute dtype
+};
+
+struct Qwen3Model::Impl {
+  Qwen3Config cfg;
+  ModelOptions opt;
+  at::ScalarType grad_dtype;
+  bool tied = false;
+  std::vector<Parameter> params;             // HF order; never resized after construction
+  std::vector<std::vector<int64_t>> shapes;  // expected shape of params[i]
+  std::unordered_map<std::string, size_t> index;
+  Parameter* embed = nullptr;
+  Parameter* final_norm = nullptr;
+  Parameter* lm_head = nullptr;  // == embed when tied
+  std::vector<LayerParams> layers;
+  at::Tensor trigger;   // () fp32 leaf with requires_grad when anything trains (graph anchor)
+  at::Tensor inv_freq;  // (D/2) fp32 on the device, HF formula
+
+  // Parameter table (names, shapes, trainable flags) without masters.
+  Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm_head);
+
+  Parameter* find(const std::string& name);
+  const std::vector<int64_t>& shape_of(const Parameter* p) const;
+  bool any_trainable() const;
+
+  // Weight as the forward uses it, compute dtype: frozen -> master; trainable -> a
+  // straight-through tap (fake-quantized when quantized) that accumulates into p->grad.
+  at::Tensor weight(Parameter* p) const;
+  at::Tensor embed_lookup(const at::Tensor& ids) const;  // (B, T) -> (B, T, H)
+
+  RopeTables rope(const at::Tensor& position_ids) const;  // position_ids (B, T) int64
+  // One decoder layer: h (B, T, H) -> (B, T, H). With a cache, writes K/V at cache->length.
+  at::Tensor layer_forward(int64_t layer, const at::Tensor& h, const RopeTables& rope,
+                           const AttnMask& mask, KvCache* cache) const;
+  // Layer through the checkpoint function (recomputed in backward) when enabled and a graph is
+  // being built; plain layer_forward otherwise.
+  at::Tensor layer_maybe_checkpointed(int64_t layer, const at::Tensor& h, const RopeTables& rope,
+                                      const AttnMask& mask, KvCache* cache) const;
+  at::Tensor hidden_states(const ModelInputs& in, KvCache* cache);
+};
+
+// ---- ops (qwen3_ops.cpp) ----
+// HF Qwen3RMSNorm: fp32 normalize, cast back to x's dtype, times weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);  // x (B, heads, T, D)
+// q (B, NH, T, D), k/v (B, KVH, S, D) -> (B, NH, T, D). GQA by repeating KV heads.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttnMask& mask);
+// Mask for T new tokens after `past` cached ones, from the optional padding/segment inputs.
+AttnMask build_attention_mask(const ModelInputs& in, int64_t past, int64_t T,
+                              const at::Device& device);
+
+// ---- autograd functions (qwen3_autograd.cpp) ----
+at::Tensor tap_weight(Parameter* p, const at::Tensor& trigger, at::ScalarType compute_dtype,
+                      at::ScalarType grad_dtype);
+at::Tensor tap_embedding(Parameter* p, const at::Tensor& ids, const at::Tensor& trigger,
+                         at::ScalarType compute_dtype, at::ScalarType grad_dtype);
+at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                            const RopeTables& rope, const AttnMask& mask);
+
+// Classification of a .dat key: "P.weight.qdata" / "P.weight.scale" -> name "P.weight".
+struct KeyRef {
+  enum class Part { kRaw, kQData, kScale } part = Part::kRaw;
+  std::string name;
+};
+KeyRef classify_key(const std::string& key);
+
+}  // namespace q4::model

@@ -1,0 +1,493 @@
+// Qwen3Model: parameter table, loading masters from a .dat in one pass, random init, and the
+// forward (embedding -> decoder layers -> final norm) as in HF transformers Qwen3ForCausalLM.
+// Trainable masters stay in master_dtype and reach the forward through straight-through taps;
+// frozen weights are held once, in the compute dtype, as the forward uses them.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "q4/quant/nvfp4.h"
+#include "qwen3_impl.h"
+
+namespace q4::model {
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+bool is_float_dtype(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- options
+
+TrainableSpec TrainableSpec::everything() {
+  TrainableSpec s;
+  s.projections = s.lm_head = s.norms = s.embeddings = true;
+  return s;
+}
+
+TrainableSpec TrainableSpec::nothing() {
+  TrainableSpec s;
+  s.projections = false;
+  return s;
+}
+
+bool TrainableSpec::layer_selected(int64_t layer, int64_t num_layers) const {
+  if (!layers.empty()) return std::find(layers.begin(), layers.end(), layer) != layers.end();
+  if (last_n_layers >= 0) return layer >= num_layers - last_n_layers;
+  return true;
+}
+
+void TrainableSpec::validate(int64_t num_layers) const {
+  TORCH_CHECK(last_n_layers >= -1 && last_n_layers <= num_layers,
+              "trainable.last_n_layers: expected -1 (all) or 0..", num_layers, ", got ",
+              last_n_layers);
+  for (int64_t l : layers) {
+    TORCH_CHECK(l >= 0 && l < num_layers, "trainable.layers: layer index ", l, " is outside [0, ",
+                num_layers, ")");
+  }
+}
+
+at::ScalarType default_grad_dtype(at::ScalarType master_dtype, at::ScalarType compute_dtype) {
+  if (master_dtype == at::kFloat && compute_dtype == at::kFloat) return at::kFloat;
+  return at::kBFloat16;
+}
+
+at::ScalarType ModelOptions::resolved_grad_dtype() const {
+  return grad_dtype ? *grad_dtype : default_grad_dtype(master_dtype, compute_dtype);
+}
+
+void ModelOptions::validate() const {
+  TORCH_CHECK(is_float_dtype(master_dtype), "model.master_dtype: expected fp16, bf16 or fp32, got ",
+              c10::toString(master_dtype));
+  TORCH_CHECK(is_float_dtype(compute_dtype),
+              "model.compute_dtype: expected fp16, bf16 or fp32, got ",
+              c10::toString(compute_dtype));
+  TORCH_CHECK(is_float_dtype(resolved_grad_dtype()),
+              "model.grad_dtype: expected fp16, bf16 or fp32, got ",
+              c10::toString(resolved_grad_dtype()));
+  TORCH_CHECK(loss_chunk_tokens > 0, "model.loss_chunk_tokens: expected > 0, got ",
+              loss_chunk_tokens);
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "model.device: expected cpu or cuda, got ",
+              device.str());
+}
+
+// ---------------------------------------------------------------- Impl
+
+Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm_head)
+    : cfg(c), opt(o), grad_dtype(o.resolved_grad_dtype()), tied(tied_lm_head) {
+  cfg.validate();
+  opt.validate();
+  opt.trainable.validate(cfg.num_hidden_layers);
+  const TrainableSpec& ts = opt.trainable;
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim;
+  const int64_t L = cfg.num_hidden_layers;
+
+  struct Spec {
+    std::string name;
+    std::vector<int64_t> shape;
+    bool trainable;
+    bool linear;
+  };
+  std::vector<Spec> specs;
+  specs.push_back({"model.embed_tokens.weight",
+                   {cfg.vocab_size, H},
+                   ts.embeddings || (tied && ts.lm_head),
+                   false});
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    const bool sel = ts.layer_selected(l, L);
+    const bool proj = sel && ts.projections;
+    const bool norm = sel && ts.norms;
+    specs.push_back({pre + "self_attn.q_proj.weight", {cfg.q_dim(), H}, proj, true});
+    specs.push_back({pre + "self_attn.k_proj.weight", {cfg.kv_dim(), H}, proj, true});
+    specs.push_back({pre + "self_attn.v_proj.weight", {cfg.kv_dim(), H}, proj, true});
+    specs.push_back({pre + "self_attn.o_proj.weight", {H, cfg.q_dim()}, proj, true});
+    specs.push_back({pre + "self_attn.q_norm.weight", {D}, norm, false});
+    specs.push_back({pre + "self_attn.k_norm.weight", {D}, norm, false});
+    specs.push_back({pre + "mlp.gate_proj.weight", {I, H}, proj, true});
+    specs.push_back({pre + "mlp.up_proj.weight", {I, H}, proj, true});
+    specs.push_back({pre + "mlp.down_proj.weight", {H, I}, proj, true});
+    specs.push_back({pre + "input_layernorm.weight", {H}, norm, false});
+    specs.push_back({pre + "post_attention_layernorm.weight", {H}, norm, false});
+  }
+  specs.push_back({"model.norm.weight", {H}, ts.norms, false});
+  if (!tied) specs.push_back({"lm_head.weight", {cfg.vocab_size, H}, ts.lm_head, true});
+
+  params.resize(specs.size());
+  shapes.resize(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    params[i].name = specs[i].name;
+    params[i].trainable = specs[i].trainable;
+    params[i].quantized = false;  // set by the loader from the file's storage
+    shapes[i] = specs[i].shape;
+    index[specs[i].name] = i;
+  }
+  embed = find("model.embed_tokens.weight");
+  final_norm = find("model.norm.weight");
+  lm_head = tied ? embed : find("lm_head.weight");
+  layers.resize(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    LayerParams& lp = layers[l];
+    lp.q_proj = find(pre + "self_attn.q_proj.weight");
+    lp.k_proj = find(pre + "self_attn.k_proj.weight");
+    lp.v_proj = find(pre + "self_attn.v_proj.weight");
+    lp.o_proj = find(pre + "self_attn.o_proj.weight");
+    lp.q_norm = find(pre + "self_attn.q_norm.weight");
+    lp.k_norm = find(pre + "self_attn.k_norm.weight");
+    lp.gate_proj = find(pre + "mlp.gate_proj.weight");
+    lp.up_proj = find(pre + "mlp.up_proj.weight");
+    lp.down_proj = find(pre + "mlp.down_proj.weight");
+    lp.input_layernorm = find(pre + "input_layernorm.weight");
+    lp.post_attention_layernorm = find(pre + "post_attention_layernorm.weight");
+  }
+
+  trigger = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+  if (any_trainable()) trigger.set_requires_grad(true);
+
+  // HF: inv_freq = 1 / (theta ** (arange(0, D, 2, int64).float() / D)), in fp32.
+  at::Tensor exponent = at::arange(0, D, 2, at::kLong).to(at::kFloat) / static_cast<double>(D);
+  inv_freq = at::pow(at::Scalar(cfg.rope_theta), exponent).reciprocal().to(opt.device);
+}
+
+Parameter* Qwen3Model::Impl::find(const std::string& name) {
+  auto it = index.find(name);
+  return it == index.end() ? nullptr : &params[it->second];
+}
+
+const std::vector<int64_t>& Qwen3Model::Impl::shape_of(const Parameter* p) const {
+  return shapes[static_cast<size_t>(p - params.data())];
+}
+
+bool Qwen3Model::Impl::any_trainable() const {
+  return std::any_of(params.begin(), params.end(), [](const Parameter& p) { return p.trainable; });
+}
+
+at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
+  if (!p->trainable) return p->master;
+  return tap_weight(p, trigger, opt.compute_dtype, grad_dtype);
+}
+
+at::Tensor Qwen3Model::Impl::embed_lookup(const at::Tensor& ids) const {
+  if (!embed->trainable) return at::embedding(embed->master, ids);
+  return tap_embedding(embed, ids, trigger, opt.compute_dtype, grad_dtype);
+}
+
+RopeTables Qwen3Model::Impl::rope(const at::Tensor& position_ids) const {
+  // HF: freqs = inv_freq (D/2) x positions, emb = cat(freqs, freqs); cos/sin in fp32, then cast.
+  at::Tensor freqs = position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq;  // (B, T, D/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                             // (B, T, D)
+  return {emb.cos().to(opt.compute_dtype), emb.sin().to(opt.compute_dtype)};
+}
+
+at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
+                                           const RopeTables& rope_t, const AttnMask& mask,
+                                           KvCache* cache) const {
+  const LayerParams& lp = layers[layer];
+  const int64_t B = h.size(0), T = h.size(1);
+  const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads, D = cfg.head_dim;
+  const double eps = cfg.rms_norm_eps;
+
+  at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps);  // (B, T, H)
+  at::Tensor q =
+      rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm), eps)
+          .transpose(1, 2);  // (B, NH, T, D)
+  at::Tensor k =
+      rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}), weight(lp.k_norm), eps)
+          .transpose(1, 2);  // (B, KVH, T, D)
+  at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B, T, KVH, D}).transpose(1, 2);
+  q = apply_rope(q, rope_t);
+  k = apply_rope(k, rope_t);
+  if (cache != nullptr) {
+    const int64_t past = cache->length;
+    cache->k[layer].narrow(2, past, T).copy_(k);
+    cache->v[layer].narrow(2, past, T).copy_(v);
+    k = cache->k[layer].narrow(2, 0, past + T);
+    v = cache->v[layer].narrow(2, 0, past + T);
+  }
+  at::Tensor a = attention(q, k, v, mask);               // (B, NH, T, D)
+  a = a.transpose(1, 2).reshape({B, T, NH * D});         // (B, T, NH*D)
+  at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
+
+  at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
+  at::Tensor m =
+      at::linear(at::silu(at::linear(y, weight(lp.gate_proj))) * at::linear(y, weight(lp.up_proj)),
+                 weight(lp.down_proj));
+  return hs + m;
+}
+
+at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::Tensor& h,
+                                                      const RopeTables& rope_t,
+                                                      const AttnMask& mask, KvCache* cache) const {
+  const bool building_graph =
+      at::GradMode::is_enabled() && (h.requires_grad() || trigger.requires_grad());
+  if (opt.gradient_checkpointing && building_graph && cache == nullptr) {
+    return checkpoint_layer(this, layer, h, rope_t, mask);
+  }
+  return layer_forward(layer, h, rope_t, mask, cache);
+}
+
+at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache) {
+  TORCH_CHECK(in.input_ids.defined() && in.input_ids.dim() == 2,
+              "input_ids: expected a (B, T) int64 tensor, got ",
+              in.input_ids.defined() ? shape_str(in.input_ids.sizes()) : std::string("none"));
+  TORCH_CHECK(in.input_ids.scalar_type() == at::kLong, "input_ids: expected int64, got ",
+              c10::toString(in.input_ids.scalar_type()));
+  const int64_t B = in.input_ids.size(0), T = in.input_ids.size(1);
+  TORCH_CHECK(T > 0 && B > 0, "input_ids: empty batch ", shape_str(in.input_ids.sizes()));
+  auto check_bt = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(!t.defined() || (t.dim() == 2 && t.size(0) == B && t.size(1) == T), what,
+                ": expected shape ", shape_str(in.input_ids.sizes()), " like input_ids, got ",
+                t.defined() ? shape_str(t.sizes()) : std::string());
+  };
+  check_bt(in.attention_mask, "attention_mask");
+  check_bt(in.position_ids, "position_ids");
+  check_bt(in.segment_ids, "segment_ids");
+  const at::Device dev = opt.device;
+  const int64_t past = cache ? cache->length : 0;
+  if (cache) {
+    TORCH_CHECK(
+        static_cast<int64_t>(cache->k.size()) == cfg.num_hidden_layers && cache->k[0].size(0) == B,
+        "KV cache: built for ", cache->k.empty() ? 0 : cache->k[0].size(0), " sequences and ",
+        cache->k.size(), " layers, used with batch ", B);
+    TORCH_CHECK(past + T <= cache->capacity(), "KV cache: ", past, " cached + ", T,
+                " new tokens exceed its capacity ", cache->capacity());
+  }
+
+  at::Tensor ids = in.input_ids.to(dev);
+  at::Tensor pos =
+      in.position_ids.defined()
+          ? in.position_ids.to(dev)
+          : at::arange(past, past + T, at::TensorOptions().dtype(at::kLong).device(dev))
+                .unsqueeze(0)
+                .expand({B, T});
+  RopeTables rope_t = rope(pos);
+  AttnMask mask = build_attention_mask(in, past, T, dev);
+
+  at::Tensor h = embed_lookup(ids);  // (B, T, H)
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    h = layer_maybe_checkpointed(l, h, rope_t, mask, cache);
+  }
+  if (cache) cache->length += T;
+  return rms_norm(h, weight(final_norm), cfg.rms_norm_eps);
+}
+
+// ---------------------------------------------------------------- Qwen3Model
+
+Qwen3Model::Qwen3Model(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Qwen3Model::Qwen3Model(Qwen3Model&&) noexcept = default;
+Qwen3Model& Qwen3Model::operator=(Qwen3Model&&) noexcept = default;
+Qwen3Model::~Qwen3Model() = default;
+
+const Qwen3Config& Qwen3Model::config() const { return impl_->cfg; }
+const ModelOptions& Qwen3Model::options() const { return impl_->opt; }
+bool Qwen3Model::tied() const { return impl_->tied; }
+
+Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, ModelOptions opt) {
+  const bool has_lm_head =
+      weights.find("lm_head.weight.qdata") != nullptr || weights.find("lm_head.weight") != nullptr;
+  TORCH_CHECK(has_lm_head || cfg.tie_word_embeddings, weights.path(),
+              ": no lm_head.weight(.qdata) entry, but ", cfg.source,
+              " has tie_word_embeddings false");
+  auto impl = std::make_unique<Impl>(cfg, opt, !has_lm_head);
+  Impl& m = *impl;
+  const at::Device dev = m.opt.device;
+  const auto& path = weights.path();
+
+  // A quantized parameter needs its qdata and scale; whichever comes first waits (on the host)
+  // for the other, so at most one linear's packed data is pending at a time in practice.
+  struct Pending {
+    at::Tensor qdata, scale;
+  };
+  std::unordered_map<std::string, Pending> pending;
+  std::set<std::string> seen;
+
+  auto finish = [&](Parameter* p, at::Tensor w, bool quantized) {
+    // w: on the device, master-ready values (dequantized or raw), any float dtype.
+    p->quantized = quantized;
+    if (p->trainable) {
+      p->master = w.to(m.opt.master_dtype).contiguous();
+    } else if (quantized) {
+      p->master = q4::quant::fake_quant_nvfp4_forward(w, p->name).to(m.opt.compute_dtype);
+    } else {
+      p->master = w.to(m.opt.compute_dtype).contiguous();
+    }
+  };
+
+  const auto& entries = weights.entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const DatEntry& e = entries[i];
+    KeyRef ref = classify_key(e.key);
+    Parameter* p = m.find(ref.name);
+    if (p == nullptr) continue;  // not a Qwen3 parameter: ignored here, copied by export
+    const auto& shape = m.shape_of(p);
+    const std::string where = path + ": entry " + std::to_string(i) + " '" + e.key + "'";
+    TORCH_CHECK(seen.insert(e.key).second, where, ": duplicate key");
+    if (ref.part == KeyRef::Part::kRaw) {
+      TORCH_CHECK(e.type == ElemType::kFloat16 || e.type == ElemType::kBFloat16 ||
+                      e.type == ElemType::kFloat32,
+                  where, ": expected element type fp16, bf16 or fp32, got ",
+                  elem_type_name(e.type));
+      TORCH_CHECK(e.shape == shape, where, ": expected shape ", shape_str(shape), ", got ",
+                  shape_str(e.shape));
+      TORCH_CHECK(!p->master.defined() && pending.count(ref.name) == 0, where, ": parameter ",
+                  ref.name, " is stored both raw and quantized");
+      finish(p, weights.load(e).to(dev), false);
+      continue;
+    }
+    TORCH_CHECK(shape.size() == 2 && shape[1] % q4::quant::kNvfp4BlockSize == 0, where,
+                ": parameter ", ref.name, " of shape ", shape_str(shape),
+                " cannot be stored as NVFP4");
+    TORCH_CHECK(!p->master.defined(), where, ": parameter ", ref.name,
+                " is stored both raw and quantized");
+    Pending& pd = pending[ref.name];
+    if (ref.part == KeyRef::Part::kQData) {
+      TORCH_CHECK(e.type == ElemType::kUInt8 || e.type == ElemType::kE2M1Packed, where,
+                  ": expected element type uint8 or e2m1 (0 or 100), got ", elem_type_name(e.type));
+      const std::vector<int64_t> want{shape[0], shape[1] / 2};
+      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
+                  shape_str(e.shape));
+      pd.qdata = weights.load(e);
+    } else {
+      TORCH_CHECK(e.type == ElemType::kE4M3Scale, where, ": expected element type e4m3 (101), got ",
+                  elem_type_name(e.type));
+      const std::vector<int64_t> want{shape[0], shape[1] / q4::quant::kNvfp4BlockSize};
+      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
+                  shape_str(e.shape));
+      pd.scale = weights.load(e);
+    }
+    if (pd.qdata.defined() && pd.scale.defined()) {
+      // Dequantized values (<= 5 significant bits, |x| <= 2688) are exact in fp16/bf16/fp32.
+      const at::ScalarType dt = p->trainable ? m.opt.master_dtype : m.opt.compute_dtype;
+      at::Tensor w = q4::quant::dequantize_nvfp4(pd.qdata.to(dev), pd.scale.to(dev), dt);
+      pending.erase(ref.name);
+      finish(p, w, true);
+    }
+  }
+  for (const auto& kv : pending) {
+    TORCH_CHECK(false, path, ": ", kv.first, (kv.second.qdata.defined() ? ".scale" : ".qdata"),
+                " is missing (its ", (kv.second.qdata.defined() ? ".qdata" : ".scale"),
+                " is present)");
+  }
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    TORCH_CHECK(m.params[i].master.defined(), path, ": missing parameter ", m.params[i].name,
+                " (expected ", m.params[i].name, " raw or ", m.params[i].name,
+                ".qdata/.scale, shape ", shape_str(m.shapes[i]), ")");
+  }
+  return Qwen3Model(std::move(impl));
+}
+
+Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uint64_t seed,
+                                   double std) {
+  auto impl = std::make_unique<Impl>(cfg, opt, cfg.tie_word_embeddings);
+  Impl& m = *impl;
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    Parameter& p = m.params[i];
+    const bool is_norm = m.shapes[i].size() == 1;
+    at::Tensor w =
+        is_norm ? at::ones(m.shapes[i], at::kFloat)
+                : at::normal(0.0, std, m.shapes[i], gen, at::TensorOptions().dtype(at::kFloat));
+    p.quantized = !is_norm && &p != m.embed;
+    w = w.to(m.opt.device);
+    if (p.trainable) {
+      p.master = w.to(m.opt.master_dtype);
+    } else if (p.quantized) {
+      p.master = q4::quant::fake_quant_nvfp4_forward(w, p.name).to(m.opt.compute_dtype);
+    } else {
+      p.master = w.to(m.opt.compute_dtype);
+    }
+  }
+  return Qwen3Model(std::move(impl));
+}
+
+at::Tensor Qwen3Model::hidden_states(const ModelInputs& in, KvCache* cache) {
+  return impl_->hidden_states(in, cache);
+}
+
+at::Tensor Qwen3Model::forward(const ModelInputs& in, KvCache* cache) {
+  at::Tensor h = impl_->hidden_states(in, cache);
+  return at::linear(h, impl_->weight(impl_->lm_head));  // (B, T, V)
+}
+
+LossOutput Qwen3Model::loss(const ModelInputs& in) {
+  TORCH_CHECK(in.labels.defined() && in.labels.sizes() == in.input_ids.sizes() &&
+                  in.labels.scalar_type() == at::kLong,
+              "labels: expected an int64 tensor shaped like input_ids ",
+              shape_str(in.input_ids.sizes()));
+  at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
+  // HF shift: position t predicts labels[t + 1]; the last position predicts nothing.
+  at::Tensor labels = in.labels.to(impl_->opt.device);
+  at::Tensor next = at::cat({labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, labels.options())},
+                            1);  // (B, T)
+  auto [sum, count] =
+      chunked_cross_entropy_sum(h.reshape({B * T, H}), impl_->weight(impl_->lm_head),
+                                next.reshape({-1}), impl_->opt.loss_chunk_tokens);
+  LossOutput out;
+  out.loss_sum = sum;
+  out.num_tokens = count;
+  out.loss = sum / count.clamp_min(1).to(at::kFloat);
+  return out;
+}
+
+std::vector<Parameter>& Qwen3Model::parameters() { return impl_->params; }
+const std::vector<Parameter>& Qwen3Model::parameters() const { return impl_->params; }
+
+std::vector<Parameter*> Qwen3Model::trainable_parameters() {
+  std::vector<Parameter*> out;
+  for (auto& p : impl_->params) {
+    if (p.trainable) out.push_back(&p);
+  }
+  return out;
+}
+
+Parameter& Qwen3Model::parameter(const std::string& name) {
+  Parameter* p = impl_->find(name);
+  TORCH_CHECK(p != nullptr, "no parameter named '", name, "' in this Qwen3 model");
+  return *p;
+}
+
+const Parameter& Qwen3Model::parameter(const std::string& name) const {
+  return const_cast<Qwen3Model*>(this)->parameter(name);
+}
+
+void Qwen3Model::zero_grad() {
+  for (auto& p : impl_->params) p.grad = at::Tensor();
+}
+
+int64_t Qwen3Model::num_trainable_elements() const {
+  int64_t n = 0;
+  for (const auto& p : impl_->params) {
+    if (p.trainable) n += p.master.numel();
+  }
+  return n;
+}
+
+KvCache Qwen3Model::make_cache(int64_t batch, int64_t capacity) const {
+  TORCH_CHECK(batch > 0 && capacity > 0, "KV cache: batch and capacity must be positive, got ",
+              batch, " and ", capacity);
+  const auto& c = impl_->cfg;
+  KvCache kv;
+  auto o = at::TensorOptions().dtype(impl_->opt.compute_dtype).device(impl_->opt.device);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    kv.k.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
+    kv.v.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
+  }
+  return kv;
+}
+
+}  // namespace q4::model

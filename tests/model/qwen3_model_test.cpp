@@ -1,0 +1,596 @@
+// Qwen3 model tests against the HF transformers fixture (tests/fixtures/qwen3_tiny.*, fp32,
+// fake-quant STE on every linear): logits/loss/gradients through the library and through the
+// q4grad binary, checkpointing on/off, chunked vs unchunked loss, tied-embedding and bf16-raw
+// variants, trainable groups, padding/packing masks, export round trips, KV-cache generation.
+// Tolerances are the fixture's (tests/fixtures/README.md): logits/loss rtol 1e-4 atol 1e-5,
+// gradients atol 1e-5 + rtol 1e-3 (fp32 reassociation across implementations).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/quant/nvfp4.h"
+
+namespace q4::model {
+namespace {
+
+const std::string kFixtures = Q4_FIXTURES_DIR;
+const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
+const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
+const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "/q4model_" + std::to_string(::getpid()) + "_" + name;
+}
+
+std::string read_file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+ModelOptions fp32_all(bool checkpointing = true) {
+  ModelOptions o;
+  o.master_dtype = at::kFloat;
+  o.compute_dtype = at::kFloat;
+  o.grad_dtype = at::kFloat;
+  o.trainable = TrainableSpec::everything();
+  o.gradient_checkpointing = checkpointing;
+  return o;
+}
+
+ModelInputs fixture_inputs(const DatReader& expected) {
+  ModelInputs in;
+  in.input_ids = expected.load("input_ids");
+  in.labels = expected.load("labels");
+  return in;
+}
+
+// max over elements of |a - e| - (atol + rtol |e|); <= 0 means within tolerance.
+double excess(const at::Tensor& a, const at::Tensor& e, double rtol, double atol) {
+  at::Tensor a32 = a.to(at::kFloat).cpu(), e32 = e.to(at::kFloat).cpu();
+  return ((a32 - e32).abs() - (e32.abs() * rtol + atol)).max().item<double>();
+}
+
+#define EXPECT_CLOSE(a, e, rtol, atol, what)                                                 \
+  do {                                                                                       \
+    ASSERT_EQ((a).sizes(), (e).sizes()) << what;                                             \
+    EXPECT_LE(excess((a), (e), (rtol), (atol)), 0.0)                                         \
+        << what << ": max |diff| "                                                           \
+        << ((a).to(at::kFloat).cpu() - (e).to(at::kFloat).cpu()).abs().max().item<double>(); \
+  } while (0)
+
+// Loss + backward; returns grads by parameter name (fp32, zeros when undefined).
+std::map<std::string, at::Tensor> run_backward(Qwen3Model& m, const ModelInputs& in,
+                                               at::Tensor* loss = nullptr) {
+  m.zero_grad();
+  LossOutput lo = m.loss(in);
+  lo.loss.backward();
+  if (loss) *loss = lo.loss.detach();
+  std::map<std::string, at::Tensor> g;
+  for (const auto& p : m.parameters()) {
+    g[p.name] = p.grad.defined() ? p.grad.to(at::kFloat) : at::Tensor();
+  }
+  return g;
+}
+
+void check_against_fixture(Qwen3Model& m, const DatReader& expected) {
+  ModelInputs in = fixture_inputs(expected);
+  {
+    at::NoGradGuard ng;
+    EXPECT_CLOSE(m.forward(in), expected.load("logits"), 1e-4, 1e-5, "logits");
+  }
+  at::Tensor loss;
+  auto grads = run_backward(m, in, &loss);
+  EXPECT_CLOSE(loss.reshape({1}), expected.load("loss"), 1e-4, 1e-5, "loss");
+  int n = 0;
+  for (const auto& p : m.parameters()) {
+    const std::string key = "grad." + p.name;
+    ASSERT_NE(expected.find(key), nullptr) << key;
+    ASSERT_TRUE(grads[p.name].defined()) << key;
+    EXPECT_CLOSE(grads[p.name], expected.load(key), 1e-3, 1e-5, key);
+    ++n;
+  }
+  EXPECT_EQ(n, 25);  // embed + 2 x 11 + norm + lm_head
+}
+
+TEST(Qwen3Model, FixtureParityWithCheckpointing) {
+  DatReader w(kWeights), e(kExpected);
+  Qwen3Model m = Qwen3Model::load(Qwen3Config::from_json_file(kConfig), w, fp32_all(true));
+  EXPECT_FALSE(m.tied());
+  check_against_fixture(m, e);
+}
+
+TEST(Qwen3Model, FixtureParityWithoutCheckpointing) {
+  DatReader w(kWeights), e(kExpected);
+  Qwen3Model m = Qwen3Model::load(Qwen3Config::from_json_file(kConfig), w, fp32_all(false));
+  check_against_fixture(m, e);
+}
+
+TEST(Qwen3Model, CheckpointingGivesIdenticalGradients) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  Qwen3Model a = Qwen3Model::load(cfg, w, fp32_all(true));
+  Qwen3Model b = Qwen3Model::load(cfg, w, fp32_all(false));
+  at::Tensor la, lb;
+  auto ga = run_backward(a, fixture_inputs(e), &la);
+  auto gb = run_backward(b, fixture_inputs(e), &lb);
+  EXPECT_TRUE(at::equal(la, lb));
+  for (const auto& kv : ga) {
+    // Recomputation replays the same fp32 ops on the same inputs: bitwise equal on CPU.
+    EXPECT_TRUE(at::equal(kv.second, gb[kv.first])) << kv.first;
+  }
+}
+
+TEST(Qwen3Model, Q4GradBinaryMatchesFixture) {
+  const std::string bin = std::string(Q4_BIN_DIR) + "/q4grad";
+  ASSERT_EQ(::access(bin.c_str(), X_OK), 0) << bin << " not built";
+  for (const char* ckpt : {"on", "off"}) {
+    const std::string out = temp_path(std::string("q4grad_") + ckpt + ".dat");
+    const std::string cmd = bin + " --config " + kConfig + " --weights " + kWeights + " --inputs " +
+                            kExpected + " --out " + out + " --checkpointing " + ckpt +
+                            " > /dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    DatReader got(out), e(kExpected);
+    EXPECT_CLOSE(got.load("logits"), e.load("logits"), 1e-4, 1e-5, "logits");
+    EXPECT_CLOSE(got.load("loss"), e.load("loss"), 1e-4, 1e-5, "loss");
+    int n = 0;
+    for (const auto& ent : e.entries()) {
+      if (ent.key.rfind("grad.", 0) != 0) continue;
+      EXPECT_CLOSE(got.load(ent.key), e.load(ent), 1e-3, 1e-5, ent.key);
+      ++n;
+    }
+    EXPECT_EQ(n, 25);
+    std::remove(out.c_str());
+  }
+}
+
+TEST(Qwen3Model, Q4GradRejectsBadInput) {
+  const std::string bin = std::string(Q4_BIN_DIR) + "/q4grad";
+  const std::string cmd = bin + " --config " + kConfig + " --weights /nonexistent.dat --inputs " +
+                          kExpected + " --out " + temp_path("bad.dat") + " 2> /dev/null";
+  const int rc = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  EXPECT_EQ(WEXITSTATUS(rc), 2);
+}
+
+TEST(Qwen3Model, ChunkedLossEqualsUnchunked) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelInputs in = fixture_inputs(e);
+  ModelOptions o1 = fp32_all(false);
+  o1.loss_chunk_tokens = 5;  // 48 rows -> 10 chunks, the last one partial
+  ModelOptions o2 = fp32_all(false);
+  o2.loss_chunk_tokens = 4096;  // one chunk
+  Qwen3Model a = Qwen3Model::load(cfg, w, o1);
+  Qwen3Model b = Qwen3Model::load(cfg, w, o2);
+  at::Tensor la, lb;
+  auto ga = run_backward(a, in, &la);
+  auto gb = run_backward(b, in, &lb);
+  // Chunking only changes fp32 summation order (per-row losses, lm_head's grad, and the matmul
+  // blocking of the hidden-state grad, which then flows through both layers): a few ulps of
+  // the summed terms, far inside the fixture's gradient tolerance (atol 1e-5).
+  EXPECT_CLOSE(la, lb, 1e-6, 1e-7, "loss");
+  for (const auto& kv : ga) EXPECT_CLOSE(kv.second, gb[kv.first], 1e-5, 1e-6, kv.first);
+
+  // Against ATen's cross_entropy on full fp32 logits (the unchunked definition).
+  at::Tensor logits;
+  {
+    at::NoGradGuard ng;
+    logits = b.forward(in);  // (B, T, V)
+  }
+  const int64_t V = logits.size(2), T = logits.size(1);
+  at::Tensor ref = at::cross_entropy_loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
+                                          in.labels.narrow(1, 1, T - 1).reshape({-1}), {},
+                                          at::Reduction::Mean, -100);
+  EXPECT_CLOSE(la, ref, 1e-5, 1e-7, "loss vs cross_entropy");
+}
+
+TEST(Qwen3Model, ChunkedCrossEntropyGradientMatchesAutograd) {
+  at::manual_seed(3);
+  at::Tensor h = at::randn({13, 32}).requires_grad_(true);
+  at::Tensor wt = at::randn({50, 32}).requires_grad_(true);
+  at::Tensor y = at::randint(0, 50, {13}, at::kLong);
+  y[2] = -100;
+  y[7] = -100;
+  auto [sum, count] = chunked_cross_entropy_sum(h, wt, y, 4);
+  sum.backward();
+  at::Tensor h2 = h.detach().clone().requires_grad_(true);
+  at::Tensor w2 = wt.detach().clone().requires_grad_(true);
+  at::Tensor ref = at::cross_entropy_loss(at::matmul(h2, w2.t()), y, {}, at::Reduction::Sum, -100);
+  ref.backward();
+  EXPECT_EQ(count.item<int64_t>(), 11);
+  EXPECT_CLOSE(sum, ref, 1e-5, 1e-5, "sum");
+  EXPECT_CLOSE(h.grad(), h2.grad(), 1e-5, 1e-6, "grad hidden");
+  EXPECT_CLOSE(wt.grad(), w2.grad(), 1e-5, 1e-6, "grad weight");
+}
+
+// Copies `src` into `dst`, dropping keys for which drop(key) is true and transforming tensors
+// with conv(key, tensor, &type) (return undefined to keep the entry byte-exact).
+template <class Drop, class Conv>
+void rewrite_dat(const std::string& src, const std::string& dst, Drop drop, Conv conv,
+                 std::vector<std::pair<std::string, at::Tensor>> extra = {}) {
+  DatReader r(src);
+  uint64_t n = extra.size();
+  for (const auto& e : r.entries()) n += drop(e.key) ? 0 : 1;
+  DatWriter w(dst, n);
+  for (const auto& e : r.entries()) {
+    if (drop(e.key)) continue;
+    ElemType t = e.type;
+    at::Tensor c = conv(e.key, r.load(e), &t);
+    if (c.defined()) {
+      w.add(e.key, c, t);
+    } else {
+      w.copy_from(r, e);
+    }
+  }
+  for (const auto& kv : extra) w.add(kv.first, kv.second);
+  w.commit();
+}
+
+TEST(Qwen3Model, TiedEmbeddingVariantMatchesUntiedRawHead) {
+  // Tied: no lm_head in the file, tie_word_embeddings true. Reference: the same weights with an
+  // explicit raw lm_head.weight = embed_tokens (untied). Logits must agree and the tied
+  // embedding's gradient must be the sum of the untied embedding and lm_head gradients.
+  const std::string tied_path = temp_path("tied.dat"), raw_path = temp_path("rawhead.dat");
+  auto is_head = [](const std::string& k) { return k.rfind("lm_head.", 0) == 0; };
+  auto keep = [](const std::string&, const at::Tensor&, ElemType*) { return at::Tensor(); };
+  rewrite_dat(kWeights, tied_path, is_head, keep);
+  DatReader w(kWeights);
+  rewrite_dat(kWeights, raw_path, is_head, keep,
+              {{"lm_head.weight", w.load("model.embed_tokens.weight")}});
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  auto cfg_tied = cfg;
+  cfg_tied.tie_word_embeddings = true;
+
+  DatReader rt(tied_path), rr(raw_path), e(kExpected);
+  Qwen3Model tied = Qwen3Model::load(cfg_tied, rt, fp32_all());
+  Qwen3Model untied = Qwen3Model::load(cfg, rr, fp32_all());
+  EXPECT_TRUE(tied.tied());
+  EXPECT_FALSE(untied.tied());
+  EXPECT_FALSE(untied.parameter("lm_head.weight").quantized);
+  EXPECT_EQ(tied.parameters().size(), untied.parameters().size() - 1);
+  ModelInputs in = fixture_inputs(e);
+  {
+    at::NoGradGuard ng;
+    EXPECT_CLOSE(tied.forward(in), untied.forward(in), 1e-6, 1e-6, "logits");
+  }
+  auto gt = run_backward(tied, in);
+  auto gu = run_backward(untied, in);
+  EXPECT_CLOSE(gt["model.embed_tokens.weight"],
+               gu["model.embed_tokens.weight"] + gu["lm_head.weight"], 1e-5, 1e-7, "tied grad");
+  EXPECT_CLOSE(gt["model.norm.weight"], gu["model.norm.weight"], 1e-5, 1e-7, "norm grad");
+
+  // A file without lm_head under a config that says untied is an error naming the problem.
+  try {
+    Qwen3Model::load(cfg, rt, fp32_all());
+    ADD_FAILURE() << "expected an error";
+  } catch (const c10::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("tie_word_embeddings"), std::string::npos);
+  }
+  std::remove(tied_path.c_str());
+  std::remove(raw_path.c_str());
+}
+
+TEST(Qwen3Model, Bf16RawWeightsVariantLoadsAndRuns) {
+  const std::string path = temp_path("bf16raw.dat");
+  auto none = [](const std::string&) { return false; };
+  auto to_bf16 = [](const std::string&, const at::Tensor& t, ElemType* type) {
+    if (*type != ElemType::kFloat16) return at::Tensor();
+    *type = ElemType::kBFloat16;
+    return t.to(at::kBFloat16);
+  };
+  rewrite_dat(kWeights, path, none, to_bf16);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader rb(path), r16(kWeights), e(kExpected);
+  ModelOptions o = fp32_all();
+  Qwen3Model mb = Qwen3Model::load(cfg, rb, o);
+  Qwen3Model m16 = Qwen3Model::load(cfg, r16, o);
+  // Masters hold the file's bf16 values exactly.
+  EXPECT_TRUE(at::equal(mb.parameter("model.norm.weight").master,
+                        rb.load("model.norm.weight").to(at::kFloat)));
+  ModelInputs in = fixture_inputs(e);
+  at::Tensor lb, l16;
+  auto gb = run_backward(mb, in, &lb);
+  run_backward(m16, in, &l16);
+  // bf16 rounding of embeddings/norms (relative 2^-9) moves the loss by well under 1%.
+  EXPECT_TRUE(std::isfinite(lb.item<double>()));
+  EXPECT_CLOSE(lb, l16, 1e-2, 0.0, "loss bf16 vs fp16 weights");
+  for (const auto& kv : gb) EXPECT_TRUE(kv.second.defined()) << kv.first;
+  std::remove(path.c_str());
+}
+
+TEST(Qwen3Model, LoadErrorsNameKeyAndShapes) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  const std::string missing = temp_path("missing.dat"), bad = temp_path("badshape.dat");
+  auto keep = [](const std::string&, const at::Tensor&, ElemType*) { return at::Tensor(); };
+  rewrite_dat(
+      kWeights, missing,
+      [](const std::string& k) { return k == "model.layers.1.mlp.up_proj.weight.scale"; }, keep);
+  rewrite_dat(
+      kWeights, bad, [](const std::string&) { return false; },
+      [](const std::string& k, const at::Tensor& t, ElemType*) {
+        return k == "model.layers.0.self_attn.q_norm.weight" ? t.narrow(0, 0, 8).clone()
+                                                             : at::Tensor();
+      });
+  auto expect_error = [&](const std::string& path, std::vector<std::string> needles) {
+    DatReader r(path);
+    try {
+      Qwen3Model::load(cfg, r, ModelOptions{});
+      ADD_FAILURE() << "expected an error for " << path;
+    } catch (const c10::Error& err) {
+      const std::string msg = err.what();
+      for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+    }
+  };
+  expect_error(missing, {"model.layers.1.mlp.up_proj.weight", ".scale"});
+  expect_error(bad, {"model.layers.0.self_attn.q_norm.weight", "[16]", "[8]"});
+  std::remove(missing.c_str());
+  std::remove(bad.c_str());
+}
+
+TEST(Qwen3Model, TrainableGroupsLimitGradients) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o = fp32_all();
+  o.trainable = TrainableSpec{};
+  o.trainable.last_n_layers = 1;  // projections of layer 1 only
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  auto g = run_backward(m, fixture_inputs(e));
+  int trainable = 0;
+  for (const auto& p : m.parameters()) {
+    const bool want =
+        p.name.find("layers.1.") != std::string::npos && p.name.find("_proj.") != std::string::npos;
+    EXPECT_EQ(p.trainable, want) << p.name;
+    EXPECT_EQ(g[p.name].defined(), want) << p.name;
+    trainable += want;
+    if (!want) continue;
+    // Frozen layers upstream do not change the gradient of a trainable one.
+    EXPECT_CLOSE(g[p.name], e.load("grad." + p.name), 1e-3, 1e-5, p.name);
+  }
+  EXPECT_EQ(trainable, 7);
+  EXPECT_EQ(m.trainable_parameters().size(), 7u);
+  // Frozen quantized linears hold fake_quant(dequant(file)) in the compute dtype.
+  const Parameter& q0 = m.parameter("model.layers.0.self_attn.q_proj.weight");
+  EXPECT_FALSE(q0.trainable);
+  EXPECT_EQ(q0.master.scalar_type(), at::kFloat);
+  at::Tensor deq =
+      q4::quant::dequantize_nvfp4(w.load("model.layers.0.self_attn.q_proj.weight.qdata"),
+                                  w.load("model.layers.0.self_attn.q_proj.weight.scale"));
+  EXPECT_TRUE(at::equal(q0.master, q4::quant::fake_quant_nvfp4_forward(deq)));
+
+  ModelOptions o2 = fp32_all();
+  o2.trainable = TrainableSpec::nothing();
+  o2.trainable.layers = {0};
+  o2.trainable.norms = true;
+  Qwen3Model m2 = Qwen3Model::load(cfg, w, o2);
+  std::vector<std::string> names;
+  for (Parameter* p : m2.trainable_parameters()) names.push_back(p->name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{
+                "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight",
+                "model.layers.0.input_layernorm.weight",
+                "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"}));
+  ModelOptions bad = fp32_all();
+  bad.trainable.layers = {2};
+  EXPECT_THROW(Qwen3Model::load(cfg, w, bad), c10::Error);
+}
+
+TEST(Qwen3Model, PaddingAndPackingMasks) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o = fp32_all();
+  o.trainable = TrainableSpec::nothing();
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  at::NoGradGuard ng;
+  at::Tensor ids = e.load("input_ids");  // (2, 24)
+  at::Tensor a = ids[0].narrow(0, 0, 10).unsqueeze(0), b = ids[1].narrow(0, 0, 14).unsqueeze(0);
+  ModelInputs ia, ib;
+  ia.input_ids = a;
+  ib.input_ids = b;
+  at::Tensor la = m.forward(ia)[0], lb = m.forward(ib)[0];
+  // Right padding: row 0 = a + 4 pads, row 1 = b.
+  ModelInputs pad;
+  pad.input_ids = at::zeros({2, 14}, at::kLong);
+  pad.input_ids[0].narrow(0, 0, 10).copy_(a[0]);
+  pad.input_ids[1].copy_(b[0]);
+  pad.attention_mask = at::ones({2, 14}, at::kLong);
+  pad.attention_mask[0].narrow(0, 10, 4).zero_();
+  at::Tensor lp = m.forward(pad);
+  EXPECT_CLOSE(lp[0].narrow(0, 0, 10), la, 1e-5, 1e-5, "padded row 0");
+  EXPECT_CLOSE(lp[1], lb, 1e-5, 1e-5, "row 1");
+  EXPECT_TRUE(at::isfinite(lp).all().item<bool>());
+  // Packing: [a | b] in one row with segment ids 1/2 and positions restarting at 0.
+  ModelInputs pk;
+  pk.input_ids = at::cat({a, b}, 1);
+  pk.segment_ids = at::cat({at::full({1, 10}, 1, at::kLong), at::full({1, 14}, 2, at::kLong)}, 1);
+  pk.position_ids = at::cat({at::arange(10, at::kLong), at::arange(14, at::kLong)}).unsqueeze(0);
+  at::Tensor lk = m.forward(pk)[0];
+  EXPECT_CLOSE(lk.narrow(0, 0, 10), la, 1e-5, 1e-5, "packed segment 1");
+  EXPECT_CLOSE(lk.narrow(0, 10, 14), lb, 1e-5, 1e-5, "packed segment 2");
+}
+
+TEST(Qwen3Model, GradDtypesAgainstFp32) {
+  // Gradient storage dtypes on the fixture (masters fp32, compute fp32): bf16 storage keeps
+  // every nonzero fp32 gradient nonzero and within bf16's relative rounding (2^-9, plus
+  // accumulation of a few terms -> 1e-2 bound). Also at loss/4096 (the gradient scale of a
+  // 4096-token mean): fp16 storage then flushes gradients to zero, bf16 does not.
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelInputs in = fixture_inputs(e);
+  auto grads_for = [&](at::ScalarType gd, double scale) {
+    ModelOptions o = fp32_all(false);
+    o.grad_dtype = gd;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    LossOutput lo = m.loss(in);
+    (lo.loss * scale).backward();
+    std::vector<at::Tensor> g;
+    for (const auto& p : m.parameters()) g.push_back(p.grad.to(at::kFloat).reshape({-1}));
+    return at::cat(g);
+  };
+  for (double scale : {1.0, 1.0 / 4096}) {
+    at::Tensor ref = grads_for(at::kFloat, scale);
+    at::Tensor bf = grads_for(at::kBFloat16, scale);
+    at::Tensor hf = grads_for(at::kHalf, scale);
+    const double ref_zero = ref.eq(0).to(at::kDouble).mean().item<double>();
+    const double bf_zero = bf.eq(0).to(at::kDouble).mean().item<double>();
+    const double hf_zero = hf.eq(0).to(at::kDouble).mean().item<double>();
+    const double bf_rel = ((bf - ref).norm() / ref.norm()).item<double>();
+    const double hf_rel = ((hf - ref).norm() / ref.norm()).item<double>();
+    RecordProperty(
+        "scale_" + std::to_string(scale) + "_zero_fp32_bf16_fp16",
+        std::to_string(ref_zero) + " " + std::to_string(bf_zero) + " " + std::to_string(hf_zero));
+    RecordProperty("scale_" + std::to_string(scale) + "_relerr_bf16_fp16",
+                   std::to_string(bf_rel) + " " + std::to_string(hf_rel));
+    EXPECT_EQ(bf_zero, ref_zero) << "scale " << scale;
+    EXPECT_LT(bf_rel, 1e-2) << "scale " << scale;
+    if (scale < 1.0) {
+      EXPECT_GT(hf_zero, ref_zero) << "fp16 grads should underflow at this scale";
+    }
+  }
+}
+
+TEST(Qwen3Model, ExportUntrainedIsByteIdentical) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights);
+  for (at::ScalarType md : {at::kHalf, at::kFloat}) {
+    ModelOptions o = fp32_all();
+    o.master_dtype = md;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    const std::string out = temp_path("export_same.dat");
+    m.export_to(w, out);
+    EXPECT_EQ(read_file_bytes(out), read_file_bytes(kWeights)) << c10::toString(md);
+    std::remove(out.c_str());
+  }
+}
+
+TEST(Qwen3Model, ExportTrainedReloadsToSteWeights) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o = fp32_all();
+  o.master_dtype = at::kHalf;
+  o.trainable = TrainableSpec::everything();
+  o.trainable.last_n_layers = 1;  // layer 0 stays frozen: its entries must be copied
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  run_backward(m, fixture_inputs(e));
+  {
+    at::NoGradGuard ng;
+    for (Parameter* p : m.trainable_parameters()) {
+      // A large step so that most NVFP4 codes move (lr * sign(grad) of ~10% of the weight rms).
+      const double rms = p->master.to(at::kFloat).pow(2).mean().sqrt().item<double>();
+      p->master.sub_((p->grad.sign() * (0.1 * rms)).to(p->master.scalar_type()));
+    }
+  }
+  const std::string out = temp_path("export_trained.dat");
+  m.export_to(w, out);
+  DatReader r(out);
+  ASSERT_EQ(r.entries().size(), w.entries().size());
+  for (size_t i = 0; i < r.entries().size(); ++i) {
+    const DatEntry& a = r.entries()[i];
+    const DatEntry& b = w.entries()[i];
+    EXPECT_EQ(a.key, b.key);
+    EXPECT_EQ(a.type, b.type) << a.key;
+    EXPECT_EQ(a.shape, b.shape) << a.key;
+    const bool layer0 = a.key.find("layers.0.") != std::string::npos;
+    if (layer0) {
+      EXPECT_TRUE(at::equal(r.load(a), w.load(b))) << a.key << " must be byte-exact";
+    }
+  }
+  ModelOptions o2 = o;
+  Qwen3Model re = Qwen3Model::load(cfg, r, o2);
+  int changed = 0;
+  for (Parameter* p : m.trainable_parameters()) {
+    const Parameter& q = re.parameter(p->name);
+    at::Tensor expect = p->quantized ? q4::quant::fake_quant_nvfp4_forward(p->master) : p->master;
+    EXPECT_TRUE(at::equal(q.master, expect)) << p->name;
+    changed += !at::equal(r.load(p->quantized ? p->name + ".qdata" : p->name),
+                          w.load(p->quantized ? p->name + ".qdata" : p->name));
+  }
+  EXPECT_GT(changed, 5);
+  std::remove(out.c_str());
+}
+
+TEST(Qwen3Model, KvCacheGenerationMatchesFullRecompute) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o;
+  o.trainable = TrainableSpec::nothing();
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  at::Tensor ids = e.load("input_ids");
+  std::vector<int64_t> prompt(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + 9);
+  GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_ids = {};
+  std::vector<int64_t> got = m.generate(prompt, g);
+  ASSERT_EQ(got.size(), 12u);
+  // Reference: argmax of a full forward over prompt + generated so far, no cache.
+  std::vector<int64_t> seq = prompt;
+  at::NoGradGuard ng;
+  for (int i = 0; i < 12; ++i) {
+    ModelInputs in;
+    in.input_ids = at::tensor(seq, at::kLong).unsqueeze(0);
+    at::Tensor logits = m.forward(in);
+    const int64_t tok = logits[0][-1].argmax().item<int64_t>();
+    EXPECT_EQ(got[i], tok) << "step " << i;
+    seq.push_back(tok);
+  }
+  // Stop tokens end generation and are returned.
+  g.stop_ids = {got[3]};
+  std::vector<int64_t> stopped = m.generate(prompt, g);
+  EXPECT_EQ(stopped, std::vector<int64_t>(got.begin(), got.begin() + 4));
+
+  // Prefill of several tokens on top of a non-empty cache (causal mask offset).
+  KvCache cache = m.make_cache(1, 24);
+  ModelInputs p1, p2, full;
+  p1.input_ids = ids.narrow(1, 0, 7).narrow(0, 0, 1);
+  p2.input_ids = ids.narrow(1, 7, 9).narrow(0, 0, 1);
+  full.input_ids = ids.narrow(1, 0, 16).narrow(0, 0, 1);
+  m.forward(p1, &cache);
+  at::Tensor l2 = m.forward(p2, &cache);
+  EXPECT_EQ(cache.length, 16);
+  EXPECT_CLOSE(l2, m.forward(full).narrow(1, 7, 9), 1e-5, 1e-5, "cached prefill");
+}
+
+TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  cfg.tie_word_embeddings = true;
+  ModelOptions o = fp32_all();
+  o.master_dtype = at::kHalf;
+  o.grad_dtype = std::nullopt;  // default: bf16 for fp16 masters
+  Qwen3Model m = Qwen3Model::random_init(cfg, o, 7, 0.02);
+  EXPECT_TRUE(m.tied());
+  ModelInputs in;
+  in.input_ids = at::randint(0, cfg.vocab_size, {2, 8}, at::kLong);
+  in.labels = in.input_ids.clone();
+  LossOutput lo = m.loss(in);
+  lo.loss.backward();
+  // Random logits over V classes: loss near log(V).
+  EXPECT_NEAR(lo.loss.item<double>(), std::log(static_cast<double>(cfg.vocab_size)), 0.5);
+  EXPECT_EQ(lo.num_tokens.item<int64_t>(), 14);
+  for (Parameter* p : m.trainable_parameters()) EXPECT_TRUE(p->grad.defined()) << p->name;
+  EXPECT_EQ(m.num_trainable_elements(), cfg.num_parameters(false));
+
+  MemoryEstimate est = estimate_memory(cfg, o, 2, 8, false);
+  EXPECT_EQ(est.master_bytes, cfg.num_parameters(false) * 2);
+  EXPECT_EQ(est.grad_bytes, cfg.num_parameters(false) * 2);  // bf16 grads by default
+  EXPECT_EQ(est.frozen_bytes, 0);
+  ModelOptions nock = o;
+  nock.gradient_checkpointing = false;
+  Qwen3Config deep = cfg;
+  deep.num_hidden_layers = 36;
+  // Checkpointed activations grow by one layer input per layer; without, by a whole layer.
+  const auto a2 = estimate_memory(cfg, o, 4, 1024, false).activation_bytes;
+  const auto a36 = estimate_memory(deep, o, 4, 1024, false).activation_bytes;
+  EXPECT_EQ(a36 - a2, 34 * 4 * 1024 * cfg.hidden_size * 4);
+  EXPECT_GT(estimate_memory(deep, nock, 4, 1024, false).activation_bytes, 4 * a36);
+}
+
+}  // namespace
+}  // namespace q4::model
