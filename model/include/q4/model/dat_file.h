@@ -2,6 +2,7 @@
 // entry a uleb128 key length, UTF-8 key, uleb128 element type, uleb128 ndim, uleb128 dims and a
 // little-endian row-major payload. No magic, no padding. DatReader indexes a file in one pass
 // without reading payloads; DatWriter streams entries into a temp file and renames it into place.
+// Every check on file content throws c10::Error (one line: file, entry index, key, expected/found).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace q4::model {
@@ -30,8 +32,13 @@ enum class ElemType : uint32_t {
   kE4M3Scale = 101,   // FP8 E4M3FN bits (uint8 storage)
 };
 
+// Reader limits beyond which a header is treated as corrupt (real files are far below them).
+inline constexpr uint64_t kDatMaxKeyBytes = 65535;
+inline constexpr uint64_t kDatMaxNdim = 16;
+
+bool is_known_elem_type(uint64_t code);  // one of the ElemType codes above
 size_t elem_size_bytes(ElemType t);
-const char* elem_type_name(ElemType t);  // "uint8", "fp16", "e2m1", "e4m3", ...
+const char* elem_type_name(ElemType t);       // "uint8", "fp16", "e2m1", "e4m3", ...
 at::ScalarType elem_scalar_type(ElemType t);  // storage dtype (kByte for 100/101)
 ElemType elem_type_for(at::ScalarType t);     // inverse for plain dtypes; error otherwise
 
@@ -41,6 +48,8 @@ struct DatEntry {
   std::vector<int64_t> shape;
   uint64_t offset;  // byte offset of the payload in the file
   uint64_t nbytes;  // payload size
+  // Byte offset of the entry's keylen: the header is [header_offset, offset).
+  uint64_t header_offset = 0;
   int64_t numel() const;
 };
 
@@ -58,13 +67,17 @@ class DatReader {
   const DatEntry* find(const std::string& key) const;  // nullptr when absent
   const DatEntry& at(const std::string& key) const;    // error naming file and key when absent
 
-  // Payload as a CPU tensor of the entry's storage dtype and shape (reads on demand).
+  // Payload as a CPU tensor of the entry's storage dtype and shape (reads on demand; thread-safe,
+  // pread only). A bool payload byte other than 0/1 is an error.
   at::Tensor load(const DatEntry& e) const;
   at::Tensor load(const std::string& key) const { return load(at(key)); }
   // Raw payload bytes into dst (e.nbytes bytes).
   void read_bytes(const DatEntry& e, void* dst) const;
+  // Raw bytes [offset, offset + n) of the file into dst (any size; loops over pread).
+  void read_range(uint64_t offset, uint64_t n, void* dst) const;
 
  private:
+  friend class DatWriter;  // copy_from reads the source descriptor directly
   std::string path_;
   int fd_ = -1;
   uint64_t file_size_ = 0;
@@ -72,9 +85,11 @@ class DatReader {
   std::unordered_map<std::string, size_t> index_;
 };
 
-// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>`; commit() checks that
-// exactly `count` entries were written, fsyncs and renames onto `path`. Destruction without
-// commit() removes the temp file and leaves `path` untouched.
+// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory);
+// commit() checks that exactly `count` entries were written, fsyncs the file, renames it onto
+// `path` and fsyncs the directory. Destruction without commit() removes the temp file and leaves
+// `path` untouched. A call rejected by its checks writes nothing and the writer stays usable; a
+// failure while writing makes it unusable (commit() refuses). Keys must be unique, non-empty UTF-8.
 class DatWriter {
  public:
   DatWriter(std::string path, uint64_t count);
@@ -85,20 +100,44 @@ class DatWriter {
   // Writes a CPU tensor (made contiguous) as `type`; the tensor's dtype must be the storage
   // dtype of `type`.
   void add(const std::string& key, const at::Tensor& t, ElemType type);
-  void add(const std::string& key, const at::Tensor& t) { add(key, t, elem_type_for(t.scalar_type())); }
+  void add(const std::string& key, const at::Tensor& t) {
+    add(key, t, elem_type_for(t.scalar_type()));
+  }
   // Copies an entry (header and payload) byte-exactly from another file, under its own key.
   void copy_from(const DatReader& src, const DatEntry& e);
+  // Streamed entry: the header now, the payload in pieces (e.g. row chunks of a tensor too
+  // large to hold whole); the pieces must add up to prod(shape) * size(type) bytes before the
+  // next entry or commit().
+  void begin_streamed(const std::string& key, ElemType type, const std::vector<int64_t>& shape);
+  void append(const void* data, size_t nbytes);
+  void append(const at::Tensor& chunk);  // CPU, contiguous, dtype = storage dtype of the entry
   void commit();
+
+  const std::string& path() const { return path_; }
+  const std::string& tmp_path() const { return tmp_path_; }
+  uint64_t written() const { return written_; }
+  uint64_t bytes_written() const { return bytes_; }
 
  private:
   std::string path_;
   std::string tmp_path_;
   uint64_t count_;
   uint64_t written_ = 0;
+  uint64_t bytes_ = 0;  // bytes handed to the file so far (buffered or written)
   int fd_ = -1;
   bool committed_ = false;
-  std::vector<std::string> keys_;
-  void write_all(const void* p, size_t n);
+  bool failed_ = false;       // a call threw midway; the temp file is unusable
+  uint64_t stream_left_ = 0;  // payload bytes still owed by a begin_streamed() entry
+  std::string stream_key_;
+  ElemType stream_type_ = ElemType::kUInt8;
+  std::unordered_set<std::string> keys_;
+  std::vector<uint8_t> buf_;  // small writes (headers, small payloads) are coalesced here
+  void begin_entry(const std::string& key);
+  void write_header(const std::string& key, ElemType type, const std::vector<int64_t>& shape);
+  void write_all(const void* p, size_t n);  // through buf_
+  void flush();
+  void write_fd(const void* p, size_t n);  // straight to fd_
+  void abort() noexcept;
 };
 
 }  // namespace q4::model

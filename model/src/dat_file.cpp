@@ -1,0 +1,761 @@
+// .dat container reader and writer. The reader parses headers through a small pread window
+// (4 KiB), jumping over payloads by offset arithmetic, so indexing a multi-GB file touches only
+// its headers; every field is bounds-checked against the file size before use. The writer
+// coalesces small writes, copies unchanged entries with copy_file_range (pread/write fallback,
+// 8 MiB chunks) and publishes the file atomically: temp file, fsync, rename, fsync directory.
+#include "q4/model/dat_file.h"
+
+#include <c10/util/Exception.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+namespace q4::model {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, ".dat payloads are little-endian");
+
+namespace {
+
+constexpr size_t kHeaderWindowBytes = 4096;            // reader's header read-ahead
+constexpr uint64_t kIoChunkBytes = uint64_t{1} << 30;  // per pread/write call (< 2 GiB limit)
+constexpr size_t kCopyChunkBytes = size_t{8} << 20;    // pread/write copy fallback
+constexpr size_t kWriteBufferBytes = size_t{1} << 20;  // writer coalescing buffer
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// Strict UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the byte
+// index of the first invalid sequence, or npos.
+size_t utf8_invalid_at(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      cp = c & 0x07;
+    } else {
+      return i;
+    }
+    if (i + len > n) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF)) {
+      return i;
+    }
+    i += len;
+  }
+  return std::string::npos;
+}
+
+// Key as it may appear in a one-line message: printable ASCII kept, valid multi-byte UTF-8 kept,
+// everything else (control bytes, quotes, backslashes, invalid bytes) as \xNN; cut at 200 bytes.
+std::string key_for_message(const std::string& k) {
+  const bool valid = utf8_invalid_at(k) == std::string::npos;
+  std::string out;
+  for (size_t i = 0; i < k.size(); ++i) {
+    if (out.size() >= 200) {
+      out += "...";
+      break;
+    }
+    const unsigned char c = static_cast<unsigned char>(k[i]);
+    if ((c >= 0x20 && c < 0x7F && c != '\\' && c != '\'') || (c >= 0x80 && valid)) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      char tmp[8];
+      std::snprintf(tmp, sizeof(tmp), "\\x%02X", c);
+      out += tmp;
+    }
+  }
+  return out;
+}
+
+void encode_uleb128(uint64_t v, std::vector<uint8_t>& out) {
+  do {
+    uint8_t b = v & 0x7F;
+    v >>= 7;
+    if (v != 0) b |= 0x80;
+    out.push_back(b);
+  } while (v != 0);
+}
+
+// pread exactly n bytes at off, looping over partial reads; false on EOF.
+bool pread_full(int fd, void* dst, uint64_t n, uint64_t off, int* err) {
+  auto* p = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    const size_t want = static_cast<size_t>(std::min(n, kIoChunkBytes));
+    const ssize_t got = ::pread(fd, p, want, static_cast<off_t>(off));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return false;
+    }
+    if (got == 0) {
+      *err = 0;
+      return false;
+    }
+    p += got;
+    off += static_cast<uint64_t>(got);
+    n -= static_cast<uint64_t>(got);
+  }
+  return true;
+}
+
+// Header parser over a pread window. `fail` adds file / entry / key context to every message.
+class HeaderParser {
+ public:
+  HeaderParser(int fd, uint64_t size, const std::string& path)
+      : fd_(fd), size_(size), path_(path), window_(kHeaderWindowBytes) {}
+
+  uint64_t pos() const { return pos_; }
+  void seek(uint64_t pos) { pos_ = pos; }
+  uint64_t remaining() const { return pos_ <= size_ ? size_ - pos_ : 0; }
+
+  // Context for messages: entry index (-1 = the count field) and key as far as known.
+  void set_context(int64_t entry, const std::string* key) {
+    entry_ = entry;
+    key_ = key;
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    std::ostringstream os;
+    os << path_ << ": ";
+    if (entry_ < 0) {
+      os << "entry count";
+    } else {
+      os << "entry " << entry_;
+      if (key_ != nullptr && !key_->empty()) {
+        os << " (key '" << key_for_message(*key_) << "')";
+      } else {
+        os << " (key not read yet)";
+      }
+    }
+    os << ": " << what;
+    TORCH_CHECK(false, os.str());
+  }
+
+  uint8_t byte(const char* field) {
+    if (pos_ >= size_) {
+      fail(std::string("truncated header: file ends at byte ") + std::to_string(size_) +
+           " while reading " + field);
+    }
+    if (pos_ < win_start_ || pos_ >= win_start_ + win_len_) refill();
+    return window_[pos_++ - win_start_];
+  }
+
+  uint64_t uleb128(const char* field) {
+    uint64_t v = 0;
+    for (int i = 0; i < 10; ++i) {
+      const uint8_t b = byte(field);
+      const uint64_t bits = b & 0x7F;
+      if (i == 9 && bits > 1) {
+        fail(std::string("LEB128 overflow in ") + field + ": value exceeds 64 bits");
+      }
+      v |= bits << (7 * i);
+      if ((b & 0x80) == 0) return v;
+    }
+    fail(std::string("LEB128 overflow in ") + field + ": more than 10 bytes");
+  }
+
+  void bytes(std::string& out, uint64_t n, const char* field) {
+    if (n > remaining()) {
+      fail(std::string("truncated header: ") + field + " needs " + std::to_string(n) +
+           " bytes at offset " + std::to_string(pos_) + ", file has " +
+           std::to_string(remaining()) + " left");
+    }
+    out.resize(n);
+    for (uint64_t i = 0; i < n; ++i) out[i] = static_cast<char>(byte(field));
+  }
+
+ private:
+  void refill() {
+    win_start_ = pos_;
+    const uint64_t n = std::min<uint64_t>(window_.size(), size_ - pos_);
+    int err = 0;
+    if (!pread_full(fd_, window_.data(), n, pos_, &err)) {
+      fail(err ? "read error: " + errno_text(err) : std::string("file shrank while indexing"));
+    }
+    win_len_ = n;
+  }
+
+  int fd_;
+  uint64_t size_;
+  const std::string& path_;
+  std::vector<uint8_t> window_;
+  uint64_t win_start_ = 0;
+  uint64_t win_len_ = 0;
+  uint64_t pos_ = 0;
+  int64_t entry_ = -1;
+  const std::string* key_ = nullptr;
+};
+
+std::atomic<uint64_t> g_tmp_seq{0};
+
+std::string parent_dir(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+}  // namespace
+
+bool is_known_elem_type(uint64_t code) {
+  switch (code) {
+    case 0:
+    case 1:
+    case 2:
+    case 3:
+    case 4:
+    case 5:
+    case 6:
+    case 7:
+    case 11:
+    case 15:
+    case 100:
+    case 101:
+      return true;
+    default:
+      return false;
+  }
+}
+
+size_t elem_size_bytes(ElemType t) {
+  switch (t) {
+    case ElemType::kUInt8:
+    case ElemType::kInt8:
+    case ElemType::kBool:
+    case ElemType::kE2M1Packed:
+    case ElemType::kE4M3Scale:
+      return 1;
+    case ElemType::kInt16:
+    case ElemType::kFloat16:
+    case ElemType::kBFloat16:
+      return 2;
+    case ElemType::kInt32:
+    case ElemType::kFloat32:
+      return 4;
+    case ElemType::kInt64:
+    case ElemType::kFloat64:
+      return 8;
+  }
+  TORCH_CHECK(false, "unknown .dat element type ", static_cast<uint32_t>(t));
+}
+
+const char* elem_type_name(ElemType t) {
+  switch (t) {
+    case ElemType::kUInt8:
+      return "uint8";
+    case ElemType::kInt8:
+      return "int8";
+    case ElemType::kInt16:
+      return "int16";
+    case ElemType::kInt32:
+      return "int32";
+    case ElemType::kInt64:
+      return "int64";
+    case ElemType::kFloat16:
+      return "fp16";
+    case ElemType::kFloat32:
+      return "fp32";
+    case ElemType::kFloat64:
+      return "fp64";
+    case ElemType::kBool:
+      return "bool";
+    case ElemType::kBFloat16:
+      return "bf16";
+    case ElemType::kE2M1Packed:
+      return "e2m1";
+    case ElemType::kE4M3Scale:
+      return "e4m3";
+  }
+  return "unknown";
+}
+
+at::ScalarType elem_scalar_type(ElemType t) {
+  switch (t) {
+    case ElemType::kUInt8:
+    case ElemType::kE2M1Packed:
+    case ElemType::kE4M3Scale:
+      return at::kByte;
+    case ElemType::kInt8:
+      return at::kChar;
+    case ElemType::kInt16:
+      return at::kShort;
+    case ElemType::kInt32:
+      return at::kInt;
+    case ElemType::kInt64:
+      return at::kLong;
+    case ElemType::kFloat16:
+      return at::kHalf;
+    case ElemType::kFloat32:
+      return at::kFloat;
+    case ElemType::kFloat64:
+      return at::kDouble;
+    case ElemType::kBool:
+      return at::kBool;
+    case ElemType::kBFloat16:
+      return at::kBFloat16;
+  }
+  TORCH_CHECK(false, "unknown .dat element type ", static_cast<uint32_t>(t));
+}
+
+ElemType elem_type_for(at::ScalarType t) {
+  switch (t) {
+    case at::kByte:
+      return ElemType::kUInt8;
+    case at::kChar:
+      return ElemType::kInt8;
+    case at::kShort:
+      return ElemType::kInt16;
+    case at::kInt:
+      return ElemType::kInt32;
+    case at::kLong:
+      return ElemType::kInt64;
+    case at::kHalf:
+      return ElemType::kFloat16;
+    case at::kFloat:
+      return ElemType::kFloat32;
+    case at::kDouble:
+      return ElemType::kFloat64;
+    case at::kBool:
+      return ElemType::kBool;
+    case at::kBFloat16:
+      return ElemType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "dtype ", t, " has no .dat element type");
+  }
+}
+
+int64_t DatEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;  // bounded when the entry was indexed or added
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DatReader
+
+DatReader::DatReader(std::string path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd_ >= 0, path_, ": cannot open .dat file: ", errno_text(errno));
+  try {
+    struct stat st;
+    TORCH_CHECK(::fstat(fd_, &st) == 0, path_, ": fstat failed: ", errno_text(errno));
+    TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
+    file_size_ = static_cast<uint64_t>(st.st_size);
+
+    HeaderParser p(fd_, file_size_, path_);
+    p.set_context(-1, nullptr);
+    TORCH_CHECK(file_size_ > 0, path_, ": entry count: empty file (expected a uleb128 count)");
+    const uint64_t count = p.uleb128("entry count");
+    // Every entry has at least 4 header bytes (keylen, key, type, ndim): bound the reservation
+    // by the file size, not by a count that may be corrupt.
+    entries_.reserve(static_cast<size_t>(std::min<uint64_t>(count, file_size_ / 4 + 1)));
+    std::string key;
+    for (uint64_t i = 0; i < count; ++i) {
+      key.clear();
+      p.set_context(static_cast<int64_t>(i), &key);
+      if (p.remaining() == 0) {
+        p.fail("file ends after " + std::to_string(i) + " entries but the count says " +
+               std::to_string(count));
+      }
+      DatEntry e;
+      e.header_offset = p.pos();
+      const uint64_t keylen = p.uleb128("key length");
+      if (keylen == 0) p.fail("empty key");
+      if (keylen > kDatMaxKeyBytes) {
+        p.fail("absurd key length " + std::to_string(keylen) + " (limit " +
+               std::to_string(kDatMaxKeyBytes) + ")");
+      }
+      std::string raw;
+      p.bytes(raw, keylen, "key");
+      key = raw;
+      const size_t bad = utf8_invalid_at(key);
+      if (bad != std::string::npos) {
+        p.fail("key is not valid UTF-8 (byte " + std::to_string(bad) + ")");
+      }
+      const uint64_t code = p.uleb128("element type");
+      if (!is_known_elem_type(code)) p.fail("unknown element type " + std::to_string(code));
+      e.type = static_cast<ElemType>(code);
+      const uint64_t ndim = p.uleb128("ndim");
+      if (ndim > kDatMaxNdim) {
+        p.fail("absurd ndim " + std::to_string(ndim) + " (limit " + std::to_string(kDatMaxNdim) +
+               ")");
+      }
+      e.shape.resize(ndim);
+      int64_t numel = 1;  // product of max(dim, 1): rejects overflow even when a dim is 0
+      bool empty = false;
+      for (uint64_t d = 0; d < ndim; ++d) {
+        const uint64_t dim = p.uleb128("dimension");
+        if (dim > static_cast<uint64_t>(INT64_MAX)) {
+          p.fail("dimension " + std::to_string(d) + " = " + std::to_string(dim) + " exceeds int64");
+        }
+        e.shape[d] = static_cast<int64_t>(dim);
+        if (dim == 0) {
+          empty = true;
+        } else if (__builtin_mul_overflow(numel, e.shape[d], &numel)) {
+          p.fail("dimension product overflows int64 at dimension " + std::to_string(d));
+        }
+      }
+      if (empty) numel = 0;
+      uint64_t nbytes = 0;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(numel),
+                                 static_cast<uint64_t>(elem_size_bytes(e.type)), &nbytes) ||
+          nbytes > static_cast<uint64_t>(INT64_MAX)) {
+        p.fail("payload size overflows (" + std::to_string(numel) + " elements)");
+      }
+      e.offset = p.pos();
+      e.nbytes = nbytes;
+      if (nbytes > p.remaining()) {
+        p.fail("truncated payload: needs " + std::to_string(nbytes) + " bytes at offset " +
+               std::to_string(e.offset) + ", file has " + std::to_string(p.remaining()) + " left");
+      }
+      auto [it, inserted] = index_.emplace(key, entries_.size());
+      if (!inserted)
+        p.fail("duplicate key (first seen as entry " + std::to_string(it->second) + ")");
+      e.key = key;
+      entries_.push_back(std::move(e));
+      p.seek(entries_.back().offset + nbytes);
+    }
+    if (p.pos() != file_size_) {
+      const std::string last = entries_.empty() ? std::string("no entries")
+                                                : "entry " + std::to_string(count - 1) + " (key '" +
+                                                      key_for_message(entries_.back().key) + "')";
+      TORCH_CHECK(false, path_, ": trailing garbage: ", file_size_ - p.pos(), " bytes at offset ",
+                  p.pos(), " after ", last, ", the last of ", count, " entries");
+    }
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+DatReader::~DatReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+const DatEntry* DatReader::find(const std::string& key) const {
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &entries_[it->second];
+}
+
+const DatEntry& DatReader::at(const std::string& key) const {
+  const DatEntry* e = find(key);
+  TORCH_CHECK(e != nullptr, path_, ": no entry with key '", key_for_message(key), "'");
+  return *e;
+}
+
+void DatReader::read_range(uint64_t offset, uint64_t n, void* dst) const {
+  TORCH_CHECK(offset <= file_size_ && n <= file_size_ - offset, path_, ": read of ", n,
+              " bytes at offset ", offset, " is past the end (", file_size_, " bytes)");
+  int err = 0;
+  TORCH_CHECK(pread_full(fd_, dst, n, offset, &err), path_, ": reading ", n, " bytes at offset ",
+              offset, ": ", err ? errno_text(err) : std::string("file shrank after indexing"));
+}
+
+void DatReader::read_bytes(const DatEntry& e, void* dst) const {
+  TORCH_CHECK(e.offset <= file_size_ && e.nbytes <= file_size_ - e.offset, path_, ": entry '",
+              key_for_message(e.key), "': payload of ", e.nbytes, " bytes at offset ", e.offset,
+              " is past the end (", file_size_, " bytes)");
+  int err = 0;
+  TORCH_CHECK(pread_full(fd_, dst, e.nbytes, e.offset, &err), path_, ": entry '",
+              key_for_message(e.key), "': reading ", e.nbytes, " bytes at offset ", e.offset, ": ",
+              err ? errno_text(err) : std::string("file shrank after indexing"));
+}
+
+at::Tensor DatReader::load(const DatEntry& e) const {
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(elem_scalar_type(e.type)));
+  TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(t.nbytes()) == e.nbytes);
+  if (e.nbytes == 0) return t;
+  if (e.type == ElemType::kBool) {
+    // A bool byte other than 0/1 is undefined behaviour for every consumer: check as bytes.
+    at::Tensor raw = at::empty(e.shape, at::TensorOptions().dtype(at::kByte));
+    read_bytes(e, raw.data_ptr());
+    const auto* b = raw.data_ptr<uint8_t>();
+    for (uint64_t i = 0; i < e.nbytes; ++i) {
+      TORCH_CHECK(b[i] <= 1, path_, ": entry '", key_for_message(e.key), "': bool payload byte ", i,
+                  " is ", static_cast<int>(b[i]), " (expected 0 or 1)");
+    }
+    std::memcpy(t.data_ptr(), b, e.nbytes);
+    return t;
+  }
+  read_bytes(e, t.data_ptr());
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// DatWriter
+
+DatWriter::DatWriter(std::string path, uint64_t count) : path_(std::move(path)), count_(count) {
+  TORCH_CHECK(!path_.empty(), "DatWriter: empty output path");
+  tmp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(g_tmp_seq++);
+  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd_ >= 0, path_, ": cannot create temp file ", tmp_path_, ": ", errno_text(errno));
+  buf_.reserve(kWriteBufferBytes);
+  std::vector<uint8_t> head;
+  encode_uleb128(count_, head);
+  try {
+    write_all(head.data(), head.size());
+  } catch (...) {
+    abort();
+    throw;
+  }
+}
+
+DatWriter::~DatWriter() {
+  if (!committed_) abort();
+}
+
+void DatWriter::abort() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  if (!committed_ && !tmp_path_.empty()) ::unlink(tmp_path_.c_str());
+  failed_ = true;
+}
+
+void DatWriter::write_fd(const void* p, size_t n) {
+  const auto* c = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(n, kIoChunkBytes));
+    const ssize_t w = ::write(fd_, c, want);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      failed_ = true;
+      TORCH_CHECK(false, tmp_path_, ": write failed: ", errno_text(errno));
+    }
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void DatWriter::flush() {
+  if (buf_.empty()) return;
+  write_fd(buf_.data(), buf_.size());
+  buf_.clear();
+}
+
+void DatWriter::write_all(const void* p, size_t n) {
+  bytes_ += n;
+  if (buf_.size() + n <= kWriteBufferBytes) {
+    const auto* c = static_cast<const uint8_t*>(p);
+    buf_.insert(buf_.end(), c, c + n);
+    return;
+  }
+  flush();
+  if (n < kWriteBufferBytes) {
+    const auto* c = static_cast<const uint8_t*>(p);
+    buf_.insert(buf_.end(), c, c + n);
+  } else {
+    write_fd(p, n);
+  }
+}
+
+void DatWriter::begin_entry(const std::string& key) {
+  TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
+              ": DatWriter used after commit() or after a failed call");
+  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
+              stream_left_, " payload bytes before entry '", key_for_message(key), "' can start");
+  TORCH_CHECK(written_ < count_, path_, ": entry '", key_for_message(key),
+              "' would exceed the declared count of ", count_, " entries");
+  TORCH_CHECK(!key.empty() && key.size() <= kDatMaxKeyBytes, path_, ": entry ", written_,
+              ": key length ", key.size(), " outside [1, ", kDatMaxKeyBytes, "]");
+  TORCH_CHECK(utf8_invalid_at(key) == std::string::npos, path_, ": entry ", written_, " (key '",
+              key_for_message(key), "'): key is not valid UTF-8");
+  TORCH_CHECK(keys_.count(key) == 0, path_, ": entry ", written_, " (key '", key_for_message(key),
+              "'): duplicate key");
+}
+
+void DatWriter::write_header(const std::string& key, ElemType type,
+                             const std::vector<int64_t>& shape) {
+  std::vector<uint8_t> h;
+  h.reserve(key.size() + 16 + 10 * shape.size());
+  encode_uleb128(key.size(), h);
+  h.insert(h.end(), key.begin(), key.end());
+  encode_uleb128(static_cast<uint32_t>(type), h);
+  encode_uleb128(shape.size(), h);
+  for (int64_t d : shape) encode_uleb128(static_cast<uint64_t>(d), h);
+  write_all(h.data(), h.size());
+}
+
+void DatWriter::add(const std::string& key, const at::Tensor& t, ElemType type) {
+  begin_entry(key);
+  TORCH_CHECK(t.defined(), path_, ": entry '", key_for_message(key), "': undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), path_, ": entry '", key_for_message(key),
+              "': expected a CPU tensor, found ", t.device());
+  TORCH_CHECK(t.scalar_type() == elem_scalar_type(type), path_, ": entry '", key_for_message(key),
+              "': element type ", elem_type_name(type), " needs dtype ", elem_scalar_type(type),
+              ", found ", t.scalar_type());
+  TORCH_CHECK(static_cast<uint64_t>(t.dim()) <= kDatMaxNdim, path_, ": entry '",
+              key_for_message(key), "': ", t.dim(), " dimensions exceed the limit ", kDatMaxNdim);
+  const at::Tensor c = t.contiguous();
+  const std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end());
+  try {
+    write_header(key, type, shape);
+    if (c.numel() > 0) write_all(c.data_ptr(), c.nbytes());
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  keys_.insert(key);
+  ++written_;
+}
+
+void DatWriter::copy_from(const DatReader& src, const DatEntry& e) {
+  begin_entry(e.key);
+  TORCH_CHECK(e.header_offset < e.offset && e.offset <= src.file_size_ &&
+                  e.nbytes <= src.file_size_ - e.offset,
+              path_, ": copy_from: entry '", key_for_message(e.key), "' is not an entry of ",
+              src.path());
+  try {
+    std::string header(e.offset - e.header_offset, '\0');
+    src.read_range(e.header_offset, header.size(), header.data());
+    write_all(header.data(), header.size());
+    if (e.nbytes < kWriteBufferBytes) {
+      std::vector<uint8_t> payload(e.nbytes);
+      src.read_bytes(e, payload.data());
+      write_all(payload.data(), payload.size());
+    } else {
+      flush();
+      uint64_t done = 0;
+      bool use_cfr = true;
+      std::vector<uint8_t> chunk;
+      while (done < e.nbytes) {
+        const uint64_t want = std::min<uint64_t>(e.nbytes - done, kIoChunkBytes);
+        if (use_cfr) {
+          loff_t in_off = static_cast<loff_t>(e.offset + done);
+          const ssize_t n = ::copy_file_range(src.fd_, &in_off, fd_, nullptr, want, 0);
+          if (n > 0) {
+            done += static_cast<uint64_t>(n);
+            continue;
+          }
+          if (n < 0 && errno == EINTR) continue;
+          TORCH_CHECK(n != 0, path_, ": copy_from '", key_for_message(e.key), "': ", src.path(),
+                      " shrank after indexing");
+          // EXDEV/ENOSYS/EINVAL/EOPNOTSUPP...: fall back to plain reads and writes.
+          use_cfr = false;
+        }
+        const uint64_t n = std::min<uint64_t>(e.nbytes - done, kCopyChunkBytes);
+        chunk.resize(n);
+        src.read_range(e.offset + done, n, chunk.data());
+        write_fd(chunk.data(), n);
+        done += n;
+      }
+      bytes_ += e.nbytes;
+    }
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  keys_.insert(e.key);
+  ++written_;
+}
+
+void DatWriter::begin_streamed(const std::string& key, ElemType type,
+                               const std::vector<int64_t>& shape) {
+  begin_entry(key);
+  TORCH_CHECK(shape.size() <= kDatMaxNdim, path_, ": entry '", key_for_message(key),
+              "': ", shape.size(), " dimensions exceed the limit ", kDatMaxNdim);
+  uint64_t nbytes = elem_size_bytes(type);
+  for (int64_t d : shape) {
+    TORCH_CHECK(d >= 0, path_, ": entry '", key_for_message(key), "': negative dimension ", d);
+    TORCH_CHECK(!__builtin_mul_overflow(nbytes, static_cast<uint64_t>(d), &nbytes) &&
+                    nbytes <= static_cast<uint64_t>(INT64_MAX),
+                path_, ": entry '", key_for_message(key), "': payload size overflows");
+  }
+  try {
+    write_header(key, type, shape);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  keys_.insert(key);
+  ++written_;
+  stream_left_ = nbytes;
+  stream_key_ = key;
+  stream_type_ = type;
+}
+
+void DatWriter::append(const void* data, size_t nbytes) {
+  TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
+              ": DatWriter used after commit() or after a failed call");
+  TORCH_CHECK(nbytes <= stream_left_, path_, ": entry '", key_for_message(stream_key_),
+              "': append of ", nbytes, " bytes exceeds the ", stream_left_,
+              " payload bytes still owed");
+  try {
+    write_all(data, nbytes);
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+  stream_left_ -= nbytes;
+}
+
+void DatWriter::append(const at::Tensor& chunk) {
+  TORCH_CHECK(chunk.defined() && chunk.device().is_cpu() &&
+                  chunk.scalar_type() == elem_scalar_type(stream_type_),
+              path_, ": entry '", key_for_message(stream_key_), "': append needs a CPU ",
+              elem_scalar_type(stream_type_), " tensor, found ",
+              chunk.defined() ? chunk.toString() : std::string("undefined"));
+  const at::Tensor c = chunk.contiguous();
+  if (c.numel() > 0) append(c.data_ptr(), c.nbytes());
+}
+
+void DatWriter::commit() {
+  TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
+              ": DatWriter::commit() after commit() or after a failed call");
+  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
+              stream_left_, " payload bytes");
+  TORCH_CHECK(written_ == count_, path_, ": ", written_,
+              " entries written but the header "
+              "declares ",
+              count_);
+  try {
+    flush();
+    TORCH_CHECK(::fsync(fd_) == 0, tmp_path_, ": fsync failed: ", errno_text(errno));
+    const int fd = fd_;
+    fd_ = -1;
+    TORCH_CHECK(::close(fd) == 0, tmp_path_, ": close failed: ", errno_text(errno));
+    TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": rename from ", tmp_path_,
+                " failed: ", errno_text(errno));
+  } catch (...) {
+    abort();
+    throw;
+  }
+  committed_ = true;
+  // The rename is durable only once the directory entry is on disk.
+  const std::string dir = parent_dir(path_);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  TORCH_CHECK(dfd >= 0, dir, ": cannot open directory to fsync: ", errno_text(errno));
+  const int rc = ::fsync(dfd);
+  const int err = errno;
+  ::close(dfd);
+  TORCH_CHECK(rc == 0, dir, ": directory fsync failed: ", errno_text(err));
+}
+
+}  // namespace q4::model

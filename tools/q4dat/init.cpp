@@ -1,0 +1,162 @@
+// q4dat init: a random Qwen3 model in the layout of the shipped NVFP4 Qwen3-4B file (HF names,
+// embed/norms fp16, every linear as .weight.qdata (e2m1, 100) + .weight.scale (e4m3, 101), entry
+// order as in tests/fixtures/qwen3_tiny.weights.dat). Written streaming: each matrix is drawn in
+// row chunks of ~4M values (normal(0, std), fp32), quantized chunk by chunk and appended, so
+// memory stays O(chunk + one scale matrix) even for the 4B shapes. Chunk c of tensor k uses its
+// own generator seeded from (seed, k, c): output is reproducible and independent of threading.
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/core.h>
+
+#include <chrono>
+
+#include "common.h"
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/quant/nvfp4.h"
+#include "q4dat.h"
+
+namespace q4::tools {
+
+using q4::model::DatWriter;
+using q4::model::ElemType;
+using q4::model::Qwen3Config;
+
+namespace {
+
+constexpr int64_t kChunkValues = int64_t{1} << 22;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ull;
+  return h;
+}
+
+class Init {
+ public:
+  Init(DatWriter& w, uint64_t seed, double std) : w_(w), seed_(seed), std_(std) {}
+
+  // normal(0, std) rows [r0, r0 + n) of the (rows, cols) tensor identified by `seed_key`, fp32.
+  at::Tensor draw(const std::string& seed_key, int64_t chunk, int64_t n, int64_t cols) const {
+    const uint64_t s =
+        splitmix64(seed_ ^ splitmix64(fnv1a(seed_key) + static_cast<uint64_t>(chunk)));
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(s);
+    return at::normal(0.0, std_, {n, cols}, gen, at::TensorOptions().dtype(at::kFloat));
+  }
+
+  static int64_t chunk_rows(int64_t cols) { return std::max<int64_t>(1, kChunkValues / cols); }
+
+  // fp16 (rows, cols) matrix, streamed.
+  void dense_fp16(const std::string& key, int64_t rows, int64_t cols) {
+    w_.begin_streamed(key, ElemType::kFloat16, {rows, cols});
+    const int64_t step = chunk_rows(cols);
+    for (int64_t r0 = 0, c = 0; r0 < rows; r0 += step, ++c) {
+      w_.append(draw(key, c, std::min(step, rows - r0), cols).to(at::kHalf));
+    }
+  }
+
+  // NVFP4 (rows, cols) linear: key.qdata streamed, then key.scale. With round_fp16 the values are
+  // rounded to fp16 before quantizing (a tied lm_head derived from the fp16 embedding).
+  void linear(const std::string& key, int64_t rows, int64_t cols, const std::string& seed_key,
+              bool round_fp16) {
+    w_.begin_streamed(key + ".qdata", ElemType::kE2M1Packed, {rows, cols / 2});
+    at::Tensor scale = at::empty({rows, cols / 16}, at::TensorOptions().dtype(at::kByte));
+    const int64_t step = chunk_rows(cols);
+    for (int64_t r0 = 0, c = 0; r0 < rows; r0 += step, ++c) {
+      const int64_t n = std::min(step, rows - r0);
+      at::Tensor x = draw(seed_key, c, n, cols);  // (n, cols) fp32
+      if (round_fp16) x = x.to(at::kHalf).to(at::kFloat);
+      const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(x, key);
+      w_.append(q.qdata);                     // (n, cols/2)
+      scale.narrow(0, r0, n).copy_(q.scale);  // (n, cols/16)
+    }
+    w_.add(key + ".scale", scale, ElemType::kE4M3Scale);
+  }
+
+  void ones_fp16(const std::string& key, int64_t n) {
+    w_.add(key, at::ones({n}, at::TensorOptions().dtype(at::kHalf)));
+  }
+
+ private:
+  DatWriter& w_;
+  uint64_t seed_;
+  double std_;
+};
+
+}  // namespace
+
+int run_init(const InitOptions& o) {
+  const Qwen3Config c = as_input([&] { return Qwen3Config::from_json_file(o.config); });
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"hidden_size", c.hidden_size},
+                                {"intermediate_size", c.intermediate_size},
+                                {"num_attention_heads * head_dim", c.q_dim()}}) {
+    if (v % q4::quant::kNvfp4BlockSize != 0) {
+      throw InputError(
+          fmt::format("{}: {} = {} is not a multiple of {}, so the linears that "
+                      "read it cannot be stored as NVFP4",
+                      o.config, name, v, q4::quant::kNvfp4BlockSize));
+    }
+  }
+  if (!(o.std > 0.0)) throw InputError(fmt::format("--std: expected > 0, found {}", o.std));
+  bool separate_lm_head = true;
+  bool lm_head_from_embed = false;
+  if (o.tied == "yes") {
+    if (!c.tie_word_embeddings) {
+      throw InputError(fmt::format("--tied yes: {} says tie_word_embeddings is false", o.config));
+    }
+    separate_lm_head = false;
+  } else if (o.tied == "auto") {
+    // The shipped file stores lm_head separately and quantized even though the model is tied:
+    // with a tied config it is the quantized embedding, otherwise an independent matrix.
+    lm_head_from_embed = c.tie_word_embeddings;
+  } else if (o.tied != "no") {
+    throw InputError("--tied: expected auto, yes or no, found " + o.tied);
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t h = c.hidden_size, inter = c.intermediate_size;
+  const uint64_t count =
+      1 + static_cast<uint64_t>(c.num_hidden_layers) * 18 + 1 + (separate_lm_head ? 2 : 0);
+  DatWriter w(o.out, count);
+  Init init(w, o.seed, o.std);
+  const std::string embed = "model.embed_tokens.weight";
+  init.dense_fp16(embed, c.vocab_size, h);  // (V, H)
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    const auto lin = [&](const std::string& name, int64_t rows, int64_t cols) {
+      init.linear(p + name + ".weight", rows, cols, p + name + ".weight", false);
+    };
+    lin("self_attn.q_proj", c.q_dim(), h);   // (heads*hd, H)
+    lin("self_attn.k_proj", c.kv_dim(), h);  // (kv*hd, H)
+    lin("self_attn.v_proj", c.kv_dim(), h);  // (kv*hd, H)
+    lin("self_attn.o_proj", h, c.q_dim());   // (H, heads*hd)
+    init.ones_fp16(p + "self_attn.q_norm.weight", c.head_dim);
+    init.ones_fp16(p + "self_attn.k_norm.weight", c.head_dim);
+    lin("mlp.gate_proj", inter, h);  // (I, H)
+    lin("mlp.up_proj", inter, h);    // (I, H)
+    lin("mlp.down_proj", h, inter);  // (H, I)
+    init.ones_fp16(p + "input_layernorm.weight", h);
+    init.ones_fp16(p + "post_attention_layernorm.weight", h);
+  }
+  init.ones_fp16("model.norm.weight", h);
+  if (separate_lm_head) {
+    init.linear("lm_head.weight", c.vocab_size, h, lm_head_from_embed ? embed : "lm_head.weight",
+                lm_head_from_embed);  // (V, H)
+  }
+  w.commit();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("{}: {} entries, {} bytes, {} parameters, lm_head {}, {:.1f} s\n", o.out, count,
+             w.bytes_written(), c.num_parameters(separate_lm_head),
+             !separate_lm_head ? "tied (none stored)"
+                               : (lm_head_from_embed ? "quantized embedding" : "independent"),
+             secs);
+  return 0;
+}
+
+}  // namespace q4::tools

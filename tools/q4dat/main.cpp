@@ -1,0 +1,94 @@
+// q4dat: command line for .dat files. `info` lists entries and NVFP4 bits per parameter,
+// `quantize`/`dequantize` convert dense <-> NVFP4 pairs in place of the originals, `diff`
+// compares two files entry by entry, `init` writes a random Qwen3 model in the shipped layout.
+// Exit codes: 0 ok, 1 runtime failure (diff: files differ), 2 usage or bad input.
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+
+#include "common.h"
+#include "q4dat.h"
+
+int main(int argc, char** argv) {
+  using namespace q4::tools;
+  CLI::App app{"q4dat: inspect and transform .dat tensor files"};
+  app.require_subcommand(1);
+
+  InfoOptions info;
+  auto* c_info =
+      app.add_subcommand("info", "List entries (type, shape, bytes), totals, NVFP4 bits");
+  c_info->add_option("FILE", info.file, ".dat file")->required();
+  c_info->add_flag("--json", info.json, "Machine-readable output");
+
+  QuantizeOptions quant;
+  auto* c_quant = app.add_subcommand(
+      "quantize", "Replace each 2-D float entry whose key matches by KEY.qdata + KEY.scale");
+  c_quant->add_option("IN", quant.in, "input .dat")->required();
+  c_quant->add_option("OUT", quant.out, "output .dat")->required();
+  c_quant->add_option("--match", quant.match, "ECMAScript regex searched in each key")->required();
+  c_quant->add_option("--qdata-elem", quant.qdata_elem, "element type of .qdata: 0 or 100")
+      ->check(CLI::IsMember({0, 100}))
+      ->capture_default_str();
+
+  DequantizeOptions deq;
+  auto* c_deq = app.add_subcommand(
+      "dequantize", "Replace each X.qdata + X.scale pair by a dense X at the .qdata position");
+  c_deq->add_option("IN", deq.in, "input .dat")->required();
+  c_deq->add_option("OUT", deq.out, "output .dat")->required();
+  c_deq->add_option("--dtype", deq.dtype, "dtype of the dense entries")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))
+      ->capture_default_str();
+
+  DiffOptions diff;
+  auto* c_diff = app.add_subcommand(
+      "diff", "Compare entries; exit 0 when equal within --atol, 1 when not, 2 on error");
+  c_diff->add_option("A", diff.a, "first .dat")->required();
+  c_diff->add_option("B", diff.b, "second .dat")->required();
+  c_diff->add_option("--atol", diff.atol, "absolute tolerance on values")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  c_diff->add_flag("--quiet,-q", diff.quiet, "print only entries that differ");
+
+  InitOptions init;
+  auto* c_init = app.add_subcommand("init", "Write a random Qwen3 model in the shipped layout");
+  c_init->add_option("--config", init.config, "Qwen3 config.json")->required();
+  c_init->add_option("--out", init.out, "output .dat")->required();
+  c_init->add_option("--seed", init.seed, "RNG seed")->capture_default_str();
+  c_init->add_option("--std", init.std, "std of the normal weights")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  c_init
+      ->add_option("--tied", init.tied,
+                   "lm_head: auto (shipped layout: separate, quantized), yes (none), no")
+      ->check(CLI::IsMember({"auto", "yes", "no"}))
+      ->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+
+  const bool is_diff = c_diff->parsed();
+  try {
+    if (c_info->parsed()) return run_info(info);
+    if (c_quant->parsed()) return run_quantize(quant);
+    if (c_deq->parsed()) return run_dequantize(deq);
+    if (is_diff) return run_diff(diff);
+    if (c_init->parsed()) return run_init(init);
+  } catch (const InputError& e) {
+    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
+    return 2;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what_without_backtrace()));
+    return is_diff ? 2 : 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
+    return is_diff ? 2 : 1;
+  }
+  return 2;
+}

@@ -1,0 +1,68 @@
+// q4dat sub-commands. Each returns the process exit code; problems with what the user gave
+// (arguments, input files, configs) are thrown as InputError (exit 2), everything else that
+// throws is a runtime failure (exit 1). main.cpp owns the command line and the error mapping.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace q4::tools {
+
+// Bad usage or bad input: exit code 2.
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs f(); a c10::Error it throws becomes an InputError with the same one-line message.
+template <class F>
+auto as_input(F&& f) -> decltype(f());
+
+struct InfoOptions {
+  std::string file;
+  bool json = false;
+};
+int run_info(const InfoOptions& o);
+
+struct QuantizeOptions {
+  std::string in, out, match;
+  int qdata_elem = 0;  // element type of the written .qdata entries: 0 (uint8) or 100 (e2m1)
+};
+int run_quantize(const QuantizeOptions& o);
+
+struct DequantizeOptions {
+  std::string in, out;
+  std::string dtype = "fp32";  // fp32 | fp16 | bf16
+};
+int run_dequantize(const DequantizeOptions& o);
+
+struct DiffOptions {
+  std::string a, b;
+  double atol = 0.0;
+  bool quiet = false;  // only entries that differ, and the summary
+};
+int run_diff(const DiffOptions& o);  // 0 equal, 1 different (errors throw)
+
+struct InitOptions {
+  std::string config, out;
+  uint64_t seed = 0;
+  double std = 0.02;
+  std::string tied = "auto";  // auto | yes | no
+};
+int run_init(const InitOptions& o);
+
+}  // namespace q4::tools
+
+#include <c10/util/Exception.h>
+
+namespace q4::tools {
+template <class F>
+auto as_input(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error& e) {
+    throw InputError(e.what_without_backtrace());
+  }
+}
+}  // namespace q4::tools
