@@ -1,0 +1,171 @@
+// PackedAdamW: AdamW (decoupled weight decay, bias correction) over fp16/bf16/fp32 master
+// weights, with the two moments stored fp32, block-wise int8, block-wise 4-bit or NVFP4. The
+// master is the only weight of record; the step never rebuilds it from a quantized copy. The CPU
+// step walks each parameter in chunks of `chunk_rows` rows using a scratch arena whose high-water
+// mark is exposed; on CUDA one fused kernel per mode reads grad, master and packed moments once.
+// Arithmetic order is fixed (docs/optim.md) so that CPU and CUDA agree bit-for-bit where stated.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace q4::optim {
+
+// How the two Adam moments of a parameter are stored between steps.
+enum class StateMode {
+  kFp32,   // reference: m, v as fp32 tensors (8 bytes/element)
+  kInt8,   // block-wise dynamic-tree int8 (m signed map, v zero-free map), block 256
+  k4Bit,   // block-wise 4-bit: m signed dynamic-exponent map, v linear zero-free map, block 128
+  kNvfp4,  // E2M1 codes + E4M3 scale per 16 (DESIGN.md numerics); the replaced system's format
+};
+
+// How the fp32 result of an update is written into an fp16/bf16 master (fp32 masters: exact).
+enum class MasterRounding {
+  kNearest,     // round-to-nearest-even; updates below half an ulp are lost
+  kStochastic,  // unbiased stochastic rounding from a counter-based hash (reproducible)
+};
+
+// "fp32" | "int8" | "4bit" | "nvfp4" (error names the accepted spellings).
+StateMode parse_state_mode(const std::string& text);
+std::string to_string(StateMode mode);
+// "nearest" | "stochastic".
+MasterRounding parse_master_rounding(const std::string& text);
+std::string to_string(MasterRounding rounding);
+
+struct AdamWOptions {
+  double lr = 1e-4;           // learning rate used when StepArgs::lr is not given
+  double beta1 = 0.9;         // first-moment decay, in [0, 1)
+  double beta2 = 0.999;       // second-moment decay, in [0, 1)
+  double eps = 1e-8;          // added to sqrt(v_hat), > 0
+  double weight_decay = 0.0;  // decoupled: p *= 1 - lr * weight_decay (params with the flag set)
+  StateMode state_mode = StateMode::kFp32;  // moment storage of tensors >= threshold
+  int64_t chunk_rows = 1024;  // CPU step granularity: rows of a parameter processed at once
+  MasterRounding rounding = MasterRounding::kStochastic;  // fp16/bf16 master write-back
+  uint64_t seed = 0;  // stochastic-rounding stream (with step, param index, element)
+  int64_t small_tensor_threshold = 4096;  // tensors with fewer elements keep fp32 moments
+  int64_t max_consecutive_nonfinite = 8;  // more non-finite steps than this in a row: error
+  // Checks every field (and cross-field rules); the message names the field.
+  void validate() const;
+};
+
+// Per-call step arguments.
+struct StepArgs {
+  double lr = std::numeric_limits<double>::quiet_NaN();  // NaN: use AdamWOptions::lr
+  double max_grad_norm = 0.0;  // > 0: scale grads so the global norm is at most this
+  double grad_scale = 1.0;     // applied to every gradient first (e.g. 1 / accumulation steps)
+};
+
+struct StepResult {
+  bool applied = false;    // false: a gradient was non-finite, nothing changed
+  double grad_norm = 0.0;  // global L2 norm of grad_scale * grads, before clipping (fp32 parts,
+                           // combined in double); NaN/Inf when the step was skipped
+  double clip_coef = 1.0;  // factor applied to the gradients (1 when not clipped)
+  double lr = 0.0;         // learning rate used
+  int64_t step = 0;        // applied steps so far (the Adam t of the last applied step)
+  int64_t consecutive_nonfinite = 0;  // skipped steps in a row, including this one
+  int64_t skipped_total = 0;          // skipped steps since construction/load
+};
+
+// What was registered, and how it is stored.
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType master_dtype = at::kHalf;
+  at::Device device = at::kCPU;
+  int64_t rows = 0;  // shape[0] (1 for 0-/1-D tensors); chunks are taken over rows
+  int64_t cols = 0;  // numel / rows
+  bool weight_decay = true;
+  StateMode mode = StateMode::kFp32;  // effective mode (small tensors: kFp32)
+  int64_t state_bytes = 0;            // bytes of m and v as stored (codes + scales)
+};
+
+// Bytes one step touches in device memory, from each parameter's actual storage; used for the
+// HBM floor of the benchmark.
+struct StepTraffic {
+  int64_t norm_read_bytes = 0;   // gradient read by the global-norm pass
+  int64_t step_read_bytes = 0;   // gradient + master + moments (codes and scales) read
+  int64_t step_write_bytes = 0;  // master + moments written
+  int64_t total() const { return norm_read_bytes + step_read_bytes + step_write_bytes; }
+};
+
+class PackedAdamW {
+ public:
+  explicit PackedAdamW(AdamWOptions options);
+  ~PackedAdamW();
+  PackedAdamW(PackedAdamW&&) noexcept;
+  PackedAdamW& operator=(PackedAdamW&&) noexcept;
+  PackedAdamW(const PackedAdamW&) = delete;
+  PackedAdamW& operator=(const PackedAdamW&) = delete;
+
+  // Registers a master weight (fp16/bf16/fp32, contiguous, CPU or CUDA) that this optimizer
+  // updates in place. Names must be unique. Moment storage is allocated (zeroed) on the master's
+  // device now. Not allowed after the first step or after load().
+  void add_param(const std::string& name, const at::Tensor& master, bool weight_decay = true);
+
+  // One AdamW step. The first overload reads each master's .grad(); the second takes one
+  // gradient per registered parameter, in registration order (same numel and device; fp32, bf16
+  // or fp16; any layout with the master's numel, contiguous). A parameter whose grad is undefined
+  // (first overload) gets a zero gradient (its moments decay, weight decay still applies).
+  // Order: global norm of grad_scale*g -> non-finite guard -> clip coef -> fused update.
+  // Throws when the non-finite guard trips more than max_consecutive_nonfinite times in a row.
+  StepResult step(const StepArgs& args = {});
+  StepResult step(const std::vector<at::Tensor>& grads, const StepArgs& args = {});
+
+  // Drops (set_to_none) or zeroes every registered master's .grad().
+  void zero_grad(bool set_to_none = true);
+
+  const AdamWOptions& options() const;
+  // Learning rate, beta1/2, eps and weight decay may change between steps (e.g. a schedule);
+  // state_mode, small_tensor_threshold and seed may not (error naming the field).
+  void set_options(const AdamWOptions& options);
+
+  int64_t num_params() const;
+  const std::vector<ParamInfo>& params() const;
+  const at::Tensor& master(int64_t index) const;
+  int64_t step_count() const;     // applied steps
+  int64_t skipped_total() const;  // skipped (non-finite) steps
+  int64_t consecutive_nonfinite() const;
+  int64_t state_bytes() const;  // sum of ParamInfo::state_bytes
+  // Bytes a step touches on the device when gradients come in `grad_dtype`.
+  StepTraffic step_traffic(at::ScalarType grad_dtype) const;
+
+  // CPU scratch arena: every chunk-sized temporary of a CPU step comes from it. Its high-water
+  // mark (bytes ever held at once) is bounded by ~16 x chunk_rows x cols x 4 of the widest
+  // parameter (docs/optim.md has the exact list). CUDA steps use no scratch beyond a few floats.
+  int64_t scratch_peak_bytes() const;
+  void release_scratch();  // frees the arena (and resets the peak)
+
+  // Moments of parameter `index` decoded to fp32 (numel, on the master's device). For tests and
+  // diagnostics.
+  at::Tensor decoded_exp_avg(int64_t index) const;
+  at::Tensor decoded_exp_avg_sq(int64_t index) const;
+
+  // State file: magic, version, mode, counters, per-parameter name/shape/dtype/mode, packed
+  // moments and (include_masters) the master values. Written atomically (temp + fsync +
+  // rename). load() checks magic, version, mode and every parameter against the registered
+  // ones, with errors naming the file and the parameter; a resumed CPU run continues
+  // bit-identically. Masters are restored only when the file has them and restore_masters.
+  void save(const std::string& path, bool include_masters = true) const;
+  void load(const std::string& path, bool restore_masters = true);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Global L2 norm of a list of gradients (fp32/bf16/fp16, any device), each processed in
+// chunks of at most `chunk_elems` elements converted to fp32 (CPU) or by a fused fp32-accumulating
+// reduction (CUDA); partial sums combined in double. Undefined tensors are skipped. Returns
+// NaN/Inf when any element is non-finite.
+double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elems = 1 << 20);
+
+// Scales every gradient in place by min(1, max_norm / (norm + 1e-6)) and returns the norm before
+// clipping. Non-finite norm: nothing is scaled. max_norm must be > 0.
+double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm);
+
+}  // namespace q4::optim

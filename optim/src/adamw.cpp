@@ -1,0 +1,528 @@
+// PackedAdamW: registration, the step (global norm -> non-finite guard -> clip -> per-parameter
+// update), and the CPU chunk loop. The CPU update walks a parameter in chunks of chunk_rows rows
+// (rounded to whole moment blocks) using only the scratch arena; CUDA parameters go to one fused
+// kernel per mode (adamw_kernels.cu). The fp32 arithmetic order is the one in docs/optim.md and
+// is shared with the kernels, so the two paths agree bit-for-bit when no clipping is involved.
+#include "q4/optim/adamw.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+#include "cpu_kernels.h"
+#include "cuda_launch.h"
+#include "optim_math.h"
+#include "optim_state.h"
+#include "q4/optim/state_codec.h"
+
+#if Q4_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace q4::optim {
+
+StateMode parse_state_mode(const std::string& text) {
+  if (text == "fp32") return StateMode::kFp32;
+  if (text == "int8") return StateMode::kInt8;
+  if (text == "4bit") return StateMode::k4Bit;
+  if (text == "nvfp4") return StateMode::kNvfp4;
+  TORCH_CHECK(false, "optim.state_mode: expected one of fp32, int8, 4bit, nvfp4; got '", text, "'");
+}
+
+std::string to_string(StateMode mode) {
+  switch (mode) {
+    case StateMode::kFp32:
+      return "fp32";
+    case StateMode::kInt8:
+      return "int8";
+    case StateMode::k4Bit:
+      return "4bit";
+    case StateMode::kNvfp4:
+      return "nvfp4";
+  }
+  return "?";
+}
+
+MasterRounding parse_master_rounding(const std::string& text) {
+  if (text == "nearest") return MasterRounding::kNearest;
+  if (text == "stochastic") return MasterRounding::kStochastic;
+  TORCH_CHECK(false, "optim.rounding: expected one of nearest, stochastic; got '", text, "'");
+}
+
+std::string to_string(MasterRounding rounding) {
+  return rounding == MasterRounding::kNearest ? "nearest" : "stochastic";
+}
+
+void AdamWOptions::validate() const {
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "optim.lr: expected a finite value >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "optim.beta1: expected 0 <= beta1 < 1, got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "optim.beta2: expected 0 <= beta2 < 1, got ", beta2);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0.0, "optim.eps: expected a finite value > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(weight_decay) && weight_decay >= 0.0,
+              "optim.weight_decay: expected a finite value >= 0, got ", weight_decay);
+  TORCH_CHECK(chunk_rows >= 1, "optim.chunk_rows: expected >= 1, got ", chunk_rows);
+  TORCH_CHECK(small_tensor_threshold >= 0, "optim.small_tensor_threshold: expected >= 0, got ",
+              small_tensor_threshold);
+  TORCH_CHECK(max_consecutive_nonfinite >= 0,
+              "optim.max_consecutive_nonfinite: expected >= 0, got ", max_consecutive_nonfinite);
+  TORCH_CHECK(lr * weight_decay < 1.0, "optim.weight_decay: lr * weight_decay must be < 1 (got ",
+              lr, " * ", weight_decay, ")");
+}
+
+PackedAdamW::PackedAdamW(AdamWOptions options) : impl_(std::make_unique<Impl>()) {
+  options.validate();
+  impl_->opt = options;
+}
+PackedAdamW::~PackedAdamW() = default;
+PackedAdamW::PackedAdamW(PackedAdamW&&) noexcept = default;
+PackedAdamW& PackedAdamW::operator=(PackedAdamW&&) noexcept = default;
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool is_master_dtype(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat;
+}
+
+}  // namespace
+
+void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, bool weight_decay) {
+  Impl& d = *impl_;
+  TORCH_CHECK(!d.frozen, "PackedAdamW::add_param('", name,
+              "'): parameters must be registered before the first step() or load()");
+  TORCH_CHECK(!name.empty(), "PackedAdamW::add_param: empty parameter name");
+  for (const auto& p : d.ps) {
+    TORCH_CHECK(p.info.name != name, "PackedAdamW::add_param: parameter '", name,
+                "' is already registered");
+  }
+  TORCH_CHECK(master.defined(), "PackedAdamW::add_param('", name, "'): undefined tensor");
+  TORCH_CHECK(is_master_dtype(master.scalar_type()), "PackedAdamW::add_param('", name,
+              "'): master dtype must be fp16, bf16 or fp32, got ", master.scalar_type());
+  TORCH_CHECK(master.is_contiguous(), "PackedAdamW::add_param('", name,
+              "'): master must be contiguous");
+  TORCH_CHECK(master.numel() > 0, "PackedAdamW::add_param('", name, "'): empty tensor");
+  TORCH_CHECK(master.is_cpu() || master.is_cuda(), "PackedAdamW::add_param('", name,
+              "'): master must be on CPU or CUDA, got ", master.device());
+#if !Q4_WITH_CUDA
+  TORCH_CHECK(!master.is_cuda(), "PackedAdamW::add_param('", name,
+              "'): CUDA master given but q4_optim was built without CUDA kernels "
+              "(configure with -DQ4_ENABLE_CUDA=ON)");
+#endif
+  detail::ParamState p;
+  p.master = master;
+  p.flat = master.detach().view({-1});
+  ParamInfo& info = p.info;
+  info.name = name;
+  info.shape = master.sizes().vec();
+  info.master_dtype = master.scalar_type();
+  info.device = master.device();
+  info.rows = master.dim() >= 1 ? master.size(0) : 1;
+  info.cols = master.numel() / std::max<int64_t>(info.rows, 1);
+  info.weight_decay = weight_decay;
+  info.mode = master.numel() < d.opt.small_tensor_threshold ? StateMode::kFp32 : d.opt.state_mode;
+  const int64_t n = master.numel();
+  const auto fopts = at::TensorOptions().device(master.device());
+  if (info.mode == StateMode::kFp32) {
+    p.m32 = at::zeros({n}, fopts.dtype(at::kFloat));
+    p.v32 = at::zeros({n}, fopts.dtype(at::kFloat));
+  } else {
+    const int64_t nb = ceil_div(n, moment_block_size(info.mode));
+    const int64_t ncodes = info.mode == StateMode::kInt8 ? n : ceil_div(n, 2);
+    const auto sdt = info.mode == StateMode::kNvfp4 ? at::kByte : at::kFloat;
+    for (PackedMoment* pm : {&p.m, &p.v}) {
+      pm->numel = n;
+      pm->codes = at::zeros({ncodes}, fopts.dtype(at::kByte));
+      pm->scales = at::zeros({nb}, fopts.dtype(sdt));
+    }
+  }
+  info.state_bytes = 2 * packed_moment_bytes(info.mode, n);
+  d.infos.push_back(info);
+  d.ps.push_back(std::move(p));
+}
+
+const AdamWOptions& PackedAdamW::options() const { return impl_->opt; }
+
+void PackedAdamW::set_options(const AdamWOptions& options) {
+  options.validate();
+  const AdamWOptions& o = impl_->opt;
+  TORCH_CHECK(options.state_mode == o.state_mode,
+              "optim.state_mode cannot change on a live optimizer (", to_string(o.state_mode),
+              " -> ", to_string(options.state_mode), ")");
+  TORCH_CHECK(options.small_tensor_threshold == o.small_tensor_threshold,
+              "optim.small_tensor_threshold cannot change on a live optimizer");
+  TORCH_CHECK(options.seed == o.seed, "optim.seed cannot change on a live optimizer");
+  impl_->opt = options;
+}
+
+int64_t PackedAdamW::num_params() const { return static_cast<int64_t>(impl_->ps.size()); }
+const std::vector<ParamInfo>& PackedAdamW::params() const { return impl_->infos; }
+const at::Tensor& PackedAdamW::master(int64_t index) const {
+  TORCH_CHECK(index >= 0 && index < num_params(), "PackedAdamW::master: index ", index,
+              " out of range [0, ", num_params(), ")");
+  return impl_->ps[index].master;
+}
+int64_t PackedAdamW::step_count() const { return impl_->step; }
+int64_t PackedAdamW::skipped_total() const { return impl_->skipped; }
+int64_t PackedAdamW::consecutive_nonfinite() const { return impl_->consecutive; }
+int64_t PackedAdamW::state_bytes() const {
+  int64_t b = 0;
+  for (const auto& i : impl_->infos) b += i.state_bytes;
+  return b;
+}
+
+StepTraffic PackedAdamW::step_traffic(at::ScalarType grad_dtype) const {
+  StepTraffic t;
+  const int64_t gb = static_cast<int64_t>(c10::elementSize(grad_dtype));
+  for (const auto& i : impl_->infos) {
+    int64_t n = 1;
+    for (int64_t s : i.shape) n *= s;
+    const int64_t mb = static_cast<int64_t>(c10::elementSize(i.master_dtype));
+    t.norm_read_bytes += n * gb;
+    t.step_read_bytes += n * (gb + mb) + i.state_bytes;
+    t.step_write_bytes += n * mb + i.state_bytes;
+  }
+  return t;
+}
+
+int64_t PackedAdamW::scratch_peak_bytes() const { return impl_->scratch.peak_bytes(); }
+void PackedAdamW::release_scratch() { impl_->scratch.release(); }
+
+at::Tensor PackedAdamW::decoded_exp_avg(int64_t index) const {
+  master(index);  // range check
+  const detail::ParamState& p = impl_->ps[index];
+  if (p.info.mode == StateMode::kFp32) return p.m32.clone();
+  return unpack_moment(p.m, p.info.mode, Moment::kFirst);
+}
+
+at::Tensor PackedAdamW::decoded_exp_avg_sq(int64_t index) const {
+  master(index);
+  const detail::ParamState& p = impl_->ps[index];
+  if (p.info.mode == StateMode::kFp32) return p.v32.clone();
+  return unpack_moment(p.v, p.info.mode, Moment::kSecond);
+}
+
+void PackedAdamW::zero_grad(bool set_to_none) {
+  for (auto& p : impl_->ps) {
+    at::Tensor& g = p.master.mutable_grad();
+    if (!g.defined()) continue;
+    if (set_to_none) {
+      g = at::Tensor();
+    } else {
+      g.detach_();
+      g.zero_();
+    }
+  }
+}
+
+// ---------------------------------------------------------------- norm
+
+namespace detail {
+
+// Sum of squares of g in fp32 chunks of at most chunk_elems (CPU).
+double sumsq_cpu(const at::Tensor& g, int64_t chunk_elems, Scratch& s) {
+  const at::Tensor flat = g.reshape({-1});
+  const int64_t n = flat.numel();
+  double total = 0.0;
+  for (int64_t start = 0; start < n; start += chunk_elems) {
+    const int64_t len = std::min(chunk_elems, n - start);
+    at::Tensor buf = s.get(kSlotGrad, at::kFloat, len);
+    buf.copy_(flat.narrow(0, start, len));
+    total += at::dot(buf, buf).item<double>();
+  }
+  return total;
+}
+
+#if Q4_WITH_CUDA
+int cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return cuda::kDtF32;
+    case at::kHalf:
+      return cuda::kDtF16;
+    case at::kBFloat16:
+      return cuda::kDtBF16;
+    default:
+      TORCH_CHECK(false, "q4::optim: unsupported dtype ", t, " (expected fp32, fp16 or bf16)");
+  }
+}
+#endif
+
+// Squared global norm over grads (undefined entries skipped), combined in double.
+double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, Scratch& s) {
+  double total = 0.0;
+#if Q4_WITH_CUDA
+  std::vector<const at::Tensor*> on_cuda;
+#endif
+  for (const at::Tensor& g : grads) {
+    if (!g.defined() || g.numel() == 0) continue;
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
+                    g.scalar_type() == at::kBFloat16,
+                "q4::optim: gradient dtype must be fp32, fp16 or bf16, got ", g.scalar_type());
+    if (g.is_cuda()) {
+#if Q4_WITH_CUDA
+      on_cuda.push_back(&g);
+      continue;
+#else
+      TORCH_CHECK(false, "q4::optim: CUDA gradient but q4_optim was built without CUDA");
+#endif
+    }
+    total += sumsq_cpu(g, chunk_elems, s);
+  }
+#if Q4_WITH_CUDA
+  if (!on_cuda.empty()) {
+    // (P, kSumsqPartials) fp32 partial sums, summed in double in a fixed order.
+    const at::Device dev = on_cuda.front()->device();
+    at::Tensor partials = at::empty({static_cast<int64_t>(on_cuda.size()), cuda::kSumsqPartials},
+                                    at::TensorOptions().device(dev).dtype(at::kFloat));
+    for (size_t i = 0; i < on_cuda.size(); ++i) {
+      const at::Tensor g = on_cuda[i]->contiguous();
+      c10::cuda::CUDAGuard guard(g.device());
+      cuda::launch_sumsq(g.data_ptr(), cuda_dtype(g.scalar_type()), g.numel(),
+                         partials[static_cast<int64_t>(i)].data_ptr<float>(),
+                         at::cuda::getCurrentCUDAStream());
+    }
+    total += partials.to(at::kDouble).sum().item<double>();
+  }
+#endif
+  return total;
+}
+
+}  // namespace detail
+
+double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elems) {
+  TORCH_CHECK(chunk_elems >= 1, "global_grad_norm: chunk_elems must be >= 1, got ", chunk_elems);
+  c10::NoGradGuard no_grad;
+  detail::Scratch s;
+  return std::sqrt(detail::global_sumsq(grads, chunk_elems, s));
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm) {
+  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
+              "clip_grad_norm_: max_norm must be a finite value > 0, got ", max_norm);
+  c10::NoGradGuard no_grad;
+  const double norm = global_grad_norm(grads);
+  if (!std::isfinite(norm)) return norm;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (const at::Tensor& g : grads) {
+      if (g.defined()) const_cast<at::Tensor&>(g).mul_(coef);
+    }
+  }
+  return norm;
+}
+
+// ---------------------------------------------------------------- step
+
+namespace detail {
+
+// Constants of one step, rounded to fp32 once (shared by the CPU path and the kernels).
+struct StepConsts {
+  float grad_scale, beta1, omb1, beta2, omb2, inv_sqrt_bc2, eps, step_size, decay;
+};
+
+void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
+                    bool stochastic, uint32_t key, int64_t chunk_rows, Scratch& s) {
+  const StateMode mode = p.info.mode;
+  const int64_t n = p.flat.numel();
+  const int64_t block = mode == StateMode::kFp32 ? 1 : moment_block_size(mode);
+  const int64_t row_elems = std::max<int64_t>(1, chunk_rows * p.info.cols);
+  const int64_t chunk = std::max<int64_t>(block, (row_elems / block) * block);
+  const at::Tensor gflat = grad.defined() ? grad.reshape({-1}) : at::Tensor();
+  const bool fp32_master = p.info.master_dtype == at::kFloat;
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t len = std::min(chunk, n - start);
+    const int64_t npad = ceil_div(len, block) * block;
+    at::Tensor g = s.get(kSlotGrad, at::kFloat, npad);
+    if (gflat.defined()) {
+      g.narrow(0, 0, len).copy_(gflat.narrow(0, start, len));
+      g.mul_(c.grad_scale);
+    } else {
+      g.narrow(0, 0, len).zero_();
+    }
+    if (npad > len) g.narrow(0, len, npad - len).zero_();
+    at::Tensor m, v;
+    if (mode == StateMode::kFp32) {
+      m = p.m32.narrow(0, start, len);
+      v = p.v32.narrow(0, start, len);
+    } else {
+      m = s.get(kSlotM, at::kFloat, npad);
+      v = s.get(kSlotV, at::kFloat, npad);
+      decode_chunk_cpu(p.m.codes, p.m.scales, mode, Moment::kFirst, start, len, m, s);
+      decode_chunk_cpu(p.v.codes, p.v.scales, mode, Moment::kSecond, start, len, v, s);
+    }
+    at::Tensor tmp = s.get(kSlotTmp, at::kFloat, npad);
+    // m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*(g*g), one rounding per operation.
+    tmp.copy_(g).mul_(c.omb1);
+    m.mul_(c.beta1).add_(tmp);
+    tmp.copy_(g).mul_(g).mul_(c.omb2);
+    v.mul_(c.beta2).add_(tmp);
+    if (mode != StateMode::kFp32) {
+      encode_chunk_cpu(m, mode, Moment::kFirst, start, len, p.m.codes, p.m.scales, s);
+      encode_chunk_cpu(v, mode, Moment::kSecond, start, len, p.v.codes, p.v.scales, s);
+    }
+    // u = step_size * (m / (sqrt(v) * inv_sqrt_bc2 + eps)); p = p*decay - u. Fresh (unquantized)
+    // moments are used for this step's update, as in bitsandbytes and torchao.
+    at::Tensor u = tmp.narrow(0, 0, len);
+    at::sqrt_out(u, v.narrow(0, 0, len));
+    u.mul_(c.inv_sqrt_bc2).add_(c.eps);
+    at::div_out(u, m.narrow(0, 0, len), u);
+    u.mul_(c.step_size);
+    at::Tensor master = p.flat.narrow(0, start, len);
+    at::Tensor w = s.get(kSlotMaster, at::kFloat, len);
+    w.copy_(master);
+    if (decay) w.mul_(c.decay);
+    w.sub_(u);
+    if (fp32_master) {
+      master.copy_(w);
+    } else if (stochastic) {
+      stochastic_round_cpu(w, master, key, start, s);
+    } else {
+      const double maxf = p.info.master_dtype == at::kHalf ? 65504.0 : 3.3895313892515355e38;
+      w.clamp_(-maxf, maxf);
+      master.copy_(w);
+    }
+  }
+}
+
+#if Q4_WITH_CUDA
+void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
+                     bool stochastic, uint32_t key) {
+  c10::cuda::CUDAGuard guard(p.master.device());
+  cuda::StepParams k;
+  at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
+  k.grad = g.defined() ? g.data_ptr() : nullptr;
+  k.grad_dtype = g.defined() ? cuda_dtype(g.scalar_type()) : cuda::kDtF32;
+  k.master = p.flat.data_ptr();
+  k.master_dtype = cuda_dtype(p.info.master_dtype);
+  k.n = p.flat.numel();
+  k.mode = static_cast<int>(p.info.mode);
+  if (p.info.mode == StateMode::kFp32) {
+    k.m32 = p.m32.data_ptr<float>();
+    k.v32 = p.v32.data_ptr<float>();
+  } else {
+    k.m_codes = p.m.codes.data_ptr<uint8_t>();
+    k.v_codes = p.v.codes.data_ptr<uint8_t>();
+    k.m_scales = p.m.scales.data_ptr();
+    k.v_scales = p.v.scales.data_ptr();
+  }
+  k.grad_scale = c.grad_scale;
+  k.beta1 = c.beta1;
+  k.one_minus_beta1 = c.omb1;
+  k.beta2 = c.beta2;
+  k.one_minus_beta2 = c.omb2;
+  k.inv_sqrt_bc2 = c.inv_sqrt_bc2;
+  k.eps = c.eps;
+  k.step_size = c.step_size;
+  k.decay = decay ? c.decay : 1.0f;
+  k.stochastic = stochastic ? 1 : 0;
+  k.sr_key = key;
+  cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
+}
+#endif
+
+}  // namespace detail
+
+StepResult PackedAdamW::step(const StepArgs& args) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(impl_->ps.size());
+  for (const auto& p : impl_->ps) grads.push_back(p.master.grad());
+  return step(grads, args);
+}
+
+StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArgs& args) {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  TORCH_CHECK(grads.size() == d.ps.size(), "PackedAdamW::step: expected ", d.ps.size(),
+              " gradients (one per registered parameter), got ", grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (!g.defined()) continue;
+    const ParamInfo& info = d.infos[i];
+    TORCH_CHECK(g.numel() == d.ps[i].flat.numel(), "PackedAdamW::step: gradient of '", info.name,
+                "' has ", g.numel(), " elements, expected ", d.ps[i].flat.numel());
+    TORCH_CHECK(g.device() == info.device, "PackedAdamW::step: gradient of '", info.name,
+                "' is on ", g.device(), ", master on ", info.device);
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
+                    g.scalar_type() == at::kBFloat16,
+                "PackedAdamW::step: gradient of '", info.name, "' must be fp32, fp16 or bf16, got ",
+                g.scalar_type());
+  }
+  const double lr = std::isnan(args.lr) ? o.lr : args.lr;
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "PackedAdamW::step: lr must be finite and >= 0, got ",
+              lr);
+  TORCH_CHECK(lr * o.weight_decay < 1.0, "PackedAdamW::step: lr * weight_decay must be < 1");
+  TORCH_CHECK(std::isfinite(args.grad_scale), "PackedAdamW::step: grad_scale must be finite, got ",
+              args.grad_scale);
+  TORCH_CHECK(std::isfinite(args.max_grad_norm) && args.max_grad_norm >= 0.0,
+              "PackedAdamW::step: max_grad_norm must be finite and >= 0, got ", args.max_grad_norm);
+  d.frozen = true;
+  c10::NoGradGuard no_grad;
+
+  // Chunk for the norm pass: the widest parameter's chunk, so the scratch bound is the same.
+  int64_t norm_chunk = 1;
+  for (const auto& i : d.infos) norm_chunk = std::max(norm_chunk, o.chunk_rows * i.cols);
+  const double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch);
+  const double norm = std::sqrt(sumsq) * std::fabs(args.grad_scale);
+
+  StepResult r;
+  r.lr = lr;
+  r.grad_norm = norm;
+  if (!std::isfinite(norm)) {
+    ++d.skipped;
+    ++d.consecutive;
+    r.applied = false;
+    r.step = d.step;
+    r.consecutive_nonfinite = d.consecutive;
+    r.skipped_total = d.skipped;
+    TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::step: ", d.consecutive,
+                " consecutive steps with non-finite gradients (grad norm ", norm,
+                "), more than optim.max_consecutive_nonfinite = ", o.max_consecutive_nonfinite,
+                "; the run is diverging or the loss is broken");
+    return r;
+  }
+  double coef = 1.0;
+  if (args.max_grad_norm > 0.0 && norm > args.max_grad_norm) {
+    coef = args.max_grad_norm / (norm + 1e-6);
+  }
+  const int64_t t = d.step + 1;
+  detail::StepConsts c;
+  c.grad_scale = static_cast<float>(args.grad_scale * coef);
+  c.beta1 = static_cast<float>(o.beta1);
+  c.omb1 = static_cast<float>(1.0 - o.beta1);
+  c.beta2 = static_cast<float>(o.beta2);
+  c.omb2 = static_cast<float>(1.0 - o.beta2);
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = static_cast<float>(o.eps);
+  c.step_size = static_cast<float>(lr / bc1);
+  c.decay = static_cast<float>(1.0 - lr * o.weight_decay);
+  const bool stochastic = o.rounding == MasterRounding::kStochastic;
+  for (size_t i = 0; i < d.ps.size(); ++i) {
+    detail::ParamState& p = d.ps[i];
+    const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
+    const uint32_t key = detail::sr_stream_key(o.seed, t, static_cast<int64_t>(i));
+    if (p.master.is_cuda()) {
+#if Q4_WITH_CUDA
+      detail::step_param_cuda(p, grads[i], c, decay, stochastic, key);
+#endif
+    } else {
+      detail::step_param_cpu(p, grads[i], c, decay, stochastic, key, o.chunk_rows, d.scratch);
+    }
+  }
+  d.step = t;
+  d.consecutive = 0;
+  r.applied = true;
+  r.clip_coef = coef;
+  r.step = d.step;
+  r.consecutive_nonfinite = 0;
+  r.skipped_total = d.skipped;
+  return r;
+}
+
+}  // namespace q4::optim

@@ -1,0 +1,78 @@
+// Private CPU building blocks of the optimizer: the scratch arena every chunk-sized temporary
+// comes from (its high-water mark is the step's temporary memory), and the vectorized ATen
+// block codecs for packed moments. All arithmetic is element-wise fp32 with one rounding per
+// operation, in the order the CUDA kernels use (docs/optim.md "Arithmetic").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+
+#include "optim_math.h"
+#include "q4/optim/adamw.h"
+#include "q4/optim/state_codec.h"
+
+namespace q4::optim::detail {
+
+// Named scratch slots; a slot keeps one 1-D buffer that grows to the largest request.
+enum Slot : int {
+  kSlotGrad = 0,   // fp32 g
+  kSlotM,          // fp32 m (packed modes)
+  kSlotV,          // fp32 v (packed modes)
+  kSlotTmp,        // fp32 temporary
+  kSlotTmp2,       // fp32 temporary
+  kSlotMaster,     // fp32 master
+  kSlotI32,        // int32 codes
+  kSlotI32b,       // int32 codes / packing
+  kSlotI64,        // int64 hash state
+  kSlotI64b,       // int64 hash temporary
+  kSlotHalf,       // 16-bit master candidate
+  kSlotHalf2,      // 16-bit neighbour
+  kSlotMask,       // bool
+  kSlotBlockF,     // fp32 per-block scale
+  kSlotBlockF2,    // fp32 per-block scale temporary
+  kSlotBlockI,     // int32 per-block
+  kSlotBlockI2,    // int32 per-block
+  kSlotBlockMask,  // bool per-block
+  kNumSlots,
+};
+
+class Scratch {
+ public:
+  // A contiguous 1-D tensor of n elements of `dtype` (contents unspecified).
+  at::Tensor get(int slot, at::ScalarType dtype, int64_t n);
+  int64_t peak_bytes() const { return peak_bytes_; }
+  int64_t current_bytes() const { return current_bytes_; }
+  void release();
+
+ private:
+  std::array<at::Tensor, kNumSlots> buf_;
+  int64_t current_bytes_ = 0;
+  int64_t peak_bytes_ = 0;
+};
+
+// Tables of one map on the CPU: values (size) and midpoints (size - 1), fp32.
+struct MapTensors {
+  at::Tensor value;
+  at::Tensor mid;
+};
+const MapTensors& cpu_map(StateMode mode, Moment moment);
+const CodeMap& host_map(StateMode mode, Moment moment);
+at::Tensor e4m3_decode_table_cpu();  // (256) fp32
+at::Tensor e2m1_decode_table_cpu();  // (16) fp32
+
+// Decodes elements [start, start + n) of a packed moment into x (npad fp32, npad = n rounded up
+// to the block size; start a multiple of the block size). The padding tail of x is set to 0.
+void decode_chunk_cpu(const at::Tensor& codes, const at::Tensor& scales, StateMode mode,
+                      Moment moment, int64_t start, int64_t n, const at::Tensor& x, Scratch& s);
+// Encodes x (npad fp32, tail beyond n zero) into elements [start, start + n) of a packed moment.
+void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_t start, int64_t n,
+                      const at::Tensor& codes, const at::Tensor& scales, Scratch& s);
+
+// Writes p (n fp32) into out (n, fp16/bf16/fp32) with stochastic rounding keyed by `key`; element
+// i of p has flat index first_index + i. Same bits as the CUDA kernel and write_master_ref.
+void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t key,
+                          int64_t first_index, Scratch& s);
+
+}  // namespace q4::optim::detail

@@ -1,0 +1,57 @@
+// Host launchers of the optimizer's CUDA kernels (adamw_kernels.cu). Raw pointers, sizes and a
+// stream only: no torch types, so the .cu file includes no torch headers. The .cpp callers
+// validate dtypes, devices and sizes; each launcher checks the launch and throws
+// std::runtime_error with the CUDA error string.
+#pragma once
+
+#include <cstdint>
+
+#if Q4_WITH_CUDA || defined(__CUDACC__)
+#include <cuda_runtime_api.h>
+
+namespace q4::optim::cuda {
+
+enum DType : int { kDtF32 = 0, kDtF16 = 1, kDtBF16 = 2 };
+// Mode numbering = StateMode order: 0 fp32, 1 int8, 2 4-bit, 3 NVFP4. Moment: 0 first, 1 second.
+
+struct StepParams {
+  const void* grad = nullptr;  // (n) grad_dtype; null: zero gradient
+  int grad_dtype = kDtF32;
+  void* master = nullptr;  // (n) master_dtype, updated in place
+  int master_dtype = kDtF16;
+  int64_t n = 0;
+  int mode = 0;
+  float* m32 = nullptr;  // (n) fp32 moments (mode 0)
+  float* v32 = nullptr;
+  uint8_t* m_codes = nullptr;  // packed moments (modes 1-3), layout of state_codec.h
+  uint8_t* v_codes = nullptr;
+  void* m_scales = nullptr;  // fp32 absmax (modes 1, 2) or uint8 E4M3 (mode 3)
+  void* v_scales = nullptr;
+  float grad_scale = 1.0f;  // fp32 constants, rounded once on the host (same as the CPU path)
+  float beta1 = 0.9f;
+  float one_minus_beta1 = 0.1f;
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float inv_sqrt_bc2 = 1.0f;  // 1 / sqrt(1 - beta2^t)
+  float eps = 1e-8f;
+  float step_size = 0.0f;  // lr / (1 - beta1^t)
+  float decay = 1.0f;      // 1 - lr * weight_decay (1: none)
+  int stochastic = 0;      // 1: stochastic rounding of fp16/bf16 masters
+  uint32_t sr_key = 0;
+};
+
+void launch_adamw_step(const StepParams& p, cudaStream_t stream);
+
+// Sum of squares of g (n elements, dtype) in fp32: writes kSumsqPartials fp32 partial sums (each
+// a fixed-order reduction), so the result does not depend on scheduling.
+inline constexpr int kSumsqPartials = 1024;
+void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream);
+
+// Standalone codec (tests, diagnostics): same device code as the fused step.
+void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint8_t* codes,
+                        void* scales, cudaStream_t stream);
+void launch_unpack_moment(const uint8_t* codes, const void* scales, int64_t n, int mode, int moment,
+                          float* x, cudaStream_t stream);
+
+}  // namespace q4::optim::cuda
+#endif

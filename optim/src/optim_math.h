@@ -1,0 +1,213 @@
+// Scalar building blocks shared by the CPU ATen path, the scalar references and the CUDA kernels
+// (this header includes no torch headers so .cu files can use it): the counter-based hash behind
+// stochastic rounding, the E4M3/E2M1 codecs of the NVFP4 moment mode, and the code tables of the
+// int8/4-bit maps. One definition here is what keeps CPU and CUDA bit-identical.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define Q4_HD __host__ __device__ __forceinline__
+#else
+#define Q4_HD inline
+#endif
+
+namespace q4::optim::detail {
+
+// ---- counter-based hash (stochastic rounding) ----
+// lowbias32 (C. Wellons, "Hash function prospector", 2018): a 32-bit mixer with good avalanche.
+// The CPU path evaluates it with int64 ATen ops; both multipliers are applied as signed values
+// below 2^31 in magnitude (0x846ca68b == 2^32 - 2073254261), so products fit in int64.
+inline constexpr uint32_t kHashMul1 = 0x7feb352dU;
+inline constexpr uint32_t kHashMul2 = 0x846ca68bU;
+inline constexpr int64_t kHashMul2Signed = -2073254261LL;  // kHashMul2 - 2^32
+
+Q4_HD uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kHashMul1;
+  x ^= x >> 15;
+  x *= kHashMul2;
+  x ^= x >> 16;
+  return x;
+}
+
+// Key of one (seed, step, parameter) stream; step is the Adam t (1-based) of the update.
+inline uint32_t sr_stream_key(uint64_t seed, int64_t step, int64_t param_index) {
+  uint32_t k = hash32(static_cast<uint32_t>(seed));
+  k = hash32(k ^ static_cast<uint32_t>(seed >> 32));
+  k = hash32(k ^ static_cast<uint32_t>(step));
+  k = hash32(k ^ static_cast<uint32_t>(param_index));
+  return k;
+}
+
+// 32 random bits for element `index` (0-based flat index inside the parameter).
+Q4_HD uint32_t sr_bits(uint32_t key, int64_t index) {
+  const uint32_t lo = static_cast<uint32_t>(static_cast<uint64_t>(index) & 0xffffffffULL);
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32);
+  return hash32(hash32(lo ^ key) ^ hi);
+}
+
+// Uniform in [0, 1) with 24 bits, exact in fp32.
+Q4_HD float sr_uniform(uint32_t bits) {
+  return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;
+}
+
+// ---- bit casts ----
+Q4_HD uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+Q4_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// ---- NVFP4 moment mode (DESIGN.md "NVFP4 numerics") ----
+inline constexpr float kE4m3Max = 448.0f;
+inline constexpr float kScaleMin = 1.52587890625e-05f;  // 2^-16
+inline constexpr float kE2m1Max = 6.0f;
+
+// FP8 E4M3FN encode, round-to-nearest-even, x in [2^-16, 448] (already clamped; a normal fp32).
+// Exponent e = floor(log2 x) from the fp32 bits; below 2^-6 the code is subnormal (step 2^-9).
+// q = rint(x * 2^(3 - max(e, -6))) is exact scaling then RNE; a mantissa carry (q == 16) rolls
+// into the exponent field by construction of bits = (max(e,-6) + 6) * 8 + q.
+Q4_HD uint8_t e4m3_encode(float x) {
+  int e = static_cast<int>((f32_bits(x) >> 23) & 0xff) - 127;
+  if (e < -6) e = -6;
+  const float scale = bits_f32(static_cast<uint32_t>(3 - e + 127) << 23);  // 2^(3-e)
+#if defined(__CUDA_ARCH__)
+  const float q = rintf(__fmul_rn(x, scale));
+#else
+  const float q = std::nearbyint(x * scale);
+#endif
+  return static_cast<uint8_t>((e + 6) * 8 + static_cast<int>(q));
+}
+
+Q4_HD float e4m3_decode(uint8_t b) {
+  const int exp = (b >> 3) & 0xf;
+  const int man = b & 0x7;
+  const bool neg = (b & 0x80) != 0;
+  float v;
+  if (exp == 0xf && man == 0x7) {
+    v = bits_f32(0x7fc00000U);  // NaN
+  } else if (exp == 0) {
+    v = static_cast<float>(man) * 0.001953125f;  // m/8 * 2^-6 = m * 2^-9
+  } else {
+    v = bits_f32(static_cast<uint32_t>(exp - 7 + 127) << 23) *
+        (1.0f + static_cast<float>(man) * 0.125f);
+  }
+  return neg ? -v : v;
+}
+
+// E2M1 code of d (already clamped to [-6, 6]): thresholds of DESIGN.md, ties away from zero,
+// bit 3 set when d < 0 (tiny negatives become code 8, -0).
+Q4_HD uint8_t e2m1_encode(float d) {
+  const float a = d < 0.0f ? -d : d;
+  uint8_t c = static_cast<uint8_t>((a >= 0.25f) + (a >= 0.75f) + (a >= 1.25f) + (a >= 1.75f) +
+                                   (a >= 2.5f) + (a >= 3.5f) + (a >= 5.0f));
+  if (d < 0.0f) c |= 8;
+  return c;
+}
+
+Q4_HD float e2m1_decode(uint8_t code) {
+  constexpr float kVals[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = kVals[code & 7];
+  return (code & 8) ? -v : v;
+}
+
+// ---- int8 / 4-bit code maps ----
+// Tables sorted ascending; the code of a normalized value y is #{j : mid[j] < y} (nearest entry,
+// ties to the lower one), identical to at::bucketize(y, mid, right=false).
+struct CodeMap {
+  int size = 0;      // 256 or 16
+  float value[256];  // decoded value of each code (absmax-normalized)
+  float mid[255];    // (value[j] + value[j+1]) / 2 in fp32
+};
+
+// bitsandbytes create_dynamic_map(signed, max_exponent_bits, total_bits) (Dettmers et al.,
+// "8-bit Optimizers via Block-wise Quantization", ICLR 2022; also torchao's AdamW4bit uses it
+// with (true, 3, 4)): for i < max_exponent_bits, 10^(i - max_exponent_bits + 1) times the
+// midpoints of linspace(0.1, 1, n_i + 1), plus 0 and 1. Computed in double, stored as fp32.
+inline void fill_dynamic_map(bool is_signed, int max_exponent_bits, int total_bits, CodeMap* map) {
+  double data[256];
+  int n = 0;
+  const int non_sign_bits = total_bits - 1;
+  for (int i = 0; i < max_exponent_bits; ++i) {
+    const int fraction_items = is_signed ? (1 << (i + non_sign_bits - max_exponent_bits)) + 1
+                                         : (1 << (i + non_sign_bits - max_exponent_bits + 1)) + 1;
+    const double scale = std::pow(10.0, -(max_exponent_bits - 1) + i);
+    for (int k = 0; k + 1 < fraction_items; ++k) {
+      const double b0 = 0.1 + 0.9 * k / (fraction_items - 1);
+      const double b1 = 0.1 + 0.9 * (k + 1) / (fraction_items - 1);
+      const double mean = (b0 + b1) / 2.0;
+      data[n++] = scale * mean;
+      if (is_signed) data[n++] = -scale * mean;
+    }
+  }
+  data[n++] = 0.0;
+  data[n++] = 1.0;
+  // additional_items is 0 for the two maps used here (8 bits / 7 exponent bits, 4 / 3).
+  for (int a = 1; a < n; ++a) {  // insertion sort, n <= 256
+    const double key = data[a];
+    int b = a - 1;
+    while (b >= 0 && data[b] > key) {
+      data[b + 1] = data[b];
+      --b;
+    }
+    data[b + 1] = key;
+  }
+  map->size = n;
+  for (int j = 0; j < n; ++j) map->value[j] = static_cast<float>(data[j]);
+}
+
+inline void fill_mids(CodeMap* map) {
+  for (int j = 0; j + 1 < map->size; ++j) map->mid[j] = (map->value[j] + map->value[j + 1]) * 0.5f;
+}
+
+// The four maps. Second-moment maps never decode to 0 for a positive block:
+//  int8 m: signed dynamic map (256 entries, block 256).
+//  int8 v: unsigned dynamic map (256 entries) with its 0 entry replaced by the smallest positive
+//          entry (3.25e-7), so codes 0 and 1 both decode to it: zero-free.
+//  4bit m: signed dynamic-exponent map, 3 exponent bits (torchao QMAP_SIGNED), block 128.
+//  4bit v: linear map k/16, k = 1..16 (torchao QMAP_UNSIGNED, "linspace(0,1,17)[1:]"), block 128.
+enum class MapId { kInt8First = 0, kInt8Second = 1, k4BitFirst = 2, k4BitSecond = 3 };
+
+inline CodeMap make_code_map(MapId id) {
+  CodeMap map{};
+  switch (id) {
+    case MapId::kInt8First:
+      fill_dynamic_map(true, 7, 8, &map);
+      break;
+    case MapId::kInt8Second:
+      fill_dynamic_map(false, 7, 8, &map);
+      map.value[0] = map.value[1];  // drop the zero: the map's smallest entry (sorted: 0 first)
+      break;
+    case MapId::k4BitFirst:
+      fill_dynamic_map(true, 3, 4, &map);
+      break;
+    case MapId::k4BitSecond:
+      map.size = 16;
+      for (int k = 1; k <= 16; ++k) map.value[k - 1] = static_cast<float>(k) / 16.0f;
+      break;
+  }
+  fill_mids(&map);
+  return map;
+}
+
+inline constexpr int64_t kInt8Block = 256;
+inline constexpr int64_t k4BitBlock = 128;
+inline constexpr int64_t kNvfp4Block = 16;
+
+}  // namespace q4::optim::detail

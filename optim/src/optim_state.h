@@ -1,0 +1,39 @@
+// Private state of PackedAdamW, shared by the step (adamw.cpp) and the state file I/O
+// (state_io.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "q4/optim/adamw.h"
+#include "q4/optim/state_codec.h"
+
+namespace q4::optim {
+namespace detail {
+
+struct ParamState {
+  at::Tensor master;  // as registered (any shape), updated in place
+  at::Tensor flat;    // (numel) view of master
+  ParamInfo info;
+  at::Tensor m32;  // (numel) fp32 first moment (mode fp32)
+  at::Tensor v32;  // (numel) fp32 second moment (mode fp32)
+  PackedMoment m;  // packed first moment (int8 / 4bit / nvfp4)
+  PackedMoment v;  // packed second moment
+};
+
+}  // namespace detail
+
+struct PackedAdamW::Impl {
+  AdamWOptions opt;
+  std::vector<detail::ParamState> ps;
+  std::vector<ParamInfo> infos;
+  int64_t step = 0;         // applied steps (Adam t)
+  int64_t skipped = 0;      // skipped steps in total
+  int64_t consecutive = 0;  // skipped steps in a row
+  bool frozen = false;      // no add_param after step()/load()
+  detail::Scratch scratch;
+};
+
+}  // namespace q4::optim

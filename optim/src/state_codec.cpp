@@ -1,0 +1,476 @@
+// Block codecs of the packed Adam moments: code tables, the vectorized CPU encode/decode used
+// per chunk by the CPU step, the CUDA dispatch of the public pack/unpack functions, and the scalar
+// references. Maps (sources in optim_math.h): int8 = bitsandbytes dynamic tree map (block 256,
+// second moment made zero-free), 4-bit = torchao AdamW4bit maps (block 128), NVFP4 = DESIGN.md.
+#include "q4/optim/state_codec.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+
+#include "cpu_kernels.h"
+#include "cuda_launch.h"
+#include "optim_math.h"
+
+#if Q4_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace q4::optim {
+namespace detail {
+
+at::Tensor Scratch::get(int slot, at::ScalarType dtype, int64_t n) {
+  TORCH_INTERNAL_ASSERT(slot >= 0 && slot < kNumSlots);
+  at::Tensor& b = buf_[slot];
+  const int64_t need = n * static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t have = b.defined() ? b.numel() : 0;  // uint8 bytes
+  if (need > have) {
+    current_bytes_ -= have;
+    b = at::Tensor();
+    b = at::empty({need}, at::TensorOptions().dtype(at::kByte));
+    current_bytes_ += need;
+    peak_bytes_ = std::max(peak_bytes_, current_bytes_);
+  }
+  return b.narrow(0, 0, need).view(dtype);
+}
+
+void Scratch::release() {
+  for (auto& b : buf_) b = at::Tensor();
+  current_bytes_ = 0;
+  peak_bytes_ = 0;
+}
+
+namespace {
+
+MapId map_id(StateMode mode, Moment moment) {
+  TORCH_CHECK(mode == StateMode::kInt8 || mode == StateMode::k4Bit,
+              "q4::optim: no code map for state mode ", to_string(mode));
+  if (mode == StateMode::kInt8) {
+    return moment == Moment::kFirst ? MapId::kInt8First : MapId::kInt8Second;
+  }
+  return moment == Moment::kFirst ? MapId::k4BitFirst : MapId::k4BitSecond;
+}
+
+struct MapCache {
+  CodeMap host[4];
+  MapTensors cpu[4];
+  at::Tensor e4m3;
+  at::Tensor e2m1;
+  at::Tensor e2m1_thresholds;
+  MapCache() {
+    for (int i = 0; i < 4; ++i) {
+      host[i] = make_code_map(static_cast<MapId>(i));
+      const int n = host[i].size;
+      cpu[i].value = at::empty({n}, at::kFloat);
+      cpu[i].mid = at::empty({n - 1}, at::kFloat);
+      std::memcpy(cpu[i].value.data_ptr<float>(), host[i].value, sizeof(float) * n);
+      std::memcpy(cpu[i].mid.data_ptr<float>(), host[i].mid, sizeof(float) * (n - 1));
+    }
+    e4m3 = at::empty({256}, at::kFloat);
+    for (int b = 0; b < 256; ++b) e4m3.data_ptr<float>()[b] = e4m3_decode(static_cast<uint8_t>(b));
+    e2m1 = at::empty({16}, at::kFloat);
+    for (int c = 0; c < 16; ++c) e2m1.data_ptr<float>()[c] = e2m1_decode(static_cast<uint8_t>(c));
+    // |d| >= t for each threshold of DESIGN.md: the code magnitude is the number of thresholds
+    // <= |d| (at::bucketize with right=true).
+    const float thr[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    e2m1_thresholds = at::empty({7}, at::kFloat);
+    std::memcpy(e2m1_thresholds.data_ptr<float>(), thr, sizeof(thr));
+  }
+};
+
+const MapCache& maps() {
+  static const MapCache cache;
+  return cache;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+const MapTensors& cpu_map(StateMode mode, Moment moment) {
+  return maps().cpu[static_cast<int>(map_id(mode, moment))];
+}
+const CodeMap& host_map(StateMode mode, Moment moment) {
+  return maps().host[static_cast<int>(map_id(mode, moment))];
+}
+at::Tensor e4m3_decode_table_cpu() { return maps().e4m3; }
+at::Tensor e2m1_decode_table_cpu() { return maps().e2m1; }
+
+void decode_chunk_cpu(const at::Tensor& codes, const at::Tensor& scales, StateMode mode,
+                      Moment moment, int64_t start, int64_t n, const at::Tensor& x, Scratch& s) {
+  const int64_t block = moment_block_size(mode);
+  const int64_t nb = ceil_div(n, block);
+  const int64_t npad = nb * block;
+  TORCH_INTERNAL_ASSERT(start % block == 0 && x.numel() == npad);
+  at::Tensor ci = s.get(kSlotI32, at::kInt, npad);  // (npad) code of each element
+  if (mode == StateMode::kInt8) {
+    ci.narrow(0, 0, n).copy_(codes.narrow(0, start, n));
+    if (npad > n) ci.narrow(0, n, npad - n).zero_();
+  } else {
+    const int64_t nbytes = ceil_div(n, 2);
+    const at::Tensor bytes = codes.narrow(0, start / 2, nbytes);
+    at::Tensor pairs = ci.view({npad / 2, 2});  // (npad/2, 2): low nibble, high nibble
+    at::Tensor lo = pairs.select(1, 0).narrow(0, 0, nbytes);
+    at::Tensor hi = pairs.select(1, 1).narrow(0, 0, nbytes);
+    at::bitwise_and_out(lo, bytes, 15);
+    at::bitwise_right_shift_out(hi, bytes, 4);
+    if (npad / 2 > nbytes) pairs.narrow(0, nbytes, npad / 2 - nbytes).zero_();
+  }
+  at::Tensor xb = x.view({nb, block});
+  if (mode == StateMode::kNvfp4) {
+    at::Tensor xo = x;
+    at::index_select_out(xo, maps().e2m1, 0, ci);
+    at::Tensor sb = s.get(kSlotBlockI, at::kInt, nb);
+    sb.copy_(scales.narrow(0, start / block, nb));
+    at::Tensor sf = s.get(kSlotBlockF, at::kFloat, nb);
+    at::index_select_out(sf, maps().e4m3, 0, sb);
+    xb.mul_(sf.view({nb, 1}));
+  } else {
+    at::Tensor xo = x;
+    at::index_select_out(xo, cpu_map(mode, moment).value, 0, ci);
+    xb.mul_(scales.narrow(0, start / block, nb).view({nb, 1}));
+  }
+  if (npad > n) x.narrow(0, n, npad - n).zero_();
+}
+
+void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_t start, int64_t n,
+                      const at::Tensor& codes, const at::Tensor& scales, Scratch& s) {
+  const int64_t block = moment_block_size(mode);
+  const int64_t nb = ceil_div(n, block);
+  const int64_t npad = nb * block;
+  TORCH_INTERNAL_ASSERT(start % block == 0 && x.numel() == npad);
+  const at::Tensor xb = x.view({nb, block});
+  at::Tensor y = s.get(kSlotTmp2, at::kFloat, npad);  // (npad) normalized values
+  at::Tensor yb = y.view({nb, block});
+  at::Tensor ci = s.get(kSlotI32, at::kInt, npad);  // (npad) codes
+  at::Tensor amax = s.get(kSlotBlockF, at::kFloat, nb);
+  if (moment == Moment::kSecond && mode != StateMode::kNvfp4) {
+    at::amax_out(amax, xb, {1}, false);  // v >= 0
+  } else {
+    at::abs_out(y, x);
+    at::amax_out(amax, yb, {1}, false);
+  }
+  if (mode == StateMode::kNvfp4) {
+    // s = e4m3_rne(clamp(amax / 6, 2^-16, 448)), vectorized as in e4m3_encode().
+    amax.div_(6.0).clamp_(kScaleMin, kE4m3Max);
+    at::Tensor e = s.get(kSlotBlockI, at::kInt, nb);  // floor(log2(s_in)), at least -6
+    at::bitwise_right_shift_out(e, amax.view(at::kInt), 23);
+    e.sub_(127).clamp_min_(-6);
+    at::Tensor p2i = s.get(kSlotBlockF2, at::kInt, nb);  // bits of 2^(3 - e)
+    p2i.copy_(e).neg_().add_(130).mul_(int64_t{1} << 23);
+    at::Tensor q = p2i.view(at::kFloat);
+    q.mul_(amax).round_();  // exact scaling, then round half to even
+    at::Tensor bits = s.get(kSlotBlockI2, at::kInt, nb);
+    bits.copy_(q);  // exact small integer 0..16
+    bits.add_(e.add_(6).mul_(8));
+    scales.narrow(0, start / block, nb).copy_(bits);
+    at::Tensor sf = amax;  // decoded scale + 1e-12
+    at::index_select_out(sf, maps().e4m3, 0, bits);
+    sf.add_(1e-12f);
+    at::div_out(yb, xb, sf.view({nb, 1}));
+    y.clamp_(-kE2m1Max, kE2m1Max);
+    at::Tensor neg = s.get(kSlotMask, at::kBool, npad);
+    at::lt_out(neg, y, 0);
+    y.abs_();
+    at::bucketize_out(ci, y, maps().e2m1_thresholds, /*out_int32=*/true, /*right=*/true);
+    ci.add_(neg, 8);
+  } else {
+    scales.narrow(0, start / block, nb).copy_(amax);
+    at::Tensor div = s.get(kSlotBlockF2, at::kFloat, nb);
+    at::Tensor zero = s.get(kSlotBlockMask, at::kBool, nb);
+    at::eq_out(zero, amax, 0);
+    div.copy_(amax).masked_fill_(zero, 1.0);  // all-zero block: y = 0
+    at::div_out(yb, xb, div.view({nb, 1}));
+    at::bucketize_out(ci, y, cpu_map(mode, moment).mid, /*out_int32=*/true, /*right=*/false);
+  }
+  if (mode == StateMode::kInt8) {
+    codes.narrow(0, start, n).copy_(ci.narrow(0, 0, n));
+  } else {
+    const int64_t nbytes = ceil_div(n, 2);
+    const at::Tensor pairs = ci.view({npad / 2, 2});
+    at::Tensor packed = s.get(kSlotI32b, at::kInt, npad / 2);
+    packed.copy_(pairs.select(1, 1)).mul_(16).add_(pairs.select(1, 0));
+    codes.narrow(0, start / 2, nbytes).copy_(packed.narrow(0, 0, nbytes));
+  }
+}
+
+}  // namespace detail
+
+namespace detail {
+
+void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t key,
+                          int64_t first_index, Scratch& s) {
+  const int64_t n = p.numel();
+  const at::ScalarType dt = out.scalar_type();
+  // Saturate at the largest finite value (docs/optim.md): neither neighbour is then infinite.
+  const double maxf = dt == at::kHalf ? 65504.0 : 3.3895313892515355e38;
+  at::Tensor x = p;
+  x.clamp_(-maxf, maxf);
+  at::Tensor a16 = s.get(kSlotHalf, dt, n);  // round-to-nearest candidate
+  a16.copy_(x);
+  at::Tensor bits = a16.view(at::kShort);
+  at::Tensor a = s.get(kSlotTmp2, at::kFloat, n);
+  a.copy_(a16);
+  at::Tensor absx = s.get(kSlotGrad, at::kFloat, n);
+  at::Tensor absa = s.get(kSlotTmp, at::kFloat, n);
+  at::abs_out(absx, x);
+  at::abs_out(absa, a);
+  at::Tensor away = s.get(kSlotMask, at::kBool, n);
+  at::gt_out(away, absx, absa);  // the other neighbour lies further from zero
+  // Sign-magnitude bits: +1 moves away from zero, -1 towards it (a NaN neighbour only when
+  // x == a, where p = 0 anyway).
+  at::Tensor nbits = s.get(kSlotHalf2, at::kShort, n);
+  nbits.copy_(away).mul_(2).sub_(1).add_(bits);
+  at::Tensor b = s.get(kSlotM, at::kFloat, n);
+  b.copy_(nbits.view(dt));
+  at::Tensor prob = absx;  // |x - a| / |b - a|: exact difference over a power of two
+  at::sub_out(prob, x, a).abs_();
+  at::Tensor gap = absa;
+  at::sub_out(gap, b, a).abs_();
+  at::div_out(prob, prob, gap);
+  // r = sr_bits(key, index) for index = first_index + i, with int64 ops (optim_math.h).
+  at::Tensor h = s.get(kSlotI64, at::kLong, n);
+  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
+  at::Tensor hi = s.get(kSlotI32, at::kInt, n);
+  at::arange_out(h, at::Scalar(first_index), at::Scalar(first_index + n), at::Scalar(int64_t{1}));
+  at::bitwise_right_shift_out(t, h, 32);
+  hi.copy_(t);
+  h.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{key});
+  auto hash32 = [&](at::Tensor& v) {
+    at::bitwise_right_shift_out(t, v, 16);
+    v.bitwise_xor_(t).mul_(static_cast<int64_t>(kHashMul1)).bitwise_and_(int64_t{0xffffffff});
+    at::bitwise_right_shift_out(t, v, 15);
+    v.bitwise_xor_(t).mul_(kHashMul2Signed).bitwise_and_(int64_t{0xffffffff});
+    at::bitwise_right_shift_out(t, v, 16);
+    v.bitwise_xor_(t);
+  };
+  hash32(h);
+  h.bitwise_xor_(hi);
+  hash32(h);
+  at::bitwise_right_shift_out(t, h, 8);
+  at::Tensor u = s.get(kSlotTmp, at::kFloat, n);  // 24-bit uniform in [0, 1)
+  u.copy_(t).mul_(5.9604644775390625e-08);
+  at::lt_out(away, u, prob);
+  at::where_out(bits, away, nbits, bits);
+  out.view(at::kShort).copy_(bits);
+}
+
+}  // namespace detail
+
+int64_t moment_block_size(StateMode mode) {
+  switch (mode) {
+    case StateMode::kInt8:
+      return detail::kInt8Block;
+    case StateMode::k4Bit:
+      return detail::k4BitBlock;
+    case StateMode::kNvfp4:
+      return detail::kNvfp4Block;
+    case StateMode::kFp32:
+      break;
+  }
+  TORCH_CHECK(false, "q4::optim: state mode fp32 has no blocks");
+}
+
+std::vector<float> moment_code_map(StateMode mode, Moment moment) {
+  if (mode == StateMode::kNvfp4) {
+    std::vector<float> v(16);
+    for (int c = 0; c < 16; ++c) v[c] = detail::e2m1_decode(static_cast<uint8_t>(c));
+    return v;
+  }
+  const detail::CodeMap& m = detail::host_map(mode, moment);
+  return std::vector<float>(m.value, m.value + m.size);
+}
+
+int64_t packed_moment_bytes(StateMode mode, int64_t numel) {
+  if (mode == StateMode::kFp32) return numel * 4;
+  const int64_t nb = detail::ceil_div(numel, moment_block_size(mode));
+  switch (mode) {
+    case StateMode::kInt8:
+      return numel + nb * 4;
+    case StateMode::k4Bit:
+      return detail::ceil_div(numel, 2) + nb * 4;
+    default:
+      return detail::ceil_div(numel, 2) + nb;
+  }
+}
+
+namespace {
+
+void check_packed_mode(StateMode mode) {
+  TORCH_CHECK(mode != StateMode::kFp32,
+              "q4::optim: pack_moment: state mode fp32 is not packed (expected int8, 4bit or "
+              "nvfp4)");
+}
+
+PackedMoment empty_packed(StateMode mode, int64_t n, const at::TensorOptions& opts) {
+  PackedMoment p;
+  p.numel = n;
+  const int64_t nb = detail::ceil_div(n, moment_block_size(mode));
+  p.codes =
+      at::zeros({mode == StateMode::kInt8 ? n : detail::ceil_div(n, 2)}, opts.dtype(at::kByte));
+  p.scales = at::zeros({nb}, opts.dtype(mode == StateMode::kNvfp4 ? at::kByte : at::kFloat));
+  return p;
+}
+
+void check_x(const at::Tensor& x, const char* fn) {
+  TORCH_CHECK(x.defined() && x.dim() == 1 && x.scalar_type() == at::kFloat, "q4::optim: ", fn,
+              ": expected a 1-D fp32 tensor, got ",
+              x.defined() ? std::string(x.toString()) + " of dim " + std::to_string(x.dim())
+                          : std::string("an undefined tensor"));
+}
+
+void check_packed(const PackedMoment& p, StateMode mode, const char* fn) {
+  check_packed_mode(mode);
+  const int64_t nb = detail::ceil_div(p.numel, moment_block_size(mode));
+  const int64_t ncodes = mode == StateMode::kInt8 ? p.numel : detail::ceil_div(p.numel, 2);
+  TORCH_CHECK(p.codes.defined() && p.codes.scalar_type() == at::kByte && p.codes.dim() == 1 &&
+                  p.codes.numel() == ncodes && p.codes.is_contiguous(),
+              "q4::optim: ", fn, ": codes must be contiguous uint8 of ", ncodes,
+              " elements for numel ", p.numel);
+  const at::ScalarType sdt = mode == StateMode::kNvfp4 ? at::kByte : at::kFloat;
+  TORCH_CHECK(p.scales.defined() && p.scales.scalar_type() == sdt && p.scales.numel() == nb &&
+                  p.scales.is_contiguous() && p.scales.device() == p.codes.device(),
+              "q4::optim: ", fn, ": scales must be contiguous ", c10::toString(sdt), " of ", nb,
+              " elements on the codes' device");
+}
+
+}  // namespace
+
+PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment) {
+  check_packed_mode(mode);
+  check_x(x, "pack_moment");
+  const at::Tensor xc = x.contiguous();
+  const int64_t n = xc.numel();
+  PackedMoment p = empty_packed(mode, n, xc.options());
+  if (n == 0) return p;
+  if (xc.is_cuda()) {
+#if Q4_WITH_CUDA
+    cuda::launch_pack_moment(xc.data_ptr<float>(), n, static_cast<int>(mode),
+                             static_cast<int>(moment), p.codes.data_ptr<uint8_t>(),
+                             p.scales.data_ptr(), at::cuda::getCurrentCUDAStream());
+    return p;
+#else
+    TORCH_CHECK(false,
+                "q4::optim: pack_moment: CUDA tensor given but q4_optim was built "
+                "without CUDA kernels (configure with -DQ4_ENABLE_CUDA=ON)");
+#endif
+  }
+  TORCH_CHECK(xc.is_cpu(), "q4::optim: pack_moment: unsupported device ", xc.device());
+  const int64_t block = moment_block_size(mode);
+  const int64_t npad = detail::ceil_div(n, block) * block;
+  detail::Scratch s;
+  at::Tensor buf = s.get(detail::kSlotM, at::kFloat, npad);
+  buf.narrow(0, 0, n).copy_(xc);
+  if (npad > n) buf.narrow(0, n, npad - n).zero_();
+  detail::encode_chunk_cpu(buf, mode, moment, 0, n, p.codes, p.scales, s);
+  return p;
+}
+
+at::Tensor unpack_moment(const PackedMoment& packed, StateMode mode, Moment moment) {
+  check_packed(packed, mode, "unpack_moment");
+  const int64_t n = packed.numel;
+  at::Tensor x = at::empty({n}, packed.codes.options().dtype(at::kFloat));
+  if (n == 0) return x;
+  if (packed.codes.is_cuda()) {
+#if Q4_WITH_CUDA
+    cuda::launch_unpack_moment(packed.codes.data_ptr<uint8_t>(), packed.scales.data_ptr(), n,
+                               static_cast<int>(mode), static_cast<int>(moment),
+                               x.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+    return x;
+#else
+    TORCH_CHECK(false,
+                "q4::optim: unpack_moment: CUDA tensor given but q4_optim was built "
+                "without CUDA kernels");
+#endif
+  }
+  const int64_t block = moment_block_size(mode);
+  const int64_t npad = detail::ceil_div(n, block) * block;
+  detail::Scratch s;
+  at::Tensor buf = s.get(detail::kSlotM, at::kFloat, npad);
+  detail::decode_chunk_cpu(packed.codes, packed.scales, mode, moment, 0, n, buf, s);
+  x.copy_(buf.narrow(0, 0, n));
+  return x;
+}
+
+// ---- scalar references ----
+
+namespace {
+
+uint8_t ref_code(const detail::CodeMap& map, float y) {
+  int c = 0;
+  while (c < map.size - 1 && map.mid[c] < y) ++c;
+  return static_cast<uint8_t>(c);
+}
+
+}  // namespace
+
+PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment) {
+  check_packed_mode(mode);
+  check_x(x, "pack_moment_ref");
+  const at::Tensor xc = x.contiguous().cpu();
+  const int64_t n = xc.numel();
+  PackedMoment p = empty_packed(mode, n, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  uint8_t* codes = p.codes.data_ptr<uint8_t>();
+  const int64_t block = moment_block_size(mode);
+  const int64_t nb = detail::ceil_div(n, block);
+  auto put = [&](int64_t i, uint8_t c) {
+    if (mode == StateMode::kInt8) {
+      if (i < n) codes[i] = c;
+    } else if (i / 2 < p.codes.numel()) {
+      codes[i / 2] = static_cast<uint8_t>((i % 2 == 0) ? ((codes[i / 2] & 0xf0) | c)
+                                                       : ((codes[i / 2] & 0x0f) | (c << 4)));
+    }
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
+      amax = std::max(amax, std::fabs(xp[i]));
+    }
+    if (mode == StateMode::kNvfp4) {
+      const float sin = std::min(std::max(amax / 6.0f, detail::kScaleMin), detail::kE4m3Max);
+      const uint8_t sbits = detail::e4m3_encode(sin);
+      p.scales.data_ptr<uint8_t>()[b] = sbits;
+      const float den = detail::e4m3_decode(sbits) + 1e-12f;
+      for (int64_t i = b * block; i < (b + 1) * block; ++i) {
+        const float v = i < n ? xp[i] : 0.0f;
+        const float d = std::min(std::max(v / den, -detail::kE2m1Max), detail::kE2m1Max);
+        put(i, detail::e2m1_encode(d));
+      }
+    } else {
+      const detail::CodeMap& map = detail::host_map(mode, moment);
+      p.scales.data_ptr<float>()[b] = amax;
+      const float div = amax == 0.0f ? 1.0f : amax;
+      for (int64_t i = b * block; i < (b + 1) * block; ++i) {
+        const float v = i < n ? xp[i] : 0.0f;
+        put(i, ref_code(map, v / div));
+      }
+    }
+  }
+  return p;
+}
+
+at::Tensor unpack_moment_ref(const PackedMoment& packed, StateMode mode, Moment moment) {
+  check_packed(packed, mode, "unpack_moment_ref");
+  const int64_t n = packed.numel;
+  const at::Tensor codes = packed.codes.cpu();
+  const at::Tensor scales = packed.scales.cpu();
+  at::Tensor x = at::empty({n}, at::kFloat);
+  const int64_t block = moment_block_size(mode);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t byte = codes.data_ptr<uint8_t>()[mode == StateMode::kInt8 ? i : i / 2];
+    const uint8_t c = mode == StateMode::kInt8 ? byte : ((i % 2 == 0) ? (byte & 0xf) : (byte >> 4));
+    if (mode == StateMode::kNvfp4) {
+      x.data_ptr<float>()[i] =
+          detail::e2m1_decode(c) * detail::e4m3_decode(scales.data_ptr<uint8_t>()[i / block]);
+    } else {
+      x.data_ptr<float>()[i] =
+          detail::host_map(mode, moment).value[c] * scales.data_ptr<float>()[i / block];
+    }
+  }
+  return x;
+}
+
+}  // namespace q4::optim

@@ -1,0 +1,333 @@
+// PackedAdamW state file. Little-endian, no padding:
+//   "Q4ADAMW\0", u32 version (1), u32 state_mode, u32 rounding, u32 0, u64 seed,
+//   i64 small_tensor_threshold, f64 lr, beta1, beta2, eps, weight_decay (informational),
+//   i64 step, skipped_total, consecutive_nonfinite, u32 num_params, then per parameter:
+//   u32 name_len, name, u32 ndim, i64 dim[ndim], u8 master dtype (.dat code 5/6/15), u8 mode,
+//   u8 weight_decay, u8 has_master, blobs (u64 nbytes + raw bytes): m, v (fp32 mode) or
+//   m codes, m scales, v codes, v scales (packed), then the master if has_master; "Q4ADEND\0".
+// Written to a temp file, fsync'ed and renamed; load() validates every header before changing
+// any state.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "optim_state.h"
+#include "q4/optim/adamw.h"
+
+namespace q4::optim {
+namespace {
+
+constexpr char kMagic[8] = {'Q', '4', 'A', 'D', 'A', 'M', 'W', '\0'};
+constexpr char kEnd[8] = {'Q', '4', 'A', 'D', 'E', 'N', 'D', '\0'};
+constexpr uint32_t kVersion = 1;
+constexpr int64_t kStageBytes = int64_t{64} << 20;  // device -> host staging per write/read
+
+uint8_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return 5;
+    case at::kFloat:
+      return 6;
+    case at::kBFloat16:
+      return 15;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "unexpected master dtype");
+  }
+}
+
+std::string dtype_name(uint8_t code) {
+  switch (code) {
+    case 5:
+      return "fp16";
+    case 6:
+      return "fp32";
+    case 15:
+      return "bf16";
+    default:
+      return "code " + std::to_string(code);
+  }
+}
+
+// The tensors of one parameter in file order.
+std::vector<at::Tensor> blobs_of(const detail::ParamState& p) {
+  if (p.info.mode == StateMode::kFp32) return {p.m32, p.v32};
+  return {p.m.codes, p.m.scales, p.v.codes, p.v.scales};
+}
+
+int64_t nbytes_of(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+class Writer {
+ public:
+  explicit Writer(std::string path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd_ >= 0, "PackedAdamW::save: cannot create '", path_, "': ", std::strerror(errno));
+  }
+  ~Writer() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void raw(const void* data, int64_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)));
+      if (w < 0 && errno == EINTR) continue;
+      TORCH_CHECK(w > 0, "PackedAdamW::save: write to '", path_,
+                  "' failed: ", std::strerror(errno));
+      p += w;
+      n -= w;
+    }
+  }
+  template <typename T>
+  void pod(T v) {
+    raw(&v, sizeof(T));
+  }
+  void tensor(const at::Tensor& t) {
+    const int64_t n = nbytes_of(t);
+    pod<uint64_t>(static_cast<uint64_t>(n));
+    const at::Tensor bytes = t.contiguous().view({-1}).view(at::kByte);
+    if (bytes.is_cpu()) {
+      raw(bytes.data_ptr(), n);
+      return;
+    }
+    for (int64_t off = 0; off < n; off += kStageBytes) {
+      const at::Tensor host = bytes.narrow(0, off, std::min(kStageBytes, n - off)).cpu();
+      raw(host.data_ptr(), host.numel());
+    }
+  }
+  void finish() {
+    TORCH_CHECK(::fsync(fd_) == 0, "PackedAdamW::save: fsync of '", path_,
+                "' failed: ", std::strerror(errno));
+    TORCH_CHECK(::close(fd_) == 0, "PackedAdamW::save: close of '", path_,
+                "' failed: ", std::strerror(errno));
+    fd_ = -1;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::string path) : path_(std::move(path)) {
+    f_ = std::fopen(path_.c_str(), "rb");
+    TORCH_CHECK(f_ != nullptr, "PackedAdamW::load: cannot open '", path_,
+                "': ", std::strerror(errno));
+  }
+  ~Reader() {
+    if (f_) std::fclose(f_);
+  }
+  void raw(void* data, int64_t n, const std::string& what) {
+    TORCH_CHECK(std::fread(data, 1, static_cast<size_t>(n), f_) == static_cast<size_t>(n),
+                "PackedAdamW::load: '", path_, "' is truncated while reading ", what);
+  }
+  template <typename T>
+  T pod(const std::string& what) {
+    T v;
+    raw(&v, sizeof(T), what);
+    return v;
+  }
+  int64_t tell() const { return static_cast<int64_t>(::ftello(f_)); }
+  void seek(int64_t off) {
+    TORCH_CHECK(::fseeko(f_, static_cast<off_t>(off), SEEK_SET) == 0,
+                "PackedAdamW::load: seek in '", path_, "' failed");
+  }
+  int64_t size() {
+    const int64_t here = tell();
+    ::fseeko(f_, 0, SEEK_END);
+    const int64_t s = tell();
+    seek(here);
+    return s;
+  }
+  // Reads n bytes into t (contiguous, any device).
+  void into(const at::Tensor& t, int64_t n, const std::string& what) {
+    const at::Tensor bytes = t.view({-1}).view(at::kByte);
+    if (bytes.is_cpu()) {
+      raw(bytes.data_ptr(), n, what);
+      return;
+    }
+    for (int64_t off = 0; off < n; off += kStageBytes) {
+      const int64_t len = std::min(kStageBytes, n - off);
+      at::Tensor host = at::empty({len}, at::kByte);
+      raw(host.data_ptr(), len, what);
+      bytes.narrow(0, off, len).copy_(host);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
+};
+
+}  // namespace
+
+void PackedAdamW::save(const std::string& path, bool include_masters) const {
+  const Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    Writer w(tmp);
+    w.raw(kMagic, 8);
+    w.pod<uint32_t>(kVersion);
+    w.pod<uint32_t>(static_cast<uint32_t>(o.state_mode));
+    w.pod<uint32_t>(static_cast<uint32_t>(o.rounding));
+    w.pod<uint32_t>(0);
+    w.pod<uint64_t>(o.seed);
+    w.pod<int64_t>(o.small_tensor_threshold);
+    for (double v : {o.lr, o.beta1, o.beta2, o.eps, o.weight_decay}) w.pod<double>(v);
+    w.pod<int64_t>(d.step);
+    w.pod<int64_t>(d.skipped);
+    w.pod<int64_t>(d.consecutive);
+    w.pod<uint32_t>(static_cast<uint32_t>(d.ps.size()));
+    for (const auto& p : d.ps) {
+      w.pod<uint32_t>(static_cast<uint32_t>(p.info.name.size()));
+      w.raw(p.info.name.data(), static_cast<int64_t>(p.info.name.size()));
+      w.pod<uint32_t>(static_cast<uint32_t>(p.info.shape.size()));
+      for (int64_t s : p.info.shape) w.pod<int64_t>(s);
+      w.pod<uint8_t>(dtype_code(p.info.master_dtype));
+      w.pod<uint8_t>(static_cast<uint8_t>(p.info.mode));
+      w.pod<uint8_t>(p.info.weight_decay ? 1 : 0);
+      w.pod<uint8_t>(include_masters ? 1 : 0);
+      for (const at::Tensor& t : blobs_of(p)) w.tensor(t);
+      if (include_masters) w.tensor(p.flat);
+    }
+    w.raw(kEnd, 8);
+    w.finish();
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp.c_str());
+    TORCH_CHECK(false, "PackedAdamW::save: rename '", tmp, "' -> '", path,
+                "' failed: ", std::strerror(err));
+  }
+  // Make the rename durable.
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void PackedAdamW::load(const std::string& path, bool restore_masters) {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  Reader r(path);
+  const std::string& f = r.path();
+  const int64_t file_size = r.size();
+  char magic[8];
+  r.raw(magic, 8, "the magic number");
+  TORCH_CHECK(std::memcmp(magic, kMagic, 8) == 0, "PackedAdamW::load: '", f,
+              "' is not a q4 optimizer state file (bad magic)");
+  const auto version = r.pod<uint32_t>("the version");
+  TORCH_CHECK(version == kVersion, "PackedAdamW::load: '", f, "' has format version ", version,
+              ", this build reads version ", kVersion);
+  const auto mode = r.pod<uint32_t>("the state mode");
+  TORCH_CHECK(mode <= 3, "PackedAdamW::load: '", f, "': invalid state mode ", mode);
+  TORCH_CHECK(static_cast<StateMode>(mode) == o.state_mode, "PackedAdamW::load: '", f,
+              "' was written with optim.state_mode = ", to_string(static_cast<StateMode>(mode)),
+              " but this optimizer uses ", to_string(o.state_mode));
+  r.pod<uint32_t>("the rounding mode");  // a rounding change is allowed on resume
+  r.pod<uint32_t>("a reserved field");
+  const auto seed = r.pod<uint64_t>("the seed");
+  TORCH_CHECK(seed == o.seed, "PackedAdamW::load: '", f, "' was written with optim.seed = ", seed,
+              " but this optimizer uses ", o.seed, " (stochastic rounding would not continue)");
+  const auto threshold = r.pod<int64_t>("small_tensor_threshold");
+  TORCH_CHECK(threshold == o.small_tensor_threshold, "PackedAdamW::load: '", f,
+              "' was written with optim.small_tensor_threshold = ", threshold,
+              ", this optimizer uses ", o.small_tensor_threshold);
+  for (int i = 0; i < 5; ++i) r.pod<double>("the hyper-parameters");
+  const auto step = r.pod<int64_t>("the step count");
+  const auto skipped = r.pod<int64_t>("the skipped count");
+  const auto consecutive = r.pod<int64_t>("the consecutive non-finite count");
+  TORCH_CHECK(step >= 0 && skipped >= 0 && consecutive >= 0, "PackedAdamW::load: '", f,
+              "': negative counters");
+  const auto count = r.pod<uint32_t>("the parameter count");
+  TORCH_CHECK(count == d.ps.size(), "PackedAdamW::load: '", f, "' holds ", count,
+              " parameters, this optimizer has ", d.ps.size(), " registered");
+
+  // Pass 1: validate every header and blob size, remembering where the blobs are.
+  struct Blob {
+    int64_t offset;
+    int64_t nbytes;
+  };
+  std::vector<std::vector<Blob>> blobs(count);
+  std::vector<bool> has_master(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const detail::ParamState& p = d.ps[i];
+    const std::string where = "parameter " + std::to_string(i);
+    const auto name_len = r.pod<uint32_t>(where + " name length");
+    TORCH_CHECK(name_len < (1u << 20), "PackedAdamW::load: '", f, "': ", where,
+                " has an implausible name length ", name_len);
+    std::string name(name_len, '\0');
+    r.raw(name.data(), name_len, where + " name");
+    TORCH_CHECK(name == p.info.name, "PackedAdamW::load: '", f, "': ", where, " is '", name,
+                "', expected '", p.info.name,
+                "' (parameters must be registered in the same order)");
+    const std::string wp = "parameter '" + name + "'";
+    const auto ndim = r.pod<uint32_t>(wp + " ndim");
+    TORCH_CHECK(ndim <= 16, "PackedAdamW::load: '", f, "': ", wp, " has ndim ", ndim);
+    std::vector<int64_t> shape(ndim);
+    for (auto& s : shape) s = r.pod<int64_t>(wp + " shape");
+    TORCH_CHECK(shape == p.info.shape, "PackedAdamW::load: '", f, "': ", wp, " has shape ",
+                c10::IntArrayRef(shape), ", the registered master has ",
+                c10::IntArrayRef(p.info.shape));
+    const auto dt = r.pod<uint8_t>(wp + " dtype");
+    TORCH_CHECK(dt == dtype_code(p.info.master_dtype), "PackedAdamW::load: '", f, "': ", wp,
+                " master dtype is ", dtype_name(dt), ", the registered master is ",
+                dtype_name(dtype_code(p.info.master_dtype)));
+    const auto pmode = r.pod<uint8_t>(wp + " mode");
+    TORCH_CHECK(pmode == static_cast<uint8_t>(p.info.mode), "PackedAdamW::load: '", f, "': ", wp,
+                " moments are stored as mode ", static_cast<int>(pmode), ", expected ",
+                to_string(p.info.mode));
+    const auto wd = r.pod<uint8_t>(wp + " weight_decay flag");
+    TORCH_CHECK(wd == (p.info.weight_decay ? 1 : 0), "PackedAdamW::load: '", f, "': ", wp,
+                " weight_decay flag is ", static_cast<int>(wd), ", registered ",
+                p.info.weight_decay);
+    has_master[i] = r.pod<uint8_t>(wp + " has_master flag") != 0;
+    std::vector<at::Tensor> expect = blobs_of(p);
+    if (has_master[i]) expect.push_back(p.flat);
+    for (size_t b = 0; b < expect.size(); ++b) {
+      const auto nbytes = static_cast<int64_t>(r.pod<uint64_t>(wp + " blob size"));
+      TORCH_CHECK(nbytes == nbytes_of(expect[b]), "PackedAdamW::load: '", f, "': ", wp, " blob ", b,
+                  " has ", nbytes, " bytes, expected ", nbytes_of(expect[b]));
+      const int64_t off = r.tell();
+      TORCH_CHECK(off + nbytes <= file_size, "PackedAdamW::load: '", f, "' is truncated in ", wp);
+      blobs[i].push_back({off, nbytes});
+      r.seek(off + nbytes);
+    }
+  }
+  char end[8];
+  r.raw(end, 8, "the end marker");
+  TORCH_CHECK(std::memcmp(end, kEnd, 8) == 0 && r.tell() == file_size, "PackedAdamW::load: '", f,
+              "' has a bad end marker or trailing bytes (corrupt file)");
+
+  // Pass 2: read the blobs into place.
+  c10::NoGradGuard no_grad;
+  for (uint32_t i = 0; i < count; ++i) {
+    detail::ParamState& p = d.ps[i];
+    std::vector<at::Tensor> dst = blobs_of(p);
+    if (has_master[i]) dst.push_back(p.flat);
+    for (size_t b = 0; b < dst.size(); ++b) {
+      if (b == blobs_of(p).size() && !restore_masters) break;
+      r.seek(blobs[i][b].offset);
+      r.into(dst[b], blobs[i][b].nbytes, "parameter '" + p.info.name + "'");
+    }
+  }
+  d.step = step;
+  d.skipped = skipped;
+  d.consecutive = consecutive;
+  d.frozen = true;
+}
+
+}  // namespace q4::optim

@@ -1,0 +1,242 @@
+// bench_optim: time of one PackedAdamW step on a Qwen3-4B-shaped parameter set (36 layers of
+// q/k/v/o/gate/up/down + embed + lm_head = 4.41e9 parameters; fp16 masters, bf16 gradients) in
+// each moment mode, against the HBM floor (bytes the step actually touches / 3.35 TB/s) and the
+// step's peak extra device memory (CUDA allocator: peak during the step minus allocated before).
+// --layers/--scale shrink the set for smoke tests on CPU. Every line names the device.
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "q4/optim/adamw.h"
+
+#if Q4_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace {
+
+struct Args {
+  std::string modes = "fp32,int8,4bit,nvfp4";
+  int64_t layers = 36;
+  int64_t scale = 1;  // every dimension divided by this (rounded up to a multiple of 16)
+  int steps = 5;
+  int warmup = 2;
+  int64_t chunk_rows = 1024;
+  std::string device = "auto";
+  double hbm_tbps = 3.35;  // H100 SXM HBM3 peak
+  std::string rounding = "stochastic";
+};
+
+void usage() {
+  std::printf(
+      "usage: bench_optim [--modes fp32,int8,4bit,nvfp4] [--layers N] [--scale S] [--steps K]\n"
+      "                   [--warmup W] [--chunk-rows R] [--device auto|cuda|cpu]\n"
+      "                   [--hbm-tbps 3.35] [--rounding stochastic|nearest]\n");
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_optim: %s needs a value\n", k.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--modes") {
+      a.modes = val();
+    } else if (k == "--layers") {
+      a.layers = std::stoll(val());
+    } else if (k == "--scale") {
+      a.scale = std::stoll(val());
+    } else if (k == "--steps") {
+      a.steps = std::stoi(val());
+    } else if (k == "--warmup") {
+      a.warmup = std::stoi(val());
+    } else if (k == "--chunk-rows") {
+      a.chunk_rows = std::stoll(val());
+    } else if (k == "--device") {
+      a.device = val();
+    } else if (k == "--hbm-tbps") {
+      a.hbm_tbps = std::stod(val());
+    } else if (k == "--rounding") {
+      a.rounding = val();
+    } else if (k == "--help" || k == "-h") {
+      usage();
+      std::exit(0);
+    } else {
+      std::fprintf(stderr, "bench_optim: unknown option %s\n", k.c_str());
+      usage();
+      std::exit(2);
+    }
+  }
+  if (a.layers < 0 || a.scale < 1 || a.steps < 1 || a.warmup < 0) {
+    std::fprintf(stderr, "bench_optim: --layers >= 0, --scale >= 1, --steps >= 1 required\n");
+    std::exit(2);
+  }
+  return a;
+}
+
+struct Shape {
+  std::string name;
+  int64_t rows, cols;
+};
+
+std::vector<Shape> qwen3_4b_shapes(int64_t layers, int64_t scale) {
+  auto d = [&](int64_t x) { return std::max<int64_t>(16, ((x / scale + 15) / 16) * 16); };
+  std::vector<Shape> s;
+  s.push_back({"embed_tokens", d(151936), d(2560)});
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    s.push_back({p + "q_proj", d(4096), d(2560)});
+    s.push_back({p + "k_proj", d(1024), d(2560)});
+    s.push_back({p + "v_proj", d(1024), d(2560)});
+    s.push_back({p + "o_proj", d(2560), d(4096)});
+    s.push_back({p + "gate_proj", d(9728), d(2560)});
+    s.push_back({p + "up_proj", d(9728), d(2560)});
+    s.push_back({p + "down_proj", d(2560), d(9728)});
+  }
+  s.push_back({"lm_head", d(151936), d(2560)});
+  return s;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? comma : comma - start);
+    if (!item.empty()) out.push_back(item);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  try {
+    bool cuda = false;
+    if (args.device == "cuda") {
+      cuda = true;
+    } else if (args.device == "auto") {
+      cuda = torch::cuda::is_available();
+    } else if (args.device != "cpu") {
+      std::fprintf(stderr, "bench_optim: --device must be auto, cuda or cpu\n");
+      return 2;
+    }
+    if (cuda && !torch::cuda::is_available()) {
+      std::fprintf(stderr, "bench_optim: --device cuda but no CUDA GPU is available\n");
+      return 1;
+    }
+    std::string dev_name = "cpu";
+#if Q4_WITH_CUDA
+    if (cuda) dev_name = at::cuda::getCurrentDeviceProperties()->name;
+#else
+    if (cuda) {
+      std::fprintf(stderr, "bench_optim: built without CUDA kernels (-DQ4_ENABLE_CUDA=ON)\n");
+      return 1;
+    }
+#endif
+    const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+    auto sync = [&] {
+      if (cuda) torch::cuda::synchronize();
+    };
+
+    const std::vector<Shape> shapes = qwen3_4b_shapes(args.layers, args.scale);
+    std::vector<at::Tensor> masters, grads;
+    int64_t total = 0;
+    {
+      at::NoGradGuard ng;
+      for (const Shape& s : shapes) {
+        masters.push_back(
+            (at::randn({s.rows, s.cols}, at::TensorOptions().device(device)) * 0.02).to(at::kHalf));
+        grads.push_back((at::randn({s.rows, s.cols}, at::TensorOptions().device(device)) * 1e-3)
+                            .to(at::kBFloat16));
+        total += s.rows * s.cols;
+      }
+    }
+    sync();
+    std::printf(
+        "[%s] bench_optim: %zu tensors, %.4g parameters (layers %lld, scale 1/%lld), fp16 "
+        "masters, bf16 grads, %d timed steps after %d warm-up\n",
+        dev_name.c_str(), shapes.size(), static_cast<double>(total),
+        static_cast<long long>(args.layers), static_cast<long long>(args.scale), args.steps,
+        args.warmup);
+
+    double fp32_ms = 0.0;
+    for (const std::string& mode_name : split(args.modes)) {
+      q4::optim::AdamWOptions o;
+      o.lr = 1e-5;
+      o.weight_decay = 0.01;
+      o.state_mode = q4::optim::parse_state_mode(mode_name);
+      o.rounding = q4::optim::parse_master_rounding(args.rounding);
+      o.chunk_rows = args.chunk_rows;
+      q4::optim::PackedAdamW opt(o);
+      for (size_t i = 0; i < shapes.size(); ++i) opt.add_param(shapes[i].name, masters[i]);
+      for (int w = 0; w < args.warmup; ++w) opt.step(grads);
+      sync();
+
+      // Peak extra memory of one step.
+      int64_t extra_bytes = -1;
+#if Q4_WITH_CUDA
+      if (cuda) {
+        c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+        const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+        opt.step(grads);
+        sync();
+        const auto after = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+        extra_bytes = after.allocated_bytes[0].peak - before.allocated_bytes[0].current;
+      }
+#endif
+      if (!cuda) {
+        opt.release_scratch();
+        opt.step(grads);
+        extra_bytes = opt.scratch_peak_bytes();
+      }
+
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int s = 0; s < args.steps; ++s) opt.step(grads);
+      sync();
+      const double step_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+          args.steps;
+      const auto n0 = std::chrono::steady_clock::now();
+      for (int s = 0; s < args.steps; ++s) q4::optim::global_grad_norm(grads);
+      sync();
+      const double norm_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - n0).count() /
+          args.steps;
+
+      const q4::optim::StepTraffic t = opt.step_traffic(at::kBFloat16);
+      const double floor_ms = static_cast<double>(t.total()) / (args.hbm_tbps * 1e12) * 1e3;
+      if (mode_name == "fp32") fp32_ms = step_ms;
+      std::printf(
+          "[%s] mode=%-5s state=%.3f GB  step=%.2f ms (norm pass %.2f ms)  traffic=%.3f GB  "
+          "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  %s=%.1f MB%s\n",
+          dev_name.c_str(), mode_name.c_str(), opt.state_bytes() / 1e9, step_ms, norm_ms,
+          t.total() / 1e9, floor_ms, args.hbm_tbps, step_ms / floor_ms,
+          cuda ? "peak_extra" : "scratch_peak", extra_bytes / 1e6,
+          fp32_ms > 0 && mode_name != "fp32"
+              ? (" vs fp32 " + std::to_string(step_ms / fp32_ms) + "x").c_str()
+              : "");
+    }
+    return 0;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "bench_optim: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_optim: %s\n", e.what());
+    return 1;
+  }
+}
