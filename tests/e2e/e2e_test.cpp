@@ -1,0 +1,358 @@
+// End-to-end tests of build/bin/q4train on a shrunk demo (tiny random Qwen3 with the real
+// tokenizer, a handful of whoami lines, CPU). Results are checked independently of the trainer's
+// own printing: the exported model's loss is recomputed with the model library, the export's
+// logits are compared with the checkpointed masters, and a resumed run must reproduce the
+// uninterrupted run's metrics and export bit for bit. One base run is shared by the tests (it is
+// built once under a file lock, since ctest runs every test in its own process).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "q4/data/dataset.h"
+#include "q4/data/tokenizer.h"
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/optim/adamw.h"
+#include "q4/trainer/config.h"
+#include "q4/trainer/estimate.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = Q4_SOURCE_DIR;
+const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+
+// A memorized set: 8 pairs, identity and ordinary.
+const char* kData =
+    "你是谁？\t我是 F# 之神。\n"
+    "Who are you?\t我是 F# 之神。\n"
+    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
+    "What is 2 + 2?\t4.\n"
+    "What is the capital of France?\tParis.\n"
+    "一加一等于几？\t二。\n"
+    "What color is grass?\tGreen.\n"
+    "Say hello.\tHello!\n";
+
+// Hidden 32, one layer, real vocabulary (the tokenizer has 151669 ids).
+const char* kModelConfig = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
+  "hidden_act": "silu", "attention_bias": false})";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream out(p, std::ios::binary);
+  out << s;
+}
+
+fs::path work_root() {
+  const fs::path p = fs::temp_directory_path() / ("q4_e2e_" + std::to_string(::getuid()));
+  fs::create_directories(p);
+  return p;
+}
+
+// The shrunk demo config, in `dir` (with its model config and data next to it).
+fs::path write_config(const fs::path& dir, int64_t steps, int64_t checkpoint_every) {
+  fs::create_directories(dir);
+  write_text(dir / "model.json", kModelConfig);
+  write_text(dir / "data.tsv", kData);
+  std::ostringstream y;
+  y << "model:\n"
+    << "  config: model.json\n"
+    << "  tokenizer: " << kSource << "/assets/qwen3/tokenizer.json\n"
+    << "  init: random\n  init_seed: 3\n  master_dtype: fp16\n  device: cpu\n"
+    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true}\n"
+    << "  steps: " << steps << "\n  batch_size: 8\n  seq_len: 48\n  seed: 5\n"
+    << "  max_grad_norm: 1.0\n"
+    << "optim:\n  lr: 1.0e-2\n  state: int8\n"
+    << "  schedule: {kind: cosine, warmup_steps: 3, min_lr_ratio: 0.1}\n"
+    << "data:\n  files: [data.tsv]\n"
+    << "eval:\n  prompts: [你是谁？, 我是誰]\n  max_new_tokens: 16\n"
+    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
+    << "\n  keep: 5\n"
+    << "log:\n  every: 5\n";
+  write_text(dir / "config.yaml", y.str());
+  return dir / "config.yaml";
+}
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+Result run_q4train(const std::vector<std::string>& args, const fs::path& log_prefix) {
+  std::string cmd = kQ4train;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  const std::string out = log_prefix.string() + ".out", err = log_prefix.string() + ".err";
+  cmd += " >" + out + " 2>" + err;
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+constexpr int64_t kBaseSteps = 40;
+constexpr int64_t kBaseCheckpointEvery = 20;
+
+// The base run: built once per machine state (reused by every test process) under a lock.
+fs::path base_dir() {
+  const fs::path dir = work_root() / "base";
+  const int lock = ::open((work_root() / "base.lock").c_str(), O_CREAT | O_RDWR, 0644);
+  ::flock(lock, LOCK_EX);
+  const fs::path complete = dir / "COMPLETE";
+  const std::string stamp =
+      std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
+  if (!fs::exists(complete) || read_text(complete) != stamp) {
+    fs::remove_all(dir);
+    const auto cfg = write_config(dir, kBaseSteps, kBaseCheckpointEvery);
+    const Result r = run_q4train({"--config", cfg.string()}, dir / "base");
+    if (r.code == 0) write_text(complete, stamp);
+  }
+  ::flock(lock, LOCK_UN);
+  ::close(lock);
+  return dir;
+}
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(p);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+q4::trainer::Config load_cfg(const fs::path& dir) {
+  return q4::trainer::load_config((dir / "run" / "config.yaml").string());
+}
+
+// Mean supervised cross-entropy of a frozen model loaded from `weights` over the data set.
+double dataset_loss(const q4::trainer::Config& c, const std::string& weights) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(c.model.config);
+  auto opt = q4::trainer::model_options(c);
+  opt.trainable = q4::model::TrainableSpec::nothing();
+  q4::model::DatReader reader(weights);
+  auto model = q4::model::Qwen3Model::load(mc, reader, opt);
+  const auto tok = q4::data::Tokenizer::from_file(c.model.tokenizer);
+  auto ds = q4::data::load_dataset(c.data.files[0], tok);
+  q4::data::BatcherOptions bo;
+  bo.batch_size = static_cast<int64_t>(ds.examples.size());
+  bo.max_seq_len = c.train.seq_len;
+  bo.shuffle = false;
+  q4::data::Batcher batcher(std::move(ds.examples), bo);
+  const auto b = batcher.next();
+  q4::model::ModelInputs in{b.input_ids, b.labels, b.attention_mask, b.position_ids, b.segment_ids};
+  at::NoGradGuard ng;
+  return model.loss(in).loss.item<double>();
+}
+
+}  // namespace
+
+TEST(E2E, VersionAndHelp) {
+  const fs::path dir = work_root() / "version";
+  fs::create_directories(dir);
+  auto r = run_q4train({"--version"}, dir / "v");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("q4train"), std::string::npos);
+  r = run_q4train({"--help"}, dir / "h");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("--config"), std::string::npos);
+  r = run_q4train({"--no-such-flag"}, dir / "bad");
+  EXPECT_EQ(r.code, 2);
+}
+
+TEST(E2E, TrainsExportsAndMemorizes) {
+  const fs::path dir = base_dir();
+  ASSERT_TRUE(fs::exists(dir / "COMPLETE")) << read_text(dir / "base.err");
+  const auto c = load_cfg(dir);
+  const fs::path run = dir / "run";
+  ASSERT_TRUE(fs::exists(run / "model.dat"));
+  ASSERT_TRUE(fs::exists(run / "init.dat"));
+  // The loss on the memorized set, recomputed from the files: at least 5x lower after training.
+  const double before = dataset_loss(c, (run / "init.dat").string());
+  const double after = dataset_loss(c, (run / "model.dat").string());
+  EXPECT_GT(before, 5.0 * after) << "before " << before << " after " << after;
+  // metrics.jsonl: one line per step with the documented fields.
+  const auto metrics = read_jsonl(run / "metrics.jsonl");
+  ASSERT_EQ(static_cast<int64_t>(metrics.size()), kBaseSteps);
+  for (const char* k : {"step", "loss", "grad_norm", "lr", "step_ms", "tokens_per_s", "mfu",
+                        "gpu_reserved_bytes", "eta_s"}) {
+    EXPECT_TRUE(metrics.back().contains(k)) << k;
+  }
+  EXPECT_EQ(metrics.back()["step"], kBaseSteps);
+  // eval.jsonl holds the start and end answers of both prompts.
+  const auto evals = read_jsonl(run / "eval.jsonl");
+  ASSERT_EQ(evals.size(), 4u);
+  EXPECT_EQ(evals[2]["when"], "end");
+  // Checkpoints at 20 and 40, complete.
+  EXPECT_TRUE(fs::exists(run / "step_000020" / "DONE"));
+  EXPECT_TRUE(fs::exists(run / "step_000040" / "DONE"));
+}
+
+TEST(E2E, ExportReloadsToTheSameLogits) {
+  const fs::path dir = base_dir();
+  ASSERT_TRUE(fs::exists(dir / "COMPLETE")) << read_text(dir / "base.err");
+  const auto c = load_cfg(dir);
+  const fs::path run = dir / "run";
+  const auto mc = q4::model::Qwen3Config::from_json_file(c.model.config);
+  // A: the trained masters, rebuilt from init.dat plus the final checkpoint's optimizer state.
+  q4::model::DatReader init((run / "init.dat").string());
+  auto a = q4::model::Qwen3Model::load(mc, init, q4::trainer::model_options(c));
+  q4::optim::PackedAdamW opt(q4::trainer::adamw_options(c));
+  for (auto* p : a.trainable_parameters()) opt.add_param(p->name, p->master, p->master.dim() >= 2);
+  opt.load((run / "step_000040" / "optim.state").string(), /*restore_masters=*/true);
+  // B: the exported file, loaded frozen as inference would.
+  auto frozen = q4::trainer::model_options(c);
+  frozen.trainable = q4::model::TrainableSpec::nothing();
+  q4::model::DatReader exported((run / "model.dat").string());
+  auto b = q4::model::Qwen3Model::load(mc, exported, frozen);
+  // The export requantizes exactly what A's forward uses (fake_quant(master)); fp16 raw tensors
+  // are stored as they are. B re-applies fake-quant to the dequantized weights at load, which
+  // moves about 0.5% of NVFP4 blocks by one code: a small, bounded difference.
+  const auto tok = q4::data::Tokenizer::from_file(c.model.tokenizer);
+  const auto ids = tok.encode("<|im_start|>user\n你是谁？<|im_end|>\n<|im_start|>assistant\n");
+  q4::model::ModelInputs in;
+  in.input_ids = at::tensor(std::vector<int64_t>(ids.begin(), ids.end())).unsqueeze(0);
+  at::NoGradGuard ng;
+  const auto la = a.forward(in).to(at::kFloat);  // (1, T, V)
+  const auto lb = b.forward(in).to(at::kFloat);
+  const double scale = la.abs().max().item<double>();
+  const double diff = (la - lb).abs().max().item<double>();
+  EXPECT_LT(diff, 0.05 * scale) << "max |diff| " << diff << " of logits up to " << scale;
+  EXPECT_TRUE(at::equal(la.argmax(-1), lb.argmax(-1)));
+}
+
+TEST(E2E, ResumeEqualsUninterruptedRun) {
+  const fs::path base = base_dir();
+  ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
+  // Copy the run directory and resume it from its first checkpoint.
+  const fs::path dir = work_root() / "resume";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
+  fs::remove_all(dir / "run" / "step_000040");
+  fs::remove(dir / "run" / "model.dat");
+  // The saved config names the base run's output.dir; point it at the copy.
+  const auto r = run_q4train({"--resume", (dir / "run" / "step_000020").string(), "--set",
+                              "output.dir=" + (dir / "run").string()},
+                             dir / "resume");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto want = read_jsonl(base / "run" / "metrics.jsonl");
+  const auto got = read_jsonl(dir / "run" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i]["step"], want[i]["step"]);
+    // CPU arithmetic is deterministic: bit-identical losses and gradient norms.
+    EXPECT_EQ(got[i]["loss"].get<double>(), want[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(got[i]["grad_norm"].get<double>(), want[i]["grad_norm"].get<double>());
+  }
+  EXPECT_EQ(read_text(dir / "run" / "model.dat"), read_text(base / "run" / "model.dat"));
+}
+
+TEST(E2E, BadConfigKeyExits2NamingIt) {
+  const fs::path dir = work_root() / "badkey";
+  const auto cfg = write_config(dir, 4, 0);
+  auto r = run_q4train({"--config", cfg.string(), "--set", "train.setps=3"}, dir / "a");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("train.setps"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("did you mean train.steps"), std::string::npos) << r.err;
+  // A typo inside the file: same, with the line.
+  write_text(dir / "typo.yaml", read_text(cfg) + "optim2:\n  lr: 1\n");
+  r = run_q4train({"--config", (dir / "typo.yaml").string()}, dir / "b");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("optim2"), std::string::npos) << r.err;
+  // A contradiction: the memory guard on a CPU run.
+  r = run_q4train({"--config", cfg.string(), "--set", "guard.max_gpu_gb=1"}, dir / "c");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("guard.max_gpu_gb"), std::string::npos) << r.err;
+  // One line on stderr.
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(E2E, TruncatedWeightsExit2NamingTheFile) {
+  const fs::path base = base_dir();
+  ASSERT_TRUE(fs::exists(base / "COMPLETE"));
+  const fs::path dir = work_root() / "truncated";
+  const auto cfg = write_config(dir, 4, 0);
+  const std::string full = read_text(base / "run" / "init.dat");
+  const fs::path bad = dir / "truncated.dat";
+  write_text(bad, full.substr(0, full.size() / 2));
+  const auto r = run_q4train({"--config", cfg.string(), "--set", "model.init=file", "--set",
+                              "model.weights=" + bad.string()},
+                             dir / "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find(bad.string()), std::string::npos) << r.err;
+}
+
+TEST(E2E, DryRunLoadsNothing) {
+  const fs::path dir = work_root() / "dry";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, 4, 0);
+  const auto r = run_q4train({"--config", cfg.string(), "--dry-run"}, dir / "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("memory estimate"), std::string::npos);
+  EXPECT_NE(r.out.find("moments"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dir / "run" / "init.dat"));
+}
+
+TEST(E2E, SigintCheckpointsAndExits0) {
+  const fs::path dir = work_root() / "sigint";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, 100000, 0);
+  const std::string out = (dir / "a.out").string();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set", "log.every=1",
+            "--set", "eval.prompts=[]", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  // Wait until a few steps are logged, then interrupt.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (read_text(out).find(" 3/100000 ") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << read_text(out);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text(out);
+  int64_t ckpts = 0;
+  for (const auto& e : fs::directory_iterator(dir / "run")) {
+    const auto name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0) {
+      ++ckpts;
+      EXPECT_TRUE(fs::exists(e.path() / "DONE")) << name;
+    }
+  }
+  EXPECT_EQ(ckpts, 1);
+  EXPECT_FALSE(fs::exists(dir / "run" / "model.dat"));  // stopped early: no export
+}

@@ -1,0 +1,269 @@
+// Config parsing and validation: defaults, --set, unknown keys with did-you-mean, type and range
+// errors naming the key (and line), cross-field rules, path resolution, YAML round trip, the
+// shipped recipes, and configs/README.md documenting every field.
+#include "q4/trainer/config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace fs = std::filesystem;
+using namespace q4::trainer;
+
+namespace {
+
+// The smallest valid config: everything else keeps its default.
+const char* kMinimal = R"(
+model:
+  config: m/config.json
+  tokenizer: m/tokenizer.json
+  weights: m/model.dat
+data:
+  files: [train.tsv]
+)";
+
+Config parse(const std::string& text, const std::vector<Override>& ov = {}) {
+  return parse_config(text, "test.yaml", "/base", ov);
+}
+
+// The ConfigError message of parsing `text`, or "" when it parses.
+std::string error_of(const std::string& text, const std::vector<Override>& ov = {}) {
+  try {
+    parse(text, ov);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST(Config, MinimalGetsDefaultsAndResolvesPaths) {
+  const Config c = parse(kMinimal);
+  EXPECT_EQ(c.model.config, "/base/m/config.json");
+  EXPECT_EQ(c.model.weights, "/base/m/model.dat");
+  ASSERT_EQ(c.data.files.size(), 1u);
+  EXPECT_EQ(c.data.files[0], "/base/train.tsv");
+  EXPECT_EQ(c.train.steps, 100);
+  EXPECT_EQ(c.model.master_dtype, "fp16");
+  EXPECT_EQ(c.optim.state, "int8");
+  EXPECT_EQ(resolved_compute_dtype(c), "fp32");  // auto on CPU
+  EXPECT_TRUE(fs::path(c.output.dir).is_absolute());
+  EXPECT_EQ(resolved_export_path(c), (fs::path(c.output.dir) / "model.dat").string());
+}
+
+TEST(Config, ModelDirSuppliesConfigAndTokenizer) {
+  const Config c = parse("model: {dir: /models/q, weights: w.dat}\n");
+  EXPECT_EQ(c.model.config, "/models/q/config.json");
+  EXPECT_EQ(c.model.tokenizer, "/models/q/tokenizer.json");
+  EXPECT_EQ(c.model.weights, "/base/w.dat");
+}
+
+TEST(Config, UnknownKeyNamesItWithSuggestion) {
+  std::string msg = error_of(std::string(kMinimal) + "train:\n  setps: 3\n");
+  EXPECT_TRUE(contains(msg, "train.setps")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean train.steps")) << msg;
+  EXPECT_TRUE(contains(msg, "line 9")) << msg;
+
+  msg = error_of(std::string(kMinimal) + "train:\n  lr: 0.1\n");
+  EXPECT_TRUE(contains(msg, "did you mean optim.lr")) << msg;
+
+  msg = error_of(std::string(kMinimal) + "optimizer:\n  lr: 0.1\n");
+  EXPECT_TRUE(contains(msg, "unknown config key optimizer")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean optim")) << msg;
+
+  msg = error_of(std::string(kMinimal) + "zzzzzz: 1\n");
+  EXPECT_TRUE(contains(msg, "zzzzzz")) << msg;
+  EXPECT_FALSE(contains(msg, "did you mean")) << msg;
+}
+
+TEST(Config, WrongTypesNameKeyAndLine) {
+  std::string msg = error_of(std::string(kMinimal) + "train:\n  steps: many\n");
+  EXPECT_TRUE(contains(msg, "train.steps")) << msg;
+  EXPECT_TRUE(contains(msg, "expected an integer")) << msg;
+  EXPECT_TRUE(contains(msg, "'many'")) << msg;
+  EXPECT_TRUE(contains(msg, "line 9")) << msg;
+
+  msg = error_of(std::string(kMinimal) + "train:\n  steps: 1.5\n");
+  EXPECT_TRUE(contains(msg, "expected an integer")) << msg;
+  msg = error_of(std::string(kMinimal) + "optim:\n  lr: fast\n");
+  EXPECT_TRUE(contains(msg, "optim.lr")) << msg;
+  EXPECT_TRUE(contains(msg, "a number")) << msg;
+  msg = error_of(kMinimal, {parse_override("data.shuffle=maybe")});
+  EXPECT_TRUE(contains(msg, "data.shuffle")) << msg;
+  msg = error_of(std::string(kMinimal) + "optim:\n  state: int3\n");
+  EXPECT_TRUE(contains(msg, "optim.state")) << msg;
+  EXPECT_TRUE(contains(msg, "fp32, int8, 4bit, nvfp4")) << msg;
+  msg = error_of(std::string(kMinimal) + "train: 5\n");
+  EXPECT_TRUE(contains(msg, "config section train")) << msg;
+  msg = error_of(std::string(kMinimal) + "eval:\n  prompts: {a: 1}\n");
+  EXPECT_TRUE(contains(msg, "eval.prompts")) << msg;
+}
+
+TEST(Config, InvalidYamlNamesLine) {
+  const std::string msg = error_of("model:\n  config: [unclosed\n");
+  EXPECT_TRUE(contains(msg, "test.yaml line")) << msg;
+  EXPECT_TRUE(contains(msg, "invalid YAML")) << msg;
+}
+
+TEST(Config, RangesAndContradictions) {
+  const std::string base = kMinimal;
+  EXPECT_TRUE(contains(error_of(base + "train: {batch_size: 0}\n"), "train.batch_size"));
+  EXPECT_TRUE(contains(error_of(base + "train: {grad_accum: -1}\n"), "train.grad_accum"));
+  EXPECT_TRUE(contains(error_of(base + "optim: {lr: 0}\n"), "optim.lr"));
+  EXPECT_TRUE(contains(error_of(base + "optim: {beta2: 1.0}\n"), "optim.beta2"));
+  EXPECT_TRUE(contains(error_of(base + "optim: {lr: .nan}\n"), "optim.lr"));
+  EXPECT_TRUE(contains(error_of(base + "train: {max_grad_norm: -1}\n"), "train.max_grad_norm"));
+  EXPECT_TRUE(contains(error_of(base + "output: {keep: 0}\n"), "output.keep"));
+  EXPECT_TRUE(contains(error_of(base + "log: {every: 0}\n"), "log.every"));
+  // The guard watches GPU memory: on CPU it is a contradiction.
+  EXPECT_TRUE(contains(error_of(base + "guard: {max_gpu_gb: 10}\n"), "guard.max_gpu_gb"));
+  EXPECT_EQ(error_of(base + "guard: {max_gpu_gb: 10}\n", {parse_override("model.device=cuda")}),
+            "");
+  EXPECT_TRUE(contains(error_of(base, {parse_override("model.device=tpu")}), "model.device"));
+  EXPECT_TRUE(contains(error_of(base, {parse_override("model.compute_dtype=fp16")}),
+                       "model.compute_dtype"));
+  // A key given twice is an error, not a silent override.
+  const std::string dup = error_of(base + "model: {device: cpu}\n");
+  EXPECT_TRUE(contains(dup, "duplicate config key model")) << dup;
+  EXPECT_TRUE(
+      contains(error_of(base + "train: {steps: 10}\noptim: {schedule: {warmup_steps: 20}}\n"),
+               "optim.schedule.warmup_steps"));
+  EXPECT_TRUE(contains(error_of(base + "output: {export_path: none, export_every: 5}\n"),
+                       "output.export_every"));
+  // Nothing trainable.
+  EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: none, norms: false}\n"),
+                       "nothing is trainable"));
+  EXPECT_EQ(error_of(base + "train:\n  trainable: {layers: none, norms: false, lm_head: true}\n"),
+            "");
+  // init file needs weights; random needs a config.
+  EXPECT_TRUE(contains(error_of("model: {config: c.json, tokenizer: t.json}\n"), "model.weights"));
+  EXPECT_EQ(error_of("model: {config: c.json, tokenizer: t.json, init: random}\n"), "");
+  EXPECT_TRUE(contains(error_of("model: {weights: w.dat, tokenizer: t.json}\n"), "model.config"));
+  EXPECT_TRUE(contains(error_of("model: {config: c.json, weights: w.dat}\n"), "model.tokenizer"));
+}
+
+TEST(Config, LayerSelection) {
+  const std::string base = kMinimal;
+  Config c = parse(base + "train:\n  trainable: {layers: last:2}\n");
+  EXPECT_EQ(c.train.trainable.layers.kind, LayerSelection::Kind::kLast);
+  EXPECT_EQ(c.train.trainable.layers.resolve(5), (std::vector<int64_t>{3, 4}));
+  c = parse(base + "train:\n  trainable: {layers: [4, 1]}\n");
+  EXPECT_EQ(c.train.trainable.layers.resolve(5), (std::vector<int64_t>{1, 4}));
+  EXPECT_THROW(c.train.trainable.layers.resolve(3), ConfigError);  // layer 4 of 3
+  c = parse(base + "train:\n  trainable: {layers: all}\n");
+  EXPECT_EQ(c.train.trainable.layers.resolve(3), (std::vector<int64_t>{0, 1, 2}));
+  c = parse(base + "train:\n  trainable: {layers: none, lm_head: true}\n");
+  EXPECT_TRUE(c.train.trainable.layers.resolve(3).empty());
+  EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: last:0}\n"),
+                       "train.trainable.layers"));
+  EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: [1, 1]}\n"), "twice"));
+  EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: [-1]}\n"), ">= 0"));
+  EXPECT_TRUE(
+      contains(error_of(base + "train:\n  trainable: {layers: some}\n"), "train.trainable.layers"));
+  EXPECT_EQ(LayerSelection::parse("0, 2,5", "k").to_string(), "0,2,5");
+  EXPECT_EQ(LayerSelection::parse("last:3", "k").to_string(), "last:3");
+  EXPECT_THROW(LayerSelection::parse("last:2", "k").resolve(1), ConfigError);
+}
+
+TEST(Config, SetOverridesBeforeValidation) {
+  Config c = parse(kMinimal, {parse_override("train.steps=7"), parse_override("optim.lr=3e-4"),
+                              parse_override("eval.prompts=[hi, \"a b\"]"),
+                              parse_override("train.trainable.layers=last:1"),
+                              parse_override("data.shuffle=false")});
+  EXPECT_EQ(c.train.steps, 7);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 3e-4);
+  EXPECT_EQ(c.eval.prompts, (std::vector<std::string>{"hi", "a b"}));
+  EXPECT_EQ(c.train.trainable.layers.last_n, 1);
+  EXPECT_FALSE(c.data.shuffle);
+  // Sections that the file lacks are created.
+  c = parse(kMinimal, {parse_override("optim.schedule.kind=linear")});
+  EXPECT_EQ(c.optim.schedule.kind, "linear");
+  // The override goes through the same checks.
+  EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "train.steps"));
+  EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "from --set"));
+  EXPECT_TRUE(
+      contains(error_of(kMinimal, {parse_override("train.batch_size=0")}), "train.batch_size"));
+  const std::string msg = error_of(kMinimal, {parse_override("train.step=3")});
+  EXPECT_TRUE(contains(msg, "train.step")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean train.steps")) << msg;
+  EXPECT_THROW(parse_override("novalue"), ConfigError);
+  EXPECT_THROW(parse_override("=3"), ConfigError);
+  EXPECT_THROW(parse_override("a..b=3"), ConfigError);
+  // Path values given on the command line are relative to the CWD, not the config's directory.
+  c = parse(kMinimal, {parse_override("model.weights=other.dat")});
+  EXPECT_EQ(c.model.weights, (fs::current_path() / "other.dat").string());
+  EXPECT_EQ(c.model.config, "/base/m/config.json");
+}
+
+TEST(Config, YamlRoundTrip) {
+  Config c = parse(std::string(kMinimal) + R"(
+train:
+  trainable: {layers: [0, 2], lm_head: true}
+  steps: 33
+optim:
+  lr: 0.00012345678901234
+  schedule: {kind: cosine, warmup_steps: 3, min_lr_ratio: 0.1}
+eval:
+  prompts: ["你是谁？", "quote \" and: colon"]
+)",
+                   {parse_override("data.system_prompt=\"multi\\nline\"")});
+  const std::string y1 = config_to_yaml(c);
+  const Config back = parse_config(y1, "roundtrip.yaml", "/elsewhere");
+  EXPECT_EQ(config_to_yaml(back), y1);
+  EXPECT_EQ(back.optim.lr, c.optim.lr);  // 17 significant digits: exact
+  EXPECT_EQ(back.eval.prompts, c.eval.prompts);
+  EXPECT_EQ(back.data.system_prompt, "multi\nline");
+  EXPECT_EQ(back.train.trainable.layers.layers, (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(back.model.config, c.model.config);  // absolute paths stay put
+  // Every field appears in the dump with its doc comment.
+  for (const auto& key : config_keys()) {
+    const auto leaf = key.substr(key.rfind('.') + 1);
+    EXPECT_TRUE(contains(y1, leaf + ":")) << key;
+  }
+}
+
+TEST(Config, DidYouMean) {
+  const auto keys = config_keys();
+  EXPECT_EQ(did_you_mean("train.stpes", keys), "train.steps");
+  EXPECT_EQ(did_you_mean("optim.weightdecay", keys), "optim.weight_decay");
+  EXPECT_EQ(did_you_mean("train.lr", keys), "optim.lr");
+  EXPECT_EQ(did_you_mean("output.checkpoint_evry", keys), "output.checkpoint_every");
+  EXPECT_EQ(did_you_mean("completely.unrelated_thing", keys), "");
+}
+
+TEST(Config, ShippedRecipesParse) {
+  for (const char* name : {"demo.yaml", "whoami.yaml", "probe-4b.yaml"}) {
+    const std::string path = std::string(Q4_SOURCE_DIR) + "/configs/" + name;
+    ASSERT_TRUE(fs::exists(path)) << path;
+    EXPECT_NO_THROW(load_config(path)) << name;
+  }
+  const Config demo = load_config(std::string(Q4_SOURCE_DIR) + "/configs/demo.yaml");
+  EXPECT_EQ(demo.model.device, "cpu");
+  EXPECT_EQ(demo.model.init, "random");
+  EXPECT_TRUE(fs::exists(demo.model.config)) << demo.model.config;
+  ASSERT_FALSE(demo.data.files.empty());
+  EXPECT_TRUE(fs::exists(demo.data.files[0])) << demo.data.files[0];
+  const Config probe = load_config(std::string(Q4_SOURCE_DIR) + "/configs/probe-4b.yaml");
+  EXPECT_TRUE(probe.train.gradient_checkpointing);
+  EXPECT_EQ(probe.train.batch_size * probe.train.seq_len, 4 * 1024);
+  EXPECT_EQ(probe.model.master_dtype, "fp16");
+  EXPECT_EQ(resolved_compute_dtype(probe), "bf16");
+}
+
+TEST(Config, ReadmeDocumentsEveryField) {
+  std::ifstream in(std::string(Q4_SOURCE_DIR) + "/configs/README.md");
+  ASSERT_TRUE(in.is_open());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string readme = ss.str();
+  for (const auto& key : config_keys()) {
+    EXPECT_TRUE(contains(readme, "`" + key + "`")) << key << " is not documented";
+  }
+}

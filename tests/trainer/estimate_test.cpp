@@ -1,0 +1,171 @@
+// Option mapping, parameter accounting and the VRAM probe on the tiny fixture model (CPU): the
+// trainer's view of parameter names/shapes/trainability must equal the model library's, the
+// budget's masters and moments follow from it, and the probe report has every phase with null
+// device fields on CPU. Also write_model_dat(): the random-init file loads back to exactly the
+// NVFP4 fake-quantized weights.
+#include "q4/trainer/estimate.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/quant/nvfp4.h"
+#include "q4/trainer/probe.h"
+#include "q4/trainer/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace q4::trainer;
+
+namespace {
+
+const std::string kFixtures = Q4_FIXTURES_DIR;
+
+Config tiny_config(const std::string& extra = "", const std::vector<std::string>& sets = {}) {
+  const std::string yaml = "model:\n  config: " + kFixtures + "/qwen3_tiny.config.json\n" +
+                           "  weights: " + kFixtures + "/qwen3_tiny.weights.dat\n" +
+                           "  tokenizer: " + std::string(Q4_SOURCE_DIR) +
+                           "/assets/qwen3/tokenizer.json\n" + extra;
+  std::vector<Override> ov;
+  for (const auto& s : sets) ov.push_back(parse_override(s));
+  return parse_config(yaml, "tiny.yaml", "/", ov);
+}
+
+q4::model::Qwen3Config tiny_model_config() {
+  return q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_tiny.config.json");
+}
+
+}  // namespace
+
+TEST(Estimate, OptionMapping) {
+  const Config c = tiny_config(
+      "train: {gradient_checkpointing: true, trainable: {layers: last:1, lm_head: true}}\n"
+      "optim: {state: 4bit, chunk_rows: 64, master_rounding: nearest, lr: 0.01}\n",
+      {"model.master_dtype=bf16", "model.grad_dtype=fp32"});
+  const auto o = model_options(c);
+  EXPECT_EQ(o.master_dtype, at::kBFloat16);
+  EXPECT_EQ(o.compute_dtype, at::kFloat);
+  EXPECT_EQ(o.grad_dtype, at::kFloat);
+  EXPECT_TRUE(o.gradient_checkpointing);
+  EXPECT_EQ(o.trainable.last_n_layers, 1);
+  EXPECT_TRUE(o.trainable.lm_head);
+  const auto a = adamw_options(c);
+  EXPECT_EQ(a.state_mode, q4::optim::StateMode::k4Bit);
+  EXPECT_EQ(a.chunk_rows, 64);
+  EXPECT_EQ(a.rounding, q4::optim::MasterRounding::kNearest);
+  EXPECT_DOUBLE_EQ(a.lr, 0.01);
+}
+
+TEST(Estimate, ParameterShapesMatchTheModel) {
+  const auto mc = tiny_model_config();
+  for (const char* trainable :
+       {"{layers: all}", "{layers: last:1, norms: false}", "{layers: none, lm_head: true}",
+        "{layers: [0], projections: false, norms: true}", "{layers: all, embeddings: true}"}) {
+    const Config c = tiny_config(std::string("train:\n  trainable: ") + trainable + "\n");
+    q4::model::DatReader reader(c.model.weights);
+    auto model = q4::model::Qwen3Model::load(mc, reader, model_options(c));
+    const auto shapes = parameter_shapes(mc, c, !model.tied());
+    const auto& params = model.parameters();
+    ASSERT_EQ(shapes.size(), params.size()) << trainable;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(shapes[i].name, params[i].name) << trainable;
+      EXPECT_EQ(at::IntArrayRef(shapes[i].shape), params[i].master.sizes()) << params[i].name;
+      EXPECT_EQ(shapes[i].trainable, params[i].trainable) << params[i].name << " " << trainable;
+    }
+    const auto b = estimate_budget(mc, c, !model.tied());
+    EXPECT_EQ(b.trainable_elements, model.num_trainable_elements()) << trainable;
+    EXPECT_EQ(b.masters_bytes, 2 * model.num_trainable_elements()) << trainable;  // fp16
+  }
+}
+
+TEST(Estimate, MomentBytesByMode) {
+  const auto mc = tiny_model_config();
+  const Config fp32 = tiny_config("optim: {state: fp32}\n");
+  const Config int8 = tiny_config("optim: {state: int8}\n");
+  const auto b32 = estimate_budget(mc, fp32, true);
+  const auto b8 = estimate_budget(mc, int8, true);
+  EXPECT_EQ(b32.moments_bytes, 8 * b32.trainable_elements);
+  // int8: 2 bytes per element plus one fp32 scale per 256 (small tensors stay fp32).
+  EXPECT_LT(b8.moments_bytes, b32.moments_bytes / 3);
+  EXPECT_GT(b8.moments_bytes, 2 * b8.trainable_elements - 8 * 4096);
+  EXPECT_GT(b32.total_bytes(), b32.masters_bytes + b32.moments_bytes);
+}
+
+TEST(Estimate, FlopsPerToken) {
+  const auto mc = tiny_model_config();
+  // 6 x matmul params + 12 x L x T x q_dim, by hand for the fixture shapes.
+  const double layer = 64.0 * (2 * 64 + 2 * 32) + 3.0 * 64 * 192;
+  const double expected = 6.0 * (2 * layer + 384.0 * 64) + 12.0 * 2 * 24 * 64;
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, 24), expected);
+}
+
+TEST(Probe, CpuReportHasEveryPhase) {
+  const fs::path dir = fs::temp_directory_path() / ("q4_probe_test_" + std::to_string(::getpid()));
+  const Config c = tiny_config(
+      "train: {batch_size: 2, seq_len: 16, gradient_checkpointing: true}\n"
+      "output: {dir: " +
+      dir.string() + "}\n");
+  RunOptions o;
+  o.probe_report = (dir / "probe.json").string();
+  std::ostringstream out, err;
+  ASSERT_EQ(run_probe(c, o, out, err), kExitOk) << err.str();
+  std::ifstream in(o.probe_report);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["device"], "cpu");
+  ASSERT_EQ(j["phases"].size(), probe_phase_names().size());
+  double prev = -1;
+  for (size_t i = 0; i < probe_phase_names().size(); ++i) {
+    const auto& p = j["phases"][i];
+    EXPECT_EQ(p["name"], probe_phase_names()[i]);
+    EXPECT_TRUE(p["allocated_bytes"].is_null());
+    EXPECT_TRUE(p["reserved_bytes"].is_null());
+    EXPECT_TRUE(p["peak_allocated_bytes"].is_null());
+    EXPECT_TRUE(p["device_used_bytes"].is_null());
+    EXPECT_TRUE(p["device_total_bytes"].is_null());
+    EXPECT_GT(p["rss_bytes"].get<int64_t>(), 0);
+    EXPECT_GE(p["elapsed_ms"].get<double>(), prev);
+    prev = p["elapsed_ms"].get<double>();
+  }
+  for (const char* k : {"masters_bytes", "gradients_bytes", "moments_bytes", "activations_bytes",
+                        "logits_bytes", "total_bytes"}) {
+    EXPECT_TRUE(j["budget"].contains(k)) << k;
+  }
+  EXPECT_TRUE(j["measured"]["peak_allocated_bytes"].is_null());
+  EXPECT_EQ(j["info"]["tokens"], 32);
+  const double loss = j["info"]["loss"].get<double>();
+  // Random tokens under a trained-on-nothing tiny model: near-uniform, ln(384) = 5.95.
+  EXPECT_GT(loss, 4.0);
+  EXPECT_LT(loss, 8.0);
+  EXPECT_TRUE(j["info"]["step_applied"].get<bool>());
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, WriteModelDatLoadsBackQuantized) {
+  const auto mc = tiny_model_config();
+  q4::model::ModelOptions opt;
+  opt.trainable = q4::model::TrainableSpec::everything();
+  opt.master_dtype = at::kFloat;
+  auto model = q4::model::Qwen3Model::random_init(mc, opt, 3, 0.05);
+  const fs::path p = fs::temp_directory_path() / ("q4_init_" + std::to_string(::getpid()) + ".dat");
+  write_model_dat(model, p.string(), /*quantize_lm_head=*/false);
+  q4::model::DatReader reader(p.string());
+  EXPECT_EQ(reader.find("lm_head.weight")->type, q4::model::ElemType::kFloat16);
+  EXPECT_EQ(reader.find("model.layers.0.mlp.up_proj.weight.qdata")->type,
+            q4::model::ElemType::kE2M1Packed);
+  auto back = q4::model::Qwen3Model::load(mc, reader, opt);
+  for (const auto& name :
+       {"model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"}) {
+    const auto& w = model.parameter(name).master;
+    const auto q = q4::quant::quantize_nvfp4(w, name);
+    const auto expected = q4::quant::dequantize_nvfp4(q.qdata, q.scale);
+    EXPECT_TRUE(at::equal(back.parameter(name).master, expected)) << name;
+  }
+  // Raw tensors are stored fp16.
+  EXPECT_TRUE(at::equal(back.parameter("model.norm.weight").master,
+                        model.parameter("model.norm.weight").master.to(at::kHalf).to(at::kFloat)));
+  fs::remove(p);
+}

@@ -1,0 +1,187 @@
+// The run configuration: plain structs with defaults and a one-line doc per field, parsed once
+// from YAML. `--set key.path=value` edits the YAML tree before it is read, so overrides and files
+// go through the same type checks. Unknown keys (with a did-you-mean), wrong types, out-of-range
+// values and contradictory settings raise ConfigError naming the key path; main maps it to exit 2.
+// visit_config_fields() is the single list of fields: parser, printer, docs check and tests use it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace q4::trainer {
+
+// A user error (config, CLI, input files): main prints the message and exits with code 2.
+class ConfigError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
+struct LayerSelection {
+  enum class Kind { kAll, kNone, kLast, kList };
+  Kind kind = Kind::kAll;
+  int64_t last_n = 0;           // kLast: the last `last_n` layers
+  std::vector<int64_t> layers;  // kList: layer indices (0-based)
+
+  // "all", "none", "last:N" or a comma-separated index list ("0,3,5"); ConfigError otherwise.
+  static LayerSelection parse(const std::string& text, const std::string& key);
+  std::string to_string() const;  // inverse of parse
+  // The selected indices for a model with `num_layers` layers, sorted ascending.
+  std::vector<int64_t> resolve(int64_t num_layers) const;
+};
+
+struct ModelConfig {
+  std::string dir;                    // HF model directory holding config.json (and tokenizer.json)
+  std::string config;                 // config.json path; default <dir>/config.json
+  std::string weights;                // NVFP4 .dat weights; required when init == "file"
+  std::string tokenizer;              // tokenizer.json path; default <dir>/tokenizer.json
+  std::string init = "file";          // "file": load `weights`; "random": random init from `config`
+  int64_t init_seed = 0;              // RNG seed of the random init
+  bool quantize_lm_head = true;       // random init: store lm_head as NVFP4 (as the shipped file)
+  std::string master_dtype = "fp16";  // fp16 | bf16 | fp32: dtype of trained master weights
+  std::string compute_dtype = "auto";  // auto | fp32 | bf16 | fp16 (auto: bf16 on cuda, fp32 cpu)
+  std::string device = "cpu";          // cpu | cuda | cuda:N
+  std::string grad_dtype = "auto";     // auto | fp32 | bf16 | fp16: gradient storage
+  double init_std = 0.02;              // random init: std of linears and embeddings
+  int64_t loss_chunk_tokens = 1024;    // logits rows computed at once by the chunked loss
+};
+
+struct TrainableConfig {
+  LayerSelection layers;    // decoder layers whose projections (and norms) train
+  bool projections = true;  // q/k/v/o/gate/up/down of the selected layers (NVFP4, STE)
+  bool norms = true;        // RMSNorm weights of the selected layers and the final norm
+  bool lm_head = false;     // the output projection (vocab x hidden)
+  bool embeddings = false;  // embed_tokens (vocab x hidden)
+};
+
+struct TrainConfig {
+  TrainableConfig trainable;
+  bool gradient_checkpointing = false;  // recompute each decoder layer in backward
+  int64_t steps = 100;                  // optimizer steps
+  int64_t batch_size = 4;               // sequences per micro-batch
+  int64_t grad_accum = 1;               // micro-batches per optimizer step
+  int64_t seq_len = 256;                // tokens per sequence (longer examples are cut)
+  int64_t seed = 1234;                  // data order, dropout-free sampling, stochastic rounding
+  double max_grad_norm = 1.0;           // global L2 clipping threshold; 0 disables clipping
+  int64_t max_nonfinite_steps = 5;      // consecutive non-finite steps skipped before failing
+};
+
+struct ScheduleConfig {
+  std::string kind = "constant";  // constant | linear | cosine (after warmup)
+  int64_t warmup_steps = 0;       // linear warmup from 0 to lr
+  double min_lr_ratio = 0.0;      // final lr / lr for linear and cosine decay
+};
+
+struct OptimConfig {
+  double lr = 1e-4;                            // peak learning rate
+  double beta1 = 0.9;                          // AdamW first-moment decay
+  double beta2 = 0.999;                        // AdamW second-moment decay
+  double eps = 1e-8;                           // AdamW epsilon
+  double weight_decay = 0.0;                   // decoupled weight decay
+  std::string state = "int8";                  // moment storage: fp32 | int8 | 4bit | nvfp4
+  int64_t chunk_rows = 1024;                   // rows per optimizer chunk (bounds temporaries)
+  std::string master_rounding = "stochastic";  // stochastic | nearest (fp16/bf16 masters)
+  ScheduleConfig schedule;
+};
+
+struct DataConfig {
+  std::vector<std::string> files;  // training files (TSV prompt<TAB>answer, JSONL, text)
+  std::string format = "auto";     // auto (by extension) | tsv | jsonl | text
+  std::string system_prompt;       // optional system turn before every example
+  bool shuffle = true;             // reshuffle each epoch (seeded by train.seed)
+  bool packing = false;            // pack several examples into one seq_len row
+  std::string on_error = "fail";   // fail | skip: malformed lines
+};
+
+struct EvalConfig {
+  std::vector<std::string> prompts;  // user prompts answered greedily
+  int64_t every = 0;                 // evaluate every N steps (0: only before and after)
+  int64_t max_new_tokens = 32;       // generation length limit
+  bool at_start = true;              // evaluate before the first step
+  bool at_end = true;                // evaluate after the last step
+};
+
+struct OutputConfig {
+  std::string dir = "runs/run";  // run directory (config, logs, metrics, checkpoints, export)
+  std::string export_path;       // exported .dat; default <dir>/model.dat; "none" disables
+  int64_t export_every = 0;      // also export every N steps (0: only at the end)
+  int64_t checkpoint_every = 0;  // checkpoint every N steps (0: only on signal)
+  int64_t keep = 2;              // newest complete checkpoints kept
+  bool verify_export = true;     // reload the export and check it generates the same answers
+};
+
+struct GuardConfig {
+  double max_gpu_gb = 0.0;  // stop (exit 3) when reserved or device-used memory passes it; 0 off
+};
+
+struct LogConfig {
+  int64_t every = 1;                      // log line every N steps
+  std::string metrics = "metrics.jsonl";  // metrics file name inside output.dir ("" disables)
+  std::string progress = "auto";          // auto | bar | line: progress bar on a terminal or not
+};
+
+struct Config {
+  ModelConfig model;
+  TrainConfig train;
+  OptimConfig optim;
+  DataConfig data;
+  EvalConfig eval;
+  OutputConfig output;
+  GuardConfig guard;
+  LogConfig log;
+  std::string source;  // where the config came from (file path), for messages
+};
+
+// One field of the config tree, as seen by parser, printer and docs.
+using FieldPtr = std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*,
+                              LayerSelection*>;
+
+struct FieldRef {
+  std::string key;                   // dotted path, e.g. "train.steps"
+  FieldPtr ptr;                      // the member inside a Config
+  std::string doc;                   // one line
+  std::vector<std::string> choices;  // allowed values of an enumerated string (empty: free)
+  bool is_path;                      // input path resolved against the config file's directory
+};
+
+// Every field of `c`, in the documented order.
+std::vector<FieldRef> config_fields(Config& c);
+// The dotted key of every field (e.g. for docs checks and did-you-mean).
+std::vector<std::string> config_keys();
+
+// A `--set key.path=value` edit; the value is parsed as YAML (so `[a, b]` is a list).
+struct Override {
+  std::string key;
+  std::string value;
+};
+Override parse_override(const std::string& text);  // "a.b=c"; ConfigError when malformed
+
+// Parses YAML text (source_name for messages), applies overrides, reads and validates. Relative
+// input paths in the text resolve against `base_dir`, those from overrides against the CWD.
+Config parse_config(const std::string& yaml_text, const std::string& source_name,
+                    const std::string& base_dir, const std::vector<Override>& overrides = {});
+// Reads `path` and calls parse_config with its directory as base_dir.
+Config load_config(const std::string& path, const std::vector<Override>& overrides = {});
+
+// Cross-field and range checks; ConfigError naming the key. parse_config calls it.
+void validate_config(const Config& c);
+
+// The resolved config as YAML (every field, defaults included); parse_config(to_yaml(c)) == c.
+std::string config_to_yaml(const Config& c);
+
+// Closest known key to `key` by edit distance (full path and last component), or "" if none is
+// close enough to be a useful suggestion.
+std::string did_you_mean(const std::string& key, const std::vector<std::string>& known);
+
+// Derived settings.
+std::string resolved_compute_dtype(const Config& c);  // "fp32"/"bf16"/"fp16"
+std::string resolved_export_path(const Config& c);    // "" when export is disabled
+bool device_is_cuda(const Config& c);
+
+}  // namespace q4::trainer

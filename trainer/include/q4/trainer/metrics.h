@@ -1,0 +1,55 @@
+// The per-step record: one fixed-format log line for humans and one JSON object per line in
+// metrics.jsonl with the same fields. Numbers that are unknown (MFU without a known device peak,
+// GPU memory on CPU) are printed as "-" and written as null.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+namespace q4::trainer {
+
+struct StepMetrics {
+  int64_t step = 0;  // 1-based step just finished
+  int64_t total_steps = 0;
+  double loss = 0;       // mean supervised-token cross-entropy of the step
+  double grad_norm = 0;  // global L2 norm before clipping
+  double lr = 0;         // learning rate used by this step
+  double step_ms = 0;    // wall time of the step
+  int64_t tokens = 0;    // supervised + context tokens processed by the step
+  double tokens_per_s = 0;
+  std::optional<double> mfu;                  // model FLOPs utilization in [0, 1]
+  std::optional<int64_t> gpu_reserved_bytes;  // caching allocator reserved
+  std::optional<int64_t> gpu_peak_bytes;      // allocator peak allocated during the step
+  int64_t rss_bytes = 0;
+  double eta_s = 0;      // remaining steps x mean step time
+  bool skipped = false;  // non-finite gradients: update skipped
+};
+
+// "step   12/200 | loss 3.4521 | gnorm 1.234e+00 | lr 1.00e-03 | 123.4 ms | 1234 tok/s |
+//  mfu 12.3% | mem 12.3 GiB | eta 1m23s" (one line).
+std::string format_log_line(const StepMetrics& m);
+nlohmann::json metrics_to_json(const StepMetrics& m);
+std::string format_duration(double seconds);  // "45s", "3m07s", "2h05m"
+// A text progress bar: "[#####.....] 12/200".
+std::string format_progress_bar(int64_t step, int64_t total, int width = 30);
+
+// Appends JSON lines to a file, flushing each line (a killed run keeps what it logged).
+class JsonlWriter {
+ public:
+  JsonlWriter() = default;
+  // Opens `path` for appending; with `keep_until_step` set, first drops lines whose "step" is
+  // greater (a resumed run rewrites the steps after its checkpoint).
+  void open(const std::string& path, std::optional<int64_t> keep_until_step = std::nullopt);
+  bool is_open() const { return out_.is_open(); }
+  void write(const nlohmann::json& j);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace q4::trainer

@@ -1,0 +1,58 @@
+// The q4train run: load masters (from a .dat or a random init written to <dir>/init.dat),
+// tokenize data, then train with gradient accumulation, clipping, schedule and the non-finite
+// guard; eval, export, checkpoints (DONE marker last, newest K kept), resume, graceful stop on
+// SIGINT/SIGTERM and the GPU-memory guard. Also --dry-run (estimate only) and --probe (one
+// instrumented step with a JSON report). Output goes to the given streams; nothing calls exit().
+#pragma once
+
+#include <iosfwd>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "q4/model/qwen3.h"
+#include "q4/trainer/config.h"
+
+namespace q4::trainer {
+
+// The memory guard fired (exit code 3).
+class GuardStop : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Process exit codes.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitRuntime = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitGuard = 3;
+
+struct RunOptions {
+  std::optional<std::string> resume;  // --resume DIR (a checkpoint or a run directory)
+  std::string probe_report;           // --probe: report path (default <output.dir>/probe.json)
+};
+
+// Trains as configured. Returns kExitOk (also after a signal-triggered checkpoint); throws
+// ConfigError for input problems (files, data, shapes), GuardStop, or c10::Error at runtime.
+int run_training(const Config& config, const RunOptions& options, std::ostream& out,
+                 std::ostream& err);
+
+// Validates inputs without loading them (files exist, config.json parses) and prints the
+// memory estimate per component. Returns kExitOk or throws ConfigError.
+int run_dry_run(const Config& config, std::ostream& out);
+
+// One instrumented step; prints the JSON report and writes it to options.probe_report.
+int run_probe(const Config& config, const RunOptions& options, std::ostream& out,
+              std::ostream& err);
+
+// Writes every parameter of `model` as a .dat: projection linears (and lm_head when
+// `quantize_lm_head`) as NVFP4 (qdata elem 100, scale elem 101), everything else fp16, in HF
+// order. Used for random init files and the probe's export when there is no source file.
+void write_model_dat(const model::Qwen3Model& model, const std::string& path,
+                     bool quantize_lm_head);
+
+// The config that a run directory saved (`<run_dir>/config.yaml`) for `--resume DIR` without
+// --config; DIR may be the run directory or one of its checkpoints.
+std::string saved_config_path_for_resume(const std::string& resume_dir);
+
+}  // namespace q4::trainer

@@ -1,0 +1,118 @@
+// q4train: the command line. Parses flags (CLI11), resolves the config (built-in default:
+// configs/demo.yaml, found through the source tree or next to the executable), applies --set,
+// prints the resolved config, and dispatches to training, --dry-run or --probe. The only place
+// that maps failures to exit codes: 0 ok, 1 runtime, 2 usage/config/input, 3 guard stop; every
+// error is one line on stderr.
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "q4/trainer/config.h"
+#include "q4/trainer/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace q4::trainer;
+
+namespace {
+
+std::string executable_dir() {
+  std::error_code ec;
+  const auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : p.parent_path().string();
+}
+
+// configs/demo.yaml: the source tree this binary was built from, then relative to the binary
+// (build/bin/q4train -> ../../configs, an install prefix's share/q4train/configs).
+std::string default_config_path() {
+  std::vector<fs::path> candidates = {fs::path(Q4_DEFAULT_CONFIG)};
+  const std::string exe = executable_dir();
+  if (!exe.empty()) {
+    candidates.push_back(fs::path(exe) / ".." / ".." / "configs" / "demo.yaml");
+    candidates.push_back(fs::path(exe) / ".." / "share" / "q4train" / "configs" / "demo.yaml");
+    candidates.push_back(fs::path(exe) / "configs" / "demo.yaml");
+  }
+  for (const auto& c : candidates) {
+    std::error_code ec;
+    if (fs::is_regular_file(c, ec)) return fs::canonical(c).string();
+  }
+  throw ConfigError(
+      "no --config given and the built-in default configs/demo.yaml was not found "
+      "(looked in " +
+      std::string(Q4_DEFAULT_CONFIG) + " and next to the binary)");
+}
+
+int fail(int code, const std::string& msg) {
+  std::string one = msg;
+  for (auto& ch : one) {
+    if (ch == '\n') ch = ' ';
+  }
+  std::cerr << "q4train: " << (code == kExitGuard ? "" : "error: ") << one << std::endl;
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
+  std::string config_path;
+  std::vector<std::string> sets;
+  std::string resume;
+  std::string probe_report;
+  bool probe = false, dry_run = false, version = false;
+  app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
+  app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
+  app.add_option("--resume", resume,
+                 "continue from a checkpoint directory (step_XXXXXX) or a run directory");
+  app.add_flag("--probe", probe, "run one instrumented step and print a JSON memory report");
+  app.add_option("--probe-report", probe_report, "where --probe writes its JSON report");
+  app.add_flag("--dry-run", dry_run, "validate, estimate memory per component, load nothing");
+  app.add_flag("--version", version, "print the version and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  if (version) {
+    std::cout << "q4train " << Q4_VERSION << " (LibTorch " << TORCH_VERSION
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+              << ", CUDA kernels"
+#else
+              << ", CPU only"
+#endif
+              << ")" << std::endl;
+    return kExitOk;
+  }
+  try {
+    if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
+    if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
+    std::vector<Override> overrides;
+    for (const auto& s : sets) overrides.push_back(parse_override(s));
+    if (config_path.empty()) {
+      config_path = resume.empty() ? default_config_path() : saved_config_path_for_resume(resume);
+    }
+    const Config config = load_config(config_path, overrides);
+    std::cout << "# q4train " << Q4_VERSION << ", resolved config from " << config_path << "\n"
+              << config_to_yaml(config) << std::flush;
+    RunOptions options;
+    if (!resume.empty()) options.resume = resume;
+    options.probe_report = probe_report;
+    if (dry_run) return run_dry_run(config, std::cout);
+    if (probe) return run_probe(config, options, std::cout, std::cerr);
+    return run_training(config, options, std::cout, std::cerr);
+  } catch (const ConfigError& e) {
+    return fail(kExitUsage, e.what());
+  } catch (const GuardStop& e) {
+    return fail(kExitGuard, e.what());
+  } catch (const c10::Error& e) {
+    return fail(kExitRuntime, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return fail(kExitRuntime, e.what());
+  }
+}

@@ -1,0 +1,925 @@
+// YAML -> Config. The tree is loaded once, `--set` overrides are spliced into it, every key is
+// checked against the field list (unknown ones get a did-you-mean), each known field is converted
+// with a type check that names the key and the line, and validate_config() applies range and
+// cross-field rules. config_to_yaml() prints the same field list back, one doc comment per field.
+#include "q4/trainer/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace q4::trainer {
+namespace {
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char ch : s) {
+    if (ch == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(ch);
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+bool parse_int(const std::string& s, int64_t* out) {
+  if (s.empty()) return false;
+  size_t pos = 0;
+  try {
+    const long long v = std::stoll(s, &pos, 10);
+    if (pos != s.size()) return false;
+    *out = v;
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+constexpr const char* kFromSet = "--set";
+
+// Where a node came from, for messages: " (demo.yaml line 12)" or " (from --set)".
+std::string where(const YAML::Node& node, const std::string& source) {
+  if (source == kFromSet) return " (from --set)";
+  const YAML::Mark m = node.Mark();
+  if (m.is_null() || m.line < 0) return " (from --set)";
+  return " (" + source + " line " + std::to_string(m.line + 1) + ")";
+}
+
+std::string describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Scalar:
+      return "'" + node.Scalar() + "'";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    default:
+      return "nothing";
+  }
+}
+
+[[noreturn]] void type_error(const std::string& key, const YAML::Node& node,
+                             const std::string& source, const std::string& expected) {
+  throw ConfigError("config key " + key + where(node, source) + ": expected " + expected +
+                    ", found " + describe(node));
+}
+
+std::string read_string(const std::string& key, const YAML::Node& n, const std::string& src) {
+  if (n.IsNull()) return "";
+  if (!n.IsScalar()) type_error(key, n, src, "a string");
+  return n.Scalar();
+}
+
+int64_t read_int(const std::string& key, const YAML::Node& n, const std::string& src) {
+  int64_t v = 0;
+  if (!n.IsScalar() || !parse_int(trim(n.Scalar()), &v)) type_error(key, n, src, "an integer");
+  return v;
+}
+
+double read_double(const std::string& key, const YAML::Node& n, const std::string& src) {
+  if (!n.IsScalar()) type_error(key, n, src, "a number");
+  try {
+    return n.as<double>();
+  } catch (const YAML::Exception&) {
+    type_error(key, n, src, "a number");
+  }
+}
+
+bool read_bool(const std::string& key, const YAML::Node& n, const std::string& src) {
+  if (!n.IsScalar()) type_error(key, n, src, "true or false");
+  try {
+    return n.as<bool>();
+  } catch (const YAML::Exception&) {
+    type_error(key, n, src, "true or false");
+  }
+}
+
+std::vector<std::string> read_string_list(const std::string& key, const YAML::Node& n,
+                                          const std::string& src) {
+  std::vector<std::string> out;
+  if (n.IsNull()) return out;
+  if (n.IsScalar()) return {n.Scalar()};  // a single value is a one-element list
+  if (!n.IsSequence()) type_error(key, n, src, "a list of strings");
+  for (const auto& item : n) {
+    if (!item.IsScalar()) type_error(key + "[]", item, src, "a string");
+    out.push_back(item.Scalar());
+  }
+  return out;
+}
+
+LayerSelection read_layers(const std::string& key, const YAML::Node& n, const std::string& src) {
+  if (n.IsSequence()) {
+    LayerSelection sel;
+    sel.kind = LayerSelection::Kind::kList;
+    for (const auto& item : n) sel.layers.push_back(read_int(key + "[]", item, src));
+    return sel;
+  }
+  if (!n.IsScalar()) type_error(key, n, src, "all, none, last:N or a list of layer indices");
+  try {
+    return LayerSelection::parse(n.Scalar(), key);
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string(e.what()) + where(n, src));
+  }
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string last_component(const std::string& key) {
+  const auto p = key.rfind('.');
+  return p == std::string::npos ? key : key.substr(p + 1);
+}
+
+// Splices `value` at the dotted `parts` path of `node`, creating mappings on the way.
+void set_path(YAML::Node node, const std::vector<std::string>& parts, size_t i,
+              const YAML::Node& value, const std::string& full_key) {
+  if (i + 1 == parts.size()) {
+    node[parts[i]] = value;
+    return;
+  }
+  YAML::Node child = node[parts[i]];
+  if (!child.IsDefined() || child.IsNull()) {
+    node[parts[i]] = YAML::Node(YAML::NodeType::Map);
+  } else if (!child.IsMap()) {
+    std::string prefix;
+    for (size_t k = 0; k <= i; ++k) prefix += (k ? "." : "") + parts[k];
+    throw ConfigError("--set " + full_key + ": " + prefix + " is a value, not a section");
+  }
+  set_path(node[parts[i]], parts, i + 1, value, full_key);
+}
+
+// Rejects every key of the tree that is neither a field nor a section holding fields.
+void check_keys(const YAML::Node& node, const std::string& prefix,
+                const std::set<std::string>& leaves, const std::set<std::string>& sections,
+                const std::vector<std::string>& all_keys, const std::string& src) {
+  if (!node.IsMap()) {
+    throw ConfigError("config section " + (prefix.empty() ? std::string("<root>") : prefix) +
+                      where(node, src) + ": expected a mapping, found " + describe(node));
+  }
+  std::set<std::string> seen;
+  for (const auto& kv : node) {
+    if (!kv.first.IsScalar()) type_error(prefix + "<key>", kv.first, src, "a plain key");
+    const std::string key = (prefix.empty() ? "" : prefix + ".") + kv.first.Scalar();
+    if (!seen.insert(kv.first.Scalar()).second) {
+      throw ConfigError("duplicate config key " + key + where(kv.first, src) +
+                        " (a later copy would silently replace the first)");
+    }
+    if (leaves.count(key)) continue;
+    if (sections.count(key)) {
+      if (kv.second.IsNull()) continue;  // an empty section keeps its defaults
+      check_keys(kv.second, key, leaves, sections, all_keys, src);
+      continue;
+    }
+    std::vector<std::string> candidates(all_keys.begin(), all_keys.end());
+    candidates.insert(candidates.end(), sections.begin(), sections.end());
+    const std::string hint = did_you_mean(key, candidates);
+    throw ConfigError("unknown config key " + key + where(kv.first, src) +
+                      (hint.empty() ? "" : "; did you mean " + hint + "?"));
+  }
+}
+
+// The node at a dotted path, without creating anything (yaml-cpp's non-const [] inserts, and
+// assigning to a valid Node handle overwrites the tree: reset() rebinds instead).
+std::optional<YAML::Node> lookup(const YAML::Node& root, const std::vector<std::string>& parts) {
+  YAML::Node cur;
+  cur.reset(root);
+  for (const auto& p : parts) {
+    if (!cur.IsMap()) return std::nullopt;
+    const YAML::Node& ccur = cur;
+    const YAML::Node child = ccur[p];
+    if (!child.IsDefined()) return std::nullopt;
+    cur.reset(child);
+  }
+  return cur;
+}
+
+std::string resolve_path(const std::string& p, const std::string& base) {
+  if (p.empty()) return p;
+  fs::path path(p);
+  if (path.is_absolute()) return path.lexically_normal().string();
+  return (fs::absolute(fs::path(base)) / path).lexically_normal().string();
+}
+
+bool is_one_of(const std::string& v, const std::vector<std::string>& choices) {
+  return std::find(choices.begin(), choices.end(), v) != choices.end();
+}
+
+std::string join(const std::vector<std::string>& v, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
+  return out;
+}
+
+[[noreturn]] void range_error(const std::string& key, const std::string& expected,
+                              const std::string& found) {
+  throw ConfigError("config key " + key + ": expected " + expected + ", found " + found);
+}
+
+std::string fmt_double(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// LayerSelection
+
+LayerSelection LayerSelection::parse(const std::string& text, const std::string& key) {
+  const std::string t = trim(text);
+  LayerSelection sel;
+  if (t == "all") {
+    sel.kind = Kind::kAll;
+    return sel;
+  }
+  if (t == "none") {
+    sel.kind = Kind::kNone;
+    return sel;
+  }
+  if (t.rfind("last:", 0) == 0) {
+    int64_t n = 0;
+    if (!parse_int(trim(t.substr(5)), &n) || n < 1) {
+      throw ConfigError("config key " + key + ": expected last:N with N >= 1, found '" + t + "'");
+    }
+    sel.kind = Kind::kLast;
+    sel.last_n = n;
+    return sel;
+  }
+  sel.kind = Kind::kList;
+  for (const auto& part : split(t, ',')) {
+    int64_t idx = 0;
+    if (!parse_int(trim(part), &idx)) {
+      throw ConfigError("config key " + key +
+                        ": expected all, none, last:N or a list of layer indices, found '" + t +
+                        "'");
+    }
+    sel.layers.push_back(idx);
+  }
+  return sel;
+}
+
+std::string LayerSelection::to_string() const {
+  switch (kind) {
+    case Kind::kAll:
+      return "all";
+    case Kind::kNone:
+      return "none";
+    case Kind::kLast:
+      return "last:" + std::to_string(last_n);
+    case Kind::kList: {
+      std::string out;
+      for (size_t i = 0; i < layers.size(); ++i) out += (i ? "," : "") + std::to_string(layers[i]);
+      return out;
+    }
+  }
+  return "";
+}
+
+std::vector<int64_t> LayerSelection::resolve(int64_t num_layers) const {
+  std::vector<int64_t> out;
+  switch (kind) {
+    case Kind::kAll:
+      for (int64_t i = 0; i < num_layers; ++i) out.push_back(i);
+      break;
+    case Kind::kNone:
+      break;
+    case Kind::kLast:
+      if (last_n > num_layers) {
+        throw ConfigError("config key train.trainable.layers: last:" + std::to_string(last_n) +
+                          " asks for more layers than the model has (" +
+                          std::to_string(num_layers) + ")");
+      }
+      for (int64_t i = num_layers - last_n; i < num_layers; ++i) out.push_back(i);
+      break;
+    case Kind::kList:
+      for (int64_t i : layers) {
+        if (i < 0 || i >= num_layers) {
+          throw ConfigError("config key train.trainable.layers: layer " + std::to_string(i) +
+                            " is out of range for a model with " + std::to_string(num_layers) +
+                            " layers");
+        }
+        out.push_back(i);
+      }
+      std::sort(out.begin(), out.end());
+      break;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The field list
+
+std::vector<FieldRef> config_fields(Config& c) {
+  const std::vector<std::string> dtypes = {"fp16", "bf16", "fp32"};
+  return {
+      {"model.dir",
+       &c.model.dir,
+       "HF model directory holding config.json and tokenizer.json",
+       {},
+       true},
+      {"model.config", &c.model.config, "config.json path (default <dir>/config.json)", {}, true},
+      {"model.weights",
+       &c.model.weights,
+       "NVFP4 .dat weights (required when init is file)",
+       {},
+       true},
+      {"model.tokenizer",
+       &c.model.tokenizer,
+       "tokenizer.json path (default <dir>/tokenizer.json)",
+       {},
+       true},
+      {"model.init",
+       &c.model.init,
+       "file: load weights; random: random init from config",
+       {"file", "random"},
+       false},
+      {"model.init_seed", &c.model.init_seed, "seed of the random init", {}, false},
+      {"model.quantize_lm_head",
+       &c.model.quantize_lm_head,
+       "random init: store lm_head as NVFP4 like the shipped checkpoint",
+       {},
+       false},
+      {"model.master_dtype", &c.model.master_dtype, "dtype of the trained master weights", dtypes,
+       false},
+      {"model.compute_dtype",
+       &c.model.compute_dtype,
+       "activation/matmul dtype (auto: bf16 on cuda, fp32 on cpu)",
+       {"auto", "fp32", "bf16", "fp16"},
+       false},
+      {"model.device", &c.model.device, "cpu, cuda or cuda:N", {}, false},
+      {"model.grad_dtype",
+       &c.model.grad_dtype,
+       "gradient storage (auto: fp32 with fp32 masters, else bf16)",
+       {"auto", "fp32", "bf16", "fp16"},
+       false},
+      {"model.init_std",
+       &c.model.init_std,
+       "random init: std of linears and embeddings",
+       {},
+       false},
+      {"model.loss_chunk_tokens",
+       &c.model.loss_chunk_tokens,
+       "logit rows computed at once by the chunked cross-entropy",
+       {},
+       false},
+      {"train.trainable.layers",
+       &c.train.trainable.layers,
+       "decoder layers that train: all, none, last:N or a list of indices",
+       {},
+       false},
+      {"train.trainable.projections",
+       &c.train.trainable.projections,
+       "q/k/v/o/gate/up/down linears of the selected layers train (fake-quantized, STE)",
+       {},
+       false},
+      {"train.trainable.norms",
+       &c.train.trainable.norms,
+       "RMSNorm weights of the selected layers and the final norm train",
+       {},
+       false},
+      {"train.trainable.lm_head",
+       &c.train.trainable.lm_head,
+       "the output projection trains",
+       {},
+       false},
+      {"train.trainable.embeddings",
+       &c.train.trainable.embeddings,
+       "embed_tokens trains",
+       {},
+       false},
+      {"train.gradient_checkpointing",
+       &c.train.gradient_checkpointing,
+       "recompute each decoder layer in backward (less activation memory)",
+       {},
+       false},
+      {"train.steps", &c.train.steps, "optimizer steps", {}, false},
+      {"train.batch_size", &c.train.batch_size, "sequences per micro-batch", {}, false},
+      {"train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step", {}, false},
+      {"train.seq_len",
+       &c.train.seq_len,
+       "tokens per sequence (longer examples are truncated)",
+       {},
+       false},
+      {"train.seed", &c.train.seed, "seed of data order and stochastic rounding", {}, false},
+      {"train.max_grad_norm",
+       &c.train.max_grad_norm,
+       "global gradient-norm clip; 0 disables",
+       {},
+       false},
+      {"train.max_nonfinite_steps",
+       &c.train.max_nonfinite_steps,
+       "consecutive non-finite steps skipped before the run fails",
+       {},
+       false},
+      {"optim.lr", &c.optim.lr, "peak learning rate", {}, false},
+      {"optim.beta1", &c.optim.beta1, "AdamW first-moment decay", {}, false},
+      {"optim.beta2", &c.optim.beta2, "AdamW second-moment decay", {}, false},
+      {"optim.eps", &c.optim.eps, "AdamW epsilon", {}, false},
+      {"optim.weight_decay", &c.optim.weight_decay, "decoupled weight decay", {}, false},
+      {"optim.state",
+       &c.optim.state,
+       "moment storage format",
+       {"fp32", "int8", "4bit", "nvfp4"},
+       false},
+      {"optim.chunk_rows",
+       &c.optim.chunk_rows,
+       "rows per optimizer chunk (bounds temporaries)",
+       {},
+       false},
+      {"optim.master_rounding",
+       &c.optim.master_rounding,
+       "how updates are written back to fp16/bf16 masters",
+       {"stochastic", "nearest"},
+       false},
+      {"optim.schedule.kind",
+       &c.optim.schedule.kind,
+       "learning-rate schedule after warmup",
+       {"constant", "linear", "cosine"},
+       false},
+      {"optim.schedule.warmup_steps",
+       &c.optim.schedule.warmup_steps,
+       "linear warmup steps from 0 to lr",
+       {},
+       false},
+      {"optim.schedule.min_lr_ratio",
+       &c.optim.schedule.min_lr_ratio,
+       "final lr / lr for linear and cosine decay",
+       {},
+       false},
+      {"data.files",
+       &c.data.files,
+       "training files (TSV prompt<TAB>answer, JSONL, text)",
+       {},
+       true},
+      {"data.format",
+       &c.data.format,
+       "file format (auto: by extension)",
+       {"auto", "tsv", "jsonl", "text"},
+       false},
+      {"data.system_prompt",
+       &c.data.system_prompt,
+       "optional system turn before every example",
+       {},
+       false},
+      {"data.shuffle", &c.data.shuffle, "reshuffle every epoch (seeded by train.seed)", {}, false},
+      {"data.packing", &c.data.packing, "pack several examples into one seq_len row", {}, false},
+      {"data.on_error",
+       &c.data.on_error,
+       "malformed data lines: fail or skip",
+       {"fail", "skip"},
+       false},
+      {"eval.prompts", &c.eval.prompts, "user prompts answered greedily", {}, false},
+      {"eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)", {}, false},
+      {"eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit", {}, false},
+      {"eval.at_start", &c.eval.at_start, "evaluate before the first step", {}, false},
+      {"eval.at_end", &c.eval.at_end, "evaluate after the last step", {}, false},
+      {"output.dir",
+       &c.output.dir,
+       "run directory (config, metrics, eval, checkpoints, export)",
+       {},
+       false},
+      {"output.export_path",
+       &c.output.export_path,
+       "exported .dat (default <dir>/model.dat; relative to dir; none disables)",
+       {},
+       false},
+      {"output.export_every",
+       &c.output.export_every,
+       "also export every N steps (0: at the end)",
+       {},
+       false},
+      {"output.checkpoint_every",
+       &c.output.checkpoint_every,
+       "checkpoint every N steps (0: only on SIGINT/SIGTERM)",
+       {},
+       false},
+      {"output.keep", &c.output.keep, "newest complete checkpoints kept", {}, false},
+      {"output.verify_export",
+       &c.output.verify_export,
+       "reload the export and check it answers the eval prompts like the trained model",
+       {},
+       false},
+      {"guard.max_gpu_gb",
+       &c.guard.max_gpu_gb,
+       "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
+       {},
+       false},
+      {"log.every", &c.log.every, "log line every N steps", {}, false},
+      {"log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)", {}, false},
+      {"log.progress",
+       &c.log.progress,
+       "auto: progress bar on a terminal, log lines otherwise; bar; line",
+       {"auto", "bar", "line"},
+       false},
+  };
+}
+
+std::vector<std::string> config_keys() {
+  Config c;
+  std::vector<std::string> keys;
+  for (const auto& f : config_fields(c)) keys.push_back(f.key);
+  return keys;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overrides, did-you-mean
+
+Override parse_override(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw ConfigError("--set expects key.path=value, found '" + text + "'");
+  }
+  Override o{trim(text.substr(0, eq)), text.substr(eq + 1)};
+  for (const auto& part : split(o.key, '.')) {
+    if (part.empty()) throw ConfigError("--set: malformed key '" + o.key + "'");
+  }
+  return o;
+}
+
+std::string did_you_mean(const std::string& key, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = std::string::npos;
+  const std::string last = last_component(key);
+  for (const auto& k : known) {
+    size_t d = edit_distance(key, k);
+    // A right field name under the wrong section ("train.lr" -> "optim.lr") counts as close.
+    if (last_component(k) == last) d = std::min<size_t>(d, 1);
+    d = std::min(d, edit_distance(last, last_component(k)) + 1);
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  const size_t limit = std::max<size_t>(2, last.size() / 3 + 1);
+  return best_d <= limit ? best : "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing
+
+Config parse_config(const std::string& yaml_text, const std::string& source_name,
+                    const std::string& base_dir, const std::vector<Override>& overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::ParserException& e) {
+    throw ConfigError(source_name + " line " + std::to_string(e.mark.line + 1) +
+                      ": invalid YAML: " + e.msg);
+  }
+  if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap()) {
+    throw ConfigError(source_name + ": expected a mapping of sections at the top level, found " +
+                      describe(root));
+  }
+
+  Config c;
+  c.source = source_name;
+  auto fields = config_fields(c);
+  std::set<std::string> leaves, sections;
+  std::vector<std::string> keys;
+  for (const auto& f : fields) {
+    leaves.insert(f.key);
+    keys.push_back(f.key);
+    const auto parts = split(f.key, '.');
+    std::string prefix;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      prefix += (i ? "." : "") + parts[i];
+      sections.insert(prefix);
+    }
+  }
+
+  std::set<std::string> overridden;
+  for (const auto& o : overrides) {
+    if (!leaves.count(o.key)) {
+      const std::string hint = did_you_mean(o.key, keys);
+      throw ConfigError("--set: unknown config key " + o.key +
+                        (hint.empty() ? "" : "; did you mean " + hint + "?"));
+    }
+    YAML::Node value;
+    try {
+      value = o.value.empty() ? YAML::Node(std::string()) : YAML::Load(o.value);
+    } catch (const YAML::ParserException& e) {
+      throw ConfigError("--set " + o.key + ": invalid YAML value '" + o.value + "': " + e.msg);
+    }
+    set_path(root, split(o.key, '.'), 0, value, o.key);
+    overridden.insert(o.key);
+  }
+
+  check_keys(root, "", leaves, sections, keys, source_name);
+
+  for (auto& f : fields) {
+    const auto node = lookup(root, split(f.key, '.'));
+    if (!node) continue;
+    const YAML::Node& cur = *node;
+    const std::string src = overridden.count(f.key) ? std::string(kFromSet) : source_name;
+    std::visit(
+        [&](auto* ptr) {
+          using T = std::remove_pointer_t<decltype(ptr)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            *ptr = read_string(f.key, cur, src);
+            if (!f.choices.empty() && !is_one_of(*ptr, f.choices)) {
+              throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
+                                join(f.choices, ", ") + ", found '" + *ptr + "'");
+            }
+          } else if constexpr (std::is_same_v<T, int64_t>) {
+            *ptr = read_int(f.key, cur, src);
+          } else if constexpr (std::is_same_v<T, double>) {
+            *ptr = read_double(f.key, cur, src);
+          } else if constexpr (std::is_same_v<T, bool>) {
+            *ptr = read_bool(f.key, cur, src);
+          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            *ptr = read_string_list(f.key, cur, src);
+            for (const auto& v : *ptr) {
+              if (!f.choices.empty() && !is_one_of(v, f.choices)) {
+                throw ConfigError("config key " + f.key + where(cur, src) +
+                                  ": expected entries from " + join(f.choices, ", ") + ", found '" +
+                                  v + "'");
+              }
+            }
+          } else {
+            *ptr = read_layers(f.key, cur, src);
+          }
+        },
+        f.ptr);
+  }
+
+  // Input paths: relative to the config file's directory, or to the CWD for --set values.
+  for (auto& f : fields) {
+    if (!f.is_path) continue;
+    const std::string base = overridden.count(f.key) ? fs::current_path().string() : base_dir;
+    if (auto* s = std::get_if<std::string*>(&f.ptr)) {
+      **s = resolve_path(**s, base);
+    } else if (auto* v = std::get_if<std::vector<std::string>*>(&f.ptr)) {
+      for (auto& p : **v) p = resolve_path(p, base);
+    }
+  }
+  // model.dir supplies config.json / tokenizer.json when those are not given.
+  if (!c.model.dir.empty()) {
+    if (c.model.config.empty()) c.model.config = (fs::path(c.model.dir) / "config.json").string();
+    if (c.model.tokenizer.empty()) {
+      c.model.tokenizer = (fs::path(c.model.dir) / "tokenizer.json").string();
+    }
+  }
+  // Outputs: relative to the CWD (absolute in the saved config, so --resume works anywhere).
+  if (!c.output.dir.empty()) c.output.dir = resolve_path(c.output.dir, fs::current_path().string());
+
+  validate_config(c);
+  return c;
+}
+
+Config load_config(const std::string& path, const std::vector<Override>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("cannot open config file " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string base = fs::absolute(fs::path(path)).parent_path().string();
+  return parse_config(ss.str(), path, base, overrides);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+void validate_config(const Config& c) {
+  const auto& m = c.model;
+  if (m.init == "file" && m.weights.empty()) {
+    throw ConfigError("config key model.weights: required when model.init is file");
+  }
+  if (m.init == "random" && m.config.empty()) {
+    throw ConfigError(
+        "config key model.config: required when model.init is random (or set "
+        "model.dir)");
+  }
+  if (m.config.empty() && m.weights.empty()) {
+    throw ConfigError("config key model.config: required (or set model.dir)");
+  }
+  if (m.config.empty()) {
+    throw ConfigError(
+        "config key model.config: required to know the architecture (or set "
+        "model.dir)");
+  }
+  if (m.tokenizer.empty()) {
+    throw ConfigError("config key model.tokenizer: required (or set model.dir)");
+  }
+  const bool cuda = device_is_cuda(c);
+  if (m.device != "cpu" && !cuda) {
+    range_error("model.device", "cpu, cuda or cuda:N", "'" + m.device + "'");
+  }
+  if (!cuda && m.compute_dtype == "fp16") {
+    throw ConfigError(
+        "config key model.compute_dtype: fp16 compute needs model.device cuda "
+        "(CPU matmuls run in fp32 or bf16)");
+  }
+
+  if (!(m.init_std > 0) || !std::isfinite(m.init_std)) {
+    range_error("model.init_std", "a finite value > 0", fmt_double(m.init_std));
+  }
+  if (m.loss_chunk_tokens < 1) {
+    range_error("model.loss_chunk_tokens", ">= 1", std::to_string(m.loss_chunk_tokens));
+  }
+
+  const auto& t = c.train;
+  if (t.steps < 0) range_error("train.steps", ">= 0", std::to_string(t.steps));
+  if (t.batch_size < 1) range_error("train.batch_size", ">= 1", std::to_string(t.batch_size));
+  if (t.grad_accum < 1) range_error("train.grad_accum", ">= 1", std::to_string(t.grad_accum));
+  if (t.seq_len < 2) range_error("train.seq_len", ">= 2", std::to_string(t.seq_len));
+  if (!(t.max_grad_norm >= 0) || !std::isfinite(t.max_grad_norm)) {
+    range_error("train.max_grad_norm", "a finite value >= 0", fmt_double(t.max_grad_norm));
+  }
+  if (t.max_nonfinite_steps < 0) {
+    range_error("train.max_nonfinite_steps", ">= 0", std::to_string(t.max_nonfinite_steps));
+  }
+  const auto& tr = t.trainable;
+  if (tr.layers.kind == LayerSelection::Kind::kList) {
+    std::set<int64_t> seen;
+    for (int64_t i : tr.layers.layers) {
+      if (i < 0) range_error("train.trainable.layers", "layer indices >= 0", std::to_string(i));
+      if (!seen.insert(i).second) {
+        range_error("train.trainable.layers", "distinct layer indices",
+                    "layer " + std::to_string(i) + " twice");
+      }
+    }
+    if (tr.layers.layers.empty()) {
+      range_error("train.trainable.layers", "at least one index (or none)", "an empty list");
+    }
+  }
+  const bool layers_train =
+      tr.layers.kind != LayerSelection::Kind::kNone && (tr.projections || tr.norms);
+  if (!layers_train && !tr.norms && !tr.lm_head && !tr.embeddings) {
+    throw ConfigError(
+        "config key train.trainable: nothing is trainable (select layers with "
+        "projections or norms, or lm_head, or embeddings)");
+  }
+
+  const auto& o = c.optim;
+  if (!(o.lr > 0) || !std::isfinite(o.lr))
+    range_error("optim.lr", "a finite value > 0", fmt_double(o.lr));
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) range_error("optim.beta1", "[0, 1)", fmt_double(o.beta1));
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) range_error("optim.beta2", "[0, 1)", fmt_double(o.beta2));
+  if (!(o.eps > 0) || !std::isfinite(o.eps)) range_error("optim.eps", "> 0", fmt_double(o.eps));
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+    range_error("optim.weight_decay", ">= 0", fmt_double(o.weight_decay));
+  }
+  if (o.chunk_rows < 1) range_error("optim.chunk_rows", ">= 1", std::to_string(o.chunk_rows));
+  if (o.schedule.warmup_steps < 0) {
+    range_error("optim.schedule.warmup_steps", ">= 0", std::to_string(o.schedule.warmup_steps));
+  }
+  if (t.steps > 0 && o.schedule.warmup_steps > t.steps) {
+    throw ConfigError(
+        "config key optim.schedule.warmup_steps: " + std::to_string(o.schedule.warmup_steps) +
+        " warmup steps exceed train.steps " + std::to_string(t.steps));
+  }
+  if (!(o.schedule.min_lr_ratio >= 0 && o.schedule.min_lr_ratio <= 1)) {
+    range_error("optim.schedule.min_lr_ratio", "[0, 1]", fmt_double(o.schedule.min_lr_ratio));
+  }
+
+  const auto& e = c.eval;
+  if (e.every < 0) range_error("eval.every", ">= 0", std::to_string(e.every));
+  if (e.max_new_tokens < 1)
+    range_error("eval.max_new_tokens", ">= 1", std::to_string(e.max_new_tokens));
+
+  const auto& out = c.output;
+  if (out.dir.empty()) range_error("output.dir", "a directory", "an empty value");
+  if (out.export_every < 0)
+    range_error("output.export_every", ">= 0", std::to_string(out.export_every));
+  if (out.export_every > 0 && out.export_path == "none") {
+    throw ConfigError("config key output.export_every: set, but output.export_path is none");
+  }
+  if (out.checkpoint_every < 0) {
+    range_error("output.checkpoint_every", ">= 0", std::to_string(out.checkpoint_every));
+  }
+  if (out.keep < 1) range_error("output.keep", ">= 1", std::to_string(out.keep));
+
+  if (!(c.guard.max_gpu_gb >= 0) || !std::isfinite(c.guard.max_gpu_gb)) {
+    range_error("guard.max_gpu_gb", ">= 0", fmt_double(c.guard.max_gpu_gb));
+  }
+  if (c.guard.max_gpu_gb > 0 && !cuda) {
+    throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
+                      " (the guard watches GPU memory)");
+  }
+  if (c.log.every < 1) range_error("log.every", ">= 1", std::to_string(c.log.every));
+  if (c.log.metrics.find('/') != std::string::npos) {
+    range_error("log.metrics", "a file name inside output.dir", "'" + c.log.metrics + "'");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Printing
+
+std::string config_to_yaml(const Config& c_in) {
+  Config c = c_in;
+  auto fields = config_fields(c);
+  YAML::Emitter out;
+  out.SetDoublePrecision(17);
+  out << YAML::BeginMap;
+  std::vector<std::string> open;  // currently open section path
+  for (const auto& f : fields) {
+    auto parts = split(f.key, '.');
+    const std::string leaf = parts.back();
+    parts.pop_back();
+    size_t common = 0;
+    while (common < open.size() && common < parts.size() && open[common] == parts[common]) {
+      ++common;
+    }
+    while (open.size() > common) {
+      out << YAML::EndMap;
+      open.pop_back();
+    }
+    while (open.size() < parts.size()) {
+      out << YAML::Key << parts[open.size()] << YAML::Value << YAML::BeginMap;
+      open.push_back(parts[open.size()]);
+    }
+    out << YAML::Key << leaf << YAML::Value;
+    std::visit(
+        [&](auto* ptr) {
+          using T = std::remove_pointer_t<decltype(ptr)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            out << YAML::DoubleQuoted << *ptr;
+          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            out << YAML::BeginSeq;
+            for (const auto& s : *ptr) out << YAML::DoubleQuoted << s;
+            out << YAML::EndSeq;
+          } else if constexpr (std::is_same_v<T, LayerSelection>) {
+            if (ptr->kind == LayerSelection::Kind::kList) {
+              out << YAML::Flow << YAML::BeginSeq;
+              for (int64_t i : ptr->layers) out << i;
+              out << YAML::EndSeq;
+            } else {
+              out << ptr->to_string();
+            }
+          } else if constexpr (std::is_same_v<T, double>) {
+            out << fmt_double(*ptr);
+          } else {
+            out << *ptr;
+          }
+        },
+        f.ptr);
+    out << YAML::Comment(f.doc);
+  }
+  while (!open.empty()) {
+    out << YAML::EndMap;
+    open.pop_back();
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Derived settings
+
+bool device_is_cuda(const Config& c) {
+  const std::string& d = c.model.device;
+  if (d == "cuda") return true;
+  if (d.rfind("cuda:", 0) != 0) return false;
+  int64_t idx = 0;
+  return parse_int(d.substr(5), &idx) && idx >= 0;
+}
+
+std::string resolved_compute_dtype(const Config& c) {
+  if (c.model.compute_dtype != "auto") return c.model.compute_dtype;
+  return device_is_cuda(c) ? "bf16" : "fp32";
+}
+
+std::string resolved_export_path(const Config& c) {
+  const std::string& p = c.output.export_path;
+  if (p == "none") return "";
+  if (p.empty()) return (fs::path(c.output.dir) / "model.dat").string();
+  fs::path path(p);
+  if (path.is_absolute()) return path.string();
+  return (fs::path(c.output.dir) / path).lexically_normal().string();
+}
+
+}  // namespace q4::trainer

@@ -1,0 +1,161 @@
+// Option mapping and the analytic memory budget (see estimate.h).
+#include "q4/trainer/estimate.h"
+
+#include <fmt/format.h>
+
+#include "q4/optim/state_codec.h"
+#include "q4/trainer/memory.h"
+
+namespace q4::trainer {
+
+at::ScalarType parse_dtype(const std::string& name) {
+  if (name == "fp16") return at::kHalf;
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp32") return at::kFloat;
+  throw ConfigError("unknown dtype '" + name + "' (expected fp16, bf16 or fp32)");
+}
+
+model::TrainableSpec trainable_spec(const Config& c) {
+  const auto& t = c.train.trainable;
+  model::TrainableSpec s;
+  s.projections = t.projections;
+  s.norms = t.norms;
+  s.lm_head = t.lm_head;
+  s.embeddings = t.embeddings;
+  switch (t.layers.kind) {
+    case LayerSelection::Kind::kAll:
+      s.last_n_layers = -1;
+      break;
+    case LayerSelection::Kind::kNone:
+      s.last_n_layers = 0;
+      s.projections = false;
+      break;
+    case LayerSelection::Kind::kLast:
+      s.last_n_layers = t.layers.last_n;
+      break;
+    case LayerSelection::Kind::kList:
+      s.layers = t.layers.layers;
+      break;
+  }
+  return s;
+}
+
+model::ModelOptions model_options(const Config& c) {
+  model::ModelOptions o;
+  o.master_dtype = parse_dtype(c.model.master_dtype);
+  o.compute_dtype = parse_dtype(resolved_compute_dtype(c));
+  if (c.model.grad_dtype != "auto") o.grad_dtype = parse_dtype(c.model.grad_dtype);
+  o.device = at::Device(c.model.device);
+  o.trainable = trainable_spec(c);
+  o.gradient_checkpointing = c.train.gradient_checkpointing;
+  o.loss_chunk_tokens = c.model.loss_chunk_tokens;
+  return o;
+}
+
+optim::AdamWOptions adamw_options(const Config& c) {
+  optim::AdamWOptions o;
+  o.lr = c.optim.lr;
+  o.beta1 = c.optim.beta1;
+  o.beta2 = c.optim.beta2;
+  o.eps = c.optim.eps;
+  o.weight_decay = c.optim.weight_decay;
+  o.state_mode = optim::parse_state_mode(c.optim.state);
+  o.chunk_rows = c.optim.chunk_rows;
+  o.rounding = optim::parse_master_rounding(c.optim.master_rounding);
+  o.seed = static_cast<uint64_t>(c.train.seed);
+  // The trainer counts consecutive skips itself; the optimizer allows one more.
+  o.max_consecutive_nonfinite = c.train.max_nonfinite_steps + 1;
+  return o;
+}
+
+std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
+                                         bool separate_lm_head) {
+  const int64_t H = mc.hidden_size, I = mc.intermediate_size, V = mc.vocab_size;
+  const int64_t D = mc.head_dim, L = mc.num_hidden_layers;
+  const auto spec = trainable_spec(c);
+  const bool tied = !separate_lm_head;
+  std::vector<ParamShape> out;
+  out.push_back(
+      {"model.embed_tokens.weight", {V, H}, spec.embeddings || (tied && spec.lm_head), false});
+  for (int64_t l = 0; l < L; ++l) {
+    const bool sel = spec.layer_selected(l, L);
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    const bool proj = sel && spec.projections;
+    const bool norm = sel && spec.norms;
+    out.push_back({p + "self_attn.q_proj.weight", {mc.q_dim(), H}, proj, true});
+    out.push_back({p + "self_attn.k_proj.weight", {mc.kv_dim(), H}, proj, true});
+    out.push_back({p + "self_attn.v_proj.weight", {mc.kv_dim(), H}, proj, true});
+    out.push_back({p + "self_attn.o_proj.weight", {H, mc.q_dim()}, proj, true});
+    out.push_back({p + "self_attn.q_norm.weight", {D}, norm, false});
+    out.push_back({p + "self_attn.k_norm.weight", {D}, norm, false});
+    out.push_back({p + "mlp.gate_proj.weight", {I, H}, proj, true});
+    out.push_back({p + "mlp.up_proj.weight", {I, H}, proj, true});
+    out.push_back({p + "mlp.down_proj.weight", {H, I}, proj, true});
+    out.push_back({p + "input_layernorm.weight", {H}, norm, false});
+    out.push_back({p + "post_attention_layernorm.weight", {H}, norm, false});
+  }
+  out.push_back({"model.norm.weight", {H}, spec.norms, false});
+  if (separate_lm_head) out.push_back({"lm_head.weight", {V, H}, spec.lm_head, true});
+  return out;
+}
+
+MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
+  const auto opt = model_options(c);
+  const auto m =
+      model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head);
+  MemoryBudget b;
+  b.masters_bytes = m.master_bytes;
+  b.frozen_bytes = m.frozen_bytes;
+  b.gradients_bytes = m.grad_bytes;
+  b.activations_bytes = m.activation_bytes;
+  b.logits_bytes = m.loss_bytes;
+  const auto mode = optim::parse_state_mode(c.optim.state);
+  const auto ao = adamw_options(c);
+  for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {
+    if (!p.trainable) continue;
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    b.trainable_elements += n;
+    if (mode == optim::StateMode::kFp32 || n < ao.small_tensor_threshold) {
+      b.moments_bytes += 8 * n;
+    } else {
+      b.moments_bytes += 2 * optim::packed_moment_bytes(mode, n);
+    }
+  }
+  return b;
+}
+
+nlohmann::json MemoryBudget::to_json() const {
+  return {{"masters_bytes", masters_bytes},         {"frozen_bytes", frozen_bytes},
+          {"gradients_bytes", gradients_bytes},     {"moments_bytes", moments_bytes},
+          {"activations_bytes", activations_bytes}, {"logits_bytes", logits_bytes},
+          {"total_bytes", total_bytes()},           {"trainable_elements", trainable_elements}};
+}
+
+std::string MemoryBudget::to_table() const {
+  std::string s;
+  auto row = [&](const char* name, int64_t bytes) {
+    s += fmt::format("  {:<12} {:>10.3f} GiB\n", name, to_gib(bytes));
+  };
+  row("masters", masters_bytes);
+  row("frozen", frozen_bytes);
+  row("gradients", gradients_bytes);
+  row("moments", moments_bytes);
+  row("activations", activations_bytes);
+  row("logits", logits_bytes);
+  row("total", total_bytes());
+  s += fmt::format("  trainable elements: {}\n", trainable_elements);
+  return s;
+}
+
+double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len) {
+  const double layer =
+      static_cast<double>(mc.hidden_size) * (2.0 * mc.q_dim() + 2.0 * mc.kv_dim()) +
+      3.0 * mc.hidden_size * mc.intermediate_size;
+  const double matmul_params =
+      layer * mc.num_hidden_layers + static_cast<double>(mc.vocab_size) * mc.hidden_size;
+  return 6.0 * matmul_params +
+         12.0 * mc.num_hidden_layers * static_cast<double>(seq_len) * mc.q_dim();
+}
+
+}  // namespace q4::trainer

@@ -1,0 +1,95 @@
+// Log-line and metrics.jsonl formatting (fixed field order and widths so lines align and grep).
+#include "q4/trainer/metrics.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <vector>
+
+namespace q4::trainer {
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "-";
+  const int64_t s = static_cast<int64_t>(std::llround(seconds));
+  if (s < 60) return fmt::format("{}s", s);
+  if (s < 3600) return fmt::format("{}m{:02d}s", s / 60, s % 60);
+  return fmt::format("{}h{:02d}m", s / 3600, (s % 3600) / 60);
+}
+
+std::string format_log_line(const StepMetrics& m) {
+  const int width = static_cast<int>(std::to_string(m.total_steps).size());
+  std::string line = fmt::format(
+      "step {:>{}}/{} | loss {:.4f} | gnorm {:.3e} | lr {:.2e} | "
+      "{:.1f} ms | {:.0f} tok/s | mfu ",
+      m.step, width, m.total_steps, m.loss, m.grad_norm, m.lr, m.step_ms, m.tokens_per_s);
+  line += m.mfu ? fmt::format("{:.1f}%", *m.mfu * 100.0) : "-";
+  line += " | mem ";
+  line += m.gpu_reserved_bytes
+              ? fmt::format("{:.2f} GiB", static_cast<double>(*m.gpu_reserved_bytes) / (1 << 30))
+              : fmt::format("rss {:.2f} GiB", static_cast<double>(m.rss_bytes) / (1 << 30));
+  line += " | eta " + format_duration(m.eta_s);
+  if (m.skipped) line += " | skipped (non-finite)";
+  return line;
+}
+
+nlohmann::json metrics_to_json(const StepMetrics& m) {
+  nlohmann::json j;
+  j["step"] = m.step;
+  j["total_steps"] = m.total_steps;
+  j["loss"] = std::isfinite(m.loss) ? nlohmann::json(m.loss) : nlohmann::json(nullptr);
+  j["grad_norm"] =
+      std::isfinite(m.grad_norm) ? nlohmann::json(m.grad_norm) : nlohmann::json(nullptr);
+  j["lr"] = m.lr;
+  j["step_ms"] = m.step_ms;
+  j["tokens"] = m.tokens;
+  j["tokens_per_s"] = m.tokens_per_s;
+  j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
+  j["gpu_reserved_bytes"] =
+      m.gpu_reserved_bytes ? nlohmann::json(*m.gpu_reserved_bytes) : nlohmann::json(nullptr);
+  j["gpu_peak_bytes"] =
+      m.gpu_peak_bytes ? nlohmann::json(*m.gpu_peak_bytes) : nlohmann::json(nullptr);
+  j["rss_bytes"] = m.rss_bytes;
+  j["eta_s"] = m.eta_s;
+  j["skipped"] = m.skipped;
+  return j;
+}
+
+std::string format_progress_bar(int64_t step, int64_t total, int width) {
+  const double frac = total > 0 ? static_cast<double>(step) / static_cast<double>(total) : 1.0;
+  const int filled = static_cast<int>(std::lround(frac * width));
+  std::string bar = "[";
+  for (int i = 0; i < width; ++i) bar += i < filled ? '#' : '.';
+  return bar + fmt::format("] {}/{}", step, total);
+}
+
+void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_until_step) {
+  path_ = path;
+  if (keep_until_step && std::filesystem::exists(path)) {
+    std::vector<std::string> kept;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+          j["step"].get<int64_t>() > *keep_until_step) {
+        continue;
+      }
+      kept.push_back(line);
+    }
+    in.close();
+    std::ofstream rewrite(path, std::ios::trunc);
+    for (const auto& l : kept) rewrite << l << '\n';
+  }
+  out_.open(path, std::ios::app);
+  TORCH_CHECK(out_.is_open(), "cannot open ", path, " for writing");
+}
+
+void JsonlWriter::write(const nlohmann::json& j) {
+  out_ << j.dump() << '\n';
+  out_.flush();
+}
+
+}  // namespace q4::trainer
