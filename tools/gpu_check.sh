@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build + test + benchmark on a CUDA host (the lent H100/H200 machine), in one go.
 # Usage: tools/gpu_check.sh [build] [test] [bench] [probe] [peer] [demo]   (default: all)
+# Env: TARGETS (cmake targets to build; default all), CTEST_ARGS (e.g. "-L cuda"), PEER (path).
 # Logs and JSON go to $OUT (or ./gpu-out). Expects LibTorch 2.x with CUDA from python3's torch;
 # PCRE2/utf8proc debs may be carried in .debs/ (unpacked into / first).
 set -uo pipefail
@@ -16,13 +17,14 @@ if has build; then
   tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
     -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1 || { tail -n 30 "$out/configure.log"; exit 1; }
-  cmake --build build-gpu -j16 >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -n 40; exit 1; }
+  tgt=""; for t in ${TARGETS:-}; do tgt="$tgt --target $t"; done
+  cmake --build build-gpu -j16 $tgt >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -n 40; exit 1; }
   echo "build ok"
 fi
 B=build-gpu/bin
 if has test; then
-  ctest --test-dir build-gpu --output-on-failure -j4 --timeout 300 >"$out/ctest.log" 2>&1
-  echo "ctest rc=$?"; grep -E "tests passed|tests failed|\*\*\*Failed|Failed  |Timeout" "$out/ctest.log" | head -n 30
+  ctest --test-dir build-gpu --output-on-failure -j4 --timeout 300 ${CTEST_ARGS:-} >"$out/ctest.log" 2>&1
+  echo "ctest rc=$?"; grep -E "tests passed|tests failed|\*\*\*Failed|Failed  |Timeout|Not Run" "$out/ctest.log" | head -n 30
 fi
 if has bench; then
   [ -x $B/bench_quant ] && $B/bench_quant 2>&1 | tee "$out/bench_quant.txt"
