@@ -36,7 +36,7 @@ if has probe; then
 fi
 if has peer; then
   p=${PEER:-shared/bench/peer_hf_step.py}
-  [ -f "$p" ] && PYTHONUNBUFFERED=1 python3 "$p" 2>&1 | tail -n 5 | tee "$out/peer.txt"
+  [ -f "$p" ] && PYTHONUNBUFFERED=1 python3 "$p" 2>&1 | tee "$out/peer.txt" | tail -n 5
 fi
 if has demo; then
   [ -x $B/q4train ] && $B/q4train --config configs/demo.yaml --set model.device=cuda \
