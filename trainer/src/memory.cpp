@@ -10,6 +10,7 @@
 #include <fstream>
 
 #if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,12 +26,28 @@ int64_t process_rss_bytes() {
   return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+namespace {
+// The caching allocator's stats calls reject a device it has not initialized yet ("Invalid device
+// argument"), e.g. at the probe's `start` phase: one tiny allocation initializes it.
+int allocator_device_index(const c10::Device& device) {
+  const int idx = device.has_index() ? device.index() : c10::cuda::current_device();
+  static bool initialized = false;
+  if (!initialized) {
+    (void)at::empty({1}, at::TensorOptions().device(c10::Device(c10::kCUDA, idx)));
+    initialized = true;
+  }
+  return idx;
+}
+}  // namespace
+#endif
+
 MemorySnapshot memory_snapshot(const c10::Device& device) {
   MemorySnapshot s;
   s.rss_bytes = process_rss_bytes();
 #if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
   if (device.is_cuda()) {
-    const int idx = device.has_index() ? device.index() : c10::cuda::current_device();
+    const int idx = allocator_device_index(device);
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(idx);
     s.allocated_bytes = stats.allocated_bytes[0].current;
     s.reserved_bytes = stats.reserved_bytes[0].current;
@@ -54,8 +71,7 @@ MemorySnapshot memory_snapshot(const c10::Device& device) {
 void reset_peak_memory(const c10::Device& device) {
 #if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
   if (device.is_cuda()) {
-    const int idx = device.has_index() ? device.index() : c10::cuda::current_device();
-    c10::cuda::CUDACachingAllocator::resetPeakStats(idx);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(allocator_device_index(device));
   }
 #else
   (void)device;
