@@ -1,7 +1,8 @@
 // Block codecs of the packed Adam moments: code tables, the vectorized CPU encode/decode used
 // per chunk by the CPU step, the CUDA dispatch of the public pack/unpack functions, and the scalar
 // references. Maps (sources in optim_math.h): int8 = bitsandbytes dynamic tree map (block 256,
-// second moment made zero-free), 4-bit = torchao AdamW4bit maps (block 128), NVFP4 = DESIGN.md.
+// second moment made zero-free), 4-bit = torchao AdamW4bit m map + a linear zero-free map on
+// sqrt(v) (block 128), NVFP4 = DESIGN.md.
 #include "q4/optim/state_codec.h"
 
 #include <ATen/ATen.h>

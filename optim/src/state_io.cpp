@@ -1,5 +1,5 @@
 // PackedAdamW state file. Little-endian, no padding:
-//   "Q4ADAMW\0", u32 version (1), u32 state_mode, u32 rounding, u32 0, u64 seed,
+//   "Q4ADAMW\0", u32 version (2), u32 state_mode, u32 rounding, u32 0, u64 seed,
 //   i64 small_tensor_threshold, f64 lr, beta1, beta2, eps, weight_decay (informational),
 //   i64 step, skipped_total, consecutive_nonfinite, u32 num_params, then per parameter:
 //   u32 name_len, name, u32 ndim, i64 dim[ndim], u8 master dtype (.dat code 5/6/15), u8 mode,
@@ -26,7 +26,9 @@ namespace {
 
 constexpr char kMagic[8] = {'Q', '4', 'A', 'D', 'A', 'M', 'W', '\0'};
 constexpr char kEnd[8] = {'Q', '4', 'A', 'D', 'E', 'N', 'D', '\0'};
-constexpr uint32_t kVersion = 1;
+// Version 2: the 4-bit v codes index the sqrt-domain map (k/16)^2 (version 1: k/16); the byte
+// layout is unchanged but version-1 4-bit codes would decode wrongly, so they are refused.
+constexpr uint32_t kVersion = 2;
 constexpr int64_t kStageBytes = int64_t{64} << 20;  // device -> host staging per write/read
 
 uint8_t dtype_code(at::ScalarType t) {

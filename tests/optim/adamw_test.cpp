@@ -216,9 +216,10 @@ TEST(PackedAdamW, QuadraticProblemEveryModeAgainstFp32) {
 
 TEST(PackedAdamW, QuadraticCurvatureSpreadInsideBlocks) {
   // The hard case for block-wise v: curvature varying 1000x inside one block. int8 still tracks
-  // fp32; 4-bit's linear zero-free v map floors small v at absmax/16, so low-curvature
-  // coordinates move slower (documented limitation; rank-1 normalization would fix it). Measured
-  // 400-step loss reduction: fp32 2.3e7x, int8 1.2e7x, 4-bit 58x.
+  // fp32; 4-bit's zero-free v map (linear on sqrt(v)) floors small v at absmax/256, so
+  // low-curvature coordinates move slower (documented limitation; rank-1 normalization would
+  // help further). Measured 400-step loss reduction: fp32 2.3e7x, int8 1.2e7x, 4-bit 205x
+  // (torchao's k/16 map on v: 58x).
   const QuadResult ref = run_quadratic(StateMode::kFp32, true);
   const QuadResult i8 = run_quadratic(StateMode::kInt8, true);
   const QuadResult b4 = run_quadratic(StateMode::k4Bit, true);
@@ -227,7 +228,7 @@ TEST(PackedAdamW, QuadraticCurvatureSpreadInsideBlocks) {
   EXPECT_LT(ref.loss, 1e-6 * ref.loss0);
   EXPECT_LT(i8.loss, 1e-6 * ref.loss0);
   EXPECT_LT((i8.w - ref.w).norm().item<double>() / ref.w.norm().item<double>(), 0.01);
-  EXPECT_LT(b4.loss, 0.05 * ref.loss0);
+  EXPECT_LT(b4.loss, 0.02 * ref.loss0);
 }
 
 TEST(PackedAdamW, RandomGradientStreamMomentErrors) {
