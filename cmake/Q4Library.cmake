@@ -30,11 +30,23 @@ function(q4_add_library name dir)
   q4_use_pch(${name})
 endfunction()
 
-# Precompiled LibTorch headers: a TU that includes <torch/torch.h> costs ~30 s otherwise.
+# Precompiled LibTorch headers: a TU that includes <torch/torch.h> costs ~30 s otherwise. One
+# PCH is built once (target q4_pch) and reused by every target; all code is compiled as PIC so the
+# flags match.
+if(Q4_USE_PCH)
+  set(_anchor ${CMAKE_BINARY_DIR}/q4_pch_anchor.cpp)
+  if(NOT EXISTS ${_anchor})
+    file(WRITE ${_anchor} "// Anchor translation unit for the shared precompiled header.\n")
+  endif()
+  add_library(q4_pch OBJECT ${_anchor})
+  target_link_libraries(q4_pch PRIVATE ${TORCH_LIBRARIES})
+  set_target_properties(q4_pch PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  target_precompile_headers(q4_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
+endif()
+
 function(q4_use_pch target)
   if(Q4_USE_PCH)
-    target_precompile_headers(${target} PRIVATE
-      $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
+    target_precompile_headers(${target} REUSE_FROM q4_pch)
   endif()
 endfunction()
 
