@@ -430,13 +430,19 @@ LossOutput Qwen3Model::loss(const ModelInputs& in) {
               shape_str(in.input_ids.sizes()));
   at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
-  // HF shift: position t predicts labels[t + 1]; the last position predicts nothing.
-  at::Tensor labels = in.labels.to(impl_->opt.device);
-  at::Tensor next = at::cat({labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, labels.options())},
-                            1);  // (B, T)
-  auto [sum, count] =
-      chunked_cross_entropy_sum(h.reshape({B * T, H}), impl_->weight(impl_->lm_head),
-                                next.reshape({-1}), impl_->opt.loss_chunk_tokens);
+  // HF shift: position t predicts labels[t + 1]; the last position predicts nothing. Only the
+  // supervised rows reach the lm_head (the (rows, V) logits dominate the step when answers are
+  // short): their flat indices are found where the labels live. Labels on the host (or on the
+  // CPU device) cost no device sync; labels already on a CUDA device cost one (the row count).
+  at::Tensor next =
+      at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
+          .reshape({-1});                                   // (B*T) int64
+  at::Tensor rows = next.ne(-100).nonzero().reshape({-1});  // (N) int64 flat positions
+  at::Tensor targets = next.index_select(0, rows).to(impl_->opt.device);  // (N)
+  rows = rows.to(impl_->opt.device);
+  at::Tensor hs = h.reshape({B * T, H}).index_select(0, rows);  // (N, H)
+  auto [sum, count] = chunked_cross_entropy_sum(hs, impl_->weight(impl_->lm_head), targets,
+                                                impl_->opt.loss_chunk_tokens);
   LossOutput out;
   out.loss_sum = sum;
   out.num_tokens = count;

@@ -212,6 +212,59 @@ TEST(Qwen3Model, ChunkedCrossEntropyGradientMatchesAutograd) {
   EXPECT_CLOSE(wt.grad(), w2.grad(), 1e-5, 1e-6, "grad weight");
 }
 
+TEST(Qwen3Model, SupervisedRowsLossEqualsFullLogitsLoss) {
+  // loss() sends only the supervised rows through the lm_head. Reference: the full (B, T, V)
+  // logits of forward() (same weight taps) and ATen's cross_entropy over every shifted position
+  // with ignore_index -100, mean over supervised positions; both back-propagated into the
+  // parameters. Label sets: the fixture's, a sparse one (a few positions per row, one row with
+  // none, the first and last shifted positions included) and an empty one (loss 0, zero grads).
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o = fp32_all(false);
+  o.loss_chunk_tokens = 3;  // several chunks, the last one partial, for the gathered rows too
+  Qwen3Model m = Qwen3Model::load(Qwen3Config::from_json_file(kConfig), w, o);
+  const ModelInputs base = fixture_inputs(e);
+  const int64_t B = base.input_ids.size(0), T = base.input_ids.size(1);  // (2, 24)
+  at::Tensor sparse = at::full({B, T}, -100, at::kLong);
+  for (int64_t t : {int64_t{1}, int64_t{6}, int64_t{7}, int64_t{13}, T - 1})
+    sparse[0][t] = base.input_ids[0][t];
+  at::Tensor none = at::full({B, T}, -100, at::kLong);
+  int checked = 0;
+  for (const at::Tensor& labels : {base.labels, sparse, none}) {
+    ModelInputs in = base;
+    in.labels = labels;
+    at::Tensor loss;
+    auto got = run_backward(m, in, &loss);
+
+    m.zero_grad();
+    at::Tensor logits = m.forward(in);  // (B, T, V)
+    const int64_t V = logits.size(2);
+    at::Tensor y = labels.narrow(1, 1, T - 1).reshape({-1});
+    at::Tensor ref_sum = at::cross_entropy_loss(logits.narrow(1, 0, T - 1).reshape({-1, V}), y, {},
+                                                at::Reduction::Sum, -100);
+    const int64_t n = y.ne(-100).sum().item<int64_t>();
+    at::Tensor ref = ref_sum / static_cast<double>(std::max<int64_t>(n, 1));
+    ref.backward();
+    // Gathering changes only the fp32 summation order (chunk boundaries, lm_head's grad
+    // accumulation): a few ulps, as in ChunkedLossEqualsUnchunked.
+    EXPECT_CLOSE(loss, ref.detach(), 1e-6, 1e-7, "loss, " << n << " supervised");
+    if (n == 0) {
+      EXPECT_EQ(loss.item<float>(), 0.0f);
+    }
+    for (const auto& p : m.parameters()) {
+      at::Tensor a = got[p.name], r = p.grad;
+      ASSERT_TRUE(a.defined() || r.defined() || n == 0) << p.name;
+      if (!a.defined()) a = at::zeros_like(p.master, at::kFloat);
+      if (!r.defined()) r = at::zeros_like(p.master, at::kFloat);
+      EXPECT_CLOSE(a, r.to(at::kFloat), 1e-5, 1e-6, p.name << ", " << n << " supervised");
+      if (n == 0) {
+        EXPECT_EQ(a.abs().max().item<float>(), 0.0f) << p.name;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3);
+}
+
 // Copies `src` into `dst`, dropping keys for which drop(key) is true and transforming tensors
 // with conv(key, tensor, &type) (return undefined to keep the entry byte-exact).
 template <class Drop, class Conv>

@@ -172,7 +172,7 @@ data::DatasetOptions dataset_options(const Config& c) {
 model::ModelInputs to_inputs(const data::Batch& b, const at::Device& device) {
   model::ModelInputs in;
   in.input_ids = b.input_ids.to(device);
-  in.labels = b.labels.to(device);
+  in.labels = b.labels;  // host: loss() finds the supervised rows without a device sync
   in.attention_mask = b.attention_mask.to(device);
   in.position_ids = b.position_ids.to(device);
   in.segment_ids = b.segment_ids.to(device);
@@ -730,7 +730,7 @@ int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std
       const auto ids = at::randint(0, mc.vocab_size, {c.train.batch_size, c.train.seq_len}, gen,
                                    at::TensorOptions().dtype(at::kLong));
       in.input_ids = ids.to(device);
-      in.labels = ids.to(device);
+      in.labels = ids;  // host, as in training (no device sync in loss())
       tokens = c.train.batch_size * c.train.seq_len;
     }
   }

@@ -142,7 +142,8 @@ class Qwen3Model {
   at::Tensor forward(const ModelInputs& in, KvCache* cache = nullptr);
   // Chunked CE of logits[:, :-1] vs labels[:, 1:] (HF shift), mean over supervised positions.
   // Differentiable: loss.backward() accumulates into Parameter::grad of trainable parameters.
-  // No host synchronization.
+  // Only supervised positions go through the lm_head (their rows are gathered first). Pass
+  // labels on the host to keep this free of device syncs; CUDA labels cost one (the count).
   LossOutput loss(const ModelInputs& in);
 
   // Every parameter in HF order (embed, layers..., norm, lm_head when untied).
