@@ -16,7 +16,6 @@ function(q4_add_library name dir)
   target_include_directories(${name} PUBLIC ${dir}/include PRIVATE ${dir}/src)
   target_link_libraries(${name} PUBLIC ${TORCH_LIBRARIES} fmt::fmt-header-only PRIVATE q4_warnings)
   target_link_libraries(${name} PUBLIC ${ARGN})
-  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
   if(Q4_WITH_CUDA)
     target_compile_definitions(${name} PUBLIC Q4_WITH_CUDA=1)
     target_link_libraries(${name} PUBLIC CUDA::cudart)
@@ -31,8 +30,9 @@ function(q4_add_library name dir)
 endfunction()
 
 # Precompiled LibTorch headers: a TU that includes <torch/torch.h> costs ~30 s otherwise. One
-# PCH is built once (target q4_pch) and reused by every target; all code is compiled as PIC so the
-# flags match.
+# PCH is built once (target q4_pch) and reused by every target. No target sets
+# POSITION_INDEPENDENT_CODE: GCC rejects a PCH built with -fPIC in a -fPIE compile, so everything
+# uses the compiler's default (PIE on Debian) and the flags match.
 if(Q4_USE_PCH)
   set(_anchor ${CMAKE_BINARY_DIR}/q4_pch_anchor.cpp)
   if(NOT EXISTS ${_anchor})
@@ -40,7 +40,6 @@ if(Q4_USE_PCH)
   endif()
   add_library(q4_pch OBJECT ${_anchor})
   target_link_libraries(q4_pch PRIVATE ${TORCH_LIBRARIES})
-  set_target_properties(q4_pch PROPERTIES POSITION_INDEPENDENT_CODE ON)
   target_precompile_headers(q4_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
 endif()
 
