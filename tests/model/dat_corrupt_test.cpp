@@ -13,30 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "dat_bytes.h"
 #include "q4/model/dat_file.h"
 
 namespace q4::model {
 namespace {
 
-using Bytes = std::vector<uint8_t>;
-
-void put_uleb(Bytes& b, uint64_t v) {
-  do {
-    uint8_t c = v & 0x7F;
-    v >>= 7;
-    if (v) c |= 0x80;
-    b.push_back(c);
-  } while (v);
-}
-
-void put_header(Bytes& b, const std::string& key, uint64_t type,
-                const std::vector<uint64_t>& dims) {
-  put_uleb(b, key.size());
-  b.insert(b.end(), key.begin(), key.end());
-  put_uleb(b, type);
-  put_uleb(b, dims.size());
-  for (uint64_t d : dims) put_uleb(b, d);
-}
+using dat_bytes::Bytes;
+using dat_bytes::put_header;
+using dat_bytes::put_uleb;
 
 void put_zeros(Bytes& b, size_t n) { b.insert(b.end(), n, 0); }
 

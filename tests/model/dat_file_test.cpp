@@ -2,6 +2,7 @@
 // byte-for-byte the encoding assembled by hand here from the DESIGN.md grammar, the fixtures
 // (written by the GPU machine's Python tooling) must index to their known layout, copy_from must
 // reproduce source bytes exactly, and a writer that does not commit must leave no trace.
+#include "dat_bytes.h"
 #include "q4/model/dat_file.h"
 
 #include <c10/util/Exception.h>
@@ -20,25 +21,9 @@
 namespace q4::model {
 namespace {
 
-using Bytes = std::vector<uint8_t>;
-
-void put_uleb(Bytes& b, uint64_t v) {
-  do {
-    uint8_t c = v & 0x7F;
-    v >>= 7;
-    if (v) c |= 0x80;
-    b.push_back(c);
-  } while (v);
-}
-
-void put_header(Bytes& b, const std::string& key, uint64_t type,
-                const std::vector<uint64_t>& dims) {
-  put_uleb(b, key.size());
-  b.insert(b.end(), key.begin(), key.end());
-  put_uleb(b, type);
-  put_uleb(b, dims.size());
-  for (uint64_t d : dims) put_uleb(b, d);
-}
+using dat_bytes::Bytes;
+using dat_bytes::put_header;
+using dat_bytes::put_uleb;
 
 void put_raw(Bytes& b, const void* p, size_t n) {
   const auto* c = static_cast<const uint8_t*>(p);
