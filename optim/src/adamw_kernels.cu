@@ -1,7 +1,9 @@
 // Fused CUDA AdamW step: one kernel per moment mode reads gradient, master and the (packed)
 // moments once and writes master and moments once. Block-wise modes give each moment block to a
-// group of lanes (one warp per 256/128-element block, half a warp per NVFP4 block): decode,
-// update, group absmax by shuffles, re-quantize, write. Arithmetic is the CPU path's, op for op,
+// group of lanes, each lane owning E consecutive elements (int8: 32 lanes x 8, 4-bit: 32 x 4,
+// NVFP4: 4 x 4), so whole groups use 8/16-byte vector loads and stores: decode, update, group
+// absmax by shuffles, re-quantize, write. Kernels are persistent (grid-stride over groups; the
+// code maps are staged in shared memory once per CTA). Arithmetic is the CPU path's, op for op,
 // with explicit round-to-nearest intrinsics (no FMA contraction), so results are bit-identical.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,9 +23,12 @@ namespace {
 using detail::CodeMap;
 using detail::MapId;
 
-__constant__ float c_map_value[4][256];  // MapId -> decoded value per code
-__constant__ float c_map_mid[4][256];    // MapId -> midpoints (size - 1 used)
+__constant__ float c_map_value[4][256];    // MapId -> decoded value per code
+__constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used)
+__constant__ float c_map_sr_value[4][16];  // MapId -> stochastic-rounding entries (4-bit maps)
+__constant__ float c_map_inv_gap[4][16];   // MapId -> 1 / gaps of sr_value (size - 1 used)
 __constant__ int c_map_size[4];
+__constant__ int c_map_flags[4];  // bit 0: stochastic codes, bit 1: sqrt domain
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -41,17 +46,47 @@ void ensure_tables() {
   if (dev < 0 || dev >= 256 || ready[dev]) return;
   float value[4][256] = {};
   float mid[4][256] = {};
+  float sr_value[4][16] = {};
+  float inv_gap[4][16] = {};
   int size[4];
+  int flags[4];
   for (int i = 0; i < 4; ++i) {
     const CodeMap m = detail::make_code_map(static_cast<MapId>(i));
     size[i] = m.size;
+    flags[i] = (m.stochastic ? 1 : 0) | (m.sqrt_domain ? 2 : 0);
+    if (m.stochastic && m.size > 16) {
+      throw std::runtime_error(
+          "q4::optim CUDA: stochastic codes are implemented for 16-entry maps");
+    }
     for (int j = 0; j < m.size; ++j) value[i][j] = m.value[j];
     for (int j = 0; j + 1 < m.size; ++j) mid[i][j] = m.mid[j];
+    if (m.stochastic) {
+      for (int j = 0; j < m.size; ++j) sr_value[i][j] = m.sr_value[j];
+      for (int j = 0; j + 1 < m.size; ++j) inv_gap[i][j] = m.inv_gap[j];
+    }
   }
   check(cudaMemcpyToSymbol(c_map_value, value, sizeof(value)), "copy code maps");
   check(cudaMemcpyToSymbol(c_map_mid, mid, sizeof(mid)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_map_sr_value, sr_value, sizeof(sr_value)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_map_inv_gap, inv_gap, sizeof(inv_gap)), "copy code maps");
   check(cudaMemcpyToSymbol(c_map_size, size, sizeof(size)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_map_flags, flags, sizeof(flags)), "copy code maps");
   ready[dev] = true;
+}
+
+// Multiprocessors of the current device (cached): persistent grids are a few CTAs per SM.
+int sm_count() {
+  static std::mutex mu;
+  static int count[256] = {};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= 256) return 132;
+  if (count[dev] == 0) {
+    check(cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev),
+          "cudaDeviceGetAttribute");
+  }
+  return count[dev];
 }
 
 // ---- dtype helpers ----
@@ -111,55 +146,120 @@ __device__ __forceinline__ float adam_master(float w, float m, float v, const St
   return __fsub_rn(__fmul_rn(w, p.decay), u);
 }
 
-template <typename G>
-__device__ __forceinline__ float load_grad(const void* g, int64_t i, float scale) {
-  return g == nullptr ? 0.0f : __fmul_rn(to_f(static_cast<const G*>(g)[i]), scale);
+// ---- vector access ----
+// E consecutive elements of T as one aligned aggregate: 8/16-byte loads and stores (32 bytes:
+// two 16-byte ones). Used only when the launcher found every pointer 16-byte aligned and the
+// group lies inside the tensor; element offsets are multiples of E, so each access is aligned.
+template <typename T, int E>
+struct alignas(sizeof(T) * E < 16 ? sizeof(T) * E : 16) Vec {
+  T v[E];
+};
+
+template <typename T, int E>
+__device__ __forceinline__ void load_vec(const T* base, T (&out)[E]) {
+  const Vec<T, E> r = *reinterpret_cast<const Vec<T, E>*>(base);
+#pragma unroll
+  for (int e = 0; e < E; ++e) out[e] = r.v[e];
+}
+
+template <typename T, int E>
+__device__ __forceinline__ void store_vec(T* base, const T (&in)[E]) {
+  Vec<T, E> r;
+#pragma unroll
+  for (int e = 0; e < E; ++e) r.v[e] = in[e];
+  *reinterpret_cast<Vec<T, E>*>(base) = r;
+}
+
+// Loads elements [i0, i0 + E) as fp32: vector access when `vec`, else element by element with
+// the ones at or past n set to 0.
+template <typename T, int E>
+__device__ __forceinline__ void load_f32(const T* ptr, int64_t i0, int64_t n, bool vec,
+                                         float (&out)[E]) {
+  if (vec) {
+    T raw[E];
+    load_vec<T, E>(ptr + i0, raw);
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = to_f(raw[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[e] = i0 + e < n ? to_f(ptr[i0 + e]) : 0.0f;
+  }
 }
 
 // ---- fp32 moments ----
+constexpr int kFp32Elems = 4;  // elements per thread
+
 template <typename G, typename M>
 __global__ void adamw_fp32_kernel(StepParams p) {
+  constexpr int E = kFp32Elems;
   M* master = static_cast<M*>(p.master);
+  const int64_t groups = (p.n + E - 1) / E;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
-       i += stride) {
-    const float g = load_grad<G>(p.grad, i, p.grad_scale);
-    float m = p.m32[i], v = p.v32[i];
-    adam_moments(g, m, v, p);
-    p.m32[i] = m;
-    p.v32[i] = v;
-    master[i] =
-        write_master<M>(adam_master(to_f(master[i]), m, v, p), p.stochastic != 0, p.sr_key, i);
+  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; gi < groups;
+       gi += stride) {
+    const int64_t i0 = gi * E;
+    const bool vec = p.vec_ok != 0 && i0 + E <= p.n;
+    float g[E], m[E], v[E], w[E];
+    if (p.grad != nullptr) {
+      load_f32<G, E>(static_cast<const G*>(p.grad), i0, p.n, vec, g);
+#pragma unroll
+      for (int e = 0; e < E; ++e) g[e] = __fmul_rn(g[e], p.grad_scale);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) g[e] = 0.0f;
+    }
+    load_f32<float, E>(p.m32, i0, p.n, vec, m);
+    load_f32<float, E>(p.v32, i0, p.n, vec, v);
+    load_f32<M, E>(master, i0, p.n, vec, w);
+    M out[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      adam_moments(g[e], m[e], v[e], p);
+      out[e] =
+          write_master<M>(adam_master(w[e], m[e], v[e], p), p.stochastic != 0, p.sr_key, i0 + e);
+    }
+    if (vec) {
+      store_vec<float, E>(p.m32 + i0, m);
+      store_vec<float, E>(p.v32 + i0, v);
+      store_vec<M, E>(master + i0, out);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (i0 + e < p.n) {
+          p.m32[i0 + e] = m[e];
+          p.v32[i0 + e] = v[e];
+          master[i0 + e] = out[e];
+        }
+      }
+    }
   }
 }
 
 // ---- block codecs (device) ----
+// kBlock elements per moment block, handled by kLanes lanes of kElems consecutive elements.
 template <int MODE>
 struct BlockTraits;
 template <>
 struct BlockTraits<1> {  // int8
   static constexpr int kBlock = 256;
+  static constexpr int kLanes = 32;
+  static constexpr int kElems = 8;
   static constexpr bool kNibbles = false;
 };
 template <>
 struct BlockTraits<2> {  // 4-bit
   static constexpr int kBlock = 128;
+  static constexpr int kLanes = 32;
+  static constexpr int kElems = 4;
   static constexpr bool kNibbles = true;
 };
 template <>
 struct BlockTraits<3> {  // NVFP4
   static constexpr int kBlock = 16;
+  static constexpr int kLanes = 4;
+  static constexpr int kElems = 4;
   static constexpr bool kNibbles = true;
 };
-
-template <int MODE>
-__device__ __forceinline__ int read_code(const uint8_t* codes, int64_t idx) {
-  if (BlockTraits<MODE>::kNibbles) {
-    const uint8_t b = codes[idx >> 1];
-    return (idx & 1) ? (b >> 4) : (b & 15);
-  }
-  return codes[idx];
-}
 
 template <int MODE>
 __device__ __forceinline__ float block_scale(const void* scales, int64_t blk) {
@@ -172,7 +272,10 @@ __device__ __forceinline__ float block_scale(const void* scales, int64_t blk) {
 struct SharedMaps {
   float value[2][256];
   float mid[2][256];
+  float sr_value[2][16];
+  float inv_gap[2][16];
   int size[2];
+  int flags[2];
 };
 
 template <int MODE>
@@ -184,8 +287,15 @@ __device__ __forceinline__ void load_shared_maps(SharedMaps& sm) {
     const int k = i / size, j = i % size;
     sm.value[k][j] = c_map_value[base + k][j];
     sm.mid[k][j] = c_map_mid[base + k][j];
+    if (j < 16) {
+      sm.sr_value[k][j] = c_map_sr_value[base + k][j];
+      sm.inv_gap[k][j] = c_map_inv_gap[base + k][j];
+    }
   }
-  if (threadIdx.x < 2) sm.size[threadIdx.x] = c_map_size[base + threadIdx.x];
+  if (threadIdx.x < 2) {
+    sm.size[threadIdx.x] = c_map_size[base + threadIdx.x];
+    sm.flags[threadIdx.x] = c_map_flags[base + threadIdx.x];
+  }
   __syncthreads();
 }
 
@@ -206,7 +316,7 @@ __device__ __forceinline__ float group_max(float x) {
   return x;
 }
 
-// Per-block encoding parameters from the block absmax. For int8/4-bit `inv` is the divisor
+// Per-block encoding parameters from the block absmax. For int8/4-bit `div` is the divisor
 // (absmax, or 1 for an all-zero block); for NVFP4 it is decoded E4M3 scale + 1e-12.
 template <int MODE>
 __device__ __forceinline__ void block_params(float amax, float& stored, float& div,
@@ -223,36 +333,87 @@ __device__ __forceinline__ void block_params(float amax, float& stored, float& d
   }
 }
 
+// Code of x (element idx) in a block with divisor div: NVFP4 thresholds, the nearest map entry,
+// or (stochastic maps) sr_code with the bits of sr_bits(key, idx).
 template <int MODE>
-__device__ __forceinline__ int encode_value(float x, float div, const SharedMaps& sm, int slot) {
+__device__ __forceinline__ int encode_value(float x, float div, const SharedMaps& sm, int slot,
+                                            uint32_t key, int64_t idx) {
   if (MODE == 3) {
     const float d = fminf(fmaxf(__fdiv_rn(x, div), -detail::kE2m1Max), detail::kE2m1Max);
     return detail::e2m1_encode(d);
   }
   const float y = __fdiv_rn(x, div);
-  // #{j : mid[j] < y} by binary search over the sorted midpoints (== at::bucketize).
-  int lo = 0, hi = sm.size[slot] - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (sm.mid[slot][mid] < y) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
+  const int flags = sm.flags[slot];
+  if (flags & 1) {
+    const float t = (flags & 2) ? __fsqrt_rn(y) : y;
+    return detail::sr_code(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t,
+                           detail::sr_bits(key, idx));
   }
-  return lo;
+  return detail::nearest_code(sm.mid[slot], sm.size[slot], y);
 }
 
-// Writes the codes of one group's elements; for nibbles, even lanes write the byte with their
-// odd neighbour (lane ^ 1 holds element idx ^ 1).
-template <int MODE>
-__device__ __forceinline__ void write_code(uint8_t* codes, int64_t idx, int code, int64_t n,
-                                           bool lane_even) {
+// Reads the codes of elements [i0, i0 + E) (i0 a multiple of E, E even for nibbles).
+template <int MODE, int E>
+__device__ __forceinline__ void read_codes(const uint8_t* codes, int64_t i0, int64_t n, bool vec,
+                                           int (&c)[E]) {
   if (BlockTraits<MODE>::kNibbles) {
-    const int partner = __shfl_xor_sync(0xffffffffu, code, 1);
-    if (lane_even && idx < n) codes[idx >> 1] = static_cast<uint8_t>(code | (partner << 4));
-  } else if (idx < n) {
-    codes[idx] = static_cast<uint8_t>(code);
+    constexpr int NB = E / 2;
+    uint8_t b[NB];
+    if (vec) {
+      load_vec<uint8_t, NB>(codes + i0 / 2, b);
+    } else {
+#pragma unroll
+      for (int j = 0; j < NB; ++j) b[j] = i0 + 2 * j < n ? codes[i0 / 2 + j] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      c[2 * j] = b[j] & 15;
+      c[2 * j + 1] = b[j] >> 4;
+    }
+  } else {
+    uint8_t b[E];
+    if (vec) {
+      load_vec<uint8_t, E>(codes + i0, b);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) b[e] = i0 + e < n ? codes[i0 + e] : 0;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) c[e] = b[e];
+  }
+}
+
+// Writes the codes of elements [i0, i0 + E). Nibbles: byte j holds elements 2j (low) and 2j + 1
+// (high); a byte is written when its low element is inside the tensor (the high nibble of the
+// last byte of an odd-sized tensor is the code of 0, as on the CPU).
+template <int MODE, int E>
+__device__ __forceinline__ void write_codes(uint8_t* codes, int64_t i0, int64_t n, bool vec,
+                                            const int (&c)[E]) {
+  if (BlockTraits<MODE>::kNibbles) {
+    constexpr int NB = E / 2;
+    uint8_t b[NB];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) b[j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+    if (vec) {
+      store_vec<uint8_t, NB>(codes + i0 / 2, b);
+    } else {
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        if (i0 + 2 * j < n) codes[i0 / 2 + j] = b[j];
+      }
+    }
+  } else {
+    uint8_t b[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) b[e] = static_cast<uint8_t>(c[e]);
+    if (vec) {
+      store_vec<uint8_t, E>(codes + i0, b);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (i0 + e < n) codes[i0 + e] = b[e];
+      }
+    }
   }
 }
 
@@ -266,97 +427,130 @@ __device__ __forceinline__ void write_scale(void* scales, int64_t blk, float sto
   }
 }
 
+// Group geometry shared by the block kernels: warp task -> block, lane -> first element.
+template <int MODE>
+struct GroupPos {
+  static constexpr int B = BlockTraits<MODE>::kBlock;
+  static constexpr int L = BlockTraits<MODE>::kLanes;
+  static constexpr int E = BlockTraits<MODE>::kElems;
+  static constexpr int kBlocksPerWarp = 32 / L;
+  int64_t blk;
+  int64_t i0;
+  bool active;  // the lane's block exists (inactive lanes still join the shuffles)
+  __device__ GroupPos(int64_t task, int lane, int64_t nblocks) {
+    blk = task * kBlocksPerWarp + lane / L;
+    active = blk < nblocks;
+    i0 = blk * B + static_cast<int64_t>(lane % L) * E;
+  }
+};
+
 // ---- fused block-wise step ----
 template <int MODE, typename G, typename M>
 __global__ void adamw_block_kernel(StepParams p) {
-  constexpr int B = BlockTraits<MODE>::kBlock;
-  constexpr int GROUP = B >= 32 ? 32 : B;
-  constexpr int EPL = B / GROUP;
-  constexpr int PER_WARP = 32 / GROUP;
-  const int lane = threadIdx.x & 31;
-  const int gl = lane % GROUP;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t nblocks = (p.n + B - 1) / B;
-  const int64_t blk = warp * PER_WARP + lane / GROUP;
-  const bool active = blk < nblocks;  // inactive lanes still join the shuffles
+  using Pos = GroupPos<MODE>;
+  constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
   load_shared_maps<MODE>(sm);
   M* master = static_cast<M*>(p.master);
-  float m[EPL], v[EPL];
-  const float ms = active ? block_scale<MODE>(p.m_scales, blk) : 0.0f;
-  const float vs = active ? block_scale<MODE>(p.v_scales, blk) : 0.0f;
-  float mmax = 0.0f, vmax = 0.0f;
+  const int lane = threadIdx.x & 31;
+  const int64_t nblocks = (p.n + B - 1) / B;
+  const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+       task < tasks; task += warps) {  // uniform per warp: shuffles see all 32 lanes
+    const Pos pos(task, lane, nblocks);
+    const int64_t n = pos.active ? p.n : 0;  // inactive lanes: every element out of range
+    const bool vec = p.vec_ok != 0 && pos.i0 + E <= n;
+    float g[E], m[E], v[E], w[E];
+    int mc[E], vc[E];
+    if (p.grad != nullptr) {
+      load_f32<G, E>(static_cast<const G*>(p.grad), pos.i0, n, vec, g);
+    } else {
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    const int64_t idx = blk * B + e * GROUP + gl;
-    const bool valid = active && idx < p.n;
-    float g = 0.0f;
-    m[e] = 0.0f;
-    v[e] = 0.0f;
-    if (valid) {
-      g = load_grad<G>(p.grad, idx, p.grad_scale);
-      m[e] = decode_value<MODE>(read_code<MODE>(p.m_codes, idx), ms, sm, 0);
-      v[e] = decode_value<MODE>(read_code<MODE>(p.v_codes, idx), vs, sm, 1);
-      adam_moments(g, m[e], v[e], p);
+      for (int e = 0; e < E; ++e) g[e] = 0.0f;
     }
-    mmax = fmaxf(mmax, fabsf(m[e]));
-    vmax = fmaxf(vmax, v[e]);
-  }
-  mmax = group_max<GROUP>(mmax);
-  vmax = group_max<GROUP>(vmax);
-  float m_stored, m_div, v_stored, v_div;
-  uint8_t m_bits, v_bits;
-  block_params<MODE>(mmax, m_stored, m_div, m_bits);
-  block_params<MODE>(vmax, v_stored, v_div, v_bits);
+    load_f32<M, E>(master, pos.i0, n, vec, w);
+    read_codes<MODE, E>(p.m_codes, pos.i0, n, vec, mc);
+    read_codes<MODE, E>(p.v_codes, pos.i0, n, vec, vc);
+    const float ms = pos.active ? block_scale<MODE>(p.m_scales, pos.blk) : 0.0f;
+    const float vs = pos.active ? block_scale<MODE>(p.v_scales, pos.blk) : 0.0f;
+    float mmax = 0.0f, vmax = 0.0f;
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    const int64_t idx = blk * B + e * GROUP + gl;
-    const int64_t n_eff = active ? p.n : 0;
-    write_code<MODE>(p.m_codes, idx, encode_value<MODE>(m[e], m_div, sm, 0), n_eff, (gl & 1) == 0);
-    write_code<MODE>(p.v_codes, idx, encode_value<MODE>(v[e], v_div, sm, 1), n_eff, (gl & 1) == 0);
-    if (active && idx < p.n) {
-      master[idx] = write_master<M>(adam_master(to_f(master[idx]), m[e], v[e], p),
-                                    p.stochastic != 0, p.sr_key, idx);
+    for (int e = 0; e < E; ++e) {
+      if (pos.i0 + e < n) {
+        m[e] = decode_value<MODE>(mc[e], ms, sm, 0);
+        v[e] = decode_value<MODE>(vc[e], vs, sm, 1);
+        adam_moments(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
+      } else {
+        m[e] = 0.0f;
+        v[e] = 0.0f;
+      }
+      mmax = fmaxf(mmax, fabsf(m[e]));
+      vmax = fmaxf(vmax, v[e]);
     }
-  }
-  if (active && gl == 0) {
-    write_scale<MODE>(p.m_scales, blk, m_stored, m_bits);
-    write_scale<MODE>(p.v_scales, blk, v_stored, v_bits);
+    mmax = group_max<L>(mmax);
+    vmax = group_max<L>(vmax);
+    float m_stored, m_div, v_stored, v_div;
+    uint8_t m_bits, v_bits;
+    block_params<MODE>(mmax, m_stored, m_div, m_bits);
+    block_params<MODE>(vmax, v_stored, v_div, v_bits);
+    M out[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int64_t idx = pos.i0 + e;
+      mc[e] = encode_value<MODE>(m[e], m_div, sm, 0, p.m_sr_key, idx);
+      vc[e] = encode_value<MODE>(v[e], v_div, sm, 1, p.v_sr_key, idx);
+      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), p.stochastic != 0, p.sr_key, idx);
+    }
+    write_codes<MODE, E>(p.m_codes, pos.i0, n, vec, mc);
+    write_codes<MODE, E>(p.v_codes, pos.i0, n, vec, vc);
+    if (vec) {
+      store_vec<M, E>(master + pos.i0, out);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        if (pos.i0 + e < n) master[pos.i0 + e] = out[e];
+      }
+    }
+    if (pos.active && lane % L == 0) {
+      write_scale<MODE>(p.m_scales, pos.blk, m_stored, m_bits);
+      write_scale<MODE>(p.v_scales, pos.blk, v_stored, v_bits);
+    }
   }
 }
 
 // ---- standalone codec ----
 template <int MODE>
-__global__ void pack_kernel(const float* x, int64_t n, int moment, uint8_t* codes, void* scales) {
-  constexpr int B = BlockTraits<MODE>::kBlock;
-  constexpr int GROUP = B >= 32 ? 32 : B;
-  constexpr int EPL = B / GROUP;
-  const int lane = threadIdx.x & 31;
-  const int gl = lane % GROUP;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int64_t blk = warp * (32 / GROUP) + lane / GROUP;
-  const bool active = blk < (n + B - 1) / B;
+__global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_t sr_key,
+                            uint8_t* codes, void* scales) {
+  using Pos = GroupPos<MODE>;
+  constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
   load_shared_maps<MODE>(sm);
-  float val[EPL];
-  float amax = 0.0f;
+  const int lane = threadIdx.x & 31;
+  const int64_t nblocks = (n_total + B - 1) / B;
+  const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+       task < tasks; task += warps) {
+    const Pos pos(task, lane, nblocks);
+    const int64_t n = pos.active ? n_total : 0;
+    float val[E];
+    load_f32<float, E>(x, pos.i0, n, false, val);
+    float amax = 0.0f;
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    const int64_t idx = blk * B + e * GROUP + gl;
-    val[e] = (active && idx < n) ? x[idx] : 0.0f;
-    amax = fmaxf(amax, fabsf(val[e]));
-  }
-  amax = group_max<GROUP>(amax);
-  float stored, div;
-  uint8_t sbits;
-  block_params<MODE>(amax, stored, div, sbits);
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(val[e]));
+    amax = group_max<L>(amax);
+    float stored, div;
+    uint8_t sbits;
+    block_params<MODE>(amax, stored, div, sbits);
+    int c[E];
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    const int64_t idx = blk * B + e * GROUP + gl;
-    write_code<MODE>(codes, idx, encode_value<MODE>(val[e], div, sm, moment), active ? n : 0,
-                     (gl & 1) == 0);
+    for (int e = 0; e < E; ++e)
+      c[e] = encode_value<MODE>(val[e], div, sm, moment, sr_key, pos.i0 + e);
+    write_codes<MODE, E>(codes, pos.i0, n, false, c);
+    if (pos.active && lane % L == 0) write_scale<MODE>(scales, pos.blk, stored, sbits);
   }
-  if (active && gl == 0) write_scale<MODE>(scales, blk, stored, sbits);
 }
 
 template <int MODE>
@@ -368,8 +562,9 @@ __global__ void unpack_kernel(const uint8_t* codes, const void* scales, int64_t 
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    x[i] =
-        decode_value<MODE>(read_code<MODE>(codes, i), block_scale<MODE>(scales, i / B), sm, moment);
+    const uint8_t byte = BlockTraits<MODE>::kNibbles ? codes[i >> 1] : codes[i];
+    const int code = BlockTraits<MODE>::kNibbles ? ((i & 1) ? (byte >> 4) : (byte & 15)) : byte;
+    x[i] = decode_value<MODE>(code, block_scale<MODE>(scales, i / B), sm, moment);
   }
 }
 
@@ -401,12 +596,21 @@ __global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
 }
 
 constexpr int kThreads = 256;
+constexpr int kCtasPerSm = 8;  // 8 x 256 threads = the 2048-thread limit of an SM (sm_80/90)
 
-int64_t grid_for_blocks(int64_t n, int block) {
-  const int group = block >= 32 ? 32 : block;
-  const int64_t nblocks = (n + block - 1) / block;
-  const int64_t warps = (nblocks + (32 / group) - 1) / (32 / group);
-  return (warps * 32 + kThreads - 1) / kThreads;
+// Persistent grid: enough CTAs for `threads` threads, at most kCtasPerSm per SM.
+int64_t persistent_grid(int64_t threads) {
+  const int64_t need = (threads + kThreads - 1) / kThreads;
+  const int64_t cap = static_cast<int64_t>(sm_count()) * kCtasPerSm;
+  return need < 1 ? 1 : (need < cap ? need : cap);
+}
+
+template <int MODE>
+int64_t block_kernel_grid(int64_t n) {
+  using Pos = GroupPos<MODE>;
+  const int64_t nblocks = (n + Pos::B - 1) / Pos::B;
+  const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
+  return persistent_grid(tasks * 32);
 }
 
 int64_t grid_for_elems(int64_t n) {
@@ -414,20 +618,23 @@ int64_t grid_for_elems(int64_t n) {
   return g < 65535 * 8 ? g : 65535 * 8;
 }
 
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
 template <typename G, typename M>
 void launch_typed(const StepParams& p, cudaStream_t s) {
   switch (p.mode) {
     case 0:
-      adamw_fp32_kernel<G, M><<<grid_for_elems(p.n), kThreads, 0, s>>>(p);
+      adamw_fp32_kernel<G, M>
+          <<<persistent_grid((p.n + kFp32Elems - 1) / kFp32Elems), kThreads, 0, s>>>(p);
       break;
     case 1:
-      adamw_block_kernel<1, G, M><<<grid_for_blocks(p.n, 256), kThreads, 0, s>>>(p);
+      adamw_block_kernel<1, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
       break;
     case 2:
-      adamw_block_kernel<2, G, M><<<grid_for_blocks(p.n, 128), kThreads, 0, s>>>(p);
+      adamw_block_kernel<2, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
       break;
     case 3:
-      adamw_block_kernel<3, G, M><<<grid_for_blocks(p.n, 16), kThreads, 0, s>>>(p);
+      adamw_block_kernel<3, G, M><<<block_kernel_grid<3>(p.n), kThreads, 0, s>>>(p);
       break;
     default:
       throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(p.mode));
@@ -450,9 +657,13 @@ void launch_grad(const StepParams& p, cudaStream_t s) {
 
 }  // namespace
 
-void launch_adamw_step(const StepParams& p, cudaStream_t stream) {
-  if (p.n == 0) return;
+void launch_adamw_step(const StepParams& params, cudaStream_t stream) {
+  if (params.n == 0) return;
   ensure_tables();
+  StepParams p = params;
+  p.vec_ok = aligned16(p.grad) && aligned16(p.master) &&
+             (p.mode == 0 ? aligned16(p.m32) && aligned16(p.v32)
+                          : aligned16(p.m_codes) && aligned16(p.v_codes));
   switch (p.grad_dtype) {
     case kDtF32:
       launch_grad<float>(p, stream);
@@ -489,19 +700,22 @@ void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStre
   check(cudaGetLastError(), "sumsq launch");
 }
 
-void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint8_t* codes,
-                        void* scales, cudaStream_t stream) {
+void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,
+                        uint8_t* codes, void* scales, cudaStream_t stream) {
   if (n == 0) return;
   ensure_tables();
   switch (mode) {
     case 1:
-      pack_kernel<1><<<grid_for_blocks(n, 256), kThreads, 0, stream>>>(x, n, moment, codes, scales);
+      pack_kernel<1>
+          <<<block_kernel_grid<1>(n), kThreads, 0, stream>>>(x, n, moment, sr_key, codes, scales);
       break;
     case 2:
-      pack_kernel<2><<<grid_for_blocks(n, 128), kThreads, 0, stream>>>(x, n, moment, codes, scales);
+      pack_kernel<2>
+          <<<block_kernel_grid<2>(n), kThreads, 0, stream>>>(x, n, moment, sr_key, codes, scales);
       break;
     case 3:
-      pack_kernel<3><<<grid_for_blocks(n, 16), kThreads, 0, stream>>>(x, n, moment, codes, scales);
+      pack_kernel<3>
+          <<<block_kernel_grid<3>(n), kThreads, 0, stream>>>(x, n, moment, sr_key, codes, scales);
       break;
     default:
       throw std::runtime_error("q4::optim CUDA: pack: bad mode");

@@ -56,6 +56,8 @@ class Scratch {
 struct MapTensors {
   at::Tensor value;
   at::Tensor mid;
+  at::Tensor sr_value;  // (size) fp32, CodeMap::sr_value (stochastic maps)
+  at::Tensor inv_gap;   // (size - 1) fp32, CodeMap::inv_gap (stochastic maps)
 };
 const MapTensors& cpu_map(StateMode mode, Moment moment);
 const CodeMap& host_map(StateMode mode, Moment moment);
@@ -67,8 +69,16 @@ at::Tensor e2m1_decode_table_cpu();  // (16) fp32
 void decode_chunk_cpu(const at::Tensor& codes, const at::Tensor& scales, StateMode mode,
                       Moment moment, int64_t start, int64_t n, const at::Tensor& x, Scratch& s);
 // Encodes x (npad fp32, tail beyond n zero) into elements [start, start + n) of a packed moment.
+// Stochastic maps (CodeMap::stochastic) draw element i's bits from sr_bits(sr_key, start + i).
+// Uses the scratch slots kSlotTmp, kSlotTmp2, kSlotGrad, the code/packing and block slots, and
+// (stochastic maps) kSlotMask and the two int64 hash slots.
 void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_t start, int64_t n,
-                      const at::Tensor& codes, const at::Tensor& scales, Scratch& s);
+                      const at::Tensor& codes, const at::Tensor& scales, uint32_t sr_key,
+                      Scratch& s);
+
+// u[i] = sr_uniform(sr_bits(key, first_index + i)) for i < n (u: at least n fp32). Uses the
+// scratch slots kSlotI64 and kSlotI64b.
+void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s);
 
 // Writes p (n fp32) into out (n, fp16/bf16/fp32) with stochastic rounding keyed by `key`; element
 // i of p has flat index first_index + i. Same bits as the CUDA kernel and write_master_ref.

@@ -37,7 +37,10 @@ struct StepParams {
   float step_size = 0.0f;  // lr / (1 - beta1^t)
   float decay = 1.0f;      // 1 - lr * weight_decay (1: none)
   int stochastic = 0;      // 1: stochastic rounding of fp16/bf16 masters
-  uint32_t sr_key = 0;
+  uint32_t sr_key = 0;     // master rounding stream
+  uint32_t m_sr_key = 0;   // stochastic moment codes (4-bit): sr_bits(m_sr_key / v_sr_key, i)
+  uint32_t v_sr_key = 0;
+  int vec_ok = 0;  // set by launch_adamw_step: all pointers 16-byte aligned (vector accesses)
 };
 
 void launch_adamw_step(const StepParams& p, cudaStream_t stream);
@@ -48,8 +51,8 @@ inline constexpr int kSumsqPartials = 1024;
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream);
 
 // Standalone codec (tests, diagnostics): same device code as the fused step.
-void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint8_t* codes,
-                        void* scales, cudaStream_t stream);
+void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,
+                        uint8_t* codes, void* scales, cudaStream_t stream);
 void launch_unpack_moment(const uint8_t* codes, const void* scales, int64_t n, int mode, int moment,
                           float* x, cudaStream_t stream);
 

@@ -134,6 +134,12 @@ struct CodeMap {
   int size = 0;      // 256 or 16
   float value[256];  // decoded value of each code (absmax-normalized)
   float mid[255];    // (value[j] + value[j+1]) / 2 in fp32
+  // Stochastic codes (sr_code) instead of nearest: the rounding works on t = y (or sqrt(y) when
+  // sqrt_domain) against the sorted entries sr_value (= value, or sqrt(value)), unbiased in t.
+  bool stochastic = false;
+  bool sqrt_domain = false;
+  float sr_value[256];  // entries in the rounding domain
+  float inv_gap[255];   // 1 / (sr_value[j+1] - sr_value[j]), computed in double, rounded to fp32
 };
 
 // bitsandbytes create_dynamic_map(signed, max_exponent_bits, total_bits) (Dettmers et al.,
@@ -176,6 +182,62 @@ inline void fill_mids(CodeMap* map) {
   for (int j = 0; j + 1 < map->size; ++j) map->mid[j] = (map->value[j] + map->value[j + 1]) * 0.5f;
 }
 
+inline void fill_inv_gaps(CodeMap* map) {
+  for (int j = 0; j + 1 < map->size; ++j) {
+    map->inv_gap[j] = static_cast<float>(
+        1.0 / (static_cast<double>(map->sr_value[j + 1]) - static_cast<double>(map->sr_value[j])));
+  }
+}
+
+// Nearest code of a normalized value y: #{j : mid[j] < y} (ties to the lower entry), by binary
+// search over the sorted midpoints; identical to at::bucketize(y, mid, right=false).
+Q4_HD int nearest_code(const float* mid, int size, float y) {
+  int lo = 0, hi = size - 1;
+  while (lo < hi) {
+    const int m = (lo + hi) >> 1;
+    if (mid[m] < y) {
+      lo = m + 1;
+    } else {
+      hi = m;
+    }
+  }
+  return lo;
+}
+
+// Stochastic code of t (the normalized value y, or sqrt(y) for a sqrt-domain map; sqrt correctly
+// rounded on both CPU and CUDA): with l = #{j : sr_value[j] <= t} - 1 clamped to [0, size - 2]
+// (the entries bracketing t), take l + 1 with probability p = (t - sr_value[l]) * inv_gap[l]
+// (fp32, one rounding per operation) and l otherwise, using the 24 uniform bits of `bits`.
+// Unbiased in t for t inside the map's range; outside it the code saturates at the end entry.
+// The CPU path computes the same with ATen ops (bucketize right=true, index_select, sub, mul, lt).
+Q4_HD int sr_code(const float* sr_value, const float* inv_gap, int size, float t, uint32_t bits) {
+  int lo = 0, hi = size;  // #{j : sr_value[j] <= t}
+  while (lo < hi) {
+    const int m = (lo + hi) >> 1;
+    if (sr_value[m] <= t) {
+      lo = m + 1;
+    } else {
+      hi = m;
+    }
+  }
+  int l = lo - 1;
+  l = l < 0 ? 0 : (l > size - 2 ? size - 2 : l);
+#if defined(__CUDA_ARCH__)
+  const float p = __fmul_rn(__fsub_rn(t, sr_value[l]), inv_gap[l]);
+#else
+  const float p = (t - sr_value[l]) * inv_gap[l];
+#endif
+  return sr_uniform(bits) < p ? l + 1 : l;
+}
+
+// Streams of the stochastic moment codes of one (seed, step, parameter), derived from the
+// master-rounding key so that the three streams are independent; element i of the first
+// (second) moment uses sr_bits(moment_sr_key(key, 0 (1)), i).
+// Salts: "m_sr" (0x6d5f7372) and "v_sr" (0x765f7372).
+Q4_HD uint32_t moment_sr_key(uint32_t key, int moment) {
+  return hash32(key ^ (moment == 0 ? 0x6d5f7372U : 0x765f7372U));
+}
+
 // The four maps. Second-moment maps never decode to 0 for a positive block:
 //  int8 m: signed dynamic map (256 entries, block 256).
 //  int8 v: unsigned dynamic map (256 entries) with its 0 entry replaced by the smallest positive
@@ -187,9 +249,14 @@ inline void fill_mids(CodeMap* map) {
 //          everything below absmax/32 to absmax/16, i.e. sqrt(v) overestimated up to 4x for
 //          elements 16x below the block max in sqrt(v); on sqrt(v) the same 16 levels reach
 //          absmax/256 (floor: sqrt(v) >= sqrt(absmax)/16). Same zero-free property, same storage.
-//          Measured on the tiny-Qwen3 memorization test (300 steps): final loss 0.0210 -> 0.0185
-//          (fp32 0.0099; still above its 10% target, the m map now dominates the error). Li et
-//          al.'s rank-1 normalization of v is not implemented.
+//  4-bit codes of both moments are stochastically rounded (sr_code; v in the sqrt domain). An
+//  EMA moves by (1 - beta) per step (0.1% for v at beta2 = 0.999), far below the 4-bit code
+//  spacing, so nearest codes are sticky and biased: small m flush to 0 (|m| < 0.00275 absmax)
+//  and v stays on its code instead of decaying/growing. Tiny-Qwen3 memorization (300 steps,
+//  final loss; ablations with fp32 m or v): nearest m and v 1.87x the fp32 loss, nearest v alone
+//  0.78x (too fast: v stuck low), nearest m alone 2.0x; stochastic m and v track fp32 within 10%
+//  (tests/convergence). Smaller m blocks (32) did not help: a bias, not a range, problem.
+//  int8 codes stay nearest (bitsandbytes): its spacing is fine enough that int8 tracks fp32.
 enum class MapId { kInt8First = 0, kInt8Second = 1, k4BitFirst = 2, k4BitSecond = 3 };
 
 inline CodeMap make_code_map(MapId id) {
@@ -204,6 +271,9 @@ inline CodeMap make_code_map(MapId id) {
       break;
     case MapId::k4BitFirst:
       fill_dynamic_map(true, 3, 4, &map);
+      map.stochastic = true;
+      for (int j = 0; j < map.size; ++j) map.sr_value[j] = map.value[j];
+      fill_inv_gaps(&map);
       break;
     case MapId::k4BitSecond:
       // Linear zero-free map on sqrt(v): entry k decodes to (k/16)^2, k = 1..16, and a value is
@@ -214,6 +284,11 @@ inline CodeMap make_code_map(MapId id) {
       for (int k = 1; k < 16; ++k) {
         map.mid[k - 1] = static_cast<float>((2 * k + 1) * (2 * k + 1)) / 1024.0f;
       }
+      // Stochastic codes in the sqrt domain: entries k/16, gaps 1/16 (all exact).
+      map.stochastic = true;
+      map.sqrt_domain = true;
+      for (int k = 1; k <= 16; ++k) map.sr_value[k - 1] = static_cast<float>(k) / 16.0f;
+      fill_inv_gaps(&map);
       return map;
   }
   fill_mids(&map);

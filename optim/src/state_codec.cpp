@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <string>
@@ -66,8 +67,12 @@ struct MapCache {
       const int n = host[i].size;
       cpu[i].value = at::empty({n}, at::kFloat);
       cpu[i].mid = at::empty({n - 1}, at::kFloat);
+      cpu[i].sr_value = at::empty({n}, at::kFloat);
+      cpu[i].inv_gap = at::empty({n - 1}, at::kFloat);
+      std::memcpy(cpu[i].sr_value.data_ptr<float>(), host[i].sr_value, sizeof(float) * n);
       std::memcpy(cpu[i].value.data_ptr<float>(), host[i].value, sizeof(float) * n);
       std::memcpy(cpu[i].mid.data_ptr<float>(), host[i].mid, sizeof(float) * (n - 1));
+      std::memcpy(cpu[i].inv_gap.data_ptr<float>(), host[i].inv_gap, sizeof(float) * (n - 1));
     }
     e4m3 = at::empty({256}, at::kFloat);
     for (int b = 0; b < 256; ++b) e4m3.data_ptr<float>()[b] = e4m3_decode(static_cast<uint8_t>(b));
@@ -137,7 +142,8 @@ void decode_chunk_cpu(const at::Tensor& codes, const at::Tensor& scales, StateMo
 }
 
 void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_t start, int64_t n,
-                      const at::Tensor& codes, const at::Tensor& scales, Scratch& s) {
+                      const at::Tensor& codes, const at::Tensor& scales, uint32_t sr_key,
+                      Scratch& s) {
   const int64_t block = moment_block_size(mode);
   const int64_t nb = ceil_div(n, block);
   const int64_t npad = nb * block;
@@ -184,7 +190,28 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
     at::eq_out(zero, amax, 0);
     div.copy_(amax).masked_fill_(zero, 1.0);  // all-zero block: y = 0
     at::div_out(yb, xb, div.view({nb, 1}));
-    at::bucketize_out(ci, y, cpu_map(mode, moment).mid, /*out_int32=*/true, /*right=*/false);
+    const MapTensors& mt = cpu_map(mode, moment);
+    const CodeMap& hm = host_map(mode, moment);
+    if (hm.stochastic) {
+      // sr_code(): t = y or sqrt(y), l = #{sr_value <= t} - 1 clamped,
+      // p = (t - sr_value[l]) * inv_gap[l], code l + 1 if u < p.
+      if (hm.sqrt_domain) y.sqrt_();
+      const int64_t size = mt.value.numel();
+      at::bucketize_out(ci, y, mt.sr_value, /*out_int32=*/true, /*right=*/true);
+      ci.sub_(1).clamp_(0, size - 2);
+      at::Tensor prob = s.get(kSlotTmp, at::kFloat, npad);
+      at::index_select_out(prob, mt.sr_value, 0, ci);
+      at::sub_out(prob, y, prob);
+      at::Tensor u = s.get(kSlotGrad, at::kFloat, npad);
+      at::index_select_out(u, mt.inv_gap, 0, ci);
+      prob.mul_(u);
+      sr_uniform_cpu(sr_key, start, npad, u, s);
+      at::Tensor up = s.get(kSlotMask, at::kBool, npad);
+      at::lt_out(up, u, prob);
+      ci.add_(up);
+    } else {
+      at::bucketize_out(ci, y, mt.mid, /*out_int32=*/true, /*right=*/false);
+    }
   }
   if (mode == StateMode::kInt8) {
     codes.narrow(0, start, n).copy_(ci.narrow(0, 0, n));
@@ -200,6 +227,36 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
 }  // namespace detail
 
 namespace detail {
+
+void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s) {
+  // sr_bits(key, i) = hash32(hash32(lo(i) ^ key) ^ hi(i)) with int64 ATen ops (optim_math.h);
+  // the range is cut where hi(i) = i >> 32 changes so that hi is a scalar in each piece.
+  at::Tensor h = s.get(kSlotI64, at::kLong, n);
+  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
+  auto hash32 = [&](at::Tensor& v) {
+    at::bitwise_right_shift_out(t, v, 16);
+    v.bitwise_xor_(t).mul_(static_cast<int64_t>(kHashMul1)).bitwise_and_(int64_t{0xffffffff});
+    at::bitwise_right_shift_out(t, v, 15);
+    v.bitwise_xor_(t).mul_(kHashMul2Signed).bitwise_and_(int64_t{0xffffffff});
+    at::bitwise_right_shift_out(t, v, 16);
+    v.bitwise_xor_(t);
+  };
+  for (int64_t done = 0; done < n;) {
+    const int64_t first = first_index + done;
+    const int64_t hi = first >> 32;
+    const int64_t len = std::min(n - done, ((hi + 1) << 32) - first);
+    at::Tensor hp = h.narrow(0, 0, len);
+    at::arange_out(hp, at::Scalar(first), at::Scalar(first + len), at::Scalar(int64_t{1}));
+    hp.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{key});
+    hash32(hp);
+    hp.bitwise_xor_(hi & 0xffffffff);
+    hash32(hp);
+    at::Tensor tp = t.narrow(0, 0, len);
+    at::bitwise_right_shift_out(tp, hp, 8);
+    u.narrow(0, done, len).copy_(tp).mul_(5.9604644775390625e-08);
+    done += len;
+  }
+}
 
 void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t key,
                           int64_t first_index, Scratch& s) {
@@ -231,28 +288,8 @@ void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t k
   at::Tensor gap = absa;
   at::sub_out(gap, b, a).abs_();
   at::div_out(prob, prob, gap);
-  // r = sr_bits(key, index) for index = first_index + i, with int64 ops (optim_math.h).
-  at::Tensor h = s.get(kSlotI64, at::kLong, n);
-  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
-  at::Tensor hi = s.get(kSlotI32, at::kInt, n);
-  at::arange_out(h, at::Scalar(first_index), at::Scalar(first_index + n), at::Scalar(int64_t{1}));
-  at::bitwise_right_shift_out(t, h, 32);
-  hi.copy_(t);
-  h.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{key});
-  auto hash32 = [&](at::Tensor& v) {
-    at::bitwise_right_shift_out(t, v, 16);
-    v.bitwise_xor_(t).mul_(static_cast<int64_t>(kHashMul1)).bitwise_and_(int64_t{0xffffffff});
-    at::bitwise_right_shift_out(t, v, 15);
-    v.bitwise_xor_(t).mul_(kHashMul2Signed).bitwise_and_(int64_t{0xffffffff});
-    at::bitwise_right_shift_out(t, v, 16);
-    v.bitwise_xor_(t);
-  };
-  hash32(h);
-  h.bitwise_xor_(hi);
-  hash32(h);
-  at::bitwise_right_shift_out(t, h, 8);
   at::Tensor u = s.get(kSlotTmp, at::kFloat, n);  // 24-bit uniform in [0, 1)
-  u.copy_(t).mul_(5.9604644775390625e-08);
+  sr_uniform_cpu(key, first_index, n, u, s);
   at::lt_out(away, u, prob);
   at::where_out(bits, away, nbits, bits);
   out.view(at::kShort).copy_(bits);
@@ -339,7 +376,12 @@ void check_packed(const PackedMoment& p, StateMode mode, const char* fn) {
 
 }  // namespace
 
-PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment) {
+bool moment_codes_stochastic(StateMode mode, Moment moment) {
+  return (mode == StateMode::kInt8 || mode == StateMode::k4Bit) &&
+         detail::host_map(mode, moment).stochastic;
+}
+
+PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment, uint32_t sr_key) {
   check_packed_mode(mode);
   check_x(x, "pack_moment");
   const at::Tensor xc = x.contiguous();
@@ -349,7 +391,7 @@ PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment) {
   if (xc.is_cuda()) {
 #if Q4_WITH_CUDA
     cuda::launch_pack_moment(xc.data_ptr<float>(), n, static_cast<int>(mode),
-                             static_cast<int>(moment), p.codes.data_ptr<uint8_t>(),
+                             static_cast<int>(moment), sr_key, p.codes.data_ptr<uint8_t>(),
                              p.scales.data_ptr(), at::cuda::getCurrentCUDAStream());
     return p;
 #else
@@ -365,7 +407,7 @@ PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment) {
   at::Tensor buf = s.get(detail::kSlotM, at::kFloat, npad);
   buf.narrow(0, 0, n).copy_(xc);
   if (npad > n) buf.narrow(0, n, npad - n).zero_();
-  detail::encode_chunk_cpu(buf, mode, moment, 0, n, p.codes, p.scales, s);
+  detail::encode_chunk_cpu(buf, mode, moment, 0, n, p.codes, p.scales, sr_key, s);
   return p;
 }
 
@@ -399,7 +441,17 @@ at::Tensor unpack_moment(const PackedMoment& packed, StateMode mode, Moment mome
 
 namespace {
 
-uint8_t ref_code(const detail::CodeMap& map, float y) {
+// Per-element loops written independently of optim_math.h's search helpers.
+uint8_t ref_code(const detail::CodeMap& map, float y, uint32_t sr_key, int64_t i) {
+  if (map.stochastic) {
+    const float t = map.sqrt_domain ? std::sqrt(y) : y;
+    int l = -1;
+    for (int j = 0; j < map.size; ++j) l += map.sr_value[j] <= t ? 1 : 0;
+    l = std::min(std::max(l, 0), map.size - 2);
+    const float p = (t - map.sr_value[l]) * map.inv_gap[l];
+    const float u = detail::sr_uniform(detail::sr_bits(sr_key, i));
+    return static_cast<uint8_t>(u < p ? l + 1 : l);
+  }
   int c = 0;
   while (c < map.size - 1 && map.mid[c] < y) ++c;
   return static_cast<uint8_t>(c);
@@ -407,7 +459,7 @@ uint8_t ref_code(const detail::CodeMap& map, float y) {
 
 }  // namespace
 
-PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment) {
+PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment, uint32_t sr_key) {
   check_packed_mode(mode);
   check_x(x, "pack_moment_ref");
   const at::Tensor xc = x.contiguous().cpu();
@@ -446,7 +498,7 @@ PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment)
       const float div = amax == 0.0f ? 1.0f : amax;
       for (int64_t i = b * block; i < (b + 1) * block; ++i) {
         const float v = i < n ? xp[i] : 0.0f;
-        put(i, ref_code(map, v / div));
+        put(i, ref_code(map, v / div, sr_key, i));
       }
     }
   }

@@ -1,9 +1,9 @@
 // 300 AdamW steps on the tiny fixture Qwen3 (HF layout, NVFP4 linears, fp16 masters, STE) that
 // memorizes the fixture batch, once per moment storage mode. Evidence for the packed optimizer
-// on a real model. int8 must end within 10% of the fp32 reference's loss (issue 5's bar). 4bit
-// does not meet that bar yet (final loss ~1.9x fp32's: its first-moment map flushes small m to 0,
-// see docs/optim.md); it is held to within 2.5x so that it cannot regress unnoticed. nvfp4 (the
-// replaced system's format) is reported, not required. The curves are printed for docs/results.md.
+// on a real model: int8 and 4bit must end within 10% of the fp32 reference's loss (issue 5's
+// bar). nvfp4 (the replaced system's format) is reported, not required. The curves are printed
+// for docs/results.md. Measured (this seed): fp32 0.0099, int8 0.0099, 4bit 0.0093; over seeds
+// 1-6 fp32 varied 0.0100-0.0103. With nearest 4-bit codes 4bit ended at 0.0185 (1.87x).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -94,8 +94,7 @@ TEST(Convergence, PackedMomentsTrackFp32OnTinyModel) {
   const double int8 = curves["int8"].loss_at.at(300);
   EXPECT_LE(std::abs(int8 - ref), 0.10 * ref) << "int8 final loss " << int8 << " vs fp32 " << ref;
   const double four = curves["4bit"].loss_at.at(300);
-  EXPECT_LE(four, 2.5 * ref) << "4bit final loss " << four << " vs fp32 " << ref;
-  EXPECT_LT(four, 0.2 * start);
+  EXPECT_LE(std::abs(four - ref), 0.10 * ref) << "4bit final loss " << four << " vs fp32 " << ref;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -174,6 +175,27 @@ int main(int argc, char** argv) {
         static_cast<long long>(args.layers), static_cast<long long>(args.scale), args.steps,
         args.warmup);
 
+    // Same-run baseline: the device's achieved copy bandwidth (read + write bytes / time of a
+    // large copy_), so each step can also be put against a floor measured on this card.
+    double copy_tbps = 0.0;
+    {
+      const int64_t elems = std::min<int64_t>(int64_t{1} << 30, std::max<int64_t>(total, 1 << 20));
+      at::Tensor src = at::empty({elems}, at::TensorOptions().device(device).dtype(at::kHalf));
+      at::Tensor dst = at::empty_like(src);
+      src.fill_(1.0);
+      for (int w = 0; w < 2; ++w) dst.copy_(src);
+      sync();
+      const int reps = 5;
+      const auto c0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r) dst.copy_(src);
+      sync();
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count() / reps;
+      copy_tbps = 2.0 * static_cast<double>(src.nbytes()) / sec / 1e12;
+      std::printf("[%s] baseline: copy_ of %.2f GB: %.3f ms = %.3f TB/s (read + write)\n",
+                  dev_name.c_str(), src.nbytes() / 1e9, sec * 1e3, copy_tbps);
+    }
+
     double fp32_ms = 0.0;
     for (const std::string& mode_name : split(args.modes)) {
       q4::optim::AdamWOptions o;
@@ -220,12 +242,13 @@ int main(int argc, char** argv) {
 
       const q4::optim::StepTraffic t = opt.step_traffic(at::kBFloat16);
       const double floor_ms = static_cast<double>(t.total()) / (args.hbm_tbps * 1e12) * 1e3;
+      const double copy_floor_ms = static_cast<double>(t.total()) / (copy_tbps * 1e12) * 1e3;
       if (mode_name == "fp32") fp32_ms = step_ms;
       std::printf(
           "[%s] mode=%-5s state=%.3f GB  step=%.2f ms (norm pass %.2f ms)  traffic=%.3f GB  "
-          "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  %s=%.1f MB%s\n",
+          "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  step/copy-floor=%.2fx  %s=%.1f MB%s\n",
           dev_name.c_str(), mode_name.c_str(), opt.state_bytes() / 1e9, step_ms, norm_ms,
-          t.total() / 1e9, floor_ms, args.hbm_tbps, step_ms / floor_ms,
+          t.total() / 1e9, floor_ms, args.hbm_tbps, step_ms / floor_ms, step_ms / copy_floor_ms,
           cuda ? "peak_extra" : "scratch_peak", extra_bytes / 1e6,
           fp32_ms > 0 && mode_name != "fp32"
               ? (" vs fp32 " + std::to_string(step_ms / fp32_ms) + "x").c_str()
