@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -29,6 +30,7 @@ __constant__ float c_map_sr_value[4][16];  // MapId -> stochastic-rounding entri
 __constant__ float c_map_inv_gap[4][16];   // MapId -> 1 / gaps of sr_value (size - 1 used)
 __constant__ int c_map_size[4];
 __constant__ int c_map_flags[4];  // bit 0: stochastic codes, bit 1: sqrt domain
+__constant__ uint8_t c_map_start[4][2][detail::kSearchBuckets];  // code search lower bounds
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -50,8 +52,10 @@ void ensure_tables() {
   float inv_gap[4][16] = {};
   int size[4];
   int flags[4];
+  static uint8_t start[4][2][detail::kSearchBuckets];  // 12.8 KB: not on the stack
   for (int i = 0; i < 4; ++i) {
     const CodeMap m = detail::make_code_map(static_cast<MapId>(i));
+    std::memcpy(start[i], m.search_start, sizeof(start[i]));
     size[i] = m.size;
     flags[i] = (m.stochastic ? 1 : 0) | (m.sqrt_domain ? 2 : 0);
     if (m.stochastic && m.size > 16) {
@@ -71,6 +75,7 @@ void ensure_tables() {
   check(cudaMemcpyToSymbol(c_map_inv_gap, inv_gap, sizeof(inv_gap)), "copy code maps");
   check(cudaMemcpyToSymbol(c_map_size, size, sizeof(size)), "copy code maps");
   check(cudaMemcpyToSymbol(c_map_flags, flags, sizeof(flags)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_map_start, start, sizeof(start)), "copy code maps");
   ready[dev] = true;
 }
 
@@ -145,6 +150,10 @@ __device__ __forceinline__ float adam_master(float w, float m, float v, const St
   const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
   return __fsub_rn(__fmul_rn(w, p.decay), u);
 }
+
+constexpr int kThreads = 256;  // threads per CTA of every kernel here
+// The block kernels are bounded to 64 registers so that 4 CTAs (1024 threads) fit an SM; without
+// the bound the int8 kernel used 72 (3 CTAs) and ptxas reports no spills with it.
 
 // ---- vector access ----
 // E consecutive elements of T as one aligned aggregate: 8/16-byte loads and stores (32 bytes:
@@ -276,6 +285,7 @@ struct SharedMaps {
   float inv_gap[2][16];
   int size[2];
   int flags[2];
+  uint8_t start[2][2][detail::kSearchBuckets];  // [slot][sign][bucket]
 };
 
 template <int MODE>
@@ -296,6 +306,12 @@ __device__ __forceinline__ void load_shared_maps(SharedMaps& sm) {
     sm.size[threadIdx.x] = c_map_size[base + threadIdx.x];
     sm.flags[threadIdx.x] = c_map_flags[base + threadIdx.x];
   }
+  // Search tables of both slots as 32-bit words (2 x 2 x kSearchBuckets bytes: a multiple of 4,
+  // so every mode's tables start 4-byte aligned in c_map_start).
+  constexpr int kWords = 2 * 2 * detail::kSearchBuckets / 4;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(&c_map_start[base][0][0]);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(&sm.start[0][0][0]);
+  for (int i = threadIdx.x; i < kWords; i += blockDim.x) dst[i] = src[i];
   __syncthreads();
 }
 
@@ -334,7 +350,7 @@ __device__ __forceinline__ void block_params(float amax, float& stored, float& d
 }
 
 // Code of x (element idx) in a block with divisor div: NVFP4 thresholds, the nearest map entry,
-// or (stochastic maps) sr_code with the bits of sr_bits(key, idx).
+// or (stochastic maps) sr_pick with the bits of sr_bits(key, idx).
 template <int MODE>
 __device__ __forceinline__ int encode_value(float x, float div, const SharedMaps& sm, int slot,
                                             uint32_t key, int64_t idx) {
@@ -346,10 +362,13 @@ __device__ __forceinline__ int encode_value(float x, float div, const SharedMaps
   const int flags = sm.flags[slot];
   if (flags & 1) {
     const float t = (flags & 2) ? __fsqrt_rn(y) : y;
-    return detail::sr_code(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t,
+    const int start = sm.start[slot][__float_as_uint(t) >> 31][detail::search_bucket(t)];
+    const int count = detail::count_from(sm.sr_value[slot], sm.size[slot], false, start, t);
+    return detail::sr_pick(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t, count,
                            detail::sr_bits(key, idx));
   }
-  return detail::nearest_code(sm.mid[slot], sm.size[slot], y);
+  const int start = sm.start[slot][__float_as_uint(y) >> 31][detail::search_bucket(y)];
+  return detail::count_from(sm.mid[slot], sm.size[slot] - 1, true, start, y);
 }
 
 // Reads the codes of elements [i0, i0 + E) (i0 a multiple of E, E even for nibbles).
@@ -446,7 +465,7 @@ struct GroupPos {
 
 // ---- fused block-wise step ----
 template <int MODE, typename G, typename M>
-__global__ void adamw_block_kernel(StepParams p) {
+__global__ void __launch_bounds__(kThreads, 4) adamw_block_kernel(StepParams p) {
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
@@ -595,7 +614,6 @@ __global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
   if (threadIdx.x == 0) partials[blockIdx.x] = red[0];
 }
 
-constexpr int kThreads = 256;
 constexpr int kCtasPerSm = 8;  // 8 x 256 threads = the 2048-thread limit of an SM (sm_80/90)
 
 // Persistent grid: enough CTAs for `threads` threads, at most kCtasPerSm per SM.

@@ -127,6 +127,29 @@ Q4_HD float e2m1_decode(uint8_t code) {
   return (code & 8) ? -v : v;
 }
 
+// ---- code search ----
+// The code of a normalized value is a count over a sorted table: nearest codes count midpoints
+// strictly below y (#{j : mid[j] < y}, ties to the lower entry, == at::bucketize(right=false));
+// stochastic codes count entries at or below t (#{j : sr_value[j] <= t}, == bucketize(right=true)).
+// The kernels start the count from a per-bucket lower bound looked up by the float bits of the
+// value (sign, exponent, top 6 mantissa bits; |y| < 2^-24 is one bucket) and finish it with a
+// short forward scan, so the result is the exact count whatever the table holds; the table only
+// makes the scan short (<= 1-2 steps for the maps here) instead of a log2(size)-step search.
+inline constexpr int kSearchExpMin = 103;  // 2^-24: smaller magnitudes share bucket 0
+inline constexpr int kSearchMantBits = 6;
+inline constexpr int kSearchBuckets = 1 + (128 - kSearchExpMin) * (1 << kSearchMantBits);
+
+// Bucket of |y| (the sign picks the table); magnitudes >= 2 fall into the last bucket (the scan
+// still ends at the exact count).
+Q4_HD int search_bucket(float y) {
+  const uint32_t b = f32_bits(y) & 0x7fffffffU;
+  int e = static_cast<int>(b >> 23);
+  if (e < kSearchExpMin) return 0;
+  if (e > 127) return kSearchBuckets - 1;
+  return 1 + ((e - kSearchExpMin) << kSearchMantBits) +
+         static_cast<int>((b >> (23 - kSearchMantBits)) & ((1U << kSearchMantBits) - 1));
+}
+
 // ---- int8 / 4-bit code maps ----
 // Tables sorted ascending; the code of a normalized value y is #{j : mid[j] < y} (nearest entry,
 // ties to the lower one), identical to at::bucketize(y, mid, right=false).
@@ -134,12 +157,15 @@ struct CodeMap {
   int size = 0;      // 256 or 16
   float value[256];  // decoded value of each code (absmax-normalized)
   float mid[255];    // (value[j] + value[j+1]) / 2 in fp32
-  // Stochastic codes (sr_code) instead of nearest: the rounding works on t = y (or sqrt(y) when
+  // Stochastic codes (sr_pick) instead of nearest: the rounding works on t = y (or sqrt(y) when
   // sqrt_domain) against the sorted entries sr_value (= value, or sqrt(value)), unbiased in t.
   bool stochastic = false;
   bool sqrt_domain = false;
   float sr_value[256];  // entries in the rounding domain
   float inv_gap[255];   // 1 / (sr_value[j+1] - sr_value[j]), computed in double, rounded to fp32
+  // Lower bounds of the code search (see "code search" below): over mid (nearest maps) or
+  // sr_value (stochastic maps), [sign][search_bucket].
+  uint8_t search_start[2][kSearchBuckets];
 };
 
 // bitsandbytes create_dynamic_map(signed, max_exponent_bits, total_bits) (Dettmers et al.,
@@ -189,38 +215,58 @@ inline void fill_inv_gaps(CodeMap* map) {
   }
 }
 
-// Nearest code of a normalized value y: #{j : mid[j] < y} (ties to the lower entry), by binary
-// search over the sorted midpoints; identical to at::bucketize(y, mid, right=false).
-Q4_HD int nearest_code(const float* mid, int size, float y) {
-  int lo = 0, hi = size - 1;
-  while (lo < hi) {
-    const int m = (lo + hi) >> 1;
-    if (mid[m] < y) {
-      lo = m + 1;
-    } else {
-      hi = m;
-    }
+// ---- code search helpers ----
+// Count of entries below y (strict: <, else <=), scanning forward from `start` (a lower bound of
+// the count).
+Q4_HD int count_from(const float* entries, int n, bool strict, int start, float y) {
+  int c = start;
+  while (c < n && (strict ? entries[c] < y : entries[c] <= y)) ++c;
+  return c;
+}
+
+// start[sign][bucket]: for every y in the bucket a lower bound of the count (the count is
+// non-decreasing in y): the count at lo for y >= 0 (|y| in [lo, hi)); for y < 0 (y in (-hi, -lo])
+// the number of entries <= -hi, all of which are below any such y.
+inline void fill_search_start(const float* entries, int n, bool strict,
+                              uint8_t (*start)[kSearchBuckets]) {
+  auto count = [&](float y) {
+    int c = 0;
+    for (int j = 0; j < n; ++j) c += (strict ? entries[j] < y : entries[j] <= y) ? 1 : 0;
+    return c;
+  };
+  auto count_le = [&](float y) {  // valid for both kinds below -hi: entries <= -hi are < y
+    int c = 0;
+    for (int j = 0; j < n; ++j) c += entries[j] <= y ? 1 : 0;
+    return c;
+  };
+  auto bucket_lo = [](int k) -> float {  // smallest |y| of bucket k >= 1
+    const int e = kSearchExpMin + ((k - 1) >> kSearchMantBits);
+    const uint32_t m = static_cast<uint32_t>((k - 1) & ((1 << kSearchMantBits) - 1));
+    return bits_f32((static_cast<uint32_t>(e) << 23) | (m << (23 - kSearchMantBits)));
+  };
+  for (int k = 0; k < kSearchBuckets; ++k) {
+    const float lo = k == 0 ? 0.0f : bucket_lo(k);
+    const float hi = k + 1 < kSearchBuckets ? bucket_lo(k + 1) : 2.0f;
+    start[0][k] = static_cast<uint8_t>(count(lo));
+    start[1][k] = static_cast<uint8_t>(count_le(-hi));
   }
-  return lo;
+}
+
+// Nearest code of a normalized value y: #{j : mid[j] < y} (size - 1 midpoints).
+Q4_HD int nearest_code(const float* mid, int size, float y) {
+  return count_from(mid, size - 1, true, 0, y);
 }
 
 // Stochastic code of t (the normalized value y, or sqrt(y) for a sqrt-domain map; sqrt correctly
-// rounded on both CPU and CUDA): with l = #{j : sr_value[j] <= t} - 1 clamped to [0, size - 2]
-// (the entries bracketing t), take l + 1 with probability p = (t - sr_value[l]) * inv_gap[l]
-// (fp32, one rounding per operation) and l otherwise, using the 24 uniform bits of `bits`.
-// Unbiased in t for t inside the map's range; outside it the code saturates at the end entry.
-// The CPU path computes the same with ATen ops (bucketize right=true, index_select, sub, mul, lt).
-Q4_HD int sr_code(const float* sr_value, const float* inv_gap, int size, float t, uint32_t bits) {
-  int lo = 0, hi = size;  // #{j : sr_value[j] <= t}
-  while (lo < hi) {
-    const int m = (lo + hi) >> 1;
-    if (sr_value[m] <= t) {
-      lo = m + 1;
-    } else {
-      hi = m;
-    }
-  }
-  int l = lo - 1;
+// rounded on both CPU and CUDA), given count = #{j : sr_value[j] <= t}: with l = count - 1 clamped
+// to [0, size - 2] (the entries bracketing t), take l + 1 with probability
+// p = (t - sr_value[l]) * inv_gap[l] (fp32, one rounding per operation) and l otherwise, using
+// the 24 uniform bits of `bits`. Unbiased in t for t inside the map's range; outside it the code
+// saturates at the end entry. The CPU path computes the same with ATen ops (bucketize
+// right=true, index_select, sub, mul, lt).
+Q4_HD int sr_pick(const float* sr_value, const float* inv_gap, int size, float t, int count,
+                  uint32_t bits) {
+  int l = count - 1;
   l = l < 0 ? 0 : (l > size - 2 ? size - 2 : l);
 #if defined(__CUDA_ARCH__)
   const float p = __fmul_rn(__fsub_rn(t, sr_value[l]), inv_gap[l]);
@@ -249,7 +295,7 @@ Q4_HD uint32_t moment_sr_key(uint32_t key, int moment) {
 //          everything below absmax/32 to absmax/16, i.e. sqrt(v) overestimated up to 4x for
 //          elements 16x below the block max in sqrt(v); on sqrt(v) the same 16 levels reach
 //          absmax/256 (floor: sqrt(v) >= sqrt(absmax)/16). Same zero-free property, same storage.
-//  4-bit codes of both moments are stochastically rounded (sr_code; v in the sqrt domain). An
+//  4-bit codes of both moments are stochastically rounded (sr_pick; v in the sqrt domain). An
 //  EMA moves by (1 - beta) per step (0.1% for v at beta2 = 0.999), far below the 4-bit code
 //  spacing, so nearest codes are sticky and biased: small m flush to 0 (|m| < 0.00275 absmax)
 //  and v stays on its code instead of decaying/growing. Tiny-Qwen3 memorization (300 steps,
@@ -289,9 +335,15 @@ inline CodeMap make_code_map(MapId id) {
       map.sqrt_domain = true;
       for (int k = 1; k <= 16; ++k) map.sr_value[k - 1] = static_cast<float>(k) / 16.0f;
       fill_inv_gaps(&map);
+      fill_search_start(map.sr_value, map.size, false, map.search_start);
       return map;
   }
   fill_mids(&map);
+  if (map.stochastic) {
+    fill_search_start(map.sr_value, map.size, false, map.search_start);
+  } else {
+    fill_search_start(map.mid, map.size - 1, true, map.search_start);
+  }
   return map;
 }
 

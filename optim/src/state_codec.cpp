@@ -193,7 +193,7 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
     const MapTensors& mt = cpu_map(mode, moment);
     const CodeMap& hm = host_map(mode, moment);
     if (hm.stochastic) {
-      // sr_code(): t = y or sqrt(y), l = #{sr_value <= t} - 1 clamped,
+      // sr_pick(): t = y or sqrt(y), l = #{sr_value <= t} - 1 clamped,
       // p = (t - sr_value[l]) * inv_gap[l], code l + 1 if u < p.
       if (hm.sqrt_domain) y.sqrt_();
       const int64_t size = mt.value.numel();

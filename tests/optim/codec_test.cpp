@@ -9,6 +9,7 @@
 #include <iterator>
 #include <map>
 
+#include "../../optim/src/optim_math.h"  // code search helpers the kernels use
 #include "q4/optim/state_codec.h"
 
 namespace q4::optim {
@@ -123,6 +124,45 @@ TEST(OptimCodec, FourBitCodesAreStochasticAndUnbiased) {
                         pack_moment(x, StateMode::k4Bit, Moment::kFirst, 5).codes));
   EXPECT_FALSE(bit_equal(pack_moment(x, StateMode::k4Bit, Moment::kFirst, 5).codes,
                          pack_moment(x, StateMode::k4Bit, Moment::kFirst, 6).codes));
+}
+
+TEST(OptimCodec, BucketedCodeSearchEqualsFullCount) {
+  // The kernels count from a per-bucket lower bound (optim_math.h "code search") instead of a
+  // binary search; the count must equal the full count for every value: all table entries and
+  // their fp32 neighbours, +-0, values below 2^-24, +-1, and random magnitudes over 30 decades.
+  // It also reports the longest forward scan, which is what makes the kernels fast.
+  using namespace q4::optim::detail;
+  for (int id = 0; id < 4; ++id) {
+    const CodeMap map = make_code_map(static_cast<MapId>(id));
+    const float* entries = map.stochastic ? map.sr_value : map.mid;
+    const int n = map.stochastic ? map.size : map.size - 1;
+    const bool strict = !map.stochastic;
+    std::vector<float> ys = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 5.9e-8f, -5.9e-8f};
+    for (int j = 0; j < n; ++j) {
+      for (float e :
+           {entries[j], std::nextafter(entries[j], -2.0f), std::nextafter(entries[j], 2.0f)}) {
+        ys.push_back(e);
+        ys.push_back(-e);
+      }
+    }
+    auto g = at::make_generator<at::CPUGeneratorImpl>(50 + id);
+    const at::Tensor r = at::rand({20000}, g);
+    const at::Tensor mag = at::pow(10.0, -30.0 * at::rand({20000}, g)).contiguous();
+    const float* rp = r.data_ptr<float>();
+    const float* mp = mag.data_ptr<float>();
+    for (int64_t i = 0; i < r.numel(); ++i) ys.push_back(rp[i] < 0.5f ? -mp[i] : mp[i]);
+    int max_scan = 0;
+    for (float y : ys) {
+      const int start = map.search_start[std::signbit(y) ? 1 : 0][search_bucket(y)];
+      const int fast = count_from(entries, n, strict, start, y);
+      const int full = count_from(entries, n, strict, 0, y);
+      ASSERT_EQ(fast, full) << "map " << id << " y=" << y;
+      max_scan = std::max(max_scan, fast - start);
+    }
+    std::printf("[search] map %d: %d entries, longest scan from the bucket start %d\n", id, n,
+                max_scan);
+    EXPECT_LE(max_scan, 3) << "map " << id;
+  }
 }
 
 TEST(OptimCodec, VectorizedMatchesScalarReferenceBitExact) {
