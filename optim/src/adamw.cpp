@@ -362,11 +362,9 @@ void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, 
     tmp.copy_(g).mul_(g).mul_(c.omb2);
     v.mul_(c.beta2).add_(tmp);
     if (mode != StateMode::kFp32) {
-      // Stochastic moment codes (4-bit): one stream per moment.
-      encode_chunk_cpu(m, mode, Moment::kFirst, start, len, p.m.codes, p.m.scales,
-                       moment_sr_key(key, 0), s);
-      encode_chunk_cpu(v, mode, Moment::kSecond, start, len, p.v.codes, p.v.scales,
-                       moment_sr_key(key, 1), s);
+      // Stochastic moment codes (4-bit): bits derived from the master-rounding stream.
+      encode_chunk_cpu(m, mode, Moment::kFirst, start, len, p.m.codes, p.m.scales, key, s);
+      encode_chunk_cpu(v, mode, Moment::kSecond, start, len, p.v.codes, p.v.scales, key, s);
     }
     // u = step_size * (m / (sqrt(v) * inv_sqrt_bc2 + eps)); p = p*decay - u. Fresh (unquantized)
     // moments are used for this step's update, as in bitsandbytes and torchao.
@@ -424,8 +422,6 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
   k.decay = decay ? c.decay : 1.0f;
   k.stochastic = stochastic ? 1 : 0;
   k.sr_key = key;
-  k.m_sr_key = moment_sr_key(key, 0);
-  k.v_sr_key = moment_sr_key(key, 1);
   cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
 }
 #endif

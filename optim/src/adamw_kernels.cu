@@ -58,9 +58,11 @@ void ensure_tables() {
     std::memcpy(start[i], m.search_start, sizeof(start[i]));
     size[i] = m.size;
     flags[i] = (m.stochastic ? 1 : 0) | (m.sqrt_domain ? 2 : 0);
-    if (m.stochastic && m.size > 16) {
-      throw std::runtime_error(
-          "q4::optim CUDA: stochastic codes are implemented for 16-entry maps");
+    const bool expect_sr = i == static_cast<int>(MapId::k4BitFirst) ||
+                           i == static_cast<int>(MapId::k4BitSecond);  // kStochasticMoments
+    if (m.stochastic != expect_sr || (m.stochastic && m.size > 16)) {
+      throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) +
+                               ": stochastic codes are compiled in for the 16-entry 4-bit maps");
     }
     for (int j = 0; j < m.size; ++j) value[i][j] = m.value[j];
     for (int j = 0; j + 1 < m.size; ++j) mid[i][j] = m.mid[j];
@@ -118,10 +120,20 @@ __device__ __forceinline__ __nv_bfloat16 rn(float x, __nv_bfloat16*) {
   return __float2bfloat16_rn(x);
 }
 
+// |x - a| / gap for a power-of-two gap (the distance of two adjacent fp16/bf16 values): when the
+// gap is a normal fp32, 1/gap is exact (exponent 254 - e, zero mantissa), so the product equals
+// the IEEE quotient bit for bit and costs a multiply instead of a division.
+__device__ __forceinline__ float div_pow2(float d, float gap) {
+  const uint32_t e = __float_as_uint(gap) >> 23;  // gap > 0
+  if (e == 0) return __fdiv_rn(d, gap);           // subnormal gap (tiny bf16 values)
+  return __fmul_rn(d, __uint_as_float((254U - e) << 23));
+}
+
 // Master write-back (docs/optim.md): saturate at the largest finite value, round to nearest, or
-// pick the neighbour further from the RN candidate with probability |x - a| / |b - a|.
+// pick the neighbour further from the RN candidate with probability |x - a| / |b - a|, using the
+// element's bits h = sr_bits(key, index).
 template <typename M>
-__device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t key, int64_t idx) {
+__device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) {
   if constexpr (std::is_same<M, float>::value) {
     return x;
   } else {
@@ -134,9 +146,8 @@ __device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t key
     const unsigned short nb = static_cast<unsigned short>(to_bits(a) + (away ? 1 : -1));
     const M b = from_bits<M>(nb);
     const float bf = to_f(b);
-    const float prob = __fdiv_rn(fabsf(__fsub_rn(x, af)), fabsf(__fsub_rn(bf, af)));
-    const float u = detail::sr_uniform(detail::sr_bits(key, idx));
-    return u < prob ? b : a;
+    const float prob = div_pow2(fabsf(__fsub_rn(x, af)), fabsf(__fsub_rn(bf, af)));
+    return detail::sr_uniform(h) < prob ? b : a;
   }
 }
 
@@ -152,8 +163,8 @@ __device__ __forceinline__ float adam_master(float w, float m, float v, const St
 }
 
 constexpr int kThreads = 256;  // threads per CTA of every kernel here
-// The block kernels are bounded to 64 registers so that 4 CTAs (1024 threads) fit an SM; without
-// the bound the int8 kernel used 72 (3 CTAs) and ptxas reports no spills with it.
+// The block kernels are register-bounded so that 4 (int8: 64 registers; unbounded it used 72) or
+// 5 (4-bit, NVFP4: 48) CTAs fit an SM; ptxas reports no spills with these bounds (6 spilled).
 
 // ---- vector access ----
 // E consecutive elements of T as one aligned aggregate: 8/16-byte loads and stores (32 bytes:
@@ -224,8 +235,9 @@ __global__ void adamw_fp32_kernel(StepParams p) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       adam_moments(g[e], m[e], v[e], p);
-      out[e] =
-          write_master<M>(adam_master(w[e], m[e], v[e], p), p.stochastic != 0, p.sr_key, i0 + e);
+      const bool sr = p.stochastic != 0;
+      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), sr,
+                               sr ? detail::sr_bits(p.sr_key, i0 + e) : 0U);
     }
     if (vec) {
       store_vec<float, E>(p.m32 + i0, m);
@@ -349,23 +361,26 @@ __device__ __forceinline__ void block_params(float amax, float& stored, float& d
   }
 }
 
-// Code of x (element idx) in a block with divisor div: NVFP4 thresholds, the nearest map entry,
-// or (stochastic maps) sr_pick with the bits of sr_bits(key, idx).
+// Whether a mode's maps use stochastic codes: fixed per mode so that the kernels derive the
+// moment bits only where they are used; ensure_tables() checks it against the maps.
+template <int MODE>
+constexpr bool kStochasticMoments = MODE == 2;
+
+// Code of x in a block with divisor div: NVFP4 thresholds, the nearest map entry, or
+// (stochastic maps) sr_pick with the element's uniform u (moment_uniform).
 template <int MODE>
 __device__ __forceinline__ int encode_value(float x, float div, const SharedMaps& sm, int slot,
-                                            uint32_t key, int64_t idx) {
+                                            float u) {
   if (MODE == 3) {
     const float d = fminf(fmaxf(__fdiv_rn(x, div), -detail::kE2m1Max), detail::kE2m1Max);
     return detail::e2m1_encode(d);
   }
   const float y = __fdiv_rn(x, div);
-  const int flags = sm.flags[slot];
-  if (flags & 1) {
-    const float t = (flags & 2) ? __fsqrt_rn(y) : y;
+  if (kStochasticMoments<MODE>) {
+    const float t = (sm.flags[slot] & 2) ? __fsqrt_rn(y) : y;
     const int start = sm.start[slot][__float_as_uint(t) >> 31][detail::search_bucket(t)];
     const int count = detail::count_from(sm.sr_value[slot], sm.size[slot], false, start, t);
-    return detail::sr_pick(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t, count,
-                           detail::sr_bits(key, idx));
+    return detail::sr_pick(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t, count, u);
   }
   const int start = sm.start[slot][__float_as_uint(y) >> 31][detail::search_bucket(y)];
   return detail::count_from(sm.mid[slot], sm.size[slot] - 1, true, start, y);
@@ -465,7 +480,7 @@ struct GroupPos {
 
 // ---- fused block-wise step ----
 template <int MODE, typename G, typename M>
-__global__ void __launch_bounds__(kThreads, 4) adamw_block_kernel(StepParams p) {
+__global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kernel(StepParams p) {
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
@@ -517,9 +532,13 @@ __global__ void __launch_bounds__(kThreads, 4) adamw_block_kernel(StepParams p) 
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int64_t idx = pos.i0 + e;
-      mc[e] = encode_value<MODE>(m[e], m_div, sm, 0, p.m_sr_key, idx);
-      vc[e] = encode_value<MODE>(v[e], v_div, sm, 1, p.v_sr_key, idx);
-      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), p.stochastic != 0, p.sr_key, idx);
+      const bool sr = p.stochastic != 0;
+      // One sr_bits per element serves the master rounding and (one more hash) the moment codes.
+      const uint32_t h = (sr || kStochasticMoments<MODE>) ? detail::sr_bits(p.sr_key, idx) : 0U;
+      const uint32_t mb = kStochasticMoments<MODE> ? detail::moment_bits(h) : 0U;
+      mc[e] = encode_value<MODE>(m[e], m_div, sm, 0, detail::moment_uniform(mb, 0));
+      vc[e] = encode_value<MODE>(v[e], v_div, sm, 1, detail::moment_uniform(mb, 1));
+      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), sr, h);
     }
     write_codes<MODE, E>(p.m_codes, pos.i0, n, vec, mc);
     write_codes<MODE, E>(p.v_codes, pos.i0, n, vec, vc);
@@ -565,8 +584,11 @@ __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_
     block_params<MODE>(amax, stored, div, sbits);
     int c[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e)
-      c[e] = encode_value<MODE>(val[e], div, sm, moment, sr_key, pos.i0 + e);
+    for (int e = 0; e < E; ++e) {
+      const uint32_t mb =
+          kStochasticMoments<MODE> ? detail::moment_bits(detail::sr_bits(sr_key, pos.i0 + e)) : 0U;
+      c[e] = encode_value<MODE>(val[e], div, sm, moment, detail::moment_uniform(mb, moment));
+    }
     write_codes<MODE, E>(codes, pos.i0, n, false, c);
     if (pos.active && lane % L == 0) write_scale<MODE>(scales, pos.blk, stored, sbits);
   }

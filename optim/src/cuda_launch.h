@@ -37,9 +37,7 @@ struct StepParams {
   float step_size = 0.0f;  // lr / (1 - beta1^t)
   float decay = 1.0f;      // 1 - lr * weight_decay (1: none)
   int stochastic = 0;      // 1: stochastic rounding of fp16/bf16 masters
-  uint32_t sr_key = 0;     // master rounding stream
-  uint32_t m_sr_key = 0;   // stochastic moment codes (4-bit): sr_bits(m_sr_key / v_sr_key, i)
-  uint32_t v_sr_key = 0;
+  uint32_t sr_key = 0;     // master rounding stream; stochastic moment codes derive from it
   int vec_ok = 0;  // set by launch_adamw_step: all pointers 16-byte aligned (vector accesses)
 };
 

@@ -257,15 +257,26 @@ Q4_HD int nearest_code(const float* mid, int size, float y) {
   return count_from(mid, size - 1, true, 0, y);
 }
 
+// Random bits of the stochastic moment codes of element i: one extra hash of the element's
+// master-rounding bits, h = sr_bits(key, i) with the same (seed, step, parameter) key, whose
+// high 16 bits serve the first moment and low 16 bits the second (16-bit probability resolution:
+// a bias of at most 2^-16 of a code gap). Three hash32 per element in all instead of six.
+inline constexpr uint32_t kMomentSalt = 0x6d5f7372U;  // "m_sr"
+Q4_HD uint32_t moment_bits(uint32_t element_bits) { return hash32(element_bits ^ kMomentSalt); }
+// Uniform in [0, 1) with 16 bits for moment 0 (first) or 1 (second); exact in fp32.
+Q4_HD float moment_uniform(uint32_t mbits, int moment) {
+  return static_cast<float>(moment == 0 ? (mbits >> 16) : (mbits & 0xffffU)) * 1.52587890625e-05f;
+}
+
 // Stochastic code of t (the normalized value y, or sqrt(y) for a sqrt-domain map; sqrt correctly
 // rounded on both CPU and CUDA), given count = #{j : sr_value[j] <= t}: with l = count - 1 clamped
 // to [0, size - 2] (the entries bracketing t), take l + 1 with probability
-// p = (t - sr_value[l]) * inv_gap[l] (fp32, one rounding per operation) and l otherwise, using
-// the 24 uniform bits of `bits`. Unbiased in t for t inside the map's range; outside it the code
+// p = (t - sr_value[l]) * inv_gap[l] (fp32, one rounding per operation), i.e. when the uniform
+// u < p, and l otherwise. Unbiased in t for t inside the map's range; outside it the code
 // saturates at the end entry. The CPU path computes the same with ATen ops (bucketize
 // right=true, index_select, sub, mul, lt).
 Q4_HD int sr_pick(const float* sr_value, const float* inv_gap, int size, float t, int count,
-                  uint32_t bits) {
+                  float u) {
   int l = count - 1;
   l = l < 0 ? 0 : (l > size - 2 ? size - 2 : l);
 #if defined(__CUDA_ARCH__)
@@ -273,15 +284,7 @@ Q4_HD int sr_pick(const float* sr_value, const float* inv_gap, int size, float t
 #else
   const float p = (t - sr_value[l]) * inv_gap[l];
 #endif
-  return sr_uniform(bits) < p ? l + 1 : l;
-}
-
-// Streams of the stochastic moment codes of one (seed, step, parameter), derived from the
-// master-rounding key so that the three streams are independent; element i of the first
-// (second) moment uses sr_bits(moment_sr_key(key, 0 (1)), i).
-// Salts: "m_sr" (0x6d5f7372) and "v_sr" (0x765f7372).
-Q4_HD uint32_t moment_sr_key(uint32_t key, int moment) {
-  return hash32(key ^ (moment == 0 ? 0x6d5f7372U : 0x765f7372U));
+  return u < p ? l + 1 : l;
 }
 
 // The four maps. Second-moment maps never decode to 0 for a positive block:
@@ -317,6 +320,10 @@ inline CodeMap make_code_map(MapId id) {
       break;
     case MapId::k4BitFirst:
       fill_dynamic_map(true, 3, 4, &map);
+      // The dynamic map has +1 but not -1 (its most negative entry is -0.8875): a block whose
+      // absmax element is negative would store it shrunk by 11% every step, a bias the
+      // stochastic codes cannot remove. Replacing that entry by -1 makes the map cover [-1, 1].
+      map.value[0] = -1.0f;
       map.stochastic = true;
       for (int j = 0; j < map.size; ++j) map.sr_value[j] = map.value[j];
       fill_inv_gaps(&map);

@@ -205,7 +205,7 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
       at::Tensor u = s.get(kSlotGrad, at::kFloat, npad);
       at::index_select_out(u, mt.inv_gap, 0, ci);
       prob.mul_(u);
-      sr_uniform_cpu(sr_key, start, npad, u, s);
+      moment_uniform_cpu(sr_key, start, npad, moment == Moment::kFirst ? 0 : 1, u, s);
       at::Tensor up = s.get(kSlotMask, at::kBool, npad);
       at::lt_out(up, u, prob);
       ci.add_(up);
@@ -228,34 +228,61 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
 
 namespace detail {
 
-void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s) {
-  // sr_bits(key, i) = hash32(hash32(lo(i) ^ key) ^ hi(i)) with int64 ATen ops (optim_math.h);
-  // the range is cut where hi(i) = i >> 32 changes so that hi is a scalar in each piece.
+namespace {
+
+// hash32 on int64 tensors holding 32-bit values (optim_math.h), t a same-sized temporary.
+void hash32_cpu(const at::Tensor& v, const at::Tensor& t) {
+  at::bitwise_right_shift_out(const_cast<at::Tensor&>(t), v, 16);
+  v.bitwise_xor_(t).mul_(static_cast<int64_t>(kHashMul1)).bitwise_and_(int64_t{0xffffffff});
+  at::bitwise_right_shift_out(const_cast<at::Tensor&>(t), v, 15);
+  v.bitwise_xor_(t).mul_(kHashMul2Signed).bitwise_and_(int64_t{0xffffffff});
+  at::bitwise_right_shift_out(const_cast<at::Tensor&>(t), v, 16);
+  v.bitwise_xor_(t);
+}
+
+// h[i] = sr_bits(key, first_index + i) as int64 in kSlotI64 (returned); temporary kSlotI64b.
+// sr_bits = hash32(hash32(lo(i) ^ key) ^ hi(i)); the range is cut where hi(i) = i >> 32
+// changes so that hi is a scalar in each piece.
+at::Tensor sr_bits_cpu(uint32_t key, int64_t first_index, int64_t n, Scratch& s) {
   at::Tensor h = s.get(kSlotI64, at::kLong, n);
   at::Tensor t = s.get(kSlotI64b, at::kLong, n);
-  auto hash32 = [&](at::Tensor& v) {
-    at::bitwise_right_shift_out(t, v, 16);
-    v.bitwise_xor_(t).mul_(static_cast<int64_t>(kHashMul1)).bitwise_and_(int64_t{0xffffffff});
-    at::bitwise_right_shift_out(t, v, 15);
-    v.bitwise_xor_(t).mul_(kHashMul2Signed).bitwise_and_(int64_t{0xffffffff});
-    at::bitwise_right_shift_out(t, v, 16);
-    v.bitwise_xor_(t);
-  };
   for (int64_t done = 0; done < n;) {
     const int64_t first = first_index + done;
     const int64_t hi = first >> 32;
     const int64_t len = std::min(n - done, ((hi + 1) << 32) - first);
-    at::Tensor hp = h.narrow(0, 0, len);
+    at::Tensor hp = h.narrow(0, done, len);
+    at::Tensor tp = t.narrow(0, done, len);
     at::arange_out(hp, at::Scalar(first), at::Scalar(first + len), at::Scalar(int64_t{1}));
     hp.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{key});
-    hash32(hp);
+    hash32_cpu(hp, tp);
     hp.bitwise_xor_(hi & 0xffffffff);
-    hash32(hp);
-    at::Tensor tp = t.narrow(0, 0, len);
-    at::bitwise_right_shift_out(tp, hp, 8);
-    u.narrow(0, done, len).copy_(tp).mul_(5.9604644775390625e-08);
+    hash32_cpu(hp, tp);
     done += len;
   }
+  return h;
+}
+
+}  // namespace
+
+void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s) {
+  at::Tensor h = sr_bits_cpu(key, first_index, n, s);
+  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
+  at::bitwise_right_shift_out(t, h, 8);  // 24 bits
+  u.narrow(0, 0, n).copy_(t).mul_(5.9604644775390625e-08);
+}
+
+void moment_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, int moment,
+                        const at::Tensor& u, Scratch& s) {
+  at::Tensor h = sr_bits_cpu(key, first_index, n, s);
+  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
+  h.bitwise_xor_(int64_t{kMomentSalt});
+  hash32_cpu(h, t);
+  if (moment == 0) {
+    at::bitwise_right_shift_out(t, h, 16);
+  } else {
+    at::bitwise_and_out(t, h, int64_t{0xffff});
+  }
+  u.narrow(0, 0, n).copy_(t).mul_(1.52587890625e-05);
 }
 
 void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t key,
@@ -442,14 +469,16 @@ at::Tensor unpack_moment(const PackedMoment& packed, StateMode mode, Moment mome
 namespace {
 
 // Per-element loops written independently of optim_math.h's search helpers.
-uint8_t ref_code(const detail::CodeMap& map, float y, uint32_t sr_key, int64_t i) {
+uint8_t ref_code(const detail::CodeMap& map, float y, uint32_t sr_key, int moment_index,
+                 int64_t i) {
   if (map.stochastic) {
     const float t = map.sqrt_domain ? std::sqrt(y) : y;
     int l = -1;
     for (int j = 0; j < map.size; ++j) l += map.sr_value[j] <= t ? 1 : 0;
     l = std::min(std::max(l, 0), map.size - 2);
     const float p = (t - map.sr_value[l]) * map.inv_gap[l];
-    const float u = detail::sr_uniform(detail::sr_bits(sr_key, i));
+    const float u =
+        detail::moment_uniform(detail::moment_bits(detail::sr_bits(sr_key, i)), moment_index);
     return static_cast<uint8_t>(u < p ? l + 1 : l);
   }
   int c = 0;
@@ -498,7 +527,7 @@ PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment,
       const float div = amax == 0.0f ? 1.0f : amax;
       for (int64_t i = b * block; i < (b + 1) * block; ++i) {
         const float v = i < n ? xp[i] : 0.0f;
-        put(i, ref_code(map, v / div, sr_key, i));
+        put(i, ref_code(map, v / div, sr_key, moment == Moment::kFirst ? 0 : 1, i));
       }
     }
   }

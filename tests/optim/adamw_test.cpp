@@ -254,13 +254,13 @@ TEST(PackedAdamW, RandomGradientStreamMomentErrors) {
   const at::Tensor m0 = opts[0].decoded_exp_avg(0), v0 = opts[0].decoded_exp_avg_sq(0);
   const at::Tensor u0 = m0 / (v0.sqrt() + 1e-8);
   // Measured relative L2 errors (docs/optim.md): int8 m 0.025, v 0.013, update 0.027; 4-bit
-  // (stochastic codes, re-drawn every step) m 0.49, v 0.20, update 0.52. Bounds ~1.5-2x.
-  // Bias (sum over elements): int8 m -0.07%, sqrt(v) -0.01%; 4-bit m -0.55%, sqrt(v) +0.34%.
-  // With nearest 4-bit codes the errors were lower (m 0.33, v 0.14) but the bias was not:
-  // m -5.4%, sqrt(v) +2.0% (small m flushed to 0, v sticking to its code); the bias bounds below
-  // fail for them.
+  // (stochastic codes, re-drawn every step) m 0.53, v 0.21, update 0.57. Bounds ~1.3-2x.
+  // Bias (sum over elements): int8 m -0.07%, sqrt(v) -0.01%; 4-bit m -0.2% (seeds 0-7: -2.1% to
+  // +1.2%, mean +0.1%, so the bound is 3%), sqrt(v) +0.4% (+0.25% to +0.55%). With nearest 4-bit
+  // codes the errors were lower (m 0.33, v 0.14) but the bias was not: m -5.4%, sqrt(v) +2.0%
+  // (small m flushed to 0, v sticking to its code); the bias bounds below fail for them.
   const double bound_m[] = {0, 0.05, 0.75, 0}, bound_v[] = {0, 0.03, 0.3, 0},
-               bound_u[] = {0, 0.05, 0.75, 0}, bound_bias_m[] = {0, 0.01, 0.02, 0},
+               bound_u[] = {0, 0.05, 0.75, 0}, bound_bias_m[] = {0, 0.01, 0.03, 0},
                bound_bias_v[] = {0, 0.005, 0.01, 0};
   for (size_t i = 1; i < opts.size(); ++i) {
     const StateMode mode = kAllModes[i];

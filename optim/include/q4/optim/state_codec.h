@@ -36,7 +36,8 @@ int64_t packed_moment_bytes(StateMode mode, int64_t numel);
 // The second-moment maps of int8/4-bit cannot decode a positive input to 0 (zero-free map).
 // Codes are the nearest map entry, except for the 4-bit first moment (moment_codes_stochastic):
 // there element i is rounded to one of its two neighbouring entries, unbiased, with the random
-// bits sr_bits(sr_key, i) (optim/src/optim_math.h), so a pack is a function of (x, sr_key).
+// bits moment_bits(sr_bits(sr_key, i)) (optim/src/optim_math.h; the optimizer passes its master
+// rounding key), so a pack is a function of (x, sr_key).
 PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment, uint32_t sr_key = 0);
 // True where pack_moment rounds codes stochastically (4-bit first moment).
 bool moment_codes_stochastic(StateMode mode, Moment moment);
