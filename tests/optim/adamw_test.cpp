@@ -195,9 +195,10 @@ TEST(PackedAdamW, QuadraticProblemEveryModeAgainstFp32) {
   const QuadResult ref = run_quadratic(StateMode::kFp32, false);
   std::printf("[quadratic] fp32  loss %.4g -> %.4g\n", ref.loss0, ref.loss);
   EXPECT_LT(ref.loss, 1e-4 * ref.loss0);
-  // int8 and 4-bit end within a few percent of the fp32 solution. NVFP4 is the replaced system's
-  // format, kept for comparison: its moments underflow to 0 (m / eps steps), so it is only
-  // printed, not asserted.
+  // int8 and 4-bit end within a few percent of the fp32 solution. Measured: int8 loss 1.31e-5,
+  // distance 4.1e-4; 4-bit (stochastic codes) 1.00e-5, 1.2e-5 (with nearest 4-bit codes it
+  // stalled at loss 0.107, distance 1.5e-2). NVFP4 is the replaced system's format, kept for
+  // comparison: its moments underflow to 0 (m / eps steps), so it is only printed.
   const double travelled = ref.w.norm().item<double>();
   for (StateMode mode : kPacked) {
     const QuadResult r = run_quadratic(mode, false);
@@ -208,8 +209,8 @@ TEST(PackedAdamW, QuadraticProblemEveryModeAgainstFp32) {
       EXPECT_LT(dist, 0.01);
       EXPECT_LT(r.loss, 1e-4 * ref.loss0);
     } else if (mode == StateMode::k4Bit) {
-      EXPECT_LT(dist, 0.05);
-      EXPECT_LT(r.loss, 1e-3 * ref.loss0);
+      EXPECT_LT(dist, 0.005);
+      EXPECT_LT(r.loss, 1e-4 * ref.loss0);
     }
   }
 }
@@ -218,8 +219,8 @@ TEST(PackedAdamW, QuadraticCurvatureSpreadInsideBlocks) {
   // The hard case for block-wise v: curvature varying 1000x inside one block. int8 still tracks
   // fp32; 4-bit's zero-free v map (linear on sqrt(v)) floors small v at absmax/256, so
   // low-curvature coordinates move slower (documented limitation; rank-1 normalization would
-  // help further). Measured 400-step loss reduction: fp32 2.3e7x, int8 1.2e7x, 4-bit 205x
-  // (torchao's k/16 map on v: 58x).
+  // help further). Measured 400-step loss reduction: fp32 2.3e7x, int8 1.2e7x, 4-bit 1113x
+  // with stochastic codes (nearest codes: 205x; torchao's k/16 map on v with nearest codes: 58x).
   const QuadResult ref = run_quadratic(StateMode::kFp32, true);
   const QuadResult i8 = run_quadratic(StateMode::kInt8, true);
   const QuadResult b4 = run_quadratic(StateMode::k4Bit, true);
@@ -228,7 +229,7 @@ TEST(PackedAdamW, QuadraticCurvatureSpreadInsideBlocks) {
   EXPECT_LT(ref.loss, 1e-6 * ref.loss0);
   EXPECT_LT(i8.loss, 1e-6 * ref.loss0);
   EXPECT_LT((i8.w - ref.w).norm().item<double>() / ref.w.norm().item<double>(), 0.01);
-  EXPECT_LT(b4.loss, 0.02 * ref.loss0);
+  EXPECT_LT(b4.loss, 0.005 * ref.loss0);
 }
 
 TEST(PackedAdamW, RandomGradientStreamMomentErrors) {
