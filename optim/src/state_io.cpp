@@ -1,5 +1,5 @@
 // PackedAdamW state file. Little-endian, no padding:
-//   "Q4ADAMW\0", u32 version (2), u32 state_mode, u32 rounding, u32 0, u64 seed,
+//   "Q4ADAMW\0", u32 version (3), u32 state_mode, u32 rounding, u32 0, u64 seed,
 //   i64 small_tensor_threshold, f64 lr, beta1, beta2, eps, weight_decay (informational),
 //   i64 step, skipped_total, consecutive_nonfinite, u32 num_params, then per parameter:
 //   u32 name_len, name, u32 ndim, i64 dim[ndim], u8 master dtype (.dat code 5/6/15), u8 mode,
@@ -26,9 +26,11 @@ namespace {
 
 constexpr char kMagic[8] = {'Q', '4', 'A', 'D', 'A', 'M', 'W', '\0'};
 constexpr char kEnd[8] = {'Q', '4', 'A', 'D', 'E', 'N', 'D', '\0'};
-// Version 2: the 4-bit v codes index the sqrt-domain map (k/16)^2 (version 1: k/16); the byte
-// layout is unchanged but version-1 4-bit codes would decode wrongly, so they are refused.
-constexpr uint32_t kVersion = 2;
+// Version 2: the 4-bit v codes index the sqrt-domain map (k/16)^2 (version 1: k/16).
+// Version 3: 4-bit m code 0 decodes to -1 (was -0.8875, torchao's map). The byte layout never
+// changed; files whose codes would decode differently are refused (versions 1-2 of a 4bit state),
+// version-2 files of the other modes mean the same and are read.
+constexpr uint32_t kVersion = 3;
 constexpr int64_t kStageBytes = int64_t{64} << 20;  // device -> host staging per write/read
 
 uint8_t dtype_code(at::ScalarType t) {
@@ -232,10 +234,14 @@ void PackedAdamW::load(const std::string& path, bool restore_masters) {
   TORCH_CHECK(std::memcmp(magic, kMagic, 8) == 0, "PackedAdamW::load: '", f,
               "' is not a q4 optimizer state file (bad magic)");
   const auto version = r.pod<uint32_t>("the version");
-  TORCH_CHECK(version == kVersion, "PackedAdamW::load: '", f, "' has format version ", version,
-              ", this build reads version ", kVersion);
+  TORCH_CHECK(version == kVersion || version == 2, "PackedAdamW::load: '", f,
+              "' has format version ", version, ", this build reads versions 2 and ", kVersion);
   const auto mode = r.pod<uint32_t>("the state mode");
   TORCH_CHECK(mode <= 3, "PackedAdamW::load: '", f, "': invalid state mode ", mode);
+  TORCH_CHECK(version == kVersion || static_cast<StateMode>(mode) != StateMode::k4Bit,
+              "PackedAdamW::load: '", f, "' is a version-", version,
+              " 4bit state: its first-moment codes used the previous 4-bit map (code 0 = -0.8875, "
+              "now -1) and cannot be resumed exactly; restart the optimizer state");
   TORCH_CHECK(static_cast<StateMode>(mode) == o.state_mode, "PackedAdamW::load: '", f,
               "' was written with optim.state_mode = ", to_string(static_cast<StateMode>(mode)),
               " but this optimizer uses ", to_string(o.state_mode));

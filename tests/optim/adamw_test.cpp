@@ -648,6 +648,28 @@ TEST(PackedAdamW, LoadRejectsMismatchesAndCorruptFiles) {
   std::ofstream(trunc, std::ios::binary).write(bad.data(), bad.size());
   EXPECT_NE(msg([&] { b.opt->load(trunc); }).find("bad magic"), std::string::npos);
   EXPECT_NE(msg([&] { b.opt->load(path + ".missing"); }).find("cannot open"), std::string::npos);
+  // Format versions: a version-2 4bit state used the previous m map and is refused; version 1
+  // and unknown versions are refused; a version-2 int8 state means the same and loads.
+  for (uint32_t v : {1u, 2u, 4u}) {
+    std::string old_version = bytes;
+    std::memcpy(&old_version[8], &v, 4);
+    std::ofstream(trunc, std::ios::binary).write(old_version.data(), old_version.size());
+    const std::string m = msg([&] { b.opt->load(trunc); });
+    EXPECT_NE(m.find(v == 2 ? "version-2 4bit state" : "format version"), std::string::npos) << m;
+  }
+  {
+    TrainRun i8 = make_run(StateMode::kInt8);
+    steps(i8, 0, 2);
+    i8.opt->save(trunc);
+    std::ifstream in8(trunc, std::ios::binary);
+    std::string b8((std::istreambuf_iterator<char>(in8)), std::istreambuf_iterator<char>());
+    const uint32_t v2 = 2;
+    std::memcpy(&b8[8], &v2, 4);
+    std::ofstream(trunc, std::ios::binary).write(b8.data(), b8.size());
+    TrainRun c = make_run(StateMode::kInt8);
+    EXPECT_EQ(msg([&] { c.opt->load(trunc); }), "(no error)");
+    EXPECT_TRUE(bit_equal(c.w1, i8.w1));
+  }
   std::remove(trunc.c_str());
   std::remove(path.c_str());
 }
