@@ -273,48 +273,44 @@ cudaError_t dequantize_typed(const uint8_t* qdata, const uint8_t* scale, int64_t
   return cudaGetLastError();
 }
 
+// Calls fn(T{}) with T the element type of `kind` (a tag value: only its type is used).
+template <typename Fn>
+cudaError_t dispatch_kind(FloatKind kind, Fn&& fn) {
+  switch (kind) {
+    case FloatKind::kFloat32:
+      return fn(float{});
+    case FloatKind::kFloat16:
+      return fn(__half{});
+    case FloatKind::kBFloat16:
+      return fn(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 cudaError_t launch_quantize_nvfp4(const void* x, FloatKind kind, int64_t n_blocks, uint8_t* qdata,
                                   uint8_t* scale, int32_t* nonfinite_flag, cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
-  switch (kind) {
-    case FloatKind::kFloat32:
-      return quantize_typed<float>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
-    case FloatKind::kFloat16:
-      return quantize_typed<__half>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
-    case FloatKind::kBFloat16:
-      return quantize_typed<__nv_bfloat16>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_kind(kind, [&](auto tag) {
+    return quantize_typed<decltype(tag)>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
+  });
 }
 
 cudaError_t launch_dequantize_nvfp4(const uint8_t* qdata, const uint8_t* scale, int64_t n_blocks,
                                     void* out, FloatKind kind, cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
-  switch (kind) {
-    case FloatKind::kFloat32:
-      return dequantize_typed<float>(qdata, scale, n_blocks, out, stream);
-    case FloatKind::kFloat16:
-      return dequantize_typed<__half>(qdata, scale, n_blocks, out, stream);
-    case FloatKind::kBFloat16:
-      return dequantize_typed<__nv_bfloat16>(qdata, scale, n_blocks, out, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_kind(kind, [&](auto tag) {
+    return dequantize_typed<decltype(tag)>(qdata, scale, n_blocks, out, stream);
+  });
 }
 
 cudaError_t launch_fake_quant_nvfp4(const void* w, void* out, FloatKind kind, int64_t n_blocks,
                                     int32_t* nonfinite_flag, cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
-  switch (kind) {
-    case FloatKind::kFloat32:
-      return fake_quant_typed<float>(w, out, n_blocks, nonfinite_flag, stream);
-    case FloatKind::kFloat16:
-      return fake_quant_typed<__half>(w, out, n_blocks, nonfinite_flag, stream);
-    case FloatKind::kBFloat16:
-      return fake_quant_typed<__nv_bfloat16>(w, out, n_blocks, nonfinite_flag, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_kind(kind, [&](auto tag) {
+    return fake_quant_typed<decltype(tag)>(w, out, n_blocks, nonfinite_flag, stream);
+  });
 }
 
 }  // namespace q4::quant::cuda

@@ -2,7 +2,6 @@
 // byte-for-byte the encoding assembled by hand here from the DESIGN.md grammar, the fixtures
 // (written by the GPU machine's Python tooling) must index to their known layout, copy_from must
 // reproduce source bytes exactly, and a writer that does not commit must leave no trace.
-#include "dat_bytes.h"
 #include "q4/model/dat_file.h"
 
 #include <c10/util/Exception.h>
@@ -15,8 +14,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "dat_bytes.h"
+#include "temp_dir.h"
 
 namespace q4::model {
 namespace {
@@ -44,26 +47,14 @@ void write_file(const std::string& path, const Bytes& b) {
 class DatFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string tmpl = ::testing::TempDir() + "/q4_dat_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
+    tmp_ = std::make_unique<test::ScopedTempDir>("q4_dat_");
+    ASSERT_TRUE(tmp_->ok());
+    dir_ = tmp_->dir();
   }
-  void TearDown() override {
-    for (const std::string& f : list_dir()) std::remove((dir_ + "/" + f).c_str());
-    ::rmdir(dir_.c_str());
-  }
-  std::vector<std::string> list_dir() const {
-    std::vector<std::string> out;
-    DIR* d = ::opendir(dir_.c_str());
-    if (!d) return out;
-    while (dirent* e = ::readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != "..") out.push_back(n);
-    }
-    ::closedir(d);
-    return out;
-  }
-  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  void TearDown() override { tmp_.reset(); }
+  std::vector<std::string> list_dir() const { return tmp_->list(); }
+  std::string path(const std::string& name) const { return tmp_->path(name); }
+  std::unique_ptr<test::ScopedTempDir> tmp_;
   std::string dir_;
 };
 

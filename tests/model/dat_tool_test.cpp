@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/quant/nvfp4.h"
+#include "temp_dir.h"
 
 namespace q4::model {
 namespace {
@@ -42,28 +44,21 @@ class DatToolTest : public ::testing::Test {
   void SetUp() override {
     struct stat st;
     if (::stat(kTool.c_str(), &st) != 0) GTEST_SKIP() << kTool << " not built";
-    std::string tmpl = ::testing::TempDir() + "/q4_dattool_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
+    tmp_ = std::make_unique<test::ScopedTempDir>("q4_dattool_");
+    ASSERT_TRUE(tmp_->ok());
+    dir_ = tmp_->dir();
   }
-  void TearDown() override {
-    if (dir_.empty()) return;
-    for (const std::string& f : list_dir()) std::remove((dir_ + "/" + f).c_str());
-    ::rmdir(dir_.c_str());
-  }
+  void TearDown() override { tmp_.reset(); }  // also removes the captured stdout/stderr
+  // The directory's files other than the captured stdout/stderr of the tool.
   std::vector<std::string> list_dir() const {
     std::vector<std::string> out;
-    DIR* d = ::opendir(dir_.c_str());
-    if (!d) return out;
-    while (dirent* e = ::readdir(d)) {
-      const std::string n = e->d_name;
-      if (n != "." && n != ".." && n != "stdout" && n != "stderr") out.push_back(n);
+    for (const std::string& n : tmp_->list()) {
+      if (n != "stdout" && n != "stderr") out.push_back(n);
     }
-    ::closedir(d);
-    std::sort(out.begin(), out.end());
     return out;
   }
   std::string path(const std::string& n) const { return dir_ + "/" + n; }
+  std::unique_ptr<test::ScopedTempDir> tmp_;
   bool exists(const std::string& n) const {
     struct stat st;
     return ::stat(path(n).c_str(), &st) == 0;

@@ -14,6 +14,7 @@
 #include <iterator>
 #include <string>
 
+#include "generate_check.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -578,23 +579,11 @@ TEST(Qwen3Model, KvCacheGenerationMatchesFullRecompute) {
   Qwen3Model m = Qwen3Model::load(cfg, w, o);
   at::Tensor ids = e.load("input_ids");
   std::vector<int64_t> prompt(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + 9);
+  const std::vector<int64_t> got = test::expect_generate_matches_recompute(m, prompt, 12);
+  ASSERT_EQ(got.size(), 12u);
+  // Stop tokens end generation and are returned.
   GenerateOptions g;
   g.max_new_tokens = 12;
-  g.stop_ids = {};
-  std::vector<int64_t> got = m.generate(prompt, g);
-  ASSERT_EQ(got.size(), 12u);
-  // Reference: argmax of a full forward over prompt + generated so far, no cache.
-  std::vector<int64_t> seq = prompt;
-  at::NoGradGuard ng;
-  for (int i = 0; i < 12; ++i) {
-    ModelInputs in;
-    in.input_ids = at::tensor(seq, at::kLong).unsqueeze(0);
-    at::Tensor logits = m.forward(in);
-    const int64_t tok = logits[0][-1].argmax().item<int64_t>();
-    EXPECT_EQ(got[i], tok) << "step " << i;
-    seq.push_back(tok);
-  }
-  // Stop tokens end generation and are returned.
   g.stop_ids = {got[3]};
   std::vector<int64_t> stopped = m.generate(prompt, g);
   EXPECT_EQ(stopped, std::vector<int64_t>(got.begin(), got.begin() + 4));

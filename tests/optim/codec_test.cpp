@@ -10,16 +10,13 @@
 #include <map>
 
 #include "../../optim/src/optim_math.h"  // code search helpers the kernels use
+#include "optim_test_util.h"
 #include "q4/optim/state_codec.h"
 
 namespace q4::optim {
 namespace {
 
-bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor ac = a.cpu().contiguous(), bc = b.cpu().contiguous();
-  return std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.numel() * ac.element_size()) == 0;
-}
+using test::bit_equal;
 
 // Moment-like test data: per-block magnitudes spread over `decades` decades.
 at::Tensor moment_like(int64_t n, Moment moment, double decades, uint64_t seed) {

@@ -7,6 +7,8 @@
 
 #include <cmath>
 
+#include "optim_test_util.h"
+
 namespace q4::optim {
 namespace {
 
@@ -47,14 +49,7 @@ TEST(LrSchedule, LinearAndConstant) {
 }
 
 TEST(LrSchedule, Validation) {
-  auto msg = [](auto fn) {
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      return std::string(e.what_without_backtrace());
-    }
-    return std::string();
-  };
+  auto msg = [](auto fn) { return test::error_of(fn); };
   EXPECT_NE(
       msg([] { make(LrScheduleKind::kCosine, 1e-3, 10, 10, 0); }).find("schedule.total_steps"),
       std::string::npos);

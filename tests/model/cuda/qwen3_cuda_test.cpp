@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "../generate_check.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -111,20 +112,7 @@ TEST(Qwen3ModelCuda, KvCacheGenerationMatchesFullRecompute) {
   Qwen3Model m = Qwen3Model::load(cfg, w, o);
   at::Tensor ids = e.load("input_ids");
   std::vector<int64_t> prompt(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + 9);
-  GenerateOptions g;
-  g.max_new_tokens = 10;
-  g.stop_ids = {};
-  std::vector<int64_t> got = m.generate(prompt, g);
-  ASSERT_EQ(got.size(), 10u);
-  std::vector<int64_t> seq = prompt;
-  at::NoGradGuard ng;
-  for (int i = 0; i < 10; ++i) {
-    ModelInputs in;
-    in.input_ids = at::tensor(seq, at::kLong).unsqueeze(0);
-    const int64_t tok = m.forward(in)[0][-1].argmax().item<int64_t>();
-    EXPECT_EQ(got[i], tok) << "step " << i;
-    seq.push_back(tok);
-  }
+  test::expect_generate_matches_recompute(m, prompt, 10);
 }
 
 #if Q4_WITH_CUDA

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "../optim_test_util.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/state_codec.h"
 
@@ -26,13 +27,8 @@ namespace {
 
 const at::Device kCuda(at::kCUDA, 0);
 
-bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor ac = a.cpu().contiguous(), bc = b.cpu().contiguous();
-  return std::memcmp(ac.data_ptr(), bc.data_ptr(), ac.numel() * ac.element_size()) == 0;
-}
-
-at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+using test::bit_equal;
+using test::gen;
 
 const StateMode kAllModes[] = {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit,
                                StateMode::kNvfp4};
