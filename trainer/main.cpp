@@ -65,12 +65,16 @@ int main(int argc, char** argv) {
   std::string resume;
   std::string probe_report;
   bool probe = false, dry_run = false, version = false;
+  int probe_steps = 0;
   app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
   app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
   app.add_option("--resume", resume,
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
   app.add_flag("--probe", probe, "run one instrumented step and print a JSON memory report");
   app.add_option("--probe-report", probe_report, "where --probe writes its JSON report");
+  app.add_option("--probe-steps", probe_steps,
+                 "with --probe: N more timed steady-state steps (median step time, tok/s)")
+      ->check(CLI::Range(0, 1000000));
   app.add_flag("--dry-run", dry_run, "validate, estimate memory per component, load nothing");
   app.add_flag("--version", version, "print the version and exit");
   try {
@@ -92,6 +96,7 @@ int main(int argc, char** argv) {
   try {
     if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
     if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
+    if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
     std::vector<Override> overrides;
     for (const auto& s : sets) overrides.push_back(parse_override(s));
     if (config_path.empty()) {
@@ -103,6 +108,7 @@ int main(int argc, char** argv) {
     RunOptions options;
     if (!resume.empty()) options.resume = resume;
     options.probe_report = probe_report;
+    options.probe_steps = probe_steps;
     if (dry_run) return run_dry_run(config, std::cout);
     if (probe) return run_probe(config, options, std::cout, std::cerr);
     return run_training(config, options, std::cout, std::cerr);

@@ -141,6 +141,41 @@ TEST(Probe, CpuReportHasEveryPhase) {
   EXPECT_GT(loss, 4.0);
   EXPECT_LT(loss, 8.0);
   EXPECT_TRUE(j["info"]["step_applied"].get<bool>());
+  EXPECT_TRUE(j["info"]["steady"].is_null());  // no --probe-steps
+  fs::remove_all(dir);
+}
+
+TEST(Probe, SteadyStateStepsAreTimedAndTrain) {
+  // --probe-steps 3: three more steps on the same batch after the instrumented one; the report
+  // has their medians, tok/s = tokens / median step, and the loss went down (same batch,
+  // lr 1e-2 on a tiny model).
+  const fs::path dir =
+      fs::temp_directory_path() / ("q4_probe_steady_" + std::to_string(::getpid()));
+  const Config c = tiny_config(
+      "train: {batch_size: 2, seq_len: 16}\n"
+      "optim: {lr: 1.0e-2}\n"
+      "output: {dir: " +
+      dir.string() + "}\n");
+  RunOptions o;
+  o.probe_report = (dir / "probe.json").string();
+  o.probe_steps = 3;
+  std::ostringstream out, err;
+  ASSERT_EQ(run_probe(c, o, out, err), kExitOk) << err.str();
+  std::ifstream in(o.probe_report);
+  const auto j = nlohmann::json::parse(in);
+  const auto& st = j["info"]["steady"];
+  ASSERT_TRUE(st.is_object()) << j.dump(2);
+  EXPECT_EQ(st["steps"], 3);
+  const double step = st["step_ms_median"].get<double>();
+  EXPECT_GT(step, 0.0);
+  for (const char* k : {"forward_ms_median", "backward_ms_median", "optimizer_ms_median"}) {
+    EXPECT_GT(st[k].get<double>(), 0.0) << k;
+    EXPECT_LE(st[k].get<double>(), step * 1.0001) << k;  // each phase is part of a step
+  }
+  EXPECT_NEAR(st["tokens_per_s"].get<double>(), 32.0 / (step / 1e3), 1e-6 * 32.0 / (step / 1e3));
+  EXPECT_TRUE(st["peak_allocated_bytes"].is_null());  // CPU: no allocator statistics
+  EXPECT_LT(st["last_loss"].get<double>(), j["info"]["loss"].get<double>());
+  EXPECT_NE(err.str().find("steady state, median of 3 steps"), std::string::npos) << err.str();
   fs::remove_all(dir);
 }
 

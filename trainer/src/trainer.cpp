@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -749,6 +750,7 @@ int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std
   mark("backward_done");
 
   optim::StepResult res;
+  nlohmann::json steady = nullptr;  // --probe-steps: medians of the steady-state steps
   {
     NvtxRange r("optimizer");
     optim::PackedAdamW optimizer(adamw_options(c));
@@ -763,6 +765,66 @@ int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std
     model->zero_grad();
     grads.clear();
     mark("optimizer_step_done");
+
+    // Steady state: options.probe_steps more full steps on the same batch with the same
+    // optimizer (its state allocated by now), each phase ended by a device sync.
+    if (options.probe_steps > 0) {
+      NvtxRange rs("steady");
+      std::vector<double> fwd_ms, bwd_ms, opt_ms, step_ms;
+      double last_loss = 0.0;
+      for (int s = 0; s < options.probe_steps; ++s) {
+        const auto t0 = Clock::now();
+        model::LossOutput l = model->loss(in);
+        synchronize_device(device);
+        const auto t1 = Clock::now();
+        l.loss.backward();
+        synchronize_device(device);
+        const auto t2 = Clock::now();
+        for (auto* p : model->trainable_parameters()) {
+          grads.push_back(p->grad.defined() ? p->grad : at::zeros_like(p->master));
+        }
+        optimizer.step(grads, args);
+        model->zero_grad();
+        grads.clear();
+        synchronize_device(device);
+        const auto t3 = Clock::now();
+        auto ms = [](Clock::time_point a, Clock::time_point b) {
+          return std::chrono::duration<double, std::milli>(b - a).count();
+        };
+        fwd_ms.push_back(ms(t0, t1));
+        bwd_ms.push_back(ms(t1, t2));
+        opt_ms.push_back(ms(t2, t3));
+        step_ms.push_back(ms(t0, t3));
+        last_loss = l.loss.item<double>();
+      }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        const size_t n = v.size();
+        return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+      };
+      const double step_med = median(step_ms);
+      const auto mem = memory_snapshot(device);
+      steady = {{"steps", options.probe_steps},
+                {"step_ms_median", step_med},
+                {"forward_ms_median", median(fwd_ms)},
+                {"backward_ms_median", median(bwd_ms)},
+                {"optimizer_ms_median", median(opt_ms)},
+                {"tokens_per_s", static_cast<double>(tokens) / (step_med / 1e3)},
+                {"peak_allocated_bytes", mem.peak_allocated_bytes
+                                             ? nlohmann::json(*mem.peak_allocated_bytes)
+                                             : nlohmann::json(nullptr)},
+                {"last_loss", last_loss}};
+      err << fmt::format(
+          "probe: steady state, median of {} steps: step {:.1f} ms (forward {:.1f}, backward "
+          "{:.1f}, optimizer {:.1f}), {:.0f} tok/s{}\n",
+          options.probe_steps, step_med, median(fwd_ms), median(bwd_ms), median(opt_ms),
+          static_cast<double>(tokens) / (step_med / 1e3),
+          mem.peak_allocated_bytes
+              ? fmt::format(", peak {:.2f} GiB", to_gib(*mem.peak_allocated_bytes))
+              : std::string());
+      reset_peak_memory(device);
+      t_prev = Clock::now();
+    }
 
     NvtxRange r2("export");
     const fs::path tmp = fs::temp_directory_path() /
@@ -790,7 +852,8 @@ int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std
                          {"loss", lo.loss.item<double>()},
                          {"grad_norm", res.grad_norm},
                          {"step_applied", res.applied},
-                         {"trainable_elements", model->num_trainable_elements()}};
+                         {"trainable_elements", model->num_trainable_elements()},
+                         {"steady", steady}};
   const auto report = probe_report_json(device_name(device), phases, budget.to_json(), info);
   const std::string path = options.probe_report.empty()
                                ? (fs::path(c.output.dir) / "probe.json").string()
