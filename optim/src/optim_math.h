@@ -252,11 +252,6 @@ inline void fill_search_start(const float* entries, int n, bool strict,
   }
 }
 
-// Nearest code of a normalized value y: #{j : mid[j] < y} (size - 1 midpoints).
-Q4_HD int nearest_code(const float* mid, int size, float y) {
-  return count_from(mid, size - 1, true, 0, y);
-}
-
 // Random bits of the stochastic moment codes of element i: one extra hash of the element's
 // master-rounding bits, h = sr_bits(key, i) with the same (seed, step, parameter) key, whose
 // high 16 bits serve the first moment and low 16 bits the second (16-bit probability resolution:
