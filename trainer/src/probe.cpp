@@ -7,8 +7,8 @@ namespace q4::trainer {
 
 const std::vector<std::string>& probe_phase_names() {
   static const std::vector<std::string> kNames = {
-      "start",         "model_loaded",        "batch_ready", "forward_done",
-      "backward_done", "optimizer_step_done", "export_done"};
+      "start",        "model_loaded",  "optimizer_ready",     "batch_ready",
+      "forward_done", "backward_done", "optimizer_step_done", "export_done"};
   return kNames;
 }
 
