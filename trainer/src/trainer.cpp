@@ -170,6 +170,18 @@ data::DatasetOptions dataset_options(const Config& c) {
   return o;
 }
 
+// Batcher settings of a run (training and the probe's first batch alike).
+data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
+  data::BatcherOptions bo;
+  bo.batch_size = c.train.batch_size;
+  bo.max_seq_len = c.train.seq_len;
+  bo.seed = static_cast<uint64_t>(c.train.seed);
+  bo.shuffle = c.data.shuffle;
+  bo.pack = c.data.packing;
+  bo.pad_id = pad_id;
+  return bo;
+}
+
 model::ModelInputs to_inputs(const data::Batch& b, const at::Device& device) {
   model::ModelInputs in;
   in.input_ids = b.input_ids.to(device);
@@ -287,14 +299,8 @@ class Trainer {
         out_ << ds.summary.to_string() << "\n";
         for (auto& e : ds.examples) examples.push_back(std::move(e));
       }
-      data::BatcherOptions bo;
-      bo.batch_size = c_.train.batch_size;
-      bo.max_seq_len = c_.train.seq_len;
-      bo.seed = static_cast<uint64_t>(c_.train.seed);
-      bo.shuffle = c_.data.shuffle;
-      bo.pack = c_.data.packing;
-      bo.pad_id = tok_->endoftext_id();
-      batcher_ = std::make_unique<data::Batcher>(std::move(examples), bo);
+      batcher_ = std::make_unique<data::Batcher>(std::move(examples),
+                                                 batcher_options(c_, tok_->endoftext_id()));
       const auto& ts = batcher_->truncation_stats();
       if (ts.truncated || ts.dropped) out_ << ts.to_string() << "\n";
       if (batcher_->num_examples() == 0) {
@@ -725,13 +731,7 @@ int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std
                                  [&] { return data::load_dataset(f, tok, dataset_options(c)); });
         for (auto& e : ds.examples) examples.push_back(std::move(e));
       }
-      data::BatcherOptions bo;
-      bo.batch_size = c.train.batch_size;
-      bo.max_seq_len = c.train.seq_len;
-      bo.seed = static_cast<uint64_t>(c.train.seed);
-      bo.pack = c.data.packing;
-      bo.pad_id = tok.endoftext_id();
-      data::Batcher batcher(std::move(examples), bo);
+      data::Batcher batcher(std::move(examples), batcher_options(c, tok.endoftext_id()));
       if (batcher.num_examples() == 0) {
         throw ConfigError("data.files: no training example fits train.seq_len");
       }
