@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   std::string resume;
   std::string probe_report;
+  std::string profile_trace;
   bool probe = false, dry_run = false, version = false;
   int probe_steps = 0;
   app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
@@ -75,6 +76,9 @@ int main(int argc, char** argv) {
   app.add_option("--probe-steps", probe_steps,
                  "with --probe: N more timed steady-state steps (median step time, tok/s)")
       ->check(CLI::Range(0, 1000000));
+  app.add_option("--profile-trace", profile_trace,
+                 "write a Kineto trace (Chrome JSON) of training steps 3-4 to this file "
+                 "(LibTorch 2.x)");
   app.add_flag("--dry-run", dry_run, "validate, estimate memory per component, load nothing");
   app.add_flag("--version", version, "print the version and exit");
   try {
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
     if (!resume.empty()) options.resume = resume;
     options.probe_report = probe_report;
     options.probe_steps = probe_steps;
+    options.profile_trace = profile_trace;
     if (dry_run) return run_dry_run(config, std::cout);
     if (probe) return run_probe(config, options, std::cout, std::cerr);
     return run_training(config, options, std::cout, std::cerr);

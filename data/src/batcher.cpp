@@ -50,7 +50,8 @@ std::string BatcherState::to_json() const {
                       {"epoch", epoch},
                       {"cursor", cursor},
                       {"batches", batches},
-                      {"num_examples", num_examples}};
+                      {"num_examples", num_examples},
+                      {"pending", pending}};
   return j.dump();
 }
 
@@ -77,6 +78,14 @@ BatcherState BatcherState::from_json(const std::string& text) {
   s.num_examples = get_int("num_examples");
   TORCH_CHECK(s.epoch >= 0 && s.cursor >= 0 && s.batches >= 0 && s.num_examples >= 0,
               "batcher state: negative value in ", text);
+  if (j.contains("pending")) {  // absent in states written before best-fit packing
+    TORCH_CHECK(j["pending"].is_array(), "batcher state: key \"pending\": expected an array");
+    for (const auto& v : j["pending"]) {
+      TORCH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0,
+                  "batcher state: key \"pending\": expected example indices >= 0");
+      s.pending.push_back(v.get<int64_t>());
+    }
+  }
   return s;
 }
 
@@ -100,6 +109,10 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
               options_.max_seq_len);
   TORCH_CHECK(options_.pad_id >= 0, "pad_id: expected a valid token id >= 0, found ",
               options_.pad_id);
+  TORCH_CHECK(options_.pack_window >= 1, "pack_window: expected >= 1, found ",
+              options_.pack_window);
+  TORCH_CHECK(options_.pad_multiple >= 1, "pad_multiple: expected >= 1, found ",
+              options_.pad_multiple);
   const auto max_len = static_cast<size_t>(options_.max_seq_len);
   stats_.examples_in = static_cast<int64_t>(examples.size());
   for (size_t i = 0; i < examples.size(); ++i) {
@@ -172,13 +185,8 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
   state_.num_examples = stats_.kept;
   // Batches in epoch 0 (exact without packing).
   const std::vector<int64_t> order0 = permutation(0);
-  int64_t cursor = 0;
-  while (cursor < stats_.kept) {
-    int64_t next_cursor = 0;
-    if (plan_rows(order0, cursor, &next_cursor).empty()) break;
-    ++batches_per_epoch_;
-    cursor = next_cursor;
-  }
+  BatcherState sim = state_;
+  while (!plan_rows(order0, &sim).empty()) ++batches_per_epoch_;
 }
 
 std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
@@ -198,25 +206,61 @@ std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
   return order;
 }
 
-std::vector<std::vector<int64_t>> Batcher::plan_rows(const std::vector<int64_t>& order,
-                                                     int64_t cursor, int64_t* next_cursor) const {
+std::vector<int64_t> Batcher::plan_row(const std::vector<int64_t>& order,
+                                       BatcherState* st) const {
   const auto n = static_cast<int64_t>(order.size());
-  std::vector<std::vector<int64_t>> rows;
-  int64_t c = cursor;
-  while (c < n && static_cast<int64_t>(rows.size()) < options_.batch_size) {
-    std::vector<int64_t> row;
-    int64_t len = 0;
-    while (c < n) {
-      const auto l = static_cast<int64_t>(examples_[order[c]].input_ids.size());
-      if (!row.empty() && (!options_.pack || len + l > options_.max_seq_len)) break;
-      row.push_back(order[c]);
-      len += l;
-      ++c;
+  auto len_of = [&](int64_t e) { return static_cast<int64_t>(examples_[e].input_ids.size()); };
+  std::vector<int64_t> row;
+  if (!options_.pack) {
+    if (st->cursor < n) row.push_back(order[st->cursor++]);
+    return row;
+  }
+  auto& pending = st->pending;
+  auto refill = [&] {
+    while (static_cast<int64_t>(pending.size()) < options_.pack_window && st->cursor < n) {
+      pending.push_back(order[st->cursor++]);
     }
+  };
+  refill();
+  if (pending.empty()) return row;
+  // The oldest pending example opens the row, so none waits longer than a window's worth of
+  // rows; then best fit: the longest pending example that fits what is left (earliest on ties).
+  int64_t len = len_of(pending.front());
+  row.push_back(pending.front());
+  pending.erase(pending.begin());
+  while (len < options_.max_seq_len) {
+    refill();
+    const int64_t room = options_.max_seq_len - len;
+    int64_t best = -1, best_len = 0;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      const int64_t l = len_of(pending[i]);
+      if (l <= room && l > best_len) {
+        best = static_cast<int64_t>(i);
+        best_len = l;
+        if (l == room) break;
+      }
+    }
+    if (best < 0) break;
+    row.push_back(pending[best]);
+    pending.erase(pending.begin() + best);
+    len += best_len;
+  }
+  return row;
+}
+
+std::vector<std::vector<int64_t>> Batcher::plan_rows(const std::vector<int64_t>& order,
+                                                     BatcherState* st) const {
+  std::vector<std::vector<int64_t>> rows;
+  while (static_cast<int64_t>(rows.size()) < options_.batch_size) {
+    auto row = plan_row(order, st);
+    if (row.empty()) break;
     rows.push_back(std::move(row));
   }
-  if (options_.drop_last && static_cast<int64_t>(rows.size()) < options_.batch_size) rows.clear();
-  *next_cursor = c;
+  if (options_.drop_last && static_cast<int64_t>(rows.size()) < options_.batch_size) {
+    rows.clear();
+    st->cursor = static_cast<int64_t>(order.size());
+    st->pending.clear();
+  }
   return rows;
 }
 
@@ -225,7 +269,7 @@ Batch Batcher::next() {
   std::vector<std::vector<int64_t>> rows;
   for (int attempts = 0; rows.empty(); ++attempts) {
     TORCH_INTERNAL_ASSERT(attempts < 4, "batcher: no batch could be formed");
-    if (state_.cursor >= n) {
+    if (state_.cursor >= n && state_.pending.empty()) {
       ++state_.epoch;
       state_.cursor = 0;
     }
@@ -233,9 +277,11 @@ Batch Batcher::next() {
       order_ = permutation(state_.epoch);
       order_epoch_ = state_.epoch;
     }
-    int64_t next_cursor = 0;
-    rows = plan_rows(order_, state_.cursor, &next_cursor);
-    state_.cursor = rows.empty() ? n : next_cursor;  // empty: dropped short tail of the epoch
+    rows = plan_rows(order_, &state_);
+    if (rows.empty()) {  // dropped short tail of the epoch
+      state_.cursor = n;
+      state_.pending.clear();
+    }
   }
 
   Batch b;
@@ -246,6 +292,12 @@ Batch Batcher::next() {
     int64_t len = 0;
     for (int64_t e : row) len += static_cast<int64_t>(examples_[e].input_ids.size());
     t = std::max(t, len);
+  }
+  if (options_.fixed_len) {
+    t = options_.max_seq_len;
+  } else {
+    t = std::min(options_.max_seq_len, (t + options_.pad_multiple - 1) / options_.pad_multiple *
+                                           options_.pad_multiple);
   }
   const auto opts = at::TensorOptions().dtype(at::kLong);
   b.input_ids = at::full({num_rows, t}, options_.pad_id, opts);
@@ -258,12 +310,18 @@ Batch Batcher::next() {
   int64_t* mask = b.attention_mask.data_ptr<int64_t>();
   int64_t* pos = b.position_ids.data_ptr<int64_t>();
   int64_t* seg = b.segment_ids.data_ptr<int64_t>();
+  std::vector<int32_t> cu{0};
+  auto boundary = [&](int64_t at) {
+    b.max_seqlen = std::max<int64_t>(b.max_seqlen, at - cu.back());
+    cu.push_back(static_cast<int32_t>(at));
+  };
   for (int64_t r = 0; r < num_rows; ++r) {
     int64_t at = r * t;
     int64_t segment = 0;
     for (int64_t e : rows[r]) {
       const Example& ex = examples_[e];
       ++segment;
+      if (at != cu.back()) boundary(at);  // a previous row's padding tail
       for (size_t k = 0; k < ex.input_ids.size(); ++k, ++at) {
         ids[at] = ex.input_ids[k];
         // The first token of a segment is never a target: its logit row belongs to the
@@ -275,9 +333,14 @@ Batch Batcher::next() {
         b.real_tokens += 1;
         b.supervised_tokens += labels[at] != kIgnoreIndex;
       }
+      boundary(at);
       b.example_indices.push_back(e);
     }
   }
+  if (cu.back() != num_rows * t) boundary(num_rows * t);
+  b.cu_seqlens = at::from_blob(cu.data(), {static_cast<int64_t>(cu.size())},
+                               at::TensorOptions().dtype(at::kInt))
+                     .clone();
   ++state_.batches;
   return b;
 }
@@ -292,6 +355,11 @@ void Batcher::restore(const BatcherState& s) {
               " (different data or truncation settings)");
   TORCH_CHECK(s.epoch >= 0 && s.cursor >= 0 && s.cursor <= stats_.kept && s.batches >= 0,
               "batcher resume: invalid state ", s.to_json());
+  TORCH_CHECK(options_.pack || s.pending.empty(),
+              "batcher resume: the state has packing's pending examples but packing is off");
+  for (int64_t e : s.pending) {
+    TORCH_CHECK(e < stats_.kept, "batcher resume: pending example ", e, " is out of range");
+  }
   state_ = s;
 }
 

@@ -25,7 +25,11 @@ T* int_to_ptr(int64_t v) {
 
 void accumulate(Parameter* p, const at::Tensor& g, at::ScalarType grad_dtype) {
   if (!p->grad.defined()) {
-    p->grad = g.to(grad_dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    // The incoming gradient is a fresh tensor that nothing else holds: keep it when it already
+    // has the gradient dtype (no copy), else convert.
+    p->grad = g.scalar_type() == grad_dtype && g.is_contiguous()
+                  ? g
+                  : g.to(grad_dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
   } else {
     p->grad.add_(g.to(grad_dtype));
   }
@@ -43,8 +47,7 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     if (p->quantized) {
       // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
       // catches NaN/Inf through the loss and gradients); on CPU it still raises.
-      at::Tensor fq = q4::quant::fake_quant_nvfp4_forward_unchecked(master);
-      return fq.scalar_type() == cd ? fq : fq.to(cd);
+      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd);
     }
     return master.to(cd, /*non_blocking=*/false, /*copy=*/true);
   }
@@ -92,8 +95,10 @@ struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
                             int64_t impl, int64_t layer, const at::Tensor& cos,
-                            const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed) {
+                            const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
+                            int64_t max_seqlen) {
     ctx->save_for_backward({h});
+    ctx->saved_data["max_seqlen"] = max_seqlen;
     ctx->saved_data["impl"] = impl;
     ctx->saved_data["layer"] = layer;
     ctx->saved_data["cos"] = cos;
@@ -104,6 +109,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     AttnMask mask;
     mask.kind = static_cast<AttnMask::Kind>(mask_kind);
     mask.allowed = allowed;
+    mask.max_seqlen = max_seqlen;
     return im->layer_forward(layer, h, RopeTables{cos, sin}, mask, nullptr);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -113,6 +119,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     AttnMask mask;
     mask.kind = static_cast<AttnMask::Kind>(ctx->saved_data["mask_kind"].toInt());
     mask.allowed = ctx->saved_data["allowed"].toTensor();
+    mask.max_seqlen = ctx->saved_data["max_seqlen"].toInt();
     at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     at::Tensor out;
     {
@@ -121,7 +128,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     }
     at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(out);
     torch::autograd::backward({out}, {g});
-    return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(),
+    return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -146,7 +153,7 @@ at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const a
   at::Tensor allowed =
       mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
   return LayerCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
-                                static_cast<int64_t>(mask.kind), allowed);
+                                static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
 }
 
 }  // namespace q4::model

@@ -30,9 +30,13 @@ struct LayerParams {
 
 // Attention mask for one forward. kNone: every query sees every key (decode of 1 token).
 // kCausal: plain causal, queries and keys aligned (no cache). kExplicit: `allowed`.
+// kVarlen: causal within each segment of `allowed` = cu_seqlens over the flattened B*T tokens
+// (FlashAttention varlen, CUDA only).
 struct AttnMask {
-  enum class Kind { kNone, kCausal, kExplicit } kind = Kind::kCausal;
-  at::Tensor allowed;  // (B or 1, 1, T, S) bool, true = the query may attend the key
+  enum class Kind { kNone, kCausal, kExplicit, kVarlen } kind = Kind::kCausal;
+  at::Tensor allowed;  // kExplicit: (B or 1, 1, T, S) bool, true = the query may attend the key;
+                       // kVarlen: (S + 1) int32 cu_seqlens on the device
+  int64_t max_seqlen = 0;  // kVarlen: longest segment
 };
 
 struct RopeTables {
@@ -76,18 +80,34 @@ struct Qwen3Model::Impl {
   at::Tensor layer_maybe_checkpointed(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                                       const AttnMask& mask, KvCache* cache) const;
   at::Tensor hidden_states(const ModelInputs& in, KvCache* cache);
+  bool uses_varlen(const ModelInputs& in, const KvCache* cache) const;
 };
 
 // ---- ops (qwen3_ops.cpp) ----
 // HF Qwen3RMSNorm: fp32 normalize, cast back to x's dtype, times weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);  // x (B, heads, T, D)
+at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope);  // x (B, T, heads, D)
 // q (B, NH, T, D), k/v (B, KVH, S, D) -> (B, NH, T, D). GQA by repeating KV heads.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttnMask& mask);
+// Causal attention within segments: q (N, NH, D), k/v (N, KVH, D) with N the flattened tokens,
+// cu_seqlens (S + 1) int32 on the device -> (N, NH, D). FlashAttention varlen (CUDA, fp16/bf16).
+at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, int64_t max_seqlen);
+bool varlen_attention_available(const at::Device& device, at::ScalarType compute_dtype,
+                                int64_t head_dim);
 // Mask for T new tokens after `past` cached ones, from the optional padding/segment inputs.
 AttnMask build_attention_mask(const ModelInputs& in, int64_t past, int64_t T,
                               const at::Device& device);
+
+// ---- fused CUDA ops (fused_ops.cpp); *_applies says whether the inputs allow them ----
+bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w);
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos);  // x (N, heads, D)
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// The ATen reference of rms_norm() (the path on CPU and where the fused op does not apply).
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // ---- autograd functions (qwen3_autograd.cpp) ----
 at::Tensor tap_weight(Parameter* p, const at::Tensor& trigger, at::ScalarType compute_dtype,

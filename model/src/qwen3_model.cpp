@@ -202,24 +202,38 @@ at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
   const double eps = cfg.rms_norm_eps;
 
   at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps);  // (B, T, H)
-  at::Tensor q =
-      rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm), eps)
-          .transpose(1, 2);  // (B, NH, T, D)
-  at::Tensor k =
-      rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}), weight(lp.k_norm), eps)
-          .transpose(1, 2);  // (B, KVH, T, D)
-  at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B, T, KVH, D}).transpose(1, 2);
-  q = apply_rope(q, rope_t);
-  k = apply_rope(k, rope_t);
-  if (cache != nullptr) {
-    const int64_t past = cache->length;
-    cache->k[layer].narrow(2, past, T).copy_(k);
-    cache->v[layer].narrow(2, past, T).copy_(v);
-    k = cache->k[layer].narrow(2, 0, past + T);
-    v = cache->v[layer].narrow(2, 0, past + T);
+  at::Tensor a;                                                  // (B, T, NH*D)
+  if (mask.kind == AttnMask::Kind::kVarlen) {
+    // Token-major layout throughout: no transposes, and the kernel takes (B*T, heads, D) views.
+    TORCH_INTERNAL_ASSERT(cache == nullptr);
+    at::Tensor q = rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}),
+                            weight(lp.q_norm), eps);  // (B, T, NH, D)
+    at::Tensor k = rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}),
+                            weight(lp.k_norm), eps);  // (B, T, KVH, D)
+    at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B * T, KVH, D});
+    q = apply_rope_bthd(q, rope_t).view({B * T, NH, D});
+    k = apply_rope_bthd(k, rope_t).view({B * T, KVH, D});
+    a = attention_varlen(q, k, v, mask.allowed, mask.max_seqlen).view({B, T, NH * D});
+  } else {
+    at::Tensor q =
+        rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm), eps)
+            .transpose(1, 2);  // (B, NH, T, D)
+    at::Tensor k =
+        rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}), weight(lp.k_norm), eps)
+            .transpose(1, 2);  // (B, KVH, T, D)
+    at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B, T, KVH, D}).transpose(1, 2);
+    q = apply_rope(q, rope_t);
+    k = apply_rope(k, rope_t);
+    if (cache != nullptr) {
+      const int64_t past = cache->length;
+      cache->k[layer].narrow(2, past, T).copy_(k);
+      cache->v[layer].narrow(2, past, T).copy_(v);
+      k = cache->k[layer].narrow(2, 0, past + T);
+      v = cache->v[layer].narrow(2, 0, past + T);
+    }
+    a = attention(q, k, v, mask);                  // (B, NH, T, D)
+    a = a.transpose(1, 2).reshape({B, T, NH * D});  // (B, T, NH*D)
   }
-  at::Tensor a = attention(q, k, v, mask);               // (B, NH, T, D)
-  a = a.transpose(1, 2).reshape({B, T, NH * D});         // (B, T, NH*D)
   at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
 
   at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
@@ -275,7 +289,17 @@ at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache
                 .unsqueeze(0)
                 .expand({B, T});
   RopeTables rope_t = rope(pos);
-  AttnMask mask = build_attention_mask(in, past, T, dev);
+  AttnMask mask;
+  if (uses_varlen(in, cache)) {
+    TORCH_CHECK(in.cu_seqlens.dim() == 1 && in.cu_seqlens.scalar_type() == at::kInt &&
+                    in.cu_seqlens.numel() >= 2 && in.max_seqlen > 0,
+                "cu_seqlens: expected (S + 1) int32 cumulative lengths and max_seqlen > 0");
+    mask.kind = AttnMask::Kind::kVarlen;
+    mask.allowed = in.cu_seqlens.to(dev, /*non_blocking=*/true);
+    mask.max_seqlen = in.max_seqlen;
+  } else {
+    mask = build_attention_mask(in, past, T, dev);
+  }
 
   at::Tensor h = embed_lookup(ids);  // (B, T, H)
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -418,6 +442,15 @@ at::Tensor Qwen3Model::hidden_states(const ModelInputs& in, KvCache* cache) {
   return impl_->hidden_states(in, cache);
 }
 
+bool Qwen3Model::uses_varlen_attention(const ModelInputs& in) const {
+  return impl_->uses_varlen(in, nullptr);
+}
+
+bool Qwen3Model::Impl::uses_varlen(const ModelInputs& in, const KvCache* cache) const {
+  return in.cu_seqlens.defined() && cache == nullptr &&
+         varlen_attention_available(opt.device, opt.compute_dtype, cfg.head_dim);
+}
+
 at::Tensor Qwen3Model::forward(const ModelInputs& in, KvCache* cache) {
   at::Tensor h = impl_->hidden_states(in, cache);
   return at::linear(h, impl_->weight(impl_->lm_head));  // (B, T, V)
@@ -438,8 +471,16 @@ LossOutput Qwen3Model::loss(const ModelInputs& in) {
       at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
           .reshape({-1});                                   // (B*T) int64
   at::Tensor rows = next.ne(-100).nonzero().reshape({-1});  // (N) int64 flat positions
-  at::Tensor targets = next.index_select(0, rows).to(impl_->opt.device);  // (N)
-  rows = rows.to(impl_->opt.device);
+  at::Tensor targets = next.index_select(0, rows);  // (N)
+  const at::Device dev = impl_->opt.device;
+  if (dev.is_cuda() && !next.is_cuda()) {
+    // Pinned staging: the copies are queued behind the forward instead of waiting for it.
+    rows = rows.pin_memory().to(dev, /*non_blocking=*/true);
+    targets = targets.pin_memory().to(dev, /*non_blocking=*/true);
+  } else {
+    rows = rows.to(dev);
+    targets = targets.to(dev);
+  }
   at::Tensor hs = h.reshape({B * T, H}).index_select(0, rows);  // (N, H)
   auto [sum, count] = chunked_cross_entropy_sum(hs, impl_->weight(impl_->lm_head), targets,
                                                 impl_->opt.loss_chunk_tokens);

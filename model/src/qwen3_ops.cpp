@@ -4,6 +4,7 @@
 // built on the device from padding/segment ids without host synchronization.
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cmath>
 
 #include "q4/quant/torch_compat.h"
@@ -11,7 +12,19 @@
 
 namespace q4::model {
 
+namespace {
+std::atomic<bool> g_fused_ops{true};
+}  // namespace
+
+void set_fused_cuda_kernels(bool enabled) { g_fused_ops = enabled; }
+bool fused_cuda_kernels_enabled() { return g_fused_ops; }
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (g_fused_ops && fused_rms_norm_applies(x, weight)) return fused_rms_norm(x, weight, eps);
+  return rms_norm_reference(x, weight, eps);
+}
+
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto input_dtype = x.scalar_type();
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
@@ -32,8 +45,47 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   return x * cos + rotate_half(x) * sin;
 }
 
+at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope) {
+  if (g_fused_ops && x.dim() == 4) {
+    const int64_t B = x.size(0), T = x.size(1), NH = x.size(2), D = x.size(3);
+    const at::Tensor cos = rope.cos.reshape({B * T, D});
+    const at::Tensor xf = x.reshape({B * T, NH, D});
+    if (fused_rope_applies(xf, cos)) {
+      return fused_rope(xf, cos, rope.sin.reshape({B * T, D})).view({B, T, NH, D});
+    }
+  }
+  at::Tensor cos = rope.cos.unsqueeze(2);  // (B, T, 1, D)
+  at::Tensor sin = rope.sin.unsqueeze(2);
+  return x * cos + rotate_half(x) * sin;
+}
+
+bool varlen_attention_available(const at::Device& device, at::ScalarType compute_dtype,
+                                int64_t head_dim) {
+  return Q4_HAS_FLASH_VARLEN && device.is_cuda() &&
+         (compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf) && head_dim % 8 == 0 &&
+         head_dim <= 256;
+}
+
+at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, int64_t max_seqlen) {
+#if Q4_HAS_FLASH_VARLEN
+  TORCH_INTERNAL_ASSERT(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_cuda() &&
+                        cu_seqlens.scalar_type() == at::kInt && cu_seqlens.is_cuda());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  // GQA: the kernel reads each KV head for its group of query heads (no repeat_interleave).
+  auto out = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                          /*dropout_p=*/0.0, /*is_causal=*/true,
+                                          /*return_debug_mask=*/false, scale);
+  return std::get<0>(out);
+#else
+  TORCH_CHECK(false, "variable-length attention needs LibTorch >= 2.4 with CUDA");
+  return {};
+#endif
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttnMask& mask) {
+  TORCH_INTERNAL_ASSERT(mask.kind != AttnMask::Kind::kVarlen, "varlen mask in attention()");
   const int64_t nh = q.size(1);
   const int64_t kvh = k.size(1);
   at::Tensor kk = k;
@@ -50,6 +102,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, true);
     case AttnMask::Kind::kExplicit:
       return at::scaled_dot_product_attention(q, kk, vv, mask.allowed, 0.0, false);
+    case AttnMask::Kind::kVarlen:
+      break;  // layer_forward calls attention_varlen
   }
   TORCH_INTERNAL_ASSERT(false, "unreachable");
 #else

@@ -325,26 +325,33 @@ at::Tensor dequantize_nvfp4(const at::Tensor& qdata_in, const at::Tensor& scale_
 
 namespace {
 
-at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, bool check) {
+// out_dtype: the result's dtype (nullopt: w's). On CUDA an fp16 <-> bf16 change happens in the
+// kernel's store (the fake-quantized values are exact in both); otherwise a cast follows.
+at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, bool check,
+                               std::optional<at::ScalarType> out_dtype = std::nullopt) {
   check_input(w_in, "fake_quant_nvfp4", name);
   const at::Tensor w = w_in.contiguous();
+  const at::ScalarType want = out_dtype ? *out_dtype : w.scalar_type();
   if (w.is_cuda()) {
 #if Q4_WITH_CUDA
+    const bool direct = want == w.scalar_type() || (w.element_size() == 2 &&
+                                                   (want == at::kHalf || want == at::kBFloat16));
     const c10::cuda::CUDAGuard guard(w.device());
-    at::Tensor out = at::empty_like(w, at::MemoryFormat::Contiguous);
+    at::Tensor out = at::empty(w.sizes(), w.options().dtype(direct ? want : w.scalar_type()));
     at::Tensor flag = check ? at::zeros({1}, w.options().dtype(at::kInt)) : at::Tensor();
-    check_launch(
-        cuda::launch_fake_quant_nvfp4(
-            w.data_ptr(), out.data_ptr(), float_kind(w.scalar_type()), w.numel() / kNvfp4BlockSize,
-            check ? flag.data_ptr<int32_t>() : nullptr, at::cuda::getCurrentCUDAStream()),
-        "fake_quant_nvfp4");
+    check_launch(cuda::launch_fake_quant_nvfp4_cast(
+                     w.data_ptr(), float_kind(w.scalar_type()), out.data_ptr(),
+                     float_kind(out.scalar_type()), w.numel() / kNvfp4BlockSize,
+                     check ? flag.data_ptr<int32_t>() : nullptr, at::cuda::getCurrentCUDAStream()),
+                 "fake_quant_nvfp4");
     if (check) check_flag(flag, w, "fake_quant_nvfp4", name);
-    return out;
+    return direct ? out : out.to(want);
 #else
     fail_no_cuda("fake_quant_nvfp4");
 #endif
   }
-  return fake_quant_cpu(w, name);
+  at::Tensor out = fake_quant_cpu(w, name);
+  return out.scalar_type() == want ? out : out.to(want);
 }
 
 }  // namespace
@@ -353,8 +360,9 @@ at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name
   return fake_quant_dispatch(w, name, /*check=*/true);
 }
 
-at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w) {
-  return fake_quant_dispatch(w, "tensor", /*check=*/false);
+at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w,
+                                              std::optional<at::ScalarType> out_dtype) {
+  return fake_quant_dispatch(w, "tensor", /*check=*/false, out_dtype);
 }
 
 namespace {

@@ -27,4 +27,10 @@ cudaError_t launch_dequantize_nvfp4(const uint8_t* qdata, const uint8_t* scale, 
 cudaError_t launch_fake_quant_nvfp4(const void* w, void* out, FloatKind kind, int64_t n_blocks,
                                     int32_t* nonfinite_flag, cudaStream_t stream);
 
+// The same with the output in `out_kind`: the pairs (k, k), (fp16, bf16) and (bf16, fp16)
+// (equal widths); other pairs return cudaErrorInvalidValue.
+cudaError_t launch_fake_quant_nvfp4_cast(const void* w, FloatKind kind, void* out,
+                                         FloatKind out_kind, int64_t n_blocks,
+                                         int32_t* nonfinite_flag, cudaStream_t stream);
+
 }  // namespace q4::quant::cuda

@@ -141,9 +141,12 @@ __device__ __forceinline__ void block_scale(const float (&v)[Layout<T>::kVec], i
 
 // Every thread of the grid takes part in the shuffles (threads past the end use zeros), so a
 // lane group never straddles a partially active warp.
-template <typename T, bool kAligned>
-__global__ void fake_quant_kernel(const T* __restrict__ w, T* __restrict__ out, int64_t n_blocks,
+// U: output element type, same width as T (one 16-byte vector in, one out), e.g. fp16 masters
+// to a bf16 compute weight in one pass (the fake-quantized values are exact in both).
+template <typename T, typename U, bool kAligned>
+__global__ void fake_quant_kernel(const T* __restrict__ w, U* __restrict__ out, int64_t n_blocks,
                                   int32_t* flag) {
+  static_assert(sizeof(T) == sizeof(U), "fake_quant_kernel: in and out of one width");
   using L = Layout<T>;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t blk = tid / L::kLanes;
@@ -164,7 +167,7 @@ __global__ void fake_quant_kernel(const T* __restrict__ w, T* __restrict__ out, 
   for (int i = 0; i < L::kVec; ++i) {
     v[i] = __fmul_rn(e2m1_decode_dev(e2m1_encode_dev(__fdiv_rn(v[i], denom))), s);
   }
-  if (valid) store_vec<T, kAligned>(out + base, v);
+  if (valid) store_vec<U, kAligned>(out + base, v);
 }
 
 template <typename T, bool kAligned>
@@ -230,16 +233,16 @@ unsigned grid_for(int64_t n_blocks) {
   return static_cast<unsigned>((threads + kThreadsPerCta - 1) / kThreadsPerCta);
 }
 
-template <typename T>
+template <typename T, typename U>
 cudaError_t fake_quant_typed(const void* w, void* out, int64_t n_blocks, int32_t* flag,
                              cudaStream_t stream) {
   const T* wp = static_cast<const T*>(w);
-  T* op = static_cast<T*>(out);
+  U* op = static_cast<U*>(out);
   if (aligned16(w) && aligned16(out)) {
-    fake_quant_kernel<T, true>
+    fake_quant_kernel<T, U, true>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(wp, op, n_blocks, flag);
   } else {
-    fake_quant_kernel<T, false>
+    fake_quant_kernel<T, U, false>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(wp, op, n_blocks, flag);
   }
   return cudaGetLastError();
@@ -309,8 +312,25 @@ cudaError_t launch_fake_quant_nvfp4(const void* w, void* out, FloatKind kind, in
                                     int32_t* nonfinite_flag, cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
   return dispatch_kind(kind, [&](auto tag) {
-    return fake_quant_typed<decltype(tag)>(w, out, n_blocks, nonfinite_flag, stream);
+    using T = decltype(tag);
+    return fake_quant_typed<T, T>(w, out, n_blocks, nonfinite_flag, stream);
   });
+}
+
+cudaError_t launch_fake_quant_nvfp4_cast(const void* w, FloatKind kind, void* out,
+                                         FloatKind out_kind, int64_t n_blocks,
+                                         int32_t* nonfinite_flag, cudaStream_t stream) {
+  if (n_blocks == 0) return cudaSuccess;
+  if (kind == out_kind) {
+    return launch_fake_quant_nvfp4(w, out, kind, n_blocks, nonfinite_flag, stream);
+  }
+  if (kind == FloatKind::kFloat16 && out_kind == FloatKind::kBFloat16) {
+    return fake_quant_typed<__half, __nv_bfloat16>(w, out, n_blocks, nonfinite_flag, stream);
+  }
+  if (kind == FloatKind::kBFloat16 && out_kind == FloatKind::kFloat16) {
+    return fake_quant_typed<__nv_bfloat16, __half>(w, out, n_blocks, nonfinite_flag, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace q4::quant::cuda

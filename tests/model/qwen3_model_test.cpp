@@ -636,3 +636,60 @@ TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
 
 }  // namespace
 }  // namespace q4::model
+
+namespace q4::model {
+namespace {
+
+// Two examples packed into one row (segments, restarted positions, the second example's first
+// label ignored, cu_seqlens given) against the same examples as two unpacked rows: the summed
+// loss and every gradient agree to fp32 rounding (the masked path; cu_seqlens is only a hint
+// on the CPU). The tolerance covers summation order only.
+TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  ModelOptions o = fp32_all();
+  at::Tensor ids = e.load("input_ids");  // (2, 24)
+  at::Tensor a = ids[0].narrow(0, 0, 10), b = ids[1].narrow(0, 0, 14);
+  auto labels_of = [](const at::Tensor& x) {
+    at::Tensor l = x.clone();
+    l[0] = -100;
+    return l;
+  };
+  ModelInputs un;
+  un.input_ids = at::full({2, 14}, 0, at::kLong);
+  un.input_ids[0].narrow(0, 0, 10).copy_(a);
+  un.input_ids[1].copy_(b);
+  un.labels = at::full({2, 14}, -100, at::kLong);
+  un.labels[0].narrow(0, 0, 10).copy_(labels_of(a));
+  un.labels[1].copy_(labels_of(b));
+  un.attention_mask = at::zeros({2, 14}, at::kLong);
+  un.attention_mask[0].narrow(0, 0, 10).fill_(1);
+  un.attention_mask[1].fill_(1);
+  ModelInputs pk;
+  pk.input_ids = at::cat({a, b, at::zeros({4}, at::kLong)}).unsqueeze(0);  // (1, 28), 4 pads
+  pk.labels = at::cat({labels_of(a), labels_of(b), at::full({4}, -100, at::kLong)}).unsqueeze(0);
+  pk.segment_ids = at::cat({at::full({10}, 1, at::kLong), at::full({14}, 2, at::kLong),
+                            at::zeros({4}, at::kLong)})
+                       .unsqueeze(0);
+  pk.position_ids =
+      at::cat({at::arange(10, at::kLong), at::arange(14, at::kLong), at::zeros({4}, at::kLong)})
+          .unsqueeze(0);
+  pk.cu_seqlens = at::tensor(std::vector<int32_t>{0, 10, 24, 28}, at::kInt);
+  pk.max_seqlen = 14;
+  auto run = [&](const ModelInputs& in) {
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    EXPECT_FALSE(m.uses_varlen_attention(in));  // CPU: always the masked path
+    LossOutput lo = m.loss(in);
+    EXPECT_EQ(lo.num_tokens.item<int64_t>(), 9 + 13);
+    lo.loss_sum.backward();
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : m.parameters()) g[p.name] = p.grad.clone();
+    g["loss_sum"] = lo.loss_sum.detach().reshape({1});
+    return g;
+  };
+  const auto gu = run(un), gp = run(pk);
+  for (const auto& [name, t] : gu) EXPECT_CLOSE(gp.at(name), t, 1e-4, 1e-6, name);
+}
+
+}  // namespace
+}  // namespace q4::model

@@ -496,7 +496,16 @@ std::vector<FieldRef> config_fields(Config& c) {
        {},
        false},
       {"data.shuffle", &c.data.shuffle, "reshuffle every epoch (seeded by train.seed)", {}, false},
-      {"data.packing", &c.data.packing, "pack several examples into one seq_len row", {}, false},
+      {"data.packing",
+       &c.data.packing,
+       "pack several examples into one seq_len row (best fit; false: one example per row)",
+       {},
+       false},
+      {"data.pack_window",
+       &c.data.pack_window,
+       "packing: examples considered when filling a row",
+       {},
+       false},
       {"data.on_error",
        &c.data.on_error,
        "malformed data lines: fail or skip",
@@ -756,6 +765,9 @@ void validate_config(const Config& c) {
   if (t.batch_size < 1) range_error("train.batch_size", ">= 1", std::to_string(t.batch_size));
   if (t.grad_accum < 1) range_error("train.grad_accum", ">= 1", std::to_string(t.grad_accum));
   if (t.seq_len < 2) range_error("train.seq_len", ">= 2", std::to_string(t.seq_len));
+  if (c.data.pack_window < 1) {
+    range_error("data.pack_window", ">= 1", std::to_string(c.data.pack_window));
+  }
   if (!(t.max_grad_norm >= 0) || !std::isfinite(t.max_grad_norm)) {
     range_error("train.max_grad_norm", "a finite value >= 0", fmt_double(t.max_grad_norm));
   }

@@ -44,6 +44,7 @@ nlohmann::json metrics_to_json(const StepMetrics& m) {
   j["lr"] = m.lr;
   j["step_ms"] = m.step_ms;
   j["tokens"] = m.tokens;
+  j["slots"] = m.slots;
   j["tokens_per_s"] = m.tokens_per_s;
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
   j["gpu_reserved_bytes"] =

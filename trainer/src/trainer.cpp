@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -18,8 +20,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "q4/data/chat.h"
@@ -36,6 +40,7 @@
 #include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/probe.h"
+#include "q4/trainer/profile.h"
 #include "q4/trainer/run_dir.h"
 #include "q4/trainer/signals.h"
 
@@ -170,7 +175,9 @@ data::DatasetOptions dataset_options(const Config& c) {
   return o;
 }
 
-// Batcher settings of a run (training and the probe's first batch alike).
+// Batcher settings of a run (training and the probe alike). On CUDA, batch shapes are kept
+// stable: packed rows are always seq_len long, unpacked ones are padded to a multiple of 64, so
+// the allocator and the kernels see a handful of shapes instead of one per batch.
 data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   data::BatcherOptions bo;
   bo.batch_size = c.train.batch_size;
@@ -178,17 +185,56 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.seed = static_cast<uint64_t>(c.train.seed);
   bo.shuffle = c.data.shuffle;
   bo.pack = c.data.packing;
+  bo.pack_window = c.data.pack_window;
   bo.pad_id = pad_id;
+  if (device_is_cuda(c)) {
+    bo.fixed_len = bo.pack;
+    bo.pad_multiple = 64;
+  }
   return bo;
 }
 
-model::ModelInputs to_inputs(const data::Batch& b, const at::Device& device) {
+// The probe's data when the config names no files: `count` random-token sequences of exactly
+// seq_len tokens, every position supervised, drawn from train.seed. They flow through the same
+// batcher and step as real data (packed rows of one example each).
+std::vector<data::Example> synthetic_examples(int64_t count, int64_t seq_len, int64_t vocab,
+                                              uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  const at::Tensor ids =
+      at::randint(0, vocab, {count, seq_len}, gen, at::TensorOptions().dtype(at::kLong));
+  const int64_t* p = ids.data_ptr<int64_t>();
+  std::vector<data::Example> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    auto& e = out[static_cast<size_t>(i)];
+    e.input_ids.assign(p + i * seq_len, p + (i + 1) * seq_len);
+    e.labels = e.input_ids;
+    e.source_line = i + 1;
+  }
+  return out;
+}
+
+// One micro-batch on the model's device. CUDA: pinned staging and non-blocking copies, queued on
+// the current stream without waiting for it. Labels stay on the host (loss() finds the
+// supervised rows there). The varlen path needs cu_seqlens only; the masked path the segments.
+model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& model,
+                             const at::Device& device) {
+  auto move = [&](const at::Tensor& t) {
+    return device.is_cuda() ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
+  };
   model::ModelInputs in;
-  in.input_ids = b.input_ids.to(device);
-  in.labels = b.labels;  // host: loss() finds the supervised rows without a device sync
-  in.attention_mask = b.attention_mask.to(device);
-  in.position_ids = b.position_ids.to(device);
-  in.segment_ids = b.segment_ids.to(device);
+  in.labels = b.labels;
+  in.cu_seqlens = b.cu_seqlens;
+  in.max_seqlen = b.max_seqlen;
+  const bool varlen = model.uses_varlen_attention(in);
+  in.input_ids = move(b.input_ids);
+  in.position_ids = move(b.position_ids);
+  if (varlen) {
+    in.cu_seqlens = move(b.cu_seqlens);
+  } else {
+    in.cu_seqlens = at::Tensor();
+    in.attention_mask = move(b.attention_mask);
+    in.segment_ids = move(b.segment_ids);
+  }
   return in;
 }
 
@@ -209,7 +255,9 @@ struct LoadedModel {
   std::string source_path;  // the .dat export_to() copies from
 };
 
-LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostream& out) {
+// `in_memory`: a random init stays in memory (the probe: nothing written, no export source).
+LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostream& out,
+                       bool in_memory = false) {
   LoadedModel lm;
   const auto opt = as_input_error("model", [&] {
     auto o = model_options(c);
@@ -217,6 +265,11 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
     o.trainable.validate(mc.num_hidden_layers);
     return o;
   });
+  if (c.model.init == "random" && in_memory) {
+    lm.model = std::make_unique<model::Qwen3Model>(
+        model::Qwen3Model::random_init(mc, opt, c.model.init_seed, c.model.init_std));
+    return lm;
+  }
   if (c.model.init == "random") {
     lm.source_path = (fs::path(c.output.dir) / kInitFile).string();
     if (!fs::exists(lm.source_path)) {
@@ -240,16 +293,208 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
   return lm;
 }
 
+// A device scalar copied into pinned host memory without waiting for the device: read() waits
+// only until the copy has happened (a CUDA event), so fetching the loss adds no sync of its own.
+class AsyncScalar {
+ public:
+  void start(const at::Tensor& t) {  // t: () on any device
+    event_.reset();
+    if (!t.is_cuda()) {
+      host_ = t.detach().to(at::kCPU, at::kFloat);
+      return;
+    }
+    host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    host_.copy_(t.detach().to(at::kFloat), /*non_blocking=*/true);
+    event_ = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    c10::impl::VirtualGuardImpl impl(t.device().type());
+    event_->record(impl.getStream(t.device()));
+  }
+  double read() const {
+    // c10::Event has no blocking wait in LibTorch 1.13: poll (the copy is done by the time the
+    // optimizer's norm has been read, so this returns at once in practice).
+    if (event_) {
+      while (!event_->query()) std::this_thread::yield();
+    }
+    return host_.item<double>();
+  }
+
+ private:
+  at::Tensor host_;
+  std::unique_ptr<c10::Event> event_;
+};
+
+// What one optimizer step did.
+struct StepOutcome {
+  double loss = 0.0;          // token-weighted mean CE over the step's micro-batches
+  int64_t real_tokens = 0;    // non-padding tokens
+  int64_t supervised = 0;     // tokens the loss averages
+  int64_t slots = 0;          // B * T summed over micro-batches (real + padding)
+  optim::StepResult res;
+};
+
+// Phase callback of an instrumented step (the probe): called with "batch_ready",
+// "forward_done", "backward_done" (per micro-batch) and "optimizer_step_done".
+using PhaseHook = std::function<void(const char*)>;
+
 // ---------------------------------------------------------------------------------------------
 
 class Trainer {
  public:
-  Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err)
-      : c_(c), opts_(o), out_(out), err_(err), device_(c.model.device) {}
+  // `probe`: the VRAM probe, i.e. training with instrumentation (probe()), nothing written to
+  // output.dir but the report.
+  Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err,
+          bool probe = false)
+      : c_(c), opts_(o), out_(out), err_(err), device_(c.model.device), probe_(probe) {}
 
   int run() {
     setup();
     return loop();
+  }
+
+  // The probe: the training set-up and step (train_step) with every phase marked (device sync,
+  // time, allocator and RSS), then options.probe_steps more steps timed per phase, an export to
+  // a temporary file, and the JSON report.
+  int probe() {
+    std::vector<ProbePhase> phases;
+    const auto t_start = Clock::now();
+    auto t_prev = t_start;
+    auto mark = [&](const std::string& name) {
+      synchronize_device(device_);
+      ProbePhase p;
+      p.name = name;
+      p.elapsed_ms = ms_since(t_start);
+      p.phase_ms = std::chrono::duration<double, std::milli>(Clock::now() - t_prev).count();
+      p.memory = memory_snapshot(device_);
+      phases.push_back(p);
+      err_ << fmt::format("probe: {:<20} {:>9.1f} ms  rss {:.2f} GiB", name, p.phase_ms,
+                          to_gib(p.memory.rss_bytes))
+           << (p.memory.peak_allocated_bytes
+                   ? fmt::format("  peak {:.2f} GiB  reserved {:.2f} GiB",
+                                 to_gib(*p.memory.peak_allocated_bytes),
+                                 to_gib(*p.memory.reserved_bytes))
+                   : std::string())
+           << "\n";
+      reset_peak_memory(device_);
+      t_prev = Clock::now();
+    };
+    check_input_files(c_, /*need_data=*/false);
+    for (const auto& f : c_.data.files) require_file(f, "data.files");
+    reset_peak_memory(device_);
+    mark("start");
+    setup_model(/*need_tokenizer=*/!c_.data.files.empty());
+    mark("model_loaded");
+    // The moments exist before the first forward, as in a training run from its second step on:
+    // otherwise the backward's peak would miss them.
+    {
+      NvtxRange r("optimizer_setup");
+      setup_optimizer();
+    }
+    mark("optimizer_ready");
+    setup_data();
+    const StepOutcome first = train_step(0, [&](const char* phase) { mark(phase); });
+
+    nlohmann::json steady = nullptr;
+    if (opts_.probe_steps > 0) {
+      // Steady state: more steps of the same function, timed per phase with a device sync at
+      // each boundary (the syncs cost a little; the step time is their sum).
+      NvtxRange rs("steady");
+      std::vector<double> fwd_ms, bwd_ms, opt_ms, step_ms;
+      double last_loss = 0.0;
+      int64_t tokens = 0, slots = 0;
+      for (int s = 0; s < opts_.probe_steps; ++s) {
+        synchronize_device(device_);
+        auto tp = Clock::now();
+        const auto t0 = tp;
+        double f = 0, b = 0;
+        const StepOutcome so = train_step(1 + s, [&](const char* phase) {
+          synchronize_device(device_);
+          const double ms = ms_since(tp);
+          tp = Clock::now();
+          if (std::string(phase) == "forward_done") f += ms;
+          if (std::string(phase) == "backward_done") b += ms;
+          if (std::string(phase) == "optimizer_step_done") opt_ms.push_back(ms);
+        });
+        fwd_ms.push_back(f);
+        bwd_ms.push_back(b);
+        step_ms.push_back(ms_since(t0));
+        last_loss = so.loss;
+        tokens += so.real_tokens;
+        slots += so.slots;
+      }
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        const size_t n = v.size();
+        return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+      };
+      const double step_med = median(step_ms);
+      const double tok_per_step = static_cast<double>(tokens) / opts_.probe_steps;
+      const auto mem = memory_snapshot(device_);
+      steady = {{"steps", opts_.probe_steps},
+                {"step_ms_median", step_med},
+                {"forward_ms_median", median(fwd_ms)},
+                {"backward_ms_median", median(bwd_ms)},
+                {"optimizer_ms_median", median(opt_ms)},
+                {"tokens_per_step", tok_per_step},
+                {"slot_fill", slots > 0 ? static_cast<double>(tokens) / slots : 0.0},
+                {"tokens_per_s", tok_per_step / (step_med / 1e3)},
+                {"peak_allocated_bytes", mem.peak_allocated_bytes
+                                             ? nlohmann::json(*mem.peak_allocated_bytes)
+                                             : nlohmann::json(nullptr)},
+                {"last_loss", last_loss}};
+      err_ << fmt::format(
+          "probe: steady state, median of {} steps: step {:.1f} ms (forward {:.1f}, backward "
+          "{:.1f}, optimizer {:.1f}), {:.0f} tok/s{}\n",
+          opts_.probe_steps, step_med, median(fwd_ms), median(bwd_ms), median(opt_ms),
+          tok_per_step / (step_med / 1e3),
+          mem.peak_allocated_bytes
+              ? fmt::format(", peak {:.2f} GiB", to_gib(*mem.peak_allocated_bytes))
+              : std::string());
+      reset_peak_memory(device_);
+      t_prev = Clock::now();
+    }
+
+    {
+      NvtxRange r("export");
+      const fs::path tmp = fs::temp_directory_path() /
+                           fmt::format("q4train-probe-{}.dat", static_cast<int64_t>(::getpid()));
+      if (source_path_.empty()) {
+        write_model_dat(*model_, tmp.string(), c_.model.quantize_lm_head);
+      } else {
+        model::DatReader source(source_path_);
+        model_->export_to(source, tmp.string());
+      }
+      fs::remove(tmp);
+    }
+    mark("export_done");
+
+    const auto budget = estimate_budget(mc_, c_, separate_lm_head_);
+    nlohmann::json info = {{"config", c_.source},
+                           {"tokens", first.real_tokens},
+                           {"slots", first.slots},
+                           {"batch_size", c_.train.batch_size},
+                           {"seq_len", c_.train.seq_len},
+                           {"grad_accum", c_.train.grad_accum},
+                           {"master_dtype", c_.model.master_dtype},
+                           {"compute_dtype", resolved_compute_dtype(c_)},
+                           {"gradient_checkpointing", c_.train.gradient_checkpointing},
+                           {"optim_state", c_.optim.state},
+                           {"data", c_.data.files.empty() ? "synthetic" : "files"},
+                           {"loss", first.loss},
+                           {"grad_norm", first.res.grad_norm},
+                           {"step_applied", first.res.applied},
+                           {"trainable_elements", model_->num_trainable_elements()},
+                           {"steady", steady}};
+    const auto report = probe_report_json(device_name(device_), phases, budget.to_json(), info);
+    const std::string path = opts_.probe_report.empty()
+                                 ? (fs::path(c_.output.dir) / "probe.json").string()
+                                 : opts_.probe_report;
+    if (!fs::path(path).parent_path().empty()) {
+      fs::create_directories(fs::path(path).parent_path());
+    }
+    write_file_atomic(path, report.dump(2) + "\n");
+    out_ << report.dump(2) << "\n";
+    err_ << "probe report written to " << path << "\n";
+    return kExitOk;
   }
 
  private:
@@ -267,55 +512,9 @@ class Trainer {
       fs::remove(fs::path(c_.output.dir) / kInitFile);  // a fresh run draws a fresh init
     }
     write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
-
-    const auto t0 = Clock::now();
-    mc_ = load_model_config(c_);
-    tok_ = std::make_unique<data::Tokenizer>(as_input_error(
-        "model.tokenizer", [&] { return data::Tokenizer::from_file(c_.model.tokenizer); }));
-    if (tok_->vocab_size() > mc_.vocab_size) {
-      throw ConfigError(
-          fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
-                      c_.model.tokenizer, tok_->vocab_size(), c_.model.config, mc_.vocab_size));
-    }
-    {
-      NvtxRange r("load");
-      auto lm = load_model(c_, mc_, out_);
-      model_ = std::move(lm.model);
-      source_path_ = lm.source_path;
-    }
-    separate_lm_head_ = !model_->tied();
-    out_ << fmt::format(
-        "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
-        "tensors, loaded in {:.1f} s\n",
-        mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_->num_trainable_elements(),
-        model_->trainable_parameters().size(), ms_since(t0) / 1000.0);
-    check_guard(c_, device_, "after loading the model");
-
-    if (c_.train.steps > 0) {
-      std::vector<data::Example> examples;
-      const auto dopt = dataset_options(c_);
-      for (const auto& f : c_.data.files) {
-        auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, *tok_, dopt); });
-        out_ << ds.summary.to_string() << "\n";
-        for (auto& e : ds.examples) examples.push_back(std::move(e));
-      }
-      batcher_ = std::make_unique<data::Batcher>(std::move(examples),
-                                                 batcher_options(c_, tok_->endoftext_id()));
-      const auto& ts = batcher_->truncation_stats();
-      if (ts.truncated || ts.dropped) out_ << ts.to_string() << "\n";
-      if (batcher_->num_examples() == 0) {
-        throw ConfigError("data.files: no training example fits train.seq_len " +
-                          std::to_string(c_.train.seq_len));
-      }
-    }
-
-    optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(c_));
-    for (auto* p : model_->trainable_parameters()) {
-      optimizer_->add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2);
-    }
-    schedule_ = std::make_unique<optim::LrSchedule>(make_schedule(c_));
-    flops_per_token_ = train_flops_per_token(mc_, c_.train.seq_len);
-    peak_flops_ = device_peak_flops(device_name(device_));
+    setup_model(/*need_tokenizer=*/true);
+    if (c_.train.steps > 0) setup_data();
+    setup_optimizer();
 
     if (resume) restore(*resume);
 
@@ -325,6 +524,124 @@ class Trainer {
     if (!metrics_path.empty()) metrics_.open(metrics_path, start_step_);
     eval_log_.open((fs::path(c_.output.dir) / kEvalFile).string(), start_step_);
     install_stop_handlers();
+  }
+
+  // model.config, the tokenizer (training; the probe only with data files) and the model.
+  void setup_model(bool need_tokenizer) {
+    const auto t0 = Clock::now();
+    mc_ = load_model_config(c_);
+    if (need_tokenizer) {
+      tok_ = std::make_unique<data::Tokenizer>(as_input_error(
+          "model.tokenizer", [&] { return data::Tokenizer::from_file(c_.model.tokenizer); }));
+      if (tok_->vocab_size() > mc_.vocab_size) {
+        throw ConfigError(
+            fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
+                        c_.model.tokenizer, tok_->vocab_size(), c_.model.config, mc_.vocab_size));
+      }
+    }
+    {
+      NvtxRange r("load");
+      auto lm = load_model(c_, mc_, out_, /*in_memory=*/probe_);
+      model_ = std::move(lm.model);
+      source_path_ = lm.source_path;
+    }
+    separate_lm_head_ = !model_->tied();
+    (probe_ ? err_ : out_) << fmt::format(
+        "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
+        "tensors, loaded in {:.1f} s\n",
+        mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_->num_trainable_elements(),
+        model_->trainable_parameters().size(), ms_since(t0) / 1000.0);
+    check_guard(c_, device_, "after loading the model");
+  }
+
+  // The batcher over data.files, or (the probe without files) over synthetic sequences.
+  void setup_data() {
+    std::vector<data::Example> examples;
+    int64_t pad_id = 0;
+    if (c_.data.files.empty() && probe_) {
+      examples = synthetic_examples(c_.train.batch_size * c_.train.grad_accum, c_.train.seq_len,
+                                    mc_.vocab_size, static_cast<uint64_t>(c_.train.seed));
+    } else {
+      const auto dopt = dataset_options(c_);
+      for (const auto& f : c_.data.files) {
+        auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, *tok_, dopt); });
+        (probe_ ? err_ : out_) << ds.summary.to_string() << "\n";
+        for (auto& e : ds.examples) examples.push_back(std::move(e));
+      }
+      pad_id = tok_->endoftext_id();
+    }
+    batcher_ = as_input_error("data.files", [&] {
+      return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c_, pad_id));
+    });
+    const auto& ts = batcher_->truncation_stats();
+    if (ts.truncated || ts.dropped) (probe_ ? err_ : out_) << ts.to_string() << "\n";
+  }
+
+  void setup_optimizer() {
+    optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(c_));
+    for (auto* p : model_->trainable_parameters()) {
+      optimizer_->add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2);
+    }
+    schedule_ = std::make_unique<optim::LrSchedule>(make_schedule(c_));
+    flops_per_token_ = train_flops_per_token(mc_, c_.train.seq_len);
+    peak_flops_ = device_peak_flops(device_name(device_));
+  }
+
+  // ------------------------------------------------------------------ the step
+  // grad_accum micro-batches: pinned non-blocking input copies, forward, backward of the summed
+  // CE over the step's supervised-token count (token-weighted mean, identical to one big batch),
+  // then one optimizer step. The only host waits: the optimizer's global-norm reduction (its
+  // clipping and non-finite guard are decided on the host) and the loss read after it, which
+  // was copied before the optimizer ran and so waits for nothing more. `mark` instruments phases.
+  StepOutcome train_step(int64_t step, const PhaseHook& mark = nullptr) {
+    StepOutcome o;
+    std::vector<data::Batch> micro;
+    {
+      NvtxRange r("data");
+      for (int64_t i = 0; i < c_.train.grad_accum; ++i) {
+        micro.push_back(batcher_->next());
+        o.supervised += micro.back().supervised_tokens;
+        o.real_tokens += micro.back().real_tokens;
+        o.slots += micro.back().slots();
+      }
+    }
+    if (mark) mark("batch_ready");
+    const double denom = static_cast<double>(std::max<int64_t>(o.supervised, 1));
+    at::Tensor loss_sum;
+    for (const auto& b : micro) {
+      const auto in = to_inputs(b, *model_, device_);
+      model::LossOutput lo;
+      {
+        NvtxRange r("forward");
+        lo = model_->loss(in);
+      }
+      if (mark) mark("forward_done");
+      {
+        NvtxRange r("backward");
+        (lo.loss_sum / denom).backward();
+      }
+      if (mark) mark("backward_done");
+      const at::Tensor ls = lo.loss_sum.detach();
+      loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
+    }
+    AsyncScalar loss_host;
+    loss_host.start(loss_sum);
+    {
+      NvtxRange r("optimizer");
+      std::vector<at::Tensor> grads;
+      for (auto* p : model_->trainable_parameters()) {
+        grads.push_back(p->grad.defined() ? p->grad
+                                          : at::zeros_like(p->master, p->master.options()));
+      }
+      optim::StepArgs args;
+      args.lr = schedule_->lr_at(step);
+      args.max_grad_norm = c_.train.max_grad_norm;
+      o.res = optimizer_->step(grads, args);
+      model_->zero_grad();
+    }
+    if (mark) mark("optimizer_step_done");
+    o.loss = loss_host.read() / denom;
+    return o;
   }
 
   void restore(const CheckpointDir& ck) {
@@ -446,48 +763,24 @@ class Trainer {
       const auto t0 = Clock::now();
       reset_peak_memory(device_);
       const double lr = schedule_->lr_at(step);
-      std::vector<data::Batch> micro;
-      int64_t supervised = 0, real_tokens = 0;
-      {
-        NvtxRange r("data");
-        for (int64_t i = 0; i < c_.train.grad_accum; ++i) {
-          micro.push_back(batcher_->next());
-          supervised += micro.back().supervised_tokens;
-          real_tokens += micro.back().real_tokens;
-        }
+      const bool trace = !opts_.profile_trace.empty();
+      const bool trace_first = trace && step == start_step_ + 2;
+      const bool trace_last = trace && (step == start_step_ + 3 || (trace_first && step + 1 == total));
+      if (trace_first) profiler_start(device_.is_cuda());
+      const StepOutcome so = train_step(step);
+      if (trace_last) {
+        synchronize_device(device_);
+        profiler_stop_and_save(opts_.profile_trace);
+        err_ << "profile trace of steps " << start_step_ + 3 << "-" << step + 1 << " written to "
+             << opts_.profile_trace << "\n";
       }
-      at::Tensor loss_sum;
-      for (const auto& b : micro) {
-        const auto in = to_inputs(b, device_);
-        model::LossOutput lo;
-        {
-          NvtxRange r("forward");
-          lo = model_->loss(in);
-        }
-        {
-          NvtxRange r("backward");
-          (lo.loss_sum / static_cast<double>(std::max<int64_t>(supervised, 1))).backward();
-        }
-        const at::Tensor ls = lo.loss_sum.detach();
-        loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
-      }
-      optim::StepResult res;
-      {
-        NvtxRange r("optimizer");
-        std::vector<at::Tensor> grads;
-        for (auto* p : model_->trainable_parameters()) {
-          grads.push_back(p->grad.defined() ? p->grad
-                                            : at::zeros_like(p->master, p->master.options()));
-        }
-        optim::StepArgs args;
-        args.lr = lr;
-        args.max_grad_norm = c_.train.max_grad_norm;
-        res = optimizer_->step(grads, args);
-        model_->zero_grad();
-      }
-      const double loss =
-          loss_sum.item<double>() / static_cast<double>(std::max<int64_t>(supervised, 1));
-      synchronize_device(device_);
+      const optim::StepResult& res = so.res;
+      const double loss = so.loss;
+      const int64_t real_tokens = so.real_tokens;
+      const bool log_step = (step + 1) % c_.log.every == 0 || step + 1 == total || step == start_step_;
+      // Logging steps wait for the optimizer too (exact timing and memory there); other steps
+      // return as soon as the loss is on the host, the optimizer kernels still running.
+      if (log_step) synchronize_device(device_);
       const double step_ms = ms_since(t0);
       tokens_seen_ += real_tokens;
       if (!res.applied) {
@@ -515,6 +808,7 @@ class Trainer {
       m.lr = lr;
       m.step_ms = step_ms;
       m.tokens = real_tokens;
+      m.slots = so.slots;
       m.tokens_per_s = step_ms > 0 ? real_tokens / (step_ms / 1000.0) : 0.0;
       if (peak_flops_) m.mfu = m.tokens_per_s * flops_per_token_ / *peak_flops_;
       const auto mem = memory_snapshot(device_);
@@ -525,7 +819,7 @@ class Trainer {
       m.skipped = !res.applied;
       if (metrics_.is_open()) metrics_.write(metrics_to_json(m));
       const bool last = step + 1 == total;
-      if ((step + 1) % c_.log.every == 0 || last || step == start_step_) {
+      if (log_step) {
         if (bar) err_ << "\r\033[K";
         out_ << format_log_line(m) << std::endl;
       }
@@ -583,6 +877,7 @@ class Trainer {
   int64_t tokens_seen_ = 0;
   double flops_per_token_ = 0;
   std::optional<double> peak_flops_;
+  bool probe_ = false;
 };
 
 }  // namespace
@@ -655,224 +950,8 @@ int run_dry_run(const Config& c, std::ostream& out) {
 }
 
 int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std::ostream& err) {
-  const at::Device device(c.model.device);
-  std::vector<ProbePhase> phases;
-  const auto t_start = Clock::now();
-  auto t_prev = t_start;
-  auto mark = [&](const std::string& name) {
-    synchronize_device(device);
-    ProbePhase p;
-    p.name = name;
-    p.elapsed_ms = ms_since(t_start);
-    p.phase_ms = std::chrono::duration<double, std::milli>(Clock::now() - t_prev).count();
-    p.memory = memory_snapshot(device);
-    phases.push_back(p);
-    err << fmt::format("probe: {:<20} {:>9.1f} ms  rss {:.2f} GiB", name, p.phase_ms,
-                       to_gib(p.memory.rss_bytes))
-        << (p.memory.peak_allocated_bytes ? fmt::format("  peak {:.2f} GiB  reserved {:.2f} GiB",
-                                                        to_gib(*p.memory.peak_allocated_bytes),
-                                                        to_gib(*p.memory.reserved_bytes))
-                                          : std::string())
-        << "\n";
-    reset_peak_memory(device);
-    t_prev = Clock::now();
-  };
-  check_input_files(c, /*need_data=*/false);
-  for (const auto& f : c.data.files) require_file(f, "data.files");
-  const auto mc = load_model_config(c);
-  reset_peak_memory(device);
-  mark("start");
-
-  // Model: random init in memory (nothing written) or load from the weights file.
-  auto opt = as_input_error("model", [&] {
-    auto o = model_options(c);
-    o.validate();
-    o.trainable.validate(mc.num_hidden_layers);
-    return o;
-  });
-  std::unique_ptr<model::Qwen3Model> model;
-  {
-    NvtxRange r("load");
-    if (c.model.init == "random") {
-      model = std::make_unique<model::Qwen3Model>(
-          model::Qwen3Model::random_init(mc, opt, c.model.init_seed, c.model.init_std));
-    } else {
-      model = as_input_error("model.weights", [&] {
-        model::DatReader reader(c.model.weights);
-        return std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(mc, reader, opt));
-      });
-    }
-  }
-  mark("model_loaded");
-
-  // The optimizer and its moment state exist before the first forward, as in a training run from
-  // its second step on: otherwise the backward's peak would miss the moments (measured: the
-  // steady-state peak was 0.9 GiB above a probe that allocated them at the first step).
-  optim::PackedAdamW optimizer(adamw_options(c));
-  {
-    NvtxRange r("optimizer_setup");
-    for (auto* p : model->trainable_parameters()) {
-      optimizer.add_param(p->name, p->master, p->master.dim() >= 2);
-    }
-  }
-  mark("optimizer_ready");
-
-  // Batch: the first batch of the data, or batch_size x seq_len random tokens, all supervised.
-  model::ModelInputs in;
-  int64_t tokens = 0;
-  {
-    NvtxRange r("data");
-    if (!c.data.files.empty()) {
-      auto tok = as_input_error("model.tokenizer",
-                                [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
-      std::vector<data::Example> examples;
-      for (const auto& f : c.data.files) {
-        auto ds = as_input_error("data.files",
-                                 [&] { return data::load_dataset(f, tok, dataset_options(c)); });
-        for (auto& e : ds.examples) examples.push_back(std::move(e));
-      }
-      data::Batcher batcher(std::move(examples), batcher_options(c, tok.endoftext_id()));
-      if (batcher.num_examples() == 0) {
-        throw ConfigError("data.files: no training example fits train.seq_len");
-      }
-      const auto b = batcher.next();
-      in = to_inputs(b, device);
-      tokens = b.real_tokens;
-    } else {
-      at::Generator gen = at::detail::createCPUGenerator(static_cast<uint64_t>(c.train.seed));
-      const auto ids = at::randint(0, mc.vocab_size, {c.train.batch_size, c.train.seq_len}, gen,
-                                   at::TensorOptions().dtype(at::kLong));
-      in.input_ids = ids.to(device);
-      in.labels = ids;  // host, as in training (no device sync in loss())
-      tokens = c.train.batch_size * c.train.seq_len;
-    }
-  }
-  mark("batch_ready");
-
-  model::LossOutput lo;
-  {
-    NvtxRange r("forward");
-    lo = model->loss(in);
-  }
-  mark("forward_done");
-  {
-    NvtxRange r("backward");
-    lo.loss.backward();
-  }
-  mark("backward_done");
-
-  optim::StepResult res;
-  nlohmann::json steady = nullptr;  // --probe-steps: medians of the steady-state steps
-  {
-    NvtxRange r("optimizer");
-    std::vector<at::Tensor> grads;
-    for (auto* p : model->trainable_parameters()) {
-      grads.push_back(p->grad.defined() ? p->grad : at::zeros_like(p->master));
-    }
-    optim::StepArgs args;
-    args.max_grad_norm = c.train.max_grad_norm;
-    res = optimizer.step(grads, args);
-    model->zero_grad();
-    grads.clear();
-    mark("optimizer_step_done");
-
-    // Steady state: options.probe_steps more full steps on the same batch with the same
-    // optimizer (its state allocated by now), each phase ended by a device sync.
-    if (options.probe_steps > 0) {
-      NvtxRange rs("steady");
-      std::vector<double> fwd_ms, bwd_ms, opt_ms, step_ms;
-      double last_loss = 0.0;
-      for (int s = 0; s < options.probe_steps; ++s) {
-        const auto t0 = Clock::now();
-        model::LossOutput l = model->loss(in);
-        synchronize_device(device);
-        const auto t1 = Clock::now();
-        l.loss.backward();
-        synchronize_device(device);
-        const auto t2 = Clock::now();
-        for (auto* p : model->trainable_parameters()) {
-          grads.push_back(p->grad.defined() ? p->grad : at::zeros_like(p->master));
-        }
-        optimizer.step(grads, args);
-        model->zero_grad();
-        grads.clear();
-        synchronize_device(device);
-        const auto t3 = Clock::now();
-        auto ms = [](Clock::time_point a, Clock::time_point b) {
-          return std::chrono::duration<double, std::milli>(b - a).count();
-        };
-        fwd_ms.push_back(ms(t0, t1));
-        bwd_ms.push_back(ms(t1, t2));
-        opt_ms.push_back(ms(t2, t3));
-        step_ms.push_back(ms(t0, t3));
-        last_loss = l.loss.item<double>();
-      }
-      auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        const size_t n = v.size();
-        return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-      };
-      const double step_med = median(step_ms);
-      const auto mem = memory_snapshot(device);
-      steady = {{"steps", options.probe_steps},
-                {"step_ms_median", step_med},
-                {"forward_ms_median", median(fwd_ms)},
-                {"backward_ms_median", median(bwd_ms)},
-                {"optimizer_ms_median", median(opt_ms)},
-                {"tokens_per_s", static_cast<double>(tokens) / (step_med / 1e3)},
-                {"peak_allocated_bytes", mem.peak_allocated_bytes
-                                             ? nlohmann::json(*mem.peak_allocated_bytes)
-                                             : nlohmann::json(nullptr)},
-                {"last_loss", last_loss}};
-      err << fmt::format(
-          "probe: steady state, median of {} steps: step {:.1f} ms (forward {:.1f}, backward "
-          "{:.1f}, optimizer {:.1f}), {:.0f} tok/s{}\n",
-          options.probe_steps, step_med, median(fwd_ms), median(bwd_ms), median(opt_ms),
-          static_cast<double>(tokens) / (step_med / 1e3),
-          mem.peak_allocated_bytes
-              ? fmt::format(", peak {:.2f} GiB", to_gib(*mem.peak_allocated_bytes))
-              : std::string());
-      reset_peak_memory(device);
-      t_prev = Clock::now();
-    }
-
-    NvtxRange r2("export");
-    const fs::path tmp = fs::temp_directory_path() /
-                         fmt::format("q4train-probe-{}.dat", static_cast<int64_t>(::getpid()));
-    if (c.model.init == "random") {
-      write_model_dat(*model, tmp.string(), c.model.quantize_lm_head);
-    } else {
-      model::DatReader source(c.model.weights);
-      model->export_to(source, tmp.string());
-    }
-    fs::remove(tmp);
-    mark("export_done");
-  }
-
-  const bool separate_lm_head = !model->tied();
-  const auto budget = estimate_budget(mc, c, separate_lm_head);
-  nlohmann::json info = {{"config", c.source},
-                         {"tokens", tokens},
-                         {"batch_size", c.train.batch_size},
-                         {"seq_len", c.train.seq_len},
-                         {"master_dtype", c.model.master_dtype},
-                         {"compute_dtype", resolved_compute_dtype(c)},
-                         {"gradient_checkpointing", c.train.gradient_checkpointing},
-                         {"optim_state", c.optim.state},
-                         {"loss", lo.loss.item<double>()},
-                         {"grad_norm", res.grad_norm},
-                         {"step_applied", res.applied},
-                         {"trainable_elements", model->num_trainable_elements()},
-                         {"steady", steady}};
-  const auto report = probe_report_json(device_name(device), phases, budget.to_json(), info);
-  const std::string path = options.probe_report.empty()
-                               ? (fs::path(c.output.dir) / "probe.json").string()
-                               : options.probe_report;
-  if (!fs::path(path).parent_path().empty()) fs::create_directories(fs::path(path).parent_path());
-  write_file_atomic(path, report.dump(2) + "\n");
-  out << report.dump(2) << "\n";
-  err << "probe report written to " << path << "\n";
-  return kExitOk;
+  Trainer t(c, options, out, err, /*probe=*/true);
+  return t.probe();
 }
 
 }  // namespace q4::trainer

@@ -149,5 +149,21 @@ TEST(Nvfp4Cuda, StraightThroughGradient) {
   }
 }
 
+// fake-quant straight into the other 16-bit dtype (the model's fp16 master -> bf16 compute
+// weight) equals fake-quant then a cast, bit for bit: the values are exact in both dtypes.
+TEST(Nvfp4Cuda, CastOutputEqualsFakeQuantThenCast) {
+  Q4_REQUIRE_CUDA();
+  at::Generator gen = at::detail::createCPUGenerator(5);
+  const at::Tensor w32 = at::randn({1024, 320}, gen) * 0.05;
+  for (auto [in, out] : {std::pair{at::kHalf, at::kBFloat16}, std::pair{at::kBFloat16, at::kHalf},
+                         std::pair{at::kHalf, at::kHalf}, std::pair{at::kFloat, at::kBFloat16}}) {
+    const at::Tensor w = w32.to(in).cuda();
+    const at::Tensor direct = fake_quant_nvfp4_forward_unchecked(w, out);
+    const at::Tensor ref = fake_quant_nvfp4_forward(w).to(out);
+    EXPECT_EQ(direct.scalar_type(), out);
+    EXPECT_TRUE(at::equal(direct.cpu(), ref.cpu())) << in << " -> " << out;
+  }
+}
+
 }  // namespace
 }  // namespace q4::quant

@@ -107,7 +107,17 @@ struct BatcherOptions {
   int64_t max_seq_len = 1024;  // tokens per row, upper bound (T <= max_seq_len)
   uint64_t seed = 0;           // shuffle seed; epoch e uses permutation(seed, e)
   bool shuffle = true;         // false: file order every epoch
-  bool pack = false;           // greedily pack consecutive (shuffled) examples into rows
+  // Pack several examples into each row: a row starts with the oldest example not yet placed
+  // and is filled best-fit (the longest pending example that still fits, repeatedly) from a
+  // window of the next `pack_window` examples of the epoch's order. A chat example is never
+  // split. false: one example per row.
+  bool pack = false;
+  int64_t pack_window = 256;   // packing: examples considered for each row (>= 1)
+  // Row length T of a batch: max_seq_len when `fixed_len` (stable shapes, e.g. for packed rows
+  // on a GPU); otherwise the longest row rounded up to a multiple of `pad_multiple`, capped at
+  // max_seq_len (1: exactly the longest row).
+  bool fixed_len = false;
+  int64_t pad_multiple = 1;
   bool drop_last = false;      // drop the short final batch of each epoch
   Truncation truncation = Truncation::kCutLeft;
   int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)
@@ -133,6 +143,9 @@ struct BatcherState {
   int64_t cursor = 0;        // index into that epoch's permutation of the next example
   int64_t batches = 0;       // batches produced so far (all epochs)
   int64_t num_examples = 0;  // kept examples when saved; restore() checks it still matches
+  // Packing: examples already taken from this epoch's order (cursor moved past them) but not yet
+  // placed in a row, oldest first. Always empty without packing.
+  std::vector<int64_t> pending;
   std::string to_json() const;
   static BatcherState from_json(const std::string& json);  // throws on malformed input
 };
@@ -151,15 +164,22 @@ struct BatcherState {
 //                    must be block-diagonal causal: query q may attend key k iff
 //                    segment_ids[q] == segment_ids[k] != 0 and k <= q. block_causal_mask()
 //                    builds it. Without packing every row is segment 1 (+ padding 0).
+//  - cu_seqlens:     the same segments for variable-length attention over the flattened B*T
+//                    tokens: boundaries of every example, and of each row's padding tail as a
+//                    segment of its own (padding attends only to padding), so the last entry is
+//                    B*T. max_seqlen is the longest of these segments (host int: no sync).
 struct Batch {
   at::Tensor input_ids;                  // int64 [B, T]
   at::Tensor labels;                     // int64 [B, T], kIgnoreIndex where not supervised
   at::Tensor attention_mask;             // int64 [B, T], 1 real / 0 pad
   at::Tensor position_ids;               // int64 [B, T]
   at::Tensor segment_ids;                // int64 [B, T], 0 pad, 1..k segments
+  at::Tensor cu_seqlens;                 // int32 [S + 1], 0 .. B*T (see above)
+  int64_t max_seqlen = 0;                // longest segment of cu_seqlens
   int64_t epoch = 0;                     // epoch this batch came from
   int64_t real_tokens = 0;               // attention_mask.sum()
   int64_t supervised_tokens = 0;         // count of labels[:, 1:] != -100 (what the loss averages)
+  int64_t slots() const { return input_ids.defined() ? input_ids.numel() : 0; }  // B * T
   std::vector<int64_t> example_indices;  // indices into the (post-truncation) example list
 };
 
@@ -190,9 +210,11 @@ class Batcher {
 
  private:
   std::vector<int64_t> permutation(int64_t epoch) const;
-  // Example indices (into examples_) of each row of the batch starting at cursor in `order`.
-  std::vector<std::vector<int64_t>> plan_rows(const std::vector<int64_t>& order, int64_t cursor,
-                                              int64_t* next_cursor) const;
+  // Example indices (into examples_) of each row of the next batch, advancing `state`
+  // (cursor and pending) within the epoch whose order is `order`. Empty: the epoch is done.
+  std::vector<std::vector<int64_t>> plan_rows(const std::vector<int64_t>& order,
+                                              BatcherState* state) const;
+  std::vector<int64_t> plan_row(const std::vector<int64_t>& order, BatcherState* state) const;
 
   BatcherOptions options_;
   std::vector<Example> examples_;

@@ -64,6 +64,13 @@ struct ModelInputs {
   at::Tensor position_ids;    // (B, T) int64 optional; default arange(T) (+ cache length)
   at::Tensor segment_ids;     // (B, T) int64 optional; packing: attend only within equal ids,
                               // 0 = padding. Combined with attention_mask when both are given.
+  // Optional variable-length layout of the same segments over the flattened B*T tokens
+  // (data::Batch::cu_seqlens: every example and every padding tail is one segment, last entry
+  // B*T) and its longest segment. Used on CUDA with fp16/bf16 compute, where attention runs
+  // FlashAttention's varlen kernels (no [B,1,T,T] mask, GQA without copying K/V); elsewhere
+  // the mask built from segment_ids/attention_mask gives the same result.
+  at::Tensor cu_seqlens;      // (S + 1) int32
+  int64_t max_seqlen = 0;     // host int (no device sync)
 };
 
 struct LossOutput {
@@ -138,6 +145,8 @@ class Qwen3Model {
   // inputs are appended after cache->length tokens (causal mask offset accordingly) and the
   // cache is extended; then attention_mask/segment_ids must be undefined.
   at::Tensor hidden_states(const ModelInputs& in, KvCache* cache = nullptr);
+  // Whether a forward of `in` (no cache) takes the variable-length FlashAttention path.
+  bool uses_varlen_attention(const ModelInputs& in) const;
   // Logits (B, T, V) in the compute dtype (materializes the full logits: parity/generation).
   at::Tensor forward(const ModelInputs& in, KvCache* cache = nullptr);
   // Chunked CE of logits[:, :-1] vs labels[:, 1:] (HF shift), mean over supervised positions.
@@ -174,6 +183,11 @@ class Qwen3Model {
   explicit Qwen3Model(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Fused CUDA kernels for RMSNorm and RoPE (default on). Off: the ATen reference ops everywhere
+// (tests compare the two; a process-wide switch, not per model).
+void set_fused_cuda_kernels(bool enabled);
+bool fused_cuda_kernels_enabled();
 
 // Mean CE of fp32(hidden @ weight^T) rows against `labels` (-100 ignored), computed over chunks
 // of `chunk_tokens` rows; logits are recomputed per chunk in backward, never saved.

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace q4::quant {
@@ -46,7 +47,10 @@ at::Tensor dequantize_nvfp4(const at::Tensor& qdata, const at::Tensor& scale,
 at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name = "tensor");
 // Same values, but on CUDA without the NaN/Inf check's device->host sync (one per call):
 // blocks holding NaN/Inf come out NaN instead of raising. CPU: identical to the checked op.
-at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w);
+// out_dtype: return the result in this dtype (default w's); on CUDA fp16 <-> bf16 is written by
+// the kernel directly (one pass; the values are exact in both).
+at::Tensor fake_quant_nvfp4_forward_unchecked(
+    const at::Tensor& w, std::optional<at::ScalarType> out_dtype = std::nullopt);
 // Autograd op: forward = fake_quant_nvfp4_forward(w), backward = identity (straight-through).
 // check_finite=false uses the unchecked forward (no device->host sync on CUDA; the training hot
 // path relies on the trainer's non-finite guard on loss and gradients instead).

@@ -12,3 +12,11 @@
 #define Q4_HAS_SDPA 0
 #define Q4_HAS_FLOAT8 0
 #endif
+
+// at::_flash_attention_forward with cumulative sequence lengths (variable-length batches) and
+// a differentiable output (its backward is at::_flash_attention_backward). CUDA tensors only.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define Q4_HAS_FLASH_VARLEN 1
+#else
+#define Q4_HAS_FLASH_VARLEN 0
+#endif

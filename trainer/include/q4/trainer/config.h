@@ -95,7 +95,8 @@ struct DataConfig {
   std::string format = "auto";     // auto (by extension) | tsv | jsonl | text
   std::string system_prompt;       // optional system turn before every example
   bool shuffle = true;             // reshuffle each epoch (seeded by train.seed)
-  bool packing = false;            // pack several examples into one seq_len row
+  bool packing = true;             // pack several examples into one seq_len row (best fit)
+  int64_t pack_window = 256;       // packing: examples considered for each row
   std::string on_error = "fail";   // fail | skip: malformed lines
 };
 

@@ -18,7 +18,8 @@ struct StepMetrics {
   double grad_norm = 0;  // global L2 norm before clipping
   double lr = 0;         // learning rate used by this step
   double step_ms = 0;    // wall time of the step
-  int64_t tokens = 0;    // supervised + context tokens processed by the step
+  int64_t tokens = 0;    // supervised + context tokens processed by the step (no padding)
+  int64_t slots = 0;     // token slots of the step's batches (tokens + padding)
   double tokens_per_s = 0;
   std::optional<double> mfu;                  // model FLOPs utilization in [0, 1]
   std::optional<int64_t> gpu_reserved_bytes;  // caching allocator reserved

@@ -31,6 +31,7 @@ struct RunOptions {
   std::optional<std::string> resume;  // --resume DIR (a checkpoint or a run directory)
   std::string probe_report;           // --probe: report path (default <output.dir>/probe.json)
   int probe_steps = 0;  // --probe-steps N: N more timed steady-state steps after the probe's one
+  std::string profile_trace;  // --profile-trace FILE: Kineto trace of the run's steps 3-4
 };
 
 // Trains as configured. Returns kExitOk (also after a signal-triggered checkpoint); throws
@@ -42,9 +43,11 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
 // memory estimate per component. Returns kExitOk or throws ConfigError.
 int run_dry_run(const Config& config, std::ostream& out);
 
-// One instrumented step; prints the JSON report and writes it to options.probe_report. With
-// options.probe_steps > 0, that many more full steps on the same batch follow, each phase timed
-// with a device sync; their medians and peak memory go to the report's info.steady.
+// The training set-up and step function with instrumentation: one step with every phase marked
+// (sync, time, memory), on the configured data or, without data.files, on synthetic random-token
+// rows through the same batcher; prints the JSON report and writes it to options.probe_report.
+// With options.probe_steps > 0, that many more steps follow, each phase timed with a device
+// sync; their medians, tokens/s, slot fill and peak memory go to the report's info.steady.
 int run_probe(const Config& config, const RunOptions& options, std::ostream& out,
               std::ostream& err);
 

@@ -1,0 +1,173 @@
+// Autograd wrappers of the fused CUDA layer kernels (qwen3_kernels.cu): RMSNorm and
+// rotate-half RoPE, forward and backward in one kernel each instead of ATen's chains of
+// elementwise ops (RMSNorm: ~8 kernels forward, more backward, over fp32 copies). Used by
+// rms_norm() and apply_rope_bthd() on CUDA when the layout allows; the ATen versions in
+// qwen3_ops.cpp stay the reference (tests/model/cuda compares them).
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "qwen3_impl.h"
+
+#if Q4_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "qwen3_kernels.h"
+#endif
+
+namespace q4::model {
+
+#if Q4_WITH_CUDA
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+cuda::Dtype kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return cuda::Dtype::kF32;
+    case at::kHalf:
+      return cuda::Dtype::kF16;
+    case at::kBFloat16:
+      return cuda::Dtype::kBF16;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "fused op: unsupported dtype ", t);
+  }
+  return cuda::Dtype::kF32;
+}
+
+void check_launch(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, what, ": CUDA launch failed: ", cudaGetErrorString(e));
+}
+
+bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double eps) {
+    const int64_t n = x.size(-1);
+    const int64_t rows = x.numel() / n;
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor y = at::empty_like(x);
+    at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    check_launch(cuda::launch_rms_norm_fwd(x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                                           rstd.data_ptr<float>(), rows, n,
+                                           static_cast<float>(eps), kernel_dtype(x.scalar_type()),
+                                           at::cuda::getCurrentCUDAStream()),
+                 "rms_norm forward");
+    ctx->save_for_backward({x, w, rstd});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor& rstd = saved[2];
+    at::Tensor dy = grads[0].contiguous();
+    if (!aligned16(dy)) dy = dy.clone();
+    const int64_t n = x.size(-1);
+    const int64_t rows = x.numel() / n;
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor dx = at::empty_like(x);
+    const bool want_dw = ctx->needs_input_grad(1);
+    at::Tensor partial;
+    if (want_dw) {
+      partial = at::empty({cuda::rms_norm_bwd_blocks(rows), n}, x.options().dtype(at::kFloat));
+    }
+    check_launch(cuda::launch_rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                                           rstd.data_ptr<float>(), dx.data_ptr(),
+                                           want_dw ? partial.data_ptr<float>() : nullptr, rows, n,
+                                           kernel_dtype(x.scalar_type()),
+                                           at::cuda::getCurrentCUDAStream()),
+                 "rms_norm backward");
+    at::Tensor dw = want_dw ? partial.sum(0).to(w.scalar_type()) : at::Tensor();
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+struct RopeFn : public torch::autograd::Function<RopeFn> {
+  // x (tokens, heads, d) contiguous; cos/sin (tokens, d) contiguous, same dtype.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return run(x, cos, sin, /*backward=*/false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {run(grads[0].contiguous(), saved[0], saved[1], /*backward=*/true), at::Tensor(),
+            at::Tensor()};
+  }
+  static at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        bool backward) {
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor y = at::empty_like(x);
+    check_launch(cuda::launch_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
+                                   x.size(0), x.size(1), x.size(2), backward,
+                                   kernel_dtype(x.scalar_type()),
+                                   at::cuda::getCurrentCUDAStream()),
+                 "rope");
+    return y;
+  }
+};
+
+bool float_kind(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+#endif
+
+bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w) {
+#if Q4_WITH_CUDA
+  if (!x.is_cuda() || !w.is_cuda() || x.scalar_type() != w.scalar_type() ||
+      !float_kind(x.scalar_type()) || !x.is_contiguous() || !w.is_contiguous() || x.dim() < 1) {
+    return false;
+  }
+  const int64_t n = x.size(-1);
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  return n > 0 && n % vec == 0 && w.numel() == n && aligned16(x) && aligned16(w) &&
+         n * 4 * 8 <= 200 * 1024;  // the backward's shared weight-gradient slices
+#else
+  (void)x;
+  (void)w;
+  return false;
+#endif
+}
+
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+#if Q4_WITH_CUDA
+  return RmsNormFn::apply(x, w, eps);
+#else
+  (void)eps;
+  TORCH_INTERNAL_ASSERT(false, "fused_rms_norm without CUDA");
+  return x;
+#endif
+}
+
+bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos) {
+#if Q4_WITH_CUDA
+  return x.is_cuda() && x.dim() == 3 && cos.dim() == 2 && x.is_contiguous() &&
+         cos.is_contiguous() && x.scalar_type() == cos.scalar_type() &&
+         float_kind(x.scalar_type()) && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+         x.size(2) % 2 == 0;
+#else
+  (void)x;
+  (void)cos;
+  return false;
+#endif
+}
+
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+#if Q4_WITH_CUDA
+  return RopeFn::apply(x, cos, sin.contiguous());
+#else
+  (void)cos;
+  (void)sin;
+  TORCH_INTERNAL_ASSERT(false, "fused_rope without CUDA");
+  return x;
+#endif
+}
+
+}  // namespace q4::model

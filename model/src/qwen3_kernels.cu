@@ -1,0 +1,292 @@
+// Fused Qwen3 layer kernels (launchers in qwen3_kernels.h). RMSNorm: one warp per row, 16-byte
+// vector loads, fp32 statistics; the normalized value is rounded to the input dtype before the
+// weight multiply, as HF does. The backward recomputes x * rstd, reduces the row dot product in
+// a warp and accumulates the weight gradient per block in shared memory (one partial row per
+// block, summed by the caller). RoPE: one thread per (token, head, pair) of rotated elements,
+// fp32 arithmetic, one rounding per output.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "qwen3_kernels.h"
+
+namespace q4::model::cuda {
+namespace {
+
+constexpr int kWarpsPerCta = 8;
+constexpr int kThreads = kWarpsPerCta * 32;
+
+template <typename T>
+__device__ __forceinline__ float to_f(T v);
+template <>
+__device__ __forceinline__ float to_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// kVec elements of T in one 16-byte word (read and written through the word's bytes).
+template <typename T>
+struct Pack {
+  static constexpr int kVec = 16 / sizeof(T);
+  uint4 raw;
+  __device__ __forceinline__ T get(int j) const { return reinterpret_cast<const T*>(&raw)[j]; }
+  __device__ __forceinline__ void set(int j, T v) { reinterpret_cast<T*>(&raw)[j] = v; }
+};
+
+int sm_count() {
+  static int count[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) return 132;
+  if (count[dev] == 0) {
+    int c = 0;
+    cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev);
+    count[dev] = c > 0 ? c : 132;
+  }
+  return count[dev];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(const T* __restrict__ x,
+                                                                 const T* __restrict__ w,
+                                                                 T* __restrict__ y,
+                                                                 float* __restrict__ rstd,
+                                                                 int64_t rows, int n, float eps) {
+  using P = Pack<T>;
+  const int lane = threadIdx.x & 31;
+  const int nv = n / P::kVec;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+       row < rows; row += static_cast<int64_t>(gridDim.x) * kWarpsPerCta) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x + row * n);
+    float ss = 0.f;
+    for (int i = lane; i < nv; i += 32) {
+      P p;
+      p.raw = xv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) {
+        const float f = to_f(p.get(j));
+        ss += f * f;
+      }
+    }
+    ss = warp_sum(ss);
+    const float r = rsqrtf(ss / static_cast<float>(n) + eps);
+    if (lane == 0) rstd[row] = r;
+    uint4* yv = reinterpret_cast<uint4*>(y + row * n);
+    for (int i = lane; i < nv; i += 32) {
+      P p, q, o;
+      p.raw = xv[i];
+      q.raw = wv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) {
+        const T xn = from_f<T>(to_f(p.get(j)) * r);
+        o.set(j, from_f<T>(to_f(q.get(j)) * to_f(xn)));
+      }
+      yv[i] = o.raw;
+    }
+  }
+}
+
+// Weight gradient: each warp accumulates its rows' dy * cast(x * rstd) in its own slice of
+// shared memory (kWarpsPerCta copies of n floats, stored [j][i] for column i * kVec + j so that
+// the lanes of a warp hit consecutive banks); a lane always owns the same columns, so no
+// atomics. The block then sums the copies into its partial row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                        const float* __restrict__ rstd, T* __restrict__ dx,
+                        float* __restrict__ dw_partial, int64_t rows, int n) {
+  using P = Pack<T>;
+  extern __shared__ float sdw[];  // kWarpsPerCta * n floats when dw_partial
+  const bool want_dw = dw_partial != nullptr;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x / 32;
+  const int nv = n / P::kVec;
+  float* mine = sdw + static_cast<int64_t>(warp) * n;
+  if (want_dw) {
+    for (int i = threadIdx.x; i < kWarpsPerCta * n; i += blockDim.x) sdw[i] = 0.f;
+    __syncthreads();
+  }
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarpsPerCta) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x + row * n);
+    const uint4* gv = reinterpret_cast<const uint4*>(dy + row * n);
+    const float r = rstd[row];
+    float dot = 0.f;
+    for (int i = lane; i < nv; i += 32) {
+      P px, pg, pw;
+      px.raw = xv[i];
+      pg.raw = gv[i];
+      pw.raw = wv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) {
+        const float xn = to_f(px.get(j)) * r;
+        const float gy = to_f(pg.get(j));
+        dot += gy * to_f(pw.get(j)) * xn;
+        if (want_dw) mine[j * nv + i] += gy * to_f(from_f<T>(xn));
+      }
+    }
+    dot = warp_sum(dot) / static_cast<float>(n);
+    uint4* dxv = reinterpret_cast<uint4*>(dx + row * n);
+    for (int i = lane; i < nv; i += 32) {
+      P px, pg, pw, o;
+      px.raw = xv[i];
+      pg.raw = gv[i];
+      pw.raw = wv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) {
+        const float xn = to_f(px.get(j)) * r;
+        const float g = to_f(pg.get(j)) * to_f(pw.get(j));
+        o.set(j, from_f<T>(r * (g - xn * dot)));
+      }
+      dxv[i] = o.raw;
+    }
+  }
+  if (want_dw) {
+    __syncthreads();
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const int idx = (c % P::kVec) * nv + c / P::kVec;
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarpsPerCta; ++k) acc += sdw[k * n + idx];
+      dw_partial[static_cast<int64_t>(blockIdx.x) * n + c] = acc;
+    }
+  }
+}
+
+template <typename T>
+__global__ void rope_kernel(const T* __restrict__ x, const T* __restrict__ cosv,
+                            const T* __restrict__ sinv, T* __restrict__ y, int64_t tokens,
+                            int heads, int d, bool backward) {
+  const int half = d / 2;
+  const int64_t total = tokens * heads * half;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int j = static_cast<int>(idx % half);
+    const int64_t th = idx / half;  // token * heads + head
+    const int64_t t = th / heads;
+    const T* xr = x + th * d;
+    const T* c = cosv + t * d;
+    const T* s = sinv + t * d;
+    const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
+    const float c1 = to_f(c[j]), c2 = to_f(c[j + half]);
+    const float s1 = to_f(s[j]), s2 = to_f(s[j + half]);
+    float y1, y2;
+    if (!backward) {  // y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)
+      y1 = x1 * c1 - x2 * s1;
+      y2 = x2 * c2 + x1 * s2;
+    } else {  // dx = dy cos + rotate_half^T(dy sin), rotate_half^T(v) = (v2, -v1)
+      y1 = x1 * c1 + x2 * s2;
+      y2 = x2 * c2 - x1 * s1;
+    }
+    T* yr = y + th * d;
+    yr[j] = from_f<T>(y1);
+    yr[j + half] = from_f<T>(y2);
+  }
+}
+
+template <class F>
+cudaError_t dispatch(Dtype dt, F&& f) {
+  switch (dt) {
+    case Dtype::kF32:
+      return f(float{});
+    case Dtype::kF16:
+      return f(__half{});
+    case Dtype::kBF16:
+      return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+int64_t fwd_blocks(int64_t rows) {
+  return std::max<int64_t>(1, std::min<int64_t>((rows + kWarpsPerCta - 1) / kWarpsPerCta,
+                                                int64_t{sm_count()} * 16));
+}
+
+}  // namespace
+
+cudaError_t launch_rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                                int64_t n, float eps, Dtype dt, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_fwd_kernel<T><<<static_cast<unsigned>(fwd_blocks(rows)), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, rows,
+        static_cast<int>(n), eps);
+    return cudaGetLastError();
+  });
+}
+
+int64_t rms_norm_bwd_blocks(int64_t rows) {
+  return std::max<int64_t>(1, std::min<int64_t>((rows + kWarpsPerCta - 1) / kWarpsPerCta,
+                                                int64_t{sm_count()} * 2));
+}
+
+cudaError_t launch_rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
+                                void* dx, float* dw_partial, int64_t rows, int64_t n, Dtype dt,
+                                cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = dw_partial ? rms_norm_bwd_blocks(rows) : fwd_blocks(rows);
+  const size_t smem =
+      dw_partial ? static_cast<size_t>(kWarpsPerCta) * static_cast<size_t>(n) * sizeof(float) : 0;
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    if (smem > 48 * 1024) {
+      cudaError_t e = cudaFuncSetAttribute(rms_norm_bwd_kernel<T>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+    }
+    rms_norm_bwd_kernel<T><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd,
+        static_cast<T*>(dx), dw_partial, rows, static_cast<int>(n));
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y, int64_t tokens,
+                        int64_t heads, int64_t d, bool backward, Dtype dt, cudaStream_t stream) {
+  const int64_t total = tokens * heads * (d / 2);
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks =
+      std::max<int64_t>(1, std::min<int64_t>((total + 255) / 256, int64_t{sm_count()} * 32));
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    rope_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
+        static_cast<T*>(y), tokens, static_cast<int>(heads), static_cast<int>(d), backward);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace q4::model::cuda

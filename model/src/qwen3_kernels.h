@@ -1,0 +1,34 @@
+// Host launchers of the fused Qwen3 layer kernels (qwen3_kernels.cu): RMSNorm forward/backward
+// and rotate-half RoPE forward/backward. Raw pointers, sizes and a stream, no torch types.
+// Tensors are contiguous; RMSNorm rows have n elements with n a multiple of 16 bytes' worth of
+// elements and 16-byte-aligned pointers (the caller checks and otherwise takes the ATen path).
+// fused_ops.cpp wraps them in autograd functions; the ATen ops in qwen3_ops.cpp are the reference.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace q4::model::cuda {
+
+enum class Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// y = w * cast(x * rsqrt(mean(x^2) + eps)) per row (HF Qwen3RMSNorm): x, y (rows, n), w (n),
+// all `dt`; rstd (rows) fp32 out.
+cudaError_t launch_rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows,
+                                int64_t n, float eps, Dtype dt, cudaStream_t stream);
+
+// dx (rows, n) from dy, x, w, rstd. With dw_partial non-null, also per-block partial sums of
+// dy * cast(x * rstd) into dw_partial (dw_blocks, n) fp32, dw_blocks =
+// rms_norm_bwd_blocks(rows); the caller sums them over dim 0.
+int64_t rms_norm_bwd_blocks(int64_t rows);
+cudaError_t launch_rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
+                                void* dx, float* dw_partial, int64_t rows, int64_t n, Dtype dt,
+                                cudaStream_t stream);
+
+// Rotate-half RoPE on x (tokens, heads, d) with cos/sin (tokens, d), all `dt`:
+// forward y = x * cos + rotate_half(x) * sin; backward (inverse = true) the transpose map.
+cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y, int64_t tokens,
+                        int64_t heads, int64_t d, bool backward, Dtype dt, cudaStream_t stream);
+
+}  // namespace q4::model::cuda

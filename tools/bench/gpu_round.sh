@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One development round on the lent GPU machine: build the targets that matter, run the CUDA
+# model tests, then the benchmark pieces named in STEPS (train, profile, probe, peer) via
+# step_vs_peer.sh. Logs under $OUT. Usage: OUT=... STEPS="train profile" tools/bench/gpu_round.sh
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
+out=${OUT:-$root/gpu-out}; mkdir -p "$out"
+for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+t0=$(date +%s)
+tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
+  -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; exit 1; }
+cmake --build build-gpu -j16 --target ${TARGETS:-q4train q4dat test_model_cuda} >>"$out/build.log" 2>&1 \
+  || { grep -E "error" -A3 "$out/build.log" | head -n 60; exit 1; }
+echo "build ok in $(( $(date +%s) - t0 )) s"
+if [[ " ${STEPS:-} " == *" test "* ]]; then
+  build-gpu/tests/test_model_cuda 2>&1 | tail -n 40 >"$out/cuda-tests.log"
+  grep -E "rel err|OK \]|FAILED|PASSED|Failure|error" "$out/cuda-tests.log" | head -30
+fi
+SKIP_BUILD=1 OUT=$out "$@"
