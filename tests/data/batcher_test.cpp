@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <functional>
 #include <set>
 
@@ -274,6 +276,75 @@ TEST(Batcher, RejectsBadOptionsAndExamples) {
   bad.labels.pop_back();
   EXPECT_THROW(Batcher({bad}, o), c10::Error);
   EXPECT_THROW(Batcher({}, o), c10::Error);
+}
+
+// Best-fit packing from a window fills rows better than taking examples in order, keeps every
+// example whole and once per epoch, and cu_seqlens describes exactly the rows' segments plus
+// each padding tail (the layout the varlen attention kernels read).
+TEST(Batcher, BestFitPackingFillsRowsAndDescribesSegments) {
+  std::vector<Example> data;
+  for (int i = 0; i < 120; ++i) data.push_back(make(i, 3 + (i * 37) % 23, 2 + (i * 11) % 17));
+  auto fill_of = [&](int64_t window, std::vector<Batch>* out) {
+    BatcherOptions o;
+    o.batch_size = 2;
+    o.max_seq_len = 64;
+    o.pack = true;
+    o.pack_window = window;
+    o.fixed_len = true;
+    o.seed = 5;
+    Batcher b(data, o);
+    int64_t real = 0, slots = 0;
+    std::vector<int64_t> seen;
+    for (int64_t k = 0; k < b.batches_per_epoch(); ++k) {
+      Batch x = b.next();
+      EXPECT_EQ(x.epoch, 0);
+      EXPECT_EQ(x.input_ids.size(1), 64);  // fixed_len
+      real += x.real_tokens;
+      slots += x.slots();
+      seen.insert(seen.end(), x.example_indices.begin(), x.example_indices.end());
+      if (out) out->push_back(std::move(x));
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(seen.size(), data.size());
+    EXPECT_TRUE(std::adjacent_find(seen.begin(), seen.end()) == seen.end());
+    return static_cast<double>(real) / static_cast<double>(slots);
+  };
+  std::vector<Batch> batches;
+  const double greedy = fill_of(1, nullptr), best = fill_of(32, &batches);
+  EXPECT_GT(best, greedy + 0.05) << "best fit " << best << " vs in-order " << greedy;
+  EXPECT_GT(best, 0.9);
+  for (const Batch& x : batches) {
+    const int64_t rows = x.input_ids.size(0), t = x.input_ids.size(1);
+    std::vector<int32_t> want{0};
+    int64_t longest = 0;
+    auto seg = x.segment_ids.accessor<int64_t, 2>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t k = 1; k <= t; ++k) {
+        if (k == t || seg[r][k] != seg[r][k - 1]) {
+          longest = std::max<int64_t>(longest, r * t + k - want.back());
+          want.push_back(static_cast<int32_t>(r * t + k));
+        }
+      }
+    }
+    const auto* cu = x.cu_seqlens.data_ptr<int32_t>();
+    EXPECT_EQ(std::vector<int32_t>(cu, cu + x.cu_seqlens.numel()), want);
+    EXPECT_EQ(x.max_seqlen, longest);
+  }
+}
+
+TEST(Batcher, PadMultipleRoundsRowLength) {
+  BatcherOptions o;
+  o.batch_size = 3;
+  o.shuffle = false;
+  o.max_seq_len = 20;
+  o.pad_multiple = 8;
+  Batcher b({make(0, 2, 2), make(1, 4, 3), make(2, 1, 1)}, o);
+  const Batch x = b.next();  // longest row 7 -> 8
+  EXPECT_EQ(x.input_ids.size(1), 8);
+  const auto* cu = x.cu_seqlens.data_ptr<int32_t>();
+  EXPECT_EQ(std::vector<int32_t>(cu, cu + x.cu_seqlens.numel()),
+            (std::vector<int32_t>{0, 4, 8, 15, 16, 18, 24}));
+  EXPECT_EQ(x.max_seqlen, 7);
 }
 
 }  // namespace
