@@ -112,6 +112,34 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
   }
 };
 
+struct SwigluFn : public torch::autograd::Function<SwigluFn> {
+  // g, u same shape, contiguous, 16-byte aligned -> silu(g) * u.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
+    c10::cuda::CUDAGuard guard(g.device());
+    at::Tensor h = at::empty_like(g);
+    check_launch(cuda::launch_swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(),
+                                         kernel_dtype(g.scalar_type()),
+                                         at::cuda::getCurrentCUDAStream()),
+                 "swiglu forward");
+    ctx->save_for_backward({g, u});
+    return h;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& g = saved[0];
+    const at::Tensor& u = saved[1];
+    at::Tensor dh = grads[0].contiguous();
+    if (!aligned16(dh)) dh = dh.clone();
+    c10::cuda::CUDAGuard guard(g.device());
+    at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+    check_launch(cuda::launch_swiglu_bwd(dh.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(),
+                                         du.data_ptr(), g.numel(), kernel_dtype(g.scalar_type()),
+                                         at::cuda::getCurrentCUDAStream()),
+                 "swiglu backward");
+    return {dg, du};
+  }
+};
+
 bool float_kind(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
@@ -168,6 +196,17 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   TORCH_INTERNAL_ASSERT(false, "fused_rope without CUDA");
   return x;
 #endif
+}
+
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
+#if Q4_WITH_CUDA
+  if (fused_cuda_kernels_enabled() && g.is_cuda() && u.is_cuda() &&
+      g.scalar_type() == u.scalar_type() && float_kind(g.scalar_type()) && g.sizes() == u.sizes() &&
+      g.is_contiguous() && u.is_contiguous() && aligned16(g) && aligned16(u)) {
+    return SwigluFn::apply(g, u);
+  }
+#endif
+  return at::silu(g) * u;
 }
 
 }  // namespace q4::model

@@ -35,11 +35,28 @@ void accumulate(Parameter* p, const at::Tensor& g, at::ScalarType grad_dtype) {
   }
 }
 
+// One use of `p` in the graph has delivered its gradient part: when it was the last, hand the
+// complete gradient to the in-backward hook (if any) and free it.
+void use_done(const Qwen3Model::Impl* impl, Parameter* p) {
+  if (p->pending_uses > 0) --p->pending_uses;
+  if (p->pending_uses == 0 && impl->grad_ready && p->grad.defined()) {
+    impl->grad_ready(*p);
+    p->grad = at::Tensor();
+  }
+}
+
+// A tap that enters a graph (grad mode on: the forward of a non-checkpointed layer, or a
+// checkpointed layer's recompute inside the backward) will deliver one gradient part.
+void use_begins(Parameter* p) {
+  if (at::GradMode::is_enabled()) ++p->pending_uses;
+}
+
 struct WeightTap : public torch::autograd::Function<WeightTap> {
   // master (any float dtype), trigger () -> weight in the compute dtype (fresh tensor).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master,
-                            const at::Tensor& trigger, int64_t param, int64_t compute_dtype,
-                            int64_t grad_dtype) {
+                            const at::Tensor& trigger, int64_t impl, int64_t param,
+                            int64_t compute_dtype, int64_t grad_dtype) {
+    ctx->saved_data["impl"] = impl;
     ctx->saved_data["param"] = param;
     ctx->saved_data["grad_dtype"] = grad_dtype;
     auto* p = int_to_ptr<Parameter>(param);
@@ -52,19 +69,21 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     return master.to(cd, /*non_blocking=*/false, /*copy=*/true);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* p = int_to_ptr<Parameter>(ctx->saved_data["param"].toInt());
     if (grads[0].defined()) {
-      accumulate(int_to_ptr<Parameter>(ctx->saved_data["param"].toInt()), grads[0],
-                 static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt()));
+      accumulate(p, grads[0], static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt()));
     }
-    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    use_done(int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt()), p);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
   // master (V, H), ids (B, T) int64 -> (B, T, H) compute dtype. Backward adds rows into grad.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master, const at::Tensor& ids,
-                            const at::Tensor& trigger, int64_t param, int64_t compute_dtype,
-                            int64_t grad_dtype) {
+                            const at::Tensor& trigger, int64_t impl, int64_t param,
+                            int64_t compute_dtype, int64_t grad_dtype) {
+    ctx->saved_data["impl"] = impl;
     ctx->saved_data["param"] = param;
     ctx->saved_data["grad_dtype"] = grad_dtype;
     ctx->saved_data["ids"] = ids;
@@ -88,7 +107,10 @@ struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
         p->grad.add_(acc.to(gd));
       }
     }
-    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    use_done(int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt()),
+             int_to_ptr<Parameter>(ctx->saved_data["param"].toInt()));
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -135,15 +157,17 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
 
 }  // namespace
 
-at::Tensor tap_weight(Parameter* p, const at::Tensor& trigger, at::ScalarType compute_dtype,
+at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
                       at::ScalarType grad_dtype) {
-  return WeightTap::apply(p->master, trigger, ptr_to_int(p), static_cast<int64_t>(compute_dtype),
-                          static_cast<int64_t>(grad_dtype));
+  use_begins(p);
+  return WeightTap::apply(p->master, impl->trigger, ptr_to_int(impl), ptr_to_int(p),
+                          static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
 }
 
-at::Tensor tap_embedding(Parameter* p, const at::Tensor& ids, const at::Tensor& trigger,
+at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype) {
-  return EmbeddingTap::apply(p->master, ids, trigger, ptr_to_int(p),
+  use_begins(p);
+  return EmbeddingTap::apply(p->master, ids, impl->trigger, ptr_to_int(impl), ptr_to_int(p),
                              static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
 }
 

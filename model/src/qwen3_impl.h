@@ -57,6 +57,7 @@ struct Qwen3Model::Impl {
   Parameter* lm_head = nullptr;  // == embed when tied
   std::vector<LayerParams> layers;
   at::Tensor trigger;   // () fp32 leaf with requires_grad when anything trains (graph anchor)
+  Qwen3Model::GradReadyHook grad_ready;  // in-backward updates (empty: keep Parameter::grad)
   at::Tensor inv_freq;  // (D/2) fp32 on the device, HF formula
 
   // Parameter table (names, shapes, trainable flags) without masters.
@@ -106,13 +107,15 @@ bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w);
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos);  // x (N, heads, D)
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// silu(g) * u: one fused kernel forward and backward on CUDA, the two ATen ops elsewhere.
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
 // The ATen reference of rms_norm() (the path on CPU and where the fused op does not apply).
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // ---- autograd functions (qwen3_autograd.cpp) ----
-at::Tensor tap_weight(Parameter* p, const at::Tensor& trigger, at::ScalarType compute_dtype,
+at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
                       at::ScalarType grad_dtype);
-at::Tensor tap_embedding(Parameter* p, const at::Tensor& ids, const at::Tensor& trigger,
+at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype);
 at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
                             const RopeTables& rope, const AttnMask& mask);

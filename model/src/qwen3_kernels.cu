@@ -215,6 +215,75 @@ __global__ void rope_kernel(const T* __restrict__ x, const T* __restrict__ cosv,
   }
 }
 
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// One 16-byte vector of each operand per thread (grid-stride); kVec-aligned tail elementwise.
+template <typename T>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u,
+                                  T* __restrict__ h, int64_t n) {
+  using P = Pack<T>;
+  const int64_t nv = n / P::kVec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nv;
+       i += stride) {
+    P pg, pu, o;
+    pg.raw = reinterpret_cast<const uint4*>(g)[i];
+    pu.raw = reinterpret_cast<const uint4*>(u)[i];
+#pragma unroll
+    for (int j = 0; j < P::kVec; ++j) {
+      const float x = to_f(pg.get(j));
+      const T s = from_f<T>(x * sigmoid_f(x));
+      o.set(j, from_f<T>(to_f(s) * to_f(pu.get(j))));
+    }
+    reinterpret_cast<uint4*>(h)[i] = o.raw;
+  }
+  for (int64_t i = nv * P::kVec + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    const float x = to_f(g[i]);
+    const T s = from_f<T>(x * sigmoid_f(x));
+    h[i] = from_f<T>(to_f(s) * to_f(u[i]));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void swiglu_bwd_one(T dh_t, T g_t, T u_t, T* dg, T* du) {
+  const float dh = to_f(dh_t), x = to_f(g_t), uu = to_f(u_t);
+  const float sig = sigmoid_f(x);
+  const T s = from_f<T>(x * sig);
+  *du = from_f<T>(dh * to_f(s));
+  const float ds = to_f(from_f<T>(dh * uu));  // mul's gradient w.r.t. silu(g), rounded
+  *dg = from_f<T>(ds * sig * (1.f + x * (1.f - sig)));
+}
+
+template <typename T>
+__global__ void swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict__ g,
+                                  const T* __restrict__ u, T* __restrict__ dg,
+                                  T* __restrict__ du, int64_t n) {
+  using P = Pack<T>;
+  const int64_t nv = n / P::kVec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nv;
+       i += stride) {
+    P ph, pg, pu, og, ou;
+    ph.raw = reinterpret_cast<const uint4*>(dh)[i];
+    pg.raw = reinterpret_cast<const uint4*>(g)[i];
+    pu.raw = reinterpret_cast<const uint4*>(u)[i];
+#pragma unroll
+    for (int j = 0; j < P::kVec; ++j) {
+      T a, b;
+      swiglu_bwd_one<T>(ph.get(j), pg.get(j), pu.get(j), &a, &b);
+      og.set(j, a);
+      ou.set(j, b);
+    }
+    reinterpret_cast<uint4*>(dg)[i] = og.raw;
+    reinterpret_cast<uint4*>(du)[i] = ou.raw;
+  }
+  for (int64_t i = nv * P::kVec + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    swiglu_bwd_one<T>(dh[i], g[i], u[i], dg + i, du + i);
+  }
+}
+
 template <class F>
 cudaError_t dispatch(Dtype dt, F&& f) {
   switch (dt) {
@@ -285,6 +354,35 @@ cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y
     rope_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
         static_cast<T*>(y), tokens, static_cast<int>(heads), static_cast<int>(d), backward);
+    return cudaGetLastError();
+  });
+}
+
+namespace {
+int64_t elementwise_blocks(int64_t n) {
+  return std::max<int64_t>(1, std::min<int64_t>((n / 8 + 255) / 256, int64_t{sm_count()} * 16));
+}
+}  // namespace
+
+cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, Dtype dt,
+                              cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    swiglu_fwd_kernel<T><<<static_cast<unsigned>(elementwise_blocks(n)), 256, 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(h), n);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_swiglu_bwd(const void* dh, const void* g, const void* u, void* dg, void* du,
+                              int64_t n, Dtype dt, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    swiglu_bwd_kernel<T><<<static_cast<unsigned>(elementwise_blocks(n)), 256, 0, stream>>>(
+        static_cast<const T*>(dh), static_cast<const T*>(g), static_cast<const T*>(u),
+        static_cast<T*>(dg), static_cast<T*>(du), n);
     return cudaGetLastError();
   });
 }

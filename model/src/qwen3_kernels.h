@@ -31,4 +31,12 @@ cudaError_t launch_rms_norm_bwd(const void* dy, const void* x, const void* w, co
 cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y, int64_t tokens,
                         int64_t heads, int64_t d, bool backward, Dtype dt, cudaStream_t stream);
 
+// SwiGLU h = silu(g) * u over n elements (g, u, h of `dt`, rounded as ATen's two ops round:
+// silu to `dt`, then the product). Backward: dg, du from dh, g, u (ATen's formulas, fp32 math).
+// Pointers 16-byte aligned when n is a multiple of the vector width (else elementwise).
+cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, Dtype dt,
+                              cudaStream_t stream);
+cudaError_t launch_swiglu_bwd(const void* dh, const void* g, const void* u, void* dg, void* du,
+                              int64_t n, Dtype dt, cudaStream_t stream);
+
 }  // namespace q4::model::cuda

@@ -178,12 +178,12 @@ bool Qwen3Model::Impl::any_trainable() const {
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
   if (!p->trainable) return p->master;
-  return tap_weight(p, trigger, opt.compute_dtype, grad_dtype);
+  return tap_weight(this, p, opt.compute_dtype, grad_dtype);
 }
 
 at::Tensor Qwen3Model::Impl::embed_lookup(const at::Tensor& ids) const {
   if (!embed->trainable) return at::embedding(embed->master, ids);
-  return tap_embedding(embed, ids, trigger, opt.compute_dtype, grad_dtype);
+  return tap_embedding(this, embed, ids, opt.compute_dtype, grad_dtype);
 }
 
 RopeTables Qwen3Model::Impl::rope(const at::Tensor& position_ids) const {
@@ -237,9 +237,9 @@ at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
   at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
 
   at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
-  at::Tensor m =
-      at::linear(at::silu(at::linear(y, weight(lp.gate_proj))) * at::linear(y, weight(lp.up_proj)),
-                 weight(lp.down_proj));
+  at::Tensor m = at::linear(
+      swiglu(at::linear(y, weight(lp.gate_proj)), at::linear(y, weight(lp.up_proj))),
+      weight(lp.down_proj));
   return hs + m;
 }
 
@@ -514,6 +514,12 @@ const Parameter& Qwen3Model::parameter(const std::string& name) const {
 
 void Qwen3Model::zero_grad() {
   for (auto& p : impl_->params) p.grad = at::Tensor();
+}
+
+void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }
+
+void Qwen3Model::begin_grad_step() {
+  for (auto& p : impl_->params) p.pending_uses = 0;
 }
 
 int64_t Qwen3Model::num_trainable_elements() const {

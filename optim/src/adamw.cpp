@@ -392,7 +392,7 @@ void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, 
 
 #if Q4_WITH_CUDA
 void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
-                     bool stochastic, uint32_t key) {
+                     bool stochastic, uint32_t key, const int32_t* skip = nullptr) {
   c10::cuda::CUDAGuard guard(p.master.device());
   cuda::StepParams k;
   at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
@@ -422,9 +422,26 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
   k.decay = decay ? c.decay : 1.0f;
   k.stochastic = stochastic ? 1 : 0;
   k.sr_key = key;
+  k.skip = skip;
   cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
 }
 #endif
+
+StepConsts make_step_consts(const AdamWOptions& o, double grad_scale, double lr, int64_t t) {
+  StepConsts c;
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.beta1 = static_cast<float>(o.beta1);
+  c.omb1 = static_cast<float>(1.0 - o.beta1);
+  c.beta2 = static_cast<float>(o.beta2);
+  c.omb2 = static_cast<float>(1.0 - o.beta2);
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
+  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  c.eps = static_cast<float>(o.eps);
+  c.step_size = static_cast<float>(lr / bc1);
+  c.decay = static_cast<float>(1.0 - lr * o.weight_decay);
+  return c;
+}
 
 }  // namespace detail
 
@@ -491,18 +508,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     coef = args.max_grad_norm / (norm + 1e-6);
   }
   const int64_t t = d.step + 1;
-  detail::StepConsts c;
-  c.grad_scale = static_cast<float>(args.grad_scale * coef);
-  c.beta1 = static_cast<float>(o.beta1);
-  c.omb1 = static_cast<float>(1.0 - o.beta1);
-  c.beta2 = static_cast<float>(o.beta2);
-  c.omb2 = static_cast<float>(1.0 - o.beta2);
-  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
-  c.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
-  c.eps = static_cast<float>(o.eps);
-  c.step_size = static_cast<float>(lr / bc1);
-  c.decay = static_cast<float>(1.0 - lr * o.weight_decay);
+  const detail::StepConsts c = detail::make_step_consts(o, args.grad_scale * coef, lr, t);
   const bool stochastic = o.rounding == MasterRounding::kStochastic;
   for (size_t i = 0; i < d.ps.size(); ++i) {
     detail::ParamState& p = d.ps[i];
@@ -525,5 +531,156 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   r.skipped_total = d.skipped;
   return r;
 }
+
+// ---------------------------------------------------------------- in-backward steps
+
+void PackedAdamW::begin_step(const StepArgs& args) {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  TORCH_CHECK(!d.in_step, "PackedAdamW::begin_step: the previous step was not ended");
+  const double lr = std::isnan(args.lr) ? o.lr : args.lr;
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "PackedAdamW::begin_step: lr must be finite and >= 0, got ",
+              lr);
+  TORCH_CHECK(lr * o.weight_decay < 1.0, "PackedAdamW::begin_step: lr * weight_decay must be < 1");
+  TORCH_CHECK(std::isfinite(args.grad_scale),
+              "PackedAdamW::begin_step: grad_scale must be finite, got ", args.grad_scale);
+  TORCH_CHECK(std::isfinite(args.max_grad_norm) && args.max_grad_norm >= 0.0,
+              "PackedAdamW::begin_step: max_grad_norm must be finite and >= 0, got ",
+              args.max_grad_norm);
+  d.frozen = true;
+  d.in_step = true;
+  d.cur_lr = lr;
+  d.cur_grad_scale = args.grad_scale;
+  d.cur_t = d.step + 1;
+  // The clip coefficient of the previous step's norm: this step's is known only after every
+  // gradient has been applied. Step 1 (no previous norm) is not clipped; Adam's first update is
+  // m/sqrt(v) = sign(g) up to eps, whatever the gradient's scale, so that changes nothing.
+  d.cur_coef = 1.0;
+  if (args.max_grad_norm > 0.0 && std::isfinite(d.prev_norm) && d.prev_norm > args.max_grad_norm) {
+    d.cur_coef = args.max_grad_norm / (d.prev_norm + 1e-6);
+  }
+  d.stepped.assign(d.ps.size(), 0);
+  d.host_sumsq = 0.0;
+  d.host_nonfinite = 0;
+#if Q4_WITH_CUDA
+  for (const auto& p : d.ps) {
+    if (!p.master.is_cuda()) continue;
+    const int64_t n = static_cast<int64_t>(d.ps.size());
+    if (!d.partials.defined() || d.partials.size(0) != n || d.partials.device() != p.master.device()) {
+      const auto opt = at::TensorOptions().device(p.master.device());
+      d.partials = at::empty({n, cuda::kSumsqPartials}, opt.dtype(at::kFloat));
+      d.skip = at::empty({n}, opt.dtype(at::kInt));
+    }
+    d.partials.zero_();
+    d.skip.zero_();
+    break;
+  }
+#endif
+}
+
+void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  TORCH_CHECK(d.in_step, "PackedAdamW::step_param: call begin_step() first");
+  TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(d.ps.size()),
+              "PackedAdamW::step_param: no parameter ", index);
+  TORCH_CHECK(!d.stepped[index], "PackedAdamW::step_param: parameter '", d.infos[index].name,
+              "' was already updated in this step");
+  detail::ParamState& p = d.ps[index];
+  if (grad.defined()) {
+    TORCH_CHECK(grad.numel() == p.flat.numel() && grad.device() == p.info.device &&
+                    (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
+                     grad.scalar_type() == at::kBFloat16),
+                "PackedAdamW::step_param: gradient of '", p.info.name,
+                "' must match its master's numel and device and be fp32/fp16/bf16");
+  }
+  c10::NoGradGuard no_grad;
+  d.stepped[index] = 1;
+  const detail::StepConsts c =
+      detail::make_step_consts(o, d.cur_grad_scale * d.cur_coef, d.cur_lr, d.cur_t);
+  const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
+  const bool stochastic = o.rounding == MasterRounding::kStochastic;
+  const uint32_t key = detail::sr_stream_key(o.seed, d.cur_t, index);
+  if (p.master.is_cuda()) {
+#if Q4_WITH_CUDA
+    c10::cuda::CUDAGuard guard(p.master.device());
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    int32_t* flag = d.skip.data_ptr<int32_t>() + index;
+    if (grad.defined()) {
+      const at::Tensor g = grad.contiguous();
+      float* parts = d.partials[index].data_ptr<float>();
+      cuda::launch_sumsq(g.data_ptr(), detail::cuda_dtype(g.scalar_type()), g.numel(), parts,
+                         stream);
+      cuda::launch_nonfinite_flag(parts, cuda::kSumsqPartials, flag, stream);
+      detail::step_param_cuda(p, g, c, decay, stochastic, key, flag);
+    } else {
+      detail::step_param_cuda(p, grad, c, decay, stochastic, key, flag);
+    }
+#endif
+    return;
+  }
+  if (grad.defined()) {
+    int64_t chunk = std::max<int64_t>(1, o.chunk_rows * p.info.cols);
+    const double ss = detail::global_sumsq({grad}, chunk, d.scratch);
+    if (!std::isfinite(ss)) {
+      ++d.host_nonfinite;
+      d.host_sumsq = std::numeric_limits<double>::infinity();
+      return;  // master and moments untouched
+    }
+    d.host_sumsq += ss;
+  }
+  detail::step_param_cpu(p, grad, c, decay, stochastic, key, o.chunk_rows, d.scratch);
+}
+
+StepResult PackedAdamW::end_step() {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  TORCH_CHECK(d.in_step, "PackedAdamW::end_step: call begin_step() first");
+  // Parameters no gradient reached: a zero gradient, as step() gives them.
+  for (size_t i = 0; i < d.ps.size(); ++i) {
+    if (!d.stepped[i]) step_param(static_cast<int64_t>(i), at::Tensor());
+  }
+  d.in_step = false;
+  double sumsq = d.host_sumsq;
+  int64_t nonfinite = d.host_nonfinite;
+  if (d.partials.defined()) {  // the step's one host wait
+    c10::NoGradGuard no_grad;
+    sumsq += d.partials.to(at::kDouble).sum().item<double>();
+    nonfinite += d.skip.sum().item<int64_t>();
+  }
+  StepResult r;
+  r.lr = d.cur_lr;
+  r.grad_norm = std::sqrt(sumsq) * std::fabs(d.cur_grad_scale);
+  r.clip_coef = d.cur_coef;
+  if (nonfinite > 0) {
+    // Every finite parameter was updated; the non-finite ones were not. The Adam step count
+    // advances (those parameters' moments simply skipped one step).
+    r.grad_norm = std::numeric_limits<double>::infinity();
+    ++d.skipped;
+    ++d.consecutive;
+    d.step = d.cur_t;
+    r.applied = false;
+    r.step = d.step;
+    r.consecutive_nonfinite = d.consecutive;
+    r.skipped_total = d.skipped;
+    TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::end_step: ",
+                d.consecutive, " consecutive steps with non-finite gradients (", nonfinite,
+                " parameters this step), more than optim.max_consecutive_nonfinite = ",
+                o.max_consecutive_nonfinite, "; the run is diverging or the loss is broken");
+    return r;
+  }
+  d.prev_norm = r.grad_norm;
+  d.step = d.cur_t;
+  d.consecutive = 0;
+  r.applied = true;
+  r.step = d.step;
+  r.consecutive_nonfinite = 0;
+  r.skipped_total = d.skipped;
+  return r;
+}
+
+bool PackedAdamW::in_step() const { return impl_->in_step; }
+double PackedAdamW::previous_grad_norm() const { return impl_->prev_norm; }
+void PackedAdamW::set_previous_grad_norm(double norm) { impl_->prev_norm = norm; }
 
 }  // namespace q4::optim

@@ -211,6 +211,7 @@ constexpr int kFp32Elems = 4;  // elements per thread
 
 template <typename G, typename M>
 __global__ void adamw_fp32_kernel(StepParams p) {
+  if (p.skip != nullptr && *p.skip != 0) return;  // non-finite gradient (in-backward step)
   constexpr int E = kFp32Elems;
   M* master = static_cast<M*>(p.master);
   const int64_t groups = (p.n + E - 1) / E;
@@ -481,6 +482,7 @@ struct GroupPos {
 // ---- fused block-wise step ----
 template <int MODE, typename G, typename M>
 __global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kernel(StepParams p) {
+  if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
@@ -561,6 +563,7 @@ __global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kerne
 template <int MODE>
 __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_t sr_key,
                             uint8_t* codes, void* scales) {
+  if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;
@@ -738,6 +741,21 @@ void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStre
       throw std::runtime_error("q4::optim CUDA: bad grad dtype");
   }
   check(cudaGetLastError(), "sumsq launch");
+}
+
+namespace {
+__global__ void nonfinite_flag_kernel(const float* partials, int n, int32_t* flag) {
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < n; i += 32) s += partials[i];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x == 0) *flag = isfinite(s) ? 0 : 1;
+}
+}  // namespace
+
+void launch_nonfinite_flag(const float* partials, int n, int32_t* flag, cudaStream_t stream) {
+  nonfinite_flag_kernel<<<1, 32, 0, stream>>>(partials, n, flag);
+  check(cudaGetLastError(), "nonfinite flag launch");
 }
 
 void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,

@@ -39,6 +39,9 @@ struct StepParams {
   int stochastic = 0;      // 1: stochastic rounding of fp16/bf16 masters
   uint32_t sr_key = 0;     // master rounding stream; stochastic moment codes derive from it
   int vec_ok = 0;  // set by launch_adamw_step: all pointers 16-byte aligned (vector accesses)
+  // In-backward steps: device flag set by launch_nonfinite_flag; nonzero = leave master and
+  // moments untouched (the kernel returns at once). Null: always update.
+  const int32_t* skip = nullptr;
 };
 
 void launch_adamw_step(const StepParams& p, cudaStream_t stream);
@@ -47,6 +50,8 @@ void launch_adamw_step(const StepParams& p, cudaStream_t stream);
 // a fixed-order reduction), so the result does not depend on scheduling.
 inline constexpr int kSumsqPartials = 1024;
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream);
+// *flag = 1 if the sum of the n partials is not finite (NaN/Inf in the gradient), else 0.
+void launch_nonfinite_flag(const float* partials, int n, int32_t* flag, cudaStream_t stream);
 
 // Standalone codec (tests, diagnostics): same device code as the fused step.
 void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,

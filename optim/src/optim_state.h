@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -34,6 +35,16 @@ struct PackedAdamW::Impl {
   int64_t consecutive = 0;  // skipped steps in a row
   bool frozen = false;      // no add_param after step()/load()
   detail::Scratch scratch;
+  // In-backward step (begin_step .. end_step).
+  bool in_step = false;
+  double prev_norm = std::numeric_limits<double>::quiet_NaN();  // last step's global norm
+  double cur_lr = 0.0, cur_coef = 1.0, cur_grad_scale = 1.0;
+  int64_t cur_t = 0;
+  std::vector<char> stepped;     // per parameter: updated in this step
+  at::Tensor partials;           // (P, kSumsqPartials) fp32 on the device (CUDA params)
+  at::Tensor skip;               // (P) int32 on the device: non-finite flag per parameter
+  double host_sumsq = 0.0;       // CPU parameters' sum of squares
+  int64_t host_nonfinite = 0;    // CPU parameters skipped
 };
 
 }  // namespace q4::optim

@@ -693,3 +693,40 @@ TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
 
 }  // namespace
 }  // namespace q4::model
+
+namespace q4::model {
+namespace {
+
+// The in-backward hook hands over every trainable parameter exactly once per backward, with the
+// same gradient the buffered run leaves in Parameter::grad, and frees it afterwards; with and
+// without checkpointing (where the taps enter the graph only in the recompute).
+TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  const ModelInputs in = fixture_inputs(e);
+  for (bool ckpt : {true, false}) {
+    Qwen3Model ref = Qwen3Model::load(cfg, w, fp32_all(ckpt));
+    const auto want = run_backward(ref, in);
+    Qwen3Model m = Qwen3Model::load(cfg, w, fp32_all(ckpt));
+    std::map<std::string, at::Tensor> got;
+    std::map<std::string, int> calls;
+    m.set_grad_ready_hook([&](Parameter& p) {
+      ++calls[p.name];
+      got[p.name] = p.grad.to(at::kFloat).clone();
+    });
+    for (int round = 0; round < 2; ++round) {  // the counts reset between steps
+      calls.clear();
+      m.begin_grad_step();
+      m.loss(in).loss.backward();
+      for (const auto& p : m.parameters()) {
+        if (!p.trainable) continue;
+        EXPECT_EQ(calls[p.name], 1) << p.name << " ckpt " << ckpt;
+        EXPECT_FALSE(p.grad.defined()) << p.name << ": freed after the hook";
+        EXPECT_TRUE(at::equal(got[p.name], want.at(p.name))) << p.name << " ckpt " << ckpt;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace q4::model

@@ -15,7 +15,10 @@ cmake --build build-gpu -j16 --target ${TARGETS:-q4train q4dat test_model_cuda} 
   || { grep -E "error" -A3 "$out/build.log" | head -n 60; exit 1; }
 echo "build ok in $(( $(date +%s) - t0 )) s"
 if [[ " ${STEPS:-} " == *" test "* ]]; then
-  build-gpu/tests/test_model_cuda 2>&1 | tail -n 40 >"$out/cuda-tests.log"
-  grep -E "rel err|OK \]|FAILED|PASSED|Failure|error" "$out/cuda-tests.log" | head -30
+  : >"$out/cuda-tests.log"
+  for t in ${TESTS:-test_model_cuda}; do
+    build-gpu/tests/$t 2>&1 | tail -n 40 >>"$out/cuda-tests.log"
+  done
+  grep -E "rel err|OK \]|FAILED|PASSED|Failure|error" "$out/cuda-tests.log" | head -40
 fi
 SKIP_BUILD=1 OUT=$out "$@"

@@ -455,6 +455,12 @@ std::vector<FieldRef> config_fields(Config& c) {
        "moment storage format",
        {"fp32", "int8", "4bit", "nvfp4"},
        false},
+      {"optim.in_backward",
+       &c.optim.in_backward,
+       "update each parameter inside the backward and free its gradient (auto: CUDA, "
+       "grad_accum 1)",
+       {"auto", "true", "false"},
+       false},
       {"optim.chunk_rows",
        &c.optim.chunk_rows,
        "rows per optimizer chunk (bounds temporaries)",
@@ -539,7 +545,8 @@ std::vector<FieldRef> config_fields(Config& c) {
       {"output.keep", &c.output.keep, "newest complete checkpoints kept", {}, false},
       {"output.verify_export",
        &c.output.verify_export,
-       "reload the export and check it answers the eval prompts like the trained model",
+       "read the export back and check its forward weights equal the trained model's, tensor "
+       "by tensor",
        {},
        false},
       {"guard.max_gpu_gb",
@@ -765,6 +772,11 @@ void validate_config(const Config& c) {
   if (t.batch_size < 1) range_error("train.batch_size", ">= 1", std::to_string(t.batch_size));
   if (t.grad_accum < 1) range_error("train.grad_accum", ">= 1", std::to_string(t.grad_accum));
   if (t.seq_len < 2) range_error("train.seq_len", ">= 2", std::to_string(t.seq_len));
+  if (c.optim.in_backward == "true" && t.grad_accum > 1) {
+    throw ConfigError(
+        "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
+        "micro-batches must be accumulated before the update); use auto or false");
+  }
   if (c.data.pack_window < 1) {
     range_error("data.pack_window", ">= 1", std::to_string(c.data.pack_window));
   }
@@ -932,6 +944,12 @@ std::string resolved_export_path(const Config& c) {
   fs::path path(p);
   if (path.is_absolute()) return path.string();
   return (fs::path(c.output.dir) / path).lexically_normal().string();
+}
+
+bool in_backward_updates(const Config& c) {
+  if (c.optim.in_backward == "true") return true;
+  if (c.optim.in_backward == "false") return false;
+  return device_is_cuda(c) && c.train.grad_accum == 1;
 }
 
 }  // namespace q4::trainer

@@ -1,6 +1,7 @@
 // Option mapping and the analytic memory budget (see estimate.h).
 #include "q4/trainer/estimate.h"
 
+#include <algorithm>
 #include <fmt/format.h>
 
 #include "q4/optim/state_codec.h"
@@ -111,16 +112,25 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   b.logits_bytes = m.loss_bytes;
   const auto mode = optim::parse_state_mode(c.optim.state);
   const auto ao = adamw_options(c);
+  int64_t largest = 0, layer0 = 0;
   for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {
     if (!p.trainable) continue;
     int64_t n = 1;
     for (int64_t d : p.shape) n *= d;
     b.trainable_elements += n;
+    largest = std::max(largest, n);
+    if (p.name.rfind("model.layers.0.", 0) == 0) layer0 += n;
     if (mode == optim::StateMode::kFp32 || n < ao.small_tensor_threshold) {
       b.moments_bytes += 8 * n;
     } else {
       b.moments_bytes += 2 * optim::packed_moment_bytes(mode, n);
     }
+  }
+  if (in_backward_updates(c) && b.trainable_elements > 0) {
+    // Updates inside the backward free each gradient once applied: what coexists is at most the
+    // largest one (lm_head or the embedding) and the gradients of the layer being back-propagated.
+    const int64_t per_elem = m.grad_bytes / b.trainable_elements;
+    b.gradients_bytes = per_elem * (largest + layer0);
   }
   return b;
 }

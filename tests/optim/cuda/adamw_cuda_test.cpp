@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "../optim_test_util.h"
 #include "q4/optim/adamw.h"
@@ -190,6 +192,45 @@ TEST(PackedAdamWCuda, StepNeedsNoExtraDeviceMemory) {
 #else
   GTEST_SKIP() << "built without Q4_WITH_CUDA (no allocator statistics)";
 #endif
+}
+
+// In-backward updates on the device: the same bits as the CPU's in-backward path (which the
+// CPU tests tie to step()), and a NaN gradient leaves its parameter untouched through the
+// device-side flag (no host sync) while the others move.
+TEST(PackedAdamWCuda, InBackwardMatchesCpuAndSkipsNonFiniteOnDevice) {
+  Q4_REQUIRE_CUDA();
+  for (StateMode mode : {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit}) {
+    at::Generator g = gen(21);
+    std::vector<at::Tensor> cpu_m, cuda_m, grads;
+    for (auto shape : {std::vector<int64_t>{96, 128}, {5000}, {16}}) {
+      cpu_m.push_back(at::randn(shape, g).mul(0.1).to(at::kHalf));
+      cuda_m.push_back(cpu_m.back().to(kCuda));
+      grads.push_back(at::randn(shape, g).mul(0.01).to(at::kBFloat16));
+    }
+    grads[1].view(-1)[7] = std::numeric_limits<float>::infinity();  // param 1: non-finite
+    AdamWOptions o;
+    o.state_mode = mode;
+    o.small_tensor_threshold = 32;
+    PackedAdamW a(o), b(o);
+    for (size_t i = 0; i < cpu_m.size(); ++i) {
+      a.add_param("p" + std::to_string(i), cpu_m[i]);
+      b.add_param("p" + std::to_string(i), cuda_m[i]);
+    }
+    const auto before = cuda_m[1].cpu();
+    a.begin_step();
+    b.begin_step();
+    for (size_t i = 0; i < grads.size(); ++i) {
+      a.step_param(static_cast<int64_t>(i), grads[i]);
+      b.step_param(static_cast<int64_t>(i), grads[i].to(kCuda));
+    }
+    const StepResult ra = a.end_step(), rb = b.end_step();
+    EXPECT_FALSE(ra.applied);
+    EXPECT_FALSE(rb.applied);
+    EXPECT_TRUE(bit_equal(cuda_m[1], before)) << to_string(mode);
+    for (size_t i = 0; i < cpu_m.size(); ++i) {
+      EXPECT_TRUE(bit_equal(cpu_m[i], cuda_m[i])) << to_string(mode) << " param " << i;
+    }
+  }
 }
 
 }  // namespace

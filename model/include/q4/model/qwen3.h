@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -88,6 +89,7 @@ struct Parameter {
                       // reaches it and after zero_grad(). Frozen: always undefined.
   bool trainable = false;
   bool quantized = false;  // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
+  int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
 // Per-layer key/value cache for generation. Holds (B, kv_heads, capacity, head_dim) tensors in
@@ -162,6 +164,14 @@ class Qwen3Model {
   Parameter& parameter(const std::string& name);  // error naming the key when absent
   const Parameter& parameter(const std::string& name) const;
   void zero_grad();                        // grads -> undefined (freed)
+  // In-backward optimizer updates: with a hook set, each trainable parameter is handed to it from
+  // inside the backward as soon as its gradient for the step is complete (every use of the
+  // parameter in the graph has delivered its part), and its grad is freed when the hook returns,
+  // so no full-model gradient buffer exists. Call begin_grad_step() before each step's forward
+  // (it resets the use counts). An empty hook: gradients stay in Parameter::grad (default).
+  using GradReadyHook = std::function<void(Parameter&)>;
+  void set_grad_ready_hook(GradReadyHook hook);
+  void begin_grad_step();
   int64_t num_trainable_elements() const;  // total elements of trainable masters
 
   // Writes `path` with the entries of `source` in source order: a trainable parameter whose
@@ -169,6 +179,10 @@ class Qwen3Model {
   // rules, source element types) or cast back to its source element type; everything else is
   // copied byte-exactly. Atomic (DatWriter). `source` must match this model's shapes.
   void export_to(const DatReader& source, const std::string& path) const;
+  // The parameters whose forward weight, as a model loaded from `exported` would compute it,
+  // differs from this model's (empty: the export reproduces this model's forward exactly).
+  // Streams one tensor at a time: no second model in memory.
+  std::vector<std::string> compare_forward_weights(const DatReader& exported) const;
 
   // An empty cache for `batch` sequences of up to `capacity` tokens.
   KvCache make_cache(int64_t batch, int64_t capacity) const;

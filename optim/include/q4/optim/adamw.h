@@ -116,6 +116,24 @@ class PackedAdamW {
   StepResult step(const StepArgs& args = {});
   StepResult step(const std::vector<at::Tensor>& grads, const StepArgs& args = {});
 
+  // In-backward updates, for a backward that frees each gradient as soon as it is applied (no
+  // full-model gradient buffer): begin_step() before the backward; step_param(index, grad) for
+  // each registered parameter as soon as its gradient is complete (any order, at most once; the
+  // gradient may be freed on return); end_step() after the backward, which gives parameters
+  // without a gradient a zero one and returns the result. Differences from step():
+  //  - clipping uses the previous step's global norm (this step's is known only at the end); the
+  //    first step is not clipped (Adam's first update is sign(g) up to eps, scale-free);
+  //  - a parameter whose gradient holds NaN/Inf keeps its master and moments (decided on the
+  //    device, no host sync); the others are updated and the step counts as non-finite.
+  // On CUDA end_step() is the step's only host wait (the norm and the non-finite count).
+  void begin_step(const StepArgs& args = {});
+  void step_param(int64_t index, const at::Tensor& grad);
+  StepResult end_step();
+  bool in_step() const;
+  // The global norm the next in-backward step clips with (NaN: none); saved with checkpoints.
+  double previous_grad_norm() const;
+  void set_previous_grad_norm(double norm);
+
   // Drops (set_to_none) or zeroes every registered master's .grad().
   void zero_grad(bool set_to_none = true);
 

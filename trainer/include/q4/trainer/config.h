@@ -87,6 +87,10 @@ struct OptimConfig {
   std::string state = "int8";                  // moment storage: fp32 | int8 | 4bit | nvfp4
   int64_t chunk_rows = 1024;                   // rows per optimizer chunk (bounds temporaries)
   std::string master_rounding = "stochastic";  // stochastic | nearest (fp16/bf16 masters)
+  // Apply each parameter's update inside the backward as soon as its gradient is complete and
+  // free the gradient (no full-model gradient buffer): auto | true | false. auto = on CUDA with
+  // grad_accum 1. Clipping then uses the previous step's norm (docs/optim.md).
+  std::string in_backward = "auto";
   ScheduleConfig schedule;
 };
 
@@ -184,5 +188,7 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
 std::string resolved_compute_dtype(const Config& c);  // "fp32"/"bf16"/"fp16"
 std::string resolved_export_path(const Config& c);    // "" when export is disabled
 bool device_is_cuda(const Config& c);
+// Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
+bool in_backward_updates(const Config& c);
 
 }  // namespace q4::trainer
