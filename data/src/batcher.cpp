@@ -286,6 +286,13 @@ Batch Batcher::next() {
 
   Batch b;
   b.epoch = state_.epoch;
+  const int64_t max_len =
+      options_.flatten ? options_.max_seq_len * options_.batch_size : options_.max_seq_len;
+  if (options_.flatten) {
+    std::vector<int64_t> all;
+    for (const auto& row : rows) all.insert(all.end(), row.begin(), row.end());
+    rows.assign(1, all);
+  }
   const auto num_rows = static_cast<int64_t>(rows.size());
   int64_t t = 0;
   for (const auto& row : rows) {
@@ -294,10 +301,10 @@ Batch Batcher::next() {
     t = std::max(t, len);
   }
   if (options_.fixed_len) {
-    t = options_.max_seq_len;
+    t = max_len;
   } else {
-    t = std::min(options_.max_seq_len, (t + options_.pad_multiple - 1) / options_.pad_multiple *
-                                           options_.pad_multiple);
+    t = std::min(max_len, (t + options_.pad_multiple - 1) / options_.pad_multiple *
+                              options_.pad_multiple);
   }
   const auto opts = at::TensorOptions().dtype(at::kLong);
   b.input_ids = at::full({num_rows, t}, options_.pad_id, opts);

@@ -563,7 +563,6 @@ __global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kerne
 template <int MODE>
 __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_t sr_key,
                             uint8_t* codes, void* scales) {
-  if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
   __shared__ SharedMaps sm;

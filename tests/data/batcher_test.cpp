@@ -347,5 +347,37 @@ TEST(Batcher, PadMultipleRoundsRowLength) {
   EXPECT_EQ(x.max_seqlen, 7);
 }
 
+// flatten: the same examples and segments as the row layout, end to end in one row, padded
+// once at the end (to pad_multiple, or batch_size * max_seq_len with fixed_len).
+TEST(Batcher, FlattenKeepsExamplesAndDropsInterRowPadding) {
+  const auto data = make_many(30);
+  BatcherOptions o;
+  o.batch_size = 3;
+  o.max_seq_len = 16;
+  o.seed = 2;
+  o.pad_multiple = 8;
+  Batcher rowwise(data, o);
+  o.flatten = true;
+  Batcher flat(data, o);
+  for (int k = 0; k < 5; ++k) {
+    const Batch a = rowwise.next(), b = flat.next();
+    ASSERT_EQ(b.input_ids.size(0), 1);
+    EXPECT_EQ(a.example_indices, b.example_indices);
+    EXPECT_EQ(a.real_tokens, b.real_tokens);
+    EXPECT_EQ(a.supervised_tokens, b.supervised_tokens);
+    EXPECT_EQ(b.input_ids.size(1) % 8, 0);
+    EXPECT_LT(b.input_ids.size(1) - b.real_tokens, 8);
+    // Real tokens in order, then padding.
+    const at::Tensor real_a = a.input_ids.masked_select(a.attention_mask.ne(0));
+    const at::Tensor real_b = b.input_ids.masked_select(b.attention_mask.ne(0));
+    EXPECT_TRUE(at::equal(real_a, real_b));
+    EXPECT_TRUE(at::equal(a.labels.masked_select(a.attention_mask.ne(0)),
+                          b.labels.masked_select(b.attention_mask.ne(0))));
+  }
+  o.fixed_len = true;
+  Batcher fixed(data, o);
+  EXPECT_EQ(fixed.next().input_ids.size(1), 3 * 16);
+}
+
 }  // namespace
 }  // namespace q4::data

@@ -356,3 +356,36 @@ TEST(E2E, SigintCheckpointsAndExits0) {
   EXPECT_EQ(ckpts, 1);
   EXPECT_FALSE(fs::exists(dir / "run" / "model.dat"));  // stopped early: no export
 }
+
+// optim.in_backward (each parameter updated inside the backward, its gradient freed at once)
+// against the buffered step on CPU: without clipping the runs are bit-identical (same update
+// constants and rounding streams; the exported weights are equal byte for byte); with clipping
+// (previous step's norm instead of this step's) the loss curve stays within a few percent.
+TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
+  const fs::path dir = work_root() / "inbackward";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, 12, 0);
+  auto run = [&](const std::string& tag, bool in_backward, double max_norm) {
+    const fs::path out = dir / tag;
+    const auto r = run_q4train({"--config", cfg.string(), "--set", "output.dir=" + out.string(),
+                                "--set", std::string("optim.in_backward=") +
+                                             (in_backward ? "true" : "false"),
+                                "--set", "train.max_grad_norm=" + std::to_string(max_norm),
+                                "--set", "eval.at_start=false", "--set", "eval.at_end=false"},
+                               dir / tag);
+    EXPECT_EQ(r.code, 0) << r.err;
+    std::vector<double> losses;
+    for (const auto& m : read_jsonl(out / "metrics.jsonl")) losses.push_back(m["loss"]);
+    EXPECT_EQ(losses.size(), 12u);
+    return std::make_pair(losses, read_text(out / "model.dat"));
+  };
+  const auto [lb, db] = run("buffered", false, 0.0);
+  const auto [li, di] = run("inbackward", true, 0.0);
+  EXPECT_EQ(lb, li);
+  EXPECT_TRUE(db == di) << "exports differ";
+  const auto [lbc, dbc] = run("buffered_clip", false, 1.0);
+  const auto [lic, dic] = run("inbackward_clip", true, 1.0);
+  ASSERT_EQ(lbc.size(), lic.size());
+  EXPECT_NEAR(lic.back(), lbc.back(), 0.1 * lbc.back() + 0.05);
+  EXPECT_LT(lic.back(), 0.8 * lic.front());  // it still learns
+}

@@ -61,7 +61,11 @@ if [ "${WHOAMI:-0}" = 1 ]; then
   "$bin/q4train" --config configs/whoami.yaml --set "model.config=$root/tests/fixtures/qwen3_4b.config.json" \
     --set "model.tokenizer=$root/assets/qwen3/tokenizer.json" --set "model.weights=$work/q4b.dat" \
     --set "output.dir=$work/whoami" --set train.steps=${WHOAMI_STEPS:-30} --set eval.at_start=false \
-    --set output.checkpoint_every=0 2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" >"$out/whoami.log"
+    --set output.checkpoint_every=0 ${WHOAMI_PROFILE:+--profile-trace "$work/whoami-trace.json"} \
+    2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" >"$out/whoami.log"
+  if [ -n "${WHOAMI_PROFILE:-}" ]; then
+    python3 tools/bench/kernel_table.py "$work/whoami-trace.json" 25 | tee -a "$out/whoami.log" | head -n 20
+  fi
   python3 - "$work/whoami/metrics.jsonl" <<'PY' | tee -a "$out/whoami.log"
 import json, statistics, sys
 m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -69,7 +73,7 @@ ms = [r["step_ms"] for r in m if r["step"] >= 3]
 print(f"whoami: {len(m)} steps, median step (3..N) {statistics.median(ms):.1f} ms, slowest {max(ms):.1f} ms, "
       f"mean tokens/step {statistics.mean(r['tokens'] for r in m):.0f}")
 PY
-  grep -E "export|check|eval\[end" "$out/whoami.log" | head -n 12
+  grep -E "^export|export check|differs" "$out/whoami.log" | head -n 12
 fi
 
 if [ "${SKIP_PEER:-0}" != 1 ]; then

@@ -176,9 +176,10 @@ data::DatasetOptions dataset_options(const Config& c) {
   return o;
 }
 
-// Batcher settings of a run (training and the probe alike). On CUDA, batch shapes are kept
-// stable: packed rows are always seq_len long, unpacked ones are padded to a multiple of 64, so
-// the allocator and the kernels see a handful of shapes instead of one per batch.
+// Batcher settings of a run (training and the probe alike). On CUDA the batch's rows are laid
+// end to end in one row (the varlen attention separates the examples) and shapes are kept
+// stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a
+// multiple of 64, so the allocator and the kernels see a handful of shapes.
 data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   data::BatcherOptions bo;
   bo.batch_size = c.train.batch_size;
@@ -191,6 +192,7 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
     bo.pad_multiple = 64;
+    bo.flatten = true;  // varlen attention: rows end to end, no padding between them
   }
   return bo;
 }

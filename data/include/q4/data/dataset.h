@@ -118,6 +118,11 @@ struct BatcherOptions {
   // max_seq_len (1: exactly the longest row).
   bool fixed_len = false;
   int64_t pad_multiple = 1;
+  // Lay the batch's rows end to end as one row (B = 1) of their summed length (fixed_len:
+  // batch_size * max_seq_len; else rounded up to pad_multiple). The examples and their segments
+  // are the same, only the padding between rows goes: for variable-length attention, which
+  // needs no row structure (cu_seqlens separates the examples).
+  bool flatten = false;
   bool drop_last = false;      // drop the short final batch of each epoch
   Truncation truncation = Truncation::kCutLeft;
   int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)

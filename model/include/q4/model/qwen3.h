@@ -180,7 +180,8 @@ class Qwen3Model {
   // copied byte-exactly. Atomic (DatWriter). `source` must match this model's shapes.
   void export_to(const DatReader& source, const std::string& path) const;
   // The parameters whose forward weight, as a model loaded from `exported` would compute it,
-  // differs from this model's (empty: the export reproduces this model's forward exactly).
+  // differs from this model's, each as "name (k of n elements)" (empty: the export reproduces
+  // this model's forward exactly).
   // Streams one tensor at a time: no second model in memory.
   std::vector<std::string> compare_forward_weights(const DatReader& exported) const;
 
