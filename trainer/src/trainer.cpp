@@ -601,8 +601,7 @@ void write_model_dat(const model::Qwen3Model& m, const std::string& path, bool q
   for (const auto& p : params) {
     if (quantized(p)) {
       const auto q = quant::quantize_nvfp4(p.master.to(at::kFloat), p.name);
-      w.add(p.name + ".qdata", q.qdata.cpu(), model::ElemType::kE2M1Packed);
-      w.add(p.name + ".scale", q.scale.cpu(), model::ElemType::kE4M3Scale);
+      w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, model::ElemType::kE2M1Packed);
     } else {
       w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), model::ElemType::kFloat16);
     }
