@@ -193,7 +193,7 @@ TEST_F(HfInteropTest, RefusesNanAndNegativeScales) {
     // Patch one scale byte of layer 0's q_proj in place.
     const DatReader r(path("a.dat"));
     const auto p = *r.find_nvfp4("model.layers.0.self_attn.q_proj.weight");
-    const uint64_t off = r.entries()[p.scale_index].offset + 5;
+    const uint64_t off = r.entries()[p.scale_index].offset + 6;  // 4 blocks per row
     {
       std::fstream f(path("a.dat"), std::ios::in | std::ios::out | std::ios::binary);
       f.seekp(static_cast<std::streamoff>(off));
@@ -206,7 +206,7 @@ TEST_F(HfInteropTest, RefusesNanAndNegativeScales) {
       const std::string m = e.what_without_backtrace();
       EXPECT_NE(m.find("model.layers.0.self_attn.q_proj.weight.scale"), std::string::npos) << m;
       EXPECT_NE(m.find(bad == 0x7F ? "NaN" : "negative"), std::string::npos) << m;
-      EXPECT_NE(m.find("row 0, block 5"), std::string::npos) << m;
+      EXPECT_NE(m.find("row 1, block 2"), std::string::npos) << m;
     }
     EXPECT_FALSE(fs::exists(path("out") + "/model.safetensors"));
   }
