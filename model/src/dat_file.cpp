@@ -507,6 +507,62 @@ at::Tensor DatReader::load(const DatEntry& e) const {
   return t;
 }
 
+std::optional<DatNvfp4Pair> DatReader::find_nvfp4(const std::string& name) const {
+  const DatEntry* q = find(name + kDatQdataSuffix);
+  const DatEntry* s = find(name + kDatScaleSuffix);
+  if (q == nullptr && s == nullptr) return std::nullopt;
+  auto where = [&](const DatEntry* e) {
+    return path_ + ": entry " + std::to_string(e - entries_.data()) + " '" +
+           key_for_message(e->key) + "'";
+  };
+  TORCH_CHECK(q != nullptr, where(s), ": NVFP4 scale without its '",
+              key_for_message(name + kDatQdataSuffix), "' entry");
+  TORCH_CHECK(s != nullptr, where(q), ": NVFP4 qdata without its '",
+              key_for_message(name + kDatScaleSuffix), "' entry");
+  TORCH_CHECK(q->type == ElemType::kUInt8 || q->type == ElemType::kE2M1Packed, where(q),
+              ": expected element type uint8 or e2m1 (0 or 100), got ", elem_type_name(q->type));
+  TORCH_CHECK(s->type == ElemType::kE4M3Scale, where(s), ": expected element type e4m3 (101), got ",
+              elem_type_name(s->type));
+  TORCH_CHECK(q->shape.size() == 2 && s->shape.size() == 2 && q->shape[0] == s->shape[0] &&
+                  q->shape[1] == 8 * s->shape[1],
+              path_, ": NVFP4 pair '", key_for_message(name), "': qdata ",
+              at::IntArrayRef(q->shape), " and scale ", at::IntArrayRef(s->shape),
+              " are inconsistent (expected (r, c/2) and (r, c/16))");
+  return DatNvfp4Pair{name, static_cast<size_t>(q - entries_.data()),
+                      static_cast<size_t>(s - entries_.data()), q->shape[0], 2 * q->shape[1]};
+}
+
+std::vector<DatNvfp4Pair> DatReader::nvfp4_pairs(bool strict) const {
+  std::vector<DatNvfp4Pair> pairs;
+  auto ends_with = [](const std::string& k, const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return k.size() > n && k.compare(k.size() - n, n, suffix) == 0;
+  };
+  for (const DatEntry& e : entries_) {
+    const bool qdata = ends_with(e.key, kDatQdataSuffix) &&
+                       (e.type == ElemType::kUInt8 || e.type == ElemType::kE2M1Packed);
+    const bool scale = ends_with(e.key, kDatScaleSuffix) && e.type == ElemType::kE4M3Scale;
+    if (!qdata && !scale) continue;
+    const std::string name = e.key.substr(0, e.key.size() - 6);
+    if (strict) {
+      const auto p = find_nvfp4(name);
+      if (qdata) pairs.push_back(*p);
+      continue;
+    }
+    if (!qdata) continue;
+    try {
+      pairs.push_back(*find_nvfp4(name));
+    } catch (const c10::Error&) {  // not a pair (lenient mode)
+    }
+  }
+  return pairs;
+}
+
+q4::quant::Nvfp4Tensor DatReader::load_nvfp4(const DatNvfp4Pair& p) const {
+  return {load(entries_.at(p.qdata_index)).view({p.rows, p.cols / 2}),
+          load(entries_.at(p.scale_index)).view({p.rows, p.cols / q4::quant::kNvfp4BlockSize})};
+}
+
 // ---------------------------------------------------------------------------------------------
 // DatWriter
 
@@ -579,6 +635,9 @@ void DatWriter::write_all(const void* p, size_t n) {
 void DatWriter::begin_entry(const std::string& key) {
   TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
               ": DatWriter used after commit() or after a failed call");
+  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", key_for_message(pair_name_), "' has ",
+              pair_rows_done_, " of ", pair_scale_.defined() ? pair_scale_.size(0) : 0,
+              " rows before entry '", key_for_message(key), "' can start");
   TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
               stream_left_, " payload bytes before entry '", key_for_message(key), "' can start");
   TORCH_CHECK(written_ < count_, path_, ": entry '", key_for_message(key),
@@ -726,11 +785,62 @@ void DatWriter::append(const at::Tensor& chunk) {
   if (c.numel() > 0) append(c.data_ptr(), c.nbytes());
 }
 
+void DatWriter::add_nvfp4(const std::string& name, const q4::quant::Nvfp4Tensor& t,
+                          ElemType qdata_type) {
+  TORCH_CHECK(t.qdata.defined() && t.scale.defined() && t.qdata.dim() == 2 && t.scale.dim() == 2,
+              path_, ": NVFP4 pair '", key_for_message(name), "': expected 2-D qdata and scale");
+  begin_nvfp4(name, t.qdata.size(0), 2 * t.qdata.size(1), qdata_type);
+  append_nvfp4(t);
+}
+
+void DatWriter::begin_nvfp4(const std::string& name, int64_t rows, int64_t cols,
+                            ElemType qdata_type) {
+  TORCH_CHECK(qdata_type == ElemType::kUInt8 || qdata_type == ElemType::kE2M1Packed, path_,
+              ": NVFP4 pair '", key_for_message(name), "': qdata element type must be uint8 or ",
+              "e2m1, got ", elem_type_name(qdata_type));
+  TORCH_CHECK(rows >= 0 && cols >= 0 && cols % q4::quant::kNvfp4BlockSize == 0, path_,
+              ": NVFP4 pair '", key_for_message(name), "': shape [", rows, ", ", cols,
+              "] needs a column count that is a multiple of ", q4::quant::kNvfp4BlockSize);
+  TORCH_CHECK(keys_.count(name + kDatScaleSuffix) == 0, path_, ": entry '",
+              key_for_message(name + kDatScaleSuffix), "': duplicate key");
+  begin_streamed(name + kDatQdataSuffix, qdata_type, {rows, cols / 2});
+  pair_name_ = name;
+  pair_scale_ = at::empty({rows, cols / q4::quant::kNvfp4BlockSize},
+                          at::TensorOptions().dtype(at::kByte));
+  pair_rows_done_ = 0;
+  if (rows == 0) append_nvfp4({pair_scale_.new_empty({0, cols / 2}), pair_scale_});
+}
+
+void DatWriter::append_nvfp4(const q4::quant::Nvfp4Tensor& t) {
+  TORCH_CHECK(!pair_name_.empty(), path_, ": append_nvfp4() without begin_nvfp4()");
+  const int64_t rows = pair_scale_.size(0), sc = pair_scale_.size(1);
+  const int64_t n = t.qdata.defined() && t.qdata.dim() == 2 ? t.qdata.size(0) : -1;
+  TORCH_CHECK(n >= 0 && t.qdata.scalar_type() == at::kByte && t.qdata.size(1) * 2 == sc * 16 &&
+                  t.scale.defined() && t.scale.scalar_type() == at::kByte &&
+                  t.scale.sizes() == at::IntArrayRef({n, sc}) && pair_rows_done_ + n <= rows,
+              path_, ": NVFP4 pair '", key_for_message(pair_name_), "': chunk qdata ",
+              t.qdata.defined() ? t.qdata.sizes() : at::IntArrayRef{}, " / scale ",
+              t.scale.defined() ? t.scale.sizes() : at::IntArrayRef{}, " does not continue a [",
+              rows, ", ", sc * 16, "] matrix at row ", pair_rows_done_);
+  append(t.qdata.cpu());
+  pair_scale_.narrow(0, pair_rows_done_, n).copy_(t.scale);
+  pair_rows_done_ += n;
+  if (pair_rows_done_ == rows) {
+    const std::string name = pair_name_;
+    pair_name_.clear();
+    at::Tensor scale = std::move(pair_scale_);
+    pair_scale_ = at::Tensor();
+    add(name + kDatScaleSuffix, scale, ElemType::kE4M3Scale);
+  }
+}
+
 void DatWriter::commit() {
   TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
               ": DatWriter::commit() after commit() or after a failed call");
   TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
               stream_left_, " payload bytes");
+  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", key_for_message(pair_name_),
+              "' is incomplete");
   TORCH_CHECK(written_ == count_, path_, ": ", written_,
               " entries written but the header "
               "declares ",

@@ -32,15 +32,10 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       est.frozen_bytes += numel * cs;
     }
   };
-  add(V * H, ts.embeddings || (tied && ts.lm_head));
-  const int64_t proj = 2 * QD * H + 2 * KVD * H + 3 * H * I;
-  for (int64_t l = 0; l < L; ++l) {
-    const bool sel = ts.layer_selected(l, L);
-    add(proj, sel && ts.projections);
-    add(2 * cfg.head_dim + 2 * H, sel && ts.norms);
+  for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
+    add(p.numel(), ts.trains(p, L, tied));
   }
-  add(H, ts.norms);
-  if (!tied) add(V * H, ts.lm_head);
+  const int64_t proj = 2 * QD * H + 2 * KVD * H + 3 * H * I;  // one layer's linears
 
   const int64_t tokens = batch * seq_len;
   // Saved by one layer's graph, per token, in the compute dtype: norm outputs, q/k/v before and

@@ -294,24 +294,4 @@ nlohmann::json Qwen3Config::to_json() const {
   return j;
 }
 
-int64_t Qwen3Config::layer_num_parameters() const {
-  const int64_t h = hidden_size;
-  const int64_t attn = h * q_dim() + 2 * h * kv_dim() + q_dim() * h;  // q, k, v, o
-  const int64_t mlp = 3 * h * intermediate_size;                      // gate, up, down
-  const int64_t norms = 2 * h + 2 * head_dim;  // input/post-attention norms, q_norm, k_norm
-  return attn + mlp + norms;
-}
-
-int64_t Qwen3Config::num_parameters(bool include_lm_head) const {
-  const int64_t embed = vocab_size * hidden_size;
-  return embed + num_hidden_layers * layer_num_parameters() + hidden_size +
-         (include_lm_head ? embed : 0);
-}
-
-int64_t Qwen3Config::num_linear_parameters(bool include_lm_head) const {
-  const int64_t h = hidden_size;
-  const int64_t per_layer = 2 * h * q_dim() + 2 * h * kv_dim() + 3 * h * intermediate_size;
-  return num_hidden_layers * per_layer + (include_lm_head ? vocab_size * h : 0);
-}
-
 }  // namespace q4::model

@@ -47,10 +47,9 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path) con
     }
     auto it = decided.find(ref.name);
     if (it == decided.end()) {
-      const DatEntry& q = source.at(ref.name + ".qdata");
-      const DatEntry& s = source.at(ref.name + ".scale");
+      const q4::quant::Nvfp4Tensor src = source.load_nvfp4(*source.find_nvfp4(ref.name));
       const at::Device dev = p->master.device();
-      at::Tensor deq = q4::quant::dequantize_nvfp4(source.load(q).to(dev), source.load(s).to(dev),
+      at::Tensor deq = q4::quant::dequantize_nvfp4(src.qdata.to(dev), src.scale.to(dev),
                                                    p->master.scalar_type());
       TORCH_CHECK(deq.sizes() == p->master.sizes(), where, ": dequantized shape ", deq.sizes(),
                   " differs from the model's ", p->master.sizes());

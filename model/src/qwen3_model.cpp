@@ -92,45 +92,15 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
   opt.validate();
   opt.trainable.validate(cfg.num_hidden_layers);
   const TrainableSpec& ts = opt.trainable;
-  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size, D = cfg.head_dim;
+  const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
 
-  struct Spec {
-    std::string name;
-    std::vector<int64_t> shape;
-    bool trainable;
-    bool linear;
-  };
-  std::vector<Spec> specs;
-  specs.push_back({"model.embed_tokens.weight",
-                   {cfg.vocab_size, H},
-                   ts.embeddings || (tied && ts.lm_head),
-                   false});
-  for (int64_t l = 0; l < L; ++l) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    const bool sel = ts.layer_selected(l, L);
-    const bool proj = sel && ts.projections;
-    const bool norm = sel && ts.norms;
-    specs.push_back({pre + "self_attn.q_proj.weight", {cfg.q_dim(), H}, proj, true});
-    specs.push_back({pre + "self_attn.k_proj.weight", {cfg.kv_dim(), H}, proj, true});
-    specs.push_back({pre + "self_attn.v_proj.weight", {cfg.kv_dim(), H}, proj, true});
-    specs.push_back({pre + "self_attn.o_proj.weight", {H, cfg.q_dim()}, proj, true});
-    specs.push_back({pre + "self_attn.q_norm.weight", {D}, norm, false});
-    specs.push_back({pre + "self_attn.k_norm.weight", {D}, norm, false});
-    specs.push_back({pre + "mlp.gate_proj.weight", {I, H}, proj, true});
-    specs.push_back({pre + "mlp.up_proj.weight", {I, H}, proj, true});
-    specs.push_back({pre + "mlp.down_proj.weight", {H, I}, proj, true});
-    specs.push_back({pre + "input_layernorm.weight", {H}, norm, false});
-    specs.push_back({pre + "post_attention_layernorm.weight", {H}, norm, false});
-  }
-  specs.push_back({"model.norm.weight", {H}, ts.norms, false});
-  if (!tied) specs.push_back({"lm_head.weight", {cfg.vocab_size, H}, ts.lm_head, true});
-
+  const std::vector<ParamSpec> specs = qwen3_parameters(cfg, !tied);
   params.resize(specs.size());
   shapes.resize(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     params[i].name = specs[i].name;
-    params[i].trainable = specs[i].trainable;
+    params[i].trainable = ts.trains(specs[i], L, tied);
     params[i].quantized = false;  // set by the loader from the file's storage
     shapes[i] = specs[i].shape;
     index[specs[i].name] = i;

@@ -79,8 +79,7 @@ int run_quantize(const QuantizeOptions& o) {
     const at::Tensor x = r->load(e);  // (r, c) float
     // NaN/Inf weights are bad input, reported with the entry's key.
     const q4::quant::Nvfp4Tensor q = as_input([&] { return q4::quant::quantize_nvfp4(x, e.key); });
-    w.add(e.key + ".qdata", q.qdata, qtype);                 // (r, c/2)
-    w.add(e.key + ".scale", q.scale, ElemType::kE4M3Scale);  // (r, c/16)
+    w.add_nvfp4(e.key, q, qtype);  // key.qdata (r, c/2), key.scale (r, c/16)
   }
   w.commit();
   fmt::print("{}: {} entries quantized, {} copied\n", o.out, n_sel, es.size() - n_sel);
@@ -116,9 +115,8 @@ int run_dequantize(const DequantizeOptions& o) {
   for (size_t i = 0; i < es.size(); ++i) {
     if (is_scale[i]) continue;
     if (const Nvfp4Pair* p = at_qdata[i]) {
-      const at::Tensor qdata = r->load(es[p->qdata_index]);              // (r, c/2) uint8
-      const at::Tensor scale = r->load(es[p->scale_index]);              // (r, c/16) uint8
-      w.add(p->name, q4::quant::dequantize_nvfp4(qdata, scale, dtype));  // (r, c)
+      const q4::quant::Nvfp4Tensor q = r->load_nvfp4(*p);
+      w.add(p->name, q4::quant::dequantize_nvfp4(q.qdata, q.scale, dtype));  // (r, c)
     } else {
       w.copy_from(*r, es[i]);
     }

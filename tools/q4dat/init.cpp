@@ -1,6 +1,6 @@
-// q4dat init: a random Qwen3 model in the layout of the shipped NVFP4 Qwen3-4B file (HF names,
-// embed/norms fp16, every linear as .weight.qdata (e2m1, 100) + .weight.scale (e4m3, 101), entry
-// order as in tests/fixtures/qwen3_tiny.weights.dat). Written streaming: each matrix is drawn in
+// q4dat init: a random Qwen3 model in the layout of the shipped NVFP4 Qwen3-4B file (entries of
+// the qwen3_params.h table: HF names, embed/norms fp16, every linear as .weight.qdata (e2m1, 100)
+// + .weight.scale (e4m3, 101), order as in tests/fixtures/qwen3_tiny.weights.dat). Written streaming: each matrix is drawn in
 // row chunks of ~4M values (normal(0, std), fp32), quantized chunk by chunk and appended, so
 // memory stays O(chunk + one scale matrix) even for the 4B shapes. Chunk c of tensor k uses its
 // own generator seeded from (seed, k, c): output is reproducible and independent of threading.
@@ -12,6 +12,7 @@
 #include "common.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/model/qwen3_params.h"
 #include "q4/quant/nvfp4.h"
 #include "q4dat.h"
 
@@ -65,18 +66,14 @@ class Init {
   // rounded to fp16 before quantizing (a tied lm_head derived from the fp16 embedding).
   void linear(const std::string& key, int64_t rows, int64_t cols, const std::string& seed_key,
               bool round_fp16) {
-    w_.begin_streamed(key + ".qdata", ElemType::kE2M1Packed, {rows, cols / 2});
-    at::Tensor scale = at::empty({rows, cols / 16}, at::TensorOptions().dtype(at::kByte));
+    w_.begin_nvfp4(key, rows, cols, ElemType::kE2M1Packed);
     const int64_t step = chunk_rows(cols);
     for (int64_t r0 = 0, c = 0; r0 < rows; r0 += step, ++c) {
       const int64_t n = std::min(step, rows - r0);
       at::Tensor x = draw(seed_key, c, n, cols);  // (n, cols) fp32
       if (round_fp16) x = x.to(at::kHalf).to(at::kFloat);
-      const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(x, key);
-      w_.append(q.qdata);                     // (n, cols/2)
-      scale.narrow(0, r0, n).copy_(q.scale);  // (n, cols/16)
+      w_.append_nvfp4(q4::quant::quantize_nvfp4(x, key));  // (n, cols/2) + (n, cols/16)
     }
-    w_.add(key + ".scale", scale, ElemType::kE4M3Scale);
   }
 
   void ones_fp16(const std::string& key, int64_t n) {
@@ -120,34 +117,27 @@ int run_init(const InitOptions& o) {
   }
 
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t h = c.hidden_size, inter = c.intermediate_size;
-  const uint64_t count =
-      1 + static_cast<uint64_t>(c.num_hidden_layers) * 18 + 1 + (separate_lm_head ? 2 : 0);
+  const std::vector<q4::model::ParamSpec> specs = q4::model::qwen3_parameters(c, separate_lm_head);
+  uint64_t count = 0;
+  for (const auto& p : specs) count += p.kind == q4::model::ParamKind::kQuantizedLinear ? 2 : 1;
   DatWriter w(o.out, count);
   Init init(w, o.seed, o.std);
   const std::string embed = "model.embed_tokens.weight";
-  init.dense_fp16(embed, c.vocab_size, h);  // (V, H)
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    const auto lin = [&](const std::string& name, int64_t rows, int64_t cols) {
-      init.linear(p + name + ".weight", rows, cols, p + name + ".weight", false);
-    };
-    lin("self_attn.q_proj", c.q_dim(), h);   // (heads*hd, H)
-    lin("self_attn.k_proj", c.kv_dim(), h);  // (kv*hd, H)
-    lin("self_attn.v_proj", c.kv_dim(), h);  // (kv*hd, H)
-    lin("self_attn.o_proj", h, c.q_dim());   // (H, heads*hd)
-    init.ones_fp16(p + "self_attn.q_norm.weight", c.head_dim);
-    init.ones_fp16(p + "self_attn.k_norm.weight", c.head_dim);
-    lin("mlp.gate_proj", inter, h);  // (I, H)
-    lin("mlp.up_proj", inter, h);    // (I, H)
-    lin("mlp.down_proj", h, inter);  // (H, I)
-    init.ones_fp16(p + "input_layernorm.weight", h);
-    init.ones_fp16(p + "post_attention_layernorm.weight", h);
-  }
-  init.ones_fp16("model.norm.weight", h);
-  if (separate_lm_head) {
-    init.linear("lm_head.weight", c.vocab_size, h, lm_head_from_embed ? embed : "lm_head.weight",
-                lm_head_from_embed);  // (V, H)
+  for (const auto& p : specs) {
+    switch (p.kind) {
+      case q4::model::ParamKind::kEmbedding:
+        init.dense_fp16(p.name, p.shape[0], p.shape[1]);  // (V, H)
+        break;
+      case q4::model::ParamKind::kRaw:
+        init.ones_fp16(p.name, p.shape[0]);
+        break;
+      case q4::model::ParamKind::kQuantizedLinear: {
+        // A tied lm_head stored separately is the quantized (fp16-rounded) embedding.
+        const bool from_embed = p.group == q4::model::ParamGroup::kLmHead && lm_head_from_embed;
+        init.linear(p.name, p.shape[0], p.shape[1], from_embed ? embed : p.name, from_embed);
+        break;
+      }
+    }
   }
   w.commit();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -1,6 +1,7 @@
 // q4dat: command line for .dat files. `info` lists entries and NVFP4 bits per parameter,
 // `quantize`/`dequantize` convert dense <-> NVFP4 pairs in place of the originals, `diff`
-// compares two files entry by entry, `init` writes a random Qwen3 model in the shipped layout.
+// compares two files entry by entry, `init` writes a random Qwen3 model in the shipped layout,
+// `export-hf` / `import-hf` convert to and from Hugging Face folders (docs/interop.md).
 // Exit codes: 0 ok, 1 runtime failure (diff: files differ), 2 usage or bad input.
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
@@ -66,6 +67,29 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "yes", "no"}))
       ->capture_default_str();
 
+  ExportHfOptions exp;
+  auto* c_exp = app.add_subcommand(
+      "export-hf", "Write a Hugging Face folder vLLM serves (NVFP4, lossless) from a .dat");
+  c_exp->add_option("IN", exp.in, "input .dat")->required();
+  c_exp->add_option("OUT_DIR", exp.out_dir, "output folder (created)")->required();
+  c_exp->add_option("--config", exp.config, "the model's config.json")->required();
+  c_exp->add_option("--format", exp.format, "NVFP4 checkpoint layout")
+      ->check(CLI::IsMember({"modelopt", "compressed-tensors"}))
+      ->capture_default_str();
+  c_exp->add_option("--tokenizer-dir", exp.tokenizer_dir,
+                    "folder whose tokenizer files and generation_config.json are copied");
+  c_exp->add_flag("--raw-bf16", exp.raw_bf16,
+                  "embedding and norms as BF16 (default: kept in the .dat's type, lossless)");
+  c_exp->add_option("--max-shard-gb", exp.max_shard_gb, "largest shard, GB (1e9 bytes)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+
+  ImportHfOptions imp;
+  auto* c_imp = app.add_subcommand(
+      "import-hf", "Write a .dat in the shipped Qwen3 layout from a Hugging Face folder");
+  c_imp->add_option("HF_DIR", imp.in_dir, "folder with config.json and *.safetensors")->required();
+  c_imp->add_option("OUT", imp.out, "output .dat")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -80,6 +104,8 @@ int main(int argc, char** argv) {
     if (c_deq->parsed()) return run_dequantize(deq);
     if (is_diff) return run_diff(diff);
     if (c_init->parsed()) return run_init(init);
+    if (c_exp->parsed()) return run_export_hf(exp);
+    if (c_imp->parsed()) return run_import_hf(imp);
   } catch (const InputError& e) {
     fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
     return 2;

@@ -52,6 +52,20 @@ struct InitOptions {
 };
 int run_init(const InitOptions& o);
 
+struct ExportHfOptions {
+  std::string in, out_dir, config;
+  std::string format = "modelopt";  // modelopt | compressed-tensors
+  std::string tokenizer_dir;        // tokenizer files + generation_config.json to copy
+  bool raw_bf16 = false;            // embedding and norms as BF16 (default: the .dat's type)
+  double max_shard_gb = 5.0;
+};
+int run_export_hf(const ExportHfOptions& o);
+
+struct ImportHfOptions {
+  std::string in_dir, out;
+};
+int run_import_hf(const ImportHfOptions& o);
+
 }  // namespace q4::tools
 
 #include <c10/util/Exception.h>

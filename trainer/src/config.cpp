@@ -354,7 +354,7 @@ std::vector<FieldRef> config_fields(Config& c) {
       {"model.config", &c.model.config, "config.json path (default <dir>/config.json)", {}, true},
       {"model.weights",
        &c.model.weights,
-       "NVFP4 .dat weights (required when init is file)",
+       "NVFP4 .dat weights or a Hugging Face model folder (required when init is file)",
        {},
        true},
       {"model.tokenizer",
@@ -549,6 +549,11 @@ std::vector<FieldRef> config_fields(Config& c) {
        "by tensor",
        {},
        false},
+      {"output.hf_export",
+       &c.output.hf_export,
+       "also write a Hugging Face NVFP4 folder vLLM serves at <export .dat minus .dat>-hf",
+       {"none", "modelopt", "compressed-tensors"},
+       false},
       {"guard.max_gpu_gb",
        &c.guard.max_gpu_gb,
        "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
@@ -703,7 +708,12 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
       for (auto& p : **v) p = resolve_path(p, base);
     }
   }
-  // model.dir supplies config.json / tokenizer.json when those are not given.
+  // model.dir supplies config.json / tokenizer.json when those are not given; so does
+  // model.weights when it is a Hugging Face folder.
+  std::error_code ec;
+  if (c.model.dir.empty() && !c.model.weights.empty() && fs::is_directory(c.model.weights, ec)) {
+    c.model.dir = c.model.weights;
+  }
   if (!c.model.dir.empty()) {
     if (c.model.config.empty()) c.model.config = (fs::path(c.model.dir) / "config.json").string();
     if (c.model.tokenizer.empty()) {
@@ -846,6 +856,9 @@ void validate_config(const Config& c) {
     range_error("output.checkpoint_every", ">= 0", std::to_string(out.checkpoint_every));
   }
   if (out.keep < 1) range_error("output.keep", ">= 1", std::to_string(out.keep));
+  if (out.hf_export != "none" && out.export_path == "none") {
+    throw ConfigError("config key output.hf_export: set, but output.export_path is none");
+  }
 
   if (!(c.guard.max_gpu_gb >= 0) || !std::isfinite(c.guard.max_gpu_gb)) {
     range_error("guard.max_gpu_gb", ">= 0", fmt_double(c.guard.max_gpu_gb));

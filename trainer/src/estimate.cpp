@@ -71,32 +71,13 @@ optim::AdamWOptions adamw_options(const Config& c) {
 
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head) {
-  const int64_t H = mc.hidden_size, I = mc.intermediate_size, V = mc.vocab_size;
-  const int64_t D = mc.head_dim, L = mc.num_hidden_layers;
   const auto spec = trainable_spec(c);
-  const bool tied = !separate_lm_head;
   std::vector<ParamShape> out;
-  out.push_back(
-      {"model.embed_tokens.weight", {V, H}, spec.embeddings || (tied && spec.lm_head), false});
-  for (int64_t l = 0; l < L; ++l) {
-    const bool sel = spec.layer_selected(l, L);
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    const bool proj = sel && spec.projections;
-    const bool norm = sel && spec.norms;
-    out.push_back({p + "self_attn.q_proj.weight", {mc.q_dim(), H}, proj, true});
-    out.push_back({p + "self_attn.k_proj.weight", {mc.kv_dim(), H}, proj, true});
-    out.push_back({p + "self_attn.v_proj.weight", {mc.kv_dim(), H}, proj, true});
-    out.push_back({p + "self_attn.o_proj.weight", {H, mc.q_dim()}, proj, true});
-    out.push_back({p + "self_attn.q_norm.weight", {D}, norm, false});
-    out.push_back({p + "self_attn.k_norm.weight", {D}, norm, false});
-    out.push_back({p + "mlp.gate_proj.weight", {I, H}, proj, true});
-    out.push_back({p + "mlp.up_proj.weight", {I, H}, proj, true});
-    out.push_back({p + "mlp.down_proj.weight", {H, I}, proj, true});
-    out.push_back({p + "input_layernorm.weight", {H}, norm, false});
-    out.push_back({p + "post_attention_layernorm.weight", {H}, norm, false});
+  for (const auto& p : model::qwen3_parameters(mc, separate_lm_head)) {
+    // Weight decay on the linears (lm_head included), not on the embedding or the norms.
+    out.push_back({p.name, p.shape, spec.trains(p, mc.num_hidden_layers, !separate_lm_head),
+                   p.kind == model::ParamKind::kQuantizedLinear});
   }
-  out.push_back({"model.norm.weight", {H}, spec.norms, false});
-  if (separate_lm_head) out.push_back({"lm_head.weight", {V, H}, spec.lm_head, true});
   return out;
 }
 

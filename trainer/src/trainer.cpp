@@ -31,6 +31,7 @@
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/dat_file.h"
+#include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/optim/adamw.h"
@@ -57,6 +58,14 @@ constexpr const char* kRngFile = "rng.dat";
 constexpr const char* kConfigFile = "config.yaml";
 constexpr const char* kEvalFile = "eval.jsonl";
 constexpr const char* kInitFile = "init.dat";
+constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
+
+// output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
+std::string hf_export_dir(const std::string& dat_path) {
+  fs::path p(dat_path);
+  if (p.extension() == ".dat") p.replace_extension();
+  return p.string() + "-hf";
+}
 
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -91,7 +100,9 @@ model::Qwen3Config load_model_config(const Config& c) {
 void check_input_files(const Config& c, bool need_data) {
   require_file(c.model.config, "model.config");
   require_file(c.model.tokenizer, "model.tokenizer");
-  if (c.model.init == "file") require_file(c.model.weights, "model.weights");
+  if (c.model.init == "file" && !model::is_hf_folder(c.model.weights)) {
+    require_file(c.model.weights, "model.weights");
+  }
   if (need_data) {
     if (c.data.files.empty()) {
       throw ConfigError("config key data.files: at least one training file is required");
@@ -285,6 +296,16 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
       write_model_dat(init, lm.source_path, c.model.quantize_lm_head);
       out << "random init (seed " << c.model.init_seed << ") written to " << lm.source_path << "\n";
     }
+  } else if (model::is_hf_folder(c.model.weights)) {
+    // A Hugging Face folder is imported once per run into the shipped .dat layout, which is
+    // then loaded and exported like any .dat (docs/interop.md).
+    lm.source_path = (fs::path(c.output.dir) / kHfImportFile).string();
+    const auto t0 = Clock::now();
+    const auto rep = as_input_error("model.weights", [&] {
+      return model::import_hf(c.model.weights, lm.source_path);
+    });
+    out << fmt::format("imported {} ({} checkpoint) to {} in {:.1f} s\n", c.model.weights,
+                       rep.source_format, lm.source_path, ms_since(t0) / 1000.0);
   } else {
     lm.source_path = c.model.weights;
   }
@@ -750,6 +771,21 @@ class Trainer {
     return answers;
   }
 
+  // output.hf_export: the exported .dat also as a Hugging Face folder next to it.
+  void export_hf_folder(const std::string& dat_path) {
+    if (c_.output.hf_export == "none") return;
+    const auto t0 = Clock::now();
+    const std::string dir = hf_export_dir(dat_path);
+    model::HfExportOptions o;
+    o.format = *model::hf_format_from_name(c_.output.hf_export);
+    o.tokenizer_dir = fs::path(c_.model.tokenizer).parent_path().string();
+    std::ifstream in(c_.model.config);
+    const auto config = nlohmann::json::parse(in);
+    const auto rep = model::export_hf(model::DatReader(dat_path), config, dir, o);
+    out_ << fmt::format("hf export ({}) -> {} ({} shard(s), {:.1f} s); serve with: vllm serve {}\n",
+                        c_.output.hf_export, dir, rep.shards.size(), ms_since(t0) / 1000.0, dir);
+  }
+
   void export_model(int64_t step, const std::vector<EvalAnswer>* reference) {
     const std::string path = resolved_export_path(c_);
     if (path.empty()) return;
@@ -760,6 +796,7 @@ class Trainer {
       model_->export_to(source, path);
     }
     out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);
+    export_hf_folder(path);
     if (!c_.output.verify_export) return;
     // Read the export back as inference would load it and compare, tensor by tensor, the
     // weights its forward would use with the trained model's: equal weights, equal answers,
@@ -918,8 +955,7 @@ void write_model_dat(const model::Qwen3Model& m, const std::string& path, bool q
   for (const auto& p : params) {
     if (quantized(p)) {
       const auto q = quant::quantize_nvfp4(p.master.to(at::kFloat), p.name);
-      w.add(p.name + ".qdata", q.qdata.cpu(), model::ElemType::kE2M1Packed);
-      w.add(p.name + ".scale", q.scale.cpu(), model::ElemType::kE4M3Scale);
+      w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, model::ElemType::kE2M1Packed);
     } else {
       w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), model::ElemType::kFloat16);
     }
@@ -963,7 +999,9 @@ int run_dry_run(const Config& c, std::ostream& out) {
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, c.train.steps,
                      c.optim.state);
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
-  if (c.model.init == "file") {
+  if (c.model.init == "file" && model::is_hf_folder(c.model.weights)) {
+    out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
+  } else if (c.model.init == "file") {
     out << fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
                        to_gib(static_cast<int64_t>(fs::file_size(c.model.weights))));
   }

@@ -15,6 +15,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "q4/quant/nvfp4.h"
+
 namespace q4::model {
 
 enum class ElemType : uint32_t {
@@ -53,6 +55,19 @@ struct DatEntry {
   int64_t numel() const;
 };
 
+// An NVFP4 pair: `name.qdata` (uint8 or e2m1, (rows, cols/2)) + `name.scale` (e4m3, (rows,
+// cols/16)). The container reads and writes the pair as one thing (DatReader::load_nvfp4,
+// DatWriter::add_nvfp4 / begin_nvfp4); nothing else spells out the two keys.
+struct DatNvfp4Pair {
+  std::string name;    // e.g. "model.layers.0.mlp.up_proj.weight"
+  size_t qdata_index;  // entry index of name.qdata
+  size_t scale_index;  // entry index of name.scale
+  int64_t rows;
+  int64_t cols;  // dense columns
+};
+inline constexpr const char* kDatQdataSuffix = ".qdata";
+inline constexpr const char* kDatScaleSuffix = ".scale";
+
 class DatReader {
  public:
   // Indexes the whole file; any corruption throws c10::Error naming file, entry index and key.
@@ -75,6 +90,16 @@ class DatReader {
   void read_bytes(const DatEntry& e, void* dst) const;
   // Raw bytes [offset, offset + n) of the file into dst (any size; loops over pread).
   void read_range(uint64_t offset, uint64_t n, void* dst) const;
+
+  // The pair `name.qdata` + `name.scale`, checked (element types, consistent shapes). nullopt when
+  // neither half exists; an error naming the file, entry and key when only one does or it is
+  // ill-typed / ill-shaped.
+  std::optional<DatNvfp4Pair> find_nvfp4(const std::string& name) const;
+  // Every pair, in the order of the .qdata entries. strict: an orphan half or inconsistent
+  // shapes are errors; otherwise such entries are simply not pairs.
+  std::vector<DatNvfp4Pair> nvfp4_pairs(bool strict) const;
+  // qdata (rows, cols/2) uint8 and scale (rows, cols/16) uint8, CPU.
+  q4::quant::Nvfp4Tensor load_nvfp4(const DatNvfp4Pair& p) const;
 
  private:
   friend class DatWriter;  // copy_from reads the source descriptor directly
@@ -111,6 +136,16 @@ class DatWriter {
   void begin_streamed(const std::string& key, ElemType type, const std::vector<int64_t>& shape);
   void append(const void* data, size_t nbytes);
   void append(const at::Tensor& chunk);  // CPU, contiguous, dtype = storage dtype of the entry
+
+  // NVFP4 pair `name.qdata` (qdata_type: kUInt8 or kE2M1Packed) + `name.scale` (kE4M3Scale).
+  void add_nvfp4(const std::string& name, const q4::quant::Nvfp4Tensor& t,
+                 ElemType qdata_type = ElemType::kE2M1Packed);
+  // Streamed pair of a (rows, cols) matrix: append_nvfp4() takes consecutive row chunks; qdata is
+  // written as it comes, the scales (1/8 of the qdata bytes) are kept and written as
+  // `name.scale` after the last row. Counts as two entries.
+  void begin_nvfp4(const std::string& name, int64_t rows, int64_t cols,
+                   ElemType qdata_type = ElemType::kE2M1Packed);
+  void append_nvfp4(const q4::quant::Nvfp4Tensor& rows_chunk);
   void commit();
 
   const std::string& path() const { return path_; }
@@ -132,6 +167,9 @@ class DatWriter {
   ElemType stream_type_ = ElemType::kUInt8;
   std::unordered_set<std::string> keys_;
   std::vector<uint8_t> buf_;  // small writes (headers, small payloads) are coalesced here
+  std::string pair_name_;     // begin_nvfp4() pair in progress (empty: none)
+  at::Tensor pair_scale_;     // (rows, cols/16) uint8 scales of that pair
+  int64_t pair_rows_done_ = 0;
   void begin_entry(const std::string& key);
   void write_header(const std::string& key, ElemType type, const std::vector<int64_t>& shape);
   void write_all(const void* p, size_t n);  // through buf_

@@ -17,6 +17,7 @@
 
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/model/qwen3_params.h"
 
 namespace q4::model {
 
@@ -34,6 +35,8 @@ struct TrainableSpec {
   static TrainableSpec everything();  // all groups, all layers
   static TrainableSpec nothing();     // inference only
   bool layer_selected(int64_t layer, int64_t num_layers) const;
+  // Whether parameter `p` of a num_layers model trains; `tied`: lm_head is embed_tokens.
+  bool trains(const ParamSpec& p, int64_t num_layers, bool tied) const;
   // Errors (naming the field) for layer indices out of [0, num_layers) or last_n_layers > L.
   void validate(int64_t num_layers) const;
 };

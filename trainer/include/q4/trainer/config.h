@@ -119,6 +119,9 @@ struct OutputConfig {
   int64_t checkpoint_every = 0;  // checkpoint every N steps (0: only on signal)
   int64_t keep = 2;              // newest complete checkpoints kept
   bool verify_export = true;     // reload the export and check it generates the same answers
+  // Also write a Hugging Face folder vLLM serves next to the .dat (<export .dat minus .dat>-hf):
+  // none | modelopt | compressed-tensors (docs/interop.md).
+  std::string hf_export = "none";
 };
 
 struct GuardConfig {

@@ -1,0 +1,74 @@
+// Hugging Face interop (DESIGN.md "Interop"): export of a .dat to a folder vLLM serves
+// (ModelOpt or compressed-tensors NVFP4 layout, lossless: every weight / weight_scale byte is the
+// .dat's qdata / scale byte; global scales 1.0), and import of an HF folder (BF16/FP16/FP32, or
+// either NVFP4 layout) into the shipped .dat layout. Both stream tensor by tensor (row chunks for
+// conversions), so memory stays about one tensor; both walk the Qwen3 parameter table.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "q4/model/dat_file.h"
+
+namespace q4::model {
+
+enum class HfFormat { kModelOpt, kCompressedTensors };
+// "modelopt" | "compressed-tensors"; nullopt otherwise.
+std::optional<HfFormat> hf_format_from_name(const std::string& name);
+const char* hf_format_name(HfFormat f);
+
+// Shards are cut below this many payload bytes (HF's default 5 GB).
+inline constexpr uint64_t kHfMaxShardBytes = 5'000'000'000;
+
+struct HfExportOptions {
+  HfFormat format = HfFormat::kModelOpt;
+  // Folder (or a file in it, e.g. tokenizer.json) whose tokenizer files and
+  // generation_config.json are copied; empty: none.
+  std::string tokenizer_dir;
+  uint64_t max_shard_bytes = kHfMaxShardBytes;
+  // Raw tensors (embedding, norms, unquantized linears) as BF16. Default false: kept in the
+  // .dat's float type (lossless; vLLM casts to its serving dtype on load).
+  bool raw_bf16 = false;
+};
+
+struct HfExportReport {
+  int64_t quantized = 0;       // NVFP4 linears written in the quantized layout
+  int64_t raw = 0;             // raw tensors (embedding, norms, unquantized linears)
+  bool lm_head_dequantized = false;  // the .dat's NVFP4 lm_head written as BF16
+  bool tied = false;                 // no lm_head in the .dat: tie_word_embeddings true
+  std::vector<std::string> shards;
+  std::vector<std::string> copied;   // tokenizer / generation config files
+  uint64_t payload_bytes = 0;
+};
+
+// `config`: the model's config.json (parsed); its fields are kept, tie_word_embeddings,
+// torch_dtype and quantization_config are set. Errors (missing or ill-shaped parameters, NaN
+// or negative block scales) name the .dat and the key; nothing is written before the checks
+// pass, and each file is written atomically.
+HfExportReport export_hf(const DatReader& src, const nlohmann::json& config,
+                         const std::string& out_dir, const HfExportOptions& opt);
+
+struct HfImportReport {
+  std::string source_format;   // "dense", "modelopt" or "compressed-tensors"
+  int64_t quantized = 0;       // linears quantized from float weights (NVFP4 rules)
+  int64_t copied_nvfp4 = 0;    // NVFP4 linears copied losslessly (global scale 1)
+  int64_t folded_nvfp4 = 0;    // NVFP4 linears whose global scale was folded into the blocks
+  int64_t folded_blocks_changed = 0;  // blocks whose values the E4M3 rounding changed
+  int64_t raw = 0;
+  std::vector<std::string> ignored;  // tensors of the folder that are not Qwen3 parameters
+  bool lm_head_from_embedding = false;  // tied checkpoint: lm_head quantized from the embedding
+};
+
+// Whether `path` is a folder with config.json and model.safetensors(.index.json).
+bool is_hf_folder(const std::string& path);
+
+// Writes `out_dat` in the shipped Qwen3 .dat layout (fp16 embedding and norms, NVFP4 pairs with
+// qdata element type 0 and scale 101, lm_head stored separately even when tied). A folder written
+// by export_hf is read back with its original element types (its __metadata__ says so), so
+// .dat -> HF -> .dat is byte-identical.
+HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat);
+
+}  // namespace q4::model

@@ -1,0 +1,42 @@
+// The Qwen3 parameter table: every tensor of Qwen3ForCausalLM (HF name, shape, kind) in the
+// order of the shipped NVFP4 .dat (embed, per layer q/k/v/o, q_norm, k_norm, gate/up/down,
+// input/post-attention norms, final norm, lm_head). Defined once here and iterated by the model,
+// the memory estimates, `q4dat init`, and the Hugging Face import/export, so the list cannot
+// drift between them (llm.c's ParameterTensors).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "q4/model/qwen3_config.h"
+
+namespace q4::model {
+
+enum class ParamKind {
+  kQuantizedLinear,  // 2-D linear weight, stored as an NVFP4 pair in the .dat (lm_head included)
+  kEmbedding,        // model.embed_tokens.weight, raw
+  kRaw,              // RMSNorm weights, raw 1-D
+};
+
+enum class ParamGroup {
+  kEmbedding,   // model.embed_tokens.weight
+  kProjection,  // q/k/v/o/gate/up/down of a layer
+  kNorm,        // input/post-attention/q/k norms of a layer, or model.norm
+  kLmHead,      // lm_head.weight
+};
+
+struct ParamSpec {
+  std::string name;            // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // (out, in) for linears, (V, H) embedding, (n) norms
+  ParamKind kind;
+  ParamGroup group;
+  int64_t layer = -1;  // decoder layer index; -1 for embed, final norm and lm_head
+  int64_t numel() const;
+};
+
+// Every parameter in .dat / HF order. `include_lm_head`: a separate lm_head.weight (the shipped
+// file stores one even when config.json says tied); false when lm_head is embed_tokens.
+std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& cfg, bool include_lm_head);
+
+}  // namespace q4::model

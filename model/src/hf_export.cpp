@@ -1,0 +1,341 @@
+// export_hf (hf_interop.h): .dat -> Hugging Face folder in the ModelOpt or compressed-tensors
+// NVFP4 layout. The NVFP4 bytes are copied, never re-encoded; the global scale is 1.0 (ModelOpt
+// weight_scale_2 scalar, compressed-tensors weight_global_scale [1], stored as the reciprocal,
+// so 1.0 either way). lm_head leaves as BF16 (dequantized when the .dat stores it as NVFP4:
+// exact, NVFP4 values have <= 5 significant bits); its block scales then go to a sidecar file
+// outside the index so that import_hf can restore the .dat bytes exactly.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "hf_interop_impl.h"
+#include "q4/model/atomic_file.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/model/qwen3_params.h"
+#include "q4/model/safetensors.h"
+#include "q4/quant/nvfp4.h"
+
+namespace q4::model {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr int64_t kChunkElems = int64_t{1} << 22;  // row chunks of conversions
+
+// One output tensor and how to produce its bytes.
+struct OutTensor {
+  SafetensorsWriter::Decl decl;
+  enum class Src { kCopy, kConvert, kDequant, kOne } src;
+  const DatEntry* entry = nullptr;  // kCopy / kConvert: the .dat entry
+  DatNvfp4Pair pair{};              // kDequant: the pair
+  uint64_t bytes() const { return SafetensorsWriter::tensor_bytes(decl); }
+};
+
+StDtype st_dtype_of(ElemType t) {
+  switch (t) {
+    case ElemType::kFloat16:
+      return StDtype::kF16;
+    case ElemType::kBFloat16:
+      return StDtype::kBF16;
+    case ElemType::kFloat32:
+      return StDtype::kF32;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "not a raw float type");
+  }
+}
+
+void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w) {
+  switch (t.src) {
+    case OutTensor::Src::kOne: {
+      const float one = 1.0f;
+      w.append(&one, sizeof(one));
+      return;
+    }
+    case OutTensor::Src::kCopy: {
+      std::vector<uint8_t> buf;
+      const uint64_t chunk = uint64_t{64} << 20;
+      for (uint64_t off = 0; off < t.entry->nbytes; off += chunk) {
+        const uint64_t n = std::min(chunk, t.entry->nbytes - off);
+        buf.resize(n);
+        src.read_range(t.entry->offset + off, n, buf.data());
+        w.append(buf.data(), n);
+      }
+      return;
+    }
+    case OutTensor::Src::kConvert: {  // raw float -> another float type, row chunks
+      const DatEntry& e = *t.entry;
+      const int64_t rows = e.shape.empty() ? 1 : e.shape[0];
+      const int64_t cols = rows ? e.numel() / std::max<int64_t>(rows, 1) : 0;
+      const int64_t step = std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1));
+      const uint64_t row_bytes = static_cast<uint64_t>(cols) * elem_size_bytes(e.type);
+      for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        const int64_t n = std::min(step, rows - r0);
+        at::Tensor x = at::empty({n, cols}, at::TensorOptions().dtype(elem_scalar_type(e.type)));
+        src.read_range(e.offset + static_cast<uint64_t>(r0) * row_bytes, x.nbytes(),
+                       x.data_ptr());
+        w.append(x.to(st_storage_scalar_type(t.decl.dtype)).contiguous());
+      }
+      return;
+    }
+    case OutTensor::Src::kDequant: {  // NVFP4 pair -> BF16, row chunks (exact)
+      const DatNvfp4Pair& p = t.pair;
+      const DatEntry& q = src.entries()[p.qdata_index];
+      const DatEntry& s = src.entries()[p.scale_index];
+      const int64_t step = std::max<int64_t>(1, kChunkElems / p.cols);
+      for (int64_t r0 = 0; r0 < p.rows; r0 += step) {
+        const int64_t n = std::min(step, p.rows - r0);
+        at::Tensor qd = at::empty({n, p.cols / 2}, at::TensorOptions().dtype(at::kByte));
+        at::Tensor sc = at::empty({n, p.cols / 16}, at::TensorOptions().dtype(at::kByte));
+        src.read_range(q.offset + static_cast<uint64_t>(r0 * p.cols / 2), qd.nbytes(),
+                       qd.data_ptr());
+        src.read_range(s.offset + static_cast<uint64_t>(r0 * p.cols / 16), sc.nbytes(),
+                       sc.data_ptr());
+        w.append(q4::quant::dequantize_nvfp4(qd, sc, at::kBFloat16).contiguous());
+      }
+      return;
+    }
+  }
+}
+
+// Refuses NaN (0x7F/0xFF) and negative (sign bit) block scales, naming the entry and block.
+void check_scales(const DatReader& src, const DatNvfp4Pair& p) {
+  const DatEntry& s = src.entries()[p.scale_index];
+  const int64_t blocks_per_row = p.cols / 16;
+  std::vector<uint8_t> buf;
+  const uint64_t chunk = uint64_t{16} << 20;
+  for (uint64_t off = 0; off < s.nbytes; off += chunk) {
+    const uint64_t n = std::min(chunk, s.nbytes - off);
+    buf.resize(n);
+    src.read_range(s.offset + off, n, buf.data());
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint8_t b = buf[i];
+      if ((b & 0x80) == 0 && b != 0x7F) continue;
+      const int64_t k = static_cast<int64_t>(off + i);
+      TORCH_CHECK(false, src.path(), ": entry '", s.key, "': block scale at row ",
+                  k / blocks_per_row, ", block ", k % blocks_per_row, " is ",
+                  (b & 0x7F) == 0x7F ? "NaN" : "negative",
+                  " (byte 0x", "0123456789ABCDEF"[b >> 4], "0123456789ABCDEF"[b & 15],
+                  "); HF NVFP4 scales must be finite and >= 0, refusing to export");
+    }
+  }
+}
+
+std::string module_of(const std::string& weight_name) {  // "x.q_proj.weight" -> "x.q_proj"
+  const std::string suffix = ".weight";
+  TORCH_INTERNAL_ASSERT(weight_name.size() > suffix.size());
+  return weight_name.substr(0, weight_name.size() - suffix.size());
+}
+
+void copy_file_atomic(const fs::path& from, const fs::path& to) {
+  std::ifstream in(from, std::ios::binary);
+  TORCH_CHECK(in.good(), from.string(), ": cannot open");
+  std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  write_file_atomic(to.string(), data);
+}
+
+}  // namespace
+
+std::optional<HfFormat> hf_format_from_name(const std::string& name) {
+  if (name == "modelopt") return HfFormat::kModelOpt;
+  if (name == "compressed-tensors") return HfFormat::kCompressedTensors;
+  return std::nullopt;
+}
+
+const char* hf_format_name(HfFormat f) {
+  return f == HfFormat::kModelOpt ? "modelopt" : "compressed-tensors";
+}
+
+HfExportReport export_hf(const DatReader& src, const json& config, const std::string& out_dir,
+                         const HfExportOptions& opt) {
+  const Qwen3Config cfg = Qwen3Config::from_json(config, "config.json");
+  const bool has_lm_head = src.find("lm_head.weight") != nullptr ||
+                           src.find(std::string("lm_head.weight") + kDatQdataSuffix) != nullptr;
+  TORCH_CHECK(has_lm_head || cfg.tie_word_embeddings, src.path(),
+              ": no lm_head.weight(.qdata) entry, but the config has tie_word_embeddings false");
+  const bool ct = opt.format == HfFormat::kCompressedTensors;
+  HfExportReport rep;
+  rep.tied = !has_lm_head;
+
+  // Plan every output tensor and check the inputs before anything is written.
+  std::vector<OutTensor> plan;
+  std::vector<std::string> unquantized;  // modules left dense (exclude_modules / ignore)
+  std::optional<DatNvfp4Pair> lm_head_pair;
+  std::optional<ElemType> qdata_type;
+  bool mixed_qdata = false;
+  for (const ParamSpec& p : qwen3_parameters(cfg, has_lm_head)) {
+    const std::string where = src.path() + ": parameter " + p.name;
+    const auto pair = src.find_nvfp4(p.name);
+    const DatEntry* raw = src.find(p.name);
+    TORCH_CHECK(!(pair && raw), where, " is stored both raw and as an NVFP4 pair");
+    TORCH_CHECK(pair || raw, where, " is missing (expected ", p.name, " raw or ", p.name,
+                ".qdata/.scale, shape ", at::IntArrayRef(p.shape), ")");
+    if (pair) {
+      TORCH_CHECK(p.kind == ParamKind::kQuantizedLinear, where,
+                  " is stored as NVFP4 but is not a linear weight");
+      TORCH_CHECK(std::vector<int64_t>({pair->rows, pair->cols}) == p.shape, where,
+                  ": NVFP4 shape [", pair->rows, ", ", pair->cols, "], expected ",
+                  at::IntArrayRef(p.shape));
+      check_scales(src, *pair);
+      const DatEntry& qe = src.entries()[pair->qdata_index];
+      const DatEntry& se = src.entries()[pair->scale_index];
+      if (p.group == ParamGroup::kLmHead) {
+        // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
+        plan.push_back({{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr,
+                        *pair});
+        lm_head_pair = pair;
+        rep.lm_head_dequantized = true;
+        ++rep.raw;
+        continue;
+      }
+      if (qdata_type && *qdata_type != qe.type) mixed_qdata = true;
+      qdata_type = qe.type;
+      const std::string m = module_of(p.name);
+      plan.push_back({{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, qe.shape},
+                      OutTensor::Src::kCopy, &qe});
+      plan.push_back({{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy,
+                      &se});
+      if (ct) {
+        plan.push_back({{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
+      } else {
+        plan.push_back({{m + ".weight_scale_2", StDtype::kF32, {}}, OutTensor::Src::kOne});
+      }
+      ++rep.quantized;
+      continue;
+    }
+    TORCH_CHECK(raw->type == ElemType::kFloat16 || raw->type == ElemType::kBFloat16 ||
+                    raw->type == ElemType::kFloat32,
+                where, ": expected element type fp16, bf16 or fp32, got ",
+                elem_type_name(raw->type));
+    TORCH_CHECK(raw->shape == p.shape, where, ": shape ", at::IntArrayRef(raw->shape),
+                ", expected ", at::IntArrayRef(p.shape));
+    const StDtype dt = opt.raw_bf16 ? StDtype::kBF16 : st_dtype_of(raw->type);
+    plan.push_back({{p.name, dt, p.shape},
+                    dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert,
+                    raw});
+    if (p.kind == ParamKind::kQuantizedLinear && p.group != ParamGroup::kLmHead) {
+      unquantized.push_back(module_of(p.name));
+    }
+    ++rep.raw;
+  }
+
+  // Shards: consecutive tensors, each shard below max_shard_bytes (a larger tensor alone).
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t shard_bytes = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const uint64_t b = plan[i].bytes();
+    if (!shards.back().empty() && shard_bytes + b > opt.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(i);
+    shard_bytes += b;
+    rep.payload_bytes += b;
+  }
+
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  TORCH_CHECK(!ec, out_dir, ": cannot create the output folder: ", ec.message());
+  // Files of an earlier export into the same folder that this one does not rewrite.
+  for (const auto& f : fs::directory_iterator(out_dir)) {
+    const std::string n = f.path().filename().string();
+    if (n.rfind("model", 0) == 0 && n.size() > 12 && n.substr(n.size() - 12) == ".safetensors") {
+      fs::remove(f.path());
+    }
+  }
+  fs::remove(fs::path(out_dir) / kHfLmHeadScaleFile);
+
+  std::map<std::string, std::string> meta = {{"format", "pt"}, {kHfMetaSource, "q4train"}};
+  if (qdata_type && !mixed_qdata) {
+    meta[kHfMetaQdataElem] = std::to_string(static_cast<uint32_t>(*qdata_type));
+  }
+  json weight_map = json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string name =
+        shards.size() == 1 ? "model.safetensors"
+                           : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1,
+                                         shards.size());
+    std::vector<SafetensorsWriter::Decl> decls;
+    for (size_t i : shards[s]) {
+      decls.push_back(plan[i].decl);
+      weight_map[plan[i].decl.name] = name;
+    }
+    SafetensorsWriter w((fs::path(out_dir) / name).string(), decls, meta);
+    for (size_t i : shards[s]) write_tensor(src, plan[i], w);
+    w.commit();
+    rep.shards.push_back(name);
+  }
+  if (lm_head_pair) {
+    // Sidecar outside the index (vLLM and transformers load only indexed files): the block
+    // scales that make the BF16 lm_head an exact NVFP4 pair again on import.
+    const DatEntry& se = src.entries()[lm_head_pair->scale_index];
+    OutTensor t{{"lm_head.weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se};
+    SafetensorsWriter w((fs::path(out_dir) / kHfLmHeadScaleFile).string(), {t.decl}, meta);
+    write_tensor(src, t, w);
+    w.commit();
+  }
+  json index = {{"metadata", {{"total_size", rep.payload_bytes}}}, {"weight_map", weight_map}};
+  write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(),
+                    index.dump(2) + "\n");
+
+  // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
+  std::vector<std::string> excluded = {"lm_head"};
+  excluded.insert(excluded.end(), unquantized.begin(), unquantized.end());
+  json qc;
+  if (!ct) {
+    const json q = {{"quant_algo", "W4A16_NVFP4"},
+                    {"group_size", 16},
+                    {"kv_cache_quant_algo", nullptr},
+                    {"exclude_modules", excluded}};
+    json hq = {{"producer", {{"name", "q4train"}, {"version", "1"}}}, {"quantization", q}};
+    write_file_atomic((fs::path(out_dir) / "hf_quant_config.json").string(), hq.dump(2) + "\n");
+    qc = hq;
+    qc["quant_method"] = "modelopt";
+  } else {
+    const json ignore = excluded;
+    json weights = {{"num_bits", 4},        {"type", "float"},   {"strategy", "tensor_group"},
+                    {"group_size", 16},     {"symmetric", true}, {"dynamic", false},
+                    {"actorder", nullptr},  {"block_structure", nullptr},
+                    {"observer", "minmax"}, {"observer_kwargs", json::object()}};
+    qc = {{"quant_method", "compressed-tensors"},
+          {"format", "nvfp4-pack-quantized"},
+          {"quantization_status", "compressed"},
+          {"global_compression_ratio", nullptr},
+          {"kv_cache_scheme", nullptr},
+          {"sparsity_config", json::object()},
+          {"ignore", ignore},
+          {"config_groups",
+           {{"group_0",
+             {{"targets", {"Linear"}},
+              {"weights", weights},
+              {"input_activations", nullptr},
+              {"output_activations", nullptr},
+              {"format", "nvfp4-pack-quantized"}}}}}};
+  }
+  json out_cfg = config;
+  out_cfg["tie_word_embeddings"] = rep.tied;
+  out_cfg["torch_dtype"] = "bfloat16";
+  out_cfg["quantization_config"] = qc;
+  write_file_atomic((fs::path(out_dir) / "config.json").string(), out_cfg.dump(2) + "\n");
+
+  if (!opt.tokenizer_dir.empty()) {
+    fs::path dir = opt.tokenizer_dir;
+    if (fs::is_regular_file(dir, ec)) dir = dir.parent_path();
+    TORCH_CHECK(fs::is_directory(dir, ec), opt.tokenizer_dir, ": tokenizer folder not found");
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                          "generation_config.json"}) {
+      if (!fs::is_regular_file(dir / f, ec)) continue;
+      copy_file_atomic(dir / f, fs::path(out_dir) / f);
+      rep.copied.push_back(f);
+    }
+  }
+  return rep;
+}
+
+}  // namespace q4::model

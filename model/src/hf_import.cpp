@@ -1,0 +1,300 @@
+// import_hf (hf_interop.h): Hugging Face folder -> .dat in the shipped Qwen3 layout, walking the
+// parameter table. Float linears are quantized with the NVFP4 rules in row chunks (bit-exact
+// with `q4dat quantize`, which quantizes whole tensors: blocks never span rows); NVFP4 linears
+// (ModelOpt weight/weight_scale/weight_scale_2, compressed-tensors weight_packed/weight_scale/
+// weight_global_scale) are copied byte for byte when the global scale is 1, else the global scale
+// is folded into each E4M3 block scale (RNE) and the blocks whose values changed are counted.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "hf_interop_impl.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/model/qwen3_params.h"
+#include "q4/model/safetensors.h"
+#include "q4/quant/nvfp4.h"
+
+namespace q4::model {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr int64_t kChunkElems = int64_t{1} << 22;
+
+bool is_float(StDtype t) { return t == StDtype::kF16 || t == StDtype::kBF16 || t == StDtype::kF32; }
+
+ElemType elem_of(StDtype t) {
+  return t == StDtype::kF16 ? ElemType::kFloat16
+                            : (t == StDtype::kBF16 ? ElemType::kBFloat16 : ElemType::kFloat32);
+}
+
+int64_t rows_per_chunk(int64_t cols) { return std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1)); }
+
+std::string where(const SafetensorsModel::Ref& r) {
+  return r.file->path() + ": tensor '" + r.tensor->name + "'";
+}
+
+// E2M1 codes (n, c) uint8 of values `v` (n, c) float that are exactly code x scale; the sign
+// bit comes from v (so -0 gives code 8). Returns an undefined tensor when v is not exact.
+at::Tensor exact_codes(const at::Tensor& v, const at::Tensor& scale_bits) {
+  const int64_t n = v.size(0), c = v.size(1);
+  at::Tensor s = q4::quant::e4m3_decode(scale_bits).repeat_interleave(16, 1);  // (n, c)
+  at::Tensor d = at::where(s > 0, v / s, at::zeros_like(v)).abs();
+  at::Tensor code = at::zeros({n, c}, at::TensorOptions().dtype(at::kByte));
+  for (double t : {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0}) code += d.ge(t).to(at::kByte);
+  code += at::signbit(v).to(at::kByte) * 8;
+  at::Tensor packed = code.slice(1, 1, c, 2) * 16 + code.slice(1, 0, c, 2);  // 2j low nibble
+  at::Tensor back = q4::quant::dequantize_nvfp4(packed.contiguous(), scale_bits, at::kFloat);
+  const bool same = at::equal(back, v) && at::equal(at::signbit(back), at::signbit(v));
+  return same ? packed.contiguous() : at::Tensor();
+}
+
+struct Importer {
+  const SafetensorsModel& st;
+  DatWriter& w;
+  HfImportReport& rep;
+  bool from_q4train = false;
+  ElemType qdata_type = ElemType::kUInt8;
+  std::set<std::string> used;
+
+  std::optional<SafetensorsModel::Ref> take(const std::string& name) {
+    auto r = st.find(name);
+    if (r) used.insert(name);
+    return r;
+  }
+
+  void raw(const ParamSpec& p, const SafetensorsModel::Ref& r) {
+    const StTensor& t = *r.tensor;
+    TORCH_CHECK(is_float(t.dtype), where(r), ": expected F16, BF16 or F32, got ",
+                st_dtype_name(t.dtype));
+    TORCH_CHECK(t.shape == p.shape, where(r), ": shape ", at::IntArrayRef(t.shape),
+                ", expected ", at::IntArrayRef(p.shape));
+    // The shipped layout keeps raw tensors in fp16; a q4train export keeps its own types.
+    const ElemType out = from_q4train ? elem_of(t.dtype) : ElemType::kFloat16;
+    const int64_t rows = p.shape[0], cols = p.numel() / std::max<int64_t>(rows, 1);
+    w.begin_streamed(p.name, out, p.shape);
+    for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
+      const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
+      at::Tensor x = r.file->load_rows(t, r0, n);
+      at::Tensor y = x.to(elem_scalar_type(out));
+      TORCH_CHECK(at::isfinite(y).all().item<bool>(), where(r), ": rows ", r0, "..", r0 + n - 1,
+                  at::isfinite(x).all().item<bool>() ? " overflow fp16" : " hold NaN or Inf");
+      w.append(y.contiguous());
+    }
+    ++rep.raw;
+  }
+
+  // Dense float (rows, cols) -> NVFP4 pair with the reference rules.
+  void quantize(const std::string& name, const SafetensorsModel::Ref& r,
+                const std::vector<int64_t>& shape) {
+    const StTensor& t = *r.tensor;
+    TORCH_CHECK(is_float(t.dtype), where(r), ": expected F16, BF16 or F32, got ",
+                st_dtype_name(t.dtype));
+    TORCH_CHECK(t.shape == shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
+                at::IntArrayRef(shape));
+    const int64_t rows = shape[0], cols = shape[1];
+    w.begin_nvfp4(name, rows, cols, qdata_type);
+    for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
+      const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
+      w.append_nvfp4(q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r)));
+    }
+  }
+
+  // BF16 lm_head of a q4train export with its sidecar scales: the exact original pair, if the
+  // values are still code x scale (else nullopt and the caller quantizes).
+  bool restore(const std::string& name, const SafetensorsModel::Ref& r, const StTensor& sc,
+               const SafetensorsFile& side, const std::vector<int64_t>& shape) {
+    const StTensor& t = *r.tensor;
+    if (t.shape != shape || sc.shape != std::vector<int64_t>{shape[0], shape[1] / 16} ||
+        sc.dtype != StDtype::kF8E4M3 || !is_float(t.dtype)) {
+      return false;
+    }
+    const int64_t rows = shape[0], cols = shape[1], step = rows_per_chunk(cols);
+    for (int pass = 0; pass < 2; ++pass) {  // verify everything, then write
+      if (pass == 1) w.begin_nvfp4(name, rows, cols, qdata_type);
+      for (int64_t r0 = 0; r0 < rows; r0 += step) {
+        const int64_t n = std::min(step, rows - r0);
+        at::Tensor s = side.load_rows(sc, r0, n);
+        at::Tensor q = exact_codes(r.file->load_rows(t, r0, n).to(at::kFloat), s);
+        if (!q.defined()) return false;  // only possible in pass 0
+        if (pass == 1) w.append_nvfp4({q, s});
+      }
+    }
+    return true;
+  }
+
+  // NVFP4 source: copy when the global scale is 1, else fold it into the block scales.
+  void nvfp4(const std::string& name, const SafetensorsModel::Ref& q,
+             const SafetensorsModel::Ref& s, const SafetensorsModel::Ref& g, bool reciprocal,
+             const std::vector<int64_t>& shape) {
+    const int64_t rows = shape[0], cols = shape[1];
+    TORCH_CHECK(q.tensor->dtype == StDtype::kU8 &&
+                    q.tensor->shape == (std::vector<int64_t>{rows, cols / 2}),
+                where(q), ": expected U8 [", rows, ", ", cols / 2, "], got ",
+                st_dtype_name(q.tensor->dtype), " ", at::IntArrayRef(q.tensor->shape));
+    TORCH_CHECK(s.tensor->dtype == StDtype::kF8E4M3 &&
+                    s.tensor->shape == (std::vector<int64_t>{rows, cols / 16}),
+                where(s), ": expected F8_E4M3 [", rows, ", ", cols / 16, "] (group size 16), got ",
+                st_dtype_name(s.tensor->dtype), " ", at::IntArrayRef(s.tensor->shape));
+    TORCH_CHECK(g.tensor->dtype == StDtype::kF32 && g.tensor->numel() == 1, where(g),
+                ": expected one F32 global scale, got ", st_dtype_name(g.tensor->dtype), " ",
+                at::IntArrayRef(g.tensor->shape));
+    const float gv = g.file->load(*g.tensor).reshape({}).item<float>();
+    TORCH_CHECK(std::isfinite(gv) && gv > 0, where(g), ": global scale ", gv,
+                " is not finite and positive");
+    const float mult = reciprocal ? 1.0f / gv : gv;  // dequant = code * block scale * mult
+    const int64_t step = rows_per_chunk(cols);
+    w.begin_nvfp4(name, rows, cols, qdata_type);
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const int64_t n = std::min(step, rows - r0);
+      at::Tensor sb = s.file->load_rows(*s.tensor, r0, n);  // (n, cols/16) uint8
+      const at::Tensor bad = (sb.bitwise_and(0x80).ne(0)) | sb.bitwise_and(0x7F).eq(0x7F);
+      TORCH_CHECK(!bad.any().item<bool>(), where(s), ": NaN or negative block scale in rows ", r0,
+                  "..", r0 + n - 1);
+      if (mult != 1.0f) {
+        const at::Tensor want = q4::quant::e4m3_decode(sb) * mult;  // fp32
+        const at::Tensor folded = q4::quant::e4m3_encode(want.clamp(0, 448));
+        rep.folded_blocks_changed +=
+            q4::quant::e4m3_decode(folded).ne(want).sum().item<int64_t>();
+        sb = folded;
+      }
+      w.append_nvfp4({q.file->load_rows(*q.tensor, r0, n), sb});
+    }
+    ++(mult == 1.0f ? rep.copied_nvfp4 : rep.folded_nvfp4);
+  }
+};
+
+json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  TORCH_CHECK(in.good(), p.string(), ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, p.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+}  // namespace
+
+bool is_hf_folder(const std::string& path) {
+  std::error_code ec;
+  const fs::path d(path);
+  return fs::is_directory(d, ec) && fs::is_regular_file(d / "config.json", ec) &&
+         (fs::is_regular_file(d / "model.safetensors", ec) ||
+          fs::is_regular_file(d / "model.safetensors.index.json", ec));
+}
+
+HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) {
+  const fs::path dir(hf_dir);
+  TORCH_CHECK(is_hf_folder(hf_dir), hf_dir,
+              ": not a Hugging Face model folder (expected config.json and model.safetensors or "
+              "model.safetensors.index.json)");
+  const json config = read_json(dir / "config.json");
+  const Qwen3Config cfg = Qwen3Config::from_json(config, (dir / "config.json").string());
+  HfImportReport rep;
+
+  // Which layout the linears use.
+  enum class Src { kDense, kModelOpt, kCt } fmt = Src::kDense;
+  std::error_code ec;
+  const json qc = config.value("quantization_config", json());
+  const std::string method = qc.is_object() ? qc.value("quant_method", "") : "";
+  const std::string cfg_name = (dir / "config.json").string();
+  if (method.rfind("modelopt", 0) == 0 || fs::exists(dir / "hf_quant_config.json", ec)) {
+    json q = fs::exists(dir / "hf_quant_config.json", ec)
+                 ? read_json(dir / "hf_quant_config.json").value("quantization", json())
+                 : qc.value("quantization", qc);
+    const std::string algo = q.is_object() ? q.value("quant_algo", "") : "";
+    TORCH_CHECK(algo == "NVFP4" || algo == "W4A16_NVFP4", hf_dir,
+                ": ModelOpt quant_algo '", algo, "' is not supported (expected NVFP4 or "
+                "W4A16_NVFP4)");
+    TORCH_CHECK(q.value("group_size", 16) == 16, hf_dir, ": ModelOpt group_size ",
+                q.value("group_size", 16), " (expected 16)");
+    fmt = Src::kModelOpt;
+  } else if (method == "compressed-tensors") {
+    const std::string f = qc.value("format", "");
+    TORCH_CHECK(f == "nvfp4-pack-quantized", cfg_name,
+                ": quantization_config.format '", f,
+                "' is not supported (expected nvfp4-pack-quantized)");
+    fmt = Src::kCt;
+  } else {
+    TORCH_CHECK(method.empty(), cfg_name, ": quantization_config.quant_method '", method,
+                "' is not supported (expected none, modelopt or compressed-tensors)");
+  }
+  rep.source_format = fmt == Src::kDense ? "dense" : (fmt == Src::kModelOpt ? "modelopt"
+                                                                            : "compressed-tensors");
+
+  const SafetensorsModel st(hf_dir);
+  // An export of ours carries its .dat element types; anything else gets the shipped layout.
+  const auto& meta = st.files().front()->metadata();
+  const bool from_q4train = meta.count(kHfMetaSource) && meta.at(kHfMetaSource) == "q4train";
+  const std::vector<ParamSpec> specs = qwen3_parameters(cfg, /*include_lm_head=*/true);
+  uint64_t count = 0;
+  for (const ParamSpec& p : specs) count += p.kind == ParamKind::kQuantizedLinear ? 2 : 1;
+  DatWriter w(out_dat, count);
+  Importer im{st, w, rep, false, ElemType::kUInt8, {}};
+  im.from_q4train = from_q4train;
+  if (from_q4train && meta.count(kHfMetaQdataElem) && meta.at(kHfMetaQdataElem) == "100") {
+    im.qdata_type = ElemType::kE2M1Packed;
+  }
+
+  for (const ParamSpec& p : specs) {
+    if (p.kind != ParamKind::kQuantizedLinear) {
+      auto r = im.take(p.name);
+      TORCH_CHECK(r.has_value(), hf_dir, ": missing tensor '", p.name, "' (shape ",
+                  at::IntArrayRef(p.shape), ")");
+      im.raw(p, *r);
+      continue;
+    }
+    const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
+    if (p.group == ParamGroup::kLmHead && !st.find(p.name) && !st.find(m + ".weight_packed")) {
+      // Tied checkpoint: the shipped layout still stores lm_head, quantized from the embedding.
+      TORCH_CHECK(cfg.tie_word_embeddings, hf_dir, ": no lm_head.weight, but config.json has "
+                  "tie_word_embeddings false");
+      im.quantize(p.name, st.at("model.embed_tokens.weight"), p.shape);
+      rep.lm_head_from_embedding = true;
+      ++rep.quantized;
+      continue;
+    }
+    auto packed = im.take(m + ".weight_packed");
+    auto weight = im.take(p.name);
+    auto scale = im.take(m + ".weight_scale");
+    if (packed || (weight && weight->tensor->dtype == StDtype::kU8)) {
+      const bool ct = packed.has_value();
+      TORCH_CHECK(scale.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
+                  m, ".weight_scale");
+      const std::string gname = m + (ct ? ".weight_global_scale" : ".weight_scale_2");
+      auto g = im.take(gname);
+      TORCH_CHECK(g.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
+                  gname);
+      im.take(m + ".input_scale");  // W4A4 activation scale: not used by weight-only training
+      im.take(m + ".input_global_scale");
+      im.nvfp4(p.name, ct ? *packed : *weight, *scale, *g, ct, p.shape);
+      continue;
+    }
+    TORCH_CHECK(weight.has_value(), hf_dir, ": missing tensor '", p.name, "' (shape ",
+                at::IntArrayRef(p.shape), ")");
+    if (p.group == ParamGroup::kLmHead && from_q4train &&
+        fs::exists(dir / kHfLmHeadScaleFile, ec)) {
+      const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());
+      const StTensor* sc = side.find("lm_head.weight_scale");
+      if (sc != nullptr && im.restore(p.name, *weight, *sc, side, p.shape)) {
+        ++rep.copied_nvfp4;
+        continue;
+      }
+    }
+    im.quantize(p.name, *weight, p.shape);
+    ++rep.quantized;
+  }
+  for (const std::string& n : st.names()) {
+    if (!im.used.count(n)) rep.ignored.push_back(n);
+  }
+  w.commit();
+  return rep;
+}
+
+}  // namespace q4::model
