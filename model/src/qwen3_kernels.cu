@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "qwen3_kernels.h"
 
@@ -284,6 +285,48 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ dh, const T* __restrict_
   }
 }
 
+// The same with 16-byte vectors: a thread rotates kVec consecutive pairs (half % kVec == 0 and
+// every pointer 16-byte aligned, checked by the launcher).
+template <typename T>
+__global__ void rope_vec_kernel(const T* __restrict__ x, const T* __restrict__ cosv,
+                                const T* __restrict__ sinv, T* __restrict__ y, int64_t tokens,
+                                int heads, int d, bool backward) {
+  using P = Pack<T>;
+  const int half = d / 2;
+  const int hv = half / P::kVec;  // vectors per half row
+  const int64_t total = tokens * heads * hv;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int jv = static_cast<int>(idx % hv);
+    const int64_t th = idx / hv;
+    const int64_t t = th / heads;
+    const int64_t xo = th * d + static_cast<int64_t>(jv) * P::kVec;
+    const int64_t co = t * d + static_cast<int64_t>(jv) * P::kVec;
+    P x1, x2, c1, c2, s1, s2, y1, y2;
+    x1.raw = *reinterpret_cast<const uint4*>(x + xo);
+    x2.raw = *reinterpret_cast<const uint4*>(x + xo + half);
+    c1.raw = *reinterpret_cast<const uint4*>(cosv + co);
+    c2.raw = *reinterpret_cast<const uint4*>(cosv + co + half);
+    s1.raw = *reinterpret_cast<const uint4*>(sinv + co);
+    s2.raw = *reinterpret_cast<const uint4*>(sinv + co + half);
+#pragma unroll
+    for (int j = 0; j < P::kVec; ++j) {
+      const float a = to_f(x1.get(j)), b = to_f(x2.get(j));
+      const float ca = to_f(c1.get(j)), cb = to_f(c2.get(j));
+      const float sa = to_f(s1.get(j)), sb = to_f(s2.get(j));
+      if (!backward) {
+        y1.set(j, from_f<T>(a * ca - b * sa));
+        y2.set(j, from_f<T>(b * cb + a * sb));
+      } else {
+        y1.set(j, from_f<T>(a * ca + b * sb));
+        y2.set(j, from_f<T>(b * cb - a * sa));
+      }
+    }
+    *reinterpret_cast<uint4*>(y + xo) = y1.raw;
+    *reinterpret_cast<uint4*>(y + xo + half) = y2.raw;
+  }
+}
+
 template <class F>
 cudaError_t dispatch(Dtype dt, F&& f) {
   switch (dt) {
@@ -351,6 +394,17 @@ cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y
       std::max<int64_t>(1, std::min<int64_t>((total + 255) / 256, int64_t{sm_count()} * 32));
   return dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
+    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if ((d / 2) % kVec == 0 && aligned(x) && aligned(cos) && aligned(sin) && aligned(y)) {
+      const int64_t vtotal = total / kVec;
+      const int64_t vblocks =
+          std::max<int64_t>(1, std::min<int64_t>((vtotal + 255) / 256, int64_t{sm_count()} * 32));
+      rope_vec_kernel<T><<<static_cast<unsigned>(vblocks), 256, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
+          static_cast<T*>(y), tokens, static_cast<int>(heads), static_cast<int>(d), backward);
+      return cudaGetLastError();
+    }
     rope_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
         static_cast<T*>(y), tokens, static_cast<int>(heads), static_cast<int>(d), backward);
