@@ -70,7 +70,7 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
 
 std::string render_svg_plot(const std::string& title, const std::vector<PlotSeries>& series,
                             const std::string& unit) {
-  constexpr double kW = 560, kL = 70, kR = 15, kB = 40;
+  constexpr double kW = 520, kL = 70, kR = 15, kB = 40;
   // Title and one legend line per series above the plot area.
   const double top = 24 + 14.0 * static_cast<double>(std::max<size_t>(1, series.size()));
   const double height = 230 + top;
