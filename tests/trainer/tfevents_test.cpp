@@ -157,7 +157,9 @@ Decoded decode_event(const std::string& rec) {
         }
         if (v.number == 8) {
           for (const Field& t : parse_message(v.bytes)) {
-            if (t.number == 1) EXPECT_EQ(t.varint, 7u) << "dtype DT_STRING";
+            if (t.number == 1) {
+              EXPECT_EQ(t.varint, 7u) << "dtype DT_STRING";
+            }
             if (t.number == 8) d.text = t.bytes;
           }
         }
