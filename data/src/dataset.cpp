@@ -74,8 +74,8 @@ std::vector<Message> message_list(const json& jm, const std::string& key) {
   for (size_t i = 0; i < jm.size(); ++i) {
     const json& m = jm[i];
     const std::string where = key + "[" + std::to_string(i) + "]";
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-        !m.contains("content") || !m["content"].is_string()) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string()) {
       throw BadLine{where + ": expected {\"role\": string, \"content\": string}"};
     }
     msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
@@ -102,8 +102,8 @@ Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt
   if (completion.empty() || completion.front().role != "assistant") {
     throw BadLine{"\"completion\": expected a list starting with an assistant message"};
   }
-  const bool has_system =
-      std::any_of(prompt.begin(), prompt.end(), [](const Message& m) { return m.role == "system"; });
+  const bool has_system = std::any_of(prompt.begin(), prompt.end(),
+                                      [](const Message& m) { return m.role == "system"; });
   if (!has_system && !opt.system_prompt.empty()) {
     prompt.insert(prompt.begin(), Message{"system", opt.system_prompt});
   }
@@ -114,8 +114,8 @@ Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt
   const ChatTokens head = tokenize_chat(tok, prompt, /*add_generation_prompt=*/true);
   if (head.input_ids.size() <= t.input_ids.size() &&
       std::equal(head.input_ids.begin(), head.input_ids.end(), t.input_ids.begin())) {
-    std::fill(t.labels.begin(), t.labels.begin() + static_cast<std::ptrdiff_t>(head.input_ids.size()),
-              kIgnoreIndex);
+    std::fill(t.labels.begin(),
+              t.labels.begin() + static_cast<std::ptrdiff_t>(head.input_ids.size()), kIgnoreIndex);
   }
   return from_chat(std::move(t), 0);
 }

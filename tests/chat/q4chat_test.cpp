@@ -54,8 +54,8 @@ class Q4chatTest : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
   void SetUp() override {
-    ASSERT_TRUE(fs::exists(kTokenizer)) << "missing " << kTokenizer
-                                        << ": run tools/fetch_tokenizer.sh";
+    ASSERT_TRUE(fs::exists(kTokenizer))
+        << "missing " << kTokenizer << ": run tools/fetch_tokenizer.sh";
     ASSERT_EQ(init_rc_, 0) << "q4dat init failed";
   }
   static std::string chat(const std::string& args) {
@@ -88,8 +88,8 @@ TEST_F(Q4chatTest, SeededSamplingIsReproducible) {
 }
 
 TEST_F(Q4chatTest, InteractiveTurnsFromStdin) {
-  const auto r = run("printf 'hello\\nsecond turn\\n' | " +
-                     chat("--temperature 0 --max-new-tokens 4"));
+  const auto r =
+      run("printf 'hello\\nsecond turn\\n' | " + chat("--temperature 0 --max-new-tokens 4"));
   ASSERT_EQ(r.rc, 0) << r.out;
   // One reply line per turn.
   EXPECT_GE(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;

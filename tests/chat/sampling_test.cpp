@@ -133,8 +133,11 @@ TEST(Decode, GreedyEqualsGenerateAndTheCacheGrows) {
     model::KvCache cache = m.make_cache(1, capacity);
     std::vector<int64_t> history;
     std::vector<int64_t> streamed;
-    const auto r = decode(m, cache, prompt, s, history, g.max_new_tokens, g.stop_ids,
-                          [&](int64_t t) { streamed.push_back(t); return true; });
+    const auto r =
+        decode(m, cache, prompt, s, history, g.max_new_tokens, g.stop_ids, [&](int64_t t) {
+          streamed.push_back(t);
+          return true;
+        });
     EXPECT_EQ(r.tokens, ref) << "capacity " << capacity;
     EXPECT_EQ(streamed, ref);
     EXPECT_EQ(r.stopped, !ref.empty() && ref.back() == 7);

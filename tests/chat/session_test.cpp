@@ -30,13 +30,18 @@ const char* kTinyConfig = R"({
 TEST(Utf8Stream, HoldsSplitCharactersAndReplacesInvalidBytes) {
   Utf8Stream s;
   EXPECT_EQ(s.push("a\xC3"), "a");
-  EXPECT_EQ(s.push("\xA9"), "\xC3\xA9");           // é completed by the next token
-  EXPECT_EQ(s.push("\xE4\xBD"), "");               // 你 (E4 BD A0) in two pieces
+  EXPECT_EQ(s.push("\xA9"), "\xC3\xA9");  // é completed by the next token
+  EXPECT_EQ(s.push("\xE4\xBD"), "");      // 你 (E4 BD A0) in two pieces
   EXPECT_EQ(s.push("\xA0!"), "\xE4\xBD\xA0!");
-  EXPECT_EQ(s.push("\xFF" "b"), "\xEF\xBF\xBD" "b");  // invalid lead byte -> U+FFFD
+  EXPECT_EQ(s.push("\xFF"
+                   "b"),
+            "\xEF\xBF\xBD"
+            "b");  // invalid lead byte -> U+FFFD
   EXPECT_EQ(s.push("\xF0\x9F"), "");
   EXPECT_EQ(s.finish(), "\xEF\xBF\xBD\xEF\xBF\xBD");  // cut 4-byte sequence at the end
-  EXPECT_EQ(s.push("\xC3" "x"), "\xEF\xBF\xBDx");     // a lead byte without continuation
+  EXPECT_EQ(s.push("\xC3"
+                   "x"),
+            "\xEF\xBF\xBDx");  // a lead byte without continuation
 }
 
 class SessionTest : public ::testing::Test {
@@ -74,8 +79,8 @@ TEST_F(SessionTest, FirstTurnIsTheChatTemplateAndTurnsExtendTheCache) {
   const auto r2 = s.turn("And now?");
   ASSERT_FALSE(r2.tokens.empty());
   // Only the new turn was fed: the cache grew by that turn's tokens (and its reply).
-  EXPECT_EQ(s.cached_tokens(), cached_before + r2.prompt_tokens +
-                                   static_cast<int64_t>(r2.tokens.size()) - 1);
+  EXPECT_EQ(s.cached_tokens(),
+            cached_before + r2.prompt_tokens + static_cast<int64_t>(r2.tokens.size()) - 1);
   // The second turn's input closes the first reply and renders the user turn.
   const std::vector<int64_t>& h = s.history();
   const size_t start = h.size() - r2.tokens.size() - r2.prompt_tokens;
@@ -93,7 +98,8 @@ TEST_F(SessionTest, FirstTurnIsTheChatTemplateAndTurnsExtendTheCache) {
 }
 
 TEST(ResolveModelPaths, FilesBesideTheDatRunDirsAndCheckpoints) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("q4chat_resolve_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("q4chat_resolve_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "step_000010");
   std::ofstream(dir / "model.dat") << "x";

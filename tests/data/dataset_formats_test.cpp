@@ -25,7 +25,8 @@ void expect_same(const Example& a, const Example& b) {
 }
 
 TEST(DatasetFormats, TrlPromptCompletionStrings) {
-  const Dataset ds = load(R"({"prompt": "Who are you?", "completion": "A model."})" "\n");
+  const Dataset ds = load(R"({"prompt": "Who are you?", "completion": "A model."})"
+                          "\n");
   ASSERT_EQ(ds.examples.size(), 1u);
   expect_same(ds.examples[0],
               make_pair_example(test::qwen3_tokenizer(), "Who are you?", "A model."));
@@ -66,11 +67,10 @@ TEST(DatasetFormats, ShareGptAlpacaAndText) {
       R"({"text": "plain words"})"
       "\n");
   ASSERT_EQ(ds.examples.size(), 4u);
-  expect_same(ds.examples[0],
-              Example{tokenize_chat(tok, {{"system", "S"}, {"user", "Q"}, {"assistant", "A"}})
-                          .input_ids,
-                      tokenize_chat(tok, {{"system", "S"}, {"user", "Q"}, {"assistant", "A"}})
-                          .labels});
+  expect_same(
+      ds.examples[0],
+      Example{tokenize_chat(tok, {{"system", "S"}, {"user", "Q"}, {"assistant", "A"}}).input_ids,
+              tokenize_chat(tok, {{"system", "S"}, {"user", "Q"}, {"assistant", "A"}}).labels});
   expect_same(ds.examples[1], make_pair_example(tok, "Translate.\n\nchat", "cat"));
   expect_same(ds.examples[2], make_pair_example(tok, "Say hi.", "hi"));
   std::vector<TokenId> text = tok.encode("plain words");
@@ -83,12 +83,12 @@ TEST(DatasetFormats, ShareGptAlpacaAndText) {
 
 TEST(DatasetFormats, SystemPromptAppliesToNewShapes) {
   const Tokenizer& tok = test::qwen3_tokenizer();
-  const Dataset ds = load(
-      R"({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]})"
-      "\n"
-      R"({"instruction": "I", "output": "O"})"
-      "\n",
-      "SYS");
+  const Dataset ds =
+      load(R"({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]})"
+           "\n"
+           R"({"instruction": "I", "output": "O"})"
+           "\n",
+           "SYS");
   ASSERT_EQ(ds.examples.size(), 2u);
   expect_same(ds.examples[0], make_pair_example(tok, "Q", "A", "SYS"));
   expect_same(ds.examples[1], make_pair_example(tok, "I", "O", "SYS"));
@@ -114,7 +114,9 @@ TEST(DatasetFormats, ErrorsNameLineAndField) {
   for (const auto& c : cases) {
     std::string msg = "<no error>";
     try {
-      load(R"({"text": "ok"})" "\n" + c.line + "\n");
+      load(R"({"text": "ok"})"
+           "\n" +
+           c.line + "\n");
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }

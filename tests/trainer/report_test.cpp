@@ -46,10 +46,13 @@ TEST(Report, PlotsValuesAndAnswersWithoutExternalResources) {
   ReportInput in;
   in.title = "runs/demo";
   in.metrics = synthetic_metrics(/*with_val=*/true);
-  in.evals = {{{"step", 20}, {"when", "end"}, {"prompt", "Who are you?"},
-               {"answer", "我是 <b>F#</b> 之神。"}, {"stopped", true}},
-              {{"step", 0}, {"when", "start"}, {"prompt", "2+2?"}, {"answer", "x"},
-               {"stopped", false}}};
+  in.evals = {
+      {{"step", 20},
+       {"when", "end"},
+       {"prompt", "Who are you?"},
+       {"answer", "我是 <b>F#</b> 之神。"},
+       {"stopped", true}},
+      {{"step", 0}, {"when", "start"}, {"prompt", "2+2?"}, {"answer", "x"}, {"stopped", false}}};
   const std::string html = render_report_html(in);
   EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
   EXPECT_NE(html.find("</html>"), std::string::npos);
@@ -59,10 +62,10 @@ TEST(Report, PlotsValuesAndAnswersWithoutExternalResources) {
   EXPECT_NE(html.find("validation loss"), std::string::npos);
   EXPECT_EQ(html.find("MFU"), std::string::npos);
   EXPECT_GE(count(html, "<polyline"), 5u);
-  EXPECT_NE(html.find("(last 0.25)"), std::string::npos);   // final train loss 5/20
-  EXPECT_NE(html.find("(last 0.3)"), std::string::npos);    // final val loss 6/20
-  EXPECT_NE(html.find("(last 1020)"), std::string::npos);   // tokens/s
-  EXPECT_NE(html.find("(last 2)"), std::string::npos);      // RSS GiB
+  EXPECT_NE(html.find("(last 0.25)"), std::string::npos);  // final train loss 5/20
+  EXPECT_NE(html.find("(last 0.3)"), std::string::npos);   // final val loss 6/20
+  EXPECT_NE(html.find("(last 1020)"), std::string::npos);  // tokens/s
+  EXPECT_NE(html.find("(last 2)"), std::string::npos);     // RSS GiB
   // Answers are present and escaped; the one without a stop token is marked.
   EXPECT_NE(html.find("我是 &lt;b&gt;F#&lt;/b&gt; 之神。"), std::string::npos);
   EXPECT_EQ(html.find("<b>F#"), std::string::npos);

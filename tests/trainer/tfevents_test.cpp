@@ -190,8 +190,12 @@ TEST(TfEvents, WriterFileReadsBack) {
     EXPECT_EQ(fs::path(path).filename().string().rfind("events.out.tfevents.", 0), 0u);
     w.add_scalar("train/loss", 3.25, 1);
     w.add_scalar("train/loss", 2.5, 2);
-    w.add_metrics({{"step", 3}, {"total_steps", 9}, {"loss", 1.75}, {"mfu", nullptr},
-                   {"gpu_peak_bytes", 2147483648LL}, {"skipped", false}},
+    w.add_metrics({{"step", 3},
+                   {"total_steps", 9},
+                   {"loss", 1.75},
+                   {"mfu", nullptr},
+                   {"gpu_peak_bytes", 2147483648LL},
+                   {"skipped", false}},
                   3);
     w.add_text("eval/0", "Who are you? => 我是 F# 之神。", 3);
   }

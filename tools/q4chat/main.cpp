@@ -4,9 +4,8 @@
 // --prompt; otherwise interactive multi-turn on stdin (one line per turn; empty line, "/exit" or
 // EOF ends; "/reset" starts over), the KV cache kept across turns.
 // Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
-#include <torch/torch.h>
-
 #include <fmt/format.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>

@@ -31,9 +31,9 @@ bool valid_sequence(const std::string& s, size_t i, int n) {
   for (int k = 1; k < n; ++k) {
     if ((b(k) & 0xC0) != 0x80) return false;
   }
-  if (n == 3 && b(0) == 0xE0 && b(1) < 0xA0) return false;  // overlong
+  if (n == 3 && b(0) == 0xE0 && b(1) < 0xA0) return false;   // overlong
   if (n == 3 && b(0) == 0xED && b(1) >= 0xA0) return false;  // surrogate
-  if (n == 4 && b(0) == 0xF0 && b(1) < 0x90) return false;  // overlong
+  if (n == 4 && b(0) == 0xF0 && b(1) < 0x90) return false;   // overlong
   if (n == 4 && b(0) == 0xF4 && b(1) >= 0x90) return false;  // > U+10FFFF
   return true;
 }
@@ -140,8 +140,8 @@ TurnResult ChatSession::turn(const std::string& user,
     emit(stream.push(tok_.decode({static_cast<data::TokenId>(id)}, /*skip_special=*/true)));
     return true;
   };
-  const DecodeResult d = decode(model_, cache_, ids, sampler_, history_, max_new_tokens_,
-                                {im_end, eot}, on_token);
+  const DecodeResult d =
+      decode(model_, cache_, ids, sampler_, history_, max_new_tokens_, {im_end, eot}, on_token);
   emit(stream.finish());
   r.tokens = d.tokens;
   r.stopped = d.stopped;
@@ -156,8 +156,8 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
   TORCH_CHECK(fs::exists(p), "--model ", model, ": no such file or directory");
   ModelPaths r;
   if (fs::is_directory(p)) {
-    const std::string name = p.filename().empty() ? p.parent_path().filename().string()
-                                                  : p.filename().string();
+    const std::string name =
+        p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
     if (fs::exists(p / "optim.state") || name.rfind("step_", 0) == 0) {
       TORCH_CHECK(false, "--model ", model,
                   ": this is a training checkpoint (its masters live in optim.state), which "

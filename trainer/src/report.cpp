@@ -24,11 +24,20 @@ std::string escape(const std::string& s) {
   o.reserve(s.size());
   for (char c : s) {
     switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      default: o += c;
+      case '&':
+        o += "&amp;";
+        break;
+      case '<':
+        o += "&lt;";
+        break;
+      case '>':
+        o += "&gt;";
+        break;
+      case '"':
+        o += "&quot;";
+        break;
+      default:
+        o += c;
     }
   }
   return o;
@@ -90,8 +99,9 @@ std::string render_svg_plot(const std::string& title, const std::vector<PlotSeri
       "<text x=\"{3}\" y=\"18\" font-size=\"14\" font-weight=\"bold\">{2}</text>\n",
       kW, height, escape(title), kL);
   if (!std::isfinite(x0)) {
-    o += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#888\">no data</text>\n</svg>\n",
-                     kL, height / 2);
+    o += fmt::format(
+        "<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#888\">no data</text>\n</svg>\n", kL,
+        height / 2);
     return o;
   }
   if (x1 == x0) x1 = x0 + 1;
@@ -142,8 +152,9 @@ std::string render_report_html(const ReportInput& in) {
   const auto& m = in.metrics;
   std::string body;
   auto plot = [&](const std::string& title, std::vector<PlotSeries> s, const std::string& unit) {
-    s.erase(std::remove_if(s.begin(), s.end(), [](const PlotSeries& p) { return p.points.empty(); }),
-            s.end());
+    s.erase(
+        std::remove_if(s.begin(), s.end(), [](const PlotSeries& p) { return p.points.empty(); }),
+        s.end());
     if (s.empty()) return;
     body += "<figure>" + render_svg_plot(title, s, unit) + "</figure>\n";
   };
@@ -183,8 +194,9 @@ std::string render_report_html(const ReportInput& in) {
 
   std::string evals;
   if (!in.evals.empty()) {
-    evals = "<h2>Eval answers</h2>\n<table>\n<tr><th>step</th><th>when</th><th>prompt</th>"
-            "<th>answer</th></tr>\n";
+    evals =
+        "<h2>Eval answers</h2>\n<table>\n<tr><th>step</th><th>when</th><th>prompt</th>"
+        "<th>answer</th></tr>\n";
     for (const auto& e : in.evals) {
       auto s = [&](const char* k) {
         if (!e.contains(k)) return std::string();

@@ -66,8 +66,7 @@ std::string event_header(double wall_time, int64_t step) {
 }
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace

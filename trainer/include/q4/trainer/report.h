@@ -11,10 +11,10 @@
 namespace q4::trainer {
 
 struct ReportInput {
-  std::string title;                     // e.g. the run directory
-  std::vector<nlohmann::json> metrics;   // metrics.jsonl records (metrics_to_json); val_loss,
-                                         // validation_loss or eval_loss keys are plotted too
-  std::vector<nlohmann::json> evals;     // eval.jsonl records (step, when, prompt, answer, ...)
+  std::string title;                       // e.g. the run directory
+  std::vector<nlohmann::json> metrics;     // metrics.jsonl records (metrics_to_json); val_loss,
+                                           // validation_loss or eval_loss keys are plotted too
+  std::vector<nlohmann::json> evals;       // eval.jsonl records (step, when, prompt, answer, ...)
   std::vector<nlohmann::json> validation;  // optional {"step", "val_loss"} records
 };
 

@@ -44,7 +44,8 @@ class TfEventsWriter {
   // Every finite number of a metrics.jsonl record (metrics_to_json) except step/total_steps/
   // skipped as the scalar `<prefix><key>`; *_bytes fields are written in GiB as `<key without
   // _bytes>_gib`. Null (unknown) values are left out.
-  void add_metrics(const nlohmann::json& record, int64_t step, const std::string& prefix = "train/");
+  void add_metrics(const nlohmann::json& record, int64_t step,
+                   const std::string& prefix = "train/");
 
  private:
   void write_event(const std::string& event);
