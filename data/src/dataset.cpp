@@ -64,8 +64,123 @@ std::string string_field(const json& obj, const char* key) {
   return v.get<std::string>();
 }
 
+// ---- other JSONL shapes people have (issue 14): TRL prompt/completion, ShareGPT, alpaca,
+// {"text"}. parse_jsonl dispatches on the keys; `kind` names the shape for the load summary.
+
+// A list of {"role", "content"} messages (TRL conversational fields).
+std::vector<Message> message_list(const json& jm, const std::string& key) {
+  if (!jm.is_array()) throw BadLine{"\"" + key + "\": expected a string or a list of messages"};
+  std::vector<Message> msgs;
+  for (size_t i = 0; i < jm.size(); ++i) {
+    const json& m = jm[i];
+    const std::string where = key + "[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+        !m["content"].is_string()) {
+      throw BadLine{where + ": expected {\"role\": string, \"content\": string}"};
+    }
+    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    const std::string& r = msgs.back().role;
+    if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
+      throw BadLine{where + ".role: unknown role \"" + r +
+                    "\" (expected system, user, assistant or tool)"};
+    }
+  }
+  return msgs;
+}
+
+// TRL prompt/completion: both strings (a user prompt and its answer) or both message lists
+// (only the completion is supervised, as TRL's completion-only loss).
+Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  const json& p = j["prompt"];
+  const json& c = j["completion"];
+  if (p.is_string() && c.is_string()) {
+    if (is_blank(c.get<std::string>())) throw BadLine{"empty \"completion\""};
+    return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt);
+  }
+  std::vector<Message> prompt = message_list(p, "prompt");
+  const std::vector<Message> completion = message_list(c, "completion");
+  if (completion.empty() || completion.front().role != "assistant") {
+    throw BadLine{"\"completion\": expected a list starting with an assistant message"};
+  }
+  const bool has_system = std::any_of(prompt.begin(), prompt.end(),
+                                      [](const Message& m) { return m.role == "system"; });
+  if (!has_system && !opt.system_prompt.empty()) {
+    prompt.insert(prompt.begin(), Message{"system", opt.system_prompt});
+  }
+  std::vector<Message> all = prompt;
+  all.insert(all.end(), completion.begin(), completion.end());
+  ChatTokens t = tokenize_chat(tok, all);
+  // Assistant turns inside the prompt are context: unsupervise everything the prompt renders.
+  const ChatTokens head = tokenize_chat(tok, prompt, /*add_generation_prompt=*/true);
+  if (head.input_ids.size() <= t.input_ids.size() &&
+      std::equal(head.input_ids.begin(), head.input_ids.end(), t.input_ids.begin())) {
+    std::fill(t.labels.begin(),
+              t.labels.begin() + static_cast<std::ptrdiff_t>(head.input_ids.size()), kIgnoreIndex);
+  }
+  return from_chat(std::move(t), 0);
+}
+
+// ShareGPT: {"conversations": [{"from": "system|human|gpt", "value": ...}]} ("user"/"assistant"
+// and "tool" are accepted as roles too).
+Example parse_sharegpt(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  const json& jc = j["conversations"];
+  if (!jc.is_array()) throw BadLine{"\"conversations\": expected an array"};
+  std::vector<Message> msgs;
+  bool has_system = false, has_assistant = false;
+  for (size_t i = 0; i < jc.size(); ++i) {
+    const json& m = jc[i];
+    const std::string where = "conversations[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("from") || !m["from"].is_string() || !m.contains("value") ||
+        !m["value"].is_string()) {
+      throw BadLine{where + ": expected {\"from\": string, \"value\": string}"};
+    }
+    const std::string from = m["from"].get<std::string>();
+    std::string role;
+    if (from == "human" || from == "user") role = "user";
+    if (from == "gpt" || from == "assistant") role = "assistant";
+    if (from == "system") role = "system";
+    if (from == "tool") role = "tool";
+    if (role.empty()) {
+      throw BadLine{where + ".from: unknown speaker \"" + from +
+                    "\" (expected human, gpt or system)"};
+    }
+    has_system |= role == "system";
+    has_assistant |= role == "assistant";
+    msgs.push_back({role, m["value"].get<std::string>()});
+  }
+  if (!has_assistant) throw BadLine{"\"conversations\": no gpt turn (nothing to supervise)"};
+  if (!has_system && !opt.system_prompt.empty()) {
+    msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
+  }
+  return from_chat(tokenize_chat(tok, msgs), 0);
+}
+
+// Alpaca: {"instruction", "input" (optional, may be empty), "output"}; the prompt is the
+// instruction, then a blank line and the input when there is one.
+Example parse_alpaca(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  std::string prompt = string_field(j, "instruction");
+  if (j.contains("input") && !j["input"].is_null()) {
+    const std::string input = string_field(j, "input");
+    if (!is_blank(input)) prompt += "\n\n" + input;
+  }
+  const std::string answer = string_field(j, "output");
+  if (is_blank(answer)) throw BadLine{"empty \"output\""};
+  return make_pair_example(tok, prompt, answer, opt.system_prompt);
+}
+
+// {"text": ...}: plain text, no template, every token supervised (like the text format).
+Example parse_text_record(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  const std::string text = string_field(j, "text");
+  if (is_blank(text)) throw BadLine{"empty \"text\""};
+  Example e;
+  e.input_ids = tok.encode(text);
+  if (opt.text_append_endoftext) e.input_ids.push_back(tok.endoftext_id());
+  e.labels = e.input_ids;
+  return e;
+}
+
 Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& tok,
-                    const DatasetOptions& opt) {
+                    const DatasetOptions& opt, std::string* kind) {
   json j;
   try {
     j = json::parse(line);
@@ -99,7 +214,12 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
     if (!has_system && !opt.system_prompt.empty()) {
       msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
     }
+    *kind = "messages";
     return from_chat(tokenize_chat(tok, msgs), line_no);
+  }
+  if (j.contains("prompt") && j.contains("completion")) {
+    *kind = "trl prompt/completion";
+    return parse_trl(j, tok, opt);
   }
   if (j.contains("prompt")) {
     const std::string prompt = string_field(j, "prompt");
@@ -112,9 +232,25 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
     if (is_blank(answer)) throw BadLine{std::string("empty \"") + key + "\""};
     Example e = make_pair_example(tok, prompt, answer, opt.system_prompt);
     e.source_line = line_no;
+    *kind = "prompt/answer";
     return e;
   }
-  throw BadLine{"expected {\"messages\": [...]} or {\"prompt\": ..., \"answer\": ...}"};
+  if (j.contains("conversations")) {
+    *kind = "sharegpt";
+    return parse_sharegpt(j, tok, opt);
+  }
+  if (j.contains("instruction") && j.contains("output")) {
+    *kind = "alpaca";
+    return parse_alpaca(j, tok, opt);
+  }
+  if (j.contains("text")) {
+    *kind = "text";
+    return parse_text_record(j, tok, opt);
+  }
+  throw BadLine{
+      "expected {\"messages\": [...]}, {\"prompt\", \"answer\"|\"completion\"}, "
+      "{\"conversations\": [...]} (ShareGPT), {\"instruction\", \"output\"} (alpaca) or "
+      "{\"text\"}"};
 }
 
 DataFormat resolve_format(DataFormat f, const std::string& name) {
@@ -149,11 +285,21 @@ OnError parse_on_error(const std::string& name) {
   return OnError::kFail;
 }
 
+std::string LoadSummary::format_name() const {
+  if (jsonl_formats.empty()) return "";
+  if (jsonl_formats.size() == 1) return "jsonl (" + jsonl_formats.begin()->first + ")";
+  std::string s = "jsonl (mixed:";
+  for (const auto& [k, n] : jsonl_formats) s += " " + k + " " + std::to_string(n) + ",";
+  s.back() = ')';
+  return s;
+}
+
 std::string LoadSummary::to_string() const {
   std::ostringstream s;
   s << path << ": " << examples << " examples from " << lines << " lines (" << ignored
     << " blank/comment/header), " << skipped << " skipped, " << tokens << " tokens, "
     << supervised_tokens << " supervised";
+  if (!jsonl_formats.empty()) s << ", format " << format_name();
   for (const auto& k : first_skipped) s << "\n  skipped line " << k.line << ": " << k.reason;
   if (skipped > static_cast<int64_t>(first_skipped.size())) {
     s << "\n  ... and " << (skipped - static_cast<int64_t>(first_skipped.size())) << " more";
@@ -217,7 +363,9 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         ex = make_pair_example(tokenizer, line.substr(0, tab), answer, options.system_prompt);
       } else if (format == DataFormat::kJsonl) {
         check_utf8(line);
-        ex = parse_jsonl(line, line_no, tokenizer, options);
+        std::string kind;
+        ex = parse_jsonl(line, line_no, tokenizer, options, &kind);
+        ++ds.summary.jsonl_formats[kind];
       } else {
         check_utf8(line);
         ex.input_ids = tokenizer.encode(line);

@@ -152,7 +152,7 @@ TEST(Dataset, JsonlErrors) {
       {R"({"messages": [{"role": "user", "content": 5}]})", "messages[0]"},
       {R"({"prompt": "a"})", "without \"answer\""},
       {R"({"prompt": "a", "answer": ""})", "empty \"answer\""},
-      {R"({"text": "a"})", "expected {\"messages\""},
+      {R"({"txt": "a"})", "expected {\"messages\""},  // {"text"} is a format now
       {"{\"prompt\": \"a\xFF\", \"answer\": \"b\"}", "invalid UTF-8 at byte 13"},
   };
   for (const auto& c : cases) {

@@ -566,6 +566,16 @@ std::vector<FieldRef> config_fields(Config& c) {
        "auto: progress bar on a terminal, log lines otherwise; bar; line",
        {"auto", "bar", "line"},
        false},
+      {"log.tensorboard",
+       &c.log.tensorboard,
+       "write TensorBoard event files (events.out.tfevents.*) into output.dir",
+       {},
+       false},
+      {"log.report",
+       &c.log.report,
+       "write output.dir/report.html (SVG plots, eval answers) at each eval and at the end",
+       {},
+       false},
   };
 }
 

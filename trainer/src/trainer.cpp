@@ -43,8 +43,10 @@
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/probe.h"
 #include "q4/trainer/profile.h"
+#include "q4/trainer/report.h"
 #include "q4/trainer/run_dir.h"
 #include "q4/trainer/signals.h"
+#include "q4/trainer/tfevents.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -548,6 +550,7 @@ class Trainer {
                                   : (fs::path(c_.output.dir) / c_.log.metrics).string();
     if (!metrics_path.empty()) metrics_.open(metrics_path, start_step_);
     eval_log_.open((fs::path(c_.output.dir) / kEvalFile).string(), start_step_);
+    if (c_.log.tensorboard) tb_.open(c_.output.dir);  // TensorBoard scalars and eval text
     install_stop_handlers();
   }
 
@@ -767,6 +770,12 @@ class Trainer {
                        {"new_tokens", static_cast<int64_t>(a.tokens.size())},
                        {"stopped", a.stopped}});
     }
+    // TensorBoard text and report.html (issue 14 hooks).
+    for (size_t i = 0; i < answers.size(); ++i) {
+      tb_.add_text("eval/" + std::to_string(i), answers[i].prompt + " => " + answers[i].answer,
+                   step);
+    }
+    if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);
     out_ << fmt::format("eval took {:.1f} s\n", ms_since(t0) / 1000.0);
     return answers;
   }
@@ -881,6 +890,7 @@ class Trainer {
       m.eta_s = (session_ms / session_steps) * static_cast<double>(total - step - 1) / 1000.0;
       m.skipped = !res.applied;
       if (metrics_.is_open()) metrics_.write(metrics_to_json(m));
+      if (tb_.is_open()) tb_.add_metrics(metrics_to_json(m), m.step);  // TensorBoard scalars
       const bool last = step + 1 == total;
       if (log_step) {
         if (bar) err_ << "\r\033[K";
@@ -911,6 +921,7 @@ class Trainer {
     if (c_.output.checkpoint_every > 0 && last_checkpoint_step_ != total && total > start_step_) {
       save_checkpoint(total);
     }
+    if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
     out_ << fmt::format("done: {} steps, {} tokens\n", total, tokens_seen_);
     return kExitOk;
   }
@@ -930,6 +941,7 @@ class Trainer {
   std::unique_ptr<optim::LrSchedule> schedule_;
   JsonlWriter metrics_;
   JsonlWriter eval_log_;
+  TfEventsWriter tb_;
   int64_t start_step_ = 0;
   int64_t last_checkpoint_step_ = -1;
   int64_t tokens_seen_ = 0;

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -21,8 +22,11 @@ enum class DataFormat {
   kAuto,   // by extension: .tsv -> kTsv, .jsonl/.json -> kJsonl, .txt/.text -> kText; else error
   kTsv,    // "prompt<TAB>answer" per line (first tab splits); blank and '#' lines skipped;
            // an optional first row "prompt<TAB>answer" or "prompt<TAB>target" is a header
-  kJsonl,  // {"messages":[{"role","content"},...]} or {"prompt":...,
-           // "answer"|"response"|"target":...}
+  kJsonl,  // per line, by its keys: {"messages":[{"role","content"},...]}, {"prompt":...,
+           // "answer"|"response"|"target":...}, TRL {"prompt","completion"} (strings or message
+           // lists; only the completion supervised), ShareGPT {"conversations":[{"from":
+           // "system|human|gpt","value"}]}, alpaca {"instruction","input","output"}, or
+           // {"text":...} (plain text, every token supervised, like kText)
   kText,   // one document per line, no template, every token supervised
 };
 
@@ -59,6 +63,9 @@ struct LoadSummary {
   static constexpr int64_t kMaxReported = 20;
   int64_t tokens = 0;             // sum of example lengths
   int64_t supervised_tokens = 0;  // sum of supervised labels
+  std::map<std::string, int64_t> jsonl_formats;  // JSONL: examples per detected shape
+  // "jsonl (sharegpt)", "jsonl (mixed: alpaca 2, text 1)"; "" for TSV/text files.
+  std::string format_name() const;
   std::string to_string() const;  // one human-readable paragraph (for tools/trainer to print)
 };
 

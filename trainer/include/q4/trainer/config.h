@@ -132,6 +132,8 @@ struct LogConfig {
   int64_t every = 1;                      // log line every N steps
   std::string metrics = "metrics.jsonl";  // metrics file name inside output.dir ("" disables)
   std::string progress = "auto";          // auto | bar | line: progress bar on a terminal or not
+  bool tensorboard = true;                // TensorBoard events.out.tfevents.* in output.dir
+  bool report = true;                     // output.dir/report.html, rewritten at evals and the end
 };
 
 struct Config {

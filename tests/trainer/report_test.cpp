@@ -1,0 +1,119 @@
+// report.html from synthetic metrics/eval records: one SVG per available series, values and
+// answers present (escaped), validation loss plotted when records carry it, and a page that
+// needs nothing external (no URLs other than the SVG namespace, no scripts).
+#include "q4/trainer/report.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace q4::trainer {
+namespace {
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+std::vector<nlohmann::json> synthetic_metrics(bool with_val) {
+  std::vector<nlohmann::json> m;
+  for (int step = 1; step <= 20; ++step) {
+    nlohmann::json j = {{"step", step},
+                        {"total_steps", 20},
+                        {"loss", 5.0 / step},
+                        {"grad_norm", 1.0 + 0.1 * step},
+                        {"lr", 1e-3},
+                        {"tokens_per_s", 1000.0 + step},
+                        {"mfu", nullptr},
+                        {"gpu_reserved_bytes", nullptr},
+                        {"gpu_peak_bytes", nullptr},
+                        {"rss_bytes", 1073741824LL * 2},
+                        {"skipped", false}};
+    if (with_val && step % 5 == 0) j["val_loss"] = 6.0 / step;
+    m.push_back(j);
+  }
+  return m;
+}
+
+TEST(Report, PlotsValuesAndAnswersWithoutExternalResources) {
+  ReportInput in;
+  in.title = "runs/demo";
+  in.metrics = synthetic_metrics(/*with_val=*/true);
+  in.evals = {
+      {{"step", 20},
+       {"when", "end"},
+       {"prompt", "Who are you?"},
+       {"answer", "我是 <b>F#</b> 之神。"},
+       {"stopped", true}},
+      {{"step", 0}, {"when", "start"}, {"prompt", "2+2?"}, {"answer", "x"}, {"stopped", false}}};
+  const std::string html = render_report_html(in);
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(html.find("</html>"), std::string::npos);
+  // loss(+val), lr, grad norm, tokens/s, memory (RSS only); no MFU plot (all null).
+  EXPECT_EQ(count(html, "<svg"), 5u);
+  EXPECT_EQ(count(html, "</svg>"), 5u);
+  EXPECT_NE(html.find("validation loss"), std::string::npos);
+  EXPECT_EQ(html.find("MFU"), std::string::npos);
+  EXPECT_GE(count(html, "<polyline"), 5u);
+  EXPECT_NE(html.find("(last 0.25)"), std::string::npos);  // final train loss 5/20
+  EXPECT_NE(html.find("(last 0.3)"), std::string::npos);   // final val loss 6/20
+  EXPECT_NE(html.find("(last 1020)"), std::string::npos);  // tokens/s
+  EXPECT_NE(html.find("(last 2)"), std::string::npos);     // RSS GiB
+  // Answers are present and escaped; the one without a stop token is marked.
+  EXPECT_NE(html.find("我是 &lt;b&gt;F#&lt;/b&gt; 之神。"), std::string::npos);
+  EXPECT_EQ(html.find("<b>F#"), std::string::npos);
+  EXPECT_EQ(count(html, "[no stop token]"), 1u);
+  // Self-contained: no scripts, no links, the only URL is the SVG namespace.
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+  EXPECT_EQ(html.find("<link"), std::string::npos);
+  EXPECT_EQ(html.find("src="), std::string::npos);
+  const std::regex url("https?://[^\" ]+");
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), url); it != std::sregex_iterator();
+       ++it) {
+    EXPECT_EQ(it->str(), "http://www.w3.org/2000/svg");
+  }
+}
+
+TEST(Report, EmptyAndSinglePointSeries) {
+  EXPECT_NE(render_svg_plot("x", {}).find("no data"), std::string::npos);
+  const std::string one = render_svg_plot("loss", {{"loss", {{1, 2.5}}}});
+  EXPECT_NE(one.find("<circle"), std::string::npos);
+  EXPECT_NE(one.find("(last 2.5)"), std::string::npos);
+  ReportInput in;
+  const std::string html = render_report_html(in);
+  EXPECT_NE(html.find("no metrics recorded yet"), std::string::npos);
+  EXPECT_EQ(count(html, "<svg"), 0u);
+}
+
+TEST(Report, WriteRunReportReadsTheRunFiles) {
+  const fs::path dir = fs::path(::testing::TempDir()) / ("q4_report_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream m(dir / "metrics.jsonl");
+    for (const auto& j : synthetic_metrics(false)) m << j.dump() << "\n";
+    m << "not json\n";  // a torn last line (killed run) is skipped
+    std::ofstream(dir / "eval.jsonl")
+        << R"({"step": 20, "when": "end", "prompt": "p", "answer": "the answer", "stopped": true})"
+        << "\n";
+  }
+  const std::string path = write_run_report(dir.string());
+  EXPECT_EQ(path, (dir / "report.html").string());
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_EQ(count(ss.str(), "<svg"), 5u);
+  EXPECT_NE(ss.str().find("the answer"), std::string::npos);
+  EXPECT_EQ(ss.str().find("validation loss"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace q4::trainer

@@ -1,0 +1,145 @@
+// q4chat: chat with a Qwen3 model (.dat, q4train run directory, or a model folder) through the
+// Qwen3 chat template. Greedy (--temperature 0) or sampled (temperature, top-k, top-p, seed,
+// repetition penalty); the reply streams as it is decoded and ends at <|im_end|>. One-shot with
+// --prompt; otherwise interactive multi-turn on stdin (one line per turn; empty line, "/exit" or
+// EOF ends; "/reset" starts over), the KV cache kept across turns.
+// Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "q4/data/tokenizer.h"
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/trainer/config.h"
+#include "sampling.h"
+#include "session.h"
+
+namespace {
+
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <class F>
+auto as_input(F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    throw InputError(e.what_without_backtrace());
+  } catch (const q4::trainer::ConfigError& e) {
+    throw InputError(e.what());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"q4chat: chat with a Qwen3 model through the chat template"};
+  std::string model_arg, config, tokenizer, prompt, system, device = "cpu";
+  q4::chat::SamplingOptions so;
+  so.temperature = 0.7;
+  so.top_p = 0.8;
+  so.top_k = 20;
+  int64_t max_new = 512;
+  bool quiet = false;
+  app.add_option("--model", model_arg, "a .dat file, a q4train run directory or a model folder")
+      ->required();
+  app.add_option("--config", config, "Qwen3 config.json (default: found from --model)");
+  app.add_option("--tokenizer", tokenizer, "tokenizer.json (default: found from --model)");
+  app.add_option("--prompt", prompt, "one-shot: answer this and exit (default: interactive)");
+  app.add_option("--system", system, "system prompt");
+  app.add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--top-k", so.top_k, "0 = off")->capture_default_str();
+  app.add_option("--top-p", so.top_p, "1 = off")->capture_default_str();
+  app.add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+  app.add_option("--repetition-penalty", so.repetition_penalty, "1 = off")->capture_default_str();
+  app.add_option("--max-new-tokens", max_new, "tokens per reply at most")->capture_default_str();
+  app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--quiet", quiet, "no load/speed lines on stderr");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  try {
+    using namespace q4;
+    const auto t0 = std::chrono::steady_clock::now();
+    model::ModelOptions opt;
+    opt.trainable = model::TrainableSpec::nothing();
+    opt.gradient_checkpointing = false;
+    if (device == "cuda") {
+      TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+      opt.device = at::Device(at::kCUDA, 0);
+      opt.compute_dtype = at::kBFloat16;
+    }
+    std::unique_ptr<data::Tokenizer> tok;
+    std::unique_ptr<model::Qwen3Model> m;
+    as_input([&] {
+      so.validate();
+      TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
+      const chat::ModelPaths paths = chat::resolve_model_paths(model_arg, config, tokenizer);
+      tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(paths.tokenizer));
+      const auto cfg = model::Qwen3Config::from_json_file(paths.config);
+      TORCH_CHECK(tok->vocab_size() <= cfg.vocab_size, "tokenizer ", paths.tokenizer, " has ",
+                  tok->vocab_size(), " tokens but ", paths.config, " has vocab_size ",
+                  cfg.vocab_size);
+      model::DatReader reader(paths.weights);
+      m = std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(cfg, reader, opt));
+      if (!quiet) {
+        std::cerr << fmt::format(
+            "q4chat: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
+            paths.weights, cfg.num_hidden_layers, cfg.hidden_size, device,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      return 0;
+    });
+    auto session = std::make_unique<chat::ChatSession>(*m, *tok, so, system, max_new);
+    const auto print = [](const std::string& s) { std::cout << s << std::flush; };
+    const auto stats = [&](const chat::TurnResult& r, double s) {
+      if (quiet) return;
+      std::cerr << fmt::format("[{} tokens, {:.1f} tok/s{}]\n", r.tokens.size(),
+                               s > 0 ? static_cast<double>(r.tokens.size()) / s : 0.0,
+                               r.stopped ? "" : ", no stop token");
+    };
+    if (!prompt.empty()) {
+      const auto t = std::chrono::steady_clock::now();
+      const auto r = session->turn(prompt, print);
+      std::cout << "\n";
+      stats(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
+      return 0;
+    }
+    const bool tty = ::isatty(0) != 0;
+    if (tty) std::cerr << "q4chat: one message per line; /reset starts over, /exit or EOF ends\n";
+    std::string line;
+    while (true) {
+      if (tty) std::cout << "> " << std::flush;
+      if (!std::getline(std::cin, line) || line == "/exit" || line.empty()) break;
+      if (line == "/reset") {
+        session = std::make_unique<chat::ChatSession>(*m, *tok, so, system, max_new);
+        continue;
+      }
+      const auto t = std::chrono::steady_clock::now();
+      const auto r = session->turn(line, print);
+      std::cout << "\n";
+      stats(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
+    }
+    return 0;
+  } catch (const InputError& e) {
+    std::cerr << "q4chat: error: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "q4chat: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "q4chat: error: " << e.what() << "\n";
+    return 1;
+  }
+}

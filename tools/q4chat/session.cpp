@@ -1,0 +1,207 @@
+// ChatSession, Utf8Stream and --model resolution (see session.h).
+#include "session.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+
+#include "q4/data/chat.h"
+#include "q4/trainer/config.h"
+
+namespace fs = std::filesystem;
+
+namespace q4::chat {
+
+namespace {
+
+constexpr const char* kReplacement = "\xEF\xBF\xBD";  // U+FFFD
+
+// Length of the UTF-8 sequence starting with lead byte `c`, 0 when `c` cannot start one.
+int sequence_length(unsigned char c) {
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) return 2;
+  if (c >= 0xE0 && c <= 0xEF) return 3;
+  if (c >= 0xF0 && c <= 0xF4) return 4;
+  return 0;
+}
+
+// Whether s[i..i+n) is a valid sequence (continuations, no overlong/surrogate/> U+10FFFF).
+bool valid_sequence(const std::string& s, size_t i, int n) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  for (int k = 1; k < n; ++k) {
+    if ((b(k) & 0xC0) != 0x80) return false;
+  }
+  if (n == 3 && b(0) == 0xE0 && b(1) < 0xA0) return false;   // overlong
+  if (n == 3 && b(0) == 0xED && b(1) >= 0xA0) return false;  // surrogate
+  if (n == 4 && b(0) == 0xF0 && b(1) < 0x90) return false;   // overlong
+  if (n == 4 && b(0) == 0xF4 && b(1) >= 0x90) return false;  // > U+10FFFF
+  return true;
+}
+
+// Whether s[i..) is a proper prefix of some valid sequence (wait for more bytes).
+bool incomplete_prefix(const std::string& s, size_t i, int n) {
+  const size_t have = s.size() - i;
+  if (have >= static_cast<size_t>(n)) return false;
+  for (size_t k = 1; k < have; ++k) {
+    if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+  }
+  return true;
+}
+
+std::string drain(std::string& pending, bool final) {
+  std::string out;
+  size_t i = 0;
+  while (i < pending.size()) {
+    const int n = sequence_length(static_cast<unsigned char>(pending[i]));
+    if (n == 0) {
+      out += kReplacement;
+      ++i;
+    } else if (i + n <= pending.size() && valid_sequence(pending, i, n)) {
+      out.append(pending, i, n);
+      i += n;
+    } else if (!final && incomplete_prefix(pending, i, n)) {
+      break;
+    } else {
+      out += kReplacement;
+      ++i;
+    }
+  }
+  pending.erase(0, i);
+  return out;
+}
+
+}  // namespace
+
+std::string Utf8Stream::push(const std::string& bytes) {
+  pending_ += bytes;
+  return drain(pending_, /*final=*/false);
+}
+
+std::string Utf8Stream::finish() {
+  std::string out = drain(pending_, /*final=*/true);
+  pending_.clear();
+  return out;
+}
+
+ChatSession::ChatSession(model::Qwen3Model& model, const data::Tokenizer& tokenizer,
+                         const SamplingOptions& sampling, std::string system,
+                         int64_t max_new_tokens)
+    : model_(model),
+      tok_(tokenizer),
+      sampler_(sampling),
+      system_(std::move(system)),
+      max_new_tokens_(max_new_tokens),
+      cache_(model.make_cache(1, 256)) {
+  TORCH_CHECK(max_new_tokens > 0, "--max-new-tokens: expected > 0, got ", max_new_tokens);
+}
+
+TurnResult ChatSession::turn(const std::string& user,
+                             const std::function<void(const std::string&)>& on_text) {
+  const int64_t im_end = tok_.im_end_id();
+  const int64_t eot = tok_.endoftext_id();
+  std::vector<int64_t> ids;
+  if (first_) {
+    std::vector<data::Message> msgs;
+    if (!system_.empty()) msgs.push_back({"system", system_});
+    msgs.push_back({"user", user});
+    const auto t = data::tokenize_chat(tok_, msgs, /*add_generation_prompt=*/true).input_ids;
+    ids.assign(t.begin(), t.end());
+  } else {
+    // The previous reply's last token was sampled but not fed. It closes the reply when it is
+    // <|im_end|>; after <|endoftext|> or a length cut the reply is closed here, as the chat
+    // template renders a finished assistant turn.
+    if (!last_reply_.empty() && last_reply_.back() != im_end && last_reply_.back() != eot) {
+      ids.push_back(last_reply_.back());
+    }
+    ids.push_back(im_end);
+    const auto t = tok_.encode(
+        "\n" + data::render_chat(std::vector<data::Message>{data::Message{"user", user}}, true));
+    ids.insert(ids.end(), t.begin(), t.end());
+    // history_ holds the unfed last token; replace it by what is fed now.
+    if (!last_reply_.empty()) history_.pop_back();
+  }
+  first_ = false;
+  TurnResult r;
+  r.prompt_tokens = static_cast<int64_t>(ids.size());
+  Utf8Stream stream;
+  std::vector<data::TokenId> run;  // decodable ids not yet turned into text
+  auto emit = [&](const std::string& s) {
+    if (s.empty()) return;
+    r.text += s;
+    if (on_text) on_text(s);
+  };
+  const auto on_token = [&](int64_t id) {
+    if (id == im_end || id == eot) return true;
+    if (id >= tok_.vocab_size()) {  // embedding rows without a token (Qwen3: 151669..151935)
+      emit(stream.finish());
+      emit("<id:" + std::to_string(id) + ">");
+      return true;
+    }
+    emit(stream.push(tok_.decode({static_cast<data::TokenId>(id)}, /*skip_special=*/true)));
+    return true;
+  };
+  const DecodeResult d =
+      decode(model_, cache_, ids, sampler_, history_, max_new_tokens_, {im_end, eot}, on_token);
+  emit(stream.finish());
+  r.tokens = d.tokens;
+  r.stopped = d.stopped;
+  last_reply_ = d.tokens;
+  return r;
+}
+
+ModelPaths resolve_model_paths(const std::string& model, const std::string& config,
+                               const std::string& tokenizer) {
+  TORCH_CHECK(!model.empty(), "--model: expected a .dat file, a run directory or a model folder");
+  const fs::path p(model);
+  TORCH_CHECK(fs::exists(p), "--model ", model, ": no such file or directory");
+  ModelPaths r;
+  if (fs::is_directory(p)) {
+    const std::string name =
+        p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
+    if (fs::exists(p / "optim.state") || name.rfind("step_", 0) == 0) {
+      TORCH_CHECK(false, "--model ", model,
+                  ": this is a training checkpoint (its masters live in optim.state), which "
+                  "q4chat does not read; chat with the run's export instead (--model <run "
+                  "directory> or its model.dat), or let q4train finish and export");
+    }
+    if (fs::exists(p / "config.yaml")) {
+      const trainer::Config c = trainer::load_config((p / "config.yaml").string());
+      // The export beside config.yaml wins (the run directory may have been moved).
+      const fs::path beside = p / "model.dat";
+      std::string weights = fs::exists(beside) ? beside.string() : trainer::resolved_export_path(c);
+      TORCH_CHECK(!weights.empty() && fs::exists(weights), "--model ", model,
+                  ": run directory without an export (expected ", beside.string(),
+                  "); let the run finish, or pass the .dat with --model");
+      r.weights = weights;
+      r.config = c.model.config;
+      r.tokenizer = c.model.tokenizer;
+      r.described = "run directory " + model + " (config.yaml)";
+    } else {
+      std::vector<fs::path> dats;
+      for (const auto& e : fs::directory_iterator(p)) {
+        if (e.is_regular_file() && e.path().extension() == ".dat") dats.push_back(e.path());
+      }
+      TORCH_CHECK(dats.size() == 1, "--model ", model, ": expected a run directory (config.yaml) ",
+                  "or a folder with config.json, tokenizer.json and exactly one .dat; found ",
+                  dats.size(), " .dat files");
+      r.weights = dats[0].string();
+      r.config = (p / "config.json").string();
+      r.tokenizer = (p / "tokenizer.json").string();
+      r.described = "model folder " + model;
+    }
+  } else {
+    r.weights = p.string();
+    r.config = (p.parent_path() / "config.json").string();
+    r.tokenizer = (p.parent_path() / "tokenizer.json").string();
+    r.described = "weights file " + model;
+  }
+  if (!config.empty()) r.config = config;
+  if (!tokenizer.empty()) r.tokenizer = tokenizer;
+  TORCH_CHECK(fs::exists(r.config), "--model ", model, ": model config ", r.config,
+              " not found; pass --config CONFIG.json");
+  TORCH_CHECK(fs::exists(r.tokenizer), "--model ", model, ": tokenizer ", r.tokenizer,
+              " not found; pass --tokenizer tokenizer.json");
+  return r;
+}
+
+}  // namespace q4::chat
