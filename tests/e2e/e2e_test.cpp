@@ -165,7 +165,12 @@ double dataset_loss(const q4::trainer::Config& c, const std::string& weights) {
   bo.shuffle = false;
   q4::data::Batcher batcher(std::move(ds.examples), bo);
   const auto b = batcher.next();
-  q4::model::ModelInputs in{b.input_ids, b.labels, b.attention_mask, b.position_ids, b.segment_ids};
+  q4::model::ModelInputs in;
+  in.input_ids = b.input_ids;
+  in.labels = b.labels;
+  in.attention_mask = b.attention_mask;
+  in.position_ids = b.position_ids;
+  in.segment_ids = b.segment_ids;
   at::NoGradGuard ng;
   return model.loss(in).loss.item<double>();
 }
