@@ -19,6 +19,8 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr char kUtf8Bom[] = "\xEF\xBB\xBF";
+
 // A malformed line; caught by the loader and turned into an error or a skip.
 struct BadLine {
   std::string reason;
@@ -178,7 +180,8 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
   Dataset ds;
   ds.summary.path = name;
   bool seen_content = false;  // TSV header is only recognized before the first data line
-  size_t pos = 0;
+  // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first line.
+  size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
   int64_t line_no = 0;
   while (pos < content.size()) {
     size_t nl = content.find('\n', pos);

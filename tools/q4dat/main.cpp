@@ -57,8 +57,7 @@ int main(int argc, char** argv) {
   c_init->add_option("--config", init.config, "Qwen3 config.json")->required();
   c_init->add_option("--out", init.out, "output .dat")->required();
   c_init->add_option("--seed", init.seed, "RNG seed")->capture_default_str();
-  c_init->add_option("--std", init.std, "std of the normal weights")
-      ->check(CLI::PositiveNumber)
+  c_init->add_option("--std", init.std, "std of the normal weights, (0, 100]")
       ->capture_default_str();
   c_init
       ->add_option("--tied", init.tied,
@@ -80,6 +79,9 @@ int main(int argc, char** argv) {
     if (c_deq->parsed()) return run_dequantize(deq);
     if (is_diff) return run_diff(diff);
     if (c_init->parsed()) return run_init(init);
+  } catch (const std::invalid_argument& e) {
+    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
+    return 2;
   } catch (const InputError& e) {
     fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
     return 2;

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 namespace q4::trainer {
@@ -80,16 +81,21 @@ void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_unti
       kept.push_back(line);
     }
     in.close();
-    std::ofstream rewrite(path, std::ios::trunc);
-    for (const auto& l : kept) rewrite << l << '\n';
+    std::string text;
+    for (const auto& l : kept) text += l + '\n';
+    io::write_file_atomic(path, text);
   }
-  out_.open(path, std::ios::app);
-  TORCH_CHECK(out_.is_open(), "cannot open ", path, " for writing");
+  out_.open(path, /*truncate=*/false);
 }
 
-void JsonlWriter::write(const nlohmann::json& j) {
-  out_ << j.dump() << '\n';
-  out_.flush();
+// Every line reaches the kernel whole or the run fails naming the file (a full disk used to end
+// the run with exit 0 and a last line cut mid-JSON).
+void JsonlWriter::write(const nlohmann::json& j) { out_.write(j.dump() + '\n'); }
+
+void JsonlWriter::close() {
+  if (!out_.is_open()) return;
+  out_.sync();
+  out_.close();
 }
 
 }  // namespace q4::trainer

@@ -15,6 +15,10 @@
 #include <unordered_set>
 #include <vector>
 
+namespace q4::io {
+class AtomicFile;
+}
+
 namespace q4::model {
 
 enum class ElemType : uint32_t {
@@ -85,9 +89,9 @@ class DatReader {
   std::unordered_map<std::string, size_t> index_;
 };
 
-// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory);
-// commit() checks that exactly `count` entries were written, fsyncs the file, renames it onto
-// `path` and fsyncs the directory. Destruction without commit() removes the temp file and leaves
+// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory,
+// a q4::io::AtomicFile); commit() checks that exactly `count` entries were written, fsyncs the
+// file, renames it onto `path` and fsyncs the directory. Destruction without commit() removes the temp file and leaves
 // `path` untouched. A call rejected by its checks writes nothing and the writer stays usable; a
 // failure while writing makes it unusable (commit() refuses). Keys must be unique, non-empty UTF-8.
 class DatWriter {
@@ -124,7 +128,8 @@ class DatWriter {
   uint64_t count_;
   uint64_t written_ = 0;
   uint64_t bytes_ = 0;  // bytes handed to the file so far (buffered or written)
-  int fd_ = -1;
+  std::unique_ptr<io::AtomicFile> file_;  // the temp file, published by commit()
+  int fd_ = -1;                           // file_->fd() while writable, else -1
   bool committed_ = false;
   bool failed_ = false;       // a call threw midway; the temp file is unusable
   uint64_t stream_left_ = 0;  // payload bytes still owed by a begin_streamed() entry

@@ -97,6 +97,7 @@ struct DataConfig {
   bool shuffle = true;             // reshuffle each epoch (seeded by train.seed)
   bool packing = false;            // pack several examples into one seq_len row
   std::string on_error = "fail";   // fail | skip: malformed lines
+  std::string truncation = "auto";  // auto | cut_left | cut_right | drop: examples over seq_len
 };
 
 struct EvalConfig {
@@ -182,6 +183,9 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
 // Derived settings.
 std::string resolved_compute_dtype(const Config& c);  // "fp32"/"bf16"/"fp16"
 std::string resolved_export_path(const Config& c);    // "" when export is disabled
+// data.truncation with auto resolved: cut_right (keep the start) when every data file is plain
+// text, cut_left (keep the answer) otherwise.
+std::string resolved_truncation(const Config& c);
 bool device_is_cuda(const Config& c);
 
 }  // namespace q4::trainer

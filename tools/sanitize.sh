@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# ASan + UBSan run of the CPU library unit tests (the ones that parse files and manage memory by
+# hand: io, quant, model (+ its tools), data, optim) in build-asan/ (Q4_SANITIZE=ON, Release so
+# the tests stay fast). trainer/e2e/convergence are left to the plain build: they add ~10
+# translation units and minutes of run time, and exercise the same parsing code through the
+# libraries. Any sanitizer report fails the test (halt_on_error). Usage: tools/sanitize.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+targets=(test_io test_quant test_model test_data test_optim)
+labels='^test_(io|quant|model|data|optim)$'
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_SANITIZE=ON >/dev/null
+cmake --build build-asan -j "$(nproc)" --target "${targets[@]}"
+# LibTorch allocates process-lifetime registries that LeakSanitizer would report at exit; leaks
+# are therefore off, everything else (overflows, use-after-free, UB) halts the test.
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+ctest --test-dir build-asan -L cpu -j 2 --output-on-failure \
+  -R "^(Crc32c|AtomicFile|AppendFile|Nvfp4|Quant|Dat|Qwen3|Hardening|Tokenizer|Chat|Dataset|Batcher|Q4tok|AdamW|Codec|Schedule|State|Optim)" \
+  --timeout 900
