@@ -289,10 +289,13 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (variant == 0) {
+      // main prints the config just before set-up starts (loading the tokenizer alone takes
+      // about a second), so this lands in set-up.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
       ::kill(pid, SIGHUP);
     } else {
       ::kill(pid, SIGINT);
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ::kill(pid, SIGINT);
     }
     int status = 0;

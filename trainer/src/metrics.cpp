@@ -67,7 +67,7 @@ std::string format_progress_bar(int64_t step, int64_t total, int width) {
 
 void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_until_step) {
   path_ = path;
-  if (keep_until_step && std::filesystem::exists(path)) {
+  if (keep_until_step && std::filesystem::is_regular_file(path)) {
     std::vector<std::string> kept;
     std::ifstream in(path);
     std::string line;
