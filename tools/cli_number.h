@@ -47,4 +47,14 @@ inline double parse_positive_arg(const std::string& name, const std::string& tex
   return v;
 }
 
+// A finite number >= 0; returns "" when `text` is one, else a short message (a CLI11 check).
+inline std::string check_nonnegative_arg(const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const double v = text.empty() ? -1.0 : std::strtod(text.c_str(), &end);
+  const bool parsed = !text.empty() && end == text.c_str() + text.size() && errno == 0;
+  if (parsed && std::isfinite(v) && v >= 0.0) return "";
+  return "expected a finite number >= 0, found '" + cli_excerpt(text) + "'";
+}
+
 }  // namespace q4::tools

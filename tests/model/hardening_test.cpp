@@ -25,7 +25,7 @@ const std::string kFixtures = Q4_FIXTURES_DIR;
 const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
 const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
 
-struct Run {
+struct ToolResult {
   int code;
   std::string err;
 };
@@ -35,7 +35,7 @@ std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-Run run_tool(const std::string& dir, const std::string& cmd_line) {
+ToolResult run_tool(const std::string& dir, const std::string& cmd_line) {
   const std::string err = dir + "/stderr";
   const int status = std::system((cmd_line + " >/dev/null 2>" + err).c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
@@ -112,7 +112,7 @@ TEST(Hardening, Q4genWithNanWeightsExits2) {
     t[0] = NAN;
     return t;
   });
-  const Run r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
+  const ToolResult r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
                                         " --weights " + path + " --prompt-ids 1,2,3");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
@@ -122,7 +122,7 @@ TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string gen = std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
                           kWeights + " --prompt-ids 1,2";
-  Run r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
+  ToolResult r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--max-new-tokens"), std::string::npos) << r.err;
   const std::string init =
@@ -137,6 +137,10 @@ TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_LT(r.err.size(), 200u) << r.err;  // no 300-digit number
   EXPECT_FALSE(std::ifstream(tmp.path("o.dat")).good());
+  r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4dat diff " + kWeights + " " + kWeights +
+                              " --atol -1e300");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_LT(r.err.size(), 200u) << r.err;
   r = run_tool(tmp.dir(), init + " --seed 7 --std 0.5");
   EXPECT_EQ(r.code, 0) << r.err;
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "../cli_number.h"
 #include "common.h"
 #include "q4dat.h"
 
@@ -48,7 +49,7 @@ int main(int argc, char** argv) {
   c_diff->add_option("A", diff.a, "first .dat")->required();
   c_diff->add_option("B", diff.b, "second .dat")->required();
   c_diff->add_option("--atol", diff.atol, "absolute tolerance on values")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Validator(check_nonnegative_arg, "FLOAT >= 0"))
       ->capture_default_str();
   c_diff->add_flag("--quiet,-q", diff.quiet, "print only entries that differ");
 

@@ -74,7 +74,8 @@ void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_unti
     while (std::getline(in, line)) {
       if (line.empty()) continue;
       const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+      if (!j.is_object()) continue;  // a line cut by a crash or a full disk
+      if (j.contains("step") && j["step"].is_number_integer() &&
           j["step"].get<int64_t>() > *keep_until_step) {
         continue;
       }
