@@ -32,15 +32,16 @@ void write_fd(int fd, const void* data, size_t n, const std::string& name) {
   while (n > 0) {
     const ssize_t w = ::write(fd, c, std::min(n, kIoChunkBytes));
     if (w < 0 && errno == EINTR) continue;
-    TORCH_CHECK(w > 0, name, ": write failed: ",
-                w == 0 ? std::string("no progress") : errno_text(errno));
+    TORCH_CHECK(w > 0, name,
+                ": write failed: ", w == 0 ? std::string("no progress") : errno_text(errno));
     c += w;
     n -= static_cast<size_t>(w);
   }
 }
 
 bool all_digits(const std::string& s) {
-  return !s.empty() && std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
 }
 
 // The pid of a temp file name, or -1 when the name is not one.
@@ -94,8 +95,8 @@ void AtomicFile::commit() {
     const int fd = fd_;
     fd_ = -1;
     TORCH_CHECK(::close(fd) == 0, tmp_path_, ": close failed: ", errno_text(errno));
-    TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": rename from ",
-                tmp_path_, " failed: ", errno_text(errno));
+    TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": rename from ", tmp_path_,
+                " failed: ", errno_text(errno));
   } catch (...) {
     abort();
     throw;
@@ -135,7 +136,8 @@ std::vector<std::string> remove_stale_temp_files(const std::string& dir,
     if (!only_for.empty() && name.rfind(only_for + ".tmp.", 0) != 0) continue;
     // A live writer other than this process keeps its temp file (kill(pid, 0) fails with ESRCH
     // only when no such process exists; EPERM means it exists).
-    const bool alive = pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    const bool alive =
+        pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
     if (alive) continue;
     const std::string p = dir + "/" + name;
     if (::unlink(p.c_str()) == 0) removed.push_back(p);

@@ -28,9 +28,9 @@ void check_finite_weight(const at::Tensor& t, ElemType type, const std::string& 
     const at::Tensor nan = at::eq(at::bitwise_and(t, 0x7F), 0x7F).reshape({-1});
     if (!nan.any().item<bool>()) return;
     const int64_t i = at::argmax(nan.to(at::kByte)).item<int64_t>();
-    TORCH_CHECK(false, where, ": E4M3 block scale is NaN (byte 0x",
-                std::hex, static_cast<int>(t.reshape({-1})[i].item<uint8_t>()), std::dec,
-                ") at element ", index_str(i, t.sizes()),
+    TORCH_CHECK(false, where, ": E4M3 block scale is NaN (byte 0x", std::hex,
+                static_cast<int>(t.reshape({-1})[i].item<uint8_t>()), std::dec, ") at element ",
+                index_str(i, t.sizes()),
                 "; the weights file is corrupt or was written from a diverged model");
   }
   if (!at::isFloatingType(t.scalar_type())) return;

@@ -197,13 +197,12 @@ TEST(Dataset, FilesAndFormatDetection) {
   EXPECT_THROW(parse_data_format("csv"), c10::Error);
 }
 
-
 // Issue 15 defect 6: a UTF-8 BOM was tokenized into the first prompt and hid the header row.
 TEST(Dataset, Utf8BomIsIgnoredInEveryFormat) {
   const Tokenizer& tok = test::qwen3_tokenizer();
   const std::string bom = "\xEF\xBB\xBF";
-  const auto tsv =
-      load_dataset_from_string(bom + "prompt\tanswer\nq\ta\n", "d.tsv", tok, with(DataFormat::kAuto));
+  const auto tsv = load_dataset_from_string(bom + "prompt\tanswer\nq\ta\n", "d.tsv", tok,
+                                            with(DataFormat::kAuto));
   ASSERT_EQ(tsv.examples.size(), 1u);
   EXPECT_EQ(tsv.summary.ignored, 1);  // the header row is recognized
   expect_same(tsv.examples[0], make_pair_example(tok, "q", "a"));
@@ -211,7 +210,8 @@ TEST(Dataset, Utf8BomIsIgnoredInEveryFormat) {
                                               "d.jsonl", tok, with(DataFormat::kAuto));
   ASSERT_EQ(jsonl.examples.size(), 1u);
   expect_same(jsonl.examples[0], make_pair_example(tok, "q", "a"));
-  const auto text = load_dataset_from_string(bom + "hello\n", "d.txt", tok, with(DataFormat::kAuto));
+  const auto text =
+      load_dataset_from_string(bom + "hello\n", "d.txt", tok, with(DataFormat::kAuto));
   ASSERT_EQ(text.examples.size(), 1u);
   auto ids = tok.encode("hello");
   ids.push_back(tok.endoftext_id());

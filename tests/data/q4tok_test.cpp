@@ -108,7 +108,8 @@ TEST(Q4tok, BadInputExitsWithCode2AndLine) {
 // 4294967297 to 1; 1e23 to INT32_MIN).
 TEST(Q4tok, DecodeRejectsIdsThatAreNotTokenIds) {
   test::qwen3_tokenizer();
-  for (const char* bad : {"[4294967297]", "[1.5]", "[true]", "[1e23]"}) {  // one tokenizer load each
+  for (const char* bad :
+       {"[4294967297]", "[1.5]", "[true]", "[1e23]"}) {  // one tokenizer load each
     const ToolRun r = run_q4tok("decode", std::string("[9707]\n") + bad + "\n", true);
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.out;
     EXPECT_NE(r.out.find("stdin:2"), std::string::npos) << bad << ": " << r.out;

@@ -40,11 +40,13 @@ std::string read_text(const fs::path& p) {
   return ss.str();
 }
 
-void write_text(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary) << s;
+}
 
 fs::path root() {
-  return fs::temp_directory_path() / ("q4_crash_" + std::to_string(::getuid()) + "_" +
-                                      std::to_string(::getpid()));
+  return fs::temp_directory_path() /
+         ("q4_crash_" + std::to_string(::getuid()) + "_" + std::to_string(::getpid()));
 }
 
 // Model, data and config in `dir`; the run goes to dir/run. lm_head trains, so checkpoints hold

@@ -49,8 +49,8 @@ bool contains(const std::string& s, const std::string& needle) {
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir = fs::temp_directory_path() /
-                       ("q4_hard_" + std::to_string(::getuid()) + "_" + name);
+  const fs::path dir =
+      fs::temp_directory_path() / ("q4_hard_" + std::to_string(::getuid()) + "_" + name);
   fs::remove_all(dir);
   fs::create_directories(dir);
   write_text(dir / "model.json", kModelConfig);
@@ -127,10 +127,10 @@ TEST(Hardening, UserInitDatInOutputDirIsKept) {
 // Defect 2: run files collided with outputs the user named.
 TEST(Hardening, ReservedNamesAndCollisionsAreRejectedUpFront) {
   const fs::path dir = setup_dir("names", 1, 0);
-  for (const char* bad : {"log.metrics=config.yaml", "log.metrics=init.dat", "log.metrics=.",
-                          "log.metrics=..", "log.metrics=step_000001", "log.metrics=a/b.jsonl",
-                          "output.export_path=config.yaml", "output.export_path=eval.jsonl",
-                          "output.export_path=metrics.jsonl"}) {
+  for (const char* bad :
+       {"log.metrics=config.yaml", "log.metrics=init.dat", "log.metrics=.", "log.metrics=..",
+        "log.metrics=step_000001", "log.metrics=a/b.jsonl", "output.export_path=config.yaml",
+        "output.export_path=eval.jsonl", "output.export_path=metrics.jsonl"}) {
     const Result r = run(dir, run(dir, {bad}), "r");
     EXPECT_EQ(r.code, 2) << bad << ": " << r.err;
     const std::string key = std::string(bad).substr(0, std::string(bad).find('='));
@@ -279,8 +279,8 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
       ::dup2(fd, 1);
       ::dup2(fd, 2);
       const std::string cfg = (dir / "config.yaml").string();
-      ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set",
-              "log.every=1", static_cast<char*>(nullptr));
+      ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set", "log.every=1",
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     const std::string wait_for = variant == 0 ? "resolved config" : " 2/100000 ";

@@ -12,8 +12,8 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  static const auto tok = std::make_unique<q4::data::Tokenizer>(
-      q4::data::Tokenizer::from_file(Q4_TOKENIZER_PATH));
+  static const auto tok =
+      std::make_unique<q4::data::Tokenizer>(q4::data::Tokenizer::from_file(Q4_TOKENIZER_PATH));
   const std::string content(reinterpret_cast<const char*>(data) + 1, size - 1);
   static const char* kNames[] = {"f.tsv", "f.jsonl", "f.txt"};
   q4::data::DatasetOptions o;

@@ -22,8 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     return 0;
   }
-  static const auto qwen = std::make_unique<q4::data::Tokenizer>(
-      q4::data::Tokenizer::from_file(Q4_TOKENIZER_PATH));
+  static const auto qwen =
+      std::make_unique<q4::data::Tokenizer>(q4::data::Tokenizer::from_file(Q4_TOKENIZER_PATH));
   try {
     const auto ids = qwen->encode(rest);
     if (qwen->decode(ids) != rest) std::abort();  // encode/decode must be exact on valid UTF-8

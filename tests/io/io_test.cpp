@@ -1,11 +1,10 @@
 // q4_io: CRC32C against published test vectors, AtomicFile (publish, abort, failed writes leave
 // the target and no temp file), stale-temp cleanup, and AppendFile on a full device.
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <csignal>
@@ -31,8 +30,8 @@ std::string read_text(const fs::path& p) {
 }
 
 fs::path fresh_dir(const std::string& name) {
-  const fs::path d = fs::path(::testing::TempDir()) /
-                     ("q4io_" + name + "_" + std::to_string(::getpid()));
+  const fs::path d =
+      fs::path(::testing::TempDir()) / ("q4io_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
@@ -132,8 +131,8 @@ TEST(AtomicFile, StaleTempCleanup) {
   EXPECT_FALSE(is_temp_file_name("notes.tmp.txt"));
   EXPECT_FALSE(is_temp_file_name(".tmp.1"));
   // pid 999999999 does not exist; our parent (the shell or ctest) is alive.
-  for (const std::string n : {"model.dat.tmp.999999999.0", "optim.state.tmp.999999999",
-                              "keep.txt", "other.dat.tmp.999999999.1"}) {
+  for (const std::string n : {"model.dat.tmp.999999999.0", "optim.state.tmp.999999999", "keep.txt",
+                              "other.dat.tmp.999999999.1"}) {
     std::ofstream(d / n) << "x";
   }
   const std::string live = "model.dat.tmp." + std::to_string(::getppid()) + ".0";

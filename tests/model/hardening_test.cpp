@@ -113,7 +113,7 @@ TEST(Hardening, Q4genWithNanWeightsExits2) {
     return t;
   });
   const ToolResult r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
-                                        " --weights " + path + " --prompt-ids 1,2,3");
+                                               " --weights " + path + " --prompt-ids 1,2,3");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
 }

@@ -292,7 +292,6 @@ TEST(Config, TruncationAutoCutsTextFromTheRight) {
             "cut_left");
   EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.format=text")})),
             "cut_right");
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})),
-            "drop");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})), "drop");
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
 }

@@ -74,8 +74,7 @@ int main(int argc, char** argv) {
     if (dtype == "bf16") opt.compute_dtype = at::kBFloat16;
     if (dtype == "fp16") opt.compute_dtype = at::kHalf;
     GenerateOptions gen;
-    gen.max_new_tokens =
-        q4::tools::parse_int_arg("--max-new-tokens", max_new, 0, kMaxNewTokens);
+    gen.max_new_tokens = q4::tools::parse_int_arg("--max-new-tokens", max_new, 0, kMaxNewTokens);
     if (!stop.empty()) gen.stop_ids = parse_ids(stop, "--stop-ids");
     const std::vector<int64_t> ids = parse_ids(prompt, "--prompt-ids");
     Qwen3Config cfg = Qwen3Config::from_json_file(config);

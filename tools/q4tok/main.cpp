@@ -58,10 +58,10 @@ void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
     ids.reserve(j.size());
     for (size_t k = 0; k < j.size(); ++k) {
       const json& v = j[k];
-      const bool in_range =
-          v.is_number_unsigned() ? v.get<uint64_t>() <= uint64_t{INT32_MAX}
-                                 : v.is_number_integer() && v.get<int64_t>() >= 0 &&
-                                       v.get<int64_t>() <= int64_t{INT32_MAX};
+      const bool in_range = v.is_number_unsigned()
+                                ? v.get<uint64_t>() <= uint64_t{INT32_MAX}
+                                : v.is_number_integer() && v.get<int64_t>() >= 0 &&
+                                      v.get<int64_t>() <= int64_t{INT32_MAX};
       if (!in_range) {
         std::string found = v.dump();
         if (found.size() > 40) found = found.substr(0, 40) + "...";

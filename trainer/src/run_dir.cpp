@@ -36,7 +36,6 @@ std::optional<int64_t> parse_step_name(const std::string& name) {
   return v;
 }
 
-
 }  // namespace
 
 std::string checkpoint_dir_name(int64_t step) { return fmt::format("step_{:06d}", step); }
@@ -124,8 +123,8 @@ CheckpointDir resolve_resume_dir(const std::string& dir) {
 // Run-directory protection
 
 bool is_reserved_run_name(const std::string& name) {
-  for (const char* r : {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker,
-                        kChecksumFile}) {
+  for (const char* r :
+       {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker, kChecksumFile}) {
     if (name == r) return true;
   }
   return parse_step_name(name).has_value() || io::is_temp_file_name(name);
@@ -157,8 +156,8 @@ void check_output_paths(const Config& c) {
     fs::path a = dir.parent_path();
     while (!a.empty() && !fs::exists(a, ec)) a = a.parent_path();
     if (!a.empty() && (!fs::is_directory(a, ec) || !writable_dir(a))) {
-      throw ConfigError("config key output.dir: cannot create " + c.output.dir + " (" +
-                        a.string() + " is not a writable directory)");
+      throw ConfigError("config key output.dir: cannot create " + c.output.dir + " (" + a.string() +
+                        " is not a writable directory)");
     }
   }
 
@@ -167,7 +166,8 @@ void check_output_paths(const Config& c) {
   if (c.model.init == "file" && !c.model.weights.empty()) {
     inputs.push_back({"model.weights", canonical_or_self(c.model.weights)});
   }
-  if (!c.model.config.empty()) inputs.push_back({"model.config", canonical_or_self(c.model.config)});
+  if (!c.model.config.empty())
+    inputs.push_back({"model.config", canonical_or_self(c.model.config)});
   if (!c.model.tokenizer.empty()) {
     inputs.push_back({"model.tokenizer", canonical_or_self(c.model.tokenizer)});
   }
@@ -229,9 +229,11 @@ void check_output_paths(const Config& c) {
   for (const auto& o : outputs) {
     for (const auto& in : inputs) {
       if (o.second == in.second) {
-        throw ConfigError("config key " + (o.first.rfind("output.dir", 0) == 0 ? std::string("output.dir") : o.first) +
-                          ": " + o.second.string() + " would overwrite the input " + in.first +
-                          "; choose another output");
+        throw ConfigError(
+            "config key " +
+            (o.first.rfind("output.dir", 0) == 0 ? std::string("output.dir") : o.first) + ": " +
+            o.second.string() + " would overwrite the input " + in.first +
+            "; choose another output");
       }
     }
   }
@@ -271,9 +273,7 @@ RunDirLock::~RunDirLock() {
 
 std::vector<std::string> clean_stale_files(const Config& c) {
   std::vector<std::string> removed;
-  auto add = [&](std::vector<std::string> v) {
-    removed.insert(removed.end(), v.begin(), v.end());
-  };
+  auto add = [&](std::vector<std::string> v) { removed.insert(removed.end(), v.begin(), v.end()); };
   add(io::remove_stale_temp_files(c.output.dir));
   for (const auto& ck : list_checkpoints(c.output.dir)) {
     if (!ck.done) {
@@ -345,9 +345,9 @@ void verify_checkpoint(const CheckpointDir& ck) {
     const std::string got = fmt::format("{:08x}", io::crc32c_file(p.string()));
     if (!want.contains("crc32c") || want["crc32c"] != got) {
       throw ConfigError(fmt::format(
-          "--resume: {}: CRC32C {} does not match {} in {}: the file is damaged{}", p.string(),
-          got, want.contains("crc32c") ? want["crc32c"].dump() : std::string("nothing"),
-          sums.string(), previous_checkpoint_hint(ck)));
+          "--resume: {}: CRC32C {} does not match {} in {}: the file is damaged{}", p.string(), got,
+          want.contains("crc32c") ? want["crc32c"].dump() : std::string("nothing"), sums.string(),
+          previous_checkpoint_hint(ck)));
     }
   }
 }

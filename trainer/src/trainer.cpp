@@ -470,8 +470,9 @@ class Trainer {
       write_export(step, reference);
     } catch (const std::exception& e) {
       const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
-      err_ << "warning: export at step " << step << " failed, training goes on: "
-           << (ce ? ce->what_without_backtrace() : e.what()) << "\n";
+      err_ << "warning: export at step " << step
+           << " failed, training goes on: " << (ce ? ce->what_without_backtrace() : e.what())
+           << "\n";
     }
   }
 

@@ -23,8 +23,8 @@ class AtomicFile {
 
   void write(const void* data, size_t nbytes);  // all bytes or throws (the file is then failed)
   void write(const std::string& bytes) { write(bytes.data(), bytes.size()); }
-  void commit();           // fsync + close + rename + directory fsync; throws, after abort()
-  void abort() noexcept;   // closes and unlinks the temp file; `path` is untouched
+  void commit();          // fsync + close + rename + directory fsync; throws, after abort()
+  void abort() noexcept;  // closes and unlinks the temp file; `path` is untouched
 
   const std::string& path() const { return path_; }
   const std::string& tmp_path() const { return tmp_path_; }
@@ -67,7 +67,7 @@ class AppendFile {
 
   void open(const std::string& path, bool truncate);  // throws when it cannot be opened
   void write(const std::string& bytes);
-  void sync();  // fsync; throws on failure
+  void sync();   // fsync; throws on failure
   void close();  // checked close
   bool is_open() const { return fd_ >= 0; }
   const std::string& path() const { return path_; }

@@ -91,9 +91,10 @@ class DatReader {
 
 // Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory,
 // a q4::io::AtomicFile); commit() checks that exactly `count` entries were written, fsyncs the
-// file, renames it onto `path` and fsyncs the directory. Destruction without commit() removes the temp file and leaves
-// `path` untouched. A call rejected by its checks writes nothing and the writer stays usable; a
-// failure while writing makes it unusable (commit() refuses). Keys must be unique, non-empty UTF-8.
+// file, renames it onto `path` and fsyncs the directory. Destruction without commit() removes the
+// temp file and leaves `path` untouched. A call rejected by its checks writes nothing and the
+// writer stays usable; a failure while writing makes it unusable (commit() refuses). Keys must be
+// unique, non-empty UTF-8.
 class DatWriter {
  public:
   DatWriter(std::string path, uint64_t count);
@@ -127,7 +128,7 @@ class DatWriter {
   std::string tmp_path_;
   uint64_t count_;
   uint64_t written_ = 0;
-  uint64_t bytes_ = 0;  // bytes handed to the file so far (buffered or written)
+  uint64_t bytes_ = 0;                    // bytes handed to the file so far (buffered or written)
   std::unique_ptr<io::AtomicFile> file_;  // the temp file, published by commit()
   int fd_ = -1;                           // file_->fd() while writable, else -1
   bool committed_ = false;

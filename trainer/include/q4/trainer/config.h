@@ -91,12 +91,12 @@ struct OptimConfig {
 };
 
 struct DataConfig {
-  std::vector<std::string> files;  // training files (TSV prompt<TAB>answer, JSONL, text)
-  std::string format = "auto";     // auto (by extension) | tsv | jsonl | text
-  std::string system_prompt;       // optional system turn before every example
-  bool shuffle = true;             // reshuffle each epoch (seeded by train.seed)
-  bool packing = false;            // pack several examples into one seq_len row
-  std::string on_error = "fail";   // fail | skip: malformed lines
+  std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
+  std::string format = "auto";      // auto (by extension) | tsv | jsonl | text
+  std::string system_prompt;        // optional system turn before every example
+  bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
+  bool packing = false;             // pack several examples into one seq_len row
+  std::string on_error = "fail";    // fail | skip: malformed lines
   std::string truncation = "auto";  // auto | cut_left | cut_right | drop: examples over seq_len
 };
 
