@@ -71,7 +71,7 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     throw BadLine{std::string("bad JSON: ") + e.what()};
   }
   if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};

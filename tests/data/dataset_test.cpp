@@ -218,5 +218,19 @@ TEST(Dataset, Utf8BomIsIgnoredInEveryFormat) {
   EXPECT_EQ(text.examples[0].input_ids, ids);
 }
 
+// Found by fuzz_dataset: a JSON number out of double range made nlohmann throw out_of_range,
+// which escaped the loader (an uncaught exception instead of "file:line: bad JSON").
+TEST(Dataset, JsonlNumberOverflowIsABadLine) {
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  const std::string content = "{\"prompt\": \"p\", \"answer\": \"a\"}\n{\"prompt\": 1e400}\n";
+  const std::string err =
+      error_of([&] { load_dataset_from_string(content, "d.jsonl", tok, with(DataFormat::kAuto)); });
+  EXPECT_NE(err.find("d.jsonl:2: bad JSON"), std::string::npos) << err;
+  const auto ds =
+      load_dataset_from_string(content, "d.jsonl", tok, with(DataFormat::kAuto, OnError::kSkip));
+  EXPECT_EQ(ds.examples.size(), 1u);
+  EXPECT_EQ(ds.summary.skipped, 1);
+}
+
 }  // namespace
 }  // namespace q4::data

@@ -29,7 +29,7 @@ struct InputError : std::runtime_error {
 json parse_line(const std::string& line, int64_t line_no) {
   try {
     return json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     throw InputError("stdin:" + std::to_string(line_no) + ": bad JSON: " + e.what());
   }
 }
