@@ -19,6 +19,8 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr char kUtf8Bom[] = "\xEF\xBB\xBF";
+
 // A malformed line; caught by the loader and turned into an error or a skip.
 struct BadLine {
   std::string reason;
@@ -184,7 +186,7 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
   json j;
   try {
     j = json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     throw BadLine{std::string("bad JSON: ") + e.what()};
   }
   if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};
@@ -324,7 +326,8 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
   Dataset ds;
   ds.summary.path = name;
   bool seen_content = false;  // TSV header is only recognized before the first data line
-  size_t pos = 0;
+  // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first line.
+  size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
   int64_t line_no = 0;
   while (pos < content.size()) {
     size_t nl = content.find('\n', pos);

@@ -705,7 +705,7 @@ Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     TORCH_CHECK(false, source_name, ": not valid JSON: ", e.what());
   }
   auto impl = std::make_unique<Impl>();

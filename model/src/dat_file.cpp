@@ -17,6 +17,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "q4/io/atomic_file.h"
+
 namespace q4::model {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, ".dat payloads are little-endian");
@@ -210,15 +212,6 @@ class HeaderParser {
   int64_t entry_ = -1;
   const std::string* key_ = nullptr;
 };
-
-std::atomic<uint64_t> g_tmp_seq{0};
-
-std::string parent_dir(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
 
 }  // namespace
 
@@ -568,9 +561,9 @@ q4::quant::Nvfp4Tensor DatReader::load_nvfp4(const DatNvfp4Pair& p) const {
 
 DatWriter::DatWriter(std::string path, uint64_t count) : path_(std::move(path)), count_(count) {
   TORCH_CHECK(!path_.empty(), "DatWriter: empty output path");
-  tmp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(g_tmp_seq++);
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, path_, ": cannot create temp file ", tmp_path_, ": ", errno_text(errno));
+  file_ = std::make_unique<io::AtomicFile>(path_);
+  tmp_path_ = file_->tmp_path();
+  fd_ = file_->fd();
   buf_.reserve(kWriteBufferBytes);
   std::vector<uint8_t> head;
   encode_uleb128(count_, head);
@@ -587,26 +580,17 @@ DatWriter::~DatWriter() {
 }
 
 void DatWriter::abort() noexcept {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
-  }
-  if (!committed_ && !tmp_path_.empty()) ::unlink(tmp_path_.c_str());
+  fd_ = -1;
+  if (file_ && !committed_) file_->abort();
   failed_ = true;
 }
 
 void DatWriter::write_fd(const void* p, size_t n) {
-  const auto* c = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(n, kIoChunkBytes));
-    const ssize_t w = ::write(fd_, c, want);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      failed_ = true;
-      TORCH_CHECK(false, tmp_path_, ": write failed: ", errno_text(errno));
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
+  try {
+    file_->write(p, n);
+  } catch (...) {
+    failed_ = true;
+    throw;
   }
 }
 
@@ -847,25 +831,13 @@ void DatWriter::commit() {
               count_);
   try {
     flush();
-    TORCH_CHECK(::fsync(fd_) == 0, tmp_path_, ": fsync failed: ", errno_text(errno));
-    const int fd = fd_;
     fd_ = -1;
-    TORCH_CHECK(::close(fd) == 0, tmp_path_, ": close failed: ", errno_text(errno));
-    TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": rename from ", tmp_path_,
-                " failed: ", errno_text(errno));
+    file_->commit();  // fsync, close, rename, directory fsync
   } catch (...) {
     abort();
     throw;
   }
   committed_ = true;
-  // The rename is durable only once the directory entry is on disk.
-  const std::string dir = parent_dir(path_);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(dfd >= 0, dir, ": cannot open directory to fsync: ", errno_text(errno));
-  const int rc = ::fsync(dfd);
-  const int err = errno;
-  ::close(dfd);
-  TORCH_CHECK(rc == 0, dir, ": directory fsync failed: ", errno_text(err));
 }
 
 }  // namespace q4::model

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
 #include "qwen3_impl.h"
 
@@ -339,7 +340,9 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
                   shape_str(e.shape));
       TORCH_CHECK(!p->master.defined() && pending.count(ref.name) == 0, where, ": parameter ",
                   ref.name, " is stored both raw and quantized");
-      finish(p, weights.load(e).to(dev), false);
+      at::Tensor raw = weights.load(e);
+      check_finite_weight(raw, e.type, where);
+      finish(p, raw.to(dev), false);
       continue;
     }
     TORCH_CHECK(shape.size() == 2 && shape[1] % q4::quant::kNvfp4BlockSize == 0, where,
@@ -362,6 +365,7 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
       TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
                   shape_str(e.shape));
       pd.scale = weights.load(e);
+      check_finite_weight(pd.scale, e.type, where);
     }
     if (pd.qdata.defined() && pd.scale.defined()) {
       // Dequantized values (<= 5 significant bits, |x| <= 2688) are exact in fp16/bf16/fp32.

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "optim_state.h"
+#include "q4/io/atomic_file.h"
 #include "q4/optim/adamw.h"
 
 namespace q4::optim {
@@ -69,26 +70,11 @@ int64_t nbytes_of(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
 }
 
+// Serializes into one AtomicFile (checked writes, fsync, rename; removed on failure).
 class Writer {
  public:
-  explicit Writer(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd_ >= 0, "PackedAdamW::save: cannot create '", path_, "': ", std::strerror(errno));
-  }
-  ~Writer() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  void raw(const void* data, int64_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)));
-      if (w < 0 && errno == EINTR) continue;
-      TORCH_CHECK(w > 0, "PackedAdamW::save: write to '", path_,
-                  "' failed: ", std::strerror(errno));
-      p += w;
-      n -= w;
-    }
-  }
+  explicit Writer(const std::string& path) : file_(path) {}
+  void raw(const void* data, int64_t n) { file_.write(data, static_cast<size_t>(n)); }
   template <typename T>
   void pod(T v) {
     raw(&v, sizeof(T));
@@ -106,17 +92,10 @@ class Writer {
       raw(host.data_ptr(), host.numel());
     }
   }
-  void finish() {
-    TORCH_CHECK(::fsync(fd_) == 0, "PackedAdamW::save: fsync of '", path_,
-                "' failed: ", std::strerror(errno));
-    TORCH_CHECK(::close(fd_) == 0, "PackedAdamW::save: close of '", path_,
-                "' failed: ", std::strerror(errno));
-    fd_ = -1;
-  }
+  void commit() { file_.commit(); }
 
  private:
-  std::string path_;
-  int fd_ = -1;
+  q4::io::AtomicFile file_;
 };
 
 class Reader {
@@ -177,9 +156,8 @@ class Reader {
 void PackedAdamW::save(const std::string& path, bool include_masters) const {
   const Impl& d = *impl_;
   const AdamWOptions& o = d.opt;
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
-    Writer w(tmp);
+    Writer w(path);
     w.raw(kMagic, 8);
     w.pod<uint32_t>(kVersion);
     w.pod<uint32_t>(static_cast<uint32_t>(o.state_mode));
@@ -205,21 +183,7 @@ void PackedAdamW::save(const std::string& path, bool include_masters) const {
       if (include_masters) w.tensor(p.flat);
     }
     w.raw(kEnd, 8);
-    w.finish();
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    TORCH_CHECK(false, "PackedAdamW::save: rename '", tmp, "' -> '", path,
-                "' failed: ", std::strerror(err));
-  }
-  // Make the rename durable.
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
+    w.commit();
   }
 }
 

@@ -197,5 +197,40 @@ TEST(Dataset, FilesAndFormatDetection) {
   EXPECT_THROW(parse_data_format("csv"), c10::Error);
 }
 
+// Issue 15 defect 6: a UTF-8 BOM was tokenized into the first prompt and hid the header row.
+TEST(Dataset, Utf8BomIsIgnoredInEveryFormat) {
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  const std::string bom = "\xEF\xBB\xBF";
+  const auto tsv = load_dataset_from_string(bom + "prompt\tanswer\nq\ta\n", "d.tsv", tok,
+                                            with(DataFormat::kAuto));
+  ASSERT_EQ(tsv.examples.size(), 1u);
+  EXPECT_EQ(tsv.summary.ignored, 1);  // the header row is recognized
+  expect_same(tsv.examples[0], make_pair_example(tok, "q", "a"));
+  const auto jsonl = load_dataset_from_string(bom + "{\"prompt\": \"q\", \"answer\": \"a\"}\n",
+                                              "d.jsonl", tok, with(DataFormat::kAuto));
+  ASSERT_EQ(jsonl.examples.size(), 1u);
+  expect_same(jsonl.examples[0], make_pair_example(tok, "q", "a"));
+  const auto text =
+      load_dataset_from_string(bom + "hello\n", "d.txt", tok, with(DataFormat::kAuto));
+  ASSERT_EQ(text.examples.size(), 1u);
+  auto ids = tok.encode("hello");
+  ids.push_back(tok.endoftext_id());
+  EXPECT_EQ(text.examples[0].input_ids, ids);
+}
+
+// Found by fuzz_dataset: a JSON number out of double range made nlohmann throw out_of_range,
+// which escaped the loader (an uncaught exception instead of "file:line: bad JSON").
+TEST(Dataset, JsonlNumberOverflowIsABadLine) {
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  const std::string content = "{\"prompt\": \"p\", \"answer\": \"a\"}\n{\"prompt\": 1e400}\n";
+  const std::string err =
+      error_of([&] { load_dataset_from_string(content, "d.jsonl", tok, with(DataFormat::kAuto)); });
+  EXPECT_NE(err.find("d.jsonl:2: bad JSON"), std::string::npos) << err;
+  const auto ds =
+      load_dataset_from_string(content, "d.jsonl", tok, with(DataFormat::kAuto, OnError::kSkip));
+  EXPECT_EQ(ds.examples.size(), 1u);
+  EXPECT_EQ(ds.summary.skipped, 1);
+}
+
 }  // namespace
 }  // namespace q4::data

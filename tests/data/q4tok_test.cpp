@@ -104,5 +104,20 @@ TEST(Q4tok, BadInputExitsWithCode2AndLine) {
   EXPECT_NE(r.out.find("stdin:2"), std::string::npos) << r.out;
 }
 
+// Issue 15 defect 10: ids that are not int32 token ids were converted silently (1.5, true and
+// 4294967297 to 1; 1e23 to INT32_MIN).
+TEST(Q4tok, DecodeRejectsIdsThatAreNotTokenIds) {
+  test::qwen3_tokenizer();
+  for (const char* bad :
+       {"[4294967297]", "[1.5]", "[true]", "[1e23]"}) {  // one tokenizer load each
+    const ToolRun r = run_q4tok("decode", std::string("[9707]\n") + bad + "\n", true);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.out;
+    EXPECT_NE(r.out.find("stdin:2"), std::string::npos) << bad << ": " << r.out;
+  }
+  const ToolRun ok = run_q4tok("decode", "[9707, 11]\n");
+  EXPECT_EQ(ok.exit_code, 0);
+  EXPECT_EQ(ok.out, "\"Hello,\"\n");
+}
+
 }  // namespace
 }  // namespace q4::data

@@ -279,5 +279,16 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
   }
 }
 
+// Issue 15: a number out of double range made nlohmann throw out_of_range, which escaped as a
+// runtime error (exit 1) instead of an input error naming the file.
+TEST(Tokenizer, JsonNumberOverflowIsAnInputError) {
+  try {
+    Tokenizer::from_json_string("{\"version\": 1e400}", "t.json");
+    ADD_FAILURE() << "accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("t.json: not valid JSON"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace q4::data

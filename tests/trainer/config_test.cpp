@@ -4,6 +4,7 @@
 #include "q4/trainer/config.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -266,4 +267,31 @@ TEST(Config, ReadmeDocumentsEveryField) {
   for (const auto& key : config_keys()) {
     EXPECT_TRUE(contains(readme, "`" + key + "`")) << key << " is not documented";
   }
+}
+
+// Issue 15 defect 10: a directory given as --config was read as an empty YAML document.
+TEST(Config, DirectoryAsConfigIsAnError) {
+  const fs::path dir = fs::temp_directory_path() / ("q4_cfgdir_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  try {
+    load_config(dir.string());
+    ADD_FAILURE() << "a directory was accepted as a config file";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a directory"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// Issue 15 defect 6: text documents longer than train.seq_len were dropped whole (the default
+// cut_left keeps only the supervised end, and all of a text document is supervised).
+TEST(Config, TruncationAutoCutsTextFromTheRight) {
+  EXPECT_EQ(resolved_truncation(parse(kMinimal)), "cut_left");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.TXT]")})),
+            "cut_right");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.tsv]")})),
+            "cut_left");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.format=text")})),
+            "cut_right");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})), "drop");
+  EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
 }

@@ -95,6 +95,26 @@ TEST(Metrics, JsonlResumeDropsLaterSteps) {
   fs::remove(p);
 }
 
+// Issue 15: a line cut by a crash or a full disk must not survive a resume (it used to be kept
+// and broke every later reader of metrics.jsonl).
+TEST(Metrics, JsonlResumeDropsACutLine) {
+  const fs::path p = fs::temp_directory_path() / ("q4_metrics_cut_" + std::to_string(::getpid()));
+  std::ofstream(p) << "{\"step\": 1}\n{\"step\": 2, \"lo";
+  {
+    JsonlWriter w;
+    w.open(p.string(), 4);
+    w.write({{"step", 5}});
+    w.close();
+  }
+  std::ifstream in(p);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(nlohmann::json::parse(lines[0])["step"], 1);
+  EXPECT_EQ(nlohmann::json::parse(lines[1])["step"], 5);
+  fs::remove(p);
+}
+
 TEST(Memory, RssTracksTouchedPages) {
   const int64_t before = process_rss_bytes();
   EXPECT_GT(before, 0);

@@ -9,6 +9,7 @@
 
 #include <chrono>
 
+#include "../cli_number.h"
 #include "common.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3_config.h"
@@ -100,7 +101,11 @@ int run_init(const InitOptions& o) {
                       o.config, name, v, q4::quant::kNvfp4BlockSize));
     }
   }
-  if (!(o.std > 0.0)) throw InputError(fmt::format("--std: expected > 0, found {}", o.std));
+  // fp16 embeddings overflow to Inf once a draw passes 65504 (std ~ 1e4 over 1e8 draws); far
+  // below that, every NVFP4 block saturates at the largest E4M3 scale. 100 leaves room for
+  // experiments and writes finite weights.
+  const double std = parse_positive_arg("--std", o.std, 100.0);
+  const auto seed = static_cast<uint64_t>(parse_int_arg("--seed", o.seed, 0, INT64_MAX));
   bool separate_lm_head = true;
   bool lm_head_from_embed = false;
   if (o.tied == "yes") {
@@ -121,7 +126,7 @@ int run_init(const InitOptions& o) {
   uint64_t count = 0;
   for (const auto& p : specs) count += p.kind == q4::model::ParamKind::kQuantizedLinear ? 2 : 1;
   DatWriter w(o.out, count);
-  Init init(w, o.seed, o.std);
+  Init init(w, seed, std);
   const std::string embed = "model.embed_tokens.weight";
   for (const auto& p : specs) {
     switch (p.kind) {

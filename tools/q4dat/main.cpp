@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "../cli_number.h"
 #include "common.h"
 #include "q4dat.h"
 
@@ -49,7 +50,7 @@ int main(int argc, char** argv) {
   c_diff->add_option("A", diff.a, "first .dat")->required();
   c_diff->add_option("B", diff.b, "second .dat")->required();
   c_diff->add_option("--atol", diff.atol, "absolute tolerance on values")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Validator(check_nonnegative_arg, "FLOAT >= 0"))
       ->capture_default_str();
   c_diff->add_flag("--quiet,-q", diff.quiet, "print only entries that differ");
 
@@ -58,8 +59,7 @@ int main(int argc, char** argv) {
   c_init->add_option("--config", init.config, "Qwen3 config.json")->required();
   c_init->add_option("--out", init.out, "output .dat")->required();
   c_init->add_option("--seed", init.seed, "RNG seed")->capture_default_str();
-  c_init->add_option("--std", init.std, "std of the normal weights")
-      ->check(CLI::PositiveNumber)
+  c_init->add_option("--std", init.std, "std of the normal weights, (0, 100]")
       ->capture_default_str();
   c_init
       ->add_option("--tied", init.tied,
@@ -106,6 +106,9 @@ int main(int argc, char** argv) {
     if (c_init->parsed()) return run_init(init);
     if (c_exp->parsed()) return run_export_hf(exp);
     if (c_imp->parsed()) return run_import_hf(imp);
+  } catch (const std::invalid_argument& e) {
+    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
+    return 2;
   } catch (const InputError& e) {
     fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
     return 2;

@@ -46,8 +46,8 @@ int run_diff(const DiffOptions& o);  // 0 equal, 1 different (errors throw)
 
 struct InitOptions {
   std::string config, out;
-  uint64_t seed = 0;
-  double std = 0.02;
+  std::string seed = "0";     // integer in [0, 2^63 - 1]
+  std::string std = "0.02";   // number in (0, kMaxInitStd]
   std::string tied = "auto";  // auto | yes | no
 };
 int run_init(const InitOptions& o);

@@ -10,11 +10,14 @@
 #include <string>
 #include <vector>
 
+#include "../cli_number.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 
 namespace {
+
+constexpr int64_t kMaxNewTokens = int64_t{1} << 20;
 
 std::vector<int64_t> parse_ids(const std::string& s, const char* what) {
   std::vector<int64_t> ids;
@@ -44,7 +47,7 @@ std::vector<int64_t> parse_ids(const std::string& s, const char* what) {
 int main(int argc, char** argv) {
   CLI::App app{"q4gen: greedy KV-cache generation from token ids"};
   std::string config, weights, prompt, device = "cpu", dtype, stop;
-  int64_t max_new = 64;
+  std::string max_new = "64";
   app.add_option("--config", config, "Qwen3 config.json")->required();
   app.add_option("--weights", weights, "weights .dat")->required();
   app.add_option("--prompt-ids", prompt, "comma-separated prompt token ids")->required();
@@ -71,7 +74,7 @@ int main(int argc, char** argv) {
     if (dtype == "bf16") opt.compute_dtype = at::kBFloat16;
     if (dtype == "fp16") opt.compute_dtype = at::kHalf;
     GenerateOptions gen;
-    gen.max_new_tokens = max_new;
+    gen.max_new_tokens = q4::tools::parse_int_arg("--max-new-tokens", max_new, 0, kMaxNewTokens);
     if (!stop.empty()) gen.stop_ids = parse_ids(stop, "--stop-ids");
     const std::vector<int64_t> ids = parse_ids(prompt, "--prompt-ids");
     Qwen3Config cfg = Qwen3Config::from_json_file(config);
@@ -81,6 +84,12 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? "," : "") << out[i];
     std::cout << "\n";
     return 0;
+  } catch (const std::invalid_argument& e) {
+    std::cerr << "q4gen: error: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::OutOfMemoryError& e) {
+    std::cerr << "q4gen: error: " << e.what_without_backtrace() << "\n";
+    return 1;
   } catch (const c10::Error& e) {
     std::cerr << "q4gen: error: " << e.what_without_backtrace() << "\n";
     return 2;

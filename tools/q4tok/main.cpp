@@ -29,7 +29,7 @@ struct InputError : std::runtime_error {
 json parse_line(const std::string& line, int64_t line_no) {
   try {
     return json::parse(line);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
     throw InputError("stdin:" + std::to_string(line_no) + ": bad JSON: " + e.what());
   }
 }
@@ -50,11 +50,26 @@ void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
   std::string line;
   for (int64_t n = 1; std::getline(std::cin, line); ++n) {
     const json j = parse_line(line, n);
+    const std::string where = "stdin:" + std::to_string(n);
+    if (!j.is_array()) throw InputError(where + ": expected a JSON array of ids");
+    // Checked element by element: nlohmann's get<int32_t> converts 1.5, true and 4294967297
+    // silently (to 1, 1 and 1) and 1e23 to INT32_MIN.
     std::vector<TokenId> ids;
-    try {
-      ids = j.get<std::vector<TokenId>>();
-    } catch (const json::exception&) {
-      throw InputError("stdin:" + std::to_string(n) + ": expected a JSON array of ids");
+    ids.reserve(j.size());
+    for (size_t k = 0; k < j.size(); ++k) {
+      const json& v = j[k];
+      const bool in_range = v.is_number_unsigned()
+                                ? v.get<uint64_t>() <= uint64_t{INT32_MAX}
+                                : v.is_number_integer() && v.get<int64_t>() >= 0 &&
+                                      v.get<int64_t>() <= int64_t{INT32_MAX};
+      if (!in_range) {
+        std::string found = v.dump();
+        if (found.size() > 40) found = found.substr(0, 40) + "...";
+        throw InputError(where + ": element " + std::to_string(k) +
+                         ": expected a token id (integer 0.." + std::to_string(INT32_MAX) +
+                         "), found " + found);
+      }
+      ids.push_back(static_cast<TokenId>(v.get<int64_t>()));
     }
     std::cout << json(tok.decode_lossy(ids, skip_special)).dump() << '\n';
   }

@@ -7,6 +7,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -517,6 +518,11 @@ std::vector<FieldRef> config_fields(Config& c) {
        "malformed data lines: fail or skip",
        {"fail", "skip"},
        false},
+      {"data.truncation",
+       &c.data.truncation,
+       "examples longer than train.seq_len (auto: cut_right for text files, else cut_left)",
+       {"auto", "cut_left", "cut_right", "drop"},
+       false},
       {"eval.prompts", &c.eval.prompts, "user prompts answered greedily", {}, false},
       {"eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)", {}, false},
       {"eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit", {}, false},
@@ -738,6 +744,10 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
 }
 
 Config load_config(const std::string& path, const std::vector<Override>& overrides) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    throw ConfigError("config file " + path + " is a directory; expected a YAML file");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("cannot open config file " + path);
   std::stringstream ss;
@@ -958,6 +968,21 @@ bool device_is_cuda(const Config& c) {
 std::string resolved_compute_dtype(const Config& c) {
   if (c.model.compute_dtype != "auto") return c.model.compute_dtype;
   return device_is_cuda(c) ? "bf16" : "fp32";
+}
+
+std::string resolved_truncation(const Config& c) {
+  if (c.data.truncation != "auto") return c.data.truncation;
+  if (c.data.files.empty()) return "cut_left";
+  for (const auto& f : c.data.files) {
+    std::string fmt = c.data.format;
+    if (fmt == "auto") {
+      std::string ext = fs::path(f).extension().string();
+      for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      fmt = (ext == ".txt" || ext == ".text") ? "text" : "other";
+    }
+    if (fmt != "text") return "cut_left";
+  }
+  return "cut_right";
 }
 
 std::string resolved_export_path(const Config& c) {

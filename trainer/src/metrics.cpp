@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 namespace q4::trainer {
@@ -67,30 +68,36 @@ std::string format_progress_bar(int64_t step, int64_t total, int width) {
 
 void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_until_step) {
   path_ = path;
-  if (keep_until_step && std::filesystem::exists(path)) {
+  if (keep_until_step && std::filesystem::is_regular_file(path)) {
     std::vector<std::string> kept;
     std::ifstream in(path);
     std::string line;
     while (std::getline(in, line)) {
       if (line.empty()) continue;
       const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+      if (!j.is_object()) continue;  // a line cut by a crash or a full disk
+      if (j.contains("step") && j["step"].is_number_integer() &&
           j["step"].get<int64_t>() > *keep_until_step) {
         continue;
       }
       kept.push_back(line);
     }
     in.close();
-    std::ofstream rewrite(path, std::ios::trunc);
-    for (const auto& l : kept) rewrite << l << '\n';
+    std::string text;
+    for (const auto& l : kept) text += l + '\n';
+    io::write_file_atomic(path, text);
   }
-  out_.open(path, std::ios::app);
-  TORCH_CHECK(out_.is_open(), "cannot open ", path, " for writing");
+  out_.open(path, /*truncate=*/false);
 }
 
-void JsonlWriter::write(const nlohmann::json& j) {
-  out_ << j.dump() << '\n';
-  out_.flush();
+// Every line reaches the kernel whole or the run fails naming the file (a full disk used to end
+// the run with exit 0 and a last line cut mid-JSON).
+void JsonlWriter::write(const nlohmann::json& j) { out_.write(j.dump() + '\n'); }
+
+void JsonlWriter::close() {
+  if (!out_.is_open()) return;
+  out_.sync();
+  out_.close();
 }
 
 }  // namespace q4::trainer

@@ -1,16 +1,23 @@
-// Checkpoint directories: naming, listing, DONE markers, rotation, resume resolution.
+// Checkpoint directories (naming, listing, DONE markers, checksums, rotation, resume resolution)
+// and the protection of a run directory (lock, output-path checks, stale-file cleanup).
 #include "q4/trainer/run_dir.h"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "q4/io/atomic_file.h"
+#include "q4/io/crc32c.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -27,13 +34,6 @@ std::optional<int64_t> parse_step_name(const std::string& name) {
     v = v * 10 + (name[i] - '0');
   }
   return v;
-}
-
-void fsync_path(const std::string& path, bool directory) {
-  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 }  // namespace
@@ -64,19 +64,7 @@ std::optional<CheckpointDir> latest_checkpoint(const std::string& run_dir) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    TORCH_CHECK(out.is_open(), "cannot write ", tmp);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "write failed: ", tmp);
-  }
-  fsync_path(tmp, false);
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  TORCH_CHECK(!ec, "cannot rename ", tmp, " to ", path, ": ", ec.message());
-  fsync_path(fs::path(path).parent_path().string(), true);
+  io::write_file_atomic(path, text);
 }
 
 std::string read_file(const std::string& path) {
@@ -129,6 +117,239 @@ CheckpointDir resolve_resume_dir(const std::string& dir) {
                       std::string(kDoneMarker) + ") in this directory");
   }
   return *latest;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run-directory protection
+
+bool is_reserved_run_name(const std::string& name) {
+  for (const char* r :
+       {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker, kChecksumFile}) {
+    if (name == r) return true;
+  }
+  return parse_step_name(name).has_value() || io::is_temp_file_name(name);
+}
+
+namespace {
+
+fs::path canonical_or_self(const std::string& p) {
+  std::error_code ec;
+  fs::path c = fs::weakly_canonical(fs::absolute(p), ec);
+  return ec ? fs::absolute(p).lexically_normal() : c;
+}
+
+bool writable_dir(const fs::path& d) { return ::access(d.c_str(), W_OK | X_OK) == 0; }
+
+}  // namespace
+
+void check_output_paths(const Config& c) {
+  const fs::path dir = canonical_or_self(c.output.dir);
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw ConfigError("config key output.dir: " + c.output.dir + " exists and is not a directory");
+  }
+  if (fs::is_directory(dir, ec) && !writable_dir(dir)) {
+    throw ConfigError("config key output.dir: " + c.output.dir + " is not writable");
+  }
+  if (!fs::exists(dir, ec)) {
+    // It will be created: the nearest existing ancestor must be a writable directory.
+    fs::path a = dir.parent_path();
+    while (!a.empty() && !fs::exists(a, ec)) a = a.parent_path();
+    if (!a.empty() && (!fs::is_directory(a, ec) || !writable_dir(a))) {
+      throw ConfigError("config key output.dir: cannot create " + c.output.dir + " (" + a.string() +
+                        " is not a writable directory)");
+    }
+  }
+
+  // Inputs, by resolved path.
+  std::vector<std::pair<std::string, fs::path>> inputs;
+  if (c.model.init == "file" && !c.model.weights.empty()) {
+    inputs.push_back({"model.weights", canonical_or_self(c.model.weights)});
+  }
+  if (!c.model.config.empty())
+    inputs.push_back({"model.config", canonical_or_self(c.model.config)});
+  if (!c.model.tokenizer.empty()) {
+    inputs.push_back({"model.tokenizer", canonical_or_self(c.model.tokenizer)});
+  }
+  for (const auto& f : c.data.files) inputs.push_back({"data.files", canonical_or_self(f)});
+
+  // Outputs the run writes, by key.
+  std::vector<std::pair<std::string, fs::path>> outputs = {
+      {"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
+      {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
+  if (c.model.init == "random") {
+    outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
+  }
+  const std::string& m = c.log.metrics;
+  if (!m.empty()) {
+    if (m == "." || m == ".." || m.find('/') != std::string::npos) {
+      throw ConfigError("config key log.metrics: expected a file name inside output.dir, found '" +
+                        m + "'");
+    }
+    if (is_reserved_run_name(m)) {
+      throw ConfigError("config key log.metrics: '" + m +
+                        "' is a name q4train uses in output.dir (config.yaml, init.dat, "
+                        "eval.jsonl, probe.json, .lock, step_XXXXXX, temp files); choose another");
+    }
+    if (fs::is_directory(dir / m, ec)) {
+      throw ConfigError("config key log.metrics: " + (dir / m).string() + " is a directory");
+    }
+    outputs.push_back({"log.metrics", dir / m});
+  }
+  const std::string exp = resolved_export_path(c);
+  if (!exp.empty()) {
+    const fs::path e = canonical_or_self(exp);
+    const std::string fname = fs::path(exp).filename().string();
+    if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec)) {
+      throw ConfigError("config key output.export_path: " + exp +
+                        " is a directory; expected a .dat file path");
+    }
+    const fs::path parent = e.parent_path();
+    if (parent != dir) {
+      if (!fs::is_directory(parent, ec)) {
+        throw ConfigError("config key output.export_path: directory " + parent.string() +
+                          " does not exist");
+      }
+      if (!writable_dir(parent)) {
+        throw ConfigError("config key output.export_path: directory " + parent.string() +
+                          " is not writable");
+      }
+    }
+    if (parent == dir && is_reserved_run_name(fname)) {
+      throw ConfigError("config key output.export_path: '" + fname +
+                        "' is a name q4train uses in output.dir; choose another");
+    }
+    for (const auto& o : outputs) {
+      if (o.second == e) {
+        throw ConfigError("config key output.export_path: " + exp + " is also " + o.first);
+      }
+    }
+    outputs.push_back({"output.export_path", e});
+  }
+  for (const auto& o : outputs) {
+    for (const auto& in : inputs) {
+      if (o.second == in.second) {
+        throw ConfigError(
+            "config key " +
+            (o.first.rfind("output.dir", 0) == 0 ? std::string("output.dir") : o.first) + ": " +
+            o.second.string() + " would overwrite the input " + in.first +
+            "; choose another output");
+      }
+    }
+  }
+}
+
+RunDirLock::RunDirLock(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw ConfigError("output.dir " + dir + ": cannot open " + path + ": " + std::strerror(errno));
+  }
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd_, buf, sizeof(buf) - 1, 0);
+    std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK) {
+      throw ConfigError("output.dir " + dir + " is in use by another q4train run" +
+                        (holder.empty() ? std::string() : " (pid " + holder + ")") +
+                        "; wait for it to finish or choose another output.dir");
+    }
+    throw ConfigError("output.dir " + dir + ": cannot lock " + path + ": " + std::strerror(err));
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) == 0) {
+    // The pid is only informational (for the message above); a failed write changes nothing.
+    [[maybe_unused]] const ssize_t w = ::pwrite(fd_, pid.data(), pid.size(), 0);
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+std::vector<std::string> clean_stale_files(const Config& c) {
+  std::vector<std::string> removed;
+  auto add = [&](std::vector<std::string> v) { removed.insert(removed.end(), v.begin(), v.end()); };
+  add(io::remove_stale_temp_files(c.output.dir));
+  for (const auto& ck : list_checkpoints(c.output.dir)) {
+    if (!ck.done) {
+      std::error_code ec;
+      fs::remove_all(ck.path, ec);
+      if (!ec) removed.push_back(ck.path);
+      continue;
+    }
+    add(io::remove_stale_temp_files(ck.path));
+  }
+  const std::string exp = resolved_export_path(c);
+  if (!exp.empty()) {
+    const fs::path e = fs::absolute(exp);
+    add(io::remove_stale_temp_files(e.parent_path().string(), e.filename().string()));
+  }
+  return removed;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checksums
+
+void write_checkpoint_checksums(const std::string& ckpt_dir,
+                                const std::vector<std::string>& files) {
+  nlohmann::json j;
+  j["algorithm"] = "crc32c";
+  for (const auto& f : files) {
+    const std::string p = (fs::path(ckpt_dir) / f).string();
+    j["files"][f] = {{"crc32c", fmt::format("{:08x}", io::crc32c_file(p))},
+                     {"bytes", static_cast<int64_t>(fs::file_size(p))}};
+  }
+  io::write_file_atomic((fs::path(ckpt_dir) / kChecksumFile).string(), j.dump(2) + "\n");
+}
+
+std::string previous_checkpoint_hint(const CheckpointDir& ck) {
+  const fs::path run_dir = fs::path(ck.path).parent_path();
+  std::optional<CheckpointDir> prev;
+  for (const auto& c : list_checkpoints(run_dir.string())) {
+    if (c.done && c.step < ck.step) prev = c;
+  }
+  if (!prev) return "; there is no older complete checkpoint in " + run_dir.string();
+  return "; the previous complete checkpoint is " + prev->path + " (resume it with --resume " +
+         prev->path + ")";
+}
+
+void verify_checkpoint(const CheckpointDir& ck) {
+  const fs::path dir(ck.path);
+  const fs::path sums = dir / kChecksumFile;
+  std::error_code ec;
+  if (!fs::exists(sums, ec)) return;  // written before checksums existed
+  nlohmann::json j = nlohmann::json::parse(read_file(sums.string()), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("files") || !j["files"].is_object()) {
+    throw ConfigError("--resume: " + sums.string() + " is not a valid checksum file" +
+                      previous_checkpoint_hint(ck));
+  }
+  for (const auto& [name, want] : j["files"].items()) {
+    const fs::path p = dir / name;
+    if (!fs::is_regular_file(p, ec)) {
+      throw ConfigError("--resume: " + p.string() + " is missing" + previous_checkpoint_hint(ck));
+    }
+    const auto bytes = static_cast<int64_t>(fs::file_size(p, ec));
+    if (!want.is_object() || !want.contains("bytes") || want["bytes"] != bytes) {
+      throw ConfigError(fmt::format("--resume: {} has {} bytes, {} says {}: the file is damaged{}",
+                                    p.string(), bytes, sums.string(),
+                                    want.is_object() && want.contains("bytes")
+                                        ? want["bytes"].dump()
+                                        : std::string("nothing"),
+                                    previous_checkpoint_hint(ck)));
+    }
+    const std::string got = fmt::format("{:08x}", io::crc32c_file(p.string()));
+    if (!want.contains("crc32c") || want["crc32c"] != got) {
+      throw ConfigError(fmt::format(
+          "--resume: {}: CRC32C {} does not match {} in {}: the file is damaged{}", p.string(), got,
+          want.contains("crc32c") ? want["crc32c"].dump() : std::string("nothing"), sums.string(),
+          previous_checkpoint_hint(ck)));
+    }
+  }
 }
 
 }  // namespace q4::trainer

@@ -74,14 +74,18 @@ double ms_since(Clock::time_point t0) {
 }
 
 // Runs `fn`; a c10::Error it throws is an input problem: ConfigError with the same message.
+// Exceptions that are not about the input stay runtime errors (exit 1), told apart by type: an
+// allocator's OutOfMemoryError, std::bad_alloc (not a c10::Error), and a failed internal assert
+// (c10 gives it no type of its own; its message always starts with "INTERNAL ASSERT FAILED").
 template <class F>
 auto as_input_error(const std::string& what, F&& fn) -> decltype(fn()) {
   try {
     return fn();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
   } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    if (msg.find("out of memory") != std::string::npos) throw;
-    throw ConfigError(what + ": " + msg);
+    if (e.msg().rfind("INTERNAL ASSERT FAILED", 0) == 0) throw;
+    throw ConfigError(what + ": " + e.what_without_backtrace());
   }
 }
 
@@ -126,6 +130,29 @@ void check_guard(const Config& c, const at::Device& device, const std::string& w
         c.guard.max_gpu_gb, where, to_gb(m.reserved_bytes.value_or(0)),
         to_gb(m.device_used_bytes.value_or(0))));
   }
+}
+
+// on_error: skip: a warning on stderr naming every reported line and its reason (the summary on
+// stdout is easy to miss among the resolved config).
+void report_skipped_lines(const data::LoadSummary& s, std::ostream& err) {
+  if (s.skipped == 0) return;
+  err << fmt::format("warning: {}: skipped {} malformed line{} (data.on_error: skip)\n", s.path,
+                     s.skipped, s.skipped == 1 ? "" : "s");
+  for (const auto& k : s.first_skipped) {
+    err << fmt::format("warning: {}:{}: skipped: {}\n", s.path, k.line, k.reason);
+  }
+  const auto shown = static_cast<int64_t>(s.first_skipped.size());
+  if (s.skipped > shown) err << fmt::format("warning: ... and {} more\n", s.skipped - shown);
+}
+
+// No example at all (empty, blank, comment-only or all-skipped files): say so, rather than
+// blaming train.seq_len.
+std::string no_examples_message(const Config& c) {
+  std::string files;
+  for (const auto& f : c.data.files) files += (files.empty() ? "" : ", ") + f;
+  return "data.files: no training examples in " + files +
+         " (every line is blank, a comment, a header or skipped as malformed; a TSV line is "
+         "prompt<TAB>answer)";
 }
 
 struct EvalAnswer {
@@ -201,6 +228,7 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.shuffle = c.data.shuffle;
   bo.pack = c.data.packing;
   bo.pack_window = c.data.pack_window;
+  bo.truncation = data::parse_truncation(resolved_truncation(c));
   bo.pad_id = pad_id;
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
@@ -373,7 +401,12 @@ class Trainer {
       : c_(c), opts_(o), out_(out), err_(err), device_(c.model.device), probe_(probe) {}
 
   int run() {
+    install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
+    if (stop_requested()) {
+      out_ << "signal " << stop_signal() << " during set-up: stopped before the first step\n";
+      return kExitOk;
+    }
     return loop();
   }
 
@@ -529,14 +562,19 @@ class Trainer {
     std::optional<CheckpointDir> resume;
     if (opts_.resume) resume = resolve_resume_dir(*opts_.resume);
     check_input_files(c_, /*need_data=*/c_.train.steps > 0);
+    check_output_paths(c_);  // every output, before anything is written
     fs::create_directories(c_.output.dir);
+    lock_ = std::make_unique<RunDirLock>(c_.output.dir);  // held until the run ends
+    for (const auto& p : clean_stale_files(c_)) out_ << "removed stale " << p << "\n";
     if (!resume) {
       if (latest_checkpoint(c_.output.dir)) {
         throw ConfigError("output.dir " + c_.output.dir +
                           " already holds checkpoints; pass --resume " + c_.output.dir +
                           " to continue, or choose another output.dir");
       }
-      fs::remove(fs::path(c_.output.dir) / kInitFile);  // a fresh run draws a fresh init
+      // A fresh random-init run draws a fresh init; with model.init: file, init.dat may be the
+      // user's weights and is never touched.
+      if (c_.model.init == "random") fs::remove(fs::path(c_.output.dir) / kInitFile);
     }
     write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
     setup_model(/*need_tokenizer=*/true);
@@ -551,7 +589,6 @@ class Trainer {
     if (!metrics_path.empty()) metrics_.open(metrics_path, start_step_);
     eval_log_.open((fs::path(c_.output.dir) / kEvalFile).string(), start_step_);
     if (c_.log.tensorboard) tb_.open(c_.output.dir);  // TensorBoard scalars and eval text
-    install_stop_handlers();
   }
 
   // model.config, the tokenizer (training; the probe only with data files) and the model.
@@ -594,8 +631,10 @@ class Trainer {
       for (const auto& f : c_.data.files) {
         auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, *tok_, dopt); });
         (probe_ ? err_ : out_) << ds.summary.to_string() << "\n";
+        report_skipped_lines(ds.summary, err_);
         for (auto& e : ds.examples) examples.push_back(std::move(e));
       }
+      if (examples.empty()) throw ConfigError(no_examples_message(c_));
       pad_id = tok_->endoftext_id();
     }
     batcher_ = as_input_error("data.files", [&] {
@@ -692,16 +731,25 @@ class Trainer {
 
   void restore(const CheckpointDir& ck) {
     const fs::path dir(ck.path);
-    const auto state = as_input_error("--resume", [&] {
-      return nlohmann::json::parse(read_file((dir / kTrainStateFile).string()));
-    });
+    verify_checkpoint(ck);  // CRC32C of every file, naming the damaged one
+    const std::string state_path = (dir / kTrainStateFile).string();
+    const auto state = nlohmann::json::parse(read_file(state_path), nullptr, false);
+    if (state.is_discarded() || !state.is_object() || !state.contains("step")) {
+      throw ConfigError("--resume: " + state_path + " is not a valid checkpoint state" +
+                        previous_checkpoint_hint(ck));
+    }
     start_step_ = state.at("step").get<int64_t>();
     if (start_step_ > c_.train.steps) {
       throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
                                     ck.path, start_step_, c_.train.steps));
     }
     as_input_error("--resume", [&] {
-      optimizer_->load((dir / kOptimStateFile).string(), /*restore_masters=*/true);
+      try {
+        optimizer_->load((dir / kOptimStateFile).string(), /*restore_masters=*/true);
+      } catch (const c10::Error& e) {
+        if (e.msg().rfind("INTERNAL ASSERT FAILED", 0) == 0) throw;
+        TORCH_CHECK(false, e.what_without_backtrace(), previous_checkpoint_hint(ck));
+      }
       return 0;
     });
     if (batcher_) {
@@ -720,9 +768,21 @@ class Trainer {
     out_ << "resumed from " << ck.path << " at step " << start_step_ << "\n";
   }
 
+  // A failed checkpoint (full disk, I/O error) removes its directory: no partial files remain and
+  // the previous complete checkpoint stays the newest.
   void save_checkpoint(int64_t step) {
-    NvtxRange r("checkpoint");
     const fs::path dir = fs::path(c_.output.dir) / checkpoint_dir_name(step);
+    try {
+      write_checkpoint(step, dir);
+    } catch (...) {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+      throw;
+    }
+  }
+
+  void write_checkpoint(int64_t step, const fs::path& dir) {
+    NvtxRange r("checkpoint");
     fs::remove_all(dir);
     fs::create_directories(dir);
     optimizer_->save((dir / kOptimStateFile).string(), /*include_masters=*/true);
@@ -748,6 +808,7 @@ class Trainer {
                       {"next_lr", step < c_.train.steps ? schedule_->lr_at(step) : 0.0}};
     if (batcher_) st["batcher"] = nlohmann::json::parse(batcher_->state().to_json());
     write_file_atomic((dir / kTrainStateFile).string(), st.dump(2) + "\n");
+    write_checkpoint_checksums(dir.string(), {kOptimStateFile, kRngFile, kTrainStateFile});
     mark_checkpoint_done(dir.string(), step);
     last_checkpoint_step_ = step;
     const auto removed = rotate_checkpoints(c_.output.dir, c_.output.keep);
@@ -795,7 +856,42 @@ class Trainer {
                         c_.output.hf_export, dir, rep.shards.size(), ms_since(t0) / 1000.0, dir);
   }
 
+  // A periodic export (export_every) that fails is a warning and training goes on; the final one
+  // is an error (finish() has checkpointed first).
   void export_model(int64_t step, const std::vector<EvalAnswer>* reference) {
+    if (step == c_.train.steps) return write_export(step, reference);
+    try {
+      write_export(step, reference);
+    } catch (const std::exception& e) {
+      const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
+      err_ << "warning: export at step " << step
+           << " failed, training goes on: " << (ce ? ce->what_without_backtrace() : e.what())
+           << "\n";
+    }
+  }
+
+  // The end of a run: the final checkpoint (with checkpoint_every > 0) comes before the final
+  // export, and an export that fails is checkpointed before the error ends the run, so that no
+  // trained step is lost to a full disk or a bad export path.
+  void finish(int64_t total, const std::vector<EvalAnswer>* reference) {
+    const bool trained = total > start_step_;
+    if (c_.output.checkpoint_every > 0 && last_checkpoint_step_ != total && trained) {
+      save_checkpoint(total);
+    }
+    try {
+      export_model(total, reference);
+    } catch (...) {
+      if (last_checkpoint_step_ != total && trained) {
+        err_ << "export failed; writing a checkpoint of step " << total << " first\n";
+        save_checkpoint(total);
+      }
+      throw;
+    }
+    metrics_.close();
+    eval_log_.close();
+  }
+
+  void write_export(int64_t step, const std::vector<EvalAnswer>* reference) {
     const std::string path = resolved_export_path(c_);
     if (path.empty()) return;
     NvtxRange r("export");
@@ -917,10 +1013,7 @@ class Trainer {
     }
     if (bar && total > start_step_) err_ << "\n";
     if (c_.eval.at_end) last_answers = evaluate(total, "end");
-    export_model(total, &last_answers);
-    if (c_.output.checkpoint_every > 0 && last_checkpoint_step_ != total && total > start_step_) {
-      save_checkpoint(total);
-    }
+    finish(total, &last_answers);
     if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
     out_ << fmt::format("done: {} steps, {} tokens\n", total, tokens_seen_);
     return kExitOk;
@@ -939,6 +1032,7 @@ class Trainer {
   std::unique_ptr<data::Batcher> batcher_;
   std::unique_ptr<optim::PackedAdamW> optimizer_;
   std::unique_ptr<optim::LrSchedule> schedule_;
+  std::unique_ptr<RunDirLock> lock_;  // output.dir, for the whole run
   JsonlWriter metrics_;
   JsonlWriter eval_log_;
   TfEventsWriter tb_;
@@ -992,6 +1086,7 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
 
 int run_dry_run(const Config& c, std::ostream& out) {
   check_input_files(c, /*need_data=*/c.train.steps > 0);
+  check_output_paths(c);
   const auto mc = load_model_config(c);
   as_input_error("train.trainable", [&] {
     trainable_spec(c).validate(mc.num_hidden_layers);

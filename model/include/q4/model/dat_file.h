@@ -17,6 +17,10 @@
 
 #include "q4/quant/nvfp4.h"
 
+namespace q4::io {
+class AtomicFile;
+}
+
 namespace q4::model {
 
 enum class ElemType : uint32_t {
@@ -110,11 +114,12 @@ class DatReader {
   std::unordered_map<std::string, size_t> index_;
 };
 
-// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory);
-// commit() checks that exactly `count` entries were written, fsyncs the file, renames it onto
-// `path` and fsyncs the directory. Destruction without commit() removes the temp file and leaves
-// `path` untouched. A call rejected by its checks writes nothing and the writer stays usable; a
-// failure while writing makes it unusable (commit() refuses). Keys must be unique, non-empty UTF-8.
+// Streaming writer. Entries are written in call order to `<path>.tmp.<pid>.<n>` (same directory,
+// a q4::io::AtomicFile); commit() checks that exactly `count` entries were written, fsyncs the
+// file, renames it onto `path` and fsyncs the directory. Destruction without commit() removes the
+// temp file and leaves `path` untouched. A call rejected by its checks writes nothing and the
+// writer stays usable; a failure while writing makes it unusable (commit() refuses). Keys must be
+// unique, non-empty UTF-8.
 class DatWriter {
  public:
   DatWriter(std::string path, uint64_t count);
@@ -158,8 +163,9 @@ class DatWriter {
   std::string tmp_path_;
   uint64_t count_;
   uint64_t written_ = 0;
-  uint64_t bytes_ = 0;  // bytes handed to the file so far (buffered or written)
-  int fd_ = -1;
+  uint64_t bytes_ = 0;                    // bytes handed to the file so far (buffered or written)
+  std::unique_ptr<io::AtomicFile> file_;  // the temp file, published by commit()
+  int fd_ = -1;                           // file_->fd() while writable, else -1
   bool committed_ = false;
   bool failed_ = false;       // a call threw midway; the temp file is unusable
   uint64_t stream_left_ = 0;  // payload bytes still owed by a begin_streamed() entry

@@ -95,13 +95,14 @@ struct OptimConfig {
 };
 
 struct DataConfig {
-  std::vector<std::string> files;  // training files (TSV prompt<TAB>answer, JSONL, text)
-  std::string format = "auto";     // auto (by extension) | tsv | jsonl | text
-  std::string system_prompt;       // optional system turn before every example
-  bool shuffle = true;             // reshuffle each epoch (seeded by train.seed)
-  bool packing = true;             // pack several examples into one seq_len row (best fit)
-  int64_t pack_window = 256;       // packing: examples considered for each row
-  std::string on_error = "fail";   // fail | skip: malformed lines
+  std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
+  std::string format = "auto";      // auto (by extension) | tsv | jsonl | text
+  std::string system_prompt;        // optional system turn before every example
+  bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
+  bool packing = true;              // pack several examples into one seq_len row (best fit)
+  int64_t pack_window = 256;        // packing: examples considered for each row
+  std::string on_error = "fail";    // fail | skip: malformed lines
+  std::string truncation = "auto";  // auto | cut_left | cut_right | drop: examples over seq_len
 };
 
 struct EvalConfig {
@@ -192,6 +193,9 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
 // Derived settings.
 std::string resolved_compute_dtype(const Config& c);  // "fp32"/"bf16"/"fp16"
 std::string resolved_export_path(const Config& c);    // "" when export is disabled
+// data.truncation with auto resolved: cut_right (keep the start) when every data file is plain
+// text, cut_left (keep the answer) otherwise.
+std::string resolved_truncation(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);

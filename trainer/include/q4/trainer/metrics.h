@@ -9,6 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "q4/io/atomic_file.h"
+
 namespace q4::trainer {
 
 struct StepMetrics {
@@ -45,12 +47,13 @@ class JsonlWriter {
   // greater (a resumed run rewrites the steps after its checkpoint).
   void open(const std::string& path, std::optional<int64_t> keep_until_step = std::nullopt);
   bool is_open() const { return out_.is_open(); }
-  void write(const nlohmann::json& j);
+  void write(const nlohmann::json& j);  // one line, checked (throws naming the file)
+  void close();                         // fsync + checked close
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
-  std::ofstream out_;
+  io::AppendFile out_;
 };
 
 }  // namespace q4::trainer

@@ -1,7 +1,9 @@
-// Run-directory layout and checkpoint rotation. A run directory holds config.yaml, metrics.jsonl,
-// eval.jsonl, the export and step_XXXXXX/ checkpoints. A checkpoint counts only once its DONE
-// marker exists (written last, fsynced): a crash mid-write leaves a directory without DONE,
-// which resume ignores and rotation removes.
+// Run-directory layout, protection and checkpoints. A run directory holds config.yaml,
+// metrics.jsonl, eval.jsonl, the export, step_XXXXXX/ checkpoints and a .lock file that a live
+// run holds (flock) for its whole duration. A checkpoint counts only once its DONE marker exists
+// (written last, fsynced): a crash mid-write leaves a directory without DONE, which resume
+// ignores and rotation removes. checksums.json (CRC32C of every checkpoint file, written before
+// DONE) is verified at resume. Every output path is checked before the first step.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,14 @@
 namespace q4::trainer {
 
 inline constexpr const char* kDoneMarker = "DONE";
+inline constexpr const char* kChecksumFile = "checksums.json";  // in each checkpoint
+inline constexpr const char* kLockFile = ".lock";
+inline constexpr const char* kConfigFile = "config.yaml";
+inline constexpr const char* kEvalFile = "eval.jsonl";
+inline constexpr const char* kInitFile = "init.dat";
+inline constexpr const char* kProbeFile = "probe.json";
+
+struct Config;
 
 struct CheckpointDir {
   std::string path;
@@ -32,8 +42,47 @@ std::vector<std::string> rotate_checkpoints(const std::string& run_dir, int64_t 
 // `--resume DIR`: DIR is a complete checkpoint or a run directory (its newest complete one).
 // ConfigError naming DIR otherwise.
 CheckpointDir resolve_resume_dir(const std::string& dir);
-// Writes `text` to `path` atomically (temp file, fsync, rename).
+// Writes `text` to `path` atomically (q4::io::AtomicFile: temp file, fsync, rename, checked).
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// The names q4train itself writes directly in output.dir (config.yaml, init.dat, eval.jsonl,
+// probe.json, .lock); step_XXXXXX and temp-file names are reserved too.
+bool is_reserved_run_name(const std::string& file_name);
+
+// Every output path, checked before anything is written (ConfigError naming the key): log.metrics
+// is a plain file name that is not reserved; the export is not a directory, its directory exists
+// and is writable, and it is neither reserved nor the metrics file; no output is an input
+// (model.weights, model.config, model.tokenizer, data.files); output.dir is a writable directory
+// or can be created.
+void check_output_paths(const Config& c);
+
+// An exclusive advisory lock (flock) on <dir>/.lock, held until destruction (or the process
+// ends). A second run on the same directory fails at once with a ConfigError naming the
+// directory and the holder's pid.
+class RunDirLock {
+ public:
+  explicit RunDirLock(const std::string& dir);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+// Start-of-run cleanup (under the lock): temp files left by a killed writer in output.dir, in its
+// checkpoints and next to the export, and checkpoint directories without DONE. Returns the paths
+// removed.
+std::vector<std::string> clean_stale_files(const Config& c);
+
+// Writes checksums.json (CRC32C and size of each named file of the checkpoint) atomically.
+void write_checkpoint_checksums(const std::string& ckpt_dir, const std::vector<std::string>& files);
+// Checks the checkpoint's files against checksums.json (absent in checkpoints written before it
+// existed: nothing to check). ConfigError naming the file, with previous_checkpoint_hint().
+void verify_checkpoint(const CheckpointDir& ck);
+// " ; the previous complete checkpoint is <dir> (resume it with --resume <dir>)" or a note that
+// there is none: appended to every error about a damaged checkpoint.
+std::string previous_checkpoint_hint(const CheckpointDir& ck);
 std::string read_file(const std::string& path);  // ConfigError naming path when unreadable
 
 }  // namespace q4::trainer

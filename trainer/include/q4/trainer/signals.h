@@ -1,9 +1,13 @@
-// Graceful stop on SIGINT/SIGTERM: the handler only sets a flag; the run loop finishes the
-// current step, writes a checkpoint and exits 0. A second signal restores the default action,
-// so pressing Ctrl-C twice still kills a stuck process.
+// Graceful stop on SIGINT/SIGTERM/SIGHUP, installed before set-up: the handler sets a flag and
+// says on stderr what happens next; the run finishes the current step (or set-up), writes a
+// checkpoint and exits 0. A second signal only repeats that the stop is under way (a checkpoint
+// being written is not cut short); a third restores the default action, so a stuck process can
+// still be killed from the keyboard.
 #pragma once
 
 namespace q4::trainer {
+
+inline constexpr int kSignalsBeforeKill = 3;  // the third stop signal kills
 
 void install_stop_handlers();  // idempotent
 bool stop_requested();

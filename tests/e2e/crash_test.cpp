@@ -1,0 +1,165 @@
+// Crash test (issue 15): q4train is killed with SIGKILL at a random moment of a run that
+// checkpoints and exports after every step; then the last complete checkpoint must resume (or,
+// with none, a fresh start must run) to the same losses and the same exported bytes as an
+// uninterrupted run, and no temp file may survive the restart. Trials: Q4_CRASH_TRIALS (default
+// 3 in CI; the nightly size is 20 or more), kill times from Q4_CRASH_SEED (default 1).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+const std::string kSource = Q4_SOURCE_DIR;
+const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+constexpr int kSteps = 6;
+
+const char* kModelConfig = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
+  "hidden_act": "silu", "attention_bias": false})";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream(p, std::ios::binary) << s;
+}
+
+fs::path root() {
+  return fs::temp_directory_path() /
+         ("q4_crash_" + std::to_string(::getuid()) + "_" + std::to_string(::getpid()));
+}
+
+// Model, data and config in `dir`; the run goes to dir/run. lm_head trains, so checkpoints hold
+// a 151936 x 32 master and every checkpoint and export writes megabytes.
+void setup(const fs::path& dir) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  write_text(dir / "model.json", kModelConfig);
+  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
+  std::ostringstream y;
+  y << "model:\n  config: model.json\n  tokenizer: " << kSource
+    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
+    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true}\n"
+    << "  steps: " << kSteps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
+    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
+    << "data:\n  files: [data.tsv]\neval:\n  prompts: []\n"
+    << "output:\n  dir: " << (dir / "run").string()
+    << "\n  checkpoint_every: 1\n  export_every: 1\n  keep: 2\n  verify_export: false\n";
+  write_text(dir / "config.yaml", y.str());
+}
+
+// Runs q4train to the end; returns its exit code.
+int run_to_end(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag) {
+  std::string cmd = kQ4train;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " >" + (dir / (tag + ".out")).string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// step -> loss (as printed in metrics.jsonl, exact).
+std::map<int64_t, std::string> losses(const fs::path& metrics) {
+  std::map<int64_t, std::string> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    out[j.at("step").get<int64_t>()] = j.at("loss").dump();
+  }
+  return out;
+}
+
+std::vector<std::string> temp_files(const fs::path& dir) {
+  std::vector<std::string> v;
+  if (!fs::exists(dir)) return v;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) {
+      v.push_back(e.path().string());
+    }
+  }
+  return v;
+}
+
+TEST(CrashTest, KillNineThenResumeIsBitIdentical) {
+  const int trials = std::getenv("Q4_CRASH_TRIALS") ? std::atoi(std::getenv("Q4_CRASH_TRIALS")) : 3;
+  const unsigned seed = std::getenv("Q4_CRASH_SEED") ? std::atoi(std::getenv("Q4_CRASH_SEED")) : 1;
+  const fs::path base = root();
+  // Reference: the uninterrupted run, timed.
+  const fs::path ref = base / "ref";
+  setup(ref);
+  const auto t0 = Clock::now();
+  ASSERT_EQ(run_to_end(ref, {"--config", (ref / "config.yaml").string()}, "ref"), 0)
+      << read_text(ref / "ref.out");
+  const double total_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const auto ref_losses = losses(ref / "run" / "metrics.jsonl");
+  const std::string ref_export = read_text(ref / "run" / "model.dat");
+  ASSERT_EQ(ref_losses.size(), static_cast<size_t>(kSteps));
+
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> when(0.15, 0.95);
+  int resumed = 0;
+  for (int t = 0; t < trials; ++t) {
+    const fs::path dir = base / ("trial" + std::to_string(t));
+    setup(dir);
+    const auto kill_ms = static_cast<int64_t>(when(rng) * total_ms);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const std::string out = (dir / "killed.out").string();
+      if (!std::freopen(out.c_str(), "w", stdout) || !std::freopen(out.c_str(), "a", stderr)) {
+        ::_exit(126);
+      }
+      const std::string cfg = (dir / "config.yaml").string();
+      ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(),
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(kill_ms));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    SCOPED_TRACE("trial " + std::to_string(t) + ", killed after " + std::to_string(kill_ms) +
+                 " ms of " + std::to_string(static_cast<int64_t>(total_ms)));
+    // Restart: resume the newest complete checkpoint, or start afresh when there is none.
+    bool has_checkpoint = false;
+    if (fs::exists(dir / "run")) {
+      for (const auto& e : fs::directory_iterator(dir / "run")) {
+        has_checkpoint |= fs::exists(e.path() / "DONE");
+      }
+    }
+    const std::vector<std::string> args =
+        has_checkpoint ? std::vector<std::string>{"--resume", (dir / "run").string()}
+                       : std::vector<std::string>{"--config", (dir / "config.yaml").string()};
+    resumed += has_checkpoint;
+    ASSERT_EQ(run_to_end(dir, args, "restart"), 0) << read_text(dir / "restart.out");
+    EXPECT_TRUE(temp_files(dir / "run").empty()) << temp_files(dir / "run").front();
+    EXPECT_EQ(losses(dir / "run" / "metrics.jsonl"), ref_losses) << read_text(dir / "restart.out");
+    EXPECT_TRUE(read_text(dir / "run" / "model.dat") == ref_export) << "export differs";
+    if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+  }
+  std::cout << "crash test: " << trials << " trials, " << resumed << " resumed a checkpoint, "
+            << (trials - resumed) << " restarted afresh\n";
+  if (!::testing::Test::HasFailure()) fs::remove_all(base);
+}
+
+}  // namespace

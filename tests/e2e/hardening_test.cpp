@@ -1,0 +1,319 @@
+// Issue 15 regression tests of build/bin/q4train (tiny random Qwen3, real tokenizer, CPU): the run
+// directory protects itself (lock, reserved names, output paths checked before the first step,
+// the user's init.dat kept, stale temp files removed), a failed export is checkpointed first, a
+// full disk is an error, checkpoints are checksummed at resume, data problems are named, and
+// stop signals during set-up or repeated still end with exit 0 and a checkpoint.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = Q4_SOURCE_DIR;
+const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+
+const char* kModelConfig = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
+  "hidden_act": "silu", "attention_bias": false})";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream out(p, std::ios::binary);
+  out << s;
+}
+
+bool contains(const std::string& s, const std::string& needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+// A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
+fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("q4_hard_" + std::to_string(::getuid()) + "_" + name);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  write_text(dir / "model.json", kModelConfig);
+  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
+  std::ostringstream y;
+  y << "model:\n  config: model.json\n  tokenizer: " << kSource
+    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
+    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
+    << "  steps: " << steps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
+    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
+    << "data:\n  files: [data.tsv]\n"
+    << "eval:\n  prompts: []\n"
+    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
+    << "\n  keep: 5\n";
+  write_text(dir / "config.yaml", y.str());
+  return dir;
+}
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+// q4train with `args`, optionally under a shell prefix (e.g. a ulimit).
+Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
+           const std::string& shell_prefix = "") {
+  std::string cmd = kQ4train;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
+  cmd += " >" + out + " 2>" + err;
+  if (!shell_prefix.empty()) cmd = "sh -c \"" + shell_prefix + "; exec " + cmd + "\"";
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+std::vector<std::string> run(const fs::path& dir, std::initializer_list<const char*> sets) {
+  std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
+  for (const char* s : sets) {
+    a.push_back("--set");
+    a.push_back(s);
+  }
+  return a;
+}
+
+std::vector<std::string> temp_files(const fs::path& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (contains(e.path().filename().string(), ".tmp.")) v.push_back(e.path().string());
+  }
+  return v;
+}
+
+// Defect 1: model.weights = <output.dir>/init.dat with model.init: file was deleted.
+TEST(Hardening, UserInitDatInOutputDirIsKept) {
+  const fs::path dir = setup_dir("initdat", 1, 0);
+  Result r = run(dir, run(dir, {"output.export_path=none"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string weights = read_text(dir / "run" / "init.dat");
+  fs::remove_all(dir / "run2");
+  fs::create_directories(dir / "run2");
+  fs::copy_file(dir / "run" / "init.dat", dir / "run2" / "init.dat");
+  const std::string w = (dir / "run2" / "init.dat").string();
+  const std::string d = "output.dir=" + (dir / "run2").string();
+  const std::string m = "model.weights=" + w;
+  r = run(dir, run(dir, {"model.init=file", m.c_str(), d.c_str()}), "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(read_text(w), weights);
+}
+
+// Defect 2: run files collided with outputs the user named.
+TEST(Hardening, ReservedNamesAndCollisionsAreRejectedUpFront) {
+  const fs::path dir = setup_dir("names", 1, 0);
+  for (const char* bad :
+       {"log.metrics=config.yaml", "log.metrics=init.dat", "log.metrics=.", "log.metrics=..",
+        "log.metrics=step_000001", "log.metrics=a/b.jsonl", "output.export_path=config.yaml",
+        "output.export_path=eval.jsonl", "output.export_path=metrics.jsonl"}) {
+    const Result r = run(dir, run(dir, {bad}), "r");
+    EXPECT_EQ(r.code, 2) << bad << ": " << r.err;
+    const std::string key = std::string(bad).substr(0, std::string(bad).find('='));
+    EXPECT_TRUE(contains(r.err, key)) << bad << ": " << r.err;
+    EXPECT_FALSE(fs::exists(dir / "run" / "config.yaml")) << bad;  // nothing written
+  }
+}
+
+// Defect 3: export targets were checked only after training (and --dry-run said ok).
+TEST(Hardening, ExportTargetsAreCheckedBeforeTheFirstStep) {
+  const fs::path dir = setup_dir("export", 1, 0);
+  const std::string missing = "output.export_path=" + (dir / "nope" / "m.dat").string();
+  const std::string input = "output.export_path=" + (dir / "data.tsv").string();
+  const std::string self = "output.export_path=" + (dir / "run").string() + "/.";
+  for (const std::string& bad : {missing, input, self}) {
+    for (bool dry : {false, true}) {
+      auto args = run(dir, {bad.c_str()});
+      if (dry) args.push_back("--dry-run");
+      const Result r = run(dir, args, "r");
+      EXPECT_EQ(r.code, 2) << bad << (dry ? " --dry-run: " : ": ") << r.err;
+      EXPECT_TRUE(contains(r.err, "output.export_path")) << r.err;
+      EXPECT_FALSE(contains(r.out, " 1/1 ")) << "trained before failing: " << bad;
+    }
+  }
+  EXPECT_EQ(read_text(dir / "data.tsv").substr(0, 4), "Who ");
+}
+
+// Defect 4: no lock on output.dir.
+TEST(Hardening, ASecondRunOnTheSameDirectoryIsRefused) {
+  const fs::path dir = setup_dir("lock", 1, 0);
+  fs::create_directories(dir / "run");
+  const int fd = ::open((dir / "run" / ".lock").c_str(), O_CREAT | O_RDWR, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  Result r = run(dir, run(dir, {}), "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "in use by another q4train run")) << r.err;
+  ::close(fd);
+  r = run(dir, run(dir, {}), "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// Defect 5 and 9: a failing final export (file size limit, like a full disk) used to end the run
+// before its checkpoint, leaving the temp export behind; now the step is checkpointed, no temp
+// file survives, and a resume without the limit exports.
+TEST(Hardening, FailedExportIsCheckpointedAndResumable) {
+  const fs::path dir = setup_dir("diskfull", 2, 0);
+  Result r = run(dir, run(dir, {"output.export_path=none", "train.steps=0"}), "init");
+  ASSERT_EQ(r.code, 0) << r.err;
+  fs::rename(dir / "run" / "init.dat", dir / "weights.dat");
+  fs::remove_all(dir / "run");
+  const std::string w = "model.weights=" + (dir / "weights.dat").string();
+  // init.dat is ~12 MB (the 151936 x 32 embedding); a 4 MB limit stops the export, not the
+  // checkpoint (lm_head and embeddings are frozen).
+  r = run(dir, run(dir, {"model.init=file", w.c_str()}), "a", "trap '' XFSZ; ulimit -f 4096");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "run" / "step_000002" / "DONE")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run" / "model.dat"));
+  EXPECT_TRUE(temp_files(dir / "run").empty());
+  r = run(dir, {"--resume", (dir / "run").string()}, "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.dat"));
+}
+
+// Defect 5: metrics.jsonl on a full disk exited 0 with lines missing.
+TEST(Hardening, MetricsOnAFullDiskIsAnError) {
+  const fs::path dir = setup_dir("metricsfull", 2, 0);
+  fs::create_directories(dir / "run");
+  fs::create_symlink("/dev/full", dir / "run" / "metrics.jsonl");
+  const Result r = run(dir, run(dir, {"output.export_path=none"}), "a");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "metrics.jsonl")) << r.err;
+}
+
+// Defect 7: a flipped byte in optim.state resumed with rc 0; a broken state.json named no file.
+TEST(Hardening, DamagedCheckpointIsRefusedNamingTheFileAndThePreviousOne) {
+  const fs::path dir = setup_dir("crc", 4, 2);
+  Result r = run(dir, run(dir, {"output.export_path=none", "train.steps=4"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path ck = dir / "run" / "step_000004";
+  ASSERT_TRUE(fs::exists(ck / "checksums.json"));
+  {
+    std::fstream f(ck / "optim.state", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    char c = 0;
+    f.seekg(200);
+    f.get(c);
+    f.seekp(200);
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  const std::string steps = "train.steps=6";
+  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps}, "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "optim.state")) << r.err;
+  EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
+  // A checkpoint without checksums (older format) with a broken state.json: named, with a hint.
+  fs::remove(ck / "checksums.json");
+  write_text(ck / "state.json", "{\"step\": 4, ");
+  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps}, "c");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "state.json")) << r.err;
+  EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
+  // The previous checkpoint resumes.
+  r = run(dir, {"--resume", (dir / "run" / "step_000002").string(), "--set", steps}, "d");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// Defect 6: empty / comment-only data blamed train.seq_len; on_error: skip did not say what it
+// skipped (on stderr).
+TEST(Hardening, DataProblemsAreNamed) {
+  const fs::path dir = setup_dir("data", 1, 0);
+  write_text(dir / "data.tsv", "# only a comment\n\n   \n");
+  Result r = run(dir, run(dir, {}), "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "no training examples")) << r.err;
+  EXPECT_FALSE(contains(r.err, "seq_len")) << r.err;
+  write_text(dir / "data.tsv", "good\tyes\nno tab here\nalso\tfine\n");
+  r = run(dir, run(dir, {"data.on_error=skip", "output.export_path=none"}), "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "data.tsv:2: skipped")) << r.err;
+}
+
+// Defect 9: stale temp files and incomplete checkpoints of a killed run are removed at start.
+TEST(Hardening, StaleTempFilesAreRemovedAtStart) {
+  const fs::path dir = setup_dir("stale", 1, 0);
+  fs::create_directories(dir / "run" / "step_000007");
+  write_text(dir / "run" / "step_000007" / "optim.state", "partial");
+  write_text(dir / "run" / "model.dat.tmp.999999999.0", "partial export");
+  write_text(dir / "run" / "config.yaml.tmp.999999999", "x");
+  const Result r = run(dir, run(dir, {}), "a");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(temp_files(dir / "run").empty());
+  EXPECT_FALSE(fs::exists(dir / "run" / "step_000007"));
+}
+
+// Defect 9: SIGHUP during set-up killed the process; a second SIGINT killed it without a
+// checkpoint and nothing was printed.
+TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
+  for (int variant = 0; variant < 2; ++variant) {
+    const fs::path dir = setup_dir("signals" + std::to_string(variant), 100000, 0);
+    const std::string out = (dir / "a.out").string();
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      const std::string cfg = (dir / "config.yaml").string();
+      ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set", "log.every=1",
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    const std::string wait_for = variant == 0 ? "resolved config" : " 2/100000 ";
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!contains(read_text(out), wait_for) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (variant == 0) {
+      // main prints the config just before set-up starts (loading the tokenizer alone takes
+      // about a second), so this lands in set-up.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ::kill(pid, SIGHUP);
+    } else {
+      ::kill(pid, SIGINT);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      ::kill(pid, SIGINT);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    const std::string log = read_text(out);
+    ASSERT_TRUE(WIFEXITED(status)) << "variant " << variant << ":\n" << log;
+    EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+    EXPECT_TRUE(contains(log, "stop signal received")) << log;
+    if (variant == 1) {
+      EXPECT_TRUE(contains(log, "already stopping")) << log;
+      bool done = false;
+      for (const auto& e : fs::directory_iterator(dir / "run")) {
+        done |= fs::exists(e.path() / "DONE");
+      }
+      EXPECT_TRUE(done) << log;
+    }
+    EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,166 @@
+// q4_io: CRC32C against published test vectors, AtomicFile (publish, abort, failed writes leave
+// the target and no temp file), stale-temp cleanup, and AppendFile on a full device.
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "q4/io/atomic_file.h"
+#include "q4/io/crc32c.h"
+
+namespace fs = std::filesystem;
+
+namespace q4::io {
+namespace {
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d =
+      fs::path(::testing::TempDir()) / ("q4io_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::vector<std::string> names_in(const fs::path& d) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(d)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// RFC 3720 appendix B.4 and the "check" value of the CRC catalogue (CRC-32/ISCSI).
+TEST(Crc32c, PublishedVectors) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c("", 0), 0u);
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xFF), inc(32), dec(32);
+  for (int i = 0; i < 32; ++i) {
+    inc[i] = static_cast<uint8_t>(i);
+    dec[i] = static_cast<uint8_t>(31 - i);
+  }
+  EXPECT_EQ(crc32c(zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(crc32c(ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(crc32c(inc.data(), 32), 0x46DD794Eu);
+  EXPECT_EQ(crc32c(dec.data(), 32), 0x113FDB5Cu);
+  // Incremental = whole, at every split (exercises the 8-byte and the byte loop).
+  const std::string s = "The quick brown fox jumps over the lazy dog, twice over.";
+  const uint32_t whole = crc32c(s.data(), s.size());
+  for (size_t k = 0; k <= s.size(); ++k) {
+    EXPECT_EQ(crc32c(s.data() + k, s.size() - k, crc32c(s.data(), k)), whole) << k;
+  }
+  const fs::path d = fresh_dir("crc");
+  std::ofstream(d / "f", std::ios::binary) << s;
+  EXPECT_EQ(crc32c_file((d / "f").string()), whole);
+  fs::remove_all(d);
+}
+
+TEST(AtomicFile, PublishesOnCommitOnly) {
+  const fs::path d = fresh_dir("atomic");
+  const std::string target = (d / "out.bin").string();
+  write_file_atomic(target, "old");
+  {
+    AtomicFile f(target);
+    f.write("new contents");
+    EXPECT_EQ(read_text(target), "old");  // not yet
+    EXPECT_TRUE(fs::exists(f.tmp_path()));
+  }  // destroyed without commit
+  EXPECT_EQ(read_text(target), "old");
+  EXPECT_EQ(names_in(d), std::vector<std::string>{"out.bin"});
+  AtomicFile g(target);
+  g.write("new");
+  g.commit();
+  EXPECT_EQ(read_text(target), "new");
+  EXPECT_EQ(names_in(d), std::vector<std::string>{"out.bin"});
+  EXPECT_THROW(g.write("x"), c10::Error);
+  fs::remove_all(d);
+}
+
+// A write that fails midway (file size limit: EFBIG, as a full disk gives ENOSPC) throws, and
+// the target and directory are as before. Run in a child so the limit stays there.
+TEST(AtomicFile, FailedWriteLeavesNothing) {
+  const fs::path d = fresh_dir("efbig");
+  const std::string target = (d / "big.dat").string();
+  write_file_atomic(target, "previous");
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    int code = 1;
+    try {
+      AtomicFile f(target);
+      const std::string chunk(3000, 'x');
+      f.write(chunk);
+      f.write(chunk);  // passes the limit
+      f.commit();
+    } catch (const c10::Error& e) {
+      code = std::string(e.what()).find("write failed") != std::string::npos ? 0 : 2;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(read_text(target), "previous");
+  EXPECT_EQ(names_in(d), std::vector<std::string>{"big.dat"});
+  fs::remove_all(d);
+}
+
+TEST(AtomicFile, StaleTempCleanup) {
+  const fs::path d = fresh_dir("stale");
+  EXPECT_TRUE(is_temp_file_name("model.dat.tmp.123.4"));
+  EXPECT_TRUE(is_temp_file_name("state.json.tmp.99"));
+  EXPECT_FALSE(is_temp_file_name("model.dat"));
+  EXPECT_FALSE(is_temp_file_name("notes.tmp.txt"));
+  EXPECT_FALSE(is_temp_file_name(".tmp.1"));
+  // pid 999999999 does not exist; our parent (the shell or ctest) is alive.
+  for (const std::string n : {"model.dat.tmp.999999999.0", "optim.state.tmp.999999999", "keep.txt",
+                              "other.dat.tmp.999999999.1"}) {
+    std::ofstream(d / n) << "x";
+  }
+  const std::string live = "model.dat.tmp." + std::to_string(::getppid()) + ".0";
+  std::ofstream(d / live) << "x";
+  auto removed = remove_stale_temp_files(d.string(), "model.dat");
+  EXPECT_EQ(removed.size(), 1u);
+  EXPECT_FALSE(fs::exists(d / "model.dat.tmp.999999999.0"));
+  EXPECT_TRUE(fs::exists(d / "other.dat.tmp.999999999.1"));
+  removed = remove_stale_temp_files(d.string());
+  EXPECT_EQ(removed.size(), 2u);
+  EXPECT_EQ(names_in(d), (std::vector<std::string>{"keep.txt", live}));
+  fs::remove_all(d);
+}
+
+TEST(AppendFile, FullDiskIsAnError) {
+  AppendFile f;
+  f.open("/dev/full", false);
+  EXPECT_THROW(f.write("{\"step\": 1}\n"), c10::Error);
+  const fs::path d = fresh_dir("append");
+  AppendFile g;
+  g.open((d / "m.jsonl").string(), true);
+  g.write("a\n");
+  g.write("b\n");
+  g.sync();
+  g.close();
+  EXPECT_EQ(read_text(d / "m.jsonl"), "a\nb\n");
+  fs::remove_all(d);
+}
+
+}  // namespace
+}  // namespace q4::io

@@ -1,0 +1,149 @@
+// Regression tests of issue 15 for the model library and its tools: non-finite loaded weights are
+// an input error naming file and entry (Qwen3Model::load, q4gen exit 2), and the tools reject
+// numeric arguments that used to wrap, overflow or write Inf (q4gen --max-new-tokens, q4dat
+// init --seed/--std) with a short message and exit code 2.
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
+#include "temp_dir.h"
+
+namespace q4::model {
+namespace {
+
+const std::string kFixtures = Q4_FIXTURES_DIR;
+const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
+const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
+
+struct ToolResult {
+  int code;
+  std::string err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+ToolResult run_tool(const std::string& dir, const std::string& cmd_line) {
+  const std::string err = dir + "/stderr";
+  const int status = std::system((cmd_line + " >/dev/null 2>" + err).c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
+}
+
+// Copies the tiny fixture, replacing `key` by `replace(tensor)`.
+void copy_with(const std::string& dst, const std::string& key,
+               const std::function<at::Tensor(at::Tensor)>& replace) {
+  DatReader r(kWeights);
+  DatWriter w(dst, r.entries().size());
+  for (const auto& e : r.entries()) {
+    if (e.key == key) {
+      w.add(e.key, replace(r.load(e)), e.type);
+    } else {
+      w.copy_from(r, e);
+    }
+  }
+  w.commit();
+}
+
+std::string load_error(const std::string& path) {
+  DatReader r(path);
+  try {
+    Qwen3Model::load(Qwen3Config::from_json_file(kConfig), r, ModelOptions{});
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(Hardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
+  test::ScopedTempDir tmp("q4_hard_");
+  const std::string nan_norm = tmp.path("nan_norm.dat"), inf_embed = tmp.path("inf_embed.dat");
+  copy_with(nan_norm, "model.norm.weight", [](at::Tensor t) {
+    t = t.clone();
+    t[3] = NAN;
+    return t;
+  });
+  copy_with(inf_embed, "model.embed_tokens.weight", [](at::Tensor t) {
+    t = t.clone();
+    t[5][2] = INFINITY;
+    return t;
+  });
+  std::string msg = load_error(nan_norm);
+  EXPECT_NE(msg.find(nan_norm), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'model.norm.weight'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("non-finite"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
+  msg = load_error(inf_embed);
+  EXPECT_NE(msg.find("'model.embed_tokens.weight'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[5, 2]"), std::string::npos) << msg;
+}
+
+TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
+  test::ScopedTempDir tmp("q4_hard_");
+  const std::string path = tmp.path("nan_scale.dat");
+  const std::string key = "model.layers.0.mlp.down_proj.weight.scale";
+  copy_with(path, key, [](at::Tensor t) {
+    t = t.clone();
+    t[1][0] = 0x7F;  // E4M3FN NaN
+    return t;
+  });
+  const std::string msg = load_error(path);
+  EXPECT_NE(msg.find("'" + key + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("NaN"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("tensor 'tensor'"), std::string::npos) << msg;
+}
+
+TEST(Hardening, Q4genWithNanWeightsExits2) {
+  test::ScopedTempDir tmp("q4_hard_");
+  const std::string path = tmp.path("nan.dat");
+  copy_with(path, "model.norm.weight", [](at::Tensor t) {
+    t = t.clone();
+    t[0] = NAN;
+    return t;
+  });
+  const ToolResult r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
+                                               " --weights " + path + " --prompt-ids 1,2,3");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
+}
+
+TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
+  test::ScopedTempDir tmp("q4_hard_");
+  const std::string gen = std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
+                          kWeights + " --prompt-ids 1,2";
+  ToolResult r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--max-new-tokens"), std::string::npos) << r.err;
+  const std::string init =
+      std::string(Q4_BIN_DIR) + "/q4dat init --config " + kConfig + " --out " + tmp.path("o.dat");
+  r = run_tool(tmp.dir(), init + " --std 1e30");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--std"), std::string::npos) << r.err;
+  r = run_tool(tmp.dir(), init + " --seed -5");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--seed"), std::string::npos) << r.err;
+  r = run_tool(tmp.dir(), init + " --std 1e300");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_LT(r.err.size(), 200u) << r.err;  // no 300-digit number
+  EXPECT_FALSE(std::ifstream(tmp.path("o.dat")).good());
+  r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4dat diff " + kWeights + " " + kWeights +
+                              " --atol -1e300");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_LT(r.err.size(), 200u) << r.err;
+  r = run_tool(tmp.dir(), init + " --seed 7 --std 0.5");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+}  // namespace
+}  // namespace q4::model
