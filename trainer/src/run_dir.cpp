@@ -123,11 +123,14 @@ CheckpointDir resolve_resume_dir(const std::string& dir) {
 // Run-directory protection
 
 bool is_reserved_run_name(const std::string& name) {
-  for (const char* r :
-       {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker, kChecksumFile}) {
+  // Also the files the run writes next to these: the HF-folder import (hf_import.dat), the
+  // report and the TensorBoard event files.
+  for (const char* r : {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker,
+                        kChecksumFile, "hf_import.dat", "report.html"}) {
     if (name == r) return true;
   }
-  return parse_step_name(name).has_value() || io::is_temp_file_name(name);
+  return parse_step_name(name).has_value() || io::is_temp_file_name(name) ||
+         name.rfind("events.out.tfevents.", 0) == 0;
 }
 
 namespace {

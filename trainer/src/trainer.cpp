@@ -57,9 +57,6 @@ namespace {
 constexpr const char* kOptimStateFile = "optim.state";
 constexpr const char* kTrainStateFile = "state.json";
 constexpr const char* kRngFile = "rng.dat";
-constexpr const char* kConfigFile = "config.yaml";
-constexpr const char* kEvalFile = "eval.jsonl";
-constexpr const char* kInitFile = "init.dat";
 constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
 
 // output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
