@@ -10,7 +10,7 @@ cd "$root"
 secs=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_dat fuzz_config fuzz_tokenizer fuzz_dataset)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_dat fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_dataset)
 if ! command -v clang++ >/dev/null 2>&1 || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq >/dev/null
