@@ -2,7 +2,8 @@
 // weight a model loaded from it would use in its forward (load()'s rules: a quantized entry is
 // dequantized and fake-quantized, a raw one cast to the compute dtype) is compared bit for bit
 // with the weight this model's forward uses. Equal weights give equal logits and greedy answers,
-// so this is the reload check at the cost of one tensor on the device at a time. A trained
+// so this is the reload check at the cost of one tensor on the device at a time. Raw tensors
+// are compared at the precision of their stored element type. A trained
 // NVFP4 weight reloads as fake_quant(dequantize(quantize(master))), and fake-quantization is not
 // idempotent in rare blocks (quantize(dequantize(q)) != q for ~0.5% of random blocks), so a
 // few elements of a trained tensor can differ; the message counts them.
@@ -32,8 +33,11 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
     const Parameter* p = m.find(ref.name);
     if (p == nullptr || seen.count(ref.name)) continue;
     at::Tensor w;
+    at::ScalarType stored = cd;  // a raw entry's element type: the export's precision
     if (ref.part == KeyRef::Part::kRaw) {
-      w = exported.load(e).to(dev).to(cd);
+      const at::Tensor raw = exported.load(e);
+      stored = raw.scalar_type();
+      w = raw.to(dev).to(cd);
     } else {
       const DatEntry* q = exported.find(ref.name + ".qdata");
       const DatEntry* s = exported.find(ref.name + ".scale");
@@ -45,7 +49,10 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
       w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd);
     }
     seen[ref.name] = true;
-    const at::Tensor mine = forward_weight(*p);
+    // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
+    // with this model's weight rounded to that type, the most the file can hold (an fp32 master
+    // exported to fp16 is rounded by design, not a defect of the export).
+    const at::Tensor mine = forward_weight(*p).to(stored).to(cd);
     if (w.sizes() != mine.sizes()) {
       differ.push_back(ref.name + " (shape)");
     } else if (!at::equal(w, mine.to(w.scalar_type()))) {

@@ -4,6 +4,7 @@
 // variants, trainable groups, padding/packing masks, export round trips, KV-cache generation.
 // Tolerances are the fixture's (tests/fixtures/README.md): logits/loss rtol 1e-4 atol 1e-5,
 // gradients atol 1e-5 + rtol 1e-3 (fp32 reassociation across implementations).
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -726,6 +727,45 @@ TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
       }
     }
   }
+}
+
+}  // namespace
+}  // namespace q4::model
+
+namespace q4::model {
+namespace {
+
+// The streaming export check: after changing every trainable master (fp32 masters, so raw
+// tensors must be rounded to the file's fp16), an export reproduces the trained forward weights:
+// raw tensors exactly at their stored precision, NVFP4 linears exactly up to fake-quant's rare
+// non-idempotent blocks; a tampered export is reported with its element count.
+TEST(Qwen3Model, CompareForwardWeightsAfterExport) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights);
+  Qwen3Model m = Qwen3Model::load(cfg, w, fp32_all());
+  at::Generator gen = at::detail::createCPUGenerator(17);
+  {
+    at::NoGradGuard ng;
+    for (auto* p : m.trainable_parameters()) {
+      p->master.add_(at::randn(p->master.sizes(), gen) * 1e-3);
+    }
+  }
+  const std::string out = temp_path("compare_export.dat");
+  m.export_to(w, out);
+  const auto differ = m.compare_forward_weights(DatReader(out));
+  int64_t quantized_differ = 0;
+  for (const auto& d : differ) {
+    const std::string name = d.substr(0, d.find(' '));
+    const bool quantized = m.parameter(name).quantized;
+    EXPECT_TRUE(quantized) << "raw tensor differs beyond its stored precision: " << d;
+    quantized_differ += quantized;
+  }
+  EXPECT_LE(quantized_differ, 2) << "fake-quant re-application should move few tensors";
+  // An unrelated model (the untouched source) differs in every changed tensor.
+  Qwen3Model fresh = Qwen3Model::load(cfg, w, fp32_all());
+  EXPECT_GE(fresh.compare_forward_weights(DatReader(out)).size(),
+            m.trainable_parameters().size() / 2);
+  std::remove(out.c_str());
 }
 
 }  // namespace

@@ -184,7 +184,8 @@ class Qwen3Model {
   void export_to(const DatReader& source, const std::string& path) const;
   // The parameters whose forward weight, as a model loaded from `exported` would compute it,
   // differs from this model's, each as "name (k of n elements)" (empty: the export reproduces
-  // this model's forward exactly).
+  // this model's forward exactly). Raw tensors are compared after rounding this model's weight
+  // to the entry's stored element type (fp32 masters are exported to fp16 by design).
   // Streams one tensor at a time: no second model in memory.
   std::vector<std::string> compare_forward_weights(const DatReader& exported) const;
 
