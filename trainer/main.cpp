@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "q4/trainer/config.h"
+#include "q4/trainer/profile.h"
 #include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
@@ -101,6 +102,15 @@ int main(int argc, char** argv) {
     if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
     if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
     if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
+    // Checked before anything loads: otherwise the error would come at training step 3.
+    if (!profile_trace.empty() && (probe || dry_run)) {
+      throw ConfigError("--profile-trace traces training steps; it does not apply to --probe or "
+                        "--dry-run");
+    }
+    if (!profile_trace.empty() && !profiler_available()) {
+      throw ConfigError("--profile-trace needs a build against LibTorch 2.x (this q4train uses " +
+                        std::string(TORCH_VERSION) + ")");
+    }
     std::vector<Override> overrides;
     for (const auto& s : sets) overrides.push_back(parse_override(s));
     if (config_path.empty()) {
