@@ -78,10 +78,11 @@ endif()
 # ship its headers. NCCL (CUDA): LibTorch wheels link the nvidia-nccl wheel; its headers and
 # library sit next to torch in site-packages.
 set(Q4_HAVE_GLOO OFF)
+# Only with the system library: a wheel's gloo symbols inside libtorch_cpu may not be exported.
 find_path(Q4_GLOO_INCLUDE gloo/context.h HINTS ${TORCH_INCLUDE_DIRS})
-if(Q4_GLOO_INCLUDE)
+find_library(Q4_GLOO_LIB gloo PATHS /usr/lib /usr/lib/x86_64-linux-gnu)
+if(Q4_GLOO_INCLUDE AND Q4_GLOO_LIB)
   set(Q4_HAVE_GLOO ON)
-  find_library(Q4_GLOO_LIB gloo PATHS /usr/lib /usr/lib/x86_64-linux-gnu)
 endif()
 set(Q4_HAVE_NCCL OFF)
 if(Q4_WITH_CUDA)

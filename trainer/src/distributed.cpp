@@ -124,6 +124,15 @@ DistWork& DistWork::operator=(DistWork&&) noexcept = default;
 
 bool DistWork::pending() const { return impl_ && impl_->work; }
 
+bool DistWork::done() const {
+  if (!pending()) return true;
+  try {
+    return impl_->work->isCompleted();
+  } catch (const std::exception&) {
+    return true;  // wait() reports the error
+  }
+}
+
 void DistWork::wait() {
   if (!pending()) return;
   try {

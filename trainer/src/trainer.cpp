@@ -21,6 +21,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -850,6 +851,12 @@ class Trainer {
       if (local_index_[i] >= 0) owned_grads_[i] = g;
       ++next_launch_;
     }
+    // Retire finished reduces so that a non-owner's gradients are freed during the backward
+    // (a collective holds its tensors until retired): ZeRO-2's memory, not a full buffer.
+    while (!reduce_works_.empty() && reduce_works_.front().done()) {
+      reduce_works_.front().wait();
+      reduce_works_.pop_front();
+    }
   }
 
   StepOutcome finish_distributed_step(StepOutcome o, const at::Tensor& loss_sum,
@@ -1335,7 +1342,7 @@ class Trainer {
   std::vector<char> grad_ready_;       // this step: gradient complete on this rank
   std::vector<at::Tensor> ready_grads_;  // complete gradients whose reduce is not launched yet
   std::vector<at::Tensor> owned_grads_;  // owned parameters' reduced gradients
-  std::vector<DistWork> reduce_works_;
+  std::deque<DistWork> reduce_works_;  // launched, not yet retired, oldest first
   size_t next_launch_ = 0;  // reduces launched so far (fixed order)
 };
 

@@ -42,6 +42,9 @@ class DistWork {
   DistWork& operator=(DistWork&&) noexcept;
   void wait();
   bool pending() const;
+  // Whether the collective has finished (a host query, no waiting). Finished work is retired
+  // with wait() (which then returns at once) so that its tensors are released.
+  bool done() const;
 
  private:
   friend class DistComm;
