@@ -21,7 +21,7 @@ mkdir -p "$work"
 cd "$root"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi --list-gpus | wc -l)
-nprocs=${NPROCS:-$(for n in 1 2 4 8; do [ "$n" -le "$gpus" ] && echo -n "$n "; done)}
+nprocs=${NPROCS:-$(for n in 1 2 4 8; do if [ "$n" -le "$gpus" ]; then echo -n "$n "; fi; done)}
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   t0=$(date +%s)
