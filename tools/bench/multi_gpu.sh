@@ -27,14 +27,14 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   t0=$(date +%s)
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_BUILD_TESTS=OFF \
     -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/build.log" 2>&1
-  grep -E "process groups" "$out/build.log" || true
-  cmake --build "$build" -j "$(nproc)" --target q4train q4dat >>"$out/build.log" 2>&1 \
-    || { grep -E "error" -A3 "$out/build.log" | head -n 60; exit 1; }
+    -DCMAKE_CUDA_ARCHITECTURES=90 >"$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
+  grep -E "process groups" "$work/build.log" || true
+  cmake --build "$build" -j "$(nproc)" --target q4train q4dat >>"$work/build.log" 2>&1 \
+    || { grep -E "error" -A3 "$work/build.log" | head -n 60; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 bin=$build/bin
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$work/gpu.txt"
 
 [ -f "$work/bench.jsonl" ] || python3 tools/bench/make_bench_data.py >"$work/bench.jsonl"
 [ -f "$work/q4b.dat" ] || "$bin/q4dat" init --config tests/fixtures/qwen3_4b.config.json \
@@ -49,11 +49,11 @@ for n in $nprocs; do
   "$bin/q4train" --config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
     --set "data.files=[$work/bench.jsonl]" --set "train.steps=$steps" \
     --set "output.dir=$work/dp$n" --nproc "$n" 2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" \
-    >"$out/dp$n.log" || { kill $smi; tail -n 30 "$out/dp$n.log"; exit 1; }
+    >"$work/dp$n.log" || { kill $smi; tail -n 30 "$work/dp$n.log"; exit 1; }
   kill $smi || true
   echo "nproc $n: $(( $(date +%s) - t0 )) s wall"
   cp "$work/dp$n/metrics.jsonl" "$out/dp$n-metrics.jsonl"
-  python3 - "$work/smi$n.csv" >"$out/dp$n-smi.txt" <<'PY'
+  python3 - "$work/smi$n.csv" >"$work/dp$n-smi.txt" <<'PY'
 import collections, sys
 peak = collections.defaultdict(int)
 for line in open(sys.argv[1]):
@@ -100,9 +100,10 @@ print(f"max rel diff after the resume (steps 11-20): {worst:.2e}")
 PY
 fi
 
-python3 - "$out" $nprocs <<'PY' | tee "$out/summary.md"
+python3 - "$out" "$work" $nprocs <<'PY' | tee "$out/summary.md"
 import json, statistics, sys
-out, ns = sys.argv[1], [int(x) for x in sys.argv[2:]]
+out, work, ns = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3:]]
+print("card:", open(f"{work}/gpu.txt").read().splitlines()[0].split(",")[1].strip(), "x", len(open(f"{work}/gpu.txt").read().splitlines()))
 rows, base = [], None
 for n in ns:
     m = [json.loads(l) for l in open(f"{out}/dp{n}-metrics.jsonl") if l.strip()]
@@ -113,7 +114,7 @@ for n in ns:
     per = tps / n
     base = base or per
     peak = max(r.get("gpu_peak_bytes") or 0 for r in m) / 2**30
-    smi = open(f"{out}/dp{n}-smi.txt").read().strip()
+    smi = open(f"{work}/dp{n}-smi.txt").read().strip()
     rows.append(f"| {n} | {tps:,.0f} | {per:,.0f} | {100 * per / base:.1f}% | {ms:.1f} | "
                 f"{max(r['step_ms'] for r in steady):.1f} | {peak:.2f} | {smi} |")
 print("| GPUs | tokens/s | tokens/s per GPU | weak-scaling efficiency | median step ms (3..N) | "

@@ -159,6 +159,9 @@ struct DistComm::Impl {
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<PgBase> pg;
+#if defined(Q4_HAVE_NCCL) && Q4_HAVE_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
   at::Device device = at::kCPU;
 
   DistWork wrap(c10::intrusive_ptr<c10d::Work> w, const char* what,
@@ -190,7 +193,18 @@ struct DistComm::Impl {
 };
 
 DistComm::DistComm() : impl_(std::make_unique<Impl>()) {}
-DistComm::~DistComm() = default;
+
+DistComm::~DistComm() {
+#if defined(Q4_HAVE_NCCL) && Q4_HAVE_NCCL && TORCH_VERSION_MAJOR >= 2
+  // NCCL communicators are torn down explicitly (LibTorch warns about a leak otherwise).
+  if (impl_ && impl_->nccl) {
+    try {
+      impl_->nccl->shutdown();
+    } catch (const std::exception&) {
+    }
+  }
+#endif
+}
 
 std::unique_ptr<DistComm> DistComm::connect(const WorldInfo& world, const at::Device& device,
                                             std::chrono::milliseconds timeout) {
@@ -228,8 +242,9 @@ std::unique_ptr<DistComm> DistComm::connect(const WorldInfo& world, const at::De
     if (device.is_cuda()) {
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
-      d.pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(d.store, world.rank, world.world_size,
-                                                         opts);
+      d.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(d.store, world.rank,
+                                                           world.world_size, opts);
+      d.pg = d.nccl;
     }
 #endif
 #if defined(Q4_HAVE_GLOO) && Q4_HAVE_GLOO

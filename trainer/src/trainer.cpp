@@ -1006,6 +1006,13 @@ class Trainer {
                             "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
                             ck_world, ck_accum, world, accum, global);
         c_.train.grad_accum = accum;
+        if (in_backward_ && accum > 1) {
+          // Updates inside the backward need one micro-batch per step: back to buffered ones.
+          in_backward_ = false;
+          model_->set_grad_ready_hook(nullptr);
+          out_ << "resume: grad_accum > 1, so optimizer updates run after the backward "
+                  "(optim.in_backward off)\n";
+        }
       }
       return;
     }
