@@ -140,6 +140,9 @@ TEST(Config, RangesAndContradictions) {
                "optim.schedule.warmup_steps"));
   EXPECT_TRUE(contains(error_of(base + "output: {export_path: none, export_every: 5}\n"),
                        "output.export_every"));
+  // The optimizer's own invariant, caught at parse time with the key that fixes it.
+  EXPECT_TRUE(contains(error_of(base + "optim: {lr: 0.5, weight_decay: 2}\n"),
+                       "config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1"));
   // Nothing trainable.
   EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: none, norms: false}\n"),
                        "nothing is trainable"));

@@ -889,6 +889,11 @@ void validate_config(const Config& c) {
   }
 
   const auto& o = c.optim;
+  if (!(o.lr * o.weight_decay < 1)) {  // decoupled decay multiplies weights by 1 - lr * wd
+    throw ConfigError("config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
+                      "(weights would shrink to zero or flip sign), found " +
+                      fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
+  }
   if (t.steps > 0 && o.schedule.warmup_steps > t.steps) {
     throw ConfigError(
         "config key optim.schedule.warmup_steps: " + std::to_string(o.schedule.warmup_steps) +
