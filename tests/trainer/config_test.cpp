@@ -263,7 +263,7 @@ TEST(Config, ShippedRecipesParse) {
   EXPECT_EQ(resolved_compute_dtype(probe), Dtype::kBf16);
 }
 
-TEST(Config, ReadmeDocumentsEveryField) {
+TEST(Config, ReadmeReferenceMatchesTheFieldTable) {
   std::ifstream in(std::string(Q4_SOURCE_DIR) + "/configs/README.md");
   ASSERT_TRUE(in.is_open());
   std::stringstream ss;
