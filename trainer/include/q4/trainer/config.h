@@ -236,8 +236,9 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
 // Reads `path` and calls parse_config with its directory as base_dir.
 Config load_config(const std::string& path, const std::vector<Override>& overrides = {});
 
-// Cross-field rules (per-field ranges and choices are checked by the parser from the table);
-// ConfigError naming the key. parse_config calls it.
+// The table's per-field ranges again (parse_config has checked them with line numbers; this
+// covers configs built or edited in code) and the cross-field rules; ConfigError naming the key.
+// parse_config calls it.
 void validate_config(const Config& c);
 
 // The resolved config as YAML (every field, defaults included); parse_config(to_yaml(c)) == c.
