@@ -64,8 +64,9 @@ void ensure_tables() {
       throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) +
                                ": stochastic codes are compiled in for the 16-entry 4-bit maps");
     }
-    const int steps = m.stochastic ? detail::max_scan_steps(m.sr_value, m.size, false, m.search_start)
-                                   : detail::max_scan_steps(m.mid, m.size - 1, true, m.search_start);
+    const int steps =
+        m.stochastic ? detail::max_scan_steps(m.sr_value, m.size, false, m.search_start)
+                     : detail::max_scan_steps(m.mid, m.size - 1, true, m.search_start);
     if (i != static_cast<int>(MapId::k4BitSecond) && steps > detail::kMapScanSteps[i]) {
       throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) + " needs " +
                                std::to_string(steps) + " search steps, the kernels do " +

@@ -190,8 +190,8 @@ TEST(OptimCodec, ClosedFormFourBitSecondMomentPickEqualsTableSearch) {
     const float p = (t - map.sr_value[l]) * map.inv_gap[l];
     for (float u : {0.0f, std::nextafter(p, -1.0f), p, std::nextafter(p, 2.0f), 0.5f,
                     0.99998474f}) {
-      ASSERT_EQ(sr_pick_4bit_second(t, u), sr_pick(map.sr_value, map.inv_gap, map.size, t, count, u))
-          << "t=" << t << " u=" << u;
+      const int want = sr_pick(map.sr_value, map.inv_gap, map.size, t, count, u);
+      ASSERT_EQ(sr_pick_4bit_second(t, u), want) << "t=" << t << " u=" << u;
       ++checked;
     }
   }
