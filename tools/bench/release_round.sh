@@ -41,12 +41,7 @@ for st in 4bit int8; do
   build-gpu/bin/q4train --config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
     --set "data.files=[$work/bench.jsonl]" --set train.steps=6 --set "optim.state=$st" \
     --set "output.dir=$work/mem-$st" --set output.export_path=model.dat 2>&1 \
-    | grep -E "^step|export|peak|done" | tail -n 6
-  python3 - "$work/mem-$st/metrics.jsonl" "$st" <<'PY'
-import json, sys
-m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{sys.argv[2]}: peak allocated over the steps {max(r['gpu_peak_bytes'] for r in m) / 2**30:.2f} GiB")
-PY
+    | grep -E "^step +6|export|peak GPU memory|done" | sed "s/^/$st: /"
 done 2>&1 | tee "$out/memory.txt"
 
 # 5. TensorBoard's loader on the run's event file.
