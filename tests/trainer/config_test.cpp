@@ -133,9 +133,12 @@ TEST(Config, RangesAndContradictions) {
   // A key given twice is an error, not a silent override.
   const std::string dup = error_of(base + "model: {device: cpu}\n");
   EXPECT_TRUE(contains(dup, "duplicate config key model")) << dup;
-  EXPECT_TRUE(
-      contains(error_of(base + "train: {steps: 10}\noptim: {schedule: {warmup_steps: 20}}\n"),
-               "optim.schedule.warmup_steps"));
+  // Warmup longer than the run is not an error: the trainer clips it (clip_warmup_to_run).
+  EXPECT_EQ(error_of(base + "train: {steps: 10}\noptim: {schedule: {warmup_steps: 20}}\n"), "");
+  // data.eval_fraction: [0, 0.5).
+  EXPECT_TRUE(contains(error_of(base + "data: {eval_fraction: 0.5}\n"), "data.eval_fraction"));
+  EXPECT_TRUE(contains(error_of(base + "data: {eval_fraction: -0.1}\n"), "data.eval_fraction"));
+  EXPECT_EQ(error_of(base + "data: {eval_fraction: 0.2}\n"), "");
   EXPECT_TRUE(contains(error_of(base + "output: {export_path: none, export_every: 5}\n"),
                        "output.export_every"));
   // Nothing trainable.
@@ -218,7 +221,7 @@ eval:
   const std::string y1 = config_to_yaml(c);
   const Config back = parse_config(y1, "roundtrip.yaml", "/elsewhere");
   EXPECT_EQ(config_to_yaml(back), y1);
-  EXPECT_EQ(back.optim.lr, c.optim.lr);  // 17 significant digits: exact
+  EXPECT_EQ(back.optim.lr, c.optim.lr);  // shortest round-trip digits: exact
   EXPECT_EQ(back.eval.prompts, c.eval.prompts);
   EXPECT_EQ(back.data.system_prompt, "multi\nline");
   EXPECT_EQ(back.train.trainable.layers.layers, (std::vector<int64_t>{0, 2}));
@@ -294,4 +297,24 @@ TEST(Config, TruncationAutoCutsTextFromTheRight) {
             "cut_right");
   EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})), "drop");
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
+}
+
+// Floats are printed with the fewest digits that read back as the same double.
+TEST(Config, YamlFloatsAreShortestRoundTrip) {
+  Config c = parse(std::string(kMinimal) + "optim: {lr: 3.0e-4, eps: 1.0e-8}\n"
+                   "data: {eval_fraction: 0.1, eval_files: [a.tsv]}\n");
+  c.optim.weight_decay = 0.1 + 0.2;  // 0.30000000000000004: needs all 17 digits
+  const std::string y = config_to_yaml(c);
+  EXPECT_TRUE(contains(y, "beta1: 0.9 ")) << y;
+  EXPECT_TRUE(contains(y, "beta2: 0.999 ")) << y;
+  EXPECT_TRUE(contains(y, "lr: 0.0003 ")) << y;
+  EXPECT_TRUE(contains(y, "eps: 1e-08 ")) << y;
+  EXPECT_TRUE(contains(y, "eval_fraction: 0.1 ")) << y;
+  EXPECT_TRUE(contains(y, "weight_decay: 0.30000000000000004 ")) << y;
+  const Config back = parse_config(y, "floats.yaml", "/elsewhere");
+  EXPECT_EQ(back.optim.weight_decay, c.optim.weight_decay);
+  EXPECT_EQ(back.optim.eps, c.optim.eps);
+  EXPECT_EQ(back.data.eval_fraction, 0.1);
+  ASSERT_EQ(back.data.eval_files.size(), 1u);
+  EXPECT_EQ(back.data.eval_files[0], c.data.eval_files[0]);
 }

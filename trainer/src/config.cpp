@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -248,11 +250,19 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   throw ConfigError("config key " + key + ": expected " + expected + ", found " + found);
 }
 
+// The shortest decimal that reads back as the same double (0.9, not 0.90000000000000002).
 std::string fmt_double(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  if (!std::isfinite(v)) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  }
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
 }
 
 }  // namespace
@@ -492,6 +502,16 @@ std::vector<FieldRef> config_fields(Config& c) {
        "training files (TSV prompt<TAB>answer, JSONL, text)",
        {},
        true},
+      {"data.eval_files",
+       &c.data.eval_files,
+       "held-out files for validation loss (same formats as files)",
+       {},
+       true},
+      {"data.eval_fraction",
+       &c.data.eval_fraction,
+       "hold out this fraction of training examples for validation loss",
+       {},
+       false},
       {"data.format",
        &c.data.format,
        "file format (auto: by extension)",
@@ -807,6 +827,9 @@ void validate_config(const Config& c) {
         "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
         "micro-batches must be accumulated before the update); use auto or false");
   }
+  if (!(c.data.eval_fraction >= 0 && c.data.eval_fraction < 0.5)) {
+    range_error("data.eval_fraction", "[0, 0.5)", fmt_double(c.data.eval_fraction));
+  }
   if (c.data.pack_window < 1) {
     range_error("data.pack_window", ">= 1", std::to_string(c.data.pack_window));
   }
@@ -850,11 +873,6 @@ void validate_config(const Config& c) {
   if (o.chunk_rows < 1) range_error("optim.chunk_rows", ">= 1", std::to_string(o.chunk_rows));
   if (o.schedule.warmup_steps < 0) {
     range_error("optim.schedule.warmup_steps", ">= 0", std::to_string(o.schedule.warmup_steps));
-  }
-  if (t.steps > 0 && o.schedule.warmup_steps > t.steps) {
-    throw ConfigError(
-        "config key optim.schedule.warmup_steps: " + std::to_string(o.schedule.warmup_steps) +
-        " warmup steps exceed train.steps " + std::to_string(t.steps));
   }
   if (!(o.schedule.min_lr_ratio >= 0 && o.schedule.min_lr_ratio <= 1)) {
     range_error("optim.schedule.min_lr_ratio", "[0, 1]", fmt_double(o.schedule.min_lr_ratio));

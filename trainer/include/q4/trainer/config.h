@@ -96,6 +96,8 @@ struct OptimConfig {
 
 struct DataConfig {
   std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
+  std::vector<std::string> eval_files;  // held-out files for validation loss (same formats as files)
+  double eval_fraction = 0.0;  // hold out this fraction of training examples for validation loss
   std::string format = "auto";      // auto (by extension) | tsv | jsonl | text
   std::string system_prompt;        // optional system turn before every example
   bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
