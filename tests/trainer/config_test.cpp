@@ -136,9 +136,11 @@ TEST(Config, RangesAndContradictions) {
   // Warmup longer than the run is not an error: the trainer clips it (clip_warmup_to_run).
   EXPECT_EQ(error_of(base + "train: {steps: 10}\noptim: {schedule: {warmup_steps: 20}}\n"), "");
   // data.eval_fraction: [0, 0.5).
-  EXPECT_TRUE(contains(error_of(base + "data: {eval_fraction: 0.5}\n"), "data.eval_fraction"));
-  EXPECT_TRUE(contains(error_of(base + "data: {eval_fraction: -0.1}\n"), "data.eval_fraction"));
-  EXPECT_EQ(error_of(base + "data: {eval_fraction: 0.2}\n"), "");
+  EXPECT_TRUE(contains(error_of(base, {parse_override("data.eval_fraction=0.5")}),
+                       "data.eval_fraction"));
+  EXPECT_TRUE(contains(error_of(base, {parse_override("data.eval_fraction=-0.1")}),
+                       "data.eval_fraction"));
+  EXPECT_EQ(error_of(base, {parse_override("data.eval_fraction=0.2")}), "");
   EXPECT_TRUE(contains(error_of(base + "output: {export_path: none, export_every: 5}\n"),
                        "output.export_every"));
   // Nothing trainable.
@@ -301,8 +303,9 @@ TEST(Config, TruncationAutoCutsTextFromTheRight) {
 
 // Floats are printed with the fewest digits that read back as the same double.
 TEST(Config, YamlFloatsAreShortestRoundTrip) {
-  Config c = parse(std::string(kMinimal) + "optim: {lr: 3.0e-4, eps: 1.0e-8}\n"
-                   "data: {eval_fraction: 0.1, eval_files: [a.tsv]}\n");
+  Config c = parse(std::string(kMinimal) + "optim: {lr: 3.0e-4, eps: 1.0e-8}\n",
+                   {parse_override("data.eval_fraction=0.1"),
+                    parse_override("data.eval_files=[a.tsv]")});
   c.optim.weight_decay = 0.1 + 0.2;  // 0.30000000000000004: needs all 17 digits
   const std::string y = config_to_yaml(c);
   EXPECT_TRUE(contains(y, "beta1: 0.9 ")) << y;

@@ -777,11 +777,15 @@ class Trainer {
     std::string model_src = c_.model.init == "random"
                                 ? fmt::format("random init (seed {})", c_.model.init_seed)
                                 : c_.model.weights;
+    const auto trainable = static_cast<double>(model_->num_trainable_elements());
     out_ << fmt::format(
-        "run summary:\n  model      {} ({} layers, hidden {}, vocab {}) on {}, masters {}, "
+        "run summary:\n  model      Qwen3, {} layers, hidden {}, vocab {}; {}; {}, masters {}, "
         "compute {}\n  trainable  {} parameters in {} tensors\n",
-        model_src, mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, c_.model.device,
-        c_.model.master_dtype, resolved_compute_dtype(c_), model_->num_trainable_elements(),
+        mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_src, c_.model.device,
+        c_.model.master_dtype, resolved_compute_dtype(c_),
+        trainable >= 1e9   ? fmt::format("{:.2f}B", trainable / 1e9)
+        : trainable >= 1e6 ? fmt::format("{:.2f}M", trainable / 1e6)
+                           : fmt::format("{:.0f}", trainable),
         model_->trainable_parameters().size());
     if (batcher_) {
       int64_t tokens = 0, supervised = 0;
