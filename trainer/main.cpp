@@ -123,6 +123,9 @@ int main(int argc, char** argv) {
     if (export_only && (probe || dry_run)) {
       throw ConfigError("--export-only excludes --probe and --dry-run");
     }
+    if (allow_schedule_change && resume.empty()) {
+      throw ConfigError("--allow-schedule-change applies to --resume only");
+    }
     if (overwrite && !resume.empty()) {
       throw ConfigError("--overwrite starts a fresh run; it does not apply to --resume");
     }

@@ -201,7 +201,7 @@ TEST(Hardening, MetricsOnAFullDiskIsAnError) {
   fs::create_directories(dir / "run");
   fs::create_symlink("/dev/full", dir / "run" / "metrics.jsonl");
   auto args = run(dir, {"output.export_path=none"});
-  args.push_back("--overwrite");  // the directory is not empty
+  args.push_back("--overwrite");  // the directory is not empty (a symlink is kept: the user's)
   const Result r = run(dir, args, "a");
   EXPECT_EQ(r.code, 1) << r.err;
   EXPECT_TRUE(contains(r.err, "metrics.jsonl")) << r.err;

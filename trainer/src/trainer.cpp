@@ -669,7 +669,7 @@ class Trainer {
 
   // --overwrite: the previous run's files in output.dir go (checkpoints, config, metrics, eval
   // log, report, event files, init/import files, the export and its HF folder); the user's other
-  // files and this run's inputs stay.
+  // files, symbolic links (q4train never makes one: the user's) and this run's inputs stay.
   void remove_previous_run() {
     const fs::path dir(c_.output.dir);
     const std::string exp = resolved_export_path(c_);
@@ -681,7 +681,7 @@ class Trainer {
     }
     std::vector<std::string> removed, kept;
     for (const auto& name : run_dir_leftovers(c_)) {
-      if (is_reserved_run_name(name) || owned.count(name)) {
+      if (!fs::is_symlink(dir / name) && (is_reserved_run_name(name) || owned.count(name))) {
         fs::remove_all(dir / name);
         removed.push_back(name);
       } else {
