@@ -479,6 +479,16 @@ TEST(E2EUx, ValidationLossAndWindowAverage) {
   EXPECT_TRUE(has(r.out, "| val ")) << r.out;
   EXPECT_TRUE(has(r.out, "validation loss ")) << r.out;
   EXPECT_TRUE(has(read_text(dir / "run" / "report.html"), "validation loss"));
+  // TensorBoard: val/loss beside train/loss_avg (tag strings inside the event records).
+  std::string events;
+  for (const auto& e : fs::directory_iterator(dir / "run")) {
+    if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) {
+      events += read_text(e.path());
+    }
+  }
+  EXPECT_TRUE(has(events, "val/loss"));
+  EXPECT_TRUE(has(events, "train/loss_avg"));
+  EXPECT_FALSE(has(events, "train/val_loss"));
 }
 
 // data.eval_fraction holds out ceil(fraction x N) training examples, never trained on, the same
