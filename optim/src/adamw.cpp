@@ -91,7 +91,8 @@ bool is_master_dtype(at::ScalarType t) {
 
 }  // namespace
 
-void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, bool weight_decay) {
+void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, bool weight_decay,
+                            int64_t stream_index) {
   Impl& d = *impl_;
   TORCH_CHECK(!d.frozen, "PackedAdamW::add_param('", name,
               "'): parameters must be registered before the first step() or load()");
@@ -124,6 +125,7 @@ void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, b
   info.rows = master.dim() >= 1 ? master.size(0) : 1;
   info.cols = master.numel() / std::max<int64_t>(info.rows, 1);
   info.weight_decay = weight_decay;
+  info.stream_index = stream_index >= 0 ? stream_index : static_cast<int64_t>(d.ps.size());
   info.mode = master.numel() < d.opt.small_tensor_threshold ? StateMode::kFp32 : d.opt.state_mode;
   const int64_t n = master.numel();
   const auto fopts = at::TensorOptions().device(master.device());
@@ -484,7 +486,8 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   // Chunk for the norm pass: the widest parameter's chunk, so the scratch bound is the same.
   int64_t norm_chunk = 1;
   for (const auto& i : d.infos) norm_chunk = std::max(norm_chunk, o.chunk_rows * i.cols);
-  const double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch);
+  double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch);
+  if (args.reduce_sumsq) sumsq = args.reduce_sumsq(sumsq);
   const double norm = std::sqrt(sumsq) * std::fabs(args.grad_scale);
 
   StepResult r;
@@ -513,7 +516,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   for (size_t i = 0; i < d.ps.size(); ++i) {
     detail::ParamState& p = d.ps[i];
     const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
-    const uint32_t key = detail::sr_stream_key(o.seed, t, static_cast<int64_t>(i));
+    const uint32_t key = detail::sr_stream_key(o.seed, t, p.info.stream_index);
     if (p.master.is_cuda()) {
 #if Q4_WITH_CUDA
       detail::step_param_cuda(p, grads[i], c, decay, stochastic, key);
@@ -600,7 +603,7 @@ void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
       detail::make_step_consts(o, d.cur_grad_scale * d.cur_coef, d.cur_lr, d.cur_t);
   const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
   const bool stochastic = o.rounding == MasterRounding::kStochastic;
-  const uint32_t key = detail::sr_stream_key(o.seed, d.cur_t, index);
+  const uint32_t key = detail::sr_stream_key(o.seed, d.cur_t, p.info.stream_index);
   if (p.master.is_cuda()) {
 #if Q4_WITH_CUDA
     c10::cuda::CUDAGuard guard(p.master.device());

@@ -5,6 +5,7 @@
 // instrumented step with a JSON report). Output goes to the given streams; nothing calls exit().
 #pragma once
 
+#include <chrono>
 #include <iosfwd>
 #include <optional>
 #include <stdexcept>
@@ -12,6 +13,7 @@
 
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config.h"
+#include "q4/trainer/distributed.h"
 
 namespace q4::trainer {
 
@@ -40,6 +42,8 @@ struct RunOptions {
   // --allow-schedule-change: resume even though the LR schedule (train.steps, optim.lr,
   // optim.schedule.*) differs from the checkpoint's.
   bool allow_schedule_change = false;
+  WorldInfo world;            // data-parallel rank and size (torchrun / --nproc); default: alone
+  std::chrono::milliseconds dist_timeout{std::chrono::minutes(10)};  // rendezvous, collectives
 };
 
 // model.device cuda/cuda:N without a usable CUDA device (a CPU-only build, no visible GPU, an
