@@ -13,13 +13,16 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "q4/trainer/config.h"
 #include "q4/trainer/distributed.h"
 #include "q4/trainer/profile.h"
+#include "q4/trainer/run_dir.h"
 #include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
@@ -79,6 +82,7 @@ int main(int argc, char** argv) {
   std::string resume;
   std::string probe_report;
   std::string profile_trace;
+  std::string config_reference;
   bool probe = false, dry_run = false, version = false;
   bool overwrite = false, export_only = false, allow_schedule_change = false;
   int probe_steps = 0;
@@ -114,6 +118,9 @@ int main(int argc, char** argv) {
                  "failing (a dead or hung rank) (default 600)")
       ->check(CLI::Range(1, 86400));
   app.add_flag("--version", version, "print the version and exit");
+  app.add_option("--config-reference", config_reference,
+                 "regenerate the config field reference in FILE (configs/README.md) from the "
+                 "field table; - prints it");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -131,6 +138,26 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   try {
+    if (!config_reference.empty()) {
+      if (config_reference == "-") {
+        std::cout << config_reference_markdown();
+        return kExitOk;
+      }
+      std::ifstream in(config_reference, std::ios::binary);
+      if (!in) throw ConfigError("--config-reference: cannot read " + config_reference);
+      std::stringstream text;
+      text << in.rdbuf();
+      std::string updated;
+      try {
+        updated = splice_config_reference(text.str());
+      } catch (const ConfigError& e) {
+        throw ConfigError("--config-reference " + config_reference + ": " + e.what());
+      }
+      if (updated != text.str()) write_file_atomic(config_reference, updated);
+      std::cout << config_reference << (updated == text.str() ? " is up to date" : " updated")
+                << std::endl;
+      return kExitOk;
+    }
     if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
     const WorldInfo world = world_from_env();
     if (nproc > 1 && world.distributed()) {

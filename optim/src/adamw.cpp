@@ -30,7 +30,7 @@ StateMode parse_state_mode(const std::string& text) {
   if (text == "int8") return StateMode::kInt8;
   if (text == "4bit") return StateMode::k4Bit;
   if (text == "nvfp4") return StateMode::kNvfp4;
-  TORCH_CHECK(false, "optim.state_mode: expected one of fp32, int8, 4bit, nvfp4; got '", text, "'");
+  TORCH_CHECK(false, "state mode: expected one of fp32, int8, 4bit, nvfp4; got '", text, "'");
 }
 
 std::string to_string(StateMode mode) {
@@ -50,7 +50,7 @@ std::string to_string(StateMode mode) {
 MasterRounding parse_master_rounding(const std::string& text) {
   if (text == "nearest") return MasterRounding::kNearest;
   if (text == "stochastic") return MasterRounding::kStochastic;
-  TORCH_CHECK(false, "optim.rounding: expected one of nearest, stochastic; got '", text, "'");
+  TORCH_CHECK(false, "master rounding: expected one of nearest, stochastic; got '", text, "'");
 }
 
 std::string to_string(MasterRounding rounding) {
@@ -58,18 +58,18 @@ std::string to_string(MasterRounding rounding) {
 }
 
 void AdamWOptions::validate() const {
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "optim.lr: expected a finite value >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "optim.beta1: expected 0 <= beta1 < 1, got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "optim.beta2: expected 0 <= beta2 < 1, got ", beta2);
-  TORCH_CHECK(std::isfinite(eps) && eps > 0.0, "optim.eps: expected a finite value > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamWOptions.lr: expected a finite value >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "AdamWOptions.beta1: expected 0 <= beta1 < 1, got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "AdamWOptions.beta2: expected 0 <= beta2 < 1, got ", beta2);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0.0, "AdamWOptions.eps: expected a finite value > 0, got ", eps);
   TORCH_CHECK(std::isfinite(weight_decay) && weight_decay >= 0.0,
-              "optim.weight_decay: expected a finite value >= 0, got ", weight_decay);
-  TORCH_CHECK(chunk_rows >= 1, "optim.chunk_rows: expected >= 1, got ", chunk_rows);
-  TORCH_CHECK(small_tensor_threshold >= 0, "optim.small_tensor_threshold: expected >= 0, got ",
+              "AdamWOptions.weight_decay: expected a finite value >= 0, got ", weight_decay);
+  TORCH_CHECK(chunk_rows >= 1, "AdamWOptions.chunk_rows: expected >= 1, got ", chunk_rows);
+  TORCH_CHECK(small_tensor_threshold >= 0, "AdamWOptions.small_tensor_threshold: expected >= 0, got ",
               small_tensor_threshold);
   TORCH_CHECK(max_consecutive_nonfinite >= 0,
-              "optim.max_consecutive_nonfinite: expected >= 0, got ", max_consecutive_nonfinite);
-  TORCH_CHECK(lr * weight_decay < 1.0, "optim.weight_decay: lr * weight_decay must be < 1 (got ",
+              "AdamWOptions.max_consecutive_nonfinite: expected >= 0, got ", max_consecutive_nonfinite);
+  TORCH_CHECK(lr * weight_decay < 1.0, "AdamWOptions.weight_decay: lr * weight_decay must be < 1 (got ",
               lr, " * ", weight_decay, ")");
 }
 
@@ -153,11 +153,11 @@ void PackedAdamW::set_options(const AdamWOptions& options) {
   options.validate();
   const AdamWOptions& o = impl_->opt;
   TORCH_CHECK(options.state_mode == o.state_mode,
-              "optim.state_mode cannot change on a live optimizer (", to_string(o.state_mode),
+              "AdamWOptions.state_mode cannot change on a live optimizer (", to_string(o.state_mode),
               " -> ", to_string(options.state_mode), ")");
   TORCH_CHECK(options.small_tensor_threshold == o.small_tensor_threshold,
-              "optim.small_tensor_threshold cannot change on a live optimizer");
-  TORCH_CHECK(options.seed == o.seed, "optim.seed cannot change on a live optimizer");
+              "AdamWOptions.small_tensor_threshold cannot change on a live optimizer");
+  TORCH_CHECK(options.seed == o.seed, "AdamWOptions.seed cannot change on a live optimizer");
   impl_->opt = options;
 }
 
@@ -502,7 +502,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     r.skipped_total = d.skipped;
     TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::step: ", d.consecutive,
                 " consecutive steps with non-finite gradients (grad norm ", norm,
-                "), more than optim.max_consecutive_nonfinite = ", o.max_consecutive_nonfinite,
+                "), more than AdamWOptions.max_consecutive_nonfinite = ", o.max_consecutive_nonfinite,
                 "; the run is diverging or the loss is broken");
     return r;
   }
@@ -668,7 +668,7 @@ StepResult PackedAdamW::end_step() {
     r.skipped_total = d.skipped;
     TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::end_step: ",
                 d.consecutive, " consecutive steps with non-finite gradients (", nonfinite,
-                " parameters this step), more than optim.max_consecutive_nonfinite = ",
+                " parameters this step), more than AdamWOptions.max_consecutive_nonfinite = ",
                 o.max_consecutive_nonfinite, "; the run is diverging or the loss is broken");
     return r;
   }

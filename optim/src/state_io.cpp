@@ -227,16 +227,16 @@ FileIndex index_file(Reader& r, const AdamWOptions& o) {
               " 4bit state: its first-moment codes used the previous 4-bit map (code 0 = -0.8875, "
               "now -1) and cannot be resumed exactly; restart the optimizer state");
   TORCH_CHECK(static_cast<StateMode>(mode) == o.state_mode, "PackedAdamW::load: '", f,
-              "' was written with optim.state_mode = ", to_string(static_cast<StateMode>(mode)),
+              "' was written with AdamWOptions.state_mode = ", to_string(static_cast<StateMode>(mode)),
               " but this optimizer uses ", to_string(o.state_mode));
   r.pod<uint32_t>("the rounding mode");  // a rounding change is allowed on resume
   r.pod<uint32_t>("a reserved field");
   const auto seed = r.pod<uint64_t>("the seed");
-  TORCH_CHECK(seed == o.seed, "PackedAdamW::load: '", f, "' was written with optim.seed = ", seed,
+  TORCH_CHECK(seed == o.seed, "PackedAdamW::load: '", f, "' was written with AdamWOptions.seed = ", seed,
               " but this optimizer uses ", o.seed, " (stochastic rounding would not continue)");
   const auto threshold = r.pod<int64_t>("small_tensor_threshold");
   TORCH_CHECK(threshold == o.small_tensor_threshold, "PackedAdamW::load: '", f,
-              "' was written with optim.small_tensor_threshold = ", threshold,
+              "' was written with AdamWOptions.small_tensor_threshold = ", threshold,
               ", this optimizer uses ", o.small_tensor_threshold);
   for (int i = 0; i < 5; ++i) r.pod<double>("the hyper-parameters");
   FileIndex idx;

@@ -114,7 +114,7 @@ model::Qwen3Config load_model_config(const Config& c) {
 void check_input_files(const Config& c, bool need_data) {
   require_file(c.model.config, "model.config");
   require_file(c.model.tokenizer, "model.tokenizer");
-  if (c.model.init == "file" && !model::is_hf_folder(c.model.weights)) {
+  if (c.model.init == InitKind::kFile && !model::is_hf_folder(c.model.weights)) {
     require_file(c.model.weights, "model.weights");
   }
   if (need_data) {
@@ -281,9 +281,9 @@ std::string join_names(const std::vector<std::string>& v, size_t max_shown) {
 
 data::DatasetOptions dataset_options(const Config& c) {
   data::DatasetOptions o;
-  o.format = data::parse_data_format(c.data.format);
+  o.format = to_data(c.data.format);
   o.system_prompt = c.data.system_prompt;
-  o.on_error = data::parse_on_error(c.data.on_error);
+  o.on_error = to_data(c.data.on_error);
   return o;
 }
 
@@ -299,7 +299,7 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.shuffle = c.data.shuffle;
   bo.pack = c.data.packing;
   bo.pack_window = c.data.pack_window;
-  bo.truncation = data::parse_truncation(resolved_truncation(c));
+  bo.truncation = to_data(resolved_truncation(c));
   bo.pad_id = pad_id;
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
@@ -355,7 +355,7 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 
 optim::LrSchedule make_schedule(const Config& c) {
   optim::LrScheduleOptions s;
-  s.kind = optim::parse_lr_schedule_kind(c.optim.schedule.kind);
+  s.kind = to_optim(c.optim.schedule.kind);
   s.peak_lr = c.optim.lr;
   s.warmup_steps = c.optim.schedule.warmup_steps;
   s.total_steps = std::max<int64_t>(c.train.steps, c.optim.schedule.warmup_steps + 1);
@@ -380,12 +380,12 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
     o.trainable.validate(mc.num_hidden_layers);
     return o;
   });
-  if (c.model.init == "random" && in_memory) {
+  if (c.model.init == InitKind::kRandom && in_memory) {
     lm.model = std::make_unique<model::Qwen3Model>(
         model::Qwen3Model::random_init(mc, opt, c.model.init_seed, c.model.init_std));
     return lm;
   }
-  if (c.model.init == "random") {
+  if (c.model.init == InitKind::kRandom) {
     lm.source_path = (fs::path(c.output.dir) / kInitFile).string();
     if (!fs::exists(lm.source_path)) {
       auto init_opt = opt;
@@ -638,10 +638,10 @@ class Trainer {
                            {"batch_size", c_.train.batch_size},
                            {"seq_len", c_.train.seq_len},
                            {"grad_accum", c_.train.grad_accum},
-                           {"master_dtype", c_.model.master_dtype},
-                           {"compute_dtype", resolved_compute_dtype(c_)},
+                           {"master_dtype", to_string(c_.model.master_dtype)},
+                           {"compute_dtype", to_string(resolved_compute_dtype(c_))},
                            {"gradient_checkpointing", c_.train.gradient_checkpointing},
-                           {"optim_state", c_.optim.state},
+                           {"optim_state", to_string(c_.optim.state)},
                            {"in_backward", in_backward_},
                            {"data", c_.data.files.empty() ? "synthetic" : "files"},
                            {"loss", first.loss},
@@ -754,7 +754,9 @@ class Trainer {
       if (!resume && opts_.overwrite) remove_previous_run();
       // A fresh random-init run draws a fresh init; with model.init: file, init.dat may be the
       // user's weights and is never touched.
-      if (!resume && c_.model.init == "random") fs::remove(fs::path(c_.output.dir) / kInitFile);
+      if (!resume && c_.model.init == InitKind::kRandom) {
+        fs::remove(fs::path(c_.output.dir) / kInitFile);
+      }
       write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
     }
     // A random init is written by rank 0 and then loaded by the others.
@@ -792,7 +794,7 @@ class Trainer {
   // The short start-up summary (the full resolved config is <output.dir>/config.yaml).
   void print_summary() {
     const auto budget = estimate_budget(mc_, c_, separate_lm_head_);
-    std::string model_src = c_.model.init == "random"
+    std::string model_src = c_.model.init == InitKind::kRandom
                                 ? fmt::format("random init (seed {})", c_.model.init_seed)
                                 : c_.model.weights;
     const auto trainable = static_cast<double>(model_->num_trainable_elements());
@@ -800,7 +802,7 @@ class Trainer {
         "run summary:\n  model      Qwen3, {} layers, hidden {}, vocab {}; {}; {}, masters {}, "
         "compute {}\n  trainable  {} parameters in {} tensors\n",
         mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_src, c_.model.device,
-        c_.model.master_dtype, resolved_compute_dtype(c_),
+        to_string(c_.model.master_dtype), to_string(resolved_compute_dtype(c_)),
         trainable >= 1e9   ? fmt::format("{:.2f}B", trainable / 1e9)
         : trainable >= 1e6 ? fmt::format("{:.2f}M", trainable / 1e6)
                            : fmt::format("{:.0f}", trainable),
@@ -825,7 +827,7 @@ class Trainer {
         c_.train.batch_size, c_.train.seq_len,
         c_.train.grad_accum > 1 ? fmt::format(" x {} accumulated", c_.train.grad_accum)
                                 : std::string(),
-        c_.optim.lr, c_.optim.schedule.kind, c_.optim.schedule.warmup_steps);
+        c_.optim.lr, to_string(c_.optim.schedule.kind), c_.optim.schedule.warmup_steps);
     out_ << fmt::format("  output     {} (full resolved config in {})\n", c_.output.dir,
                         kConfigFile);
     out_ << fmt::format("  memory     about {:.2f} GiB estimated ({})\n",
@@ -858,7 +860,7 @@ class Trainer {
   // every rank before any collective).
   void connect_ranks() {
     const WorldInfo& w = opts_.world;
-    if (c_.optim.in_backward == "true") {
+    if (c_.optim.in_backward == InBackward::kTrue) {
       throw ConfigError("optim.in_backward: true does not apply with several ranks (each "
                         "parameter is updated by its owner after the gradient reduction); use "
                         "auto or false");
@@ -1229,9 +1231,10 @@ class Trainer {
         changed.push_back(fmt::format("{} {} -> {}", key, s[saved].dump(), now.dump()));
       }
     };
-    if (s.contains("kind") && s["kind"].is_string() && s["kind"] != c_.optim.schedule.kind) {
-      changed.push_back(fmt::format("optim.schedule.kind {} -> {}", s["kind"].get<std::string>(),
-                                    c_.optim.schedule.kind));
+    const std::string kind = to_string(c_.optim.schedule.kind);
+    if (s.contains("kind") && s["kind"].is_string() && s["kind"] != kind) {
+      changed.push_back(
+          fmt::format("optim.schedule.kind {} -> {}", s["kind"].get<std::string>(), kind));
     }
     number("peak_lr", "optim.lr", c_.optim.lr);
     number("warmup_steps", "optim.schedule.warmup_steps", c_.optim.schedule.warmup_steps);
@@ -1421,7 +1424,7 @@ class Trainer {
     st["world_size"] = comm_ ? comm_->world_size() : 1;
     st["batch_size"] = c_.train.batch_size;
     st["grad_accum"] = c_.train.grad_accum;
-    st["schedule"] = {{"kind", c_.optim.schedule.kind},
+    st["schedule"] = {{"kind", to_string(c_.optim.schedule.kind)},
                       {"peak_lr", c_.optim.lr},
                       {"warmup_steps", c_.optim.schedule.warmup_steps},
                       {"total_steps", c_.train.steps},
@@ -1466,17 +1469,18 @@ class Trainer {
 
   // output.hf_export: the exported .dat also as a Hugging Face folder next to it.
   void export_hf_folder(const std::string& dat_path) {
-    if (c_.output.hf_export == "none") return;
+    if (c_.output.hf_export == HfExport::kNone) return;
     const auto t0 = Clock::now();
     const std::string dir = hf_export_dir(dat_path);
     model::HfExportOptions o;
-    o.format = *model::hf_format_from_name(c_.output.hf_export);
+    o.format = to_model(c_.output.hf_export);
     o.tokenizer_dir = fs::path(c_.model.tokenizer).parent_path().string();
     std::ifstream in(c_.model.config);
     const auto config = nlohmann::json::parse(in);
     const auto rep = model::export_hf(model::DatReader(dat_path), config, dir, o);
     out_ << fmt::format("hf export ({}) -> {} ({} shard(s), {:.1f} s); serve with: vllm serve {}\n",
-                        c_.output.hf_export, dir, rep.shards.size(), ms_since(t0) / 1000.0, dir);
+                        to_string(c_.output.hf_export), dir, rep.shards.size(),
+                        ms_since(t0) / 1000.0, dir);
   }
 
   // A periodic export (export_every) that fails is a warning and training goes on; the final one
@@ -1579,7 +1583,9 @@ class Trainer {
       if (!path.empty() && fs::exists(path, ec)) files.emplace_back(what, path);
     };
     add("export", exp);
-    if (c_.output.hf_export != "none" && !exp.empty()) add("hf export", hf_export_dir(exp));
+    if (c_.output.hf_export != HfExport::kNone && !exp.empty()) {
+      add("hf export", hf_export_dir(exp));
+    }
     if (!c_.log.metrics.empty()) add("metrics", (dir / c_.log.metrics).string());
     add("eval", (dir / kEvalFile).string());
     if (c_.log.report) add("report", (dir / "report.html").string());
@@ -1598,7 +1604,7 @@ class Trainer {
       out_ << fmt::format("  export       {} --resume {} --export-only\n",
                           tool_command("q4train"), c_.output.dir);
     }
-    if (!exp.empty() && c_.output.hf_export != "none") {
+    if (!exp.empty() && c_.output.hf_export != HfExport::kNone) {
       out_ << fmt::format("  serve        vllm serve {}   (docs/interop.md)\n", hf_export_dir(exp));
     } else if (!exp.empty()) {
       out_ << fmt::format(
@@ -1620,8 +1626,9 @@ class Trainer {
       }
     }
     if (c_.eval.at_start && start_step_ == 0) last_answers = evaluate(0, "start");
-    const bool bar = c_.log.progress == "bar" ||
-                     (c_.log.progress == "auto" && ::isatty(STDERR_FILENO) && ::isatty(1));
+    const bool bar =
+        c_.log.progress == ProgressStyle::kBar ||
+        (c_.log.progress == ProgressStyle::kAuto && ::isatty(STDERR_FILENO) && ::isatty(1));
     double session_ms = 0, first_step_ms = 0;
     int64_t session_steps = 0;
     int64_t consecutive_nonfinite = 0;
@@ -1945,20 +1952,20 @@ int run_dry_run(const Config& config, std::ostream& out) {
   // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.
-  const bool separate_lm_head = c.model.init == "file" ? true : !mc.tie_word_embeddings;
+  const bool separate_lm_head = c.model.init == InitKind::kFile ? true : !mc.tie_word_embeddings;
   const auto b = estimate_budget(mc, c, separate_lm_head);
   out << fmt::format(
       "dry run: {} layers, hidden {}, intermediate {}, vocab {}; device {}, "
       "masters {}, compute {}\n",
       mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size, c.model.device,
-      c.model.master_dtype, resolved_compute_dtype(c));
+      to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)));
   out << fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, c.train.steps,
-                     c.optim.state);
+                     to_string(c.optim.state));
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
-  if (c.model.init == "file" && model::is_hf_folder(c.model.weights)) {
+  if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
-  } else if (c.model.init == "file") {
+  } else if (c.model.init == InitKind::kFile) {
     out << fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
                        to_gib(static_cast<int64_t>(fs::file_size(c.model.weights))));
   }
