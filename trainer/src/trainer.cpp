@@ -1637,6 +1637,7 @@ class Trainer {
     for (int64_t step = start_step_; step < total; ++step) {
       inject_fault(step + 1);
       const auto t0 = Clock::now();
+      note_run_peak();  // the window before this step (load, eval, the previous step)
       reset_peak_memory(device_);
       const double lr = schedule_->lr_at(step);
       const bool trace = !opts_.profile_trace.empty();
@@ -1788,6 +1789,12 @@ class Trainer {
     }
     if (c_.eval.at_end) last_answers = evaluate(total, "end");
     finish(total, &last_answers);
+    note_run_peak();
+    if (run_peak_bytes_ > 0) {
+      out_ << fmt::format("peak GPU memory allocated over the run (load, steps, evals, export, "
+                          "export check): {:.2f} GiB\n",
+                          to_gib(run_peak_bytes_));
+    }
     if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
     if (leader()) print_end_summary(total);
     if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
@@ -1825,6 +1832,11 @@ class Trainer {
   std::optional<double> peak_flops_;
   bool probe_ = false;
   bool in_backward_ = false;  // optimizer updates inside the backward (optim.in_backward)
+  int64_t run_peak_bytes_ = 0;  // the device's peak allocated over the whole run
+  void note_run_peak() {
+    const auto m = memory_snapshot(device_);
+    if (m.peak_allocated_bytes) run_peak_bytes_ = std::max(run_peak_bytes_, *m.peak_allocated_bytes);
+  }
   // Data parallel (null with one process).
   std::unique_ptr<DistComm> comm_;
   std::vector<model::Parameter*> params_;  // trainable parameters in model order

@@ -132,7 +132,9 @@ class PackedAdamW {
   // gradient may be freed on return); end_step() after the backward, which gives parameters
   // without a gradient a zero one and returns the result. Differences from step():
   //  - clipping uses the previous step's global norm (this step's is known only at the end); the
-  //    first step is not clipped (Adam's first update is sign(g) up to eps, scale-free);
+  //    first step (no previous norm, zero moments) is applied unclipped (Adam's first update is
+  //    sign(g) up to eps, scale-free) and end_step() then scales the moments it wrote to those
+  //    of the clipped gradient (m by c, v by c^2), reporting c as clip_coef;
   //  - a parameter whose gradient holds NaN/Inf keeps its master and moments (decided on the
   //    device, no host sync); the others are updated and the step counts as non-finite.
   // On CUDA end_step() is the step's only host wait (the norm and the non-finite count).
