@@ -3,7 +3,7 @@
 # benchmark with the peer in its three modes and the whoami job (step_vs_peer.sh), the memory of a
 # whole run with 4bit moments, and TensorBoard's own reader on a run's event file. At most 8 files
 # come back from a device call, so the outputs are gathered into a few.
-#   OUT=dir tools/bench/release_round.sh
+#   OUT=dir tools/bench/release_round.sh   (env: TARGETS, TESTS, SKIP_OPTIM_BENCH=1, SKIP_SPEED=1)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
 out=${OUT:-$root/gpu-out}; mkdir -p "$out"
@@ -25,7 +25,8 @@ done >"$out/cuda-tests.log"
 grep -E "FAILED|PASSED|Failure" "$out/cuda-tests.log" | head -20
 
 # 2. Optimizer kernels against the copy bandwidth.
-build-gpu/bin/bench_optim --steps 10 2>&1 | tee "$out/bench-optim.txt" | grep -E "mode=|baseline"
+[ "${SKIP_OPTIM_BENCH:-0}" = 1 ] || build-gpu/bin/bench_optim --steps 10 2>&1 | tee "$out/bench-optim.txt" \
+  | grep -E "mode=|baseline"
 
 # The benchmark's data and 4B .dat (step_vs_peer.sh reuses them).
 [ -f "$work/bench.jsonl" ] || python3 tools/bench/make_bench_data.py >"$work/bench.jsonl"
@@ -41,13 +42,15 @@ for st in 4bit int8; do
     | grep -E "^step +6|export|peak GPU memory|done" | sed "s/^/$st: /"
 done 2>&1 | tee "$out/memory.txt"
 
-# 4. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3.
+# 4. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3 (SKIP_SPEED=1: none).
+if [ "${SKIP_SPEED:-0}" != 1 ]; then
 WHOAMI=1 SKIP_BUILD=1 SKIP_PROBE=${SKIP_PROBE:-1} PEER=${PEER:-$root/.devshared/peer_hf_step.py} WORK=$work \
   tools/bench/step_vs_peer.sh "$work/bench" >"$work/step_vs_peer.log" 2>&1
 tail -n 25 "$work/step_vs_peer.log"
 cat "$work/bench/summary.md" "$work/bench/whoami.log" >"$out/summary.md" 2>/dev/null
 cat "$work/bench/train.log" "$work/bench/peer.log" >"$out/train-and-peer.log" 2>/dev/null
 cp "$work/bench/probe-data.json" "$out/" 2>/dev/null
+fi
 
 # 5. TensorBoard's loader on the run's event file.
 python3 tools/bench/read_tfevents.py "$work/mem-int8" >"$out/tfevents.txt" 2>&1 || true
