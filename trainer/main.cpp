@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
   int nproc = 0;
   int dist_timeout_s = 600;
   app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
-  app.add_option("config", positional_config, "YAML config (same as --config)");
+  // Named apart from --config: CLI11 2.4 refuses a positional that shares an option's name.
+  app.add_option("config_file", positional_config, "YAML config (same as --config)");
   app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
   app.add_option("--resume", resume,
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
