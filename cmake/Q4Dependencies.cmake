@@ -72,3 +72,27 @@ if(Q4_SANITIZE)
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer)
   add_link_options(-fsanitize=address,undefined)
 endif()
+
+# Data-parallel process groups (trainer/src/distributed.cpp). Gloo (CPU): Debian's LibTorch 1.13
+# uses the system libgloo (libgloo-dev); LibTorch wheels carry gloo inside libtorch_cpu and may
+# ship its headers. NCCL (CUDA): LibTorch wheels link the nvidia-nccl wheel; its headers and
+# library sit next to torch in site-packages.
+set(Q4_HAVE_GLOO OFF)
+# Only with the system library: a wheel's gloo symbols inside libtorch_cpu may not be exported.
+find_path(Q4_GLOO_INCLUDE gloo/context.h HINTS ${TORCH_INCLUDE_DIRS})
+find_library(Q4_GLOO_LIB gloo PATHS /usr/lib /usr/lib/x86_64-linux-gnu)
+if(Q4_GLOO_INCLUDE AND Q4_GLOO_LIB)
+  set(Q4_HAVE_GLOO ON)
+endif()
+set(Q4_HAVE_NCCL OFF)
+if(Q4_WITH_CUDA)
+  get_filename_component(_q4_site "${Torch_DIR}/../../../.." ABSOLUTE)
+  file(GLOB _q4_nccl_hints "${_q4_site}/nvidia/nccl/include" "${_q4_site}/nvidia/*/include")
+  find_path(Q4_NCCL_INCLUDE nccl.h HINTS ${_q4_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS})
+  file(GLOB _q4_nccl_lib_hints "${_q4_site}/nvidia/nccl/lib" "${_q4_site}/nvidia/*/lib")
+  find_library(Q4_NCCL_LIB NAMES nccl libnccl.so.2 HINTS ${_q4_nccl_lib_hints})
+  if(Q4_NCCL_INCLUDE AND Q4_NCCL_LIB)
+    set(Q4_HAVE_NCCL ON)
+  endif()
+endif()
+message(STATUS "q4: process groups: gloo ${Q4_HAVE_GLOO}, nccl ${Q4_HAVE_NCCL}")

@@ -8,13 +8,19 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "q4/trainer/config.h"
+#include "q4/trainer/distributed.h"
 #include "q4/trainer/profile.h"
+#include "q4/trainer/run_dir.h"
 #include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
@@ -48,6 +54,14 @@ std::string default_config_path() {
       std::string(Q4_DEFAULT_CONFIG) + " and next to the binary)");
 }
 
+// "rank R: " in a data-parallel run (every rank prints its own errors), else "".
+std::string rank_tag() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || world == nullptr || std::string(world) == "1") return "";
+  return std::string("rank ") + rank + ": ";
+}
+
 int fail(int code, const std::string& msg) {
   std::string one = msg;
   for (auto& ch : one) {
@@ -66,8 +80,11 @@ int main(int argc, char** argv) {
   std::string resume;
   std::string probe_report;
   std::string profile_trace;
+  std::string config_reference;
   bool probe = false, dry_run = false, version = false;
   int probe_steps = 0;
+  int nproc = 0;
+  int dist_timeout_s = 600;
   app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
   app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
   app.add_option("--resume", resume,
@@ -81,7 +98,18 @@ int main(int argc, char** argv) {
                  "write a Kineto trace (Chrome JSON) of training steps 3-4 to this file "
                  "(LibTorch 2.x)");
   app.add_flag("--dry-run", dry_run, "validate, estimate memory per component, load nothing");
+  app.add_option("--nproc", nproc,
+                 "data parallel on this host: run N ranks (one per GPU with model.device: cuda; "
+                 "Gloo on CPU). Several hosts: launch with torchrun --no-python")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--dist-timeout", dist_timeout_s,
+                 "data parallel: seconds a rank waits for the rendezvous or a collective before "
+                 "failing (a dead or hung rank) (default 600)")
+      ->check(CLI::Range(1, 86400));
   app.add_flag("--version", version, "print the version and exit");
+  app.add_option("--config-reference", config_reference,
+                 "regenerate the config field reference in FILE (configs/README.md) from the "
+                 "field table; - prints it");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -99,7 +127,36 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   try {
+    if (!config_reference.empty()) {
+      if (config_reference == "-") {
+        std::cout << config_reference_markdown();
+        return kExitOk;
+      }
+      std::ifstream in(config_reference, std::ios::binary);
+      if (!in) throw ConfigError("--config-reference: cannot read " + config_reference);
+      std::stringstream text;
+      text << in.rdbuf();
+      std::string updated;
+      try {
+        updated = splice_config_reference(text.str());
+      } catch (const ConfigError& e) {
+        throw ConfigError("--config-reference " + config_reference + ": " + e.what());
+      }
+      if (updated != text.str()) write_file_atomic(config_reference, updated);
+      std::cout << config_reference << (updated == text.str() ? " is up to date" : " updated")
+                << std::endl;
+      return kExitOk;
+    }
     if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
+    const WorldInfo world = world_from_env();
+    if (nproc > 1 && world.distributed()) {
+      throw ConfigError("--nproc launches local ranks itself; under torchrun (WORLD_SIZE=" +
+                        std::to_string(world.world_size) + ") leave it out");
+    }
+    if ((nproc > 1 || world.distributed()) && (probe || dry_run || !profile_trace.empty())) {
+      throw ConfigError("--probe, --dry-run and --profile-trace run in one process; leave out "
+                        "--nproc / torchrun");
+    }
     if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
     if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
     // Checked before anything loads: otherwise the error would come at training step 3.
@@ -117,23 +174,41 @@ int main(int argc, char** argv) {
       config_path = resume.empty() ? default_config_path() : saved_config_path_for_resume(resume);
     }
     const Config config = load_config(config_path, overrides);
-    std::cout << "# q4train " << Q4_VERSION << ", resolved config from " << config_path << "\n"
-              << config_to_yaml(config) << std::flush;
+    if (world.rank == 0 && nproc <= 1) {
+      std::cout << "# q4train " << Q4_VERSION << ", resolved config from " << config_path << "\n"
+                << config_to_yaml(config) << std::flush;
+    }
     RunOptions options;
     if (!resume.empty()) options.resume = resume;
     options.probe_report = probe_report;
     options.probe_steps = probe_steps;
     options.profile_trace = profile_trace;
+    options.world = world;
+    options.dist_timeout = std::chrono::seconds(dist_timeout_s);
+    if (nproc > 1) {
+      // The config was read and checked above: a bad one fails here, before any rank starts.
+      std::vector<std::string> args;
+      for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--nproc") {
+          ++i;
+          continue;
+        }
+        if (a.rfind("--nproc=", 0) == 0) continue;
+        args.push_back(a);
+      }
+      return launch_local_ranks(nproc, args, std::chrono::seconds(5));
+    }
     if (dry_run) return run_dry_run(config, std::cout);
     if (probe) return run_probe(config, options, std::cout, std::cerr);
     return run_training(config, options, std::cout, std::cerr);
   } catch (const ConfigError& e) {
-    return fail(kExitUsage, e.what());
+    return fail(kExitUsage, rank_tag() + e.what());
   } catch (const GuardStop& e) {
-    return fail(kExitGuard, e.what());
+    return fail(kExitGuard, rank_tag() + e.what());
   } catch (const c10::Error& e) {
-    return fail(kExitRuntime, e.what_without_backtrace());
+    return fail(kExitRuntime, rank_tag() + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    return fail(kExitRuntime, e.what());
+    return fail(kExitRuntime, rank_tag() + e.what());
   }
 }

@@ -15,6 +15,21 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kIgnoreIndex = -100;
 
+// Row-wise over an fp32 (n, V) block without a second block: x <- exp(x - max) and the
+// log-sum-exp per row (max + log(sum)). The block is the largest temporary of a step.
+at::Tensor in_place_logsumexp(at::Tensor& x) {
+  const at::Tensor mx = std::get<0>(x.max(1, /*keepdim=*/true));  // (n, 1)
+  x.sub_(mx).exp_();
+  return x.sum(1).log_().add_(mx.squeeze(1));
+}
+
+// x <- softmax(x) row-wise, in place (as above, then divided by the row sums).
+void in_place_softmax(at::Tensor& x) {
+  const at::Tensor mx = std::get<0>(x.max(1, /*keepdim=*/true));
+  x.sub_(mx).exp_();
+  x.div_(x.sum(1, /*keepdim=*/true));
+}
+
 struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntropy> {
   // hidden (N, H), weight (V, H), labels (N) int64 -> () fp32 sum of per-row CE.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
@@ -30,8 +45,9 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       at::Tensor y = labels.narrow(0, s, n);
       at::Tensor valid = y.ne(kIgnoreIndex);
       at::Tensor logits = at::matmul(hidden.narrow(0, s, n), weight.t()).to(at::kFloat);  // (n,V)
-      at::Tensor lse = at::logsumexp(logits, {1});                                        // (n)
       at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);       // (n)
+      // logsumexp in place on the one fp32 block (at::logsumexp would allocate a second one).
+      at::Tensor lse = in_place_logsumexp(logits);  // (n); logits now holds exp(x - max)
       total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
     }
     return total;
@@ -55,7 +71,7 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       at::Tensor y = labels.narrow(0, s, n);
       at::Tensor valid = y.ne(kIgnoreIndex);
       at::Tensor p = at::matmul(h, weight.t()).to(at::kFloat);  // (n, V) logits
-      p = at::softmax(p, 1);
+      in_place_softmax(p);
       // d(lse - picked)/dlogits = softmax - onehot(label); rows without a label get 0.
       p.scatter_add_(1, y.clamp_min(0).unsqueeze(1), at::full({n, 1}, -1.0, p.options()));
       p.mul_((valid.to(at::kFloat) * go).unsqueeze(1));

@@ -71,17 +71,17 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
 }
 
 void ModelOptions::validate() const {
-  TORCH_CHECK(is_float_dtype(master_dtype), "model.master_dtype: expected fp16, bf16 or fp32, got ",
+  TORCH_CHECK(is_float_dtype(master_dtype), "ModelOptions.master_dtype: expected fp16, bf16 or fp32, got ",
               c10::toString(master_dtype));
   TORCH_CHECK(is_float_dtype(compute_dtype),
-              "model.compute_dtype: expected fp16, bf16 or fp32, got ",
+              "ModelOptions.compute_dtype: expected fp16, bf16 or fp32, got ",
               c10::toString(compute_dtype));
   TORCH_CHECK(is_float_dtype(resolved_grad_dtype()),
-              "model.grad_dtype: expected fp16, bf16 or fp32, got ",
+              "ModelOptions.grad_dtype: expected fp16, bf16 or fp32, got ",
               c10::toString(resolved_grad_dtype()));
-  TORCH_CHECK(loss_chunk_tokens > 0, "model.loss_chunk_tokens: expected > 0, got ",
+  TORCH_CHECK(loss_chunk_tokens > 0, "ModelOptions.loss_chunk_tokens: expected > 0, got ",
               loss_chunk_tokens);
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "model.device: expected cpu or cuda, got ",
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "ModelOptions.device: expected cpu or cuda, got ",
               device.str());
 }
 

@@ -64,6 +64,14 @@ void ensure_tables() {
       throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) +
                                ": stochastic codes are compiled in for the 16-entry 4-bit maps");
     }
+    const int steps =
+        m.stochastic ? detail::max_scan_steps(m.sr_value, m.size, false, m.search_start)
+                     : detail::max_scan_steps(m.mid, m.size - 1, true, m.search_start);
+    if (i != static_cast<int>(MapId::k4BitSecond) && steps > detail::kMapScanSteps[i]) {
+      throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) + " needs " +
+                               std::to_string(steps) + " search steps, the kernels do " +
+                               std::to_string(detail::kMapScanSteps[i]));
+    }
     for (int j = 0; j < m.size; ++j) value[i][j] = m.value[j];
     for (int j = 0; j + 1 < m.size; ++j) mid[i][j] = m.mid[j];
     if (m.stochastic) {
@@ -132,7 +140,9 @@ __device__ __forceinline__ float div_pow2(float d, float gap) {
 // Master write-back (docs/optim.md): saturate at the largest finite value, round to nearest, or
 // pick the neighbour further from the RN candidate with probability |x - a| / |b - a|, using the
 // element's bits h = sr_bits(key, index).
-template <typename M>
+// kMulCompare: decide by a multiply instead of the quotient where that is exact (below); off for
+// the int8 kernel, where it costs a register spill at its 64-register bound.
+template <typename M, bool kMulCompare = true>
 __device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) {
   if constexpr (std::is_same<M, float>::value) {
     return x;
@@ -146,14 +156,29 @@ __device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) 
     const unsigned short nb = static_cast<unsigned short>(to_bits(a) + (away ? 1 : -1));
     const M b = from_bits<M>(nb);
     const float bf = to_f(b);
-    const float prob = div_pow2(fabsf(__fsub_rn(x, af)), fabsf(__fsub_rn(bf, af)));
-    return detail::sr_uniform(h) < prob ? b : a;
+    const float d = fabsf(__fsub_rn(x, af));     // exact (x and af are neighbours)
+    const float gap = fabsf(__fsub_rn(bf, af));  // a power of two
+    const float u = detail::sr_uniform(h);       // k * 2^-24, k < 2^24
+    // u < d / gap (the CPU's test: the quotient is exact) <=> u * gap < d whenever u * gap is
+    // exact too, i.e. gap >= 2^-125 (always for fp16, whose gaps are >= 2^-24): a multiply
+    // instead of a division. Smaller (bf16) gaps take the quotient.
+    if (kMulCompare && (std::is_same<M, __half>::value || (__float_as_uint(gap) >> 23) >= 2u)) {
+      return __fmul_rn(u, gap) < d ? b : a;
+    }
+    return u < div_pow2(d, gap) ? b : a;
   }
 }
 
 __device__ __forceinline__ void adam_moments(float g, float& m, float& v, const StepParams& p) {
   m = __fadd_rn(__fmul_rn(m, p.beta1), __fmul_rn(g, p.one_minus_beta1));
   v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
+}
+
+// sv = sqrt(v) (correctly rounded).
+__device__ __forceinline__ float adam_master_sv(float w, float m, float sv, const StepParams& p) {
+  const float den = __fadd_rn(__fmul_rn(sv, p.inv_sqrt_bc2), p.eps);
+  const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
+  return __fsub_rn(__fmul_rn(w, p.decay), u);
 }
 
 __device__ __forceinline__ float adam_master(float w, float m, float v, const StepParams& p) {
@@ -233,12 +258,13 @@ __global__ void adamw_fp32_kernel(StepParams p) {
     load_f32<float, E>(p.v32, i0, p.n, vec, v);
     load_f32<M, E>(master, i0, p.n, vec, w);
     M out[E];
+    const bool sr = p.stochastic != 0;
+    const uint32_t range_key = detail::sr_range_key(p.sr_key, i0);  // i0: a multiple of E
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       adam_moments(g[e], m[e], v[e], p);
-      const bool sr = p.stochastic != 0;
       out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), sr,
-                               sr ? detail::sr_bits(p.sr_key, i0 + e) : 0U);
+                               sr ? detail::sr_bits_in_range(range_key, i0 + e) : 0U);
     }
     if (vec) {
       store_vec<float, E>(p.m32 + i0, m);
@@ -271,8 +297,8 @@ struct BlockTraits<1> {  // int8
 template <>
 struct BlockTraits<2> {  // 4-bit
   static constexpr int kBlock = 128;
-  static constexpr int kLanes = 32;
-  static constexpr int kElems = 4;
+  static constexpr int kLanes = 16;
+  static constexpr int kElems = 8;
   static constexpr bool kNibbles = true;
 };
 template <>
@@ -345,21 +371,27 @@ __device__ __forceinline__ float group_max(float x) {
   return x;
 }
 
-// Per-block encoding parameters from the block absmax. For int8/4-bit `div` is the divisor
-// (absmax, or 1 for an all-zero block); for NVFP4 it is decoded E4M3 scale + 1e-12.
+// Per-block encoding parameters from the block absmax: int8/4-bit the factors of
+// detail::block_norm (one reciprocal per block, no per-element division); NVFP4 the E4M3 scale
+// bits and the divisor of DESIGN.md (decoded scale + 1e-12, an IEEE division per element).
+struct BlockEnc {
+  detail::BlockNorm bn;
+  float stored = 0.0f;  // fp32 absmax (int8/4-bit)
+  float div = 1.0f;     // NVFP4 divisor
+  uint8_t sbits = 0;    // NVFP4 scale bits
+};
+
 template <int MODE>
-__device__ __forceinline__ void block_params(float amax, float& stored, float& div,
-                                             uint8_t& sbits) {
+__device__ __forceinline__ BlockEnc block_params(float amax) {
+  BlockEnc b;
   if (MODE == 3) {
-    const float s_in = fminf(fmaxf(__fdiv_rn(amax, 6.0f), detail::kScaleMin), detail::kE4m3Max);
-    sbits = detail::e4m3_encode(s_in);
-    div = __fadd_rn(detail::e4m3_decode(sbits), 1e-12f);
-    stored = 0.0f;
+    b.sbits = detail::e4m3_encode(detail::nvfp4_scale_input(amax));
+    b.div = __fadd_rn(detail::e4m3_decode(b.sbits), 1e-12f);
   } else {
-    stored = amax;
-    div = amax == 0.0f ? 1.0f : amax;
-    sbits = 0;
+    b.stored = amax;
+    b.bn = detail::block_norm(amax);
   }
+  return b;
 }
 
 // Whether a mode's maps use stochastic codes: fixed per mode so that the kernels derive the
@@ -367,24 +399,24 @@ __device__ __forceinline__ void block_params(float amax, float& stored, float& d
 template <int MODE>
 constexpr bool kStochasticMoments = MODE == 2;
 
-// Code of x in a block with divisor div: NVFP4 thresholds, the nearest map entry, or
-// (stochastic maps) sr_pick with the element's uniform u (moment_uniform).
-template <int MODE>
-__device__ __forceinline__ int encode_value(float x, float div, const SharedMaps& sm, int slot,
-                                            float u) {
-  if (MODE == 3) {
-    const float d = fminf(fmaxf(__fdiv_rn(x, div), -detail::kE2m1Max), detail::kE2m1Max);
-    return detail::e2m1_encode(d);
+// Code of x (sx = sqrt(x), used by the 4-bit second moment only) in a block: NVFP4 thresholds;
+// int8 the nearest map entry (bucketed search over the midpoints); 4-bit first moment sr_pick
+// over its table; 4-bit second moment the closed-form pick on its linear sqrt-domain map.
+// u: the element's uniform (moment_uniform) for stochastic codes.
+template <int MODE, int SLOT>
+__device__ __forceinline__ int encode_code(float x, float sx, const BlockEnc& b,
+                                           const SharedMaps& sm, float u) {
+  if (MODE == 3) return detail::e2m1_encode(__fdiv_rn(x, b.div));  // unclamped: same code
+  if (MODE == 2 && SLOT == 1) return detail::sr_pick_4bit_second(detail::norm_sqrt(sx, b.bn), u);
+  const float y = detail::norm_value(x, b.bn);
+  const int start = (&sm.start[SLOT][0][0])[(__float_as_uint(y) >> 31) * detail::kSearchBuckets +
+                                            detail::search_bucket(y)];
+  constexpr int kSteps = detail::kMapScanSteps[(MODE == 1 ? 0 : 2) + SLOT];
+  if (MODE == 2) {
+    const int count = detail::count_steps<kSteps>(sm.sr_value[SLOT], 16, false, start, y);
+    return detail::sr_pick(sm.sr_value[SLOT], sm.inv_gap[SLOT], 16, y, count, u);
   }
-  const float y = __fdiv_rn(x, div);
-  if (kStochasticMoments<MODE>) {
-    const float t = (sm.flags[slot] & 2) ? __fsqrt_rn(y) : y;
-    const int start = sm.start[slot][__float_as_uint(t) >> 31][detail::search_bucket(t)];
-    const int count = detail::count_from(sm.sr_value[slot], sm.size[slot], false, start, t);
-    return detail::sr_pick(sm.sr_value[slot], sm.inv_gap[slot], sm.size[slot], t, count, u);
-  }
-  const int start = sm.start[slot][__float_as_uint(y) >> 31][detail::search_bucket(y)];
-  return detail::count_from(sm.mid[slot], sm.size[slot] - 1, true, start, y);
+  return detail::count_steps<kSteps>(sm.mid[SLOT], 255, true, start, y);
 }
 
 // Reads the codes of elements [i0, i0 + E) (i0 a multiple of E, E even for nibbles).
@@ -480,14 +512,87 @@ struct GroupPos {
 };
 
 // ---- fused block-wise step ----
+// One warp task = 32 / L moment blocks; lane owns E consecutive elements. FULL: every element of
+// the lane's group exists and all pointers are 16-byte aligned (vector accesses, no bounds
+// checks) -- the path of every group but a tensor's last; the other path checks each element.
+template <int MODE, bool FULL, typename G, typename M>
+__device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps& sm,
+                                           const GroupPos<MODE>& pos, int64_t n, int lane) {
+  constexpr int L = GroupPos<MODE>::L, E = GroupPos<MODE>::E;
+  M* master = static_cast<M*>(p.master);
+  float g[E], m[E], v[E], w[E];
+  int mc[E], vc[E];
+  if (p.grad != nullptr) {
+    load_f32<G, E>(static_cast<const G*>(p.grad), pos.i0, n, FULL, g);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) g[e] = 0.0f;
+  }
+  load_f32<M, E>(master, pos.i0, n, FULL, w);
+  read_codes<MODE, E>(p.m_codes, pos.i0, n, FULL, mc);
+  read_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);
+  const float ms = pos.active ? block_scale<MODE>(p.m_scales, pos.blk) : 0.0f;
+  const float vs = pos.active ? block_scale<MODE>(p.v_scales, pos.blk) : 0.0f;
+  float mmax = 0.0f, vmax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (FULL || pos.i0 + e < n) {
+      m[e] = decode_value<MODE>(mc[e], ms, sm, 0);
+      v[e] = decode_value<MODE>(vc[e], vs, sm, 1);
+      adam_moments(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
+    } else {
+      m[e] = 0.0f;
+      v[e] = 0.0f;
+    }
+    mmax = fmaxf(mmax, fabsf(m[e]));
+    vmax = fmaxf(vmax, v[e]);
+  }
+  mmax = group_max<L>(mmax);
+  vmax = group_max<L>(vmax);
+  const BlockEnc mb = block_params<MODE>(mmax);
+  const BlockEnc vb = block_params<MODE>(vmax);
+  M out[E];
+  const bool sr = p.stochastic != 0;
+  // i0 is a multiple of E (a power of two), so the lane's elements share the index's high half.
+  const uint32_t range_key = detail::sr_range_key(p.sr_key, pos.i0);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int64_t idx = pos.i0 + e;
+    // One sr_bits per element serves the master rounding and (one more hash) the moment codes.
+    const uint32_t h =
+        (sr || kStochasticMoments<MODE>) ? detail::sr_bits_in_range(range_key, idx) : 0U;
+    const uint32_t bits = kStochasticMoments<MODE> ? detail::moment_bits(h) : 0U;
+    const float sv = __fsqrt_rn(v[e]);  // the update's sqrt(v); also the 4-bit v code's
+    mc[e] = encode_code<MODE, 0>(m[e], 0.0f, mb, sm, detail::moment_uniform(bits, 0));
+    vc[e] = encode_code<MODE, 1>(v[e], sv, vb, sm, detail::moment_uniform(bits, 1));
+    out[e] = write_master<M, MODE != 1>(adam_master_sv(w[e], m[e], sv, p), sr, h);
+  }
+  write_codes<MODE, E>(p.m_codes, pos.i0, n, FULL, mc);
+  write_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);
+  if (FULL) {
+    store_vec<M, E>(master + pos.i0, out);
+  } else {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      if (pos.i0 + e < n) master[pos.i0 + e] = out[e];
+    }
+  }
+  if (pos.active && lane % L == 0) {
+    write_scale<MODE>(p.m_scales, pos.blk, mb.stored, mb.sbits);
+    write_scale<MODE>(p.v_scales, pos.blk, vb.stored, vb.sbits);
+  }
+}
+
+template <int MODE>
+constexpr int kBlockMinCtas = MODE == 3 ? 5 : 4;
+
 template <int MODE, typename G, typename M>
-__global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kernel(StepParams p) {
+__global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_kernel(StepParams p) {
   if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
-  constexpr int B = Pos::B, L = Pos::L, E = Pos::E;
+  constexpr int B = Pos::B;
   __shared__ SharedMaps sm;
   load_shared_maps<MODE>(sm);
-  M* master = static_cast<M*>(p.master);
   const int lane = threadIdx.x & 31;
   const int64_t nblocks = (p.n + B - 1) / B;
   const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
@@ -495,66 +600,12 @@ __global__ void __launch_bounds__(kThreads, MODE == 1 ? 4 : 5) adamw_block_kerne
   for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
        task < tasks; task += warps) {  // uniform per warp: shuffles see all 32 lanes
     const Pos pos(task, lane, nblocks);
-    const int64_t n = pos.active ? p.n : 0;  // inactive lanes: every element out of range
-    const bool vec = p.vec_ok != 0 && pos.i0 + E <= n;
-    float g[E], m[E], v[E], w[E];
-    int mc[E], vc[E];
-    if (p.grad != nullptr) {
-      load_f32<G, E>(static_cast<const G*>(p.grad), pos.i0, n, vec, g);
+    // Warp-uniform choice: the task's last element lies inside the tensor.
+    const int64_t task_end = (task + 1) * Pos::kBlocksPerWarp * B;
+    if (p.vec_ok != 0 && task_end <= p.n) {
+      block_step<MODE, true, G, M>(p, sm, pos, p.n, lane);
     } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) g[e] = 0.0f;
-    }
-    load_f32<M, E>(master, pos.i0, n, vec, w);
-    read_codes<MODE, E>(p.m_codes, pos.i0, n, vec, mc);
-    read_codes<MODE, E>(p.v_codes, pos.i0, n, vec, vc);
-    const float ms = pos.active ? block_scale<MODE>(p.m_scales, pos.blk) : 0.0f;
-    const float vs = pos.active ? block_scale<MODE>(p.v_scales, pos.blk) : 0.0f;
-    float mmax = 0.0f, vmax = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      if (pos.i0 + e < n) {
-        m[e] = decode_value<MODE>(mc[e], ms, sm, 0);
-        v[e] = decode_value<MODE>(vc[e], vs, sm, 1);
-        adam_moments(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
-      } else {
-        m[e] = 0.0f;
-        v[e] = 0.0f;
-      }
-      mmax = fmaxf(mmax, fabsf(m[e]));
-      vmax = fmaxf(vmax, v[e]);
-    }
-    mmax = group_max<L>(mmax);
-    vmax = group_max<L>(vmax);
-    float m_stored, m_div, v_stored, v_div;
-    uint8_t m_bits, v_bits;
-    block_params<MODE>(mmax, m_stored, m_div, m_bits);
-    block_params<MODE>(vmax, v_stored, v_div, v_bits);
-    M out[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int64_t idx = pos.i0 + e;
-      const bool sr = p.stochastic != 0;
-      // One sr_bits per element serves the master rounding and (one more hash) the moment codes.
-      const uint32_t h = (sr || kStochasticMoments<MODE>) ? detail::sr_bits(p.sr_key, idx) : 0U;
-      const uint32_t mb = kStochasticMoments<MODE> ? detail::moment_bits(h) : 0U;
-      mc[e] = encode_value<MODE>(m[e], m_div, sm, 0, detail::moment_uniform(mb, 0));
-      vc[e] = encode_value<MODE>(v[e], v_div, sm, 1, detail::moment_uniform(mb, 1));
-      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), sr, h);
-    }
-    write_codes<MODE, E>(p.m_codes, pos.i0, n, vec, mc);
-    write_codes<MODE, E>(p.v_codes, pos.i0, n, vec, vc);
-    if (vec) {
-      store_vec<M, E>(master + pos.i0, out);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        if (pos.i0 + e < n) master[pos.i0 + e] = out[e];
-      }
-    }
-    if (pos.active && lane % L == 0) {
-      write_scale<MODE>(p.m_scales, pos.blk, m_stored, m_bits);
-      write_scale<MODE>(p.v_scales, pos.blk, v_stored, v_bits);
+      block_step<MODE, false, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
     }
   }
 }
@@ -581,18 +632,18 @@ __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_
 #pragma unroll
     for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(val[e]));
     amax = group_max<L>(amax);
-    float stored, div;
-    uint8_t sbits;
-    block_params<MODE>(amax, stored, div, sbits);
+    const BlockEnc b = block_params<MODE>(amax);
     int c[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const uint32_t mb =
           kStochasticMoments<MODE> ? detail::moment_bits(detail::sr_bits(sr_key, pos.i0 + e)) : 0U;
-      c[e] = encode_value<MODE>(val[e], div, sm, moment, detail::moment_uniform(mb, moment));
+      const float u = detail::moment_uniform(mb, moment);
+      c[e] = moment == 0 ? encode_code<MODE, 0>(val[e], 0.0f, b, sm, u)
+                         : encode_code<MODE, 1>(val[e], __fsqrt_rn(val[e]), b, sm, u);
     }
     write_codes<MODE, E>(codes, pos.i0, n, false, c);
-    if (pos.active && lane % L == 0) write_scale<MODE>(scales, pos.blk, stored, sbits);
+    if (pos.active && lane % L == 0) write_scale<MODE>(scales, pos.blk, b.stored, b.sbits);
   }
 }
 
@@ -612,24 +663,48 @@ __global__ void unpack_kernel(const uint8_t* codes, const void* scales, int64_t 
 }
 
 // ---- sum of squares ----
+// Each thread sums the squares of its 16-byte vectors (grid-stride, two vectors in flight) and
+// then, one element at a time, the unaligned head and the tail, into fixed accumulators; the CTA
+// reduces in a fixed tree. Deterministic for a given n and pointer alignment.
 template <typename G>
 __global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
+  constexpr int V = 16 / sizeof(G);  // elements per vector
   __shared__ float red[256];
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // 4 independent loads in flight per thread
+  float acc[2] = {0.0f, 0.0f};
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
+  // Elements before the first 16-byte boundary, then whole vectors, then the tail.
+  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(g) & 15) / sizeof(G));
+  const int64_t head = mis == 0 ? 0 : (V - mis < n ? V - mis : n);
+  const int64_t nvec = (n - head) / V;
+  const Vec<G, V>* vp = reinterpret_cast<const Vec<G, V>*>(g + head);
+  int64_t i = tid;
+  for (; i + stride < nvec; i += 2 * stride) {
+    const Vec<G, V> r0 = vp[i], r1 = vp[i + stride];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float x = to_f(g[i + k * stride]);
-      acc[k] = __fadd_rn(acc[k], __fmul_rn(x, x));
+    for (int e = 0; e < V; ++e) {
+      const float x0 = to_f(r0.v[e]), x1 = to_f(r1.v[e]);
+      acc[0] = __fadd_rn(acc[0], __fmul_rn(x0, x0));
+      acc[1] = __fadd_rn(acc[1], __fmul_rn(x1, x1));
     }
   }
-  for (; i < n; i += stride) {
-    const float x = to_f(g[i]);
-    acc[0] = __fadd_rn(acc[0], __fmul_rn(x, x));
+  for (; i < nvec; i += stride) {
+    const Vec<G, V> r0 = vp[i];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float x0 = to_f(r0.v[e]);
+      acc[0] = __fadd_rn(acc[0], __fmul_rn(x0, x0));
+    }
   }
-  red[threadIdx.x] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  const int64_t rest = n - head - nvec * V;  // < V
+  if (tid < head) {
+    const float x = to_f(g[tid]);
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
+  } else if (tid < head + rest) {
+    const float x = to_f(g[head + nvec * V + (tid - head)]);
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
+  }
+  red[threadIdx.x] = acc[0] + acc[1];
   __syncthreads();
   for (int s = blockDim.x / 2; s > 0; s >>= 1) {
     if (static_cast<int>(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
@@ -647,12 +722,16 @@ int64_t persistent_grid(int64_t threads) {
   return need < 1 ? 1 : (need < cap ? need : cap);
 }
 
+// Block kernels: one wave of the CTAs that fit an SM at their register bound (kBlockMinCtas), so
+// no CTA waits for a second wave.
 template <int MODE>
 int64_t block_kernel_grid(int64_t n) {
   using Pos = GroupPos<MODE>;
   const int64_t nblocks = (n + Pos::B - 1) / Pos::B;
   const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
-  return persistent_grid(tasks * 32);
+  const int64_t need = (tasks * 32 + kThreads - 1) / kThreads;
+  const int64_t cap = static_cast<int64_t>(sm_count()) * kBlockMinCtas<MODE>;
+  return need < 1 ? 1 : (need < cap ? need : cap);
 }
 
 int64_t grid_for_elems(int64_t n) {

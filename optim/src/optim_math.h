@@ -1,18 +1,15 @@
 // Scalar building blocks shared by the CPU ATen path, the scalar references and the CUDA kernels
 // (this header includes no torch headers so .cu files can use it): the counter-based hash behind
-// stochastic rounding, the E4M3/E2M1 codecs of the NVFP4 moment mode, and the code tables of the
-// int8/4-bit maps. One definition here is what keeps CPU and CUDA bit-identical.
+// stochastic rounding and the code tables of the int8/4-bit maps. The E4M3/E2M1 codecs of the
+// NVFP4 moment mode are quant's shared numerics (q4/quant/numerics.h). One definition here is
+// what keeps CPU and CUDA bit-identical.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define Q4_HD __host__ __device__ __forceinline__
-#else
-#define Q4_HD inline
-#endif
+#include "q4/quant/numerics.h"
 
 namespace q4::optim::detail {
 
@@ -42,11 +39,18 @@ inline uint32_t sr_stream_key(uint64_t seed, int64_t step, int64_t param_index) 
   return k;
 }
 
-// 32 random bits for element `index` (0-based flat index inside the parameter).
+// 32 random bits for element `index` (0-based flat index inside the parameter):
+// hash32(lo ^ hash32(key ^ hi)) with lo, hi the low and high 32 bits of the index. The inner
+// hash depends on the index only through hi (0 below 2^32 elements), so a kernel computes it once
+// per group of elements (sr_range_key) and each element costs one hash32.
+Q4_HD uint32_t sr_range_key(uint32_t key, int64_t index) {
+  return hash32(key ^ static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32));
+}
+Q4_HD uint32_t sr_bits_in_range(uint32_t range_key, int64_t index) {
+  return hash32(static_cast<uint32_t>(static_cast<uint64_t>(index) & 0xffffffffULL) ^ range_key);
+}
 Q4_HD uint32_t sr_bits(uint32_t key, int64_t index) {
-  const uint32_t lo = static_cast<uint32_t>(static_cast<uint64_t>(index) & 0xffffffffULL);
-  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32);
-  return hash32(hash32(lo ^ key) ^ hi);
+  return sr_bits_in_range(sr_range_key(key, index), index);
 }
 
 // Uniform in [0, 1) with 24 bits, exact in fp32.
@@ -54,77 +58,86 @@ Q4_HD float sr_uniform(uint32_t bits) {
   return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;
 }
 
-// ---- bit casts ----
-Q4_HD uint32_t f32_bits(float x) {
+// ---- bit casts and the NVFP4 moment codec: the shared definitions (q4/quant/numerics.h) ----
+using q4::numerics::bits_f32;
+using q4::numerics::e2m1_decode;
+using q4::numerics::e2m1_encode;
+using q4::numerics::e4m3_decode;
+using q4::numerics::e4m3_encode;
+using q4::numerics::f32_bits;
+using q4::numerics::nvfp4_scale_input;
+inline constexpr float kE4m3Max = q4::numerics::kE4m3Max;
+inline constexpr float kScaleMin = q4::numerics::kNvfp4ScaleMin;
+inline constexpr float kE2m1Max = q4::numerics::kE2m1Max;
+
+// ---- block normalization (int8 / 4-bit maps) ----
+// The normalized value y = x / amax of every element is computed with one IEEE reciprocal per
+// block and two multiplications per element: y = (x * f) * inv, inv = 1 / (div * f), where
+// div = amax (1 for an all-zero block) and f = 2^64 when div is below FLT_MIN (1 / div would
+// overflow for a subnormal div), else 1 (x * f is exact). The sqrt-domain map (4-bit v) uses
+// t = (sqrt(x) * fs) * rs with fs = sqrt(f) and rs = sqrt(inv): sqrt(x) is the sqrt(v) of the
+// update, so the fused step takes one square root per element for both. Every operation is one
+// fp32 rounding, the same on the CPU (scalar and ATen paths) and in the kernels. |y| can exceed 1
+// by an ulp (inv rounded up); every map saturates at its end entry there.
+struct BlockNorm {
+  float f = 1.0f;    // 1 or 2^64
+  float inv = 1.0f;  // 1 / (div * f)
+  float fs = 1.0f;   // sqrt(f): 1 or 2^32
+  float rs = 1.0f;   // sqrt(inv)
+};
+
+Q4_HD BlockNorm block_norm(float amax) {
+  const float div = amax == 0.0f ? 1.0f : amax;
+  const bool tiny = div < 1.17549435082228751e-38f;  // FLT_MIN
+  BlockNorm b;
+  b.f = tiny ? 18446744073709551616.0f : 1.0f;
+  b.fs = tiny ? 4294967296.0f : 1.0f;
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
+  b.inv = __frcp_rn(__fmul_rn(div, b.f));
+  b.rs = __fsqrt_rn(b.inv);
 #else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
+  b.inv = 1.0f / (div * b.f);
+  b.rs = std::sqrt(b.inv);
+#endif
+  return b;
+}
+
+Q4_HD float norm_value(float x, const BlockNorm& b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(__fmul_rn(x, b.f), b.inv);
+#else
+  return (x * b.f) * b.inv;
 #endif
 }
-Q4_HD float bits_f32(uint32_t u) {
+
+Q4_HD float norm_sqrt(float sqrt_x, const BlockNorm& b) {
 #if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
+  return __fmul_rn(__fmul_rn(sqrt_x, b.fs), b.rs);
 #else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
+  return (sqrt_x * b.fs) * b.rs;
 #endif
 }
 
-// ---- NVFP4 moment mode (DESIGN.md "NVFP4 numerics") ----
-inline constexpr float kE4m3Max = 448.0f;
-inline constexpr float kScaleMin = 1.52587890625e-05f;  // 2^-16
-inline constexpr float kE2m1Max = 6.0f;
-
-// FP8 E4M3FN encode, round-to-nearest-even, x in [2^-16, 448] (already clamped; a normal fp32).
-// Exponent e = floor(log2 x) from the fp32 bits; below 2^-6 the code is subnormal (step 2^-9).
-// q = rint(x * 2^(3 - max(e, -6))) is exact scaling then RNE; a mantissa carry (q == 16) rolls
-// into the exponent field by construction of bits = (max(e,-6) + 6) * 8 + q.
-Q4_HD uint8_t e4m3_encode(float x) {
-  int e = static_cast<int>((f32_bits(x) >> 23) & 0xff) - 127;
-  if (e < -6) e = -6;
-  const float scale = bits_f32(static_cast<uint32_t>(3 - e + 127) << 23);  // 2^(3-e)
+// Stochastic code of t on the 4-bit second-moment map (entries k/16, k = 1..16, gaps 1/16) in
+// closed form, bit-identical to sr_pick() on that table: with s = 16 t (exact),
+// #{k : k/16 <= t} = floor(s), l = clamp(floor(s) - 1, 0, 14), and
+// p = (t - (l + 1)/16) * 16 = s - (l + 1) (scaling by 16 commutes with the rounding: t - (l+1)/16
+// is exact or a normal fp32 here). No search, no table.
+Q4_HD int sr_pick_4bit_second(float t, float u) {
 #if defined(__CUDA_ARCH__)
-  const float q = rintf(__fmul_rn(x, scale));
+  const float s = __fmul_rn(t, 16.0f);
+  int l = __float2int_rd(s) - 1;
 #else
-  const float q = std::nearbyint(x * scale);
+  const float s = t * 16.0f;
+  int l = static_cast<int>(std::floor(s)) - 1;
 #endif
-  return static_cast<uint8_t>((e + 6) * 8 + static_cast<int>(q));
-}
-
-Q4_HD float e4m3_decode(uint8_t b) {
-  const int exp = (b >> 3) & 0xf;
-  const int man = b & 0x7;
-  const bool neg = (b & 0x80) != 0;
-  float v;
-  if (exp == 0xf && man == 0x7) {
-    v = bits_f32(0x7fc00000U);  // NaN
-  } else if (exp == 0) {
-    v = static_cast<float>(man) * 0.001953125f;  // m/8 * 2^-6 = m * 2^-9
-  } else {
-    v = bits_f32(static_cast<uint32_t>(exp - 7 + 127) << 23) *
-        (1.0f + static_cast<float>(man) * 0.125f);
-  }
-  return neg ? -v : v;
-}
-
-// E2M1 code of d (already clamped to [-6, 6]): thresholds of DESIGN.md, ties away from zero,
-// bit 3 set when d < 0 (tiny negatives become code 8, -0).
-Q4_HD uint8_t e2m1_encode(float d) {
-  const float a = d < 0.0f ? -d : d;
-  uint8_t c = static_cast<uint8_t>((a >= 0.25f) + (a >= 0.75f) + (a >= 1.25f) + (a >= 1.75f) +
-                                   (a >= 2.5f) + (a >= 3.5f) + (a >= 5.0f));
-  if (d < 0.0f) c |= 8;
-  return c;
-}
-
-Q4_HD float e2m1_decode(uint8_t code) {
-  constexpr float kVals[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float v = kVals[code & 7];
-  return (code & 8) ? -v : v;
+  l = l < 0 ? 0 : (l > 14 ? 14 : l);
+#if defined(__CUDA_ARCH__)
+  const float p = __fsub_rn(s, static_cast<float>(l + 1));
+#else
+  const float p = s - static_cast<float>(l + 1);
+#endif
+  return u < p ? l + 1 : l;
 }
 
 // ---- code search ----
@@ -140,14 +153,13 @@ inline constexpr int kSearchMantBits = 6;
 inline constexpr int kSearchBuckets = 1 + (128 - kSearchExpMin) * (1 << kSearchMantBits);
 
 // Bucket of |y| (the sign picks the table); magnitudes >= 2 fall into the last bucket (the scan
-// still ends at the exact count).
+// still ends at the exact count). The bits of |y| shifted right by (23 - kSearchMantBits) are
+// (exponent << kSearchMantBits | top mantissa bits), so the bucket is that minus a constant,
+// clamped: below 2^-24 -> 0, from 2 up -> the last.
 Q4_HD int search_bucket(float y) {
-  const uint32_t b = f32_bits(y) & 0x7fffffffU;
-  int e = static_cast<int>(b >> 23);
-  if (e < kSearchExpMin) return 0;
-  if (e > 127) return kSearchBuckets - 1;
-  return 1 + ((e - kSearchExpMin) << kSearchMantBits) +
-         static_cast<int>((b >> (23 - kSearchMantBits)) & ((1U << kSearchMantBits) - 1));
+  const int k = static_cast<int>((f32_bits(y) & 0x7fffffffU) >> (23 - kSearchMantBits)) -
+                ((kSearchExpMin << kSearchMantBits) - 1);
+  return k < 0 ? 0 : (k > kSearchBuckets - 1 ? kSearchBuckets - 1 : k);
 }
 
 // ---- int8 / 4-bit code maps ----
@@ -224,6 +236,22 @@ Q4_HD int count_from(const float* entries, int n, bool strict, int start, float 
   return c;
 }
 
+// count_from with a fixed number of steps K (unrolled, no data-dependent loop): exact when the
+// count exceeds `start` by at most K for every y, which max_scan_steps() checks per map (the
+// kernels compile K in and ensure_tables() refuses maps that need more).
+template <int K>
+Q4_HD int count_steps(const float* entries, int n, bool strict, int start, float y) {
+  int c = start;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int k = 0; k < K; ++k) {
+    const float e = entries[c < n ? c : n - 1];
+    c += (c < n && (strict ? e < y : e <= y)) ? 1 : 0;
+  }
+  return c;
+}
+
 // start[sign][bucket]: for every y in the bucket a lower bound of the count (the count is
 // non-decreasing in y): the count at lo for y >= 0 (|y| in [lo, hi)); for y < 0 (y in (-hi, -lo])
 // the number of entries <= -hi, all of which are below any such y.
@@ -252,10 +280,42 @@ inline void fill_search_start(const float* entries, int n, bool strict,
   }
 }
 
+// The largest count - start over every value a bucket holds (the count is non-decreasing, so
+// the top of each bucket for y >= 0 and its bottom, -lo, for y < 0): the steps a scan from the
+// bucket's lower bound needs at most. Entries: mid (nearest maps) or sr_value (stochastic).
+inline int max_scan_steps(const float* entries, int n, bool strict,
+                          const uint8_t (*start)[kSearchBuckets]) {
+  auto count = [&](float y) {
+    int c = 0;
+    for (int j = 0; j < n; ++j) c += (strict ? entries[j] < y : entries[j] <= y) ? 1 : 0;
+    return c;
+  };
+  auto bucket_lo = [](int k) -> float {
+    if (k == 0) return 0.0f;
+    const int e = kSearchExpMin + ((k - 1) >> kSearchMantBits);
+    const uint32_t m = static_cast<uint32_t>((k - 1) & ((1 << kSearchMantBits) - 1));
+    return bits_f32((static_cast<uint32_t>(e) << 23) | (m << (23 - kSearchMantBits)));
+  };
+  int most = 0;
+  for (int k = 0; k < kSearchBuckets; ++k) {
+    const float hi = k + 1 < kSearchBuckets ? bucket_lo(k + 1) : 2.0f;
+    const int up = count(std::nextafter(hi, 0.0f)) - start[0][k];
+    const int down = count(-bucket_lo(k)) - start[1][k];
+    most = up > most ? up : most;
+    most = down > most ? down : most;
+  }
+  return most;
+}
+
+// Steps of the fixed-length scan the kernels compile in per MapId (int8 m, int8 v, 4-bit m,
+// 4-bit v: closed form, no search); ensure_tables() and the codec test check max_scan_steps()
+// against them.
+inline constexpr int kMapScanSteps[4] = {1, 2, 1, 0};
+
 // Random bits of the stochastic moment codes of element i: one extra hash of the element's
 // master-rounding bits, h = sr_bits(key, i) with the same (seed, step, parameter) key, whose
 // high 16 bits serve the first moment and low 16 bits the second (16-bit probability resolution:
-// a bias of at most 2^-16 of a code gap). Three hash32 per element in all instead of six.
+// a bias of at most 2^-16 of a code gap). Two hash32 per element in all.
 inline constexpr uint32_t kMomentSalt = 0x6d5f7372U;  // "m_sr"
 Q4_HD uint32_t moment_bits(uint32_t element_bits) { return hash32(element_bits ^ kMomentSalt); }
 // Uniform in [0, 1) with 16 bits for moment 0 (first) or 1 (second); exact in fp32.

@@ -40,6 +40,8 @@ struct PackedAdamW::Impl {
   double prev_norm = std::numeric_limits<double>::quiet_NaN();  // last step's global norm
   double cur_lr = 0.0, cur_coef = 1.0, cur_grad_scale = 1.0;
   int64_t cur_t = 0;
+  double cur_max_norm = 0.0;       // the step's max_grad_norm
+  bool cur_first_unclipped = false;  // step 1 without a previous norm: clipped in end_step()
   std::vector<char> stepped;     // per parameter: updated in this step
   at::Tensor partials;           // (P, kSumsqPartials) fp32 on the device (CUDA params)
   at::Tensor skip;               // (P) int32 on the device: non-finite flag per parameter

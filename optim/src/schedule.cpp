@@ -12,7 +12,7 @@ LrScheduleKind parse_lr_schedule_kind(const std::string& text) {
   if (text == "constant") return LrScheduleKind::kConstant;
   if (text == "cosine") return LrScheduleKind::kCosine;
   if (text == "linear") return LrScheduleKind::kLinear;
-  TORCH_CHECK(false, "schedule.kind: expected one of constant, cosine, linear; got '", text, "'");
+  TORCH_CHECK(false, "schedule kind: expected one of constant, cosine, linear; got '", text, "'");
 }
 
 std::string to_string(LrScheduleKind kind) {
@@ -29,12 +29,12 @@ std::string to_string(LrScheduleKind kind) {
 
 void LrScheduleOptions::validate() const {
   TORCH_CHECK(std::isfinite(peak_lr) && peak_lr > 0.0,
-              "schedule.peak_lr: expected a finite value > 0, got ", peak_lr);
-  TORCH_CHECK(warmup_steps >= 0, "schedule.warmup_steps: expected >= 0, got ", warmup_steps);
+              "LrScheduleOptions.peak_lr: expected a finite value > 0, got ", peak_lr);
+  TORCH_CHECK(warmup_steps >= 0, "LrScheduleOptions.warmup_steps: expected >= 0, got ", warmup_steps);
   TORCH_CHECK(std::isfinite(min_lr) && min_lr >= 0.0 && min_lr <= peak_lr,
-              "schedule.min_lr: expected 0 <= min_lr <= peak_lr (", peak_lr, "), got ", min_lr);
+              "LrScheduleOptions.min_lr: expected 0 <= min_lr <= peak_lr (", peak_lr, "), got ", min_lr);
   if (kind != LrScheduleKind::kConstant) {
-    TORCH_CHECK(total_steps > warmup_steps, "schedule.total_steps: ", to_string(kind),
+    TORCH_CHECK(total_steps > warmup_steps, "LrScheduleOptions.total_steps: ", to_string(kind),
                 " decay needs total_steps > warmup_steps (", warmup_steps, "), got ", total_steps);
   }
 }

@@ -80,9 +80,10 @@ struct MapCache {
     for (int c = 0; c < 16; ++c) e2m1.data_ptr<float>()[c] = e2m1_decode(static_cast<uint8_t>(c));
     // |d| >= t for each threshold of DESIGN.md: the code magnitude is the number of thresholds
     // <= |d| (at::bucketize with right=true).
-    const float thr[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-    e2m1_thresholds = at::empty({7}, at::kFloat);
-    std::memcpy(e2m1_thresholds.data_ptr<float>(), thr, sizeof(thr));
+    e2m1_thresholds = at::empty({q4::numerics::kE2m1Thresholds}, at::kFloat);
+    for (int i = 0; i < q4::numerics::kE2m1Thresholds; ++i) {
+      e2m1_thresholds.data_ptr<float>()[i] = q4::numerics::e2m1_threshold(i);
+    }
   }
 };
 
@@ -160,18 +161,12 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
     at::amax_out(amax, yb, {1}, false);
   }
   if (mode == StateMode::kNvfp4) {
-    // s = e4m3_rne(clamp(amax / 6, 2^-16, 448)), vectorized as in e4m3_encode().
-    amax.div_(6.0).clamp_(kScaleMin, kE4m3Max);
-    at::Tensor e = s.get(kSlotBlockI, at::kInt, nb);  // floor(log2(s_in)), at least -6
-    at::bitwise_right_shift_out(e, amax.view(at::kInt), 23);
-    e.sub_(127).clamp_min_(-6);
-    at::Tensor p2i = s.get(kSlotBlockF2, at::kInt, nb);  // bits of 2^(3 - e)
-    p2i.copy_(e).neg_().add_(130).mul_(int64_t{1} << 23);
-    at::Tensor q = p2i.view(at::kFloat);
-    q.mul_(amax).round_();  // exact scaling, then round half to even
+    // s = e4m3_rne(clamp(amax / 6, 2^-16, 448)) per block with the shared scalar codec (one
+    // value per 16 elements), then its decoded value.
     at::Tensor bits = s.get(kSlotBlockI2, at::kInt, nb);
-    bits.copy_(q);  // exact small integer 0..16
-    bits.add_(e.add_(6).mul_(8));
+    const float* ap = amax.data_ptr<float>();
+    int32_t* bp = bits.data_ptr<int32_t>();
+    for (int64_t b = 0; b < nb; ++b) bp[b] = e4m3_encode(nvfp4_scale_input(ap[b]));
     scales.narrow(0, start / block, nb).copy_(bits);
     at::Tensor sf = amax;  // decoded scale + 1e-12
     at::index_select_out(sf, maps().e4m3, 0, bits);
@@ -185,17 +180,29 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
     ci.add_(neg, 8);
   } else {
     scales.narrow(0, start / block, nb).copy_(amax);
-    at::Tensor div = s.get(kSlotBlockF2, at::kFloat, nb);
-    at::Tensor zero = s.get(kSlotBlockMask, at::kBool, nb);
-    at::eq_out(zero, amax, 0);
-    div.copy_(amax).masked_fill_(zero, 1.0);  // all-zero block: y = 0
-    at::div_out(yb, xb, div.view({nb, 1}));
-    const MapTensors& mt = cpu_map(mode, moment);
     const CodeMap& hm = host_map(mode, moment);
+    // Per-block factors of block_norm() (optim_math.h): y = (x * f) * inv, or for the
+    // sqrt-domain map t = (sqrt(x) * fs) * rs.
+    at::Tensor fac = s.get(kSlotBlockF2, at::kFloat, 2 * nb);  // (2, nb)
+    const float* ap = amax.data_ptr<float>();
+    float* f1 = fac.data_ptr<float>();
+    float* f2 = f1 + nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockNorm bn = block_norm(ap[b]);
+      f1[b] = hm.sqrt_domain ? bn.fs : bn.f;
+      f2[b] = hm.sqrt_domain ? bn.rs : bn.inv;
+    }
+    if (hm.sqrt_domain) {
+      at::sqrt_out(y, x);
+      yb.mul_(fac.narrow(0, 0, nb).view({nb, 1}));
+    } else {
+      at::mul_out(yb, xb, fac.narrow(0, 0, nb).view({nb, 1}));
+    }
+    yb.mul_(fac.narrow(0, nb, nb).view({nb, 1}));
+    const MapTensors& mt = cpu_map(mode, moment);
     if (hm.stochastic) {
-      // sr_pick(): t = y or sqrt(y), l = #{sr_value <= t} - 1 clamped,
+      // sr_pick(): t (= y, or the sqrt-domain value above), l = #{sr_value <= t} - 1 clamped,
       // p = (t - sr_value[l]) * inv_gap[l], code l + 1 if u < p.
-      if (hm.sqrt_domain) y.sqrt_();
       const int64_t size = mt.value.numel();
       at::bucketize_out(ci, y, mt.sr_value, /*out_int32=*/true, /*right=*/true);
       ci.sub_(1).clamp_(0, size - 2);
@@ -241,8 +248,8 @@ void hash32_cpu(const at::Tensor& v, const at::Tensor& t) {
 }
 
 // h[i] = sr_bits(key, first_index + i) as int64 in kSlotI64 (returned); temporary kSlotI64b.
-// sr_bits = hash32(hash32(lo(i) ^ key) ^ hi(i)); the range is cut where hi(i) = i >> 32
-// changes so that hi is a scalar in each piece.
+// sr_bits = hash32(lo(i) ^ hash32(key ^ hi(i))); the range is cut where hi(i) = i >> 32
+// changes so that the inner hash is a scalar in each piece.
 at::Tensor sr_bits_cpu(uint32_t key, int64_t first_index, int64_t n, Scratch& s) {
   at::Tensor h = s.get(kSlotI64, at::kLong, n);
   at::Tensor t = s.get(kSlotI64b, at::kLong, n);
@@ -253,9 +260,7 @@ at::Tensor sr_bits_cpu(uint32_t key, int64_t first_index, int64_t n, Scratch& s)
     at::Tensor hp = h.narrow(0, done, len);
     at::Tensor tp = t.narrow(0, done, len);
     at::arange_out(hp, at::Scalar(first), at::Scalar(first + len), at::Scalar(int64_t{1}));
-    hp.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{key});
-    hash32_cpu(hp, tp);
-    hp.bitwise_xor_(hi & 0xffffffff);
+    hp.bitwise_and_(int64_t{0xffffffff}).bitwise_xor_(int64_t{sr_range_key(key, first)});
     hash32_cpu(hp, tp);
     done += len;
   }
@@ -469,10 +474,12 @@ at::Tensor unpack_moment(const PackedMoment& packed, StateMode mode, Moment mome
 namespace {
 
 // Per-element loops written independently of optim_math.h's search helpers.
+// y: the normalized value x / amax as block_norm() computes it (norm_value, or norm_sqrt for a
+// sqrt-domain map: then y is already in the sqrt domain).
 uint8_t ref_code(const detail::CodeMap& map, float y, uint32_t sr_key, int moment_index,
                  int64_t i) {
   if (map.stochastic) {
-    const float t = map.sqrt_domain ? std::sqrt(y) : y;
+    const float t = y;
     int l = -1;
     for (int j = 0; j < map.size; ++j) l += map.sr_value[j] <= t ? 1 : 0;
     l = std::min(std::max(l, 0), map.size - 2);
@@ -512,8 +519,7 @@ PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment,
       amax = std::max(amax, std::fabs(xp[i]));
     }
     if (mode == StateMode::kNvfp4) {
-      const float sin = std::min(std::max(amax / 6.0f, detail::kScaleMin), detail::kE4m3Max);
-      const uint8_t sbits = detail::e4m3_encode(sin);
+      const uint8_t sbits = detail::e4m3_encode(detail::nvfp4_scale_input(amax));
       p.scales.data_ptr<uint8_t>()[b] = sbits;
       const float den = detail::e4m3_decode(sbits) + 1e-12f;
       for (int64_t i = b * block; i < (b + 1) * block; ++i) {
@@ -524,10 +530,12 @@ PackedMoment pack_moment_ref(const at::Tensor& x, StateMode mode, Moment moment,
     } else {
       const detail::CodeMap& map = detail::host_map(mode, moment);
       p.scales.data_ptr<float>()[b] = amax;
-      const float div = amax == 0.0f ? 1.0f : amax;
+      const detail::BlockNorm bn = detail::block_norm(amax);
       for (int64_t i = b * block; i < (b + 1) * block; ++i) {
         const float v = i < n ? xp[i] : 0.0f;
-        put(i, ref_code(map, v / div, sr_key, moment == Moment::kFirst ? 0 : 1, i));
+        const float y = map.sqrt_domain ? detail::norm_sqrt(std::sqrt(v), bn)
+                                        : detail::norm_value(v, bn);
+        put(i, ref_code(map, y, sr_key, moment == Moment::kFirst ? 0 : 1, i));
       }
     }
   }

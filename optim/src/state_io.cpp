@@ -15,7 +15,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "optim_state.h"
@@ -187,10 +189,28 @@ void PackedAdamW::save(const std::string& path, bool include_masters) const {
   }
 }
 
-void PackedAdamW::load(const std::string& path, bool restore_masters) {
-  Impl& d = *impl_;
-  const AdamWOptions& o = d.opt;
-  Reader r(path);
+namespace {
+
+// One parameter's record in a state file: its header and where its blobs are.
+struct Entry {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint8_t dtype = 0, mode = 0, weight_decay = 0;
+  bool has_master = false;
+  std::vector<std::pair<int64_t, int64_t>> blobs;  // (offset, nbytes) in file order
+};
+
+// A state file's header fields and parameter records, every size checked against the file.
+struct FileIndex {
+  int64_t step = 0, skipped = 0, consecutive = 0;
+  std::vector<Entry> entries;
+};
+
+// Number of blobs a parameter record has before its master: fp32 mode m, v; packed modes m
+// codes, m scales, v codes, v scales.
+size_t moment_blob_count(uint8_t mode) { return mode == 0 ? 2 : 4; }
+
+FileIndex index_file(Reader& r, const AdamWOptions& o) {
   const std::string& f = r.path();
   const int64_t file_size = r.size();
   char magic[8];
@@ -207,98 +227,161 @@ void PackedAdamW::load(const std::string& path, bool restore_masters) {
               " 4bit state: its first-moment codes used the previous 4-bit map (code 0 = -0.8875, "
               "now -1) and cannot be resumed exactly; restart the optimizer state");
   TORCH_CHECK(static_cast<StateMode>(mode) == o.state_mode, "PackedAdamW::load: '", f,
-              "' was written with optim.state_mode = ", to_string(static_cast<StateMode>(mode)),
+              "' was written with AdamWOptions.state_mode = ", to_string(static_cast<StateMode>(mode)),
               " but this optimizer uses ", to_string(o.state_mode));
   r.pod<uint32_t>("the rounding mode");  // a rounding change is allowed on resume
   r.pod<uint32_t>("a reserved field");
   const auto seed = r.pod<uint64_t>("the seed");
-  TORCH_CHECK(seed == o.seed, "PackedAdamW::load: '", f, "' was written with optim.seed = ", seed,
+  TORCH_CHECK(seed == o.seed, "PackedAdamW::load: '", f, "' was written with AdamWOptions.seed = ", seed,
               " but this optimizer uses ", o.seed, " (stochastic rounding would not continue)");
   const auto threshold = r.pod<int64_t>("small_tensor_threshold");
   TORCH_CHECK(threshold == o.small_tensor_threshold, "PackedAdamW::load: '", f,
-              "' was written with optim.small_tensor_threshold = ", threshold,
+              "' was written with AdamWOptions.small_tensor_threshold = ", threshold,
               ", this optimizer uses ", o.small_tensor_threshold);
   for (int i = 0; i < 5; ++i) r.pod<double>("the hyper-parameters");
-  const auto step = r.pod<int64_t>("the step count");
-  const auto skipped = r.pod<int64_t>("the skipped count");
-  const auto consecutive = r.pod<int64_t>("the consecutive non-finite count");
-  TORCH_CHECK(step >= 0 && skipped >= 0 && consecutive >= 0, "PackedAdamW::load: '", f,
-              "': negative counters");
+  FileIndex idx;
+  idx.step = r.pod<int64_t>("the step count");
+  idx.skipped = r.pod<int64_t>("the skipped count");
+  idx.consecutive = r.pod<int64_t>("the consecutive non-finite count");
+  TORCH_CHECK(idx.step >= 0 && idx.skipped >= 0 && idx.consecutive >= 0, "PackedAdamW::load: '",
+              f, "': negative counters");
   const auto count = r.pod<uint32_t>("the parameter count");
-  TORCH_CHECK(count == d.ps.size(), "PackedAdamW::load: '", f, "' holds ", count,
-              " parameters, this optimizer has ", d.ps.size(), " registered");
-
-  // Pass 1: validate every header and blob size, remembering where the blobs are.
-  struct Blob {
-    int64_t offset;
-    int64_t nbytes;
-  };
-  std::vector<std::vector<Blob>> blobs(count);
-  std::vector<bool> has_master(count);
+  TORCH_CHECK(count < (1u << 24), "PackedAdamW::load: '", f, "' has an implausible parameter count ",
+              count);
   for (uint32_t i = 0; i < count; ++i) {
-    const detail::ParamState& p = d.ps[i];
+    Entry e;
     const std::string where = "parameter " + std::to_string(i);
     const auto name_len = r.pod<uint32_t>(where + " name length");
     TORCH_CHECK(name_len < (1u << 20), "PackedAdamW::load: '", f, "': ", where,
                 " has an implausible name length ", name_len);
-    std::string name(name_len, '\0');
-    r.raw(name.data(), name_len, where + " name");
-    TORCH_CHECK(name == p.info.name, "PackedAdamW::load: '", f, "': ", where, " is '", name,
-                "', expected '", p.info.name,
-                "' (parameters must be registered in the same order)");
-    const std::string wp = "parameter '" + name + "'";
+    e.name.assign(name_len, '\0');
+    r.raw(e.name.data(), name_len, where + " name");
+    const std::string wp = "parameter '" + e.name + "'";
     const auto ndim = r.pod<uint32_t>(wp + " ndim");
     TORCH_CHECK(ndim <= 16, "PackedAdamW::load: '", f, "': ", wp, " has ndim ", ndim);
-    std::vector<int64_t> shape(ndim);
-    for (auto& s : shape) s = r.pod<int64_t>(wp + " shape");
-    TORCH_CHECK(shape == p.info.shape, "PackedAdamW::load: '", f, "': ", wp, " has shape ",
-                c10::IntArrayRef(shape), ", the registered master has ",
-                c10::IntArrayRef(p.info.shape));
-    const auto dt = r.pod<uint8_t>(wp + " dtype");
-    TORCH_CHECK(dt == dtype_code(p.info.master_dtype), "PackedAdamW::load: '", f, "': ", wp,
-                " master dtype is ", dtype_name(dt), ", the registered master is ",
-                dtype_name(dtype_code(p.info.master_dtype)));
-    const auto pmode = r.pod<uint8_t>(wp + " mode");
-    TORCH_CHECK(pmode == static_cast<uint8_t>(p.info.mode), "PackedAdamW::load: '", f, "': ", wp,
-                " moments are stored as mode ", static_cast<int>(pmode), ", expected ",
-                to_string(p.info.mode));
-    const auto wd = r.pod<uint8_t>(wp + " weight_decay flag");
-    TORCH_CHECK(wd == (p.info.weight_decay ? 1 : 0), "PackedAdamW::load: '", f, "': ", wp,
-                " weight_decay flag is ", static_cast<int>(wd), ", registered ",
-                p.info.weight_decay);
-    has_master[i] = r.pod<uint8_t>(wp + " has_master flag") != 0;
-    std::vector<at::Tensor> expect = blobs_of(p);
-    if (has_master[i]) expect.push_back(p.flat);
-    for (size_t b = 0; b < expect.size(); ++b) {
+    e.shape.resize(ndim);
+    for (auto& s : e.shape) s = r.pod<int64_t>(wp + " shape");
+    e.dtype = r.pod<uint8_t>(wp + " dtype");
+    e.mode = r.pod<uint8_t>(wp + " mode");
+    TORCH_CHECK(e.mode <= 3, "PackedAdamW::load: '", f, "': ", wp, " has an invalid mode ",
+                static_cast<int>(e.mode));
+    e.weight_decay = r.pod<uint8_t>(wp + " weight_decay flag");
+    e.has_master = r.pod<uint8_t>(wp + " has_master flag") != 0;
+    const size_t nblobs = moment_blob_count(e.mode) + (e.has_master ? 1 : 0);
+    for (size_t b = 0; b < nblobs; ++b) {
       const auto nbytes = static_cast<int64_t>(r.pod<uint64_t>(wp + " blob size"));
-      TORCH_CHECK(nbytes == nbytes_of(expect[b]), "PackedAdamW::load: '", f, "': ", wp, " blob ", b,
-                  " has ", nbytes, " bytes, expected ", nbytes_of(expect[b]));
       const int64_t off = r.tell();
-      TORCH_CHECK(off + nbytes <= file_size, "PackedAdamW::load: '", f, "' is truncated in ", wp);
-      blobs[i].push_back({off, nbytes});
+      TORCH_CHECK(nbytes >= 0 && off + nbytes <= file_size, "PackedAdamW::load: '", f,
+                  "' is truncated in ", wp);
+      e.blobs.emplace_back(off, nbytes);
       r.seek(off + nbytes);
     }
+    idx.entries.push_back(std::move(e));
   }
   char end[8];
   r.raw(end, 8, "the end marker");
   TORCH_CHECK(std::memcmp(end, kEnd, 8) == 0 && r.tell() == file_size, "PackedAdamW::load: '", f,
               "' has a bad end marker or trailing bytes (corrupt file)");
+  return idx;
+}
+
+// Checks a file's record against the registered parameter it is loaded into.
+void check_entry(const std::string& f, const Entry& e, const detail::ParamState& p) {
+  const std::string wp = "parameter '" + e.name + "'";
+  TORCH_CHECK(e.shape == p.info.shape, "PackedAdamW::load: '", f, "': ", wp, " has shape ",
+              c10::IntArrayRef(e.shape), ", the registered master has ",
+              c10::IntArrayRef(p.info.shape));
+  TORCH_CHECK(e.dtype == dtype_code(p.info.master_dtype), "PackedAdamW::load: '", f, "': ", wp,
+              " master dtype is ", dtype_name(e.dtype), ", the registered master is ",
+              dtype_name(dtype_code(p.info.master_dtype)));
+  TORCH_CHECK(e.mode == static_cast<uint8_t>(p.info.mode), "PackedAdamW::load: '", f, "': ", wp,
+              " moments are stored as mode ", static_cast<int>(e.mode), ", expected ",
+              to_string(p.info.mode));
+  TORCH_CHECK(e.weight_decay == (p.info.weight_decay ? 1 : 0), "PackedAdamW::load: '", f, "': ",
+              wp, " weight_decay flag is ", static_cast<int>(e.weight_decay), ", registered ",
+              p.info.weight_decay);
+  std::vector<at::Tensor> expect = blobs_of(p);
+  if (e.has_master) expect.push_back(p.flat);
+  for (size_t b = 0; b < expect.size(); ++b) {
+    TORCH_CHECK(e.blobs[b].second == nbytes_of(expect[b]), "PackedAdamW::load: '", f, "': ", wp,
+                " blob ", b, " has ", e.blobs[b].second, " bytes, expected ",
+                nbytes_of(expect[b]));
+  }
+}
+
+}  // namespace
+
+void PackedAdamW::load(const std::string& path, bool restore_masters) {
+  load_files(*impl_, {path}, restore_masters, /*strict=*/true);
+}
+
+void PackedAdamW::load_shards(const std::vector<std::string>& paths, bool restore_masters) {
+  load_files(*impl_, paths, restore_masters, /*strict=*/false);
+}
+
+// strict: every parameter of the files must be registered (a one-file load of this optimizer's
+// own state).
+void PackedAdamW::load_files(Impl& d, const std::vector<std::string>& paths,
+                             bool restore_masters, bool strict) {
+  TORCH_CHECK(!paths.empty(), "PackedAdamW::load: no state file given");
+  // Pass 1: index every file and match its records to the registered parameters by name,
+  // validating everything before any state changes.
+  std::vector<std::unique_ptr<Reader>> readers;
+  std::vector<FileIndex> files;
+  for (const auto& path : paths) {
+    readers.push_back(std::make_unique<Reader>(path));
+    files.push_back(index_file(*readers.back(), d.opt));
+  }
+  for (size_t k = 1; k < files.size(); ++k) {
+    TORCH_CHECK(files[k].step == files[0].step && files[k].skipped == files[0].skipped &&
+                    files[k].consecutive == files[0].consecutive,
+                "PackedAdamW::load: '", paths[k], "' is at optimizer step ", files[k].step,
+                " but '", paths[0], "' is at step ", files[0].step,
+                " (shards of different checkpoints)");
+  }
+  std::unordered_map<std::string, size_t> registered;
+  for (size_t i = 0; i < d.ps.size(); ++i) registered[d.ps[i].info.name] = i;
+  struct Source {
+    size_t file = 0;
+    const Entry* entry = nullptr;
+  };
+  std::vector<Source> source(d.ps.size());
+  for (size_t k = 0; k < files.size(); ++k) {
+    for (const Entry& e : files[k].entries) {
+      const auto it = registered.find(e.name);
+      if (it == registered.end()) {
+        TORCH_CHECK(!strict, "PackedAdamW::load: '", paths[k], "' holds parameter '",
+                    e.name, "', which this optimizer does not have");
+        continue;
+      }
+      TORCH_CHECK(source[it->second].entry == nullptr, "PackedAdamW::load: parameter '", e.name,
+                  "' is in both '", paths[source[it->second].file], "' and '", paths[k], "'");
+      check_entry(paths[k], e, d.ps[it->second]);
+      source[it->second] = {k, &e};
+    }
+  }
+  for (size_t i = 0; i < d.ps.size(); ++i) {
+    TORCH_CHECK(source[i].entry != nullptr, "PackedAdamW::load: parameter '", d.ps[i].info.name,
+                "' is in none of the state files (", paths.size() == 1 ? paths[0] : "the shards",
+                ")");
+  }
 
   // Pass 2: read the blobs into place.
   c10::NoGradGuard no_grad;
-  for (uint32_t i = 0; i < count; ++i) {
+  for (size_t i = 0; i < d.ps.size(); ++i) {
     detail::ParamState& p = d.ps[i];
+    const Entry& e = *source[i].entry;
+    Reader& r = *readers[source[i].file];
     std::vector<at::Tensor> dst = blobs_of(p);
-    if (has_master[i]) dst.push_back(p.flat);
+    if (e.has_master && restore_masters) dst.push_back(p.flat);
     for (size_t b = 0; b < dst.size(); ++b) {
-      if (b == blobs_of(p).size() && !restore_masters) break;
-      r.seek(blobs[i][b].offset);
-      r.into(dst[b], blobs[i][b].nbytes, "parameter '" + p.info.name + "'");
+      r.seek(e.blobs[b].first);
+      r.into(dst[b], e.blobs[b].second, "parameter '" + p.info.name + "'");
     }
   }
-  d.step = step;
-  d.skipped = skipped;
-  d.consecutive = consecutive;
+  d.step = files[0].step;
+  d.skipped = files[0].skipped;
+  d.consecutive = files[0].consecutive;
   d.frozen = true;
 }
 

@@ -6,6 +6,8 @@
 // kernels (nvfp4_kernels.cu).
 #include "q4/quant/nvfp4.h"
 
+#include "q4/quant/numerics.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
@@ -27,8 +29,6 @@ namespace {
 
 // Elements per CPU chunk: the fp32/int32 temporaries of one chunk (a few MiB) stay cache-sized.
 constexpr int64_t kCpuChunkElems = int64_t{1} << 17;
-constexpr float kScaleMin = 1.52587890625e-05f;  // 2^-16
-constexpr float kScaleMax = 448.0f;
 
 // E2M1 code from the bits of d: every threshold (0.25 ... 5) has at most 2 mantissa bits, so
 // |d| >= t depends only on |d|'s exponent and top 2 mantissa bits. The key (bits >> 21) + 1024
@@ -54,9 +54,9 @@ const KeyTables& key_tables() {
       if ((lo_bits >> 23) == 0xFF) lo_bits = 0x40C00000u;  // Inf/NaN keys: never hit; use 6.0
       float lo;
       std::memcpy(&lo, &lo_bits, sizeof(lo));
-      const uint8_t code = static_cast<uint8_t>(e2m1_encode_ref(lo) | (neg ? 0x8 : 0x0));
+      const uint8_t code = static_cast<uint8_t>(numerics::e2m1_encode(lo) | (neg ? 0x8 : 0x0));
       t.code[k] = code;
-      t.value[k] = e2m1_decode_ref(code);
+      t.value[k] = numerics::e2m1_decode(code);
     }
     return t;
   }();
@@ -74,7 +74,7 @@ at::Tensor const_tensor(const uint8_t* data, int64_t n) {
 const std::array<float, 256>& e4m3_table() {
   static const std::array<float, 256> kT = [] {
     std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[i] = e4m3_decode_ref(static_cast<uint8_t>(i));
+    for (int i = 0; i < 256; ++i) t[i] = numerics::e4m3_decode(static_cast<uint8_t>(i));
     return t;
   }();
   return kT;
@@ -85,8 +85,8 @@ const std::array<float, 512>& e2m1_pair_table() {
   static const std::array<float, 512> kT = [] {
     std::array<float, 512> t{};
     for (int b = 0; b < 256; ++b) {
-      t[2 * b] = e2m1_decode_ref(static_cast<uint8_t>(b & 0xF));
-      t[2 * b + 1] = e2m1_decode_ref(static_cast<uint8_t>(b >> 4));
+      t[2 * b] = numerics::e2m1_decode(static_cast<uint32_t>(b & 0xF));
+      t[2 * b + 1] = numerics::e2m1_decode(static_cast<uint32_t>(b >> 4));
     }
     return t;
   }();
@@ -130,10 +130,14 @@ bool cpu_chunk_keys(const at::Tensor& xb, at::Tensor* bits, at::Tensor* s, at::T
     amax = at::maximum(amax.narrow(1, 0, w), amax.narrow(1, w, w));
   }
   if (!at::isfinite(amax).all().item<bool>()) return false;
-  // amax / 6 with a tensor divisor: ATen may turn a scalar divisor into a reciprocal multiply
-  // (its CUDA kernels do), which is not the IEEE division of the reference.
-  const at::Tensor six = at::full({1, 1}, 6.0f, amax.options()).expand_as(amax).contiguous();
-  *bits = e4m3_encode(at::clamp(amax / six, kScaleMin, kScaleMax));
+  // Scales with the shared scalar codec: one value per 16 elements.
+  const at::Tensor a = amax.contiguous();  // (nb, 1)
+  *bits = at::empty(a.sizes(), a.options().dtype(at::kByte));
+  const float* ap = a.data_ptr<float>();
+  uint8_t* bp = bits->data_ptr<uint8_t>();
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    bp[i] = numerics::e4m3_encode(numerics::nvfp4_scale_input(ap[i]));
+  }
   *s = e4m3_decode(*bits);
   at::Tensor d = xb / (*s + 1e-12);  // (nb, 16) exact fp32 division
   d.add_(0.0);                       // -0.0 -> +0.0 (IEEE), everything else unchanged
@@ -239,16 +243,11 @@ at::Tensor e4m3_encode(const at::Tensor& s_in) {
               "e4m3_encode: expected a float32 CPU tensor, found ", s_in.scalar_type(), " on ",
               s_in.device());
   const at::Tensor s = s_in.contiguous();
-  const at::Tensor b = s.view(at::kInt);
-  // Normal range: round the 23-bit mantissa to 3 bits, nearest-even (the carry may bump the
-  // exponent), then rebias the exponent from 127 to 7: (E32 << 3 | m3) - (120 << 3).
-  const at::Tensor normal =
-      at::bitwise_right_shift(b + 0x7FFFF + at::bitwise_and(at::bitwise_right_shift(b, 20), 1),
-                              20) -
-      (120 << 3);
-  // Subnormal range (s < 2^-6): m = rne(s * 2^9); m = 8 is 0x08, the smallest normal.
-  const at::Tensor sub = at::round(s * 512.0).to(at::kInt);
-  return at::where(s < 0.015625, sub, normal).to(at::kByte);
+  at::Tensor out = at::empty(s.sizes(), s.options().dtype(at::kByte));
+  const float* sp = s.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < s.numel(); ++i) op[i] = numerics::e4m3_encode(sp[i]);
+  return out;
 }
 
 at::Tensor e4m3_decode(const at::Tensor& bits) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "nvfp4_cuda.h"
+#include "q4/quant/numerics.h"
 
 namespace q4::quant::cuda {
 namespace {
@@ -77,42 +78,18 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[La
   }
 }
 
-// FP8 E4M3FN round-to-nearest-even of s in [2^-16, 448] (the clamped scale).
-// Subnormal range (s < 2^-6): m = rne(s * 2^9) in 0..8 (8 is the smallest normal, 0x08).
-// Normal range: round the fp32 mantissa to 3 bits (carry may bump the exponent), rebias 127->7.
-__device__ __forceinline__ uint32_t e4m3_encode_dev(float s) {
-  if (s < 0.015625f) return static_cast<uint32_t>(__float2int_rn(__fmul_rn(s, 512.0f)));
-  uint32_t b = __float_as_uint(s);
-  b += 0x7FFFFu + ((b >> 20) & 1u);
-  return (b >> 20) - (120u << 3);
-}
-
-// Decode of a non-negative, non-NaN E4M3 code (what e4m3_encode_dev produces).
+// Element codecs: the shared definitions (q4/quant/numerics.h).
+__device__ __forceinline__ uint32_t e4m3_encode_dev(float s) { return numerics::e4m3_encode(s); }
 __device__ __forceinline__ float e4m3_decode_pos(uint32_t bits) {
-  const uint32_t e = bits >> 3, m = bits & 7u;
-  return e == 0 ? __fmul_rn(static_cast<float>(m), 0.001953125f)
-                : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return numerics::e4m3_decode_unsigned(bits);
 }
-
-// Full decode (sign, 0x7F/0xFF NaN) for user-supplied scale bytes.
 __device__ __forceinline__ float e4m3_decode_any(uint32_t bits) {
-  const uint32_t mag = bits & 0x7Fu;
-  const float v = mag == 0x7Fu ? __uint_as_float(0x7FC00000u) : e4m3_decode_pos(mag);
-  return (bits & 0x80u) ? -v : v;
+  return numerics::e4m3_decode(static_cast<uint8_t>(bits));
 }
-
 // E2M1 code of d = x / (s + 1e-12); comparing unclamped d equals comparing clamp(d, -6, 6).
-__device__ __forceinline__ uint32_t e2m1_encode_dev(float d) {
-  const float a = fabsf(d);
-  uint32_t c = (a >= 0.25f) + (a >= 0.75f) + (a >= 1.25f) + (a >= 1.75f) + (a >= 2.5f) +
-               (a >= 3.5f) + (a >= 5.0f);
-  return d < 0.0f ? (c | 8u) : c;
-}
-
+__device__ __forceinline__ uint32_t e2m1_encode_dev(float d) { return numerics::e2m1_encode(d); }
 __device__ __forceinline__ float e2m1_decode_dev(uint32_t code) {
-  const uint32_t c = code & 7u;
-  const float mag = c <= 4u ? 0.5f * static_cast<float>(c) : (c == 7u ? 6.0f : float(c) - 2.0f);
-  return (code & 8u) ? -mag : mag;
+  return numerics::e2m1_decode(code);
 }
 
 // Block amax over the lane group and the scale; returns (scale bits, decoded scale). A block
@@ -133,8 +110,7 @@ __device__ __forceinline__ void block_scale(const float (&v)[Layout<T>::kVec], i
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, off);
   }
-  const float sf = fminf(fmaxf(__fdiv_rn(amax, 6.0f), 1.52587890625e-05f), 448.0f);
-  *sbits = e4m3_encode_dev(sf);
+  *sbits = e4m3_encode_dev(numerics::nvfp4_scale_input(amax));
   *s = bad ? __uint_as_float(0x7FC00000u) : e4m3_decode_pos(*sbits);
   if (bad && flag != nullptr) *flag = 1;
 }

@@ -515,10 +515,10 @@ TEST(PackedAdamW, ValidatesOptionsAndInputs) {
   auto msg = [](auto fn) { return test::error_of(fn); };
   AdamWOptions o;
   o.beta2 = 1.0;
-  EXPECT_NE(msg([&] { PackedAdamW x(o); }).find("optim.beta2"), std::string::npos);
+  EXPECT_NE(msg([&] { PackedAdamW x(o); }).find("AdamWOptions.beta2"), std::string::npos);
   o = AdamWOptions();
   o.chunk_rows = 0;
-  EXPECT_NE(msg([&] { PackedAdamW x(o); }).find("optim.chunk_rows"), std::string::npos);
+  EXPECT_NE(msg([&] { PackedAdamW x(o); }).find("AdamWOptions.chunk_rows"), std::string::npos);
   EXPECT_NE(msg([] { parse_state_mode("8bit"); }).find("fp32, int8, 4bit, nvfp4"),
             std::string::npos);
   PackedAdamW opt{AdamWOptions()};
@@ -592,11 +592,11 @@ TEST(PackedAdamW, LoadRejectsMismatchesAndCorruptFiles) {
   auto msg = [](auto fn) { return test::error_of(fn); };
   {
     TrainRun b = make_run(StateMode::kInt8);
-    EXPECT_NE(msg([&] { b.opt->load(path); }).find("optim.state_mode = 4bit"), std::string::npos);
+    EXPECT_NE(msg([&] { b.opt->load(path); }).find("AdamWOptions.state_mode = 4bit"), std::string::npos);
   }
   {
     TrainRun b = make_run(StateMode::k4Bit, 7);
-    EXPECT_NE(msg([&] { b.opt->load(path); }).find("optim.seed"), std::string::npos);
+    EXPECT_NE(msg([&] { b.opt->load(path); }).find("AdamWOptions.seed"), std::string::npos);
   }
   {
     AdamWOptions o;

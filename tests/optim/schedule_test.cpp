@@ -51,11 +51,11 @@ TEST(LrSchedule, LinearAndConstant) {
 TEST(LrSchedule, Validation) {
   auto msg = [](auto fn) { return test::error_of(fn); };
   EXPECT_NE(
-      msg([] { make(LrScheduleKind::kCosine, 1e-3, 10, 10, 0); }).find("schedule.total_steps"),
+      msg([] { make(LrScheduleKind::kCosine, 1e-3, 10, 10, 0); }).find("LrScheduleOptions.total_steps"),
       std::string::npos);
-  EXPECT_NE(msg([] { make(LrScheduleKind::kCosine, 1e-3, 0, 10, 2e-3); }).find("schedule.min_lr"),
+  EXPECT_NE(msg([] { make(LrScheduleKind::kCosine, 1e-3, 0, 10, 2e-3); }).find("LrScheduleOptions.min_lr"),
             std::string::npos);
-  EXPECT_NE(msg([] { make(LrScheduleKind::kConstant, 0, 0, 0, 0); }).find("schedule.peak_lr"),
+  EXPECT_NE(msg([] { make(LrScheduleKind::kConstant, 0, 0, 0, 0); }).find("LrScheduleOptions.peak_lr"),
             std::string::npos);
   EXPECT_NE(msg([] { parse_lr_schedule_kind("step"); }).find("constant, cosine, linear"),
             std::string::npos);

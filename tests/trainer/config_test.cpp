@@ -1,6 +1,7 @@
-// Config parsing and validation: defaults, --set, unknown keys with did-you-mean, type and range
-// errors naming the key (and line), cross-field rules, path resolution, YAML round trip, the
-// shipped recipes, and configs/README.md documenting every field.
+// Config parsing and validation: defaults, --set, unknown keys with did-you-mean (across sections
+// and aliases), type, range and choice errors from the field table naming the key (and line),
+// typed enums, cross-field rules, path resolution, YAML round trip, the shipped recipes, and
+// configs/README.md matching the reference generated from the table.
 #include "q4/trainer/config.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -52,9 +54,9 @@ TEST(Config, MinimalGetsDefaultsAndResolvesPaths) {
   ASSERT_EQ(c.data.files.size(), 1u);
   EXPECT_EQ(c.data.files[0], "/base/train.tsv");
   EXPECT_EQ(c.train.steps, 100);
-  EXPECT_EQ(c.model.master_dtype, "fp16");
-  EXPECT_EQ(c.optim.state, "int8");
-  EXPECT_EQ(resolved_compute_dtype(c), "fp32");  // auto on CPU
+  EXPECT_EQ(c.model.master_dtype, Dtype::kFp16);
+  EXPECT_EQ(c.optim.state, MomentState::kInt8);
+  EXPECT_EQ(resolved_compute_dtype(c), Dtype::kFp32);  // auto on CPU
   EXPECT_TRUE(fs::path(c.output.dir).is_absolute());
   EXPECT_EQ(resolved_export_path(c), (fs::path(c.output.dir) / "model.dat").string());
 }
@@ -138,6 +140,9 @@ TEST(Config, RangesAndContradictions) {
                "optim.schedule.warmup_steps"));
   EXPECT_TRUE(contains(error_of(base + "output: {export_path: none, export_every: 5}\n"),
                        "output.export_every"));
+  // The optimizer's own invariant, caught at parse time with the key that fixes it.
+  EXPECT_TRUE(contains(error_of(base + "optim: {lr: 0.5, weight_decay: 2}\n"),
+                       "config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1"));
   // Nothing trainable.
   EXPECT_TRUE(contains(error_of(base + "train:\n  trainable: {layers: none, norms: false}\n"),
                        "nothing is trainable"));
@@ -185,7 +190,7 @@ TEST(Config, SetOverridesBeforeValidation) {
   EXPECT_FALSE(c.data.shuffle);
   // Sections that the file lacks are created.
   c = parse(kMinimal, {parse_override("optim.schedule.kind=linear")});
-  EXPECT_EQ(c.optim.schedule.kind, "linear");
+  EXPECT_EQ(c.optim.schedule.kind, ScheduleKind::kLinear);
   // The override goes through the same checks.
   EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "train.steps"));
   EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "from --set"));
@@ -247,18 +252,18 @@ TEST(Config, ShippedRecipesParse) {
   }
   const Config demo = load_config(std::string(Q4_SOURCE_DIR) + "/configs/demo.yaml");
   EXPECT_EQ(demo.model.device, "cpu");
-  EXPECT_EQ(demo.model.init, "random");
+  EXPECT_EQ(demo.model.init, InitKind::kRandom);
   EXPECT_TRUE(fs::exists(demo.model.config)) << demo.model.config;
   ASSERT_FALSE(demo.data.files.empty());
   EXPECT_TRUE(fs::exists(demo.data.files[0])) << demo.data.files[0];
   const Config probe = load_config(std::string(Q4_SOURCE_DIR) + "/configs/probe-4b.yaml");
   EXPECT_TRUE(probe.train.gradient_checkpointing);
   EXPECT_EQ(probe.train.batch_size * probe.train.seq_len, 4 * 1024);
-  EXPECT_EQ(probe.model.master_dtype, "fp16");
-  EXPECT_EQ(resolved_compute_dtype(probe), "bf16");
+  EXPECT_EQ(probe.model.master_dtype, Dtype::kFp16);
+  EXPECT_EQ(resolved_compute_dtype(probe), Dtype::kBf16);
 }
 
-TEST(Config, ReadmeDocumentsEveryField) {
+TEST(Config, ReadmeReferenceMatchesTheFieldTable) {
   std::ifstream in(std::string(Q4_SOURCE_DIR) + "/configs/README.md");
   ASSERT_TRUE(in.is_open());
   std::stringstream ss;
@@ -267,6 +272,36 @@ TEST(Config, ReadmeDocumentsEveryField) {
   for (const auto& key : config_keys()) {
     EXPECT_TRUE(contains(readme, "`" + key + "`")) << key << " is not documented";
   }
+  // The committed reference is exactly what the field table generates.
+  const std::string want = splice_config_reference(readme);
+  if (want != readme) {
+    std::istringstream have_lines(readme), want_lines(want);
+    std::string h, w;
+    int line = 0;
+    while (true) {
+      ++line;
+      const bool more_h = static_cast<bool>(std::getline(have_lines, h));
+      const bool more_w = static_cast<bool>(std::getline(want_lines, w));
+      if (h != w || more_h != more_w) break;
+    }
+    ADD_FAILURE() << "configs/README.md differs from the field table at line " << line
+                  << ":\n  committed: " << h << "\n  generated: " << w
+                  << "\nregenerate it with: build/bin/q4train --config-reference configs/README.md";
+  }
+}
+
+TEST(Config, ReferenceHasOneRowPerFieldWithRangeAndChoices) {
+  const std::string md = config_reference_markdown();
+  for (const auto& key : config_keys()) EXPECT_TRUE(contains(md, "| `" + key + "` |")) << key;
+  EXPECT_TRUE(contains(md, "### `optim`")) << md;
+  EXPECT_TRUE(contains(md, "| `optim.beta1` | float | `0.9` | `[0, 1)` |")) << md;
+  EXPECT_TRUE(contains(md, "| `train.batch_size` | int | `4` | `>= 1` |")) << md;
+  EXPECT_TRUE(contains(md, "| `data.eval_fraction` | float | `0.0` | `[0, 0.5)` |")) << md;
+  EXPECT_TRUE(contains(md, "| `optim.state` | enum | `int8` | `fp32`, `int8`, `4bit`, `nvfp4` |"))
+      << md;
+  EXPECT_TRUE(contains(md, "| `data.eval_files` | list of paths | `[]` |")) << md;
+  EXPECT_TRUE(contains(md, "default \\<dir\\>/config.json")) << md;  // not read as HTML
+  EXPECT_THROW(splice_config_reference("# no markers\n"), ConfigError);
 }
 
 // Issue 15 defect 10: a directory given as --config was read as an empty YAML document.
@@ -285,13 +320,191 @@ TEST(Config, DirectoryAsConfigIsAnError) {
 // Issue 15 defect 6: text documents longer than train.seq_len were dropped whole (the default
 // cut_left keeps only the supervised end, and all of a text document is supervised).
 TEST(Config, TruncationAutoCutsTextFromTheRight) {
-  EXPECT_EQ(resolved_truncation(parse(kMinimal)), "cut_left");
+  EXPECT_EQ(resolved_truncation(parse(kMinimal)), Truncation::kCutLeft);
   EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.TXT]")})),
-            "cut_right");
+            Truncation::kCutRight);
   EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.tsv]")})),
-            "cut_left");
+            Truncation::kCutLeft);
   EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.format=text")})),
-            "cut_right");
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})), "drop");
+            Truncation::kCutRight);
+  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})),
+            Truncation::kDrop);
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
+}
+
+// Each numeric field's range lives in the table; the parser names key, value, range and line.
+TEST(Config, RangesComeFromTheTable) {
+  const std::string base = kMinimal;
+  std::string msg = error_of(base + "train:\n  batch_size: 0\n");
+  EXPECT_TRUE(contains(msg,
+                       "config key train.batch_size (test.yaml line 9): expected >= 1, "
+                       "found 0"))
+      << msg;
+  msg = error_of(base + "optim:\n  beta1: 1\n");
+  EXPECT_TRUE(contains(msg, "optim.beta1")) << msg;
+  EXPECT_TRUE(contains(msg, "[0, 1)")) << msg;
+  EXPECT_TRUE(contains(msg, "found 1")) << msg;
+  msg = error_of(base, {parse_override("optim.eps=0")});
+  EXPECT_TRUE(contains(msg, "optim.eps (from --set): expected a finite value > 0, found 0")) << msg;
+  msg = error_of(base, {parse_override("model.init_std=.inf")});
+  EXPECT_TRUE(contains(msg, "model.init_std")) << msg;
+  EXPECT_TRUE(contains(msg, "finite")) << msg;
+  EXPECT_EQ(error_of(base, {parse_override("optim.schedule.min_lr_ratio=1")}), "");  // closed
+  EXPECT_TRUE(
+      contains(error_of(base, {parse_override("optim.schedule.min_lr_ratio=1.5")}), "[0, 1]"));
+  // data.eval_fraction: 0 <= x < 0.5.
+  EXPECT_DOUBLE_EQ(parse(base, {parse_override("data.eval_fraction=0.25")}).data.eval_fraction,
+                   0.25);
+  EXPECT_EQ(error_of(base, {parse_override("data.eval_fraction=0")}), "");
+  msg = error_of(base, {parse_override("data.eval_fraction=0.5")});
+  EXPECT_TRUE(contains(msg,
+                       "config key data.eval_fraction (from --set): expected a finite value "
+                       "in [0, 0.5), found 0.5"))
+      << msg;
+  EXPECT_NE(error_of(base, {parse_override("data.eval_fraction=-0.1")}), "");
+  EXPECT_NE(error_of(base, {parse_override("data.eval_fraction=.nan")}), "");
+  // Configs built in code get the same checks from validate_config.
+  Config c = parse(base);
+  c.train.seq_len = 1;
+  try {
+    validate_config(c);
+    ADD_FAILURE() << "seq_len 1 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_TRUE(contains(e.what(), "train.seq_len: expected >= 2, found 1")) << e.what();
+  }
+}
+
+TEST(Config, TableIsConsistent) {
+  Config c;
+  std::set<std::string> keys, aliases;
+  std::set<std::string> leaves;
+  for (const auto& f : config_fields(c)) leaves.insert(f.key.substr(f.key.rfind('.') + 1));
+  for (const auto& f : config_fields(c)) {
+    EXPECT_TRUE(keys.insert(f.key).second) << "duplicate key " << f.key;
+    EXPECT_FALSE(f.doc.empty()) << f.key;
+    const bool numeric =
+        std::holds_alternative<int64_t*>(f.ptr) || std::holds_alternative<double*>(f.ptr);
+    if (!numeric) {
+      EXPECT_TRUE(f.range.empty()) << f.key << ": a range on a non-numeric field";
+    }
+    const bool is_enum = f.type_name() == "enum";
+    EXPECT_EQ(is_enum, !f.choices().empty()) << f.key;
+    for (const auto& a : f.aliases) {
+      EXPECT_TRUE(aliases.insert(a).second) << "alias " << a << " names two fields";
+      EXPECT_EQ(leaves.count(a), 0u) << "alias " << a << " of " << f.key << " is a field name";
+    }
+    if (f.is_path) {
+      EXPECT_TRUE(std::holds_alternative<std::string*>(f.ptr) ||
+                  std::holds_alternative<std::vector<std::string>*>(f.ptr))
+          << f.key;
+    }
+  }
+  // Every default lies inside its own range.
+  Config d;
+  for (const auto& f : config_fields(d)) {
+    if (const auto* p = std::get_if<int64_t*>(&f.ptr)) {
+      EXPECT_TRUE(f.range.contains(static_cast<double>(**p))) << f.key;
+    }
+    if (const auto* p = std::get_if<double*>(&f.ptr)) {
+      EXPECT_TRUE(f.range.contains(**p)) << f.key;
+    }
+  }
+}
+
+// Enumerated strings become enums once; to_string gives the YAML spelling back.
+TEST(Config, EnumsParseOnceAndPrintBack) {
+  Config c = parse(
+      kMinimal,
+      {parse_override("model.init=random"), parse_override("model.master_dtype=bf16"),
+       parse_override("model.compute_dtype=bf16"), parse_override("model.grad_dtype=fp32"),
+       parse_override("optim.state=4bit"), parse_override("optim.master_rounding=nearest"),
+       parse_override("optim.in_backward=false"), parse_override("optim.schedule.kind=cosine"),
+       parse_override("data.format=jsonl"), parse_override("data.on_error=skip"),
+       parse_override("data.truncation=cut_right"), parse_override("log.progress=line"),
+       parse_override("output.hf_export=compressed-tensors")});
+  EXPECT_EQ(c.model.init, InitKind::kRandom);
+  EXPECT_EQ(c.model.master_dtype, Dtype::kBf16);
+  EXPECT_EQ(c.model.compute_dtype, DtypeOrAuto::kBf16);
+  EXPECT_EQ(c.model.grad_dtype, DtypeOrAuto::kFp32);
+  EXPECT_EQ(c.optim.state, MomentState::k4Bit);
+  EXPECT_EQ(c.optim.master_rounding, MasterRounding::kNearest);
+  EXPECT_EQ(c.optim.in_backward, InBackward::kFalse);
+  EXPECT_FALSE(in_backward_updates(c));
+  EXPECT_EQ(c.optim.schedule.kind, ScheduleKind::kCosine);
+  EXPECT_EQ(c.data.format, DataFormat::kJsonl);
+  EXPECT_EQ(c.data.on_error, OnError::kSkip);
+  EXPECT_EQ(c.data.truncation, Truncation::kCutRight);
+  EXPECT_EQ(c.log.progress, ProgressStyle::kLine);
+  EXPECT_EQ(c.output.hf_export, HfExport::kCompressedTensors);
+  EXPECT_EQ(to_string(c.optim.state), "4bit");
+  EXPECT_EQ(to_string(c.output.hf_export), "compressed-tensors");
+  EXPECT_EQ(to_string(MomentState::kNvfp4), "nvfp4");
+  EXPECT_EQ(to_string(InBackward::kTrue), "true");
+  // YAML booleans given to auto|true|false are its spellings.
+  EXPECT_EQ(parse(kMinimal, {parse_override("optim.in_backward=true")}).optim.in_backward,
+            InBackward::kTrue);
+  const Config back = parse_config(config_to_yaml(c), "back.yaml", "/x");
+  EXPECT_EQ(config_to_yaml(back), config_to_yaml(c));
+  EXPECT_EQ(back.optim.state, MomentState::k4Bit);
+  EXPECT_EQ(back.output.hf_export, HfExport::kCompressedTensors);
+  // Wrong spellings list the choices, from the enum.
+  std::string msg = error_of(kMinimal, {parse_override("log.progress=fancy")});
+  EXPECT_TRUE(contains(msg,
+                       "config key log.progress (from --set): expected one of auto, bar, "
+                       "line, found 'fancy'"))
+      << msg;
+  msg = error_of(std::string(kMinimal) + "model:\n  init: [file]\n");
+  EXPECT_NE(msg, "");
+  msg = error_of(std::string(kMinimal) + "optim:\n  master_rounding: {a: 1}\n");
+  EXPECT_TRUE(contains(msg, "optim.master_rounding")) << msg;
+  EXPECT_TRUE(contains(msg, "stochastic, nearest")) << msg;
+}
+
+// Issue 14 item 9: did-you-mean across sections and for other common names of a field.
+TEST(Config, DidYouMeanAcrossSections) {
+  const std::string base = kMinimal;
+  std::string msg = error_of(base + "optim:\n  learning_rate: 0.1\n");
+  EXPECT_TRUE(contains(msg, "unknown config key optim.learning_rate")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
+  msg = error_of(base, {parse_override("optim.learning_rate=0.1")});
+  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
+  msg = error_of(base + "train:\n  lr: 0.1\n");
+  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
+  msg = error_of(base + "warmup_steps: 10\n");
+  EXPECT_TRUE(contains(msg, "unknown config key warmup_steps")) << msg;
+  EXPECT_TRUE(contains(msg, "did you mean optim.schedule.warmup_steps?")) << msg;
+  msg = error_of(base, {parse_override("train.warmup_steps=3")});
+  EXPECT_TRUE(contains(msg, "did you mean optim.schedule.warmup_steps?")) << msg;
+  msg = error_of(base + "steps: 10\n");
+  EXPECT_TRUE(contains(msg, "did you mean train.steps?")) << msg;
+
+  const auto keys = config_keys();
+  EXPECT_EQ(did_you_mean("learning_rate", keys), "optim.lr");
+  EXPECT_EQ(did_you_mean("optim.learning_rate", keys), "optim.lr");
+  EXPECT_EQ(did_you_mean("train.gradient_accumulation_steps", keys), "train.grad_accum");
+  EXPECT_EQ(did_you_mean("data.max_seq_length", keys), "train.seq_len");
+  EXPECT_EQ(did_you_mean("warmup_steps", keys), "optim.schedule.warmup_steps");
+  EXPECT_EQ(did_you_mean("model.warmup_stpes", keys), "optim.schedule.warmup_steps");
+  EXPECT_EQ(did_you_mean("data.seq_len", keys), "train.seq_len");
+  EXPECT_EQ(did_you_mean("eval.lr", keys), "optim.lr");
+  EXPECT_EQ(did_you_mean("wibble.wobble", keys), "");
+}
+
+// The resolved config prints floats as the shortest text that reads back exactly.
+TEST(Config, YamlFloatsAreShortAndExact) {
+  const Config c = parse(kMinimal, {parse_override("optim.lr=0.00012345678901234567")});
+  const std::string y = config_to_yaml(c);
+  EXPECT_TRUE(contains(y, "beta1: 0.9\n") || contains(y, "beta1: 0.9 ")) << y;
+  EXPECT_TRUE(contains(y, "weight_decay: 0.0")) << y;
+  EXPECT_FALSE(contains(y, "0.90000000000000002")) << y;
+  EXPECT_EQ(parse_config(y, "y.yaml", "/").optim.lr, c.optim.lr);
+}
+
+TEST(Config, EvalFilesAreInputPaths) {
+  const Config c = parse(std::string(kMinimal) + "  eval_files: [held.tsv, /abs/x.jsonl]\n" +
+                         "  eval_fraction: 0.1\n");  // appended to kMinimal's data section
+  ASSERT_EQ(c.data.eval_files.size(), 2u);
+  EXPECT_EQ(c.data.eval_files[0], "/base/held.tsv");
+  EXPECT_EQ(c.data.eval_files[1], "/abs/x.jsonl");
+  EXPECT_DOUBLE_EQ(c.data.eval_fraction, 0.1);
 }

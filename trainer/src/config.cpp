@@ -1,14 +1,18 @@
 // YAML -> Config. The tree is loaded once, `--set` overrides are spliced into it, every key is
-// checked against the field list (unknown ones get a did-you-mean), each known field is converted
-// with a type check that names the key and the line, and validate_config() applies range and
-// cross-field rules. config_to_yaml() prints the same field list back, one doc comment per field.
+// checked against the field table (unknown ones get a did-you-mean across sections and aliases),
+// each known field is converted with the type, range and choice checks of its table row (errors
+// name the key and the line), and validate_config() applies the cross-field rules.
+// config_to_yaml() and the configs/README.md reference are generated from the same table.
 #include "q4/trainer/config.h"
 
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -233,10 +237,6 @@ std::string resolve_path(const std::string& p, const std::string& base) {
   return (fs::absolute(fs::path(base)) / path).lexically_normal().string();
 }
 
-bool is_one_of(const std::string& v, const std::vector<std::string>& choices) {
-  return std::find(choices.begin(), choices.end(), v) != choices.end();
-}
-
 std::string join(const std::vector<std::string>& v, const std::string& sep) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
@@ -248,14 +248,162 @@ std::string join(const std::vector<std::string>& v, const std::string& sep) {
   throw ConfigError("config key " + key + ": expected " + expected + ", found " + found);
 }
 
+// The shortest decimal that reads back as exactly `v` ("0.9", "1e-08"), so printing loses nothing.
 std::string fmt_double(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  return os.str();
+  char buf[32];
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string s = buf;
+  const auto e = s.find('e');  // "1e-08" -> "1e-8"
+  if (e != std::string::npos) {
+    size_t d = e + 1;
+    if (d < s.size() && (s[d] == '-' || s[d] == '+')) ++d;
+    while (d + 1 < s.size() && s[d] == '0') s.erase(d, 1);
+    if (s[e + 1] == '+') s.erase(e + 1, 1);
+  }
+  return s;
+}
+
+// fmt_double, marked as a float: "0.0", "1.0", "0.02", "1e-08".
+std::string fmt_float(double v) {
+  std::string s = fmt_double(v);
+  if (std::isfinite(v) && s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+// The YAML spellings of each enumerated setting, indexed by enumerator.
+template <typename E>
+struct EnumSpelling;
+#define Q4_ENUM_SPELLING(E, ...)                        \
+  template <>                                           \
+  struct EnumSpelling<E> {                              \
+    static constexpr std::array kNames = {__VA_ARGS__}; \
+  }
+Q4_ENUM_SPELLING(InitKind, "file", "random");
+Q4_ENUM_SPELLING(Dtype, "fp16", "bf16", "fp32");
+Q4_ENUM_SPELLING(DtypeOrAuto, "auto", "fp32", "bf16", "fp16");
+Q4_ENUM_SPELLING(MomentState, "fp32", "int8", "4bit", "nvfp4");
+Q4_ENUM_SPELLING(MasterRounding, "stochastic", "nearest");
+Q4_ENUM_SPELLING(InBackward, "auto", "true", "false");
+Q4_ENUM_SPELLING(ScheduleKind, "constant", "linear", "cosine");
+Q4_ENUM_SPELLING(DataFormat, "auto", "tsv", "jsonl", "text");
+Q4_ENUM_SPELLING(OnError, "fail", "skip");
+Q4_ENUM_SPELLING(Truncation, "auto", "cut_left", "cut_right", "drop");
+Q4_ENUM_SPELLING(ProgressStyle, "auto", "bar", "line");
+Q4_ENUM_SPELLING(HfExport, "none", "modelopt", "compressed-tensors");
+#undef Q4_ENUM_SPELLING
+
+template <typename E>
+std::vector<std::string> enum_names() {
+  const auto& names = EnumSpelling<E>::kNames;
+  return {names.begin(), names.end()};
+}
+
+template <typename E>
+std::string enum_to_string(E v) {
+  const auto& names = EnumSpelling<E>::kNames;
+  const auto i = static_cast<size_t>(v);
+  return i < names.size() ? names[i] : "<invalid>";
+}
+
+template <typename E>
+std::optional<E> enum_from_string(const std::string& s) {
+  const auto& names = EnumSpelling<E>::kNames;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (s == names[i]) return static_cast<E>(i);
+  }
+  return std::nullopt;
+}
+
+// "expected ..." text of a range: ">= 1", "a value in [0, 1)"; floats say finite.
+std::string expected_range(const Range& r, bool is_float) {
+  std::string out = is_float ? "a finite value" : "";
+  if (r.min && r.max) {
+    out += (out.empty() ? "a value in " : " in ") + r.to_string();
+  } else if (!r.empty()) {
+    out += (out.empty() ? "" : " ") + r.to_string();
+  }
+  return out;
+}
+
+// Checks the value of one numeric field against its table row; `where_text` locates it.
+template <typename T>
+void check_range(const FieldRef& f, T v, const std::string& where_text) {
+  constexpr bool kFloat = std::is_same_v<T, double>;
+  const bool ok = f.range.contains(static_cast<double>(v)) &&
+                  (!kFloat || std::isfinite(static_cast<double>(v)));
+  if (ok) return;
+  const std::string found = kFloat ? fmt_double(static_cast<double>(v)) : std::to_string(v);
+  throw ConfigError("config key " + f.key + where_text + ": expected " +
+                    expected_range(f.range, kFloat) + ", found " + found);
 }
 
 }  // namespace
+
+std::string to_string(InitKind v) { return enum_to_string(v); }
+std::string to_string(Dtype v) { return enum_to_string(v); }
+std::string to_string(DtypeOrAuto v) { return enum_to_string(v); }
+std::string to_string(MomentState v) { return enum_to_string(v); }
+std::string to_string(MasterRounding v) { return enum_to_string(v); }
+std::string to_string(InBackward v) { return enum_to_string(v); }
+std::string to_string(ScheduleKind v) { return enum_to_string(v); }
+std::string to_string(DataFormat v) { return enum_to_string(v); }
+std::string to_string(OnError v) { return enum_to_string(v); }
+std::string to_string(Truncation v) { return enum_to_string(v); }
+std::string to_string(ProgressStyle v) { return enum_to_string(v); }
+std::string to_string(HfExport v) { return enum_to_string(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Range, FieldRef
+
+bool Range::contains(double v) const {
+  if (min && (min_exclusive ? !(v > *min) : !(v >= *min))) return false;
+  if (max && (max_exclusive ? !(v < *max) : !(v <= *max))) return false;
+  return true;
+}
+
+std::string Range::to_string() const {
+  if (min && max) {
+    return std::string(min_exclusive ? "(" : "[") + fmt_double(*min) + ", " + fmt_double(*max) +
+           (max_exclusive ? ")" : "]");
+  }
+  if (min) return std::string(min_exclusive ? "> " : ">= ") + fmt_double(*min);
+  if (max) return std::string(max_exclusive ? "< " : "<= ") + fmt_double(*max);
+  return "";
+}
+
+std::vector<std::string> FieldRef::choices() const {
+  return std::visit(
+      [](auto* p) -> std::vector<std::string> {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_enum_v<T>) {
+          return enum_names<T>();
+        } else {
+          return {};
+        }
+      },
+      ptr);
+}
+
+std::string FieldRef::type_name() const {
+  return std::visit(
+      [&](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) return is_path ? "path" : "string";
+        if constexpr (std::is_same_v<T, int64_t>) return "int";
+        if constexpr (std::is_same_v<T, double>) return "float";
+        if constexpr (std::is_same_v<T, bool>) return "bool";
+        if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          return is_path ? "list of paths" : "list of strings";
+        }
+        if constexpr (std::is_same_v<T, LayerSelection>) return "layers";
+        if constexpr (std::is_enum_v<T>) return "enum";
+        return "";
+      },
+      ptr);
+}
 
 // ---------------------------------------------------------------------------------------------
 // LayerSelection
@@ -345,243 +493,149 @@ std::vector<int64_t> LayerSelection::resolve(int64_t num_layers) const {
 // The field list
 
 std::vector<FieldRef> config_fields(Config& c) {
-  const std::vector<std::string> dtypes = {"fp16", "bf16", "fp32"};
+  // field(key, member, doc, range, aliases): aliases are other names people use for the field
+  // (Hugging Face TrainingArguments and the like); did_you_mean() suggests the field for them.
+  auto field = [](std::string key, FieldPtr ptr, std::string doc, Range range = {},
+                  std::vector<std::string> aliases = {}) {
+    FieldRef f;
+    f.key = std::move(key);
+    f.ptr = ptr;
+    f.doc = std::move(doc);
+    f.range = range;
+    f.aliases = std::move(aliases);
+    return f;
+  };
+  auto path = [&](std::string key, FieldPtr ptr, std::string doc) {
+    FieldRef f = field(std::move(key), ptr, std::move(doc));
+    f.is_path = true;
+    return f;
+  };
+  using R = Range;
   return {
-      {"model.dir",
-       &c.model.dir,
-       "HF model directory holding config.json and tokenizer.json",
-       {},
-       true},
-      {"model.config", &c.model.config, "config.json path (default <dir>/config.json)", {}, true},
-      {"model.weights",
-       &c.model.weights,
-       "NVFP4 .dat weights or a Hugging Face model folder (required when init is file)",
-       {},
-       true},
-      {"model.tokenizer",
-       &c.model.tokenizer,
-       "tokenizer.json path (default <dir>/tokenizer.json)",
-       {},
-       true},
-      {"model.init",
-       &c.model.init,
-       "file: load weights; random: random init from config",
-       {"file", "random"},
-       false},
-      {"model.init_seed", &c.model.init_seed, "seed of the random init", {}, false},
-      {"model.quantize_lm_head",
-       &c.model.quantize_lm_head,
-       "random init: store lm_head as NVFP4 like the shipped checkpoint",
-       {},
-       false},
-      {"model.master_dtype", &c.model.master_dtype, "dtype of the trained master weights", dtypes,
-       false},
-      {"model.compute_dtype",
-       &c.model.compute_dtype,
-       "activation/matmul dtype (auto: bf16 on cuda, fp32 on cpu)",
-       {"auto", "fp32", "bf16", "fp16"},
-       false},
-      {"model.device", &c.model.device, "cpu, cuda or cuda:N", {}, false},
-      {"model.grad_dtype",
-       &c.model.grad_dtype,
-       "gradient storage (auto: fp32 with fp32 masters, else bf16)",
-       {"auto", "fp32", "bf16", "fp16"},
-       false},
-      {"model.init_std",
-       &c.model.init_std,
-       "random init: std of linears and embeddings",
-       {},
-       false},
-      {"model.loss_chunk_tokens",
-       &c.model.loss_chunk_tokens,
-       "logit rows computed at once by the chunked cross-entropy",
-       {},
-       false},
-      {"train.trainable.layers",
-       &c.train.trainable.layers,
-       "decoder layers that train: all, none, last:N or a list of indices",
-       {},
-       false},
-      {"train.trainable.projections",
-       &c.train.trainable.projections,
-       "q/k/v/o/gate/up/down linears of the selected layers train (fake-quantized, STE)",
-       {},
-       false},
-      {"train.trainable.norms",
-       &c.train.trainable.norms,
-       "RMSNorm weights of the selected layers and the final norm train",
-       {},
-       false},
-      {"train.trainable.lm_head",
-       &c.train.trainable.lm_head,
-       "the output projection trains",
-       {},
-       false},
-      {"train.trainable.embeddings",
-       &c.train.trainable.embeddings,
-       "embed_tokens trains",
-       {},
-       false},
-      {"train.gradient_checkpointing",
-       &c.train.gradient_checkpointing,
-       "recompute each decoder layer in backward (less activation memory)",
-       {},
-       false},
-      {"train.steps", &c.train.steps, "optimizer steps", {}, false},
-      {"train.batch_size", &c.train.batch_size, "sequences per micro-batch", {}, false},
-      {"train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step", {}, false},
-      {"train.seq_len",
-       &c.train.seq_len,
-       "tokens per sequence (longer examples are truncated)",
-       {},
-       false},
-      {"train.seed", &c.train.seed, "seed of data order and stochastic rounding", {}, false},
-      {"train.max_grad_norm",
-       &c.train.max_grad_norm,
-       "global gradient-norm clip; 0 disables",
-       {},
-       false},
-      {"train.max_nonfinite_steps",
-       &c.train.max_nonfinite_steps,
-       "consecutive non-finite steps skipped before the run fails",
-       {},
-       false},
-      {"optim.lr", &c.optim.lr, "peak learning rate", {}, false},
-      {"optim.beta1", &c.optim.beta1, "AdamW first-moment decay", {}, false},
-      {"optim.beta2", &c.optim.beta2, "AdamW second-moment decay", {}, false},
-      {"optim.eps", &c.optim.eps, "AdamW epsilon", {}, false},
-      {"optim.weight_decay", &c.optim.weight_decay, "decoupled weight decay", {}, false},
-      {"optim.state",
-       &c.optim.state,
-       "moment storage format",
-       {"fp32", "int8", "4bit", "nvfp4"},
-       false},
-      {"optim.in_backward",
-       &c.optim.in_backward,
-       "update each parameter inside the backward and free its gradient (auto: CUDA, "
-       "grad_accum 1)",
-       {"auto", "true", "false"},
-       false},
-      {"optim.chunk_rows",
-       &c.optim.chunk_rows,
-       "rows per optimizer chunk (bounds temporaries)",
-       {},
-       false},
-      {"optim.master_rounding",
-       &c.optim.master_rounding,
-       "how updates are written back to fp16/bf16 masters",
-       {"stochastic", "nearest"},
-       false},
-      {"optim.schedule.kind",
-       &c.optim.schedule.kind,
-       "learning-rate schedule after warmup",
-       {"constant", "linear", "cosine"},
-       false},
-      {"optim.schedule.warmup_steps",
-       &c.optim.schedule.warmup_steps,
-       "linear warmup steps from 0 to lr",
-       {},
-       false},
-      {"optim.schedule.min_lr_ratio",
-       &c.optim.schedule.min_lr_ratio,
-       "final lr / lr for linear and cosine decay",
-       {},
-       false},
-      {"data.files",
-       &c.data.files,
-       "training files (TSV prompt<TAB>answer, JSONL, text)",
-       {},
-       true},
-      {"data.format",
-       &c.data.format,
-       "file format (auto: by extension)",
-       {"auto", "tsv", "jsonl", "text"},
-       false},
-      {"data.system_prompt",
-       &c.data.system_prompt,
-       "optional system turn before every example",
-       {},
-       false},
-      {"data.shuffle", &c.data.shuffle, "reshuffle every epoch (seeded by train.seed)", {}, false},
-      {"data.packing",
-       &c.data.packing,
-       "pack several examples into one seq_len row (best fit; false: one example per row)",
-       {},
-       false},
-      {"data.pack_window",
-       &c.data.pack_window,
-       "packing: examples considered when filling a row",
-       {},
-       false},
-      {"data.on_error",
-       &c.data.on_error,
-       "malformed data lines: fail or skip",
-       {"fail", "skip"},
-       false},
-      {"data.truncation",
-       &c.data.truncation,
-       "examples longer than train.seq_len (auto: cut_right for text files, else cut_left)",
-       {"auto", "cut_left", "cut_right", "drop"},
-       false},
-      {"eval.prompts", &c.eval.prompts, "user prompts answered greedily", {}, false},
-      {"eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)", {}, false},
-      {"eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit", {}, false},
-      {"eval.at_start", &c.eval.at_start, "evaluate before the first step", {}, false},
-      {"eval.at_end", &c.eval.at_end, "evaluate after the last step", {}, false},
-      {"output.dir",
-       &c.output.dir,
-       "run directory (config, metrics, eval, checkpoints, export)",
-       {},
-       false},
-      {"output.export_path",
-       &c.output.export_path,
-       "exported .dat (default <dir>/model.dat; relative to dir; none disables)",
-       {},
-       false},
-      {"output.export_every",
-       &c.output.export_every,
-       "also export every N steps (0: at the end)",
-       {},
-       false},
-      {"output.checkpoint_every",
-       &c.output.checkpoint_every,
-       "checkpoint every N steps (0: only on SIGINT/SIGTERM)",
-       {},
-       false},
-      {"output.keep", &c.output.keep, "newest complete checkpoints kept", {}, false},
-      {"output.verify_export",
-       &c.output.verify_export,
-       "read the export back and check its forward weights equal the trained model's, tensor "
-       "by tensor",
-       {},
-       false},
-      {"output.hf_export",
-       &c.output.hf_export,
-       "also write a Hugging Face NVFP4 folder vLLM serves at <export .dat minus .dat>-hf",
-       {"none", "modelopt", "compressed-tensors"},
-       false},
-      {"guard.max_gpu_gb",
-       &c.guard.max_gpu_gb,
-       "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
-       {},
-       false},
-      {"log.every", &c.log.every, "log line every N steps", {}, false},
-      {"log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)", {}, false},
-      {"log.progress",
-       &c.log.progress,
-       "auto: progress bar on a terminal, log lines otherwise; bar; line",
-       {"auto", "bar", "line"},
-       false},
-      {"log.tensorboard",
-       &c.log.tensorboard,
-       "write TensorBoard event files (events.out.tfevents.*) into output.dir",
-       {},
-       false},
-      {"log.report",
-       &c.log.report,
-       "write output.dir/report.html (SVG plots, eval answers) at each eval and at the end",
-       {},
-       false},
+      path("model.dir", &c.model.dir, "HF model directory holding config.json and tokenizer.json"),
+      path("model.config", &c.model.config, "config.json path (default <dir>/config.json)"),
+      path("model.weights", &c.model.weights,
+           "NVFP4 .dat weights or a Hugging Face model folder (required when init is file)"),
+      path("model.tokenizer", &c.model.tokenizer,
+           "tokenizer.json path (default <dir>/tokenizer.json)"),
+      field("model.init", &c.model.init, "file: load weights; random: random init from config"),
+      field("model.init_seed", &c.model.init_seed, "seed of the random init"),
+      field("model.quantize_lm_head", &c.model.quantize_lm_head,
+            "random init: store lm_head as NVFP4 like the shipped checkpoint"),
+      field("model.master_dtype", &c.model.master_dtype, "dtype of the trained master weights", {},
+            {"dtype", "torch_dtype"}),
+      field("model.compute_dtype", &c.model.compute_dtype,
+            "activation/matmul dtype (auto: bf16 on cuda, fp32 on cpu; fp16 needs cuda)", {},
+            {"bf16", "fp16", "precision"}),
+      field("model.device", &c.model.device, "cpu, cuda or cuda:N"),
+      field("model.grad_dtype", &c.model.grad_dtype,
+            "gradient storage (auto: fp32 with fp32 masters, else bf16)"),
+      field("model.init_std", &c.model.init_std, "random init: std of linears and embeddings",
+            R::above(0), {"initializer_range"}),
+      field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
+            "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
+      field("train.trainable.layers", &c.train.trainable.layers,
+            "decoder layers that train: all, none, last:N or a list of indices"),
+      field("train.trainable.projections", &c.train.trainable.projections,
+            "q/k/v/o/gate/up/down linears of the selected layers train (fake-quantized, STE)"),
+      field("train.trainable.norms", &c.train.trainable.norms,
+            "RMSNorm weights of the selected layers and the final norm train"),
+      field("train.trainable.lm_head", &c.train.trainable.lm_head, "the output projection trains"),
+      field("train.trainable.embeddings", &c.train.trainable.embeddings, "embed_tokens trains"),
+      field("train.gradient_checkpointing", &c.train.gradient_checkpointing,
+            "recompute each decoder layer in backward (less activation memory)", {},
+            {"activation_checkpointing"}),
+      field("train.steps", &c.train.steps, "optimizer steps", R::at_least(0),
+            {"max_steps", "num_steps", "total_steps", "iters"}),
+      field("train.batch_size", &c.train.batch_size, "sequences per micro-batch", R::at_least(1),
+            {"micro_batch_size", "per_device_train_batch_size", "train_batch_size"}),
+      field("train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step",
+            R::at_least(1), {"gradient_accumulation_steps", "accumulation_steps"}),
+      field("train.seq_len", &c.train.seq_len,
+            "tokens per sequence (longer examples are truncated)", R::at_least(2),
+            {"max_seq_length", "max_seq_len", "seq_length", "max_length", "block_size"}),
+      field("train.seed", &c.train.seed, "seed of data order and stochastic rounding"),
+      field("train.max_grad_norm", &c.train.max_grad_norm, "global gradient-norm clip; 0 disables",
+            R::at_least(0), {"grad_clip", "clip_grad_norm", "gradient_clipping"}),
+      field("train.max_nonfinite_steps", &c.train.max_nonfinite_steps,
+            "consecutive non-finite steps skipped before the run fails", R::at_least(0)),
+      field("optim.lr", &c.optim.lr, "peak learning rate", R::above(0), {"learning_rate"}),
+      field("optim.beta1", &c.optim.beta1, "AdamW first-moment decay", R::between(0, 1, true),
+            {"adam_beta1"}),
+      field("optim.beta2", &c.optim.beta2, "AdamW second-moment decay", R::between(0, 1, true),
+            {"adam_beta2"}),
+      field("optim.eps", &c.optim.eps, "AdamW epsilon", R::above(0), {"adam_epsilon", "epsilon"}),
+      field("optim.weight_decay", &c.optim.weight_decay, "decoupled weight decay", R::at_least(0)),
+      field("optim.state", &c.optim.state, "moment storage format", {},
+            {"optim_bits", "state_dtype", "moment_dtype"}),
+      field("optim.in_backward", &c.optim.in_backward,
+            "update each parameter inside the backward and free its gradient (auto: CUDA, "
+            "grad_accum 1)"),
+      field("optim.chunk_rows", &c.optim.chunk_rows,
+            "rows per optimizer chunk (bounds temporaries)", R::at_least(1)),
+      field("optim.master_rounding", &c.optim.master_rounding,
+            "how updates are written back to fp16/bf16 masters", {}, {"rounding"}),
+      field("optim.schedule.kind", &c.optim.schedule.kind, "learning-rate schedule after warmup",
+            {}, {"lr_scheduler_type", "lr_scheduler", "scheduler"}),
+      field("optim.schedule.warmup_steps", &c.optim.schedule.warmup_steps,
+            "linear warmup steps from 0 to lr", R::at_least(0),
+            {"warmup", "num_warmup_steps", "lr_warmup_steps"}),
+      field("optim.schedule.min_lr_ratio", &c.optim.schedule.min_lr_ratio,
+            "final lr / lr for linear and cosine decay", R::between(0, 1, false),
+            {"min_lr", "final_lr_ratio"}),
+      path("data.files", &c.data.files, "training files (TSV prompt<TAB>answer, JSONL, text)"),
+      path("data.eval_files", &c.data.eval_files,
+           "held-out files for validation loss (same formats as files)"),
+      field("data.eval_fraction", &c.data.eval_fraction,
+            "hold out this fraction of training examples for validation loss",
+            R::between(0, 0.5, true), {"validation_split", "val_fraction", "eval_split"}),
+      field("data.format", &c.data.format, "file format (auto: by extension)"),
+      field("data.system_prompt", &c.data.system_prompt,
+            "optional system turn before every example", {}, {"system"}),
+      field("data.shuffle", &c.data.shuffle, "reshuffle every epoch (seeded by train.seed)"),
+      field("data.packing", &c.data.packing,
+            "pack several examples into one seq_len row (best fit; false: one example per row)", {},
+            {"pack"}),
+      field("data.pack_window", &c.data.pack_window,
+            "packing: examples considered when filling a row", R::at_least(1)),
+      field("data.on_error", &c.data.on_error, "malformed data lines: fail or skip"),
+      field("data.truncation", &c.data.truncation,
+            "examples longer than train.seq_len (auto: cut_right for text files, else cut_left)"),
+      field("eval.prompts", &c.eval.prompts, "user prompts answered greedily"),
+      field("eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)",
+            R::at_least(0), {"eval_steps", "eval_interval"}),
+      field("eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit",
+            R::at_least(1), {"max_tokens"}),
+      field("eval.at_start", &c.eval.at_start, "evaluate before the first step"),
+      field("eval.at_end", &c.eval.at_end, "evaluate after the last step"),
+      field("output.dir", &c.output.dir,
+            "run directory (config, metrics, eval, checkpoints, export)", {}, {"output_dir"}),
+      field("output.export_path", &c.output.export_path,
+            "exported .dat (default <dir>/model.dat; relative to dir; none disables)"),
+      field("output.export_every", &c.output.export_every,
+            "also export every N steps (0: at the end)", R::at_least(0)),
+      field("output.checkpoint_every", &c.output.checkpoint_every,
+            "checkpoint every N steps (0: only on SIGINT/SIGTERM)", R::at_least(0),
+            {"save_steps", "checkpoint_interval"}),
+      field("output.keep", &c.output.keep, "newest complete checkpoints kept", R::at_least(1),
+            {"save_total_limit", "keep_checkpoints"}),
+      field("output.verify_export", &c.output.verify_export,
+            "read the export back and check its forward weights equal the trained model's, tensor "
+            "by tensor"),
+      field("output.hf_export", &c.output.hf_export,
+            "also write a Hugging Face NVFP4 folder vLLM serves at <export .dat minus .dat>-hf"),
+      field("guard.max_gpu_gb", &c.guard.max_gpu_gb,
+            "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
+            R::at_least(0)),
+      field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
+            {"logging_steps", "log_interval"}),
+      field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),
+      field("log.progress", &c.log.progress,
+            "auto: progress bar on a terminal, log lines otherwise; bar; line"),
+      field("log.tensorboard", &c.log.tensorboard,
+            "write TensorBoard event files (events.out.tfevents.*) into output.dir"),
+      field("log.report", &c.log.report,
+            "write output.dir/report.html (SVG plots, eval answers) at each eval and at the end"),
   };
 }
 
@@ -608,9 +662,17 @@ Override parse_override(const std::string& text) {
 }
 
 std::string did_you_mean(const std::string& key, const std::vector<std::string>& known) {
+  const std::string last = last_component(key);
+  // Another name of a field ("learning_rate" for optim.lr), under any section or none.
+  Config scratch;
+  for (const auto& f : config_fields(scratch)) {
+    if (std::find(known.begin(), known.end(), f.key) == known.end()) continue;
+    for (const auto& a : f.aliases) {
+      if (a == last) return f.key;
+    }
+  }
   std::string best;
   size_t best_d = std::string::npos;
-  const std::string last = last_component(key);
   for (const auto& k : known) {
     size_t d = edit_distance(key, k);
     // A right field name under the wrong section ("train.lr" -> "optim.lr") counts as close.
@@ -688,27 +750,27 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
           using T = std::remove_pointer_t<decltype(ptr)>;
           if constexpr (std::is_same_v<T, std::string>) {
             *ptr = read_string(f.key, cur, src);
-            if (!f.choices.empty() && !is_one_of(*ptr, f.choices)) {
-              throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
-                                join(f.choices, ", ") + ", found '" + *ptr + "'");
-            }
           } else if constexpr (std::is_same_v<T, int64_t>) {
             *ptr = read_int(f.key, cur, src);
+            check_range(f, *ptr, where(cur, src));
           } else if constexpr (std::is_same_v<T, double>) {
             *ptr = read_double(f.key, cur, src);
+            check_range(f, *ptr, where(cur, src));
           } else if constexpr (std::is_same_v<T, bool>) {
             *ptr = read_bool(f.key, cur, src);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
             *ptr = read_string_list(f.key, cur, src);
-            for (const auto& v : *ptr) {
-              if (!f.choices.empty() && !is_one_of(v, f.choices)) {
-                throw ConfigError("config key " + f.key + where(cur, src) +
-                                  ": expected entries from " + join(f.choices, ", ") + ", found '" +
-                                  v + "'");
-              }
-            }
-          } else {
+          } else if constexpr (std::is_same_v<T, LayerSelection>) {
             *ptr = read_layers(f.key, cur, src);
+          } else {
+            static_assert(std::is_enum_v<T>);
+            if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));
+            const auto v = enum_from_string<T>(cur.Scalar());
+            if (!v) {
+              throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
+                                join(f.choices(), ", ") + ", found '" + cur.Scalar() + "'");
+            }
+            *ptr = *v;
           }
         },
         f.ptr);
@@ -760,11 +822,19 @@ Config load_config(const std::string& path, const std::vector<Override>& overrid
 // Validation
 
 void validate_config(const Config& c) {
+  // Per-field ranges from the table (parse_config has checked them with line numbers already;
+  // this covers configs built or edited in code).
+  Config copy = c;
+  for (const auto& f : config_fields(copy)) {
+    if (const auto* p = std::get_if<int64_t*>(&f.ptr)) check_range(f, **p, "");
+    if (const auto* p = std::get_if<double*>(&f.ptr)) check_range(f, **p, "");
+  }
+
   const auto& m = c.model;
-  if (m.init == "file" && m.weights.empty()) {
+  if (m.init == InitKind::kFile && m.weights.empty()) {
     throw ConfigError("config key model.weights: required when model.init is file");
   }
-  if (m.init == "random" && m.config.empty()) {
+  if (m.init == InitKind::kRandom && m.config.empty()) {
     throw ConfigError(
         "config key model.config: required when model.init is random (or set "
         "model.dir)");
@@ -784,37 +854,17 @@ void validate_config(const Config& c) {
   if (m.device != "cpu" && !cuda) {
     range_error("model.device", "cpu, cuda or cuda:N", "'" + m.device + "'");
   }
-  if (!cuda && m.compute_dtype == "fp16") {
+  if (!cuda && m.compute_dtype == DtypeOrAuto::kFp16) {
     throw ConfigError(
         "config key model.compute_dtype: fp16 compute needs model.device cuda "
         "(CPU matmuls run in fp32 or bf16)");
   }
 
-  if (!(m.init_std > 0) || !std::isfinite(m.init_std)) {
-    range_error("model.init_std", "a finite value > 0", fmt_double(m.init_std));
-  }
-  if (m.loss_chunk_tokens < 1) {
-    range_error("model.loss_chunk_tokens", ">= 1", std::to_string(m.loss_chunk_tokens));
-  }
-
   const auto& t = c.train;
-  if (t.steps < 0) range_error("train.steps", ">= 0", std::to_string(t.steps));
-  if (t.batch_size < 1) range_error("train.batch_size", ">= 1", std::to_string(t.batch_size));
-  if (t.grad_accum < 1) range_error("train.grad_accum", ">= 1", std::to_string(t.grad_accum));
-  if (t.seq_len < 2) range_error("train.seq_len", ">= 2", std::to_string(t.seq_len));
-  if (c.optim.in_backward == "true" && t.grad_accum > 1) {
+  if (c.optim.in_backward == InBackward::kTrue && t.grad_accum > 1) {
     throw ConfigError(
         "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
         "micro-batches must be accumulated before the update); use auto or false");
-  }
-  if (c.data.pack_window < 1) {
-    range_error("data.pack_window", ">= 1", std::to_string(c.data.pack_window));
-  }
-  if (!(t.max_grad_norm >= 0) || !std::isfinite(t.max_grad_norm)) {
-    range_error("train.max_grad_norm", "a finite value >= 0", fmt_double(t.max_grad_norm));
-  }
-  if (t.max_nonfinite_steps < 0) {
-    range_error("train.max_nonfinite_steps", ">= 0", std::to_string(t.max_nonfinite_steps));
   }
   const auto& tr = t.trainable;
   if (tr.layers.kind == LayerSelection::Kind::kList) {
@@ -839,55 +889,30 @@ void validate_config(const Config& c) {
   }
 
   const auto& o = c.optim;
-  if (!(o.lr > 0) || !std::isfinite(o.lr))
-    range_error("optim.lr", "a finite value > 0", fmt_double(o.lr));
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) range_error("optim.beta1", "[0, 1)", fmt_double(o.beta1));
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) range_error("optim.beta2", "[0, 1)", fmt_double(o.beta2));
-  if (!(o.eps > 0) || !std::isfinite(o.eps)) range_error("optim.eps", "> 0", fmt_double(o.eps));
-  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
-    range_error("optim.weight_decay", ">= 0", fmt_double(o.weight_decay));
-  }
-  if (o.chunk_rows < 1) range_error("optim.chunk_rows", ">= 1", std::to_string(o.chunk_rows));
-  if (o.schedule.warmup_steps < 0) {
-    range_error("optim.schedule.warmup_steps", ">= 0", std::to_string(o.schedule.warmup_steps));
+  if (!(o.lr * o.weight_decay < 1)) {  // decoupled decay multiplies weights by 1 - lr * wd
+    throw ConfigError("config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
+                      "(weights would shrink to zero or flip sign), found " +
+                      fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
   }
   if (t.steps > 0 && o.schedule.warmup_steps > t.steps) {
     throw ConfigError(
         "config key optim.schedule.warmup_steps: " + std::to_string(o.schedule.warmup_steps) +
         " warmup steps exceed train.steps " + std::to_string(t.steps));
   }
-  if (!(o.schedule.min_lr_ratio >= 0 && o.schedule.min_lr_ratio <= 1)) {
-    range_error("optim.schedule.min_lr_ratio", "[0, 1]", fmt_double(o.schedule.min_lr_ratio));
-  }
-
-  const auto& e = c.eval;
-  if (e.every < 0) range_error("eval.every", ">= 0", std::to_string(e.every));
-  if (e.max_new_tokens < 1)
-    range_error("eval.max_new_tokens", ">= 1", std::to_string(e.max_new_tokens));
 
   const auto& out = c.output;
   if (out.dir.empty()) range_error("output.dir", "a directory", "an empty value");
-  if (out.export_every < 0)
-    range_error("output.export_every", ">= 0", std::to_string(out.export_every));
   if (out.export_every > 0 && out.export_path == "none") {
     throw ConfigError("config key output.export_every: set, but output.export_path is none");
   }
-  if (out.checkpoint_every < 0) {
-    range_error("output.checkpoint_every", ">= 0", std::to_string(out.checkpoint_every));
-  }
-  if (out.keep < 1) range_error("output.keep", ">= 1", std::to_string(out.keep));
-  if (out.hf_export != "none" && out.export_path == "none") {
+  if (out.hf_export != HfExport::kNone && out.export_path == "none") {
     throw ConfigError("config key output.hf_export: set, but output.export_path is none");
   }
 
-  if (!(c.guard.max_gpu_gb >= 0) || !std::isfinite(c.guard.max_gpu_gb)) {
-    range_error("guard.max_gpu_gb", ">= 0", fmt_double(c.guard.max_gpu_gb));
-  }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
                       " (the guard watches GPU memory)");
   }
-  if (c.log.every < 1) range_error("log.every", ">= 1", std::to_string(c.log.every));
   if (c.log.metrics.find('/') != std::string::npos) {
     range_error("log.metrics", "a file name inside output.dir", "'" + c.log.metrics + "'");
   }
@@ -900,7 +925,6 @@ std::string config_to_yaml(const Config& c_in) {
   Config c = c_in;
   auto fields = config_fields(c);
   YAML::Emitter out;
-  out.SetDoublePrecision(17);
   out << YAML::BeginMap;
   std::vector<std::string> open;  // currently open section path
   for (const auto& f : fields) {
@@ -925,6 +949,8 @@ std::string config_to_yaml(const Config& c_in) {
           using T = std::remove_pointer_t<decltype(ptr)>;
           if constexpr (std::is_same_v<T, std::string>) {
             out << YAML::DoubleQuoted << *ptr;
+          } else if constexpr (std::is_enum_v<T>) {
+            out << YAML::DoubleQuoted << enum_to_string(*ptr);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
             out << YAML::BeginSeq;
             for (const auto& s : *ptr) out << YAML::DoubleQuoted << s;
@@ -938,7 +964,7 @@ std::string config_to_yaml(const Config& c_in) {
               out << ptr->to_string();
             }
           } else if constexpr (std::is_same_v<T, double>) {
-            out << fmt_double(*ptr);
+            out << fmt_float(*ptr);
           } else {
             out << *ptr;
           }
@@ -955,6 +981,83 @@ std::string config_to_yaml(const Config& c_in) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The configs/README.md reference
+
+namespace {
+
+constexpr const char* kReferenceBegin =
+    "<!-- BEGIN config reference: generated from the field table in trainer/src/config.cpp by "
+    "`q4train --config-reference configs/README.md`; edit the table, not this text -->";
+constexpr const char* kReferenceEnd = "<!-- END config reference -->";
+
+// Table-cell text: '|' would end the cell, '<...>' would read as HTML.
+std::string md_cell(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    if (ch == '|' || ch == '<' || ch == '>') out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
+std::string md_default(const FieldRef& f) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          return p->empty() ? "`\"\"`" : "`" + *p + "`";
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          return "`" + std::to_string(*p) + "`";
+        } else if constexpr (std::is_same_v<T, double>) {
+          return "`" + fmt_float(*p) + "`";
+        } else if constexpr (std::is_same_v<T, bool>) {
+          return *p ? "`true`" : "`false`";
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          return "`[" + join(*p, ", ") + "]`";
+        } else if constexpr (std::is_same_v<T, LayerSelection>) {
+          return "`" + p->to_string() + "`";
+        } else {
+          return "`" + enum_to_string(*p) + "`";
+        }
+      },
+      f.ptr);
+}
+
+}  // namespace
+
+std::string config_reference_markdown() {
+  Config defaults;
+  std::ostringstream os;
+  std::string section;
+  for (const auto& f : config_fields(defaults)) {
+    const std::string sec = split(f.key, '.').front();
+    if (sec != section) {
+      os << (section.empty() ? "" : "\n") << "### `" << sec << "`\n\n"
+         << "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+      section = sec;
+    }
+    std::string allowed;
+    const auto choices = f.choices();
+    for (size_t i = 0; i < choices.size(); ++i) allowed += (i ? ", `" : "`") + choices[i] + "`";
+    if (!f.range.empty()) allowed = "`" + f.range.to_string() + "`";
+    os << "| `" << f.key << "` | " << f.type_name() << " | " << md_default(f) << " | " << allowed
+       << " | " << md_cell(f.doc) << " |\n";
+  }
+  return os.str();
+}
+
+std::string splice_config_reference(const std::string& readme) {
+  const auto b = readme.find(kReferenceBegin);
+  const auto e = b == std::string::npos ? b : readme.find(kReferenceEnd, b);
+  if (e == std::string::npos) {
+    throw ConfigError(std::string("expected the markers '") + kReferenceBegin + "' and '" +
+                      kReferenceEnd + "' around the generated reference");
+  }
+  const size_t body = b + std::string(kReferenceBegin).size();
+  return readme.substr(0, body) + "\n\n" + config_reference_markdown() + "\n" + readme.substr(e);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Derived settings
 
 bool device_is_cuda(const Config& c) {
@@ -965,24 +1068,33 @@ bool device_is_cuda(const Config& c) {
   return parse_int(d.substr(5), &idx) && idx >= 0;
 }
 
-std::string resolved_compute_dtype(const Config& c) {
-  if (c.model.compute_dtype != "auto") return c.model.compute_dtype;
-  return device_is_cuda(c) ? "bf16" : "fp32";
+Dtype resolved_compute_dtype(const Config& c) {
+  switch (c.model.compute_dtype) {
+    case DtypeOrAuto::kFp32:
+      return Dtype::kFp32;
+    case DtypeOrAuto::kBf16:
+      return Dtype::kBf16;
+    case DtypeOrAuto::kFp16:
+      return Dtype::kFp16;
+    case DtypeOrAuto::kAuto:
+      break;
+  }
+  return device_is_cuda(c) ? Dtype::kBf16 : Dtype::kFp32;
 }
 
-std::string resolved_truncation(const Config& c) {
-  if (c.data.truncation != "auto") return c.data.truncation;
-  if (c.data.files.empty()) return "cut_left";
+Truncation resolved_truncation(const Config& c) {
+  if (c.data.truncation != Truncation::kAuto) return c.data.truncation;
+  if (c.data.files.empty()) return Truncation::kCutLeft;
   for (const auto& f : c.data.files) {
-    std::string fmt = c.data.format;
-    if (fmt == "auto") {
+    bool text = c.data.format == DataFormat::kText;
+    if (c.data.format == DataFormat::kAuto) {
       std::string ext = fs::path(f).extension().string();
       for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-      fmt = (ext == ".txt" || ext == ".text") ? "text" : "other";
+      text = ext == ".txt" || ext == ".text";
     }
-    if (fmt != "text") return "cut_left";
+    if (!text) return Truncation::kCutLeft;
   }
-  return "cut_right";
+  return Truncation::kCutRight;
 }
 
 std::string resolved_export_path(const Config& c) {
@@ -995,8 +1107,14 @@ std::string resolved_export_path(const Config& c) {
 }
 
 bool in_backward_updates(const Config& c) {
-  if (c.optim.in_backward == "true") return true;
-  if (c.optim.in_backward == "false") return false;
+  switch (c.optim.in_backward) {
+    case InBackward::kTrue:
+      return true;
+    case InBackward::kFalse:
+      return false;
+    case InBackward::kAuto:
+      break;
+  }
   return device_is_cuda(c) && c.train.grad_accum == 1;
 }
 

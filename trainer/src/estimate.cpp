@@ -9,11 +9,102 @@
 
 namespace q4::trainer {
 
-at::ScalarType parse_dtype(const std::string& name) {
-  if (name == "fp16") return at::kHalf;
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp32") return at::kFloat;
-  throw ConfigError("unknown dtype '" + name + "' (expected fp16, bf16 or fp32)");
+at::ScalarType to_scalar_type(Dtype d) {
+  switch (d) {
+    case Dtype::kFp16:
+      return at::kHalf;
+    case Dtype::kBf16:
+      return at::kBFloat16;
+    case Dtype::kFp32:
+      return at::kFloat;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid Dtype ", static_cast<int>(d));
+}
+
+optim::StateMode to_optim(MomentState s) {
+  switch (s) {
+    case MomentState::kFp32:
+      return optim::StateMode::kFp32;
+    case MomentState::kInt8:
+      return optim::StateMode::kInt8;
+    case MomentState::k4Bit:
+      return optim::StateMode::k4Bit;
+    case MomentState::kNvfp4:
+      return optim::StateMode::kNvfp4;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid MomentState ", static_cast<int>(s));
+}
+
+optim::MasterRounding to_optim(MasterRounding r) {
+  switch (r) {
+    case MasterRounding::kStochastic:
+      return optim::MasterRounding::kStochastic;
+    case MasterRounding::kNearest:
+      return optim::MasterRounding::kNearest;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid MasterRounding ", static_cast<int>(r));
+}
+
+optim::LrScheduleKind to_optim(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::kConstant:
+      return optim::LrScheduleKind::kConstant;
+    case ScheduleKind::kLinear:
+      return optim::LrScheduleKind::kLinear;
+    case ScheduleKind::kCosine:
+      return optim::LrScheduleKind::kCosine;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid ScheduleKind ", static_cast<int>(k));
+}
+
+data::DataFormat to_data(DataFormat f) {
+  switch (f) {
+    case DataFormat::kAuto:
+      return data::DataFormat::kAuto;
+    case DataFormat::kTsv:
+      return data::DataFormat::kTsv;
+    case DataFormat::kJsonl:
+      return data::DataFormat::kJsonl;
+    case DataFormat::kText:
+      return data::DataFormat::kText;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid DataFormat ", static_cast<int>(f));
+}
+
+data::OnError to_data(OnError e) {
+  switch (e) {
+    case OnError::kFail:
+      return data::OnError::kFail;
+    case OnError::kSkip:
+      return data::OnError::kSkip;
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid OnError ", static_cast<int>(e));
+}
+
+data::Truncation to_data(Truncation t) {
+  switch (t) {
+    case Truncation::kCutLeft:
+      return data::Truncation::kCutLeft;
+    case Truncation::kCutRight:
+      return data::Truncation::kCutRight;
+    case Truncation::kDrop:
+      return data::Truncation::kDrop;
+    case Truncation::kAuto:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "Truncation ", static_cast<int>(t), " must be resolved first");
+}
+
+model::HfFormat to_model(HfExport e) {
+  switch (e) {
+    case HfExport::kModelOpt:
+      return model::HfFormat::kModelOpt;
+    case HfExport::kCompressedTensors:
+      return model::HfFormat::kCompressedTensors;
+    case HfExport::kNone:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "HfExport ", static_cast<int>(e), " has no HF format");
 }
 
 model::TrainableSpec trainable_spec(const Config& c) {
@@ -43,9 +134,21 @@ model::TrainableSpec trainable_spec(const Config& c) {
 
 model::ModelOptions model_options(const Config& c) {
   model::ModelOptions o;
-  o.master_dtype = parse_dtype(c.model.master_dtype);
-  o.compute_dtype = parse_dtype(resolved_compute_dtype(c));
-  if (c.model.grad_dtype != "auto") o.grad_dtype = parse_dtype(c.model.grad_dtype);
+  o.master_dtype = to_scalar_type(c.model.master_dtype);
+  o.compute_dtype = to_scalar_type(resolved_compute_dtype(c));
+  switch (c.model.grad_dtype) {
+    case DtypeOrAuto::kAuto:
+      break;  // the model library picks (fp32 with fp32 masters, else bf16)
+    case DtypeOrAuto::kFp32:
+      o.grad_dtype = at::kFloat;
+      break;
+    case DtypeOrAuto::kBf16:
+      o.grad_dtype = at::kBFloat16;
+      break;
+    case DtypeOrAuto::kFp16:
+      o.grad_dtype = at::kHalf;
+      break;
+  }
   o.device = at::Device(c.model.device);
   o.trainable = trainable_spec(c);
   o.gradient_checkpointing = c.train.gradient_checkpointing;
@@ -60,9 +163,9 @@ optim::AdamWOptions adamw_options(const Config& c) {
   o.beta2 = c.optim.beta2;
   o.eps = c.optim.eps;
   o.weight_decay = c.optim.weight_decay;
-  o.state_mode = optim::parse_state_mode(c.optim.state);
+  o.state_mode = to_optim(c.optim.state);
   o.chunk_rows = c.optim.chunk_rows;
-  o.rounding = optim::parse_master_rounding(c.optim.master_rounding);
+  o.rounding = to_optim(c.optim.master_rounding);
   o.seed = static_cast<uint64_t>(c.train.seed);
   // The trainer counts consecutive skips itself; the optimizer allows one more.
   o.max_consecutive_nonfinite = c.train.max_nonfinite_steps + 1;
@@ -91,7 +194,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   b.gradients_bytes = m.grad_bytes;
   b.activations_bytes = m.activation_bytes;
   b.logits_bytes = m.loss_bytes;
-  const auto mode = optim::parse_state_mode(c.optim.state);
+  const auto mode = to_optim(c.optim.state);
   const auto ao = adamw_options(c);
   int64_t largest = 0, layer0 = 0;
   for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {

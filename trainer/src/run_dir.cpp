@@ -166,7 +166,7 @@ void check_output_paths(const Config& c) {
 
   // Inputs, by resolved path.
   std::vector<std::pair<std::string, fs::path>> inputs;
-  if (c.model.init == "file" && !c.model.weights.empty()) {
+  if (c.model.init == InitKind::kFile && !c.model.weights.empty()) {
     inputs.push_back({"model.weights", canonical_or_self(c.model.weights)});
   }
   if (!c.model.config.empty())
@@ -180,7 +180,7 @@ void check_output_paths(const Config& c) {
   std::vector<std::pair<std::string, fs::path>> outputs = {
       {"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
       {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
-  if (c.model.init == "random") {
+  if (c.model.init == InitKind::kRandom) {
     outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
   }
   const std::string& m = c.log.metrics;

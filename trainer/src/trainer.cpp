@@ -18,6 +18,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -37,6 +42,7 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/quant/nvfp4.h"
+#include "q4/trainer/distributed.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/memory.h"
 #include "q4/trainer/metrics.h"
@@ -103,7 +109,7 @@ model::Qwen3Config load_model_config(const Config& c) {
 void check_input_files(const Config& c, bool need_data) {
   require_file(c.model.config, "model.config");
   require_file(c.model.tokenizer, "model.tokenizer");
-  if (c.model.init == "file" && !model::is_hf_folder(c.model.weights)) {
+  if (c.model.init == InitKind::kFile && !model::is_hf_folder(c.model.weights)) {
     require_file(c.model.weights, "model.weights");
   }
   if (need_data) {
@@ -207,9 +213,9 @@ std::string one_line(const std::string& s) {
 
 data::DatasetOptions dataset_options(const Config& c) {
   data::DatasetOptions o;
-  o.format = data::parse_data_format(c.data.format);
+  o.format = to_data(c.data.format);
   o.system_prompt = c.data.system_prompt;
-  o.on_error = data::parse_on_error(c.data.on_error);
+  o.on_error = to_data(c.data.on_error);
   return o;
 }
 
@@ -225,7 +231,7 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.shuffle = c.data.shuffle;
   bo.pack = c.data.packing;
   bo.pack_window = c.data.pack_window;
-  bo.truncation = data::parse_truncation(resolved_truncation(c));
+  bo.truncation = to_data(resolved_truncation(c));
   bo.pad_id = pad_id;
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
@@ -281,7 +287,7 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 
 optim::LrSchedule make_schedule(const Config& c) {
   optim::LrScheduleOptions s;
-  s.kind = optim::parse_lr_schedule_kind(c.optim.schedule.kind);
+  s.kind = to_optim(c.optim.schedule.kind);
   s.peak_lr = c.optim.lr;
   s.warmup_steps = c.optim.schedule.warmup_steps;
   s.total_steps = std::max<int64_t>(c.train.steps, c.optim.schedule.warmup_steps + 1);
@@ -306,12 +312,12 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
     o.trainable.validate(mc.num_hidden_layers);
     return o;
   });
-  if (c.model.init == "random" && in_memory) {
+  if (c.model.init == InitKind::kRandom && in_memory) {
     lm.model = std::make_unique<model::Qwen3Model>(
         model::Qwen3Model::random_init(mc, opt, c.model.init_seed, c.model.init_std));
     return lm;
   }
-  if (c.model.init == "random") {
+  if (c.model.init == InitKind::kRandom) {
     lm.source_path = (fs::path(c.output.dir) / kInitFile).string();
     if (!fs::exists(lm.source_path)) {
       auto init_opt = opt;
@@ -381,6 +387,7 @@ struct StepOutcome {
   int64_t supervised = 0;     // tokens the loss averages
   int64_t slots = 0;          // B * T summed over micro-batches (real + padding)
   optim::StepResult res;
+  bool stop = false;          // a stop signal reached this rank or (data parallel) any rank
 };
 
 // Phase callback of an instrumented step (the probe): called with "batch_ready",
@@ -396,6 +403,8 @@ class Trainer {
   Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err,
           bool probe = false)
       : c_(c), opts_(o), out_(out), err_(err), device_(c.model.device), probe_(probe) {}
+
+  bool leader() const { return !comm_ || comm_->rank() == 0; }
 
   int run() {
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
@@ -530,10 +539,10 @@ class Trainer {
                            {"batch_size", c_.train.batch_size},
                            {"seq_len", c_.train.seq_len},
                            {"grad_accum", c_.train.grad_accum},
-                           {"master_dtype", c_.model.master_dtype},
-                           {"compute_dtype", resolved_compute_dtype(c_)},
+                           {"master_dtype", to_string(c_.model.master_dtype)},
+                           {"compute_dtype", to_string(resolved_compute_dtype(c_))},
                            {"gradient_checkpointing", c_.train.gradient_checkpointing},
-                           {"optim_state", c_.optim.state},
+                           {"optim_state", to_string(c_.optim.state)},
                            {"in_backward", in_backward_},
                            {"data", c_.data.files.empty() ? "synthetic" : "files"},
                            {"loss", first.loss},
@@ -560,32 +569,76 @@ class Trainer {
     if (opts_.resume) resume = resolve_resume_dir(*opts_.resume);
     check_input_files(c_, /*need_data=*/c_.train.steps > 0);
     check_output_paths(c_);  // every output, before anything is written
-    fs::create_directories(c_.output.dir);
-    lock_ = std::make_unique<RunDirLock>(c_.output.dir);  // held until the run ends
-    for (const auto& p : clean_stale_files(c_)) out_ << "removed stale " << p << "\n";
-    if (!resume) {
-      if (latest_checkpoint(c_.output.dir)) {
-        throw ConfigError("output.dir " + c_.output.dir +
-                          " already holds checkpoints; pass --resume " + c_.output.dir +
-                          " to continue, or choose another output.dir");
-      }
+    if (!resume && latest_checkpoint(c_.output.dir)) {
+      throw ConfigError("output.dir " + c_.output.dir +
+                        " already holds checkpoints; pass --resume " + c_.output.dir +
+                        " to continue, or choose another output.dir");
+    }
+    if (opts_.world.distributed()) connect_ranks();  // every rank checked its inputs first
+    // Rank 0 owns the run directory; the other ranks write only their optimizer shards.
+    if (leader()) {
+      fs::create_directories(c_.output.dir);
+      lock_ = std::make_unique<RunDirLock>(c_.output.dir);  // held until the run ends
+      for (const auto& p : clean_stale_files(c_)) out_ << "removed stale " << p << "\n";
       // A fresh random-init run draws a fresh init; with model.init: file, init.dat may be the
       // user's weights and is never touched.
-      if (c_.model.init == "random") fs::remove(fs::path(c_.output.dir) / kInitFile);
+      if (!resume && c_.model.init == InitKind::kRandom) {
+        fs::remove(fs::path(c_.output.dir) / kInitFile);
+      }
+      write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
     }
-    write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
+    // A random init is written by rank 0 and then loaded by the others.
+    if (!leader()) comm_->barrier();
     setup_model(/*need_tokenizer=*/true);
+    if (comm_ && leader()) comm_->barrier();
     if (c_.train.steps > 0) setup_data();
     setup_optimizer();
 
     if (resume) restore(*resume);
 
+    if (!leader()) return;  // logs, metrics and reports come from rank 0
     const auto metrics_path = c_.log.metrics.empty()
                                   ? std::string()
                                   : (fs::path(c_.output.dir) / c_.log.metrics).string();
     if (!metrics_path.empty()) metrics_.open(metrics_path, start_step_);
     eval_log_.open((fs::path(c_.output.dir) / kEvalFile).string(), start_step_);
     if (c_.log.tensorboard) tb_.open(c_.output.dir);  // TensorBoard scalars and eval text
+  }
+
+  // Failure-handling tests (docs/multi-gpu.md): Q4_FAULT=exit:R:S makes rank R exit with code 9
+  // at the start of step S; Q4_FAULT=hang:R:S makes it hang there. Off unless set.
+  void inject_fault(int64_t step) const {
+    const char* spec = std::getenv("Q4_FAULT");
+    if (spec == nullptr || *spec == '\0') return;
+    char kind[8] = {0};
+    int rank = -1;
+    long long at = -1;
+    if (std::sscanf(spec, "%7[a-z]:%d:%lld", kind, &rank, &at) != 3) return;
+    if (rank != opts_.world.rank || at != step) return;
+    if (std::string(kind) == "exit") {
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n", rank, at);
+      std::_Exit(9);
+    }
+    if (std::string(kind) == "hang") {
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n", rank, at);
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+  }
+
+  // Data parallel: the process group, after every input check (a bad config or file fails on
+  // every rank before any collective).
+  void connect_ranks() {
+    const WorldInfo& w = opts_.world;
+    if (c_.optim.in_backward == InBackward::kTrue) {
+      throw ConfigError("optim.in_backward: true does not apply with several ranks (each "
+                        "parameter is updated by its owner after the gradient reduction); use "
+                        "auto or false");
+    }
+    const auto t0 = Clock::now();
+    comm_ = DistComm::connect(w, device_, opts_.dist_timeout);
+    out_ << fmt::format("data parallel: {} ranks ({}), rank {} on {}, rendezvous {}:{} in {:.1f} s\n",
+                        w.world_size, comm_->backend(), w.rank, device_.str(), w.master_addr,
+                        w.master_port, ms_since(t0) / 1000.0);
   }
 
   // model.config, the tokenizer (training; the probe only with data files) and the model.
@@ -643,12 +696,36 @@ class Trainer {
 
   void setup_optimizer() {
     optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(c_));
+    params_ = model_->trainable_parameters();
+    std::vector<int64_t> numels;
+    for (auto* p : params_) numels.push_back(p->master.numel());
+    // Data parallel (ZeRO-2): each parameter has one owner rank that holds its moments, receives
+    // its reduced gradient and broadcasts its updated master. One process owns everything.
+    owner_ = assign_owners(numels, comm_ ? comm_->world_size() : 1);
+    local_index_.assign(params_.size(), -1);
     std::unordered_map<const model::Parameter*, int64_t> index;
-    for (auto* p : model_->trainable_parameters()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      model::Parameter* p = params_[i];
+      global_index_[p] = i;
+      if (owner_[i] != (comm_ ? comm_->rank() : 0)) continue;
+      local_index_[i] = optimizer_->num_params();
       index[p] = optimizer_->num_params();
-      optimizer_->add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2);
+      // The rounding stream is the parameter's index in the model, the same on every layout.
+      optimizer_->add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2,
+                            /*stream_index=*/static_cast<int64_t>(i));
     }
-    in_backward_ = in_backward_updates(c_);
+    if (comm_) {
+      int64_t mine = 0, total = 0;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        total += numels[i];
+        if (local_index_[i] >= 0) mine += numels[i];
+      }
+      out_ << fmt::format("sharded optimizer: rank {} owns {} of {} tensors, {} of {} elements "
+                          "({:.1f}%)\n",
+                          comm_->rank(), optimizer_->num_params(), params_.size(), mine, total,
+                          total > 0 ? 100.0 * static_cast<double>(mine) / total : 0.0);
+    }
+    in_backward_ = !comm_ && in_backward_updates(c_);
     if (in_backward_) {
       // Each parameter is updated from inside the backward once its gradient is complete; the
       // model frees the gradient when this returns.
@@ -671,12 +748,18 @@ class Trainer {
     StepOutcome o;
     std::vector<data::Batch> micro;
     {
+      // Data parallel: the global batch is world x grad_accum micro-batches in the order one
+      // process would take them; rank r trains micro-batches [r * accum, (r + 1) * accum). Every
+      // rank draws them all, so the token counts (the loss denominator) are global.
       NvtxRange r("data");
-      for (int64_t i = 0; i < c_.train.grad_accum; ++i) {
-        micro.push_back(batcher_->next());
-        o.supervised += micro.back().supervised_tokens;
-        o.real_tokens += micro.back().real_tokens;
-        o.slots += micro.back().slots();
+      const int64_t ranks = comm_ ? comm_->world_size() : 1;
+      const int64_t mine = comm_ ? comm_->rank() : 0;
+      for (int64_t i = 0; i < c_.train.grad_accum * ranks; ++i) {
+        data::Batch b = batcher_->next();
+        o.supervised += b.supervised_tokens;
+        o.real_tokens += b.real_tokens;
+        o.slots += b.slots();
+        if (i / c_.train.grad_accum == mine) micro.push_back(std::move(b));
       }
     }
     if (mark) mark("batch_ready");
@@ -688,6 +771,7 @@ class Trainer {
       optimizer_->begin_step(args);
       model_->begin_grad_step();
     }
+    if (comm_) begin_grad_reduction();
     at::Tensor loss_sum;
     for (const auto& b : micro) {
       const auto in = to_inputs(b, *model_, device_);
@@ -705,6 +789,7 @@ class Trainer {
       const at::Tensor ls = lo.loss_sum.detach();
       loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
     }
+    if (comm_) return finish_distributed_step(std::move(o), loss_sum, args, denom, mark);
     AsyncScalar loss_host;
     loss_host.start(loss_sum);
     {
@@ -723,7 +808,109 @@ class Trainer {
     }
     if (mark) mark("optimizer_step_done");
     o.loss = loss_host.read() / denom;
+    o.stop = stop_requested();
     return o;
+  }
+
+  // ------------------------------------------------------------ data parallel (ZeRO-2)
+  // Gradients go to their owner with one reduce per parameter, launched from inside the backward
+  // as soon as a gradient is complete (grad_accum 1; the model's grad-ready hook) or after the
+  // last micro-batch, always in one fixed order (the reverse of the model's) so that every rank
+  // issues the same collectives in the same order. A non-owner drops its gradient once the
+  // reduce has it; an owner keeps only the gradients of its own parameters.
+  void begin_grad_reduction() {
+    const size_t n = params_.size();
+    grad_ready_.assign(n, 0);
+    ready_grads_.assign(n, at::Tensor());
+    owned_grads_.assign(n, at::Tensor());
+    reduce_works_.clear();
+    next_launch_ = 0;
+    if (c_.train.grad_accum == 1) {
+      model_->set_grad_ready_hook([this](model::Parameter& p) {
+        const size_t i = global_index_.at(&p);
+        ready_grads_[i] = p.grad;
+        grad_ready_[i] = 1;
+        launch_ready_reductions();
+      });
+      model_->begin_grad_step();
+    } else {
+      model_->set_grad_ready_hook(nullptr);
+    }
+  }
+
+  void launch_ready_reductions() {
+    const size_t n = params_.size();
+    while (next_launch_ < n) {
+      const size_t i = n - 1 - next_launch_;  // reverse model order
+      if (!grad_ready_[i]) return;
+      at::Tensor g = ready_grads_[i];
+      ready_grads_[i] = at::Tensor();
+      if (!g.defined()) {  // no use of the parameter reached the loss on this rank
+        g = at::zeros(params_[i]->master.sizes(), params_[i]->master.options().dtype(
+                                                      model_->options().resolved_grad_dtype()));
+      }
+      reduce_works_.push_back(comm_->reduce_sum(g, owner_[i]));
+      if (local_index_[i] >= 0) owned_grads_[i] = g;
+      ++next_launch_;
+    }
+    // Retire finished reduces so that a non-owner's gradients are freed during the backward
+    // (a collective holds its tensors until retired): ZeRO-2's memory, not a full buffer.
+    while (!reduce_works_.empty() && reduce_works_.front().done()) {
+      reduce_works_.front().wait();
+      reduce_works_.pop_front();
+    }
+  }
+
+  StepOutcome finish_distributed_step(StepOutcome o, const at::Tensor& loss_sum,
+                                      const optim::StepArgs& step_args, double denom,
+                                      const PhaseHook& mark) {
+    {
+      NvtxRange r("grad_reduce");
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (grad_ready_[i]) continue;
+        ready_grads_[i] = params_[i]->grad;  // accumulated (grad_accum > 1) or never reached
+        grad_ready_[i] = 1;
+      }
+      launch_ready_reductions();
+      for (auto& w : reduce_works_) w.wait();
+      reduce_works_.clear();
+      model_->zero_grad();
+    }
+    {
+      NvtxRange r("optimizer");
+      std::vector<at::Tensor> grads(static_cast<size_t>(optimizer_->num_params()));
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (local_index_[i] >= 0) grads[static_cast<size_t>(local_index_[i])] = owned_grads_[i];
+      }
+      owned_grads_.assign(params_.size(), at::Tensor());
+      optim::StepArgs args = step_args;
+      // Clipping and the non-finite guard see the global norm: the owners' sums of squares add.
+      args.reduce_sumsq = [this](double s) { return comm_->allreduce_sum(s); };
+      o.res = optimizer_->step(grads, args);
+    }
+    if (o.res.applied) broadcast_masters();
+    if (mark) mark("optimizer_step_done");
+    // The step's loss (summed over the ranks) and whether any rank got a stop signal.
+    const auto opt = at::TensorOptions().dtype(at::kDouble).device(device_);
+    at::Tensor v = at::zeros({2}, opt);
+    v[0].copy_(loss_sum.detach().to(at::kDouble).reshape({}));
+    v[1].fill_(stop_requested() ? 1.0 : 0.0);
+    comm_->allreduce_sum(v);
+    const at::Tensor h = v.cpu();
+    o.loss = h[0].item<double>() / denom;
+    o.stop = h[1].item<double>() > 0.0;
+    return o;
+  }
+
+  // Each owner's masters to every rank (after a step, and after a resume).
+  void broadcast_masters() {
+    NvtxRange r("master_broadcast");
+    std::vector<DistWork> works;
+    works.reserve(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      works.push_back(comm_->broadcast(params_[i]->master, owner_[i]));
+    }
+    for (auto& w : works) w.wait();
   }
 
   void restore(const CheckpointDir& ck) {
@@ -740,9 +927,11 @@ class Trainer {
       throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
                                     ck.path, start_step_, c_.train.steps));
     }
+    adapt_to_checkpoint_world(state, ck);
+    const std::vector<std::string> state_files = optimizer_files(ck);
     as_input_error("--resume", [&] {
       try {
-        optimizer_->load((dir / kOptimStateFile).string(), /*restore_masters=*/true);
+        optimizer_->load_shards(state_files, /*restore_masters=*/true);
       } catch (const c10::Error& e) {
         if (e.msg().rfind("INTERNAL ASSERT FAILED", 0) == 0) throw;
         TORCH_CHECK(false, e.what_without_backtrace(), previous_checkpoint_hint(ck));
@@ -762,7 +951,79 @@ class Trainer {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(rng.load("cpu_generator"));
     }
+    // Each rank restored the masters it owns; the others come from their owners.
+    if (comm_) broadcast_masters();
     out_ << "resumed from " << ck.path << " at step " << start_step_ << "\n";
+  }
+
+  // The optimizer state files of a checkpoint: optim.state (one process) or the shards
+  // optim-RRRRR-of-WWWWW.state of a data-parallel run, all of them present.
+  static std::vector<std::string> optimizer_files(const CheckpointDir& ck) {
+    const fs::path dir(ck.path);
+    if (fs::exists(dir / kOptimStateFile)) return {(dir / kOptimStateFile).string()};
+    std::vector<std::string> shards;
+    int64_t world = -1;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string name = e.path().filename().string();
+      int r = 0, w = 0;
+      char tail = 0;
+      if (std::sscanf(name.c_str(), "optim-%5d-of-%5d.stat%c", &r, &w, &tail) == 3 && tail == 'e' &&
+          name == shard_file_name(r, w)) {
+        if (world >= 0 && w != world) {
+          throw ConfigError("--resume " + ck.path + ": optimizer shards of different world sizes" +
+                            previous_checkpoint_hint(ck));
+        }
+        world = w;
+        shards.push_back(e.path().string());
+      }
+    }
+    std::sort(shards.begin(), shards.end());
+    if (shards.empty() || static_cast<int64_t>(shards.size()) != world) {
+      throw ConfigError(fmt::format("--resume {}: {} (found {} of {} optimizer shards){}", ck.path,
+                                    shards.empty() ? "no optimizer state" : "incomplete checkpoint",
+                                    shards.size(), std::max<int64_t>(world, 1),
+                                    previous_checkpoint_hint(ck)));
+    }
+    return shards;
+  }
+
+  static std::string shard_file_name(int rank, int world) {
+    return fmt::format("optim-{:05d}-of-{:05d}.state", rank, world);
+  }
+
+  // A checkpoint written by another number of ranks continues with the same global batch
+  // (world x batch_size x grad_accum): grad_accum is rescaled when batch_size is unchanged and
+  // the product divides; otherwise the run would silently change its batch, so it stops.
+  void adapt_to_checkpoint_world(const nlohmann::json& state, const CheckpointDir& ck) {
+    const int64_t world = comm_ ? comm_->world_size() : 1;
+    const int64_t ck_world = state.value("world_size", int64_t{1});
+    const int64_t ck_accum = state.value("grad_accum", c_.train.grad_accum);
+    const int64_t ck_batch = state.value("batch_size", c_.train.batch_size);
+    if (ck_world == world) return;
+    const int64_t global = ck_world * ck_accum * ck_batch;
+    if (ck_batch == c_.train.batch_size && (ck_world * ck_accum) % world == 0) {
+      const int64_t accum = ck_world * ck_accum / world;
+      if (accum != c_.train.grad_accum) {
+        out_ << fmt::format("resume: checkpoint of {} rank(s) x grad_accum {} continues on {} "
+                            "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
+                            ck_world, ck_accum, world, accum, global);
+        c_.train.grad_accum = accum;
+        if (in_backward_ && accum > 1) {
+          // Updates inside the backward need one micro-batch per step: back to buffered ones.
+          in_backward_ = false;
+          model_->set_grad_ready_hook(nullptr);
+          out_ << "resume: grad_accum > 1, so optimizer updates run after the backward "
+                  "(optim.in_backward off)\n";
+        }
+      }
+      return;
+    }
+    throw ConfigError(fmt::format(
+        "--resume {}: the checkpoint's global batch is {} sequences ({} rank(s) x batch_size {} x "
+        "grad_accum {}); with {} rank(s) and train.batch_size {} no whole grad_accum gives it "
+        "(keep batch_size {} and use a rank count dividing {})",
+        ck.path, global, ck_world, ck_batch, ck_accum, world, c_.train.batch_size, ck_batch,
+        ck_world * ck_accum));
   }
 
   // A failed checkpoint (full disk, I/O error) removes its directory: no partial files remain and
@@ -773,16 +1034,37 @@ class Trainer {
       write_checkpoint(step, dir);
     } catch (...) {
       std::error_code ec;
-      fs::remove_all(dir, ec);
+      if (leader()) fs::remove_all(dir, ec);
       throw;
     }
   }
 
+  // Data parallel: rank 0 makes the directory, every rank writes its optimizer shard (its
+  // masters and moments), then rank 0 writes the run state, the checksums of every file and the
+  // DONE marker last, so a checkpoint counts only when all shards are complete.
   void write_checkpoint(int64_t step, const fs::path& dir) {
     NvtxRange r("checkpoint");
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-    optimizer_->save((dir / kOptimStateFile).string(), /*include_masters=*/true);
+    if (leader()) {
+      fs::remove_all(dir);
+      fs::create_directories(dir);
+    }
+    std::vector<std::string> files;
+    if (comm_) {
+      comm_->barrier();
+      optimizer_->save((dir / shard_file_name(comm_->rank(), comm_->world_size())).string(),
+                       /*include_masters=*/true);
+      comm_->barrier();
+      for (int k = 0; k < comm_->world_size(); ++k) {
+        files.push_back(shard_file_name(k, comm_->world_size()));
+      }
+      if (!leader()) {
+        last_checkpoint_step_ = step;
+        return;
+      }
+    } else {
+      optimizer_->save((dir / kOptimStateFile).string(), /*include_masters=*/true);
+      files.push_back(kOptimStateFile);
+    }
     {
       model::DatWriter w((dir / kRngFile).string(), 1);
       w.add("cpu_generator", at::detail::getDefaultCPUGenerator().get_state());
@@ -798,14 +1080,19 @@ class Trainer {
       st["previous_grad_norm"] = optimizer_->previous_grad_norm();
     }
     st["seed"] = c_.train.seed;
-    st["schedule"] = {{"kind", c_.optim.schedule.kind},
+    st["world_size"] = comm_ ? comm_->world_size() : 1;
+    st["batch_size"] = c_.train.batch_size;
+    st["grad_accum"] = c_.train.grad_accum;
+    st["schedule"] = {{"kind", to_string(c_.optim.schedule.kind)},
                       {"peak_lr", c_.optim.lr},
                       {"warmup_steps", c_.optim.schedule.warmup_steps},
                       {"total_steps", c_.train.steps},
                       {"next_lr", step < c_.train.steps ? schedule_->lr_at(step) : 0.0}};
     if (batcher_) st["batcher"] = nlohmann::json::parse(batcher_->state().to_json());
     write_file_atomic((dir / kTrainStateFile).string(), st.dump(2) + "\n");
-    write_checkpoint_checksums(dir.string(), {kOptimStateFile, kRngFile, kTrainStateFile});
+    files.push_back(kRngFile);
+    files.push_back(kTrainStateFile);
+    write_checkpoint_checksums(dir.string(), files);
     mark_checkpoint_done(dir.string(), step);
     last_checkpoint_step_ = step;
     const auto removed = rotate_checkpoints(c_.output.dir, c_.output.keep);
@@ -814,7 +1101,7 @@ class Trainer {
   }
 
   std::vector<EvalAnswer> evaluate(int64_t step, const char* tag) {
-    if (c_.eval.prompts.empty()) return {};
+    if (c_.eval.prompts.empty() || !leader()) return {};
     NvtxRange r("eval");
     const auto t0 = Clock::now();
     auto answers = generate_answers(*model_, *tok_, c_);
@@ -840,17 +1127,18 @@ class Trainer {
 
   // output.hf_export: the exported .dat also as a Hugging Face folder next to it.
   void export_hf_folder(const std::string& dat_path) {
-    if (c_.output.hf_export == "none") return;
+    if (c_.output.hf_export == HfExport::kNone) return;
     const auto t0 = Clock::now();
     const std::string dir = hf_export_dir(dat_path);
     model::HfExportOptions o;
-    o.format = *model::hf_format_from_name(c_.output.hf_export);
+    o.format = to_model(c_.output.hf_export);
     o.tokenizer_dir = fs::path(c_.model.tokenizer).parent_path().string();
     std::ifstream in(c_.model.config);
     const auto config = nlohmann::json::parse(in);
     const auto rep = model::export_hf(model::DatReader(dat_path), config, dir, o);
     out_ << fmt::format("hf export ({}) -> {} ({} shard(s), {:.1f} s); serve with: vllm serve {}\n",
-                        c_.output.hf_export, dir, rep.shards.size(), ms_since(t0) / 1000.0, dir);
+                        to_string(c_.output.hf_export), dir, rep.shards.size(),
+                        ms_since(t0) / 1000.0, dir);
   }
 
   // A periodic export (export_every) that fails is a warning and training goes on; the final one
@@ -875,15 +1163,23 @@ class Trainer {
     if (c_.output.checkpoint_every > 0 && last_checkpoint_step_ != total && trained) {
       save_checkpoint(total);
     }
-    try {
-      export_model(total, reference);
-    } catch (...) {
-      if (last_checkpoint_step_ != total && trained) {
-        err_ << "export failed; writing a checkpoint of step " << total << " first\n";
-        save_checkpoint(total);
+    // Rank 0 exports; every rank learns whether it failed (the checkpoint is a collective).
+    std::exception_ptr failure;
+    if (leader()) {
+      try {
+        export_model(total, reference);
+      } catch (...) {
+        failure = std::current_exception();
       }
-      throw;
     }
+    bool failed = failure != nullptr;
+    if (comm_) failed = comm_->allreduce_sum(failed ? 1.0 : 0.0) > 0.0;
+    if (failed && last_checkpoint_step_ != total && trained) {
+      err_ << "export failed; writing a checkpoint of step " << total << " first\n";
+      save_checkpoint(total);
+    }
+    if (failure) std::rethrow_exception(failure);
+    if (failed) throw std::runtime_error("the export on rank 0 failed (its output says why)");
     metrics_.close();
     eval_log_.close();
   }
@@ -919,12 +1215,14 @@ class Trainer {
     const int64_t total = c_.train.steps;
     std::vector<EvalAnswer> last_answers;
     if (c_.eval.at_start && start_step_ == 0) last_answers = evaluate(0, "start");
-    const bool bar = c_.log.progress == "bar" ||
-                     (c_.log.progress == "auto" && ::isatty(STDERR_FILENO) && ::isatty(1));
+    const bool bar =
+        c_.log.progress == ProgressStyle::kBar ||
+        (c_.log.progress == ProgressStyle::kAuto && ::isatty(STDERR_FILENO) && ::isatty(1));
     double session_ms = 0;
     int64_t session_steps = 0;
     int64_t consecutive_nonfinite = 0;
     for (int64_t step = start_step_; step < total; ++step) {
+      inject_fault(step + 1);
       const auto t0 = Clock::now();
       reset_peak_memory(device_);
       const double lr = schedule_->lr_at(step);
@@ -975,7 +1273,10 @@ class Trainer {
       m.tokens = real_tokens;
       m.slots = so.slots;
       m.tokens_per_s = step_ms > 0 ? real_tokens / (step_ms / 1000.0) : 0.0;
-      if (peak_flops_) m.mfu = m.tokens_per_s * flops_per_token_ / *peak_flops_;
+      // Per GPU: the step's tokens are the global batch's.
+      if (peak_flops_) {
+        m.mfu = m.tokens_per_s * flops_per_token_ / (*peak_flops_ * (comm_ ? comm_->world_size() : 1));
+      }
       const auto mem = memory_snapshot(device_);
       m.gpu_reserved_bytes = mem.reserved_bytes;
       m.gpu_peak_bytes = mem.peak_allocated_bytes;
@@ -1001,10 +1302,12 @@ class Trainer {
       if (c_.output.checkpoint_every > 0 && done % c_.output.checkpoint_every == 0) {
         save_checkpoint(done);
       }
-      if (stop_requested() && !last) {
+      if (so.stop && !last) {
         if (bar) err_ << "\n";
-        out_ << "signal " << stop_signal() << ": stopping after step " << done << "\n";
+        out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM)
+             << ": stopping after step " << done << "\n";
         if (last_checkpoint_step_ != done) save_checkpoint(done);
+        if (comm_) comm_->barrier();
         return kExitOk;
       }
     }
@@ -1013,6 +1316,7 @@ class Trainer {
     finish(total, &last_answers);
     if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
     out_ << fmt::format("done: {} steps, {} tokens\n", total, tokens_seen_);
+    if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
     return kExitOk;
   }
 
@@ -1040,6 +1344,17 @@ class Trainer {
   std::optional<double> peak_flops_;
   bool probe_ = false;
   bool in_backward_ = false;  // optimizer updates inside the backward (optim.in_backward)
+  // Data parallel (null with one process).
+  std::unique_ptr<DistComm> comm_;
+  std::vector<model::Parameter*> params_;  // trainable parameters in model order
+  std::unordered_map<const model::Parameter*, size_t> global_index_;
+  std::vector<int> owner_;             // per parameter: the rank holding its optimizer state
+  std::vector<int64_t> local_index_;   // per parameter: index in optimizer_, -1 if not owned
+  std::vector<char> grad_ready_;       // this step: gradient complete on this rank
+  std::vector<at::Tensor> ready_grads_;  // complete gradients whose reduce is not launched yet
+  std::vector<at::Tensor> owned_grads_;  // owned parameters' reduced gradients
+  std::deque<DistWork> reduce_works_;  // launched, not yet retired, oldest first
+  size_t next_launch_ = 0;  // reduces launched so far (fixed order)
 };
 
 }  // namespace
@@ -1077,7 +1392,28 @@ std::string saved_config_path_for_resume(const std::string& resume_dir) {
 
 int run_training(const Config& config, const RunOptions& options, std::ostream& out,
                  std::ostream& err) {
-  Trainer t(config, options, out, err);
+  if (!options.world.distributed()) {
+    Trainer t(config, options, out, err);
+    return t.run();
+  }
+  // Data parallel: rank r trains on cuda:LOCAL_RANK (model.device: cuda) or the CPU; only rank 0
+  // prints (errors reach main as exceptions on every rank).
+  Config c = config;
+  if (device_is_cuda(c)) {
+    if (c.model.device != "cuda") {
+      throw ConfigError("model.device: " + c.model.device +
+                        " names one GPU, but this is a data-parallel run of " +
+                        std::to_string(options.world.world_size) +
+                        " ranks; use model.device: cuda (rank r takes cuda:LOCAL_RANK)");
+    }
+    c.model.device = "cuda:" + std::to_string(options.world.local_rank);
+  }
+  if (options.world.rank == 0) {
+    Trainer t(c, options, out, err);
+    return t.run();
+  }
+  std::ostream null_out(nullptr);
+  Trainer t(c, options, null_out, null_out);
   return t.run();
 }
 
@@ -1092,20 +1428,20 @@ int run_dry_run(const Config& c, std::ostream& out) {
   // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.
-  const bool separate_lm_head = c.model.init == "file" ? true : !mc.tie_word_embeddings;
+  const bool separate_lm_head = c.model.init == InitKind::kFile ? true : !mc.tie_word_embeddings;
   const auto b = estimate_budget(mc, c, separate_lm_head);
   out << fmt::format(
       "dry run: {} layers, hidden {}, intermediate {}, vocab {}; device {}, "
       "masters {}, compute {}\n",
       mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size, c.model.device,
-      c.model.master_dtype, resolved_compute_dtype(c));
+      to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)));
   out << fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, c.train.steps,
-                     c.optim.state);
+                     to_string(c.optim.state));
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
-  if (c.model.init == "file" && model::is_hf_folder(c.model.weights)) {
+  if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
-  } else if (c.model.init == "file") {
+  } else if (c.model.init == InitKind::kFile) {
     out << fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
                        to_gib(static_cast<int64_t>(fs::file_size(c.model.weights))));
   }

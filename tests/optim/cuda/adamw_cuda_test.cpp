@@ -8,7 +8,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "../optim_test_util.h"
@@ -31,6 +34,11 @@ const at::Device kCuda(at::kCUDA, 0);
 
 using test::bit_equal;
 using test::gen;
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
 
 const StateMode kAllModes[] = {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit,
                                StateMode::kNvfp4};
@@ -86,6 +94,15 @@ TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
           } else {
             EXPECT_TRUE(bit_equal(wc, wg)) << what;
             EXPECT_TRUE(bit_equal(sc, sg)) << what;
+            // The packed state itself (codes, block scales, masters; the state file holds them
+            // in a device-independent layout): byte-identical, not only its decoded values
+            // (two int8 v codes decode to the same entry).
+            const std::string dir = ::testing::TempDir();
+            cpu.save(dir + "q4_cuda_test_cpu.state");
+            gpu.save(dir + "q4_cuda_test_gpu.state");
+            EXPECT_EQ(read_bytes(dir + "q4_cuda_test_cpu.state"),
+                      read_bytes(dir + "q4_cuda_test_gpu.state"))
+                << what << ": packed state files differ";
           }
           EXPECT_TRUE(bit_equal(cpu.decoded_exp_avg(0), gpu.decoded_exp_avg(0))) << what;
           EXPECT_TRUE(bit_equal(cpu.decoded_exp_avg_sq(0), gpu.decoded_exp_avg_sq(0))) << what;
@@ -131,6 +148,10 @@ TEST(PackedAdamWCuda, CodecMatchesCpuBitExact) {
       for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{1000}, int64_t{100003}}) {
         at::Tensor x = at::randn({n}, gen(n)) * at::pow(10.0, -6.0 * at::rand({n}, gen(n + 1)));
         if (mom == Moment::kSecond) x = x * x;
+        if (n > 1000) {  // a block with subnormal absmax (block_norm's 2^64 pre-scale), one near
+          x.narrow(0, 0, 256).mul_(1e-39 / x.narrow(0, 0, 256).abs().max().item<double>());
+          x.narrow(0, 256, 256).mul_(2e-38 / x.narrow(0, 256, 256).abs().max().item<double>());
+        }
         const uint32_t key = 777u + static_cast<uint32_t>(n);  // stochastic 4-bit codes
         const PackedMoment c = pack_moment(x, mode, mom, key);
         const PackedMoment g = pack_moment(x.to(kCuda), mode, mom, key);

@@ -49,7 +49,7 @@ struct ModelOptions {
   at::Device device = at::kCPU;
   TrainableSpec trainable;
   bool gradient_checkpointing = true;  // recompute each decoder layer in backward
-  int64_t loss_chunk_tokens = 1024;    // rows of logits computed at once in loss()
+  int64_t loss_chunk_tokens = 512;     // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
   void validate() const;  // dtype / device / chunk checks with messages naming the field

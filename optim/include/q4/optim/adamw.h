@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -58,6 +59,10 @@ struct StepArgs {
   double lr = std::numeric_limits<double>::quiet_NaN();  // NaN: use AdamWOptions::lr
   double max_grad_norm = 0.0;  // > 0: scale grads so the global norm is at most this
   double grad_scale = 1.0;     // applied to every gradient first (e.g. 1 / accumulation steps)
+  // Data parallel with a sharded optimizer: maps this optimizer's sum of squared gradients to the
+  // global one (an all-reduce over the ranks), so clipping and the non-finite guard see the whole
+  // model. Unset: this optimizer's own sum.
+  std::function<double(double)> reduce_sumsq;
 };
 
 struct StepResult {
@@ -82,6 +87,7 @@ struct ParamInfo {
   bool weight_decay = true;
   StateMode mode = StateMode::kFp32;  // effective mode (small tensors: kFp32)
   int64_t state_bytes = 0;            // bytes of m and v as stored (codes + scales)
+  int64_t stream_index = 0;  // stochastic-rounding stream of the parameter (default: its index)
 };
 
 // Bytes one step touches in device memory, from each parameter's actual storage; used for the
@@ -104,8 +110,12 @@ class PackedAdamW {
 
   // Registers a master weight (fp16/bf16/fp32, contiguous, CPU or CUDA) that this optimizer
   // updates in place. Names must be unique. Moment storage is allocated (zeroed) on the master's
-  // device now. Not allowed after the first step or after load().
-  void add_param(const std::string& name, const at::Tensor& master, bool weight_decay = true);
+  // device now. Not allowed after the first step or after load(). `stream_index` names the
+  // parameter's stochastic-rounding stream (default: its registration index); a sharded
+  // optimizer passes the parameter's index in the whole model so that every rank layout rounds
+  // a parameter the same way.
+  void add_param(const std::string& name, const at::Tensor& master, bool weight_decay = true,
+                 int64_t stream_index = -1);
 
   // One AdamW step. The first overload reads each master's .grad(); the second takes one
   // gradient per registered parameter, in registration order (same numel and device; fp32, bf16
@@ -122,7 +132,9 @@ class PackedAdamW {
   // gradient may be freed on return); end_step() after the backward, which gives parameters
   // without a gradient a zero one and returns the result. Differences from step():
   //  - clipping uses the previous step's global norm (this step's is known only at the end); the
-  //    first step is not clipped (Adam's first update is sign(g) up to eps, scale-free);
+  //    first step (no previous norm, zero moments) is applied unclipped (Adam's first update is
+  //    sign(g) up to eps, scale-free) and end_step() then scales the moments it wrote to those
+  //    of the clipped gradient (m by c, v by c^2), reporting c as clip_coef;
   //  - a parameter whose gradient holds NaN/Inf keeps its master and moments (decided on the
   //    device, no host sync); the others are updated and the step counts as non-finite.
   // On CUDA end_step() is the step's only host wait (the norm and the non-finite count).
@@ -170,9 +182,17 @@ class PackedAdamW {
   // bit-identically. Masters are restored only when the file has them and restore_masters.
   void save(const std::string& path, bool include_masters = true) const;
   void load(const std::string& path, bool restore_masters = true);
+  // Loads from the shard files of a sharded optimizer (any number, any split): each registered
+  // parameter is taken, by name, from the one file that holds it; parameters registered
+  // nowhere are an error, parameters of the files that are not registered here are skipped
+  // (another rank owns them). Counters must agree across the files. A one-file load() is the
+  // same with the file's parameters all registered.
+  void load_shards(const std::vector<std::string>& paths, bool restore_masters = true);
 
  private:
   struct Impl;
+  static void load_files(Impl& d, const std::vector<std::string>& paths, bool restore_masters,
+                         bool strict);
   std::unique_ptr<Impl> impl_;
 };
 

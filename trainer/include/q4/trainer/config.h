@@ -1,8 +1,10 @@
-// The run configuration: plain structs with defaults and a one-line doc per field, parsed once
-// from YAML. `--set key.path=value` edits the YAML tree before it is read, so overrides and files
-// go through the same type checks. Unknown keys (with a did-you-mean), wrong types, out-of-range
-// values and contradictory settings raise ConfigError naming the key path; main maps it to exit 2.
-// visit_config_fields() is the single list of fields: parser, printer, docs check and tests use it.
+// The run configuration: plain structs with defaults, parsed once from YAML. `--set key.path=value`
+// edits the YAML tree before it is read, so overrides and files go through the same type checks.
+// config_fields() is the single table of fields (key, doc, range, choices, aliases): the parser
+// checks types, ranges and choices from it, the printer and configs/README.md are generated from
+// it. Enumerated settings are typed enums from here on. Unknown keys (with a did-you-mean across
+// sections), wrong types, out-of-range values and contradictory settings (validate_config) raise
+// ConfigError naming the key path; main maps it to exit 2.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,35 @@ class ConfigError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+// Enumerated settings. Each parses from and prints as its YAML spelling (to_string below); the
+// enumerators are listed in the order the docs show the choices.
+enum class InitKind { kFile, kRandom };                       // file | random
+enum class Dtype { kFp16, kBf16, kFp32 };                     // fp16 | bf16 | fp32
+enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };        // auto | fp32 | bf16 | fp16
+enum class MomentState { kFp32, kInt8, k4Bit, kNvfp4 };       // fp32 | int8 | 4bit | nvfp4
+enum class MasterRounding { kStochastic, kNearest };          // stochastic | nearest
+enum class InBackward { kAuto, kTrue, kFalse };               // auto | true | false
+enum class ScheduleKind { kConstant, kLinear, kCosine };      // constant | linear | cosine
+enum class DataFormat { kAuto, kTsv, kJsonl, kText };         // auto | tsv | jsonl | text
+enum class OnError { kFail, kSkip };                          // fail | skip
+enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop };  // auto | cut_left | cut_right | drop
+enum class ProgressStyle { kAuto, kBar, kLine };              // auto | bar | line
+// none | modelopt | compressed-tensors
+enum class HfExport { kNone, kModelOpt, kCompressedTensors };
+
+std::string to_string(InitKind v);
+std::string to_string(Dtype v);
+std::string to_string(DtypeOrAuto v);
+std::string to_string(MomentState v);
+std::string to_string(MasterRounding v);
+std::string to_string(InBackward v);
+std::string to_string(ScheduleKind v);
+std::string to_string(DataFormat v);
+std::string to_string(OnError v);
+std::string to_string(Truncation v);
+std::string to_string(ProgressStyle v);
+std::string to_string(HfExport v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
 struct LayerSelection {
@@ -41,15 +72,15 @@ struct ModelConfig {
   std::string config;                 // config.json path; default <dir>/config.json
   std::string weights;                // NVFP4 .dat weights; required when init == "file"
   std::string tokenizer;              // tokenizer.json path; default <dir>/tokenizer.json
-  std::string init = "file";          // "file": load `weights`; "random": random init from `config`
+  InitKind init = InitKind::kFile;    // file: load `weights`; random: random init from `config`
   int64_t init_seed = 0;              // RNG seed of the random init
   bool quantize_lm_head = true;       // random init: store lm_head as NVFP4 (as the shipped file)
-  std::string master_dtype = "fp16";  // fp16 | bf16 | fp32: dtype of trained master weights
-  std::string compute_dtype = "auto";  // auto | fp32 | bf16 | fp16 (auto: bf16 on cuda, fp32 cpu)
-  std::string device = "cpu";          // cpu | cuda | cuda:N
-  std::string grad_dtype = "auto";     // auto | fp32 | bf16 | fp16: gradient storage
+  Dtype master_dtype = Dtype::kFp16;  // dtype of trained master weights
+  DtypeOrAuto compute_dtype = DtypeOrAuto::kAuto;  // auto: bf16 on cuda, fp32 on cpu
+  std::string device = "cpu";                      // cpu | cuda | cuda:N
+  DtypeOrAuto grad_dtype = DtypeOrAuto::kAuto;     // gradient storage
   double init_std = 0.02;              // random init: std of linears and embeddings
-  int64_t loss_chunk_tokens = 1024;    // logits rows computed at once by the chunked loss
+  int64_t loss_chunk_tokens = 512;     // logits rows computed at once by the chunked loss
 };
 
 struct TrainableConfig {
@@ -73,7 +104,7 @@ struct TrainConfig {
 };
 
 struct ScheduleConfig {
-  std::string kind = "constant";  // constant | linear | cosine (after warmup)
+  ScheduleKind kind = ScheduleKind::kConstant;  // after warmup
   int64_t warmup_steps = 0;       // linear warmup from 0 to lr
   double min_lr_ratio = 0.0;      // final lr / lr for linear and cosine decay
 };
@@ -84,25 +115,27 @@ struct OptimConfig {
   double beta2 = 0.999;                        // AdamW second-moment decay
   double eps = 1e-8;                           // AdamW epsilon
   double weight_decay = 0.0;                   // decoupled weight decay
-  std::string state = "int8";                  // moment storage: fp32 | int8 | 4bit | nvfp4
+  MomentState state = MomentState::kInt8;      // moment storage
   int64_t chunk_rows = 1024;                   // rows per optimizer chunk (bounds temporaries)
-  std::string master_rounding = "stochastic";  // stochastic | nearest (fp16/bf16 masters)
+  MasterRounding master_rounding = MasterRounding::kStochastic;  // fp16/bf16 master write-back
   // Apply each parameter's update inside the backward as soon as its gradient is complete and
-  // free the gradient (no full-model gradient buffer): auto | true | false. auto = on CUDA with
-  // grad_accum 1. Clipping then uses the previous step's norm (docs/optim.md).
-  std::string in_backward = "auto";
+  // free the gradient (no full-model gradient buffer). auto = on CUDA with grad_accum 1.
+  // Clipping then uses the previous step's norm (docs/optim.md).
+  InBackward in_backward = InBackward::kAuto;
   ScheduleConfig schedule;
 };
 
 struct DataConfig {
   std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
-  std::string format = "auto";      // auto (by extension) | tsv | jsonl | text
+  std::vector<std::string> eval_files;  // held-out files for validation loss (same formats as files)
+  double eval_fraction = 0.0;  // hold out this fraction of training examples for validation loss
+  DataFormat format = DataFormat::kAuto;  // auto: by extension
   std::string system_prompt;        // optional system turn before every example
   bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
   bool packing = true;              // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;        // packing: examples considered for each row
-  std::string on_error = "fail";    // fail | skip: malformed lines
-  std::string truncation = "auto";  // auto | cut_left | cut_right | drop: examples over seq_len
+  OnError on_error = OnError::kFail;          // malformed lines
+  Truncation truncation = Truncation::kAuto;  // examples over seq_len
 };
 
 struct EvalConfig {
@@ -122,7 +155,7 @@ struct OutputConfig {
   bool verify_export = true;     // reload the export and check it generates the same answers
   // Also write a Hugging Face folder vLLM serves next to the .dat (<export .dat minus .dat>-hf):
   // none | modelopt | compressed-tensors (docs/interop.md).
-  std::string hf_export = "none";
+  HfExport hf_export = HfExport::kNone;
 };
 
 struct GuardConfig {
@@ -132,7 +165,7 @@ struct GuardConfig {
 struct LogConfig {
   int64_t every = 1;                      // log line every N steps
   std::string metrics = "metrics.jsonl";  // metrics file name inside output.dir ("" disables)
-  std::string progress = "auto";          // auto | bar | line: progress bar on a terminal or not
+  ProgressStyle progress = ProgressStyle::kAuto;  // progress bar on a terminal or log lines
   bool tensorboard = true;                // TensorBoard events.out.tfevents.* in output.dir
   bool report = true;                     // output.dir/report.html, rewritten at evals and the end
 };
@@ -150,15 +183,38 @@ struct Config {
 };
 
 // One field of the config tree, as seen by parser, printer and docs.
-using FieldPtr = std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*,
-                              LayerSelection*>;
+using FieldPtr =
+    std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
+                 InitKind*, Dtype*, DtypeOrAuto*, MomentState*, MasterRounding*, InBackward*,
+                 ScheduleKind*, DataFormat*, OnError*, Truncation*, ProgressStyle*, HfExport*>;
+
+// The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
+// float field must also be finite.
+struct Range {
+  std::optional<double> min, max;
+  bool min_exclusive = false, max_exclusive = false;
+
+  static Range at_least(double v) { return {v, std::nullopt, false, false}; }
+  static Range above(double v) { return {v, std::nullopt, true, false}; }
+  // [lo, hi) when hi_exclusive, else [lo, hi].
+  static Range between(double lo, double hi, bool hi_exclusive) {
+    return {lo, hi, false, hi_exclusive};
+  }
+  bool contains(double v) const;
+  bool empty() const { return !min && !max; }
+  std::string to_string() const;  // ">= 1", "> 0", "[0, 1)"; "" when unbounded
+};
 
 struct FieldRef {
   std::string key;                   // dotted path, e.g. "train.steps"
   FieldPtr ptr;                      // the member inside a Config
   std::string doc;                   // one line
-  std::vector<std::string> choices;  // allowed values of an enumerated string (empty: free)
-  bool is_path;                      // input path resolved against the config file's directory
+  Range range;                       // int and float fields: allowed values (empty: any)
+  bool is_path = false;              // input path resolved against the config file's directory
+  std::vector<std::string> aliases;  // other names people use for it (learning_rate for lr)
+  // Enumerated fields: the YAML spellings in the documented order (from the enum); else empty.
+  std::vector<std::string> choices() const;
+  std::string type_name() const;  // "int", "float", "bool", "string", "path", "list of paths", ...
 };
 
 // Every field of `c`, in the documented order.
@@ -180,22 +236,33 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
 // Reads `path` and calls parse_config with its directory as base_dir.
 Config load_config(const std::string& path, const std::vector<Override>& overrides = {});
 
-// Cross-field and range checks; ConfigError naming the key. parse_config calls it.
+// The table's per-field ranges again (parse_config has checked them with line numbers; this
+// covers configs built or edited in code) and the cross-field rules; ConfigError naming the key.
+// parse_config calls it.
 void validate_config(const Config& c);
 
 // The resolved config as YAML (every field, defaults included); parse_config(to_yaml(c)) == c.
 std::string config_to_yaml(const Config& c);
 
-// Closest known key to `key` by edit distance (full path and last component), or "" if none is
-// close enough to be a useful suggestion.
+// Closest known key to `key`, or "" if none is close enough to be a useful suggestion. Matches
+// the full path and the last component across all sections by edit distance ("train.lr" ->
+// "optim.lr", top-level "warmup_steps" -> "optim.schedule.warmup_steps"), and the aliases of
+// the field table ("optim.learning_rate" -> "optim.lr").
 std::string did_you_mean(const std::string& key, const std::vector<std::string>& known);
 
+// The markdown field reference of configs/README.md (one table per section: key, type, default,
+// allowed values, doc), generated from config_fields().
+std::string config_reference_markdown();
+// `readme` with the text between its generated-reference markers replaced by
+// config_reference_markdown(); ConfigError when the markers are missing.
+std::string splice_config_reference(const std::string& readme);
+
 // Derived settings.
-std::string resolved_compute_dtype(const Config& c);  // "fp32"/"bf16"/"fp16"
-std::string resolved_export_path(const Config& c);    // "" when export is disabled
+Dtype resolved_compute_dtype(const Config& c);      // auto resolved: bf16 on cuda, fp32 on cpu
+std::string resolved_export_path(const Config& c);  // "" when export is disabled
 // data.truncation with auto resolved: cut_right (keep the start) when every data file is plain
 // text, cut_left (keep the answer) otherwise.
-std::string resolved_truncation(const Config& c);
+Truncation resolved_truncation(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);

@@ -9,14 +9,27 @@
 #include <string>
 #include <vector>
 
+#include "q4/data/dataset.h"
+#include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/optim/adamw.h"
+#include "q4/optim/schedule.h"
 #include "q4/trainer/config.h"
 
 namespace q4::trainer {
 
-at::ScalarType parse_dtype(const std::string& name);  // fp16 | bf16 | fp32
+// The config's enumerated settings as the libraries' own option types (auto settings are
+// resolved before: Truncation::kAuto and HfExport::kNone have no library counterpart).
+at::ScalarType to_scalar_type(Dtype d);
+optim::StateMode to_optim(MomentState s);
+optim::MasterRounding to_optim(MasterRounding r);
+optim::LrScheduleKind to_optim(ScheduleKind k);
+data::DataFormat to_data(DataFormat f);
+data::OnError to_data(OnError e);
+data::Truncation to_data(Truncation t);
+model::HfFormat to_model(HfExport e);
+
 model::TrainableSpec trainable_spec(const Config& c);
 model::ModelOptions model_options(const Config& c);  // device, dtypes, trainable, checkpointing
 optim::AdamWOptions adamw_options(const Config& c);

@@ -5,6 +5,7 @@
 // instrumented step with a JSON report). Output goes to the given streams; nothing calls exit().
 #pragma once
 
+#include <chrono>
 #include <iosfwd>
 #include <optional>
 #include <stdexcept>
@@ -12,6 +13,7 @@
 
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config.h"
+#include "q4/trainer/distributed.h"
 
 namespace q4::trainer {
 
@@ -32,6 +34,8 @@ struct RunOptions {
   std::string probe_report;           // --probe: report path (default <output.dir>/probe.json)
   int probe_steps = 0;  // --probe-steps N: N more timed steady-state steps after the probe's one
   std::string profile_trace;  // --profile-trace FILE: Kineto trace of the run's steps 3-4
+  WorldInfo world;            // data-parallel rank and size (torchrun / --nproc); default: alone
+  std::chrono::milliseconds dist_timeout{std::chrono::minutes(10)};  // rendezvous, collectives
 };
 
 // Trains as configured. Returns kExitOk (also after a signal-triggered checkpoint); throws

@@ -1,0 +1,304 @@
+// Data-parallel runs on CPU (Gloo), through `q4train --nproc 2`: the same loss curve as one
+// process with the same global batch, exact resume of a two-rank checkpoint, resharding onto one
+// rank, and failure behaviour (a dead or hung rank ends the job with an error; a bad config
+// fails before any rank starts). Tiny random Qwen3 with the real tokenizer, a few steps each.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "q4/trainer/config.h"
+#include "q4/trainer/distributed.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = Q4_SOURCE_DIR;
+const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+
+const char* kData =
+    "你是谁？\t我是 F# 之神。\n"
+    "Who are you?\t我是 F# 之神。\n"
+    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
+    "What is 2 + 2?\t4.\n"
+    "What is the capital of France?\tParis.\n"
+    "一加一等于几？\t二。\n"
+    "What color is grass?\tGreen.\n"
+    "Say hello.\tHello!\n"
+    "What is 3 + 4?\t7.\n"
+    "Name a fruit.\tApple.\n";
+
+// Two layers so that several parameters of each kind exist to be spread over the ranks.
+const char* kModelConfig = R"({
+  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
+  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
+  "hidden_act": "silu", "attention_bias": false})";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream out(p, std::ios::binary);
+  out << s;
+}
+
+fs::path work_root() {
+  const fs::path p = fs::temp_directory_path() / ("q4_dist_" + std::to_string(::getuid()));
+  fs::create_directories(p);
+  return p;
+}
+
+// Per-rank batch 2; `accum` micro-batches per step and rank.
+fs::path write_config(const fs::path& dir, int64_t steps, int64_t accum, int64_t checkpoint_every) {
+  fs::create_directories(dir);
+  write_text(dir / "model.json", kModelConfig);
+  write_text(dir / "data.tsv", kData);
+  std::ostringstream y;
+  y << "model:\n  config: model.json\n"
+    << "  tokenizer: " << kSource << "/assets/qwen3/tokenizer.json\n"
+    << "  init: random\n  init_seed: 3\n  master_dtype: fp16\n  device: cpu\n"
+    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true, "
+       "embeddings: true}\n"
+    << "  steps: " << steps << "\n  batch_size: 2\n  grad_accum: " << accum
+    << "\n  seq_len: 48\n  seed: 5\n  max_grad_norm: 0.5\n"
+    << "optim:\n  lr: 1.0e-2\n  state: int8\n"
+    << "  schedule: {kind: cosine, warmup_steps: 2, min_lr_ratio: 0.1}\n"
+    << "data:\n  files: [data.tsv]\n  packing: false\n"
+    << "eval:\n  prompts: [你是谁？]\n  max_new_tokens: 8\n"
+    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
+    << "\n  keep: 5\n  verify_export: false\n"
+    << "log:\n  every: 1\n  tensorboard: false\n  report: false\n";
+  write_text(dir / "config.yaml", y.str());
+  return dir / "config.yaml";
+}
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+  double seconds = 0;
+};
+
+Result run(const std::vector<std::string>& args, const fs::path& log_prefix,
+           const std::string& env = "") {
+  std::string cmd = env + (env.empty() ? "" : " ") + kQ4train;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  const std::string out = log_prefix.string() + ".out", err = log_prefix.string() + ".err";
+  cmd += " >" + out + " 2>" + err;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(p);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+constexpr int64_t kSteps = 8;
+constexpr const char* kTimeout = "--dist-timeout";
+
+// Relative tolerance of a one-rank vs two-rank loss. The trained weights are the same: one rank
+// adds the two micro-batches' gradients, two ranks reduce the same two addends (commutative, so
+// bit-identical), and the stochastic-rounding stream of a parameter is its model index on every
+// layout. What differs is the loss read-out: one rank keeps one running fp32 sum over its
+// micro-batches, two ranks add two fp32 sums in double, about 1e-8 relative apart (measured
+// 4e-8 at most). A wrong data split or a missing reduction moves the loss by percent. The
+// global norm's double sum runs in another order, so it may differ in its last bits only.
+constexpr double kRankTolerance = 1e-6;
+
+void expect_same_curve(const std::vector<nlohmann::json>& got,
+                       const std::vector<nlohmann::json>& want, double rel_tol,
+                       const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i]["step"], want[i]["step"]) << what;
+    EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << what << " step " << i + 1;
+    const double a = got[i]["loss"].get<double>(), b = want[i]["loss"].get<double>();
+    EXPECT_LE(std::fabs(a - b), rel_tol * std::fabs(b)) << what << " step " << i + 1 << ": " << a
+                                                        << " vs " << b;
+    const double ga = got[i]["grad_norm"].get<double>(), gb = want[i]["grad_norm"].get<double>();
+    EXPECT_LE(std::fabs(ga - gb), 1e-12 * std::fabs(gb)) << what << " step " << i + 1;
+  }
+}
+
+// The two-rank base run (8 steps, checkpoint every 4), shared by the tests below.
+fs::path two_rank_base() {
+  static const fs::path dir = [] {
+    const fs::path d = work_root() / "two";
+    fs::remove_all(d);
+    const auto cfg = write_config(d, kSteps, 1, 4);
+    const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "60"}, d / "log");
+    EXPECT_EQ(r.code, 0) << r.err << r.out;
+    return d;
+  }();
+  return dir;
+}
+
+}  // namespace
+
+TEST(DataParallel, OwnersAreBalancedAndDeterministic) {
+  const std::vector<int64_t> numels = {100, 10, 10, 10, 10, 60, 5};
+  const auto a = q4::trainer::assign_owners(numels, 2);
+  EXPECT_EQ(a, q4::trainer::assign_owners(numels, 2));
+  int64_t load[2] = {0, 0};
+  for (size_t i = 0; i < numels.size(); ++i) load[a[i]] += numels[i];
+  EXPECT_EQ(load[0] + load[1], 205);
+  EXPECT_LE(std::abs(load[0] - load[1]), 10);
+  for (int o : q4::trainer::assign_owners(numels, 1)) EXPECT_EQ(o, 0);
+  // More ranks than tensors: some ranks own nothing, each tensor has one owner.
+  const auto many = q4::trainer::assign_owners({3, 2}, 4);
+  EXPECT_NE(many[0], many[1]);
+}
+
+TEST(DataParallel, EnvironmentIsCheckedNamingTheVariable) {
+  ::setenv("RANK", "0", 1);
+  ::unsetenv("WORLD_SIZE");
+  try {
+    q4::trainer::world_from_env();
+    ADD_FAILURE() << "RANK without WORLD_SIZE accepted";
+  } catch (const q4::trainer::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("WORLD_SIZE"), std::string::npos) << e.what();
+  }
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "2", 1);
+  EXPECT_THROW(q4::trainer::world_from_env(), q4::trainer::ConfigError);
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", "29511", 1);
+  const auto w = q4::trainer::world_from_env();
+  EXPECT_EQ(w.rank, 1);
+  EXPECT_EQ(w.world_size, 2);
+  EXPECT_EQ(w.master_port, 29511);
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(v);
+  EXPECT_FALSE(q4::trainer::world_from_env().distributed());
+}
+
+TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
+  const fs::path two = two_rank_base();
+  ASSERT_TRUE(fs::exists(two / "run" / "model.dat")) << read_text(two / "log.err");
+  // One process with grad_accum 2 takes the same four sequences per step in the same order.
+  const fs::path one = work_root() / "one";
+  fs::remove_all(one);
+  const auto cfg = write_config(one, kSteps, 2, 0);
+  const Result r = run({"--config", cfg.string()}, one / "log");
+  ASSERT_EQ(r.code, 0) << r.err;
+  expect_same_curve(read_jsonl(two / "run" / "metrics.jsonl"),
+                    read_jsonl(one / "run" / "metrics.jsonl"), kRankTolerance, "2 ranks vs 1");
+  // Both ranks wrote their shard; rank 0 the rest.
+  const fs::path ck = two / "run" / "step_000004";
+  EXPECT_TRUE(fs::exists(ck / "optim-00000-of-00002.state"));
+  EXPECT_TRUE(fs::exists(ck / "optim-00001-of-00002.state"));
+  EXPECT_TRUE(fs::exists(ck / "DONE"));
+  EXPECT_NE(read_text(two / "log.out").find("data parallel: 2 ranks (gloo)"), std::string::npos)
+      << read_text(two / "log.out");
+}
+
+TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
+  const fs::path base = two_rank_base();
+  ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
+  const fs::path dir = work_root() / "resume2";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
+  fs::remove_all(dir / "run" / "step_000008");
+  fs::remove(dir / "run" / "model.dat");
+  const Result r = run({"--resume", (dir / "run" / "step_000004").string(), "--set",
+                        "output.dir=" + (dir / "run").string(), "--nproc", "2", kTimeout, "60"},
+                       dir / "log");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto want = read_jsonl(base / "run" / "metrics.jsonl");
+  const auto got = read_jsonl(dir / "run" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    // Same world size on CPU: bit-identical.
+    EXPECT_EQ(got[i]["loss"].get<double>(), want[i]["loss"].get<double>()) << "step " << i + 1;
+    EXPECT_EQ(got[i]["grad_norm"].get<double>(), want[i]["grad_norm"].get<double>());
+  }
+  EXPECT_EQ(read_text(dir / "run" / "model.dat"), read_text(base / "run" / "model.dat"));
+}
+
+TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
+  const fs::path base = two_rank_base();
+  ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
+  const fs::path dir = work_root() / "reshard";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
+  fs::remove_all(dir / "run" / "step_000008");
+  fs::remove(dir / "run" / "model.dat");
+  const Result r = run({"--resume", (dir / "run" / "step_000004").string(), "--set",
+                        "output.dir=" + (dir / "run").string()},
+                       dir / "log");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("continues on 1 rank(s) with grad_accum 2"), std::string::npos) << r.out;
+  expect_same_curve(read_jsonl(dir / "run" / "metrics.jsonl"),
+                    read_jsonl(base / "run" / "metrics.jsonl"), kRankTolerance,
+                    "resumed on 1 rank vs 2 ranks");
+}
+
+TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
+  const fs::path dir = work_root() / "dead";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, kSteps, 1, 0);
+  const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
+                       "Q4_FAULT=exit:1:3");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("rank 1 exited with code 9"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 60.0);
+  EXPECT_FALSE(fs::exists(dir / "run" / "model.dat"));
+}
+
+TEST(DataParallel, AHungRankTimesOutTheOthers) {
+  const fs::path dir = work_root() / "hung";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, kSteps, 1, 0);
+  const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
+                       "Q4_FAULT=hang:1:3");
+  EXPECT_NE(r.code, 0);
+  // Rank 0 fails in a collective after the timeout, naming itself; the launcher then stops the
+  // hung rank.
+  EXPECT_NE(r.err.find("rank 0"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 90.0);
+}
+
+TEST(DataParallel, ABadConfigFailsBeforeAnyRankStarts) {
+  const fs::path dir = work_root() / "badcfg";
+  fs::remove_all(dir);
+  const auto cfg = write_config(dir, kSteps, 1, 0);
+  Result r = run({"--config", cfg.string(), "--nproc", "2", "--set", "train.setps=3"},
+                 dir / "log");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("train.setps"), std::string::npos) << r.err;
+  // Under torchrun every rank reads the config before the rendezvous: it fails at once instead
+  // of waiting for the others.
+  r = run({"--config", cfg.string(), "--set", "train.setps=3", kTimeout, "60"}, dir / "log2",
+          "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("rank 1: "), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 30.0);
+  EXPECT_FALSE(fs::exists(dir / "run"));
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One optimizer round on the lent GPU machine: build this tree (and, with PREV=<dir>, a baseline
+# tree, e.g. `git archive <commit>` unpacked there) in parallel, run the CUDA optimizer and quant
+# tests (kernels vs CPU, bit for bit) and bench_optim for both trees, alternating baseline/new so
+# both see the same card state; optionally (NCU=1) an Nsight Compute pass over one block-kernel
+# launch per mode. Logs under $OUT. Usage: OUT=... PREV=... tools/bench/optim_round.sh
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
+out=${OUT:-$root/gpu-out}; mkdir -p "$out"
+for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
+export PATH=/usr/local/cuda/bin:$PATH
+t0=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/card.txt"
+tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+cfg() {
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
+    -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/$3.log" 2>&1
+}
+prev_pid=""
+if [ -n "${PREV:-}" ]; then
+  (cfg "$PREV" build-prev prev && cmake --build build-prev -j6 --target bench_optim >>"$out/prev.log" 2>&1) &
+  prev_pid=$!
+fi
+cfg . build-gpu build || { tail -n 30 "$out/build.log"; exit 1; }
+cmake --build build-gpu -j12 --target ${TARGETS:-test_optim_cuda test_quant_cuda bench_optim} \
+  >>"$out/build.log" 2>&1 || { grep -E "error" -A3 "$out/build.log" | head -n 60; exit 1; }
+echo "build ok in $(( $(date +%s) - t0 )) s"
+: >"$out/tests.log"
+for t in ${TESTS:-test_optim_cuda test_quant_cuda}; do
+  timeout 120 build-gpu/tests/$t 2>&1 | tail -n 60 >>"$out/tests.log"
+done
+grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|fp32-master" "$out/tests.log" | head -n 40
+if [ -n "$prev_pid" ]; then
+  wait "$prev_pid" || { tail -n 20 "$out/prev.log"; }
+  echo "prev build done at $(( $(date +%s) - t0 )) s"
+fi
+b="--modes ${MODES:-int8,4bit,fp32} --steps ${STEPS:-10}"
+: >"$out/bench.txt"
+for r in 1 ${ROUNDS2:-}; do
+  if [ -x build-prev/bin/bench_optim ]; then
+    echo "== prev (round $r)" >>"$out/bench.txt"
+    timeout 120 build-prev/bin/bench_optim $b >>"$out/bench.txt" 2>&1
+  fi
+  echo "== new (round $r)" >>"$out/bench.txt"
+  timeout 120 build-gpu/bin/bench_optim $b >>"$out/bench.txt" 2>&1
+done
+grep -E "==|mode=|baseline" "$out/bench.txt"
+echo "bench done at $(( $(date +%s) - t0 )) s"
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  for m in int8 4bit; do
+    timeout 60 ncu --clock-control none -k regex:adamw_block_kernel --launch-skip 0 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section InstructionStats --section SchedulerStats \
+      build-gpu/bin/bench_optim --modes $m --layers 1 --steps 2 --warmup 1 >"$out/ncu-$m.txt" 2>&1
+    grep -E "Duration|Throughput|Executed Ipc|Registers|Achieved Occupancy|Warp Cycles Per Issued|Executed Instructions  |Issue Slots Busy" \
+      "$out/ncu-$m.txt" | head -n 16
+  done
+fi
+echo "all done at $(( $(date +%s) - t0 )) s"

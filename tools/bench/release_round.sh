@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The release check on one GPU, one call: build, the CUDA test binaries, bench_optim, the speed
+# benchmark with the peer in its three modes and the whoami job (step_vs_peer.sh), the memory of a
+# whole run with 4bit moments, and TensorBoard's own reader on a run's event file. At most 8 files
+# come back from a device call, so the outputs are gathered into a few.
+#   OUT=dir tools/bench/release_round.sh
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
+out=${OUT:-$root/gpu-out}; mkdir -p "$out"
+work=${WORK:-/tmp/q4bench}; mkdir -p "$work"
+for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
+t0=$(date +%s)
+tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
+  -DCMAKE_CUDA_ARCHITECTURES=90 >"$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
+cmake --build build-gpu -j16 --target ${TARGETS:-q4train q4dat bench_optim test_model_cuda test_optim_cuda test_quant_cuda} \
+  >>"$work/build.log" 2>&1 || { grep -E "error" -A3 "$work/build.log" | head -n 60; exit 1; }
+echo "build ok in $(( $(date +%s) - t0 )) s"
+
+# 1. CUDA tests.
+for t in ${TESTS:-test_quant_cuda test_optim_cuda test_model_cuda}; do
+  [ -x build-gpu/tests/$t ] && build-gpu/tests/$t 2>&1 | tail -n 60
+done >"$out/cuda-tests.log"
+grep -E "FAILED|PASSED|Failure" "$out/cuda-tests.log" | head -20
+
+# 2. Optimizer kernels against the copy bandwidth.
+build-gpu/bin/bench_optim --steps 10 2>&1 | tee "$out/bench-optim.txt" | grep -E "mode=|baseline"
+
+# 3. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3.
+WHOAMI=1 SKIP_BUILD=1 PEER=${PEER:-$root/.devshared/peer_hf_step.py} WORK=$work \
+  tools/bench/step_vs_peer.sh "$work/bench" >"$work/step_vs_peer.log" 2>&1
+tail -n 25 "$work/step_vs_peer.log"
+cat "$work/bench/summary.md" "$work/bench/whoami.log" >"$out/summary.md" 2>/dev/null
+cat "$work/bench/train.log" "$work/bench/peer.log" >"$out/train-and-peer.log" 2>/dev/null
+cp "$work/bench/probe-data.json" "$out/" 2>/dev/null
+
+# 4. A whole run's peak with 4bit and int8 moments (load, steps, export, export check).
+for st in 4bit int8; do
+  rm -rf "$work/mem-$st"
+  build-gpu/bin/q4train --config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
+    --set "data.files=[$work/bench.jsonl]" --set train.steps=6 --set "optim.state=$st" \
+    --set "output.dir=$work/mem-$st" --set output.export_path=model.dat 2>&1 \
+    | grep -E "^step|export|peak|done" | tail -n 6
+  python3 - "$work/mem-$st/metrics.jsonl" "$st" <<'PY'
+import json, sys
+m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{sys.argv[2]}: peak allocated over the steps {max(r['gpu_peak_bytes'] for r in m) / 2**30:.2f} GiB")
+PY
+done 2>&1 | tee "$out/memory.txt"
+
+# 5. TensorBoard's loader on the run's event file.
+python3 tools/bench/read_tfevents.py "$work/mem-int8" >"$out/tfevents.txt" 2>&1 || true
+head -n 20 "$out/tfevents.txt"
