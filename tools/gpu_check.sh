@@ -40,5 +40,5 @@ if has peer; then
 fi
 if has demo; then
   [ -x $B/q4train ] && $B/q4train --config configs/demo.yaml --set model.device=cuda \
-    --set output.dir="$out/demo-run" 2>&1 | tail -n 30 | tee "$out/demo.txt"
+    --set output.dir="$out/demo-run" --overwrite 2>&1 | tail -n 30 | tee "$out/demo.txt"
 fi

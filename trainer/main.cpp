@@ -1,6 +1,8 @@
-// q4train: the command line. Parses flags (CLI11), resolves the config (built-in default:
-// configs/demo.yaml, found through the source tree or next to the executable), applies --set,
-// prints the resolved config, and dispatches to training, --dry-run or --probe. The only place
+// q4train: the command line. Parses flags (CLI11), resolves the config (--config or the positional
+// path; built-in default: configs/demo.yaml, found through the source tree or next to the
+// executable), applies --set, prints one line naming config and run directory (the trainer
+// prints the run summary; the full resolved config goes to <output.dir>/config.yaml), and
+// dispatches to training, --export-only, --dry-run or --probe. The only place
 // that maps failures to exit codes: 0 ok, 1 runtime, 2 usage/config/input, 3 guard stop; every
 // error is one line on stderr.
 #include <c10/util/Exception.h>
@@ -75,20 +77,29 @@ int fail(int code, const std::string& msg) {
 
 int main(int argc, char** argv) {
   CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
-  std::string config_path;
+  std::string config_path, positional_config;
   std::vector<std::string> sets;
   std::string resume;
   std::string probe_report;
   std::string profile_trace;
   std::string config_reference;
   bool probe = false, dry_run = false, version = false;
+  bool overwrite = false, export_only = false, allow_schedule_change = false;
   int probe_steps = 0;
   int nproc = 0;
   int dist_timeout_s = 600;
   app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
+  app.add_option("config", positional_config, "YAML config (same as --config)");
   app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
   app.add_option("--resume", resume,
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
+  app.add_flag("--overwrite", overwrite,
+               "a fresh run in a non-empty output.dir replaces the previous run's files");
+  app.add_flag("--export-only", export_only,
+               "with --resume: export the checkpoint's model (output.export_path) and exit");
+  app.add_flag("--allow-schedule-change", allow_schedule_change,
+               "with --resume: accept a changed LR schedule (train.steps, optim.lr, "
+               "optim.schedule.*)");
   app.add_flag("--probe", probe, "run one instrumented step and print a JSON memory report");
   app.add_option("--probe-report", probe_report, "where --probe writes its JSON report");
   app.add_option("--probe-steps", probe_steps,
@@ -158,6 +169,24 @@ int main(int argc, char** argv) {
                         "--nproc / torchrun");
     }
     if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
+    if (!positional_config.empty() && !config_path.empty()) {
+      throw ConfigError("config given twice: " + positional_config + " and --config " +
+                        config_path + "; pass one");
+    }
+    if (!positional_config.empty()) config_path = positional_config;
+    if (export_only && resume.empty()) {
+      throw ConfigError("--export-only needs --resume DIR (a checkpoint or a run directory)");
+    }
+    if (export_only && (probe || dry_run || nproc > 1 || world.distributed())) {
+      throw ConfigError("--export-only runs in one process; it excludes --probe, --dry-run, "
+                        "--nproc and torchrun");
+    }
+    if (allow_schedule_change && resume.empty()) {
+      throw ConfigError("--allow-schedule-change applies to --resume only");
+    }
+    if (overwrite && !resume.empty()) {
+      throw ConfigError("--overwrite starts a fresh run; it does not apply to --resume");
+    }
     if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
     // Checked before anything loads: otherwise the error would come at training step 3.
     if (!profile_trace.empty() && (probe || dry_run)) {
@@ -175,10 +204,13 @@ int main(int argc, char** argv) {
     }
     const Config config = load_config(config_path, overrides);
     if (world.rank == 0 && nproc <= 1) {
-      std::cout << "# q4train " << Q4_VERSION << ", resolved config from " << config_path << "\n"
-                << config_to_yaml(config) << std::flush;
+      std::cout << "q4train " << Q4_VERSION << ": config " << config_path << ", run directory "
+                << config.output.dir << std::endl;
     }
     RunOptions options;
+    options.overwrite = overwrite;
+    options.export_only = export_only;
+    options.allow_schedule_change = allow_schedule_change;
     if (!resume.empty()) options.resume = resume;
     options.probe_report = probe_report;
     options.probe_steps = probe_steps;

@@ -9,6 +9,7 @@
 // few elements of a trained tensor can differ; the message counts them.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "q4/quant/nvfp4.h"
@@ -16,15 +17,22 @@
 
 namespace q4::model {
 
-std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& exported) const {
+// Rows are compared `chunk_elems` elements at a time (16M by default), so the check's device
+// temporaries stay ~100 MB whatever the tensor (the embedding and lm_head are 389M elements
+// each). NVFP4 scales are per 16 elements of a row, so a row range quantizes exactly as it does
+// inside the whole tensor.
+std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& exported,
+                                                             int64_t chunk_elems) const {
+  TORCH_CHECK(chunk_elems > 0, "compare_forward_weights: chunk_elems must be > 0");
   Impl& m = *impl_;
   const at::Device dev = m.opt.device;
   const at::ScalarType cd = m.opt.compute_dtype;
   c10::NoGradGuard no_grad;
-  auto forward_weight = [&](const Parameter& p) {  // what this model's forward multiplies by
-    if (!p.trainable) return p.master;
-    if (p.quantized) return q4::quant::fake_quant_nvfp4_forward_unchecked(p.master, cd);
-    return p.master.to(cd);
+  // What this model's forward multiplies by, for a row range of the master.
+  auto forward_weight = [&](const Parameter& p, const at::Tensor& master) {
+    if (!p.trainable) return master;
+    if (p.quantized) return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd);
+    return master.to(cd);
   };
   std::vector<std::string> differ;
   std::unordered_map<std::string, bool> seen;
@@ -32,33 +40,54 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
     const KeyRef ref = classify_key(e.key);
     const Parameter* p = m.find(ref.name);
     if (p == nullptr || seen.count(ref.name)) continue;
-    at::Tensor w;
-    at::ScalarType stored = cd;  // a raw entry's element type: the export's precision
+    seen[ref.name] = true;
+    at::Tensor raw, qdata, scale;  // host copies of the exported entry
     if (ref.part == KeyRef::Part::kRaw) {
-      const at::Tensor raw = exported.load(e);
-      stored = raw.scalar_type();
-      w = raw.to(dev).to(cd);
+      raw = exported.load(e);
     } else {
       const DatEntry* q = exported.find(ref.name + ".qdata");
       const DatEntry* s = exported.find(ref.name + ".scale");
       TORCH_CHECK(q != nullptr && s != nullptr, exported.path(), ": ", ref.name,
                   " has only one half of its NVFP4 pair");
-      // Dequantized values are exact in every float dtype, so dequantizing straight to the
-      // compute dtype equals load()'s path.
-      w = q4::quant::dequantize_nvfp4(exported.load(*q).to(dev), exported.load(*s).to(dev), cd);
-      w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd);
+      qdata = exported.load(*q);
+      scale = exported.load(*s);
     }
-    seen[ref.name] = true;
-    // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
-    // with this model's weight rounded to that type, the most the file can hold (an fp32 master
-    // exported to fp16 is rounded by design, not a defect of the export).
-    const at::Tensor mine = forward_weight(*p).to(stored).to(cd);
-    if (w.sizes() != mine.sizes()) {
+    const at::Tensor& master = p->master;
+    const int64_t rows = master.dim() >= 1 ? master.size(0) : 1;
+    const int64_t row_elems = master.numel() / std::max<int64_t>(rows, 1);
+    const bool shape_ok = raw.defined()
+                              ? raw.sizes() == master.sizes()
+                              : qdata.dim() == 2 && qdata.size(0) == rows &&
+                                    qdata.size(1) * 2 == row_elems && master.dim() == 2;
+    if (!shape_ok) {
       differ.push_back(ref.name + " (shape)");
-    } else if (!at::equal(w, mine.to(w.scalar_type()))) {
-      const int64_t n = w.ne(mine.to(w.scalar_type())).sum().item<int64_t>();
-      differ.push_back(ref.name + " (" + std::to_string(n) + " of " + std::to_string(w.numel()) +
-                       " elements)");
+      continue;
+    }
+    const int64_t step = master.dim() >= 2 ? std::max<int64_t>(1, chunk_elems / row_elems) : rows;
+    int64_t mismatched = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const int64_t n = std::min(step, rows - r0);
+      auto part = [&](const at::Tensor& t) { return master.dim() >= 1 ? t.narrow(0, r0, n) : t; };
+      at::Tensor w;
+      at::ScalarType stored = cd;  // a raw entry's element type: the export's precision
+      if (raw.defined()) {
+        stored = raw.scalar_type();
+        w = part(raw).to(dev).to(cd);
+      } else {
+        // Dequantized values are exact in every float dtype, so dequantizing straight to the
+        // compute dtype equals load()'s path.
+        w = q4::quant::dequantize_nvfp4(part(qdata).to(dev), part(scale).to(dev), cd);
+        w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd);
+      }
+      // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
+      // with this model's weight rounded to that type, the most the file can hold (an fp32 master
+      // exported to fp16 is rounded by design, not a defect of the export).
+      const at::Tensor mine = forward_weight(*p, part(master)).to(stored).to(w.scalar_type());
+      if (!at::equal(w, mine)) mismatched += w.ne(mine).sum().item<int64_t>();
+    }
+    if (mismatched > 0) {
+      differ.push_back(ref.name + " (" + std::to_string(mismatched) + " of " +
+                       std::to_string(master.numel()) + " elements)");
     }
   }
   for (const auto& p : m.params) {

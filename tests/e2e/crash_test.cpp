@@ -148,8 +148,9 @@ TEST(CrashTest, KillNineThenResumeIsBitIdentical) {
       }
     }
     const std::vector<std::string> args =
-        has_checkpoint ? std::vector<std::string>{"--resume", (dir / "run").string()}
-                       : std::vector<std::string>{"--config", (dir / "config.yaml").string()};
+        has_checkpoint
+            ? std::vector<std::string>{"--resume", (dir / "run").string()}
+            : std::vector<std::string>{"--config", (dir / "config.yaml").string(), "--overwrite"};
     resumed += has_checkpoint;
     ASSERT_EQ(run_to_end(dir, args, "restart"), 0) << read_text(dir / "restart.out");
     EXPECT_TRUE(temp_files(dir / "run").empty()) << temp_files(dir / "run").front();

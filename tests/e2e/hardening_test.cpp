@@ -200,7 +200,9 @@ TEST(Hardening, MetricsOnAFullDiskIsAnError) {
   const fs::path dir = setup_dir("metricsfull", 2, 0);
   fs::create_directories(dir / "run");
   fs::create_symlink("/dev/full", dir / "run" / "metrics.jsonl");
-  const Result r = run(dir, run(dir, {"output.export_path=none"}), "a");
+  auto args = run(dir, {"output.export_path=none"});
+  args.push_back("--overwrite");  // the directory is not empty (a symlink is kept: the user's)
+  const Result r = run(dir, args, "a");
   EXPECT_EQ(r.code, 1) << r.err;
   EXPECT_TRUE(contains(r.err, "metrics.jsonl")) << r.err;
 }
@@ -222,19 +224,24 @@ TEST(Hardening, DamagedCheckpointIsRefusedNamingTheFileAndThePreviousOne) {
     f.put(static_cast<char>(c ^ 0x10));
   }
   const std::string steps = "train.steps=6";
-  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps}, "b");
+  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps, "--allow-schedule-change"},
+          "b");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "optim.state")) << r.err;
   EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
   // A checkpoint without checksums (older format) with a broken state.json: named, with a hint.
   fs::remove(ck / "checksums.json");
   write_text(ck / "state.json", "{\"step\": 4, ");
-  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps}, "c");
+  r = run(dir, {"--resume", (dir / "run").string(), "--set", steps, "--allow-schedule-change"},
+          "c");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "state.json")) << r.err;
   EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
   // The previous checkpoint resumes.
-  r = run(dir, {"--resume", (dir / "run" / "step_000002").string(), "--set", steps}, "d");
+  r = run(dir,
+          {"--resume", (dir / "run" / "step_000002").string(), "--set", steps,
+           "--allow-schedule-change"},
+          "d");
   EXPECT_EQ(r.code, 0) << r.err;
 }
 
@@ -247,6 +254,7 @@ TEST(Hardening, DataProblemsAreNamed) {
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "no training examples")) << r.err;
   EXPECT_FALSE(contains(r.err, "seq_len")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run")) << "the failed set-up left files behind";
   write_text(dir / "data.tsv", "good\tyes\nno tab here\nalso\tfine\n");
   r = run(dir, run(dir, {"data.on_error=skip", "output.export_path=none"}), "b");
   EXPECT_EQ(r.code, 0) << r.err;
@@ -283,13 +291,13 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
               static_cast<char*>(nullptr));
       ::_exit(127);
     }
-    const std::string wait_for = variant == 0 ? "resolved config" : " 2/100000 ";
+    const std::string wait_for = variant == 0 ? ", run directory " : " 2/100000 ";
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!contains(read_text(out), wait_for) && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (variant == 0) {
-      // main prints the config just before set-up starts (loading the tokenizer alone takes
+      // main prints its one line just before set-up starts (loading the tokenizer alone takes
       // about a second), so this lands in set-up.
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       ::kill(pid, SIGHUP);

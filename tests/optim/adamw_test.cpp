@@ -614,7 +614,23 @@ TEST(PackedAdamW, LoadRejectsMismatchesAndCorruptFiles) {
     PackedAdamW b(o);
     b.add_param("other", at::zeros({48, 160}, at::kHalf));
     b.add_param("layer.norm", at::zeros({160}, at::kBFloat16), false);
-    EXPECT_NE(msg([&] { b.load(path); }).find("is 'layer.w', expected 'other'"), std::string::npos);
+    // Parameters are matched by name: the file's 'layer.w' is not registered here.
+    EXPECT_NE(msg([&] { b.load(path); }).find("holds parameter 'layer.w', which this optimizer does not have"),
+              std::string::npos);
+  }
+  {
+    // Shards of a sharded optimizer: each registered parameter from the file that has it, the
+    // others skipped; a registered parameter in no file is an error naming it.
+    AdamWOptions o;
+    o.state_mode = StateMode::k4Bit;
+    o.seed = 42;
+    PackedAdamW b(o);
+    b.add_param("layer.norm", at::zeros({160}, at::kBFloat16), false);
+    EXPECT_NO_THROW(b.load_shards({path}));
+    PackedAdamW c(o);
+    c.add_param("missing", at::zeros({48, 160}, at::kHalf));
+    EXPECT_NE(msg([&] { c.load_shards({path}); }).find("'missing' is in none of the state files"),
+              std::string::npos);
   }
   // Truncated and corrupted copies.
   std::ifstream in(path, std::ios::binary);

@@ -70,6 +70,35 @@ TEST(Metrics, Durations) {
   EXPECT_EQ(format_duration(7500), "2h05m");
   EXPECT_EQ(format_duration(-1), "-");
   EXPECT_EQ(format_progress_bar(5, 10, 10), "[#####.....] 5/10");
+  EXPECT_EQ(format_progress_bar(5, 10, 10, 2.345678, 187), "[#####.....] 5/10 loss 2.3457 eta 3m07s");
+  EXPECT_EQ(format_progress_bar(5, 10, 10, std::nan(""), 0), "[#####.....] 5/10 eta 0s");
+}
+
+// The window average and the validation loss: in the log line after the loss, in the record
+// only when set.
+TEST(Metrics, WindowAverageAndValidationLoss) {
+  StepMetrics m;
+  m.step = 12;
+  m.total_steps = 200;
+  m.loss = 2.31;
+  nlohmann::json j = metrics_to_json(m);
+  EXPECT_FALSE(j.contains("loss_avg"));
+  EXPECT_FALSE(j.contains("val_loss"));
+  EXPECT_TRUE(format_log_line(m).rfind("step  12/200 | loss 2.3100 | gnorm", 0) == 0)
+      << format_log_line(m);
+  m.loss_avg = 2.87;
+  m.val_loss = 2.5;
+  m.val_tokens = 1234;
+  EXPECT_TRUE(format_log_line(m).rfind("step  12/200 | loss 2.3100 (avg 2.8700) | val 2.5000 | "
+                                       "gnorm",
+                                       0) == 0)
+      << format_log_line(m);
+  j = metrics_to_json(m);
+  EXPECT_DOUBLE_EQ(j["loss_avg"].get<double>(), 2.87);
+  EXPECT_DOUBLE_EQ(j["val_loss"].get<double>(), 2.5);
+  EXPECT_EQ(j["val_tokens"].get<int64_t>(), 1234);
+  m.val_loss = std::nan("");
+  EXPECT_TRUE(metrics_to_json(m)["val_loss"].is_null());
 }
 
 TEST(Metrics, JsonlResumeDropsLaterSteps) {

@@ -116,4 +116,17 @@ TEST(Report, WriteRunReportReadsTheRunFiles) {
 }
 
 }  // namespace
+// The summary counts step records only (a validation record of step 0 carries no loss) and
+// names the last and the best validation loss.
+TEST(Report, SummaryCountsStepsAndNamesBestValidationLoss) {
+  ReportInput in;
+  in.metrics = synthetic_metrics(/*with_val=*/true);  // val 1.2 at 5, 0.6 at 10, 0.4 at 15, 0.3
+  in.metrics.insert(in.metrics.begin(), nlohmann::json{{"step", 0}, {"val_loss", 9.5}});
+  in.metrics[15]["val_loss"] = 0.25;  // step 15 beats step 20's 0.3
+  const std::string html = render_report_html(in);
+  EXPECT_NE(html.find("20 steps logged; last step 20"), std::string::npos) << html;
+  EXPECT_NE(html.find("validation loss 0.3 at step 20 (best 0.25 at step 15)"), std::string::npos)
+      << html;
+}
+
 }  // namespace q4::trainer

@@ -115,3 +115,25 @@ TEST(RunDir, AtomicWriteReplacesAndLeavesNoTemp) {
   EXPECT_EQ(files, 1);
   EXPECT_THROW(read_file((t.path / "missing").string()), ConfigError);
 }
+
+// What makes a fresh run refuse output.dir: anything but the lock, temp files, incomplete
+// checkpoints, probe.json and the run's own inputs.
+TEST(RunDir, LeftoversIgnoreLockTempsIncompleteCheckpointsAndInputs) {
+  TempDir t;
+  Config c;
+  c.output.dir = (t.path / "run").string();
+  EXPECT_TRUE(run_dir_leftovers(c).empty());  // absent
+  fs::create_directories(t.path / "run");
+  std::ofstream(t.path / "run" / ".lock") << "1\n";
+  std::ofstream(t.path / "run" / "model.dat.tmp.999999999") << "x";
+  std::ofstream(t.path / "run" / "probe.json") << "{}";
+  std::ofstream(t.path / "run" / "weights.dat") << "w";
+  make_ckpt(t.path / "run", 3, /*done=*/false);
+  c.model.weights = (t.path / "run" / "weights.dat").string();
+  EXPECT_TRUE(run_dir_leftovers(c).empty());
+  make_ckpt(t.path / "run", 4, /*done=*/true);
+  std::ofstream(t.path / "run" / "metrics.jsonl") << "{}\n";
+  EXPECT_EQ(run_dir_leftovers(c), (std::vector<std::string>{"metrics.jsonl", "step_000004"}));
+  c.model.weights.clear();
+  EXPECT_EQ(run_dir_leftovers(c).size(), 3u);
+}

@@ -11,7 +11,7 @@ work=${WORK:-/tmp/q4checks}; mkdir -p "$work"
 {
   echo "== TensorBoard reader on a CUDA demo run"
   $B/q4train --config configs/demo.yaml --set model.device=cuda --set train.steps=60 \
-    --set eval.every=30 --set "output.dir=$work/tbcheck" >"$work/tb-train.log" 2>&1; echo "q4train rc=$?"
+    --set eval.every=30 --set "output.dir=$work/tbcheck" --overwrite >"$work/tb-train.log" 2>&1; echo "q4train rc=$?"
   python3 tools/bench/read_tfevents.py "$work/tbcheck" --require train/loss train/lr train/grad_norm \
     train/tokens_per_s eval/0; echo "read_tfevents rc=$?"
   echo "== q4chat on CUDA"

@@ -27,27 +27,27 @@ grep -E "FAILED|PASSED|Failure" "$out/cuda-tests.log" | head -20
 # 2. Optimizer kernels against the copy bandwidth.
 build-gpu/bin/bench_optim --steps 10 2>&1 | tee "$out/bench-optim.txt" | grep -E "mode=|baseline"
 
-# 3. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3.
-WHOAMI=1 SKIP_BUILD=1 PEER=${PEER:-$root/.devshared/peer_hf_step.py} WORK=$work \
-  tools/bench/step_vs_peer.sh "$work/bench" >"$work/step_vs_peer.log" 2>&1
-tail -n 25 "$work/step_vs_peer.log"
-cat "$work/bench/summary.md" "$work/bench/whoami.log" >"$out/summary.md" 2>/dev/null
-cat "$work/bench/train.log" "$work/bench/peer.log" >"$out/train-and-peer.log" 2>/dev/null
-cp "$work/bench/probe-data.json" "$out/" 2>/dev/null
+# The benchmark's data and 4B .dat (step_vs_peer.sh reuses them).
+[ -f "$work/bench.jsonl" ] || python3 tools/bench/make_bench_data.py >"$work/bench.jsonl"
+[ -f "$work/q4b.dat" ] || build-gpu/bin/q4dat init --config tests/fixtures/qwen3_4b.config.json \
+  --out "$work/q4b.dat" --seed 0 >/dev/null
 
-# 4. A whole run's peak with 4bit and int8 moments (load, steps, export, export check).
+# 3. A whole run's peak with 4bit and int8 moments (load, steps, export, export check).
 for st in 4bit int8; do
   rm -rf "$work/mem-$st"
   build-gpu/bin/q4train --config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
     --set "data.files=[$work/bench.jsonl]" --set train.steps=6 --set "optim.state=$st" \
     --set "output.dir=$work/mem-$st" --set output.export_path=model.dat 2>&1 \
-    | grep -E "^step|export|peak|done" | tail -n 6
-  python3 - "$work/mem-$st/metrics.jsonl" "$st" <<'PY'
-import json, sys
-m = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(f"{sys.argv[2]}: peak allocated over the steps {max(r['gpu_peak_bytes'] for r in m) / 2**30:.2f} GiB")
-PY
+    | grep -E "^step +6|export|peak GPU memory|done" | sed "s/^/$st: /"
 done 2>&1 | tee "$out/memory.txt"
+
+# 4. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3.
+WHOAMI=1 SKIP_BUILD=1 SKIP_PROBE=${SKIP_PROBE:-1} PEER=${PEER:-$root/.devshared/peer_hf_step.py} WORK=$work \
+  tools/bench/step_vs_peer.sh "$work/bench" >"$work/step_vs_peer.log" 2>&1
+tail -n 25 "$work/step_vs_peer.log"
+cat "$work/bench/summary.md" "$work/bench/whoami.log" >"$out/summary.md" 2>/dev/null
+cat "$work/bench/train.log" "$work/bench/peer.log" >"$out/train-and-peer.log" 2>/dev/null
+cp "$work/bench/probe-data.json" "$out/" 2>/dev/null
 
 # 5. TensorBoard's loader on the run's event file.
 python3 tools/bench/read_tfevents.py "$work/mem-int8" >"$out/tfevents.txt" 2>&1 || true

@@ -894,11 +894,8 @@ void validate_config(const Config& c) {
                       "(weights would shrink to zero or flip sign), found " +
                       fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
   }
-  if (t.steps > 0 && o.schedule.warmup_steps > t.steps) {
-    throw ConfigError(
-        "config key optim.schedule.warmup_steps: " + std::to_string(o.schedule.warmup_steps) +
-        " warmup steps exceed train.steps " + std::to_string(t.steps));
-  }
+  // optim.schedule.warmup_steps > train.steps is not an error: the trainer clips it to the run
+  // with a note (clip_warmup_to_run), so a smoke run with --set train.steps=3 just works.
 
   const auto& out = c.output;
   if (out.dir.empty()) range_error("output.dir", "a directory", "an empty value");

@@ -22,9 +22,12 @@ std::string format_duration(double seconds) {
 std::string format_log_line(const StepMetrics& m) {
   const int width = static_cast<int>(std::to_string(m.total_steps).size());
   std::string line = fmt::format(
-      "step {:>{}}/{} | loss {:.4f} | gnorm {:.3e} | lr {:.2e} | "
+      "step {:>{}}/{} | loss {:.4f}{}{} | gnorm {:.3e} | lr {:.2e} | "
       "{:.1f} ms | {:.0f} tok/s | mfu ",
-      m.step, width, m.total_steps, m.loss, m.grad_norm, m.lr, m.step_ms, m.tokens_per_s);
+      m.step, width, m.total_steps, m.loss,
+      m.loss_avg ? fmt::format(" (avg {:.4f})", *m.loss_avg) : std::string(),
+      m.val_loss ? fmt::format(" | val {:.4f}", *m.val_loss) : std::string(), m.grad_norm, m.lr,
+      m.step_ms, m.tokens_per_s);
   line += m.mfu ? fmt::format("{:.1f}%", *m.mfu * 100.0) : "-";
   line += " | mem ";
   line += m.gpu_reserved_bytes
@@ -55,15 +58,25 @@ nlohmann::json metrics_to_json(const StepMetrics& m) {
   j["rss_bytes"] = m.rss_bytes;
   j["eta_s"] = m.eta_s;
   j["skipped"] = m.skipped;
+  auto finite = [](double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); };
+  if (m.loss_avg) j["loss_avg"] = finite(*m.loss_avg);
+  if (m.val_loss) {
+    j["val_loss"] = finite(*m.val_loss);
+    j["val_tokens"] = m.val_tokens;
+  }
   return j;
 }
 
-std::string format_progress_bar(int64_t step, int64_t total, int width) {
+std::string format_progress_bar(int64_t step, int64_t total, int width, double loss,
+                                double eta_s) {
   const double frac = total > 0 ? static_cast<double>(step) / static_cast<double>(total) : 1.0;
   const int filled = static_cast<int>(std::lround(frac * width));
   std::string bar = "[";
   for (int i = 0; i < width; ++i) bar += i < filled ? '#' : '.';
-  return bar + fmt::format("] {}/{}", step, total);
+  bar += fmt::format("] {}/{}", step, total);
+  if (std::isfinite(loss)) bar += fmt::format(" loss {:.4f}", loss);
+  if (eta_s >= 0) bar += " eta " + format_duration(eta_s);
+  return bar;
 }
 
 void JsonlWriter::open(const std::string& path, std::optional<int64_t> keep_until_step) {

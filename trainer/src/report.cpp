@@ -177,19 +177,33 @@ std::string render_report_html(const ReportInput& in) {
         {"process RSS", series_of(m, "rss_bytes", kGiB)}},
        "GiB");
 
+  // Step records carry "loss"; a validation record before the first step (step 0) does not.
+  std::vector<const nlohmann::json*> steps;
+  for (const auto& r : m) {
+    if (r.is_object() && r.contains("loss")) steps.push_back(&r);
+  }
   std::string summary;
-  if (!m.empty()) {
-    const auto& last = m.back();
+  if (!steps.empty()) {
+    const auto& last = *steps.back();
     auto field = [&](const char* k) {
       return last.contains(k) && last[k].is_number() ? num(last[k].get<double>()) : "-";
     };
     summary = fmt::format(
         "<p class=\"summary\">{} steps logged; last step {}: loss {}, lr {}, grad norm {}, "
         "{} tok/s</p>\n",
-        m.size(), field("step"), field("loss"), field("lr"), field("grad_norm"),
+        steps.size(), field("step"), field("loss"), field("lr"), field("grad_norm"),
         field("tokens_per_s"));
   } else {
     summary = "<p class=\"summary\">no metrics recorded yet</p>\n";
+  }
+  const auto val = series_of(m, "val_loss");
+  if (!val.empty()) {
+    const auto best = std::min_element(val.begin(), val.end(), [](const auto& a, const auto& b) {
+      return a.second < b.second;
+    });
+    summary += fmt::format(
+        "<p class=\"summary\">validation loss {} at step {} (best {} at step {})</p>\n",
+        num(val.back().second), num(val.back().first), num(best->second), num(best->first));
   }
 
   std::string evals;

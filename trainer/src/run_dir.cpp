@@ -175,6 +175,9 @@ void check_output_paths(const Config& c) {
     inputs.push_back({"model.tokenizer", canonical_or_self(c.model.tokenizer)});
   }
   for (const auto& f : c.data.files) inputs.push_back({"data.files", canonical_or_self(f)});
+  for (const auto& f : c.data.eval_files) {
+    inputs.push_back({"data.eval_files", canonical_or_self(f)});
+  }
 
   // Outputs the run writes, by key.
   std::vector<std::pair<std::string, fs::path>> outputs = {
@@ -240,6 +243,28 @@ void check_output_paths(const Config& c) {
       }
     }
   }
+}
+
+std::vector<std::string> run_dir_leftovers(const Config& c) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::is_directory(c.output.dir, ec)) return out;
+  std::vector<fs::path> inputs;
+  for (const std::string* p : {&c.model.weights, &c.model.config, &c.model.tokenizer}) {
+    if (!p->empty()) inputs.push_back(canonical_or_self(*p));
+  }
+  for (const auto& f : c.data.files) inputs.push_back(canonical_or_self(f));
+  for (const auto& f : c.data.eval_files) inputs.push_back(canonical_or_self(f));
+  for (const auto& e : fs::directory_iterator(c.output.dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == kLockFile || name == kProbeFile || io::is_temp_file_name(name)) continue;
+    if (parse_step_name(name) && !fs::exists(e.path() / kDoneMarker)) continue;
+    const fs::path p = canonical_or_self(e.path().string());
+    if (std::find(inputs.begin(), inputs.end(), p) != inputs.end()) continue;
+    out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 RunDirLock::RunDirLock(const std::string& dir) {

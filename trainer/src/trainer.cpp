@@ -8,11 +8,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,7 +29,10 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <memory>
+#include <numeric>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <nlohmann/json.hpp>
@@ -117,6 +122,7 @@ void check_input_files(const Config& c, bool need_data) {
       throw ConfigError("config key data.files: at least one training file is required");
     }
     for (const auto& f : c.data.files) require_file(f, "data.files");
+    for (const auto& f : c.data.eval_files) require_file(f, "data.eval_files");
   }
 }
 
@@ -209,6 +215,68 @@ std::string one_line(const std::string& s) {
   std::string o;
   for (char ch : s) o += (ch == '\n') ? ' ' : ch;
   return o;
+}
+
+// How to run a sibling tool: its path next to this executable (relative to the CWD when under
+// it, e.g. build/bin/q4chat), or the bare name when it is not there.
+std::string tool_command(const std::string& name) {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return name;
+  const fs::path tool = exe.parent_path() / name;
+  if (!fs::exists(tool, ec)) return name;
+  const fs::path rel = tool.lexically_relative(fs::current_path(ec));
+  if (ec || rel.empty() || *rel.begin() == "..") return tool.string();
+  return rel.has_parent_path() ? rel.string() : "./" + rel.string();
+}
+
+// splitmix64: the portable generator behind the held-out split (same on every platform).
+uint64_t splitmix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// data.eval_fraction: ceil(fraction x N) examples (at least one) chosen by a Fisher-Yates
+// shuffle seeded by train.seed are moved from `train` to the returned list; both keep file
+// order. The same seed and data give the same split (resume relies on it).
+std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fraction,
+                                    int64_t seed) {
+  std::vector<data::Example> held;
+  if (!(fraction > 0) || train->empty()) return held;
+  const auto n = static_cast<int64_t>(train->size());
+  const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
+  if (k >= n) {
+    throw ConfigError(fmt::format(
+        "config key data.eval_fraction: holding out {} of {} training example{} leaves none to "
+        "train on; lower it or use data.eval_files",
+        k, n, n == 1 ? "" : "s"));
+  }
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  uint64_t state = static_cast<uint64_t>(seed) ^ 0x6576616C5F737031ULL;  // "eval_sp1"
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(splitmix64(&state) % static_cast<uint64_t>(i + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  std::vector<char> is_held(static_cast<size_t>(n), 0);
+  for (int64_t t = 0; t < k; ++t) is_held[static_cast<size_t>(order[static_cast<size_t>(t)])] = 1;
+  std::vector<data::Example> kept;
+  kept.reserve(static_cast<size_t>(n - k));
+  for (int64_t i = 0; i < n; ++i) {
+    auto& e = (*train)[static_cast<size_t>(i)];
+    (is_held[static_cast<size_t>(i)] ? held : kept).push_back(std::move(e));
+  }
+  *train = std::move(kept);
+  return held;
+}
+
+std::string join_names(const std::vector<std::string>& v, size_t max_shown) {
+  std::string out;
+  for (size_t i = 0; i < v.size() && i < max_shown; ++i) out += (i ? ", " : "") + v[i];
+  if (v.size() > max_shown) out += fmt::format(", ... ({} in all)", v.size());
+  return out;
 }
 
 data::DatasetOptions dataset_options(const Config& c) {
@@ -407,13 +475,44 @@ class Trainer {
   bool leader() const { return !comm_ || comm_->rank() == 0; }
 
   int run() {
+    run_start_ = Clock::now();
+    check_device_available(c_);  // before anything is written
+    if (opts_.export_only) return export_only();
+    if (const std::string note = clip_warmup_to_run(c_); !note.empty()) out_ << note << "\n";
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
     if (stop_requested()) {
       out_ << "signal " << stop_signal() << " during set-up: stopped before the first step\n";
       return kExitOk;
     }
+    if (leader()) print_summary();
     return loop();
+  }
+
+  // --resume DIR --export-only: the checkpoint's masters over the run's weights, exported to
+  // output.export_path (atomic, with output.hf_export and the export check); no training, and
+  // nothing else in the run directory changes.
+  int export_only() {
+    if (!opts_.resume) {
+      throw ConfigError("--export-only needs --resume DIR (a checkpoint or a run directory)");
+    }
+    const CheckpointDir ck = resolve_resume_dir(*opts_.resume);
+    if (resolved_export_path(c_).empty()) {
+      throw ConfigError(
+          "--export-only: output.export_path is none; set one (e.g. --set "
+          "output.export_path=model.dat)");
+    }
+    check_input_files(c_, /*need_data=*/false);
+    check_output_paths(c_);
+    fs::create_directories(c_.output.dir);
+    lock_ = std::make_unique<RunDirLock>(c_.output.dir);
+    setup_model(/*need_tokenizer=*/false);
+    setup_optimizer();
+    restore(ck, /*export_only=*/true);
+    write_export(start_step_, nullptr);
+    out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
+                        format_duration(ms_since(run_start_) / 1000.0));
+    return kExitOk;
   }
 
   // The probe: the training set-up and step (train_step) with every phase marked (device sync,
@@ -564,22 +663,95 @@ class Trainer {
   }
 
  private:
+  // A fresh run refuses an output.dir holding anything but its own inputs (a previous run's
+  // checkpoints, metrics or export, the user's files) unless --overwrite.
+  void check_fresh_output_dir() {
+    const auto left = run_dir_leftovers(c_);
+    if (left.empty() || opts_.overwrite) return;
+    const bool ck = latest_checkpoint(c_.output.dir).has_value();
+    throw ConfigError("output.dir " + c_.output.dir + " is not empty (" + join_names(left, 4) +
+                      "); pass --overwrite to replace the previous run's files" +
+                      (ck ? ", --resume " + c_.output.dir + " to continue its newest checkpoint"
+                          : std::string()) +
+                      ", or choose another output.dir");
+  }
+
+  // --overwrite: the previous run's files in output.dir go (checkpoints, config, metrics, eval
+  // log, report, event files, init/import files, the export and its HF folder); the user's other
+  // files, symbolic links (q4train never makes one: the user's) and this run's inputs stay.
+  void remove_previous_run() {
+    const fs::path dir(c_.output.dir);
+    const std::string exp = resolved_export_path(c_);
+    std::set<std::string> owned;
+    if (!c_.log.metrics.empty()) owned.insert(c_.log.metrics);
+    if (!exp.empty() && fs::absolute(exp).parent_path() == fs::absolute(dir)) {
+      owned.insert(fs::path(exp).filename().string());
+      owned.insert(fs::path(hf_export_dir(exp)).filename().string());
+    }
+    std::vector<std::string> removed, kept;
+    for (const auto& name : run_dir_leftovers(c_)) {
+      if (!fs::is_symlink(dir / name) && (is_reserved_run_name(name) || owned.count(name))) {
+        fs::remove_all(dir / name);
+        removed.push_back(name);
+      } else {
+        kept.push_back(name);
+      }
+    }
+    if (!removed.empty()) {
+      out_ << "--overwrite: removed the previous run's " << join_names(removed, 8) << "\n";
+    }
+    if (!kept.empty()) out_ << "--overwrite: kept " << join_names(kept, 8) << " (not q4train's)\n";
+  }
+
   void setup() {
     std::optional<CheckpointDir> resume;
     if (opts_.resume) resume = resolve_resume_dir(*opts_.resume);
+    const fs::path state_path = resume ? fs::path(resume->path) / kTrainStateFile : fs::path();
+    std::error_code ec;
+    if (resume && fs::is_regular_file(state_path, ec)) {
+      // Before anything is written (config.yaml included); an unreadable state.json is reported
+      // by restore() with the checksums.
+      const auto state = nlohmann::json::parse(read_file(state_path.string()), nullptr, false);
+      if (state.is_object()) check_schedule_unchanged(*resume, state);
+    }
     check_input_files(c_, /*need_data=*/c_.train.steps > 0);
     check_output_paths(c_);  // every output, before anything is written
-    if (!resume && latest_checkpoint(c_.output.dir)) {
-      throw ConfigError("output.dir " + c_.output.dir +
-                        " already holds checkpoints; pass --resume " + c_.output.dir +
-                        " to continue, or choose another output.dir");
-    }
+    // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
+    if (!resume) check_fresh_output_dir();
     if (opts_.world.distributed()) connect_ranks();  // every rank checked its inputs first
+    const fs::path dir(c_.output.dir);
+    const bool existed = fs::is_directory(dir, ec);
+    std::set<std::string> before;
+    if (existed && leader()) {
+      for (const auto& e : fs::directory_iterator(dir)) before.insert(e.path().filename().string());
+    }
     // Rank 0 owns the run directory; the other ranks write only their optimizer shards.
     if (leader()) {
-      fs::create_directories(c_.output.dir);
+      fs::create_directories(dir);
       lock_ = std::make_unique<RunDirLock>(c_.output.dir);  // held until the run ends
+    }
+    try {
+      setup_locked(resume);
+    } catch (...) {
+      // A fresh run that fails in set-up (bad data, weights, tokenizer) leaves nothing behind:
+      // what it created goes, so that the corrected command runs without --overwrite.
+      if (!resume && leader()) {
+        lock_.reset();
+        std::vector<fs::path> created;
+        for (const auto& e : fs::directory_iterator(dir, ec)) {
+          if (!before.count(e.path().filename().string())) created.push_back(e.path());
+        }
+        for (const auto& p : created) fs::remove_all(p, ec);
+        if (!existed) fs::remove(dir, ec);  // only when empty
+      }
+      throw;
+    }
+  }
+
+  void setup_locked(const std::optional<CheckpointDir>& resume) {
+    if (leader()) {
       for (const auto& p : clean_stale_files(c_)) out_ << "removed stale " << p << "\n";
+      if (!resume && opts_.overwrite) remove_previous_run();
       // A fresh random-init run draws a fresh init; with model.init: file, init.dat may be the
       // user's weights and is never touched.
       if (!resume && c_.model.init == InitKind::kRandom) {
@@ -600,9 +772,68 @@ class Trainer {
     const auto metrics_path = c_.log.metrics.empty()
                                   ? std::string()
                                   : (fs::path(c_.output.dir) / c_.log.metrics).string();
-    if (!metrics_path.empty()) metrics_.open(metrics_path, start_step_);
+    if (!metrics_path.empty()) {
+      metrics_.open(metrics_path, start_step_);
+      // A resumed run's best validation loss so far, from the kept records.
+      if (resume && val_batcher_) {
+        std::ifstream in(metrics_path);
+        std::string line;
+        while (std::getline(in, line)) {
+          const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+          if (j.is_object() && j.contains("val_loss") && j["val_loss"].is_number() &&
+              j.contains("step") && j["step"].is_number_integer()) {
+            note_validation(j["val_loss"].get<double>(), j["step"].get<int64_t>());
+          }
+        }
+      }
+    }
     eval_log_.open((fs::path(c_.output.dir) / kEvalFile).string(), start_step_);
     if (c_.log.tensorboard) tb_.open(c_.output.dir);  // TensorBoard scalars and eval text
+  }
+
+  // The short start-up summary (the full resolved config is <output.dir>/config.yaml).
+  void print_summary() {
+    const auto budget = estimate_budget(mc_, c_, separate_lm_head_);
+    std::string model_src = c_.model.init == InitKind::kRandom
+                                ? fmt::format("random init (seed {})", c_.model.init_seed)
+                                : c_.model.weights;
+    const auto trainable = static_cast<double>(model_->num_trainable_elements());
+    out_ << fmt::format(
+        "run summary:\n  model      Qwen3, {} layers, hidden {}, vocab {}; {}; {}, masters {}, "
+        "compute {}\n  trainable  {} parameters in {} tensors\n",
+        mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_src, c_.model.device,
+        to_string(c_.model.master_dtype), to_string(resolved_compute_dtype(c_)),
+        trainable >= 1e9   ? fmt::format("{:.2f}B", trainable / 1e9)
+        : trainable >= 1e6 ? fmt::format("{:.2f}M", trainable / 1e6)
+                           : fmt::format("{:.0f}", trainable),
+        model_->trainable_parameters().size());
+    if (batcher_) {
+      int64_t tokens = 0, supervised = 0;
+      for (const auto& e : batcher_->examples()) {
+        tokens += static_cast<int64_t>(e.input_ids.size());
+        for (auto l : e.labels) supervised += l != data::kIgnoreIndex;
+      }
+      out_ << fmt::format("  data       {} examples, {} tokens ({} supervised) from {} file{}",
+                          batcher_->num_examples(), tokens, supervised, c_.data.files.size(),
+                          c_.data.files.size() == 1 ? "" : "s");
+      out_ << (val_batcher_ ? fmt::format("; validation {} examples",
+                                          val_batcher_->num_examples())
+                            : std::string())
+           << "\n";
+    }
+    out_ << fmt::format(
+        "  steps      {}{} x {} sequences x {} tokens{}, lr {} ({}, warmup {})\n", c_.train.steps,
+        start_step_ > 0 ? fmt::format(" (resuming at {})", start_step_) : std::string(),
+        c_.train.batch_size, c_.train.seq_len,
+        c_.train.grad_accum > 1 ? fmt::format(" x {} accumulated", c_.train.grad_accum)
+                                : std::string(),
+        c_.optim.lr, to_string(c_.optim.schedule.kind), c_.optim.schedule.warmup_steps);
+    out_ << fmt::format("  output     {} (full resolved config in {})\n", c_.output.dir,
+                        kConfigFile);
+    out_ << fmt::format("  memory     about {:.2f} GiB estimated ({})\n",
+                        to_gib(budget.total_bytes()),
+                        device_.is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch");
+    out_ << "  time       estimated after the first steps\n" << std::flush;
   }
 
   // Failure-handling tests (docs/multi-gpu.md): Q4_FAULT=exit:R:S makes rank R exit with code 9
@@ -686,12 +917,87 @@ class Trainer {
       }
       if (examples.empty()) throw ConfigError(no_examples_message(c_));
       pad_id = tok_->endoftext_id();
+      if (!probe_) setup_validation(&examples, pad_id);
     }
     batcher_ = as_input_error("data.files", [&] {
       return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c_, pad_id));
     });
     const auto& ts = batcher_->truncation_stats();
     if (ts.truncated || ts.dropped) (probe_ ? err_ : out_) << ts.to_string() << "\n";
+  }
+
+  // Held-out examples for the validation loss: data.eval_fraction of the training examples
+  // (never trained on) and every example of data.eval_files, batched like training without
+  // shuffling.
+  void setup_validation(std::vector<data::Example>* train, int64_t pad_id) {
+    auto val = hold_out(train, c_.data.eval_fraction, c_.train.seed);
+    const auto held = static_cast<int64_t>(val.size());
+    const auto dopt = dataset_options(c_);
+    for (const auto& f : c_.data.eval_files) {
+      auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, *tok_, dopt); });
+      out_ << "validation " << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, err_);
+      for (auto& e : ds.examples) val.push_back(std::move(e));
+    }
+    if (val.empty()) {
+      if (!c_.data.eval_files.empty()) {
+        throw ConfigError("data.eval_files: no validation examples in " +
+                          join_names(c_.data.eval_files, 8));
+      }
+      return;
+    }
+    auto bo = batcher_options(c_, pad_id);
+    bo.shuffle = false;
+    const auto total = static_cast<int64_t>(val.size());
+    val_batcher_ = as_input_error("data.eval_files", [&] {
+      return std::make_unique<data::Batcher>(std::move(val), bo);
+    });
+    val_start_ = val_batcher_->state();
+    out_ << fmt::format("validation: {} examples ({} held out of data.files by "
+                        "data.eval_fraction {}, {} from data.eval_files)\n",
+                        total, held, c_.data.eval_fraction, total - held);
+    const auto& ts = val_batcher_->truncation_stats();
+    if (ts.truncated || ts.dropped) out_ << "validation " << ts.to_string() << "\n";
+  }
+
+  struct Validation {
+    double loss = 0;     // token-weighted mean CE over every held-out example
+    int64_t tokens = 0;  // supervised tokens it averages
+    double ms = 0;
+  };
+
+  // One pass over the held-out examples without gradients (same batching as training, no
+  // shuffle); the summed CE stays on the device until the end (one host read).
+  // Data parallel: rank 0 only (every rank holds the same model; nothing here is collective).
+  std::optional<Validation> validation_loss(int64_t step) {
+    if (!val_batcher_ || !leader()) return std::nullopt;
+    NvtxRange r("validation");
+    const auto t0 = Clock::now();
+    at::NoGradGuard no_grad;
+    val_batcher_->restore(val_start_);
+    const int64_t batches = val_batcher_->batches_per_epoch();
+    at::Tensor sum;
+    Validation v;
+    for (int64_t i = 0; i < batches; ++i) {
+      const data::Batch b = val_batcher_->next();
+      TORCH_INTERNAL_ASSERT(b.epoch == 0, "validation: batches ran past one pass");
+      const at::Tensor s = model_->loss(to_inputs(b, *model_, device_)).loss_sum.to(at::kDouble);
+      sum = sum.defined() ? sum + s : s;
+      v.tokens += b.supervised_tokens;
+    }
+    v.loss = sum.defined() && v.tokens > 0 ? sum.item<double>() / static_cast<double>(v.tokens)
+                                           : std::numeric_limits<double>::quiet_NaN();
+    v.ms = ms_since(t0);
+    note_validation(v.loss, step);
+    return v;
+  }
+
+  void note_validation(double loss, int64_t step) {
+    last_val_ = loss;
+    if (std::isfinite(loss) && !(loss >= best_val_)) {
+      best_val_ = loss;
+      best_val_step_ = step;
+    }
   }
 
   void setup_optimizer() {
@@ -913,7 +1219,41 @@ class Trainer {
     for (auto& w : works) w.wait();
   }
 
-  void restore(const CheckpointDir& ck) {
+  // The LR schedule is a function of (kind, lr, warmup, steps, min_lr_ratio): resuming with any of
+  // them changed would silently bend the curve, so it needs --allow-schedule-change.
+  void check_schedule_unchanged(const CheckpointDir& ck, const nlohmann::json& state) {
+    if (!state.contains("schedule") || !state["schedule"].is_object()) return;
+    const auto& s = state["schedule"];
+    std::vector<std::string> changed;
+    auto number = [&](const char* saved, const char* key, const nlohmann::json& now) {
+      if (s.contains(saved) && s[saved].is_number() &&
+          s[saved].get<double>() != now.get<double>()) {
+        changed.push_back(fmt::format("{} {} -> {}", key, s[saved].dump(), now.dump()));
+      }
+    };
+    const std::string kind = to_string(c_.optim.schedule.kind);
+    if (s.contains("kind") && s["kind"].is_string() && s["kind"] != kind) {
+      changed.push_back(
+          fmt::format("optim.schedule.kind {} -> {}", s["kind"].get<std::string>(), kind));
+    }
+    number("peak_lr", "optim.lr", c_.optim.lr);
+    number("warmup_steps", "optim.schedule.warmup_steps", c_.optim.schedule.warmup_steps);
+    number("total_steps", "train.steps", c_.train.steps);
+    number("min_lr_ratio", "optim.schedule.min_lr_ratio", c_.optim.schedule.min_lr_ratio);
+    if (changed.empty()) return;
+    std::string list;
+    for (const auto& x : changed) list += (list.empty() ? "" : ", ") + x;
+    if (opts_.allow_schedule_change) {
+      out_ << "note: the LR schedule changed since " << ck.path << " (" << list
+           << "); continuing with the new one (--allow-schedule-change)\n";
+      return;
+    }
+    throw ConfigError("--resume " + ck.path + ": the LR schedule differs from the checkpoint's (" +
+                      list +
+                      "); pass --allow-schedule-change to continue with the new schedule");
+  }
+
+  void restore(const CheckpointDir& ck, bool export_only = false) {
     const fs::path dir(ck.path);
     verify_checkpoint(ck);  // CRC32C of every file, naming the damaged one
     const std::string state_path = (dir / kTrainStateFile).string();
@@ -923,11 +1263,11 @@ class Trainer {
                         previous_checkpoint_hint(ck));
     }
     start_step_ = state.at("step").get<int64_t>();
-    if (start_step_ > c_.train.steps) {
+    if (!export_only && start_step_ > c_.train.steps) {
       throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
                                     ck.path, start_step_, c_.train.steps));
     }
-    adapt_to_checkpoint_world(state, ck);
+    if (!export_only) adapt_to_checkpoint_world(state, ck);
     const std::vector<std::string> state_files = optimizer_files(ck);
     as_input_error("--resume", [&] {
       try {
@@ -953,7 +1293,8 @@ class Trainer {
     }
     // Each rank restored the masters it owns; the others come from their owners.
     if (comm_) broadcast_masters();
-    out_ << "resumed from " << ck.path << " at step " << start_step_ << "\n";
+    out_ << (export_only ? "loaded " : "resumed from ") << ck.path << " at step " << start_step_
+         << "\n";
   }
 
   // The optimizer state files of a checkpoint: optim.state (one process) or the shards
@@ -1087,6 +1428,7 @@ class Trainer {
                       {"peak_lr", c_.optim.lr},
                       {"warmup_steps", c_.optim.schedule.warmup_steps},
                       {"total_steps", c_.train.steps},
+                      {"min_lr_ratio", c_.optim.schedule.min_lr_ratio},
                       {"next_lr", step < c_.train.steps ? schedule_->lr_at(step) : 0.0}};
     if (batcher_) st["batcher"] = nlohmann::json::parse(batcher_->state().to_json());
     write_file_atomic((dir / kTrainStateFile).string(), st.dump(2) + "\n");
@@ -1211,19 +1553,91 @@ class Trainer {
     check_guard(c_, device_, "after the export check");
   }
 
+  // The validation loss as a TensorBoard scalar and, before the first step, its own metrics
+  // record (later ones ride in the step's record).
+  void log_validation(const Validation& v, int64_t step, bool own_record) {
+    if (own_record && metrics_.is_open()) {
+      metrics_.write({{"step", step}, {"val_loss", v.loss}, {"val_tokens", v.tokens}});
+    }
+    if (tb_.is_open() && std::isfinite(v.loss)) tb_.add_scalar("val/loss", v.loss, step);
+  }
+
+  // The end of a run: wall time, losses, the files written and what to do next.
+  void print_end_summary(int64_t total) {
+    out_ << fmt::format("done: {} steps in {}, {} tokens", total,
+                        format_duration(ms_since(run_start_) / 1000.0), tokens_seen_);
+    if (last_loss_) {
+      out_ << fmt::format("; final loss {:.4f}", *last_loss_);
+      if (last_loss_avg_) out_ << fmt::format(" (last log window avg {:.4f})", *last_loss_avg_);
+    }
+    if (last_val_) {
+      out_ << fmt::format("; validation loss {:.4f} (best {:.4f} at step {})", *last_val_,
+                          best_val_, best_val_step_);
+    }
+    out_ << "\n";
+    const fs::path dir(c_.output.dir);
+    const std::string exp = resolved_export_path(c_);
+    std::vector<std::pair<std::string, std::string>> files;
+    auto add = [&](const char* what, const std::string& path) {
+      std::error_code ec;
+      if (!path.empty() && fs::exists(path, ec)) files.emplace_back(what, path);
+    };
+    add("export", exp);
+    if (c_.output.hf_export != HfExport::kNone && !exp.empty()) {
+      add("hf export", hf_export_dir(exp));
+    }
+    if (!c_.log.metrics.empty()) add("metrics", (dir / c_.log.metrics).string());
+    add("eval", (dir / kEvalFile).string());
+    if (c_.log.report) add("report", (dir / "report.html").string());
+    if (tb_.is_open() || !tb_.path().empty()) add("tensorboard", tb_.path());
+    add("config", (dir / kConfigFile).string());
+    const auto ck = latest_checkpoint(c_.output.dir);
+    if (ck) add("checkpoint", ck->path);
+    out_ << "files:\n";
+    for (const auto& [what, path] : files) out_ << fmt::format("  {:<12}{}\n", what, path);
+    out_ << "next:\n";
+    if (!exp.empty() && fs::exists(exp)) {
+      out_ << fmt::format("  chat         {} --model {}\n", tool_command("q4chat"),
+                          exp == (dir / "model.dat").string() ? c_.output.dir : exp);
+    }
+    if (ck) {
+      out_ << fmt::format("  export       {} --resume {} --export-only\n",
+                          tool_command("q4train"), c_.output.dir);
+    }
+    if (!exp.empty() && c_.output.hf_export != HfExport::kNone) {
+      out_ << fmt::format("  serve        vllm serve {}   (docs/interop.md)\n", hf_export_dir(exp));
+    } else if (!exp.empty()) {
+      out_ << fmt::format(
+          "  serve        {} export-hf {} {} --config {} --format modelopt, then vllm serve {} "
+          "(docs/interop.md)\n",
+          tool_command("q4dat"), exp, hf_export_dir(exp), c_.model.config, hf_export_dir(exp));
+    }
+    out_ << fmt::format("  tensorboard  tensorboard --logdir {}\n", c_.output.dir) << std::flush;
+  }
+
   int loop() {
     const int64_t total = c_.train.steps;
     std::vector<EvalAnswer> last_answers;
+    if (start_step_ == 0 && c_.eval.at_start && total > 0) {
+      if (const auto v = validation_loss(0)) {
+        out_ << fmt::format("validation loss at step 0: {:.4f} ({} tokens, {:.1f} s)\n", v->loss,
+                            v->tokens, v->ms / 1000.0);
+        log_validation(*v, 0, /*own_record=*/true);
+      }
+    }
     if (c_.eval.at_start && start_step_ == 0) last_answers = evaluate(0, "start");
     const bool bar =
         c_.log.progress == ProgressStyle::kBar ||
         (c_.log.progress == ProgressStyle::kAuto && ::isatty(STDERR_FILENO) && ::isatty(1));
-    double session_ms = 0;
+    double session_ms = 0, first_step_ms = 0;
     int64_t session_steps = 0;
     int64_t consecutive_nonfinite = 0;
+    double window_loss_sum = 0;  // supervised-token-weighted losses since the last log line
+    int64_t window_tokens = 0;
     for (int64_t step = start_step_; step < total; ++step) {
       inject_fault(step + 1);
       const auto t0 = Clock::now();
+      note_run_peak();  // the window before this step (load, eval, the previous step)
       reset_peak_memory(device_);
       const double lr = schedule_->lr_at(step);
       const bool trace = !opts_.profile_trace.empty();
@@ -1240,7 +1654,12 @@ class Trainer {
       const optim::StepResult& res = so.res;
       const double loss = so.loss;
       const int64_t real_tokens = so.real_tokens;
-      const bool log_step = (step + 1) % c_.log.every == 0 || step + 1 == total || step == start_step_;
+      const int64_t done = step + 1;
+      const bool last = done == total;
+      // The validation loss: every eval.every steps and after the last one.
+      const bool val_due = val_batcher_ && ((c_.eval.every > 0 && done % c_.eval.every == 0) || last);
+      const bool log_step =
+          done % c_.log.every == 0 || last || step == start_step_ || val_due;
       // Logging steps wait for the optimizer too (exact timing and memory there); other steps
       // return as soon as the loss is on the host, the optimizer kernels still running.
       if (log_step) synchronize_device(device_);
@@ -1261,10 +1680,18 @@ class Trainer {
         consecutive_nonfinite = 0;
       }
       session_ms += step_ms;
+      if (session_steps == 0) first_step_ms = step_ms;
       ++session_steps;
+      if (std::isfinite(loss) && so.supervised > 0) {
+        window_loss_sum += loss * static_cast<double>(so.supervised);
+        window_tokens += so.supervised;
+      }
+      const double window_mean = window_tokens > 0
+                                     ? window_loss_sum / static_cast<double>(window_tokens)
+                                     : std::numeric_limits<double>::quiet_NaN();
 
       StepMetrics m;
-      m.step = step + 1;
+      m.step = done;
       m.total_steps = total;
       m.loss = loss;
       m.grad_norm = res.grad_norm;
@@ -1283,18 +1710,52 @@ class Trainer {
       m.rss_bytes = mem.rss_bytes;
       m.eta_s = (session_ms / session_steps) * static_cast<double>(total - step - 1) / 1000.0;
       m.skipped = !res.applied;
-      if (metrics_.is_open()) metrics_.write(metrics_to_json(m));
-      if (tb_.is_open()) tb_.add_metrics(metrics_to_json(m), m.step);  // TensorBoard scalars
-      const bool last = step + 1 == total;
+      if (log_step) {
+        m.loss_avg = window_mean;
+        last_loss_avg_ = window_mean;
+        window_loss_sum = 0;
+        window_tokens = 0;
+      }
+      last_loss_ = loss;
+      std::optional<Validation> val;
+      if (val_due) val = validation_loss(done);
+      if (val) {
+        m.val_loss = val->loss;
+        m.val_tokens = val->tokens;
+      }
+      const auto record = metrics_to_json(m);
+      if (metrics_.is_open()) metrics_.write(record);
+      if (tb_.is_open()) {
+        auto train_only = record;  // the validation loss goes to val/loss
+        train_only.erase("val_loss");
+        train_only.erase("val_tokens");
+        tb_.add_metrics(train_only, m.step);  // TensorBoard scalars
+        if (val) log_validation(*val, done, /*own_record=*/false);
+      }
       if (log_step) {
         if (bar) err_ << "\r\033[K";
         out_ << format_log_line(m) << std::endl;
       }
-      if (bar) err_ << "\r" << format_progress_bar(step + 1, total) << std::flush;
+      // The run-time estimate, once: from the steps after the first (which warms up caches).
+      if (session_steps == std::min<int64_t>(3, total - start_step_) && !last) {
+        const double per_ms = session_steps > 1
+                                  ? (session_ms - first_step_ms) / (session_steps - 1)
+                                  : session_ms;
+        if (bar) err_ << "\r\033[K";
+        out_ << fmt::format(
+            "time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
+            format_duration(per_ms * static_cast<double>(total - done) / 1000.0), total - done,
+            per_ms / 1000.0,
+            c_.eval.every > 0 || val_batcher_ ? ", evaluations not included" : "");
+      }
+      if (bar) {
+        err_ << "\r" << format_progress_bar(done, total, 30, window_tokens > 0 ? window_mean : loss,
+                                            m.eta_s)
+             << std::flush;
+      }
 
-      check_guard(c_, device_, fmt::format("at step {}", step + 1));
+      check_guard(c_, device_, fmt::format("at step {}", done));
 
-      const int64_t done = step + 1;
       if (c_.eval.every > 0 && done % c_.eval.every == 0 && !last) evaluate(done, "step");
       if (c_.output.export_every > 0 && done % c_.output.export_every == 0 && !last) {
         export_model(done, nullptr);
@@ -1307,15 +1768,35 @@ class Trainer {
         out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM)
              << ": stopping after step " << done << "\n";
         if (last_checkpoint_step_ != done) save_checkpoint(done);
+        if (leader()) {
+          const std::string q4train = tool_command("q4train");
+          out_ << fmt::format(
+                      "stopped at step {} of {} (checkpoint {}); resume with: {} --resume {}   "
+                      "(or export this step: {} --resume {} --export-only)\n",
+                      done, total, (fs::path(c_.output.dir) / checkpoint_dir_name(done)).string(),
+                      q4train, c_.output.dir, q4train, c_.output.dir)
+               << std::flush;
+        }
         if (comm_) comm_->barrier();
         return kExitOk;
       }
     }
     if (bar && total > start_step_) err_ << "\n";
+    if (total == start_step_ && val_batcher_) {  // nothing left to train: still report it
+      if (const auto v = validation_loss(total)) {
+        out_ << fmt::format("validation loss at step {}: {:.4f}\n", total, v->loss);
+      }
+    }
     if (c_.eval.at_end) last_answers = evaluate(total, "end");
     finish(total, &last_answers);
+    note_run_peak();
+    if (run_peak_bytes_ > 0) {
+      out_ << fmt::format("peak GPU memory allocated over the run (load, steps, evals, export, "
+                          "export check): {:.2f} GiB\n",
+                          to_gib(run_peak_bytes_));
+    }
     if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
-    out_ << fmt::format("done: {} steps, {} tokens\n", total, tokens_seen_);
+    if (leader()) print_end_summary(total);
     if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
     return kExitOk;
   }
@@ -1337,6 +1818,13 @@ class Trainer {
   JsonlWriter metrics_;
   JsonlWriter eval_log_;
   TfEventsWriter tb_;
+  std::unique_ptr<data::Batcher> val_batcher_;  // held-out examples (none: no validation)
+  data::BatcherState val_start_;                // its state before the first batch
+  std::optional<double> last_val_;
+  double best_val_ = std::numeric_limits<double>::infinity();
+  int64_t best_val_step_ = 0;
+  std::optional<double> last_loss_, last_loss_avg_;
+  Clock::time_point run_start_ = Clock::now();
   int64_t start_step_ = 0;
   int64_t last_checkpoint_step_ = -1;
   int64_t tokens_seen_ = 0;
@@ -1344,6 +1832,11 @@ class Trainer {
   std::optional<double> peak_flops_;
   bool probe_ = false;
   bool in_backward_ = false;  // optimizer updates inside the backward (optim.in_backward)
+  int64_t run_peak_bytes_ = 0;  // the device's peak allocated over the whole run
+  void note_run_peak() {
+    const auto m = memory_snapshot(device_);
+    if (m.peak_allocated_bytes) run_peak_bytes_ = std::max(run_peak_bytes_, *m.peak_allocated_bytes);
+  }
   // Data parallel (null with one process).
   std::unique_ptr<DistComm> comm_;
   std::vector<model::Parameter*> params_;  // trainable parameters in model order
@@ -1390,6 +1883,47 @@ std::string saved_config_path_for_resume(const std::string& resume_dir) {
                     " in it or its parent; pass --config");
 }
 
+void check_device_available(const Config& c) {
+  if (!device_is_cuda(c)) return;
+  const std::string fix = "; or set model.device: cpu";
+  if (!at::hasCUDA()) {
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+    throw ConfigError("config key model.device: " + c.model.device +
+                      ", but no CUDA device is visible to this process (check nvidia-smi and "
+                      "CUDA_VISIBLE_DEVICES)" +
+                      fix);
+#else
+    throw ConfigError("config key model.device: " + c.model.device +
+                      ", but this q4train is a CPU-only build (LibTorch " + TORCH_VERSION +
+                      " without CUDA): build it against LibTorch 2.x with CUDA (README, GPU "
+                      "build)" +
+                      fix);
+#endif
+  }
+  const at::Device d(c.model.device);
+  if (d.has_index()) {
+    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    const int n = static_cast<int>(impl.deviceCount());
+    if (d.index() >= n) {
+      throw ConfigError(fmt::format(
+          "config key model.device: {}, but this process sees {} CUDA device{} (cuda:0 to "
+          "cuda:{}){}",
+          c.model.device, n, n == 1 ? "" : "s", n - 1, fix));
+    }
+  }
+}
+
+std::string clip_warmup_to_run(Config& c) {
+  const int64_t steps = c.train.steps;
+  const int64_t warmup = c.optim.schedule.warmup_steps;
+  if (steps <= 0 || warmup <= steps) return "";
+  c.optim.schedule.warmup_steps = steps;
+  return fmt::format(
+      "note: optim.schedule.warmup_steps {} is longer than the run (train.steps {}); clipped to "
+      "{}",
+      warmup, steps, steps);
+}
+
 int run_training(const Config& config, const RunOptions& options, std::ostream& out,
                  std::ostream& err) {
   if (!options.world.distributed()) {
@@ -1417,7 +1951,9 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
   return t.run();
 }
 
-int run_dry_run(const Config& c, std::ostream& out) {
+int run_dry_run(const Config& config, std::ostream& out) {
+  Config c = config;
+  if (const std::string note = clip_warmup_to_run(c); !note.empty()) out << note << "\n";
   check_input_files(c, /*need_data=*/c.train.steps > 0);
   check_output_paths(c);
   const auto mc = load_model_config(c);
@@ -1445,11 +1981,16 @@ int run_dry_run(const Config& c, std::ostream& out) {
     out << fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
                        to_gib(static_cast<int64_t>(fs::file_size(c.model.weights))));
   }
+  if (const auto left = run_dir_leftovers(c); !left.empty()) {
+    out << "note: output.dir " << c.output.dir << " is not empty (" << join_names(left, 4)
+        << "): a fresh run there needs --overwrite (or --resume to continue)\n";
+  }
   out << "dry run ok: config valid, inputs present, nothing loaded\n";
   return kExitOk;
 }
 
 int run_probe(const Config& c, const RunOptions& options, std::ostream& out, std::ostream& err) {
+  check_device_available(c);
   Trainer t(c, options, out, err, /*probe=*/true);
   return t.probe();
 }

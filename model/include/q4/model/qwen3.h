@@ -186,8 +186,10 @@ class Qwen3Model {
   // differs from this model's, each as "name (k of n elements)" (empty: the export reproduces
   // this model's forward exactly). Raw tensors are compared after rounding this model's weight
   // to the entry's stored element type (fp32 masters are exported to fp16 by design).
-  // Streams one tensor at a time: no second model in memory.
-  std::vector<std::string> compare_forward_weights(const DatReader& exported) const;
+  // Streams one tensor at a time, in row ranges of about `chunk_elems` elements: no second
+  // model in memory, device temporaries of ~100 MB at the default.
+  std::vector<std::string> compare_forward_weights(const DatReader& exported,
+                                                   int64_t chunk_elems = int64_t{1} << 24) const;
 
   // An empty cache for `batch` sequences of up to `capacity` tokens.
   KvCache make_cache(int64_t batch, int64_t capacity) const;

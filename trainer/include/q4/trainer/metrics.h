@@ -3,6 +3,7 @@
 // GPU memory on CPU) are printed as "-" and written as null.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -29,15 +30,25 @@ struct StepMetrics {
   int64_t rss_bytes = 0;
   double eta_s = 0;      // remaining steps x mean step time
   bool skipped = false;  // non-finite gradients: update skipped
+  // Logged steps: token-weighted mean loss of the steps since the previous log line (this one
+  // included); unset on the other steps.
+  std::optional<double> loss_avg;
+  // Steps where the validation loss was computed: token-weighted mean CE over every held-out
+  // example (no grad), and its supervised-token count.
+  std::optional<double> val_loss;
+  int64_t val_tokens = 0;
 };
 
-// "step   12/200 | loss 3.4521 | gnorm 1.234e+00 | lr 1.00e-03 | 123.4 ms | 1234 tok/s |
-//  mfu 12.3% | mem 12.3 GiB | eta 1m23s" (one line).
+// "step   12/200 | loss 3.4521 (avg 3.9012) | gnorm 1.234e+00 | lr 1.00e-03 | 123.4 ms |
+//  1234 tok/s | mfu 12.3% | mem 12.3 GiB | eta 1m23s" (one line; "(avg ...)" when loss_avg is
+//  set, "| val 2.1234" after the loss when val_loss is).
 std::string format_log_line(const StepMetrics& m);
 nlohmann::json metrics_to_json(const StepMetrics& m);
 std::string format_duration(double seconds);  // "45s", "3m07s", "2h05m"
-// A text progress bar: "[#####.....] 12/200".
-std::string format_progress_bar(int64_t step, int64_t total, int width = 30);
+// A text progress bar: "[#####.....] 12/200", then " loss 2.3456" when `loss` is finite and
+// " eta 1m23s" when `eta_s` >= 0.
+std::string format_progress_bar(int64_t step, int64_t total, int width = 30,
+                                double loss = std::nan(""), double eta_s = -1);
 
 // Appends JSON lines to a file, flushing each line (a killed run keeps what it logged).
 class JsonlWriter {

@@ -56,6 +56,12 @@ bool is_reserved_run_name(const std::string& file_name);
 // or can be created.
 void check_output_paths(const Config& c);
 
+// What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
+// user's files): every entry except the lock file, temp files and incomplete checkpoints of a
+// killed writer (removed at start anyway), probe.json and the run's own inputs (e.g.
+// model.weights kept in output.dir). Names, sorted; empty when the directory is absent or empty.
+std::vector<std::string> run_dir_leftovers(const Config& c);
+
 // An exclusive advisory lock (flock) on <dir>/.lock, held until destruction (or the process
 // ends). A second run on the same directory fails at once with a ConfigError naming the
 // directory and the holder's pid.

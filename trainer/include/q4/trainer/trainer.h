@@ -34,9 +34,27 @@ struct RunOptions {
   std::string probe_report;           // --probe: report path (default <output.dir>/probe.json)
   int probe_steps = 0;  // --probe-steps N: N more timed steady-state steps after the probe's one
   std::string profile_trace;  // --profile-trace FILE: Kineto trace of the run's steps 3-4
+  // --overwrite: a fresh run in a non-empty output.dir removes the previous run's files there
+  // (checkpoints, metrics, logs, export) instead of refusing.
+  bool overwrite = false;
+  // --export-only (with --resume): export the checkpoint's model and exit; trains nothing.
+  bool export_only = false;
+  // --allow-schedule-change: resume even though the LR schedule (train.steps, optim.lr,
+  // optim.schedule.*) differs from the checkpoint's.
+  bool allow_schedule_change = false;
   WorldInfo world;            // data-parallel rank and size (torchrun / --nproc); default: alone
   std::chrono::milliseconds dist_timeout{std::chrono::minutes(10)};  // rendezvous, collectives
 };
+
+// model.device cuda/cuda:N without a usable CUDA device (a CPU-only build, no visible GPU, an
+// index past the device count): ConfigError naming the fix. Run, probe and export call it before
+// anything is written; --dry-run does not (it estimates a GPU run on any machine).
+void check_device_available(const Config& config);
+
+// optim.schedule.warmup_steps longer than train.steps (> 0) is clipped to train.steps (a short
+// smoke run with `--set train.steps=3` just works). Returns the one-line note to print, or ""
+// when nothing changed.
+std::string clip_warmup_to_run(Config& config);
 
 // Trains as configured. Returns kExitOk (also after a signal-triggered checkpoint); throws
 // ConfigError for input problems (files, data, shapes), GuardStop, or c10::Error at runtime.
