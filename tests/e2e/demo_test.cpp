@@ -1,0 +1,138 @@
+// The README's first command, as shipped: `q4train --config configs/demo.yaml` (only output.dir
+// moved to a temp folder) must end with every eval answer equal to the trained answer. The demo
+// claims memorization, so the test first checks that its eval prompts are exactly the prompts of
+// its data files; answers are then compared with the data read independently of the trainer (a
+// plain TSV split, no tokenizer), from eval.jsonl. Before training no answer may be right (the
+// random model cannot know them). Then q4chat answers from the run directory, as the README shows.
+// About a minute on 2 CPU cores: the full demo, not a shortened one, so CI checks what users run.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include "q4/trainer/config.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kSource = Q4_SOURCE_DIR;
+const std::string kBin = Q4_BIN_DIR;
+const std::string kDemo = kSource + "/configs/demo.yaml";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// prompt -> answer of a demo TSV: `prompt<TAB>answer` lines; blank, `#` and the header skipped.
+std::map<std::string, std::string> read_pairs(const std::string& path) {
+  std::map<std::string, std::string> pairs;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty() || line[0] == '#' || line == "prompt\tanswer") continue;
+    const auto tab = line.find('\t');
+    if (tab == std::string::npos) {
+      ADD_FAILURE() << path << ": line without a tab: " << line;
+      continue;
+    }
+    EXPECT_TRUE(pairs.emplace(line.substr(0, tab), line.substr(tab + 1)).second)
+        << path << ": duplicate prompt " << line.substr(0, tab);
+  }
+  return pairs;
+}
+
+struct Result {
+  int code = -1;
+  std::string out;
+};
+
+Result run(const std::string& cmd, const fs::path& log) {
+  const int status = std::system((cmd + " >" + log.string() + " 2>&1").c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(log);
+  return r;
+}
+
+}  // namespace
+
+TEST(Demo, EvalPromptsAreTheTrainingPrompts) {
+  const auto c = q4::trainer::load_config(kDemo);
+  ASSERT_EQ(c.data.files.size(), 1u);
+  const auto pairs = read_pairs(c.data.files[0]);
+  ASSERT_GE(pairs.size(), 10u);
+  std::map<std::string, int> asked;
+  for (const auto& p : c.eval.prompts) {
+    EXPECT_TRUE(pairs.count(p)) << "eval prompt not in " << c.data.files[0] << ": " << p;
+    EXPECT_EQ(++asked[p], 1) << "eval prompt repeated: " << p;
+  }
+  for (const auto& [prompt, answer] : pairs) {
+    EXPECT_TRUE(asked.count(prompt)) << "training prompt the demo does not ask: " << prompt;
+  }
+}
+
+TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
+  const auto c = q4::trainer::load_config(kDemo);
+  const auto pairs = read_pairs(c.data.files.at(0));
+  const fs::path dir =
+      fs::temp_directory_path() / ("q4_demo_" + std::to_string(::getuid()) + "_" +
+                                   std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path rundir = dir / "demo";
+  const Result r = run(kBin + "/q4train --config " + kDemo + " --set output.dir=" + rundir.string(),
+                       dir / "q4train.log");
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  // The trainer's own check of the export: every tensor gives the trained forward weights.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, std::regex("export check: (\\d+)/(\\d+) tensors")))
+      << r.out;
+  EXPECT_EQ(m[1], m[2]) << r.out;
+
+  std::ifstream in(rundir / "eval.jsonl");
+  std::string line;
+  std::vector<nlohmann::json> start, end;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line);
+    const std::string when = j.at("when");
+    if (when == "end") end.push_back(std::move(j));
+    if (when == "start") start.push_back(std::move(j));
+  }
+  ASSERT_EQ(end.size(), c.eval.prompts.size()) << r.out;
+  ASSERT_EQ(start.size(), c.eval.prompts.size()) << r.out;
+  for (const auto& e : end) {
+    const std::string prompt = e.at("prompt");
+    ASSERT_TRUE(pairs.count(prompt)) << prompt;
+    EXPECT_EQ(e.at("step").get<int64_t>(), c.train.steps);
+    EXPECT_EQ(e.at("answer").get<std::string>(), pairs.at(prompt)) << "prompt: " << prompt;
+    EXPECT_TRUE(e.at("stopped").get<bool>()) << "no <|im_end|> after: " << prompt;
+  }
+  for (const auto& s : start) {
+    EXPECT_NE(s.at("answer").get<std::string>(), pairs.at(s.at("prompt")))
+        << "the untrained model already answers " << s.at("prompt");
+  }
+
+  // The README's next step: chat with the result (greedy, one shot).
+  const Result chat = run(kBin + "/q4chat --model " + rundir.string() +
+                              " --prompt 'What is the capital of Japan?' --temperature 0 --quiet",
+                          dir / "q4chat.log");
+  ASSERT_EQ(chat.code, 0) << chat.out;
+  EXPECT_EQ(chat.out, pairs.at("What is the capital of Japan?") + "\n");
+  fs::remove_all(dir);
+}
