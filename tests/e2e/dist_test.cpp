@@ -2,7 +2,9 @@
 // process with the same global batch, exact resume of a two-rank checkpoint, resharding onto one
 // rank, and failure behaviour (a dead or hung rank ends the job with an error; a bad config
 // fails before any rank starts). Tiny random Qwen3 with the real tokenizer, a few steps each.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -145,17 +147,25 @@ void expect_same_curve(const std::vector<nlohmann::json>& got,
   }
 }
 
-// The two-rank base run (8 steps, checkpoint every 4), shared by the tests below.
+// The two-rank base run (8 steps, checkpoint every 4), shared by the tests below. ctest runs each
+// test in its own process, several at once: the run is made once per q4train binary under a file
+// lock, and a COMPLETE stamp marks it done.
 fs::path two_rank_base() {
-  static const fs::path dir = [] {
-    const fs::path d = work_root() / "two";
+  const fs::path d = work_root() / "two";
+  const int lock = ::open((work_root() / "two.lock").c_str(), O_CREAT | O_RDWR, 0644);
+  ::flock(lock, LOCK_EX);
+  const std::string stamp =
+      std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
+  if (!fs::exists(d / "COMPLETE") || read_text(d / "COMPLETE") != stamp) {
     fs::remove_all(d);
     const auto cfg = write_config(d, kSteps, 1, 4);
     const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "60"}, d / "log");
     EXPECT_EQ(r.code, 0) << r.err << r.out;
-    return d;
-  }();
-  return dir;
+    if (r.code == 0) write_text(d / "COMPLETE", stamp);
+  }
+  ::flock(lock, LOCK_UN);
+  ::close(lock);
+  return d;
 }
 
 }  // namespace
