@@ -1608,9 +1608,10 @@ class Trainer {
       out_ << fmt::format("  serve        vllm serve {}   (docs/interop.md)\n", hf_export_dir(exp));
     } else if (!exp.empty()) {
       out_ << fmt::format(
-          "  serve        {} export-hf {} {} --config {} --format modelopt, then vllm serve {} "
-          "(docs/interop.md)\n",
-          tool_command("q4dat"), exp, hf_export_dir(exp), c_.model.config, hf_export_dir(exp));
+          "  serve        {} export-hf {} {} --config {} --tokenizer-dir {} --format modelopt, "
+          "then vllm serve {} (docs/interop.md)\n",
+          tool_command("q4dat"), exp, hf_export_dir(exp), c_.model.config,
+          fs::path(c_.model.tokenizer).parent_path().string(), hf_export_dir(exp));
     }
     out_ << fmt::format("  tensorboard  tensorboard --logdir {}\n", c_.output.dir) << std::flush;
   }
