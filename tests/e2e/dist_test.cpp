@@ -168,6 +168,21 @@ fs::path two_rank_base() {
   return d;
 }
 
+// A copy of the base run cut back to its step-4 checkpoint (later checkpoint and export removed)
+// in `dir`, resumed from there with `extra` arguments.
+Result resume_copy_at_step_4(const fs::path& base, const fs::path& dir,
+                             const std::vector<std::string>& extra) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
+  fs::remove_all(dir / "run" / "step_000008");
+  fs::remove(dir / "run" / "model.dat");
+  std::vector<std::string> args = {"--resume", (dir / "run" / "step_000004").string(), "--set",
+                                   "output.dir=" + (dir / "run").string()};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return run(args, dir / "log");
+}
+
 }  // namespace
 
 TEST(DataParallel, OwnersAreBalancedAndDeterministic) {
@@ -231,14 +246,7 @@ TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root() / "resume2";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
-  fs::remove_all(dir / "run" / "step_000008");
-  fs::remove(dir / "run" / "model.dat");
-  const Result r = run({"--resume", (dir / "run" / "step_000004").string(), "--set",
-                        "output.dir=" + (dir / "run").string(), "--nproc", "2", kTimeout, "60"},
-                       dir / "log");
+  const Result r = resume_copy_at_step_4(base, dir, {"--nproc", "2", kTimeout, "60"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto want = read_jsonl(base / "run" / "metrics.jsonl");
   const auto got = read_jsonl(dir / "run" / "metrics.jsonl");
@@ -255,14 +263,7 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root() / "reshard";
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
-  fs::remove_all(dir / "run" / "step_000008");
-  fs::remove(dir / "run" / "model.dat");
-  const Result r = run({"--resume", (dir / "run" / "step_000004").string(), "--set",
-                        "output.dir=" + (dir / "run").string()},
-                       dir / "log");
+  const Result r = resume_copy_at_step_4(base, dir, {});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("continues on 1 rank(s) with grad_accum 2"), std::string::npos) << r.out;
   expect_same_curve(read_jsonl(dir / "run" / "metrics.jsonl"),
