@@ -1,8 +1,8 @@
 // Token-chunked cross-entropy through the lm_head: forward computes fp32 logits for
-// `chunk_tokens` rows at a time (matmul in the weight's dtype, then upcast, as HF does) and keeps
-// only the running sum; backward recomputes each chunk's logits, turns them into
-// softmax - onehot in place and accumulates the hidden and weight gradients. At most one
-// (chunk, V) fp32 block exists at any time, in forward and in backward.
+// `chunk_tokens` rows at a time (matmul in the weight's dtype, then upcast, as HF does), adds the
+// chunk's loss to the running sum and, when a gradient is wanted, turns the same block into
+// softmax - onehot in place and accumulates the hidden and weight gradients; backward scales
+// them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time.
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "q4/model/qwen3.h"
@@ -15,54 +15,27 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kIgnoreIndex = -100;
 
-// Row-wise over an fp32 (n, V) block without a second block: x <- exp(x - max) and the
-// log-sum-exp per row (max + log(sum)). The block is the largest temporary of a step.
-at::Tensor in_place_logsumexp(at::Tensor& x) {
-  const at::Tensor mx = std::get<0>(x.max(1, /*keepdim=*/true));  // (n, 1)
-  x.sub_(mx).exp_();
-  return x.sum(1).log_().add_(mx.squeeze(1));
+// Gradient of one chunk's summed CE with respect to its logits, in place on the fp32 block that
+// holds exp(x - row max) with row sums `sum`: softmax - onehot(label), rows without a label 0.
+void chunk_logit_grad(at::Tensor& e, const at::Tensor& sum, const at::Tensor& y,
+                      const at::Tensor& valid) {
+  e.div_(sum.unsqueeze(1));
+  e.scatter_add_(1, y.clamp_min(0).unsqueeze(1), at::full({e.size(0), 1}, -1.0, e.options()));
+  e.mul_(valid.to(at::kFloat).unsqueeze(1));
 }
 
-// x <- softmax(x) row-wise, in place (as above, then divided by the row sums).
-void in_place_softmax(at::Tensor& x) {
-  const at::Tensor mx = std::get<0>(x.max(1, /*keepdim=*/true));
-  x.sub_(mx).exp_();
-  x.div_(x.sum(1, /*keepdim=*/true));
-}
-
+// The gradients are computed in the forward, from the same logits block that gives the loss
+// (the loss is the last op of the graph and its upstream gradient a scalar): the backward only
+// scales them by that scalar. One lm_head GEMM and one exp pass per chunk fewer than
+// recomputing the logits in the backward; the same memory (the weight gradient would exist in
+// the backward's loss phase anyway, and the forward runs straight into it).
 struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntropy> {
   // hidden (N, H), weight (V, H), labels (N) int64 -> () fp32 sum of per-row CE.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
-    ctx->save_for_backward({hidden, weight, labels});
-    ctx->saved_data["chunk"] = chunk;
-    ctx->saved_data["hidden_grad"] = hidden.requires_grad();
-    ctx->saved_data["weight_grad"] = weight.requires_grad();
+    const bool want_h = hidden.requires_grad(), want_w = weight.requires_grad();
     const int64_t N = hidden.size(0);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
-    for (int64_t s = 0; s < N; s += chunk) {
-      const int64_t n = std::min(chunk, N - s);
-      at::Tensor y = labels.narrow(0, s, n);
-      at::Tensor valid = y.ne(kIgnoreIndex);
-      at::Tensor logits = at::matmul(hidden.narrow(0, s, n), weight.t()).to(at::kFloat);  // (n,V)
-      at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);       // (n)
-      // logsumexp in place on the one fp32 block (at::logsumexp would allocate a second one).
-      at::Tensor lse = in_place_logsumexp(logits);  // (n); logits now holds exp(x - max)
-      total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
-    }
-    return total;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor& hidden = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor& labels = saved[2];
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const bool want_h = ctx->saved_data["hidden_grad"].toBool();
-    const bool want_w = ctx->saved_data["weight_grad"].toBool();
-    at::Tensor go = grads[0].to(at::kFloat);  // () upstream gradient of the sum
-    const int64_t N = hidden.size(0);
     at::Tensor grad_h = want_h ? at::empty_like(hidden) : at::Tensor();
     at::Tensor grad_w;
     for (int64_t s = 0; s < N; s += chunk) {
@@ -70,12 +43,17 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       at::Tensor h = hidden.narrow(0, s, n);
       at::Tensor y = labels.narrow(0, s, n);
       at::Tensor valid = y.ne(kIgnoreIndex);
-      at::Tensor p = at::matmul(h, weight.t()).to(at::kFloat);  // (n, V) logits
-      in_place_softmax(p);
-      // d(lse - picked)/dlogits = softmax - onehot(label); rows without a label get 0.
-      p.scatter_add_(1, y.clamp_min(0).unsqueeze(1), at::full({n, 1}, -1.0, p.options()));
-      p.mul_((valid.to(at::kFloat) * go).unsqueeze(1));
-      at::Tensor pc = p.to(hidden.scalar_type());
+      at::Tensor logits = at::matmul(h, weight.t()).to(at::kFloat);                 // (n, V)
+      at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);  // (n)
+      // Row max, exp in place on the one fp32 block (at::logsumexp would allocate a second).
+      const at::Tensor mx = std::get<0>(logits.max(1, /*keepdim=*/true));  // (n, 1)
+      logits.sub_(mx).exp_();
+      const at::Tensor row_sum = logits.sum(1);
+      const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
+      total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
+      if (!want_h && !want_w) continue;
+      chunk_logit_grad(logits, row_sum, y, valid);
+      const at::Tensor pc = logits.to(hidden.scalar_type());
       if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
       if (want_w) {
         if (!grad_w.defined()) {
@@ -85,6 +63,19 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
         }
       }
     }
+    if (want_h) ctx->saved_data["grad_h"] = grad_h;
+    if (want_w) ctx->saved_data["grad_w"] = grad_w;
+    return total;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor grad_h, grad_w;
+    if (ctx->saved_data.count("grad_h") != 0) grad_h = ctx->saved_data["grad_h"].toTensor();
+    if (ctx->saved_data.count("grad_w") != 0) grad_w = ctx->saved_data["grad_w"].toTensor();
+    ctx->saved_data.clear();  // the autograd graph may outlive this call: drop the references
+    const at::Tensor go = grads[0];  // () upstream gradient of the sum
+    if (grad_h.defined()) grad_h.mul_(go);
+    if (grad_w.defined()) grad_w.mul_(go);
     return {grad_h, grad_w, at::Tensor(), at::Tensor()};
   }
 };

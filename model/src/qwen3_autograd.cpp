@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "q4/quant/nvfp4.h"
 #include "qwen3_impl.h"
@@ -143,13 +144,28 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     mask.allowed = ctx->saved_data["allowed"].toTensor();
     mask.max_seqlen = ctx->saved_data["max_seqlen"].toInt();
     at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
-    at::Tensor out;
+    LayerParts parts;
     {
       at::AutoGradMode enable(true);
-      out = im->layer_forward(layer, h, rope, mask, nullptr);
+      parts = im->layer_forward_parts(layer, h, rope, mask, nullptr);
     }
-    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    torch::autograd::backward({out}, {g});
+    // out = hs + s·w_downᵀ. The down projection's output is not needed for any gradient, so
+    // its forward GEMM is not recomputed: its backward is done here and the autograd graph
+    // takes over at hs, s and (when it trains) the weight tap.
+    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(h);
+    std::vector<at::Tensor> roots{parts.hs, parts.s};
+    std::vector<at::Tensor> seeds{g};
+    {
+      at::NoGradGuard no_grad;
+      const int64_t H = parts.w_down.size(0), I = parts.w_down.size(1);
+      at::Tensor g2 = g.reshape({-1, H});
+      seeds.push_back(at::mm(g2, parts.w_down).view(parts.s.sizes()));
+      if (parts.w_down.requires_grad()) {
+        roots.push_back(parts.w_down);
+        seeds.push_back(at::mm(g2.t(), parts.s.reshape({-1, I})));
+      }
+    }
+    torch::autograd::backward(roots, seeds);
     return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -44,6 +44,14 @@ struct RopeTables {
   at::Tensor sin;  // (B, T, D) compute dtype
 };
 
+// A decoder layer's output is hs + s·w_downᵀ: the parts before the down projection, so a
+// checkpoint's recompute can skip that GEMM (backward needs only its input and weight).
+struct LayerParts {
+  at::Tensor hs;      // (B, T, H) residual stream after attention
+  at::Tensor s;       // (B, T, I) SwiGLU output, the down projection's input
+  at::Tensor w_down;  // (H, I) down projection weight in the compute dtype (tap if trainable)
+};
+
 struct Qwen3Model::Impl {
   Qwen3Config cfg;
   ModelOptions opt;
@@ -76,6 +84,9 @@ struct Qwen3Model::Impl {
   // One decoder layer: h (B, T, H) -> (B, T, H). With a cache, writes K/V at cache->length.
   at::Tensor layer_forward(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                            const AttnMask& mask, KvCache* cache) const;
+  // The same layer up to (not including) the down projection.
+  LayerParts layer_forward_parts(int64_t layer, const at::Tensor& h, const RopeTables& rope,
+                                 const AttnMask& mask, KvCache* cache) const;
   // Layer through the checkpoint function (recomputed in backward) when enabled and a graph is
   // being built; plain layer_forward otherwise.
   at::Tensor layer_maybe_checkpointed(int64_t layer, const at::Tensor& h, const RopeTables& rope,

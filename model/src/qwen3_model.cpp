@@ -167,6 +167,13 @@ RopeTables Qwen3Model::Impl::rope(const at::Tensor& position_ids) const {
 at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
                                            const RopeTables& rope_t, const AttnMask& mask,
                                            KvCache* cache) const {
+  LayerParts p = layer_forward_parts(layer, h, rope_t, mask, cache);
+  return p.hs + at::linear(p.s, p.w_down);
+}
+
+LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor& h,
+                                                 const RopeTables& rope_t, const AttnMask& mask,
+                                                 KvCache* cache) const {
   const LayerParams& lp = layers[layer];
   const int64_t B = h.size(0), T = h.size(1);
   const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads, D = cfg.head_dim;
@@ -208,10 +215,8 @@ at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
   at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
 
   at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
-  at::Tensor m = at::linear(
-      swiglu(at::linear(y, weight(lp.gate_proj)), at::linear(y, weight(lp.up_proj))),
-      weight(lp.down_proj));
-  return hs + m;
+  at::Tensor s = swiglu(at::linear(y, weight(lp.gate_proj)), at::linear(y, weight(lp.up_proj)));
+  return {hs, s, weight(lp.down_proj)};
 }
 
 at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::Tensor& h,

@@ -325,6 +325,7 @@ namespace detail {
 // Constants of one step, rounded to fp32 once (shared by the CPU path and the kernels).
 struct StepConsts {
   float grad_scale, beta1, omb1, beta2, omb2, inv_sqrt_bc2, eps, step_size, decay;
+  bool cuda_exact = false;  // AdamWOptions::cuda_exact_arithmetic
 };
 
 void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
@@ -425,6 +426,7 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
   k.stochastic = stochastic ? 1 : 0;
   k.sr_key = key;
   k.skip = skip;
+  k.exact = c.cuda_exact ? 1 : 0;
   cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
 }
 #endif
@@ -442,6 +444,7 @@ StepConsts make_step_consts(const AdamWOptions& o, double grad_scale, double lr,
   c.eps = static_cast<float>(o.eps);
   c.step_size = static_cast<float>(lr / bc1);
   c.decay = static_cast<float>(1.0 - lr * o.weight_decay);
+  c.cuda_exact = o.cuda_exact_arithmetic;
   return c;
 }
 

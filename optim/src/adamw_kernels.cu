@@ -4,7 +4,10 @@
 // NVFP4: 4 x 4), so whole groups use 8/16-byte vector loads and stores: decode, update, group
 // absmax by shuffles, re-quantize, write. Kernels are persistent (grid-stride over groups; the
 // code maps are staged in shared memory once per CTA). Arithmetic is the CPU path's, op for op,
-// with explicit round-to-nearest intrinsics (no FMA contraction), so results are bit-identical.
+// with explicit round-to-nearest intrinsics (no FMA contraction), so results are bit-identical
+// -- when StepParams::exact is set. By default the int8/4-bit kernels fuse multiply-adds and use
+// the hardware square root and division in the update (fewer instructions: these kernels are
+// issue-bound), everything else (codes, randomness, rounding decisions) unchanged.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -169,16 +172,41 @@ __device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) 
   }
 }
 
+// kExact: the CPU path's operations, one rounding each. Otherwise (the block kernels' default,
+// AdamWOptions::cuda_exact_arithmetic off) fused multiply-adds, so the same formulas in fewer
+// instructions, a few fp32 ulp from the exact results.
+template <bool kExact = true>
 __device__ __forceinline__ void adam_moments(float g, float& m, float& v, const StepParams& p) {
-  m = __fadd_rn(__fmul_rn(m, p.beta1), __fmul_rn(g, p.one_minus_beta1));
-  v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
+  if (kExact) {
+    m = __fadd_rn(__fmul_rn(m, p.beta1), __fmul_rn(g, p.one_minus_beta1));
+    v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
+  } else {
+    m = __fmaf_rn(m, p.beta1, __fmul_rn(g, p.one_minus_beta1));
+    v = __fmaf_rn(v, p.beta2, __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
+  }
 }
 
-// sv = sqrt(v) (correctly rounded).
+// sqrt(v): correctly rounded (kExact), else the hardware approximation (MUFU, ~1 ulp; no
+// flush of subnormals).
+template <bool kExact>
+__device__ __forceinline__ float adam_sqrt(float v) {
+  if (kExact) return __fsqrt_rn(v);
+  float r;
+  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+
+// sv = adam_sqrt(v). The fast variant divides with the hardware reciprocal (__fdividef: ~2 ulp;
+// den >= eps > 0 is far below the 2^126 where it would return 0).
+template <bool kExact = true>
 __device__ __forceinline__ float adam_master_sv(float w, float m, float sv, const StepParams& p) {
-  const float den = __fadd_rn(__fmul_rn(sv, p.inv_sqrt_bc2), p.eps);
-  const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
-  return __fsub_rn(__fmul_rn(w, p.decay), u);
+  if (kExact) {
+    const float den = __fadd_rn(__fmul_rn(sv, p.inv_sqrt_bc2), p.eps);
+    const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
+    return __fsub_rn(__fmul_rn(w, p.decay), u);
+  }
+  const float den = __fmaf_rn(sv, p.inv_sqrt_bc2, p.eps);
+  return __fmaf_rn(-__fdividef(m, den), p.step_size, __fmul_rn(w, p.decay));
 }
 
 __device__ __forceinline__ float adam_master(float w, float m, float v, const StepParams& p) {
@@ -515,7 +543,7 @@ struct GroupPos {
 // One warp task = 32 / L moment blocks; lane owns E consecutive elements. FULL: every element of
 // the lane's group exists and all pointers are 16-byte aligned (vector accesses, no bounds
 // checks) -- the path of every group but a tensor's last; the other path checks each element.
-template <int MODE, bool FULL, typename G, typename M>
+template <int MODE, bool FULL, bool kExact, typename G, typename M>
 __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps& sm,
                                            const GroupPos<MODE>& pos, int64_t n, int lane) {
   constexpr int L = GroupPos<MODE>::L, E = GroupPos<MODE>::E;
@@ -539,7 +567,7 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
     if (FULL || pos.i0 + e < n) {
       m[e] = decode_value<MODE>(mc[e], ms, sm, 0);
       v[e] = decode_value<MODE>(vc[e], vs, sm, 1);
-      adam_moments(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
+      adam_moments<kExact>(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
     } else {
       m[e] = 0.0f;
       v[e] = 0.0f;
@@ -562,10 +590,10 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
     const uint32_t h =
         (sr || kStochasticMoments<MODE>) ? detail::sr_bits_in_range(range_key, idx) : 0U;
     const uint32_t bits = kStochasticMoments<MODE> ? detail::moment_bits(h) : 0U;
-    const float sv = __fsqrt_rn(v[e]);  // the update's sqrt(v); also the 4-bit v code's
+    const float sv = adam_sqrt<kExact>(v[e]);  // the update's sqrt(v); also the 4-bit v code's
     mc[e] = encode_code<MODE, 0>(m[e], 0.0f, mb, sm, detail::moment_uniform(bits, 0));
     vc[e] = encode_code<MODE, 1>(v[e], sv, vb, sm, detail::moment_uniform(bits, 1));
-    out[e] = write_master<M, MODE != 1>(adam_master_sv(w[e], m[e], sv, p), sr, h);
+    out[e] = write_master<M, MODE != 1>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
   }
   write_codes<MODE, E>(p.m_codes, pos.i0, n, FULL, mc);
   write_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);
@@ -586,7 +614,7 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
 template <int MODE>
 constexpr int kBlockMinCtas = MODE == 3 ? 5 : 4;
 
-template <int MODE, typename G, typename M>
+template <int MODE, bool kExact, typename G, typename M>
 __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_kernel(StepParams p) {
   if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
@@ -603,9 +631,9 @@ __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_ker
     // Warp-uniform choice: the task's last element lies inside the tensor.
     const int64_t task_end = (task + 1) * Pos::kBlocksPerWarp * B;
     if (p.vec_ok != 0 && task_end <= p.n) {
-      block_step<MODE, true, G, M>(p, sm, pos, p.n, lane);
+      block_step<MODE, true, kExact, G, M>(p, sm, pos, p.n, lane);
     } else {
-      block_step<MODE, false, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
+      block_step<MODE, false, kExact, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
     }
   }
 }
@@ -749,13 +777,21 @@ void launch_typed(const StepParams& p, cudaStream_t s) {
           <<<persistent_grid((p.n + kFp32Elems - 1) / kFp32Elems), kThreads, 0, s>>>(p);
       break;
     case 1:
-      adamw_block_kernel<1, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
+      if (p.exact != 0) {
+        adamw_block_kernel<1, true, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
+      } else {
+        adamw_block_kernel<1, false, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
+      }
       break;
     case 2:
-      adamw_block_kernel<2, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
+      if (p.exact != 0) {
+        adamw_block_kernel<2, true, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
+      } else {
+        adamw_block_kernel<2, false, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
+      }
       break;
-    case 3:
-      adamw_block_kernel<3, G, M><<<block_kernel_grid<3>(p.n), kThreads, 0, s>>>(p);
+    case 3:  // NVFP4 (a comparison format): always the exact arithmetic
+      adamw_block_kernel<3, true, G, M><<<block_kernel_grid<3>(p.n), kThreads, 0, s>>>(p);
       break;
     default:
       throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(p.mode));

@@ -42,6 +42,9 @@ struct StepParams {
   // In-backward steps: device flag set by launch_nonfinite_flag; nonzero = leave master and
   // moments untouched (the kernel returns at once). Null: always update.
   const int32_t* skip = nullptr;
+  // 1: int8/4-bit kernels use the CPU path's arithmetic op for op (bit-identical); 0: FMA and
+  // the hardware square root / division (AdamWOptions::cuda_exact_arithmetic).
+  int exact = 0;
 };
 
 void launch_adamw_step(const StepParams& p, cudaStream_t stream);

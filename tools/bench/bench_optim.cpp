@@ -32,13 +32,15 @@ struct Args {
   std::string device = "auto";
   double hbm_tbps = 3.35;  // H100 SXM HBM3 peak
   std::string rounding = "stochastic";
+  std::string arithmetic = "fast";  // CUDA int8/4-bit kernels: fast, exact or both
 };
 
 void usage() {
   std::printf(
       "usage: bench_optim [--modes fp32,int8,4bit,nvfp4] [--layers N] [--scale S] [--steps K]\n"
       "                   [--warmup W] [--chunk-rows R] [--device auto|cuda|cpu]\n"
-      "                   [--hbm-tbps 3.35] [--rounding stochastic|nearest]\n");
+      "                   [--hbm-tbps 3.35] [--rounding stochastic|nearest]\n"
+      "                   [--arithmetic fast|exact|both]  (CUDA int8/4bit kernels)\n");
 }
 
 Args parse(int argc, char** argv) {
@@ -70,6 +72,12 @@ Args parse(int argc, char** argv) {
       a.hbm_tbps = std::stod(val());
     } else if (k == "--rounding") {
       a.rounding = val();
+    } else if (k == "--arithmetic") {
+      a.arithmetic = val();
+      if (a.arithmetic != "fast" && a.arithmetic != "exact" && a.arithmetic != "both") {
+        std::fprintf(stderr, "bench_optim: --arithmetic must be fast, exact or both\n");
+        std::exit(2);
+      }
     } else if (k == "--help" || k == "-h") {
       usage();
       std::exit(0);
@@ -197,8 +205,15 @@ int main(int argc, char** argv) {
     }
 
     double fp32_ms = 0.0;
+    std::vector<std::pair<std::string, bool>> runs;  // (mode, exact arithmetic)
     for (const std::string& mode_name : split(args.modes)) {
+      const bool block = mode_name == "int8" || mode_name == "4bit";
+      if (block && args.arithmetic != "fast") runs.emplace_back(mode_name, true);
+      if (!block || args.arithmetic != "exact") runs.emplace_back(mode_name, false);
+    }
+    for (const auto& [mode_name, exact] : runs) {
       q4::optim::AdamWOptions o;
+      o.cuda_exact_arithmetic = exact;
       o.lr = 1e-5;
       o.weight_decay = 0.01;
       o.state_mode = q4::optim::parse_state_mode(mode_name);
@@ -247,7 +262,8 @@ int main(int argc, char** argv) {
       std::printf(
           "[%s] mode=%-5s state=%.3f GB  step=%.2f ms (norm pass %.2f ms)  traffic=%.3f GB  "
           "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  step/copy-floor=%.2fx  %s=%.1f MB%s\n",
-          dev_name.c_str(), mode_name.c_str(), opt.state_bytes() / 1e9, step_ms, norm_ms,
+          dev_name.c_str(), (mode_name + (exact ? "/exact" : "")).c_str(),
+          opt.state_bytes() / 1e9, step_ms, norm_ms,
           t.total() / 1e9, floor_ms, args.hbm_tbps, step_ms / floor_ms, step_ms / copy_floor_ms,
           cuda ? "peak_extra" : "scratch_peak", extra_bytes / 1e6,
           fp32_ms > 0 && mode_name != "fp32"

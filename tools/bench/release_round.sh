@@ -25,7 +25,7 @@ done >"$out/cuda-tests.log"
 grep -E "FAILED|PASSED|Failure" "$out/cuda-tests.log" | head -20
 
 # 2. Optimizer kernels against the copy bandwidth.
-[ "${SKIP_OPTIM_BENCH:-0}" = 1 ] || build-gpu/bin/bench_optim --steps 10 2>&1 | tee "$out/bench-optim.txt" \
+[ "${SKIP_OPTIM_BENCH:-0}" = 1 ] || build-gpu/bin/bench_optim --steps 10 --arithmetic both 2>&1 | tee "$out/bench-optim.txt" \
   | grep -E "mode=|baseline"
 
 # The benchmark's data and 4B .dat (step_vs_peer.sh reuses them).
@@ -49,7 +49,7 @@ WHOAMI=1 SKIP_BUILD=1 SKIP_PROBE=${SKIP_PROBE:-1} PEER=${PEER:-$root/.devshared/
 tail -n 25 "$work/step_vs_peer.log"
 cat "$work/bench/summary.md" "$work/bench/whoami.log" >"$out/summary.md" 2>/dev/null
 cat "$work/bench/train.log" "$work/bench/peer.log" >"$out/train-and-peer.log" 2>/dev/null
-cp "$work/bench/probe-data.json" "$out/" 2>/dev/null
+cp "$work/bench/probe-data.json" "$work/bench/kernels.md" "$out/" 2>/dev/null
 fi
 
 # 5. TensorBoard's loader on the run's event file.

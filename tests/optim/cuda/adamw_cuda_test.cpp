@@ -1,5 +1,6 @@
 // CUDA tests of the fused AdamW kernels: every mode x gradient dtype x master dtype x rounding
-// bit-identical to the CPU path (itself tested bit-exact against a scalar reference), the
+// bit-identical to the CPU path (itself tested bit-exact against a scalar reference) with
+// cuda_exact_arithmetic, the default fast arithmetic against the exact one, the
 // standalone codec against the CPU codec, the global norm, and the step's extra device memory
 // from the CUDA allocator statistics. Every test skips without a GPU.
 #include <gtest/gtest.h>
@@ -51,6 +52,7 @@ TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
         for (MasterRounding rnd : {MasterRounding::kStochastic, MasterRounding::kNearest}) {
           if (mdt == at::kFloat && rnd == MasterRounding::kNearest) continue;
           AdamWOptions o;
+          o.cuda_exact_arithmetic = true;  // bit-exact against the CPU path
           o.lr = 2e-3;
           o.weight_decay = 0.1;
           o.state_mode = mode;
@@ -112,6 +114,68 @@ TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
   }
 }
 
+// Masters as raw 16-bit patterns (fp16/bf16): adjacent values of one sign differ by 1.
+at::Tensor master_bits(const at::Tensor& w) { return w.cpu().view(at::kShort).to(at::kInt); }
+
+// The default (fast) int8/4-bit kernels change only the update's arithmetic (FMA, hardware
+// sqrt and division: a few fp32 ulp), so from the same state one step may differ from the exact
+// kernels only where a value lies within those ulps of a rounding boundary: a master by one
+// fp16/bf16 step, a code by one entry, in a tiny fraction of elements. Over several steps the
+// difference stays of that size (no drift).
+TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
+  Q4_REQUIRE_CUDA();
+  for (StateMode mode : {StateMode::kInt8, StateMode::k4Bit}) {
+    for (at::ScalarType mdt : {at::kHalf, at::kBFloat16}) {
+      AdamWOptions o;
+      o.lr = 2e-3;
+      o.weight_decay = 0.1;
+      o.state_mode = mode;
+      o.seed = 11;
+      AdamWOptions ox = o;
+      ox.cuda_exact_arithmetic = true;
+      // 512 x 1000: 512,000 elements, partial last moment block.
+      const at::Tensor w0 = (at::randn({512, 1000}, gen(5)) * 0.05).to(mdt).to(kCuda);
+      at::Tensor wf = w0.clone(), wx = w0.clone();
+      PackedAdamW fast(o), exact(ox);
+      fast.add_param("w", wf);
+      exact.add_param("w", wx);
+      const std::string what = to_string(mode) + " master " + c10::toString(mdt);
+      for (int t = 0; t < 6; ++t) {
+        // Row scales over 3 decades, as gradients of a real layer.
+        const at::Tensor g = (at::randn({512, 1000}, gen(50 + t)) *
+                              at::pow(10.0, -3.0 * at::rand({512, 1}, gen(60 + t))))
+                                 .to(at::kBFloat16)
+                                 .to(kCuda);
+        fast.step({g});
+        exact.step({g});
+        const at::Tensor d = (master_bits(wf) - master_bits(wx)).abs();
+        const int64_t nd = (d > 0).sum().item<int64_t>();
+        const at::Tensor mf = fast.decoded_exp_avg(0), mx = exact.decoded_exp_avg(0);
+        const at::Tensor vf = fast.decoded_exp_avg_sq(0), vx = exact.decoded_exp_avg_sq(0);
+        const int64_t nm = (mf != mx).sum().item<int64_t>();
+        const int64_t nv = (vf != vx).sum().item<int64_t>();
+        const double rm = ((mf - mx).norm() / mx.norm()).item<double>();
+        const double rv = ((vf - vx).norm() / vx.norm()).item<double>();
+        std::printf("[fast vs exact] %s step %d: masters %lld differ (max %d steps), m %lld (rel "
+                    "L2 %.2g), v %lld (%.2g) of %lld\n",
+                    what.c_str(), t + 1, static_cast<long long>(nd), d.max().item<int>(),
+                    static_cast<long long>(nm), rm, static_cast<long long>(nv), rv,
+                    static_cast<long long>(w0.numel()));
+        // Expected per step: an fp16 master's stochastic rounding flips where x moved by its
+        // fp32 ulp across the uniform's threshold, ~2^-13 of the elements (bf16: 2^-16), and a
+        // flipped master stays one step apart afterwards; codes flip far more rarely. Bounds:
+        // 0.2% of the elements, at most two representable steps.
+        EXPECT_LE(nd, w0.numel() / 500) << what << " step " << t + 1;
+        EXPECT_LE(d.max().item<int>(), 2) << what << " step " << t + 1;
+        EXPECT_LE(nm, w0.numel() / 500) << what << " step " << t + 1;
+        EXPECT_LE(nv, w0.numel() / 500) << what << " step " << t + 1;
+        EXPECT_LT(rm, 1e-2) << what;
+        EXPECT_LT(rv, 1e-2) << what;
+      }
+    }
+  }
+}
+
 TEST(PackedAdamWCuda, UnalignedMastersTakeTheScalarPathWithSameBits) {
   // Masters that start 1 element past an aligned address (a contiguous view into a larger
   // buffer) cannot use the kernels' vector accesses; the element-wise path must give the CPU's
@@ -119,6 +183,7 @@ TEST(PackedAdamWCuda, UnalignedMastersTakeTheScalarPathWithSameBits) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : kAllModes) {
     AdamWOptions o;
+    o.cuda_exact_arithmetic = true;
     o.lr = 1e-3;
     o.state_mode = mode;
     o.seed = 5;
@@ -230,6 +295,7 @@ TEST(PackedAdamWCuda, InBackwardMatchesCpuAndSkipsNonFiniteOnDevice) {
     }
     grads[1].view(-1)[7] = std::numeric_limits<float>::infinity();  // param 1: non-finite
     AdamWOptions o;
+    o.cuda_exact_arithmetic = true;
     o.state_mode = mode;
     o.small_tensor_threshold = 32;
     PackedAdamW a(o), b(o);

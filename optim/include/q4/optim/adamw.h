@@ -50,6 +50,12 @@ struct AdamWOptions {
   uint64_t seed = 0;  // stochastic-rounding stream (with step, param index, element)
   int64_t small_tensor_threshold = 4096;  // tensors with fewer elements keep fp32 moments
   int64_t max_consecutive_nonfinite = 8;  // more non-finite steps than this in a row: error
+  // CUDA int8/4-bit kernels: false (default) = fused multiply-adds and the hardware's square
+  // root and division (a few fp32 ulp from the CPU path; results still deterministic, and a
+  // stored code or master differs from the CPU's only where a value falls within those ulps of
+  // a rounding boundary); true = the CPU path's arithmetic op for op, bit-identical to it
+  // (tests; ~15% slower). fp32 and NVFP4 moments always use the exact arithmetic.
+  bool cuda_exact_arithmetic = false;
   // Checks every field (and cross-field rules); the message names the field.
   void validate() const;
 };
