@@ -593,7 +593,7 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
     const float sv = adam_sqrt<kExact>(v[e]);  // the update's sqrt(v); also the 4-bit v code's
     mc[e] = encode_code<MODE, 0>(m[e], 0.0f, mb, sm, detail::moment_uniform(bits, 0));
     vc[e] = encode_code<MODE, 1>(v[e], sv, vb, sm, detail::moment_uniform(bits, 1));
-    out[e] = write_master<M, MODE != 1>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
+    out[e] = write_master<M, MODE != 1 || !kExact>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
   }
   write_codes<MODE, E>(p.m_codes, pos.i0, n, FULL, mc);
   write_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);

@@ -152,8 +152,13 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
         const int64_t nd = (d > 0).sum().item<int64_t>();
         const at::Tensor mf = fast.decoded_exp_avg(0), mx = exact.decoded_exp_avg(0);
         const at::Tensor vf = fast.decoded_exp_avg_sq(0), vx = exact.decoded_exp_avg_sq(0);
-        const int64_t nm = (mf != mx).sum().item<int64_t>();
-        const int64_t nv = (vf != vx).sum().item<int64_t>();
+        // A block's scale is its fp32 absmax, a few ulp apart between the two (so every decoded
+        // value of the block is too): a changed code is a relative change above 1e-4 (the
+        // smallest relative gap of the maps is far larger).
+        auto changed = [](const at::Tensor& a, const at::Tensor& b) {
+          return ((a - b).abs() > b.abs() * 1e-4).sum().item<int64_t>();
+        };
+        const int64_t nm = changed(mf, mx), nv = changed(vf, vx);
         const double rm = ((mf - mx).norm() / mx.norm()).item<double>();
         const double rv = ((vf - vx).norm() / vx.norm()).item<double>();
         std::printf("[fast vs exact] %s step %d: masters %lld differ (max %d steps), m %lld (rel "
@@ -163,8 +168,9 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
                     static_cast<long long>(w0.numel()));
         // Expected per step: an fp16 master's stochastic rounding flips where x moved by its
         // fp32 ulp across the uniform's threshold, ~2^-13 of the elements (bf16: 2^-16), and a
-        // flipped master stays one step apart afterwards; codes flip far more rarely. Bounds:
-        // 0.2% of the elements, at most two representable steps.
+        // flipped master stays one step apart afterwards; codes flip where a value lies within
+        // ulps of a code boundary. Measured on an H100 (2026-11-26): at most 13 masters of
+        // 512,000 per step. Bounds: 0.2% of the elements, at most two representable steps.
         EXPECT_LE(nd, w0.numel() / 500) << what << " step " << t + 1;
         EXPECT_LE(d.max().item<int>(), 2) << what << " step " << t + 1;
         EXPECT_LE(nm, w0.numel() / 500) << what << " step " << t + 1;
