@@ -2,10 +2,12 @@
 // `chunk_tokens` rows at a time (matmul in the weight's dtype, then upcast, as HF does), adds the
 // chunk's loss to the running sum and, when a gradient is wanted, turns the same block into
 // softmax - onehot in place and accumulates the hidden and weight gradients; backward scales
-// them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time.
+// them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time; on CUDA
+// none (one fused kernel works on the matmul's output, fused_softmax_xent_).
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "q4/model/qwen3.h"
+#include "qwen3_impl.h"
 
 namespace q4::model {
 namespace {
@@ -42,18 +44,28 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       const int64_t n = std::min(chunk, N - s);
       at::Tensor h = hidden.narrow(0, s, n);
       at::Tensor y = labels.narrow(0, s, n);
-      at::Tensor valid = y.ne(kIgnoreIndex);
-      at::Tensor logits = at::matmul(h, weight.t()).to(at::kFloat);                 // (n, V)
-      at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);  // (n)
-      // Row max, exp in place on the one fp32 block (at::logsumexp would allocate a second).
-      const at::Tensor mx = std::get<0>(logits.max(1, /*keepdim=*/true));  // (n, 1)
-      logits.sub_(mx).exp_();
-      const at::Tensor row_sum = logits.sum(1);
-      const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
-      total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
-      if (!want_h && !want_w) continue;
-      chunk_logit_grad(logits, row_sum, y, valid);
-      const at::Tensor pc = logits.to(hidden.scalar_type());
+      at::Tensor logits = at::matmul(h, weight.t());  // (n, V) in the weight's dtype
+      at::Tensor pc;  // d(chunk's CE sum)/d(logits) in the weight's dtype
+      if (fused_xent_applies(logits, y)) {
+        // CUDA: one kernel reads the logits (upcast to fp32 per element), writes the per-row
+        // CE and the gradient in place: no fp32 block.
+        total.add_(fused_softmax_xent_(logits, y, want_h || want_w).sum());
+        if (!want_h && !want_w) continue;
+        pc = logits;
+      } else {
+        const at::Tensor valid = y.ne(kIgnoreIndex);
+        logits = logits.to(at::kFloat);
+        at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);  // (n)
+        // Row max, exp in place on the one fp32 block (at::logsumexp would allocate a second).
+        const at::Tensor mx = std::get<0>(logits.max(1, /*keepdim=*/true));  // (n, 1)
+        logits.sub_(mx).exp_();
+        const at::Tensor row_sum = logits.sum(1);
+        const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
+        total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
+        if (!want_h && !want_w) continue;
+        chunk_logit_grad(logits, row_sum, y, valid);
+        pc = logits.to(hidden.scalar_type());
+      }
       if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
       if (want_w) {
         if (!grad_w.defined()) {

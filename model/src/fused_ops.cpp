@@ -198,6 +198,38 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 #endif
 }
 
+bool fused_xent_applies(const at::Tensor& logits, const at::Tensor& labels) {
+#if Q4_WITH_CUDA
+  return fused_cuda_kernels_enabled() && logits.is_cuda() && labels.is_cuda() &&
+         logits.dim() == 2 && logits.is_contiguous() && float_kind(logits.scalar_type()) &&
+         labels.scalar_type() == at::kLong && labels.is_contiguous() &&
+         labels.numel() == logits.size(0);
+#else
+  (void)logits;
+  (void)labels;
+  return false;
+#endif
+}
+
+at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, bool want_grad) {
+#if Q4_WITH_CUDA
+  c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor loss_rows = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  check_launch(cuda::launch_softmax_xent(logits.data_ptr(), labels.data_ptr<int64_t>(),
+                                         loss_rows.data_ptr<float>(), logits.size(0),
+                                         logits.size(1), want_grad,
+                                         kernel_dtype(logits.scalar_type()),
+                                         at::cuda::getCurrentCUDAStream()),
+               "softmax cross-entropy");
+  return loss_rows;
+#else
+  (void)labels;
+  (void)want_grad;
+  TORCH_INTERNAL_ASSERT(false, "fused_softmax_xent_ without CUDA");
+  return logits;
+#endif
+}
+
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
 #if Q4_WITH_CUDA
   if (fused_cuda_kernels_enabled() && g.is_cuda() && u.is_cuda() &&

@@ -120,6 +120,11 @@ bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos);  // x (N, h
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // silu(g) * u: one fused kernel forward and backward on CUDA, the two ATen ops elsewhere.
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
+// Softmax cross-entropy of logit rows in one kernel (CUDA, 16/32-bit floats): returns the
+// per-row CE (fp32, 0 for labels outside [0, V)) and, with want_grad, overwrites `logits` with
+// d(sum CE)/d(logits) in its dtype. fused_xent_applies says whether the inputs allow it.
+bool fused_xent_applies(const at::Tensor& logits, const at::Tensor& labels);
+at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, bool want_grad);
 // The ATen reference of rms_norm() (the path on CPU and where the fused op does not apply).
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
 

@@ -441,4 +441,112 @@ cudaError_t launch_swiglu_bwd(const void* dh, const void* g, const void* u, void
   });
 }
 
+namespace {
+
+// ---- softmax cross-entropy over logit rows (the chunked loss) ----
+// One CTA per row. Pass 1: each thread keeps an online (max, sum of exp(x - max)) over its
+// elements in fp32, merged across the CTA; pass 2 overwrites the row with the logits' gradient
+// of the row's CE, softmax - onehot(label) (0 for an unlabelled row), rounded to T. The label's
+// logit is read before pass 2. Vector path: V a multiple of the 16-byte width and aligned rows.
+constexpr int kXentThreads = 512;
+
+struct MaxSum {
+  float m;
+  float s;
+};
+
+__device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+__device__ __forceinline__ void online_add(MaxSum& a, float x) {
+  if (x > a.m) {
+    a.s = a.s * expf(a.m - x) + 1.f;  // a.m = -inf: expf(-inf) = 0
+    a.m = x;
+  } else {
+    a.s += expf(x - a.m);
+  }
+}
+
+template <typename T, bool kVecPath>
+__global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(
+    T* __restrict__ logits, const int64_t* __restrict__ labels, float* __restrict__ loss_rows,
+    int64_t V, bool want_grad) {
+  using P = Pack<T>;
+  __shared__ MaxSum red[kXentThreads / 32];
+  __shared__ float label_logit;
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * V;
+  const int64_t label = labels[row];
+  const bool valid = label >= 0 && label < V;
+  if (threadIdx.x == 0) label_logit = valid ? to_f(x[label]) : 0.f;
+  MaxSum acc{-INFINITY, 0.f};
+  if (kVecPath) {
+    const int64_t nv = V / P::kVec;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int64_t i = threadIdx.x; i < nv; i += kXentThreads) {
+      P p;
+      p.raw = xv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) online_add(acc, to_f(p.get(j)));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += kXentThreads) online_add(acc, to_f(x[i]));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    acc = merge(acc, {__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)});
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = acc;
+  __syncthreads();  // also orders label_logit's read before pass 2's writes
+  MaxSum all = red[0];
+#pragma unroll
+  for (int w = 1; w < kXentThreads / 32; ++w) all = merge(all, red[w]);
+  if (threadIdx.x == 0) loss_rows[row] = valid ? all.m + logf(all.s) - label_logit : 0.f;
+  if (!want_grad) return;
+  const float inv = 1.f / all.s;
+  if (kVecPath) {
+    const int64_t nv = V / P::kVec;
+    uint4* xv = reinterpret_cast<uint4*>(x);
+    for (int64_t i = threadIdx.x; i < nv; i += kXentThreads) {
+      P p;
+      p.raw = xv[i];
+#pragma unroll
+      for (int j = 0; j < P::kVec; ++j) {
+        const int64_t col = i * P::kVec + j;
+        const float g = expf(to_f(p.get(j)) - all.m) * inv - (col == label ? 1.f : 0.f);
+        p.set(j, from_f<T>(valid ? g : 0.f));
+      }
+      xv[i] = p.raw;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += kXentThreads) {
+      const float g = expf(to_f(x[i]) - all.m) * inv - (i == label ? 1.f : 0.f);
+      x[i] = from_f<T>(valid ? g : 0.f);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_softmax_xent(void* logits, const int64_t* labels, float* loss_rows,
+                                int64_t rows, int64_t V, bool want_grad, Dtype dt,
+                                cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  return dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const bool vec = V % Pack<T>::kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+    if (vec) {
+      softmax_xent_kernel<T, true><<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(
+          static_cast<T*>(logits), labels, loss_rows, V, want_grad);
+    } else {
+      softmax_xent_kernel<T, false><<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(
+          static_cast<T*>(logits), labels, loss_rows, V, want_grad);
+    }
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace q4::model::cuda

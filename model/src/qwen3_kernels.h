@@ -1,5 +1,5 @@
-// Host launchers of the fused Qwen3 layer kernels (qwen3_kernels.cu): RMSNorm forward/backward
-// and rotate-half RoPE forward/backward. Raw pointers, sizes and a stream, no torch types.
+// Host launchers of the fused Qwen3 kernels (qwen3_kernels.cu): RMSNorm forward/backward,
+// rotate-half RoPE forward/backward, SwiGLU and the loss's softmax cross-entropy. Raw pointers, sizes and a stream, no torch types.
 // Tensors are contiguous; RMSNorm rows have n elements with n a multiple of 16 bytes' worth of
 // elements and 16-byte-aligned pointers (the caller checks and otherwise takes the ATen path).
 // fused_ops.cpp wraps them in autograd functions; the ATen ops in qwen3_ops.cpp are the reference.
@@ -38,5 +38,13 @@ cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, 
                               cudaStream_t stream);
 cudaError_t launch_swiglu_bwd(const void* dh, const void* g, const void* u, void* dg, void* du,
                               int64_t n, Dtype dt, cudaStream_t stream);
+
+// Softmax cross-entropy of `rows` logit rows (rows, V) of `dt`, labels (rows) int64 on the
+// device (outside [0, V): unlabelled): loss_rows[r] = lse(row) - logit[label] in fp32 (0 when
+// unlabelled) and, with want_grad, the row overwritten in place by its gradient
+// softmax - onehot(label) (0 for an unlabelled row), rounded to `dt`.
+cudaError_t launch_softmax_xent(void* logits, const int64_t* labels, float* loss_rows,
+                                int64_t rows, int64_t V, bool want_grad, Dtype dt,
+                                cudaStream_t stream);
 
 }  // namespace q4::model::cuda

@@ -148,8 +148,10 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
                                  .to(kCuda);
         fast.step({g});
         exact.step({g});
-        const at::Tensor d = (master_bits(wf) - master_bits(wx)).abs();
-        const int64_t nd = (d > 0).sum().item<int64_t>();
+        const int64_t nd = (master_bits(wf) != master_bits(wx)).sum().item<int64_t>();
+        // Against the size of the training so far: |w_fast - w_exact| / |w_exact - w0|.
+        const at::Tensor wxf = wx.to(at::kFloat), w0f = w0.to(at::kFloat);
+        const double rw = ((wf.to(at::kFloat) - wxf).norm() / (wxf - w0f).norm()).item<double>();
         const at::Tensor mf = fast.decoded_exp_avg(0), mx = exact.decoded_exp_avg(0);
         const at::Tensor vf = fast.decoded_exp_avg_sq(0), vx = exact.decoded_exp_avg_sq(0);
         // A block's scale is its fp32 absmax, a few ulp apart between the two (so every decoded
@@ -161,20 +163,21 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
         const int64_t nm = changed(mf, mx), nv = changed(vf, vx);
         const double rm = ((mf - mx).norm() / mx.norm()).item<double>();
         const double rv = ((vf - vx).norm() / vx.norm()).item<double>();
-        std::printf("[fast vs exact] %s step %d: masters %lld differ (max %d steps), m %lld (rel "
-                    "L2 %.2g), v %lld (%.2g) of %lld\n",
-                    what.c_str(), t + 1, static_cast<long long>(nd), d.max().item<int>(),
-                    static_cast<long long>(nm), rm, static_cast<long long>(nv), rv,
-                    static_cast<long long>(w0.numel()));
+        std::printf("[fast vs exact] %s step %d: masters %lld differ (rel L2 of the training "
+                    "%.2g), m codes %lld (rel L2 %.2g), v codes %lld (%.2g) of %lld\n",
+                    what.c_str(), t + 1, static_cast<long long>(nd), rw, static_cast<long long>(nm),
+                    rm, static_cast<long long>(nv), rv, static_cast<long long>(w0.numel()));
         // Expected per step: an fp16 master's stochastic rounding flips where x moved by its
         // fp32 ulp across the uniform's threshold, ~2^-13 of the elements (bf16: 2^-16), and a
-        // flipped master stays one step apart afterwards; codes flip where a value lies within
-        // ulps of a code boundary. Measured on an H100 (2026-11-26): at most 13 masters of
-        // 512,000 per step. Bounds: 0.2% of the elements, at most two representable steps.
+        // flipped master stays one step apart afterwards; a code flips where a value lies within
+        // ulps of a code boundary, and then that element's update differs (by up to the update
+        // itself when a first moment near 0 changes code). Measured on an H200 (2026-11-26): at
+        // most 67 masters and 2 codes of 512,000 after 6 steps.
+        // Bounds: 0.2% of the elements, relative L2 1e-2.
         EXPECT_LE(nd, w0.numel() / 500) << what << " step " << t + 1;
-        EXPECT_LE(d.max().item<int>(), 2) << what << " step " << t + 1;
         EXPECT_LE(nm, w0.numel() / 500) << what << " step " << t + 1;
         EXPECT_LE(nv, w0.numel() / 500) << what << " step " << t + 1;
+        EXPECT_LT(rw, 1e-2) << what << " step " << t + 1;
         EXPECT_LT(rm, 1e-2) << what;
         EXPECT_LT(rv, 1e-2) << what;
       }
