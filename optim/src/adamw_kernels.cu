@@ -409,15 +409,27 @@ struct BlockEnc {
   uint8_t sbits = 0;    // NVFP4 scale bits
 };
 
-template <int MODE>
+template <int MODE, bool kExact = true>
 __device__ __forceinline__ BlockEnc block_params(float amax) {
   BlockEnc b;
   if (MODE == 3) {
     b.sbits = detail::e4m3_encode(detail::nvfp4_scale_input(amax));
     b.div = __fadd_rn(detail::e4m3_decode(b.sbits), 1e-12f);
-  } else {
+  } else if (kExact) {
     b.stored = amax;
     b.bn = detail::block_norm(amax);
+  } else {
+    // detail::block_norm with the hardware reciprocal and square root (every lane of a block
+    // computes these: a few percent of the kernel's instructions in the exact form).
+    b.stored = amax;
+    const float div = amax == 0.0f ? 1.0f : amax;
+    const bool tiny = div < 1.17549435082228751e-38f;  // FLT_MIN
+    b.bn.f = tiny ? 18446744073709551616.0f : 1.0f;
+    b.bn.fs = tiny ? 4294967296.0f : 1.0f;
+    // __fdividef returns 0 for divisors above 2^126 (no real moment gets there): IEEE there.
+    const float d = div * b.bn.f;
+    b.bn.inv = d < 8.5070591730234616e37f ? __fdividef(1.0f, d) : __frcp_rn(d);
+    b.bn.rs = adam_sqrt<false>(b.bn.inv);
   }
   return b;
 }
@@ -577,8 +589,8 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
   }
   mmax = group_max<L>(mmax);
   vmax = group_max<L>(vmax);
-  const BlockEnc mb = block_params<MODE>(mmax);
-  const BlockEnc vb = block_params<MODE>(vmax);
+  const BlockEnc mb = block_params<MODE, kExact>(mmax);
+  const BlockEnc vb = block_params<MODE, kExact>(vmax);
   M out[E];
   const bool sr = p.stochastic != 0;
   // i0 is a multiple of E (a power of two), so the lane's elements share the index's high half.
