@@ -8,10 +8,18 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 
 #include "q4/model/qwen3.h"
 
 namespace q4::model {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
 
 const char* memory_phase_name(MemoryPhaseKind kind) {
   switch (kind) {
@@ -62,6 +70,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Per decoder layer: trainable elements, their compute-dtype weights saved by the layer's
   // linears (tap outputs; frozen layers save the frozen tensors themselves) and the largest one.
   std::vector<int64_t> layer_elems(L, 0), layer_weight_elems(L, 0), layer_largest(L, 0);
+  std::vector<int64_t> layer_down(L, 0);  // trainable down_proj elements
   int64_t head_elems = 0;  // gradients produced by the loss: lm_head (untied) and the final norm
   int64_t embed_elems = 0;
   bool lm_trains = false;
@@ -76,6 +85,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     if (p.layer >= 0) {
       layer_elems[p.layer] += n;
       if (p.kind == ParamKind::kQuantizedLinear) layer_weight_elems[p.layer] += n;
+      if (ends_with(p.name, ".mlp.down_proj.weight")) layer_down[p.layer] = n;
       layer_largest[p.layer] = std::max(layer_largest[p.layer], n);
     } else if (p.group == ParamGroup::kEmbedding) {
       embed_elems = n;
@@ -122,9 +132,6 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     layer_per_token += 4 * norm_width + (cs == 4 ? 0 : cs * norm_width) + cs * I;
   }
   const int64_t layer_saved = tokens * layer_per_token;
-  // Working tensors of a layer's backward beyond its saved graph: the incoming and outgoing
-  // boundary gradients and the SwiGLU's two (tokens, I) input gradients.
-  const int64_t layer_backward_work = 2 * boundary + 2 * tokens * I * cs;
   // Largest transient of a layer forward without grad (checkpointed): the MLP's (tokens, I)
   // gate/up/product beside the residual and the norm output.
   const int64_t layer_forward_work = tokens * cs * (2 * H + 3 * I);
@@ -163,45 +170,46 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // and, checkpointed, one layer's forward transients.
   add(MemoryPhaseKind::kForward, carry,
       all_saved + boundary + (opt.gradient_checkpointing ? layer_forward_work : 0), 0);
-  // Loss forward: the final norm's saved input and its output (alive in loss()).
-  add(MemoryPhaseKind::kLossForward, carry, all_saved + 2 * boundary,
-      rows * H * cs + lm_weight + logits_block);
-  // Loss backward, chunk loop: the hidden rows and their gradient, the lm_head weight and its
-  // gradient being accumulated (compute dtype), one logits block. Then the lm_head gradient is
-  // stored (converted when the gradient dtype differs) with the weight and logits gone.
-  {
-    const int64_t loop_g = carry + lm_elems * cs;
-    const int64_t loop_l = 2 * rows * H * cs + lm_weight + logits_block;
-    const int64_t conv_g = carry + (carried ? 0 : lm_elems * gs) + fresh(lm_elems);
-    const int64_t conv_l = 2 * rows * H * cs;
-    const int64_t acts = all_saved + boundary;
-    if (loop_g + loop_l >= conv_g + conv_l) {
-      add(MemoryPhaseKind::kLossBackward, loop_g, acts, loop_l);
-    } else {
-      add(MemoryPhaseKind::kLossBackward, conv_g, acts, conv_l);
-    }
-  }
+  // Loss forward: the chunked cross-entropy computes its gradients here, from the logits block
+  // that gives the loss: the final norm's saved input and its output (alive in loss()), the
+  // hidden rows and their gradient, the lm_head weight and its gradient being accumulated
+  // (compute dtype), one logits block.
+  add(MemoryPhaseKind::kLossForward, carry + lm_elems * cs, all_saved + 2 * boundary,
+      2 * rows * H * cs + lm_weight + logits_block);
+  // Loss backward: the weight and logits are gone; the hidden rows' gradient is scattered into
+  // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
+  // differs, added into the buffer when one is carried).
+  add(MemoryPhaseKind::kLossBackward,
+      carry + std::max(lm_elems * cs, (carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
+      all_saved + 2 * boundary, rows * H * cs);
   // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l] (layer l's graph
   // recomputed from its checkpoint when checkpointing), the backward's working tensors, and the
   // gradients alive: with in-backward updates the lm_head's is applied and freed already and a
   // layer's weights are applied one by one; buffered, the lm_head's and every layer's above l
-  // plus all of layer l's.
+  // plus all of layer l's. The checkpoint's backward seeds the down projection by hand: its
+  // input gradient (tokens, I) and its weight gradient are held until the layer is done.
   {
+    const bool ckpt = opt.gradient_checkpointing;
+    // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients and
+    // the SwiGLU's (tokens, I) gradients (its output's, held as a seed when checkpointing, and
+    // its two inputs').
+    const int64_t work = 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
     MemoryPhase best;
     best.kind = MemoryPhaseKind::kLayerBackward;
     int64_t above = 0;  // buffered gradients of layers above l
     const int64_t head_stored = in_backward ? 0 : head_elems * gs;
     for (int64_t l = L - 1; l >= 0; --l) {
-      int64_t g = tied_grad;
+      // The held down-projection seed when it is not the stored gradient itself.
+      const int64_t seed = ckpt && (in_backward || carried || gs != cs) ? layer_down[l] * cs : 0;
+      int64_t g = tied_grad + seed;
       if (carried) {
-        g = carry + fresh(layer_largest[l]);
+        g = carry + seed + fresh(layer_largest[l]);
       } else if (in_backward) {
         g += layer_largest[l] * gs + fresh(layer_largest[l]);
       } else {
         g += head_stored + above + layer_elems[l] * gs + fresh(layer_largest[l]);
       }
-      int64_t a = saved_below(l) + layer_graph(l) + 2 * boundary + layer_backward_work;
-      if (!opt.gradient_checkpointing) a -= boundary;  // the output is the next layer's input
+      const int64_t a = saved_below(l) + boundary + layer_graph(l) + work;
       if (g + a > best.total_bytes()) {
         best.grad_bytes = g;
         best.activation_bytes = a;

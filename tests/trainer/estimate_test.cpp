@@ -100,7 +100,10 @@ TEST(Estimate, MomentBytesByMode) {
 // The benchmark run's measured whole-run peak (peak allocated of q4train over load, 6 steps,
 // export and export check): NVIDIA H200, 2026-11-26, tools/bench/release_round.sh with
 // SKIP_SPEED=1, docs/gpu/release-2026-11-26/post-merge/memory.txt (docs/performance.md, "Memory
-// of a whole run"). The peak is in the loss's backward; the estimate must be within 5%.
+// of a whole run"), on the tree before 6e30601. The peak was in the loss's backward; since
+// 6e30601 the chunked cross-entropy computes its gradients in its forward (same tensors, plus the
+// final norm's (tokens, H) output still alive), so the estimate's peak phase is the loss forward.
+// The estimate must be within 5%.
 TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
   const std::string path = std::string(Q4_SOURCE_DIR) + "/tools/bench/bench-4b.yaml";
   for (const auto& [state, measured_gib] :
@@ -110,7 +113,7 @@ TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
     const auto mc = q4::model::Qwen3Config::from_json_file(c.model.config);
     const auto b = estimate_budget(mc, c, /*separate_lm_head=*/true);  // the shipped file's
     EXPECT_EQ(b.trainable_elements, 4411424256);
-    EXPECT_EQ(b.peak_phase_name(), "loss backward") << b.to_table();
+    EXPECT_EQ(b.peak_phase_name(), "loss forward") << b.to_table();
     const double est = to_gib(b.total_bytes());
     EXPECT_NEAR(est / measured_gib, 1.0, 0.05) << state << ": estimated " << est << " GiB\n"
                                                << b.to_table();
@@ -122,7 +125,7 @@ TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
     EXPECT_EQ(b.total_bytes(), b.persistent_bytes() + largest);
     const auto j = b.to_json();
     EXPECT_EQ(j["total_bytes"].get<int64_t>(), b.total_bytes());
-    EXPECT_EQ(j["peak_phase"], "loss backward");
+    EXPECT_EQ(j["peak_phase"], "loss forward");
     EXPECT_EQ(j["phases"].size(), b.phases.size());
   }
 }

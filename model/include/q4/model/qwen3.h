@@ -115,8 +115,8 @@ struct GenerateOptions {
 // plus the largest phase, not the sum of every term.
 enum class MemoryPhaseKind {
   kForward,            // the decoder layers' forward (checkpointed inputs accumulate)
-  kLossForward,        // final norm + chunked lm_head/cross-entropy forward
-  kLossBackward,       // chunked cross-entropy backward: logits block, lm_head weight + grad
+  kLossForward,        // final norm + chunked cross-entropy: logits block, lm_head weight + grad
+  kLossBackward,       // the loss's gradients handed on: lm_head grad stored, hidden grad scattered
   kLayerBackward,      // one decoder layer recomputed (checkpointing) and back-propagated
   kEmbeddingBackward,  // the embedding's row gradients, at the very end of the backward
   kOptimizerStep,      // buffered updates: every gradient at once, after the backward
