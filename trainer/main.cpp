@@ -109,7 +109,8 @@ int main(int argc, char** argv) {
   app.add_option("--profile-trace", profile_trace,
                  "write a Kineto trace (Chrome JSON) of training steps 3-4 to this file "
                  "(LibTorch 2.x)");
-  app.add_flag("--dry-run", dry_run, "validate, estimate memory per component, load nothing");
+  app.add_flag("--dry-run", dry_run,
+               "validate, estimate memory per component and phase, load nothing");
   app.add_option("--nproc", nproc,
                  "data parallel on this host: run N ranks (one per GPU with model.device: cuda; "
                  "Gloo on CPU). Several hosts: launch with torchrun --no-python")

@@ -1,19 +1,58 @@
 // Analytic device-memory budget of one training step, used by the trainer's --dry-run and VRAM
-// probe next to the allocator's measurements. Counts what this implementation keeps: trainable
-// masters + grads, frozen weights in the compute dtype, checkpointed layer inputs (or every
-// layer's saved tensors without checkpointing), one layer's working set and one loss chunk.
+// probe next to the allocator's measurements. Persistent terms (trainable masters, frozen weights
+// in the compute dtype) plus the largest of the step's phases, each counted from what this
+// implementation allocates: checkpointed layer inputs alive at that point (or every layer's saved
+// tensors without checkpointing), the loss chunk's logits block and the lm_head's compute weight
+// and gradient (loss phases), one recomputed layer's graph (layer backward), and the gradients
+// that exist then (all of them on the buffered path, one at a time with in-backward updates).
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 
 #include "q4/model/qwen3.h"
 
 namespace q4::model {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+const char* memory_phase_name(MemoryPhaseKind kind) {
+  switch (kind) {
+    case MemoryPhaseKind::kForward:
+      return "forward";
+    case MemoryPhaseKind::kLossForward:
+      return "loss forward";
+    case MemoryPhaseKind::kLossBackward:
+      return "loss backward";
+    case MemoryPhaseKind::kLayerBackward:
+      return "layer backward";
+    case MemoryPhaseKind::kEmbeddingBackward:
+      return "embedding backward";
+    case MemoryPhaseKind::kOptimizerStep:
+      return "optimizer step";
+  }
+  TORCH_INTERNAL_ASSERT(false, "invalid MemoryPhaseKind ", static_cast<int>(kind));
+}
+
+const MemoryPhase* MemoryEstimate::phase(MemoryPhaseKind kind) const {
+  for (const auto& p : phases) {
+    if (p.kind == kind) return &p;
+  }
+  return nullptr;
+}
 
 MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
-                               int64_t seq_len, bool include_lm_head) {
+                               int64_t seq_len, bool include_lm_head,
+                               const GradientLifetime& grads) {
   opt.validate();
   opt.trainable.validate(cfg.num_hidden_layers);
+  TORCH_CHECK(grads.accumulation_steps >= 1,
+              "GradientLifetime.accumulation_steps: expected >= 1, got ", grads.accumulation_steps);
   const int64_t ms = static_cast<int64_t>(c10::elementSize(opt.master_dtype));
   const int64_t cs = static_cast<int64_t>(c10::elementSize(opt.compute_dtype));
   const int64_t gs = static_cast<int64_t>(c10::elementSize(opt.resolved_grad_dtype()));
@@ -21,41 +60,185 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   const int64_t H = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
   const int64_t L = cfg.num_hidden_layers;
   const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim();
+  const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads;
   const bool tied = !include_lm_head;
+  const bool in_backward = grads.applied_in_backward;
+  // Gradients of earlier micro-batches stay in the buffer through every phase of later ones.
+  const bool carried = !in_backward && grads.accumulation_steps > 1;
 
   MemoryEstimate est;
-  auto add = [&](int64_t numel, bool trainable) {
-    if (trainable) {
-      est.master_bytes += numel * ms;
-      est.grad_bytes += numel * gs;
-    } else {
-      est.frozen_bytes += numel * cs;
-    }
-  };
+  // Per decoder layer: trainable elements, their compute-dtype weights saved by the layer's
+  // linears (tap outputs; frozen layers save the frozen tensors themselves) and the largest one.
+  std::vector<int64_t> layer_elems(L, 0), layer_weight_elems(L, 0), layer_largest(L, 0);
+  std::vector<int64_t> layer_down(L, 0);  // trainable down_proj elements
+  int64_t head_elems = 0;  // gradients produced by the loss: lm_head (untied) and the final norm
+  int64_t embed_elems = 0;
+  bool lm_trains = false;
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
-    add(p.numel(), ts.trains(p, L, tied));
+    const int64_t n = p.numel();
+    if (!ts.trains(p, L, tied)) {
+      est.frozen_bytes += n * cs;
+      continue;
+    }
+    est.master_bytes += n * ms;
+    est.grad_buffer_bytes += n * gs;
+    if (p.layer >= 0) {
+      layer_elems[p.layer] += n;
+      if (p.kind == ParamKind::kQuantizedLinear) layer_weight_elems[p.layer] += n;
+      if (ends_with(p.name, ".mlp.down_proj.weight")) layer_down[p.layer] = n;
+      layer_largest[p.layer] = std::max(layer_largest[p.layer], n);
+    } else if (p.group == ParamGroup::kEmbedding) {
+      embed_elems = n;
+      lm_trains = lm_trains || tied;
+    } else {
+      head_elems += n;
+      lm_trains = lm_trains || p.group == ParamGroup::kLmHead;
+    }
   }
-  const int64_t proj = 2 * QD * H + 2 * KVD * H + 3 * H * I;  // one layer's linears
+  // Transient bytes of one freshly computed gradient of n elements (compute dtype) beyond the
+  // stored one: kept as is when the dtypes agree and nothing is stored yet, else converted or
+  // added into the buffer while the fresh one still exists.
+  auto fresh = [&](int64_t n) {
+    if (carried) return n * cs + (gs == cs ? 0 : n * gs);
+    return gs == cs ? 0 : n * cs;
+  };
+  const int64_t carry = carried ? est.grad_buffer_bytes : 0;
 
   const int64_t tokens = batch * seq_len;
-  // Saved by one layer's graph, per token, in the compute dtype: norm outputs, q/k/v before and
-  // after norm/RoPE, attention output, o_proj output, MLP gate/up/silu/product; plus the fp32
-  // RMSNorm inputs (4 norms). Attention probabilities only on the eager (no SDPA) path.
-  const int64_t layer_per_token = cs * (4 * H + 4 * QD + 5 * KVD + 4 * I) + 4 * (2 * H + QD + KVD);
-  // Tensors a layer graph keeps besides activations: the fake-quantized weights of its trainable
-  // linears (at::linear saves its weight for the input gradient).
-  const int64_t layer_weights = ts.projections ? proj * cs : 0;
   const int64_t boundary = tokens * H * cs;  // a layer input/output
-  if (opt.gradient_checkpointing) {
-    est.activation_bytes = L * boundary + tokens * layer_per_token + layer_weights + 2 * boundary;
+  const bool cuda = opt.device.is_cuda();
+  // The trainer's batches carry cu_seqlens: on CUDA with 16-bit compute (LibTorch >= 2.4) the
+  // layers take the variable-length FlashAttention path with the fused RMSNorm/RoPE kernels.
+  const int64_t D = cfg.head_dim;
+  const bool varlen = cuda && cs == 2 && D % 8 == 0 && D <= 256;
+  // Saved by one layer's graph per token besides its input and output, in the compute dtype:
+  // the input norm's output, the residual sum, the post-attention norm's output and the MLP's
+  // gate/up/product (3H + 3I), then the attention's tensors; fp32 per-row RMSNorm scales (4 norms,
+  // q/k per head) and the attention log-sum-exp. Attention probabilities are never kept.
+  int64_t attn = 0;
+  if (varlen) {
+    // q and k: projection output (the norm's input) and RoPE output; v; the attention output.
+    attn = 3 * QD + 3 * KVD;
   } else {
-    est.activation_bytes = L * (tokens * layer_per_token + layer_weights) + 2 * boundary;
+    // ATen RoPE keeps its input and rotate_half(x) too; SDPA sees K/V repeated to every query
+    // head (GQA) and keeps its output beside the (tokens, q_dim) copy o_proj reads.
+    attn = 6 * QD + 3 * KVD + (KVH == NH ? 2 * KVD : 2 * QD);
   }
-  // Loss: final hidden (N, H), one fp32 (chunk, V) block plus its compute-dtype copy in
-  // backward, the grad of the hidden states, and lm_head's compute-dtype weight + grad.
-  const int64_t chunk = std::min(opt.loss_chunk_tokens, tokens);
-  const bool lm_trains = ts.lm_head || (tied && ts.embeddings);
-  est.loss_bytes = boundary + chunk * V * (4 + cs) + boundary + V * H * cs * (lm_trains ? 2 : 0);
+  int64_t layer_per_token = cs * (3 * H + 3 * I + attn) + 4 * (2 + 2 * NH + KVH);
+  if (!cuda) {
+    // The ATen reference RMSNorm also keeps its fp32 input and its normalized value (in fp32
+    // compute, the input itself and the fp32 product), SwiGLU silu(gate).
+    const int64_t norm_width = 2 * H + QD + KVD;
+    layer_per_token += 4 * norm_width + (cs == 4 ? 0 : cs * norm_width) + cs * I;
+  }
+  const int64_t layer_saved = tokens * layer_per_token;
+  // Largest transient of a layer forward without grad (checkpointed): the MLP's (tokens, I)
+  // gate/up/product beside the residual and the norm output.
+  const int64_t layer_forward_work = tokens * cs * (2 * H + 3 * I);
+  auto layer_graph = [&](int64_t l) { return layer_saved + layer_weight_elems[l] * cs; };
+  // Saved activations of layers [0, n): checkpointed inputs, or whole graphs with their inputs.
+  auto saved_below = [&](int64_t n) {
+    int64_t s = n * boundary;
+    if (!opt.gradient_checkpointing) {
+      for (int64_t l = 0; l < n; ++l) s += layer_graph(l);
+    }
+    return s;
+  };
+
+  // Loss head: final-norm output rows gathered for the lm_head (every token is an upper bound
+  // of the supervised rows), the lm_head in the compute dtype (a fresh tap output when it
+  // trains; a frozen one is counted in frozen_bytes), and one (chunk, V) fp32 logits block next
+  // to its compute-dtype matmul output or gradient copy.
+  const int64_t rows = tokens;
+  const int64_t chunk = std::min(opt.loss_chunk_tokens, rows);
+  const int64_t logits_block = chunk * V * (cs == 4 ? 4 : 4 + cs);
+  const int64_t lm_weight = lm_trains ? V * H * cs : 0;
+  const int64_t lm_elems = lm_trains ? V * H : 0;
+  // The tied lm_head's gradient is the embedding's: it lives on until the embedding backward.
+  const int64_t tied_grad = (tied && lm_trains) ? V * H * gs : 0;
+
+  auto add = [&](MemoryPhaseKind kind, int64_t g, int64_t a, int64_t l) {
+    MemoryPhase p;
+    p.kind = kind;
+    p.grad_bytes = g;
+    p.activation_bytes = a;
+    p.loss_bytes = l;
+    est.phases.push_back(p);
+  };
+  const int64_t all_saved = saved_below(L);
+  // Forward: every layer's saved activations (the last layer's output is the final norm's input)
+  // and, checkpointed, one layer's forward transients.
+  add(MemoryPhaseKind::kForward, carry,
+      all_saved + boundary + (opt.gradient_checkpointing ? layer_forward_work : 0), 0);
+  // Loss forward: the chunked cross-entropy computes its gradients here, from the logits block
+  // that gives the loss: the final norm's saved input and its output (alive in loss()), the
+  // hidden rows and their gradient, the lm_head weight and its gradient being accumulated
+  // (compute dtype), one logits block.
+  add(MemoryPhaseKind::kLossForward, carry + lm_elems * cs, all_saved + 2 * boundary,
+      2 * rows * H * cs + lm_weight + logits_block);
+  // Loss backward: the weight and logits are gone; the hidden rows' gradient is scattered into
+  // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
+  // differs, added into the buffer when one is carried).
+  add(MemoryPhaseKind::kLossBackward,
+      carry + std::max(lm_elems * cs, (carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
+      all_saved + 2 * boundary, rows * H * cs);
+  // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l] (layer l's graph
+  // recomputed from its checkpoint when checkpointing), the backward's working tensors, and the
+  // gradients alive: with in-backward updates the lm_head's is applied and freed already and a
+  // layer's weights are applied one by one; buffered, the lm_head's and every layer's above l
+  // plus all of layer l's. The checkpoint's backward seeds the down projection by hand: its
+  // input gradient (tokens, I) and its weight gradient are held until the layer is done.
+  {
+    const bool ckpt = opt.gradient_checkpointing;
+    // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients and
+    // the SwiGLU's (tokens, I) gradients (its output's, held as a seed when checkpointing, and
+    // its two inputs').
+    const int64_t work = 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
+    MemoryPhase best;
+    best.kind = MemoryPhaseKind::kLayerBackward;
+    int64_t above = 0;  // buffered gradients of layers above l
+    const int64_t head_stored = in_backward ? 0 : head_elems * gs;
+    for (int64_t l = L - 1; l >= 0; --l) {
+      // The held down-projection seed when it is not the stored gradient itself.
+      const int64_t seed = ckpt && (in_backward || carried || gs != cs) ? layer_down[l] * cs : 0;
+      int64_t g = tied_grad + seed;
+      if (carried) {
+        g = carry + seed + fresh(layer_largest[l]);
+      } else if (in_backward) {
+        g += layer_largest[l] * gs + fresh(layer_largest[l]);
+      } else {
+        g += head_stored + above + layer_elems[l] * gs + fresh(layer_largest[l]);
+      }
+      const int64_t a = saved_below(l) + boundary + layer_graph(l) + work;
+      if (g + a > best.total_bytes()) {
+        best.grad_bytes = g;
+        best.activation_bytes = a;
+      }
+      above += layer_elems[l] * gs;
+    }
+    if (L > 0) est.phases.push_back(best);
+  }
+  // Embedding backward (trainable embedding only): its gradient is allocated whole (zeros) and
+  // the rows added from the incoming (tokens, H) gradient; on the CPU half-precision gradients
+  // are added through an fp32 (V, H) buffer. Buffered, every other gradient exists too.
+  if (embed_elems > 0) {
+    const int64_t g = in_backward ? embed_elems * gs : est.grad_buffer_bytes;
+    const int64_t cpu_acc = (!cuda && gs != 4) ? embed_elems * 4 : 0;
+    add(MemoryPhaseKind::kEmbeddingBackward, g, boundary + cpu_acc, 0);
+  }
+  // Buffered updates: the complete gradient buffer while the optimizer runs (its scratch is
+  // the optimizer's to count).
+  if (!in_backward && est.grad_buffer_bytes > 0) {
+    add(MemoryPhaseKind::kOptimizerStep, est.grad_buffer_bytes, 0, 0);
+  }
+
+  for (size_t i = 0; i < est.phases.size(); ++i) {
+    if (est.phases[i].total_bytes() > est.phases[est.peak_phase].total_bytes()) est.peak_phase = i;
+  }
+  const MemoryPhase& peak = est.phases[est.peak_phase];
+  est.grad_bytes = peak.grad_bytes;
+  est.activation_bytes = peak.activation_bytes;
+  est.loss_bytes = peak.loss_bytes;
   return est;
 }
 

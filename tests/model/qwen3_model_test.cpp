@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -623,17 +624,38 @@ TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
 
   MemoryEstimate est = estimate_memory(cfg, o, 2, 8, false);
   EXPECT_EQ(est.master_bytes, cfg.num_parameters(false) * 2);
-  EXPECT_EQ(est.grad_bytes, cfg.num_parameters(false) * 2);  // bf16 grads by default
+  EXPECT_EQ(est.grad_buffer_bytes, cfg.num_parameters(false) * 2);  // bf16 grads by default
   EXPECT_EQ(est.frozen_bytes, 0);
+  // Buffered updates (the default lifetime): the whole buffer in the optimizer step; the total
+  // is the persistent terms plus the largest phase.
+  const MemoryPhase* step = est.phase(MemoryPhaseKind::kOptimizerStep);
+  ASSERT_NE(step, nullptr);
+  EXPECT_EQ(step->grad_bytes, est.grad_buffer_bytes);
+  int64_t largest = 0;
+  for (const auto& p : est.phases) largest = std::max(largest, p.total_bytes());
+  EXPECT_EQ(est.phases[est.peak_phase].total_bytes(), largest);
+  EXPECT_EQ(est.total_bytes(), est.master_bytes + est.frozen_bytes + largest);
+  // In-backward updates: no optimizer phase and never more than the buffered path.
+  GradientLifetime ib;
+  ib.applied_in_backward = true;
+  const MemoryEstimate est_ib = estimate_memory(cfg, o, 2, 8, false, ib);
+  EXPECT_EQ(est_ib.phase(MemoryPhaseKind::kOptimizerStep), nullptr);
+  EXPECT_LE(est_ib.total_bytes(), est.total_bytes());
   ModelOptions nock = o;
   nock.gradient_checkpointing = false;
   Qwen3Config deep = cfg;
   deep.num_hidden_layers = 36;
-  // Checkpointed activations grow by one layer input per layer; without, by a whole layer.
-  const auto a2 = estimate_memory(cfg, o, 4, 1024, false).activation_bytes;
-  const auto a36 = estimate_memory(deep, o, 4, 1024, false).activation_bytes;
+  // The loss backward's activations: checkpointed, they grow by one layer input per layer;
+  // without checkpointing, by a whole layer's graph.
+  auto loss_acts = [](const Qwen3Config& c, const ModelOptions& mo) {
+    return estimate_memory(c, mo, 4, 1024, false)
+        .phase(MemoryPhaseKind::kLossBackward)
+        ->activation_bytes;
+  };
+  const auto a2 = loss_acts(cfg, o);
+  const auto a36 = loss_acts(deep, o);
   EXPECT_EQ(a36 - a2, 34 * 4 * 1024 * cfg.hidden_size * 4);
-  EXPECT_GT(estimate_memory(deep, nock, 4, 1024, false).activation_bytes, 4 * a36);
+  EXPECT_GT(loss_acts(deep, nock), 4 * a36);
 }
 
 }  // namespace

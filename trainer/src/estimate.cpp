@@ -186,58 +186,103 @@ std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Con
 
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
   const auto opt = model_options(c);
+  model::GradientLifetime life;
+  life.applied_in_backward = in_backward_updates(c);
+  life.accumulation_steps = c.train.grad_accum;
   const auto m =
-      model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head);
+      model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head, life);
   MemoryBudget b;
   b.masters_bytes = m.master_bytes;
   b.frozen_bytes = m.frozen_bytes;
-  b.gradients_bytes = m.grad_bytes;
-  b.activations_bytes = m.activation_bytes;
-  b.logits_bytes = m.loss_bytes;
   const auto mode = to_optim(c.optim.state);
   const auto ao = adamw_options(c);
-  int64_t largest = 0, layer0 = 0;
+  int64_t scratch_elems = 0;  // the CPU step's chunk: chunk_rows rows of the widest tensor
   for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {
     if (!p.trainable) continue;
     int64_t n = 1;
     for (int64_t d : p.shape) n *= d;
     b.trainable_elements += n;
-    largest = std::max(largest, n);
-    if (p.name.rfind("model.layers.0.", 0) == 0) layer0 += n;
+    scratch_elems = std::max(scratch_elems, std::min(n, ao.chunk_rows * p.shape.back()));
     if (mode == optim::StateMode::kFp32 || n < ao.small_tensor_threshold) {
       b.moments_bytes += 8 * n;
     } else {
       b.moments_bytes += 2 * optim::packed_moment_bytes(mode, n);
     }
   }
-  if (in_backward_updates(c) && b.trainable_elements > 0) {
-    // Updates inside the backward free each gradient once applied: what coexists is at most the
-    // largest one (lm_head or the embedding) and the gradients of the layer being back-propagated.
-    const int64_t per_elem = m.grad_bytes / b.trainable_elements;
-    b.gradients_bytes = per_elem * (largest + layer0);
+  // CUDA updates are fused kernels without scratch; the CPU step uses an arena of at most ~16
+  // fp32 values per chunk element (PackedAdamW::scratch_peak_bytes), kept from the first update
+  // on (the trainer does not release it), so it is counted in every phase.
+  const int64_t scratch = opt.device.is_cuda() ? 0 : 16 * 4 * scratch_elems;
+  for (const auto& mp : m.phases) {
+    BudgetPhase p;
+    p.name = model::memory_phase_name(mp.kind);
+    p.gradients_bytes = mp.grad_bytes;
+    p.activations_bytes = mp.activation_bytes;
+    p.logits_bytes = mp.loss_bytes;
+    p.optimizer_bytes = scratch;
+    b.phases.push_back(p);
+  }
+  for (size_t i = 0; i < b.phases.size(); ++i) {
+    if (b.phases[i].total_bytes() > b.phases[b.peak_phase].total_bytes()) b.peak_phase = i;
+  }
+  if (!b.phases.empty()) {
+    const BudgetPhase& peak = b.phases[b.peak_phase];
+    b.gradients_bytes = peak.gradients_bytes;
+    b.activations_bytes = peak.activations_bytes;
+    b.logits_bytes = peak.logits_bytes;
+    b.optimizer_bytes = peak.optimizer_bytes;
   }
   return b;
 }
 
+const std::string& MemoryBudget::peak_phase_name() const {
+  static const std::string kNone = "none";
+  return phases.empty() ? kNone : phases[peak_phase].name;
+}
+
 nlohmann::json MemoryBudget::to_json() const {
-  return {{"masters_bytes", masters_bytes},         {"frozen_bytes", frozen_bytes},
-          {"gradients_bytes", gradients_bytes},     {"moments_bytes", moments_bytes},
-          {"activations_bytes", activations_bytes}, {"logits_bytes", logits_bytes},
-          {"total_bytes", total_bytes()},           {"trainable_elements", trainable_elements}};
+  nlohmann::json ph = nlohmann::json::array();
+  for (const auto& p : phases) {
+    ph.push_back({{"name", p.name},
+                  {"gradients_bytes", p.gradients_bytes},
+                  {"activations_bytes", p.activations_bytes},
+                  {"logits_bytes", p.logits_bytes},
+                  {"optimizer_bytes", p.optimizer_bytes},
+                  {"total_bytes", persistent_bytes() + p.total_bytes()}});
+  }
+  return {{"masters_bytes", masters_bytes},
+          {"frozen_bytes", frozen_bytes},
+          {"gradients_bytes", gradients_bytes},
+          {"moments_bytes", moments_bytes},
+          {"activations_bytes", activations_bytes},
+          {"logits_bytes", logits_bytes},
+          {"optimizer_bytes", optimizer_bytes},
+          {"persistent_bytes", persistent_bytes()},
+          {"total_bytes", total_bytes()},
+          {"peak_phase", peak_phase_name()},
+          {"phases", ph},
+          {"trainable_elements", trainable_elements}};
 }
 
 std::string MemoryBudget::to_table() const {
   std::string s;
-  auto row = [&](const char* name, int64_t bytes) {
-    s += fmt::format("  {:<12} {:>10.3f} GiB\n", name, to_gib(bytes));
+  auto row = [&](const char* name, int64_t bytes, const char* note) {
+    s += fmt::format("  {:<20} {:>9.3f} GiB  {}\n", name, to_gib(bytes), note);
   };
-  row("masters", masters_bytes);
-  row("frozen", frozen_bytes);
-  row("gradients", gradients_bytes);
-  row("moments", moments_bytes);
-  row("activations", activations_bytes);
-  row("logits", logits_bytes);
-  row("total", total_bytes());
+  row("masters", masters_bytes, "whole run");
+  row("frozen", frozen_bytes, "whole run");
+  row("moments", moments_bytes, "whole run");
+  s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} {:>9}  (GiB; total = whole run + phase)\n",
+                   "phase", "gradients", "activations", "logits", "optimizer", "total");
+  for (size_t i = 0; i < phases.size(); ++i) {
+    const BudgetPhase& p = phases[i];
+    s += fmt::format("  {:<20} {:>9.3f} {:>11.3f} {:>9.3f} {:>9.3f} {:>9.3f}{}\n", p.name,
+                     to_gib(p.gradients_bytes), to_gib(p.activations_bytes), to_gib(p.logits_bytes),
+                     to_gib(p.optimizer_bytes), to_gib(persistent_bytes() + p.total_bytes()),
+                     i == peak_phase ? "  <- peak" : "");
+  }
+  s += fmt::format("  peak phase: {}\n", peak_phase_name());
+  row("total", total_bytes(), "whole run + the peak phase");
   s += fmt::format("  trainable elements: {}\n", trainable_elements);
   return s;
 }

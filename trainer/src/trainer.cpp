@@ -830,9 +830,10 @@ class Trainer {
         c_.optim.lr, to_string(c_.optim.schedule.kind), c_.optim.schedule.warmup_steps);
     out_ << fmt::format("  output     {} (full resolved config in {})\n", c_.output.dir,
                         kConfigFile);
-    out_ << fmt::format("  memory     about {:.2f} GiB estimated ({})\n",
+    out_ << fmt::format("  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
                         to_gib(budget.total_bytes()),
-                        device_.is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch");
+                        device_.is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch",
+                        budget.peak_phase_name());
     out_ << "  time       estimated after the first steps\n" << std::flush;
   }
 

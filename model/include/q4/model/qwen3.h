@@ -109,21 +109,57 @@ struct GenerateOptions {
   std::vector<int64_t> stop_ids = {151645, 151643};  // Qwen3 <|im_end|>, <|endoftext|>
 };
 
-// Analytic device-memory budget (bytes) for the trainer's --dry-run and VRAM probe.
+// Analytic device-memory budget (bytes) for the trainer's --dry-run and VRAM probe. A step
+// goes through phases whose transient tensors never coexist (the loss's backward frees its
+// logits before the layers' backward recomputes a layer): the budget is the persistent tensors
+// plus the largest phase, not the sum of every term.
+enum class MemoryPhaseKind {
+  kForward,            // the decoder layers' forward (checkpointed inputs accumulate)
+  kLossForward,        // final norm + chunked cross-entropy: logits block, lm_head weight + grad
+  kLossBackward,       // the loss's gradients handed on: lm_head grad stored, hidden grad scattered
+  kLayerBackward,      // one decoder layer recomputed (checkpointing) and back-propagated
+  kEmbeddingBackward,  // the embedding's row gradients, at the very end of the backward
+  kOptimizerStep,      // buffered updates: every gradient at once, after the backward
+};
+const char* memory_phase_name(MemoryPhaseKind kind);  // "loss backward", ...
+
+// What exists in one phase besides the persistent masters and frozen weights.
+struct MemoryPhase {
+  MemoryPhaseKind kind = MemoryPhaseKind::kForward;
+  int64_t grad_bytes = 0;        // gradients alive (stored and freshly computed)
+  int64_t activation_bytes = 0;  // saved activations, layer graphs and their gradients
+  int64_t loss_bytes = 0;        // lm_head compute weight, one logits block, hidden rows + grad
+  int64_t total_bytes() const { return grad_bytes + activation_bytes + loss_bytes; }
+};
+
+// How the step around the model keeps gradients (the trainer's optimizer settings).
+struct GradientLifetime {
+  bool applied_in_backward = false;  // each gradient is applied and freed once complete
+  int64_t accumulation_steps = 1;    // micro-batches per update; > 1 keeps the buffer across them
+};
+
 struct MemoryEstimate {
-  int64_t master_bytes = 0;      // trainable masters
-  int64_t frozen_bytes = 0;      // frozen weights held in the compute dtype
-  int64_t grad_bytes = 0;        // gradients of trainable masters
-  int64_t activation_bytes = 0;  // saved activations + peak working set of one layer
-  int64_t loss_bytes = 0;        // one chunk of fp32 logits and its softmax/grad temporaries
+  int64_t master_bytes = 0;  // trainable masters (whole run)
+  int64_t frozen_bytes = 0;  // frozen weights held in the compute dtype (whole run)
+  // The peak phase's terms (phases[peak_phase]).
+  int64_t grad_bytes = 0;
+  int64_t activation_bytes = 0;
+  int64_t loss_bytes = 0;
+  int64_t grad_buffer_bytes = 0;    // every trainable gradient at once (the buffered path)
+  std::vector<MemoryPhase> phases;  // in step order; only the phases this run goes through
+  size_t peak_phase = 0;            // index into phases of the largest one
+  // Persistent terms + the peak phase.
   int64_t total_bytes() const {
     return master_bytes + frozen_bytes + grad_bytes + activation_bytes + loss_bytes;
   }
+  const MemoryPhase* phase(MemoryPhaseKind kind) const;  // nullptr when the run skips it
 };
 // `include_lm_head`: whether the weights file stores a separate lm_head (the shipped 4B file
-// does; pass !cfg.tie_word_embeddings for a file written by HF conventions).
+// does; pass !cfg.tie_word_embeddings for a file written by HF conventions). Supervised rows
+// are taken to be every token (an upper bound: only they go through the lm_head).
 MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
-                               int64_t seq_len, bool include_lm_head);
+                               int64_t seq_len, bool include_lm_head,
+                               const GradientLifetime& grads = {});
 
 class Qwen3Model {
  public:

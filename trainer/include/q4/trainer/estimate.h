@@ -1,7 +1,7 @@
 // Config -> library options, and the analytic memory budget printed by --dry-run and placed
 // beside the measured values in the VRAM probe report. The model library's estimate_memory()
-// supplies masters, frozen weights, gradients, activations and the loss chunk; the moments come
-// from the optimizer's packed storage sizes for every trainable tensor.
+// supplies masters, frozen weights and each phase's gradients, activations and loss chunk; the
+// moments come from the optimizer's packed storage sizes for every trainable tensor.
 #pragma once
 
 #include <cstdint>
@@ -46,20 +46,41 @@ struct ParamShape {
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head);
 
-struct MemoryBudget {
-  int64_t masters_bytes = 0;      // trainable masters
-  int64_t frozen_bytes = 0;       // frozen weights as the forward holds them
-  int64_t gradients_bytes = 0;    // gradients of trainable masters
-  int64_t moments_bytes = 0;      // AdamW m and v as stored (packed)
-  int64_t activations_bytes = 0;  // saved activations + one layer's working set
-  int64_t logits_bytes = 0;       // one chunk of fp32 logits and temporaries
-  int64_t trainable_elements = 0;
+// One phase of a step (model::MemoryPhaseKind): what exists besides the whole-run terms.
+struct BudgetPhase {
+  std::string name;  // model::memory_phase_name()
+  int64_t gradients_bytes = 0;
+  int64_t activations_bytes = 0;
+  int64_t logits_bytes = 0;
+  int64_t optimizer_bytes = 0;  // the optimizer's scratch (CPU chunk arena; none on CUDA)
   int64_t total_bytes() const {
-    return masters_bytes + frozen_bytes + gradients_bytes + moments_bytes + activations_bytes +
-           logits_bytes;
+    return gradients_bytes + activations_bytes + logits_bytes + optimizer_bytes;
   }
+};
+
+// Whole-run terms (masters, frozen, moments) plus the largest phase of a step: the phases'
+// transients never coexist (the loss's logits are gone when the layers' backward runs).
+struct MemoryBudget {
+  int64_t masters_bytes = 0;  // trainable masters
+  int64_t frozen_bytes = 0;   // frozen weights as the forward holds them
+  int64_t moments_bytes = 0;  // AdamW m and v as stored (packed)
+  // The peak phase's terms (phases[peak_phase]).
+  int64_t gradients_bytes = 0;    // gradients alive
+  int64_t activations_bytes = 0;  // saved activations, layer graph and working tensors
+  int64_t logits_bytes = 0;       // lm_head compute weight, one logits block, hidden rows
+  int64_t optimizer_bytes = 0;    // optimizer scratch
+  int64_t trainable_elements = 0;
+  std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
+  size_t peak_phase = 0;            // index into phases
+  int64_t persistent_bytes() const { return masters_bytes + frozen_bytes + moments_bytes; }
+  int64_t total_bytes() const {
+    return persistent_bytes() + gradients_bytes + activations_bytes + logits_bytes +
+           optimizer_bytes;
+  }
+  const std::string& peak_phase_name() const;
+  // Every field above; "total_bytes" is the phase-aware total, "peak_phase" its phase's name.
   nlohmann::json to_json() const;
-  std::string to_table() const;  // aligned "component  GiB" lines
+  std::string to_table() const;  // whole-run rows, a row per phase, the peak phase and total
 };
 
 // Budget for one micro-batch of train.batch_size x train.seq_len tokens.

@@ -62,7 +62,8 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
                  std::ostream& err);
 
 // Validates inputs without loading them (files exist, config.json parses) and prints the
-// memory estimate per component. Returns kExitOk or throws ConfigError.
+// memory estimate (whole-run terms, each phase of a step, the peak phase). Returns kExitOk or
+// throws ConfigError.
 int run_dry_run(const Config& config, std::ostream& out);
 
 // The training set-up and step function with instrumentation: one step with every phase marked
