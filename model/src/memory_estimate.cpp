@@ -147,11 +147,13 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
 
   // Loss head: final-norm output rows gathered for the lm_head (every token is an upper bound
   // of the supervised rows), the lm_head in the compute dtype (a fresh tap output when it
-  // trains; a frozen one is counted in frozen_bytes), and one (chunk, V) fp32 logits block next
-  // to its compute-dtype matmul output or gradient copy.
+  // trains; a frozen one is counted in frozen_bytes), and the logits of one chunk: on CUDA the
+  // matmul's (chunk, V) output only (the fused cross-entropy kernel writes the gradient over
+  // it); elsewhere also one fp32 block next to it or to the gradient's compute-dtype copy.
   const int64_t rows = tokens;
   const int64_t chunk = std::min(opt.loss_chunk_tokens, rows);
-  const int64_t logits_block = chunk * V * (cs == 4 ? 4 : 4 + cs);
+  const int64_t logits_block =
+      opt.device.is_cuda() ? chunk * V * cs : chunk * V * (cs == 4 ? 4 : 4 + cs);
   const int64_t lm_weight = lm_trains ? V * H * cs : 0;
   const int64_t lm_elems = lm_trains ? V * H : 0;
   // The tied lm_head's gradient is the embedding's: it lives on until the embedding backward.
