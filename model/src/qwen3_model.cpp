@@ -452,6 +452,18 @@ LossOutput Qwen3Model::loss(const ModelInputs& in) {
   at::Tensor rows = next.ne(-100).nonzero().reshape({-1});  // (N) int64 flat positions
   at::Tensor targets = next.index_select(0, rows);  // (N)
   const at::Device dev = impl_->opt.device;
+  if (dev.is_cuda() && rows.numel() > 0) {
+    // CUDA: pad the rows to a multiple of kLossRowQuantum with ignored (-100) copies of the first
+    // row, so that the lm_head GEMMs see a few recurring shapes instead of a new one every step:
+    // a shape cuBLAS has not seen costs 3-4 ms of host time while the GPU idles (Kineto,
+    // docs/performance.md). Padded rows add 0 to the loss and to every gradient.
+    constexpr int64_t kLossRowQuantum = 64;
+    const int64_t pad = (kLossRowQuantum - rows.numel() % kLossRowQuantum) % kLossRowQuantum;
+    if (pad > 0) {
+      rows = at::cat({rows, rows.narrow(0, 0, 1).expand({pad})});
+      targets = at::cat({targets, at::full({pad}, -100, targets.options())});
+    }
+  }
   if (dev.is_cuda() && !next.is_cuda()) {
     // Pinned staging: the copies are queued behind the forward instead of waiting for it.
     rows = rows.pin_memory().to(dev, /*non_blocking=*/true);

@@ -3,7 +3,9 @@
 # benchmark with the peer in its three modes and the whoami job (step_vs_peer.sh), the memory of a
 # whole run with 4bit moments, and TensorBoard's own reader on a run's event file. At most 8 files
 # come back from a device call, so the outputs are gathered into a few.
-#   OUT=dir tools/bench/release_round.sh   (env: TARGETS, TESTS, SKIP_OPTIM_BENCH=1, SKIP_SPEED=1)
+#   OUT=dir tools/bench/release_round.sh   (env: TARGETS, TESTS, SKIP_OPTIM_BENCH=1, SKIP_SPEED=1,
+#   SKIP_PROBE=0, PREV_TREE=dir: a baseline source tree whose q4train runs the same training and
+#   whoami job after the new one, same card, appended to summary.md)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
 out=${OUT:-$root/gpu-out}; mkdir -p "$out"
@@ -12,6 +14,13 @@ for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
 t0=$(date +%s)
 tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+prev_pid=""
+if [ -n "${PREV_TREE:-}" ]; then
+  (cmake -S "$PREV_TREE" -B build-prev -G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_BUILD_TESTS=OFF \
+     -DCMAKE_PREFIX_PATH="$tp" -DCMAKE_CUDA_ARCHITECTURES=90 && cmake --build build-prev -j8 \
+     --target q4train q4dat) >"$work/prev-build.log" 2>&1 &
+  prev_pid=$!
+fi
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
   -DCMAKE_CUDA_ARCHITECTURES=90 >"$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
 cmake --build build-gpu -j16 --target ${TARGETS:-q4train q4dat bench_optim test_model_cuda test_optim_cuda test_quant_cuda} \
@@ -41,6 +50,13 @@ for st in 4bit int8; do
     --set "output.dir=$work/mem-$st" --set output.export_path=model.dat 2>&1 \
     | grep -E "^step +6|export|peak GPU memory|done" | sed "s/^/$st: /"
 done 2>&1 | tee "$out/memory.txt"
+# The int8 run's export as a Hugging Face folder (the end-of-run serve hint's command).
+rm -rf "$work/hf-int8"
+build-gpu/bin/q4dat export-hf "$work/mem-int8/model.dat" "$work/hf-int8" \
+  --config tests/fixtures/qwen3_4b.config.json --tokenizer-dir assets/qwen3 --format modelopt \
+  >"$work/export-hf.log" 2>&1
+echo "q4dat export-hf: exit $? ($(ls "$work/hf-int8" 2>/dev/null | wc -l) files; $(tail -n 1 "$work/export-hf.log"))" \
+  | tee -a "$out/memory.txt"
 
 # 4. Speed benchmark: q4train on the dataset, probes, whoami, peer x 3 (SKIP_SPEED=1: none).
 if [ "${SKIP_SPEED:-0}" != 1 ]; then
@@ -55,3 +71,16 @@ fi
 # 5. TensorBoard's loader on the run's event file.
 python3 tools/bench/read_tfevents.py "$work/mem-int8" >"$out/tfevents.txt" 2>&1 || true
 head -n 20 "$out/tfevents.txt"
+
+# 6. The baseline tree on the same card: training on the bench data and the whoami job.
+if [ -n "$prev_pid" ]; then
+  if wait "$prev_pid"; then
+    WHOAMI=1 SKIP_BUILD=1 SKIP_PEER=1 SKIP_PROBE=1 BUILD="$root/build-prev" WORK=$work \
+      tools/bench/step_vs_peer.sh "$work/prev" >"$work/prev.log" 2>&1
+    { echo; echo "== baseline tree ($PREV_TREE), same card, after the new tree's runs"
+      cat "$work/prev/summary.md" 2>/dev/null; grep -E "^whoami" "$work/prev/whoami.log"; } \
+      | tee -a "$out/summary.md"
+  else
+    tail -n 20 "$work/prev-build.log"
+  fi
+fi
