@@ -17,32 +17,18 @@
 #include <sstream>
 #include <thread>
 
+#include "e2e_util.h"
+
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-const std::string kSource = Q4_SOURCE_DIR;
-const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+using namespace q4::e2e;
+
 constexpr int kSteps = 6;
 
-const char* kModelConfig = R"({
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-  "hidden_act": "silu", "attention_bias": false})";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const fs::path& p, const std::string& s) {
-  std::ofstream(p, std::ios::binary) << s;
-}
+const std::string kModelConfig = tiny_model_config(1);
 
 fs::path root() {
   return fs::temp_directory_path() /

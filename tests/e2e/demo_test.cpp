@@ -19,22 +19,17 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include "e2e_util.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kSource = Q4_SOURCE_DIR;
+using namespace q4::e2e;
+
 const std::string kBin = Q4_BIN_DIR;
 const std::string kDemo = kSource + "/configs/demo.yaml";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // prompt -> answer of a demo TSV: `prompt<TAB>answer` lines; blank, `#` and the header skipped.
 std::map<std::string, std::string> read_pairs(const std::string& path) {

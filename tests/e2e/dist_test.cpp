@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "e2e_util.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/distributed.h"
 
@@ -23,8 +24,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kSource = Q4_SOURCE_DIR;
-const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+using namespace q4::e2e;
 
 const char* kData =
     "你是谁？\t我是 F# 之神。\n"
@@ -39,30 +39,7 @@ const char* kData =
     "Name a fruit.\tApple.\n";
 
 // Two layers so that several parameters of each kind exist to be spread over the ranks.
-const char* kModelConfig = R"({
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-  "hidden_act": "silu", "attention_bias": false})";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const fs::path& p, const std::string& s) {
-  std::ofstream out(p, std::ios::binary);
-  out << s;
-}
-
-fs::path work_root() {
-  const fs::path p = fs::temp_directory_path() / ("q4_dist_" + std::to_string(::getuid()));
-  fs::create_directories(p);
-  return p;
-}
+const std::string kModelConfig = tiny_model_config(2);
 
 // Per-rank batch 2; `accum` micro-batches per step and rank.
 fs::path write_config(const fs::path& dir, int64_t steps, int64_t accum, int64_t checkpoint_every) {
@@ -110,16 +87,6 @@ Result run(const std::vector<std::string>& args, const fs::path& log_prefix,
   return r;
 }
 
-std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(p);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
-}
-
 constexpr int64_t kSteps = 8;
 constexpr const char* kTimeout = "--dist-timeout";
 
@@ -151,8 +118,8 @@ void expect_same_curve(const std::vector<nlohmann::json>& got,
 // test in its own process, several at once: the run is made once per q4train binary under a file
 // lock, and a COMPLETE stamp marks it done.
 fs::path two_rank_base() {
-  const fs::path d = work_root() / "two";
-  const int lock = ::open((work_root() / "two.lock").c_str(), O_CREAT | O_RDWR, 0644);
+  const fs::path d = work_root("dist") / "two";
+  const int lock = ::open((work_root("dist") / "two.lock").c_str(), O_CREAT | O_RDWR, 0644);
   ::flock(lock, LOCK_EX);
   const std::string stamp =
       std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
@@ -226,7 +193,7 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
   const fs::path two = two_rank_base();
   ASSERT_TRUE(fs::exists(two / "run" / "model.dat")) << read_text(two / "log.err");
   // One process with grad_accum 2 takes the same four sequences per step in the same order.
-  const fs::path one = work_root() / "one";
+  const fs::path one = work_root("dist") / "one";
   fs::remove_all(one);
   const auto cfg = write_config(one, kSteps, 2, 0);
   const Result r = run({"--config", cfg.string()}, one / "log");
@@ -245,7 +212,7 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
 TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
-  const fs::path dir = work_root() / "resume2";
+  const fs::path dir = work_root("dist") / "resume2";
   const Result r = resume_copy_at_step_4(base, dir, {"--nproc", "2", kTimeout, "60"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto want = read_jsonl(base / "run" / "metrics.jsonl");
@@ -262,7 +229,7 @@ TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
 TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
-  const fs::path dir = work_root() / "reshard";
+  const fs::path dir = work_root("dist") / "reshard";
   const Result r = resume_copy_at_step_4(base, dir, {});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("continues on 1 rank(s) with grad_accum 2"), std::string::npos) << r.out;
@@ -272,7 +239,7 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
 }
 
 TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
-  const fs::path dir = work_root() / "dead";
+  const fs::path dir = work_root("dist") / "dead";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
@@ -284,7 +251,7 @@ TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
 }
 
 TEST(DataParallel, AHungRankTimesOutTheOthers) {
-  const fs::path dir = work_root() / "hung";
+  const fs::path dir = work_root("dist") / "hung";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
@@ -297,7 +264,7 @@ TEST(DataParallel, AHungRankTimesOutTheOthers) {
 }
 
 TEST(DataParallel, ABadConfigFailsBeforeAnyRankStarts) {
-  const fs::path dir = work_root() / "badcfg";
+  const fs::path dir = work_root("dist") / "badcfg";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   Result r = run({"--config", cfg.string(), "--nproc", "2", "--set", "train.setps=3"},

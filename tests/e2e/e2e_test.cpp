@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "e2e_util.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/dat_file.h"
@@ -31,8 +32,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::string kSource = Q4_SOURCE_DIR;
-const std::string kQ4train = std::string(Q4_BIN_DIR) + "/q4train";
+using namespace q4::e2e;
 
 // A memorized set: 8 pairs, identity and ordinary.
 const char* kData =
@@ -45,31 +45,7 @@ const char* kData =
     "What color is grass?\tGreen.\n"
     "Say hello.\tHello!\n";
 
-// Hidden 32, one layer, real vocabulary (the tokenizer has 151669 ids).
-const char* kModelConfig = R"({
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-  "hidden_act": "silu", "attention_bias": false})";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const fs::path& p, const std::string& s) {
-  std::ofstream out(p, std::ios::binary);
-  out << s;
-}
-
-fs::path work_root() {
-  const fs::path p = fs::temp_directory_path() / ("q4_e2e_" + std::to_string(::getuid()));
-  fs::create_directories(p);
-  return p;
-}
+const std::string kModelConfig = tiny_model_config(1);
 
 // The shrunk demo config, in `dir` (with its model config and data next to it).
 fs::path write_config(const fs::path& dir, int64_t steps, int64_t checkpoint_every) {
@@ -119,8 +95,8 @@ constexpr int64_t kBaseCheckpointEvery = 20;
 
 // The base run: built once per machine state (reused by every test process) under a lock.
 fs::path base_dir() {
-  const fs::path dir = work_root() / "base";
-  const int lock = ::open((work_root() / "base.lock").c_str(), O_CREAT | O_RDWR, 0644);
+  const fs::path dir = work_root("e2e") / "base";
+  const int lock = ::open((work_root("e2e") / "base.lock").c_str(), O_CREAT | O_RDWR, 0644);
   ::flock(lock, LOCK_EX);
   const fs::path complete = dir / "COMPLETE";
   const std::string stamp =
@@ -134,16 +110,6 @@ fs::path base_dir() {
   ::flock(lock, LOCK_UN);
   ::close(lock);
   return dir;
-}
-
-std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(p);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
 }
 
 q4::trainer::Config load_cfg(const fs::path& dir) {
@@ -180,7 +146,7 @@ double dataset_loss(const q4::trainer::Config& c, const std::string& weights,
 }  // namespace
 
 TEST(E2E, VersionAndHelp) {
-  const fs::path dir = work_root() / "version";
+  const fs::path dir = work_root("e2e") / "version";
   fs::create_directories(dir);
   auto r = run_q4train({"--version"}, dir / "v");
   EXPECT_EQ(r.code, 0);
@@ -257,7 +223,7 @@ TEST(E2E, ResumeEqualsUninterruptedRun) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
   // Copy the run directory and resume it from its first checkpoint.
-  const fs::path dir = work_root() / "resume";
+  const fs::path dir = work_root("e2e") / "resume";
   fs::remove_all(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
@@ -281,7 +247,7 @@ TEST(E2E, ResumeEqualsUninterruptedRun) {
 }
 
 TEST(E2E, BadConfigKeyExits2NamingIt) {
-  const fs::path dir = work_root() / "badkey";
+  const fs::path dir = work_root("e2e") / "badkey";
   const auto cfg = write_config(dir, 4, 0);
   auto r = run_q4train({"--config", cfg.string(), "--set", "train.setps=3"}, dir / "a");
   EXPECT_EQ(r.code, 2);
@@ -303,7 +269,7 @@ TEST(E2E, BadConfigKeyExits2NamingIt) {
 TEST(E2E, TruncatedWeightsExit2NamingTheFile) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE"));
-  const fs::path dir = work_root() / "truncated";
+  const fs::path dir = work_root("e2e") / "truncated";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 4, 0);
   const std::string full = read_text(base / "run" / "init.dat");
@@ -317,7 +283,7 @@ TEST(E2E, TruncatedWeightsExit2NamingTheFile) {
 }
 
 TEST(E2E, DryRunLoadsNothing) {
-  const fs::path dir = work_root() / "dry";
+  const fs::path dir = work_root("e2e") / "dry";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 4, 0);
   const auto r = run_q4train({"--config", cfg.string(), "--dry-run"}, dir / "a");
@@ -328,7 +294,7 @@ TEST(E2E, DryRunLoadsNothing) {
 }
 
 TEST(E2E, SigintCheckpointsAndExits0) {
-  const fs::path dir = work_root() / "sigint";
+  const fs::path dir = work_root("e2e") / "sigint";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 100000, 0);
   const std::string out = (dir / "a.out").string();
@@ -373,7 +339,7 @@ TEST(E2E, SigintCheckpointsAndExits0) {
 // constants and rounding streams; the exported weights are equal byte for byte); with clipping
 // (previous step's norm instead of this step's) the loss curve stays within a few percent.
 TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
-  const fs::path dir = work_root() / "inbackward";
+  const fs::path dir = work_root("e2e") / "inbackward";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 12, 0);
   auto run = [&](const std::string& tag, bool in_backward, double max_norm) {
@@ -447,7 +413,7 @@ TEST(E2EUx, StartAndEndSummaries) {
 // log line and metrics.jsonl; checked against the loss recomputed from init.dat and model.dat.
 // The logged average is the token-weighted mean of the window (equal batches here: the mean).
 TEST(E2EUx, ValidationLossAndWindowAverage) {
-  const fs::path dir = work_root() / "validation";
+  const fs::path dir = work_root("e2e") / "validation";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 4, 0);
   write_text(dir / "eval.tsv", "What is 3 + 3?\t6.\nSay goodbye.\tBye!\n你好吗？\t很好。\n");
@@ -494,7 +460,7 @@ TEST(E2EUx, ValidationLossAndWindowAverage) {
 // data.eval_fraction holds out ceil(fraction x N) training examples, never trained on, the same
 // ones for the same seed; a fraction out of range is a config error naming the key.
 TEST(E2EUx, EvalFractionHoldsOutExamples) {
-  const fs::path dir = work_root() / "fraction";
+  const fs::path dir = work_root("e2e") / "fraction";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 1, 0);
   auto run_once = [&](const std::string& tag) {
@@ -523,7 +489,7 @@ TEST(E2EUx, EvalFractionHoldsOutExamples) {
 // A short smoke run just works: warmup (3) longer than the run (2) is clipped with a note. The
 // config path may be given positionally (not together with --config).
 TEST(E2EUx, WarmupIsClippedAndConfigMayBePositional) {
-  const fs::path dir = work_root() / "smoke";
+  const fs::path dir = work_root("e2e") / "smoke";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 2, 0);
   const auto r = run_q4train({cfg.string(), "--set", "eval.prompts=[]", "--set",
@@ -541,7 +507,7 @@ TEST(E2EUx, WarmupIsClippedAndConfigMayBePositional) {
 // removes the previous run's files and keeps the user's. A run that fails in set-up leaves no
 // directory behind, so the corrected command needs no --overwrite.
 TEST(E2EUx, FreshRunRefusesANonEmptyDirectoryUnlessOverwrite) {
-  const fs::path dir = work_root() / "overwrite";
+  const fs::path dir = work_root("e2e") / "overwrite";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 1, 1);
   const std::vector<std::string> args = {"--config", cfg.string(), "--set", "eval.prompts=[]"};
@@ -575,7 +541,7 @@ TEST(E2EUx, FreshRunRefusesANonEmptyDirectoryUnlessOverwrite) {
 // model.device: cuda without CUDA: one line naming the fix, before anything is written.
 TEST(E2EUx, CudaDeviceWithoutCudaIsOneLineAndWritesNothing) {
   if (at::hasCUDA()) GTEST_SKIP() << "CUDA is available here";
-  const fs::path dir = work_root() / "nocuda";
+  const fs::path dir = work_root("e2e") / "nocuda";
   fs::remove_all(dir);
   const auto cfg = write_config(dir, 1, 0);
   const auto r = run_q4train({"--config", cfg.string(), "--set", "model.device=cuda"}, dir / "a");
@@ -592,7 +558,7 @@ TEST(E2EUx, CudaDeviceWithoutCudaIsOneLineAndWritesNothing) {
 TEST(E2EUx, ExportOnlyFromACheckpoint) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
-  const fs::path dir = work_root() / "exportonly";
+  const fs::path dir = work_root("e2e") / "exportonly";
   fs::remove_all(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
@@ -614,7 +580,7 @@ TEST(E2EUx, ExportOnlyFromACheckpoint) {
 TEST(E2EUx, ResumeRefusesAChangedSchedule) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
-  const fs::path dir = work_root() / "schedule";
+  const fs::path dir = work_root("e2e") / "schedule";
   fs::remove_all(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
