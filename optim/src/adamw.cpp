@@ -281,12 +281,30 @@ double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, S
     const at::Device dev = on_cuda.front()->device();
     at::Tensor partials = at::empty({static_cast<int64_t>(on_cuda.size()), cuda::kSumsqPartials},
                                     at::TensorOptions().device(dev).dtype(at::kFloat));
+    // One multi-tensor launch per run of same-dtype gradients (a few hundred per-tensor launches
+    // would each pay a launch and a memory-pipeline ramp): raw pointers, one guard and stream.
+    float* rows = partials.data_ptr<float>();
+    c10::cuda::CUDAGuard guard(dev);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous gradients, if any
+    std::vector<const void*> ptrs(on_cuda.size());
+    std::vector<int64_t> ns(on_cuda.size());
+    std::vector<int> dts(on_cuda.size());
     for (size_t i = 0; i < on_cuda.size(); ++i) {
-      const at::Tensor g = on_cuda[i]->contiguous();
-      c10::cuda::CUDAGuard guard(g.device());
-      cuda::launch_sumsq(g.data_ptr(), cuda_dtype(g.scalar_type()), g.numel(),
-                         partials[static_cast<int64_t>(i)].data_ptr<float>(),
-                         at::cuda::getCurrentCUDAStream());
+      const at::Tensor& g = *on_cuda[i];
+      TORCH_CHECK(g.device() == dev, "q4::optim: gradients on several devices (", dev, " and ",
+                  g.device(), ")");
+      if (!g.is_contiguous()) keep.push_back(g.contiguous());
+      ptrs[i] = g.is_contiguous() ? g.data_ptr() : keep.back().data_ptr();
+      ns[i] = g.numel();
+      dts[i] = cuda_dtype(g.scalar_type());
+    }
+    for (size_t i = 0; i < on_cuda.size();) {
+      size_t j = i + 1;
+      while (j < on_cuda.size() && dts[j] == dts[i]) ++j;
+      cuda::launch_sumsq_many(ptrs.data() + i, ns.data() + i, static_cast<int>(j - i), dts[i],
+                              rows + static_cast<int64_t>(i) * cuda::kSumsqPartials, stream);
+      i = j;
     }
     total += partials.to(at::kDouble).sum().item<double>();
   }

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -28,12 +29,24 @@ using detail::CodeMap;
 using detail::MapId;
 
 __constant__ float c_map_value[4][256];    // MapId -> decoded value per code
-__constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used)
-__constant__ float c_map_sr_value[4][16];  // MapId -> stochastic-rounding entries (4-bit maps)
-__constant__ float c_map_inv_gap[4][16];   // MapId -> 1 / gaps of sr_value (size - 1 used)
-__constant__ int c_map_size[4];
-__constant__ int c_map_flags[4];  // bit 0: stochastic codes, bit 1: sqrt domain
-__constant__ uint8_t c_map_start[4][2][detail::kSearchBuckets];  // code search lower bounds
+__constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used), +inf at 255
+__constant__ float c_sr_value4[17];        // 4-bit m: stochastic-rounding entries, +inf at 16
+__constant__ float4 c_pick4[17];           // 4-bit m: sr_pick's operands by count (below)
+
+// Code search lower bounds (optim_math.h "code search") per block mode (0: int8, 1: 4-bit):
+// the first moment's rows [sign][bucket], then (int8) the second moment's single row, looked up
+// by |v|. Offsets and row lengths follow from kMapSearchBits.
+constexpr int kInt8BucketsM = detail::search_buckets(detail::kMapSearchBits[0]);
+constexpr int kInt8BucketsV = detail::search_buckets(detail::kMapSearchBits[1]);
+constexpr int k4BitBucketsM = detail::search_buckets(detail::kMapSearchBits[2]);
+constexpr int kStartBytes = (2 * kInt8BucketsM + kInt8BucketsV + 3) / 4 * 4;
+static_assert(2 * k4BitBucketsM <= kStartBytes, "4-bit search table larger than int8's");
+static_assert(!detail::kMapSearchSigned[1], "int8 v table is looked up by |v|");
+__constant__ uint8_t c_start[2][kStartBytes];
+
+// Offset of a map's rows in its mode's table.
+template <int MODE, int SLOT>
+constexpr int kStartOffset = (MODE == 1 && SLOT == 1) ? 2 * kInt8BucketsM : 0;
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -41,7 +54,8 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
-// Copies the code tables to the current device once (constant memory is per device).
+// Copies the code tables to the current device once (constant memory is per device), after
+// checking on the host that every search needs at most the one comparison the kernels do.
 void ensure_tables() {
   static std::mutex mu;
   static bool ready[256] = {};
@@ -49,46 +63,55 @@ void ensure_tables() {
   check(cudaGetDevice(&dev), "cudaGetDevice");
   std::lock_guard<std::mutex> lock(mu);
   if (dev < 0 || dev >= 256 || ready[dev]) return;
+  const float inf = std::numeric_limits<float>::infinity();
   float value[4][256] = {};
   float mid[4][256] = {};
-  float sr_value[4][16] = {};
-  float inv_gap[4][16] = {};
-  int size[4];
-  int flags[4];
-  static uint8_t start[4][2][detail::kSearchBuckets];  // 12.8 KB: not on the stack
+  float sr_value4[17] = {};
+  float4 pick4[17] = {};
+  static uint8_t start[2][kStartBytes];  // not on the stack
+  std::memset(start, 0, sizeof(start));
   for (int i = 0; i < 4; ++i) {
     const CodeMap m = detail::make_code_map(static_cast<MapId>(i));
-    std::memcpy(start[i], m.search_start, sizeof(start[i]));
-    size[i] = m.size;
-    flags[i] = (m.stochastic ? 1 : 0) | (m.sqrt_domain ? 2 : 0);
     const bool expect_sr = i == static_cast<int>(MapId::k4BitFirst) ||
                            i == static_cast<int>(MapId::k4BitSecond);  // kStochasticMoments
-    if (m.stochastic != expect_sr || (m.stochastic && m.size > 16)) {
+    if (m.stochastic != expect_sr || (m.stochastic && m.size != 16)) {
       throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) +
                                ": stochastic codes are compiled in for the 16-entry 4-bit maps");
     }
-    const int steps =
-        m.stochastic ? detail::max_scan_steps(m.sr_value, m.size, false, m.search_start)
-                     : detail::max_scan_steps(m.mid, m.size - 1, true, m.search_start);
-    if (i != static_cast<int>(MapId::k4BitSecond) && steps > detail::kMapScanSteps[i]) {
-      throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) + " needs " +
-                               std::to_string(steps) + " search steps, the kernels do " +
-                               std::to_string(detail::kMapScanSteps[i]));
-    }
     for (int j = 0; j < m.size; ++j) value[i][j] = m.value[j];
     for (int j = 0; j + 1 < m.size; ++j) mid[i][j] = m.mid[j];
-    if (m.stochastic) {
-      for (int j = 0; j < m.size; ++j) sr_value[i][j] = m.sr_value[j];
-      for (int j = 0; j + 1 < m.size; ++j) inv_gap[i][j] = m.inv_gap[j];
+    for (int j = m.size - 1; j < 256; ++j) mid[i][j] = inf;  // sentinel(s)
+    if (i == static_cast<int>(MapId::k4BitSecond)) continue;  // closed form, no search
+    const float* entries = m.stochastic ? m.sr_value : m.mid;
+    const int n = m.stochastic ? m.size : m.size - 1;
+    const int steps = detail::max_scan_steps(entries, n, !m.stochastic, m.search_bits,
+                                             m.search_start);
+    if (steps > 1 || m.search_bits != detail::kMapSearchBits[i]) {
+      throw std::runtime_error("q4::optim CUDA: code map " + std::to_string(i) + " needs " +
+                               std::to_string(steps) +
+                               " search steps at its bucket resolution, the kernels do 1");
+    }
+    const int nb = detail::search_buckets(m.search_bits);
+    uint8_t* dst = start[i < 2 ? 0 : 1] + (i == 1 ? 2 * kInt8BucketsM : 0);
+    std::memcpy(dst, m.search_start[0], nb);
+    if (detail::kMapSearchSigned[i]) std::memcpy(dst + nb, m.search_start[1], nb);
+    if (i == static_cast<int>(MapId::k4BitFirst)) {
+      for (int j = 0; j < 16; ++j) sr_value4[j] = m.sr_value[j];
+      sr_value4[16] = inf;
+      // sr_pick by count c = #{sr_value <= t}: l = clamp(c - 1, 0, 14), p = (t - sr_value[l]) *
+      // inv_gap[l], code l + 1 if u < p else l.
+      for (int c = 0; c <= 16; ++c) {
+        const int l = c - 1 < 0 ? 0 : (c - 1 > 14 ? 14 : c - 1);
+        pick4[c] = make_float4(m.sr_value[l], m.inv_gap[l], detail::bits_f32(static_cast<uint32_t>(l)),
+                               detail::bits_f32(static_cast<uint32_t>(l + 1)));
+      }
     }
   }
   check(cudaMemcpyToSymbol(c_map_value, value, sizeof(value)), "copy code maps");
   check(cudaMemcpyToSymbol(c_map_mid, mid, sizeof(mid)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_sr_value, sr_value, sizeof(sr_value)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_inv_gap, inv_gap, sizeof(inv_gap)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_size, size, sizeof(size)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_flags, flags, sizeof(flags)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_start, start, sizeof(start)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_sr_value4, sr_value4, sizeof(sr_value4)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_pick4, pick4, sizeof(pick4)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_start, start, sizeof(start)), "copy code maps");
   ready[dev] = true;
 }
 
@@ -112,63 +135,27 @@ __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-template <typename T>
-__device__ __forceinline__ T from_bits(unsigned short b);
-template <>
-__device__ __forceinline__ __half from_bits<__half>(unsigned short b) {
-  return __ushort_as_half(b);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_bits<__nv_bfloat16>(unsigned short b) {
-  return __ushort_as_bfloat16(b);
-}
-__device__ __forceinline__ unsigned short to_bits(__half x) { return __half_as_ushort(x); }
-__device__ __forceinline__ unsigned short to_bits(__nv_bfloat16 x) {
-  return __bfloat16_as_ushort(x);
-}
 __device__ __forceinline__ __half rn(float x, __half*) { return __float2half_rn(x); }
 __device__ __forceinline__ __nv_bfloat16 rn(float x, __nv_bfloat16*) {
   return __float2bfloat16_rn(x);
 }
 
-// |x - a| / gap for a power-of-two gap (the distance of two adjacent fp16/bf16 values): when the
-// gap is a normal fp32, 1/gap is exact (exponent 254 - e, zero mantissa), so the product equals
-// the IEEE quotient bit for bit and costs a multiply instead of a division.
-__device__ __forceinline__ float div_pow2(float d, float gap) {
-  const uint32_t e = __float_as_uint(gap) >> 23;  // gap > 0
-  if (e == 0) return __fdiv_rn(d, gap);           // subnormal gap (tiny bf16 values)
-  return __fmul_rn(d, __uint_as_float((254U - e) << 23));
-}
-
-// Master write-back (docs/optim.md): saturate at the largest finite value, round to nearest, or
-// pick the neighbour further from the RN candidate with probability |x - a| / |b - a|, using the
-// element's bits h = sr_bits(key, index).
-// kMulCompare: decide by a multiply instead of the quotient where that is exact (below); off for
-// the int8 kernel, where it costs a register spill at its 64-register bound.
-template <typename M, bool kMulCompare = true>
+// Master write-back (docs/optim.md): saturate at the largest finite value, then round to nearest,
+// or stochastically with the element's bits h = sr_bits(key, index) (detail::sr_round_fp16/bf16:
+// for bf16 and fp16 from 2^-14 up an integer add and mask on the fp32 bits; the result is exact
+// in the target, so the conversion below does not round).
+template <typename M>
 __device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) {
   if constexpr (std::is_same<M, float>::value) {
     return x;
+  } else if constexpr (std::is_same<M, __half>::value) {
+    x = fminf(fmaxf(x, -65504.0f), 65504.0f);
+    return __float2half_rn(stochastic ? detail::sr_round_fp16(x, h) : x);
   } else {
-    const float maxf = std::is_same<M, __half>::value ? 65504.0f : 3.3895313892515355e38f;
-    x = fminf(fmaxf(x, -maxf), maxf);
-    const M a = rn(x, static_cast<M*>(nullptr));
-    if (!stochastic) return a;
-    const float af = to_f(a);
-    const bool away = fabsf(x) > fabsf(af);
-    const unsigned short nb = static_cast<unsigned short>(to_bits(a) + (away ? 1 : -1));
-    const M b = from_bits<M>(nb);
-    const float bf = to_f(b);
-    const float d = fabsf(__fsub_rn(x, af));     // exact (x and af are neighbours)
-    const float gap = fabsf(__fsub_rn(bf, af));  // a power of two
-    const float u = detail::sr_uniform(h);       // k * 2^-24, k < 2^24
-    // u < d / gap (the CPU's test: the quotient is exact) <=> u * gap < d whenever u * gap is
-    // exact too, i.e. gap >= 2^-125 (always for fp16, whose gaps are >= 2^-24): a multiply
-    // instead of a division. Smaller (bf16) gaps take the quotient.
-    if (kMulCompare && (std::is_same<M, __half>::value || (__float_as_uint(gap) >> 23) >= 2u)) {
-      return __fmul_rn(u, gap) < d ? b : a;
-    }
-    return u < div_pow2(d, gap) ? b : a;
+    x = fminf(fmaxf(x, -3.3895313892515355e38f), 3.3895313892515355e38f);
+    if (!stochastic) return __float2bfloat16_rn(x);
+    return __ushort_as_bfloat16(
+        static_cast<unsigned short>(__float_as_uint(detail::sr_round_bf16(x, h)) >> 16));
   }
 }
 
@@ -186,18 +173,29 @@ __device__ __forceinline__ void adam_moments(float g, float& m, float& v, const 
   }
 }
 
-// sqrt(v): correctly rounded (kExact), else the hardware approximation (MUFU, ~1 ulp; no
-// flush of subnormals).
-template <bool kExact>
-__device__ __forceinline__ float adam_sqrt(float v) {
-  if (kExact) return __fsqrt_rn(v);
+// Hardware approximations (MUFU, ~1 ulp), flushing subnormal inputs and results to zero (the
+// non-flushing forms cost three more instructions each for the rescaling).
+__device__ __forceinline__ float fast_sqrt(float x) {
   float r;
-  asm("sqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(v));
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float fast_rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
 
-// sv = adam_sqrt(v). The fast variant divides with the hardware reciprocal (__fdividef: ~2 ulp;
-// den >= eps > 0 is far below the 2^126 where it would return 0).
+// sqrt(v): correctly rounded (kExact), else the hardware approximation (a subnormal v, below
+// 1.2e-38, gives 0: the update then divides by eps, as for v = 0).
+template <bool kExact>
+__device__ __forceinline__ float adam_sqrt(float v) {
+  if (kExact) return __fsqrt_rn(v);
+  return fast_sqrt(v);
+}
+
+// sv = adam_sqrt(v). The fast variant multiplies by the hardware reciprocal of den (~1 ulp;
+// den >= eps, a normal number, so nothing is flushed).
 template <bool kExact = true>
 __device__ __forceinline__ float adam_master_sv(float w, float m, float sv, const StepParams& p) {
   if (kExact) {
@@ -206,7 +204,7 @@ __device__ __forceinline__ float adam_master_sv(float w, float m, float sv, cons
     return __fsub_rn(__fmul_rn(w, p.decay), u);
   }
   const float den = __fmaf_rn(sv, p.inv_sqrt_bc2, p.eps);
-  return __fmaf_rn(-__fdividef(m, den), p.step_size, __fmul_rn(w, p.decay));
+  return __fmaf_rn(-__fmul_rn(m, fast_rcp(den)), p.step_size, __fmul_rn(w, p.decay));
 }
 
 __device__ __forceinline__ float adam_master(float w, float m, float v, const StepParams& p) {
@@ -347,12 +345,10 @@ __device__ __forceinline__ float block_scale(const void* scales, int64_t blk) {
 // __constant__ memory would serialize. Slot 0 = first moment, 1 = second moment.
 struct SharedMaps {
   float value[2][256];
-  float mid[2][256];
-  float sr_value[2][16];
-  float inv_gap[2][16];
-  int size[2];
-  int flags[2];
-  uint8_t start[2][2][detail::kSearchBuckets];  // [slot][sign][bucket]
+  float mid[2][256];      // int8: midpoints, +inf sentinel at 255
+  float sr_value4[17];    // 4-bit m: entries, +inf sentinel at 16
+  float4 pick4[17];       // 4-bit m: {sr_value[l], inv_gap[l], l, l + 1} by count
+  uint8_t start[kStartBytes];  // the mode's search lower bounds (c_start)
 };
 
 template <int MODE>
@@ -363,22 +359,18 @@ __device__ __forceinline__ void load_shared_maps(SharedMaps& sm) {
   for (int i = threadIdx.x; i < 2 * size; i += blockDim.x) {
     const int k = i / size, j = i % size;
     sm.value[k][j] = c_map_value[base + k][j];
-    sm.mid[k][j] = c_map_mid[base + k][j];
-    if (j < 16) {
-      sm.sr_value[k][j] = c_map_sr_value[base + k][j];
-      sm.inv_gap[k][j] = c_map_inv_gap[base + k][j];
-    }
+    if (MODE == 1) sm.mid[k][j] = c_map_mid[base + k][j];
   }
-  if (threadIdx.x < 2) {
-    sm.size[threadIdx.x] = c_map_size[base + threadIdx.x];
-    sm.flags[threadIdx.x] = c_map_flags[base + threadIdx.x];
+  if (MODE == 2 && threadIdx.x < 17) {
+    sm.sr_value4[threadIdx.x] = c_sr_value4[threadIdx.x];
+    sm.pick4[threadIdx.x] = c_pick4[threadIdx.x];
   }
-  // Search tables of both slots as 32-bit words (2 x 2 x kSearchBuckets bytes: a multiple of 4,
-  // so every mode's tables start 4-byte aligned in c_map_start).
-  constexpr int kWords = 2 * 2 * detail::kSearchBuckets / 4;
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(&c_map_start[base][0][0]);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(&sm.start[0][0][0]);
-  for (int i = threadIdx.x; i < kWords; i += blockDim.x) dst[i] = src[i];
+  // Search tables as 32-bit words (kStartBytes is a multiple of 4).
+  constexpr int kWords = kStartBytes / 4;
+  const int words = MODE == 1 ? kWords : (2 * k4BitBucketsM + 3) / 4;
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(&c_start[MODE - 1][0]);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(&sm.start[0]);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) dst[i] = src[i];
   __syncthreads();
 }
 
@@ -426,9 +418,10 @@ __device__ __forceinline__ BlockEnc block_params(float amax) {
     const bool tiny = div < 1.17549435082228751e-38f;  // FLT_MIN
     b.bn.f = tiny ? 18446744073709551616.0f : 1.0f;
     b.bn.fs = tiny ? 4294967296.0f : 1.0f;
-    // __fdividef returns 0 for divisors above 2^126 (no real moment gets there): IEEE there.
+    // d is normal (f pre-scales a subnormal absmax) and 1/d too below 2^126 (no real moment
+    // gets there: IEEE above), so the flushing hardware reciprocal flushes nothing.
     const float d = div * b.bn.f;
-    b.bn.inv = d < 8.5070591730234616e37f ? __fdividef(1.0f, d) : __frcp_rn(d);
+    b.bn.inv = d < 8.5070591730234616e37f ? fast_rcp(d) : __frcp_rn(d);
     b.bn.rs = adam_sqrt<false>(b.bn.inv);
   }
   return b;
@@ -442,84 +435,107 @@ constexpr bool kStochasticMoments = MODE == 2;
 // Code of x (sx = sqrt(x), used by the 4-bit second moment only) in a block: NVFP4 thresholds;
 // int8 the nearest map entry (bucketed search over the midpoints); 4-bit first moment sr_pick
 // over its table; 4-bit second moment the closed-form pick on its linear sqrt-domain map.
-// u: the element's uniform (moment_uniform) for stochastic codes.
-template <int MODE, int SLOT>
+// u: the element's uniform (moment_uniform) for stochastic codes. kPlainNorm: the block's
+// block_norm has f = 1 (its absmax is a normal number), so y = x * inv -- bit-identical to
+// norm_value's (x * f) * inv, one multiply fewer.
+template <int MODE, int SLOT, bool kPlainNorm>
 __device__ __forceinline__ int encode_code(float x, float sx, const BlockEnc& b,
                                            const SharedMaps& sm, float u) {
   if (MODE == 3) return detail::e2m1_encode(__fdiv_rn(x, b.div));  // unclamped: same code
-  if (MODE == 2 && SLOT == 1) return detail::sr_pick_4bit_second(detail::norm_sqrt(sx, b.bn), u);
-  const float y = detail::norm_value(x, b.bn);
-  const int start = (&sm.start[SLOT][0][0])[(__float_as_uint(y) >> 31) * detail::kSearchBuckets +
-                                            detail::search_bucket(y)];
-  constexpr int kSteps = detail::kMapScanSteps[(MODE == 1 ? 0 : 2) + SLOT];
-  if (MODE == 2) {
-    const int count = detail::count_steps<kSteps>(sm.sr_value[SLOT], 16, false, start, y);
-    return detail::sr_pick(sm.sr_value[SLOT], sm.inv_gap[SLOT], 16, y, count, u);
+  if (MODE == 2 && SLOT == 1) {
+    const float t = kPlainNorm ? __fmul_rn(sx, b.bn.rs) : detail::norm_sqrt(sx, b.bn);
+    return detail::sr_pick_4bit_second(t, u);
   }
-  return detail::count_steps<kSteps>(sm.mid[SLOT], 255, true, start, y);
+  const float y = kPlainNorm ? __fmul_rn(x, b.bn.inv) : detail::norm_value(x, b.bn);
+  constexpr int kId = (MODE == 1 ? 0 : 2) + SLOT;
+  constexpr int kBits = detail::kMapSearchBits[kId];
+  constexpr int kRow = detail::search_buckets(kBits);
+  const int row = detail::kMapSearchSigned[kId] ? static_cast<int>(__float_as_uint(y) >> 31) * kRow
+                                                : 0;
+  const int start = sm.start[kStartOffset<MODE, SLOT> + row + detail::search_bucket(y, kBits)];
+  if (MODE == 2) {
+    const int count = detail::count_one_step(sm.sr_value4, false, start, y);
+    const float4 q = sm.pick4[count];
+    const float p = __fmul_rn(__fsub_rn(y, q.x), q.y);  // sr_pick's probability, same rounding
+    return __float_as_int(u < p ? q.w : q.z);
+  }
+  return detail::count_one_step(sm.mid[SLOT], true, start, y);
 }
 
-// Reads the codes of elements [i0, i0 + E) (i0 a multiple of E, E even for nibbles).
+// The codes of a lane's E elements, packed as in memory (int8: one byte each; 4-bit and NVFP4:
+// nibbles, element 2j in the low half of byte j) in 32-bit words kept in registers: codes are
+// read and written in place, so a lane holds E/4 (int8) or E/8 words instead of E integers.
+template <int MODE, int E>
+struct CodeWords {
+  static constexpr int kBits = BlockTraits<MODE>::kNibbles ? 4 : 8;
+  static constexpr int kBytes = E * kBits / 8;
+  static constexpr int kWords = (kBytes + 3) / 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ int get(int e) const {
+    return static_cast<int>((w[e * kBits / 32] >> ((e * kBits) % 32)) & ((1u << kBits) - 1));
+  }
+  // Element e's slot must be zero (set() after clear()).
+  __device__ __forceinline__ void set(int e, int c) {
+    w[e * kBits / 32] |= static_cast<uint32_t>(c) << ((e * kBits) % 32);
+  }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = 0;
+  }
+  __device__ __forceinline__ uint8_t byte(int j) const {
+    return static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4)));
+  }
+};
+
+// Reads the codes of elements [i0, i0 + E) (i0 a multiple of E, E even for nibbles): one aligned
+// vector access when `vec`, else byte by byte (bytes past the tensor read as 0).
 template <int MODE, int E>
 __device__ __forceinline__ void read_codes(const uint8_t* codes, int64_t i0, int64_t n, bool vec,
-                                           int (&c)[E]) {
-  if (BlockTraits<MODE>::kNibbles) {
-    constexpr int NB = E / 2;
-    uint8_t b[NB];
-    if (vec) {
-      load_vec<uint8_t, NB>(codes + i0 / 2, b);
+                                           CodeWords<MODE, E>& c) {
+  using CW = CodeWords<MODE, E>;
+  const int64_t b0 = CW::kBits == 4 ? i0 / 2 : i0;
+  if (vec) {
+    if constexpr (CW::kBytes == 2) {
+      c.w[0] = *reinterpret_cast<const uint16_t*>(codes + b0);
+    } else if constexpr (CW::kBytes == 4) {
+      c.w[0] = *reinterpret_cast<const uint32_t*>(codes + b0);
     } else {
-#pragma unroll
-      for (int j = 0; j < NB; ++j) b[j] = i0 + 2 * j < n ? codes[i0 / 2 + j] : 0;
-    }
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      c[2 * j] = b[j] & 15;
-      c[2 * j + 1] = b[j] >> 4;
+      static_assert(CW::kBytes == 8, "lane code widths: 2, 4 or 8 bytes");
+      const uint2 r = *reinterpret_cast<const uint2*>(codes + b0);
+      c.w[0] = r.x;
+      c.w[1] = r.y;
     }
   } else {
-    uint8_t b[E];
-    if (vec) {
-      load_vec<uint8_t, E>(codes + i0, b);
-    } else {
+    c.clear();
 #pragma unroll
-      for (int e = 0; e < E; ++e) b[e] = i0 + e < n ? codes[i0 + e] : 0;
+    for (int j = 0; j < CW::kBytes; ++j) {
+      const int64_t first = CW::kBits == 4 ? i0 + 2 * j : i0 + j;  // the byte's first element
+      if (first < n) c.w[j / 4] |= static_cast<uint32_t>(codes[b0 + j]) << (8 * (j % 4));
     }
-#pragma unroll
-    for (int e = 0; e < E; ++e) c[e] = b[e];
   }
 }
 
-// Writes the codes of elements [i0, i0 + E). Nibbles: byte j holds elements 2j (low) and 2j + 1
-// (high); a byte is written when its low element is inside the tensor (the high nibble of the
-// last byte of an odd-sized tensor is the code of 0, as on the CPU).
+// Writes the codes of elements [i0, i0 + E). A byte is written when its first element is inside
+// the tensor (for nibbles: the high nibble of the last byte of an odd-sized tensor is the code
+// of 0, as on the CPU).
 template <int MODE, int E>
 __device__ __forceinline__ void write_codes(uint8_t* codes, int64_t i0, int64_t n, bool vec,
-                                            const int (&c)[E]) {
-  if (BlockTraits<MODE>::kNibbles) {
-    constexpr int NB = E / 2;
-    uint8_t b[NB];
-#pragma unroll
-    for (int j = 0; j < NB; ++j) b[j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
-    if (vec) {
-      store_vec<uint8_t, NB>(codes + i0 / 2, b);
+                                            const CodeWords<MODE, E>& c) {
+  using CW = CodeWords<MODE, E>;
+  const int64_t b0 = CW::kBits == 4 ? i0 / 2 : i0;
+  if (vec) {
+    if constexpr (CW::kBytes == 2) {
+      *reinterpret_cast<uint16_t*>(codes + b0) = static_cast<uint16_t>(c.w[0]);
+    } else if constexpr (CW::kBytes == 4) {
+      *reinterpret_cast<uint32_t*>(codes + b0) = c.w[0];
     } else {
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        if (i0 + 2 * j < n) codes[i0 / 2 + j] = b[j];
-      }
+      *reinterpret_cast<uint2*>(codes + b0) = make_uint2(c.w[0], c.w[1]);
     }
   } else {
-    uint8_t b[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) b[e] = static_cast<uint8_t>(c[e]);
-    if (vec) {
-      store_vec<uint8_t, E>(codes + i0, b);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        if (i0 + e < n) codes[i0 + e] = b[e];
-      }
+    for (int j = 0; j < CW::kBytes; ++j) {
+      const int64_t first = CW::kBits == 4 ? i0 + 2 * j : i0 + j;
+      if (first < n) codes[b0 + j] = c.byte(j);
     }
   }
 }
@@ -544,10 +560,12 @@ struct GroupPos {
   int64_t blk;
   int64_t i0;
   bool active;  // the lane's block exists (inactive lanes still join the shuffles)
-  __device__ GroupPos(int64_t task, int lane, int64_t nblocks) {
-    blk = task * kBlocksPerWarp + lane / L;
+  // first: the task's first element (a multiple of kBlocksPerWarp * B).
+  __device__ GroupPos(int64_t first, int lane, int64_t nblocks) {
+    static_assert((B & (B - 1)) == 0, "block sizes are powers of two");
+    blk = static_cast<int64_t>(static_cast<uint64_t>(first) / B) + lane / L;
     active = blk < nblocks;
-    i0 = blk * B + static_cast<int64_t>(lane % L) * E;
+    i0 = first + (lane / L) * B + (lane % L) * E;
   }
 };
 
@@ -555,13 +573,13 @@ struct GroupPos {
 // One warp task = 32 / L moment blocks; lane owns E consecutive elements. FULL: every element of
 // the lane's group exists and all pointers are 16-byte aligned (vector accesses, no bounds
 // checks) -- the path of every group but a tensor's last; the other path checks each element.
-template <int MODE, bool FULL, bool kExact, typename G, typename M>
+template <int MODE, bool FULL, bool kExact, bool kSR, typename G, typename M>
 __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps& sm,
                                            const GroupPos<MODE>& pos, int64_t n, int lane) {
   constexpr int L = GroupPos<MODE>::L, E = GroupPos<MODE>::E;
   M* master = static_cast<M*>(p.master);
   float g[E], m[E], v[E], w[E];
-  int mc[E], vc[E];
+  CodeWords<MODE, E> mc, vc;
   if (p.grad != nullptr) {
     load_f32<G, E>(static_cast<const G*>(p.grad), pos.i0, n, FULL, g);
   } else {
@@ -577,8 +595,8 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     if (FULL || pos.i0 + e < n) {
-      m[e] = decode_value<MODE>(mc[e], ms, sm, 0);
-      v[e] = decode_value<MODE>(vc[e], vs, sm, 1);
+      m[e] = decode_value<MODE>(mc.get(e), ms, sm, 0);
+      v[e] = decode_value<MODE>(vc.get(e), vs, sm, 1);
       adam_moments<kExact>(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
     } else {
       m[e] = 0.0f;
@@ -592,20 +610,31 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
   const BlockEnc mb = block_params<MODE, kExact>(mmax);
   const BlockEnc vb = block_params<MODE, kExact>(vmax);
   M out[E];
-  const bool sr = p.stochastic != 0;
+  constexpr bool sr = kSR;  // stochastic master rounding (StepParams::stochastic)
   // i0 is a multiple of E (a power of two), so the lane's elements share the index's high half.
   const uint32_t range_key = detail::sr_range_key(p.sr_key, pos.i0);
+  auto encode = [&](auto plain) {
+    constexpr bool kPlain = decltype(plain)::value;
+    mc.clear();  // the codes read above are decoded: the words now collect the new ones
+    vc.clear();
 #pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const int64_t idx = pos.i0 + e;
-    // One sr_bits per element serves the master rounding and (one more hash) the moment codes.
-    const uint32_t h =
-        (sr || kStochasticMoments<MODE>) ? detail::sr_bits_in_range(range_key, idx) : 0U;
-    const uint32_t bits = kStochasticMoments<MODE> ? detail::moment_bits(h) : 0U;
-    const float sv = adam_sqrt<kExact>(v[e]);  // the update's sqrt(v); also the 4-bit v code's
-    mc[e] = encode_code<MODE, 0>(m[e], 0.0f, mb, sm, detail::moment_uniform(bits, 0));
-    vc[e] = encode_code<MODE, 1>(v[e], sv, vb, sm, detail::moment_uniform(bits, 1));
-    out[e] = write_master<M, MODE != 1 || !kExact>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
+    for (int e = 0; e < E; ++e) {
+      const int64_t idx = pos.i0 + e;
+      // One sr_bits per element serves the master rounding and the moment codes.
+      const uint32_t h =
+          (sr || kStochasticMoments<MODE>) ? detail::sr_bits_in_range(range_key, idx) : 0U;
+      const float sv = adam_sqrt<kExact>(v[e]);  // the update's sqrt(v); also the 4-bit v code's
+      mc.set(e, encode_code<MODE, 0, kPlain>(m[e], 0.0f, mb, sm, detail::moment_uniform(h, 0)));
+      vc.set(e, encode_code<MODE, 1, kPlain>(v[e], sv, vb, sm, detail::moment_uniform(h, 1)));
+      out[e] = write_master<M>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
+    }
+  };
+  // Blocks with a subnormal absmax need block_norm's 2^64 pre-scale (rare): the warp takes the
+  // general path when any of its blocks does (a warp-uniform branch).
+  if (MODE != 3 && !__any_sync(0xffffffffu, mb.bn.f != 1.0f || vb.bn.f != 1.0f)) {
+    encode(std::true_type{});
+  } else {
+    encode(std::false_type{});
   }
   write_codes<MODE, E>(p.m_codes, pos.i0, n, FULL, mc);
   write_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);
@@ -626,7 +655,7 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
 template <int MODE>
 constexpr int kBlockMinCtas = MODE == 3 ? 5 : 4;
 
-template <int MODE, bool kExact, typename G, typename M>
+template <int MODE, bool kExact, bool kSR, typename G, typename M>
 __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_kernel(StepParams p) {
   if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
@@ -637,16 +666,21 @@ __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_ker
   const int64_t nblocks = (p.n + B - 1) / B;
   const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
-  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-       task < tasks; task += warps) {  // uniform per warp: shuffles see all 32 lanes
-    const Pos pos(task, lane, nblocks);
-    // Warp-uniform choice: the task's last element lies inside the tensor.
-    const int64_t task_end = (task + 1) * Pos::kBlocksPerWarp * B;
-    if (p.vec_ok != 0 && task_end <= p.n) {
-      block_step<MODE, true, kExact, G, M>(p, sm, pos, p.n, lane);
-    } else {
-      block_step<MODE, false, kExact, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
-    }
+  // Tasks whose every element lies inside the tensor take the vector path when all pointers are
+  // 16-byte aligned: with a grid-stride loop these are a prefix, so the loop is split in two
+  // (no per-task check). Uniform per warp: shuffles see all 32 lanes.
+  constexpr int64_t kTaskElems = Pos::kBlocksPerWarp * B;
+  const int64_t full_end = p.vec_ok != 0 ? p.n / kTaskElems * kTaskElems : 0;
+  const int64_t end = tasks * kTaskElems;
+  const int64_t step = warps * kTaskElems;
+  // The loop state is one 64-bit element index per warp task (GroupPos derives the rest).
+  int64_t first = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * kTaskElems;
+  for (; first < full_end; first += step) {
+    block_step<MODE, true, kExact, kSR, G, M>(p, sm, Pos(first, lane, nblocks), p.n, lane);
+  }
+  for (; first < end; first += step) {
+    const Pos pos(first, lane, nblocks);
+    block_step<MODE, false, kExact, kSR, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
   }
 }
 
@@ -664,7 +698,7 @@ __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
        task < tasks; task += warps) {
-    const Pos pos(task, lane, nblocks);
+    const Pos pos(task * Pos::kBlocksPerWarp * B, lane, nblocks);
     const int64_t n = pos.active ? n_total : 0;
     float val[E];
     load_f32<float, E>(x, pos.i0, n, false, val);
@@ -673,14 +707,15 @@ __global__ void pack_kernel(const float* x, int64_t n_total, int moment, uint32_
     for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(val[e]));
     amax = group_max<L>(amax);
     const BlockEnc b = block_params<MODE>(amax);
-    int c[E];
+    CodeWords<MODE, E> c;
+    c.clear();
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-      const uint32_t mb =
-          kStochasticMoments<MODE> ? detail::moment_bits(detail::sr_bits(sr_key, pos.i0 + e)) : 0U;
-      const float u = detail::moment_uniform(mb, moment);
-      c[e] = moment == 0 ? encode_code<MODE, 0>(val[e], 0.0f, b, sm, u)
-                         : encode_code<MODE, 1>(val[e], __fsqrt_rn(val[e]), b, sm, u);
+      const float u = kStochasticMoments<MODE>
+                          ? detail::moment_uniform(detail::sr_bits(sr_key, pos.i0 + e), moment)
+                          : 0.0f;
+      c.set(e, moment == 0 ? encode_code<MODE, 0, false>(val[e], 0.0f, b, sm, u)
+                           : encode_code<MODE, 1, false>(val[e], __fsqrt_rn(val[e]), b, sm, u));
     }
     write_codes<MODE, E>(codes, pos.i0, n, false, c);
     if (pos.active && lane % L == 0) write_scale<MODE>(scales, pos.blk, b.stored, b.sbits);
@@ -703,29 +738,35 @@ __global__ void unpack_kernel(const uint8_t* codes, const void* scales, int64_t 
 }
 
 // ---- sum of squares ----
-// Each thread sums the squares of its 16-byte vectors (grid-stride, two vectors in flight) and
-// then, one element at a time, the unaligned head and the tail, into fixed accumulators; the CTA
-// reduces in a fixed tree. Deterministic for a given n and pointer alignment.
+// One tensor's part of CTA `cta` of `ctas`: each thread sums the squares of its 16-byte vectors
+// (grid-stride over the tensor's CTAs, four in flight) and then, one element at a time, the
+// unaligned head and the tail, into fixed accumulators; the CTA reduces in a fixed tree and writes
+// row[cta]; CTA 0 zeroes the row past `ctas`. Deterministic for a given n, pointer alignment
+// and CTA count (a function of n): the single- and multi-tensor launches give the same bits.
 template <typename G>
-__global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
+__device__ __forceinline__ void sumsq_body(const G* g, int64_t n, float* row, int cta, int ctas) {
   constexpr int V = 16 / sizeof(G);  // elements per vector
   __shared__ float red[256];
   float acc[2] = {0.0f, 0.0f};
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(ctas) * blockDim.x;
   // Elements before the first 16-byte boundary, then whole vectors, then the tail.
   const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(g) & 15) / sizeof(G));
   const int64_t head = mis == 0 ? 0 : (V - mis < n ? V - mis : n);
   const int64_t nvec = (n - head) / V;
   const Vec<G, V>* vp = reinterpret_cast<const Vec<G, V>*>(g + head);
   int64_t i = tid;
-  for (; i + stride < nvec; i += 2 * stride) {
-    const Vec<G, V> r0 = vp[i], r1 = vp[i + stride];
+  for (; i + 3 * stride < nvec; i += 4 * stride) {
+    Vec<G, V> r[4];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float x0 = to_f(r0.v[e]), x1 = to_f(r1.v[e]);
-      acc[0] = __fadd_rn(acc[0], __fmul_rn(x0, x0));
-      acc[1] = __fadd_rn(acc[1], __fmul_rn(x1, x1));
+    for (int k = 0; k < 4; ++k) r[k] = vp[i + k * stride];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float x = to_f(r[k].v[e]);
+        acc[k & 1] = __fadd_rn(acc[k & 1], __fmul_rn(x, x));
+      }
     }
   }
   for (; i < nvec; i += stride) {
@@ -750,7 +791,44 @@ __global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
     if (static_cast<int>(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
     __syncthreads();
   }
-  if (threadIdx.x == 0) partials[blockIdx.x] = red[0];
+  if (threadIdx.x == 0) row[cta] = red[0];
+  if (cta == 0) {
+    for (int k = ctas + threadIdx.x; k < kSumsqPartials; k += blockDim.x) row[k] = 0.0f;
+  }
+}
+
+template <typename G>
+__global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
+  sumsq_body<G>(g, n, partials, blockIdx.x, gridDim.x);
+}
+
+// Several tensors in one launch (the buffered step's norm pass over a few hundred gradients
+// would otherwise pay a launch and a pipeline ramp per tensor): tensor k owns CTAs
+// [cta_start[k], cta_start[k + 1]) and writes partial row k, exactly as its own launch would.
+constexpr int kSumsqBatch = 32;
+struct SumsqBatch {
+  const void* ptr[kSumsqBatch];
+  int64_t n[kSumsqBatch];
+  int cta_start[kSumsqBatch + 1];
+  int count;
+};
+
+template <typename G>
+__global__ void sumsq_multi_kernel(SumsqBatch b, float* partials) {
+  int k = 0;
+  while (k + 1 < b.count && b.cta_start[k + 1] <= static_cast<int>(blockIdx.x)) ++k;
+  sumsq_body<G>(static_cast<const G*>(b.ptr[k]), b.n[k],
+                partials + static_cast<int64_t>(k) * kSumsqPartials,
+                static_cast<int>(blockIdx.x) - b.cta_start[k], b.cta_start[k + 1] - b.cta_start[k]);
+}
+
+// CTAs of the sum of squares: at least 4 vectors per thread where the tensor has them, at most
+// kSumsqPartials (small tensors -- norms, biases -- take one CTA instead of a full grid).
+int sumsq_grid(int64_t n, int dtype_bytes) {
+  const int64_t vecs = n * dtype_bytes / 16;
+  const int64_t per_cta = static_cast<int64_t>(kThreads) * 4;
+  const int64_t g = (vecs + per_cta - 1) / per_cta;
+  return static_cast<int>(g < 1 ? 1 : (g > kSumsqPartials ? kSumsqPartials : g));
 }
 
 constexpr int kCtasPerSm = 8;  // 8 x 256 threads = the 2048-thread limit of an SM (sm_80/90)
@@ -781,6 +859,15 @@ int64_t grid_for_elems(int64_t n) {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
+template <int MODE, bool kExact, typename G, typename M>
+void launch_block(const StepParams& p, cudaStream_t s) {
+  if (p.stochastic != 0) {
+    adamw_block_kernel<MODE, kExact, true, G, M><<<block_kernel_grid<MODE>(p.n), kThreads, 0, s>>>(p);
+  } else {
+    adamw_block_kernel<MODE, kExact, false, G, M><<<block_kernel_grid<MODE>(p.n), kThreads, 0, s>>>(p);
+  }
+}
+
 template <typename G, typename M>
 void launch_typed(const StepParams& p, cudaStream_t s) {
   switch (p.mode) {
@@ -790,20 +877,20 @@ void launch_typed(const StepParams& p, cudaStream_t s) {
       break;
     case 1:
       if (p.exact != 0) {
-        adamw_block_kernel<1, true, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
+        launch_block<1, true, G, M>(p, s);
       } else {
-        adamw_block_kernel<1, false, G, M><<<block_kernel_grid<1>(p.n), kThreads, 0, s>>>(p);
+        launch_block<1, false, G, M>(p, s);
       }
       break;
     case 2:
       if (p.exact != 0) {
-        adamw_block_kernel<2, true, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
+        launch_block<2, true, G, M>(p, s);
       } else {
-        adamw_block_kernel<2, false, G, M><<<block_kernel_grid<2>(p.n), kThreads, 0, s>>>(p);
+        launch_block<2, false, G, M>(p, s);
       }
       break;
     case 3:  // NVFP4 (a comparison format): always the exact arithmetic
-      adamw_block_kernel<3, true, G, M><<<block_kernel_grid<3>(p.n), kThreads, 0, s>>>(p);
+      launch_block<3, true, G, M>(p, s);
       break;
     default:
       throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(p.mode));
@@ -852,21 +939,53 @@ void launch_adamw_step(const StepParams& params, cudaStream_t stream) {
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream) {
   switch (dtype) {
     case kDtF32:
-      sumsq_kernel<float>
-          <<<kSumsqPartials, kThreads, 0, stream>>>(static_cast<const float*>(g), n, partials);
+      sumsq_kernel<float><<<sumsq_grid(n, 4), kThreads, 0, stream>>>(static_cast<const float*>(g),
+                                                                      n, partials);
       break;
     case kDtF16:
-      sumsq_kernel<__half>
-          <<<kSumsqPartials, kThreads, 0, stream>>>(static_cast<const __half*>(g), n, partials);
+      sumsq_kernel<__half><<<sumsq_grid(n, 2), kThreads, 0, stream>>>(
+          static_cast<const __half*>(g), n, partials);
       break;
     case kDtBF16:
-      sumsq_kernel<__nv_bfloat16><<<kSumsqPartials, kThreads, 0, stream>>>(
+      sumsq_kernel<__nv_bfloat16><<<sumsq_grid(n, 2), kThreads, 0, stream>>>(
           static_cast<const __nv_bfloat16*>(g), n, partials);
       break;
     default:
       throw std::runtime_error("q4::optim CUDA: bad grad dtype");
   }
   check(cudaGetLastError(), "sumsq launch");
+}
+
+void launch_sumsq_many(const void* const* ptrs, const int64_t* ns, int count, int dtype,
+                       float* partials, cudaStream_t stream) {
+  const int bytes = dtype == kDtF32 ? 4 : 2;
+  for (int first = 0; first < count; first += kSumsqBatch) {
+    SumsqBatch b{};
+    b.count = count - first < kSumsqBatch ? count - first : kSumsqBatch;
+    int ctas = 0;
+    for (int k = 0; k < b.count; ++k) {
+      b.ptr[k] = ptrs[first + k];
+      b.n[k] = ns[first + k];
+      b.cta_start[k] = ctas;
+      ctas += sumsq_grid(ns[first + k], bytes);
+    }
+    b.cta_start[b.count] = ctas;
+    float* rows = partials + static_cast<int64_t>(first) * kSumsqPartials;
+    switch (dtype) {
+      case kDtF32:
+        sumsq_multi_kernel<float><<<ctas, kThreads, 0, stream>>>(b, rows);
+        break;
+      case kDtF16:
+        sumsq_multi_kernel<__half><<<ctas, kThreads, 0, stream>>>(b, rows);
+        break;
+      case kDtBF16:
+        sumsq_multi_kernel<__nv_bfloat16><<<ctas, kThreads, 0, stream>>>(b, rows);
+        break;
+      default:
+        throw std::runtime_error("q4::optim CUDA: bad grad dtype");
+    }
+    check(cudaGetLastError(), "sumsq launch");
+  }
 }
 
 namespace {

@@ -70,22 +70,22 @@ void decode_chunk_cpu(const at::Tensor& codes, const at::Tensor& scales, StateMo
                       Moment moment, int64_t start, int64_t n, const at::Tensor& x, Scratch& s);
 // Encodes x (npad fp32, tail beyond n zero) into elements [start, start + n) of a packed moment.
 // Stochastic maps (CodeMap::stochastic) draw element i's uniform from
-// moment_uniform(moment_bits(sr_bits(sr_key, start + i)), moment).
+// moment_uniform(sr_bits(sr_key, start + i), moment).
 // Uses the scratch slots kSlotTmp, kSlotTmp2, kSlotGrad, the code/packing and block slots, and
 // (stochastic maps) kSlotMask and the two int64 hash slots.
 void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_t start, int64_t n,
                       const at::Tensor& codes, const at::Tensor& scales, uint32_t sr_key,
                       Scratch& s);
 
-// u[i] = sr_uniform(sr_bits(key, first_index + i)) for i < n (u: at least n fp32). Uses the
-// scratch slots kSlotI64 and kSlotI64b.
-void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s);
-// u[i] = moment_uniform(moment_bits(sr_bits(key, first_index + i)), moment), same slots.
+// u[i] = moment_uniform(sr_bits(key, first_index + i), moment) for i < n (u: at least n fp32).
+// Uses the scratch slots kSlotI64 and kSlotI64b.
 void moment_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, int moment,
                         const at::Tensor& u, Scratch& s);
 
-// Writes p (n fp32) into out (n, fp16/bf16/fp32) with stochastic rounding keyed by `key`; element
-// i of p has flat index first_index + i. Same bits as the CUDA kernel and write_master_ref.
+// Writes p (n fp32, clobbered) into out (n, fp16/bf16) with stochastic rounding keyed by `key`
+// (sr_round_fp16/bf16 of optim_math.h); element i of p has flat index first_index + i. Same bits
+// as the CUDA kernels. Uses the slots kSlotI64, kSlotI64b, kSlotI32, and for fp16 kSlotTmp,
+// kSlotMask and kSlotHalf.
 void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t key,
                           int64_t first_index, Scratch& s);
 

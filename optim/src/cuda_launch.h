@@ -53,6 +53,10 @@ void launch_adamw_step(const StepParams& p, cudaStream_t stream);
 // a fixed-order reduction), so the result does not depend on scheduling.
 inline constexpr int kSumsqPartials = 1024;
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream);
+// The same for `count` tensors of one dtype in as few launches as possible: tensor k's partials
+// go to row k (partials + k * kSumsqPartials), bit-identical to launch_sumsq of that tensor.
+void launch_sumsq_many(const void* const* ptrs, const int64_t* ns, int count, int dtype,
+                       float* partials, cudaStream_t stream);
 // *flag = 1 if the sum of the n partials is not finite (NaN/Inf in the gradient), else 0.
 void launch_nonfinite_flag(const float* partials, int n, int32_t* flag, cudaStream_t stream);
 

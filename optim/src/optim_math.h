@@ -53,11 +53,6 @@ Q4_HD uint32_t sr_bits(uint32_t key, int64_t index) {
   return sr_bits_in_range(sr_range_key(key, index), index);
 }
 
-// Uniform in [0, 1) with 24 bits, exact in fp32.
-Q4_HD float sr_uniform(uint32_t bits) {
-  return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;
-}
-
 // ---- bit casts and the NVFP4 moment codec: the shared definitions (q4/quant/numerics.h) ----
 using q4::numerics::bits_f32;
 using q4::numerics::e2m1_decode;
@@ -69,6 +64,35 @@ using q4::numerics::nvfp4_scale_input;
 inline constexpr float kE4m3Max = q4::numerics::kE4m3Max;
 inline constexpr float kScaleMin = q4::numerics::kNvfp4ScaleMin;
 inline constexpr float kE2m1Max = q4::numerics::kE2m1Max;
+
+// ---- stochastic rounding of fp16/bf16 masters ----
+// The element's bits h = sr_bits(key, i) round x to lo or hi, its neighbours in the target format
+// toward and away from zero: hi when u < p, p = |x - lo| / |hi - lo|, u = (2^k - 1 - (h mod 2^k))
+// / 2^k, with k = 16 for bf16 and k = 13 for fp16 -- the number of fp32 fraction bits the target
+// drops. Then p is a multiple of 2^-k and the rule is exact and unbiased: it is the addition of
+// h mod 2^k to x's fp32 bit pattern and the truncation of the k low bits (a carry is the round
+// away from zero), two integer operations and no division. fp16 below 2^-14 (its subnormals,
+// steps of 2^-24): x is first moved by c = copysign(2^-14, x) into [2^-14, 2^-13), whose fp16
+// steps are also 2^-24 (x + c rounded to nearest at fp32's 2^-37 there: a p error below 2^-13),
+// rounded there, and moved back by -c (exact). Returns an fp32 value that the target represents
+// exactly (its RN conversion is exact). x must be finite and inside the target's range (the
+// callers saturate first). Bits: fp16 uses h's low 13, bf16 its low 16; moment_uniform() the rest.
+Q4_HD float sr_round_bf16(float x, uint32_t h) {
+  return bits_f32((f32_bits(x) + (h & 0xffffU)) & 0xffff0000U);
+}
+
+Q4_HD float sr_round_fp16(float x, uint32_t h) {
+  const uint32_t b = f32_bits(x);
+  const float c = (b & 0x7fffffffU) < 0x38800000U ? bits_f32((b & 0x80000000U) | 0x38800000U)
+                                                   : 0.0f;
+#if defined(__CUDA_ARCH__)
+  const float s = __fadd_rn(x, c);
+  return __fsub_rn(bits_f32((f32_bits(s) + (h & 0x1fffU)) & 0xffffe000U), c);
+#else
+  const float s = x + c;
+  return bits_f32((f32_bits(s) + (h & 0x1fffU)) & 0xffffe000U) - c;
+#endif
+}
 
 // ---- block normalization (int8 / 4-bit maps) ----
 // The normalized value y = x / amax of every element is computed with one IEEE reciprocal per
@@ -145,22 +169,32 @@ Q4_HD int sr_pick_4bit_second(float t, float u) {
 // strictly below y (#{j : mid[j] < y}, ties to the lower entry, == at::bucketize(right=false));
 // stochastic codes count entries at or below t (#{j : sr_value[j] <= t}, == bucketize(right=true)).
 // The kernels start the count from a per-bucket lower bound looked up by the float bits of the
-// value (sign, exponent, top 6 mantissa bits; |y| < 2^-24 is one bucket) and finish it with a
-// short forward scan, so the result is the exact count whatever the table holds; the table only
-// makes the scan short (<= 1-2 steps for the maps here) instead of a log2(size)-step search.
+// value (sign, exponent, top `bits` mantissa bits; |y| < 2^-24 is one bucket) and finish it with
+// one comparison: each map's resolution (kMapSearchBits) is the coarsest at which no bucket holds
+// more than one table entry, so the lower bound is off by at most one (max_scan_steps() proves it
+// on the host; ensure_tables() and the codec test check it). The tables carry a +inf sentinel
+// after their last entry, so that comparison needs no bounds check.
 inline constexpr int kSearchExpMin = 103;  // 2^-24: smaller magnitudes share bucket 0
-inline constexpr int kSearchMantBits = 6;
-inline constexpr int kSearchBuckets = 1 + (128 - kSearchExpMin) * (1 << kSearchMantBits);
+inline constexpr int kSearchMaxBits = 7;
+Q4_HD constexpr int search_buckets(int bits) { return 1 + (128 - kSearchExpMin) * (1 << bits); }
+inline constexpr int kSearchMaxBuckets = search_buckets(kSearchMaxBits);
 
-// Bucket of |y| (the sign picks the table); magnitudes >= 2 fall into the last bucket (the scan
-// still ends at the exact count). The bits of |y| shifted right by (23 - kSearchMantBits) are
-// (exponent << kSearchMantBits | top mantissa bits), so the bucket is that minus a constant,
-// clamped: below 2^-24 -> 0, from 2 up -> the last.
-Q4_HD int search_bucket(float y) {
-  const int k = static_cast<int>((f32_bits(y) & 0x7fffffffU) >> (23 - kSearchMantBits)) -
-                ((kSearchExpMin << kSearchMantBits) - 1);
-  return k < 0 ? 0 : (k > kSearchBuckets - 1 ? kSearchBuckets - 1 : k);
+// Bucket of |y| at `bits` mantissa bits (the sign picks the table); magnitudes >= 2 fall into the
+// last bucket (the count stays exact). The bits of |y| shifted right by (23 - bits) are
+// (exponent << bits | top mantissa bits), so the bucket is that minus a constant, clamped:
+// below 2^-24 -> 0, from 2 up -> the last.
+Q4_HD int search_bucket(float y, int bits) {
+  const int k = static_cast<int>((f32_bits(y) & 0x7fffffffU) >> (23 - bits)) -
+                ((kSearchExpMin << bits) - 1);
+  const int last = search_buckets(bits) - 1;
+  return k < 0 ? 0 : (k > last ? last : k);
 }
+
+// Per MapId (int8 m, int8 v, 4-bit m, 4-bit v): mantissa bits of the search buckets, and whether
+// the map has negative entries (else the kernels look up |y|: second moments are >= 0, and -0
+// counts as +0 because every entry is positive). The 4-bit v map needs no search (closed form).
+inline constexpr int kMapSearchBits[4] = {6, 7, 1, 0};
+inline constexpr bool kMapSearchSigned[4] = {true, false, true, false};
 
 // ---- int8 / 4-bit code maps ----
 // Tables sorted ascending; the code of a normalized value y is #{j : mid[j] < y} (nearest entry,
@@ -175,9 +209,11 @@ struct CodeMap {
   bool sqrt_domain = false;
   float sr_value[256];  // entries in the rounding domain
   float inv_gap[255];   // 1 / (sr_value[j+1] - sr_value[j]), computed in double, rounded to fp32
-  // Lower bounds of the code search (see "code search" below): over mid (nearest maps) or
-  // sr_value (stochastic maps), [sign][search_bucket].
-  uint8_t search_start[2][kSearchBuckets];
+  // Lower bounds of the code search (see "code search" above): over mid (nearest maps) or
+  // sr_value (stochastic maps), [sign][search_bucket(y, search_bits)]; the first
+  // search_buckets(search_bits) of each row are used.
+  int search_bits = 0;
+  uint8_t search_start[2][kSearchMaxBuckets];
 };
 
 // bitsandbytes create_dynamic_map(signed, max_exponent_bits, total_bits) (Dettmers et al.,
@@ -236,91 +272,70 @@ Q4_HD int count_from(const float* entries, int n, bool strict, int start, float 
   return c;
 }
 
-// count_from with a fixed number of steps K (unrolled, no data-dependent loop): exact when the
-// count exceeds `start` by at most K for every y, which max_scan_steps() checks per map (the
-// kernels compile K in and ensure_tables() refuses maps that need more).
-template <int K>
-Q4_HD int count_steps(const float* entries, int n, bool strict, int start, float y) {
-  int c = start;
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int k = 0; k < K; ++k) {
-    const float e = entries[c < n ? c : n - 1];
-    c += (c < n && (strict ? e < y : e <= y)) ? 1 : 0;
-  }
+// The kernels' count: one comparison after the lower bound, over a table with a +inf sentinel at
+// index n (so entries[start] exists for start <= n). Exact when no bucket holds more than one
+// entry (max_scan_steps() <= 1).
+Q4_HD int count_one_step(const float* padded_entries, bool strict, int start, float y) {
+  const float e = padded_entries[start];
+  return start + ((strict ? e < y : e <= y) ? 1 : 0);
+}
+
+namespace search_detail {
+inline float bucket_lo(int k, int bits) {  // smallest |y| of bucket k (0 for bucket 0)
+  if (k == 0) return 0.0f;
+  const int e = kSearchExpMin + ((k - 1) >> bits);
+  const uint32_t m = static_cast<uint32_t>((k - 1) & ((1 << bits) - 1));
+  return bits_f32((static_cast<uint32_t>(e) << 23) | (m << (23 - bits)));
+}
+inline float bucket_hi(int k, int bits) {  // exclusive upper end of bucket k's |y|
+  return k + 1 < search_buckets(bits) ? bucket_lo(k + 1, bits) : 2.0f;
+}
+inline int count(const float* entries, int n, bool strict, float y) {
+  int c = 0;
+  for (int j = 0; j < n; ++j) c += (strict ? entries[j] < y : entries[j] <= y) ? 1 : 0;
   return c;
 }
+}  // namespace search_detail
 
 // start[sign][bucket]: for every y in the bucket a lower bound of the count (the count is
 // non-decreasing in y): the count at lo for y >= 0 (|y| in [lo, hi)); for y < 0 (y in (-hi, -lo])
 // the number of entries <= -hi, all of which are below any such y.
-inline void fill_search_start(const float* entries, int n, bool strict,
-                              uint8_t (*start)[kSearchBuckets]) {
-  auto count = [&](float y) {
-    int c = 0;
-    for (int j = 0; j < n; ++j) c += (strict ? entries[j] < y : entries[j] <= y) ? 1 : 0;
-    return c;
-  };
-  auto count_le = [&](float y) {  // valid for both kinds below -hi: entries <= -hi are < y
-    int c = 0;
-    for (int j = 0; j < n; ++j) c += entries[j] <= y ? 1 : 0;
-    return c;
-  };
-  auto bucket_lo = [](int k) -> float {  // smallest |y| of bucket k >= 1
-    const int e = kSearchExpMin + ((k - 1) >> kSearchMantBits);
-    const uint32_t m = static_cast<uint32_t>((k - 1) & ((1 << kSearchMantBits) - 1));
-    return bits_f32((static_cast<uint32_t>(e) << 23) | (m << (23 - kSearchMantBits)));
-  };
-  for (int k = 0; k < kSearchBuckets; ++k) {
-    const float lo = k == 0 ? 0.0f : bucket_lo(k);
-    const float hi = k + 1 < kSearchBuckets ? bucket_lo(k + 1) : 2.0f;
-    start[0][k] = static_cast<uint8_t>(count(lo));
-    start[1][k] = static_cast<uint8_t>(count_le(-hi));
+inline void fill_search_start(const float* entries, int n, bool strict, int bits,
+                              uint8_t (*start)[kSearchMaxBuckets]) {
+  using namespace search_detail;
+  for (int k = 0; k < search_buckets(bits); ++k) {
+    start[0][k] = static_cast<uint8_t>(count(entries, n, strict, bucket_lo(k, bits)));
+    // entries <= -hi are < y too, whatever `strict`
+    start[1][k] = static_cast<uint8_t>(count(entries, n, false, -bucket_hi(k, bits)));
   }
 }
 
 // The largest count - start over every value a bucket holds (the count is non-decreasing, so
 // the top of each bucket for y >= 0 and its bottom, -lo, for y < 0): the steps a scan from the
 // bucket's lower bound needs at most. Entries: mid (nearest maps) or sr_value (stochastic).
-inline int max_scan_steps(const float* entries, int n, bool strict,
-                          const uint8_t (*start)[kSearchBuckets]) {
-  auto count = [&](float y) {
-    int c = 0;
-    for (int j = 0; j < n; ++j) c += (strict ? entries[j] < y : entries[j] <= y) ? 1 : 0;
-    return c;
-  };
-  auto bucket_lo = [](int k) -> float {
-    if (k == 0) return 0.0f;
-    const int e = kSearchExpMin + ((k - 1) >> kSearchMantBits);
-    const uint32_t m = static_cast<uint32_t>((k - 1) & ((1 << kSearchMantBits) - 1));
-    return bits_f32((static_cast<uint32_t>(e) << 23) | (m << (23 - kSearchMantBits)));
-  };
+inline int max_scan_steps(const float* entries, int n, bool strict, int bits,
+                          const uint8_t (*start)[kSearchMaxBuckets]) {
+  using namespace search_detail;
   int most = 0;
-  for (int k = 0; k < kSearchBuckets; ++k) {
-    const float hi = k + 1 < kSearchBuckets ? bucket_lo(k + 1) : 2.0f;
-    const int up = count(std::nextafter(hi, 0.0f)) - start[0][k];
-    const int down = count(-bucket_lo(k)) - start[1][k];
+  for (int k = 0; k < search_buckets(bits); ++k) {
+    const int up = count(entries, n, strict, std::nextafter(bucket_hi(k, bits), 0.0f)) - start[0][k];
+    const int down = count(entries, n, strict, -bucket_lo(k, bits)) - start[1][k];
     most = up > most ? up : most;
     most = down > most ? down : most;
   }
   return most;
 }
 
-// Steps of the fixed-length scan the kernels compile in per MapId (int8 m, int8 v, 4-bit m,
-// 4-bit v: closed form, no search); ensure_tables() and the codec test check max_scan_steps()
-// against them.
-inline constexpr int kMapScanSteps[4] = {1, 2, 1, 0};
-
-// Random bits of the stochastic moment codes of element i: one extra hash of the element's
-// master-rounding bits, h = sr_bits(key, i) with the same (seed, step, parameter) key, whose
-// high 16 bits serve the first moment and low 16 bits the second (16-bit probability resolution:
-// a bias of at most 2^-16 of a code gap). Two hash32 per element in all.
-inline constexpr uint32_t kMomentSalt = 0x6d5f7372U;  // "m_sr"
-Q4_HD uint32_t moment_bits(uint32_t element_bits) { return hash32(element_bits ^ kMomentSalt); }
-// Uniform in [0, 1) with 16 bits for moment 0 (first) or 1 (second); exact in fp32.
-Q4_HD float moment_uniform(uint32_t mbits, int moment) {
-  return static_cast<float>(moment == 0 ? (mbits >> 16) : (mbits & 0xffffU)) * 1.52587890625e-05f;
+// Uniforms of the stochastic moment codes of element i, from its master-rounding bits
+// h = sr_bits(key, i) with the same (seed, step, parameter) key: the first moment takes the high
+// 16 bits of h (the master rounding uses at most the low 16), the second the high 16 bits of
+// h * kMomentMul mod 2^32 (one multiply; they depend on every bit of h). 16-bit probability
+// resolution: a bias of at most 2^-16 of a code gap. One hash32 per element in all.
+inline constexpr uint32_t kMomentMul = 0x9e3779b1U;  // odd (2^32 / golden ratio, prime)
+inline constexpr int64_t kMomentMulSigned = -1640531535LL;  // kMomentMul - 2^32 (CPU int64 ops)
+Q4_HD float moment_uniform(uint32_t h, int moment) {
+  const uint32_t bits = moment == 0 ? h : h * kMomentMul;
+  return static_cast<float>(bits >> 16) * 1.52587890625e-05f;
 }
 
 // Stochastic code of t (the normalized value y, or sqrt(y) for a sqrt-domain map; sqrt correctly
@@ -397,14 +412,14 @@ inline CodeMap make_code_map(MapId id) {
       map.sqrt_domain = true;
       for (int k = 1; k <= 16; ++k) map.sr_value[k - 1] = static_cast<float>(k) / 16.0f;
       fill_inv_gaps(&map);
-      fill_search_start(map.sr_value, map.size, false, map.search_start);
-      return map;
+      return map;  // closed-form codes (sr_pick_4bit_second): no search table
   }
   fill_mids(&map);
+  map.search_bits = kMapSearchBits[static_cast<int>(id)];
   if (map.stochastic) {
-    fill_search_start(map.sr_value, map.size, false, map.search_start);
+    fill_search_start(map.sr_value, map.size, false, map.search_bits, map.search_start);
   } else {
-    fill_search_start(map.mid, map.size - 1, true, map.search_start);
+    fill_search_start(map.mid, map.size - 1, true, map.search_bits, map.search_start);
   }
   return map;
 }

@@ -269,24 +269,14 @@ at::Tensor sr_bits_cpu(uint32_t key, int64_t first_index, int64_t n, Scratch& s)
 
 }  // namespace
 
-void sr_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, const at::Tensor& u, Scratch& s) {
-  at::Tensor h = sr_bits_cpu(key, first_index, n, s);
-  at::Tensor t = s.get(kSlotI64b, at::kLong, n);
-  at::bitwise_right_shift_out(t, h, 8);  // 24 bits
-  u.narrow(0, 0, n).copy_(t).mul_(5.9604644775390625e-08);
-}
-
 void moment_uniform_cpu(uint32_t key, int64_t first_index, int64_t n, int moment,
                         const at::Tensor& u, Scratch& s) {
   at::Tensor h = sr_bits_cpu(key, first_index, n, s);
   at::Tensor t = s.get(kSlotI64b, at::kLong, n);
-  h.bitwise_xor_(int64_t{kMomentSalt});
-  hash32_cpu(h, t);
-  if (moment == 0) {
-    at::bitwise_right_shift_out(t, h, 16);
-  } else {
-    at::bitwise_and_out(t, h, int64_t{0xffff});
-  }
+  // moment_uniform(): high 16 bits of h (first moment) or of h * kMomentMul mod 2^32 (second;
+  // the signed multiplier keeps the int64 product in range).
+  if (moment != 0) h.mul_(kMomentMulSigned).bitwise_and_(int64_t{0xffffffff});
+  at::bitwise_right_shift_out(t, h, 16);
   u.narrow(0, 0, n).copy_(t).mul_(1.52587890625e-05);
 }
 
@@ -294,37 +284,30 @@ void stochastic_round_cpu(const at::Tensor& p, const at::Tensor& out, uint32_t k
                           int64_t first_index, Scratch& s) {
   const int64_t n = p.numel();
   const at::ScalarType dt = out.scalar_type();
-  // Saturate at the largest finite value (docs/optim.md): neither neighbour is then infinite.
-  const double maxf = dt == at::kHalf ? 65504.0 : 3.3895313892515355e38;
+  const bool half = dt == at::kHalf;
+  // Saturate at the largest finite value (docs/optim.md); then sr_round_fp16/bf16
+  // (optim_math.h) element-wise: add h mod 2^k to the fp32 bits, clear the k low bits.
   at::Tensor x = p;
-  x.clamp_(-maxf, maxf);
-  at::Tensor a16 = s.get(kSlotHalf, dt, n);  // round-to-nearest candidate
-  a16.copy_(x);
-  at::Tensor bits = a16.view(at::kShort);
-  at::Tensor a = s.get(kSlotTmp2, at::kFloat, n);
-  a.copy_(a16);
-  at::Tensor absx = s.get(kSlotGrad, at::kFloat, n);
-  at::Tensor absa = s.get(kSlotTmp, at::kFloat, n);
-  at::abs_out(absx, x);
-  at::abs_out(absa, a);
-  at::Tensor away = s.get(kSlotMask, at::kBool, n);
-  at::gt_out(away, absx, absa);  // the other neighbour lies further from zero
-  // Sign-magnitude bits: +1 moves away from zero, -1 towards it (a NaN neighbour only when
-  // x == a, where p = 0 anyway).
-  at::Tensor nbits = s.get(kSlotHalf2, at::kShort, n);
-  nbits.copy_(away).mul_(2).sub_(1).add_(bits);
-  at::Tensor b = s.get(kSlotM, at::kFloat, n);
-  b.copy_(nbits.view(dt));
-  at::Tensor prob = absx;  // |x - a| / |b - a|: exact difference over a power of two
-  at::sub_out(prob, x, a).abs_();
-  at::Tensor gap = absa;
-  at::sub_out(gap, b, a).abs_();
-  at::div_out(prob, prob, gap);
-  at::Tensor u = s.get(kSlotTmp, at::kFloat, n);  // 24-bit uniform in [0, 1)
-  sr_uniform_cpu(key, first_index, n, u, s);
-  at::lt_out(away, u, prob);
-  at::where_out(bits, away, nbits, bits);
-  out.view(at::kShort).copy_(bits);
+  x.clamp_(half ? -65504.0 : -3.3895313892515355e38, half ? 65504.0 : 3.3895313892515355e38);
+  at::Tensor h = sr_bits_cpu(key, first_index, n, s);
+  at::Tensor r = s.get(kSlotI32, at::kInt, n);
+  r.copy_(h.bitwise_and_(half ? int64_t{0x1fff} : int64_t{0xffff}));
+  at::Tensor c;
+  if (half) {
+    // c = copysign(2^-14, x) where |x| < 2^-14, else 0; x + c (fp32, round to nearest).
+    at::Tensor small = s.get(kSlotMask, at::kBool, n);
+    at::Tensor neg = s.get(kSlotHalf, at::kBool, n);
+    c = s.get(kSlotTmp, at::kFloat, n);
+    at::abs_out(c, x);
+    at::lt_out(small, c, 6.103515625e-05);
+    at::signbit_out(neg, x);
+    c.copy_(neg).mul_(-2.0 * 6.103515625e-05).add_(6.103515625e-05).mul_(small);
+    x.add_(c);
+  }
+  at::Tensor bits = x.view(at::kInt);
+  bits.add_(r).bitwise_and_(half ? int64_t{-8192} : int64_t{-65536});  // ~(2^k - 1) as int32
+  if (half) x.sub_(c);  // exact
+  out.copy_(x);         // exact in the target
 }
 
 }  // namespace detail
@@ -484,8 +467,7 @@ uint8_t ref_code(const detail::CodeMap& map, float y, uint32_t sr_key, int momen
     for (int j = 0; j < map.size; ++j) l += map.sr_value[j] <= t ? 1 : 0;
     l = std::min(std::max(l, 0), map.size - 2);
     const float p = (t - map.sr_value[l]) * map.inv_gap[l];
-    const float u =
-        detail::moment_uniform(detail::moment_bits(detail::sr_bits(sr_key, i)), moment_index);
+    const float u = detail::moment_uniform(detail::sr_bits(sr_key, i), moment_index);
     return static_cast<uint8_t>(u < p ? l + 1 : l);
   }
   int c = 0;

@@ -72,17 +72,28 @@ struct RefAdamW {
     if constexpr (std::is_same_v<M, float>) {
       return p;
     } else {
-      const float maxf = std::is_same_v<M, c10::Half> ? 65504.0f : 3.3895313892515355e38f;
-      const float x = std::min(std::max(p, -maxf), maxf);
-      const M a(x);
-      if (o.rounding == MasterRounding::kNearest) return a;
-      const float af = static_cast<float>(a);
-      M b;
-      b.x = static_cast<uint16_t>(a.x + (std::fabs(x) > std::fabs(af) ? 1 : -1));
-      const float bf = static_cast<float>(b);
-      const float prob = std::fabs(x - af) / std::fabs(bf - af);
-      const float u = detail::sr_uniform(detail::sr_bits(key, idx));
-      return u < prob ? b : a;
+      const bool is_half = std::is_same_v<M, c10::Half>;
+      const float maxf = is_half ? 65504.0f : 3.3895313892515355e38f;
+      float x = std::min(std::max(p, -maxf), maxf);
+      if (o.rounding == MasterRounding::kNearest) return M(x);
+      // docs/optim.md, written as a choice between neighbours: fp16 below 2^-14 first moves by
+      // c = copysign(2^-14, x); lo/hi = the neighbours of x toward/away from zero; hi when
+      // u < |x - lo| / |hi - lo|, u = (2^k - 1 - (h mod 2^k)) / 2^k, k = 13 (fp16) or 16 (bf16).
+      const float c = is_half && std::fabs(x) < 6.103515625e-05f
+                          ? std::copysign(6.103515625e-05f, x)
+                          : 0.0f;
+      if (c != 0.0f) x = x + c;  // (-0 + 0 would be +0)
+      M lo(x);  // nearest, then toward zero if it lies further out
+      if (std::fabs(static_cast<float>(lo)) > std::fabs(x)) lo.x = static_cast<uint16_t>(lo.x - 1);
+      M hi;
+      hi.x = static_cast<uint16_t>(lo.x + 1);
+      const float lof = static_cast<float>(lo);
+      const float prob = std::fabs(x - lof) / std::fabs(static_cast<float>(hi) - lof);
+      const int k = is_half ? 13 : 16;
+      const uint32_t h = detail::sr_bits(key, idx) & ((1u << k) - 1);
+      const float u = static_cast<float>(((1u << k) - 1) - h) / static_cast<float>(1u << k);
+      const float r = static_cast<float>(u < prob ? hi : lo);
+      return M(c != 0.0f ? r - c : r);
     }
   }
 };

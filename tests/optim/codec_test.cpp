@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 
 #include "../../optim/src/optim_math.h"  // code search helpers the kernels use
@@ -124,17 +125,22 @@ TEST(OptimCodec, FourBitCodesAreStochasticAndUnbiased) {
 }
 
 TEST(OptimCodec, BucketedCodeSearchEqualsFullCount) {
-  // The kernels count from a per-bucket lower bound (optim_math.h "code search") instead of a
-  // binary search; the count must equal the full count for every value: all table entries and
-  // their fp32 neighbours, +-0, values below 2^-24, +-1, and random magnitudes over 30 decades.
-  // It also reports the longest forward scan, which is what makes the kernels fast.
+  // The kernels count from a per-bucket lower bound (optim_math.h "code search") and finish with
+  // one comparison against a +inf-padded table; the count must equal the full count for every
+  // value: all table entries and their fp32 neighbours, +-0, values below 2^-24, +-1, and random
+  // magnitudes over 30 decades. Unsigned maps (int8 v) are looked up by |y| (second moments are
+  // >= 0; -0 counts as +0). The 4-bit v map has no table (closed form, next test).
   using namespace q4::optim::detail;
-  for (int id = 0; id < 4; ++id) {
+  for (int id = 0; id < 3; ++id) {
     const CodeMap map = make_code_map(static_cast<MapId>(id));
     const float* entries = map.stochastic ? map.sr_value : map.mid;
     const int n = map.stochastic ? map.size : map.size - 1;
     const bool strict = !map.stochastic;
-    std::vector<float> ys = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 5.9e-8f, -5.9e-8f};
+    std::vector<float> padded(entries, entries + n);
+    padded.push_back(std::numeric_limits<float>::infinity());
+    ASSERT_EQ(map.search_bits, kMapSearchBits[id]);
+    std::vector<float> ys = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 5.9e-8f, -5.9e-8f,
+                             std::nextafter(1.0f, 2.0f), -std::nextafter(1.0f, 2.0f)};
     for (int j = 0; j < n; ++j) {
       for (float e :
            {entries[j], std::nextafter(entries[j], -2.0f), std::nextafter(entries[j], 2.0f)}) {
@@ -148,24 +154,101 @@ TEST(OptimCodec, BucketedCodeSearchEqualsFullCount) {
     const float* rp = r.data_ptr<float>();
     const float* mp = mag.data_ptr<float>();
     for (int64_t i = 0; i < r.numel(); ++i) ys.push_back(rp[i] < 0.5f ? -mp[i] : mp[i]);
+    const int bound = max_scan_steps(entries, n, strict, map.search_bits, map.search_start);
+    EXPECT_LE(bound, 1) << "map " << id << ": the kernels do one comparison";
     int max_scan = 0;
-    // The kernels' fixed-length scan (kMapScanSteps; the 4-bit v map uses the closed form below).
-    const int steps = kMapScanSteps[id];
-    const int bound = max_scan_steps(entries, n, strict, map.search_start);
-    if (id != static_cast<int>(MapId::k4BitSecond)) EXPECT_LE(bound, steps) << "map " << id;
     for (float y : ys) {
-      const int start = map.search_start[std::signbit(y) ? 1 : 0][search_bucket(y)];
+      if (!kMapSearchSigned[id]) y = std::fabs(y);
+      const int start =
+          map.search_start[std::signbit(y) ? 1 : 0][search_bucket(y, map.search_bits)];
       const int fast = count_from(entries, n, strict, start, y);
       const int full = count_from(entries, n, strict, 0, y);
       ASSERT_EQ(fast, full) << "map " << id << " y=" << y;
-      if (steps == 1) ASSERT_EQ(count_steps<1>(entries, n, strict, start, y), full) << y;
-      if (steps == 2) ASSERT_EQ(count_steps<2>(entries, n, strict, start, y), full) << y;
+      ASSERT_EQ(count_one_step(padded.data(), strict, start, y), full) << "map " << id << " y=" << y;
       max_scan = std::max(max_scan, fast - start);
     }
-    std::printf("[search] map %d: %d entries, longest scan from the bucket start %d (bound %d)\n",
-                id, n, max_scan, bound);
+    std::printf("[search] map %d: %d entries, %d buckets, longest scan from the bucket start %d\n",
+                id, n, search_buckets(map.search_bits), max_scan);
     EXPECT_LE(max_scan, bound) << "map " << id;
   }
+}
+
+TEST(OptimCodec, StochasticMasterRoundingMatchesNeighbourRuleAndIsUnbiased) {
+  // sr_round_fp16/bf16 (bit addition, optim_math.h) against the rule of docs/optim.md written
+  // with neighbours and a probability, for values across the whole range of both formats
+  // (fp16 subnormals, the 2^-14 boundary, the largest finite values, bf16 subnormals) and many
+  // random bits; then the mean over all 2^k bit patterns must equal x exactly.
+  using namespace q4::optim::detail;
+  auto rule = [](float x, uint32_t h, bool half) -> float {
+    const float c = half && std::fabs(x) < 6.103515625e-05f ? std::copysign(6.103515625e-05f, x)
+                                                              : 0.0f;
+    const float s = c != 0.0f ? x + c : x;  // (-0 + 0 would be +0)
+    float lo, hi;
+    if (half) {
+      c10::Half a(s);
+      if (std::fabs(static_cast<float>(a)) > std::fabs(s)) a.x = static_cast<uint16_t>(a.x - 1);
+      c10::Half b;
+      b.x = static_cast<uint16_t>(a.x + 1);
+      lo = static_cast<float>(a);
+      hi = static_cast<float>(b);
+    } else {
+      c10::BFloat16 a(s);
+      if (std::fabs(static_cast<float>(a)) > std::fabs(s)) a.x = static_cast<uint16_t>(a.x - 1);
+      c10::BFloat16 b;
+      b.x = static_cast<uint16_t>(a.x + 1);
+      lo = static_cast<float>(a);
+      hi = static_cast<float>(b);
+    }
+    const int k = half ? 13 : 16;
+    const float p = std::fabs(s - lo) / std::fabs(hi - lo);
+    const float u = static_cast<float>(((1u << k) - 1) - (h & ((1u << k) - 1))) /
+                    static_cast<float>(1u << k);
+    return c != 0.0f ? (u < p ? hi : lo) - c : (u < p ? hi : lo);
+  };
+  auto g = at::make_generator<at::CPUGeneratorImpl>(77);
+  const at::Tensor r = at::rand({4000}, g).contiguous();
+  const at::Tensor e = at::rand({4000}, g).contiguous();
+  const float* rp = r.data_ptr<float>();
+  const float* ep = e.data_ptr<float>();
+  int64_t checked = 0;
+  for (bool half : {true, false}) {
+    const float maxf = half ? 65504.0f : 3.3895313892515355e38f;
+    std::vector<float> xs = {0.0f, -0.0f, maxf, -maxf, std::nextafter(maxf, 0.0f),
+                             6.103515625e-05f, -6.103515625e-05f,
+                             std::nextafter(6.103515625e-05f, 0.0f), 5.9604644775390625e-08f,
+                             3e-8f, -3e-8f, 1e-39f, -1e-39f, 1.0f, -1.0f, 0.1f, -0.1f};
+    for (int i = 0; i < r.numel(); ++i) {  // log-uniform magnitudes over the format's range
+      const float lo_exp = half ? -27.0f : -135.0f, hi_exp = half ? 15.9f : 127.9f;
+      const float x = std::ldexp(1.0f + rp[i], static_cast<int>(lo_exp + (hi_exp - lo_exp) * ep[i]));
+      xs.push_back(i % 2 ? -std::min(x, maxf) : std::min(x, maxf));
+    }
+    for (float x : xs) {
+      for (uint32_t h : {0u, 1u, 0x1fffu, 0x2000u, 0xffffu, 0xffffffffu, 0x12345678u, 0x9abcdef0u,
+                         f32_bits(x) * 2654435761u}) {
+        const float got = half ? sr_round_fp16(x, h) : sr_round_bf16(x, h);
+        const float want = rule(x, h, half);
+        ASSERT_EQ(f32_bits(got), f32_bits(want)) << (half ? "fp16" : "bf16") << " x=" << x
+                                                 << " h=" << h;
+        // exactly representable in the target
+        if (half) {
+          ASSERT_EQ(static_cast<float>(c10::Half(got)), got) << x;
+        } else {
+          ASSERT_EQ(static_cast<float>(c10::BFloat16(got)), got) << x;
+        }
+        ++checked;
+      }
+    }
+    // Unbiased: over every value of the k bits used, the mean is x (exactly, in double), for
+    // x with no more bits than the rule resolves (fp16 from 2^-14 up, bf16 anywhere).
+    for (float x : {0.1f, -0.3f, 1234.567f, 6.2e-5f, 1e-30f, -7.77e10f}) {
+      if (half && (std::fabs(x) < 6.103515625e-05f || std::fabs(x) > maxf)) continue;
+      const int k = half ? 13 : 16;
+      double sum = 0.0;
+      for (uint32_t h = 0; h < (1u << k); ++h) sum += half ? sr_round_fp16(x, h) : sr_round_bf16(x, h);
+      EXPECT_EQ(sum / (1u << k), static_cast<double>(x)) << (half ? "fp16 " : "bf16 ") << x;
+    }
+  }
+  EXPECT_GT(checked, 70000);
 }
 
 TEST(OptimCodec, ClosedFormFourBitSecondMomentPickEqualsTableSearch) {

@@ -3,7 +3,9 @@
 # tree, e.g. `git archive <commit>` unpacked there) in parallel, run the CUDA optimizer and quant
 # tests (kernels vs CPU, bit for bit) and bench_optim for both trees, alternating baseline/new so
 # both see the same card state; optionally (NCU=1) an Nsight Compute pass over one block-kernel
-# launch per mode. Logs under $OUT. Usage: OUT=... PREV=... tools/bench/optim_round.sh
+# launch per mode (NCU_PREV=1: also the baseline's), an Nsys kernel summary of the new 4-bit step
+# (NSYS=1) and the SASS of the bf16-grad / fp16-master fast block kernels (SASS=1). Logs under
+# $OUT. Usage: OUT=... PREV=... tools/bench/optim_round.sh
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
 out=${OUT:-$root/gpu-out}; mkdir -p "$out"
@@ -46,14 +48,42 @@ for r in 1 ${ROUNDS2:-}; do
 done
 grep -E "==|mode=|baseline" "$out/bench.txt"
 echo "bench done at $(( $(date +%s) - t0 )) s"
+ncu_one() {  # tree mode
+  timeout 60 ncu --clock-control none -k regex:adamw_block_kernel --launch-skip 0 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section InstructionStats --section SchedulerStats \
+    "$1"/bin/bench_optim --modes $2 --layers 1 --steps 2 --warmup 1 >"$out/ncu-$3-$2.txt" 2>&1
+  echo "-- ncu $3 $2"
+  grep -E "Duration|DRAM Throughput|Compute \(SM\)|Issued Warp Per|Achieved Occupancy|Executed Instructions  " \
+    "$out/ncu-$3-$2.txt" | head -n 8
+}
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   for m in int8 4bit; do
-    timeout 60 ncu --clock-control none -k regex:adamw_block_kernel --launch-skip 0 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section InstructionStats --section SchedulerStats \
-      build-gpu/bin/bench_optim --modes $m --layers 1 --steps 2 --warmup 1 >"$out/ncu-$m.txt" 2>&1
-    grep -E "Duration|Throughput|Executed Ipc|Registers|Achieved Occupancy|Warp Cycles Per Issued|Executed Instructions  |Issue Slots Busy" \
-      "$out/ncu-$m.txt" | head -n 16
+    ncu_one build-gpu $m new
+    if [ "${NCU_PREV:-0}" = 1 ] && [ -x build-prev/bin/bench_optim ]; then ncu_one build-prev $m prev; fi
   done
+fi
+if [ "${NSYS:-0}" = 1 ] && command -v nsys >/dev/null; then
+  timeout 120 nsys profile -o "$out/nsys-4bit" --force-overwrite true \
+    build-gpu/bin/bench_optim --modes 4bit --steps 3 --warmup 1 >/dev/null 2>&1
+  timeout 120 nsys stats -q --report cuda_gpu_kern_sum --format csv "$out/nsys-4bit.nsys-rep" \
+    >"$out/nsys-4bit-kern.csv" 2>&1
+  rm -f "$out/nsys-4bit.nsys-rep" "$out/nsys-4bit.sqlite"
+  head -n 12 "$out/nsys-4bit-kern.csv" | cut -c1-200
+fi
+if [ "${SASS:-0}" = 1 ]; then
+  obj=$(find build-gpu -name 'adamw_kernels.cu.o' | head -n 1)
+  cuobjdump -sass "$obj" >/tmp/optim.sass 2>&1
+  python3 - "$out" <<'PY'
+import re, sys
+s = open('/tmp/optim.sass').read()
+for part in re.split(r'\n\s*Function : ', s)[1:]:
+    name = part.split('\n', 1)[0]
+    for tag, key in (('int8', 'adamw_block_kernelILi1ELb0ELb1E13__nv_bfloat166__half'),
+                     ('4bit', 'adamw_block_kernelILi2ELb0ELb1E13__nv_bfloat166__half')):
+        if key in name:
+            open('%s/sass-%s.txt' % (sys.argv[1], tag), 'w').write(part)
+            print('sass', tag, part.count('\n'), 'lines')
+PY
 fi
 echo "all done at $(( $(date +%s) - t0 )) s"

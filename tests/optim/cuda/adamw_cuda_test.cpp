@@ -20,7 +20,10 @@
 #include "q4/optim/state_codec.h"
 
 #if Q4_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+
+#include "../../../optim/src/cuda_launch.h"  // the norm-pass launchers (private)
 #endif
 
 namespace q4::optim {
@@ -259,6 +262,50 @@ TEST(PackedAdamWCuda, GlobalNormMatchesCpuAndClipsWithinTolerance) {
   const StepResult rc = pc.step({a}, args), rg = pg.step({a.to(kCuda)}, args);
   EXPECT_NEAR(rg.clip_coef, rc.clip_coef, 1e-5 * rc.clip_coef);
   EXPECT_LT((wg.cpu() - wc).abs().max().item<double>(), 1e-6);
+}
+
+TEST(PackedAdamWCuda, MultiTensorNormPassEqualsPerTensorLaunches) {
+  // The buffered step's norm pass launches many gradients at once (launch_sumsq_many); every
+  // tensor's partial sums must be those of its own launch bit for bit: 70 bf16 tensors (three
+  // batches of at most 32) from 1 element to 3.1M, one starting 2 bytes past a 16-byte
+  // boundary, and an fp32 group.
+  Q4_REQUIRE_CUDA();
+#if Q4_WITH_CUDA
+  for (const at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
+    std::vector<at::Tensor> ts;
+    const int64_t sizes[] = {1, 7, 128, 2560, 99999, 1 << 20, 3 << 20};
+    for (int i = 0; i < (dt == at::kFloat ? 9 : 70); ++i) {
+      const int64_t n = sizes[i % 7] + (i / 7);
+      ts.push_back((at::randn({n + 1}, gen(500 + i)) * (1 + i)).to(dt).to(kCuda));
+    }
+    ts[3] = ts[3].narrow(0, 1, ts[3].numel() - 1);  // misaligned start
+    const int count = static_cast<int>(ts.size());
+    const int dtype = dt == at::kFloat ? cuda::kDtF32 : cuda::kDtBF16;
+    const auto opts = at::TensorOptions().device(kCuda).dtype(at::kFloat);
+    at::Tensor many = at::full({count, cuda::kSumsqPartials}, 7.0, opts);
+    at::Tensor single = at::full({count, cuda::kSumsqPartials}, 7.0, opts);
+    std::vector<const void*> ptrs;
+    std::vector<int64_t> ns;
+    for (const at::Tensor& t : ts) {
+      ptrs.push_back(t.data_ptr());
+      ns.push_back(t.numel());
+    }
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    cuda::launch_sumsq_many(ptrs.data(), ns.data(), count, dtype, many.data_ptr<float>(), stream);
+    for (int k = 0; k < count; ++k) {
+      cuda::launch_sumsq(ptrs[k], dtype, ns[k], single[k].data_ptr<float>(), stream);
+    }
+    EXPECT_TRUE(bit_equal(many.cpu(), single.cpu())) << c10::toString(dt);
+    // And the sums are those of the data (fp32 partials: ~1e-6 relative).
+    const at::Tensor want = at::stack([&] {
+      std::vector<at::Tensor> v;
+      for (const at::Tensor& t : ts) v.push_back(t.to(at::kDouble).pow(2).sum());
+      return v;
+    }()).cpu();
+    const at::Tensor got = many.to(at::kDouble).sum(1).cpu();
+    EXPECT_TRUE(at::allclose(got, want, 1e-5, 0.0)) << (got - want).abs().max();
+  }
+#endif
 }
 
 TEST(PackedAdamWCuda, StepNeedsNoExtraDeviceMemory) {

@@ -34,10 +34,10 @@ int64_t packed_moment_bytes(StateMode mode, int64_t numel);
 
 // x: 1-D fp32 (CPU or CUDA), finite. CPU: vectorized ATen; CUDA: the fused kernels' codec.
 // The second-moment maps of int8/4-bit cannot decode a positive input to 0 (zero-free map).
-// Codes are the nearest map entry, except for the 4-bit first moment (moment_codes_stochastic):
-// there element i is rounded to one of its two neighbouring entries, unbiased, with the random
-// bits moment_bits(sr_bits(sr_key, i)) (optim/src/optim_math.h; the optimizer passes its master
-// rounding key), so a pack is a function of (x, sr_key).
+// Codes are the nearest map entry, except for the 4-bit moments (moment_codes_stochastic): there
+// element i is rounded to one of its two neighbouring entries, unbiased, with the random
+// uniform moment_uniform(sr_bits(sr_key, i), moment) (optim/src/optim_math.h; the optimizer passes
+// its master rounding key), so a pack is a function of (x, sr_key).
 PackedMoment pack_moment(const at::Tensor& x, StateMode mode, Moment moment, uint32_t sr_key = 0);
 // True where pack_moment rounds codes stochastically (4-bit first moment).
 bool moment_codes_stochastic(StateMode mode, Moment moment);
