@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <unordered_set>
 
 #include "cpu_kernels.h"
@@ -445,6 +446,14 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
   k.sr_key = key;
   k.skip = skip;
   k.exact = c.cuda_exact ? 1 : 0;
+  const double gs = c.grad_scale;
+  k.fast_c1 = static_cast<float>(gs * static_cast<double>(c.omb1));
+  k.fast_c2 = static_cast<float>(gs * gs * static_cast<double>(c.omb2));
+  const bool no_step = c.step_size == 0.0f;
+  k.fast_den_a = no_step ? std::numeric_limits<float>::max()
+                         : static_cast<float>(static_cast<double>(c.inv_sqrt_bc2) / c.step_size);
+  k.fast_den_b = no_step ? std::numeric_limits<float>::max()
+                         : static_cast<float>(static_cast<double>(c.eps) / c.step_size);
   cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
 }
 #endif

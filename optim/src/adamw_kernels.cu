@@ -32,6 +32,7 @@ __constant__ float c_map_value[4][256];    // MapId -> decoded value per code
 __constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used), +inf at 255
 __constant__ float c_sr_value4[17];        // 4-bit m: stochastic-rounding entries, +inf at 16
 __constant__ float4 c_pick4[17];           // 4-bit m: sr_pick's operands by count (below)
+__constant__ float4 c_pick4_fast[17];      // the same with inv_gap * 2^16 (fast kernels)
 
 // Code search lower bounds (optim_math.h "code search") per block mode (0: int8, 1: 4-bit):
 // the first moment's rows [sign][bucket], then (int8) the second moment's single row, looked up
@@ -68,6 +69,7 @@ void ensure_tables() {
   float mid[4][256] = {};
   float sr_value4[17] = {};
   float4 pick4[17] = {};
+  float4 pick4_fast[17] = {};
   static uint8_t start[2][kStartBytes];  // not on the stack
   std::memset(start, 0, sizeof(start));
   for (int i = 0; i < 4; ++i) {
@@ -104,6 +106,8 @@ void ensure_tables() {
         const int l = c - 1 < 0 ? 0 : (c - 1 > 14 ? 14 : c - 1);
         pick4[c] = make_float4(m.sr_value[l], m.inv_gap[l], detail::bits_f32(static_cast<uint32_t>(l)),
                                detail::bits_f32(static_cast<uint32_t>(l + 1)));
+        pick4_fast[c] = pick4[c];
+        pick4_fast[c].y = m.inv_gap[l] * 65536.0f;  // exact: a power-of-two scale
       }
     }
   }
@@ -111,6 +115,7 @@ void ensure_tables() {
   check(cudaMemcpyToSymbol(c_map_mid, mid, sizeof(mid)), "copy code maps");
   check(cudaMemcpyToSymbol(c_sr_value4, sr_value4, sizeof(sr_value4)), "copy code maps");
   check(cudaMemcpyToSymbol(c_pick4, pick4, sizeof(pick4)), "copy code maps");
+  check(cudaMemcpyToSymbol(c_pick4_fast, pick4_fast, sizeof(pick4_fast)), "copy code maps");
   check(cudaMemcpyToSymbol(c_start, start, sizeof(start)), "copy code maps");
   ready[dev] = true;
 }
@@ -194,8 +199,9 @@ __device__ __forceinline__ float adam_sqrt(float v) {
   return fast_sqrt(v);
 }
 
-// sv = adam_sqrt(v). The fast variant multiplies by the hardware reciprocal of den (~1 ulp;
-// den >= eps, a normal number, so nothing is flushed).
+// sv = adam_sqrt(v). The fast variant multiplies by the hardware reciprocal of
+// den / step_size (~1 ulp; eps / step_size is a normal number, so nothing is flushed; with a
+// zero step size den is huge and its flushed reciprocal 0: no update).
 template <bool kExact = true>
 __device__ __forceinline__ float adam_master_sv(float w, float m, float sv, const StepParams& p) {
   if (kExact) {
@@ -203,8 +209,9 @@ __device__ __forceinline__ float adam_master_sv(float w, float m, float sv, cons
     const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
     return __fsub_rn(__fmul_rn(w, p.decay), u);
   }
-  const float den = __fmaf_rn(sv, p.inv_sqrt_bc2, p.eps);
-  return __fmaf_rn(-__fmul_rn(m, fast_rcp(den)), p.step_size, __fmul_rn(w, p.decay));
+  // den / step_size (StepParams fast_den_a/b): the step size folded in, one multiply fewer.
+  const float den = __fmaf_rn(sv, p.fast_den_a, p.fast_den_b);
+  return __fmaf_rn(-m, fast_rcp(den), __fmul_rn(w, p.decay));
 }
 
 __device__ __forceinline__ float adam_master(float w, float m, float v, const StepParams& p) {
@@ -351,7 +358,10 @@ struct SharedMaps {
   uint8_t start[kStartBytes];  // the mode's search lower bounds (c_start)
 };
 
-template <int MODE>
+// kExact: sr_pick's operands as the CPU uses them; else inv_gap * 2^16, compared with the
+// uniform's 16-bit integer (fast kernels: one multiply fewer per element, same decisions up to
+// the rounding of the product).
+template <int MODE, bool kExact = true>
 __device__ __forceinline__ void load_shared_maps(SharedMaps& sm) {
   if (MODE == 3) return;
   const int base = MODE == 1 ? 0 : 2;
@@ -363,7 +373,7 @@ __device__ __forceinline__ void load_shared_maps(SharedMaps& sm) {
   }
   if (MODE == 2 && threadIdx.x < 17) {
     sm.sr_value4[threadIdx.x] = c_sr_value4[threadIdx.x];
-    sm.pick4[threadIdx.x] = c_pick4[threadIdx.x];
+    sm.pick4[threadIdx.x] = kExact ? c_pick4[threadIdx.x] : c_pick4_fast[threadIdx.x];
   }
   // Search tables as 32-bit words (kStartBytes is a multiple of 4).
   constexpr int kWords = kStartBytes / 4;
@@ -397,6 +407,7 @@ __device__ __forceinline__ float group_max(float x) {
 struct BlockEnc {
   detail::BlockNorm bn;
   float stored = 0.0f;  // fp32 absmax (int8/4-bit)
+  float rs16 = 16.0f;   // 16 * bn.rs (fast kernels: the 4-bit v code's s = 16 t in one multiply)
   float div = 1.0f;     // NVFP4 divisor
   uint8_t sbits = 0;    // NVFP4 scale bits
 };
@@ -423,6 +434,7 @@ __device__ __forceinline__ BlockEnc block_params(float amax) {
     const float d = div * b.bn.f;
     b.bn.inv = d < 8.5070591730234616e37f ? fast_rcp(d) : __frcp_rn(d);
     b.bn.rs = adam_sqrt<false>(b.bn.inv);
+    b.rs16 = __fmul_rn(b.bn.rs, 16.0f);
   }
   return b;
 }
@@ -438,11 +450,14 @@ constexpr bool kStochasticMoments = MODE == 2;
 // u: the element's uniform (moment_uniform) for stochastic codes. kPlainNorm: the block's
 // block_norm has f = 1 (its absmax is a normal number), so y = x * inv -- bit-identical to
 // norm_value's (x * f) * inv, one multiply fewer.
-template <int MODE, int SLOT, bool kPlainNorm>
+// kFast (fast kernels): the 4-bit v code takes s = sx * 16 rs in one multiply, and the 4-bit
+// m pick compares u = the uniform's 16-bit integer with the table's inv_gap * 2^16.
+template <int MODE, int SLOT, bool kPlainNorm, bool kFast = false>
 __device__ __forceinline__ int encode_code(float x, float sx, const BlockEnc& b,
                                            const SharedMaps& sm, float u) {
   if (MODE == 3) return detail::e2m1_encode(__fdiv_rn(x, b.div));  // unclamped: same code
   if (MODE == 2 && SLOT == 1) {
+    if (kFast && kPlainNorm) return detail::sr_pick_4bit_second_s(__fmul_rn(sx, b.rs16), u);
     const float t = kPlainNorm ? __fmul_rn(sx, b.bn.rs) : detail::norm_sqrt(sx, b.bn);
     return detail::sr_pick_4bit_second(t, u);
   }
@@ -591,13 +606,22 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
   read_codes<MODE, E>(p.v_codes, pos.i0, n, FULL, vc);
   const float ms = pos.active ? block_scale<MODE>(p.m_scales, pos.blk) : 0.0f;
   const float vs = pos.active ? block_scale<MODE>(p.v_scales, pos.blk) : 0.0f;
+  constexpr bool kFast = !kExact && MODE != 3;  // folded constants (StepParams fast_*)
+  const float mdec = kFast ? __fmul_rn(ms, p.beta1) : 0.0f;
+  const float vdec = kFast ? __fmul_rn(vs, p.beta2) : 0.0f;
   float mmax = 0.0f, vmax = 0.0f;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     if (FULL || pos.i0 + e < n) {
-      m[e] = decode_value<MODE>(mc.get(e), ms, sm, 0);
-      v[e] = decode_value<MODE>(vc.get(e), vs, sm, 1);
-      adam_moments<kExact>(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
+      if constexpr (kFast) {
+        // decode * beta and the scaled gradient in one fused multiply-add each
+        m[e] = __fmaf_rn(sm.value[0][mc.get(e)], mdec, __fmul_rn(g[e], p.fast_c1));
+        v[e] = __fmaf_rn(sm.value[1][vc.get(e)], vdec, __fmul_rn(__fmul_rn(g[e], p.fast_c2), g[e]));
+      } else {
+        m[e] = decode_value<MODE>(mc.get(e), ms, sm, 0);
+        v[e] = decode_value<MODE>(vc.get(e), vs, sm, 1);
+        adam_moments<kExact>(__fmul_rn(g[e], p.grad_scale), m[e], v[e], p);
+      }
     } else {
       m[e] = 0.0f;
       v[e] = 0.0f;
@@ -624,8 +648,10 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
       const uint32_t h =
           (sr || kStochasticMoments<MODE>) ? detail::sr_bits_in_range(range_key, idx) : 0U;
       const float sv = adam_sqrt<kExact>(v[e]);  // the update's sqrt(v); also the 4-bit v code's
-      mc.set(e, encode_code<MODE, 0, kPlain>(m[e], 0.0f, mb, sm, detail::moment_uniform(h, 0)));
-      vc.set(e, encode_code<MODE, 1, kPlain>(v[e], sv, vb, sm, detail::moment_uniform(h, 1)));
+      // Fast kernels compare the first moment's 16-bit integer with a 2^16-scaled probability.
+      const float um = kFast ? static_cast<float>(h >> 16) : detail::moment_uniform(h, 0);
+      mc.set(e, encode_code<MODE, 0, kPlain, kFast>(m[e], 0.0f, mb, sm, um));
+      vc.set(e, encode_code<MODE, 1, kPlain, kFast>(v[e], sv, vb, sm, detail::moment_uniform(h, 1)));
       out[e] = write_master<M>(adam_master_sv<kExact>(w[e], m[e], sv, p), sr, h);
     }
   };
@@ -661,7 +687,7 @@ __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_ker
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B;
   __shared__ SharedMaps sm;
-  load_shared_maps<MODE>(sm);
+  load_shared_maps<MODE, kExact>(sm);
   const int lane = threadIdx.x & 31;
   const int64_t nblocks = (p.n + B - 1) / B;
   const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;

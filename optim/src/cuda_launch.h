@@ -45,6 +45,15 @@ struct StepParams {
   // 1: int8/4-bit kernels use the CPU path's arithmetic op for op (bit-identical); 0: FMA and
   // the hardware square root / division (AdamWOptions::cuda_exact_arithmetic).
   int exact = 0;
+  // Constants of the fast kernels (exact == 0), rounded once on the host: the gradient scale
+  // folded into the moment updates, m = m*beta1 + g*fast_c1 and v = v*beta2 + (g*fast_c2)*g
+  // (fast_c1 = grad_scale*(1-beta1), fast_c2 = grad_scale^2*(1-beta2)), and the step size into
+  // the denominator, w = w*decay - m / (sqrt(v)*fast_den_a + fast_den_b) (fast_den_a =
+  // inv_sqrt_bc2/step_size, fast_den_b = eps/step_size; FLT_MAX both when step_size is 0).
+  float fast_c1 = 0.1f;
+  float fast_c2 = 0.001f;
+  float fast_den_a = 0.0f;
+  float fast_den_b = 0.0f;
 };
 
 void launch_adamw_step(const StepParams& p, cudaStream_t stream);

@@ -147,12 +147,10 @@ Q4_HD float norm_sqrt(float sqrt_x, const BlockNorm& b) {
 // #{k : k/16 <= t} = floor(s), l = clamp(floor(s) - 1, 0, 14), and
 // p = (t - (l + 1)/16) * 16 = s - (l + 1) (scaling by 16 commutes with the rounding: t - (l+1)/16
 // is exact or a normal fp32 here). No search, no table.
-Q4_HD int sr_pick_4bit_second(float t, float u) {
+Q4_HD int sr_pick_4bit_second_s(float s, float u) {  // s = 16 t, given
 #if defined(__CUDA_ARCH__)
-  const float s = __fmul_rn(t, 16.0f);
   int l = __float2int_rd(s) - 1;
 #else
-  const float s = t * 16.0f;
   int l = static_cast<int>(std::floor(s)) - 1;
 #endif
   l = l < 0 ? 0 : (l > 14 ? 14 : l);
@@ -162,6 +160,14 @@ Q4_HD int sr_pick_4bit_second(float t, float u) {
   const float p = s - static_cast<float>(l + 1);
 #endif
   return u < p ? l + 1 : l;
+}
+
+Q4_HD int sr_pick_4bit_second(float t, float u) {
+#if defined(__CUDA_ARCH__)
+  return sr_pick_4bit_second_s(__fmul_rn(t, 16.0f), u);
+#else
+  return sr_pick_4bit_second_s(t * 16.0f, u);
+#endif
 }
 
 // ---- code search ----
