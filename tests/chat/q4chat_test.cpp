@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include "q4/io/remove_tree.h"
 
 namespace fs = std::filesystem;
 
@@ -40,7 +41,7 @@ class Q4chatTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = fs::path(::testing::TempDir()) / ("q4chat_e2e_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
+    q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
     std::ofstream(dir_ / "config.json") << R"({
       "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
@@ -52,7 +53,7 @@ class Q4chatTest : public ::testing::Test {
                    (dir_ / "model.dat").string() + " --seed 3 --std 0.3 2>&1")
                    .rc;
   }
-  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static void TearDownTestSuite() { q4::io::remove_tree(dir_); }
   void SetUp() override {
     ASSERT_TRUE(fs::exists(kTokenizer))
         << "missing " << kTokenizer << ": run tools/fetch_tokenizer.sh";

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/data/chat.h"
+#include "q4/io/remove_tree.h"
 #include "q4/model/qwen3_config.h"
 
 namespace fs = std::filesystem;
@@ -100,7 +101,7 @@ TEST_F(SessionTest, FirstTurnIsTheChatTemplateAndTurnsExtendTheCache) {
 TEST(ResolveModelPaths, FilesBesideTheDatRunDirsAndCheckpoints) {
   const fs::path dir =
       fs::path(::testing::TempDir()) / ("q4chat_resolve_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir / "step_000010");
   std::ofstream(dir / "model.dat") << "x";
   std::ofstream(dir / "config.json") << "{}";
@@ -133,7 +134,7 @@ TEST(ResolveModelPaths, FilesBesideTheDatRunDirsAndCheckpoints) {
   const auto r = resolve_model_paths((dir / "run").string(), "", "");
   EXPECT_EQ(r.weights, (dir / "run" / "model.dat").string());
   EXPECT_EQ(r.config, (dir / "config.json").string());
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 }  // namespace

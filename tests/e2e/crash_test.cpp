@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "e2e_util.h"
+#include "q4/io/remove_tree.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -38,7 +39,7 @@ fs::path root() {
 // Model, data and config in `dir`; the run goes to dir/run. lm_head trains, so checkpoints hold
 // a 151936 x 32 master and every checkpoint and export writes megabytes.
 void setup(const fs::path& dir) {
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   write_text(dir / "model.json", kModelConfig);
   write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
@@ -142,11 +143,11 @@ TEST(CrashTest, KillNineThenResumeIsBitIdentical) {
     EXPECT_TRUE(temp_files(dir / "run").empty()) << temp_files(dir / "run").front();
     EXPECT_EQ(losses(dir / "run" / "metrics.jsonl"), ref_losses) << read_text(dir / "restart.out");
     EXPECT_TRUE(read_text(dir / "run" / "model.dat") == ref_export) << "export differs";
-    if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+    if (!::testing::Test::HasFailure()) q4::io::remove_tree(dir);
   }
   std::cout << "crash test: " << trials << " trials, " << resumed << " resumed a checkpoint, "
             << (trials - resumed) << " restarted afresh\n";
-  if (!::testing::Test::HasFailure()) fs::remove_all(base);
+  if (!::testing::Test::HasFailure()) q4::io::remove_tree(base);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 #include "e2e_util.h"
+#include "q4/io/remove_tree.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -86,7 +87,7 @@ TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
   const fs::path dir =
       fs::temp_directory_path() / ("q4_demo_" + std::to_string(::getuid()) + "_" +
                                    std::to_string(::getpid()));
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   const fs::path rundir = dir / "demo";
   const Result r = run(kBin + "/q4train --config " + kDemo + " --set output.dir=" + rundir.string(),
@@ -129,5 +130,5 @@ TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
                           dir / "q4chat.log");
   ASSERT_EQ(chat.code, 0) << chat.out;
   EXPECT_EQ(chat.out, pairs.at("What is the capital of Japan?") + "\n");
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "e2e_util.h"
+#include "q4/io/remove_tree.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/distributed.h"
 
@@ -124,7 +125,7 @@ fs::path two_rank_base() {
   const std::string stamp =
       std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
   if (!fs::exists(d / "COMPLETE") || read_text(d / "COMPLETE") != stamp) {
-    fs::remove_all(d);
+    q4::io::remove_tree(d);
     const auto cfg = write_config(d, kSteps, 1, 4);
     const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "60"}, d / "log");
     EXPECT_EQ(r.code, 0) << r.err << r.out;
@@ -139,10 +140,10 @@ fs::path two_rank_base() {
 // in `dir`, resumed from there with `extra` arguments.
 Result resume_copy_at_step_4(const fs::path& base, const fs::path& dir,
                              const std::vector<std::string>& extra) {
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
-  fs::remove_all(dir / "run" / "step_000008");
+  q4::io::remove_tree(dir / "run" / "step_000008");
   fs::remove(dir / "run" / "model.dat");
   std::vector<std::string> args = {"--resume", (dir / "run" / "step_000004").string(), "--set",
                                    "output.dir=" + (dir / "run").string()};
@@ -194,7 +195,7 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
   ASSERT_TRUE(fs::exists(two / "run" / "model.dat")) << read_text(two / "log.err");
   // One process with grad_accum 2 takes the same four sequences per step in the same order.
   const fs::path one = work_root("dist") / "one";
-  fs::remove_all(one);
+  q4::io::remove_tree(one);
   const auto cfg = write_config(one, kSteps, 2, 0);
   const Result r = run({"--config", cfg.string()}, one / "log");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -240,7 +241,7 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
 
 TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
   const fs::path dir = work_root("dist") / "dead";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
                        "Q4_FAULT=exit:1:3");
@@ -252,7 +253,7 @@ TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
 
 TEST(DataParallel, AHungRankTimesOutTheOthers) {
   const fs::path dir = work_root("dist") / "hung";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
                        "Q4_FAULT=hang:1:3");
@@ -265,7 +266,7 @@ TEST(DataParallel, AHungRankTimesOutTheOthers) {
 
 TEST(DataParallel, ABadConfigFailsBeforeAnyRankStarts) {
   const fs::path dir = work_root("dist") / "badcfg";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
   Result r = run({"--config", cfg.string(), "--nproc", "2", "--set", "train.setps=3"},
                  dir / "log");

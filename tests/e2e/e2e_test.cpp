@@ -22,6 +22,7 @@
 #include "e2e_util.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/optim/adamw.h"
@@ -102,7 +103,7 @@ fs::path base_dir() {
   const std::string stamp =
       std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
   if (!fs::exists(complete) || read_text(complete) != stamp) {
-    fs::remove_all(dir);
+    q4::io::remove_tree(dir);
     const auto cfg = write_config(dir, kBaseSteps, kBaseCheckpointEvery);
     const Result r = run_q4train({"--config", cfg.string()}, dir / "base");
     if (r.code == 0) write_text(complete, stamp);
@@ -224,10 +225,10 @@ TEST(E2E, ResumeEqualsUninterruptedRun) {
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
   // Copy the run directory and resume it from its first checkpoint.
   const fs::path dir = work_root("e2e") / "resume";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
-  fs::remove_all(dir / "run" / "step_000040");
+  q4::io::remove_tree(dir / "run" / "step_000040");
   fs::remove(dir / "run" / "model.dat");
   // The saved config names the base run's output.dir; point it at the copy.
   const auto r = run_q4train({"--resume", (dir / "run" / "step_000020").string(), "--set",
@@ -270,7 +271,7 @@ TEST(E2E, TruncatedWeightsExit2NamingTheFile) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE"));
   const fs::path dir = work_root("e2e") / "truncated";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 4, 0);
   const std::string full = read_text(base / "run" / "init.dat");
   const fs::path bad = dir / "truncated.dat";
@@ -284,7 +285,7 @@ TEST(E2E, TruncatedWeightsExit2NamingTheFile) {
 
 TEST(E2E, DryRunLoadsNothing) {
   const fs::path dir = work_root("e2e") / "dry";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 4, 0);
   const auto r = run_q4train({"--config", cfg.string(), "--dry-run"}, dir / "a");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -295,7 +296,7 @@ TEST(E2E, DryRunLoadsNothing) {
 
 TEST(E2E, SigintCheckpointsAndExits0) {
   const fs::path dir = work_root("e2e") / "sigint";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 100000, 0);
   const std::string out = (dir / "a.out").string();
   const pid_t pid = ::fork();
@@ -340,7 +341,7 @@ TEST(E2E, SigintCheckpointsAndExits0) {
 // (previous step's norm instead of this step's) the loss curve stays within a few percent.
 TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
   const fs::path dir = work_root("e2e") / "inbackward";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 12, 0);
   auto run = [&](const std::string& tag, bool in_backward, double max_norm) {
     const fs::path out = dir / tag;
@@ -414,7 +415,7 @@ TEST(E2EUx, StartAndEndSummaries) {
 // The logged average is the token-weighted mean of the window (equal batches here: the mean).
 TEST(E2EUx, ValidationLossAndWindowAverage) {
   const fs::path dir = work_root("e2e") / "validation";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 4, 0);
   write_text(dir / "eval.tsv", "What is 3 + 3?\t6.\nSay goodbye.\tBye!\n你好吗？\t很好。\n");
   const auto r = run_q4train({"--config", cfg.string(), "--set",
@@ -461,7 +462,7 @@ TEST(E2EUx, ValidationLossAndWindowAverage) {
 // ones for the same seed; a fraction out of range is a config error naming the key.
 TEST(E2EUx, EvalFractionHoldsOutExamples) {
   const fs::path dir = work_root("e2e") / "fraction";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 1, 0);
   auto run_once = [&](const std::string& tag) {
     return run_q4train({"--config", cfg.string(), "--set", "data.eval_fraction=0.25", "--set",
@@ -490,7 +491,7 @@ TEST(E2EUx, EvalFractionHoldsOutExamples) {
 // config path may be given positionally (not together with --config).
 TEST(E2EUx, WarmupIsClippedAndConfigMayBePositional) {
   const fs::path dir = work_root("e2e") / "smoke";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 2, 0);
   const auto r = run_q4train({cfg.string(), "--set", "eval.prompts=[]", "--set",
                               "output.export_path=none"},
@@ -508,7 +509,7 @@ TEST(E2EUx, WarmupIsClippedAndConfigMayBePositional) {
 // directory behind, so the corrected command needs no --overwrite.
 TEST(E2EUx, FreshRunRefusesANonEmptyDirectoryUnlessOverwrite) {
   const fs::path dir = work_root("e2e") / "overwrite";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 1, 1);
   const std::vector<std::string> args = {"--config", cfg.string(), "--set", "eval.prompts=[]"};
   auto r = run_q4train(args, dir / "a");
@@ -542,7 +543,7 @@ TEST(E2EUx, FreshRunRefusesANonEmptyDirectoryUnlessOverwrite) {
 TEST(E2EUx, CudaDeviceWithoutCudaIsOneLineAndWritesNothing) {
   if (at::hasCUDA()) GTEST_SKIP() << "CUDA is available here";
   const fs::path dir = work_root("e2e") / "nocuda";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 1, 0);
   const auto r = run_q4train({"--config", cfg.string(), "--set", "model.device=cuda"}, dir / "a");
   EXPECT_EQ(r.code, 2) << r.err;
@@ -559,7 +560,7 @@ TEST(E2EUx, ExportOnlyFromACheckpoint) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
   const fs::path dir = work_root("e2e") / "exportonly";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
   fs::remove(dir / "run" / "model.dat");
@@ -581,7 +582,7 @@ TEST(E2EUx, ResumeRefusesAChangedSchedule) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
   const fs::path dir = work_root("e2e") / "schedule";
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
   const std::string out_dir = "output.dir=" + (dir / "run").string();

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "e2e_util.h"
+#include "q4/io/remove_tree.h"
 
 namespace fs = std::filesystem;
 
@@ -35,7 +36,7 @@ bool contains(const std::string& s, const std::string& needle) {
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
   const fs::path dir =
       fs::temp_directory_path() / ("q4_hard_" + std::to_string(::getuid()) + "_" + name);
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   write_text(dir / "model.json", kModelConfig);
   write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
@@ -97,7 +98,7 @@ TEST(Hardening, UserInitDatInOutputDirIsKept) {
   Result r = run(dir, run(dir, {"output.export_path=none"}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string weights = read_text(dir / "run" / "init.dat");
-  fs::remove_all(dir / "run2");
+  q4::io::remove_tree(dir / "run2");
   fs::create_directories(dir / "run2");
   fs::copy_file(dir / "run" / "init.dat", dir / "run2" / "init.dat");
   const std::string w = (dir / "run2" / "init.dat").string();
@@ -165,7 +166,7 @@ TEST(Hardening, FailedExportIsCheckpointedAndResumable) {
   Result r = run(dir, run(dir, {"output.export_path=none", "train.steps=0"}), "init");
   ASSERT_EQ(r.code, 0) << r.err;
   fs::rename(dir / "run" / "init.dat", dir / "weights.dat");
-  fs::remove_all(dir / "run");
+  q4::io::remove_tree(dir / "run");
   const std::string w = "model.weights=" + (dir / "weights.dat").string();
   // init.dat is ~12 MB (the 151936 x 32 embedding); a 4 MB limit stops the export, not the
   // checkpoint (lm_head and embeddings are frozen).

@@ -16,6 +16,7 @@
 
 #include "q4/io/atomic_file.h"
 #include "q4/io/crc32c.h"
+#include "q4/io/remove_tree.h"
 
 namespace fs = std::filesystem;
 
@@ -32,7 +33,7 @@ std::string read_text(const fs::path& p) {
 fs::path fresh_dir(const std::string& name) {
   const fs::path d =
       fs::path(::testing::TempDir()) / ("q4io_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
   fs::create_directories(d);
   return d;
 }
@@ -45,6 +46,51 @@ std::vector<std::string> names_in(const fs::path& d) {
 }
 
 // RFC 3720 appendix B.4 and the "check" value of the CRC catalogue (CRC-32/ISCSI).
+TEST(RemoveTree, RemovesTreesWithoutFollowingLinks) {
+  // remove_tree replaces std::filesystem::remove_all, which crashes when LibTorch 2.x is loaded
+  // (remove_tree.h). A tree with nested directories, files, a link to a directory outside the
+  // tree (removed, its target kept), a dangling link and an empty directory; a single file; a
+  // missing path (0, no error); a path below a regular file (an error naming it, both overloads).
+  const fs::path base = fresh_dir("rmtree");
+  const fs::path outside = base / "outside";
+  fs::create_directories(outside);
+  std::ofstream(outside / "keep.txt") << "keep";
+  const fs::path tree = base / "tree";
+  fs::create_directories(tree / "a" / "b" / "c");
+  fs::create_directories(tree / "empty");
+  std::ofstream(tree / "top.txt") << "1";
+  std::ofstream(tree / "a" / "x.bin") << "2";
+  std::ofstream(tree / "a" / "b" / "c" / "deep.txt") << "3";
+  fs::create_directory_symlink(outside, tree / "a" / "link_to_outside");
+  fs::create_symlink(tree / "nowhere", tree / "dangling");
+  // tree, a, b, c, empty, top.txt, x.bin, deep.txt, the two links: 10 entries
+  EXPECT_EQ(remove_tree(tree), 10u);
+  EXPECT_FALSE(fs::exists(fs::symlink_status(tree)));
+  EXPECT_TRUE(fs::exists(outside / "keep.txt"));
+
+  std::ofstream(base / "file.txt") << "f";
+  EXPECT_EQ(remove_tree(base / "file.txt"), 1u);
+  EXPECT_FALSE(fs::exists(base / "file.txt"));
+
+  std::error_code ec;
+  EXPECT_EQ(remove_tree(base / "missing", ec), 0u);
+  EXPECT_FALSE(ec);
+  EXPECT_EQ(remove_tree(base / "missing"), 0u);
+
+  std::ofstream(base / "plain") << "p";
+  EXPECT_EQ(remove_tree(base / "plain" / "child", ec), 0u);
+  EXPECT_EQ(ec, std::errc::not_a_directory);
+  try {
+    remove_tree(base / "plain" / "child");
+    FAIL() << "expected an exception";
+  } catch (const fs::filesystem_error& e) {
+    EXPECT_NE(std::string(e.what()).find("plain/child"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(base / "plain"));
+  remove_tree(base);
+  EXPECT_FALSE(fs::exists(base));
+}
+
 TEST(Crc32c, PublishedVectors) {
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
   EXPECT_EQ(crc32c("", 0), 0u);
@@ -66,7 +112,7 @@ TEST(Crc32c, PublishedVectors) {
   const fs::path d = fresh_dir("crc");
   std::ofstream(d / "f", std::ios::binary) << s;
   EXPECT_EQ(crc32c_file((d / "f").string()), whole);
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
 }
 
 TEST(AtomicFile, PublishesOnCommitOnly) {
@@ -87,7 +133,7 @@ TEST(AtomicFile, PublishesOnCommitOnly) {
   EXPECT_EQ(read_text(target), "new");
   EXPECT_EQ(names_in(d), std::vector<std::string>{"out.bin"});
   EXPECT_THROW(g.write("x"), c10::Error);
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
 }
 
 // A write that fails midway (file size limit: EFBIG, as a full disk gives ENOSPC) throws, and
@@ -120,7 +166,7 @@ TEST(AtomicFile, FailedWriteLeavesNothing) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
   EXPECT_EQ(read_text(target), "previous");
   EXPECT_EQ(names_in(d), std::vector<std::string>{"big.dat"});
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
 }
 
 TEST(AtomicFile, StaleTempCleanup) {
@@ -144,7 +190,7 @@ TEST(AtomicFile, StaleTempCleanup) {
   removed = remove_stale_temp_files(d.string());
   EXPECT_EQ(removed.size(), 2u);
   EXPECT_EQ(names_in(d), (std::vector<std::string>{"keep.txt", live}));
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
 }
 
 TEST(AppendFile, FullDiskIsAnError) {
@@ -159,7 +205,7 @@ TEST(AppendFile, FullDiskIsAnError) {
   g.sync();
   g.close();
   EXPECT_EQ(read_text(d / "m.jsonl"), "a\nb\n");
-  fs::remove_all(d);
+  q4::io::remove_tree(d);
 }
 
 }  // namespace

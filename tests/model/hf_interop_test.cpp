@@ -13,6 +13,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 
+#include "q4/io/remove_tree.h"
 #include "q4/model/hf_interop.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
@@ -43,11 +44,11 @@ class HfInteropTest : public ::testing::Test {
     dir_ = fs::path(::testing::TempDir()) /
            ("q4_hf_" + std::to_string(::getpid()) + "_" +
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
     config_ = read_json(kConfig);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { q4::io::remove_tree(dir_); }
   std::string path(const std::string& n) const { return (dir_ / n).string(); }
   Qwen3Config cfg(bool tied) const {
     json c = config_;

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "q4/io/remove_tree.h"
 #include "q4/model/safetensors.h"
 
 namespace q4::model {
@@ -22,10 +23,10 @@ class SafetensorsTest : public ::testing::Test {
     dir_ = fs::path(::testing::TempDir()) /
            ("q4_st_" + std::to_string(::getpid()) + "_" +
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { q4::io::remove_tree(dir_); }
   std::string path(const std::string& n) const { return (dir_ / n).string(); }
 
   // Raw file: 8-byte LE header length, header text, data bytes.

@@ -12,6 +12,8 @@
 #include <set>
 #include <sstream>
 
+#include "q4/io/remove_tree.h"
+
 namespace fs = std::filesystem;
 using namespace q4::trainer;
 
@@ -313,7 +315,7 @@ TEST(Config, DirectoryAsConfigIsAnError) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("is a directory"), std::string::npos) << e.what();
   }
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 // Issue 15 defect 6: text documents longer than train.seq_len were dropped whole (the default

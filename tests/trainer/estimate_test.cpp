@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/quant/nvfp4.h"
@@ -210,7 +211,7 @@ TEST(Probe, CpuReportHasEveryPhase) {
   EXPECT_LT(loss, 8.0);
   EXPECT_TRUE(j["info"]["step_applied"].get<bool>());
   EXPECT_TRUE(j["info"]["steady"].is_null());  // no --probe-steps
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 TEST(Probe, SteadyStateStepsAreTimedAndTrain) {
@@ -244,7 +245,7 @@ TEST(Probe, SteadyStateStepsAreTimedAndTrain) {
   EXPECT_TRUE(st["peak_allocated_bytes"].is_null());  // CPU: no allocator statistics
   EXPECT_LT(st["last_loss"].get<double>(), j["info"]["loss"].get<double>());
   EXPECT_NE(err.str().find("steady state, median of 3 steps"), std::string::npos) << err.str();
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 TEST(Trainer, WriteModelDatLoadsBackQuantized) {

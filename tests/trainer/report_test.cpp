@@ -11,6 +11,8 @@
 #include <regex>
 #include <sstream>
 
+#include "q4/io/remove_tree.h"
+
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
@@ -94,7 +96,7 @@ TEST(Report, EmptyAndSinglePointSeries) {
 
 TEST(Report, WriteRunReportReadsTheRunFiles) {
   const fs::path dir = fs::path(::testing::TempDir()) / ("q4_report_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   {
     std::ofstream m(dir / "metrics.jsonl");
@@ -112,7 +114,7 @@ TEST(Report, WriteRunReportReadsTheRunFiles) {
   EXPECT_EQ(count(ss.str(), "<svg"), 5u);
   EXPECT_NE(ss.str().find("the answer"), std::string::npos);
   EXPECT_EQ(ss.str().find("validation loss"), std::string::npos);
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "q4/io/remove_tree.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -21,10 +22,10 @@ struct TempDir {
     path = fs::temp_directory_path() /
            ("q4_run_dir_test_" + std::to_string(::getpid()) + "_" +
             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(path);
+    q4::io::remove_tree(path);
     fs::create_directories(path);
   }
-  ~TempDir() { fs::remove_all(path); }
+  ~TempDir() { q4::io::remove_tree(path); }
 };
 
 void make_ckpt(const fs::path& run, int64_t step, bool done) {

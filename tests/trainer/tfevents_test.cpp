@@ -12,6 +12,8 @@
 #include <map>
 #include <sstream>
 
+#include "q4/io/remove_tree.h"
+
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
@@ -180,7 +182,7 @@ Decoded decode_event(const std::string& rec) {
 TEST(TfEvents, WriterFileReadsBack) {
   const fs::path dir =
       fs::path(::testing::TempDir()) / ("q4_tfevents_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
   fs::create_directories(dir);
   std::string path;
   {
@@ -220,7 +222,7 @@ TEST(TfEvents, WriterFileReadsBack) {
   EXPECT_EQ(text.step, 3);
   EXPECT_EQ(text.text, "Who are you? => 我是 F# 之神。");
   EXPECT_EQ(text.plugin, "text");
-  fs::remove_all(dir);
+  q4::io::remove_tree(dir);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 
 #include "q4/io/atomic_file.h"
 #include "q4/io/crc32c.h"
+#include "q4/io/remove_tree.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -92,7 +93,7 @@ std::vector<std::string> rotate_checkpoints(const std::string& run_dir, int64_t 
     }
     if (remove) {
       std::error_code ec;
-      fs::remove_all(it->path, ec);
+      q4::io::remove_tree(it->path, ec);
       if (!ec) removed.push_back(it->path);
     }
   }
@@ -306,7 +307,7 @@ std::vector<std::string> clean_stale_files(const Config& c) {
   for (const auto& ck : list_checkpoints(c.output.dir)) {
     if (!ck.done) {
       std::error_code ec;
-      fs::remove_all(ck.path, ec);
+      q4::io::remove_tree(ck.path, ec);
       if (!ec) removed.push_back(ck.path);
       continue;
     }

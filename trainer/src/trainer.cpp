@@ -40,6 +40,7 @@
 #include "q4/data/chat.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
@@ -691,7 +692,7 @@ class Trainer {
     std::vector<std::string> removed, kept;
     for (const auto& name : run_dir_leftovers(c_)) {
       if (!fs::is_symlink(dir / name) && (is_reserved_run_name(name) || owned.count(name))) {
-        fs::remove_all(dir / name);
+        q4::io::remove_tree(dir / name);
         removed.push_back(name);
       } else {
         kept.push_back(name);
@@ -741,7 +742,7 @@ class Trainer {
         for (const auto& e : fs::directory_iterator(dir, ec)) {
           if (!before.count(e.path().filename().string())) created.push_back(e.path());
         }
-        for (const auto& p : created) fs::remove_all(p, ec);
+        for (const auto& p : created) q4::io::remove_tree(p, ec);
         if (!existed) fs::remove(dir, ec);  // only when empty
       }
       throw;
@@ -1376,7 +1377,7 @@ class Trainer {
       write_checkpoint(step, dir);
     } catch (...) {
       std::error_code ec;
-      if (leader()) fs::remove_all(dir, ec);
+      if (leader()) q4::io::remove_tree(dir, ec);
       throw;
     }
   }
@@ -1387,7 +1388,7 @@ class Trainer {
   void write_checkpoint(int64_t step, const fs::path& dir) {
     NvtxRange r("checkpoint");
     if (leader()) {
-      fs::remove_all(dir);
+      q4::io::remove_tree(dir);
       fs::create_directories(dir);
     }
     std::vector<std::string> files;
