@@ -183,21 +183,18 @@ TEST(OptimCodec, StochasticMasterRoundingMatchesNeighbourRuleAndIsUnbiased) {
     const float c = half && std::fabs(x) < 6.103515625e-05f ? std::copysign(6.103515625e-05f, x)
                                                               : 0.0f;
     const float s = c != 0.0f ? x + c : x;  // (-0 + 0 would be +0)
-    float lo, hi;
+    float lo = 0.0f, hi = 0.0f;
+    auto neighbours = [&](auto a) {  // a: s rounded to nearest in the target format
+      if (std::fabs(static_cast<float>(a)) > std::fabs(s)) a.x = static_cast<uint16_t>(a.x - 1);
+      decltype(a) b;
+      b.x = static_cast<uint16_t>(a.x + 1);
+      lo = static_cast<float>(a);
+      hi = static_cast<float>(b);
+    };
     if (half) {
-      c10::Half a(s);
-      if (std::fabs(static_cast<float>(a)) > std::fabs(s)) a.x = static_cast<uint16_t>(a.x - 1);
-      c10::Half b;
-      b.x = static_cast<uint16_t>(a.x + 1);
-      lo = static_cast<float>(a);
-      hi = static_cast<float>(b);
+      neighbours(c10::Half(s));
     } else {
-      c10::BFloat16 a(s);
-      if (std::fabs(static_cast<float>(a)) > std::fabs(s)) a.x = static_cast<uint16_t>(a.x - 1);
-      c10::BFloat16 b;
-      b.x = static_cast<uint16_t>(a.x + 1);
-      lo = static_cast<float>(a);
-      hi = static_cast<float>(b);
+      neighbours(c10::BFloat16(s));
     }
     const int k = half ? 13 : 16;
     const float p = std::fabs(s - lo) / std::fabs(hi - lo);
