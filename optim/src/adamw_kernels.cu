@@ -1,13 +1,13 @@
 // Fused CUDA AdamW step: one kernel per moment mode reads gradient, master and the (packed)
 // moments once and writes master and moments once. Block-wise modes give each moment block to a
-// group of lanes, each lane owning E consecutive elements (int8: 32 lanes x 8, 4-bit: 32 x 4,
+// group of lanes, each lane owning E consecutive elements (int8: 32 lanes x 8, 4-bit: 16 x 8,
 // NVFP4: 4 x 4), so whole groups use 8/16-byte vector loads and stores: decode, update, group
 // absmax by shuffles, re-quantize, write. Kernels are persistent (grid-stride over groups; the
 // code maps are staged in shared memory once per CTA). Arithmetic is the CPU path's, op for op,
 // with explicit round-to-nearest intrinsics (no FMA contraction), so results are bit-identical
-// -- when StepParams::exact is set. By default the int8/4-bit kernels fuse multiply-adds and use
-// the hardware square root and division in the update (fewer instructions: these kernels are
-// issue-bound), everything else (codes, randomness, rounding decisions) unchanged.
+// -- when StepParams::exact is set. By default the int8/4-bit kernels fuse multiply-adds with
+// host-folded constants and use the hardware square root and reciprocal (fewer instructions:
+// these kernels are issue-bound), everything else (codes, randomness, rounding rules) unchanged.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -140,10 +140,6 @@ __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-__device__ __forceinline__ __half rn(float x, __half*) { return __float2half_rn(x); }
-__device__ __forceinline__ __nv_bfloat16 rn(float x, __nv_bfloat16*) {
-  return __float2bfloat16_rn(x);
-}
 
 // Master write-back (docs/optim.md): saturate at the largest finite value, then round to nearest,
 // or stochastically with the element's bits h = sr_bits(key, index) (detail::sr_round_fp16/bf16:
