@@ -273,7 +273,8 @@ TEST_F(DatToolTest, QuantizeRejectsBadTargetsAndWritesNothing) {
   EXPECT_EQ(r.code, 2);
   expect_one_line_error(r, "'b.weight'");
   EXPECT_FALSE(exists("q.dat"));
-  // NaN weights are bad input: exit 2, nothing written, pre-existing output untouched.
+  // NaN weights are bad input: exit 2, nothing written, a pre-existing output untouched even
+  // with --overwrite.
   {
     std::ofstream(out) << "keep";
     at::Tensor n = at::randn({4, 32});
@@ -282,7 +283,7 @@ TEST_F(DatToolTest, QuantizeRejectsBadTargetsAndWritesNothing) {
     w.add("n.weight", n);
     w.commit();
   }
-  r = q4dat("quantize " + path("nan.dat") + " " + out + " --match weight");
+  r = q4dat("quantize " + path("nan.dat") + " " + out + " --match weight --overwrite");
   EXPECT_EQ(r.code, 2) << r.err;
   expect_one_line_error(r, "n.weight");
   EXPECT_EQ(slurp(out), "keep");
@@ -297,6 +298,43 @@ TEST_F(DatToolTest, QuantizeRejectsBadTargetsAndWritesNothing) {
   r = q4dat("quantize " + path("in.dat") + " " + path("no/such/dir/q.dat") + " --match '^x\\.'");
   EXPECT_EQ(r.code, 1) << r.err;
   expect_one_line_error(r, "no/such/dir");
+}
+
+// No sub-command replaces a file it was not told to: an existing OUT needs --overwrite, OUT
+// may not be the input, and only regular files are written (a FIFO is refused, not opened).
+TEST_F(DatToolTest, OutputsNeverReplaceAFileUnlessTold) {
+  write_sample(path("in.dat"));
+  const std::string in_bytes = slurp(path("in.dat"));
+  ASSERT_EQ(q4dat("quantize " + path("in.dat") + " " + path("q.dat") + " --match '^x\\.'").code,
+            0);
+  const std::string q_bytes = slurp(path("q.dat"));
+  std::ofstream(path("user.dat")) << "the user's file";
+  ToolRun r = q4dat("dequantize " + path("q.dat") + " " + path("user.dat"));
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "--overwrite");
+  EXPECT_EQ(slurp(path("user.dat")), "the user's file");
+  r = q4dat("quantize " + path("in.dat") + " " + path("q.dat") + " --match '^y\\.'");
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "already exists");
+  EXPECT_EQ(slurp(path("q.dat")), q_bytes);
+  // The input as the output, even with --overwrite, and through another spelling of the path.
+  r = q4dat("quantize " + path("in.dat") + " " + dir_ + "/./in.dat --match '^x\\.' --overwrite");
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "is also the input");
+  EXPECT_EQ(slurp(path("in.dat")), in_bytes);
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0644), 0);
+  r = q4dat("dequantize " + path("q.dat") + " " + path("fifo") + " --overwrite");
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "not a regular file");
+  r = q4dat("init --config " + kFixtures + "/qwen3_tiny.config.json --out " + path("user.dat"));
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "--out");
+  EXPECT_EQ(slurp(path("user.dat")), "the user's file");
+  // Told to: replaced.
+  r = q4dat("dequantize " + path("q.dat") + " " + path("user.dat") + " --overwrite");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(slurp(path("user.dat")), "the user's file");
+  std::remove(path("fifo").c_str());
 }
 
 TEST_F(DatToolTest, DequantizeRejectsBrokenPairs) {

@@ -36,6 +36,7 @@ int run_quantize(const QuantizeOptions& o) {
   if (o.qdata_elem != 0 && o.qdata_elem != 100) {
     throw InputError(fmt::format("--qdata-elem: expected 0 or 100, found {}", o.qdata_elem));
   }
+  check_output_file(o.out, {o.in}, o.overwrite);
   const auto r = as_input([&] { return std::make_unique<DatReader>(o.in); });
   const auto& es = r->entries();
 
@@ -95,6 +96,7 @@ int run_dequantize(const DequantizeOptions& o) {
   } else if (o.dtype != "fp32") {
     throw InputError("--dtype: expected fp32, fp16 or bf16, found " + o.dtype);
   }
+  check_output_file(o.out, {o.in}, o.overwrite);
   const auto r = as_input([&] { return std::make_unique<DatReader>(o.in); });
   const auto& es = r->entries();
   const std::vector<Nvfp4Pair> pairs = find_nvfp4_pairs(*r, /*strict=*/true);

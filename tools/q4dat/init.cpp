@@ -121,6 +121,7 @@ int run_init(const InitOptions& o) {
     throw InputError("--tied: expected auto, yes or no, found " + o.tied);
   }
 
+  check_output_file(o.out, {o.config}, o.overwrite, "--out");
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<q4::model::ParamSpec> specs = q4::model::qwen3_parameters(c, separate_lm_head);
   uint64_t count = 0;

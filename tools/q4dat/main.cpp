@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   c_quant->add_option("--qdata-elem", quant.qdata_elem, "element type of .qdata: 0 or 100")
       ->check(CLI::IsMember({0, 100}))
       ->capture_default_str();
+  c_quant->add_flag("--overwrite", quant.overwrite, "replace OUT if it exists");
 
   DequantizeOptions deq;
   auto* c_deq = app.add_subcommand(
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
   c_deq->add_option("--dtype", deq.dtype, "dtype of the dense entries")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))
       ->capture_default_str();
+  c_deq->add_flag("--overwrite", deq.overwrite, "replace OUT if it exists");
 
   DiffOptions diff;
   auto* c_diff = app.add_subcommand(
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
                    "lm_head: auto (shipped layout: separate, quantized), yes (none), no")
       ->check(CLI::IsMember({"auto", "yes", "no"}))
       ->capture_default_str();
+  c_init->add_flag("--overwrite", init.overwrite, "replace --out if it exists");
 
   ExportHfOptions exp;
   auto* c_exp = app.add_subcommand(

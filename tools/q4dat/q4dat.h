@@ -28,12 +28,14 @@ int run_info(const InfoOptions& o);
 struct QuantizeOptions {
   std::string in, out, match;
   int qdata_elem = 0;  // element type of the written .qdata entries: 0 (uint8) or 100 (e2m1)
+  bool overwrite = false;  // OUT may replace an existing file
 };
 int run_quantize(const QuantizeOptions& o);
 
 struct DequantizeOptions {
   std::string in, out;
   std::string dtype = "fp32";  // fp32 | fp16 | bf16
+  bool overwrite = false;
 };
 int run_dequantize(const DequantizeOptions& o);
 
@@ -49,6 +51,7 @@ struct InitOptions {
   std::string seed = "0";     // integer in [0, 2^63 - 1]
   std::string std = "0.02";   // number in (0, kMaxInitStd]
   std::string tied = "auto";  // auto | yes | no
+  bool overwrite = false;
 };
 int run_init(const InitOptions& o);
 
