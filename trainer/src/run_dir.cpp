@@ -241,6 +241,7 @@ void check_output_paths(const Config& c) {
   }
   const std::string exp = resolved_export_path(c);
   if (!exp.empty()) {
+    check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
     const fs::path e = canonical_or_self(exp);
     const std::string fname = fs::path(exp).filename().string();
     if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec)) {
