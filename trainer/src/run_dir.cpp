@@ -280,6 +280,12 @@ void check_output_paths(const Config& c) {
     }
   }
   for (const auto& o : outputs) {
+    // The metrics file is appended to, never renamed over: a device there (a link to /dev/full
+    // or /dev/null) is written into, as io::AppendFile does; a FIFO or a directory is refused.
+    if (o.first == "log.metrics" &&
+        io::non_regular_kind(o.second.string()).find("device") != std::string::npos) {
+      continue;
+    }
     check_regular_output(o.first.rfind("output.dir", 0) == 0 ? "output.dir" : o.first, o.second);
   }
   if (c.log.report) check_regular_output("log.report", dir / "report.html");
