@@ -373,6 +373,8 @@ std::vector<std::string> clean_stale_files(const Config& c) {
   if (!exp.empty()) {
     const fs::path e = fs::absolute(exp);
     add(io::remove_stale_temp_files(e.parent_path().string(), e.filename().string()));
+    const fs::path record = fs::absolute(export_record_path(exp));
+    add(io::remove_stale_temp_files(record.parent_path().string(), record.filename().string()));
   }
   return removed;
 }
