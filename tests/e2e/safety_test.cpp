@@ -306,6 +306,20 @@ TEST(Safety, CheckpointsByTime) {
   EXPECT_FALSE(fs::exists(dir / "run" / "step_000003"));
 }
 
+// Item 7 with two ranks (Gloo on CPU): rank 0's clock decides and every rank checkpoints the
+// same steps (ranks that disagreed would deadlock in the checkpoint's barriers).
+TEST(Safety, TimedCheckpointsAgreeAcrossRanks) {
+  const fs::path dir = setup_dir("minutes2", 3, -1);
+  auto args = with_config(dir, {"output.checkpoint_minutes=0.0001", "output.export_path=none"});
+  args.insert(args.end(), {"--nproc", "2", "--dist-timeout", "60"});
+  const Result r = run(dir, args, "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* s : {"step_000001", "step_000002", "step_000003"}) {
+    EXPECT_TRUE(fs::exists(dir / "run" / s / "DONE")) << s << "\n" << r.out;
+    EXPECT_TRUE(fs::exists(dir / "run" / s / "optim-00001-of-00002.state")) << s;
+  }
+}
+
 // Item 8: `q4train ... | head` ended the run with SIGPIPE (exit 141, no checkpoint, no export).
 TEST(Safety, ClosedStdoutDoesNotEndTheRun) {
   const fs::path dir = setup_dir("sigpipe", 2, 0);
