@@ -4,13 +4,15 @@
 // prints the run summary; the full resolved config goes to <output.dir>/config.yaml), and
 // dispatches to training, --export-only, --dry-run or --probe. The only place
 // that maps failures to exit codes: 0 ok, 1 runtime, 2 usage/config/input, 3 guard stop; every
-// error is one line on stderr.
+// error is one line on stderr. SIGPIPE is ignored: a closed stdout (`q4train ... | head`) fails
+// only the writes to it (the streams turn bad, silently), never the run.
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -76,6 +78,7 @@ int fail(int code, const std::string& msg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
   std::string config_path, positional_config;
   std::vector<std::string> sets;
@@ -95,7 +98,8 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume,
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
   app.add_flag("--overwrite", overwrite,
-               "a fresh run in a non-empty output.dir replaces the previous run's files");
+               "a fresh run in a non-empty output.dir replaces the previous run's files; with "
+               "--export-only, replace a newer export; with --probe, any --probe-report file");
   app.add_flag("--export-only", export_only,
                "with --resume: export the checkpoint's model (output.export_path) and exit");
   app.add_flag("--allow-schedule-change", allow_schedule_change,
@@ -186,8 +190,9 @@ int main(int argc, char** argv) {
     if (allow_schedule_change && resume.empty()) {
       throw ConfigError("--allow-schedule-change applies to --resume only");
     }
-    if (overwrite && !resume.empty()) {
-      throw ConfigError("--overwrite starts a fresh run; it does not apply to --resume");
+    if (overwrite && !resume.empty() && !export_only) {
+      throw ConfigError("--overwrite starts a fresh run; it does not apply to --resume (except "
+                        "with --export-only, to replace a newer export)");
     }
     if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
     // Checked before anything loads: otherwise the error would come at training step 3.
@@ -204,7 +209,18 @@ int main(int argc, char** argv) {
     if (config_path.empty()) {
       config_path = resume.empty() ? default_config_path() : saved_config_path_for_resume(resume);
     }
-    const Config config = load_config(config_path, overrides);
+    Config config = load_config(config_path, overrides);
+    // --resume DIR writes into DIR's run directory, whatever output.dir the config names (a
+    // copied or moved run must never write into the original); only --set output.dir=... sends
+    // the outputs elsewhere.
+    if (!resume.empty()) {
+      bool dir_set = false;
+      for (const auto& o : overrides) dir_set |= o.key == "output.dir";
+      if (!dir_set) {
+        const std::string note = point_config_at_run_dir(config, resume_run_dir(resume));
+        if (!note.empty() && world.rank == 0 && nproc <= 1) std::cout << note << std::endl;
+      }
+    }
     if (world.rank == 0 && nproc <= 1) {
       std::cout << "q4train " << Q4_VERSION << ": config " << config_path << ", run directory "
                 << config.output.dir << std::endl;

@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,10 +57,36 @@ long temp_pid(const std::string& name) {
   return std::stol(pid);
 }
 
+std::string kind_of_mode(mode_t m) {
+  if (S_ISREG(m)) return "";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+void check_regular_target(const std::string& path) {
+  const std::string kind = non_regular_kind(path);
+  TORCH_CHECK(kind.empty(), path, " is ", kind,
+              "; an output is written only as a regular file or a new path");
+}
+
 }  // namespace
+
+std::string non_regular_kind(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return "";  // absent (or unreachable: open will say)
+  if (!S_ISLNK(st.st_mode)) return kind_of_mode(st.st_mode);
+  if (::stat(path.c_str(), &st) != 0) return "";  // a dangling link: the rename replaces the link
+  const std::string target = kind_of_mode(st.st_mode);
+  return target.empty() ? "" : "a symbolic link to " + target;
+}
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   TORCH_CHECK(!path_.empty(), "AtomicFile: empty output path");
+  check_regular_target(path_);
   tmp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(g_tmp_seq++);
   fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   TORCH_CHECK(fd_ >= 0, path_, ": cannot create temp file ", tmp_path_, ": ", errno_text(errno));
@@ -95,6 +122,7 @@ void AtomicFile::commit() {
     const int fd = fd_;
     fd_ = -1;
     TORCH_CHECK(::close(fd) == 0, tmp_path_, ": close failed: ", errno_text(errno));
+    check_regular_target(path_);  // again: it may have changed while the bytes were written
     TORCH_CHECK(::rename(tmp_path_.c_str(), path_.c_str()) == 0, path_, ": rename from ", tmp_path_,
                 " failed: ", errno_text(errno));
   } catch (...) {
@@ -152,6 +180,11 @@ AppendFile::~AppendFile() {
 void AppendFile::open(const std::string& path, bool truncate) {
   if (fd_ >= 0) close();
   path_ = path;
+  // Appending never replaces the target, so a character device (/dev/full in the full-disk
+  // tests, /dev/null) is written into, not over; a FIFO would block and a directory fails.
+  const std::string kind = non_regular_kind(path);
+  TORCH_CHECK(kind.empty() || kind.find("device") != std::string::npos, path, " is ", kind,
+              "; a log is appended only to a regular file or a new path");
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (truncate ? O_TRUNC : 0),
                0644);
   TORCH_CHECK(fd_ >= 0, path, ": cannot open for writing: ", errno_text(errno));

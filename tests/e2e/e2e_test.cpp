@@ -404,7 +404,10 @@ TEST(E2EUx, StartAndEndSummaries) {
   EXPECT_TRUE(has(end, (dir / "run" / "model.dat").string())) << end;
   EXPECT_TRUE(has(end, (dir / "run" / "step_000040").string())) << end;
   EXPECT_TRUE(has(end, "q4chat --model " + (dir / "run").string())) << end;
-  EXPECT_TRUE(has(end, "--resume " + (dir / "run").string() + " --export-only")) << end;
+  // The export hint writes a new file named by the step, never over model.dat.
+  EXPECT_TRUE(has(end, "--resume " + (dir / "run" / "step_000040").string() +
+                           " --export-only --set output.export_path=model-step40.dat"))
+      << end;
   EXPECT_TRUE(has(end, "vllm serve")) << end;
   // The log line carries the window average.
   EXPECT_TRUE(has(out, " (avg ")) << out;
@@ -523,7 +526,8 @@ TEST(E2EUx, FreshRunRefusesANonEmptyDirectoryUnlessOverwrite) {
   EXPECT_TRUE(has(r.err, "--resume")) << r.err;  // it holds a checkpoint
   auto with = args;
   with.push_back("--overwrite");
-  with.insert(with.end(), {"--set", "output.checkpoint_every=0"});
+  with.insert(with.end(),
+              {"--set", "output.checkpoint_every=0", "--set", "output.checkpoint_minutes=0"});
   r = run_q4train(with, dir / "c");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(read_text(dir / "run" / "notes.txt"), "mine");

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -138,6 +139,48 @@ TEST(AtomicFile, PublishesOnCommitOnly) {
 
 // A write that fails midway (file size limit: EFBIG, as a full disk gives ENOSPC) throws, and
 // the target and directory are as before. Run in a child so the limit stays there.
+// Outputs replace regular files only: a FIFO, a directory, a symbolic link to a FIFO or to a
+// character device (/dev/null: as root, a rename would replace the device node) are refused before
+// a temp file exists; AppendFile refuses the FIFO and the directory (it appends into a device,
+// never over it). A link to a regular file is replaced.
+TEST(AtomicFile, RefusesNonRegularTargets) {
+  const fs::path d = fresh_dir("nonregular");
+  ASSERT_EQ(::mkfifo((d / "fifo").c_str(), 0644), 0);
+  fs::create_directories(d / "dir");
+  fs::create_symlink("/dev/null", d / "devnull");
+  fs::create_symlink(d / "fifo", d / "to_fifo");
+  EXPECT_EQ(non_regular_kind((d / "fifo").string()), "a FIFO");
+  EXPECT_EQ(non_regular_kind((d / "devnull").string()), "a symbolic link to a character device");
+  EXPECT_EQ(non_regular_kind((d / "absent").string()), "");
+  for (const char* name : {"fifo", "dir", "devnull", "to_fifo"}) {
+    const std::string p = (d / name).string();
+    EXPECT_THROW({ AtomicFile f(p); }, c10::Error) << name;
+    EXPECT_THROW(write_file_atomic(p, "x"), c10::Error) << name;
+    AppendFile a;
+    if (std::string(name) != "devnull") {
+      EXPECT_THROW(a.open(p, /*truncate=*/false), c10::Error) << name;
+    }
+  }
+  try {
+    write_file_atomic((d / "devnull").string(), "x");
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("symbolic link to a character device"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_TRUE(fs::is_symlink(d / "devnull"));
+  EXPECT_TRUE(fs::is_fifo(d / "fifo"));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(d)) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names.size(), 4u) << "a temp file was left behind";
+  // A regular file, and a link to one, are replaced as before.
+  write_file_atomic((d / "plain").string(), "old");
+  fs::create_symlink(d / "plain", d / "to_plain");
+  write_file_atomic((d / "to_plain").string(), "new");
+  EXPECT_EQ(read_text(d / "to_plain"), "new");
+  EXPECT_EQ(read_text(d / "plain"), "old");
+}
+
 TEST(AtomicFile, FailedWriteLeavesNothing) {
   const fs::path d = fresh_dir("efbig");
   const std::string target = (d / "big.dat").string();

@@ -615,8 +615,12 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("output.export_every", &c.output.export_every,
             "also export every N steps (0: at the end)", R::at_least(0)),
       field("output.checkpoint_every", &c.output.checkpoint_every,
-            "checkpoint every N steps (0: only on SIGINT/SIGTERM)", R::at_least(0),
+            "also checkpoint every N steps (0: by output.checkpoint_minutes only)", R::at_least(0),
             {"save_steps", "checkpoint_interval"}),
+      field("output.checkpoint_minutes", &c.output.checkpoint_minutes,
+            "checkpoint every N minutes of training, and the last step (0 with checkpoint_every 0: "
+            "only on SIGINT/SIGTERM)",
+            R::at_least(0)),
       field("output.keep", &c.output.keep, "newest complete checkpoints kept", R::at_least(1),
             {"save_total_limit", "keep_checkpoints"}),
       field("output.verify_export", &c.output.verify_export,

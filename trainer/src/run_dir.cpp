@@ -100,6 +100,26 @@ std::vector<std::string> rotate_checkpoints(const std::string& run_dir, int64_t 
   return removed;
 }
 
+std::string resume_run_dir(const std::string& dir) {
+  fs::path p = fs::absolute(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return parse_step_name(p.filename().string()) ? p.parent_path().string() : p.string();
+}
+
+std::string point_config_at_run_dir(Config& c, const std::string& run_dir) {
+  const fs::path old_dir = fs::absolute(c.output.dir).lexically_normal();
+  const fs::path new_dir = fs::absolute(run_dir).lexically_normal();
+  if (old_dir == new_dir) return "";
+  const fs::path exp(c.output.export_path);
+  if (exp.is_absolute()) {
+    const fs::path rel = exp.lexically_normal().lexically_relative(old_dir);
+    if (!rel.empty() && *rel.begin() != "..") c.output.export_path = rel.string();
+  }
+  c.output.dir = new_dir.string();
+  return "note: --resume writes into " + new_dir.string() + "; the config's output.dir " +
+         old_dir.string() + " is not used (--set output.dir=... writes elsewhere)";
+}
+
 CheckpointDir resolve_resume_dir(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw ConfigError("--resume " + dir + ": not a directory");
@@ -142,6 +162,16 @@ fs::path canonical_or_self(const std::string& p) {
   return ec ? fs::absolute(p).lexically_normal() : c;
 }
 
+// An output that exists as anything but a regular file (a device, FIFO, socket, directory, a
+// link to one) is refused: the atomic rename would replace it (docs/reliability.md).
+void check_regular_output(const std::string& key, const fs::path& p) {
+  const std::string kind = io::non_regular_kind(p.string());
+  if (!kind.empty()) {
+    throw ConfigError("config key " + key + ": " + p.string() + " is " + kind +
+                      "; an output must be a regular file or a new path");
+  }
+}
+
 bool writable_dir(const fs::path& d) { return ::access(d.c_str(), W_OK | X_OK) == 0; }
 
 }  // namespace
@@ -179,6 +209,12 @@ void check_output_paths(const Config& c) {
   for (const auto& f : c.data.eval_files) {
     inputs.push_back({"data.eval_files", canonical_or_self(f)});
   }
+  // The config file itself (source is the path given to load_config; a config built in code has
+  // none). <output.dir>/config.yaml is the run's own copy: a fresh run refuses it elsewhere
+  // (check_config_not_in_run_dir), a resume rewrites it.
+  if (fs::is_regular_file(c.source, ec) && canonical_or_self(c.source) != dir / kConfigFile) {
+    inputs.push_back({"the config file", canonical_or_self(c.source)});
+  }
 
   // Outputs the run writes, by key.
   std::vector<std::pair<std::string, fs::path>> outputs = {
@@ -205,6 +241,7 @@ void check_output_paths(const Config& c) {
   }
   const std::string exp = resolved_export_path(c);
   if (!exp.empty()) {
+    check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
     const fs::path e = canonical_or_self(exp);
     const std::string fname = fs::path(exp).filename().string();
     if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec)) {
@@ -232,7 +269,26 @@ void check_output_paths(const Config& c) {
       }
     }
     outputs.push_back({"output.export_path", e});
+    if (c.output.hf_export != HfExport::kNone) {
+      const fs::path hf = canonical_or_self(hf_export_dir(exp));
+      if (fs::exists(fs::symlink_status(hf, ec)) && !fs::is_directory(hf, ec)) {
+        const std::string kind = io::non_regular_kind(hf.string());
+        throw ConfigError("config key output.hf_export: " + hf.string() + " is " +
+                          (kind.empty() ? std::string("a file") : kind) +
+                          "; the HF folder must be a directory or a new path");
+      }
+    }
   }
+  for (const auto& o : outputs) {
+    // The metrics file is appended to, never renamed over: a device there (a link to /dev/full
+    // or /dev/null) is written into, as io::AppendFile does; a FIFO or a directory is refused.
+    if (o.first == "log.metrics" &&
+        io::non_regular_kind(o.second.string()).find("device") != std::string::npos) {
+      continue;
+    }
+    check_regular_output(o.first.rfind("output.dir", 0) == 0 ? "output.dir" : o.first, o.second);
+  }
+  if (c.log.report) check_regular_output("log.report", dir / "report.html");
   for (const auto& o : outputs) {
     for (const auto& in : inputs) {
       if (o.second == in.second) {
@@ -317,8 +373,101 @@ std::vector<std::string> clean_stale_files(const Config& c) {
   if (!exp.empty()) {
     const fs::path e = fs::absolute(exp);
     add(io::remove_stale_temp_files(e.parent_path().string(), e.filename().string()));
+    const fs::path record = fs::absolute(export_record_path(exp));
+    add(io::remove_stale_temp_files(record.parent_path().string(), record.filename().string()));
   }
   return removed;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exports and the probe report
+
+std::string hf_export_dir(const std::string& dat_path) {
+  fs::path p(dat_path);
+  if (p.extension() == ".dat") p.replace_extension();
+  return p.string() + "-hf";
+}
+
+std::string export_record_path(const std::string& export_path) { return export_path + ".json"; }
+
+void record_export_step(const std::string& export_path, int64_t step) {
+  const nlohmann::json j = {{"step", step},
+                            {"bytes", static_cast<int64_t>(fs::file_size(export_path))}};
+  io::write_file_atomic(export_record_path(export_path), j.dump() + "\n");
+}
+
+std::optional<int64_t> existing_export_step(const std::string& export_path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(export_path, ec) ||
+      !fs::is_regular_file(export_record_path(export_path), ec)) {
+    return std::nullopt;
+  }
+  const auto size = fs::file_size(export_path, ec);
+  if (ec) return std::nullopt;
+  std::ifstream in(export_record_path(export_path));
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() ||
+      !j.contains("bytes") || j["bytes"] != static_cast<int64_t>(size)) {
+    return std::nullopt;
+  }
+  return j["step"].get<int64_t>();
+}
+
+std::string step_export_name(int64_t step) { return fmt::format("model-step{}.dat", step); }
+
+void check_export_not_newer(const std::string& export_path, int64_t step, bool overwrite,
+                            bool unknown_is_error) {
+  std::error_code ec;
+  if (overwrite || !fs::exists(export_path, ec)) return;
+  const auto held = existing_export_step(export_path);
+  const std::string safe = "; pass --overwrite to replace it, or export elsewhere (e.g. --set "
+                           "output.export_path=" +
+                           step_export_name(step) + ")";
+  if (held && *held > step) {
+    throw ConfigError(fmt::format("output.export_path {} holds step {}, newer than step {} that "
+                                  "this would export{}",
+                                  export_path, *held, step, safe));
+  }
+  if (!held && unknown_is_error) {
+    throw ConfigError("output.export_path " + export_path + " exists and its step is unknown (no " +
+                      fs::path(export_record_path(export_path)).filename().string() +
+                      " beside it describes it)" + safe);
+  }
+}
+
+void check_probe_report_path(const std::string& path, bool overwrite) {
+  const std::string kind = io::non_regular_kind(path);
+  if (!kind.empty()) {
+    throw ConfigError("--probe-report " + path + " is " + kind +
+                      "; the report must be a regular file or a new path");
+  }
+  std::error_code ec;
+  if (overwrite || !fs::exists(path, ec)) return;
+  std::ifstream in(path, std::ios::binary);
+  std::string head(4096, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(in.gcount()));
+  std::string text = head;
+  if (in) {  // larger than the head: read it all only when it starts like JSON
+    if (head.find_first_not_of(" \t\r\n") == std::string::npos ||
+        head[head.find_first_not_of(" \t\r\n")] != '{') {
+      text.clear();
+    } else {
+      std::stringstream rest;
+      rest << in.rdbuf();
+      text += rest.str();
+    }
+  }
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const bool report = j.is_object() && j.contains("phases") && j["phases"].is_array() &&
+                      j.contains("budget") && j.contains("measured");
+  if (!report) {
+    throw ConfigError("--probe-report " + path +
+                      " exists and is not a previous probe report; choose another path or pass "
+                      "--overwrite to replace it");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -71,13 +71,6 @@ constexpr const char* kTrainStateFile = "state.json";
 constexpr const char* kRngFile = "rng.dat";
 constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
 
-// output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
-std::string hf_export_dir(const std::string& dat_path) {
-  fs::path p(dat_path);
-  if (p.extension() == ".dat") p.replace_extension();
-  return p.string() + "-hf";
-}
-
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
@@ -483,6 +476,9 @@ class Trainer {
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
     if (stop_requested()) {
+      // A fresh run stopped in set-up trained nothing: what it created goes, so that the same
+      // command runs again (check_fresh_output_dir would refuse the leftovers).
+      if (!opts_.resume) remove_setup_outputs();
       out_ << "signal " << stop_signal() << " during set-up: stopped before the first step\n";
       return kExitOk;
     }
@@ -505,6 +501,9 @@ class Trainer {
     }
     check_input_files(c_, /*need_data=*/false);
     check_output_paths(c_);
+    // An older checkpoint never replaces a newer export, nor a file of unknown step.
+    check_export_not_newer(resolved_export_path(c_), ck.step, opts_.overwrite,
+                           /*unknown_is_error=*/true);
     fs::create_directories(c_.output.dir);
     lock_ = std::make_unique<RunDirLock>(c_.output.dir);
     setup_model(/*need_tokenizer=*/false);
@@ -544,6 +543,7 @@ class Trainer {
     };
     check_input_files(c_, /*need_data=*/false);
     for (const auto& f : c_.data.files) require_file(f, "data.files");
+    check_probe_report_path(probe_report_path(), opts_.overwrite);  // before anything loads
     reset_peak_memory(device_);
     mark("start");
     setup_model(/*need_tokenizer=*/!c_.data.files.empty());
@@ -651,9 +651,7 @@ class Trainer {
                            {"trainable_elements", model_->num_trainable_elements()},
                            {"steady", steady}};
     const auto report = probe_report_json(device_name(device_), phases, budget.to_json(), info);
-    const std::string path = opts_.probe_report.empty()
-                                 ? (fs::path(c_.output.dir) / "probe.json").string()
-                                 : opts_.probe_report;
+    const std::string path = probe_report_path();
     if (!fs::path(path).parent_path().empty()) {
       fs::create_directories(fs::path(path).parent_path());
     }
@@ -664,9 +662,25 @@ class Trainer {
   }
 
  private:
+  std::string probe_report_path() const {
+    return opts_.probe_report.empty() ? (fs::path(c_.output.dir) / kProbeFile).string()
+                                      : opts_.probe_report;
+  }
+
   // A fresh run refuses an output.dir holding anything but its own inputs (a previous run's
-  // checkpoints, metrics or export, the user's files) unless --overwrite.
+  // checkpoints, metrics or export, the user's files) unless --overwrite. A config file that is
+  // <output.dir>/config.yaml is refused even with --overwrite: the run writes its resolved
+  // config there and would replace the user's.
   void check_fresh_output_dir() {
+    std::error_code ec;
+    const fs::path saved = fs::path(c_.output.dir) / kConfigFile;
+    if (fs::is_regular_file(c_.source, ec) && fs::equivalent(c_.source, saved, ec)) {
+      throw ConfigError("the config file " + c_.source + " is " + saved.string() +
+                        ", where a run writes its resolved config; move the config out of "
+                        "output.dir (or choose another output.dir), or continue that run with "
+                        "--resume " +
+                        c_.output.dir);
+    }
     const auto left = run_dir_leftovers(c_);
     if (left.empty() || opts_.overwrite) return;
     const bool ck = latest_checkpoint(c_.output.dir).has_value();
@@ -687,6 +701,7 @@ class Trainer {
     if (!c_.log.metrics.empty()) owned.insert(c_.log.metrics);
     if (!exp.empty() && fs::absolute(exp).parent_path() == fs::absolute(dir)) {
       owned.insert(fs::path(exp).filename().string());
+      owned.insert(fs::path(export_record_path(exp)).filename().string());
       owned.insert(fs::path(hf_export_dir(exp)).filename().string());
     }
     std::vector<std::string> removed, kept;
@@ -713,18 +728,27 @@ class Trainer {
       // Before anything is written (config.yaml included); an unreadable state.json is reported
       // by restore() with the checksums.
       const auto state = nlohmann::json::parse(read_file(state_path.string()), nullptr, false);
-      if (state.is_object()) check_schedule_unchanged(*resume, state);
+      try {
+        if (state.is_object()) check_schedule_unchanged(*resume, state);
+      } catch (const nlohmann::json::exception& e) {
+        throw ConfigError("--resume: " + state_path.string() + ": " + e.what() +
+                          previous_checkpoint_hint(*resume));
+      }
     }
     check_input_files(c_, /*need_data=*/c_.train.steps > 0);
     check_output_paths(c_);  // every output, before anything is written
     // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
     if (!resume) check_fresh_output_dir();
+    // The final export (step train.steps) never replaces a newer one (docs/trainer.md#export).
+    check_export_not_newer(resolved_export_path(c_), c_.train.steps, opts_.overwrite,
+                           /*unknown_is_error=*/false);
     if (opts_.world.distributed()) connect_ranks();  // every rank checked its inputs first
     const fs::path dir(c_.output.dir);
-    const bool existed = fs::is_directory(dir, ec);
-    std::set<std::string> before;
-    if (existed && leader()) {
-      for (const auto& e : fs::directory_iterator(dir)) before.insert(e.path().filename().string());
+    setup_dir_existed_ = fs::is_directory(dir, ec);
+    if (setup_dir_existed_ && leader()) {
+      for (const auto& e : fs::directory_iterator(dir)) {
+        setup_dir_before_.insert(e.path().filename().string());
+      }
     }
     // Rank 0 owns the run directory; the other ranks write only their optimizer shards.
     if (leader()) {
@@ -736,17 +760,24 @@ class Trainer {
     } catch (...) {
       // A fresh run that fails in set-up (bad data, weights, tokenizer) leaves nothing behind:
       // what it created goes, so that the corrected command runs without --overwrite.
-      if (!resume && leader()) {
-        lock_.reset();
-        std::vector<fs::path> created;
-        for (const auto& e : fs::directory_iterator(dir, ec)) {
-          if (!before.count(e.path().filename().string())) created.push_back(e.path());
-        }
-        for (const auto& p : created) q4::io::remove_tree(p, ec);
-        if (!existed) fs::remove(dir, ec);  // only when empty
-      }
+      if (!resume) remove_setup_outputs();
       throw;
     }
+  }
+
+  // A fresh run ended in set-up (an error or a stop signal): rank 0 removes what the run created
+  // in output.dir (and the directory when the run made it and it is empty).
+  void remove_setup_outputs() {
+    if (!leader()) return;
+    lock_.reset();
+    std::error_code ec;
+    const fs::path dir(c_.output.dir);
+    std::vector<fs::path> created;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (!setup_dir_before_.count(e.path().filename().string())) created.push_back(e.path());
+    }
+    for (const auto& p : created) q4::io::remove_tree(p, ec);
+    if (!setup_dir_existed_) fs::remove(dir, ec);  // only when empty
   }
 
   void setup_locked(const std::optional<CheckpointDir>& resume) {
@@ -839,21 +870,27 @@ class Trainer {
   }
 
   // Failure-handling tests (docs/multi-gpu.md): Q4_FAULT=exit:R:S makes rank R exit with code 9
-  // at the start of step S; Q4_FAULT=hang:R:S makes it hang there. Off unless set.
-  void inject_fault(int64_t step) const {
+  // at the start of step S; Q4_FAULT=hang:R:S makes it hang there; Q4_FAULT=endeval:R:S makes the
+  // end-of-run eval after step S fail on rank R (an error, exit 1). Off unless set.
+  bool fault_at(const char* kind_wanted, int64_t step) const {
     const char* spec = std::getenv("Q4_FAULT");
-    if (spec == nullptr || *spec == '\0') return;
+    if (spec == nullptr || *spec == '\0') return false;
     char kind[8] = {0};
     int rank = -1;
     long long at = -1;
-    if (std::sscanf(spec, "%7[a-z]:%d:%lld", kind, &rank, &at) != 3) return;
-    if (rank != opts_.world.rank || at != step) return;
-    if (std::string(kind) == "exit") {
-      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n", rank, at);
+    if (std::sscanf(spec, "%7[a-z]:%d:%lld", kind, &rank, &at) != 3) return false;
+    return rank == opts_.world.rank && at == step && std::string(kind) == kind_wanted;
+  }
+
+  void inject_fault(int64_t step) const {
+    if (fault_at("exit", step)) {
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n", opts_.world.rank,
+                   static_cast<long long>(step));
       std::_Exit(9);
     }
-    if (std::string(kind) == "hang") {
-      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n", rank, at);
+    if (fault_at("hang", step)) {
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n", opts_.world.rank,
+                   static_cast<long long>(step));
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
   }
@@ -1264,12 +1301,25 @@ class Trainer {
       throw ConfigError("--resume: " + state_path + " is not a valid checkpoint state" +
                         previous_checkpoint_hint(ck));
     }
+    // A field of the wrong type or a batcher state that does not fit names the file too.
+    const auto state_error = [&](const std::string& what) {
+      return ConfigError("--resume: " + state_path + ": " + what + previous_checkpoint_hint(ck));
+    };
+    if (!state["step"].is_number_integer() || state["step"].get<int64_t>() < 0) {
+      throw state_error("'step' is " + state["step"].dump() + ", expected a step number");
+    }
     start_step_ = state.at("step").get<int64_t>();
     if (!export_only && start_step_ > c_.train.steps) {
       throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
                                     ck.path, start_step_, c_.train.steps));
     }
-    if (!export_only) adapt_to_checkpoint_world(state, ck);
+    if (!export_only) {
+      try {
+        adapt_to_checkpoint_world(state, ck);
+      } catch (const nlohmann::json::exception& e) {
+        throw state_error(e.what());
+      }
+    }
     const std::vector<std::string> state_files = optimizer_files(ck);
     as_input_error("--resume", [&] {
       try {
@@ -1280,18 +1330,34 @@ class Trainer {
       }
       return 0;
     });
-    if (batcher_) {
-      batcher_->restore(data::BatcherState::from_json(state.at("batcher").dump()));
+    try {
+      if (batcher_) {
+        if (!state.contains("batcher")) throw state_error("no 'batcher' state");
+        batcher_->restore(data::BatcherState::from_json(state.at("batcher").dump()));
+      }
+      tokens_seen_ = state.value("tokens_seen", int64_t{0});
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const nlohmann::json::exception& e) {
+      throw state_error(e.what());
+    } catch (const c10::Error& e) {
+      throw state_error(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw state_error(e.what());
     }
-    tokens_seen_ = state.value("tokens_seen", int64_t{0});
     if (state.contains("previous_grad_norm") && state["previous_grad_norm"].is_number()) {
       optimizer_->set_previous_grad_norm(state["previous_grad_norm"].get<double>());
     }
     if (fs::exists(dir / kRngFile)) {
-      model::DatReader rng((dir / kRngFile).string());
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng.load("cpu_generator"));
+      try {
+        model::DatReader rng((dir / kRngFile).string());
+        auto gen = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(rng.load("cpu_generator"));
+      } catch (const c10::Error& e) {
+        throw ConfigError("--resume: " + (dir / kRngFile).string() + ": " +
+                          e.what_without_backtrace() + previous_checkpoint_hint(ck));
+      }
     }
     // Each rank restored the masters it owns; the others come from their owners.
     if (comm_) broadcast_masters();
@@ -1439,6 +1505,7 @@ class Trainer {
     write_checkpoint_checksums(dir.string(), files);
     mark_checkpoint_done(dir.string(), step);
     last_checkpoint_step_ = step;
+    last_checkpoint_time_ = Clock::now();
     const auto removed = rotate_checkpoints(c_.output.dir, c_.output.keep);
     out_ << "checkpoint " << dir.string() << (removed.empty() ? "" : " (rotated ")
          << (removed.empty() ? "" : std::to_string(removed.size()) + " old)") << "\n";
@@ -1499,14 +1566,30 @@ class Trainer {
     }
   }
 
-  // The end of a run: the final checkpoint (with checkpoint_every > 0) comes before the final
-  // export, and an export that fails is checkpointed before the error ends the run, so that no
-  // trained step is lost to a full disk or a bad export path.
+  // Checkpoints are on by default: every output.checkpoint_every steps and/or every
+  // output.checkpoint_minutes of training, and at the end of the run.
+  bool checkpoints_on() const {
+    return c_.output.checkpoint_every > 0 || c_.output.checkpoint_minutes > 0;
+  }
+
+  // Whether output.checkpoint_minutes have passed since the last checkpoint (or the start of
+  // training). Rank 0's clock decides and every rank learns it (a collective), so that all ranks
+  // checkpoint the same step.
+  bool checkpoint_time_due() {
+    if (c_.output.checkpoint_minutes <= 0) return false;
+    const double minutes = ms_since(last_checkpoint_time_) / 60000.0;
+    double due = leader() && minutes >= c_.output.checkpoint_minutes ? 1.0 : 0.0;
+    if (comm_) due = comm_->allreduce_sum(due);
+    return due > 0.0;
+  }
+
+  // The end of a run: the final checkpoint comes before anything at the end that can fail (loop()
+  // takes it before the end-of-run eval), and an export that fails is checkpointed before the
+  // error ends the run (with checkpoints off too), so that no trained step is lost to a full
+  // disk, a bad export path or a failing eval.
   void finish(int64_t total, const std::vector<EvalAnswer>* reference) {
     const bool trained = total > start_step_;
-    if (c_.output.checkpoint_every > 0 && last_checkpoint_step_ != total && trained) {
-      save_checkpoint(total);
-    }
+    if (checkpoints_on() && last_checkpoint_step_ != total && trained) save_checkpoint(total);
     // Rank 0 exports; every rank learns whether it failed (the checkpoint is a collective).
     std::exception_ptr failure;
     if (leader()) {
@@ -1531,12 +1614,15 @@ class Trainer {
   void write_export(int64_t step, const std::vector<EvalAnswer>* reference) {
     const std::string path = resolved_export_path(c_);
     if (path.empty()) return;
+    // Never over a newer export (a periodic export of a resumed older checkpoint, say).
+    check_export_not_newer(path, step, opts_.overwrite, /*unknown_is_error=*/false);
     NvtxRange r("export");
     const auto t0 = Clock::now();
     {
       model::DatReader source(source_path_);
       model_->export_to(source, path);
     }
+    record_export_step(path, step);
     out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);
     export_hf_folder(path);
     if (!c_.output.verify_export) return;
@@ -1603,8 +1689,9 @@ class Trainer {
                           exp == (dir / "model.dat").string() ? c_.output.dir : exp);
     }
     if (ck) {
-      out_ << fmt::format("  export       {} --resume {} --export-only\n",
-                          tool_command("q4train"), c_.output.dir);
+      // A new file named by the step: never the run's model (docs/trainer.md#export).
+      out_ << fmt::format("  export       {} --resume {} --export-only --set output.export_path={}\n",
+                          tool_command("q4train"), ck->path, step_export_name(ck->step));
     }
     if (!exp.empty() && c_.output.hf_export != HfExport::kNone) {
       out_ << fmt::format("  serve        vllm serve {}   (docs/interop.md)\n", hf_export_dir(exp));
@@ -1637,6 +1724,7 @@ class Trainer {
     int64_t consecutive_nonfinite = 0;
     double window_loss_sum = 0;  // supervised-token-weighted losses since the last log line
     int64_t window_tokens = 0;
+    last_checkpoint_time_ = Clock::now();  // checkpoint_minutes count training time
     for (int64_t step = start_step_; step < total; ++step) {
       inject_fault(step + 1);
       const auto t0 = Clock::now();
@@ -1763,9 +1851,10 @@ class Trainer {
       if (c_.output.export_every > 0 && done % c_.output.export_every == 0 && !last) {
         export_model(done, nullptr);
       }
-      if (c_.output.checkpoint_every > 0 && done % c_.output.checkpoint_every == 0) {
-        save_checkpoint(done);
-      }
+      const bool step_due = c_.output.checkpoint_every > 0 && done % c_.output.checkpoint_every == 0;
+      // Evaluated on every step (a collective with several ranks), also when step_due.
+      const bool time_due = checkpoint_time_due();
+      if (step_due || (time_due && !last)) save_checkpoint(done);
       if (so.stop && !last) {
         if (bar) err_ << "\n";
         out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM)
@@ -1775,9 +1864,12 @@ class Trainer {
           const std::string q4train = tool_command("q4train");
           out_ << fmt::format(
                       "stopped at step {} of {} (checkpoint {}); resume with: {} --resume {}   "
-                      "(or export this step: {} --resume {} --export-only)\n",
+                      "(or export this step: {} --resume {} --export-only --set "
+                      "output.export_path={})\n",
                       done, total, (fs::path(c_.output.dir) / checkpoint_dir_name(done)).string(),
-                      q4train, c_.output.dir, q4train, c_.output.dir)
+                      q4train, c_.output.dir, q4train,
+                      (fs::path(c_.output.dir) / checkpoint_dir_name(done)).string(),
+                      step_export_name(done))
                << std::flush;
         }
         if (comm_) comm_->barrier();
@@ -1789,6 +1881,13 @@ class Trainer {
       if (const auto v = validation_loss(total)) {
         out_ << fmt::format("validation loss at step {}: {:.4f}\n", total, v->loss);
       }
+    }
+    // The final checkpoint before anything at the end that can fail (eval, export, report).
+    if (checkpoints_on() && last_checkpoint_step_ != total && total > start_step_) {
+      save_checkpoint(total);
+    }
+    if (fault_at("endeval", total)) {
+      throw std::runtime_error("Q4_FAULT: the end-of-run eval fails (test fault)");
     }
     if (c_.eval.at_end) last_answers = evaluate(total, "end");
     finish(total, &last_answers);
@@ -1830,6 +1929,9 @@ class Trainer {
   Clock::time_point run_start_ = Clock::now();
   int64_t start_step_ = 0;
   int64_t last_checkpoint_step_ = -1;
+  Clock::time_point last_checkpoint_time_ = Clock::now();  // output.checkpoint_minutes
+  bool setup_dir_existed_ = false;          // output.dir existed before set-up
+  std::set<std::string> setup_dir_before_;  // its entries then (rank 0)
   int64_t tokens_seen_ = 0;
   double flops_per_token_ = 0;
   std::optional<double> peak_flops_;

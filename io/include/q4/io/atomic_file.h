@@ -5,6 +5,10 @@
 // removes its temp file, so a failed write leaves `path` as it was and nothing behind; only a
 // kill -9 can leave a temp file, which remove_stale_temp_files() deletes at the next start.
 // AppendFile is the checked counterpart for logs that grow line by line (metrics.jsonl).
+// AtomicFile refuses a target that exists and is not a regular file (a device, FIFO, socket,
+// directory, or a symbolic link to one): renaming over /dev/null as root would replace the
+// device node. AppendFile, which never replaces its target, refuses FIFOs, sockets and
+// directories and appends into a device.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +20,9 @@ namespace q4::io {
 
 class AtomicFile {
  public:
-  explicit AtomicFile(std::string path);  // creates the temp file (O_EXCL); throws on failure
+  // Creates the temp file (O_EXCL); throws on failure and when `path` exists as anything but a
+  // regular file (see non_regular_kind).
+  explicit AtomicFile(std::string path);
   ~AtomicFile();                          // abort() unless committed
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -39,6 +45,12 @@ class AtomicFile {
   bool committed_ = false;
   bool failed_ = false;
 };
+
+// What `path` is when it exists and is not a regular file ("a character device", "a FIFO",
+// "a socket", "a directory", "a block device", "a symbolic link to a FIFO", ...); "" when it does
+// not exist, is a regular file, or is a symbolic link to a regular file or to nothing. Outputs
+// are replaced only when this is "".
+std::string non_regular_kind(const std::string& path);
 
 // The whole of `bytes` as `path`, atomically (AtomicFile).
 void write_file_atomic(const std::string& path, const std::string& bytes);
@@ -65,7 +77,8 @@ class AppendFile {
   AppendFile(const AppendFile&) = delete;
   AppendFile& operator=(const AppendFile&) = delete;
 
-  void open(const std::string& path, bool truncate);  // throws when it cannot be opened
+  // Throws when it cannot be opened or is a FIFO, socket or directory (non_regular_kind).
+  void open(const std::string& path, bool truncate);
   void write(const std::string& bytes);
   void sync();   // fsync; throws on failure
   void close();  // checked close

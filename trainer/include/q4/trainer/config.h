@@ -150,7 +150,10 @@ struct OutputConfig {
   std::string dir = "runs/run";  // run directory (config, logs, metrics, checkpoints, export)
   std::string export_path;       // exported .dat; default <dir>/model.dat; "none" disables
   int64_t export_every = 0;      // also export every N steps (0: only at the end)
-  int64_t checkpoint_every = 0;  // checkpoint every N steps (0: only on signal)
+  int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: by time only)
+  // Checkpoint every N minutes of training (0: by steps only); with either cadence on, the last
+  // step is checkpointed too. Both 0: checkpoints only on a stop signal or a failed export.
+  double checkpoint_minutes = 30.0;
   int64_t keep = 2;              // newest complete checkpoints kept
   bool verify_export = true;     // reload the export and check it generates the same answers
   // Also write a Hugging Face folder vLLM serves next to the .dat (<export .dat minus .dat>-hf):

@@ -39,6 +39,14 @@ void mark_checkpoint_done(const std::string& ckpt_dir, int64_t step);
 // Keeps the newest `keep` complete checkpoints; removes older complete ones and every
 // incomplete one. Returns the removed paths.
 std::vector<std::string> rotate_checkpoints(const std::string& run_dir, int64_t keep);
+// The run directory of `--resume DIR`: DIR itself, or its parent when DIR is a step_XXXXXX
+// checkpoint. Absolute, normalized; nothing is checked.
+std::string resume_run_dir(const std::string& dir);
+// `--resume DIR` writes into DIR's run directory (docs/trainer.md#resume): sets output.dir to
+// `run_dir` and moves an absolute output.export_path that lay inside the old output.dir along
+// with it (a relative one follows by itself). Returns a one-line note when output.dir changed,
+// "" otherwise. Not called when the user set output.dir explicitly with --set.
+std::string point_config_at_run_dir(Config& c, const std::string& run_dir);
 // `--resume DIR`: DIR is a complete checkpoint or a run directory (its newest complete one).
 // ConfigError naming DIR otherwise.
 CheckpointDir resolve_resume_dir(const std::string& dir);
@@ -49,12 +57,38 @@ void write_file_atomic(const std::string& path, const std::string& text);
 // probe.json, .lock); step_XXXXXX and temp-file names are reserved too.
 bool is_reserved_run_name(const std::string& file_name);
 
+// output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
+std::string hf_export_dir(const std::string& dat_path);
+
 // Every output path, checked before anything is written (ConfigError naming the key): log.metrics
 // is a plain file name that is not reserved; the export is not a directory, its directory exists
 // and is writable, and it is neither reserved nor the metrics file; no output is an input
-// (model.weights, model.config, model.tokenizer, data.files); output.dir is a writable directory
-// or can be created.
+// (the config file, model.weights, model.config, model.tokenizer, data.files); output.dir is a
+// writable directory or can be created; no output (config.yaml, eval.jsonl, init.dat,
+// report.html, the metrics file, the export and its HF folder) exists as anything but a regular
+// file (the HF folder: a directory), so nothing is ever renamed over a device or a FIFO.
 void check_output_paths(const Config& c);
+
+// The export record: `<export>.json` beside the export, {"step": N, "bytes": size}, written
+// after each export. It tells which step an existing export holds, so that an export never
+// replaces a newer one (docs/trainer.md#export).
+std::string export_record_path(const std::string& export_path);
+void record_export_step(const std::string& export_path, int64_t step);
+// The step the export at `export_path` holds: from its record when the record's size matches the
+// file; nullopt when the file is absent, has no record or the record does not describe it.
+std::optional<int64_t> existing_export_step(const std::string& export_path);
+// Refuses (ConfigError naming the file, its step and the safe alternative) when writing the
+// export of `step` would replace an export of a later step, or, with `unknown_is_error`, an
+// existing file whose step is not known; --overwrite (`overwrite`) lifts both.
+void check_export_not_newer(const std::string& export_path, int64_t step, bool overwrite,
+                            bool unknown_is_error);
+// The export file name that never replaces the run's model: "model-step26.dat".
+std::string step_export_name(int64_t step);
+
+// --probe-report FILE (or <output.dir>/probe.json): refused before anything loads when it exists
+// as anything but a regular file, or as a file that is not a previous probe report, unless
+// `overwrite`.
+void check_probe_report_path(const std::string& path, bool overwrite);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a

@@ -1,0 +1,410 @@
+// Regression tests of build/bin/q4train (tiny random Qwen3, real tokenizer, CPU) for the rule that
+// no command overwrites a finished model or a user's file: --resume DIR writes into DIR (a copied
+// run leaves the original untouched), an export never replaces a newer one, outputs never
+// replace inputs, devices or FIFOs, the last step is checkpointed before the end-of-run eval,
+// checkpoints are on by default, a closed stdout does not end a run, a stop during set-up leaves
+// nothing that blocks the same command, and resume errors name the file and the previous
+// checkpoint.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "e2e_util.h"
+#include "q4/io/remove_tree.h"
+#include "q4/trainer/run_dir.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using namespace q4::e2e;
+
+bool contains(const std::string& s, const std::string& needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+// A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run);
+// checkpoint_every < 0 leaves the key out (the default cadence).
+fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
+  const fs::path dir = work_root("safety") / name;
+  q4::io::remove_tree(dir);
+  fs::create_directories(dir);
+  write_text(dir / "model.json", tiny_model_config(1));
+  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
+  std::ostringstream y;
+  y << "model:\n  config: model.json\n  tokenizer: " << kSource
+    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
+    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
+    << "  steps: " << steps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
+    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
+    << "data:\n  files: [data.tsv]\n"
+    << "eval:\n  prompts: []\n"
+    << "output:\n  dir: " << (dir / "run").string() << "\n  keep: 5\n"
+    << "  verify_export: false\n";
+  if (checkpoint_every >= 0) y << "  checkpoint_every: " << checkpoint_every << "\n";
+  write_text(dir / "config.yaml", y.str());
+  return dir;
+}
+
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
+           const std::string& env = "") {
+  std::string cmd = env.empty() ? kQ4train : env + " " + kQ4train;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
+  cmd += " >" + out + " 2>" + err;
+  const int status = std::system(cmd.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+// --config dir/config.yaml plus --set for each of `sets`.
+std::vector<std::string> with_config(const fs::path& dir, const std::vector<std::string>& sets) {
+  std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
+  for (const auto& s : sets) {
+    a.push_back("--set");
+    a.push_back(s);
+  }
+  return a;
+}
+
+// Every regular file under `root` (relative path -> bytes) and its modification time.
+struct Snapshot {
+  std::map<std::string, std::string> bytes;
+  std::map<std::string, fs::file_time_type> mtime;
+};
+Snapshot snapshot(const fs::path& root) {
+  Snapshot s;
+  for (const auto& e : fs::recursive_directory_iterator(root)) {
+    if (!e.is_regular_file()) continue;
+    const std::string rel = fs::relative(e.path(), root).string();
+    if (rel == ".lock") continue;  // the lock's pid is informational and rewritten by a lock
+    s.bytes[rel] = read_text(e.path());
+    s.mtime[rel] = fs::last_write_time(e.path());
+  }
+  return s;
+}
+
+void expect_same(const Snapshot& a, const Snapshot& b, const std::string& what) {
+  EXPECT_EQ(a.bytes.size(), b.bytes.size()) << what;
+  for (const auto& [rel, bytes] : a.bytes) {
+    auto it = b.bytes.find(rel);
+    ASSERT_NE(it, b.bytes.end()) << what << ": " << rel << " is gone";
+    EXPECT_TRUE(it->second == bytes) << what << ": " << rel << " changed";
+    EXPECT_TRUE(b.mtime.at(rel) == a.mtime.at(rel)) << what << ": " << rel << " was rewritten";
+  }
+  for (const auto& [rel, bytes] : b.bytes) {
+    EXPECT_TRUE(a.bytes.count(rel)) << what << ": " << rel << " is new";
+  }
+}
+
+// Item 1: --resume of a copied run wrote into the original (its output.dir in config.yaml).
+TEST(Safety, ResumeOfACopyLeavesTheOriginalUntouched) {
+  const fs::path dir = setup_dir("copy", 4, 2);
+  // An absolute export path inside output.dir moves with the run, as a relative one does.
+  const std::string exp = "output.export_path=" + (dir / "run" / "final.dat").string();
+  Result r = run(dir, with_config(dir, {exp}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  ASSERT_TRUE(fs::exists(dir / "run" / "step_000004" / "DONE"));
+  ASSERT_EQ(std::system(("cp -a '" + (dir / "run").string() + "' '" + (dir / "copy").string() +
+                         "'")
+                            .c_str()),
+            0);
+  const Snapshot before = snapshot(dir / "run");
+
+  // More steps on the copy, then an export of one of its checkpoints.
+  r = run(dir,
+          {"--resume", (dir / "copy").string(), "--set", "train.steps=6",
+           "--allow-schedule-change"},
+          "b");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "--resume writes into " + (dir / "copy").string())) << r.out;
+  r = run(dir,
+          {"--resume", (dir / "copy" / "step_000004").string(), "--export-only", "--set",
+           "output.export_path=model-step4.dat"},
+          "c");
+  ASSERT_EQ(r.code, 0) << r.err;
+
+  expect_same(before, snapshot(dir / "run"), "the original run");
+  EXPECT_TRUE(fs::exists(dir / "copy" / "step_000006" / "DONE"));
+  EXPECT_EQ(q4::trainer::existing_export_step((dir / "copy" / "final.dat").string()), 6);
+  EXPECT_TRUE(fs::exists(dir / "copy" / "model-step4.dat"));
+  EXPECT_FALSE(fs::exists(dir / "run" / "model-step4.dat"));
+  EXPECT_TRUE(contains(read_text(dir / "copy" / "config.yaml"), (dir / "copy").string()));
+}
+
+// Item 2: the end-of-run hint `--resume RUN --export-only` exported an older checkpoint over the
+// final model. An export never replaces a newer one unless --overwrite; the hint names a new file.
+TEST(Safety, ExportNeverReplacesANewerModel) {
+  const fs::path dir = setup_dir("newer", 4, 2);
+  Result r = run(dir, with_config(dir, {}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path model = dir / "run" / "model.dat";
+  const std::string final_bytes = read_text(model);
+  ASSERT_EQ(q4::trainer::existing_export_step(model.string()), 4);
+  const std::string hint = "--export-only --set output.export_path=model-step4.dat";
+  EXPECT_TRUE(contains(r.out, hint)) << r.out;
+
+  // The older checkpoint over the step-4 model: refused, nothing written.
+  const std::string older = (dir / "run" / "step_000002").string();
+  r = run(dir, {"--resume", older, "--export-only"}, "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "holds step 4, newer than step 2")) << r.err;
+  EXPECT_TRUE(contains(r.err, "model-step2.dat")) << r.err;
+  EXPECT_TRUE(read_text(model) == final_bytes);
+  // An export of unknown step (no record) is not replaced either.
+  fs::rename(dir / "run" / "model.dat.json", dir / "model.dat.json.saved");
+  r = run(dir, {"--resume", (dir / "run").string(), "--export-only"}, "c");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "its step is unknown")) << r.err;
+  EXPECT_TRUE(read_text(model) == final_bytes);
+  fs::rename(dir / "model.dat.json.saved", dir / "run" / "model.dat.json");
+
+  // The printed hint works and writes a new file; --overwrite replaces on request.
+  r = run(dir,
+          {"--resume", (dir / "run").string(), "--export-only", "--set",
+           "output.export_path=model-step4.dat"},
+          "d");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "run" / "model-step4.dat"));
+  r = run(dir, {"--resume", older, "--export-only", "--overwrite"}, "e");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(q4::trainer::existing_export_step(model.string()), 2);
+}
+
+// Item 4: the export over the config file, --probe-report over anything, and a fresh run whose
+// config is <output.dir>/config.yaml (even with --overwrite) replaced the user's files.
+TEST(Safety, OutputsNeverReplaceTheConfigDataOrAForeignFile) {
+  const fs::path dir = setup_dir("inputs", 1, 0);
+  const std::string config = read_text(dir / "config.yaml");
+  const std::string data = read_text(dir / "data.tsv");
+  Result r = run(
+      dir, with_config(dir, {"output.export_path=" + (dir / "config.yaml").string()}), "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "the config file")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run"));
+  EXPECT_EQ(read_text(dir / "config.yaml"), config);
+
+  for (const char* target : {"data.tsv", "config.yaml"}) {
+    auto args = with_config(dir, {});
+    args.insert(args.end(), {"--probe", "--probe-report", (dir / target).string()});
+    r = run(dir, args, "b");
+    EXPECT_EQ(r.code, 2) << target << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "is not a previous probe report")) << r.err;
+    EXPECT_FALSE(contains(r.err, "probe: start")) << "checked after loading: " << r.err;
+  }
+  EXPECT_EQ(read_text(dir / "data.tsv"), data);
+  EXPECT_EQ(read_text(dir / "config.yaml"), config);
+  // A previous probe report is replaced.
+  auto args = with_config(dir, {});
+  args.insert(args.end(), {"--probe", "--probe-report", (dir / "p.json").string()});
+  ASSERT_EQ(run(dir, args, "c").code, 0);
+  r = run(dir, args, "d");
+  EXPECT_EQ(r.code, 0) << r.err;
+
+  // The user's config inside output.dir.
+  fs::create_directories(dir / "run2");
+  std::string moved = config;
+  moved.replace(moved.find((dir / "run").string()), (dir / "run").string().size(),
+                (dir / "run2").string());
+  for (const char* f : {"model.json", "data.tsv"}) fs::copy_file(dir / f, dir / "run2" / f);
+  write_text(dir / "run2" / "config.yaml", moved);
+  for (bool overwrite : {false, true}) {
+    std::vector<std::string> a = {"--config", (dir / "run2" / "config.yaml").string()};
+    if (overwrite) a.push_back("--overwrite");
+    r = run(dir, a, "e");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "where a run writes its resolved config")) << r.err;
+    EXPECT_EQ(read_text(dir / "run2" / "config.yaml"), moved);
+  }
+}
+
+// Item 5: writers renamed over FIFOs and devices (as root, export_path=/dev/null replaced the
+// system's /dev/null). Only a FIFO and a symbolic link to /dev/null are used here: if the check
+// failed, the rename would replace the link, never the device.
+TEST(Safety, NonRegularOutputsAreRefusedBeforeTheFirstStep) {
+  const fs::path dir = setup_dir("nonregular", 1, 0);
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  fs::create_symlink("/dev/null", dir / "devnull");
+  for (const char* target : {"fifo", "devnull"}) {
+    const std::string p = (dir / target).string();
+    Result r = run(dir, with_config(dir, {"output.export_path=" + p}), "a");
+    EXPECT_EQ(r.code, 2) << target << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "output.export_path")) << r.err;
+    EXPECT_FALSE(fs::exists(dir / "run")) << target;
+    auto args = with_config(dir, {});
+    args.insert(args.end(), {"--probe", "--probe-report", p});
+    r = run(dir, args, "b");
+    EXPECT_EQ(r.code, 2) << target << ": " << r.err;
+    EXPECT_FALSE(contains(r.err, "probe: start")) << "checked after loading: " << r.err;
+  }
+  // The HF folder and an entry of output.dir (the metrics file) as a FIFO.
+  ASSERT_EQ(::mkfifo((dir / "x-hf").c_str(), 0644), 0);
+  Result r = run(dir,
+                 with_config(dir, {"output.export_path=" + (dir / "x.dat").string(),
+                                   "output.hf_export=modelopt"}),
+                 "c");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "output.hf_export")) << r.err;
+  fs::create_directories(dir / "run");
+  ASSERT_EQ(::mkfifo((dir / "run" / "metrics.jsonl").c_str(), 0644), 0);
+  auto args = with_config(dir, {});
+  args.push_back("--overwrite");
+  r = run(dir, args, "d");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "log.metrics")) << r.err;
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo"));
+  EXPECT_TRUE(fs::is_symlink(dir / "devnull"));
+  EXPECT_TRUE(fs::is_fifo(dir / "run" / "metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dir / "run" / "step_000001"));
+}
+
+// Item 6: the end-of-run eval ran before the final checkpoint, so its failure lost every step.
+// Item 7: checkpoints are on by default (no checkpoint_every in this config).
+TEST(Safety, LastStepIsCheckpointedBeforeTheEndEvalByDefault) {
+  const fs::path dir = setup_dir("endeval", 3, -1);
+  Result r = run(dir, with_config(dir, {}), "a", "Q4_FAULT=endeval:0:3");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "end-of-run eval fails")) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "run" / "step_000003" / "DONE")) << r.out;
+  r = run(dir, {"--resume", (dir / "run").string()}, "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "resumed from " + (dir / "run" / "step_000003").string())) << r.out;
+  EXPECT_EQ(q4::trainer::existing_export_step((dir / "run" / "model.dat").string()), 3);
+}
+
+// Item 7: the time cadence (output.checkpoint_minutes) checkpoints during the run.
+TEST(Safety, CheckpointsByTime) {
+  const fs::path dir = setup_dir("minutes", 3, -1);
+  // 0.0001 minutes (6 ms) is shorter than a step: every step is checkpointed.
+  Result r = run(dir, with_config(dir, {"output.checkpoint_minutes=0.0001"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* s : {"step_000001", "step_000002", "step_000003"}) {
+    EXPECT_TRUE(fs::exists(dir / "run" / s / "DONE")) << s << "\n" << r.out;
+  }
+  // Both cadences off: no checkpoint.
+  q4::io::remove_tree(dir / "run");
+  r = run(dir, with_config(dir, {"output.checkpoint_minutes=0"}), "b");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run" / "step_000003"));
+}
+
+// Item 7 with two ranks (Gloo on CPU): rank 0's clock decides and every rank checkpoints the
+// same steps (ranks that disagreed would deadlock in the checkpoint's barriers).
+TEST(Safety, TimedCheckpointsAgreeAcrossRanks) {
+  const fs::path dir = setup_dir("minutes2", 3, -1);
+  auto args = with_config(dir, {"output.checkpoint_minutes=0.0001", "output.export_path=none"});
+  args.insert(args.end(), {"--nproc", "2", "--dist-timeout", "60"});
+  const Result r = run(dir, args, "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (const char* s : {"step_000001", "step_000002", "step_000003"}) {
+    EXPECT_TRUE(fs::exists(dir / "run" / s / "DONE")) << s << "\n" << r.out;
+    EXPECT_TRUE(fs::exists(dir / "run" / s / "optim-00001-of-00002.state")) << s;
+  }
+}
+
+// Item 8: `q4train ... | head` ended the run with SIGPIPE (exit 141, no checkpoint, no export).
+TEST(Safety, ClosedStdoutDoesNotEndTheRun) {
+  const fs::path dir = setup_dir("sigpipe", 2, 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string err = (dir / "a.err").string();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::dup2(fds[1], 1);
+    const int fd = ::open(err.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+    ::dup2(fd, 2);
+    const std::string cfg = (dir / "config.yaml").string();
+    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  ::close(fds[0]);  // the reader is gone before the first line
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "killed by signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0) << "\n"
+                                 << read_text(err);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text(err);
+  EXPECT_TRUE(fs::exists(dir / "run" / "model.dat"));
+  EXPECT_TRUE(fs::exists(dir / "run" / "step_000002" / "DONE"));
+}
+
+// A stop signal during set-up of a fresh run left config.yaml, init.dat and .lock behind, so the
+// same command then refused the non-empty output.dir.
+TEST(Safety, StopDuringSetUpLeavesNothingThatBlocksTheSameCommand) {
+  const fs::path dir = setup_dir("setupstop", 1, 0);
+  const std::string out = (dir / "a.out").string();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    const std::string cfg = (dir / "config.yaml").string();
+    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set",
+            "train.steps=100000", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!contains(read_text(out), ", run directory ") &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // main prints that line just before set-up (loading the tokenizer alone takes about a second).
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string log = read_text(out);
+  ASSERT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+  ASSERT_TRUE(contains(log, "during set-up")) << "the signal missed set-up:\n" << log;
+  const Result r = run(dir, with_config(dir, {"train.steps=1"}), "b");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// Resume errors named neither the file nor the previous checkpoint (a state.json whose batcher
+// state is missing gave a bare JSON exception, exit 1).
+TEST(Safety, ResumeStateErrorsNameTheFileAndThePreviousCheckpoint) {
+  const fs::path dir = setup_dir("state", 4, 2);
+  Result r = run(dir, with_config(dir, {"output.export_path=none"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path ck = dir / "run" / "step_000004";
+  auto state = nlohmann::json::parse(read_text(ck / "state.json"));
+  state.erase("batcher");
+  write_text(ck / "state.json", state.dump(2) + "\n");
+  // Checksums that match the edit: the error must come from the state, not the CRC check.
+  const auto sums = nlohmann::json::parse(read_text(ck / "checksums.json"));
+  std::vector<std::string> files;
+  for (const auto& [name, v] : sums.at("files").items()) files.push_back(name);
+  q4::trainer::write_checkpoint_checksums(ck.string(), files);
+  r = run(dir, {"--resume", (dir / "run").string(), "--set", "train.steps=6",
+                "--allow-schedule-change"},
+          "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, (ck / "state.json").string())) << r.err;
+  EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
+}
+
+}  // namespace
