@@ -5,8 +5,11 @@
 // applies a run's data.system_prompt; report.html is rewritten while a run is live.
 // Every child runs under `timeout` and a memory limit, so a regression fails instead of hanging
 // or exhausting the machine.
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -163,6 +166,50 @@ TEST_F(Tools, UnknownCommandsAreReported) {
   const Result same =
       sh("printf \"hello\\n/etc is a folder\\n\" | " + chat(run_dir(), "--quiet"), dir_);
   EXPECT_EQ(r.out, same.out);
+}
+
+// Item 21: line editing at a terminal (libedit): "/rst", two cursor-left keys, "e" and Enter
+// is the line "/rest", reported as an unknown command; without editing the escape bytes would be
+// part of the line and it would go to the model as text.
+TEST_F(Tools, TerminalLinesAreEdited) {
+  if (::dlopen("libedit.so.2", RTLD_NOW | RTLD_LOCAL) == nullptr) {
+    GTEST_SKIP() << "libedit2 is not installed (q4chat reads plain lines then)";
+  }
+  int master = -1;
+  const pid_t pid = ::forkpty(&master, nullptr, nullptr, nullptr);
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::setenv("TERM", "xterm", 1);
+    const std::string bin = kBin + "/q4chat", model = run_dir();
+    ::execl(bin.c_str(), bin.c_str(), "--model", model.c_str(), "--quiet", "--max-new-tokens", "2",
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  std::string seen;
+  const auto read_until = [&](const std::string& what, int seconds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+    while (!contains(seen, what) && std::chrono::steady_clock::now() < deadline) {
+      pollfd p{master, POLLIN, 0};
+      if (::poll(&p, 1, 100) > 0) {
+        std::array<char, 4096> buf{};
+        const ssize_t n = ::read(master, buf.data(), buf.size());
+        if (n <= 0) break;
+        seen.append(buf.data(), static_cast<size_t>(n));
+      }
+    }
+    return contains(seen, what);
+  };
+  EXPECT_TRUE(read_until("> ", 60)) << seen;
+  const std::string keys = "/rst\x1b[D\x1b[De\r";
+  ASSERT_EQ(::write(master, keys.data(), keys.size()), static_cast<ssize_t>(keys.size()));
+  EXPECT_TRUE(read_until("unknown command /rest;", 30)) << seen;
+  const std::string bye = "/exit\r";
+  ASSERT_EQ(::write(master, bye.data(), bye.size()), static_cast<ssize_t>(bye.size()));
+  read_until("\n\n", 2);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ::close(master);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << seen;
 }
 
 // Item 21: the HF folder q4train writes, and the run's data.system_prompt.
