@@ -54,8 +54,8 @@ std::string read_regular_file(const std::string& path, size_t max_bytes, const s
   TORCH_CHECK(::fstat(f.fd, &st) == 0, what, " ", path, ": cannot stat: ", std::strerror(errno));
   TORCH_CHECK(S_ISREG(st.st_mode), what, " ", path, " is ", file_kind(st.st_mode),
               "; expected a regular file");
-  TORCH_CHECK(static_cast<uint64_t>(st.st_size) <= max_bytes, what, " ", path, " has ",
-              st.st_size, " bytes; the limit is ", format_byte_limit(max_bytes));
+  TORCH_CHECK(static_cast<uint64_t>(st.st_size) <= max_bytes, what, " ", path, " has ", st.st_size,
+              " bytes; the limit is ", format_byte_limit(max_bytes));
   std::string out;
   out.resize(static_cast<size_t>(st.st_size));
   size_t have = 0;

@@ -48,7 +48,8 @@ struct Result {
 // `cmd` under sh with a 60 s timeout and an 8 GB address-space limit; stdout and stderr apart.
 Result sh(const std::string& cmd, const fs::path& dir) {
   const std::string out = (dir / "sh.out").string(), err = (dir / "sh.err").string();
-  const std::string full = "ulimit -v 8000000; timeout 60 sh -c '" + cmd + "' >" + out + " 2>" + err;
+  const std::string full =
+      "ulimit -v 8000000; timeout 60 sh -c '" + cmd + "' >" + out + " 2>" + err;
   const int status = std::system(full.c_str());
   Result r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -79,7 +80,8 @@ class Tools : public ::testing::Test {
     q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
     write_text(dir_ / "model.json", tiny_model_config(1));
-    write_text(dir_ / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
+    write_text(dir_ / "data.tsv",
+               "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
     write_text(dir_ / "config.yaml", config_yaml(dir_, "run", 2));
     train_ = sh(kQ4train + " --config " + (dir_ / "config.yaml").string(), dir_);
   }
@@ -105,8 +107,7 @@ TEST_F(Tools, ConfigMustBeABoundedRegularTextFile) {
   const std::string big = (dir_ / "big.yaml").string();
   write_text(big, "# " + std::string(size_t{17} << 20, 'x') + "\n");
   const std::string dat = run_dir() + "/model.dat";
-  for (const auto& [path, expect] :
-       std::vector<std::pair<std::string, std::string>>{
+  for (const auto& [path, expect] : std::vector<std::pair<std::string, std::string>>{
            {"/dev/zero", "is a character device; expected a regular file"},
            {fifo, "is a FIFO (named pipe); expected a regular file"},
            {dat, "is not a YAML text file: NUL byte at offset"},
@@ -157,8 +158,8 @@ TEST_F(Tools, InvalidUtf8NamesTheOptionOrLine) {
 
 // Item 21: "/rest" was sent to the model as a prompt.
 TEST_F(Tools, UnknownCommandsAreReported) {
-  const Result r = sh(
-      "printf \"hello\\n/rest\\n//etc is a folder\\n\" | " + chat(run_dir(), "--quiet"), dir_);
+  const Result r =
+      sh("printf \"hello\\n/rest\\n//etc is a folder\\n\" | " + chat(run_dir(), "--quiet"), dir_);
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(contains(r.err, "unknown command /rest; commands: /reset, /exit")) << r.err;
   // The same replies as without the command line: it never reached the model, and "//" sent
@@ -215,8 +216,8 @@ TEST_F(Tools, TerminalLinesAreEdited) {
 // Item 21: the HF folder q4train writes, and the run's data.system_prompt.
 TEST_F(Tools, OpensTheHfFolderAndAppliesTheRunSystemPrompt) {
   const std::string dat = run_dir() + "/model.dat";
-  const std::string explicit_args = "--config " + (dir_ / "model.json").string() +
-                                    " --tokenizer " + kTokenizer + " --prompt hi";
+  const std::string explicit_args =
+      "--config " + (dir_ / "model.json").string() + " --tokenizer " + kTokenizer + " --prompt hi";
   const Result with_system =
       sh(chat(dat, explicit_args + " --quiet --system \"" + kSystemPrompt + "\""), dir_);
   const Result without_system = sh(chat(dat, explicit_args + " --quiet"), dir_);

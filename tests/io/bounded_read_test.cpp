@@ -28,7 +28,8 @@ std::string error_of(const std::string& path, size_t max_bytes) {
 }
 
 TEST(BoundedRead, RegularFilesUpToTheLimit) {
-  const fs::path dir = fs::path(::testing::TempDir()) / ("q4_bounded_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("q4_bounded_" + std::to_string(::getpid()));
   remove_tree(dir);
   fs::create_directories(dir);
   const std::string f = (dir / "a.yaml").string();

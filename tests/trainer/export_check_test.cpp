@@ -26,8 +26,8 @@ TEST(ExportCheck, AllEqualIsOneLine) {
 
 TEST(ExportCheck, FewRequantizedElementsAreExpected) {
   // 1M elements = 65536 blocks; 16 moved blocks of 16 elements is 0.02% of the blocks.
-  const auto r = summarize_export_check({"model.layers.0.mlp.up_proj.weight (256 of 1048576 elements)"},
-                                        399, kNvfp4, 1.1);
+  const auto r = summarize_export_check(
+      {"model.layers.0.mlp.up_proj.weight (256 of 1048576 elements)"}, 399, kNvfp4, 1.1);
   EXPECT_TRUE(r.failures.empty()) << joined(r);
   const std::string s = joined(r);
   EXPECT_NE(s.find("398/399 tensors"), std::string::npos) << s;
@@ -40,7 +40,7 @@ TEST(ExportCheck, FewRequantizedElementsAreExpected) {
 TEST(ExportCheck, OtherDifferencesAreFailures) {
   const auto r = summarize_export_check(
       {"model.layers.0.mlp.up_proj.weight (900000 of 1048576 elements)",  // most of a tensor
-       "model.norm.weight (3 of 32 elements)",                               // a raw tensor
+       "model.norm.weight (3 of 32 elements)",                            // a raw tensor
        "model.layers.0.self_attn.q_proj.weight (shape)",
        "model.layers.0.self_attn.k_proj.weight (missing)"},
       14, kNvfp4, 0.1);
@@ -53,7 +53,7 @@ TEST(ExportCheck, OtherDifferencesAreFailures) {
 // Tiny tensors: one moved block is several percent of 1024 elements, still expected; the bound
 // grows with the tensor at 2% of its blocks.
 TEST(ExportCheck, BoundScalesWithTheTensor) {
-  EXPECT_EQ(expected_requantization_diff(1024), 64);            // 4 blocks at least
+  EXPECT_EQ(expected_requantization_diff(1024), 64);              // 4 blocks at least
   EXPECT_EQ(expected_requantization_diff(16 * 10000), 16 * 200);  // 2% of 10000 blocks
   const auto r = summarize_export_check({"a_proj (48 of 1024 elements)"}, 3, kNvfp4, 0);
   EXPECT_TRUE(r.failures.empty()) << joined(r);

@@ -21,13 +21,13 @@
 #include <memory>
 #include <string>
 
+#include "line_input.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/trainer/config.h"
-#include "line_input.h"
 #include "sampling.h"
 #include "session.h"
 

@@ -258,8 +258,7 @@ std::string render_report_html(const ReportInput& in) {
   }
   if (in.refresh_s > 0) {
     summary += fmt::format(
-        "<p class=\"summary\">the run is going: this page reloads every {} s</p>\n",
-        in.refresh_s);
+        "<p class=\"summary\">the run is going: this page reloads every {} s</p>\n", in.refresh_s);
   }
   const auto val = series_of(m, "val_loss");
   if (!val.empty()) {
@@ -300,9 +299,8 @@ std::string render_report_html(const ReportInput& in) {
       ".nostop {{ color: #a00; }}\n</style>\n</head>\n<body>\n"
       "<h1>q4train report: {0}</h1>\n{1}{2}{3}</body>\n</html>\n",
       escape(in.title), summary, body, evals,
-      in.refresh_s > 0
-          ? fmt::format("<meta http-equiv=\"refresh\" content=\"{}\">\n", in.refresh_s)
-          : std::string());
+      in.refresh_s > 0 ? fmt::format("<meta http-equiv=\"refresh\" content=\"{}\">\n", in.refresh_s)
+                       : std::string());
 }
 
 void ReportWriter::Tail::update() {

@@ -14,7 +14,7 @@
 namespace q4::trainer {
 
 struct ExportCheckReport {
-  std::vector<std::string> lines;  // what to print, one line each (no '\n')
+  std::vector<std::string> lines;     // what to print, one line each (no '\n')
   std::vector<std::string> failures;  // the entries of `differ` that are failures
 };
 
