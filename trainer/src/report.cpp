@@ -345,12 +345,23 @@ bool ReportWriter::write(bool live, double min_interval_s) {
   last_write_s_ = now;
   if (!metrics_.path.empty()) metrics_.update();
   evals_.update();
+  // The records are lent to the page (moved, not copied: a long run has one per step).
   ReportInput in;
   in.title = run_dir_;
-  in.metrics = metrics_.records;
-  in.evals = evals_.records;
+  in.metrics = std::move(metrics_.records);
+  in.evals = std::move(evals_.records);
   in.refresh_s = live ? kRefreshSeconds : 0;
-  write_file_atomic((fs::path(run_dir_) / "report.html").string(), render_report_html(in));
+  std::string html;
+  try {
+    html = render_report_html(in);
+  } catch (...) {
+    metrics_.records = std::move(in.metrics);
+    evals_.records = std::move(in.evals);
+    throw;
+  }
+  metrics_.records = std::move(in.metrics);
+  evals_.records = std::move(in.evals);
+  write_file_atomic((fs::path(run_dir_) / "report.html").string(), html);
   return true;
 }
 
