@@ -81,6 +81,19 @@ std::string read_regular_file(const std::string& path, size_t max_bytes, const s
   return out;
 }
 
+void check_regular_file(const std::string& path, size_t max_bytes, const std::string& what) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int e = errno;
+    TORCH_CHECK(e != ENOENT, what, " ", path, ": no such file");
+    TORCH_CHECK(false, what, " ", path, ": cannot stat: ", std::strerror(e));
+  }
+  TORCH_CHECK(S_ISREG(st.st_mode), what, " ", path, " is ", file_kind(st.st_mode),
+              "; expected a regular file");
+  TORCH_CHECK(static_cast<uint64_t>(st.st_size) <= max_bytes, what, " ", path, " has ", st.st_size,
+              " bytes; the limit is ", format_byte_limit(max_bytes));
+}
+
 LineRead read_line_bounded(std::istream& in, std::string& line, size_t max_bytes) {
   line.clear();
   std::streambuf* sb = in.rdbuf();

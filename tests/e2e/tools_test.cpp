@@ -132,6 +132,26 @@ TEST_F(Tools, StdinLinesAreBounded) {
   }
 }
 
+// Item 16: the JSON files the tools load whole (model config, tokenizer) as /dev/zero or a FIFO.
+TEST_F(Tools, LoadedFilesMustBeRegular) {
+  const std::string fifo = (dir_ / "tok.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string dat = run_dir() + "/model.dat", json = (dir_ / "model.json").string();
+  Result r = sh(kBin + "/q4chat --model " + dat + " --config /dev/zero --tokenizer " + kTokenizer +
+                    " --prompt hi",
+                dir_);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "model config /dev/zero is a character device")) << r.err;
+  r = sh(kBin + "/q4chat --model " + dat + " --config " + json + " --tokenizer " + fifo +
+             " --prompt hi",
+         dir_);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "tokenizer " + fifo + " is a FIFO")) << r.err;
+  r = sh(kBin + "/q4tok encode --tokenizer /dev/zero </dev/null", dir_);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "--tokenizer /dev/zero is a character device")) << r.err;
+}
+
 // Item 15: --seed -1 and 2^64 wrapped to 2^64-1.
 TEST_F(Tools, SeedOutOfRangeIsAnError) {
   for (const char* bad : {"-1", "18446744073709551616", "1e3", "seven", "\"\""}) {

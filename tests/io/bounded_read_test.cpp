@@ -45,6 +45,11 @@ TEST(BoundedRead, RegularFilesUpToTheLimit) {
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   EXPECT_NE(error_of(fifo, 9).find("is a FIFO (named pipe)"), std::string::npos);
   EXPECT_NE(error_of("/dev/zero", 9).find("is a character device"), std::string::npos);
+  // check_regular_file: the same verdicts from stat alone.
+  EXPECT_NO_THROW(check_regular_file(f, 4, "tokenizer"));
+  EXPECT_THROW(check_regular_file(f, 3, "tokenizer"), c10::Error);
+  EXPECT_THROW(check_regular_file(fifo, 9, "tokenizer"), c10::Error);
+  EXPECT_THROW(check_regular_file("/dev/zero", 9, "tokenizer"), c10::Error);
   remove_tree(dir);
 }
 

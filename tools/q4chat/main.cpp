@@ -23,6 +23,7 @@
 
 #include "line_input.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/bounded_read.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
@@ -47,6 +48,10 @@ auto as_input(F&& fn) -> decltype(fn()) {
     throw InputError(e.what());
   }
 }
+
+// Bounds of the JSON files q4chat loads: a Qwen3 config.json is a few KB, tokenizer.json 11 MB.
+constexpr size_t kMaxModelConfigBytes = size_t{16} << 20;
+constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
 
 // --seed as given: a decimal integer in the generator's range. CLI11 would wrap -1 and saturate
 // 2^64 to 2^64-1, so two different seeds would silently give the same replies.
@@ -144,6 +149,9 @@ int main(int argc, char** argv) {
       so.validate();
       TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
       const chat::ModelPaths paths = chat::resolve_model_paths(model_arg, config, tokenizer);
+      // The loaders read whole files: a FIFO or /dev/zero named here would never end.
+      io::check_regular_file(paths.config, kMaxModelConfigBytes, "model config");
+      io::check_regular_file(paths.tokenizer, kMaxTokenizerBytes, "tokenizer");
       tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(paths.tokenizer));
       // A run's system prompt is what its model was trained with; --system (even empty) wins.
       if (system_opt->count() == 0 && !paths.system_prompt.empty()) {

@@ -32,6 +32,9 @@ struct InputError : std::runtime_error {
 // The longest stdin line: one JSON document; a whole book's text fits.
 constexpr size_t kMaxLineBytes = size_t{64} << 20;
 
+// The largest tokenizer.json read (Qwen3's is 11 MB).
+constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
+
 // Line `line_no` of stdin into `line`; false at the end of input.
 bool next_line(std::string& line, int64_t line_no) {
   switch (q4::io::read_line_bounded(std::cin, line, kMaxLineBytes)) {
@@ -153,6 +156,8 @@ int main(int argc, char** argv) {
 
   std::ios::sync_with_stdio(false);
   try {
+    // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
+    q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
     const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
     if (*enc) run_encode(tok);
     if (*dec) run_decode(tok, skip_special);

@@ -15,6 +15,10 @@ namespace q4::io {
 // larger than `max_bytes` throw naming `what`, the path and the limit.
 std::string read_regular_file(const std::string& path, size_t max_bytes, const std::string& what);
 
+// The same checks without reading, for files a library loader opens itself: `path` is a regular
+// file of at most `max_bytes` bytes (stat only, so a FIFO is refused without blocking).
+void check_regular_file(const std::string& path, size_t max_bytes, const std::string& what);
+
 enum class LineRead {
   kLine,     // `line` holds the next line, without its '\n' (the last line may lack one)
   kEof,      // nothing left
