@@ -100,7 +100,7 @@ class Tools : public ::testing::Test {
 fs::path Tools::dir_;
 Result Tools::train_;
 
-// Item 16: /dev/zero, a FIFO, a binary file or a huge file as --config.
+// /dev/zero, a FIFO, a binary file or a huge file as --config: one line naming it, exit 2.
 TEST_F(Tools, ConfigMustBeABoundedRegularTextFile) {
   const std::string fifo = (dir_ / "config.fifo").string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -120,7 +120,7 @@ TEST_F(Tools, ConfigMustBeABoundedRegularTextFile) {
   }
 }
 
-// Item 16: stdin without newlines (/dev/zero) for q4chat and q4tok.
+// Stdin without newlines (/dev/zero) for q4chat and q4tok: an error naming the line.
 TEST_F(Tools, StdinLinesAreBounded) {
   Result r = sh(chat(run_dir(), "--quiet") + " </dev/zero", dir_);
   EXPECT_EQ(r.code, 2) << r.err;
@@ -132,7 +132,7 @@ TEST_F(Tools, StdinLinesAreBounded) {
   }
 }
 
-// Item 16: the JSON files the tools load whole (model config, tokenizer) as /dev/zero or a FIFO.
+// The JSON files the tools load whole (model config, tokenizer) as /dev/zero or a FIFO.
 TEST_F(Tools, LoadedFilesMustBeRegular) {
   const std::string fifo = (dir_ / "tok.fifo").string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -152,7 +152,7 @@ TEST_F(Tools, LoadedFilesMustBeRegular) {
   EXPECT_TRUE(contains(r.err, "--tokenizer /dev/zero is a character device")) << r.err;
 }
 
-// Item 15: --seed -1 and 2^64 wrapped to 2^64-1.
+// --seed outside 0..2^64-1 is an error (-1 and 2^64 must not both become 2^64-1).
 TEST_F(Tools, SeedOutOfRangeIsAnError) {
   for (const char* bad : {"-1", "18446744073709551616", "1e3", "seven", "\"\""}) {
     const Result r = sh(chat(run_dir(), std::string("--prompt hi --seed ") + bad), dir_);
@@ -163,7 +163,7 @@ TEST_F(Tools, SeedOutOfRangeIsAnError) {
   EXPECT_EQ(ok.code, 0) << ok.err;
 }
 
-// Item 21 / messages: invalid UTF-8 names the option or the stdin line.
+// Invalid UTF-8 names the option or the stdin line.
 TEST_F(Tools, InvalidUtf8NamesTheOptionOrLine) {
   Result r = sh(chat(run_dir(), "--quiet --prompt \"$(printf \"\\377\")\""), dir_);
   EXPECT_EQ(r.code, 2) << r.err;
@@ -176,7 +176,7 @@ TEST_F(Tools, InvalidUtf8NamesTheOptionOrLine) {
   EXPECT_TRUE(contains(r.err, "stdin line 2: ") && contains(r.err, "not valid UTF-8")) << r.err;
 }
 
-// Item 21: "/rest" was sent to the model as a prompt.
+// A mistyped command ("/rest") is reported, not sent to the model as a prompt.
 TEST_F(Tools, UnknownCommandsAreReported) {
   const Result r =
       sh("printf \"hello\\n/rest\\n//etc is a folder\\n\" | " + chat(run_dir(), "--quiet"), dir_);
@@ -189,7 +189,7 @@ TEST_F(Tools, UnknownCommandsAreReported) {
   EXPECT_EQ(r.out, same.out);
 }
 
-// Item 21: line editing at a terminal (libedit): "/rst", two cursor-left keys, "e" and Enter
+// Line editing at a terminal (libedit): "/rst", two cursor-left keys, "e" and Enter
 // is the line "/rest", reported as an unknown command; without editing the escape bytes would be
 // part of the line and it would go to the model as text.
 TEST_F(Tools, TerminalLinesAreEdited) {
@@ -233,7 +233,7 @@ TEST_F(Tools, TerminalLinesAreEdited) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << seen;
 }
 
-// Item 21: the HF folder q4train writes, and the run's data.system_prompt.
+// The HF folder q4train writes, and the run's data.system_prompt.
 TEST_F(Tools, OpensTheHfFolderAndAppliesTheRunSystemPrompt) {
   const std::string dat = run_dir() + "/model.dat";
   const std::string explicit_args =
@@ -260,8 +260,8 @@ TEST_F(Tools, OpensTheHfFolderAndAppliesTheRunSystemPrompt) {
   EXPECT_TRUE(contains(r.err, "Hugging Face folder")) << r.err;
 }
 
-// Item 21: report.html was written only at evals and at the end; now on the log cadence with a
-// reload tag while the run is live, and without it once the run has stopped.
+// report.html is rewritten on the log cadence with a reload tag while the run is live, and
+// without it once the run has stopped.
 TEST_F(Tools, ReportIsLiveDuringTheRun) {
   write_text(dir_ / "long.yaml", config_yaml(dir_, "long", 100000));
   const fs::path run = dir_ / "long";
