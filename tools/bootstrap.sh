@@ -13,7 +13,8 @@ step() {  # step NAME CMD...: run quietly, show the log on failure
 
 pkgs=(build-essential cmake ninja-build pkg-config libtorch-dev libyaml-cpp-dev libfmt-dev
       libcli11-dev nlohmann-json3-dev libgtest-dev libpcre2-dev libutf8proc-dev libgloo-dev
-      libopenblas0-pthread)  # LibTorch's libblas.so.3 otherwise falls back to the slow reference BLAS
+      libopenblas0-pthread   # LibTorch's libblas.so.3 otherwise falls back to the slow reference BLAS
+      libedit2)  # q4chat's line editing, loaded at run time (optional: plain lines without it)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 # npm only fetches the tokenizer; a Node.js install that already ships npm (e.g. nodesource's,

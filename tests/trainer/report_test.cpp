@@ -132,3 +132,79 @@ TEST(Report, SummaryCountsStepsAndNamesBestValidationLoss) {
 }
 
 }  // namespace q4::trainer
+
+namespace q4::trainer {
+namespace {
+
+// Readable axes: gridlines and round tick labels on both axes, the loss on a log axis (ticks at
+// 1, 2, 5 x 10^k), a linear axis where a value is not positive.
+TEST(Report, AxesHaveTicksGridlinesAndALogLossScale) {
+  std::vector<std::pair<double, double>> pts;
+  for (int step = 1; step <= 100; ++step) pts.emplace_back(step, 12.0 / step);  // 12 .. 0.12
+  const std::string log_plot = render_svg_plot("Loss", {{"loss", pts}}, "nats/token", true);
+  EXPECT_NE(log_plot.find("nats/token (log scale)"), std::string::npos);
+  for (const char* tick : {">0.2<", ">0.5<", ">1<", ">2<", ">5<", ">10<"}) {
+    EXPECT_NE(log_plot.find(tick), std::string::npos) << tick << "\n" << log_plot;
+  }
+  for (const char* tick : {">20<", ">40<", ">60<", ">80<", ">100<"}) {  // steps
+    EXPECT_NE(log_plot.find(tick), std::string::npos) << tick;
+  }
+  EXPECT_GE(count(log_plot, "stroke=\"#e4e4e4\""), 10u);  // gridlines
+  // A value <= 0 cannot go on a log axis: the plot falls back to linear.
+  const std::string lin = render_svg_plot("Loss", {{"loss", {{1, -1.0}, {2, 3.0}}}}, "", true);
+  EXPECT_EQ(lin.find("log scale"), std::string::npos);
+  ReportInput in;
+  in.metrics = {{{"step", 1}, {"loss", 5.0}}, {{"step", 2}, {"loss", 4.0}}};
+  EXPECT_NE(render_report_html(in).find("(log scale)"), std::string::npos);
+}
+
+// A long run's lines are thinned to a bounded number of vertices, the last point kept.
+TEST(Report, LongSeriesAreThinned) {
+  std::vector<std::pair<double, double>> pts;
+  for (int step = 1; step <= 100001; ++step) pts.emplace_back(step, 1.0 + 1.0 / step);
+  const std::string svg = render_svg_plot("x", {{"x", pts}});
+  EXPECT_LT(svg.size(), 100000u);
+  EXPECT_NE(svg.find("(last 1)"), std::string::npos);
+}
+
+// ReportWriter: live pages reload themselves, the final one does not; records appended between
+// writes appear; a torn last line waits; a file cut back (resume) is read again; the interval
+// skips writes.
+TEST(Report, ReportWriterReadsAppendedRecordsAndMarksLivePages) {
+  const fs::path dir =
+      fs::path(::testing::TempDir()) / ("q4_report_live_" + std::to_string(::getpid()));
+  q4::io::remove_tree(dir);
+  fs::create_directories(dir);
+  const auto page = [&] {
+    std::ifstream in(dir / "report.html");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  ReportWriter w(dir.string(), "metrics.jsonl");
+  EXPECT_TRUE(w.write(/*live=*/true));
+  EXPECT_NE(page().find("no metrics recorded yet"), std::string::npos);
+  EXPECT_NE(page().find("<meta http-equiv=\"refresh\" content=\"10\">"), std::string::npos);
+  {
+    std::ofstream m(dir / "metrics.jsonl", std::ios::app);
+    m << R"({"step": 1, "loss": 4.0})" << "\n" << R"({"step": 2, "loss": 3.0})" << "\n"
+      << R"({"step": 3, "lo)";  // being written
+  }
+  EXPECT_TRUE(w.write(true));
+  EXPECT_NE(page().find("2 steps logged; last step 2"), std::string::npos) << page();
+  {
+    std::ofstream m(dir / "metrics.jsonl", std::ios::app);
+    m << R"(ss": 2.5})" << "\n";
+  }
+  EXPECT_FALSE(w.write(true, /*min_interval_s=*/3600));  // too soon: skipped
+  EXPECT_TRUE(w.write(/*live=*/false));
+  EXPECT_NE(page().find("3 steps logged; last step 3"), std::string::npos) << page();
+  EXPECT_EQ(page().find("http-equiv"), std::string::npos);
+  std::ofstream(dir / "metrics.jsonl", std::ios::trunc) << R"({"step": 1, "loss": 4.0})" << "\n";
+  EXPECT_TRUE(w.write(false));
+  EXPECT_NE(page().find("1 steps logged; last step 1"), std::string::npos) << page();
+  q4::io::remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace q4::trainer

@@ -1,21 +1,31 @@
 // q4chat: chat with a Qwen3 model (.dat, q4train run directory, or a model folder) through the
 // Qwen3 chat template. Greedy (--temperature 0) or sampled (temperature, top-k, top-p, seed,
 // repetition penalty); the reply streams as it is decoded and ends at <|im_end|>. One-shot with
-// --prompt; otherwise interactive multi-turn on stdin (one line per turn; empty line, "/exit" or
-// EOF ends; "/reset" starts over), the KV cache kept across turns.
+// --prompt; otherwise interactive multi-turn on stdin (one line per turn, at most
+// kMaxInputLineBytes; empty line, "/exit" or EOF ends; "/reset" starts over; any other "/word"
+// is an unknown command, "//" sends a line beginning with "/"), the KV cache kept across turns,
+// with line editing on a terminal when libedit2 is installed (line_input.h).
 // Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cctype>
+#include <charconv>
 #include <chrono>
+#include <clocale>
+#include <filesystem>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <string>
 
+#include "line_input.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/bounded_read.h"
 #include "q4/model/dat_file.h"
+#include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/trainer/config.h"
@@ -39,27 +49,78 @@ auto as_input(F&& fn) -> decltype(fn()) {
   }
 }
 
+// Bounds of the JSON files q4chat loads: a Qwen3 config.json is a few KB, tokenizer.json 11 MB.
+constexpr size_t kMaxModelConfigBytes = size_t{16} << 20;
+constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
+
+// --seed as given: a decimal integer in the generator's range. CLI11 would wrap -1 and saturate
+// 2^64 to 2^64-1, so two different seeds would silently give the same replies.
+uint64_t parse_seed(const std::string& s) {
+  uint64_t v = 0;
+  const char* end = s.data() + s.size();
+  const auto r = std::from_chars(s.data(), end, v);
+  if (s.empty() || r.ec != std::errc() || r.ptr != end) {
+    throw InputError("--seed: expected an integer in 0.." +
+                     std::to_string(std::numeric_limits<uint64_t>::max()) + ", got '" + s + "'");
+  }
+  return v;
+}
+
+// Text the tokenizer must take (it refuses invalid UTF-8): checked before a turn, so the error
+// names where the text came from (an option or a stdin line).
+void check_text(const q4::data::Tokenizer& tok, const std::string& text, const std::string& where) {
+  try {
+    (void)tok.encode(text);
+  } catch (const c10::Error& e) {
+    throw InputError(where + ": " + e.msg());
+  }
+}
+
+// A user line that is a command: "/" and letters, nothing else ("/usr/bin is ..." is text).
+bool is_command(const std::string& line) {
+  if (line.size() < 2 || line[0] != '/') return false;
+  for (size_t i = 1; i < line.size(); ++i) {
+    if (!std::isalpha(static_cast<unsigned char>(line[i]))) return false;
+  }
+  return true;
+}
+
+// A Hugging Face folder imported into a temporary .dat for loading (import_hf), deleted once
+// the model is in memory or when q4chat ends.
+struct TempImport {
+  std::string path;
+  ~TempImport() { drop(); }
+  void drop() {
+    if (path.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+    path.clear();
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"q4chat: chat with a Qwen3 model through the chat template"};
-  std::string model_arg, config, tokenizer, prompt, system, device = "cpu";
+  std::string model_arg, config, tokenizer, prompt, system, device = "cpu", seed = "0";
   q4::chat::SamplingOptions so;
   so.temperature = 0.7;
   so.top_p = 0.8;
   so.top_k = 20;
   int64_t max_new = 512;
   bool quiet = false;
-  app.add_option("--model", model_arg, "a .dat file, a q4train run directory or a model folder")
+  app.add_option("--model", model_arg,
+                 "a .dat file, a q4train run directory, a Hugging Face folder or a model folder")
       ->required();
   app.add_option("--config", config, "Qwen3 config.json (default: found from --model)");
   app.add_option("--tokenizer", tokenizer, "tokenizer.json (default: found from --model)");
   app.add_option("--prompt", prompt, "one-shot: answer this and exit (default: interactive)");
-  app.add_option("--system", system, "system prompt");
+  auto* system_opt =
+      app.add_option("--system", system, "system prompt (default: a run's data.system_prompt)");
   app.add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
   app.add_option("--top-k", so.top_k, "0 = off")->capture_default_str();
   app.add_option("--top-p", so.top_p, "1 = off")->capture_default_str();
-  app.add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+  app.add_option("--seed", seed, "sampling seed, 0..2^64-1")->capture_default_str();
   app.add_option("--repetition-penalty", so.repetition_penalty, "1 = off")->capture_default_str();
   app.add_option("--max-new-tokens", max_new, "tokens per reply at most")->capture_default_str();
   app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -82,17 +143,40 @@ int main(int argc, char** argv) {
     }
     std::unique_ptr<data::Tokenizer> tok;
     std::unique_ptr<model::Qwen3Model> m;
+    TempImport imported;
     as_input([&] {
+      so.seed = parse_seed(seed);
       so.validate();
       TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
       const chat::ModelPaths paths = chat::resolve_model_paths(model_arg, config, tokenizer);
+      // The loaders read whole files: a FIFO or /dev/zero named here would never end.
+      io::check_regular_file(paths.config, kMaxModelConfigBytes, "model config");
+      io::check_regular_file(paths.tokenizer, kMaxTokenizerBytes, "tokenizer");
       tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(paths.tokenizer));
+      // A run's system prompt is what its model was trained with; --system (even empty) wins.
+      if (system_opt->count() == 0 && !paths.system_prompt.empty()) {
+        system = paths.system_prompt;
+        if (!quiet) std::cerr << "q4chat: system prompt from the run's data.system_prompt\n";
+      }
+      check_text(*tok, prompt, "--prompt");
+      check_text(*tok, system, system_opt->count() > 0 ? "--system" : "data.system_prompt");
       const auto cfg = model::Qwen3Config::from_json_file(paths.config);
       TORCH_CHECK(tok->vocab_size() <= cfg.vocab_size, "tokenizer ", paths.tokenizer, " has ",
                   tok->vocab_size(), " tokens but ", paths.config, " has vocab_size ",
                   cfg.vocab_size);
-      model::DatReader reader(paths.weights);
-      m = std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(cfg, reader, opt));
+      std::string weights = paths.weights;
+      if (paths.hf_folder) {
+        imported.path = (std::filesystem::temp_directory_path() /
+                         fmt::format("q4chat_import_{}.dat", ::getpid()))
+                            .string();
+        model::import_hf(paths.weights, imported.path);
+        weights = imported.path;
+      }
+      {
+        model::DatReader reader(weights);
+        m = std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(cfg, reader, opt));
+      }
+      imported.drop();
       if (!quiet) {
         std::cerr << fmt::format(
             "q4chat: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
@@ -117,14 +201,41 @@ int main(int argc, char** argv) {
       return 0;
     }
     const bool tty = ::isatty(0) != 0;
-    if (tty) std::cerr << "q4chat: one message per line; /reset starts over, /exit or EOF ends\n";
+    constexpr const char* kCommands = "/reset, /exit";
+    if (tty) {
+      std::setlocale(LC_CTYPE, "");  // libedit edits UTF-8 (CJK) lines by the terminal's locale
+      std::cerr << "q4chat: one message per line; /reset starts over, /exit or EOF ends\n";
+    }
+    chat::LineInput input(std::cin, /*edit=*/tty);
     std::string line;
     while (true) {
-      if (tty) std::cout << "> " << std::flush;
-      if (!std::getline(std::cin, line) || line == "/exit" || line.empty()) break;
+      try {
+        if (!input.next(tty ? "> " : "", line)) break;
+      } catch (const std::length_error& e) {
+        throw InputError(e.what());
+      }
+      if (line == "/exit" || line.empty()) break;
       if (line == "/reset") {
         session = std::make_unique<chat::ChatSession>(*m, *tok, so, system, max_new);
         continue;
+      }
+      if (is_command(line)) {
+        std::cerr << "q4chat: unknown command " << line << "; commands: " << kCommands
+                  << " (start a message with // to send text beginning with /)\n";
+        continue;
+      }
+      if (line.rfind("//", 0) == 0) line.erase(0, 1);
+      const std::string where = "stdin line " + std::to_string(input.line_number());
+      if (tty) {
+        // At a terminal a bad line is reported and the conversation goes on.
+        try {
+          check_text(*tok, line, where);
+        } catch (const InputError& e) {
+          std::cerr << "q4chat: error: " << e.what() << "\n";
+          continue;
+        }
+      } else {
+        check_text(*tok, line, where);
       }
       const auto t = std::chrono::steady_clock::now();
       const auto r = session->turn(line, print);

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "q4/data/chat.h"
+#include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -175,7 +176,14 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
       r.weights = weights;
       r.config = c.model.config;
       r.tokenizer = c.model.tokenizer;
+      r.system_prompt = c.data.system_prompt;
       r.described = "run directory " + model + " (config.yaml)";
+    } else if (model::is_hf_folder(p.string())) {
+      r.weights = p.string();
+      r.hf_folder = true;
+      r.config = (p / "config.json").string();
+      r.tokenizer = (p / "tokenizer.json").string();
+      r.described = "Hugging Face folder " + model;
     } else {
       std::vector<fs::path> dats;
       for (const auto& e : fs::directory_iterator(p)) {

@@ -60,15 +60,19 @@ class ChatSession {
 };
 
 struct ModelPaths {
-  std::string weights;    // .dat
-  std::string config;     // config.json
-  std::string tokenizer;  // tokenizer.json
-  std::string described;  // one line on how the paths were found
+  std::string weights;        // .dat, or the folder when hf_folder
+  std::string config;         // config.json
+  std::string tokenizer;      // tokenizer.json
+  std::string described;      // one line on how the paths were found
+  bool hf_folder = false;     // weights is a Hugging Face folder (model::is_hf_folder)
+  std::string system_prompt;  // a run directory's data.system_prompt (empty: none)
 };
 
 // `model`: a .dat file (config/tokenizer from the options, else config.json/tokenizer.json
-// beside it), a q4train run directory (its export, and model.config/model.tokenizer of its
-// saved config.yaml), or a folder with config.json, tokenizer.json and one .dat. A checkpoint
+// beside it), a q4train run directory (its export, model.config/model.tokenizer and
+// data.system_prompt of its saved config.yaml), a Hugging Face folder (config.json,
+// model.safetensors[.index.json], tokenizer.json: what q4train's output.hf_export writes), or a
+// folder with config.json, tokenizer.json and one .dat. A checkpoint
 // directory (step_XXXXXX) is refused with a message that says to use the run's export.
 // Non-empty `config`/`tokenizer` override what was found. Errors name the path and what is
 // missing.

@@ -4,6 +4,8 @@
 //   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
 //           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
 //   data:   load a dataset file and print its LoadSummary and token counts
+// Input lines are at most kMaxLineBytes (a stream without newlines, e.g. /dev/zero, is an error
+// naming the line, not an endless read).
 // Exit codes: 0 ok, 2 usage or input error, 1 runtime error.
 #include <c10/util/Exception.h>
 
@@ -15,6 +17,7 @@
 #include "q4/data/chat.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/bounded_read.h"
 
 namespace {
 
@@ -26,6 +29,26 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The longest stdin line: one JSON document; a whole book's text fits.
+constexpr size_t kMaxLineBytes = size_t{64} << 20;
+
+// The largest tokenizer.json read (Qwen3's is 11 MB).
+constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
+
+// Line `line_no` of stdin into `line`; false at the end of input.
+bool next_line(std::string& line, int64_t line_no) {
+  switch (q4::io::read_line_bounded(std::cin, line, kMaxLineBytes)) {
+    case q4::io::LineRead::kEof:
+      return false;
+    case q4::io::LineRead::kTooLong:
+      throw InputError("stdin:" + std::to_string(line_no) + ": line longer than " +
+                       q4::io::format_byte_limit(kMaxLineBytes) + " (one JSON value per line)");
+    case q4::io::LineRead::kLine:
+      break;
+  }
+  return true;
+}
+
 json parse_line(const std::string& line, int64_t line_no) {
   try {
     return json::parse(line);
@@ -36,7 +59,7 @@ json parse_line(const std::string& line, int64_t line_no) {
 
 void run_encode(const q4::data::Tokenizer& tok) {
   std::string line;
-  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+  for (int64_t n = 1; next_line(line, n); ++n) {
     const json j = parse_line(line, n);
     if (!j.is_string()) {
       throw InputError("stdin:" + std::to_string(n) + ": expected a JSON string, found " +
@@ -48,7 +71,7 @@ void run_encode(const q4::data::Tokenizer& tok) {
 
 void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
   std::string line;
-  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+  for (int64_t n = 1; next_line(line, n); ++n) {
     const json j = parse_line(line, n);
     const std::string where = "stdin:" + std::to_string(n);
     if (!j.is_array()) throw InputError(where + ": expected a JSON array of ids");
@@ -77,7 +100,7 @@ void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
 
 void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt) {
   std::string line;
-  for (int64_t n = 1; std::getline(std::cin, line); ++n) {
+  for (int64_t n = 1; next_line(line, n); ++n) {
     const json j = parse_line(line, n);
     const json& jm = j.is_object() && j.contains("messages") ? j["messages"] : j;
     std::vector<q4::data::Message> msgs;
@@ -133,6 +156,8 @@ int main(int argc, char** argv) {
 
   std::ios::sync_with_stdio(false);
   try {
+    // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
+    q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
     const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
     if (*enc) run_encode(tok);
     if (*dec) run_decode(tok, skip_special);

@@ -5,6 +5,7 @@
 // config_to_yaml() and the configs/README.md reference are generated from the same table.
 #include "q4/trainer/config.h"
 
+#include <c10/util/Exception.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -18,6 +19,8 @@
 #include <map>
 #include <set>
 #include <sstream>
+
+#include "q4/io/bounded_read.h"
 
 namespace fs = std::filesystem;
 
@@ -809,17 +812,30 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   return c;
 }
 
+// The largest config file read: a hand-written YAML is kilobytes; 16 MiB leaves room for
+// generated ones (long eval.prompts lists) and bounds a mistaken huge or endless file.
+constexpr size_t kMaxConfigBytes = size_t{16} << 20;
+
 Config load_config(const std::string& path, const std::vector<Override>& overrides) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     throw ConfigError("config file " + path + " is a directory; expected a YAML file");
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError("cannot open config file " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  // A config is a small text file: anything else (a FIFO, /dev/zero, a .dat given by mistake)
+  // is an error naming the file, not a read without end or a binary parsed as an empty YAML.
+  std::string text;
+  try {
+    text = io::read_regular_file(path, kMaxConfigBytes, "config file");
+  } catch (const c10::Error& e) {
+    throw ConfigError(e.what_without_backtrace());
+  }
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos) {
+    throw ConfigError("config file " + path + " is not a YAML text file: NUL byte at offset " +
+                      std::to_string(nul));
+  }
   const std::string base = fs::absolute(fs::path(path)).parent_path().string();
-  return parse_config(ss.str(), path, base, overrides);
+  return parse_config(text, path, base, overrides);
 }
 
 // ---------------------------------------------------------------------------------------------

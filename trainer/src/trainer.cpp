@@ -50,6 +50,7 @@
 #include "q4/quant/nvfp4.h"
 #include "q4/trainer/distributed.h"
 #include "q4/trainer/estimate.h"
+#include "q4/trainer/export_check.h"
 #include "q4/trainer/memory.h"
 #include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
@@ -1531,7 +1532,7 @@ class Trainer {
       tb_.add_text("eval/" + std::to_string(i), answers[i].prompt + " => " + answers[i].answer,
                    step);
     }
-    if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);
+    update_report(/*live=*/true);
     out_ << fmt::format("eval took {:.1f} s\n", ms_since(t0) / 1000.0);
     return answers;
   }
@@ -1632,13 +1633,33 @@ class Trainer {
     const auto t1 = Clock::now();
     const auto differ = model_->compare_forward_weights(model::DatReader(path));
     const auto n = static_cast<int64_t>(model_->parameters().size());
-    out_ << fmt::format(
-        "export check: {}/{} tensors of the reloaded export give the trained model's forward "
-        "weights bit for bit ({:.1f} s)\n",
-        n - static_cast<int64_t>(differ.size()), n, ms_since(t1) / 1000.0);
-    for (const auto& name : differ) out_ << "  differs: " << name << "\n";
+    // Trained NVFP4 tensors may differ in a few re-quantized blocks (export_check.h).
+    const auto requantized = [&](const std::string& name) {
+      for (const auto& p : model_->parameters()) {
+        if (p.name == name) return p.trainable && p.quantized;
+      }
+      return false;
+    };
+    const auto report = summarize_export_check(differ, n, requantized, ms_since(t1) / 1000.0);
+    for (const auto& line : report.lines) out_ << line << "\n";
+    if (!report.failures.empty()) {
+      throw std::runtime_error(fmt::format(
+          "export check failed: {} tensor(s) of {} differ from the trained model beyond "
+          "re-quantization (listed above)",
+          report.failures.size(), path));
+    }
     (void)reference;
     check_guard(c_, device_, "after the export check");
+  }
+
+  // report.html (log.report, rank 0): on the log cadence at most every kReportMinIntervalS (an
+  // atomic rewrite per log line would cost more than fast steps), at evals and at the end;
+  // `live` pages reload themselves.
+  static constexpr double kReportMinIntervalS = 2.0;
+  void update_report(bool live, double min_interval_s = 0) {
+    if (!c_.log.report || !leader()) return;
+    if (!report_) report_ = std::make_unique<ReportWriter>(c_.output.dir, c_.log.metrics);
+    report_->write(live, min_interval_s);
   }
 
   // The validation loss as a TensorBoard scalar and, before the first step, its own metrics
@@ -1826,6 +1847,7 @@ class Trainer {
       if (log_step) {
         if (bar) err_ << "\r\033[K";
         out_ << format_log_line(m) << std::endl;
+        update_report(/*live=*/true, kReportMinIntervalS);
       }
       // The run-time estimate, once: from the steps after the first (which warms up caches).
       if (session_steps == std::min<int64_t>(3, total - start_step_) && !last) {
@@ -1860,6 +1882,7 @@ class Trainer {
         out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM)
              << ": stopping after step " << done << "\n";
         if (last_checkpoint_step_ != done) save_checkpoint(done);
+        update_report(/*live=*/false);
         if (leader()) {
           const std::string q4train = tool_command("q4train");
           out_ << fmt::format(
@@ -1897,7 +1920,7 @@ class Trainer {
                           "export check): {:.2f} GiB\n",
                           to_gib(run_peak_bytes_));
     }
-    if (c_.log.report) write_run_report(c_.output.dir, c_.log.metrics);  // after the last eval
+    update_report(/*live=*/false);  // after the last eval
     if (leader()) print_end_summary(total);
     if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
     return kExitOk;
@@ -1919,6 +1942,7 @@ class Trainer {
   std::unique_ptr<RunDirLock> lock_;  // output.dir, for the whole run
   JsonlWriter metrics_;
   JsonlWriter eval_log_;
+  std::unique_ptr<ReportWriter> report_;  // report.html (update_report)
   TfEventsWriter tb_;
   std::unique_ptr<data::Batcher> val_batcher_;  // held-out examples (none: no validation)
   data::BatcherState val_start_;                // its state before the first batch
