@@ -230,7 +230,17 @@ std::optional<YAML::Node> lookup(const YAML::Node& root, const std::vector<std::
   return cur;
 }
 
-std::string resolve_path(const std::string& p, const std::string& base) {
+// A leading "~/" (or a lone "~") is the user's home directory, as in a shell: paths in configs
+// and --set values are often copied from one. Unchanged when HOME is unset.
+std::string expand_home(const std::string& p) {
+  if (p != "~" && p.rfind("~/", 0) != 0) return p;
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') return p;
+  return std::string(home) + p.substr(1);
+}
+
+std::string resolve_path(const std::string& p_in, const std::string& base) {
+  const std::string p = expand_home(p_in);
   if (p.empty()) return p;
   fs::path path(p);
   if (path.is_absolute()) return path.lexically_normal().string();
@@ -469,8 +479,10 @@ std::vector<int64_t> LayerSelection::resolve(int64_t num_layers) const {
     case Kind::kLast:
       if (last_n > num_layers) {
         throw ConfigError("config key train.trainable.layers: last:" + std::to_string(last_n) +
-                          " asks for more layers than the model has (" +
-                          std::to_string(num_layers) + ")");
+                          " selects more layers than the model has (model.config: " +
+                          std::to_string(num_layers) + " decoder layer" +
+                          (num_layers == 1 ? "" : "s") + "); use last:1 to last:" +
+                          std::to_string(num_layers) + " or all");
       }
       for (int64_t i = num_layers - last_n; i < num_layers; ++i) out.push_back(i);
       break;
@@ -530,8 +542,11 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("model.device", &c.model.device, "cpu, cuda or cuda:N"),
       field("model.grad_dtype", &c.model.grad_dtype,
             "gradient storage (auto: fp32 with fp32 masters, else bf16)"),
+      // Qwen3 uses 0.02. Above 1, products of random weights overflow fp16 masters and bf16
+      // activations within a layer or two, and the run fails later on "bad weights" that the
+      // init made.
       field("model.init_std", &c.model.init_std, "random init: std of linears and embeddings",
-            R::above(0), {"initializer_range"}),
+            Range{0.0, 1.0, true, false}, {"initializer_range"}),
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
       field("train.trainable.layers", &c.train.trainable.layers,
@@ -545,14 +560,29 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.gradient_checkpointing", &c.train.gradient_checkpointing,
             "recompute each decoder layer in backward (less activation memory)", {},
             {"activation_checkpointing"}),
-      field("train.steps", &c.train.steps, "optimizer steps", R::at_least(0),
+      field("train.steps", &c.train.steps,
+            "optimizer steps (leave out when train.epochs is set)", R::at_least(0),
             {"max_steps", "num_steps", "total_steps", "iters"}),
-      field("train.batch_size", &c.train.batch_size, "sequences per micro-batch", R::at_least(1),
+      // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
+      // intended, and steps computed from it stay far inside int64.
+      field("train.epochs", &c.train.epochs,
+            "passes over the training data instead of train.steps (0: use train.steps); steps = "
+            "ceil(epochs x micro-batches per epoch / (grad_accum x ranks))",
+            R::between(0, 1e6, false), {"num_train_epochs", "num_epochs"}),
+      // Rows per micro-batch. Every row is an int64 [seq_len] input of the batcher and a
+      // [seq_len, hidden] activation per layer: 4096 rows of the shortest useful rows already
+      // exceed one GPU, and a larger value is a typo that would reach the allocator as a raw
+      // out-of-memory error instead of this key.
+      field("train.batch_size", &c.train.batch_size, "rows (sequences) per micro-batch",
+            R::between(1, 4096, false),
             {"micro_batch_size", "per_device_train_batch_size", "train_batch_size"}),
       field("train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step",
             R::at_least(1), {"gradient_accumulation_steps", "accumulation_steps"}),
+      // Tokens per row: at most Qwen3-2507's native context (262,144 positions); the RoPE
+      // tables, masks and activations are sized by it.
       field("train.seq_len", &c.train.seq_len,
-            "tokens per sequence (longer examples are truncated)", R::at_least(2),
+            "tokens per row (longer examples are truncated per data.truncation)",
+            R::between(2, 262144, false),
             {"max_seq_length", "max_seq_len", "seq_length", "max_length", "block_size"}),
       field("train.seed", &c.train.seed, "seed of data order and stochastic rounding"),
       field("train.max_grad_norm", &c.train.max_grad_norm, "global gradient-norm clip; 0 disables",
@@ -580,6 +610,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("optim.schedule.warmup_steps", &c.optim.schedule.warmup_steps,
             "linear warmup steps from 0 to lr", R::at_least(0),
             {"warmup", "num_warmup_steps", "lr_warmup_steps"}),
+      field("optim.schedule.warmup_ratio", &c.optim.schedule.warmup_ratio,
+            "warmup as a fraction of the run instead of warmup_steps: round(ratio x steps)",
+            R::between(0, 1, true), {"warmup_fraction"}),
       field("optim.schedule.min_lr_ratio", &c.optim.schedule.min_lr_ratio,
             "final lr / lr for linear and cosine decay", R::between(0, 1, false),
             {"min_lr", "final_lr_ratio"}),
@@ -604,8 +637,11 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("eval.prompts", &c.eval.prompts, "user prompts answered greedily"),
       field("eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)",
             R::at_least(0), {"eval_steps", "eval_interval"}),
+      // The KV cache of an eval answer is sized by prompt + max_new_tokens (Qwen3-4B: 144 KiB
+      // per token, so 32,768 tokens is 4.5 GiB); 32,768 is twice the longest answer the
+      // Qwen3-2507 model card suggests, and an unbounded value became a terabyte allocation.
       field("eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit",
-            R::at_least(1), {"max_tokens"}),
+            R::between(1, 32768, false), {"max_tokens"}),
       field("eval.at_start", &c.eval.at_start, "evaluate before the first step"),
       field("eval.at_end", &c.eval.at_end, "evaluate after the last step"),
       field("output.dir", &c.output.dir,
@@ -694,7 +730,28 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
                     const std::string& base_dir, const std::vector<Override>& overrides) {
   YAML::Node root;
   try {
-    root = YAML::Load(yaml_text);
+    // Every document, so that a second one (after a "---" line) is an error rather than
+    // silently ignored. Empty documents (a leading or trailing "---") hold nothing to lose.
+    std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text);
+    if (!docs.empty()) root = docs.front();
+    for (size_t i = 1; i < docs.size(); ++i) {
+      if (docs[i].IsNull() || !docs[i].IsDefined()) continue;
+      int64_t line = docs[i].Mark().is_null() ? -1 : docs[i].Mark().line + 1;
+      if (line < 1) {  // no mark: the line of the i-th "---"
+        std::istringstream in(yaml_text);
+        std::string l;
+        size_t seps = 0;
+        for (int64_t n = 1; std::getline(in, l); ++n) {
+          if (l.rfind("---", 0) == 0 && ++seps == i + (yaml_text.rfind("---", 0) == 0)) {
+            line = n;
+            break;
+          }
+        }
+      }
+      throw ConfigError(source_name + " line " + std::to_string(line) +
+                        ": a second YAML document (after a \"---\" line); a config is one "
+                        "document: merge it into the first or remove the \"---\"");
+    }
   } catch (const YAML::ParserException& e) {
     throw ConfigError(source_name + " line " + std::to_string(e.mark.line + 1) +
                       ": invalid YAML: " + e.msg);
@@ -775,6 +832,18 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
         },
         f.ptr);
   }
+
+  // train.epochs and train.steps both set the run length: exactly one of them.
+  if (c.train.epochs > 0 && lookup(root, {"train", "steps"})) {
+    throw ConfigError("config key train.epochs: set together with train.steps" +
+                      where(*lookup(root, {"train", "steps"}),
+                            overridden.count("train.steps") ? std::string(kFromSet)
+                                                            : source_name) +
+                      "; give one of them (steps are computed from epochs and the data)");
+  }
+  // A leading ~/ in the output paths too (the input paths get it in resolve_path).
+  c.output.dir = expand_home(c.output.dir);
+  c.output.export_path = expand_home(c.output.export_path);
 
   // Input paths: relative to the config file's directory, or to the CWD for --set values.
   for (auto& f : fields) {
@@ -866,6 +935,19 @@ void validate_config(const Config& c) {
         "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
         "micro-batches must be accumulated before the update); use auto or false");
   }
+  // Tokens of one micro-batch: each field's own range still allows 4096 rows of 262,144 tokens.
+  // 2^22 tokens is already about 20 GiB per activation tensor at Qwen3-4B's hidden size 2560
+  // in bf16, more than any one micro-batch fits; past it the allocator would fail with a raw
+  // error instead of naming these keys.
+  constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 22;
+  if (t.batch_size * t.seq_len > kMaxMicroBatchTokens) {
+    throw ConfigError(
+        "config keys train.batch_size x train.seq_len: expected at most " +
+        std::to_string(kMaxMicroBatchTokens) + " tokens per micro-batch, found " +
+        std::to_string(t.batch_size) + " x " + std::to_string(t.seq_len) + " = " +
+        std::to_string(t.batch_size * t.seq_len) +
+        " (use train.grad_accum for a larger batch per step)");
+  }
   const auto& tr = t.trainable;
   if (tr.layers.kind == LayerSelection::Kind::kList) {
     std::set<int64_t> seen;
@@ -893,6 +975,11 @@ void validate_config(const Config& c) {
     throw ConfigError("config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
                       "(weights would shrink to zero or flip sign), found " +
                       fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
+  }
+  if (o.schedule.warmup_ratio > 0 && o.schedule.warmup_steps > 0) {
+    throw ConfigError(
+        "config key optim.schedule.warmup_ratio: set together with optim.schedule.warmup_steps; "
+        "give one of them");
   }
   // optim.schedule.warmup_steps > train.steps is not an error: the trainer clips it to the run
   // with a note (clip_warmup_to_run), so a smoke run with --set train.steps=3 just works.
@@ -925,6 +1012,7 @@ std::string config_to_yaml(const Config& c_in) {
   out << YAML::BeginMap;
   std::vector<std::string> open;  // currently open section path
   for (const auto& f : fields) {
+    if (f.key == "train.steps" && c.train.epochs > 0) continue;  // epochs set the run length
     auto parts = split(f.key, '.');
     const std::string leaf = parts.back();
     parts.pop_back();
