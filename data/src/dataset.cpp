@@ -269,6 +269,16 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
       "{\"text\"}"};
 }
 
+// Line ends ("\n", "\r\n" or a lone "\r", as the line reader splits) in content[0, end).
+int64_t count_line_ends(const std::string& content, size_t end) {
+  int64_t n = 0;
+  for (size_t i = 0; i < end && i < content.size(); ++i) {
+    n += content[i] == '\n' || (content[i] == '\r' && (i + 1 >= content.size() ||
+                                                      content[i + 1] != '\n'));
+  }
+  return n;
+}
+
 // A record of a JSON-array file: the text of one top-level element and its first line.
 struct ArrayRecord {
   std::string text;
@@ -280,12 +290,7 @@ struct ArrayRecord {
 // error. Elements are re-parsed one by one, so a bad record is an error (or a skip) of its own.
 std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos,
                                           const std::string& name) {
-  auto line_at = [&](size_t byte) {
-    return 1 + std::count(content.begin(),
-                          content.begin() + static_cast<std::ptrdiff_t>(std::min(byte,
-                                                                                 content.size())),
-                          '\n');
-  };
+  auto line_at = [&](size_t byte) { return 1 + count_line_ends(content, byte); };
   try {
     const json whole = json::parse(content.begin() + static_cast<std::ptrdiff_t>(pos),
                                    content.end());
@@ -411,8 +416,9 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
   const size_t first = content.find_first_not_of(" \t\r\n", pos);
   if (format == DataFormat::kJsonl && first != std::string::npos && content[first] == '[') {
     ds.summary.json_array = true;
-    ds.summary.lines = std::count(content.begin(), content.end(), '\n') +
-                       (content.empty() || content.back() == '\n' ? 0 : 1);
+    const int64_t ends = count_line_ends(content, content.size());
+    const bool last_ended = content.back() == '\n' || content.back() == '\r';
+    ds.summary.lines = ends + (last_ended ? 0 : 1);
     for (const ArrayRecord& r : split_json_array(content, first, name)) {
       try {
         check_utf8(r.text);

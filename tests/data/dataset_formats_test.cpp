@@ -211,6 +211,12 @@ TEST(DatasetFormats, JsonArrayFilesLoadLikeJsonl) {
   EXPECT_NE(bad_json.find("d.json:3: bad JSON array"), std::string::npos) << bad_json;
   EXPECT_EQ(load_dataset_from_string("[]", "e.json", test::qwen3_tokenizer(), {}).examples.size(),
             0u);
+  // Lines are counted as the line reader counts them (a lone CR ends one).
+  const Dataset cr = load_dataset_from_string(
+      "[\r{\"text\": \"a\"},\r{\"text\": \"b\"}\r]\r", "cr.json", test::qwen3_tokenizer(), {});
+  ASSERT_EQ(cr.examples.size(), 2u);
+  EXPECT_EQ(cr.examples[1].source_line, 3);
+  EXPECT_EQ(cr.summary.lines, 4);
 }
 
 }  // namespace
