@@ -155,8 +155,9 @@ TEST(DataE2E, EpochsResolveToStepsAndResume) {
   EXPECT_DOUBLE_EQ(records[1]["epoch"].get<double>(), 2.0 / 3.0);
   EXPECT_EQ(records[5]["total_steps"], 6);
   EXPECT_LT(records[0]["lr"].get<double>(), records[4]["lr"].get<double>());  // warmup 3
-  // Both run lengths at once is an error naming the keys.
-  const Result both = run(dir, {"--overwrite", "--set", "train.steps=4"});
+  // Both run lengths in one place is an error naming the keys.
+  const Result both =
+      run(dir, {"--overwrite", "--set", "train.steps=4", "--set", "train.epochs=1"});
   EXPECT_EQ(both.code, 2) << both.err;
   EXPECT_TRUE(contains(both.err, "train.epochs")) << both.err;
 }

@@ -556,9 +556,9 @@ TEST(Config, SecondYamlDocumentIsAnError) {
 TEST(Config, TildeExpandsToHome) {
   const char* home = std::getenv("HOME");
   ASSERT_NE(home, nullptr);
-  const Config c = parse(std::string(kMinimal) + "output:\n  dir: ~/runs/a\n  export_path: ~/m.dat\n",
-                         {parse_override("data.files=[~/d.tsv]"),
-                          parse_override("model.tokenizer=~/tok.json")});
+  const Config c =
+      parse(std::string(kMinimal) + "output:\n  dir: ~/runs/a\n  export_path: ~/m.dat\n",
+            {parse_override("data.files=[~/d.tsv]"), parse_override("model.tokenizer=~/tok.json")});
   const std::string h = fs::path(home).lexically_normal().string();
   EXPECT_EQ(c.data.files.at(0), (fs::path(h) / "d.tsv").string());
   EXPECT_EQ(c.model.tokenizer, (fs::path(h) / "tok.json").string());
@@ -583,6 +583,13 @@ TEST(Config, EpochsAndWarmupRatioExcludeTheirCounterparts) {
   EXPECT_TRUE(contains(msg, "train.steps (test.yaml line")) << msg;
   msg = error_of(m, {parse_override("train.epochs=1"), parse_override("train.steps=3")});
   EXPECT_TRUE(contains(msg, "train.steps (from --set)")) << msg;
+  // A --set of one overrides the other from the file (a smoke run: --set train.steps=3).
+  c = parse(m + "train:\n  epochs: 2\n", {parse_override("train.steps=3")});
+  EXPECT_EQ(c.train.steps, 3);
+  EXPECT_EQ(c.train.epochs, 0);
+  c = parse(m + "train:\n  steps: 50\n", {parse_override("train.epochs=1")});
+  EXPECT_EQ(c.train.epochs, 1);
+  EXPECT_FALSE(contains(config_to_yaml(c), "steps: 50")) << config_to_yaml(c);
   msg = error_of(m + "optim:\n  schedule: {warmup_ratio: 0.1, warmup_steps: 5}\n");
   EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
   msg = error_of(m, {parse_override("optim.schedule.warmup_ratio=1")});

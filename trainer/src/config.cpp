@@ -833,8 +833,15 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
         f.ptr);
   }
 
-  // train.epochs and train.steps both set the run length: exactly one of them.
-  if (c.train.epochs > 0 && lookup(root, {"train", "steps"})) {
+  // train.epochs and train.steps both set the run length: exactly one of them. A --set of one
+  // overrides the other from the file (a smoke run: --set train.steps=3).
+  const bool steps_from_set = overridden.count("train.steps") > 0;
+  const bool epochs_from_set = overridden.count("train.epochs") > 0;
+  if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) && steps_from_set &&
+      !epochs_from_set) {
+    c.train.epochs = 0;
+  } else if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) &&
+             !(epochs_from_set && !steps_from_set)) {
     throw ConfigError("config key train.epochs: set together with train.steps" +
                       where(*lookup(root, {"train", "steps"}),
                             overridden.count("train.steps") ? std::string(kFromSet)
