@@ -592,6 +592,10 @@ TEST(Config, EpochsAndWarmupRatioExcludeTheirCounterparts) {
   EXPECT_FALSE(contains(config_to_yaml(c), "steps: 50")) << config_to_yaml(c);
   msg = error_of(m + "optim:\n  schedule: {warmup_ratio: 0.1, warmup_steps: 5}\n");
   EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
+  c = parse(m + "optim:\n  schedule: {warmup_steps: 5}\n",
+            {parse_override("optim.schedule.warmup_ratio=0.2")});
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 0);
+  EXPECT_DOUBLE_EQ(c.optim.schedule.warmup_ratio, 0.2);
   msg = error_of(m, {parse_override("optim.schedule.warmup_ratio=1")});
   EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
   EXPECT_EQ(did_you_mean("num_train_epochs", config_keys()), "train.epochs");

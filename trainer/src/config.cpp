@@ -848,6 +848,17 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
                                                             : source_name) +
                       "; give one of them (steps are computed from epochs and the data)");
   }
+  // Likewise optim.schedule.warmup_ratio and warmup_steps (validate_config refuses both).
+  auto& sched = c.optim.schedule;
+  const bool ratio_from_set = overridden.count("optim.schedule.warmup_ratio") > 0;
+  const bool wsteps_from_set = overridden.count("optim.schedule.warmup_steps") > 0;
+  if (sched.warmup_ratio > 0 && sched.warmup_steps > 0 && ratio_from_set != wsteps_from_set) {
+    if (ratio_from_set) {
+      sched.warmup_steps = 0;
+    } else {
+      sched.warmup_ratio = 0;
+    }
+  }
   // A leading ~/ in the output paths too (the input paths get it in resolve_path).
   c.output.dir = expand_home(c.output.dir);
   c.output.export_path = expand_home(c.output.export_path);
