@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "q4/io/remove_tree.h"
+#include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -612,4 +613,33 @@ TEST(Config, LastLayersPastTheModelNamesTheKey) {
     EXPECT_TRUE(contains(msg, "config key train.trainable.layers: last:99")) << msg;
     EXPECT_TRUE(contains(msg, "2 decoder layers")) << msg;
   }
+}
+
+// train.epochs -> train.steps = max(1, ceil(epochs x micro-batches per epoch / (grad_accum x
+// ranks))), then warmup_ratio -> round(ratio x steps), then the warmup clipped to the run; the
+// config reads as the steps-based one it resolved to.
+TEST(Config, RunLengthResolvesFromTheData) {
+  Config c = parse(kMinimal, {parse_override("train.epochs=3"),
+                              parse_override("train.grad_accum=2"),
+                              parse_override("optim.schedule.warmup_ratio=0.1")});
+  std::string notes = resolve_run_length(c, /*micro_batches_per_epoch=*/10, /*ranks=*/2);
+  EXPECT_EQ(c.train.steps, 8);  // ceil(3 x 10 / 4) = ceil(7.5)
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 1);  // round(0.8)
+  EXPECT_EQ(c.train.epochs, 0);
+  EXPECT_EQ(c.optim.schedule.warmup_ratio, 0);
+  EXPECT_TRUE(contains(notes, "train.epochs 3 -> train.steps 8 (10 micro-batches per epoch, 4 per "
+                              "step: train.grad_accum 2 x 2 ranks)"))
+      << notes;
+  c = parse(kMinimal, {parse_override("train.epochs=4"), parse_override("train.grad_accum=3")});
+  resolve_run_length(c, 3, 1);
+  EXPECT_EQ(c.train.steps, 4);  // exactly 12 / 3: no rounding up
+  c = parse(kMinimal, {parse_override("train.epochs=0.01")});
+  resolve_run_length(c, 5, 1);
+  EXPECT_EQ(c.train.steps, 1);  // at least one step
+  c = parse(kMinimal, {parse_override("train.steps=4"),
+                       parse_override("optim.schedule.warmup_steps=9")});
+  notes = resolve_run_length(c, 5, 1);
+  EXPECT_EQ(c.train.steps, 4);  // steps-based: unchanged, the warmup clipped
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 4);
+  EXPECT_TRUE(contains(notes, "clipped")) << notes;
 }
