@@ -550,7 +550,12 @@ TEST(Config, SecondYamlDocumentIsAnError) {
   EXPECT_TRUE(contains(msg, "test.yaml line 9")) << msg;
   EXPECT_TRUE(contains(msg, "second YAML document")) << msg;
   EXPECT_EQ(error_of(std::string("---\n") + kMinimal), "");
-  EXPECT_EQ(error_of(std::string(kMinimal) + "---\n"), "");
+  EXPECT_EQ(error_of(std::string(kMinimal) + "---\n# the end\n"), "");
+  EXPECT_EQ(error_of(std::string("%YAML 1.2\n---\n") + kMinimal + "...\n"), "");
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "...\ntrain: {steps: 5}\n"),
+                       "test.yaml line 9: a second YAML document"));
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "--- {train: {steps: 5}}\n"),
+                       "test.yaml line 8: a second YAML document"));
 }
 
 // A leading ~/ is the home directory in every path-typed field, from the file and from --set.

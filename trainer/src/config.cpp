@@ -230,6 +230,33 @@ std::optional<YAML::Node> lookup(const YAML::Node& root, const std::vector<std::
   return cur;
 }
 
+// The line where a second YAML document's content starts, or 0 when `text` holds one document
+// (YAML::Load reads the first and silently ignores the rest). A document ends at a "---" line
+// that follows content, or at a "..." line; blank lines, comments and directives ("%YAML") hold
+// nothing, so a leading or trailing marker is fine. Scanned as text: yaml-cpp's LoadAll can loop
+// forever on malformed input.
+int64_t second_document_line(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  bool content = false, ended = false;
+  auto marker = [](const std::string& l, const char* m) {
+    return l.rfind(m, 0) == 0 && (l.size() == 3 || l[3] == ' ' || l[3] == '\t');
+  };
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const bool start = marker(line, "---"), end = marker(line, "...");
+    if ((start || end) && content) ended = true;
+    const std::string rest = start || end ? line.substr(3) : line;
+    const auto b = rest.find_first_not_of(" \t");
+    const bool has_content =
+        b != std::string::npos && rest[b] != '#' && !(b == 0 && rest[0] == '%');
+    if (!has_content) continue;
+    if (ended) return n;
+    content = true;
+  }
+  return 0;
+}
+
 // A leading "~/" (or a lone "~") is the user's home directory, as in a shell: paths in configs
 // and --set values are often copied from one. Unchanged when HOME is unset.
 std::string expand_home(const std::string& p) {
@@ -730,31 +757,15 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
                     const std::string& base_dir, const std::vector<Override>& overrides) {
   YAML::Node root;
   try {
-    // Every document, so that a second one (after a "---" line) is an error rather than
-    // silently ignored. Empty documents (a leading or trailing "---") hold nothing to lose.
-    std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text);
-    if (!docs.empty()) root = docs.front();
-    for (size_t i = 1; i < docs.size(); ++i) {
-      if (docs[i].IsNull() || !docs[i].IsDefined()) continue;
-      int64_t line = docs[i].Mark().is_null() ? -1 : docs[i].Mark().line + 1;
-      if (line < 1) {  // no mark: the line of the i-th "---"
-        std::istringstream in(yaml_text);
-        std::string l;
-        size_t seps = 0;
-        for (int64_t n = 1; std::getline(in, l); ++n) {
-          if (l.rfind("---", 0) == 0 && ++seps == i + (yaml_text.rfind("---", 0) == 0)) {
-            line = n;
-            break;
-          }
-        }
-      }
-      throw ConfigError(source_name + " line " + std::to_string(line) +
-                        ": a second YAML document (after a \"---\" line); a config is one "
-                        "document: merge it into the first or remove the \"---\"");
-    }
+    root = YAML::Load(yaml_text);
   } catch (const YAML::ParserException& e) {
     throw ConfigError(source_name + " line " + std::to_string(e.mark.line + 1) +
                       ": invalid YAML: " + e.msg);
+  }
+  if (const int64_t line = second_document_line(yaml_text); line > 0) {
+    throw ConfigError(source_name + " line " + std::to_string(line) +
+                      ": a second YAML document (after a \"---\" or \"...\" line); a config is "
+                      "one document: merge it into the first or remove the marker");
   }
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) {
