@@ -40,7 +40,9 @@ std::string TruncationStats::to_string() const {
   std::ostringstream s;
   s << examples_in << " examples, " << kept << " kept (" << truncated << " truncated), " << dropped
     << " dropped (" << dropped_unsupervised << " with nothing to supervise)";
-  if (supervised_tokens_cut > 0) s << ", " << supervised_tokens_cut << " supervised tokens cut";
+  if (supervised_tokens_cut > 0) {
+    s << ", " << supervised_tokens_cut << " supervised tokens cut by truncation";
+  }
   s << ", longest " << longest_tokens << " tokens";
   return s.str();
 }
@@ -123,33 +125,41 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
     const size_t len = ex.input_ids.size();
     stats_.longest_tokens = std::max(stats_.longest_tokens, static_cast<int64_t>(len));
     bool keep = true;
-    if (len > max_len) {
-      if (options_.truncation == Truncation::kDrop) {
-        keep = false;
-      } else if (options_.truncation == Truncation::kCutLeft) {
-        const auto first = std::find_if(ex.labels.begin(), ex.labels.end(),
-                                        [](TokenId l) { return l != kIgnoreIndex; }) -
-                           ex.labels.begin();
-        // Keep every supervised token plus at least one token of context before the first.
-        if (static_cast<size_t>(first) < len && len - first + 1 <= max_len) {
-          const size_t start = len - max_len;
-          ex.input_ids.erase(ex.input_ids.begin(), ex.input_ids.begin() + start);
-          ex.labels.erase(ex.labels.begin(), ex.labels.begin() + start);
-          ++stats_.truncated;
-        } else {
-          keep = false;
-          if (static_cast<size_t>(first) == len) ++stats_.dropped_unsupervised;
-        }
-      } else {  // kCutRight
-        stats_.supervised_tokens_cut += supervised_from(ex.labels, max_len);
-        ex.input_ids.resize(max_len);
-        ex.labels.resize(max_len);
-        ++stats_.truncated;
-        if (supervised_from(ex.labels, 1) == 0) {
-          --stats_.truncated;
-          keep = false;
-        }
+    if (len > max_len && options_.truncation == Truncation::kDrop) {
+      keep = false;
+    } else if (len > max_len) {
+      const auto first = static_cast<size_t>(
+          std::find_if(ex.labels.begin(), ex.labels.end(),
+                       [](TokenId l) { return l != kIgnoreIndex; }) -
+          ex.labels.begin());
+      // The window of max_len tokens that is kept. cut_left: the end (the answer and some of the
+      // prompt); cut_right: the start. When that window would lose every supervised token but
+      // the first (cut_left: the supervised part plus one context token is longer than the
+      // window; cut_right: the prompt fills it), the window starts half a window before the first
+      // supervised token instead: the end of the prompt, then as much of the answer as fits.
+      auto supervised_in = [&](size_t start) {
+        int64_t n = 0;
+        for (size_t k = start + 1; k < start + max_len; ++k) n += ex.labels[k] != kIgnoreIndex;
+        return n;
+      };
+      size_t start = options_.truncation == Truncation::kCutLeft ? len - max_len : 0;
+      const bool answer_fits = first < len && len - first + 1 <= max_len;
+      if ((options_.truncation == Truncation::kCutLeft && !answer_fits) ||
+          supervised_in(start) == 0) {
+        start = first < len ? std::min(len - max_len, first - std::min(first, max_len / 2)) : 0;
       }
+      // Position 0 of a row is never a target, so only labels at positions >= 1 count.
+      const int64_t before = supervised_from(ex.labels, 1);
+      ex.input_ids.erase(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start + max_len),
+                         ex.input_ids.end());
+      ex.labels.erase(ex.labels.begin() + static_cast<std::ptrdiff_t>(start + max_len),
+                      ex.labels.end());
+      ex.input_ids.erase(ex.input_ids.begin(),
+                         ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start));
+      ex.labels.erase(ex.labels.begin(), ex.labels.begin() + static_cast<std::ptrdiff_t>(start));
+      stats_.supervised_tokens_cut += before - supervised_from(ex.labels, 1);
+      ++stats_.truncated;
+      if (supervised_from(ex.labels, 1) == 0) --stats_.truncated;
     }
     if (keep && supervised_from(ex.labels, 1) == 0) {
       keep = false;
@@ -165,8 +175,11 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
     examples_.push_back(std::move(ex));
   }
   stats_.kept = static_cast<int64_t>(examples_.size());
-  TORCH_CHECK(!examples_.empty(), "batcher: no example left after the truncation policy (",
-              stats_.to_string(), "); raise max_seq_len or change truncation");
+  TORCH_CHECK(!examples_.empty(), "no example left to train on after truncation to ",
+              options_.max_seq_len, " tokens (", stats_.to_string(), ")",
+              options_.truncation == Truncation::kDrop
+                  ? "; the drop policy removes every example longer than that"
+                  : "");
   if (options_.drop_last) {
     if (options_.pack) {
       int64_t total = 0;
@@ -186,7 +199,10 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
   // Batches in epoch 0 (exact without packing).
   const std::vector<int64_t> order0 = permutation(0);
   BatcherState sim = state_;
-  while (!plan_rows(order0, &sim).empty()) ++batches_per_epoch_;
+  for (auto rows = plan_rows(order0, &sim); !rows.empty(); rows = plan_rows(order0, &sim)) {
+    ++batches_per_epoch_;
+    rows_per_epoch_ += static_cast<int64_t>(rows.size());
+  }
 }
 
 std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
@@ -372,6 +388,7 @@ void Batcher::restore(const BatcherState& s) {
 
 int64_t Batcher::num_examples() const { return static_cast<int64_t>(examples_.size()); }
 int64_t Batcher::batches_per_epoch() const { return batches_per_epoch_; }
+int64_t Batcher::rows_per_epoch() const { return rows_per_epoch_; }
 const TruncationStats& Batcher::truncation_stats() const { return stats_; }
 const BatcherOptions& Batcher::options() const { return options_; }
 const std::vector<Example>& Batcher::examples() const { return examples_; }

@@ -66,6 +66,15 @@ std::string string_field(const json& obj, const char* key) {
   return v.get<std::string>();
 }
 
+// An assistant turn with nothing in it trains the model to answer with nothing: an error, like
+// an empty answer in every other format. `where` names the turn ("messages[2]"), `key` its text.
+void check_assistant_content(const std::string& content, const std::string& where,
+                             const char* key) {
+  if (is_blank(content)) {
+    throw BadLine{where + ": empty \"" + key + "\" of an assistant turn (nothing to supervise)"};
+  }
+}
+
 // ---- other JSONL shapes people have (issue 14): TRL prompt/completion, ShareGPT, alpaca,
 // {"text"}. parse_jsonl dispatches on the keys; `kind` names the shape for the load summary.
 
@@ -86,6 +95,7 @@ std::vector<Message> message_list(const json& jm, const std::string& key) {
       throw BadLine{where + ".role: unknown role \"" + r +
                     "\" (expected system, user, assistant or tool)"};
     }
+    if (r == "assistant") check_assistant_content(msgs.back().content, where, "content");
   }
   return msgs;
 }
@@ -149,6 +159,7 @@ Example parse_sharegpt(const json& j, const Tokenizer& tok, const DatasetOptions
     has_system |= role == "system";
     has_assistant |= role == "assistant";
     msgs.push_back({role, m["value"].get<std::string>()});
+    if (role == "assistant") check_assistant_content(msgs.back().content, where, "value");
   }
   if (!has_assistant) throw BadLine{"\"conversations\": no gpt turn (nothing to supervise)"};
   if (!has_system && !opt.system_prompt.empty()) {
@@ -187,7 +198,9 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
   try {
     j = json::parse(line);
   } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e400
-    throw BadLine{std::string("bad JSON: ") + e.what()};
+    throw BadLine{std::string("bad JSON: ") + e.what() +
+                  " (JSONL holds one whole JSON object per line; a file of one JSON array of "
+                  "records starts with '[')"};
   }
   if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};
   if (j.contains("messages")) {
@@ -210,6 +223,7 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
       }
       has_system |= msg.role == "system";
       has_assistant |= msg.role == "assistant";
+      if (msg.role == "assistant") check_assistant_content(msg.content, where, "content");
       msgs.push_back(std::move(msg));
     }
     if (!has_assistant) throw BadLine{"\"messages\": no assistant message (nothing to supervise)"};
@@ -255,12 +269,80 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
       "{\"text\"}"};
 }
 
+// Line ends ("\n", "\r\n" or a lone "\r", as the line reader splits) in content[0, end).
+int64_t count_line_ends(const std::string& content, size_t end) {
+  int64_t n = 0;
+  for (size_t i = 0; i < end && i < content.size(); ++i) {
+    n += content[i] == '\n' || (content[i] == '\r' && (i + 1 >= content.size() ||
+                                                      content[i + 1] != '\n'));
+  }
+  return n;
+}
+
+// A record of a JSON-array file: the text of one top-level element and its first line.
+struct ArrayRecord {
+  std::string text;
+  int64_t line = 0;
+};
+
+// The top-level elements of `content` (a JSON array starting at byte `pos`), each with the
+// 1-based line where it starts; invalid JSON throws "<name>:<line>: ..." naming the line of the
+// error. Elements are re-parsed one by one, so a bad record is an error (or a skip) of its own.
+std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos,
+                                          const std::string& name) {
+  auto line_at = [&](size_t byte) { return 1 + count_line_ends(content, byte); };
+  try {
+    const json whole = json::parse(content.begin() + static_cast<std::ptrdiff_t>(pos),
+                                   content.end());
+    TORCH_CHECK(whole.is_array(), name, ": expected a JSON array of records");
+  } catch (const json::parse_error& e) {
+    TORCH_CHECK(false, name, ":", line_at(pos + (e.byte > 0 ? e.byte - 1 : 0)),
+                ": bad JSON array: ", e.what());
+  } catch (const json::exception& e) {  // out_of_range for numbers like 1e400
+    TORCH_CHECK(false, name, ": bad JSON array: ", e.what());
+  }
+  std::vector<ArrayRecord> out;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  size_t start = std::string::npos;
+  for (size_t i = pos; i < content.size(); ++i) {
+    const char ch = content[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      ++depth;
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+    const bool boundary = (depth == 1 && ch == ',') || (depth == 0 && ch == ']');
+    if (boundary && start != std::string::npos) {
+      out.push_back({content.substr(start, i - start), line_at(start)});
+      start = std::string::npos;
+    } else if (depth >= 1 && start == std::string::npos && !(depth == 1 && ch == '[') &&
+               !(depth == 1 && ch == ',') && std::isspace(static_cast<unsigned char>(ch)) == 0) {
+      start = i;
+    }
+    if (depth == 0) break;
+  }
+  return out;
+}
+
 DataFormat resolve_format(DataFormat f, const std::string& name) {
   if (f != DataFormat::kAuto) return f;
   const size_t dot = name.rfind('.');
   const std::string ext = dot == std::string::npos ? "" : lower(name.substr(dot + 1));
   if (ext == "tsv") return DataFormat::kTsv;
-  if (ext == "jsonl" || ext == "json") return DataFormat::kJsonl;
+  if (ext == "jsonl" || ext == "json") return DataFormat::kJsonl;  // JSON lines or one array
   if (ext == "txt" || ext == "text") return DataFormat::kText;
   TORCH_CHECK(false, name, ": cannot infer the data format from the file extension \"", ext,
               "\"; expected .tsv, .jsonl/.json or .txt, or set the format to tsv, jsonl or text");
@@ -273,7 +355,7 @@ DataFormat parse_data_format(const std::string& name) {
   const std::string n = lower(name);
   if (n == "auto") return DataFormat::kAuto;
   if (n == "tsv") return DataFormat::kTsv;
-  if (n == "jsonl") return DataFormat::kJsonl;
+  if (n == "jsonl" || n == "json") return DataFormat::kJsonl;
   if (n == "text" || n == "txt") return DataFormat::kText;
   TORCH_CHECK(false, "data format: expected auto, tsv, jsonl or text, found \"", name, "\"");
   return DataFormat::kAuto;
@@ -288,9 +370,10 @@ OnError parse_on_error(const std::string& name) {
 }
 
 std::string LoadSummary::format_name() const {
-  if (jsonl_formats.empty()) return "";
-  if (jsonl_formats.size() == 1) return "jsonl (" + jsonl_formats.begin()->first + ")";
-  std::string s = "jsonl (mixed:";
+  if (jsonl_formats.empty()) return json_array ? "json array" : "";
+  const std::string base = json_array ? "json array" : "jsonl";
+  if (jsonl_formats.size() == 1) return base + " (" + jsonl_formats.begin()->first + ")";
+  std::string s = base + " (mixed:";
   for (const auto& [k, n] : jsonl_formats) s += " " + k + " " + std::to_string(n) + ",";
   s.back() = ')';
   return s;
@@ -301,7 +384,7 @@ std::string LoadSummary::to_string() const {
   s << path << ": " << examples << " examples from " << lines << " lines (" << ignored
     << " blank/comment/header), " << skipped << " skipped, " << tokens << " tokens, "
     << supervised_tokens << " supervised";
-  if (!jsonl_formats.empty()) s << ", format " << format_name();
+  if (!format_name().empty()) s << ", format " << format_name();
   for (const auto& k : first_skipped) s << "\n  skipped line " << k.line << ": " << k.reason;
   if (skipped > static_cast<int64_t>(first_skipped.size())) {
     s << "\n  ... and " << (skipped - static_cast<int64_t>(first_skipped.size())) << " more";
@@ -328,14 +411,45 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
   bool seen_content = false;  // TSV header is only recognized before the first data line
   // A UTF-8 byte-order mark (editors on Windows write one) is not part of the first line.
   size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
+  // A JSON file whose first character is '[' is one JSON array of records (alpaca_data.json and
+  // the like), whatever its extension says; each element is read like a JSONL line.
+  const size_t first = content.find_first_not_of(" \t\r\n", pos);
+  if (format == DataFormat::kJsonl && first != std::string::npos && content[first] == '[') {
+    ds.summary.json_array = true;
+    const int64_t ends = count_line_ends(content, content.size());
+    const bool last_ended = content.back() == '\n' || content.back() == '\r';
+    ds.summary.lines = ends + (last_ended ? 0 : 1);
+    for (const ArrayRecord& r : split_json_array(content, first, name)) {
+      try {
+        check_utf8(r.text);
+        std::string kind;
+        Example ex = parse_jsonl(r.text, r.line, tokenizer, options, &kind);
+        ++ds.summary.jsonl_formats[kind];
+        ex.source_line = r.line;
+        ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
+        for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+        ds.examples.push_back(std::move(ex));
+      } catch (const BadLine& bad) {
+        TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", r.line, ": ", bad.reason,
+                    " (set on_error: skip to skip malformed records)");
+        ++ds.summary.skipped;
+        if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
+          ds.summary.first_skipped.push_back({r.line, bad.reason});
+        }
+      }
+    }
+    ds.summary.examples = static_cast<int64_t>(ds.examples.size());
+    return ds;
+  }
   int64_t line_no = 0;
   while (pos < content.size()) {
-    size_t nl = content.find('\n', pos);
+    // "\n", "\r\n" and a lone "\r" (old Mac tools) each end a line: a raw CR is never part of
+    // a record (JSON escapes it, and a TSV or text line holding one would merge two records).
+    size_t nl = content.find_first_of("\r\n", pos);
     if (nl == std::string::npos) nl = content.size();
     std::string line = content.substr(pos, nl - pos);
-    pos = nl + 1;
+    pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
     ++line_no;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
     ds.summary.lines = line_no;
     if (is_blank(line)) {
       ++ds.summary.ignored;

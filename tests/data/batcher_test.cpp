@@ -76,33 +76,61 @@ TEST(Batcher, PadsToLongestWithMasks) {
   EXPECT_EQ(x.example_indices, (std::vector<int64_t>{0, 1, 2}));
 }
 
-TEST(Batcher, CutLeftKeepsAnswerAndDropsWhatCannotFit) {
+TEST(Batcher, CutLeftKeepsAnswerAndTruncatesWhatCannotFit) {
   BatcherOptions o;
   o.max_seq_len = 8;
   o.shuffle = false;
   o.batch_size = 4;
-  // 0: fits. 1: long prompt (10) + answer 3 -> cut to the last 8. 2: answer 8 > 7 -> dropped.
+  // 0: fits. 1: long prompt (10) + answer 3 -> cut to the last 8. 2: answer 8 > 7 -> the window
+  // starts at the prompt (2 < 8 / 2 tokens before the answer): prompt + first 6 answer tokens.
   // 3: exactly 7 answer tokens + >= 1 context -> kept. 4: no supervision -> dropped.
   Batcher b({make(0, 3, 2), make(1, 10, 3), make(2, 2, 8), make(3, 5, 7), make(4, 3, 0)}, o);
   const auto& s = b.truncation_stats();
   EXPECT_EQ(s.examples_in, 5);
-  EXPECT_EQ(s.kept, 3);
-  EXPECT_EQ(s.truncated, 2);
-  EXPECT_EQ(s.dropped, 2);
+  EXPECT_EQ(s.kept, 4);
+  EXPECT_EQ(s.truncated, 3);
+  EXPECT_EQ(s.dropped, 1);
   EXPECT_EQ(s.dropped_unsupervised, 1);
+  EXPECT_EQ(s.supervised_tokens_cut, 2);
   EXPECT_EQ(s.longest_tokens, 13);
   const auto& ex = b.examples();
-  ASSERT_EQ(ex.size(), 3u);
+  ASSERT_EQ(ex.size(), 4u);
   EXPECT_EQ(ex[1].input_ids,
             (std::vector<TokenId>{2005, 2006, 2007, 2008, 2009, 2010, 2011, 2012}));
   EXPECT_EQ(ex[1].labels, (std::vector<TokenId>{kI, kI, kI, kI, kI, 2010, 2011, 2012}));
-  EXPECT_EQ(ex[2].labels[0], kI);  // one context token kept before the answer
+  EXPECT_EQ(ex[2].labels, (std::vector<TokenId>{kI, kI, 3002, 3003, 3004, 3005, 3006, 3007}));
+  EXPECT_EQ(ex[3].labels[0], kI);  // one context token kept before the answer
   EXPECT_EQ(
-      std::count_if(ex[2].labels.begin(), ex[2].labels.end(), [](TokenId l) { return l != kI; }),
+      std::count_if(ex[3].labels.begin(), ex[3].labels.end(), [](TokenId l) { return l != kI; }),
       7);
   const Batch x = b.next();
   EXPECT_LE(x.input_ids.size(1), 8);
-  EXPECT_NE(s.to_string().find("2 truncated"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find("3 truncated"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find("2 supervised tokens cut"), std::string::npos) << s.to_string();
+}
+
+// A chat example whose prompt alone is longer than the window, or whose answer is: truncated (the
+// end of the prompt, then the start of the answer), never dropped, under both cut policies.
+TEST(Batcher, LongChatExamplesAreTruncatedNotDropped) {
+  BatcherOptions o;
+  o.max_seq_len = 8;
+  o.shuffle = false;
+  for (Truncation t : {Truncation::kCutLeft, Truncation::kCutRight}) {
+    o.truncation = t;
+    // 0: prompt 20, answer 30 (both longer than the window). 1: prompt 12, answer 2.
+    Batcher b({make(0, 20, 30), make(1, 12, 2)}, o);
+    const auto& s = b.truncation_stats();
+    EXPECT_EQ(s.kept, 2) << s.to_string();
+    EXPECT_EQ(s.dropped, 0) << s.to_string();
+    EXPECT_EQ(s.truncated, 2) << s.to_string();
+    const auto& ex = b.examples();
+    // Half a window (4 tokens) of prompt, then the first 4 answer tokens.
+    EXPECT_EQ(ex[0].input_ids, (std::vector<TokenId>{1016, 1017, 1018, 1019, 1020, 1021, 1022,
+                                                     1023}));
+    EXPECT_EQ(ex[0].labels, (std::vector<TokenId>{kI, kI, kI, kI, 1020, 1021, 1022, 1023}));
+    EXPECT_EQ(ex[1].labels, (std::vector<TokenId>{kI, kI, kI, kI, kI, kI, 2012, 2013}));
+    EXPECT_EQ(s.supervised_tokens_cut, 30 - 4) << s.to_string();
+  }
 }
 
 TEST(Batcher, CutRightAndDropPolicies) {
@@ -111,18 +139,19 @@ TEST(Batcher, CutRightAndDropPolicies) {
   o.shuffle = false;
   o.truncation = Truncation::kCutRight;
   // Text-like: everything supervised, 6 tokens -> first 4 kept, 2 supervised tokens cut.
+  // Example 1's prompt fills the first 4 tokens: the window moves to its answer.
   Batcher r({make(0, 0, 6), make(1, 5, 2)}, o);
-  EXPECT_EQ(r.truncation_stats().kept, 1);
-  EXPECT_EQ(r.truncation_stats().truncated, 1);
-  EXPECT_EQ(r.truncation_stats().dropped, 1);  // example 1 loses all its supervision
-  EXPECT_EQ(r.truncation_stats().supervised_tokens_cut, 2 + 2);
+  EXPECT_EQ(r.truncation_stats().kept, 2);
+  EXPECT_EQ(r.truncation_stats().truncated, 2);
+  EXPECT_EQ(r.truncation_stats().dropped, 0);
+  EXPECT_EQ(r.truncation_stats().supervised_tokens_cut, 2);
+  EXPECT_EQ(r.examples()[1].input_ids, (std::vector<TokenId>{2003, 2004, 2005, 2006}));
   EXPECT_EQ(r.examples()[0].input_ids, (std::vector<TokenId>{1000, 1001, 1002, 1003}));
   o.truncation = Truncation::kDrop;
   Batcher d({make(0, 0, 6), make(1, 1, 2)}, o);
   EXPECT_EQ(d.truncation_stats().kept, 1);
   EXPECT_EQ(d.truncation_stats().dropped, 1);
   EXPECT_EQ(d.truncation_stats().truncated, 0);
-  o.truncation = Truncation::kCutLeft;
   EXPECT_THROW(Batcher({make(0, 0, 6)}, o), c10::Error);  // nothing left: an error, not silence
   EXPECT_EQ(parse_truncation("cut_right"), Truncation::kCutRight);
   EXPECT_THROW(parse_truncation("middle"), c10::Error);

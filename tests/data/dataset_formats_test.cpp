@@ -127,3 +127,97 @@ TEST(DatasetFormats, ErrorsNameLineAndField) {
 
 }  // namespace
 }  // namespace q4::data
+
+namespace q4::data {
+namespace {
+
+std::string load_error(const std::string& content, const std::string& name) {
+  try {
+    load_dataset_from_string(content, name, test::qwen3_tokenizer(), {});
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// An empty assistant turn is an error naming file and line in every format, as an empty answer
+// is in TSV and alpaca.
+TEST(DatasetFormats, EmptyAssistantTurnIsAnErrorInEveryFormat) {
+  const std::string ok = R"({"prompt": "a", "answer": "b"})" "\n";
+  const std::string msg = load_error(
+      ok + R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]})"
+           "\n",
+      "f.jsonl");
+  EXPECT_NE(msg.find("f.jsonl:2: messages[1]: empty \"content\" of an assistant turn"),
+            std::string::npos)
+      << msg;
+  const std::string sg = load_error(
+      ok + R"({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]})"
+           "\n",
+      "f.jsonl");
+  EXPECT_NE(sg.find("f.jsonl:2: conversations[1]: empty \"value\" of an assistant turn"),
+            std::string::npos)
+      << sg;
+  const std::string trl = load_error(
+      R"({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": ""}]})"
+      "\n",
+      "f.jsonl");
+  EXPECT_NE(trl.find("f.jsonl:1: completion[0]: empty \"content\""), std::string::npos) << trl;
+}
+
+// "\r", "\n" and "\r\n" all end a line: a CR-only TSV (old Mac tools) gives one example per line.
+TEST(DatasetFormats, CrOnlyLineEndsSplitRecords) {
+  const Dataset cr = load_dataset_from_string("a\tb\rc\td\r\re\tf\r", "f.tsv",
+                                              test::qwen3_tokenizer(), {});
+  const Dataset lf = load_dataset_from_string("a\tb\nc\td\n\ne\tf\n", "f.tsv",
+                                              test::qwen3_tokenizer(), {});
+  ASSERT_EQ(cr.examples.size(), 3u);
+  ASSERT_EQ(lf.examples.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    expect_same(cr.examples[i], lf.examples[i]);
+    EXPECT_EQ(cr.examples[i].source_line, lf.examples[i].source_line);
+  }
+  EXPECT_EQ(cr.summary.lines, 4);
+  const Dataset mixed = load_dataset_from_string("a\tb\r\nc\td\re\tf\n", "f.tsv",
+                                                 test::qwen3_tokenizer(), {});
+  ASSERT_EQ(mixed.examples.size(), 3u);
+  EXPECT_EQ(mixed.examples[2].source_line, 3);
+}
+
+// A .json file holding one JSON array of records (alpaca_data.json) loads like the same records
+// as JSONL; errors name the line where the bad record starts. A .jsonl file that is one array is
+// read the same way.
+TEST(DatasetFormats, JsonArrayFilesLoadLikeJsonl) {
+  const std::string array =
+      "[\n  {\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"},\n"
+      "  {\"instruction\": \"Add\", \"input\": \"2 and [2]\", \"output\": \"4, \\\"four\\\"\"},\n"
+      "  {\"text\": \"plain {text}\"}\n]\n";
+  const std::string lines =
+      "{\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"}\n"
+      "{\"instruction\": \"Add\", \"input\": \"2 and [2]\", \"output\": \"4, \\\"four\\\"\"}\n"
+      "{\"text\": \"plain {text}\"}\n";
+  for (const char* name : {"alpaca_data.json", "alpaca_data.jsonl"}) {
+    const Dataset a = load_dataset_from_string(array, name, test::qwen3_tokenizer(), {});
+    const Dataset l = load_dataset_from_string(lines, "x.jsonl", test::qwen3_tokenizer(), {});
+    ASSERT_EQ(a.examples.size(), 3u) << name;
+    for (size_t i = 0; i < 3; ++i) expect_same(a.examples[i], l.examples[i]);
+    EXPECT_EQ(a.examples[1].source_line, 3);
+    EXPECT_EQ(a.summary.format_name(), "json array (mixed: alpaca 2, text 1)");
+  }
+  const std::string bad_record = load_error(
+      "[\n {\"instruction\": \"x\", \"output\": \"y\"},\n {\"output\": 3}\n]", "d.json");
+  EXPECT_NE(bad_record.find("d.json:3: expected"), std::string::npos) << bad_record;
+  const std::string bad_json = load_error("[\n {\"a\": 1},\n {\"a\": }\n]", "d.json");
+  EXPECT_NE(bad_json.find("d.json:3: bad JSON array"), std::string::npos) << bad_json;
+  EXPECT_EQ(load_dataset_from_string("[]", "e.json", test::qwen3_tokenizer(), {}).examples.size(),
+            0u);
+  // Lines are counted as the line reader counts them (a lone CR ends one).
+  const Dataset cr = load_dataset_from_string(
+      "[\r{\"text\": \"a\"},\r{\"text\": \"b\"}\r]\r", "cr.json", test::qwen3_tokenizer(), {});
+  ASSERT_EQ(cr.examples.size(), 2u);
+  EXPECT_EQ(cr.examples[1].source_line, 3);
+  EXPECT_EQ(cr.summary.lines, 4);
+}
+
+}  // namespace
+}  // namespace q4::data

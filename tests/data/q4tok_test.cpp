@@ -119,5 +119,35 @@ TEST(Q4tok, DecodeRejectsIdsThatAreNotTokenIds) {
   EXPECT_EQ(ok.out, "\"Hello,\"\n");
 }
 
+// `q4tok data --show N`: the first N examples of every format as the model sees them: the
+// rendered chat template (or the raw text) with the trained tokens between the marks.
+TEST(Q4tok, DataShowMarksTrainedTokensInEveryFormat) {
+  test::qwen3_tokenizer();
+  struct Case {
+    std::string suffix, content, expect;
+  };
+  const std::vector<Case> cases = {
+      {".tsv", "Who are you?\tA test.\nSecond\tTwo\n",
+       "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n\u27e6A test.<|im_end|>"
+       "\u27e7\n"},
+      {".jsonl",
+       R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})"
+       "\n",
+       "<|im_start|>assistant\n\u27e6Hello<|im_end|>\u27e7\n"},
+      {".json", R"([{"instruction": "Say hi", "input": "", "output": "Hi!"}])",
+       "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n\u27e6Hi!<|im_end|>\u27e7"},
+      // Text: every token trained but the first (nothing predicts it), <|endoftext|> included.
+      {".txt", "Hello world\n", "Hello\u27e6 world<|endoftext|>\u27e7"},
+  };
+  for (const auto& c : cases) {
+    const test::TempFile f(c.suffix, c.content);
+    const ToolRun r = run_q4tok("data --show 1 --data " + f.path(), "", /*merge_err=*/true);
+    EXPECT_EQ(r.exit_code, 0) << c.suffix << ": " << r.out;
+    EXPECT_NE(r.out.find("--- example 1 ("), std::string::npos) << c.suffix << ": " << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.suffix << ": " << r.out;
+    EXPECT_EQ(r.out.find("--- example 2"), std::string::npos) << c.suffix << ": " << r.out;
+  }
+}
+
 }  // namespace
 }  // namespace q4::data

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "q4/io/remove_tree.h"
+#include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -296,7 +297,7 @@ TEST(Config, ReferenceHasOneRowPerFieldWithRangeAndChoices) {
   for (const auto& key : config_keys()) EXPECT_TRUE(contains(md, "| `" + key + "` |")) << key;
   EXPECT_TRUE(contains(md, "### `optim`")) << md;
   EXPECT_TRUE(contains(md, "| `optim.beta1` | float | `0.9` | `[0, 1)` |")) << md;
-  EXPECT_TRUE(contains(md, "| `train.batch_size` | int | `4` | `>= 1` |")) << md;
+  EXPECT_TRUE(contains(md, "| `train.batch_size` | int | `4` | `[1, 4096]` |")) << md;
   EXPECT_TRUE(contains(md, "| `data.eval_fraction` | float | `0.0` | `[0, 0.5)` |")) << md;
   EXPECT_TRUE(contains(md, "| `optim.state` | enum | `int8` | `fp32`, `int8`, `4bit`, `nvfp4` |"))
       << md;
@@ -338,8 +339,8 @@ TEST(Config, RangesComeFromTheTable) {
   const std::string base = kMinimal;
   std::string msg = error_of(base + "train:\n  batch_size: 0\n");
   EXPECT_TRUE(contains(msg,
-                       "config key train.batch_size (test.yaml line 9): expected >= 1, "
-                       "found 0"))
+                       "config key train.batch_size (test.yaml line 9): expected a value in "
+                       "[1, 4096], found 0"))
       << msg;
   msg = error_of(base + "optim:\n  beta1: 1\n");
   EXPECT_TRUE(contains(msg, "optim.beta1")) << msg;
@@ -371,7 +372,8 @@ TEST(Config, RangesComeFromTheTable) {
     validate_config(c);
     ADD_FAILURE() << "seq_len 1 accepted";
   } catch (const ConfigError& e) {
-    EXPECT_TRUE(contains(e.what(), "train.seq_len: expected >= 2, found 1")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "train.seq_len: expected a value in [2, 262144], found 1"))
+        << e.what();
   }
 }
 
@@ -508,4 +510,141 @@ TEST(Config, EvalFilesAreInputPaths) {
   EXPECT_EQ(c.data.eval_files[0], "/base/held.tsv");
   EXPECT_EQ(c.data.eval_files[1], "/abs/x.jsonl");
   EXPECT_DOUBLE_EQ(c.data.eval_fraction, 0.1);
+}
+
+// Numbers that size an allocation have ranges, so that a typo is an error naming the key rather
+// than a raw allocator failure (or a terabyte eval cache) later.
+TEST(Config, AllocationSizesHaveRanges) {
+  const std::string m = kMinimal;
+  struct Case {
+    std::string set, expect;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"train.batch_size=1000000000", "config key train.batch_size (from --set): expected "
+                                           "a value in [1, 4096], found 1000000000"},
+           {"train.seq_len=100000000", "config key train.seq_len (from --set): expected a value "
+                                       "in [2, 262144]"},
+           {"eval.max_new_tokens=100000000000", "config key eval.max_new_tokens (from --set)"},
+           {"model.init_std=1e30", "config key model.init_std (from --set): expected a finite "
+                                   "value in (0, 1]"},
+       }) {
+    const std::string msg = error_of(m, {parse_override(c.set)});
+    EXPECT_TRUE(contains(msg, c.expect)) << c.set << " -> " << msg;
+  }
+  const std::string msg = error_of(
+      m, {parse_override("train.batch_size=4096"), parse_override("train.seq_len=262144")});
+  EXPECT_TRUE(contains(msg, "train.batch_size x train.seq_len")) << msg;
+  EXPECT_TRUE(contains(msg, "train.grad_accum")) << msg;
+  EXPECT_EQ(error_of(m, {parse_override("train.batch_size=64"),
+                         parse_override("train.seq_len=32768"),
+                         parse_override("eval.max_new_tokens=32768"),
+                         parse_override("model.init_std=1")}),
+            "");
+}
+
+// A second YAML document is an error naming the file and its line, not silently ignored; a
+// leading "---" (one document) and a trailing one (an empty document) are fine.
+TEST(Config, SecondYamlDocumentIsAnError) {
+  const std::string two = std::string(kMinimal) + "---\ntrain:\n  steps: 5\n";
+  const std::string msg = error_of(two);
+  EXPECT_TRUE(contains(msg, "test.yaml line 9")) << msg;
+  EXPECT_TRUE(contains(msg, "second YAML document")) << msg;
+  EXPECT_EQ(error_of(std::string("---\n") + kMinimal), "");
+  EXPECT_EQ(error_of(std::string(kMinimal) + "---\n# the end\n"), "");
+  EXPECT_EQ(error_of(std::string("%YAML 1.2\n---\n") + kMinimal + "...\n"), "");
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "...\ntrain: {steps: 5}\n"),
+                       "test.yaml line 9: a second YAML document"));
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "--- {train: {steps: 5}}\n"),
+                       "test.yaml line 8: a second YAML document"));
+}
+
+// A leading ~/ is the home directory in every path-typed field, from the file and from --set.
+TEST(Config, TildeExpandsToHome) {
+  const char* home = std::getenv("HOME");
+  ASSERT_NE(home, nullptr);
+  const Config c =
+      parse(std::string(kMinimal) + "output:\n  dir: ~/runs/a\n  export_path: ~/m.dat\n",
+            {parse_override("data.files=[~/d.tsv]"), parse_override("model.tokenizer=~/tok.json")});
+  const std::string h = fs::path(home).lexically_normal().string();
+  EXPECT_EQ(c.data.files.at(0), (fs::path(h) / "d.tsv").string());
+  EXPECT_EQ(c.model.tokenizer, (fs::path(h) / "tok.json").string());
+  EXPECT_EQ(c.output.dir, (fs::path(h) / "runs/a").string());
+  EXPECT_EQ(c.output.export_path, (fs::path(h) / "m.dat").string());
+  EXPECT_EQ(parse(std::string(kMinimal) + "  eval_files: [a~/b.tsv]\n").data.eval_files.at(0),
+            "/base/a~/b.tsv");
+}
+
+// train.epochs replaces train.steps (exactly one of them); warmup_ratio replaces warmup_steps.
+// The resolved YAML leaves train.steps out while epochs decide, so it parses back.
+TEST(Config, EpochsAndWarmupRatioExcludeTheirCounterparts) {
+  const std::string m = kMinimal;
+  Config c = parse(m + "train:\n  epochs: 2.5\noptim:\n  schedule: {warmup_ratio: 0.1}\n");
+  EXPECT_DOUBLE_EQ(c.train.epochs, 2.5);
+  EXPECT_DOUBLE_EQ(c.optim.schedule.warmup_ratio, 0.1);
+  const std::string y = config_to_yaml(c);
+  EXPECT_FALSE(contains(y, "steps: 100")) << y;
+  EXPECT_EQ(config_to_yaml(parse_config(y, "back.yaml", "/x")), y);
+  std::string msg = error_of(m + "train:\n  epochs: 2\n  steps: 10\n");
+  EXPECT_TRUE(contains(msg, "train.epochs")) << msg;
+  EXPECT_TRUE(contains(msg, "train.steps (test.yaml line")) << msg;
+  msg = error_of(m, {parse_override("train.epochs=1"), parse_override("train.steps=3")});
+  EXPECT_TRUE(contains(msg, "train.steps (from --set)")) << msg;
+  // A --set of one overrides the other from the file (a smoke run: --set train.steps=3).
+  c = parse(m + "train:\n  epochs: 2\n", {parse_override("train.steps=3")});
+  EXPECT_EQ(c.train.steps, 3);
+  EXPECT_EQ(c.train.epochs, 0);
+  c = parse(m + "train:\n  steps: 50\n", {parse_override("train.epochs=1")});
+  EXPECT_EQ(c.train.epochs, 1);
+  EXPECT_FALSE(contains(config_to_yaml(c), "steps: 50")) << config_to_yaml(c);
+  msg = error_of(m + "optim:\n  schedule: {warmup_ratio: 0.1, warmup_steps: 5}\n");
+  EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
+  c = parse(m + "optim:\n  schedule: {warmup_steps: 5}\n",
+            {parse_override("optim.schedule.warmup_ratio=0.2")});
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 0);
+  EXPECT_DOUBLE_EQ(c.optim.schedule.warmup_ratio, 0.2);
+  msg = error_of(m, {parse_override("optim.schedule.warmup_ratio=1")});
+  EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
+  EXPECT_EQ(did_you_mean("num_train_epochs", config_keys()), "train.epochs");
+}
+
+// last:N past the model's layer count names the config key and the count, not model internals.
+TEST(Config, LastLayersPastTheModelNamesTheKey) {
+  const Config c = parse(kMinimal, {parse_override("train.trainable.layers=last:99")});
+  try {
+    (void)c.train.trainable.layers.resolve(2);
+    FAIL() << "expected an error";
+  } catch (const ConfigError& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(contains(msg, "config key train.trainable.layers: last:99")) << msg;
+    EXPECT_TRUE(contains(msg, "2 decoder layers")) << msg;
+  }
+}
+
+// train.epochs -> train.steps = max(1, ceil(epochs x micro-batches per epoch / (grad_accum x
+// ranks))), then warmup_ratio -> round(ratio x steps), then the warmup clipped to the run; the
+// config reads as the steps-based one it resolved to.
+TEST(Config, RunLengthResolvesFromTheData) {
+  Config c = parse(kMinimal, {parse_override("train.epochs=3"),
+                              parse_override("train.grad_accum=2"),
+                              parse_override("optim.schedule.warmup_ratio=0.1")});
+  std::string notes = resolve_run_length(c, /*micro_batches_per_epoch=*/10, /*ranks=*/2);
+  EXPECT_EQ(c.train.steps, 8);  // ceil(3 x 10 / 4) = ceil(7.5)
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 1);  // round(0.8)
+  EXPECT_EQ(c.train.epochs, 0);
+  EXPECT_EQ(c.optim.schedule.warmup_ratio, 0);
+  EXPECT_TRUE(contains(notes, "train.epochs 3 -> train.steps 8 (10 micro-batches per epoch, 4 per "
+                              "step: train.grad_accum 2 x 2 ranks)"))
+      << notes;
+  c = parse(kMinimal, {parse_override("train.epochs=4"), parse_override("train.grad_accum=3")});
+  resolve_run_length(c, 3, 1);
+  EXPECT_EQ(c.train.steps, 4);  // exactly 12 / 3: no rounding up
+  c = parse(kMinimal, {parse_override("train.epochs=0.01")});
+  resolve_run_length(c, 5, 1);
+  EXPECT_EQ(c.train.steps, 1);  // at least one step
+  c = parse(kMinimal, {parse_override("train.steps=4"),
+                       parse_override("optim.schedule.warmup_steps=9")});
+  notes = resolve_run_length(c, 5, 1);
+  EXPECT_EQ(c.train.steps, 4);  // steps-based: unchanged, the warmup clipped
+  EXPECT_EQ(c.optim.schedule.warmup_steps, 4);
+  EXPECT_TRUE(contains(notes, "clipped")) << notes;
 }

@@ -169,3 +169,14 @@ TEST(Memory, KnownPeaks) {
   EXPECT_FALSE(device_peak_flops("NVIDIA H100 PCIe").has_value());
   EXPECT_FALSE(device_peak_flops("cpu").has_value());
 }
+
+// The epoch (completed passes plus the fraction of the current one) follows the step in the log
+// line and is a field of the record; absent without training data.
+TEST(Metrics, EpochInLogLineAndRecord) {
+  StepMetrics m = sample();
+  EXPECT_FALSE(metrics_to_json(m).contains("epoch"));
+  m.epoch = 1.5;
+  EXPECT_TRUE(format_log_line(m).rfind("step  12/200 | epoch 1.50 | loss 3.4521 | gnorm", 0) == 0)
+      << format_log_line(m);
+  EXPECT_DOUBLE_EQ(metrics_to_json(m)["epoch"].get<double>(), 1.5);
+}

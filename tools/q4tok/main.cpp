@@ -3,13 +3,15 @@
 //   decode: one JSON array of ids per line  -> one JSON string per line (invalid UTF-8 -> U+FFFD)
 //   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
 //           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
-//   data:   load a dataset file and print its LoadSummary and token counts
+//   data:   load a dataset file and print its LoadSummary and token counts; with --show N, the
+//           first N examples as the model sees them (the rendered text, trained spans marked)
 // Input lines are at most kMaxLineBytes (a stream without newlines, e.g. /dev/zero, is an error
 // naming the line, not an endless read).
 // Exit codes: 0 ok, 2 usage or input error, 1 runtime error.
 #include <c10/util/Exception.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -126,6 +128,38 @@ void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt) {
   }
 }
 
+// Marks around the tokens an example trains on (rare in real text, unlike brackets).
+constexpr const char* kTrainedOpen = "\u27e6";   // ⟦
+constexpr const char* kTrainedClose = "\u27e7";  // ⟧
+
+// The first `n` examples of `ds` as the model sees them: the text the tokens decode to (the
+// rendered chat template for chat formats, the raw line for text) with each run of trained
+// tokens between the marks. As in a batch, an example's first token is never a target.
+void show_examples(const q4::data::Tokenizer& tok, const q4::data::Dataset& ds, int64_t n) {
+  std::cout << "trained tokens are shown between " << kTrainedOpen << " and " << kTrainedClose
+            << "\n";
+  const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.examples.size()));
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& ex = ds.examples[static_cast<size_t>(i)];
+    auto trained = [&](size_t k) { return k > 0 && ex.labels[k] != q4::data::kIgnoreIndex; };
+    int64_t num_trained = 0;
+    for (size_t k = 0; k < ex.labels.size(); ++k) num_trained += trained(k);
+    std::cout << "--- example " << i + 1 << " (" << ds.summary.path << ":" << ex.source_line
+              << "): " << ex.input_ids.size() << " tokens, " << num_trained << " trained\n";
+    std::string text;
+    for (size_t k = 0; k < ex.input_ids.size();) {
+      size_t e = k;
+      while (e < ex.input_ids.size() && trained(e) == trained(k)) ++e;
+      const std::string span = tok.decode_lossy(
+          std::vector<TokenId>(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(k),
+                               ex.input_ids.begin() + static_cast<std::ptrdiff_t>(e)));
+      text += trained(k) ? kTrainedOpen + span + kTrainedClose : span;
+      k = e;
+    }
+    std::cout << text << (text.empty() || text.back() != '\n' ? "\n" : "");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -152,6 +186,10 @@ int main(int argc, char** argv) {
   data->add_option("--format", format, "auto | tsv | jsonl | text");
   data->add_option("--on-error", on_error, "fail | skip");
   data->add_option("--system", system_prompt, "system prompt");
+  int64_t show = 0;
+  data->add_option("--show", show,
+                   "print the first N examples as the model sees them (trained tokens marked)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
 
   std::ios::sync_with_stdio(false);
@@ -169,6 +207,7 @@ int main(int argc, char** argv) {
       opt.system_prompt = system_prompt;
       const auto ds = q4::data::load_dataset(data_path, tok, opt);
       std::cout << ds.summary.to_string() << '\n';
+      if (show > 0) show_examples(tok, ds, show);
     }
   } catch (const InputError& e) {
     std::cerr << "q4tok: " << e.what() << '\n';

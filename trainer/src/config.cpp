@@ -233,7 +233,44 @@ std::optional<YAML::Node> lookup(const YAML::Node& root, const std::vector<std::
   return cur;
 }
 
-std::string resolve_path(const std::string& p, const std::string& base) {
+// The line where a second YAML document's content starts, or 0 when `text` holds one document
+// (YAML::Load reads the first and silently ignores the rest). A document ends at a "---" line
+// that follows content, or at a "..." line; blank lines, comments and directives ("%YAML") hold
+// nothing, so a leading or trailing marker is fine. Scanned as text: yaml-cpp's LoadAll can loop
+// forever on malformed input.
+int64_t second_document_line(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  bool content = false, ended = false;
+  auto marker = [](const std::string& l, const char* m) {
+    return l.rfind(m, 0) == 0 && (l.size() == 3 || l[3] == ' ' || l[3] == '\t');
+  };
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const bool start = marker(line, "---"), end = marker(line, "...");
+    if ((start || end) && content) ended = true;
+    const std::string rest = start || end ? line.substr(3) : line;
+    const auto b = rest.find_first_not_of(" \t");
+    const bool has_content =
+        b != std::string::npos && rest[b] != '#' && !(b == 0 && rest[0] == '%');
+    if (!has_content) continue;
+    if (ended) return n;
+    content = true;
+  }
+  return 0;
+}
+
+// A leading "~/" (or a lone "~") is the user's home directory, as in a shell: paths in configs
+// and --set values are often copied from one. Unchanged when HOME is unset.
+std::string expand_home(const std::string& p) {
+  if (p != "~" && p.rfind("~/", 0) != 0) return p;
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') return p;
+  return std::string(home) + p.substr(1);
+}
+
+std::string resolve_path(const std::string& p_in, const std::string& base) {
+  const std::string p = expand_home(p_in);
   if (p.empty()) return p;
   fs::path path(p);
   if (path.is_absolute()) return path.lexically_normal().string();
@@ -472,8 +509,10 @@ std::vector<int64_t> LayerSelection::resolve(int64_t num_layers) const {
     case Kind::kLast:
       if (last_n > num_layers) {
         throw ConfigError("config key train.trainable.layers: last:" + std::to_string(last_n) +
-                          " asks for more layers than the model has (" +
-                          std::to_string(num_layers) + ")");
+                          " selects more layers than the model has (model.config: " +
+                          std::to_string(num_layers) + " decoder layer" +
+                          (num_layers == 1 ? "" : "s") + "); use last:1 to last:" +
+                          std::to_string(num_layers) + " or all");
       }
       for (int64_t i = num_layers - last_n; i < num_layers; ++i) out.push_back(i);
       break;
@@ -533,8 +572,11 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("model.device", &c.model.device, "cpu, cuda or cuda:N"),
       field("model.grad_dtype", &c.model.grad_dtype,
             "gradient storage (auto: fp32 with fp32 masters, else bf16)"),
+      // Qwen3 uses 0.02. Above 1, products of random weights overflow fp16 masters and bf16
+      // activations within a layer or two, and the run fails later on "bad weights" that the
+      // init made.
       field("model.init_std", &c.model.init_std, "random init: std of linears and embeddings",
-            R::above(0), {"initializer_range"}),
+            Range{0.0, 1.0, true, false}, {"initializer_range"}),
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
       field("train.trainable.layers", &c.train.trainable.layers,
@@ -548,14 +590,29 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.gradient_checkpointing", &c.train.gradient_checkpointing,
             "recompute each decoder layer in backward (less activation memory)", {},
             {"activation_checkpointing"}),
-      field("train.steps", &c.train.steps, "optimizer steps", R::at_least(0),
+      field("train.steps", &c.train.steps,
+            "optimizer steps (leave out when train.epochs is set)", R::at_least(0),
             {"max_steps", "num_steps", "total_steps", "iters"}),
-      field("train.batch_size", &c.train.batch_size, "sequences per micro-batch", R::at_least(1),
+      // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
+      // intended, and steps computed from it stay far inside int64.
+      field("train.epochs", &c.train.epochs,
+            "passes over the training data instead of train.steps (0: use train.steps); steps = "
+            "ceil(epochs x micro-batches per epoch / (grad_accum x ranks))",
+            R::between(0, 1e6, false), {"num_train_epochs", "num_epochs"}),
+      // Rows per micro-batch. Every row is an int64 [seq_len] input of the batcher and a
+      // [seq_len, hidden] activation per layer: 4096 rows of the shortest useful rows already
+      // exceed one GPU, and a larger value is a typo that would reach the allocator as a raw
+      // out-of-memory error instead of this key.
+      field("train.batch_size", &c.train.batch_size, "rows (sequences) per micro-batch",
+            R::between(1, 4096, false),
             {"micro_batch_size", "per_device_train_batch_size", "train_batch_size"}),
       field("train.grad_accum", &c.train.grad_accum, "micro-batches per optimizer step",
             R::at_least(1), {"gradient_accumulation_steps", "accumulation_steps"}),
+      // Tokens per row: at most Qwen3-2507's native context (262,144 positions); the RoPE
+      // tables, masks and activations are sized by it.
       field("train.seq_len", &c.train.seq_len,
-            "tokens per sequence (longer examples are truncated)", R::at_least(2),
+            "tokens per row (longer examples are truncated per data.truncation)",
+            R::between(2, 262144, false),
             {"max_seq_length", "max_seq_len", "seq_length", "max_length", "block_size"}),
       field("train.seed", &c.train.seed, "seed of data order and stochastic rounding"),
       field("train.max_grad_norm", &c.train.max_grad_norm, "global gradient-norm clip; 0 disables",
@@ -583,6 +640,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("optim.schedule.warmup_steps", &c.optim.schedule.warmup_steps,
             "linear warmup steps from 0 to lr", R::at_least(0),
             {"warmup", "num_warmup_steps", "lr_warmup_steps"}),
+      field("optim.schedule.warmup_ratio", &c.optim.schedule.warmup_ratio,
+            "warmup as a fraction of the run instead of warmup_steps: round(ratio x steps)",
+            R::between(0, 1, true), {"warmup_fraction"}),
       field("optim.schedule.min_lr_ratio", &c.optim.schedule.min_lr_ratio,
             "final lr / lr for linear and cosine decay", R::between(0, 1, false),
             {"min_lr", "final_lr_ratio"}),
@@ -607,8 +667,11 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("eval.prompts", &c.eval.prompts, "user prompts answered greedily"),
       field("eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)",
             R::at_least(0), {"eval_steps", "eval_interval"}),
+      // The KV cache of an eval answer is sized by prompt + max_new_tokens (Qwen3-4B: 144 KiB
+      // per token, so 32,768 tokens is 4.5 GiB); 32,768 is twice the longest answer the
+      // Qwen3-2507 model card suggests, and an unbounded value became a terabyte allocation.
       field("eval.max_new_tokens", &c.eval.max_new_tokens, "generation length limit",
-            R::at_least(1), {"max_tokens"}),
+            R::between(1, 32768, false), {"max_tokens"}),
       field("eval.at_start", &c.eval.at_start, "evaluate before the first step"),
       field("eval.at_end", &c.eval.at_end, "evaluate after the last step"),
       field("output.dir", &c.output.dir,
@@ -706,6 +769,11 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
     throw ConfigError(source_name + " line " + std::to_string(e.mark.line + 1) +
                       ": invalid YAML: " + e.msg);
   }
+  if (const int64_t line = second_document_line(yaml_text); line > 0) {
+    throw ConfigError(source_name + " line " + std::to_string(line) +
+                      ": a second YAML document (after a \"---\" or \"...\" line); a config is "
+                      "one document: merge it into the first or remove the marker");
+  }
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) {
     throw ConfigError(source_name + ": expected a mapping of sections at the top level, found " +
@@ -782,6 +850,36 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
         },
         f.ptr);
   }
+
+  // train.epochs and train.steps both set the run length: exactly one of them. A --set of one
+  // overrides the other from the file (a smoke run: --set train.steps=3).
+  const bool steps_from_set = overridden.count("train.steps") > 0;
+  const bool epochs_from_set = overridden.count("train.epochs") > 0;
+  if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) && steps_from_set &&
+      !epochs_from_set) {
+    c.train.epochs = 0;
+  } else if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) &&
+             !(epochs_from_set && !steps_from_set)) {
+    throw ConfigError("config key train.epochs: set together with train.steps" +
+                      where(*lookup(root, {"train", "steps"}),
+                            overridden.count("train.steps") ? std::string(kFromSet)
+                                                            : source_name) +
+                      "; give one of them (steps are computed from epochs and the data)");
+  }
+  // Likewise optim.schedule.warmup_ratio and warmup_steps (validate_config refuses both).
+  auto& sched = c.optim.schedule;
+  const bool ratio_from_set = overridden.count("optim.schedule.warmup_ratio") > 0;
+  const bool wsteps_from_set = overridden.count("optim.schedule.warmup_steps") > 0;
+  if (sched.warmup_ratio > 0 && sched.warmup_steps > 0 && ratio_from_set != wsteps_from_set) {
+    if (ratio_from_set) {
+      sched.warmup_steps = 0;
+    } else {
+      sched.warmup_ratio = 0;
+    }
+  }
+  // A leading ~/ in the output paths too (the input paths get it in resolve_path).
+  c.output.dir = expand_home(c.output.dir);
+  c.output.export_path = expand_home(c.output.export_path);
 
   // Input paths: relative to the config file's directory, or to the CWD for --set values.
   for (auto& f : fields) {
@@ -886,6 +984,19 @@ void validate_config(const Config& c) {
         "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
         "micro-batches must be accumulated before the update); use auto or false");
   }
+  // Tokens of one micro-batch: each field's own range still allows 4096 rows of 262,144 tokens.
+  // 2^22 tokens is already about 20 GiB per activation tensor at Qwen3-4B's hidden size 2560
+  // in bf16, more than any one micro-batch fits; past it the allocator would fail with a raw
+  // error instead of naming these keys.
+  constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 22;
+  if (t.batch_size * t.seq_len > kMaxMicroBatchTokens) {
+    throw ConfigError(
+        "config keys train.batch_size x train.seq_len: expected at most " +
+        std::to_string(kMaxMicroBatchTokens) + " tokens per micro-batch, found " +
+        std::to_string(t.batch_size) + " x " + std::to_string(t.seq_len) + " = " +
+        std::to_string(t.batch_size * t.seq_len) +
+        " (use train.grad_accum for a larger batch per step)");
+  }
   const auto& tr = t.trainable;
   if (tr.layers.kind == LayerSelection::Kind::kList) {
     std::set<int64_t> seen;
@@ -913,6 +1024,11 @@ void validate_config(const Config& c) {
     throw ConfigError("config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
                       "(weights would shrink to zero or flip sign), found " +
                       fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
+  }
+  if (o.schedule.warmup_ratio > 0 && o.schedule.warmup_steps > 0) {
+    throw ConfigError(
+        "config key optim.schedule.warmup_ratio: set together with optim.schedule.warmup_steps; "
+        "give one of them");
   }
   // optim.schedule.warmup_steps > train.steps is not an error: the trainer clips it to the run
   // with a note (clip_warmup_to_run), so a smoke run with --set train.steps=3 just works.
@@ -945,6 +1061,7 @@ std::string config_to_yaml(const Config& c_in) {
   out << YAML::BeginMap;
   std::vector<std::string> open;  // currently open section path
   for (const auto& f : fields) {
+    if (f.key == "train.steps" && c.train.epochs > 0) continue;  // epochs set the run length
     auto parts = split(f.key, '.');
     const std::string leaf = parts.back();
     parts.pop_back();

@@ -22,9 +22,10 @@ std::string format_duration(double seconds) {
 std::string format_log_line(const StepMetrics& m) {
   const int width = static_cast<int>(std::to_string(m.total_steps).size());
   std::string line = fmt::format(
-      "step {:>{}}/{} | loss {:.4f}{}{} | gnorm {:.3e} | lr {:.2e} | "
+      "step {:>{}}/{}{} | loss {:.4f}{}{} | gnorm {:.3e} | lr {:.2e} | "
       "{:.1f} ms | {:.0f} tok/s | mfu ",
-      m.step, width, m.total_steps, m.loss,
+      m.step, width, m.total_steps,
+      m.epoch ? fmt::format(" | epoch {:.2f}", *m.epoch) : std::string(), m.loss,
       m.loss_avg ? fmt::format(" (avg {:.4f})", *m.loss_avg) : std::string(),
       m.val_loss ? fmt::format(" | val {:.4f}", *m.val_loss) : std::string(), m.grad_norm, m.lr,
       m.step_ms, m.tokens_per_s);
@@ -42,6 +43,7 @@ nlohmann::json metrics_to_json(const StepMetrics& m) {
   nlohmann::json j;
   j["step"] = m.step;
   j["total_steps"] = m.total_steps;
+  if (m.epoch) j["epoch"] = *m.epoch;
   j["loss"] = std::isfinite(m.loss) ? nlohmann::json(m.loss) : nlohmann::json(nullptr);
   j["grad_norm"] =
       std::isfinite(m.grad_norm) ? nlohmann::json(m.grad_norm) : nlohmann::json(nullptr);

@@ -101,8 +101,11 @@ void require_file(const std::string& path, const std::string& key) {
 
 model::Qwen3Config load_model_config(const Config& c) {
   require_file(c.model.config, "model.config");
-  return as_input_error("model.config",
-                        [&] { return model::Qwen3Config::from_json_file(c.model.config); });
+  auto mc = as_input_error("model.config",
+                           [&] { return model::Qwen3Config::from_json_file(c.model.config); });
+  // train.trainable.layers against the model's layer count, in the config's own words.
+  (void)c.train.trainable.layers.resolve(mc.num_hidden_layers);
+  return mc;
 }
 
 // Files that the run needs before it loads anything.
@@ -272,6 +275,12 @@ std::string join_names(const std::vector<std::string>& v, size_t max_shown) {
   for (size_t i = 0; i < v.size() && i < max_shown; ++i) out += (i ? ", " : "") + v[i];
   if (v.size() > max_shown) out += fmt::format(", ... ({} in all)", v.size());
   return out;
+}
+
+// The keys a batcher error (nothing left after truncation) is about, for its message.
+std::string truncation_keys(const Config& c, const std::string& files_key) {
+  return fmt::format("{} (train.seq_len {}, data.truncation {})", files_key, c.train.seq_len,
+                     to_string(resolved_truncation(c)));
 }
 
 data::DatasetOptions dataset_options(const Config& c) {
@@ -465,7 +474,14 @@ class Trainer {
   // output.dir but the report.
   Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err,
           bool probe = false)
-      : c_(c), opts_(o), out_(out), err_(err), device_(c.model.device), probe_(probe) {}
+      : c_(c),
+        opts_(o),
+        out_(out),
+        err_(err),
+        device_(c.model.device),
+        probe_(probe),
+        epochs_(c.train.epochs),
+        length_from_data_(c.train.epochs > 0 || c.optim.schedule.warmup_ratio > 0) {}
 
   bool leader() const { return !comm_ || comm_->rank() == 0; }
 
@@ -473,7 +489,10 @@ class Trainer {
     run_start_ = Clock::now();
     check_device_available(c_);  // before anything is written
     if (opts_.export_only) return export_only();
-    if (const std::string note = clip_warmup_to_run(c_); !note.empty()) out_ << note << "\n";
+    // A run length from the data (train.epochs, warmup_ratio) is clipped once it is resolved.
+    if (const std::string note = length_from_data_ ? "" : clip_warmup_to_run(c_); !note.empty()) {
+      out_ << note << "\n";
+    }
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
     if (stop_requested()) {
@@ -729,8 +748,10 @@ class Trainer {
       // Before anything is written (config.yaml included); an unreadable state.json is reported
       // by restore() with the checksums.
       const auto state = nlohmann::json::parse(read_file(state_path.string()), nullptr, false);
+      // With train.epochs or a warmup_ratio the schedule is known only once the data is loaded:
+      // setup_locked checks it then, before restoring anything.
       try {
-        if (state.is_object()) check_schedule_unchanged(*resume, state);
+        if (state.is_object() && !length_from_data_) check_schedule_unchanged(*resume, state);
       } catch (const nlohmann::json::exception& e) {
         throw ConfigError("--resume: " + state_path.string() + ": " + e.what() +
                           previous_checkpoint_hint(*resume));
@@ -799,6 +820,16 @@ class Trainer {
     if (c_.train.steps > 0) setup_data();
     setup_optimizer();
 
+    if (resume && length_from_data_) {
+      const std::string state_path = (fs::path(resume->path) / kTrainStateFile).string();
+      const auto state = nlohmann::json::parse(read_file(state_path), nullptr, false);
+      try {
+        if (state.is_object()) check_schedule_unchanged(*resume, state);
+      } catch (const nlohmann::json::exception& e) {
+        throw ConfigError("--resume: " + state_path + ": " + e.what() +
+                          previous_checkpoint_hint(*resume));
+      }
+    }
     if (resume) restore(*resume);
 
     if (!leader()) return;  // logs, metrics and reports come from rank 0
@@ -854,13 +885,41 @@ class Trainer {
                             : std::string())
            << "\n";
     }
+    // A step is grad_accum x ranks micro-batches of up to batch_size rows each; a row is one
+    // example, or (packing) several. A micro-batch never crosses an epoch's end, so with less
+    // data than batch_size rows every micro-batch is a whole epoch, short of rows.
+    const int64_t per_step = c_.train.grad_accum * ranks();
     out_ << fmt::format(
-        "  steps      {}{} x {} sequences x {} tokens{}, lr {} ({}, warmup {})\n", c_.train.steps,
+        "  steps      {}{}{}, each {} micro-batch{} ({} accumulated x {} rank{}) of up to {} "
+        "rows x {} tokens\n",
+        c_.train.steps,
         start_step_ > 0 ? fmt::format(" (resuming at {})", start_step_) : std::string(),
-        c_.train.batch_size, c_.train.seq_len,
-        c_.train.grad_accum > 1 ? fmt::format(" x {} accumulated", c_.train.grad_accum)
-                                : std::string(),
-        c_.optim.lr, to_string(c_.optim.schedule.kind), c_.optim.schedule.warmup_steps);
+        epochs_ > 0 ? fmt::format(" (train.epochs {})", epochs_) : std::string(), per_step,
+        per_step == 1 ? "" : "es", c_.train.grad_accum, ranks(), ranks() == 1 ? "" : "s",
+        c_.train.batch_size, c_.train.seq_len);
+    if (batcher_) {
+      const auto bpe = batcher_->batches_per_epoch();
+      const auto rows = batcher_->rows_per_epoch();
+      const auto examples = batcher_->num_examples();
+      out_ << fmt::format(
+          "  epoch      {} example{} in {} row{}{} and {} micro-batch{}: {:.2f} steps per epoch, "
+          "about {:.1f} examples ({:.1f} rows) per step\n",
+          examples, examples == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
+          c_.data.packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
+          static_cast<double>(bpe) / static_cast<double>(per_step),
+          static_cast<double>(examples) * static_cast<double>(per_step) /
+              static_cast<double>(bpe),
+          static_cast<double>(rows) * static_cast<double>(per_step) / static_cast<double>(bpe));
+      if (rows < c_.train.batch_size) {
+        out_ << fmt::format(
+            "  note       train.batch_size {} is larger than the data: one epoch is {} row{}, so "
+            "every micro-batch is a whole epoch of {} row{}, not {}\n",
+            c_.train.batch_size, rows, rows == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
+            c_.train.batch_size);
+      }
+    }
+    out_ << fmt::format("  lr         {} ({}, warmup {})\n", c_.optim.lr,
+                        to_string(c_.optim.schedule.kind), c_.optim.schedule.warmup_steps);
     out_ << fmt::format("  output     {} (full resolved config in {})\n", c_.output.dir,
                         kConfigFile);
     out_ << fmt::format("  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
@@ -959,12 +1018,19 @@ class Trainer {
       pad_id = tok_->endoftext_id();
       if (!probe_) setup_validation(&examples, pad_id);
     }
-    batcher_ = as_input_error("data.files", [&] {
+    batcher_ = as_input_error(truncation_keys(c_, "data.files"), [&] {
       return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c_, pad_id));
     });
     const auto& ts = batcher_->truncation_stats();
-    if (ts.truncated || ts.dropped) (probe_ ? err_ : out_) << ts.to_string() << "\n";
+    if (ts.truncated || ts.dropped) {
+      (probe_ ? err_ : out_) << "truncation to train.seq_len " << c_.train.seq_len << " ("
+                             << to_string(resolved_truncation(c_)) << "): " << ts.to_string()
+                             << "\n";
+    }
+    if (!probe_) out_ << resolve_run_length(c_, batcher_->batches_per_epoch(), ranks());
   }
+
+  int64_t ranks() const { return comm_ ? comm_->world_size() : opts_.world.world_size; }
 
   // Held-out examples for the validation loss: data.eval_fraction of the training examples
   // (never trained on) and every example of data.eval_files, batched like training without
@@ -989,7 +1055,7 @@ class Trainer {
     auto bo = batcher_options(c_, pad_id);
     bo.shuffle = false;
     const auto total = static_cast<int64_t>(val.size());
-    val_batcher_ = as_input_error("data.eval_files", [&] {
+    val_batcher_ = as_input_error(truncation_keys(c_, "data.eval_files"), [&] {
       return std::make_unique<data::Batcher>(std::move(val), bo);
     });
     val_start_ = val_batcher_->state();
@@ -1805,6 +1871,13 @@ class Trainer {
       StepMetrics m;
       m.step = done;
       m.total_steps = total;
+      if (batcher_ && batcher_->num_examples() > 0) {
+        // Examples taken from the current epoch's order (packing: less those still pending).
+        const data::BatcherState st = batcher_->state();
+        const auto taken = st.cursor - static_cast<int64_t>(st.pending.size());
+        m.epoch = static_cast<double>(st.epoch) +
+                  static_cast<double>(taken) / static_cast<double>(batcher_->num_examples());
+      }
       m.loss = loss;
       m.grad_norm = res.grad_norm;
       m.lr = lr;
@@ -1960,6 +2033,8 @@ class Trainer {
   double flops_per_token_ = 0;
   std::optional<double> peak_flops_;
   bool probe_ = false;
+  double epochs_ = 0;              // train.epochs as configured (c_ holds the resolved steps)
+  bool length_from_data_ = false;  // train.epochs or warmup_ratio: steps known after the data
   bool in_backward_ = false;  // optimizer updates inside the backward (optim.in_backward)
   int64_t run_peak_bytes_ = 0;  // the device's peak allocated over the whole run
   void note_run_peak() {
@@ -2053,6 +2128,36 @@ std::string clip_warmup_to_run(Config& c) {
       warmup, steps, steps);
 }
 
+std::string resolve_run_length(Config& c, int64_t micro_batches_per_epoch, int64_t ranks) {
+  std::string notes;
+  const int64_t per_step = c.train.grad_accum * std::max<int64_t>(ranks, 1);
+  if (c.train.epochs > 0) {
+    // The batcher never lets a micro-batch cross an epoch's end, so an epoch is exactly
+    // micro_batches_per_epoch micro-batches (with packing, epoch 0's count: later epochs may
+    // differ by a few rows); the tolerance keeps 3 x 4 / 12 from rounding up to 2.
+    const double exact = c.train.epochs * static_cast<double>(micro_batches_per_epoch) /
+                         static_cast<double>(per_step);
+    const auto steps = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(exact - 1e-9)));
+    notes += fmt::format(
+        "train.epochs {} -> train.steps {} ({} micro-batch{} per epoch, {} per step: "
+        "train.grad_accum {} x {} rank{})\n",
+        c.train.epochs, steps, micro_batches_per_epoch, micro_batches_per_epoch == 1 ? "" : "es",
+        per_step, c.train.grad_accum, ranks, ranks == 1 ? "" : "s");
+    c.train.steps = steps;
+    c.train.epochs = 0;
+  }
+  if (c.optim.schedule.warmup_ratio > 0) {
+    const auto warmup = static_cast<int64_t>(
+        std::llround(c.optim.schedule.warmup_ratio * static_cast<double>(c.train.steps)));
+    notes += fmt::format("optim.schedule.warmup_ratio {} -> optim.schedule.warmup_steps {}\n",
+                         c.optim.schedule.warmup_ratio, warmup);
+    c.optim.schedule.warmup_steps = warmup;
+    c.optim.schedule.warmup_ratio = 0;
+  }
+  if (const std::string note = clip_warmup_to_run(c); !note.empty()) notes += note + "\n";
+  return notes;
+}
+
 int run_training(const Config& config, const RunOptions& options, std::ostream& out,
                  std::ostream& err) {
   if (!options.world.distributed()) {
@@ -2082,7 +2187,10 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
 
 int run_dry_run(const Config& config, std::ostream& out) {
   Config c = config;
-  if (const std::string note = clip_warmup_to_run(c); !note.empty()) out << note << "\n";
+  const bool length_from_data = c.train.epochs > 0 || c.optim.schedule.warmup_ratio > 0;
+  if (!length_from_data) {
+    if (const std::string note = clip_warmup_to_run(c); !note.empty()) out << note << "\n";
+  }
   check_input_files(c, /*need_data=*/c.train.steps > 0);
   check_output_paths(c);
   const auto mc = load_model_config(c);
@@ -2090,6 +2198,57 @@ int run_dry_run(const Config& config, std::ostream& out) {
     trainable_spec(c).validate(mc.num_hidden_layers);
     return 0;
   });
+  // The data as the run reads it: the real tokenizer, every file, the validation split, the
+  // truncation policy and the batcher's packing (which sizes an epoch); no weights.
+  if (c.train.steps > 0) {
+    const auto tok = as_input_error(
+        "model.tokenizer", [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
+    if (tok.vocab_size() > mc.vocab_size) {
+      throw ConfigError(
+          fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
+                      c.model.tokenizer, tok.vocab_size(), c.model.config, mc.vocab_size));
+    }
+    const auto dopt = dataset_options(c);
+    std::vector<data::Example> examples;
+    for (const auto& f : c.data.files) {
+      auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, tok, dopt); });
+      out << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, out);
+      for (auto& e : ds.examples) examples.push_back(std::move(e));
+    }
+    if (examples.empty()) throw ConfigError(no_examples_message(c));
+    auto val = hold_out(&examples, c.data.eval_fraction, c.train.seed);
+    for (const auto& f : c.data.eval_files) {
+      auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, tok, dopt); });
+      out << "validation " << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, out);
+      for (auto& e : ds.examples) val.push_back(std::move(e));
+    }
+    const data::Batcher batcher = as_input_error(truncation_keys(c, "data.files"), [&] {
+      return data::Batcher(std::move(examples), batcher_options(c, tok.endoftext_id()));
+    });
+    const auto& ts = batcher.truncation_stats();
+    out << fmt::format("truncation to train.seq_len {} ({}): {}\n", c.train.seq_len,
+                       to_string(resolved_truncation(c)), ts.to_string());
+    if (!val.empty()) {
+      auto bo = batcher_options(c, tok.endoftext_id());
+      bo.shuffle = false;
+      const auto n = val.size();
+      const data::Batcher vb = as_input_error(truncation_keys(c, "data.eval_files"),
+                                              [&] { return data::Batcher(std::move(val), bo); });
+      out << fmt::format("validation: {} examples, {} kept\n", n, vb.num_examples());
+    }
+    out << resolve_run_length(c, batcher.batches_per_epoch(), 1);
+    out << fmt::format(
+        "data: {} examples in {} row{}{} and {} micro-batch{} per epoch; {} step{} of {} "
+        "micro-batch{} = {:.2f} epochs\n",
+        batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
+        c.data.packing ? " (packed)" : "", batcher.batches_per_epoch(),
+        batcher.batches_per_epoch() == 1 ? "" : "es", c.train.steps,
+        c.train.steps == 1 ? "" : "s", c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
+        static_cast<double>(c.train.steps * c.train.grad_accum) /
+            static_cast<double>(batcher.batches_per_epoch()));
+  }
   // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.
@@ -2114,7 +2273,11 @@ int run_dry_run(const Config& config, std::ostream& out) {
     out << "note: output.dir " << c.output.dir << " is not empty (" << join_names(left, 4)
         << "): a fresh run there needs --overwrite (or --resume to continue)\n";
   }
-  out << "dry run ok: config valid, inputs present, nothing loaded\n";
+  out << "resolved config:\n" << config_to_yaml(c);
+  // Last, so that a GPU run can still be estimated here: but "ok" means it starts here.
+  check_device_available(c);
+  out << "dry run ok: config valid, inputs present, data read and batched, device available; "
+         "no weights loaded\n";
   return kExitOk;
 }
 

@@ -26,7 +26,8 @@ enum class DataFormat {
            // "answer"|"response"|"target":...}, TRL {"prompt","completion"} (strings or message
            // lists; only the completion supervised), ShareGPT {"conversations":[{"from":
            // "system|human|gpt","value"}]}, alpaca {"instruction","input","output"}, or
-           // {"text":...} (plain text, every token supervised, like kText)
+           // {"text":...} (plain text, every token supervised, like kText). A file whose first
+           // character is '[' is one JSON array of such records (e.g. alpaca_data.json).
   kText,   // one document per line, no template, every token supervised
 };
 
@@ -35,7 +36,7 @@ enum class OnError {
   kSkip,  // malformed lines are skipped and counted in LoadSummary
 };
 
-DataFormat parse_data_format(const std::string& name);  // "auto","tsv","jsonl","text"
+DataFormat parse_data_format(const std::string& name);  // "auto","tsv","jsonl"/"json","text"
 OnError parse_on_error(const std::string& name);        // "fail","skip"
 
 struct DatasetOptions {
@@ -64,7 +65,9 @@ struct LoadSummary {
   int64_t tokens = 0;             // sum of example lengths
   int64_t supervised_tokens = 0;  // sum of supervised labels
   std::map<std::string, int64_t> jsonl_formats;  // JSONL: examples per detected shape
-  // "jsonl (sharegpt)", "jsonl (mixed: alpaca 2, text 1)"; "" for TSV/text files.
+  bool json_array = false;  // the file is one JSON array of records (a .json file)
+  // "jsonl (sharegpt)", "jsonl (mixed: alpaca 2, text 1)", "json array (alpaca)"; "" for
+  // TSV/text files.
   std::string format_name() const;
   std::string to_string() const;  // one human-readable paragraph (for tools/trainer to print)
 };
@@ -97,11 +100,14 @@ Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
 
 enum class Truncation {
   // Default. Keep the end of the sequence (the answer and its <|im_end|>) and cut tokens from
-  // the left (the prompt side). If the supervised part (first supervised token .. end) is
-  // longer than max_seq_len, the example is dropped and counted instead.
+  // the left (the prompt side). If the supervised part (first supervised token .. end) plus one
+  // token of context is longer than max_seq_len, keep instead the window that starts half a
+  // window (max_seq_len / 2 tokens) before the first supervised token (from the start when the
+  // prompt is shorter): the end of the prompt and as much of the answer as fits. The supervised
+  // tokens cut are counted.
   kCutLeft,
-  // Keep the first max_seq_len tokens (for plain-text documents). Dropped and counted when no
-  // supervised label remains at positions >= 1.
+  // Keep the first max_seq_len tokens (for plain-text documents). When that leaves nothing
+  // supervised (a prompt longer than the window), the window moves as for kCutLeft.
   kCutRight,
   // Drop and count every example longer than max_seq_len.
   kDrop,
@@ -140,10 +146,10 @@ struct TruncationStats {
   int64_t examples_in = 0;
   int64_t kept = 0;                   // examples that made it into batches (truncated included)
   int64_t truncated = 0;              // kept but shortened
-  int64_t dropped = 0;                // removed (all reasons): too long for the policy, or nothing
+  int64_t dropped = 0;                // removed (all reasons): too long for kDrop, or nothing
                                       // left to supervise at positions >= 1
   int64_t dropped_unsupervised = 0;   // of `dropped`: no supervised label at positions >= 1
-  int64_t supervised_tokens_cut = 0;  // supervised labels lost by kCutRight truncation
+  int64_t supervised_tokens_cut = 0;  // supervised labels lost by truncation
   int64_t longest_tokens = 0;         // longest example before truncation
   std::string to_string() const;
 };
@@ -216,6 +222,9 @@ class Batcher {
   // Exact without packing; with packing the row count depends on the order, so this is the
   // count for epoch 0 (other epochs may differ slightly).
   int64_t batches_per_epoch() const;
+  // Rows of those batches (before flatten): the examples without packing, the packed rows with
+  // it (epoch 0). Fewer than batch_size: every batch is one whole epoch, short of rows.
+  int64_t rows_per_epoch() const;
   const TruncationStats& truncation_stats() const;
   const BatcherOptions& options() const;
   const std::vector<Example>& examples() const;  // kept, post-truncation
@@ -235,6 +244,7 @@ class Batcher {
   std::vector<int64_t> order_;  // permutation of the current epoch
   int64_t order_epoch_ = -1;
   int64_t batches_per_epoch_ = 0;
+  int64_t rows_per_epoch_ = 0;
 };
 
 }  // namespace q4::data

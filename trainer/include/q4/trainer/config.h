@@ -94,10 +94,13 @@ struct TrainableConfig {
 struct TrainConfig {
   TrainableConfig trainable;
   bool gradient_checkpointing = false;  // recompute each decoder layer in backward
-  int64_t steps = 100;                  // optimizer steps
-  int64_t batch_size = 4;               // sequences per micro-batch
+  int64_t steps = 100;                  // optimizer steps (resolved from epochs when that is set)
+  // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
+  // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
+  double epochs = 0.0;
+  int64_t batch_size = 4;               // rows (sequences) per micro-batch
   int64_t grad_accum = 1;               // micro-batches per optimizer step
-  int64_t seq_len = 256;                // tokens per sequence (longer examples are cut)
+  int64_t seq_len = 256;                // tokens per row (longer examples are truncated)
   int64_t seed = 1234;                  // data order, dropout-free sampling, stochastic rounding
   double max_grad_norm = 1.0;           // global L2 clipping threshold; 0 disables clipping
   int64_t max_nonfinite_steps = 5;      // consecutive non-finite steps skipped before failing
@@ -106,6 +109,7 @@ struct TrainConfig {
 struct ScheduleConfig {
   ScheduleKind kind = ScheduleKind::kConstant;  // after warmup
   int64_t warmup_steps = 0;       // linear warmup from 0 to lr
+  double warmup_ratio = 0.0;      // warmup as a fraction of the run (resolved to warmup_steps)
   double min_lr_ratio = 0.0;      // final lr / lr for linear and cosine decay
 };
 
@@ -244,7 +248,8 @@ Config load_config(const std::string& path, const std::vector<Override>& overrid
 // parse_config calls it.
 void validate_config(const Config& c);
 
-// The resolved config as YAML (every field, defaults included); parse_config(to_yaml(c)) == c.
+// The resolved config as YAML (every field, defaults included; train.steps is left out while
+// train.epochs sets the run length); parse_config(to_yaml(c)) == c.
 std::string config_to_yaml(const Config& c);
 
 // Closest known key to `key`, or "" if none is close enough to be a useful suggestion. Matches

@@ -17,6 +17,9 @@ namespace q4::trainer {
 struct StepMetrics {
   int64_t step = 0;  // 1-based step just finished
   int64_t total_steps = 0;
+  // Passes over the training data so far: completed epochs plus the fraction of the current one
+  // (examples taken from its order / examples); unset when there is no training data.
+  std::optional<double> epoch;
   double loss = 0;       // mean supervised-token cross-entropy of the step
   double grad_norm = 0;  // global L2 norm before clipping
   double lr = 0;         // learning rate used by this step
@@ -41,7 +44,8 @@ struct StepMetrics {
 
 // "step   12/200 | loss 3.4521 (avg 3.9012) | gnorm 1.234e+00 | lr 1.00e-03 | 123.4 ms |
 //  1234 tok/s | mfu 12.3% | mem 12.3 GiB | eta 1m23s" (one line; "(avg ...)" when loss_avg is
-//  set, "| val 2.1234" after the loss when val_loss is).
+//  set, "| val 2.1234" after the loss when val_loss is, "| epoch 1.50" after the step when
+//  epoch is).
 std::string format_log_line(const StepMetrics& m);
 nlohmann::json metrics_to_json(const StepMetrics& m);
 std::string format_duration(double seconds);  // "45s", "3m07s", "2h05m"

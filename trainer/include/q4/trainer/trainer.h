@@ -48,7 +48,8 @@ struct RunOptions {
 
 // model.device cuda/cuda:N without a usable CUDA device (a CPU-only build, no visible GPU, an
 // index past the device count): ConfigError naming the fix. Run, probe and export call it before
-// anything is written; --dry-run does not (it estimates a GPU run on any machine).
+// anything is written; --dry-run calls it after printing its estimate (so that a GPU run can be
+// estimated on any machine, and "ok" still means the run starts here).
 void check_device_available(const Config& config);
 
 // optim.schedule.warmup_steps longer than train.steps (> 0) is clipped to train.steps (a short
@@ -56,14 +57,25 @@ void check_device_available(const Config& config);
 // when nothing changed.
 std::string clip_warmup_to_run(Config& config);
 
+// The run length from the data (docs/trainer.md#epochs), once the training batcher exists and
+// before anything reads train.steps for the schedule: train.epochs E > 0 becomes
+//   train.steps = max(1, ceil(E x micro_batches_per_epoch / (train.grad_accum x ranks)))
+// (micro_batches_per_epoch: the batcher's batches of epoch 0, packed rows included), then
+// optim.schedule.warmup_ratio r > 0 becomes warmup_steps = round(r x train.steps); both are
+// then 0 in `config`, which reads as the steps-based config it resolved to. Last, the warmup is
+// clipped to the run (clip_warmup_to_run). Returns the notes to print (one line each), or "".
+std::string resolve_run_length(Config& config, int64_t micro_batches_per_epoch, int64_t ranks);
+
 // Trains as configured. Returns kExitOk (also after a signal-triggered checkpoint); throws
 // ConfigError for input problems (files, data, shapes), GuardStop, or c10::Error at runtime.
 int run_training(const Config& config, const RunOptions& options, std::ostream& out,
                  std::ostream& err);
 
-// Validates inputs without loading them (files exist, config.json parses) and prints the
-// memory estimate (whole-run terms, each phase of a step, the peak phase). Returns kExitOk or
-// throws ConfigError.
+// Checks what a run checks before its first step without loading weights: inputs exist,
+// config.json parses, the data loads (formats, counts, truncation, tokens with the real
+// tokenizer, the batcher's packing), the run length resolves, the device is usable. Prints the
+// memory estimate (whole-run terms, each phase of a step, the peak phase) and the resolved
+// config. Returns kExitOk or throws ConfigError.
 int run_dry_run(const Config& config, std::ostream& out);
 
 // The training set-up and step function with instrumentation: one step with every phase marked
