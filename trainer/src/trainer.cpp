@@ -71,13 +71,6 @@ constexpr const char* kTrainStateFile = "state.json";
 constexpr const char* kRngFile = "rng.dat";
 constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
 
-// output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
-std::string hf_export_dir(const std::string& dat_path) {
-  fs::path p(dat_path);
-  if (p.extension() == ".dat") p.replace_extension();
-  return p.string() + "-hf";
-}
-
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }

@@ -53,8 +53,16 @@ bool is_reserved_run_name(const std::string& file_name);
 // is a plain file name that is not reserved; the export is not a directory, its directory exists
 // and is writable, and it is neither reserved nor the metrics file; no output is an input
 // (model.weights, model.config, model.tokenizer, data.files); output.dir is a writable directory
-// or can be created.
+// or can be created; output.hf_export's folder passes check_hf_export_folder.
 void check_output_paths(const Config& c);
+
+// output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
+std::string hf_export_dir(const std::string& dat_path);
+// With output.hf_export set: the folder is neither an input nor output.dir and holds none of
+// them (model.weights, model.config, model.tokenizer and the folder its files are copied from,
+// data files), and an existing non-empty folder is an earlier q4train export
+// (model::check_hf_export_dir; q4train never replaces a foreign folder's files).
+void check_hf_export_folder(const Config& c);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a
@@ -83,8 +91,8 @@ std::vector<std::string> clean_stale_files(const Config& c);
 
 // Writes checksums.json (CRC32C and size of each named file of the checkpoint) atomically.
 void write_checkpoint_checksums(const std::string& ckpt_dir, const std::vector<std::string>& files);
-// Checks the checkpoint's files against checksums.json (absent in checkpoints written before it
-// existed: nothing to check). ConfigError naming the file, with previous_checkpoint_hint().
+// Checks the checkpoint's files against checksums.json, which every checkpoint has (a missing
+// one is damage). ConfigError naming the file, with previous_checkpoint_hint().
 void verify_checkpoint(const CheckpointDir& ck);
 // " ; the previous complete checkpoint is <dir> (resume it with --resume <dir>)" or a note that
 // there is none: appended to every error about a damaged checkpoint.
