@@ -254,8 +254,17 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
               " decoder layers but ", cfg_name, " has num_hidden_layers ", cfg.num_hidden_layers,
               "; the config and the weights must describe the same model");
   const std::vector<ParamSpec> specs = qwen3_parameters(cfg, /*include_lm_head=*/true);
+  // A q4train export without the lm_head sidecar came from a .dat that stored lm_head raw: it
+  // comes back raw in its exported type, not quantized (4-bit would change the model's outputs).
+  const auto lm_head = st.find("lm_head.weight");
+  const bool lm_head_raw = from_q4train && lm_head && is_float(lm_head->tensor->dtype) &&
+                           !fs::exists(dir / kHfLmHeadScaleFile, ec);
   uint64_t count = 0;
-  for (const ParamSpec& p : specs) count += p.kind == ParamKind::kQuantizedLinear ? 2 : 1;
+  for (const ParamSpec& p : specs) {
+    const bool pair = p.kind == ParamKind::kQuantizedLinear &&
+                      !(p.group == ParamGroup::kLmHead && lm_head_raw);
+    count += pair ? 2 : 1;
+  }
   DatWriter w(out_dat, count);
   Importer im{st, w, rep, false, ElemType::kUInt8, {}};
   im.from_q4train = from_q4train;
@@ -299,19 +308,17 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
     }
     TORCH_CHECK(weight.has_value(), hf_dir, ": missing tensor '", p.name, "' (shape ",
                 at::IntArrayRef(p.shape), ")");
-    if (p.group == ParamGroup::kLmHead && from_q4train) {
-      if (fs::exists(dir / kHfLmHeadScaleFile, ec)) {
-        const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());
-        const StTensor* sc = side.find("lm_head.weight_scale");
-        if (sc != nullptr && im.restore(p.name, *weight, *sc, side, p.shape)) {
-          ++rep.copied_nvfp4;
-          continue;
-        }
-      } else {
-        // No sidecar: the .dat stored lm_head raw; it comes back raw in its exported type
-        // rather than quantized (4-bit would change the model's outputs).
-        im.raw(p, *weight);
-        rep.lm_head_raw = true;
+    if (p.group == ParamGroup::kLmHead && lm_head_raw) {
+      im.raw(p, *weight);
+      rep.lm_head_raw = true;
+      continue;
+    }
+    if (p.group == ParamGroup::kLmHead && from_q4train &&
+        fs::exists(dir / kHfLmHeadScaleFile, ec)) {
+      const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());
+      const StTensor* sc = side.find("lm_head.weight_scale");
+      if (sc != nullptr && im.restore(p.name, *weight, *sc, side, p.shape)) {
+        ++rep.copied_nvfp4;
         continue;
       }
     }

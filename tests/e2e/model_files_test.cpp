@@ -104,15 +104,16 @@ fs::path make_init(const fs::path& dir) {
   return dir / "init.dat";
 }
 
-// dir/hf: an HF folder (modelopt) of dir/init.dat, the way the README makes one.
+// dir/m-hf: an HF folder (modelopt) of dir/init.dat, named as the README names one (an export
+// path dir/m.dat puts q4train's HF export there).
 fs::path make_hf(const fs::path& dir) {
   const fs::path init = make_init(dir);
   const Result r = q4dat(dir,
-                         {"export-hf", init.string(), (dir / "hf").string(), "--config",
+                         {"export-hf", init.string(), (dir / "m-hf").string(), "--config",
                           (dir / "model.json").string(), "--format", "modelopt"},
                          "hf");
   EXPECT_EQ(r.code, 0) << r.err;
-  return dir / "hf";
+  return dir / "m-hf";
 }
 
 std::string snapshot(const fs::path& folder) {  // names and bytes of every file, sorted
@@ -137,7 +138,7 @@ TEST(ModelFiles, TrainerHfExportNeverReplacesAnInputOrAForeignFolder) {
   struct Case {
     std::string export_path, names;
   };
-  const Case cases[] = {{(dir / "hf.dat").string(), "model.weights"},
+  const Case cases[] = {{(dir / "m.dat").string(), "model.weights"},
                         {(dir / "mine.dat").string(), "not a q4train HF export"}};
   for (const Case& c : cases) {
     for (bool dry : {false, true}) {
@@ -163,7 +164,7 @@ TEST(ModelFiles, TrainerHfExportNeverReplacesAnInputOrAForeignFolder) {
   r = q4train(dir,
               {"model.init=file", w, "output.hf_export=modelopt",
                "output.export_path=" + (dir / "out.dat").string()},
-              "c", {"--overwrite"});
+              "c", {"--dry-run"});
   EXPECT_EQ(r.code, 0) << r.err;
 }
 
@@ -239,7 +240,7 @@ TEST(ModelFiles, LayerCountMismatchIsAnError) {
   const std::string w = "model.weights=" + (dir / "init.dat").string();
   for (int layers : {1, 3}) {
     write_text(dir / "other.json", tiny_model_config(layers));
-    const Result r = q4train(dir, {"model.init=file", w, "model.config=other.json"},
+    const Result r = q4train(dir, {"model.init=file", w, "model.config=" + (dir / "other.json").string()},
                              "a" + std::to_string(layers));
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_TRUE(contains(r.err, "init.dat stores 2 decoder layers")) << r.err;
@@ -321,6 +322,37 @@ TEST(ModelFiles, NegativeBlockScaleIsRefusedAtLoad) {
   EXPECT_TRUE(contains(r.err, key)) << r.err;
   EXPECT_TRUE(contains(r.err, "negative")) << r.err;
   EXPECT_TRUE(contains(r.err, "[1, 1]")) << r.err;
+}
+
+// A weight that overflows in training (fp32 masters, an absurd learning rate) is named by its
+// parameter, not as `tensor 'tensor'`.
+TEST(ModelFiles, OverflowingWeightIsNamed) {
+  const fs::path dir = setup_dir("overflow");
+  const Result r = q4train(dir,
+                           {"output.export_path=none", "optim.lr=3e38", "optim.state=fp32",
+                            "model.master_dtype=fp32", "train.steps=4"},
+                           "a");
+  EXPECT_NE(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.err, "non-finite")) << r.err;
+  EXPECT_FALSE(contains(r.err, "'tensor'")) << r.err;
+  EXPECT_TRUE(contains(r.err, "'model.layers.0.")) << r.err;
+}
+
+// --nproc 2 with a truncated weights file: one error line naming the file, exit 2, before any
+// rank starts (it used to be a rank's barrier failure first, exit 1).
+TEST(ModelFiles, NprocReportsATruncatedWeightsFileOnce) {
+  const fs::path dir = setup_dir("nproc");
+  const fs::path init = make_init(dir);
+  fs::resize_file(init, fs::file_size(init) / 2);
+  const Result r = run_tool(kQ4train, dir,
+                            {"--nproc", "2", "--config", (dir / "config.yaml").string(), "--set",
+                             "model.init=file", "--set", "model.weights=" + init.string()},
+                            "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, init.string() + ": entry ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "truncated")) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run"));
 }
 
 }  // namespace
