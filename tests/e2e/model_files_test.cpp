@@ -151,7 +151,7 @@ TEST(ModelFiles, TrainerHfExportNeverReplacesAnInputOrAForeignFolder) {
       EXPECT_FALSE(contains(r.out, " 1/2 ")) << "trained before failing: " << c.export_path;
     }
   }
-  EXPECT_EQ(snapshot(hf), before);
+  EXPECT_TRUE(snapshot(hf) == before) << hf << " changed";
   EXPECT_EQ(read_text(dir / "mine-hf" / "config.json"), "{\"mine\": true}\n");
   // An earlier q4train export in that folder is replaced as before.
   q4::io::remove_tree(dir / "run");
@@ -187,7 +187,7 @@ TEST(ModelFiles, Q4datHfCommandsNeverReplaceTheirInputs) {
     EXPECT_EQ(r.code, 2) << f << ": " << r.err;
     EXPECT_TRUE(contains(r.err, "the output is the input")) << r.err;
   }
-  EXPECT_EQ(snapshot(hf), before);
+  EXPECT_TRUE(snapshot(hf) == before) << hf << " changed";
   // A foreign folder: refused, then replaced with --overwrite; a q4train export is replaced.
   fs::create_directories(dir / "mine");
   write_text(dir / "mine" / "config.json", "{}\n");
