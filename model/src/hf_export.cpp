@@ -198,8 +198,8 @@ void check_hf_export_dir(const std::string& out_dir,
   for (const auto& [what, path] : inputs) {
     if (path.empty()) continue;
     const fs::path in = resolved(path);
-    TORCH_CHECK(!is_within(in, out), out_dir, ": the HF export folder ",
-                in == out ? "is" : "holds", " the input ", what, " (", path,
+    TORCH_CHECK(!is_within(in, out), out_dir, ": the HF export folder ", in == out ? "is" : "holds",
+                " the input ", what, " (", path,
                 "); exporting there would replace it, choose another folder");
   }
   if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;

@@ -234,8 +234,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
   // sidecar) nor the folder.
   {
     std::vector<fs::path> inputs = {dir, dir / "config.json", dir / "hf_quant_config.json",
-                                    dir / "model.safetensors.index.json",
-                                    dir / kHfLmHeadScaleFile};
+                                    dir / "model.safetensors.index.json", dir / kHfLmHeadScaleFile};
     for (const auto& f : st.files()) inputs.emplace_back(f->path());
     const fs::path out = fs::weakly_canonical(fs::absolute(out_dat), ec);
     for (const fs::path& in : inputs) {
@@ -261,8 +260,8 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
                            !fs::exists(dir / kHfLmHeadScaleFile, ec);
   uint64_t count = 0;
   for (const ParamSpec& p : specs) {
-    const bool pair = p.kind == ParamKind::kQuantizedLinear &&
-                      !(p.group == ParamGroup::kLmHead && lm_head_raw);
+    const bool pair =
+        p.kind == ParamKind::kQuantizedLinear && !(p.group == ParamGroup::kLmHead && lm_head_raw);
     count += pair ? 2 : 1;
   }
   DatWriter w(out_dat, count);

@@ -334,8 +334,8 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
   int64_t stored_layers = 0;
   for (const DatEntry& e : entries) stored_layers = count_stored_layer(e.key, stored_layers);
   TORCH_CHECK(stored_layers <= cfg.num_hidden_layers, path, " stores ", stored_layers,
-              " decoder layers but ", cfg.source, " has num_hidden_layers ",
-              cfg.num_hidden_layers, "; the config and the weights must describe the same model");
+              " decoder layers but ", cfg.source, " has num_hidden_layers ", cfg.num_hidden_layers,
+              "; the config and the weights must describe the same model");
   for (size_t i = 0; i < entries.size(); ++i) {
     const DatEntry& e = entries[i];
     KeyRef ref = classify_key(e.key);

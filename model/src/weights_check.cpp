@@ -29,8 +29,8 @@ void check_finite_weight(const at::Tensor& t, ElemType type, const std::string& 
     if (nan.any().item<bool>()) {
       const int64_t i = at::argmax(nan.to(at::kByte)).item<int64_t>();
       TORCH_CHECK(false, where, ": E4M3 block scale is NaN (byte 0x", std::hex,
-                  static_cast<int>(t.reshape({-1})[i].item<uint8_t>()), std::dec,
-                  ") at element ", index_str(i, t.sizes()),
+                  static_cast<int>(t.reshape({-1})[i].item<uint8_t>()), std::dec, ") at element ",
+                  index_str(i, t.sizes()),
                   "; the weights file is corrupt or was written from a diverged model");
     }
     // NVFP4 block scales are >= 0 (the sign lives in each 4-bit code); a sign bit means a

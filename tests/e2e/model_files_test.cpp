@@ -1,10 +1,11 @@
-// Model files, Hugging Face interop, checkpoint integrity and TensorBoard, through build/bin/q4train
-// and build/bin/q4dat (tiny random Qwen3, real tokenizer, CPU): an HF export never replaces an
-// input or a folder q4train did not write, an import never replaces its own input, a raw lm_head
-// keeps its precision through .dat -> HF -> .dat, a config.json and weights that disagree on the
-// layer count are an error, a checkpoint without checksums.json is damaged, a full disk under
-// the TensorBoard file is an error, a negative block scale is refused at load, a weight that
-// overflows in training is named, and --nproc 2 reports a truncated weights file in one line.
+// Model files, Hugging Face interop, checkpoint integrity and TensorBoard, through
+// build/bin/q4train and build/bin/q4dat (tiny random Qwen3, real tokenizer, CPU): an HF export
+// never replaces an input or a folder q4train did not write, an import never replaces its own
+// input, a raw lm_head keeps its precision through .dat -> HF -> .dat, a config.json and weights
+// that disagree on the layer count are an error, a checkpoint without checksums.json is damaged, a
+// full disk under the TensorBoard file is an error, a negative block scale is refused at load, a
+// weight that overflows in training is named, and --nproc 2 reports a truncated weights file in one
+// line.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -142,9 +143,11 @@ TEST(ModelFiles, TrainerHfExportNeverReplacesAnInputOrAForeignFolder) {
                         {(dir / "mine.dat").string(), "not a q4train HF export"}};
   for (const Case& c : cases) {
     for (bool dry : {false, true}) {
-      const Result r = q4train(
-          dir, {"model.init=file", w, "output.hf_export=modelopt", "output.export_path=" + c.export_path},
-          "a", dry ? std::vector<std::string>{"--dry-run"} : std::vector<std::string>{});
+      const Result r =
+          q4train(dir,
+                  {"model.init=file", w, "output.hf_export=modelopt",
+                   "output.export_path=" + c.export_path},
+                  "a", dry ? std::vector<std::string>{"--dry-run"} : std::vector<std::string>{});
       EXPECT_EQ(r.code, 2) << c.export_path << ": " << r.err;
       EXPECT_TRUE(contains(r.err, "output.hf_export")) << r.err;
       EXPECT_TRUE(contains(r.err, c.names)) << r.err;
@@ -240,8 +243,9 @@ TEST(ModelFiles, LayerCountMismatchIsAnError) {
   const std::string w = "model.weights=" + (dir / "init.dat").string();
   for (int layers : {1, 3}) {
     write_text(dir / "other.json", tiny_model_config(layers));
-    const Result r = q4train(dir, {"model.init=file", w, "model.config=" + (dir / "other.json").string()},
-                             "a" + std::to_string(layers));
+    const Result r =
+        q4train(dir, {"model.init=file", w, "model.config=" + (dir / "other.json").string()},
+                "a" + std::to_string(layers));
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_TRUE(contains(r.err, "init.dat stores 2 decoder layers")) << r.err;
     EXPECT_TRUE(contains(r.err, "other.json has num_hidden_layers " + std::to_string(layers)))
@@ -262,15 +266,15 @@ TEST(ModelFiles, LayerCountMismatchIsAnError) {
 // it and the previous complete checkpoint.
 TEST(ModelFiles, CheckpointWithoutChecksumsIsDamaged) {
   const fs::path dir = setup_dir("sums");
-  Result r = q4train(dir, {"output.export_path=none", "train.steps=4", "output.checkpoint_every=2"},
-                     "a");
+  Result r =
+      q4train(dir, {"output.export_path=none", "train.steps=4", "output.checkpoint_every=2"}, "a");
   ASSERT_EQ(r.code, 0) << r.err;
   const fs::path ck = dir / "run" / "step_000004";
   ASSERT_TRUE(fs::remove(ck / "checksums.json"));
-  r = run_tool(kQ4train, dir,
-               {"--resume", (dir / "run").string(), "--set", "train.steps=6",
-                "--allow-schedule-change"},
-               "b");
+  r = run_tool(
+      kQ4train, dir,
+      {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change"},
+      "b");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, (ck / "checksums.json").string() + " is missing")) << r.err;
   EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
@@ -286,8 +290,8 @@ TEST(ModelFiles, TensorBoardOnAFullDiskIsAnError) {
   if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::strcpy(host, "localhost");
   const int64_t now = static_cast<int64_t>(::time(nullptr));
   for (int64_t t = now - 2; t < now + 300; ++t) {
-    fs::create_symlink("/dev/full", dir / "run" /
-                                        ("events.out.tfevents." + std::to_string(t) + "." + host));
+    fs::create_symlink("/dev/full",
+                       dir / "run" / ("events.out.tfevents." + std::to_string(t) + "." + host));
   }
   const Result r =
       q4train(dir, {"output.export_path=none", "log.tensorboard=true"}, "a", {"--overwrite"});
