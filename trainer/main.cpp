@@ -247,6 +247,7 @@ int main(int argc, char** argv) {
         if (a.rfind("--nproc=", 0) == 0) continue;
         args.push_back(a);
       }
+      check_inputs_before_launch(config);
       return launch_local_ranks(nproc, args, std::chrono::seconds(5));
     }
     if (dry_run) return run_dry_run(config, std::cout);

@@ -139,7 +139,75 @@ void copy_file_atomic(const fs::path& from, const fs::path& to) {
   write_file_atomic(to.string(), data);
 }
 
+// `p` made absolute and normalized, symbolic links resolved where they exist.
+fs::path resolved(const std::string& p) {
+  std::error_code ec;
+  const fs::path c = fs::weakly_canonical(fs::absolute(p), ec);
+  return ec ? fs::absolute(p).lexically_normal() : c;
+}
+
+// Whether `inner` is `outer` or lies under it (both resolved).
+bool is_within(const fs::path& inner, const fs::path& outer) {
+  auto i = inner.begin();
+  for (auto o = outer.begin(); o != outer.end(); ++o, ++i) {
+    if (o->empty()) continue;  // trailing separator
+    if (i == inner.end() || *i != *o) return false;
+  }
+  return true;
+}
+
+bool has_q4train_metadata(const fs::path& file) {
+  try {
+    const SafetensorsFile f(file.string());
+    const auto& m = f.metadata();
+    return m.count(kHfMetaSource) && m.at(kHfMetaSource) == "q4train";
+  } catch (const c10::Error&) {
+    return false;  // unreadable: not known to be ours
+  }
+}
+
 }  // namespace
+
+bool is_q4train_hf_export(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    const bool shard = n.rfind("model", 0) == 0 && n.size() > 12 &&
+                       n.compare(n.size() - 12, 12, ".safetensors") == 0;
+    if (shard && e.is_regular_file(ec) && has_q4train_metadata(e.path())) return true;
+  }
+  const fs::path hq = fs::path(dir) / "hf_quant_config.json";
+  if (fs::is_regular_file(hq, ec)) {
+    std::ifstream in(hq);
+    const json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("producer") && j["producer"].is_object() &&
+        j["producer"].value("name", "") == "q4train") {
+      return true;
+    }
+  }
+  return false;
+}
+
+void check_hf_export_dir(const std::string& out_dir,
+                         const std::vector<std::pair<std::string, std::string>>& inputs,
+                         bool overwrite, const std::string& overwrite_hint) {
+  const fs::path out = resolved(out_dir);
+  std::error_code ec;
+  TORCH_CHECK(!fs::exists(out, ec) || fs::is_directory(out, ec), out_dir,
+              ": exists and is not a folder; the HF export needs a folder");
+  for (const auto& [what, path] : inputs) {
+    if (path.empty()) continue;
+    const fs::path in = resolved(path);
+    TORCH_CHECK(!is_within(in, out), out_dir, ": the HF export folder ", in == out ? "is" : "holds",
+                " the input ", what, " (", path,
+                "); exporting there would replace it, choose another folder");
+  }
+  if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;
+  TORCH_CHECK(is_q4train_hf_export(out.string()), out_dir,
+              ": the folder exists, is not empty and is not a q4train HF export; exporting there "
+              "would replace its files, choose another folder",
+              overwrite_hint.empty() ? "" : " or " + overwrite_hint);
+}
 
 std::optional<HfFormat> hf_format_from_name(const std::string& name) {
   if (name == "modelopt") return HfFormat::kModelOpt;
@@ -153,6 +221,10 @@ const char* hf_format_name(HfFormat f) {
 
 HfExportReport export_hf(const DatReader& src, const json& config, const std::string& out_dir,
                          const HfExportOptions& opt) {
+  std::vector<std::pair<std::string, std::string>> inputs = opt.inputs;
+  inputs.emplace_back("weights", src.path());
+  inputs.emplace_back("tokenizer folder", opt.tokenizer_dir);
+  check_hf_export_dir(out_dir, inputs, opt.overwrite);
   const Qwen3Config cfg = Qwen3Config::from_json(config, "config.json");
   const bool has_lm_head = src.find("lm_head.weight") != nullptr ||
                            src.find(std::string("lm_head.weight") + kDatQdataSuffix) != nullptr;

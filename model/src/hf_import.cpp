@@ -17,6 +17,7 @@
 #include "q4/model/qwen3_params.h"
 #include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
+#include "stored_layers.h"
 
 namespace q4::model {
 namespace {
@@ -229,12 +230,40 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
                                                                             : "compressed-tensors");
 
   const SafetensorsModel st(hf_dir);
+  // The output replaces none of the files read (config, quantization config, index, shards,
+  // sidecar) nor the folder.
+  {
+    std::vector<fs::path> inputs = {dir, dir / "config.json", dir / "hf_quant_config.json",
+                                    dir / "model.safetensors.index.json", dir / kHfLmHeadScaleFile};
+    for (const auto& f : st.files()) inputs.emplace_back(f->path());
+    const fs::path out = fs::weakly_canonical(fs::absolute(out_dat), ec);
+    for (const fs::path& in : inputs) {
+      if (!fs::exists(in, ec)) continue;
+      TORCH_CHECK(out != fs::weakly_canonical(fs::absolute(in), ec), out_dat,
+                  ": the output is the input ", in.string(),
+                  " of this import; writing it would replace the input, choose another path");
+    }
+  }
   // An export of ours carries its .dat element types; anything else gets the shipped layout.
   const auto& meta = st.files().front()->metadata();
   const bool from_q4train = meta.count(kHfMetaSource) && meta.at(kHfMetaSource) == "q4train";
+  int64_t stored_layers = 0;
+  for (const std::string& n : st.names()) stored_layers = count_stored_layer(n, stored_layers);
+  TORCH_CHECK(stored_layers == cfg.num_hidden_layers, hf_dir, " stores ", stored_layers,
+              " decoder layers but ", cfg_name, " has num_hidden_layers ", cfg.num_hidden_layers,
+              "; the config and the weights must describe the same model");
   const std::vector<ParamSpec> specs = qwen3_parameters(cfg, /*include_lm_head=*/true);
+  // A q4train export without the lm_head sidecar came from a .dat that stored lm_head raw: it
+  // comes back raw in its exported type, not quantized (4-bit would change the model's outputs).
+  const auto lm_head = st.find("lm_head.weight");
+  const bool lm_head_raw = from_q4train && lm_head && is_float(lm_head->tensor->dtype) &&
+                           !fs::exists(dir / kHfLmHeadScaleFile, ec);
   uint64_t count = 0;
-  for (const ParamSpec& p : specs) count += p.kind == ParamKind::kQuantizedLinear ? 2 : 1;
+  for (const ParamSpec& p : specs) {
+    const bool pair =
+        p.kind == ParamKind::kQuantizedLinear && !(p.group == ParamGroup::kLmHead && lm_head_raw);
+    count += pair ? 2 : 1;
+  }
   DatWriter w(out_dat, count);
   Importer im{st, w, rep, false, ElemType::kUInt8, {}};
   im.from_q4train = from_q4train;
@@ -278,6 +307,11 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
     }
     TORCH_CHECK(weight.has_value(), hf_dir, ": missing tensor '", p.name, "' (shape ",
                 at::IntArrayRef(p.shape), ")");
+    if (p.group == ParamGroup::kLmHead && lm_head_raw) {
+      im.raw(p, *weight);
+      rep.lm_head_raw = true;
+      continue;
+    }
     if (p.group == ParamGroup::kLmHead && from_q4train &&
         fs::exists(dir / kHfLmHeadScaleFile, ec)) {
       const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());

@@ -65,7 +65,7 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     if (p->quantized) {
       // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
       // catches NaN/Inf through the loss and gradients); on CPU it still raises.
-      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd);
+      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p->name);
     }
     return master.to(cd, /*non_blocking=*/false, /*copy=*/true);
   }

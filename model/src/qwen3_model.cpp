@@ -13,6 +13,7 @@
 #include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
 #include "qwen3_impl.h"
+#include "stored_layers.h"
 
 namespace q4::model {
 namespace {
@@ -328,6 +329,13 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
   };
 
   const auto& entries = weights.entries();
+  // The config and the weights describe the same number of decoder layers: extra layers in
+  // the file would be dropped silently, missing ones are named below.
+  int64_t stored_layers = 0;
+  for (const DatEntry& e : entries) stored_layers = count_stored_layer(e.key, stored_layers);
+  TORCH_CHECK(stored_layers <= cfg.num_hidden_layers, path, " stores ", stored_layers,
+              " decoder layers but ", cfg.source, " has num_hidden_layers ", cfg.num_hidden_layers,
+              "; the config and the weights must describe the same model");
   for (size_t i = 0; i < entries.size(); ++i) {
     const DatEntry& e = entries[i];
     KeyRef ref = classify_key(e.key);
@@ -385,6 +393,9 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
                 " is missing (its ", (kv.second.qdata.defined() ? ".qdata" : ".scale"),
                 " is present)");
   }
+  TORCH_CHECK(stored_layers == 0 || stored_layers == cfg.num_hidden_layers, path, " stores ",
+              stored_layers, " decoder layers but ", cfg.source, " has num_hidden_layers ",
+              cfg.num_hidden_layers, "; the config and the weights must describe the same model");
   for (size_t i = 0; i < m.params.size(); ++i) {
     TORCH_CHECK(m.params[i].master.defined(), path, ": missing parameter ", m.params[i].name,
                 " (expected ", m.params[i].name, " raw or ", m.params[i].name,

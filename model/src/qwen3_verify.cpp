@@ -31,7 +31,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
   // What this model's forward multiplies by, for a row range of the master.
   auto forward_weight = [&](const Parameter& p, const at::Tensor& master) {
     if (!p.trainable) return master;
-    if (p.quantized) return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd);
+    if (p.quantized) return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name);
     return master.to(cd);
   };
   std::vector<std::string> differ;
@@ -77,7 +77,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
         // Dequantized values are exact in every float dtype, so dequantizing straight to the
         // compute dtype equals load()'s path.
         w = q4::quant::dequantize_nvfp4(part(qdata).to(dev), part(scale).to(dev), cd);
-        w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd);
+        w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd, p->name);
       }
       // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
       // with this model's weight rounded to that type, the most the file can hold (an fp32 master

@@ -360,8 +360,9 @@ at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name
 }
 
 at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w,
-                                              std::optional<at::ScalarType> out_dtype) {
-  return fake_quant_dispatch(w, "tensor", /*check=*/false, out_dtype);
+                                              std::optional<at::ScalarType> out_dtype,
+                                              const std::string& name) {
+  return fake_quant_dispatch(w, name, /*check=*/false, out_dtype);
 }
 
 namespace {

@@ -199,7 +199,7 @@ TEST(Hardening, DamagedCheckpointIsRefusedNamingTheFileAndThePreviousOne) {
   ASSERT_EQ(r.code, 0) << r.err;
   const fs::path ck = dir / "run" / "step_000004";
   ASSERT_TRUE(fs::exists(ck / "checksums.json"));
-  {
+  auto flip = [&] {
     std::fstream f(ck / "optim.state", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(200);
     char c = 0;
@@ -207,15 +207,16 @@ TEST(Hardening, DamagedCheckpointIsRefusedNamingTheFileAndThePreviousOne) {
     f.get(c);
     f.seekp(200);
     f.put(static_cast<char>(c ^ 0x10));
-  }
+  };
+  flip();
   const std::string steps = "train.steps=6";
   r = run(dir, {"--resume", (dir / "run").string(), "--set", steps, "--allow-schedule-change"},
           "b");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "optim.state")) << r.err;
   EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
-  // A checkpoint without checksums (older format) with a broken state.json: named, with a hint.
-  fs::remove(ck / "checksums.json");
+  // A broken state.json (optim.state repaired): named, with a hint.
+  flip();
   write_text(ck / "state.json", "{\"step\": 4, ");
   r = run(dir, {"--resume", (dir / "run").string(), "--set", steps, "--allow-schedule-change"},
           "c");

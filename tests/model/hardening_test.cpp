@@ -104,6 +104,45 @@ TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
   EXPECT_EQ(msg.find("tensor 'tensor'"), std::string::npos) << msg;
 }
 
+// A block scale with the sign bit (NVFP4 scales are >= 0; the HF layouts cannot carry it) is a
+// load error like the NaN code, not something only the HF export refuses after training.
+TEST(Hardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
+  test::ScopedTempDir tmp("q4_hard_");
+  const std::string path = tmp.path("neg_scale.dat");
+  const std::string key = "model.layers.1.self_attn.o_proj.weight.scale";
+  copy_with(path, key, [](at::Tensor t) {
+    t = t.clone();
+    t[2][1] = static_cast<uint8_t>(t[2][1].item<uint8_t>() | 0x80);
+    return t;
+  });
+  const std::string msg = load_error(path);
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'" + key + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("negative"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[2, 1]"), std::string::npos) << msg;
+}
+
+// config.json and the file disagree on the layer count: an error naming both and both counts
+// (fewer in the config used to drop the file's extra layers silently).
+TEST(Hardening, LayerCountMismatchIsALoadError) {
+  DatReader r(kWeights);
+  for (int layers : {1, 3}) {
+    Qwen3Config c = Qwen3Config::from_json_file(kConfig);
+    c.num_hidden_layers = layers;
+    c.source = "tiny.json";
+    try {
+      Qwen3Model::load(c, r, ModelOptions{});
+      ADD_FAILURE() << "loaded 2 layers with num_hidden_layers " << layers;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find(kWeights + " stores 2 decoder layers"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("tiny.json has num_hidden_layers " + std::to_string(layers)),
+                std::string::npos)
+          << msg;
+    }
+  }
+}
+
 TEST(Hardening, Q4genWithNanWeightsExits2) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan.dat");

@@ -38,7 +38,12 @@ int run_export_hf(const ExportHfOptions& o) {
       throw InputError(o.config + ": not valid JSON: " + e.what());
     }
   }
+  opt.inputs = {{"--config", o.config}};
+  opt.overwrite = o.overwrite;
   const auto rep = as_input([&] {
+    q4::model::check_hf_export_dir(
+        o.out_dir, {{"IN", o.in}, {"--config", o.config}, {"--tokenizer-dir", o.tokenizer_dir}},
+        o.overwrite, "pass --overwrite");
     const q4::model::DatReader r(o.in);
     return q4::model::export_hf(r, config, o.out_dir, opt);
   });
@@ -57,10 +62,11 @@ int run_import_hf(const ImportHfOptions& o) {
   const auto rep = as_input([&] { return q4::model::import_hf(o.in_dir, o.out); });
   fmt::print(
       "{}: from {} checkpoint: {} linears quantized (NVFP4 rules), {} NVFP4 copied, {} NVFP4 "
-      "with the global scale folded ({} blocks changed by E4M3 rounding), {} raw{}{}, {:.1f} s\n",
+      "with the global scale folded ({} blocks changed by E4M3 rounding), {} raw{}{}{}, {:.1f} s\n",
       o.out, rep.source_format, rep.quantized, rep.copied_nvfp4, rep.folded_nvfp4,
       rep.folded_blocks_changed, rep.raw,
       rep.lm_head_from_embedding ? ", lm_head quantized from the tied embedding" : "",
+      rep.lm_head_raw ? ", lm_head kept raw as exported" : "",
       rep.ignored.empty() ? "" : fmt::format(", {} tensors ignored", rep.ignored.size()),
       seconds_since(t0));
   return 0;

@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
                     "folder whose tokenizer files and generation_config.json are copied");
   c_exp->add_flag("--raw-bf16", exp.raw_bf16,
                   "embedding and norms as BF16 (default: kept in the .dat's type, lossless)");
+  c_exp->add_flag("--overwrite", exp.overwrite,
+                  "replace the files of an existing folder that is not a q4train export");
   c_exp->add_option("--max-shard-gb", exp.max_shard_gb, "largest shard, GB (1e9 bytes)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();

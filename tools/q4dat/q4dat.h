@@ -61,6 +61,7 @@ struct ExportHfOptions {
   std::string tokenizer_dir;        // tokenizer files + generation_config.json to copy
   bool raw_bf16 = false;            // embedding and norms as BF16 (default: the .dat's type)
   double max_shard_gb = 5.0;
+  bool overwrite = false;  // replace the files of a folder that is not a q4train export
 };
 int run_export_hf(const ExportHfOptions& o);
 

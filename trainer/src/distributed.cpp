@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fmt/format.h>
 #include <functional>
 #include <numeric>
@@ -38,6 +39,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "q4/model/dat_file.h"
+#include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
 
 #if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
@@ -393,6 +396,19 @@ std::string self_exe() {
 }
 
 }  // namespace
+
+void check_inputs_before_launch(const Config& c) {
+  if (c.model.init != InitKind::kFile || model::is_hf_folder(c.model.weights)) return;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(c.model.weights, ec)) {
+    throw ConfigError("config key model.weights: file not found: " + c.model.weights);
+  }
+  try {
+    const model::DatReader r(c.model.weights);  // indexes the header: sizes against the file
+  } catch (const c10::Error& e) {
+    throw ConfigError("config key model.weights: " + std::string(e.what_without_backtrace()));
+  }
+}
 
 int launch_local_ranks(int nproc, const std::vector<std::string>& argv,
                        std::chrono::seconds grace) {

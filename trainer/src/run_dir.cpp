@@ -19,6 +19,7 @@
 #include "q4/io/atomic_file.h"
 #include "q4/io/crc32c.h"
 #include "q4/io/remove_tree.h"
+#include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
@@ -278,6 +279,7 @@ void check_output_paths(const Config& c) {
                           "; the HF folder must be a directory or a new path");
       }
     }
+    check_hf_export_folder(c);
   }
   for (const auto& o : outputs) {
     // The metrics file is appended to, never renamed over: a device there (a link to /dev/full
@@ -299,6 +301,27 @@ void check_output_paths(const Config& c) {
             "; choose another output");
       }
     }
+  }
+}
+
+void check_hf_export_folder(const Config& c) {
+  const std::string exp = resolved_export_path(c);
+  if (c.output.hf_export == HfExport::kNone || exp.empty()) return;
+  std::vector<std::pair<std::string, std::string>> inputs = {{"output.dir", c.output.dir}};
+  if (c.model.init == InitKind::kFile) inputs.push_back({"model.weights", c.model.weights});
+  inputs.push_back({"model.config", c.model.config});
+  if (!c.model.tokenizer.empty()) {
+    inputs.push_back({"model.tokenizer", c.model.tokenizer});
+    inputs.push_back({"the folder of model.tokenizer",
+                      canonical_or_self(c.model.tokenizer).parent_path().string()});
+  }
+  for (const auto& f : c.data.files) inputs.push_back({"data.files", f});
+  for (const auto& f : c.data.eval_files) inputs.push_back({"data.eval_files", f});
+  try {
+    model::check_hf_export_dir(hf_export_dir(exp), inputs, /*overwrite=*/false);
+  } catch (const c10::Error& e) {
+    throw ConfigError("config key output.hf_export (folder next to output.export_path): " +
+                      std::string(e.what_without_backtrace()));
   }
 }
 
@@ -500,7 +523,12 @@ void verify_checkpoint(const CheckpointDir& ck) {
   const fs::path dir(ck.path);
   const fs::path sums = dir / kChecksumFile;
   std::error_code ec;
-  if (!fs::exists(sums, ec)) return;  // written before checksums existed
+  // Every checkpoint q4train writes has checksums.json (written before DONE), and state.json
+  // carries no format version that could mark an older layout: a missing one is damage.
+  if (!fs::exists(sums, ec)) {
+    throw ConfigError("--resume: " + sums.string() + " is missing (every checkpoint has one): " +
+                      ck.path + " is damaged" + previous_checkpoint_hint(ck));
+  }
   nlohmann::json j = nlohmann::json::parse(read_file(sums.string()), nullptr, false);
   if (j.is_discarded() || !j.is_object() || !j.contains("files") || !j["files"].is_object()) {
     throw ConfigError("--resume: " + sums.string() + " is not a valid checksum file" +

@@ -4,6 +4,7 @@
 // supported machine is).
 #include "q4/trainer/tfevents.h"
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -142,15 +143,18 @@ void TfEventsWriter::open(const std::string& dir) {
   path_ = (std::filesystem::path(dir) /
            fmt::format("events.out.tfevents.{}.{}", static_cast<int64_t>(t), host))
               .string();
-  out_.open(path_, std::ios::binary | std::ios::app);
-  if (!out_) throw ConfigError("cannot create the TensorBoard event file " + path_);
+  try {
+    out_.open(path_, /*truncate=*/false);
+  } catch (const c10::Error& e) {
+    throw ConfigError("cannot create the TensorBoard event file " + path_ + ": " +
+                      e.what_without_backtrace());
+  }
   write_event(encode_file_version_event(t, "brain.Event:2"));
 }
 
 void TfEventsWriter::write_event(const std::string& event) {
   const std::string rec = frame_tfrecord(event);
-  out_.write(rec.data(), static_cast<std::streamsize>(rec.size()));
-  out_.flush();
+  out_.write(rec);
 }
 
 void TfEventsWriter::add_scalar(const std::string& tag, double value, int64_t step) {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "q4/model/dat_file.h"
@@ -32,7 +33,25 @@ struct HfExportOptions {
   // Raw tensors (embedding, norms, unquantized linears) as BF16. Default false: kept in the
   // .dat's float type (lossless; vLLM casts to its serving dtype on load).
   bool raw_bf16 = false;
+  // The caller's other inputs, as (what, path) pairs (e.g. {"--config", ".../config.json"}): the
+  // output folder may neither be nor hold any of them (the .dat and tokenizer_dir are added).
+  std::vector<std::pair<std::string, std::string>> inputs;
+  // Replace the files of an existing folder that is not an earlier q4train export.
+  bool overwrite = false;
 };
+
+// The checks export_hf makes before writing, for callers that check their outputs up front:
+// `out_dir` is a folder or a new path; it is none of `inputs` ((what, path) pairs, files or
+// folders) and holds none of them; and when it exists and is not empty it is an earlier q4train
+// export (safetensors metadata or hf_quant_config.json producer) unless `overwrite`. Errors name
+// the folder and the input; `overwrite_hint` (e.g. "pass --overwrite") ends the message about
+// a foreign folder when the caller has such a switch.
+void check_hf_export_dir(const std::string& out_dir,
+                         const std::vector<std::pair<std::string, std::string>>& inputs,
+                         bool overwrite, const std::string& overwrite_hint = "");
+// Whether `dir` holds a q4train export (a model*.safetensors whose metadata names q4train, or
+// an hf_quant_config.json whose producer is q4train).
+bool is_q4train_hf_export(const std::string& dir);
 
 struct HfExportReport {
   int64_t quantized = 0;       // NVFP4 linears written in the quantized layout
@@ -46,8 +65,9 @@ struct HfExportReport {
 
 // `config`: the model's config.json (parsed); its fields are kept, tie_word_embeddings,
 // torch_dtype and quantization_config are set. Errors (missing or ill-shaped parameters, NaN
-// or negative block scales) name the .dat and the key; nothing is written before the checks
-// pass, and each file is written atomically.
+// or negative block scales, an output folder that check_hf_export_dir refuses) name the .dat
+// and the key or the folder; nothing is written before the checks pass, and each file is
+// written atomically.
 HfExportReport export_hf(const DatReader& src, const nlohmann::json& config,
                          const std::string& out_dir, const HfExportOptions& opt);
 
@@ -60,6 +80,7 @@ struct HfImportReport {
   int64_t raw = 0;
   std::vector<std::string> ignored;  // tensors of the folder that are not Qwen3 parameters
   bool lm_head_from_embedding = false;  // tied checkpoint: lm_head quantized from the embedding
+  bool lm_head_raw = false;  // a q4train export of a raw lm_head: kept raw in its exported type
 };
 
 // Whether `path` is a folder with config.json and model.safetensors(.index.json).
@@ -67,8 +88,9 @@ bool is_hf_folder(const std::string& path);
 
 // Writes `out_dat` in the shipped Qwen3 .dat layout (fp16 embedding and norms, NVFP4 pairs with
 // qdata element type 0 and scale 101, lm_head stored separately even when tied). A folder written
-// by export_hf is read back with its original element types (its __metadata__ says so), so
-// .dat -> HF -> .dat is byte-identical.
+// by export_hf is read back with its original element types (its __metadata__ says so; a raw
+// lm_head stays raw, an NVFP4 one is restored from the sidecar scales), so .dat -> HF -> .dat is
+// byte-identical. `out_dat` is none of the files read (error naming both).
 HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat);
 
 }  // namespace q4::model

@@ -12,7 +12,8 @@
 namespace q4::model {
 
 // Throws c10::Error "<where>: non-finite value <v> at element [i, j] (...)" when `t` (stored as
-// `type`) holds a NaN/Inf float or a NaN E4M3 scale. Packed E2M1 and integer entries always pass.
+// `type`) holds a NaN/Inf float, or a NaN or negative (sign bit) E4M3 scale. Packed E2M1 and
+// integer entries always pass.
 void check_finite_weight(const at::Tensor& t, ElemType type, const std::string& where);
 
 }  // namespace q4::model

@@ -48,9 +48,11 @@ at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name
 // Same values, but on CUDA without the NaN/Inf check's device->host sync (one per call):
 // blocks holding NaN/Inf come out NaN instead of raising. CPU: identical to the checked op.
 // out_dtype: return the result in this dtype (default w's); on CUDA fp16 <-> bf16 is written by
-// the kernel directly (one pass; the values are exact in both).
+// the kernel directly (one pass; the values are exact in both). `name` (the parameter) is named
+// by the CPU error.
 at::Tensor fake_quant_nvfp4_forward_unchecked(
-    const at::Tensor& w, std::optional<at::ScalarType> out_dtype = std::nullopt);
+    const at::Tensor& w, std::optional<at::ScalarType> out_dtype = std::nullopt,
+    const std::string& name = "tensor");
 // Autograd op: forward = fake_quant_nvfp4_forward(w), backward = identity (straight-through).
 // check_finite=false uses the unchecked forward (no device->host sync on CUDA; the training hot
 // path relies on the trainer's non-finite guard on loss and gradients instead).

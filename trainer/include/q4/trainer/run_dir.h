@@ -66,7 +66,8 @@ std::string hf_export_dir(const std::string& dat_path);
 // (the config file, model.weights, model.config, model.tokenizer, data.files); output.dir is a
 // writable directory or can be created; no output (config.yaml, eval.jsonl, init.dat,
 // report.html, the metrics file, the export and its HF folder) exists as anything but a regular
-// file (the HF folder: a directory), so nothing is ever renamed over a device or a FIFO.
+// file (the HF folder: a directory), so nothing is ever renamed over a device or a FIFO; and
+// output.hf_export's folder passes check_hf_export_folder.
 void check_output_paths(const Config& c);
 
 // The export record: `<export>.json` beside the export, {"step": N, "bytes": size}, written
@@ -89,6 +90,12 @@ std::string step_export_name(int64_t step);
 // as anything but a regular file, or as a file that is not a previous probe report, unless
 // `overwrite`.
 void check_probe_report_path(const std::string& path, bool overwrite);
+
+// With output.hf_export set: the folder is neither an input nor output.dir and holds none of
+// them (model.weights, model.config, model.tokenizer and the folder its files are copied from,
+// data files), and an existing non-empty folder is an earlier q4train export
+// (model::check_hf_export_dir; q4train never replaces a foreign folder's files).
+void check_hf_export_folder(const Config& c);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a
@@ -117,8 +124,8 @@ std::vector<std::string> clean_stale_files(const Config& c);
 
 // Writes checksums.json (CRC32C and size of each named file of the checkpoint) atomically.
 void write_checkpoint_checksums(const std::string& ckpt_dir, const std::vector<std::string>& files);
-// Checks the checkpoint's files against checksums.json (absent in checkpoints written before it
-// existed: nothing to check). ConfigError naming the file, with previous_checkpoint_hint().
+// Checks the checkpoint's files against checksums.json, which every checkpoint has (a missing
+// one is damage). ConfigError naming the file, with previous_checkpoint_hint().
 void verify_checkpoint(const CheckpointDir& ck);
 // " ; the previous complete checkpoint is <dir> (resume it with --resume <dir>)" or a note that
 // there is none: appended to every error about a damaged checkpoint.

@@ -9,9 +9,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+
+#include "q4/io/atomic_file.h"
 
 namespace q4::trainer {
 
@@ -35,7 +36,9 @@ class TfEventsWriter {
  public:
   TfEventsWriter() = default;
   // Creates `<dir>/events.out.tfevents.<unix secs>.<hostname>` and writes the file_version event
-  // ("brain.Event:2"). Every add_* call flushes (a killed run keeps what it logged).
+  // ("brain.Event:2"). Every add_* call is one checked write(2) (q4::io::AppendFile, as
+  // metrics.jsonl): a killed run keeps what it logged, and a failed write (full disk) throws
+  // naming the file.
   void open(const std::string& dir);
   bool is_open() const { return out_.is_open(); }
   const std::string& path() const { return path_; }
@@ -50,7 +53,7 @@ class TfEventsWriter {
  private:
   void write_event(const std::string& event);
   std::string path_;
-  std::ofstream out_;
+  io::AppendFile out_;
 };
 
 }  // namespace q4::trainer
