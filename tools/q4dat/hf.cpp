@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 
 #include "common.h"
@@ -59,6 +60,14 @@ int run_export_hf(const ExportHfOptions& o) {
 
 int run_import_hf(const ImportHfOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
+  // Every file of the folder counts as an input: the .dat never lands on a shard, a config or a
+  // tokenizer file, whatever the import reads.
+  std::vector<std::string> inputs = {o.in_dir};
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(o.in_dir, ec)) {
+    inputs.push_back(e.path().string());
+  }
+  check_output_file(o.out, inputs, o.overwrite);
   const auto rep = as_input([&] { return q4::model::import_hf(o.in_dir, o.out); });
   fmt::print(
       "{}: from {} checkpoint: {} linears quantized (NVFP4 rules), {} NVFP4 copied, {} NVFP4 "

@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
       "import-hf", "Write a .dat in the shipped Qwen3 layout from a Hugging Face folder");
   c_imp->add_option("HF_DIR", imp.in_dir, "folder with config.json and *.safetensors")->required();
   c_imp->add_option("OUT", imp.out, "output .dat")->required();
+  c_imp->add_flag("--overwrite", imp.overwrite, "replace OUT if it exists");
 
   try {
     app.parse(argc, argv);

@@ -67,6 +67,7 @@ int run_export_hf(const ExportHfOptions& o);
 
 struct ImportHfOptions {
   std::string in_dir, out;
+  bool overwrite = false;  // OUT may replace an existing file (never one the import reads)
 };
 int run_import_hf(const ImportHfOptions& o);
 
