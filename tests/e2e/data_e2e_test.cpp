@@ -23,10 +23,6 @@ namespace {
 
 using namespace q4::e2e;
 
-bool contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
 // A fresh directory with model.json, the data file `data_name` holding `data`, and config.yaml
 // (random init, no eval prompts, run in dir/run; `extra` is appended to the train section).
 fs::path setup_dir(const std::string& name, const std::string& data_name, const std::string& data,
@@ -49,26 +45,13 @@ fs::path setup_dir(const std::string& name, const std::string& data_name, const 
   return dir;
 }
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
-
 // q4train --config dir/config.yaml plus `args` (each --set given as "key=value" after "-s").
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& env = "") {
   static int n = 0;
-  std::string cmd = env + (env.empty() ? "" : " ") + kQ4train + " --config '" +
-                    (dir / "config.yaml").string() + "'";
-  for (const auto& a : args) cmd += " '" + a + "'";
+  const std::string cmd = env + (env.empty() ? "" : " ") + kQ4train + " --config '" +
+                          (dir / "config.yaml").string() + "'" + quoted(args);
   const std::string tag = std::to_string(::getpid()) + "_" + std::to_string(n++);
-  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
-  cmd += " >" + out + " 2>" + err;
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  return run_captured(cmd, dir / (tag + ".out"), dir / (tag + ".err"));
 }
 
 // `n` prompt/answer lines of a TSV: answers of about `answer_words` words.

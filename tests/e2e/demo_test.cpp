@@ -51,11 +51,7 @@ std::map<std::string, std::string> read_pairs(const std::string& path) {
   return pairs;
 }
 
-struct Result {
-  int code = -1;
-  std::string out;
-};
-
+// `cmd` with stdout and stderr together in `log` (q4::e2e::Result's out; err stays empty).
 Result run(const std::string& cmd, const fs::path& log) {
   const int status = std::system((cmd + " >" + log.string() + " 2>&1").c_str());
   Result r;

@@ -66,25 +66,19 @@ fs::path write_config(const fs::path& dir, int64_t steps, int64_t accum, int64_t
   return dir / "config.yaml";
 }
 
-struct Result {
-  int code = -1;
-  std::string out, err;
+// A q4train run (q4::e2e::Result) and its wall time.
+struct TimedRun : Result {
   double seconds = 0;
 };
 
-Result run(const std::vector<std::string>& args, const fs::path& log_prefix,
-           const std::string& env = "") {
-  std::string cmd = env + (env.empty() ? "" : " ") + kQ4train;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const std::string out = log_prefix.string() + ".out", err = log_prefix.string() + ".err";
-  cmd += " >" + out + " 2>" + err;
+TimedRun run(const std::vector<std::string>& args, const fs::path& log_prefix,
+             const std::string& env = "") {
   const auto t0 = std::chrono::steady_clock::now();
-  const int status = std::system(cmd.c_str());
-  Result r;
+  TimedRun r;
+  static_cast<Result&>(r) =
+      run_captured(env + (env.empty() ? "" : " ") + kQ4train + quoted(args),
+                   log_prefix.string() + ".out", log_prefix.string() + ".err");
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
   return r;
 }
 
@@ -108,8 +102,8 @@ void expect_same_curve(const std::vector<nlohmann::json>& got,
     EXPECT_EQ(got[i]["step"], want[i]["step"]) << what;
     EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << what << " step " << i + 1;
     const double a = got[i]["loss"].get<double>(), b = want[i]["loss"].get<double>();
-    EXPECT_LE(std::fabs(a - b), rel_tol * std::fabs(b)) << what << " step " << i + 1 << ": " << a
-                                                        << " vs " << b;
+    EXPECT_LE(std::fabs(a - b), rel_tol * std::fabs(b))
+        << what << " step " << i + 1 << ": " << a << " vs " << b;
     const double ga = got[i]["grad_norm"].get<double>(), gb = want[i]["grad_norm"].get<double>();
     EXPECT_LE(std::fabs(ga - gb), 1e-12 * std::fabs(gb)) << what << " step " << i + 1;
   }
@@ -127,7 +121,7 @@ fs::path two_rank_base() {
   if (!fs::exists(d / "COMPLETE") || read_text(d / "COMPLETE") != stamp) {
     q4::io::remove_tree(d);
     const auto cfg = write_config(d, kSteps, 1, 4);
-    const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "60"}, d / "log");
+    const TimedRun r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "60"}, d / "log");
     EXPECT_EQ(r.code, 0) << r.err << r.out;
     if (r.code == 0) write_text(d / "COMPLETE", stamp);
   }
@@ -138,8 +132,8 @@ fs::path two_rank_base() {
 
 // A copy of the base run cut back to its step-4 checkpoint (later checkpoint and export removed)
 // in `dir`, resumed from there with `extra` arguments.
-Result resume_copy_at_step_4(const fs::path& base, const fs::path& dir,
-                             const std::vector<std::string>& extra) {
+TimedRun resume_copy_at_step_4(const fs::path& base, const fs::path& dir,
+                               const std::vector<std::string>& extra) {
   q4::io::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
@@ -197,7 +191,7 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
   const fs::path one = work_root("dist") / "one";
   q4::io::remove_tree(one);
   const auto cfg = write_config(one, kSteps, 2, 0);
-  const Result r = run({"--config", cfg.string()}, one / "log");
+  const TimedRun r = run({"--config", cfg.string()}, one / "log");
   ASSERT_EQ(r.code, 0) << r.err;
   expect_same_curve(read_jsonl(two / "run" / "metrics.jsonl"),
                     read_jsonl(one / "run" / "metrics.jsonl"), kRankTolerance, "2 ranks vs 1");
@@ -214,7 +208,7 @@ TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root("dist") / "resume2";
-  const Result r = resume_copy_at_step_4(base, dir, {"--nproc", "2", kTimeout, "60"});
+  const TimedRun r = resume_copy_at_step_4(base, dir, {"--nproc", "2", kTimeout, "60"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto want = read_jsonl(base / "run" / "metrics.jsonl");
   const auto got = read_jsonl(dir / "run" / "metrics.jsonl");
@@ -231,7 +225,7 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root("dist") / "reshard";
-  const Result r = resume_copy_at_step_4(base, dir, {});
+  const TimedRun r = resume_copy_at_step_4(base, dir, {});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("continues on 1 rank(s) with grad_accum 2"), std::string::npos) << r.out;
   expect_same_curve(read_jsonl(dir / "run" / "metrics.jsonl"),
@@ -243,8 +237,8 @@ TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
   const fs::path dir = work_root("dist") / "dead";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
-  const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
-                       "Q4_FAULT=exit:1:3");
+  const TimedRun r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
+                         "Q4_FAULT=exit:1:3");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("rank 1 exited with code 9"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 60.0);
@@ -255,8 +249,8 @@ TEST(DataParallel, AHungRankTimesOutTheOthers) {
   const fs::path dir = work_root("dist") / "hung";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
-  const Result r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
-                       "Q4_FAULT=hang:1:3");
+  const TimedRun r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
+                         "Q4_FAULT=hang:1:3");
   EXPECT_NE(r.code, 0);
   // Rank 0 fails in a collective after the timeout, naming itself; the launcher then stops the
   // hung rank.
@@ -268,8 +262,8 @@ TEST(DataParallel, ABadConfigFailsBeforeAnyRankStarts) {
   const fs::path dir = work_root("dist") / "badcfg";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
-  Result r = run({"--config", cfg.string(), "--nproc", "2", "--set", "train.setps=3"},
-                 dir / "log");
+  TimedRun r =
+      run({"--config", cfg.string(), "--nproc", "2", "--set", "train.setps=3"}, dir / "log");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("train.setps"), std::string::npos) << r.err;
   // Under torchrun every rank reads the config before the rendezvous: it fails at once instead

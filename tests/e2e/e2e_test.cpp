@@ -72,23 +72,9 @@ fs::path write_config(const fs::path& dir, int64_t steps, int64_t checkpoint_eve
   return dir / "config.yaml";
 }
 
-struct Result {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
 Result run_q4train(const std::vector<std::string>& args, const fs::path& log_prefix) {
-  std::string cmd = kQ4train;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const std::string out = log_prefix.string() + ".out", err = log_prefix.string() + ".err";
-  cmd += " >" + out + " 2>" + err;
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  return run_captured(kQ4train + quoted(args), log_prefix.string() + ".out",
+                      log_prefix.string() + ".err");
 }
 
 constexpr int64_t kBaseSteps = 40;
@@ -299,16 +285,9 @@ TEST(E2E, SigintCheckpointsAndExits0) {
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 100000, 0);
   const std::string out = (dir / "a.out").string();
-  const pid_t pid = ::fork();
+  const pid_t pid = spawn_logged(
+      kQ4train, {"--config", cfg.string(), "--set", "log.every=1", "--set", "eval.prompts=[]"}, out);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set", "log.every=1",
-            "--set", "eval.prompts=[]", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   // Wait until a few steps are logged, then interrupt.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (read_text(out).find(" 3/100000 ") == std::string::npos &&

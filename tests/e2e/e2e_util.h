@@ -4,8 +4,11 @@
 // 151669 ids, so the tests tokenize real text).
 #pragma once
 
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -49,6 +52,52 @@ inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& p) {
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
   }
   return out;
+}
+
+inline bool contains(const std::string& s, const std::string& needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+// A finished command: its exit code (-1 when it did not exit normally) and what it printed.
+struct Result {
+  int code = -1;
+  std::string out, err;
+};
+
+// " 'a' 'b'": `args` single-quoted for sh (arguments hold no single quote).
+inline std::string quoted(const std::vector<std::string>& args) {
+  std::string s;
+  for (const auto& a : args) s += " '" + a + "'";
+  return s;
+}
+
+// The shell command line `cmd` with stdout and stderr captured in `out` and `err` (kept for
+// debugging a failure) and read back.
+inline Result run_captured(const std::string& cmd, const std::filesystem::path& out,
+                           const std::filesystem::path& err) {
+  const std::string full = cmd + " >'" + out.string() + "' 2>'" + err.string() + "'";
+  const int status = std::system(full.c_str());
+  Result r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = read_text(out);
+  r.err = read_text(err);
+  return r;
+}
+
+// Starts `exe` with `args` in a child process, its stdout and stderr both into `log`; returns the
+// child's pid (the caller signals and waits for it).
+inline pid_t spawn_logged(const std::string& exe, const std::vector<std::string>& args,
+                          const std::filesystem::path& log) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  const int fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+  ::dup2(fd, 1);
+  ::dup2(fd, 2);
+  std::vector<char*> argv = {const_cast<char*>(exe.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execv(exe.c_str(), argv.data());
+  ::_exit(127);
 }
 
 // Hidden 32, `layers` decoder layers, untied lm_head, the real Qwen3 vocabulary.

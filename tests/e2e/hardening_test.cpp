@@ -28,10 +28,6 @@ using namespace q4::e2e;
 
 const std::string kModelConfig = tiny_model_config(1);
 
-bool contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
   const fs::path dir =
@@ -54,25 +50,14 @@ fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_ev
   return dir;
 }
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
-
 // q4train with `args`, optionally under a shell prefix (e.g. a ulimit).
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
            const std::string& shell_prefix = "") {
-  std::string cmd = kQ4train;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
-  cmd += " >" + out + " 2>" + err;
-  if (!shell_prefix.empty()) cmd = "sh -c \"" + shell_prefix + "; exec " + cmd + "\"";
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  const fs::path out = dir / (tag + ".out"), err = dir / (tag + ".err");
+  if (shell_prefix.empty()) return run_captured(kQ4train + quoted(args), out, err);
+  // The prefix applies to q4train alone; sh's own redirections follow run_captured's.
+  return run_captured("sh -c \"" + shell_prefix + "; exec " + kQ4train + quoted(args) + "\"", out,
+                      err);
 }
 
 std::vector<std::string> run(const fs::path& dir, std::initializer_list<const char*> sets) {
@@ -266,17 +251,9 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
   for (int variant = 0; variant < 2; ++variant) {
     const fs::path dir = setup_dir("signals" + std::to_string(variant), 100000, 0);
     const std::string out = (dir / "a.out").string();
-    const pid_t pid = ::fork();
+    const pid_t pid = spawn_logged(
+        kQ4train, {"--config", (dir / "config.yaml").string(), "--set", "log.every=1"}, out);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      const std::string cfg = (dir / "config.yaml").string();
-      ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set", "log.every=1",
-              static_cast<char*>(nullptr));
-      ::_exit(127);
-    }
     const std::string wait_for = variant == 0 ? ", run directory " : " 2/100000 ";
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!contains(read_text(out), wait_for) && std::chrono::steady_clock::now() < deadline) {

@@ -32,28 +32,10 @@ using namespace q4::e2e;
 
 const std::string kQ4dat = std::string(Q4_BIN_DIR) + "/q4dat";
 
-bool contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
-
 // `exe` with `args` (each quoted), stdout and stderr captured in dir/<tag>.out|err.
 Result run_tool(const std::string& exe, const fs::path& dir, const std::vector<std::string>& args,
                 const std::string& tag) {
-  std::string cmd = exe;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
-  cmd += " >" + out + " 2>" + err;
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  return run_captured(exe + quoted(args), dir / (tag + ".out"), dir / (tag + ".err"));
 }
 
 // A fresh directory with model.json (`layers` layers), data.tsv and config.yaml (random init, raw

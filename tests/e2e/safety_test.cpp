@@ -29,10 +29,6 @@ namespace {
 
 using namespace q4::e2e;
 
-bool contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run);
 // checkpoint_every < 0 leaves the key out (the default cadence).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
@@ -56,23 +52,10 @@ fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_ev
   return dir;
 }
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
-
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
            const std::string& env = "") {
-  std::string cmd = env.empty() ? kQ4train : env + " " + kQ4train;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const std::string out = (dir / (tag + ".out")).string(), err = (dir / (tag + ".err")).string();
-  cmd += " >" + out + " 2>" + err;
-  const int status = std::system(cmd.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  return run_captured((env.empty() ? "" : env + " ") + kQ4train + quoted(args),
+                      dir / (tag + ".out"), dir / (tag + ".err"));
 }
 
 // --config dir/config.yaml plus --set for each of `sets`.
@@ -355,17 +338,9 @@ TEST(Safety, ClosedStdoutDoesNotEndTheRun) {
 TEST(Safety, StopDuringSetUpLeavesNothingThatBlocksTheSameCommand) {
   const fs::path dir = setup_dir("setupstop", 1, 0);
   const std::string out = (dir / "a.out").string();
-  const pid_t pid = ::fork();
+  const pid_t pid = spawn_logged(
+      kQ4train, {"--config", (dir / "config.yaml").string(), "--set", "train.steps=100000"}, out);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    const std::string cfg = (dir / "config.yaml").string();
-    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set",
-            "train.steps=100000", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!contains(read_text(out), ", run directory ") &&
          std::chrono::steady_clock::now() < deadline) {

@@ -35,27 +35,10 @@ const std::string kBin = Q4_BIN_DIR;
 const std::string kTokenizer = kSource + "/assets/qwen3/tokenizer.json";
 const std::string kSystemPrompt = "You answer in one word.";
 
-bool contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
-struct Result {
-  int code = -1;
-  std::string out;  // stdout
-  std::string err;  // stderr
-};
-
 // `cmd` under sh with a 60 s timeout and an 8 GB address-space limit; stdout and stderr apart.
 Result sh(const std::string& cmd, const fs::path& dir) {
-  const std::string out = (dir / "sh.out").string(), err = (dir / "sh.err").string();
-  const std::string full =
-      "ulimit -v 8000000; timeout 60 sh -c '" + cmd + "' >" + out + " 2>" + err;
-  const int status = std::system(full.c_str());
-  Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = read_text(out);
-  r.err = read_text(err);
-  return r;
+  return run_captured("ulimit -v 8000000; timeout 60 sh -c '" + cmd + "'", dir / "sh.out",
+                      dir / "sh.err");
 }
 
 std::string config_yaml(const fs::path& dir, const std::string& run, int64_t steps) {
@@ -266,17 +249,10 @@ TEST_F(Tools, ReportIsLiveDuringTheRun) {
   write_text(dir_ / "long.yaml", config_yaml(dir_, "long", 100000));
   const fs::path run = dir_ / "long";
   const std::string out = (dir_ / "long.out").string();
-  const pid_t pid = ::fork();
+  const pid_t pid = spawn_logged(
+      kQ4train, {"--config", (dir_ / "long.yaml").string(), "--set", "output.hf_export=none"},
+      out);
   ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    const int fd = ::open(out.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    const std::string cfg = (dir_ / "long.yaml").string();
-    ::execl(kQ4train.c_str(), kQ4train.c_str(), "--config", cfg.c_str(), "--set",
-            "output.hf_export=none", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
   std::string live;
   while (std::chrono::steady_clock::now() < deadline) {

@@ -460,6 +460,9 @@ struct StepOutcome {
   int64_t slots = 0;          // B * T summed over micro-batches (real + padding)
   optim::StepResult res;
   bool stop = false;          // a stop signal reached this rank or (data parallel) any rank
+  // output.checkpoint_minutes have passed since the last checkpoint, by rank 0's clock (data
+  // parallel: shared through the step's closing allreduce, so every rank checkpoints together).
+  bool checkpoint_due = false;
 };
 
 // Phase callback of an instrumented step (the probe): called with "batch_ready",
@@ -1221,6 +1224,7 @@ class Trainer {
     if (mark) mark("optimizer_step_done");
     o.loss = loss_host.read() / denom;
     o.stop = stop_requested();
+    o.checkpoint_due = checkpoint_time_due();
     return o;
   }
 
@@ -1302,15 +1306,18 @@ class Trainer {
     }
     if (o.res.applied) broadcast_masters();
     if (mark) mark("optimizer_step_done");
-    // The step's loss (summed over the ranks) and whether any rank got a stop signal.
+    // The step's loss (summed over the ranks), whether any rank got a stop signal and whether
+    // rank 0's clock says a timed checkpoint is due: one collective for all three.
     const auto opt = at::TensorOptions().dtype(at::kDouble).device(device_);
-    at::Tensor v = at::zeros({2}, opt);
+    at::Tensor v = at::zeros({3}, opt);
     v[0].copy_(loss_sum.detach().to(at::kDouble).reshape({}));
     v[1].fill_(stop_requested() ? 1.0 : 0.0);
+    v[2].fill_(checkpoint_time_due() ? 1.0 : 0.0);
     comm_->allreduce_sum(v);
     const at::Tensor h = v.cpu();
     o.loss = h[0].item<double>() / denom;
     o.stop = h[1].item<double>() > 0.0;
+    o.checkpoint_due = h[2].item<double>() > 0.0;
     return o;
   }
 
@@ -1640,14 +1647,11 @@ class Trainer {
   }
 
   // Whether output.checkpoint_minutes have passed since the last checkpoint (or the start of
-  // training). Rank 0's clock decides and every rank learns it (a collective), so that all ranks
-  // checkpoint the same step.
-  bool checkpoint_time_due() {
-    if (c_.output.checkpoint_minutes <= 0) return false;
-    const double minutes = ms_since(last_checkpoint_time_) / 60000.0;
-    double due = leader() && minutes >= c_.output.checkpoint_minutes ? 1.0 : 0.0;
-    if (comm_) due = comm_->allreduce_sum(due);
-    return due > 0.0;
+  // training) on rank 0's clock; the other ranks learn it from the step's closing allreduce
+  // (StepOutcome::checkpoint_due), so no extra collective or device sync is spent on it.
+  bool checkpoint_time_due() const {
+    if (c_.output.checkpoint_minutes <= 0 || !leader()) return false;
+    return ms_since(last_checkpoint_time_) / 60000.0 >= c_.output.checkpoint_minutes;
   }
 
   // The end of a run: the final checkpoint comes before anything at the end that can fail (loop()
@@ -1947,9 +1951,7 @@ class Trainer {
         export_model(done, nullptr);
       }
       const bool step_due = c_.output.checkpoint_every > 0 && done % c_.output.checkpoint_every == 0;
-      // Evaluated on every step (a collective with several ranks), also when step_due.
-      const bool time_due = checkpoint_time_due();
-      if (step_due || (time_due && !last)) save_checkpoint(done);
+      if (step_due || (so.checkpoint_due && !last)) save_checkpoint(done);
       if (so.stop && !last) {
         if (bar) err_ << "\n";
         out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM)
