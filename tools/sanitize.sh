@@ -16,7 +16,7 @@ cmake --build build-asan -j "$(nproc)" --target "${targets[@]}"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 # The suites of the five binaries (tests of binaries not built here are not selected).
-suites='AppendFile|AtomicFile|Crc32c|E2m1Ref|E4m3Fast|E4m3Ref|Nvfp4[A-Za-z]*|DatCorruptTest|DatFileTest'
-suites+='|Batcher|Chat|Dataset|Q4tok|Tokenizer'
+suites='AppendFile|AtomicFile|BoundedRead|Crc32c|RemoveTree|E2m1Ref|E4m3Fast|E4m3Ref|Nvfp4[A-Za-z]*|DatCorruptTest|DatFileTest'
+suites+='|Batcher|Chat|Dataset|DatasetFormats|Q4tok|Tokenizer'
 suites+='|LrSchedule|OptimCodec|PackedAdamW'
 ctest --test-dir build-asan -j 2 --output-on-failure --timeout 900 -R "^($suites)\\." -E NOT_BUILT

@@ -185,6 +185,7 @@ TEST(DataParallel, EnvironmentIsCheckedNamingTheVariable) {
 }
 
 TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path two = two_rank_base();
   ASSERT_TRUE(fs::exists(two / "run" / "model.dat")) << read_text(two / "log.err");
   // One process with grad_accum 2 takes the same four sequences per step in the same order.
@@ -205,6 +206,7 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
 }
 
 TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root("dist") / "resume2";
@@ -222,6 +224,7 @@ TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
 }
 
 TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path base = two_rank_base();
   ASSERT_TRUE(fs::exists(base / "run" / "model.dat")) << read_text(base / "log.err");
   const fs::path dir = work_root("dist") / "reshard";
@@ -234,6 +237,7 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
 }
 
 TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path dir = work_root("dist") / "dead";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);
@@ -246,6 +250,7 @@ TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
 }
 
 TEST(DataParallel, AHungRankTimesOutTheOthers) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path dir = work_root("dist") / "hung";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, kSteps, 1, 0);

@@ -84,6 +84,14 @@ inline Result run_captured(const std::string& cmd, const std::filesystem::path& 
   return r;
 }
 
+// Several CPU ranks need the trainer's Gloo process group (built only when libgloo-dev was found,
+// e.g. not on a GPU host whose LibTorch comes from a wheel): tests of them skip without it.
+#if defined(Q4_HAVE_GLOO) && Q4_HAVE_GLOO
+inline constexpr bool kCpuRanks = true;
+#else
+inline constexpr bool kCpuRanks = false;
+#endif
+
 // Starts `exe` with `args` in a child process, its stdout and stderr both into `log`; returns the
 // child's pid (the caller signals and waits for it).
 inline pid_t spawn_logged(const std::string& exe, const std::vector<std::string>& args,

@@ -265,8 +265,14 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       ::kill(pid, SIGHUP);
     } else {
+      // A second SIGINT sent before the handler ran for the first would merge with it (standard
+      // signals are not queued): send it once the first one is acknowledged.
       ::kill(pid, SIGINT);
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!contains(read_text(out), "stop signal received") &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
       ::kill(pid, SIGINT);
     }
     int status = 0;
