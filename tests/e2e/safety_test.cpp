@@ -383,4 +383,28 @@ TEST(Safety, ResumeStateErrorsNameTheFileAndThePreviousCheckpoint) {
   EXPECT_TRUE(contains(r.err, "step_000002")) << r.err;
 }
 
+// An input that is not a regular file was "file not found" (a directory) or a read that blocked
+// forever (a FIFO): each is named as what it is, exit 2, before anything is written.
+TEST(Safety, InputsThatAreNotRegularFilesAreNamed) {
+  const fs::path dir = setup_dir("inputs", 1, 0);
+  ASSERT_EQ(::mkfifo((dir / "fifo.tsv").c_str(), 0644), 0);
+  fs::create_directories(dir / "folder.tsv");
+  for (const auto& [value, kind] : std::vector<std::pair<std::string, std::string>>{
+           {(dir / "fifo.tsv").string(), "a FIFO"},
+           {(dir / "folder.tsv").string(), "a directory"}}) {
+    const Result r = run(dir, with_config(dir, {"data.files=[" + value + "]"}), "a", "timeout 60");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "data.files")) << r.err;
+    EXPECT_TRUE(contains(r.err, kind)) << r.err;
+    EXPECT_FALSE(fs::exists(dir / "run")) << value;
+  }
+  const Result t = run_captured("timeout 60 " + std::string(Q4_BIN_DIR) + "/q4tok data" +
+                                    quoted({"--tokenizer", kSource + "/assets/qwen3/tokenizer.json",
+                                            "--data", (dir / "fifo.tsv").string()}),
+                                dir / "t.out", dir / "t.err");
+  EXPECT_EQ(t.code, 2) << t.err;
+  EXPECT_TRUE(contains(t.err, "--data")) << t.err;
+  EXPECT_TRUE(contains(t.err, "FIFO")) << t.err;
+}
+
 }  // namespace

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -205,6 +206,8 @@ int main(int argc, char** argv) {
       opt.format = q4::data::parse_data_format(format);
       opt.on_error = q4::data::parse_on_error(on_error);
       opt.system_prompt = system_prompt;
+      // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
+      q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
       const auto ds = q4::data::load_dataset(data_path, tok, opt);
       std::cout << ds.summary.to_string() << '\n';
       if (show > 0) show_examples(tok, ds, show);

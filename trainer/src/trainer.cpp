@@ -40,6 +40,7 @@
 #include "q4/data/chat.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/atomic_file.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
@@ -92,11 +93,17 @@ auto as_input_error(const std::string& what, F&& fn) -> decltype(fn()) {
   }
 }
 
+// An input file: a regular file (or a link to one). A directory, FIFO or device is named as
+// such (a FIFO would block the read, a device like /dev/zero never end it).
 void require_file(const std::string& path, const std::string& key) {
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) {
-    throw ConfigError("config key " + key + ": file not found: " + path);
+  if (fs::is_regular_file(path, ec)) return;
+  const std::string kind = io::non_regular_kind(path);
+  if (!kind.empty()) {
+    throw ConfigError("config key " + key + ": " + path + " is " + kind +
+                      ", not a regular file");
   }
+  throw ConfigError("config key " + key + ": file not found: " + path);
 }
 
 model::Qwen3Config load_model_config(const Config& c) {
