@@ -99,7 +99,8 @@ int main(int argc, char** argv) {
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
   app.add_flag("--overwrite", overwrite,
                "a fresh run in a non-empty output.dir replaces the previous run's files; with "
-               "--export-only, replace a newer export; with --probe, any --probe-report file");
+               "--resume (and --export-only), replace an export it would refuse (newer, another "
+               "run's, of unknown origin); with --probe, any --probe-report file");
   app.add_flag("--export-only", export_only,
                "with --resume: export the checkpoint's model (output.export_path) and exit");
   app.add_flag("--allow-schedule-change", allow_schedule_change,
@@ -189,10 +190,6 @@ int main(int argc, char** argv) {
     }
     if (allow_schedule_change && resume.empty()) {
       throw ConfigError("--allow-schedule-change applies to --resume only");
-    }
-    if (overwrite && !resume.empty() && !export_only) {
-      throw ConfigError("--overwrite starts a fresh run; it does not apply to --resume (except "
-                        "with --export-only, to replace a newer export)");
     }
     if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
     // Checked before anything loads: otherwise the error would come at training step 3.

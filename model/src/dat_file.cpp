@@ -352,7 +352,8 @@ int64_t DatEntry::numel() const {
 // DatReader
 
 DatReader::DatReader(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer; fstat below refuses it.
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TORCH_CHECK(fd_ >= 0, path_, ": cannot open .dat file: ", errno_text(errno));
   try {
     struct stat st;

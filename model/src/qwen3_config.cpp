@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "q4/io/bounded_read.h"
+
 namespace q4::model {
 namespace {
 
@@ -105,12 +107,11 @@ class Fields {
 }  // namespace
 
 Qwen3Config Qwen3Config::from_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), path, ": cannot open Qwen3 config.json");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), path, ": read error");
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  // A config.json is a few KiB: 16 MiB bounds a mistaken /dev/zero or huge file, and a FIFO or a
+  // directory is refused before any read.
+  constexpr size_t kMaxConfigJsonBytes = size_t{16} << 20;
+  const std::string text = io::read_regular_file(path, kMaxConfigJsonBytes, "Qwen3 config.json");
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   TORCH_CHECK(!j.is_discarded(), path, ": not valid JSON");
   return from_json(j, path);
 }

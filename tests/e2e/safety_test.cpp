@@ -106,17 +106,17 @@ TEST(Safety, ResumeOfACopyLeavesTheOriginalUntouched) {
   Result r = run(dir, with_config(dir, {exp}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   ASSERT_TRUE(fs::exists(dir / "run" / "step_000004" / "DONE"));
-  ASSERT_EQ(std::system(("cp -a '" + (dir / "run").string() + "' '" + (dir / "copy").string() +
-                         "'")
-                            .c_str()),
-            0);
+  ASSERT_EQ(
+      std::system(
+          ("cp -a '" + (dir / "run").string() + "' '" + (dir / "copy").string() + "'").c_str()),
+      0);
   const Snapshot before = snapshot(dir / "run");
 
   // More steps on the copy, then an export of one of its checkpoints.
-  r = run(dir,
-          {"--resume", (dir / "copy").string(), "--set", "train.steps=6",
-           "--allow-schedule-change"},
-          "b");
+  r = run(
+      dir,
+      {"--resume", (dir / "copy").string(), "--set", "train.steps=6", "--allow-schedule-change"},
+      "b");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(contains(r.out, "--resume writes into " + (dir / "copy").string())) << r.out;
   r = run(dir,
@@ -178,8 +178,8 @@ TEST(Safety, OutputsNeverReplaceTheConfigDataOrAForeignFile) {
   const fs::path dir = setup_dir("inputs", 1, 0);
   const std::string config = read_text(dir / "config.yaml");
   const std::string data = read_text(dir / "data.tsv");
-  Result r = run(
-      dir, with_config(dir, {"output.export_path=" + (dir / "config.yaml").string()}), "a");
+  Result r =
+      run(dir, with_config(dir, {"output.export_path=" + (dir / "config.yaml").string()}), "a");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "the config file")) << r.err;
   EXPECT_FALSE(fs::exists(dir / "run"));
@@ -375,8 +375,8 @@ TEST(Safety, ResumeStateErrorsNameTheFileAndThePreviousCheckpoint) {
   std::vector<std::string> files;
   for (const auto& [name, v] : sums.at("files").items()) files.push_back(name);
   q4::trainer::write_checkpoint_checksums(ck.string(), files);
-  r = run(dir, {"--resume", (dir / "run").string(), "--set", "train.steps=6",
-                "--allow-schedule-change"},
+  r = run(dir,
+          {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change"},
           "b");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, (ck / "state.json").string())) << r.err;
@@ -405,6 +405,81 @@ TEST(Safety, InputsThatAreNotRegularFilesAreNamed) {
   EXPECT_EQ(t.code, 2) << t.err;
   EXPECT_TRUE(contains(t.err, "--data")) << t.err;
   EXPECT_TRUE(contains(t.err, "FIFO")) << t.err;
+}
+
+// A fresh run replaced any file at output.export_path outside output.dir (a user's file, another
+// run's finished model) and wrote its record over a user's <export>.json; a resumed copy replaced
+// the original run's export at an absolute path outside the run. Each is refused before the first
+// step unless --overwrite.
+TEST(Safety, ExportsNeverReplaceAFileThatIsNotThisRunsExport) {
+  const fs::path dir = setup_dir("foreign", 4, 2);
+  fs::create_directories(dir / "exports");
+  write_text(dir / "exports" / "notes.dat", "precious");
+  Result r =
+      run(dir, with_config(dir, {"output.export_path=" + (dir / "exports" / "notes.dat").string()}),
+          "a");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "unknown")) << r.err;
+  EXPECT_EQ(read_text(dir / "exports" / "notes.dat"), "precious");
+  EXPECT_FALSE(fs::exists(dir / "run"));
+
+  write_text(dir / "exports" / "new.dat.json", "{\"my\": \"settings\"}");
+  r = run(dir, with_config(dir, {"output.export_path=" + (dir / "exports" / "new.dat").string()}),
+          "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "not q4train's export record")) << r.err;
+  EXPECT_EQ(read_text(dir / "exports" / "new.dat.json"), "{\"my\": \"settings\"}");
+
+  // output.dir itself as the export: refused up front, not after training.
+  r = run(dir, with_config(dir, {"output.export_path=" + (dir / "run").string()}), "c");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "is a directory")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run"));
+
+  // A run exporting outside its directory, copied and resumed: the original's export stays.
+  const std::string final_dat = (dir / "exports" / "final.dat").string();
+  r = run(dir, with_config(dir, {"output.export_path=" + final_dat}), "d");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string original = read_text(final_dat);
+  ASSERT_EQ(
+      std::system(
+          ("cp -a '" + (dir / "run").string() + "' '" + (dir / "copy").string() + "'").c_str()),
+      0);
+  const std::vector<std::string> resume = {"--resume", (dir / "copy").string(), "--set",
+                                           "train.steps=6", "--allow-schedule-change"};
+  r = run(dir, resume, "e");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "of the run in " + (dir / "run").string())) << r.err;
+  EXPECT_EQ(read_text(final_dat), original);
+  EXPECT_FALSE(fs::exists(dir / "copy" / "step_000006"));
+  // Told to: replaced.
+  auto told = resume;
+  told.push_back("--overwrite");
+  r = run(dir, told, "f");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(q4::trainer::existing_export_step(final_dat), 6);
+}
+
+// Resuming with a changed train.trainable silently reset the dropped tensors to their initial
+// weights (their trained masters are only in the checkpoint): refused, naming the key.
+TEST(Safety, ResumeWithAnotherTrainableSetIsRefused) {
+  const fs::path dir = setup_dir("trainable", 4, 2);
+  Result r = run(dir, with_config(dir, {"output.export_path=none"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = run(dir,
+          {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change",
+           "--set", "train.trainable.norms=false"},
+          "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "train.trainable")) << r.err;
+  EXPECT_TRUE(contains(r.err, "norm")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "run" / "step_000006"));
+  // The refused resume left the run's config as it was: the same command without the change runs.
+  EXPECT_TRUE(contains(read_text(dir / "run" / "config.yaml"), "norms: true"));
+  r = run(dir,
+          {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change"},
+          "c");
+  EXPECT_EQ(r.code, 0) << r.err;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <fstream>
 #include <string>
@@ -191,6 +192,22 @@ TEST(Qwen3ConfigTest, FileErrorsNameTheFile) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find(missing), std::string::npos);
   }
   std::remove(bad.c_str());
+  // A FIFO is refused without blocking, /dev/zero without reading forever.
+  const std::string fifo = dir + "/q4_config_fifo.json";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  for (const std::string& p : {fifo, std::string("/dev/zero")}) {
+    try {
+      Qwen3Config::from_json_file(p);
+      ADD_FAILURE() << p << " accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(p), std::string::npos);
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("expected a regular file"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+  std::remove(fifo.c_str());
 }
 
 }  // namespace

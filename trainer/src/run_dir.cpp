@@ -245,10 +245,14 @@ void check_output_paths(const Config& c) {
     check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
     const fs::path e = canonical_or_self(exp);
     const std::string fname = fs::path(exp).filename().string();
-    if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec)) {
+    // output.dir itself is a directory once the run makes it.
+    if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec) || e == dir) {
       throw ConfigError("config key output.export_path: " + exp +
                         " is a directory; expected a .dat file path");
     }
+    // The export record beside it is published the same way.
+    check_regular_output("output.export_path (its record)",
+                         fs::absolute(export_record_path(exp)));
     const fs::path parent = e.parent_path();
     if (parent != dir) {
       if (!fs::is_directory(parent, ec)) {
@@ -413,41 +417,87 @@ std::string hf_export_dir(const std::string& dat_path) {
 
 std::string export_record_path(const std::string& export_path) { return export_path + ".json"; }
 
-void record_export_step(const std::string& export_path, int64_t step) {
+namespace {
+
+// The run directory as recorded and compared: absolute, links resolved.
+std::string run_dir_key(const std::string& run_dir) { return canonical_or_self(run_dir).string(); }
+
+}  // namespace
+
+bool path_inside(const std::string& path, const std::string& dir) {
+  if (path.empty()) return false;
+  const fs::path rel = canonical_or_self(path).lexically_relative(canonical_or_self(dir));
+  return !rel.empty() && *rel.begin() != ".." && rel != ".";
+}
+
+namespace {
+
+// The record beside `export_path` parsed (null when absent, unreadable or not a record object).
+nlohmann::json read_export_record(const std::string& export_path) {
+  std::error_code ec;
+  const std::string rec = export_record_path(export_path);
+  if (!fs::is_regular_file(rec, ec) || fs::file_size(rec, ec) > 4096) return nullptr;
+  std::ifstream in(rec);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() ||
+      !j.contains("bytes")) {
+    return nullptr;
+  }
+  return j;
+}
+
+}  // namespace
+
+void record_export_step(const std::string& export_path, int64_t step, const std::string& run_dir) {
   const nlohmann::json j = {{"step", step},
-                            {"bytes", static_cast<int64_t>(fs::file_size(export_path))}};
+                            {"bytes", static_cast<int64_t>(fs::file_size(export_path))},
+                            {"run_dir", run_dir_key(run_dir)}};
   io::write_file_atomic(export_record_path(export_path), j.dump() + "\n");
 }
 
 std::optional<int64_t> existing_export_step(const std::string& export_path) {
   std::error_code ec;
-  if (!fs::is_regular_file(export_path, ec) ||
-      !fs::is_regular_file(export_record_path(export_path), ec)) {
-    return std::nullopt;
-  }
+  if (!fs::is_regular_file(export_path, ec)) return std::nullopt;
   const auto size = fs::file_size(export_path, ec);
-  if (ec) return std::nullopt;
-  std::ifstream in(export_record_path(export_path));
-  std::stringstream text;
-  text << in.rdbuf();
-  const auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() ||
-      !j.contains("bytes") || j["bytes"] != static_cast<int64_t>(size)) {
-    return std::nullopt;
-  }
+  const auto j = read_export_record(export_path);
+  if (ec || j.is_null() || j["bytes"] != static_cast<int64_t>(size)) return std::nullopt;
   return j["step"].get<int64_t>();
 }
 
 std::string step_export_name(int64_t step) { return fmt::format("model-step{}.dat", step); }
 
 void check_export_not_newer(const std::string& export_path, int64_t step, bool overwrite,
-                            bool unknown_is_error) {
+                            bool unknown_is_error, const std::string& run_dir) {
   std::error_code ec;
-  if (overwrite || !fs::exists(export_path, ec)) return;
-  const auto held = existing_export_step(export_path);
+  if (overwrite) return;
   const std::string safe = "; pass --overwrite to replace it, or export elsewhere (e.g. --set "
                            "output.export_path=" +
                            step_export_name(step) + ")";
+  // The record beside the export is written too: a file of that name that is not a record is
+  // someone else's.
+  const std::string rec = export_record_path(export_path);
+  if (fs::exists(fs::symlink_status(rec, ec)) && read_export_record(export_path).is_null()) {
+    throw ConfigError("output.export_path " + export_path + ": " + rec +
+                      " exists and is not q4train's export record (written beside each export)" +
+                      safe);
+  }
+  if (!fs::exists(export_path, ec)) return;
+  const auto held = existing_export_step(export_path);
+  // Another run's export (a copied run resumed, two runs exporting to one path) is never replaced.
+  // Inside the run directory the file moved with the run (a copied or moved run's own export).
+  if (held && !path_inside(export_path, run_dir)) {
+    const auto j = read_export_record(export_path);
+    const std::string owner = j.contains("run_dir") && j["run_dir"].is_string()
+                                  ? j["run_dir"].get<std::string>()
+                                  : std::string();
+    if (!owner.empty() && owner != run_dir_key(run_dir)) {
+      throw ConfigError(fmt::format(
+          "output.export_path {} holds step {} of the run in {}, not of this run ({}){}",
+          export_path, *held, owner, run_dir_key(run_dir), safe));
+    }
+  }
   if (held && *held > step) {
     throw ConfigError(fmt::format("output.export_path {} holds step {}, newer than step {} that "
                                   "this would export{}",

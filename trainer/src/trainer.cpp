@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <iterator>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -533,7 +534,7 @@ class Trainer {
     check_output_paths(c_);
     // An older checkpoint never replaces a newer export, nor a file of unknown step.
     check_export_not_newer(resolved_export_path(c_), ck.step, opts_.overwrite,
-                           /*unknown_is_error=*/true);
+                           /*unknown_is_error=*/true, c_.output.dir);
     fs::create_directories(c_.output.dir);
     lock_ = std::make_unique<RunDirLock>(c_.output.dir);
     setup_model(/*need_tokenizer=*/false);
@@ -771,9 +772,15 @@ class Trainer {
     check_output_paths(c_);  // every output, before anything is written
     // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
     if (!resume) check_fresh_output_dir();
-    // The final export (step train.steps) never replaces a newer one (docs/trainer.md#export).
-    check_export_not_newer(resolved_export_path(c_), c_.train.steps, opts_.overwrite,
-                           /*unknown_is_error=*/false);
+    // The final export (step train.steps) never replaces a newer one, another run's, or (a fresh
+    // run; a resume whose export lies outside its run directory) a file of unknown origin
+    // (docs/trainer.md#export).
+    {
+      const std::string exp = resolved_export_path(c_);
+      check_export_not_newer(exp, c_.train.steps, opts_.overwrite,
+                             /*unknown_is_error=*/!resume || !path_inside(exp, c_.output.dir),
+                             c_.output.dir);
+    }
     if (opts_.world.distributed()) connect_ranks();  // every rank checked its inputs first
     const fs::path dir(c_.output.dir);
     setup_dir_existed_ = fs::is_directory(dir, ec);
@@ -821,7 +828,11 @@ class Trainer {
       if (!resume && c_.model.init == InitKind::kRandom) {
         fs::remove(fs::path(c_.output.dir) / kInitFile);
       }
-      write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
+      // A resume writes its config once the checkpoint is restored: a refused resume (another
+      // trainable set, schedule or world) leaves the run's config.yaml as it was.
+      if (!resume) {
+        write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
+      }
     }
     // A random init is written by rank 0 and then loaded by the others.
     if (!leader()) comm_->barrier();
@@ -840,7 +851,12 @@ class Trainer {
                           previous_checkpoint_hint(*resume));
       }
     }
-    if (resume) restore(*resume);
+    if (resume) {
+      restore(*resume);
+      if (leader()) {
+        write_file_atomic((fs::path(c_.output.dir) / kConfigFile).string(), config_to_yaml(c_));
+      }
+    }
 
     if (!leader()) return;  // logs, metrics and reports come from rank 0
     const auto metrics_path = c_.log.metrics.empty()
@@ -1373,6 +1389,38 @@ class Trainer {
                       "); pass --allow-schedule-change to continue with the new schedule");
   }
 
+  // A resume trains exactly the tensors the checkpoint trained: a tensor dropped from
+  // train.trainable would silently fall back to its initial weights (its trained master is in the
+  // checkpoint only), an added one would have no optimizer state. Checkpoints written before the
+  // set was recorded are not checked.
+  void check_trainable_unchanged(const CheckpointDir& ck, const nlohmann::json& state) const {
+    if (!state.contains("trainable") || !state["trainable"].is_array()) return;
+    std::set<std::string> saved, now;
+    for (const auto& n : state["trainable"]) {
+      if (n.is_string()) saved.insert(n.get<std::string>());
+    }
+    for (const auto* p : params_) now.insert(p->name);
+    if (saved == now) return;
+    std::vector<std::string> dropped, added;
+    std::set_difference(saved.begin(), saved.end(), now.begin(), now.end(),
+                        std::back_inserter(dropped));
+    std::set_difference(now.begin(), now.end(), saved.begin(), saved.end(),
+                        std::back_inserter(added));
+    std::string what;
+    if (!dropped.empty()) {
+      what += fmt::format("{} tensor(s) it trained are not trained now ({})", dropped.size(),
+                          join_names(dropped, 3));
+    }
+    if (!added.empty()) {
+      what += fmt::format("{}{} tensor(s) trained now were frozen in it ({})",
+                          what.empty() ? "" : "; ", added.size(), join_names(added, 3));
+    }
+    throw ConfigError(fmt::format(
+        "--resume {}: config key train.trainable differs from the checkpoint's: {}; resume with "
+        "the checkpoint's train.trainable (its config.yaml), or start a new run from its export",
+        ck.path, what));
+  }
+
   void restore(const CheckpointDir& ck, bool export_only = false) {
     const fs::path dir(ck.path);
     verify_checkpoint(ck);  // CRC32C of every file, naming the damaged one
@@ -1394,6 +1442,7 @@ class Trainer {
       throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
                                     ck.path, start_step_, c_.train.steps));
     }
+    check_trainable_unchanged(ck, state);
     if (!export_only) {
       try {
         adapt_to_checkpoint_world(state, ck);
@@ -1570,6 +1619,9 @@ class Trainer {
       st["previous_grad_norm"] = optimizer_->previous_grad_norm();
     }
     st["seed"] = c_.train.seed;
+    // The trained set: a resume that trains other tensors is refused (check_trainable_unchanged).
+    st["trainable"] = nlohmann::json::array();
+    for (const auto* p : params_) st["trainable"].push_back(p->name);
     st["world_size"] = comm_ ? comm_->world_size() : 1;
     st["batch_size"] = c_.train.batch_size;
     st["grad_accum"] = c_.train.grad_accum;
@@ -1693,14 +1745,14 @@ class Trainer {
     const std::string path = resolved_export_path(c_);
     if (path.empty()) return;
     // Never over a newer export (a periodic export of a resumed older checkpoint, say).
-    check_export_not_newer(path, step, opts_.overwrite, /*unknown_is_error=*/false);
+    check_export_not_newer(path, step, opts_.overwrite, /*unknown_is_error=*/false, c_.output.dir);
     NvtxRange r("export");
     const auto t0 = Clock::now();
     {
       model::DatReader source(source_path_);
       model_->export_to(source, path);
     }
-    record_export_step(path, step);
+    record_export_step(path, step, c_.output.dir);
     out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);
     export_hf_folder(path);
     if (!c_.output.verify_export) return;

@@ -70,19 +70,23 @@ std::string hf_export_dir(const std::string& dat_path);
 // output.hf_export's folder passes check_hf_export_folder.
 void check_output_paths(const Config& c);
 
-// The export record: `<export>.json` beside the export, {"step": N, "bytes": size}, written
+// The export record: `<export>.json` beside the export, {"step", "bytes", "run_dir"}, written
 // after each export. It tells which step an existing export holds, so that an export never
 // replaces a newer one (docs/trainer.md#export).
 std::string export_record_path(const std::string& export_path);
-void record_export_step(const std::string& export_path, int64_t step);
+void record_export_step(const std::string& export_path, int64_t step, const std::string& run_dir);
 // The step the export at `export_path` holds: from its record when the record's size matches the
 // file; nullopt when the file is absent, has no record or the record does not describe it.
 std::optional<int64_t> existing_export_step(const std::string& export_path);
 // Refuses (ConfigError naming the file, its step and the safe alternative) when writing the
 // export of `step` would replace an export of a later step, or, with `unknown_is_error`, an
 // existing file whose step is not known; --overwrite (`overwrite`) lifts both.
+// It also refuses an export recorded as another run's (the record names its run directory), and
+// a file at the record's path that is not a record. `run_dir` is this run's output.dir.
 void check_export_not_newer(const std::string& export_path, int64_t step, bool overwrite,
-                            bool unknown_is_error);
+                            bool unknown_is_error, const std::string& run_dir);
+// Whether `path` lies inside the directory `dir` (both resolved; `dir` itself is not inside).
+bool path_inside(const std::string& path, const std::string& dir);
 // The export file name that never replaces the run's model: "model-step26.dat".
 std::string step_export_name(int64_t step);
 
