@@ -337,6 +337,22 @@ TEST_F(DatToolTest, OutputsNeverReplaceAFileUnlessTold) {
   std::remove(path("fifo").c_str());
 }
 
+// A FIFO given as an input was opened and waited on forever (no writer): refused at once.
+TEST_F(DatToolTest, InputFifosAreRefusedWithoutBlocking) {
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0644), 0);
+  ToolRun r = q4dat("info " + path("fifo"));
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "not a regular file");
+  r = q4dat("init --config " + path("fifo") + " --out " + path("o.dat"));
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "expected a regular file");
+  r = q4dat("export-hf " + kFixtures + "/qwen3_tiny.weights.dat " + path("hf") + " --config " +
+            path("fifo"));
+  EXPECT_EQ(r.code, 2);
+  expect_one_line_error(r, "expected a regular file");
+  std::remove(path("fifo").c_str());
+}
+
 TEST_F(DatToolTest, DequantizeRejectsBrokenPairs) {
   {
     DatWriter w(path("orphan.dat"), 2);

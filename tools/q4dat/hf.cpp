@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "common.h"
+#include "q4/io/bounded_read.h"
 #include "q4/model/hf_interop.h"
 #include "q4dat.h"
 
@@ -31,10 +32,11 @@ int run_export_hf(const ExportHfOptions& o) {
   opt.max_shard_bytes = static_cast<uint64_t>(o.max_shard_gb * 1e9);
   nlohmann::json config;
   {
-    std::ifstream in(o.config);
-    if (!in.good()) throw InputError("--config: cannot open " + o.config);
+    // A regular file of config.json size: a FIFO or /dev/zero is refused, not read forever.
+    const std::string text =
+        as_input([&] { return q4::io::read_regular_file(o.config, size_t{16} << 20, "--config"); });
     try {
-      config = nlohmann::json::parse(in);
+      config = nlohmann::json::parse(text);
     } catch (const nlohmann::json::exception& e) {
       throw InputError(o.config + ": not valid JSON: " + e.what());
     }
