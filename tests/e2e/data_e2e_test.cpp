@@ -213,4 +213,14 @@ TEST(DataE2E, ConfigMistakesNameTheKey) {
   EXPECT_TRUE(contains(r.out, (dir / "home" / "mine.tsv").string())) << r.out;
 }
 
+// An empty JSON array was explained with TSV's prompt<TAB>answer rule.
+TEST(DataE2E, EmptyJsonArrayIsNamedAsSuch) {
+  const fs::path dir = setup_dir("emptyarray", "data.json", "[]\n");
+  const Result r = run(dir, {});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "no training examples")) << r.err;
+  EXPECT_TRUE(contains(r.err, "empty JSON array")) << r.err;
+  EXPECT_FALSE(contains(r.err, "TSV")) << r.err;
+}
+
 }  // namespace

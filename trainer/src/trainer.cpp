@@ -165,9 +165,14 @@ void report_skipped_lines(const data::LoadSummary& s, std::ostream& err) {
 std::string no_examples_message(const Config& c) {
   std::string files;
   for (const auto& f : c.data.files) files += (files.empty() ? "" : ", ") + f;
+  // The reason depends on the format: name each file's.
+  bool tsv = false;
+  for (const auto& f : c.data.files) tsv |= fs::path(f).extension() == ".tsv";
   return "data.files: no training examples in " + files +
-         " (every line is blank, a comment, a header or skipped as malformed; a TSV line is "
-         "prompt<TAB>answer)";
+         " (every line or record is blank, a comment, a header, an empty JSON array or skipped as "
+         "malformed" +
+         (tsv ? std::string("; a TSV line is prompt<TAB>answer") : std::string()) +
+         "; formats: docs/data.md)";
 }
 
 struct EvalAnswer {
