@@ -29,7 +29,10 @@ if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST}
     list(APPEND _q4_torch_archs "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
   endforeach()
   list(POP_BACK _q4_torch_archs _arch)
-  list(APPEND _q4_torch_archs "${_arch}+PTX")
+  if(NOT _arch MATCHES "[af]$")  # PTX of an sm_90a-like target runs on that GPU only
+    string(APPEND _arch "+PTX")
+  endif()
+  list(APPEND _q4_torch_archs "${_arch}")
   set(TORCH_CUDA_ARCH_LIST "${_q4_torch_archs}")
 endif()
 
