@@ -2,13 +2,14 @@
 
 # GPU architectures: one list for our kernels and LibTorch's CMake. Default: sm_90 (H100, H200),
 # sm_100 (B200), sm_120 (RTX 50 series), sm_121 (DGX Spark GB10). -DCMAKE_CUDA_ARCHITECTURES=<list>
-# replaces it (compute capabilities as CMake writes them: 90;120 or 90a); =native builds for this
-# machine's GPUs only. LibTorch's CMake ignores CMAKE_CUDA_ARCHITECTURES (it warns so), reads
-# TORCH_CUDA_ARCH_LIST instead (without one it picks the local GPU) and adds its -gencode flags
-# to CMAKE_CUDA_FLAGS, which our kernels compile with: so the list becomes TORCH_CUDA_ARCH_LIST
-# before find_package(Torch) (9.0;10.0;12.0;12.1, with PTX of the highest for newer GPUs), unless
-# TORCH_CUDA_ARCH_LIST is given. No kernel uses sm_90a-only instructions (wgmma, setmaxnreg), so
-# plain sm_90 code serves Hopper.
+# replaces it (compute capabilities as CMake writes them: 90;120 or 90a); =native builds for the
+# GPUs nvidia-smi lists. LibTorch's CMake ignores CMAKE_CUDA_ARCHITECTURES (it warns so), reads
+# TORCH_CUDA_ARCH_LIST instead (else the environment variable of that name, else the local GPU)
+# and adds its -gencode flags to CMAKE_CUDA_FLAGS, which our kernels compile with: so the list
+# becomes TORCH_CUDA_ARCH_LIST before find_package(Torch) (9.0;10.0;12.0;12.1, with PTX of the
+# highest for newer GPUs), unless -DTORCH_CUDA_ARCH_LIST is given; an environment value (set by
+# some images for PyTorch extensions) does not narrow the default. No kernel uses sm_90a-only
+# instructions (wgmma, setmaxnreg), so plain sm_90 code serves Hopper.
 set(Q4_CUDA_ARCHITECTURES_DEFAULT "90;100;120;121")
 set(_q4_archs_cached OFF)
 if(DEFINED CACHE{CMAKE_CUDA_ARCHITECTURES})
@@ -17,8 +18,19 @@ if(DEFINED CACHE{CMAKE_CUDA_ARCHITECTURES})
 else()
   set(Q4_CUDA_ARCHS "${Q4_CUDA_ARCHITECTURES_DEFAULT}")
 endif()
-if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST}
-   AND NOT Q4_CUDA_ARCHS STREQUAL "native")
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND Q4_CUDA_ARCHS STREQUAL "native")
+  find_program(Q4_NVIDIA_SMI nvidia-smi)
+  if(Q4_NVIDIA_SMI)
+    execute_process(COMMAND ${Q4_NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
+                    OUTPUT_VARIABLE _q4_caps RESULT_VARIABLE _q4_rc
+                    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    string(REGEX REPLACE "[ \t\r\n]+" ";" _q4_caps "${_q4_caps}")
+    if(_q4_rc EQUAL 0 AND _q4_caps MATCHES "^[0-9]+\\.[0-9]")
+      list(REMOVE_DUPLICATES _q4_caps)
+      set(TORCH_CUDA_ARCH_LIST "${_q4_caps}")
+    endif()
+  endif()
+elseif(NOT DEFINED TORCH_CUDA_ARCH_LIST)
   set(_q4_torch_archs "")
   foreach(_arch IN LISTS Q4_CUDA_ARCHS)
     string(REGEX REPLACE "-real$" "" _arch "${_arch}")
@@ -75,7 +87,8 @@ message(STATUS "q4: LibTorch ${Torch_VERSION}, CUDA kernels: ${Q4_WITH_CUDA}")
 if(Q4_WITH_CUDA)
   string(REGEX MATCHALL "arch=compute_[0-9a-z]+,code=[a-z_0-9]+" _q4_gencode "${CMAKE_CUDA_FLAGS}")
   message(STATUS "q4: CUDA architectures ${Q4_CUDA_ARCHS} (TORCH_CUDA_ARCH_LIST "
-                 "'${TORCH_CUDA_ARCH_LIST}'): ${_q4_gencode}")
+                 "'${TORCH_CUDA_ARCH_LIST}', environment '$ENV{TORCH_CUDA_ARCH_LIST}'): "
+                 "${_q4_gencode}")
 endif()
 
 # PCRE2 and utf8proc (tokenizer): pkg-config first, plain find_library as fallback.
