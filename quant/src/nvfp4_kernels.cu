@@ -66,42 +66,34 @@ __device__ __forceinline__ float e2m1_decode_dev(uint32_t code) {
   return numerics::e2m1_decode(code);
 }
 
-// A lane's kVec values of its 16-element block as fp32 (zeros for a lane past the last block,
-// valid == false) and the block's scale from the lane group's amax. Every thread of the grid
-// takes part in the shuffles, so a lane group never straddles a partially active warp. A block
-// with a NaN/Inf sets *flag (when given) and gets scale NaN, so a fake-quant output block is NaN
-// rather than a silently encoded value.
-template <typename T>
-struct LaneBlock {
-  float v[Layout<T>::kVec];
-  uint32_t sbits;  // E4M3 scale bits
-  float s;         // decoded scale (NaN for a non-finite block)
-};
-
+// A lane's kVec values of its 16-element block as fp32 into v (zeros for a lane past the last
+// block, valid == false) and the block's scale from the lane group's amax: E4M3 bits and decoded
+// value. Every thread of the grid takes part in the shuffles, so a lane group never straddles a
+// partially active warp. A block with a NaN/Inf sets *flag (when given) and gets scale NaN, so a
+// fake-quant output block is NaN rather than a silently encoded value.
 template <typename T, bool kAligned>
-__device__ __forceinline__ LaneBlock<T> read_lane_block(const T* __restrict__ p, bool valid,
-                                                        int32_t* flag) {
+__device__ __forceinline__ void read_lane_block(const T* __restrict__ p, bool valid, int32_t* flag,
+                                                float (&v)[Layout<T>::kVec], uint32_t* sbits,
+                                                float* s) {
   using L = Layout<T>;
-  LaneBlock<T> b;
   if (valid) {
-    load_lane<T, kAligned>(p, b.v);
+    load_lane<T, kAligned>(p, v);
   } else {
 #pragma unroll
-    for (int i = 0; i < L::kVec; ++i) b.v[i] = 0.0f;
+    for (int i = 0; i < L::kVec; ++i) v[i] = 0.0f;
   }
   float amax = 0.0f;
   uint32_t bad = 0;
 #pragma unroll
   for (int i = 0; i < L::kVec; ++i) {
-    bad |= isfinite(b.v[i]) ? 0u : 1u;
-    amax = fmaxf(amax, fabsf(b.v[i]));
+    bad |= isfinite(v[i]) ? 0u : 1u;
+    amax = fmaxf(amax, fabsf(v[i]));
   }
   amax = group_max<L::kLanes>(amax);
   bad = group_or<L::kLanes>(bad);
-  b.sbits = e4m3_encode_dev(numerics::nvfp4_scale_input(amax));
-  b.s = bad ? __uint_as_float(0x7FC00000u) : e4m3_decode_pos(b.sbits);
+  *sbits = e4m3_encode_dev(numerics::nvfp4_scale_input(amax));
+  *s = bad ? __uint_as_float(0x7FC00000u) : e4m3_decode_pos(*sbits);
   if (bad && flag != nullptr) *flag = 1;
-  return b;
 }
 
 // U: output element type, same width as T (one 16-byte vector in, one out), e.g. fp16 masters
@@ -115,13 +107,16 @@ __global__ void fake_quant_kernel(const T* __restrict__ w, U* __restrict__ out, 
   const int64_t blk = tid / L::kLanes;
   const int64_t base = blk * kBlock + (tid % L::kLanes) * L::kVec;
   const bool valid = blk < n_blocks;
-  LaneBlock<T> b = read_lane_block<T, kAligned>(w + base, valid, flag);
-  const float denom = __fadd_rn(b.s, 1e-12f);
+  float v[L::kVec];
+  uint32_t sbits;
+  float s;
+  read_lane_block<T, kAligned>(w + base, valid, flag, v, &sbits, &s);
+  const float denom = __fadd_rn(s, 1e-12f);
 #pragma unroll
   for (int i = 0; i < L::kVec; ++i) {
-    b.v[i] = __fmul_rn(e2m1_decode_dev(e2m1_encode_dev(__fdiv_rn(b.v[i], denom))), b.s);
+    v[i] = __fmul_rn(e2m1_decode_dev(e2m1_encode_dev(__fdiv_rn(v[i], denom))), s);
   }
-  if (valid) store_lane<U, kAligned>(out + base, b.v);
+  if (valid) store_lane<U, kAligned>(out + base, v);
 }
 
 template <typename T, bool kAligned>
@@ -132,13 +127,15 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ q
   const int64_t blk = tid / L::kLanes;
   const int lane = static_cast<int>(tid % L::kLanes);
   const bool valid = blk < n_blocks;
-  const LaneBlock<T> b =
-      read_lane_block<T, kAligned>(x + blk * kBlock + lane * L::kVec, valid, flag);
-  const float denom = __fadd_rn(b.s, 1e-12f);
+  float v[L::kVec];
+  uint32_t sbits;
+  float s;
+  read_lane_block<T, kAligned>(x + blk * kBlock + lane * L::kVec, valid, flag, v, &sbits, &s);
+  const float denom = __fadd_rn(s, 1e-12f);
   uint32_t packed = 0;  // element 2j in the low nibble of byte j
 #pragma unroll
   for (int i = 0; i < L::kVec; ++i) {
-    packed |= e2m1_encode_dev(__fdiv_rn(b.v[i], denom)) << (4 * i);
+    packed |= e2m1_encode_dev(__fdiv_rn(v[i], denom)) << (4 * i);
   }
   if (!valid) return;
   uint8_t* q = qdata + blk * (kBlock / 2) + lane * (L::kVec / 2);
@@ -147,7 +144,7 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ q
   } else {
     *reinterpret_cast<uint16_t*>(q) = static_cast<uint16_t>(packed);
   }
-  if (lane == 0) scale[blk] = static_cast<uint8_t>(b.sbits);
+  if (lane == 0) scale[blk] = static_cast<uint8_t>(sbits);
 }
 
 template <typename T, bool kAligned>
