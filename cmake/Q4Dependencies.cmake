@@ -1,5 +1,59 @@
 # Finds every third-party dependency once, for all libraries.
+
+# GPU architectures: one list for our kernels and LibTorch's CMake. Default: sm_90 (H100, H200),
+# sm_100 (B200), sm_120 (RTX 50 series), sm_121 (DGX Spark GB10). -DCMAKE_CUDA_ARCHITECTURES=<list>
+# replaces it (compute capabilities as CMake writes them: 90;120 or 90a); =native builds for the
+# GPUs nvidia-smi lists. LibTorch's CMake ignores CMAKE_CUDA_ARCHITECTURES (it warns so), reads
+# TORCH_CUDA_ARCH_LIST instead (else the environment variable of that name, else the local GPU)
+# and adds its -gencode flags to CMAKE_CUDA_FLAGS, which our kernels compile with: so the list
+# becomes TORCH_CUDA_ARCH_LIST before find_package(Torch) (9.0;10.0;12.0;12.1, with PTX of the
+# highest for newer GPUs), unless -DTORCH_CUDA_ARCH_LIST is given; an environment value (set by
+# some images for PyTorch extensions) does not narrow the default. No kernel uses sm_90a-only
+# instructions (wgmma, setmaxnreg), so plain sm_90 code serves Hopper.
+set(Q4_CUDA_ARCHITECTURES_DEFAULT "90;100;120;121")
+set(_q4_archs_cached OFF)
+if(DEFINED CACHE{CMAKE_CUDA_ARCHITECTURES})
+  set(_q4_archs_cached ON)
+  set(Q4_CUDA_ARCHS "${CMAKE_CUDA_ARCHITECTURES}")
+else()
+  set(Q4_CUDA_ARCHS "${Q4_CUDA_ARCHITECTURES_DEFAULT}")
+endif()
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND Q4_CUDA_ARCHS STREQUAL "native")
+  find_program(Q4_NVIDIA_SMI nvidia-smi)
+  if(Q4_NVIDIA_SMI)
+    execute_process(COMMAND ${Q4_NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
+                    OUTPUT_VARIABLE _q4_caps RESULT_VARIABLE _q4_rc
+                    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    string(REGEX REPLACE "[ \t\r\n]+" ";" _q4_caps "${_q4_caps}")
+    if(_q4_rc EQUAL 0 AND _q4_caps MATCHES "^[0-9]+\\.[0-9]")
+      list(REMOVE_DUPLICATES _q4_caps)
+      set(TORCH_CUDA_ARCH_LIST "${_q4_caps}")
+    endif()
+  endif()
+elseif(NOT DEFINED TORCH_CUDA_ARCH_LIST)
+  set(_q4_torch_archs "")
+  foreach(_arch IN LISTS Q4_CUDA_ARCHS)
+    string(REGEX REPLACE "-real$" "" _arch "${_arch}")
+    if(NOT _arch MATCHES "^([0-9]+)([0-9])([af]?)$")
+      message(FATAL_ERROR "CMAKE_CUDA_ARCHITECTURES: '${_arch}' is not supported here; give "
+                          "compute capabilities (e.g. 90;120) or native")
+    endif()
+    list(APPEND _q4_torch_archs "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
+  endforeach()
+  list(POP_BACK _q4_torch_archs _arch)
+  if(NOT _arch MATCHES "[af]$")  # PTX of an sm_90a-like target runs on that GPU only
+    string(APPEND _arch "+PTX")
+  endif()
+  list(APPEND _q4_torch_archs "${_arch}")
+  set(TORCH_CUDA_ARCH_LIST "${_q4_torch_archs}")
+endif()
+
 find_package(Torch REQUIRED)
+if(NOT _q4_archs_cached)
+  # LibTorch's CMake enabled CUDA, and CMake cached its compiler's default architecture: drop
+  # it, so that the next configure keeps the default list above.
+  unset(CMAKE_CUDA_ARCHITECTURES CACHE)
+endif()
 find_package(yaml-cpp REQUIRED)
 find_package(fmt REQUIRED)
 find_package(CLI11 REQUIRED)
@@ -15,8 +69,12 @@ if(TORCH_CUDA_LIBRARIES OR Q4_ENABLE_CUDA)
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 90)
+    if(CMAKE_CUDA_FLAGS MATCHES "arch=compute_")
+      # LibTorch's -gencode flags (from TORCH_CUDA_ARCH_LIST) are in CMAKE_CUDA_FLAGS: CMake adds
+      # none of its own, so each architecture is compiled once.
+      set(CMAKE_CUDA_ARCHITECTURES OFF)
+    else()
+      set(CMAKE_CUDA_ARCHITECTURES "${Q4_CUDA_ARCHS}")
     endif()
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
@@ -26,6 +84,12 @@ if(TORCH_CUDA_LIBRARIES OR Q4_ENABLE_CUDA)
   endif()
 endif()
 message(STATUS "q4: LibTorch ${Torch_VERSION}, CUDA kernels: ${Q4_WITH_CUDA}")
+if(Q4_WITH_CUDA)
+  string(REGEX MATCHALL "arch=compute_[0-9a-z]+,code=[a-z_0-9]+" _q4_gencode "${CMAKE_CUDA_FLAGS}")
+  message(STATUS "q4: CUDA architectures ${Q4_CUDA_ARCHS} (TORCH_CUDA_ARCH_LIST "
+                 "'${TORCH_CUDA_ARCH_LIST}', environment '$ENV{TORCH_CUDA_ARCH_LIST}'): "
+                 "${_q4_gencode}")
+endif()
 
 # PCRE2 and utf8proc (tokenizer): pkg-config first, plain find_library as fallback.
 find_package(PkgConfig QUIET)
@@ -80,7 +144,7 @@ endif()
 set(Q4_HAVE_GLOO OFF)
 # Only with the system library: a wheel's gloo symbols inside libtorch_cpu may not be exported.
 find_path(Q4_GLOO_INCLUDE gloo/context.h HINTS ${TORCH_INCLUDE_DIRS})
-find_library(Q4_GLOO_LIB gloo PATHS /usr/lib /usr/lib/x86_64-linux-gnu)
+find_library(Q4_GLOO_LIB gloo PATHS /usr/lib /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE})
 if(Q4_GLOO_INCLUDE AND Q4_GLOO_LIB)
   set(Q4_HAVE_GLOO ON)
 endif()

@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 if has build; then
   tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1 || { tail -n 30 "$out/configure.log"; exit 1; }
+    >"$out/configure.log" 2>&1 || { tail -n 30 "$out/configure.log"; exit 1; }
   tgt=""; for t in ${TARGETS:-}; do tgt="$tgt --target $t"; done
   cmake --build build-gpu -j16 $tgt >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -n 40; exit 1; }
   echo "build ok"

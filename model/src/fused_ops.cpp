@@ -11,6 +11,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "q4/quant/kernel_dtype.h"
 #include "qwen3_kernels.h"
 #endif
 
@@ -19,26 +20,10 @@ namespace q4::model {
 #if Q4_WITH_CUDA
 namespace {
 
+using quant::cuda::check_cuda;
+using quant::cuda::dtype_of;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-cuda::Dtype kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::Dtype::kF32;
-    case at::kHalf:
-      return cuda::Dtype::kF16;
-    case at::kBFloat16:
-      return cuda::Dtype::kBF16;
-    default:
-      TORCH_INTERNAL_ASSERT(false, "fused op: unsupported dtype ", t);
-  }
-  return cuda::Dtype::kF32;
-}
-
-void check_launch(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, what, ": CUDA launch failed: ", cudaGetErrorString(e));
-}
 
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -52,11 +37,11 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     c10::cuda::CUDAGuard guard(x.device());
     at::Tensor y = at::empty_like(x);
     at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
-    check_launch(cuda::launch_rms_norm_fwd(x.data_ptr(), w.data_ptr(), y.data_ptr(),
-                                           rstd.data_ptr<float>(), rows, n,
-                                           static_cast<float>(eps), kernel_dtype(x.scalar_type()),
-                                           at::cuda::getCurrentCUDAStream()),
-                 "rms_norm forward");
+    check_cuda(cuda::launch_rms_norm_fwd(x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                                         rstd.data_ptr<float>(), rows, n, static_cast<float>(eps),
+                                         dtype_of(x.scalar_type(), "fused op"),
+                                         at::cuda::getCurrentCUDAStream()),
+               "rms_norm forward");
     ctx->save_for_backward({x, w, rstd});
     return y;
   }
@@ -76,12 +61,11 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     if (want_dw) {
       partial = at::empty({cuda::rms_norm_bwd_blocks(rows), n}, x.options().dtype(at::kFloat));
     }
-    check_launch(cuda::launch_rms_norm_bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(),
-                                           rstd.data_ptr<float>(), dx.data_ptr(),
-                                           want_dw ? partial.data_ptr<float>() : nullptr, rows, n,
-                                           kernel_dtype(x.scalar_type()),
-                                           at::cuda::getCurrentCUDAStream()),
-                 "rms_norm backward");
+    check_cuda(cuda::launch_rms_norm_bwd(
+                   dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr<float>(), dx.data_ptr(),
+                   want_dw ? partial.data_ptr<float>() : nullptr, rows, n,
+                   dtype_of(x.scalar_type(), "fused op"), at::cuda::getCurrentCUDAStream()),
+               "rms_norm backward");
     at::Tensor dw = want_dw ? partial.sum(0).to(w.scalar_type()) : at::Tensor();
     return {dx, dw, at::Tensor()};
   }
@@ -103,11 +87,11 @@ struct RopeFn : public torch::autograd::Function<RopeFn> {
                         bool backward) {
     c10::cuda::CUDAGuard guard(x.device());
     at::Tensor y = at::empty_like(x);
-    check_launch(cuda::launch_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
-                                   x.size(0), x.size(1), x.size(2), backward,
-                                   kernel_dtype(x.scalar_type()),
-                                   at::cuda::getCurrentCUDAStream()),
-                 "rope");
+    check_cuda(
+        cuda::launch_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.size(0),
+                          x.size(1), x.size(2), backward, dtype_of(x.scalar_type(), "fused op"),
+                          at::cuda::getCurrentCUDAStream()),
+        "rope");
     return y;
   }
 };
@@ -117,10 +101,10 @@ struct SwigluFn : public torch::autograd::Function<SwigluFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
     c10::cuda::CUDAGuard guard(g.device());
     at::Tensor h = at::empty_like(g);
-    check_launch(cuda::launch_swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(),
-                                         kernel_dtype(g.scalar_type()),
-                                         at::cuda::getCurrentCUDAStream()),
-                 "swiglu forward");
+    check_cuda(cuda::launch_swiglu_fwd(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(),
+                                       dtype_of(g.scalar_type(), "fused op"),
+                                       at::cuda::getCurrentCUDAStream()),
+               "swiglu forward");
     ctx->save_for_backward({g, u});
     return h;
   }
@@ -132,10 +116,11 @@ struct SwigluFn : public torch::autograd::Function<SwigluFn> {
     if (!aligned16(dh)) dh = dh.clone();
     c10::cuda::CUDAGuard guard(g.device());
     at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
-    check_launch(cuda::launch_swiglu_bwd(dh.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(),
-                                         du.data_ptr(), g.numel(), kernel_dtype(g.scalar_type()),
-                                         at::cuda::getCurrentCUDAStream()),
-                 "swiglu backward");
+    check_cuda(
+        cuda::launch_swiglu_bwd(dh.data_ptr(), g.data_ptr(), u.data_ptr(), dg.data_ptr(),
+                                du.data_ptr(), g.numel(), dtype_of(g.scalar_type(), "fused op"),
+                                at::cuda::getCurrentCUDAStream()),
+        "swiglu backward");
     return {dg, du};
   }
 };
@@ -215,12 +200,11 @@ at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, boo
 #if Q4_WITH_CUDA
   c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor loss_rows = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
-  check_launch(cuda::launch_softmax_xent(logits.data_ptr(), labels.data_ptr<int64_t>(),
-                                         loss_rows.data_ptr<float>(), logits.size(0),
-                                         logits.size(1), want_grad,
-                                         kernel_dtype(logits.scalar_type()),
-                                         at::cuda::getCurrentCUDAStream()),
-               "softmax cross-entropy");
+  check_cuda(cuda::launch_softmax_xent(logits.data_ptr(), labels.data_ptr<int64_t>(),
+                                       loss_rows.data_ptr<float>(), logits.size(0), logits.size(1),
+                                       want_grad, dtype_of(logits.scalar_type(), "fused op"),
+                                       at::cuda::getCurrentCUDAStream()),
+             "softmax cross-entropy");
   return loss_rows;
 #else
   (void)labels;

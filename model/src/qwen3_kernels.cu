@@ -4,77 +4,26 @@
 // a warp and accumulates the weight gradient per block in shared memory (one partial row per
 // block, summed by the caller). RoPE: one thread per (token, head, pair) of rotated elements,
 // fp32 arithmetic, one rounding per output.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cstdint>
 
+#include "q4/quant/cuda_common.h"
 #include "qwen3_kernels.h"
 
 namespace q4::model::cuda {
 namespace {
 
+using quant::cuda::aligned16;
+using quant::cuda::dispatch_dtype;
+using quant::cuda::from_float;
+using quant::cuda::kVec16;
+using quant::cuda::Pack;
+using quant::cuda::sm_count;
+using quant::cuda::to_float;
+using quant::cuda::warp_sum;
+
 constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = kWarpsPerCta * 32;
-
-template <typename T>
-__device__ __forceinline__ float to_f(T v);
-template <>
-__device__ __forceinline__ float to_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// kVec elements of T in one 16-byte word (read and written through the word's bytes).
-template <typename T>
-struct Pack {
-  static constexpr int kVec = 16 / sizeof(T);
-  uint4 raw;
-  __device__ __forceinline__ T get(int j) const { return reinterpret_cast<const T*>(&raw)[j]; }
-  __device__ __forceinline__ void set(int j, T v) { reinterpret_cast<T*>(&raw)[j] = v; }
-};
-
-int sm_count() {
-  static int count[64] = {0};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) return 132;
-  if (count[dev] == 0) {
-    int c = 0;
-    cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, dev);
-    count[dev] = c > 0 ? c : 132;
-  }
-  return count[dev];
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(const T* __restrict__ x,
@@ -95,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(const T* __restr
       p.raw = xv[i];
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
-        const float f = to_f(p.get(j));
+        const float f = to_float(p.get(j));
         ss += f * f;
       }
     }
@@ -109,8 +58,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(const T* __restr
       q.raw = wv[i];
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
-        const T xn = from_f<T>(to_f(p.get(j)) * r);
-        o.set(j, from_f<T>(to_f(q.get(j)) * to_f(xn)));
+        const T xn = from_float<T>(to_float(p.get(j)) * r);
+        o.set(j, from_float<T>(to_float(q.get(j)) * to_float(xn)));
       }
       yv[i] = o.raw;
     }
@@ -151,10 +100,10 @@ __global__ void __launch_bounds__(kThreads)
       pw.raw = wv[i];
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
-        const float xn = to_f(px.get(j)) * r;
-        const float gy = to_f(pg.get(j));
-        dot += gy * to_f(pw.get(j)) * xn;
-        if (want_dw) mine[j * nv + i] += gy * to_f(from_f<T>(xn));
+        const float xn = to_float(px.get(j)) * r;
+        const float gy = to_float(pg.get(j));
+        dot += gy * to_float(pw.get(j)) * xn;
+        if (want_dw) mine[j * nv + i] += gy * to_float(from_float<T>(xn));
       }
     }
     dot = warp_sum(dot) / static_cast<float>(n);
@@ -166,9 +115,9 @@ __global__ void __launch_bounds__(kThreads)
       pw.raw = wv[i];
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
-        const float xn = to_f(px.get(j)) * r;
-        const float g = to_f(pg.get(j)) * to_f(pw.get(j));
-        o.set(j, from_f<T>(r * (g - xn * dot)));
+        const float xn = to_float(px.get(j)) * r;
+        const float g = to_float(pg.get(j)) * to_float(pw.get(j));
+        o.set(j, from_float<T>(r * (g - xn * dot)));
       }
       dxv[i] = o.raw;
     }
@@ -199,9 +148,9 @@ __global__ void rope_kernel(const T* __restrict__ x, const T* __restrict__ cosv,
     const T* xr = x + th * d;
     const T* c = cosv + t * d;
     const T* s = sinv + t * d;
-    const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
-    const float c1 = to_f(c[j]), c2 = to_f(c[j + half]);
-    const float s1 = to_f(s[j]), s2 = to_f(s[j + half]);
+    const float x1 = to_float(xr[j]), x2 = to_float(xr[j + half]);
+    const float c1 = to_float(c[j]), c2 = to_float(c[j + half]);
+    const float s1 = to_float(s[j]), s2 = to_float(s[j + half]);
     float y1, y2;
     if (!backward) {  // y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)
       y1 = x1 * c1 - x2 * s1;
@@ -211,8 +160,8 @@ __global__ void rope_kernel(const T* __restrict__ x, const T* __restrict__ cosv,
       y2 = x2 * c2 - x1 * s1;
     }
     T* yr = y + th * d;
-    yr[j] = from_f<T>(y1);
-    yr[j + half] = from_f<T>(y2);
+    yr[j] = from_float<T>(y1);
+    yr[j + half] = from_float<T>(y2);
   }
 }
 
@@ -232,28 +181,28 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__
     pu.raw = reinterpret_cast<const uint4*>(u)[i];
 #pragma unroll
     for (int j = 0; j < P::kVec; ++j) {
-      const float x = to_f(pg.get(j));
-      const T s = from_f<T>(x * sigmoid_f(x));
-      o.set(j, from_f<T>(to_f(s) * to_f(pu.get(j))));
+      const float x = to_float(pg.get(j));
+      const T s = from_float<T>(x * sigmoid_f(x));
+      o.set(j, from_float<T>(to_float(s) * to_float(pu.get(j))));
     }
     reinterpret_cast<uint4*>(h)[i] = o.raw;
   }
   for (int64_t i = nv * P::kVec + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
-    const float x = to_f(g[i]);
-    const T s = from_f<T>(x * sigmoid_f(x));
-    h[i] = from_f<T>(to_f(s) * to_f(u[i]));
+    const float x = to_float(g[i]);
+    const T s = from_float<T>(x * sigmoid_f(x));
+    h[i] = from_float<T>(to_float(s) * to_float(u[i]));
   }
 }
 
 template <typename T>
 __device__ __forceinline__ void swiglu_bwd_one(T dh_t, T g_t, T u_t, T* dg, T* du) {
-  const float dh = to_f(dh_t), x = to_f(g_t), uu = to_f(u_t);
+  const float dh = to_float(dh_t), x = to_float(g_t), uu = to_float(u_t);
   const float sig = sigmoid_f(x);
-  const T s = from_f<T>(x * sig);
-  *du = from_f<T>(dh * to_f(s));
-  const float ds = to_f(from_f<T>(dh * uu));  // mul's gradient w.r.t. silu(g), rounded
-  *dg = from_f<T>(ds * sig * (1.f + x * (1.f - sig)));
+  const T s = from_float<T>(x * sig);
+  *du = from_float<T>(dh * to_float(s));
+  const float ds = to_float(from_float<T>(dh * uu));  // mul's gradient w.r.t. silu(g), rounded
+  *dg = from_float<T>(ds * sig * (1.f + x * (1.f - sig)));
 }
 
 template <typename T>
@@ -311,33 +260,20 @@ __global__ void rope_vec_kernel(const T* __restrict__ x, const T* __restrict__ c
     s2.raw = *reinterpret_cast<const uint4*>(sinv + co + half);
 #pragma unroll
     for (int j = 0; j < P::kVec; ++j) {
-      const float a = to_f(x1.get(j)), b = to_f(x2.get(j));
-      const float ca = to_f(c1.get(j)), cb = to_f(c2.get(j));
-      const float sa = to_f(s1.get(j)), sb = to_f(s2.get(j));
+      const float a = to_float(x1.get(j)), b = to_float(x2.get(j));
+      const float ca = to_float(c1.get(j)), cb = to_float(c2.get(j));
+      const float sa = to_float(s1.get(j)), sb = to_float(s2.get(j));
       if (!backward) {
-        y1.set(j, from_f<T>(a * ca - b * sa));
-        y2.set(j, from_f<T>(b * cb + a * sb));
+        y1.set(j, from_float<T>(a * ca - b * sa));
+        y2.set(j, from_float<T>(b * cb + a * sb));
       } else {
-        y1.set(j, from_f<T>(a * ca + b * sb));
-        y2.set(j, from_f<T>(b * cb - a * sa));
+        y1.set(j, from_float<T>(a * ca + b * sb));
+        y2.set(j, from_float<T>(b * cb - a * sa));
       }
     }
     *reinterpret_cast<uint4*>(y + xo) = y1.raw;
     *reinterpret_cast<uint4*>(y + xo + half) = y2.raw;
   }
-}
-
-template <class F>
-cudaError_t dispatch(Dtype dt, F&& f) {
-  switch (dt) {
-    case Dtype::kF32:
-      return f(float{});
-    case Dtype::kF16:
-      return f(__half{});
-    case Dtype::kBF16:
-      return f(__nv_bfloat16{});
-  }
-  return cudaErrorInvalidValue;
 }
 
 int64_t fwd_blocks(int64_t rows) {
@@ -348,9 +284,9 @@ int64_t fwd_blocks(int64_t rows) {
 }  // namespace
 
 cudaError_t launch_rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows,
-                                int64_t n, float eps, Dtype dt, cudaStream_t stream) {
+                                int64_t n, float eps, DType dt, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
     rms_norm_fwd_kernel<T><<<static_cast<unsigned>(fwd_blocks(rows)), kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y), rstd, rows,
@@ -365,13 +301,13 @@ int64_t rms_norm_bwd_blocks(int64_t rows) {
 }
 
 cudaError_t launch_rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
-                                void* dx, float* dw_partial, int64_t rows, int64_t n, Dtype dt,
+                                void* dx, float* dw_partial, int64_t rows, int64_t n, DType dt,
                                 cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = dw_partial ? rms_norm_bwd_blocks(rows) : fwd_blocks(rows);
   const size_t smem =
       dw_partial ? static_cast<size_t>(kWarpsPerCta) * static_cast<size_t>(n) * sizeof(float) : 0;
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
     if (smem > 48 * 1024) {
       cudaError_t e = cudaFuncSetAttribute(rms_norm_bwd_kernel<T>,
@@ -387,16 +323,15 @@ cudaError_t launch_rms_norm_bwd(const void* dy, const void* x, const void* w, co
 }
 
 cudaError_t launch_rope(const void* x, const void* cos, const void* sin, void* y, int64_t tokens,
-                        int64_t heads, int64_t d, bool backward, Dtype dt, cudaStream_t stream) {
+                        int64_t heads, int64_t d, bool backward, DType dt, cudaStream_t stream) {
   const int64_t total = tokens * heads * (d / 2);
   if (total == 0) return cudaSuccess;
   const int64_t blocks =
       std::max<int64_t>(1, std::min<int64_t>((total + 255) / 256, int64_t{sm_count()} * 32));
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if ((d / 2) % kVec == 0 && aligned(x) && aligned(cos) && aligned(sin) && aligned(y)) {
+    constexpr int kVec = kVec16<T>;
+    if ((d / 2) % kVec == 0 && aligned16(x) && aligned16(cos) && aligned16(sin) && aligned16(y)) {
       const int64_t vtotal = total / kVec;
       const int64_t vblocks =
           std::max<int64_t>(1, std::min<int64_t>((vtotal + 255) / 256, int64_t{sm_count()} * 32));
@@ -418,10 +353,10 @@ int64_t elementwise_blocks(int64_t n) {
 }
 }  // namespace
 
-cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, Dtype dt,
+cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, DType dt,
                               cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
     swiglu_fwd_kernel<T><<<static_cast<unsigned>(elementwise_blocks(n)), 256, 0, stream>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(h), n);
@@ -430,9 +365,9 @@ cudaError_t launch_swiglu_fwd(const void* g, const void* u, void* h, int64_t n, 
 }
 
 cudaError_t launch_swiglu_bwd(const void* dh, const void* g, const void* u, void* dg, void* du,
-                              int64_t n, Dtype dt, cudaStream_t stream) {
+                              int64_t n, DType dt, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
     swiglu_bwd_kernel<T><<<static_cast<unsigned>(elementwise_blocks(n)), 256, 0, stream>>>(
         static_cast<const T*>(dh), static_cast<const T*>(g), static_cast<const T*>(u),
@@ -481,7 +416,7 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(
   T* x = logits + row * V;
   const int64_t label = labels[row];
   const bool valid = label >= 0 && label < V;
-  if (threadIdx.x == 0) label_logit = valid ? to_f(x[label]) : 0.f;
+  if (threadIdx.x == 0) label_logit = valid ? to_float(x[label]) : 0.f;
   MaxSum acc{-INFINITY, 0.f};
   if (kVecPath) {
     const int64_t nv = V / P::kVec;
@@ -490,10 +425,10 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(
       P p;
       p.raw = xv[i];
 #pragma unroll
-      for (int j = 0; j < P::kVec; ++j) online_add(acc, to_f(p.get(j)));
+      for (int j = 0; j < P::kVec; ++j) online_add(acc, to_float(p.get(j)));
     }
   } else {
-    for (int64_t i = threadIdx.x; i < V; i += kXentThreads) online_add(acc, to_f(x[i]));
+    for (int64_t i = threadIdx.x; i < V; i += kXentThreads) online_add(acc, to_float(x[i]));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -516,28 +451,27 @@ __global__ void __launch_bounds__(kXentThreads) softmax_xent_kernel(
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
         const int64_t col = i * P::kVec + j;
-        const float g = expf(to_f(p.get(j)) - all.m) * inv - (col == label ? 1.f : 0.f);
-        p.set(j, from_f<T>(valid ? g : 0.f));
+        const float g = expf(to_float(p.get(j)) - all.m) * inv - (col == label ? 1.f : 0.f);
+        p.set(j, from_float<T>(valid ? g : 0.f));
       }
       xv[i] = p.raw;
     }
   } else {
     for (int64_t i = threadIdx.x; i < V; i += kXentThreads) {
-      const float g = expf(to_f(x[i]) - all.m) * inv - (i == label ? 1.f : 0.f);
-      x[i] = from_f<T>(valid ? g : 0.f);
+      const float g = expf(to_float(x[i]) - all.m) * inv - (i == label ? 1.f : 0.f);
+      x[i] = from_float<T>(valid ? g : 0.f);
     }
   }
 }
 
 }  // namespace
 
-cudaError_t launch_softmax_xent(void* logits, const int64_t* labels, float* loss_rows,
-                                int64_t rows, int64_t V, bool want_grad, Dtype dt,
-                                cudaStream_t stream) {
+cudaError_t launch_softmax_xent(void* logits, const int64_t* labels, float* loss_rows, int64_t rows,
+                                int64_t V, bool want_grad, DType dt, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  return dispatch(dt, [&](auto tag) {
+  return dispatch_dtype(dt, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
-    const bool vec = V % Pack<T>::kVec == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+    const bool vec = V % Pack<T>::kVec == 0 && aligned16(logits);
     if (vec) {
       softmax_xent_kernel<T, true><<<static_cast<unsigned>(rows), kXentThreads, 0, stream>>>(
           static_cast<T*>(logits), labels, loss_rows, V, want_grad);

@@ -24,6 +24,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include "q4/quant/kernel_dtype.h"
 #endif
 
 namespace q4::optim {
@@ -243,18 +245,7 @@ double sumsq_cpu(const at::Tensor& g, int64_t chunk_elems, Scratch& s) {
 }
 
 #if Q4_WITH_CUDA
-int cuda_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::kDtF32;
-    case at::kHalf:
-      return cuda::kDtF16;
-    case at::kBFloat16:
-      return cuda::kDtBF16;
-    default:
-      TORCH_CHECK(false, "q4::optim: unsupported dtype ", t, " (expected fp32, fp16 or bf16)");
-  }
-}
+int cuda_dtype(at::ScalarType t) { return static_cast<int>(quant::cuda::dtype_of(t, "q4::optim")); }
 #endif
 
 // Squared global norm over grads (undefined entries skipped), combined in double.

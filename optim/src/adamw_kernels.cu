@@ -8,8 +8,6 @@
 // -- when StepParams::exact is set. By default the int8/4-bit kernels fuse multiply-adds with
 // host-folded constants and use the hardware square root and reciprocal (fewer instructions:
 // these kernels are issue-bound), everything else (codes, randomness, rounding rules) unchanged.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -21,12 +19,24 @@
 
 #include "cuda_launch.h"
 #include "optim_math.h"
+#include "q4/quant/cuda_common.h"
 
 namespace q4::optim::cuda {
 namespace {
 
 using detail::CodeMap;
 using detail::MapId;
+using quant::cuda::aligned16;
+using quant::cuda::check_cuda;
+using quant::cuda::dispatch_dtype;
+using quant::cuda::DType;
+using quant::cuda::group_max;
+using quant::cuda::load_vec;
+using quant::cuda::sm_count;
+using quant::cuda::store_vec;
+using quant::cuda::to_float;
+using quant::cuda::Vec;
+using quant::cuda::warp_sum;
 
 __constant__ float c_map_value[4][256];    // MapId -> decoded value per code
 __constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used), +inf at 255
@@ -49,19 +59,13 @@ __constant__ uint8_t c_start[2][kStartBytes];
 template <int MODE, int SLOT>
 constexpr int kStartOffset = (MODE == 1 && SLOT == 1) ? 2 * kInt8BucketsM : 0;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    throw std::runtime_error(std::string("q4::optim CUDA: ") + what + ": " + cudaGetErrorString(e));
-  }
-}
-
 // Copies the code tables to the current device once (constant memory is per device), after
 // checking on the host that every search needs at most the one comparison the kernels do.
 void ensure_tables() {
   static std::mutex mu;
   static bool ready[256] = {};
   int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaGetDevice(&dev), "q4::optim CUDA: cudaGetDevice");
   std::lock_guard<std::mutex> lock(mu);
   if (dev < 0 || dev >= 256 || ready[dev]) return;
   const float inf = std::numeric_limits<float>::infinity();
@@ -111,35 +115,17 @@ void ensure_tables() {
       }
     }
   }
-  check(cudaMemcpyToSymbol(c_map_value, value, sizeof(value)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_map_mid, mid, sizeof(mid)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_sr_value4, sr_value4, sizeof(sr_value4)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_pick4, pick4, sizeof(pick4)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_pick4_fast, pick4_fast, sizeof(pick4_fast)), "copy code maps");
-  check(cudaMemcpyToSymbol(c_start, start, sizeof(start)), "copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_map_value, value, sizeof(value)),
+             "q4::optim CUDA: copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_map_mid, mid, sizeof(mid)), "q4::optim CUDA: copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_sr_value4, sr_value4, sizeof(sr_value4)),
+             "q4::optim CUDA: copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_pick4, pick4, sizeof(pick4)), "q4::optim CUDA: copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_pick4_fast, pick4_fast, sizeof(pick4_fast)),
+             "q4::optim CUDA: copy code maps");
+  check_cuda(cudaMemcpyToSymbol(c_start, start, sizeof(start)), "q4::optim CUDA: copy code maps");
   ready[dev] = true;
 }
-
-// Multiprocessors of the current device (cached): persistent grids are a few CTAs per SM.
-int sm_count() {
-  static std::mutex mu;
-  static int count[256] = {};
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < 0 || dev >= 256) return 132;
-  if (count[dev] == 0) {
-    check(cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev),
-          "cudaDeviceGetAttribute");
-  }
-  return count[dev];
-}
-
-// ---- dtype helpers ----
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 
 // Master write-back (docs/optim.md): saturate at the largest finite value, then round to nearest,
 // or stochastically with the element's bits h = sr_bits(key, index) (detail::sr_round_fp16/bf16:
@@ -220,30 +206,7 @@ constexpr int kThreads = 256;  // threads per CTA of every kernel here
 // The block kernels are register-bounded so that 4 (int8: 64 registers; unbounded it used 72) or
 // 5 (4-bit, NVFP4: 48) CTAs fit an SM; ptxas reports no spills with these bounds (6 spilled).
 
-// ---- vector access ----
-// E consecutive elements of T as one aligned aggregate: 8/16-byte loads and stores (32 bytes:
-// two 16-byte ones). Used only when the launcher found every pointer 16-byte aligned and the
-// group lies inside the tensor; element offsets are multiples of E, so each access is aligned.
-template <typename T, int E>
-struct alignas(sizeof(T) * E < 16 ? sizeof(T) * E : 16) Vec {
-  T v[E];
-};
-
-template <typename T, int E>
-__device__ __forceinline__ void load_vec(const T* base, T (&out)[E]) {
-  const Vec<T, E> r = *reinterpret_cast<const Vec<T, E>*>(base);
-#pragma unroll
-  for (int e = 0; e < E; ++e) out[e] = r.v[e];
-}
-
-template <typename T, int E>
-__device__ __forceinline__ void store_vec(T* base, const T (&in)[E]) {
-  Vec<T, E> r;
-#pragma unroll
-  for (int e = 0; e < E; ++e) r.v[e] = in[e];
-  *reinterpret_cast<Vec<T, E>*>(base) = r;
-}
-
+// ---- vector access (Vec, load_vec, store_vec: q4/quant/cuda_common.h) ----
 // Loads elements [i0, i0 + E) as fp32: vector access when `vec`, else element by element with
 // the ones at or past n set to 0.
 template <typename T, int E>
@@ -253,10 +216,10 @@ __device__ __forceinline__ void load_f32(const T* ptr, int64_t i0, int64_t n, bo
     T raw[E];
     load_vec<T, E>(ptr + i0, raw);
 #pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = to_f(raw[e]);
+    for (int e = 0; e < E; ++e) out[e] = to_float(raw[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = i0 + e < n ? to_f(ptr[i0 + e]) : 0.0f;
+    for (int e = 0; e < E; ++e) out[e] = i0 + e < n ? to_float(ptr[i0 + e]) : 0.0f;
   }
 }
 
@@ -387,19 +350,10 @@ __device__ __forceinline__ float decode_value(int code, float scale, const Share
   return __fmul_rn(sm.value[slot][code], scale);
 }
 
-// Max over the GROUP lanes of a group (aligned, power of two).
-template <int GROUP>
-__device__ __forceinline__ float group_max(float x) {
-#pragma unroll
-  for (int off = GROUP / 2; off >= 1; off >>= 1) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  }
-  return x;
-}
-
 // Per-block encoding parameters from the block absmax: int8/4-bit the factors of
 // detail::block_norm (one reciprocal per block, no per-element division); NVFP4 the E4M3 scale
-// bits and the divisor of DESIGN.md (decoded scale + 1e-12, an IEEE division per element).
+// bits and the divisor of docs/design.md#nvfp4-arithmetic (decoded scale + 1e-12, an IEEE
+// division per element).
 struct BlockEnc {
   detail::BlockNorm bn;
   float stored = 0.0f;  // fp32 absmax (int8/4-bit)
@@ -786,7 +740,7 @@ __device__ __forceinline__ void sumsq_body(const G* g, int64_t n, float* row, in
     for (int k = 0; k < 4; ++k) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float x = to_f(r[k].v[e]);
+        const float x = to_float(r[k].v[e]);
         acc[k & 1] = __fadd_rn(acc[k & 1], __fmul_rn(x, x));
       }
     }
@@ -795,16 +749,16 @@ __device__ __forceinline__ void sumsq_body(const G* g, int64_t n, float* row, in
     const Vec<G, V> r0 = vp[i];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const float x0 = to_f(r0.v[e]);
+      const float x0 = to_float(r0.v[e]);
       acc[0] = __fadd_rn(acc[0], __fmul_rn(x0, x0));
     }
   }
   const int64_t rest = n - head - nvec * V;  // < V
   if (tid < head) {
-    const float x = to_f(g[tid]);
+    const float x = to_float(g[tid]);
     acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
   } else if (tid < head + rest) {
-    const float x = to_f(g[head + nvec * V + (tid - head)]);
+    const float x = to_float(g[head + nvec * V + (tid - head)]);
     acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
   }
   red[threadIdx.x] = acc[0] + acc[1];
@@ -879,8 +833,6 @@ int64_t grid_for_elems(int64_t n) {
   return g < 65535 * 8 ? g : 65535 * 8;
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 template <int MODE, bool kExact, typename G, typename M>
 void launch_block(const StepParams& p, cudaStream_t s) {
   if (p.stochastic != 0) {
@@ -919,18 +871,21 @@ void launch_typed(const StepParams& p, cudaStream_t s) {
   }
 }
 
+// dispatch_dtype for the int dtype codes of StepParams and the sumsq launchers; a code that is
+// none of the three throws ("bad <what>").
+template <typename Fn>
+void dispatch_code(int dtype, const char* what, Fn&& fn) {
+  const bool known = dispatch_dtype(static_cast<DType>(dtype), false, [&](auto tag) {
+    fn(tag);
+    return true;
+  });
+  if (!known) throw std::runtime_error(std::string("q4::optim CUDA: bad ") + what);
+}
+
 template <typename G>
 void launch_grad(const StepParams& p, cudaStream_t s) {
-  switch (p.master_dtype) {
-    case kDtF32:
-      return launch_typed<G, float>(p, s);
-    case kDtF16:
-      return launch_typed<G, __half>(p, s);
-    case kDtBF16:
-      return launch_typed<G, __nv_bfloat16>(p, s);
-    default:
-      throw std::runtime_error("q4::optim CUDA: bad master dtype");
-  }
+  dispatch_code(p.master_dtype, "master dtype",
+                [&](auto master) { launch_typed<G, decltype(master)>(p, s); });
 }
 
 }  // namespace
@@ -942,40 +897,18 @@ void launch_adamw_step(const StepParams& params, cudaStream_t stream) {
   p.vec_ok = aligned16(p.grad) && aligned16(p.master) &&
              (p.mode == 0 ? aligned16(p.m32) && aligned16(p.v32)
                           : aligned16(p.m_codes) && aligned16(p.v_codes));
-  switch (p.grad_dtype) {
-    case kDtF32:
-      launch_grad<float>(p, stream);
-      break;
-    case kDtF16:
-      launch_grad<__half>(p, stream);
-      break;
-    case kDtBF16:
-      launch_grad<__nv_bfloat16>(p, stream);
-      break;
-    default:
-      throw std::runtime_error("q4::optim CUDA: bad grad dtype");
-  }
-  check(cudaGetLastError(), "adamw step launch");
+  dispatch_code(p.grad_dtype, "grad dtype",
+                [&](auto grad) { launch_grad<decltype(grad)>(p, stream); });
+  check_cuda(cudaGetLastError(), "q4::optim CUDA: adamw step launch");
 }
 
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream) {
-  switch (dtype) {
-    case kDtF32:
-      sumsq_kernel<float><<<sumsq_grid(n, 4), kThreads, 0, stream>>>(static_cast<const float*>(g),
-                                                                      n, partials);
-      break;
-    case kDtF16:
-      sumsq_kernel<__half><<<sumsq_grid(n, 2), kThreads, 0, stream>>>(
-          static_cast<const __half*>(g), n, partials);
-      break;
-    case kDtBF16:
-      sumsq_kernel<__nv_bfloat16><<<sumsq_grid(n, 2), kThreads, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(g), n, partials);
-      break;
-    default:
-      throw std::runtime_error("q4::optim CUDA: bad grad dtype");
-  }
-  check(cudaGetLastError(), "sumsq launch");
+  dispatch_code(dtype, "grad dtype", [&](auto tag) {
+    using G = decltype(tag);
+    sumsq_kernel<G>
+        <<<sumsq_grid(n, sizeof(G)), kThreads, 0, stream>>>(static_cast<const G*>(g), n, partials);
+  });
+  check_cuda(cudaGetLastError(), "q4::optim CUDA: sumsq launch");
 }
 
 void launch_sumsq_many(const void* const* ptrs, const int64_t* ns, int count, int dtype,
@@ -993,20 +926,10 @@ void launch_sumsq_many(const void* const* ptrs, const int64_t* ns, int count, in
     }
     b.cta_start[b.count] = ctas;
     float* rows = partials + static_cast<int64_t>(first) * kSumsqPartials;
-    switch (dtype) {
-      case kDtF32:
-        sumsq_multi_kernel<float><<<ctas, kThreads, 0, stream>>>(b, rows);
-        break;
-      case kDtF16:
-        sumsq_multi_kernel<__half><<<ctas, kThreads, 0, stream>>>(b, rows);
-        break;
-      case kDtBF16:
-        sumsq_multi_kernel<__nv_bfloat16><<<ctas, kThreads, 0, stream>>>(b, rows);
-        break;
-      default:
-        throw std::runtime_error("q4::optim CUDA: bad grad dtype");
-    }
-    check(cudaGetLastError(), "sumsq launch");
+    dispatch_code(dtype, "grad dtype", [&](auto tag) {
+      sumsq_multi_kernel<decltype(tag)><<<ctas, kThreads, 0, stream>>>(b, rows);
+    });
+    check_cuda(cudaGetLastError(), "q4::optim CUDA: sumsq launch");
   }
 }
 
@@ -1014,15 +937,14 @@ namespace {
 __global__ void nonfinite_flag_kernel(const float* partials, int n, int32_t* flag) {
   float s = 0.0f;
   for (int i = threadIdx.x; i < n; i += 32) s += partials[i];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  s = warp_sum(s);
   if (threadIdx.x == 0) *flag = isfinite(s) ? 0 : 1;
 }
 }  // namespace
 
 void launch_nonfinite_flag(const float* partials, int n, int32_t* flag, cudaStream_t stream) {
   nonfinite_flag_kernel<<<1, 32, 0, stream>>>(partials, n, flag);
-  check(cudaGetLastError(), "nonfinite flag launch");
+  check_cuda(cudaGetLastError(), "q4::optim CUDA: nonfinite flag launch");
 }
 
 void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,
@@ -1045,7 +967,7 @@ void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_
     default:
       throw std::runtime_error("q4::optim CUDA: pack: bad mode");
   }
-  check(cudaGetLastError(), "pack launch");
+  check_cuda(cudaGetLastError(), "q4::optim CUDA: pack launch");
 }
 
 void launch_unpack_moment(const uint8_t* codes, const void* scales, int64_t n, int mode, int moment,
@@ -1066,7 +988,7 @@ void launch_unpack_moment(const uint8_t* codes, const void* scales, int64_t n, i
     default:
       throw std::runtime_error("q4::optim CUDA: unpack: bad mode");
   }
-  check(cudaGetLastError(), "unpack launch");
+  check_cuda(cudaGetLastError(), "q4::optim CUDA: unpack launch");
 }
 
 }  // namespace q4::optim::cuda

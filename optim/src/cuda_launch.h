@@ -1,7 +1,7 @@
 // Host launchers of the optimizer's CUDA kernels (adamw_kernels.cu). Raw pointers, sizes and a
 // stream only: no torch types, so the .cu file includes no torch headers. The .cpp callers
-// validate dtypes, devices and sizes; each launcher checks the launch and throws
-// std::runtime_error with the CUDA error string.
+// validate dtypes, devices and sizes; each launcher checks the launch with check_cuda
+// (q4/quant/cuda_common.h), which throws std::runtime_error with the CUDA error string.
 #pragma once
 
 #include <cstdint>
@@ -9,9 +9,14 @@
 #if Q4_WITH_CUDA || defined(__CUDACC__)
 #include <cuda_runtime_api.h>
 
+#include "q4/quant/cuda_common.h"
+
 namespace q4::optim::cuda {
 
-enum DType : int { kDtF32 = 0, kDtF16 = 1, kDtBF16 = 2 };
+// Dtype codes of StepParams and the sumsq launchers: the values of quant::cuda::DType.
+inline constexpr int kDtF32 = static_cast<int>(quant::cuda::DType::kF32);
+inline constexpr int kDtF16 = static_cast<int>(quant::cuda::DType::kF16);
+inline constexpr int kDtBF16 = static_cast<int>(quant::cuda::DType::kBF16);
 // Mode numbering = StateMode order: 0 fp32, 1 int8, 2 4-bit, 3 NVFP4. Moment: 0 first, 1 second.
 
 struct StepParams {

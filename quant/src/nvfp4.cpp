@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "nvfp4_cuda.h"
+#include "q4/quant/kernel_dtype.h"
 #endif
 
 namespace q4::quant {
@@ -207,23 +208,6 @@ at::Tensor dequantize_cpu(const at::Tensor& qdata, const at::Tensor& scale, at::
 }
 
 #if Q4_WITH_CUDA
-cuda::FloatKind float_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::FloatKind::kFloat32;
-    case at::kHalf:
-      return cuda::FloatKind::kFloat16;
-    case at::kBFloat16:
-      return cuda::FloatKind::kBFloat16;
-    default:
-      TORCH_CHECK(false, "nvfp4: unsupported dtype ", t);
-  }
-}
-
-void check_launch(cudaError_t err, const char* fn) {
-  TORCH_CHECK(err == cudaSuccess, fn, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
 // The kernels flag NaN/Inf on the device; reading the flag synchronizes with the stream.
 void check_flag(const at::Tensor& flag, const at::Tensor& x, const char* fn,
                 const std::string& name) {
@@ -267,11 +251,12 @@ Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name) {
     at::Tensor qdata = at::empty({rows, cols / 2}, x.options().dtype(at::kByte));
     at::Tensor scale = at::empty({rows, cols / kNvfp4BlockSize}, qdata.options());
     at::Tensor flag = at::zeros({1}, x.options().dtype(at::kInt));
-    check_launch(cuda::launch_quantize_nvfp4(x.data_ptr(), float_kind(x.scalar_type()),
-                                             x.numel() / kNvfp4BlockSize, qdata.data_ptr<uint8_t>(),
-                                             scale.data_ptr<uint8_t>(), flag.data_ptr<int32_t>(),
-                                             at::cuda::getCurrentCUDAStream()),
-                 "quantize_nvfp4");
+    cuda::check_cuda(
+        cuda::launch_quantize_nvfp4(x.data_ptr(), cuda::dtype_of(x.scalar_type(), "nvfp4"),
+                                    x.numel() / kNvfp4BlockSize, qdata.data_ptr<uint8_t>(),
+                                    scale.data_ptr<uint8_t>(), flag.data_ptr<int32_t>(),
+                                    at::cuda::getCurrentCUDAStream()),
+        "quantize_nvfp4");
     check_flag(flag, x, "quantize_nvfp4", name);
     return {qdata, scale};
 #else
@@ -308,10 +293,11 @@ at::Tensor dequantize_nvfp4(const at::Tensor& qdata_in, const at::Tensor& scale_
 #if Q4_WITH_CUDA
     const c10::cuda::CUDAGuard guard(qdata.device());
     at::Tensor out = at::empty({rows, cols}, qdata.options().dtype(dtype));
-    check_launch(cuda::launch_dequantize_nvfp4(qdata.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(),
-                                               out.numel() / kNvfp4BlockSize, out.data_ptr(),
-                                               float_kind(dtype), at::cuda::getCurrentCUDAStream()),
-                 "dequantize_nvfp4");
+    cuda::check_cuda(
+        cuda::launch_dequantize_nvfp4(
+            qdata.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), out.numel() / kNvfp4BlockSize,
+            out.data_ptr(), cuda::dtype_of(dtype, "nvfp4"), at::cuda::getCurrentCUDAStream()),
+        "dequantize_nvfp4");
     return out;
 #else
     fail_no_cuda("dequantize_nvfp4");
@@ -338,11 +324,12 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
     const c10::cuda::CUDAGuard guard(w.device());
     at::Tensor out = at::empty(w.sizes(), w.options().dtype(direct ? want : w.scalar_type()));
     at::Tensor flag = check ? at::zeros({1}, w.options().dtype(at::kInt)) : at::Tensor();
-    check_launch(cuda::launch_fake_quant_nvfp4_cast(
-                     w.data_ptr(), float_kind(w.scalar_type()), out.data_ptr(),
-                     float_kind(out.scalar_type()), w.numel() / kNvfp4BlockSize,
-                     check ? flag.data_ptr<int32_t>() : nullptr, at::cuda::getCurrentCUDAStream()),
-                 "fake_quant_nvfp4");
+    cuda::check_cuda(
+        cuda::launch_fake_quant_nvfp4_cast(
+            w.data_ptr(), cuda::dtype_of(w.scalar_type(), "nvfp4"), out.data_ptr(),
+            cuda::dtype_of(out.scalar_type(), "nvfp4"), w.numel() / kNvfp4BlockSize,
+            check ? flag.data_ptr<int32_t>() : nullptr, at::cuda::getCurrentCUDAStream()),
+        "fake_quant_nvfp4");
     if (check) check_flag(flag, w, "fake_quant_nvfp4", name);
     return direct ? out : out.to(want);
 #else
