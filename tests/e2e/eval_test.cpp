@@ -5,7 +5,10 @@
 // one-line error naming it (exit 2).
 #include "eval.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,8 +59,24 @@ nlohmann::json last_json(const Result& r) {
 // with data.eval_files, exporting model.dat and a Hugging Face folder.
 class Eval : public ::testing::Test {
  protected:
+  // Built once per q4train binary under a lock: ctest runs each test in its own process.
   static void SetUpTestSuite() {
     dir_ = work_root("eval") / "run";
+    const int lock = ::open((work_root("eval") / "run.lock").c_str(), O_CREAT | O_RDWR, 0644);
+    ::flock(lock, LOCK_EX);
+    const std::string stamp =
+        std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count());
+    const fs::path complete = dir_ / "COMPLETE";
+    if (fs::exists(complete) && read_text(complete) == stamp) {
+      train_code_ = 0;
+    } else {
+      train();
+      if (train_code_ == 0) write_text(complete, stamp);
+    }
+    ::flock(lock, LOCK_UN);
+    ::close(lock);
+  }
+  static void train() {
     q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
     write_text(dir_ / "model.json", tiny_model_config(2));
