@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   return q4::chat::run_tool("q4eval", [&] {
     using namespace q4;
     const auto t0 = std::chrono::steady_clock::now();
-    const model::ModelOptions opt = chat::inference_options(device);
+    model::ModelOptions opt = chat::inference_options(device);
     // The run's settings (or the trainer's defaults): data options, batching and truncation.
     trainer::Config c;
     chat::ModelPaths paths;
@@ -104,6 +104,11 @@ int main(int argc, char** argv) {
         examples.resize(static_cast<size_t>(max_examples));
       }
     });
+    // The run's loss chunking (it orders the fp32 sums of the loss) and, on the run's kind of
+    // device, its compute dtype: the trainer's validation arithmetic.
+    const model::ModelOptions run_opt = as_input([&] { return trainer::model_options(c); });
+    opt.loss_chunk_tokens = run_opt.loss_chunk_tokens;
+    if (run_opt.device.type() == opt.device.type()) opt.compute_dtype = run_opt.compute_dtype;
     chat::LoadedModel loaded = as_input([&] { return chat::load_model(paths, *tok, opt); });
     if (!quiet) {
       std::cerr << fmt::format("q4eval: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n",
