@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -60,10 +61,13 @@ nlohmann::json last_json(const Result& r) {
 // exporting model.dat and a Hugging Face folder.
 class Eval : public ::testing::Test {
  protected:
-  // Built once per q4train binary under a lock: ctest runs each test in its own process.
+  // Built once per q4train binary and config under a lock: ctest runs each test in its own
+  // process. One folder per build tree, so that two checkouts never share a run.
   static void SetUpTestSuite() {
-    dir_ = work_root("eval") / "run";
-    const int lock = ::open((work_root("eval") / "run.lock").c_str(), O_CREAT | O_RDWR, 0644);
+    const fs::path root = work_root("eval") / std::to_string(std::hash<std::string>{}(kQ4train));
+    fs::create_directories(root);
+    dir_ = root / "run";
+    const int lock = ::open((root / "run.lock").c_str(), O_CREAT | O_RDWR, 0644);
     ::flock(lock, LOCK_EX);
     const std::string stamp =
         std::to_string(fs::last_write_time(kQ4train).time_since_epoch().count()) + "\n" +

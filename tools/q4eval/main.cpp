@@ -74,8 +74,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<data::Tokenizer> tok;
     std::vector<data::Example> examples;
     as_input([&] {
-      TORCH_CHECK(batch_size >= 0, "--batch-size: expected > 0, got ", batch_size);
-      TORCH_CHECK(seq_len >= 0, "--seq-len: expected > 0, got ", seq_len);
+      TORCH_CHECK(batch_size >= 0, "--batch-size: expected >= 1 (0: the default), got ",
+                  batch_size);
+      TORCH_CHECK(seq_len >= 0, "--seq-len: expected >= 1 (0: the default), got ", seq_len);
       TORCH_CHECK(max_examples >= 0, "--max-examples: expected >= 0, got ", max_examples);
       for (const auto& f : files) io::check_regular_file(f, kMaxDataBytes, "--data");
       paths = chat::resolve_model_paths(model_arg, config, tokenizer);
