@@ -6,8 +6,10 @@
 // is folded into each E4M3 block scale (RNE) and the blocks whose values changed are counted.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -329,6 +331,23 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
   }
   w.commit();
   return rep;
+}
+
+Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path,
+                          const ModelOptions& opt) {
+  if (!is_hf_folder(path)) return Qwen3Model::load(cfg, DatReader(path), opt);
+  static std::atomic<int64_t> seq{0};
+  struct TempDat {
+    std::string path;
+    ~TempDat() {
+      std::error_code ec;
+      fs::remove(path, ec);
+    }
+  } imported{(fs::temp_directory_path() /
+              ("q4_import_" + std::to_string(::getpid()) + "_" + std::to_string(seq++) + ".dat"))
+                 .string()};
+  import_hf(path, imported.path);
+  return Qwen3Model::load(cfg, DatReader(imported.path), opt);
 }
 
 }  // namespace q4::model

@@ -15,7 +15,6 @@
 #include <charconv>
 #include <chrono>
 #include <clocale>
-#include <filesystem>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -23,35 +22,15 @@
 
 #include "line_input.h"
 #include "q4/data/tokenizer.h"
-#include "q4/io/bounded_read.h"
-#include "q4/model/dat_file.h"
-#include "q4/model/hf_interop.h"
 #include "q4/model/qwen3.h"
-#include "q4/model/qwen3_config.h"
 #include "q4/trainer/config.h"
 #include "sampling.h"
 #include "session.h"
 
 namespace {
 
-struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-template <class F>
-auto as_input(F&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const c10::Error& e) {
-    throw InputError(e.what_without_backtrace());
-  } catch (const q4::trainer::ConfigError& e) {
-    throw InputError(e.what());
-  }
-}
-
-// Bounds of the JSON files q4chat loads: a Qwen3 config.json is a few KB, tokenizer.json 11 MB.
-constexpr size_t kMaxModelConfigBytes = size_t{16} << 20;
-constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
+using q4::chat::as_input;
+using q4::chat::InputError;
 
 // --seed as given: a decimal integer in the generator's range. CLI11 would wrap -1 and saturate
 // 2^64 to 2^64-1, so two different seeds would silently give the same replies.
@@ -85,19 +64,6 @@ bool is_command(const std::string& line) {
   return true;
 }
 
-// A Hugging Face folder imported into a temporary .dat for loading (import_hf), deleted once
-// the model is in memory or when q4chat ends.
-struct TempImport {
-  std::string path;
-  ~TempImport() { drop(); }
-  void drop() {
-    if (path.empty()) return;
-    std::error_code ec;
-    std::filesystem::remove(path, ec);
-    path.clear();
-  }
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,29 +96,18 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  try {
+  return q4::chat::run_tool("q4chat", [&] {
     using namespace q4;
     const auto t0 = std::chrono::steady_clock::now();
-    model::ModelOptions opt;
-    opt.trainable = model::TrainableSpec::nothing();
-    opt.gradient_checkpointing = false;
-    if (device == "cuda") {
-      TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
-      opt.device = at::Device(at::kCUDA, 0);
-      opt.compute_dtype = at::kBFloat16;
-    }
+    const model::ModelOptions opt = chat::inference_options(device);
     std::unique_ptr<data::Tokenizer> tok;
-    std::unique_ptr<model::Qwen3Model> m;
-    TempImport imported;
+    chat::LoadedModel loaded;
     as_input([&] {
       so.seed = parse_seed(seed);
       so.validate();
       TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
       const chat::ModelPaths paths = chat::resolve_model_paths(model_arg, config, tokenizer);
-      // The loaders read whole files: a FIFO or /dev/zero named here would never end.
-      io::check_regular_file(paths.config, kMaxModelConfigBytes, "model config");
-      io::check_regular_file(paths.tokenizer, kMaxTokenizerBytes, "tokenizer");
-      tok = std::make_unique<data::Tokenizer>(data::Tokenizer::from_file(paths.tokenizer));
+      tok = std::make_unique<data::Tokenizer>(chat::load_tokenizer(paths));
       // A run's system prompt is what its model was trained with; --system (even empty) wins.
       if (system_opt->count() == 0 && !paths.system_prompt.empty()) {
         system = paths.system_prompt;
@@ -160,23 +115,8 @@ int main(int argc, char** argv) {
       }
       check_text(*tok, prompt, "--prompt");
       check_text(*tok, system, system_opt->count() > 0 ? "--system" : "data.system_prompt");
-      const auto cfg = model::Qwen3Config::from_json_file(paths.config);
-      TORCH_CHECK(tok->vocab_size() <= cfg.vocab_size, "tokenizer ", paths.tokenizer, " has ",
-                  tok->vocab_size(), " tokens but ", paths.config, " has vocab_size ",
-                  cfg.vocab_size);
-      std::string weights = paths.weights;
-      if (paths.hf_folder) {
-        imported.path = (std::filesystem::temp_directory_path() /
-                         fmt::format("q4chat_import_{}.dat", ::getpid()))
-                            .string();
-        model::import_hf(paths.weights, imported.path);
-        weights = imported.path;
-      }
-      {
-        model::DatReader reader(weights);
-        m = std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(cfg, reader, opt));
-      }
-      imported.drop();
+      loaded = chat::load_model(paths, *tok, opt);
+      const auto& cfg = loaded.config;
       if (!quiet) {
         std::cerr << fmt::format(
             "q4chat: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
@@ -185,7 +125,7 @@ int main(int argc, char** argv) {
       }
       return 0;
     });
-    auto session = std::make_unique<chat::ChatSession>(*m, *tok, so, system, max_new);
+    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, system, max_new);
     const auto print = [](const std::string& s) { std::cout << s << std::flush; };
     const auto stats = [&](const chat::TurnResult& r, double s) {
       if (quiet) return;
@@ -216,7 +156,7 @@ int main(int argc, char** argv) {
       }
       if (line == "/exit" || line.empty()) break;
       if (line == "/reset") {
-        session = std::make_unique<chat::ChatSession>(*m, *tok, so, system, max_new);
+        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, system, max_new);
         continue;
       }
       if (is_command(line)) {
@@ -243,14 +183,5 @@ int main(int argc, char** argv) {
       stats(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
     }
     return 0;
-  } catch (const InputError& e) {
-    std::cerr << "q4chat: error: " << e.what() << "\n";
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "q4chat: error: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "q4chat: error: " << e.what() << "\n";
-    return 1;
-  }
+  });
 }

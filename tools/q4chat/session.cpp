@@ -2,10 +2,13 @@
 #include "session.h"
 
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 
 #include <filesystem>
+#include <iostream>
 
 #include "q4/data/chat.h"
+#include "q4/io/bounded_read.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
 
@@ -14,6 +17,11 @@ namespace fs = std::filesystem;
 namespace q4::chat {
 
 namespace {
+
+// Bounds of the JSON files a model load reads: a Qwen3 config.json is a few KB, tokenizer.json
+// 11 MB.
+constexpr size_t kMaxModelConfigBytes = size_t{16} << 20;
+constexpr size_t kMaxTokenizerBytes = size_t{256} << 20;
 
 constexpr const char* kReplacement = "\xEF\xBF\xBD";  // U+FFFD
 
@@ -162,7 +170,7 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
     if (fs::exists(p / "optim.state") || name.rfind("step_", 0) == 0) {
       TORCH_CHECK(false, "--model ", model,
                   ": this is a training checkpoint (its masters live in optim.state), which "
-                  "q4chat does not read; chat with the run's export instead (--model <run "
+                  "q4chat and q4eval do not read; use the run's export instead (--model <run "
                   "directory> or its model.dat), or let q4train finish and export");
     }
     if (fs::exists(p / "config.yaml")) {
@@ -210,6 +218,51 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
   TORCH_CHECK(fs::exists(r.tokenizer), "--model ", model, ": tokenizer ", r.tokenizer,
               " not found; pass --tokenizer tokenizer.json");
   return r;
+}
+
+model::ModelOptions inference_options(const std::string& device) {
+  model::ModelOptions opt;
+  opt.trainable = model::TrainableSpec::nothing();
+  opt.gradient_checkpointing = false;
+  if (device == "cuda") {
+    TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+    opt.device = at::Device(at::kCUDA, 0);
+    opt.compute_dtype = at::kBFloat16;
+  }
+  return opt;
+}
+
+data::Tokenizer load_tokenizer(const ModelPaths& paths) {
+  io::check_regular_file(paths.config, kMaxModelConfigBytes, "model config");
+  io::check_regular_file(paths.tokenizer, kMaxTokenizerBytes, "tokenizer");
+  return data::Tokenizer::from_file(paths.tokenizer);
+}
+
+LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer,
+                       const model::ModelOptions& opt) {
+  LoadedModel r;
+  r.config = model::Qwen3Config::from_json_file(paths.config);
+  TORCH_CHECK(tokenizer.vocab_size() <= r.config.vocab_size, "tokenizer ", paths.tokenizer, " has ",
+              tokenizer.vocab_size(), " tokens but ", paths.config, " has vocab_size ",
+              r.config.vocab_size);
+  r.model =
+      std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(r.config, paths.weights, opt));
+  return r;
+}
+
+int run_tool(const char* tool, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const InputError& e) {
+    std::cerr << tool << ": error: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << tool << ": error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << tool << ": error: " << e.what() << "\n";
+    return 1;
+  }
 }
 
 }  // namespace q4::chat

@@ -1,16 +1,23 @@
 // A chat conversation over one Qwen3 model: the Qwen3 ChatML template, a KV cache kept across
 // turns (each turn appends only its new tokens: the previous reply's closing <|im_end|>, "\n",
 // the user turn and the generation prompt), text streamed as UTF-8 while tokens are decoded,
-// and the resolution of what `q4chat --model` names (a .dat, a run directory, an HF folder).
+// the resolution of what `q4chat --model` names (a .dat, a run directory, an HF folder) and the
+// loading of that model for inference (shared with q4eval).
 #pragma once
+
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/trainer/config.h"
 #include "sampling.h"
 
 namespace q4::chat {
@@ -59,6 +66,28 @@ class ChatSession {
   bool first_ = true;
 };
 
+// An error in what the user gave (options, files, data): the tools' main maps it to exit 2.
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs `fn`, turning the library errors it throws (c10::Error, trainer::ConfigError) into
+// InputError: for the steps that read the user's files and options.
+template <class F>
+auto as_input(F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    throw InputError(e.what_without_backtrace());
+  } catch (const trainer::ConfigError& e) {
+    throw InputError(e.what());
+  }
+}
+
+// A tool's main body with its exit codes: its return value; InputError -> 2, any other error
+// -> 1, each printed as one line "<tool>: error: <message>" on stderr.
+int run_tool(const char* tool, const std::function<int()>& body);
+
 struct ModelPaths {
   std::string weights;        // .dat, or the folder when hf_folder
   std::string config;         // config.json
@@ -78,5 +107,24 @@ struct ModelPaths {
 // missing.
 ModelPaths resolve_model_paths(const std::string& model, const std::string& config,
                                const std::string& tokenizer);
+
+// Inference options for `device` ("cpu" or "cuda"): nothing trainable, no checkpointing; fp32
+// compute on the CPU, bf16 on CUDA (an error when no CUDA device is available).
+model::ModelOptions inference_options(const std::string& device);
+
+// The tokenizer of `paths`, after checking that its config and tokenizer are regular files of
+// bounded size (the loaders read whole files: a FIFO or /dev/zero would never end).
+data::Tokenizer load_tokenizer(const ModelPaths& paths);
+
+struct LoadedModel {
+  model::Qwen3Config config;
+  std::unique_ptr<model::Qwen3Model> model;
+};
+
+// The config and weights of `paths` (a .dat or a Hugging Face folder, model::load_dat_or_hf)
+// with `opt`; `tokenizer`'s vocabulary must fit the config's vocab_size. NVFP4 linears hold
+// dequantize(q), as inference computes them.
+LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer,
+                       const model::ModelOptions& opt);
 
 }  // namespace q4::chat

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
 
 namespace q4::model {
 
@@ -92,5 +94,10 @@ bool is_hf_folder(const std::string& path);
 // lm_head stays raw, an NVFP4 one is restored from the sidecar scales), so .dat -> HF -> .dat is
 // byte-identical. `out_dat` is none of the files read (error naming both).
 HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat);
+
+// The model in `path` for a tool that loads one: a .dat file as Qwen3Model::load reads it, or a
+// Hugging Face folder (is_hf_folder) imported by import_hf into a temporary .dat in the system
+// temp folder, which is deleted once the model is in memory or the load fails.
+Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path, const ModelOptions& opt);
 
 }  // namespace q4::model

@@ -1,0 +1,91 @@
+// Held-out evaluation for q4eval (docs/eval.md): the summed cross-entropy of a model over the
+// tokens training takes loss on (batched as the trainer batches its validation set), the words
+// and bytes of the text those tokens spell (lm-evaluation-harness's wikitext conventions), and
+// greedy exact-match accuracy on prompt/answer examples. A small library (q4eval_core) so that
+// the metric arithmetic is tested without the executable.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "q4/data/dataset.h"
+#include "q4/data/tokenizer.h"
+#include "q4/model/qwen3.h"
+
+namespace q4::eval {
+
+// Python's len(re.split(r"\s+", text)) on the UTF-8 `text`: one more than the number of maximal
+// runs of whitespace (str.isspace() code points), so leading or trailing whitespace adds an empty
+// piece, as the harness counts it. Invalid UTF-8 bytes count as non-space.
+int64_t count_words(const std::string& text);
+
+// Sums over the scored tokens of a data set.
+struct Totals {
+  double nll = 0;      // summed negative log-likelihood, nats
+  int64_t tokens = 0;  // scored tokens (supervised labels at positions >= 1)
+  int64_t words = 0;   // count_words of the scored text
+  int64_t bytes = 0;   // UTF-8 bytes of the scored text
+};
+
+struct Metrics {
+  double loss = 0;             // nll / tokens
+  double perplexity = 0;       // exp(loss)
+  double word_perplexity = 0;  // exp(nll / words)
+  double byte_perplexity = 0;  // exp(nll / bytes)
+  double bits_per_byte = 0;    // nll / (bytes * ln 2)
+};
+
+// The metrics of `t`; a ratio whose denominator is 0 is NaN.
+Metrics metrics(const Totals& t);
+
+// Words and bytes of the text a batch's loss scores: in each row, every run of consecutive
+// positions t >= 1 with labels[t] != -100 is decoded with special tokens skipped (<|im_end|>,
+// <|endoftext|> add no text) and counted as one document; a run with no text counts no word.
+//   labels: int64 (B, T) on the host.
+struct TextCount {
+  int64_t words = 0;
+  int64_t bytes = 0;
+};
+TextCount count_scored_text(const at::Tensor& labels, const data::Tokenizer& tokenizer);
+
+// A batch as the model's inputs on `device` (the attention layout the model uses for it: the
+// variable-length segments on CUDA with 16-bit compute, the mask elsewhere); labels stay on the
+// host (the loss reads them there).
+model::ModelInputs batch_inputs(const data::Batch& batch, const model::Qwen3Model& model,
+                                const at::Device& device);
+
+// One pass over the batcher's epoch 0 in file order, without gradients: the summed CE (the
+// per-batch sums added in fp64 on the device, one host read, as the trainer's validation loss)
+// and the scored text. The batcher must not shuffle.
+Totals score(model::Qwen3Model& model, data::Batcher& batcher, const data::Tokenizer& tokenizer);
+
+// A prompt/answer example: its first token is not supervised (a prompt precedes the answer)
+// and it has supervised tokens. The answer is its last run of supervised tokens without the
+// closing <|im_end|>/<|endoftext|>; the prompt is every token before that run (the template's
+// "<|im_start|>assistant\n" included).
+struct AnswerCase {
+  std::vector<int64_t> prompt_ids;
+  std::string reference;  // decoded answer, special tokens skipped
+  int64_t reference_tokens = 0;
+};
+std::optional<AnswerCase> answer_case(const data::Example& example,
+                                      const data::Tokenizer& tokenizer);
+
+// `text` without leading and trailing ASCII whitespace (space, \t, \n, \v, \f, \r).
+std::string strip(const std::string& text);
+
+struct ExactMatch {
+  int64_t examples = 0;  // prompt/answer examples generated for
+  int64_t matches = 0;
+};
+
+// Greedy generation of each prompt/answer example's answer (KV cache, stops at <|im_end|> or
+// <|endoftext|>, at most reference_tokens + kExtraAnswerTokens tokens): a match when the
+// decoded generation (special tokens skipped) equals the reference after strip().
+inline constexpr int64_t kExtraAnswerTokens = 16;
+ExactMatch exact_match(model::Qwen3Model& model, const std::vector<data::Example>& examples,
+                       const data::Tokenizer& tokenizer);
+
+}  // namespace q4::eval
