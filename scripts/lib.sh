@@ -13,6 +13,7 @@
 #                                 configures a Release GPU build of SRC in BUILD against that
 #                                 LibTorch, for CUDA_ARCH (default "native": the local GPU; e.g.
 #                                 CUDA_ARCH="90;100;120;121" for the cards users have)
+#   q4_clang                      installs clang with libFuzzer's runtime when missing
 # NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
 # machines do not support it.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -49,12 +50,8 @@ q4_gpu_configure() {
     "-DCMAKE_PREFIX_PATH=$(q4_torch_prefix)" "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}" "$@"
 }
 
-# q4_san_build BUILD TARGET...: the sanitizer build shared by scripts/sanitize.sh and
-# scripts/fuzz.sh: clang (installed with libFuzzer's runtime when missing), AddressSanitizer +
-# UBSan on everything (Q4_SANITIZE), the libFuzzer targets (Q4_FUZZ), at -O1: the sanitizers'
-# recommended level, a third of -O3's compile time under ASan, and every check still on.
-q4_san_build() {
-  local build=$1; shift
+# q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).
+q4_clang() {
   if ! command -v clang++ >/dev/null 2>&1 ||
      ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a" >/dev/null; then
     local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
@@ -62,8 +59,4 @@ q4_san_build() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang \
       libclang-rt-14-dev >/dev/null
   fi
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang \
-    -DCMAKE_CXX_COMPILER=clang++ "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DQ4_SANITIZE=ON \
-    -DQ4_FUZZ=ON >/dev/null
-  cmake --build "$build" -j "$(nproc)" --target "$@"
 }
