@@ -1,5 +1,5 @@
 // safetensors reader and writer: files hand-assembled byte by byte from the format's spec (no
-// Python safetensors package here; tools/interop/check_hf_export.py checks our writer's output
+// Python safetensors package here; scripts/interop/check_hf_export.py checks our writer's output
 // with the real package on the GPU machine), hostile headers (each must fail with one line naming
 // the file and the tensor), and writer -> reader round trips, including a sharded folder.
 #include <gtest/gtest.h>

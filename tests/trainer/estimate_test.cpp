@@ -99,13 +99,13 @@ TEST(Estimate, MomentBytesByMode) {
 }
 
 // The benchmark run's measured whole-run peak (peak allocated of q4train over load, 6 steps,
-// export and export check): NVIDIA H200, 2026-11-26, tools/bench/release_round.sh,
+// export and export check): NVIDIA H200, 2026-11-26, scripts/bench/release_round.sh,
 // docs/gpu/speed-2026-11-26-s4/call3/memory.txt (docs/performance.md, "Memory of a whole run"):
 // int8 19.10 GiB, 4bit 15.14 GiB. The chunked cross-entropy forms its gradients in its forward
 // (on CUDA in one kernel, over the bf16 logits: no fp32 block), so the peak phase is the loss
 // forward. The estimate must be within 5%.
 TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
-  const std::string path = std::string(Q4_SOURCE_DIR) + "/tools/bench/bench-4b.yaml";
+  const std::string path = std::string(Q4_SOURCE_DIR) + "/scripts/bench/bench-4b.yaml";
   for (const auto& [state, measured_gib] :
        std::vector<std::pair<std::string, double>>{{"int8", 19.10}, {"4bit", 15.14}}) {
     const Config c = load_config(path, {parse_override("optim.state=" + state)});
@@ -133,7 +133,7 @@ TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
 TEST(Estimate, LayerBackwardDominatesWithoutTheLmHead) {
   // Frozen lm_head and embedding, one 8192-token sequence: the loss phases hold only a logits
   // block, while a recomputed layer's graph grows with the tokens.
-  const std::string path = std::string(Q4_SOURCE_DIR) + "/tools/bench/bench-4b.yaml";
+  const std::string path = std::string(Q4_SOURCE_DIR) + "/scripts/bench/bench-4b.yaml";
   const Config c = load_config(
       path, {parse_override("train.trainable.lm_head=false"),
              parse_override("train.trainable.embeddings=false"),
@@ -148,7 +148,7 @@ TEST(Estimate, LayerBackwardDominatesWithoutTheLmHead) {
 TEST(Estimate, BufferedPathHoldsEveryGradient) {
   // grad_accum 2 (no in-backward updates): the full gradient buffer exists in every phase, and
   // the peak is not below the optimizer step's buffer.
-  const std::string path = std::string(Q4_SOURCE_DIR) + "/tools/bench/bench-4b.yaml";
+  const std::string path = std::string(Q4_SOURCE_DIR) + "/scripts/bench/bench-4b.yaml";
   const Config c = load_config(path, {parse_override("train.grad_accum=2")});
   ASSERT_FALSE(in_backward_updates(c));
   const auto mc = q4::model::Qwen3Config::from_json_file(c.model.config);

@@ -1,6 +1,6 @@
 // --profile-trace: a Kineto (PyTorch profiler) trace of a few training steps, CPU ops and CUDA
 // kernels, saved as Chrome-trace JSON for chrome://tracing, Perfetto or a script that sums
-// kernel time by name (tools/bench/kernel_table.py). LibTorch 2.x only.
+// kernel time by name (scripts/bench/kernel_table.py). LibTorch 2.x only.
 #include "q4/trainer/profile.h"
 
 #include <c10/util/Exception.h>

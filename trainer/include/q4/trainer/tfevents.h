@@ -4,7 +4,7 @@
 // TensorFlow's numbers (event.proto: wall_time=1 double, step=2 int64, file_version=3 string,
 // summary=5; summary.proto: Summary.value=1, Value.tag=1, simple_value=2 float, tensor=8,
 // metadata=9; tensor.proto: dtype=1, tensor_shape=2, string_val=8; text plugin metadata), so
-// TensorBoard's own reader loads them (tools/bench/read_tfevents.py checks that).
+// TensorBoard's own reader loads them (scripts/bench/read_tfevents.py checks that).
 #pragma once
 
 #include <cstddef>

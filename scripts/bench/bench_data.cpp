@@ -121,7 +121,7 @@ std::string make_line(Lcg& r, const std::vector<std::string>& golden) {
 
 }  // namespace
 
-// Repository root, from this file's path (tools/bench/bench_data.cpp).
+// Repository root, from this file's path (scripts/bench/bench_data.cpp).
 std::string source_root() {
   std::string f = __FILE__;
   for (int k = 0; k < 3; ++k) f = f.substr(0, f.find_last_of('/'));

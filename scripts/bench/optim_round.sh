@@ -5,19 +5,14 @@
 # both see the same card state; optionally (NCU=1) an Nsight Compute pass over one block-kernel
 # launch per mode (NCU_PREV=1: also the baseline's), an Nsys kernel summary of the new 4-bit step
 # (NSYS=1) and the SASS of the bf16-grad / fp16-master fast block kernels (SASS=1). Logs under
-# $OUT. Usage: OUT=... PREV=... tools/bench/optim_round.sh
+# $OUT. Usage: OUT=... PREV=... scripts/bench/optim_round.sh
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
-out=${OUT:-$root/gpu-out}; mkdir -p "$out"
-for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
-export PATH=/usr/local/cuda/bin:$PATH
+. "$(dirname "$0")/../lib.sh"
+out=$(q4_out)
+q4_gpu_env
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/card.txt"
-tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-cfg() {
-  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/$3.log" 2>&1
-}
+cfg() { q4_gpu_configure "$1" "$2" >"$out/$3.log" 2>&1; }
 prev_pid=""
 if [ -n "${PREV:-}" ]; then
   (cfg "$PREV" build-prev prev && cmake --build build-prev -j6 --target bench_optim >>"$out/prev.log" 2>&1) &

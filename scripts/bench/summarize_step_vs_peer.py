@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarizes a tools/bench/step_vs_peer.sh output folder as one Markdown table with ratios.
+"""Summarizes a scripts/bench/step_vs_peer.sh output folder as one Markdown table with ratios.
 
 q4train training: steps 3..N of train-metrics.jsonl (tokens/s = real tokens / wall time of
 those steps, slot fill = real tokens / slots, median and slowest step, peak allocated); the

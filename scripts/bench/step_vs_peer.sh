@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The speed benchmark, one GPU call: builds q4train against the machine's LibTorch, writes the
 # deterministic chat dataset (make_bench_data.py) and a Qwen3-4B-shaped NVFP4 .dat (q4dat init,
-# untied lm_head as shipped), trains tools/bench/bench-4b.yaml on it (same 4,411,424,256
+# untied lm_head as shipped), trains scripts/bench/bench-4b.yaml on it (same 4,411,424,256
 # parameters as the peer), runs the probe on the same data and on synthetic rows, then the peer
 # (HF transformers + STE + checkpointing + fused AdamW) in its three modes, and prints one table
-# with ratios (tools/bench/summarize_step_vs_peer.py).
-#   tools/bench/step_vs_peer.sh [OUT_DIR]
+# with ratios (scripts/bench/summarize_step_vs_peer.py).
+#   scripts/bench/step_vs_peer.sh [OUT_DIR]
 # Env: PEER (peer_hf_step.py; default ../shared/bench/peer_hf_step.py), BUILD (build dir,
 # default build-gpu), STATE (int8), STEPS (16), SKIP_BUILD=1, SKIP_PEER=1, PEER_MODES
 # ("ste compile plain"), EXTRA_SET (more --set arguments for q4train).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
+. "$(dirname "$0")/../lib.sh"
 out=$(mkdir -p "${1:-${OUT:-$root/runs/bench}}" && cd "${1:-${OUT:-$root/runs/bench}}" && pwd)
 build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4bench}
@@ -18,14 +18,10 @@ peer=${PEER:-$root/../shared/bench/peer_hf_step.py}
 state=${STATE:-int8}
 steps=${STEPS:-16}
 mkdir -p "$work"
-cd "$root"
-export NCCL_NVLS_ENABLE=0
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   t0=$(date +%s)
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_BUILD_TESTS=${BUILD_TESTS:-OFF} \
-    -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >"$work/build.log" 2>&1
+  q4_gpu_configure . "$build" -DQ4_BUILD_TESTS=${BUILD_TESTS:-OFF} >"$work/build.log" 2>&1
   cmake --build "$build" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$work/build.log" 2>&1 \
     || { tail -n 60 "$work/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - t0 )) s"
@@ -33,10 +29,10 @@ fi
 bin=$build/bin
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
-[ -f "$work/bench.jsonl" ] || python3 tools/bench/make_bench_data.py >"$work/bench.jsonl"
+[ -f "$work/bench.jsonl" ] || python3 scripts/bench/make_bench_data.py >"$work/bench.jsonl"
 [ -f "$work/q4b.dat" ] || "$bin/q4dat" init --config tests/fixtures/qwen3_4b.config.json \
   --out "$work/q4b.dat" --seed 0
-common=(--config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat"
+common=(--config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat"
         --set "data.files=[$work/bench.jsonl]" --set "optim.state=$state" ${EXTRA_SET:-})
 
 # 1. Training on the dataset (the headline), 2. the probe on the same data, 3. the probe on
@@ -47,7 +43,7 @@ rm -rf "$work/train"
   | tee "$out/train.log" | tail -n 8
 cp "$work/train/metrics.jsonl" "$out/train-metrics.jsonl"
 if [ -n "${PROFILE:-}" ]; then
-  python3 tools/bench/kernel_table.py "$work/trace.json" 45 >"$out/kernels.md"
+  python3 scripts/bench/kernel_table.py "$work/trace.json" 45 >"$out/kernels.md"
   head -n 30 "$out/kernels.md"
 fi
 [ "${SKIP_PROBE:-0}" = 1 ] || "$bin/q4train" "${common[@]}" --set "output.dir=$work/probe-data" --probe --probe-steps 6 \
@@ -64,7 +60,7 @@ if [ "${WHOAMI:-0}" = 1 ]; then
     --set output.checkpoint_every=0 ${WHOAMI_PROFILE:+--profile-trace "$work/whoami-trace.json"} \
     2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" >"$out/whoami.log"
   if [ -n "${WHOAMI_PROFILE:-}" ]; then
-    python3 tools/bench/kernel_table.py "$work/whoami-trace.json" 25 | tee -a "$out/whoami.log" | head -n 20
+    python3 scripts/bench/kernel_table.py "$work/whoami-trace.json" 25 | tee -a "$out/whoami.log" | head -n 20
   fi
   python3 - "$work/whoami/metrics.jsonl" <<'PY' | tee -a "$out/whoami.log"
 import json, statistics, sys
@@ -88,4 +84,4 @@ if [ "${SKIP_PEER:-0}" != 1 ]; then
       | grep -E '^(RESULT|params)' || true
   done
 fi
-python3 tools/bench/summarize_step_vs_peer.py "$out" | tee "$out/summary.md"
+python3 scripts/bench/summarize_step_vs_peer.py "$out" | tee "$out/summary.md"

@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
 # Build + test + benchmark on a CUDA host (the lent H100/H200 machine), in one go.
-# Usage: tools/gpu_check.sh [build] [test] [bench] [probe] [peer] [demo]   (default: all)
-# Env: TARGETS (cmake targets to build; default all), CTEST_ARGS (e.g. "-L cuda"), PEER (path).
-# Logs and JSON go to $OUT (or ./gpu-out). Expects LibTorch 2.x with CUDA from python3's torch;
-# PCRE2/utf8proc debs may be carried in .debs/ (unpacked into / first).
+# Usage: scripts/gpu_check.sh [build] [test] [bench] [probe] [peer] [demo]   (default: all)
+# Env: TARGETS (cmake targets to build; default all + the benchmarks), CTEST_ARGS (e.g. "-L cuda"),
+# PEER (path), CUDA_ARCH (default native). Logs and JSON go to $OUT (or ./gpu-out). Expects
+# LibTorch 2.x with CUDA from python3's torch; PCRE2/utf8proc debs may be carried in .debs/.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd); cd "$root"
-out=${OUT:-$root/gpu-out}; mkdir -p "$out"
+. "$(dirname "$0")/lib.sh"
+out=$(q4_out)
 steps=${*:-build test bench probe peer demo}
 has() { [[ " $steps " == *" $1 "* ]]; }
-for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
-export PATH=/usr/local/cuda/bin:$PATH
+q4_gpu_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 
 if has build; then
-  tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$tp" \
-    >"$out/configure.log" 2>&1 || { tail -n 30 "$out/configure.log"; exit 1; }
-  tgt=""; for t in ${TARGETS:-}; do tgt="$tgt --target $t"; done
-  cmake --build build-gpu -j16 $tgt >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -n 40; exit 1; }
+  q4_gpu_configure . build-gpu >"$out/configure.log" 2>&1 || { tail -n 30 "$out/configure.log"; exit 1; }
+  tgt=""; for t in ${TARGETS:-all bench_quant bench_optim}; do tgt="$tgt --target $t"; done
+  cmake --build build-gpu -j "$(nproc)" $tgt >"$out/build.log" 2>&1 || { grep -E "error|Error" "$out/build.log" | head -n 40; exit 1; }
   echo "build ok"
 fi
 B=build-gpu/bin

@@ -3,21 +3,17 @@
 # tree, interleaved on one GPU (new, old, new, old, ...), then one profiled run of each with the
 # kernel table and the GPU's idle gaps (kernel_table.py). whoami is host-bound and varies ±15%
 # from run to run, so a single run of each says little: compare the interleaved medians.
-#   OUT=dir PREV_TREE=/path/to/baseline/tree [ROUNDS=3] tools/bench/whoami_ab.sh
+#   OUT=dir PREV_TREE=/path/to/baseline/tree [ROUNDS=3] scripts/bench/whoami_ab.sh
 # (make the baseline with: git archive <commit> | tar -x -C /path/to/baseline/tree)
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd); cd "$root"
-out=${OUT:-$root/gpu-out}; mkdir -p "$out"
+. "$(dirname "$0")/../lib.sh"
+out=$(q4_out)
 prev=${PREV_TREE:?PREV_TREE: a baseline source tree}
-for f in .debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
-export PATH=/usr/local/cuda/bin:$PATH
-tp=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-c=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_BUILD_TESTS=OFF "-DCMAKE_PREFIX_PATH=$tp"
-   -DCMAKE_CUDA_ARCHITECTURES=90)
-(cmake -S "$prev" -B build-prev "${c[@]}" && cmake --build build-prev -j8 --target q4train q4dat) \
-  >"$out/prev-build.log" 2>&1 &
-(cmake -S . -B build-gpu "${c[@]}" && cmake --build build-gpu -j8 --target q4train q4dat) \
-  >"$out/build.log" 2>&1
+q4_gpu_env
+(q4_gpu_configure "$prev" build-prev -DQ4_BUILD_TESTS=OFF && cmake --build build-prev -j8 \
+   --target q4train q4dat) >"$out/prev-build.log" 2>&1 &
+(q4_gpu_configure . build-gpu -DQ4_BUILD_TESTS=OFF && cmake --build build-gpu -j8 \
+   --target q4train q4dat) >"$out/build.log" 2>&1
 wait || true
 dat=/tmp/q4b-whoami.dat
 [ -f "$dat" ] || build-gpu/bin/q4dat init --config tests/fixtures/qwen3_4b.config.json --out "$dat" \
@@ -40,6 +36,6 @@ PY
 for r in $(seq 1 "${ROUNDS:-3}"); do run build-gpu "new$r"; run build-prev "old$r"; done
 run build-gpu newp --profile-trace /tmp/whoami-new.json
 run build-prev oldp --profile-trace /tmp/whoami-old.json
-python3 tools/bench/kernel_table.py /tmp/whoami-new.json 30 >"$out/whoami-new.md"
-python3 tools/bench/kernel_table.py /tmp/whoami-old.json 30 >"$out/whoami-old.md"
+python3 scripts/bench/kernel_table.py /tmp/whoami-new.json 30 >"$out/whoami-new.md"
+python3 scripts/bench/kernel_table.py /tmp/whoami-old.json 30 >"$out/whoami-old.md"
 head -n 1 "$out/whoami-new.md" "$out/whoami-old.md"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Deterministic benchmark dataset for tools/bench/step_vs_peer.sh: chat examples (JSONL,
+"""Deterministic benchmark dataset for scripts/bench/step_vs_peer.sh: chat examples (JSONL,
 {"messages": [...]}) of widely varied length, from a fixed word list and a seeded generator,
 so every run and every machine trains on the same tokens.
 

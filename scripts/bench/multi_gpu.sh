@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Data-parallel benchmark, one call on a multi-GPU machine (issue 13):
-#  1. weak scaling: tools/bench/bench-4b.yaml (Qwen3-4B shapes, 4,411,424,256 trained parameters,
+# Data-parallel benchmark, one call on a multi-GPU machine:
+#  1. weak scaling: scripts/bench/bench-4b.yaml (Qwen3-4B shapes, 4,411,424,256 trained parameters,
 #     4 x 1024 packed slots per GPU, int8 moments) on the speed benchmark's dataset with
 #     q4train --nproc N for N in NPROCS (default: 1, 2, 4 up to the GPU count): global and
 #     per-GPU tokens/s, efficiency vs 1 GPU, median step, rank 0's peak allocated and every GPU's
@@ -8,9 +8,9 @@
 #  2. kill and resume: a small random-init Qwen3 trained on 2 GPUs with a checkpoint every 10
 #     steps, rank 1 killed at step 15 (Q4_FAULT), resumed on 1 GPU (grad_accum doubles): its
 #     losses against the uninterrupted 2-GPU run.
-#   OUT=dir tools/bench/multi_gpu.sh        (env: STEPS=12, NPROCS, SKIP_BUILD=1, BUILD)
+#   OUT=dir scripts/bench/multi_gpu.sh      (env: STEPS=12, NPROCS, SKIP_BUILD=1, BUILD, CUDA_ARCH)
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
+. "$(dirname "$0")/../lib.sh"
 out=${OUT:-$root/runs/multi-gpu}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -18,16 +18,13 @@ build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4dp}
 steps=${STEPS:-12}
 mkdir -p "$work"
-cd "$root"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi --list-gpus | wc -l)
 nprocs=${NPROCS:-$(for n in 1 2 4 8; do if [ "$n" -le "$gpus" ]; then echo -n "$n "; fi; done)}
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   t0=$(date +%s)
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQ4_BUILD_TESTS=OFF \
-    -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')" \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >"$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
+  q4_gpu_configure . "$build" -DQ4_BUILD_TESTS=OFF >"$work/build.log" 2>&1 \
+    || { tail -n 30 "$work/build.log"; exit 1; }
   grep -E "process groups" "$work/build.log" || true
   cmake --build "$build" -j "$(nproc)" --target q4train q4dat >>"$work/build.log" 2>&1 \
     || { grep -E "error" -A3 "$work/build.log" | head -n 60; exit 1; }
@@ -36,7 +33,7 @@ fi
 bin=$build/bin
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$work/gpu.txt"
 
-[ -f "$work/bench.jsonl" ] || python3 tools/bench/make_bench_data.py >"$work/bench.jsonl"
+[ -f "$work/bench.jsonl" ] || python3 scripts/bench/make_bench_data.py >"$work/bench.jsonl"
 [ -f "$work/q4b.dat" ] || "$bin/q4dat" init --config tests/fixtures/qwen3_4b.config.json \
   --out "$work/q4b.dat" --seed 0 >/dev/null
 
@@ -46,7 +43,7 @@ for n in $nprocs; do
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 >"$work/smi$n.csv" &
   smi=$!
   t0=$(date +%s)
-  "$bin/q4train" --config tools/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
+  "$bin/q4train" --config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
     --set "data.files=[$work/bench.jsonl]" --set "train.steps=$steps" \
     --set "output.dir=$work/dp$n" --nproc "$n" 2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" \
     >"$work/dp$n.log" || { kill $smi; tail -n 30 "$work/dp$n.log"; exit 1; }
@@ -73,7 +70,7 @@ if [ "$gpus" -ge 2 ] && [ "${SKIP_RESUME:-0}" != 1 ]; then
  "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": false,
  "hidden_act": "silu", "attention_bias": false}
 JSON
-  small=(--config tools/bench/bench-4b.yaml --set "model.config=$work/small.json" --set model.init=random
+  small=(--config scripts/bench/bench-4b.yaml --set "model.config=$work/small.json" --set model.init=random
          --set "data.files=[$work/bench.jsonl]" --set train.steps=20 --set optim.lr=3e-4
          --set output.checkpoint_every=10 --set train.max_grad_norm=1.0)
   rm -rf "$work/full" "$work/killed"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """List what TensorBoard's own reader finds in q4train's event files.
 
-Usage: python3 tools/bench/read_tfevents.py RUN_DIR_OR_EVENT_FILE [--require TAG ...]
+Usage: python3 scripts/bench/read_tfevents.py RUN_DIR_OR_EVENT_FILE [--require TAG ...]
 
 Uses the `tensorboard` package (EventAccumulator, the loader TensorBoard itself runs; no
 TensorFlow needed) to load events.out.tfevents.* written by the C++ TfEventsWriter, prints each

@@ -1,0 +1,62 @@
+# Shared preamble of the developer scripts (scripts/*.sh, scripts/bench/*.sh): source it first.
+#   . "$(dirname "$0")/lib.sh"          (from scripts/)
+#   . "$(dirname "$0")/../lib.sh"       (from scripts/bench/)
+# It sets $root (the repository root) and cds there, and defines:
+#   q4_log MSG...                 a timestamped line on stderr
+#   q4_die MSG...                 the same, then exit 1
+#   q4_phase NAME CMD...          runs CMD, then prints "NAME ok in Ns" (or FAILED) with its time
+#   q4_out                        $OUT (default gpu-out/), created; logs and results go there
+#   q4_gpu_env                    the GPU machine's environment: carried .debs/*.deb unpacked
+#                                 into / (PCRE2, utf8proc), CUDA's bin on PATH
+#   q4_torch_prefix               CMAKE_PREFIX_PATH of python3's LibTorch (the GPU build's)
+#   q4_gpu_configure SRC BUILD [CMAKE_ARGS...]
+#                                 configures a Release GPU build of SRC in BUILD against that
+#                                 LibTorch, for CUDA_ARCH (default "native": the local GPU; e.g.
+#                                 CUDA_ARCH="90;100;120;121" for the cards users have)
+#   q4_clang                      installs clang with libFuzzer's runtime when missing
+# NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
+# machines do not support it.
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+q4_log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
+q4_die() { q4_log "$@"; exit 1; }
+
+q4_phase() {
+  local name=$1 t0=$SECONDS; shift
+  if "$@"; then
+    echo "$name ok in $((SECONDS - t0))s"
+  else
+    local rc=$?
+    echo "$name FAILED (exit $rc) after $((SECONDS - t0))s"
+    return "$rc"
+  fi
+}
+
+q4_out() { mkdir -p "${OUT:-$root/gpu-out}" && (cd "${OUT:-$root/gpu-out}" && pwd); }
+
+q4_gpu_env() {
+  local f
+  for f in "$root"/.debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
+  export PATH=/usr/local/cuda/bin:$PATH
+}
+
+q4_torch_prefix() { python3 -c 'import torch; print(torch.utils.cmake_prefix_path)'; }
+
+q4_gpu_configure() {
+  local src=$1 build=$2; shift 2
+  cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    "-DCMAKE_PREFIX_PATH=$(q4_torch_prefix)" "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}" "$@"
+}
+
+# q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).
+q4_clang() {
+  if ! command -v clang++ >/dev/null 2>&1 ||
+     ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a" >/dev/null; then
+    local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang \
+      libclang-rt-14-dev >/dev/null
+  fi
+}
