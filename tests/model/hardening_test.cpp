@@ -16,7 +16,8 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
-#include "temp_dir.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
 
 namespace q4::model {
 namespace {
@@ -25,20 +26,9 @@ const std::string kFixtures = Q4_FIXTURES_DIR;
 const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
 const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
 
-struct ToolResult {
-  int code;
-  std::string err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-ToolResult run_tool(const std::string& dir, const std::string& cmd_line) {
-  const std::string err = dir + "/stderr";
-  const int status = std::system((cmd_line + " >/dev/null 2>" + err).c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
+// `cmd_line` with its stdout discarded and its stderr in dir/stderr.
+q4::test::Result run_tool(const std::string& dir, const std::string& cmd_line) {
+  return q4::test::run_captured(cmd_line, "/dev/null", dir + "/stderr");
 }
 
 // Copies the tiny fixture, replacing `key` by `replace(tensor)`.
@@ -151,8 +141,9 @@ TEST(Hardening, Q4genWithNanWeightsExits2) {
     t[0] = NAN;
     return t;
   });
-  const ToolResult r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
-                                               " --weights " + path + " --prompt-ids 1,2,3");
+  const q4::test::Result r =
+      run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
+                              path + " --prompt-ids 1,2,3");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
 }
@@ -161,7 +152,7 @@ TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string gen = std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
                           kWeights + " --prompt-ids 1,2";
-  ToolResult r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
+  q4::test::Result r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--max-new-tokens"), std::string::npos) << r.err;
   const std::string init =
