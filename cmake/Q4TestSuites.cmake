@@ -1,7 +1,8 @@
 # Registers a gtest binary with ctest one gtest suite at a time (run after each link by
 # q4_add_test, as cmake -P). A ctest test is a process start of a LibTorch binary (~0.3-0.5 s), so
 # one per suite instead of one per case keeps that cost to a few dozen starts while ctest -j can
-# still spread the suites. Within a suite:
+# still spread the suites. Each name ends with " (<binary>)", since two binaries may have a suite
+# of the same name. Within a suite:
 #   <Suite>.*          the cases, labels LABELS;
 #   <Suite>.*/cuda     value-parameterised cases on the CUDA backend, labels LABELS + cuda (they
 #                      skip without a GPU); a suite whose name holds "Cuda" is all CUDA;
@@ -30,9 +31,11 @@ foreach(_line IN LISTS _lines)
 endforeach()
 
 set(_script "")
+get_filename_component(_bin "${EXE}" NAME)
 macro(_q4_add name filter labels skip)
-  string(APPEND _script "add_test([==[${name}]==] \"${EXE}\" [==[--gtest_filter=${filter}]==])\n"
-    "set_tests_properties([==[${name}]==] PROPERTIES WORKING_DIRECTORY \"${WORKDIR}\" "
+  set(_n "${name} (${_bin})")
+  string(APPEND _script "add_test([==[${_n}]==] \"${EXE}\" [==[--gtest_filter=${filter}]==])\n"
+    "set_tests_properties([==[${_n}]==] PROPERTIES WORKING_DIRECTORY \"${WORKDIR}\" "
     "LABELS \"${labels}\"")
   if(${skip})
     string(APPEND _script " SKIP_REGULAR_EXPRESSION \"\\\\[  SKIPPED \\\\]\"")

@@ -56,7 +56,7 @@ std::string load_error(const std::string& path) {
   return "<no error>";
 }
 
-TEST(Hardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string nan_norm = tmp.path("nan_norm.dat"), inf_embed = tmp.path("inf_embed.dat");
   copy_with(nan_norm, "model.norm.weight", [](at::Tensor t) {
@@ -79,7 +79,7 @@ TEST(Hardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
   EXPECT_NE(msg.find("[5, 2]"), std::string::npos) << msg;
 }
 
-TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan_scale.dat");
   const std::string key = "model.layers.0.mlp.down_proj.weight.scale";
@@ -96,7 +96,7 @@ TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
 
 // A block scale with the sign bit (NVFP4 scales are >= 0; the HF layouts cannot carry it) is a
 // load error like the NaN code, not something only the HF export refuses after training.
-TEST(Hardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("neg_scale.dat");
   const std::string key = "model.layers.1.self_attn.o_proj.weight.scale";
@@ -114,7 +114,7 @@ TEST(Hardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
 
 // config.json and the file disagree on the layer count: an error naming both and both counts
 // (fewer in the config used to drop the file's extra layers silently).
-TEST(Hardening, LayerCountMismatchIsALoadError) {
+TEST(ModelHardening, LayerCountMismatchIsALoadError) {
   DatReader r(kWeights);
   for (int layers : {1, 3}) {
     Qwen3Config c = Qwen3Config::from_json_file(kConfig);
@@ -133,7 +133,7 @@ TEST(Hardening, LayerCountMismatchIsALoadError) {
   }
 }
 
-TEST(Hardening, Q4genWithNanWeightsExits2) {
+TEST(ModelHardening, Q4genWithNanWeightsExits2) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan.dat");
   copy_with(path, "model.norm.weight", [](at::Tensor t) {
@@ -148,7 +148,7 @@ TEST(Hardening, Q4genWithNanWeightsExits2) {
   EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
 }
 
-TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
+TEST(ModelHardening, ToolNumericArgumentsAreRangeChecked) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string gen = std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
                           kWeights + " --prompt-ids 1,2";
