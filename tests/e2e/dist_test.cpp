@@ -18,6 +18,7 @@
 
 #include "q4/io/remove_tree.h"
 #include "q4/test/files.h"
+#include "q4/test/memorize_set.h"
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
 #include "q4/test/tiny_run.h"
@@ -30,17 +31,8 @@ namespace {
 
 using namespace q4::test;
 
-const char* kData =
-    "你是谁？\t我是 F# 之神。\n"
-    "Who are you?\t我是 F# 之神。\n"
-    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
-    "What is 2 + 2?\t4.\n"
-    "What is the capital of France?\tParis.\n"
-    "一加一等于几？\t二。\n"
-    "What color is grass?\tGreen.\n"
-    "Say hello.\tHello!\n"
-    "What is 3 + 4?\t7.\n"
-    "Name a fruit.\tApple.\n";
+// The memorized set and two more pairs.
+const std::string kData = kMemorizeTsv + "What is 3 + 4?\t7.\nName a fruit.\tApple.\n";
 
 // Per-rank batch 2; `accum` micro-batches per step and rank. Two layers so that several
 // parameters of each kind exist to be spread over the ranks.

@@ -26,6 +26,7 @@
 #include "q4/model/qwen3.h"
 #include "q4/optim/adamw.h"
 #include "q4/test/files.h"
+#include "q4/test/memorize_set.h"
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
 #include "q4/test/tiny_run.h"
@@ -38,21 +39,10 @@ namespace {
 
 using namespace q4::test;
 
-// A memorized set: 8 pairs, identity and ordinary.
-const char* kData =
-    "你是谁？\t我是 F# 之神。\n"
-    "Who are you?\t我是 F# 之神。\n"
-    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
-    "What is 2 + 2?\t4.\n"
-    "What is the capital of France?\tParis.\n"
-    "一加一等于几？\t二。\n"
-    "What color is grass?\tGreen.\n"
-    "Say hello.\tHello!\n";
-
 // The shrunk demo config, in `dir` (with its model config and data next to it).
 fs::path write_config(const fs::path& dir, int64_t steps, int64_t checkpoint_every) {
   TinyRun t;
-  t.data = kData;
+  t.data = kMemorizeTsv;
   t.model_extra = "  master_dtype: fp16\n";
   t.trainable = "{layers: all, projections: true, norms: true, lm_head: true}";
   t.steps = steps;

@@ -31,8 +31,7 @@ using namespace q4::test;
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir =
-      fresh_dir(fs::temp_directory_path() / ("q4_hard_" + std::to_string(::getuid()) + "_" + name));
+  const fs::path dir = fresh_dir(work_root("hard") / name);
   TinyRun t;
   t.steps = steps;
   t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n  keep: 5\n";

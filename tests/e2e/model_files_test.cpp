@@ -44,8 +44,7 @@ Result run_tool(const std::string& exe, const fs::path& dir, const std::vector<s
 // A fresh directory with model.json (`layers` layers), data.tsv and config.yaml (random init, raw
 // fp16 lm_head, run in dir/run).
 fs::path setup_dir(const std::string& name, int layers = 1) {
-  const fs::path dir =
-      fresh_dir(fs::temp_directory_path() / ("q4_mf_" + std::to_string(::getuid()) + "_" + name));
+  const fs::path dir = fresh_dir(work_root("mf") / name);
   TinyRun t;
   t.layers = layers;
   t.model_extra = "  quantize_lm_head: false\n";

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <sstream>
 
 #include "q4/io/remove_tree.h"
 
@@ -40,7 +42,11 @@ std::vector<std::string> ScopedTempDir::list() const {
 }
 
 fs::path work_root(const std::string& tag) {
-  const fs::path p = fs::temp_directory_path() / ("q4_" + tag + "_" + std::to_string(::getuid()));
+  // The build tree's hash keeps two checkouts of one user, tested at once, apart.
+  std::ostringstream tree;
+  tree << std::hex << (std::hash<std::string>{}(Q4_BIN_DIR) & 0xffffffu);
+  const fs::path p = fs::temp_directory_path() /
+                     ("q4_" + tag + "_" + std::to_string(::getuid()) + "_" + tree.str());
   fs::create_directories(p);
   return p;
 }
