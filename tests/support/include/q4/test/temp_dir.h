@@ -29,9 +29,9 @@ class ScopedTempDir {
   std::string dir_;
 };
 
-// temp_directory_path()/q4_<tag>_<uid>, created if missing: one folder per test binary and user
-// (tests of one binary run in parallel processes under ctest and share it, with file locks where
-// they share a run).
+// temp_directory_path()/q4_<tag>_<uid>_<build tree hash>, created if missing: one folder per test
+// binary, user and build tree (tests of one binary run in parallel processes under ctest and share
+// it, with file locks where they share a run).
 std::filesystem::path work_root(const std::string& tag);
 
 // `dir` emptied (removed without following links, then created); returns it.
