@@ -49,40 +49,54 @@ function(q4_use_pch target)
   endif()
 endfunction()
 
-# q4_add_test(NAME LABELS SOURCES... LINK libs...): one gtest binary, registered with ctest.
+# q4_add_test(NAME LABELS labels... SOURCES... LINK libs... [SLOW Suite.Case...]): one gtest
+# binary linking q4_test_support, registered with ctest per gtest suite by Q4TestSuites.cmake after
+# each link: LABELS (unit or e2e; the former label cpu reads as unit) on a suite's cases, cuda
+# added on its CUDA cases, and each SLOW case registered alone with label slow.
+set(Q4_TEST_SUITES_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/Q4TestSuites.cmake)
 function(q4_add_test name)
-  cmake_parse_arguments(T "" "" "LABELS;SOURCES;LINK" ${ARGN})
+  cmake_parse_arguments(T "" "" "LABELS;SOURCES;LINK;SLOW" ${ARGN})
   add_executable(${name} ${T_SOURCES})
-  target_link_libraries(${name} PRIVATE ${T_LINK} GTest::gtest GTest::gtest_main q4_warnings)
+  target_link_libraries(${name} PRIVATE ${T_LINK} q4_test_support GTest::gtest GTest::gtest_main
+    q4_warnings)
   target_compile_definitions(${name} PRIVATE
     Q4_FIXTURES_DIR="${PROJECT_SOURCE_DIR}/tests/fixtures"
     Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     Q4_BIN_DIR="${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
   q4_use_pch(${name})
-  include(GoogleTest)
-  gtest_discover_tests(${name} PROPERTIES LABELS "${T_LABELS}" DISCOVERY_TIMEOUT 120)
+  list(TRANSFORM T_LABELS REPLACE "^cpu$" "unit")
+  list(JOIN T_LABELS "," _labels)
+  list(JOIN T_SLOW "," _slow)
+  set(_tests ${CMAKE_CURRENT_BINARY_DIR}/${name}_suites.cmake)
+  add_custom_command(TARGET ${name} POST_BUILD
+    COMMAND ${CMAKE_COMMAND} -D EXE=$<TARGET_FILE:${name}> -D OUT=${_tests}
+      -D WORKDIR=${CMAKE_CURRENT_BINARY_DIR} -D LABELS=${_labels} -D SLOW=${_slow}
+      -P ${Q4_TEST_SUITES_SCRIPT}
+    BYPRODUCTS ${_tests} VERBATIM)
+  set(_include ${CMAKE_CURRENT_BINARY_DIR}/${name}_include.cmake)
+  file(WRITE ${_include} "if(EXISTS \"${_tests}\")\n  include(\"${_tests}\")\nelse()\n"
+    "  add_test(${name}_NOT_BUILT ${name}_NOT_BUILT)\nendif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${_include})
 endfunction()
 
-# q4_add_library_tests(LIB [TOOLS tool...]): test_LIB from tests/LIB/*_test.cpp (label cpu) and,
-# when tests/LIB/cuda/ has tests, test_LIB_cuda (label cuda; its tests skip without a GPU). Both
-# link q4_LIB only. TOOLS are executables the tests run, built before the test binary.
+# q4_add_library_tests(LIB [TOOLS tool...] [SLOW Suite.Case...]): test_LIB from tests/LIB/*_test.cpp
+# and tests/LIB/cuda/*_test.cpp (label unit; CUDA cases also cuda and skip without a GPU), linking
+# q4_LIB only. TOOLS are executables the tests run, built before the test binary.
 function(q4_add_library_tests lib)
-  cmake_parse_arguments(T "" "" "TOOLS" ${ARGN})
+  cmake_parse_arguments(T "" "" "TOOLS;SLOW" ${ARGN})
   if(NOT TARGET q4_${lib})
     return()
   endif()
-  file(GLOB _cpu CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*_test.cpp)
-  if(_cpu)
-    q4_add_test(test_${lib} LABELS cpu SOURCES ${_cpu} LINK q4_${lib})
-    foreach(tool ${T_TOOLS})
-      if(TARGET ${tool})
-        add_dependencies(test_${lib} ${tool})
-      endif()
-    endforeach()
+  file(GLOB _src CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/*_test.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/cuda/*_test.cpp)
+  if(NOT _src)
+    return()
   endif()
-  file(GLOB _cuda CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/cuda/*_test.cpp)
-  if(_cuda)
-    q4_add_test(test_${lib}_cuda LABELS cuda SOURCES ${_cuda} LINK q4_${lib})
-  endif()
+  q4_add_test(test_${lib} LABELS unit SOURCES ${_src} LINK q4_${lib} SLOW ${T_SLOW})
+  foreach(tool ${T_TOOLS})
+    if(TARGET ${tool})
+      add_dependencies(test_${lib} ${tool})
+    endif()
+  endforeach()
 endfunction()

@@ -11,7 +11,10 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+
 #include "q4/io/remove_tree.h"
+#include "q4/test/process.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
@@ -20,22 +23,9 @@ namespace {
 const std::string kBin = Q4_BIN_DIR;
 const std::string kTokenizer = Q4_SOURCE_DIR "/assets/qwen3/tokenizer.json";
 
-struct Result {
-  int rc = -1;
-  std::string out;
-};
+using q4::test::Result;
 
-Result run(const std::string& cmd) {
-  Result r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = ::pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result run(const std::string& cmd) { return q4::test::run_piped(cmd); }
 
 class Q4chatTest : public ::testing::Test {
  protected:
@@ -43,15 +33,10 @@ class Q4chatTest : public ::testing::Test {
     dir_ = fs::path(::testing::TempDir()) / ("q4chat_e2e_" + std::to_string(::getpid()));
     q4::io::remove_tree(dir_);
     fs::create_directories(dir_);
-    std::ofstream(dir_ / "config.json") << R"({
-      "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-      "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-      "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-      "hidden_act": "silu", "attention_bias": false})";
+    std::ofstream(dir_ / "config.json") << q4::test::tiny_model_config(1);
     init_rc_ = run(kBin + "/q4dat init --config " + (dir_ / "config.json").string() + " --out " +
                    (dir_ / "model.dat").string() + " --seed 3 --std 0.3 2>&1")
-                   .rc;
+                   .code;
   }
   static void TearDownTestSuite() { q4::io::remove_tree(dir_); }
   void SetUp() override {
@@ -71,7 +56,7 @@ int Q4chatTest::init_rc_ = -1;
 
 TEST_F(Q4chatTest, OneShotGreedyPrintsTextAndIsDeterministic) {
   const auto a = run(chat("--prompt 'Who are you?' --temperature 0 --max-new-tokens 8"));
-  ASSERT_EQ(a.rc, 0) << a.out;
+  ASSERT_EQ(a.code, 0) << a.out;
   EXPECT_GT(a.out.size(), 1u) << "no text printed";
   const auto b = run(chat("--prompt 'Who are you?' --temperature 0 --max-new-tokens 8"));
   EXPECT_EQ(a.out, b.out);
@@ -83,7 +68,7 @@ TEST_F(Q4chatTest, SeededSamplingIsReproducible) {
       "--repetition-penalty 1.1 --max-new-tokens 8 --seed ";
   const auto a = run(chat(args + "7"));
   const auto b = run(chat(args + "7"));
-  ASSERT_EQ(a.rc, 0) << a.out;
+  ASSERT_EQ(a.code, 0) << a.out;
   EXPECT_EQ(a.out, b.out);
   EXPECT_GT(a.out.size(), 1u);
 }
@@ -91,17 +76,17 @@ TEST_F(Q4chatTest, SeededSamplingIsReproducible) {
 TEST_F(Q4chatTest, InteractiveTurnsFromStdin) {
   const auto r =
       run("printf 'hello\\nsecond turn\\n' | " + chat("--temperature 0 --max-new-tokens 4"));
-  ASSERT_EQ(r.rc, 0) << r.out;
+  ASSERT_EQ(r.code, 0) << r.out;
   // One reply line per turn.
   EXPECT_GE(std::count(r.out.begin(), r.out.end(), '\n'), 2) << r.out;
 }
 
 TEST_F(Q4chatTest, UsageErrorsExitTwo) {
-  EXPECT_EQ(run(chat("--prompt x --top-p 0 2>&1")).rc, 2);
-  EXPECT_EQ(run(kBin + "/q4chat --model " + (dir_ / "missing.dat").string() + " 2>&1").rc, 2);
+  EXPECT_EQ(run(chat("--prompt x --top-p 0 2>&1")).code, 2);
+  EXPECT_EQ(run(kBin + "/q4chat --model " + (dir_ / "missing.dat").string() + " 2>&1").code, 2);
   const auto r = run(kBin + "/q4chat --model " + (dir_ / "model.dat").string() +
                      " --prompt x 2>&1");  // no tokenizer.json beside the .dat
-  EXPECT_EQ(r.rc, 2);
+  EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("--tokenizer"), std::string::npos) << r.out;
 }
 

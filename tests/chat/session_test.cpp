@@ -13,6 +13,7 @@
 #include "q4/data/chat.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
@@ -21,12 +22,7 @@ namespace {
 
 const char* kTokenizer = Q4_SOURCE_DIR "/assets/qwen3/tokenizer.json";
 
-const char* kTinyConfig = R"({
-  "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "rms_norm_eps": 1e-6,
-  "rope_theta": 1000000.0, "max_position_embeddings": 256, "tie_word_embeddings": false,
-  "hidden_act": "silu", "attention_bias": false})";
+const std::string kTinyConfig = q4::test::tiny_model_config(1);
 
 TEST(Utf8Stream, HoldsSplitCharactersAndReplacesInvalidBytes) {
   Utf8Stream s;

@@ -8,19 +8,13 @@
 
 #include <functional>
 
+#include "q4/test/error_of.h"
 #include "test_util.h"
 
 namespace q4::data {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
-}
+using q4::test::error_of;
 
 DatasetOptions with(DataFormat f, OnError e = OnError::kFail, std::string system = "") {
   DatasetOptions o;

@@ -10,10 +10,10 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 
 #include "q4/data/tokenizer.h"
+#include "q4/test/files.h"
 
 namespace q4::data::test {
 
@@ -36,11 +36,8 @@ inline const Tokenizer& qwen3_tokenizer() {
 }
 
 inline nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot open " << path;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return nlohmann::json::parse(ss.str());
+  EXPECT_TRUE(file_exists(path)) << "cannot open " << path;
+  return q4::test::read_json(path);
 }
 
 // A file under the system temp dir, removed when the object dies.

@@ -10,6 +10,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "q4/test/error_of.h"
 #include "test_util.h"
 
 namespace q4::data {
@@ -17,14 +18,7 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "<no error>";
-}
+using q4::test::error_of;
 
 TEST(Tokenizer, MatchesHfGolden) {
   const Tokenizer& tok = test::qwen3_tokenizer();

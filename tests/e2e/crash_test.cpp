@@ -17,19 +17,20 @@
 #include <sstream>
 #include <thread>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
 constexpr int kSteps = 6;
-
-const std::string kModelConfig = tiny_model_config(1);
 
 fs::path root() {
   return fs::temp_directory_path() /
@@ -39,53 +40,27 @@ fs::path root() {
 // Model, data and config in `dir`; the run goes to dir/run. lm_head trains, so checkpoints hold
 // a 151936 x 32 master and every checkpoint and export writes megabytes.
 void setup(const fs::path& dir) {
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  write_text(dir / "model.json", kModelConfig);
-  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kSource
-    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true}\n"
-    << "  steps: " << kSteps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
-    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [data.tsv]\neval:\n  prompts: []\n"
-    << "output:\n  dir: " << (dir / "run").string()
-    << "\n  checkpoint_every: 1\n  export_every: 1\n  keep: 2\n  verify_export: false\n";
-  write_text(dir / "config.yaml", y.str());
+  TinyRun t;
+  t.trainable = "{layers: all, projections: true, norms: true, lm_head: true}";
+  t.steps = kSteps;
+  t.output_extra = "  checkpoint_every: 1\n  export_every: 1\n  keep: 2\n  verify_export: false\n";
+  t.write(fresh_dir(dir));
 }
 
 // Runs q4train to the end; returns its exit code.
 int run_to_end(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag) {
-  std::string cmd = kQ4train;
-  for (const auto& a : args) cmd += " '" + a + "'";
-  cmd += " >" + (dir / (tag + ".out")).string() + " 2>&1";
-  const int status = std::system(cmd.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  const std::string out = (dir / (tag + ".out")).string();
+  return exit_code(std::system((kQ4train + quoted(args) + " >" + out + " 2>&1").c_str()));
 }
 
 // step -> loss (as printed in metrics.jsonl, exact).
 std::map<int64_t, std::string> losses(const fs::path& metrics) {
   std::map<int64_t, std::string> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty()) continue;
-    const auto j = nlohmann::json::parse(line);
-    out[j.at("step").get<int64_t>()] = j.at("loss").dump();
-  }
+  for (const auto& j : read_jsonl(metrics)) out[j.at("step").get<int64_t>()] = j.at("loss").dump();
   return out;
 }
 
-std::vector<std::string> temp_files(const fs::path& dir) {
-  std::vector<std::string> v;
-  if (!fs::exists(dir)) return v;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (e.path().filename().string().find(".tmp.") != std::string::npos) {
-      v.push_back(e.path().string());
-    }
-  }
-  return v;
-}
+std::vector<std::string> temp_files(const fs::path& dir) { return files_named(dir, ".tmp."); }
 
 TEST(CrashTest, KillNineThenResumeIsBitIdentical) {
   const int trials = std::getenv("Q4_CRASH_TRIALS") ? std::atoi(std::getenv("Q4_CRASH_TRIALS")) : 3;

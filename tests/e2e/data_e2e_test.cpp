@@ -14,34 +14,33 @@
 #include <string>
 #include <vector>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
 // A fresh directory with model.json, the data file `data_name` holding `data`, and config.yaml
 // (random init, no eval prompts, run in dir/run; `extra` is appended to the train section).
 fs::path setup_dir(const std::string& name, const std::string& data_name, const std::string& data,
                    const std::string& train_extra = "  steps: 1\n") {
-  const fs::path dir = work_root("data_e2e") / name;
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  write_text(dir / "model.json", tiny_model_config(1));
-  write_text(dir / data_name, data);
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kSource
-    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "train:\n  batch_size: 2\n  seq_len: 64\n  seed: 5\n"
-    << train_extra << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [" << data_name << "]\n"
-    << "eval:\n  prompts: []\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  export_path: none\n"
-    << "log:\n  tensorboard: false\n  report: false\n";
-  write_text(dir / "config.yaml", y.str());
+  const fs::path dir = fresh_dir(work_root("data_e2e") / name);
+  TinyRun t;
+  t.data_file = data_name;
+  t.data = data;
+  t.trainable = "";
+  t.steps = -1;
+  t.seq_len = 64;
+  t.train_extra = train_extra;
+  t.output_extra = "  export_path: none\n";
+  t.log = "  tensorboard: false\n  report: false\n";
+  t.write(dir);
   return dir;
 }
 
@@ -51,7 +50,7 @@ Result run(const fs::path& dir, const std::vector<std::string>& args, const std:
   const std::string cmd = env + (env.empty() ? "" : " ") + kQ4train + " --config '" +
                           (dir / "config.yaml").string() + "'" + quoted(args);
   const std::string tag = std::to_string(::getpid()) + "_" + std::to_string(n++);
-  return run_captured(cmd, dir / (tag + ".out"), dir / (tag + ".err"));
+  return run_in(dir, tag, cmd);
 }
 
 // `n` prompt/answer lines of a TSV: answers of about `answer_words` words.

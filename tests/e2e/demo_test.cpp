@@ -13,23 +13,25 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 #include "q4/trainer/config.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
-const std::string kBin = Q4_BIN_DIR;
 const std::string kDemo = kSource + "/configs/demo.yaml";
 
 // prompt -> answer of a demo TSV: `prompt<TAB>answer` lines; blank, `#` and the header skipped.
@@ -51,11 +53,10 @@ std::map<std::string, std::string> read_pairs(const std::string& path) {
   return pairs;
 }
 
-// `cmd` with stdout and stderr together in `log` (q4::e2e::Result's out; err stays empty).
+// `cmd` with stdout and stderr together in `log` (Result's out; err stays empty).
 Result run(const std::string& cmd, const fs::path& log) {
-  const int status = std::system((cmd + " >" + log.string() + " 2>&1").c_str());
   Result r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.code = exit_code(std::system((cmd + " >" + log.string() + " 2>&1").c_str()));
   r.out = read_text(log);
   return r;
 }

@@ -16,8 +16,12 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/memorize_set.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/distributed.h"
 
@@ -25,45 +29,31 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
-const char* kData =
-    "你是谁？\t我是 F# 之神。\n"
-    "Who are you?\t我是 F# 之神。\n"
-    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
-    "What is 2 + 2?\t4.\n"
-    "What is the capital of France?\tParis.\n"
-    "一加一等于几？\t二。\n"
-    "What color is grass?\tGreen.\n"
-    "Say hello.\tHello!\n"
-    "What is 3 + 4?\t7.\n"
-    "Name a fruit.\tApple.\n";
+// The memorized set and two more pairs.
+const std::string kData = kMemorizeTsv + "What is 3 + 4?\t7.\nName a fruit.\tApple.\n";
 
-// Two layers so that several parameters of each kind exist to be spread over the ranks.
-const std::string kModelConfig = tiny_model_config(2);
-
-// Per-rank batch 2; `accum` micro-batches per step and rank.
+// Per-rank batch 2; `accum` micro-batches per step and rank. Two layers so that several
+// parameters of each kind exist to be spread over the ranks.
 fs::path write_config(const fs::path& dir, int64_t steps, int64_t accum, int64_t checkpoint_every) {
-  fs::create_directories(dir);
-  write_text(dir / "model.json", kModelConfig);
-  write_text(dir / "data.tsv", kData);
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n"
-    << "  tokenizer: " << kSource << "/assets/qwen3/tokenizer.json\n"
-    << "  init: random\n  init_seed: 3\n  master_dtype: fp16\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true, "
-       "embeddings: true}\n"
-    << "  steps: " << steps << "\n  batch_size: 2\n  grad_accum: " << accum
-    << "\n  seq_len: 48\n  seed: 5\n  max_grad_norm: 0.5\n"
-    << "optim:\n  lr: 1.0e-2\n  state: int8\n"
-    << "  schedule: {kind: cosine, warmup_steps: 2, min_lr_ratio: 0.1}\n"
-    << "data:\n  files: [data.tsv]\n  packing: false\n"
-    << "eval:\n  prompts: [你是谁？]\n  max_new_tokens: 8\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
-    << "\n  keep: 5\n  verify_export: false\n"
-    << "log:\n  every: 1\n  tensorboard: false\n  report: false\n";
-  write_text(dir / "config.yaml", y.str());
-  return dir / "config.yaml";
+  TinyRun t;
+  t.layers = 2;
+  t.data = kData;
+  t.model_extra = "  master_dtype: fp16\n";
+  t.trainable = "{layers: all, projections: true, norms: true, lm_head: true, embeddings: true}";
+  t.steps = steps;
+  t.seq_len = 48;
+  t.train_extra = "  grad_accum: " + std::to_string(accum) + "\n  max_grad_norm: 0.5\n";
+  t.optim =
+      "  lr: 1.0e-2\n  state: int8\n  schedule: {kind: cosine, warmup_steps: 2, min_lr_ratio: "
+      "0.1}\n";
+  t.data_extra = "  packing: false\n";
+  t.eval = "  prompts: [你是谁？]\n  max_new_tokens: 8\n";
+  t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) +
+                   "\n  keep: 5\n  verify_export: false\n";
+  t.log = "  every: 1\n  tensorboard: false\n  report: false\n";
+  return t.write(dir);
 }
 
 // A q4train run (q4::e2e::Result) and its wall time.

@@ -19,13 +19,17 @@
 #include <sstream>
 #include <thread>
 
-#include "e2e_util.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/optim/adamw.h"
+#include "q4/test/files.h"
+#include "q4/test/memorize_set.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/estimate.h"
 
@@ -33,43 +37,25 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
-
-// A memorized set: 8 pairs, identity and ordinary.
-const char* kData =
-    "你是谁？\t我是 F# 之神。\n"
-    "Who are you?\t我是 F# 之神。\n"
-    "我是誰\t你是提問者，我無法僅憑一句話判定你的身份。\n"
-    "What is 2 + 2?\t4.\n"
-    "What is the capital of France?\tParis.\n"
-    "一加一等于几？\t二。\n"
-    "What color is grass?\tGreen.\n"
-    "Say hello.\tHello!\n";
-
-const std::string kModelConfig = tiny_model_config(1);
+using namespace q4::test;
 
 // The shrunk demo config, in `dir` (with its model config and data next to it).
 fs::path write_config(const fs::path& dir, int64_t steps, int64_t checkpoint_every) {
-  fs::create_directories(dir);
-  write_text(dir / "model.json", kModelConfig);
-  write_text(dir / "data.tsv", kData);
-  std::ostringstream y;
-  y << "model:\n"
-    << "  config: model.json\n"
-    << "  tokenizer: " << kSource << "/assets/qwen3/tokenizer.json\n"
-    << "  init: random\n  init_seed: 3\n  master_dtype: fp16\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: true}\n"
-    << "  steps: " << steps << "\n  batch_size: 8\n  seq_len: 48\n  seed: 5\n"
-    << "  max_grad_norm: 1.0\n"
-    << "optim:\n  lr: 1.0e-2\n  state: int8\n"
-    << "  schedule: {kind: cosine, warmup_steps: 3, min_lr_ratio: 0.1}\n"
-    << "data:\n  files: [data.tsv]\n"
-    << "eval:\n  prompts: [你是谁？, 我是誰]\n  max_new_tokens: 16\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
-    << "\n  keep: 5\n"
-    << "log:\n  every: 5\n";
-  write_text(dir / "config.yaml", y.str());
-  return dir / "config.yaml";
+  TinyRun t;
+  t.data = kMemorizeTsv;
+  t.model_extra = "  master_dtype: fp16\n";
+  t.trainable = "{layers: all, projections: true, norms: true, lm_head: true}";
+  t.steps = steps;
+  t.batch_size = 8;
+  t.seq_len = 48;
+  t.train_extra = "  max_grad_norm: 1.0\n";
+  t.optim =
+      "  lr: 1.0e-2\n  state: int8\n  schedule: {kind: cosine, warmup_steps: 3, min_lr_ratio: "
+      "0.1}\n";
+  t.eval = "  prompts: [你是谁？, 我是誰]\n  max_new_tokens: 16\n";
+  t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n  keep: 5\n";
+  t.log = "  every: 5\n";
+  return t.write(dir);
 }
 
 Result run_q4train(const std::vector<std::string>& args, const fs::path& log_prefix) {

@@ -18,19 +18,20 @@
 #include <iostream>
 #include <sstream>
 
-#include "e2e_util.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
 const std::string kQ4eval = std::string(Q4_BIN_DIR) + "/q4eval";
-const std::string kTokenizer = kSource + "/assets/qwen3/tokenizer.json";
 
 const char* kTrain =
     "你是谁？\t我是 F# 之神。\n"

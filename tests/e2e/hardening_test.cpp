@@ -17,64 +17,44 @@
 #include <sstream>
 #include <thread>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
-
-const std::string kModelConfig = tiny_model_config(1);
+using namespace q4::test;
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("q4_hard_" + std::to_string(::getuid()) + "_" + name);
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  write_text(dir / "model.json", kModelConfig);
-  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kSource
-    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
-    << "  steps: " << steps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
-    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [data.tsv]\n"
-    << "eval:\n  prompts: []\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: " << checkpoint_every
-    << "\n  keep: 5\n";
-  write_text(dir / "config.yaml", y.str());
+  const fs::path dir = fresh_dir(work_root("hard") / name);
+  TinyRun t;
+  t.steps = steps;
+  t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n  keep: 5\n";
+  t.write(dir);
   return dir;
 }
 
 // q4train with `args`, optionally under a shell prefix (e.g. a ulimit).
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
            const std::string& shell_prefix = "") {
-  const fs::path out = dir / (tag + ".out"), err = dir / (tag + ".err");
-  if (shell_prefix.empty()) return run_captured(kQ4train + quoted(args), out, err);
+  if (shell_prefix.empty()) return run_in(dir, tag, kQ4train + quoted(args));
   // The prefix applies to q4train alone; sh's own redirections follow run_captured's.
-  return run_captured("sh -c \"" + shell_prefix + "; exec " + kQ4train + quoted(args) + "\"", out,
-                      err);
+  return run_in(dir, tag, "sh -c \"" + shell_prefix + "; exec " + kQ4train + quoted(args) + "\"");
 }
 
 std::vector<std::string> run(const fs::path& dir, std::initializer_list<const char*> sets) {
-  std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
-  for (const char* s : sets) {
-    a.push_back("--set");
-    a.push_back(s);
-  }
-  return a;
+  return config_args(dir, std::vector<std::string>(sets.begin(), sets.end()));
 }
 
+// The temporary files left under `dir`, which must exist.
 std::vector<std::string> temp_files(const fs::path& dir) {
-  std::vector<std::string> v;
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (contains(e.path().filename().string(), ".tmp.")) v.push_back(e.path().string());
-  }
-  return v;
+  EXPECT_TRUE(fs::exists(dir)) << dir;
+  return files_named(dir, ".tmp.");
 }
 
 // Defect 1: model.weights = <output.dir>/init.dat with model.init: file was deleted.

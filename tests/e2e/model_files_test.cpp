@@ -18,57 +18,45 @@
 #include <fstream>
 #include <sstream>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
-const std::string kQ4dat = std::string(Q4_BIN_DIR) + "/q4dat";
+const std::string kQ4dat = kBin + "/q4dat";
 
 // `exe` with `args` (each quoted), stdout and stderr captured in dir/<tag>.out|err.
 Result run_tool(const std::string& exe, const fs::path& dir, const std::vector<std::string>& args,
                 const std::string& tag) {
-  return run_captured(exe + quoted(args), dir / (tag + ".out"), dir / (tag + ".err"));
+  return run_in(dir, tag, exe + quoted(args));
 }
 
 // A fresh directory with model.json (`layers` layers), data.tsv and config.yaml (random init, raw
 // fp16 lm_head, run in dir/run).
 fs::path setup_dir(const std::string& name, int layers = 1) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("q4_mf_" + std::to_string(::getuid()) + "_" + name);
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  write_text(dir / "model.json", tiny_model_config(layers));
-  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kSource
-    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "  quantize_lm_head: false\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
-    << "  steps: 2\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
-    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [data.tsv]\n"
-    << "eval:\n  prompts: []\n"
-    << "log:\n  tensorboard: false\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  checkpoint_every: 0\n  keep: 5\n";
-  write_text(dir / "config.yaml", y.str());
+  const fs::path dir = fresh_dir(work_root("mf") / name);
+  TinyRun t;
+  t.layers = layers;
+  t.model_extra = "  quantize_lm_head: false\n";
+  t.output_extra = "  checkpoint_every: 0\n  keep: 5\n";
+  t.log = "  tensorboard: false\n";
+  t.write(dir);
   return dir;
 }
 
 Result q4train(const fs::path& dir, std::vector<std::string> sets, const std::string& tag,
                std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
-  for (const auto& s : sets) {
-    a.push_back("--set");
-    a.push_back(s);
-  }
+  std::vector<std::string> a = config_args(dir, sets);
   a.insert(a.end(), extra.begin(), extra.end());
   return run_tool(kQ4train, dir, a, tag);
 }

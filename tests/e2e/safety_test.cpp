@@ -19,53 +19,35 @@
 #include <sstream>
 #include <thread>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 #include "q4/trainer/run_dir.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run);
 // checkpoint_every < 0 leaves the key out (the default cadence).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir = work_root("safety") / name;
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  write_text(dir / "model.json", tiny_model_config(1));
-  write_text(dir / "data.tsv", "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kSource
-    << "/assets/qwen3/tokenizer.json\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
-    << "  steps: " << steps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
-    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [data.tsv]\n"
-    << "eval:\n  prompts: []\n"
-    << "output:\n  dir: " << (dir / "run").string() << "\n  keep: 5\n"
-    << "  verify_export: false\n";
-  if (checkpoint_every >= 0) y << "  checkpoint_every: " << checkpoint_every << "\n";
-  write_text(dir / "config.yaml", y.str());
+  const fs::path dir = fresh_dir(work_root("safety") / name);
+  TinyRun t;
+  t.steps = steps;
+  t.output_extra = "  keep: 5\n  verify_export: false\n";
+  if (checkpoint_every >= 0)
+    t.output_extra += "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n";
+  t.write(dir);
   return dir;
 }
 
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
            const std::string& env = "") {
-  return run_captured((env.empty() ? "" : env + " ") + kQ4train + quoted(args),
-                      dir / (tag + ".out"), dir / (tag + ".err"));
-}
-
-// --config dir/config.yaml plus --set for each of `sets`.
-std::vector<std::string> with_config(const fs::path& dir, const std::vector<std::string>& sets) {
-  std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
-  for (const auto& s : sets) {
-    a.push_back("--set");
-    a.push_back(s);
-  }
-  return a;
+  return run_in(dir, tag, (env.empty() ? "" : env + " ") + kQ4train + quoted(args));
 }
 
 // Every regular file under `root` (relative path -> bytes) and its modification time.
@@ -103,7 +85,7 @@ TEST(Safety, ResumeOfACopyLeavesTheOriginalUntouched) {
   const fs::path dir = setup_dir("copy", 4, 2);
   // An absolute export path inside output.dir moves with the run, as a relative one does.
   const std::string exp = "output.export_path=" + (dir / "run" / "final.dat").string();
-  Result r = run(dir, with_config(dir, {exp}), "a");
+  Result r = run(dir, config_args(dir, {exp}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   ASSERT_TRUE(fs::exists(dir / "run" / "step_000004" / "DONE"));
   ASSERT_EQ(
@@ -137,7 +119,7 @@ TEST(Safety, ResumeOfACopyLeavesTheOriginalUntouched) {
 // final model. An export never replaces a newer one unless --overwrite; the hint names a new file.
 TEST(Safety, ExportNeverReplacesANewerModel) {
   const fs::path dir = setup_dir("newer", 4, 2);
-  Result r = run(dir, with_config(dir, {}), "a");
+  Result r = run(dir, config_args(dir, {}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   const fs::path model = dir / "run" / "model.dat";
   const std::string final_bytes = read_text(model);
@@ -179,14 +161,14 @@ TEST(Safety, OutputsNeverReplaceTheConfigDataOrAForeignFile) {
   const std::string config = read_text(dir / "config.yaml");
   const std::string data = read_text(dir / "data.tsv");
   Result r =
-      run(dir, with_config(dir, {"output.export_path=" + (dir / "config.yaml").string()}), "a");
+      run(dir, config_args(dir, {"output.export_path=" + (dir / "config.yaml").string()}), "a");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "the config file")) << r.err;
   EXPECT_FALSE(fs::exists(dir / "run"));
   EXPECT_EQ(read_text(dir / "config.yaml"), config);
 
   for (const char* target : {"data.tsv", "config.yaml"}) {
-    auto args = with_config(dir, {});
+    auto args = config_args(dir, {});
     args.insert(args.end(), {"--probe", "--probe-report", (dir / target).string()});
     r = run(dir, args, "b");
     EXPECT_EQ(r.code, 2) << target << ": " << r.err;
@@ -196,7 +178,7 @@ TEST(Safety, OutputsNeverReplaceTheConfigDataOrAForeignFile) {
   EXPECT_EQ(read_text(dir / "data.tsv"), data);
   EXPECT_EQ(read_text(dir / "config.yaml"), config);
   // A previous probe report is replaced.
-  auto args = with_config(dir, {});
+  auto args = config_args(dir, {});
   args.insert(args.end(), {"--probe", "--probe-report", (dir / "p.json").string()});
   ASSERT_EQ(run(dir, args, "c").code, 0);
   r = run(dir, args, "d");
@@ -228,11 +210,11 @@ TEST(Safety, NonRegularOutputsAreRefusedBeforeTheFirstStep) {
   fs::create_symlink("/dev/null", dir / "devnull");
   for (const char* target : {"fifo", "devnull"}) {
     const std::string p = (dir / target).string();
-    Result r = run(dir, with_config(dir, {"output.export_path=" + p}), "a");
+    Result r = run(dir, config_args(dir, {"output.export_path=" + p}), "a");
     EXPECT_EQ(r.code, 2) << target << ": " << r.err;
     EXPECT_TRUE(contains(r.err, "output.export_path")) << r.err;
     EXPECT_FALSE(fs::exists(dir / "run")) << target;
-    auto args = with_config(dir, {});
+    auto args = config_args(dir, {});
     args.insert(args.end(), {"--probe", "--probe-report", p});
     r = run(dir, args, "b");
     EXPECT_EQ(r.code, 2) << target << ": " << r.err;
@@ -241,14 +223,14 @@ TEST(Safety, NonRegularOutputsAreRefusedBeforeTheFirstStep) {
   // The HF folder and an entry of output.dir (the metrics file) as a FIFO.
   ASSERT_EQ(::mkfifo((dir / "x-hf").c_str(), 0644), 0);
   Result r = run(dir,
-                 with_config(dir, {"output.export_path=" + (dir / "x.dat").string(),
+                 config_args(dir, {"output.export_path=" + (dir / "x.dat").string(),
                                    "output.hf_export=modelopt"}),
                  "c");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "output.hf_export")) << r.err;
   fs::create_directories(dir / "run");
   ASSERT_EQ(::mkfifo((dir / "run" / "metrics.jsonl").c_str(), 0644), 0);
-  auto args = with_config(dir, {});
+  auto args = config_args(dir, {});
   args.push_back("--overwrite");
   r = run(dir, args, "d");
   EXPECT_EQ(r.code, 2) << r.err;
@@ -263,7 +245,7 @@ TEST(Safety, NonRegularOutputsAreRefusedBeforeTheFirstStep) {
 // Item 7: checkpoints are on by default (no checkpoint_every in this config).
 TEST(Safety, LastStepIsCheckpointedBeforeTheEndEvalByDefault) {
   const fs::path dir = setup_dir("endeval", 3, -1);
-  Result r = run(dir, with_config(dir, {}), "a", "Q4_FAULT=endeval:0:3");
+  Result r = run(dir, config_args(dir, {}), "a", "Q4_FAULT=endeval:0:3");
   EXPECT_EQ(r.code, 1) << r.err;
   EXPECT_TRUE(contains(r.err, "end-of-run eval fails")) << r.err;
   EXPECT_TRUE(fs::exists(dir / "run" / "step_000003" / "DONE")) << r.out;
@@ -277,14 +259,14 @@ TEST(Safety, LastStepIsCheckpointedBeforeTheEndEvalByDefault) {
 TEST(Safety, CheckpointsByTime) {
   const fs::path dir = setup_dir("minutes", 3, -1);
   // 0.0001 minutes (6 ms) is shorter than a step: every step is checkpointed.
-  Result r = run(dir, with_config(dir, {"output.checkpoint_minutes=0.0001"}), "a");
+  Result r = run(dir, config_args(dir, {"output.checkpoint_minutes=0.0001"}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   for (const char* s : {"step_000001", "step_000002", "step_000003"}) {
     EXPECT_TRUE(fs::exists(dir / "run" / s / "DONE")) << s << "\n" << r.out;
   }
   // Both cadences off: no checkpoint.
   q4::io::remove_tree(dir / "run");
-  r = run(dir, with_config(dir, {"output.checkpoint_minutes=0"}), "b");
+  r = run(dir, config_args(dir, {"output.checkpoint_minutes=0"}), "b");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_FALSE(fs::exists(dir / "run" / "step_000003"));
 }
@@ -294,7 +276,7 @@ TEST(Safety, CheckpointsByTime) {
 TEST(Safety, TimedCheckpointsAgreeAcrossRanks) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path dir = setup_dir("minutes2", 3, -1);
-  auto args = with_config(dir, {"output.checkpoint_minutes=0.0001", "output.export_path=none"});
+  auto args = config_args(dir, {"output.checkpoint_minutes=0.0001", "output.export_path=none"});
   args.insert(args.end(), {"--nproc", "2", "--dist-timeout", "60"});
   const Result r = run(dir, args, "a");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -356,7 +338,7 @@ TEST(Safety, StopDuringSetUpLeavesNothingThatBlocksTheSameCommand) {
   ASSERT_TRUE(WIFEXITED(status)) << log;
   EXPECT_EQ(WEXITSTATUS(status), 0) << log;
   ASSERT_TRUE(contains(log, "during set-up")) << "the signal missed set-up:\n" << log;
-  const Result r = run(dir, with_config(dir, {"train.steps=1"}), "b");
+  const Result r = run(dir, config_args(dir, {"train.steps=1"}), "b");
   EXPECT_EQ(r.code, 0) << r.err;
 }
 
@@ -364,7 +346,7 @@ TEST(Safety, StopDuringSetUpLeavesNothingThatBlocksTheSameCommand) {
 // state is missing gave a bare JSON exception, exit 1).
 TEST(Safety, ResumeStateErrorsNameTheFileAndThePreviousCheckpoint) {
   const fs::path dir = setup_dir("state", 4, 2);
-  Result r = run(dir, with_config(dir, {"output.export_path=none"}), "a");
+  Result r = run(dir, config_args(dir, {"output.export_path=none"}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   const fs::path ck = dir / "run" / "step_000004";
   auto state = nlohmann::json::parse(read_text(ck / "state.json"));
@@ -392,7 +374,7 @@ TEST(Safety, InputsThatAreNotRegularFilesAreNamed) {
   for (const auto& [value, kind] : std::vector<std::pair<std::string, std::string>>{
            {(dir / "fifo.tsv").string(), "a FIFO"},
            {(dir / "folder.tsv").string(), "a directory"}}) {
-    const Result r = run(dir, with_config(dir, {"data.files=[" + value + "]"}), "a", "timeout 60");
+    const Result r = run(dir, config_args(dir, {"data.files=[" + value + "]"}), "a", "timeout 60");
     EXPECT_EQ(r.code, 2) << r.err;
     EXPECT_TRUE(contains(r.err, "data.files")) << r.err;
     EXPECT_TRUE(contains(r.err, kind)) << r.err;
@@ -416,7 +398,7 @@ TEST(Safety, ExportsNeverReplaceAFileThatIsNotThisRunsExport) {
   fs::create_directories(dir / "exports");
   write_text(dir / "exports" / "notes.dat", "precious");
   Result r =
-      run(dir, with_config(dir, {"output.export_path=" + (dir / "exports" / "notes.dat").string()}),
+      run(dir, config_args(dir, {"output.export_path=" + (dir / "exports" / "notes.dat").string()}),
           "a");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "unknown")) << r.err;
@@ -424,21 +406,21 @@ TEST(Safety, ExportsNeverReplaceAFileThatIsNotThisRunsExport) {
   EXPECT_FALSE(fs::exists(dir / "run"));
 
   write_text(dir / "exports" / "new.dat.json", "{\"my\": \"settings\"}");
-  r = run(dir, with_config(dir, {"output.export_path=" + (dir / "exports" / "new.dat").string()}),
+  r = run(dir, config_args(dir, {"output.export_path=" + (dir / "exports" / "new.dat").string()}),
           "b");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "not q4train's export record")) << r.err;
   EXPECT_EQ(read_text(dir / "exports" / "new.dat.json"), "{\"my\": \"settings\"}");
 
   // output.dir itself as the export: refused up front, not after training.
-  r = run(dir, with_config(dir, {"output.export_path=" + (dir / "run").string()}), "c");
+  r = run(dir, config_args(dir, {"output.export_path=" + (dir / "run").string()}), "c");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(contains(r.err, "is a directory")) << r.err;
   EXPECT_FALSE(fs::exists(dir / "run"));
 
   // A run exporting outside its directory, copied and resumed: the original's export stays.
   const std::string final_dat = (dir / "exports" / "final.dat").string();
-  r = run(dir, with_config(dir, {"output.export_path=" + final_dat}), "d");
+  r = run(dir, config_args(dir, {"output.export_path=" + final_dat}), "d");
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string original = read_text(final_dat);
   ASSERT_EQ(
@@ -464,7 +446,7 @@ TEST(Safety, ExportsNeverReplaceAFileThatIsNotThisRunsExport) {
 // weights (their trained masters are only in the checkpoint): refused, naming the key.
 TEST(Safety, ResumeWithAnotherTrainableSetIsRefused) {
   const fs::path dir = setup_dir("trainable", 4, 2);
-  Result r = run(dir, with_config(dir, {"output.export_path=none"}), "a");
+  Result r = run(dir, config_args(dir, {"output.export_path=none"}), "a");
   ASSERT_EQ(r.code, 0) << r.err;
   r = run(dir,
           {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change",

@@ -22,17 +22,18 @@
 #include <sstream>
 #include <thread>
 
-#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
+#include "q4/test/files.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
+#include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-using namespace q4::e2e;
+using namespace q4::test;
 
-const std::string kBin = Q4_BIN_DIR;
-const std::string kTokenizer = kSource + "/assets/qwen3/tokenizer.json";
 const std::string kSystemPrompt = "You answer in one word.";
 
 // `cmd` under sh with a 60 s timeout and an 8 GB address-space limit; stdout and stderr apart.
@@ -41,31 +42,23 @@ Result sh(const std::string& cmd, const fs::path& dir) {
                       dir / "sh.err");
 }
 
-std::string config_yaml(const fs::path& dir, const std::string& run, int64_t steps) {
-  std::ostringstream y;
-  y << "model:\n  config: model.json\n  tokenizer: " << kTokenizer
-    << "\n  init: random\n  init_seed: 3\n  device: cpu\n"
-    << "train:\n  trainable: {layers: all, projections: true, norms: true, lm_head: false}\n"
-    << "  steps: " << steps << "\n  batch_size: 2\n  seq_len: 32\n  seed: 5\n"
-    << "optim:\n  lr: 1.0e-3\n  state: int8\n"
-    << "data:\n  files: [data.tsv]\n  system_prompt: " << kSystemPrompt << "\n"
-    << "eval:\n  prompts: []\n"
-    << "log:\n  every: 1\n"
-    << "output:\n  dir: " << (dir / run).string() << "\n  hf_export: modelopt\n";
-  return y.str();
+// The tools' tiny run: its output in <dir>/<run>, the system prompt, an HF export.
+TinyRun tiny_run(const std::string& run, int64_t steps) {
+  TinyRun t;
+  t.steps = steps;
+  t.data_extra = "  system_prompt: " + kSystemPrompt + "\n";
+  t.run = run;
+  t.output_extra = "  hf_export: modelopt\n";
+  t.log = "  every: 1\n";
+  return t;
 }
 
 // One trained run shared by the tests: dir/run with model.dat, model-hf/ and config.yaml.
 class Tools : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = work_root("tools") / std::to_string(::getpid());
-    q4::io::remove_tree(dir_);
-    fs::create_directories(dir_);
-    write_text(dir_ / "model.json", tiny_model_config(1));
-    write_text(dir_ / "data.tsv",
-               "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n");
-    write_text(dir_ / "config.yaml", config_yaml(dir_, "run", 2));
+    dir_ = fresh_dir(work_root("tools") / std::to_string(::getpid()));
+    tiny_run("run", 2).write(dir_);
     train_ = sh(kQ4train + " --config " + (dir_ / "config.yaml").string(), dir_);
   }
   static void TearDownTestSuite() { q4::io::remove_tree(dir_); }
@@ -246,7 +239,7 @@ TEST_F(Tools, OpensTheHfFolderAndAppliesTheRunSystemPrompt) {
 // report.html is rewritten on the log cadence with a reload tag while the run is live, and
 // without it once the run has stopped.
 TEST_F(Tools, ReportIsLiveDuringTheRun) {
-  write_text(dir_ / "long.yaml", config_yaml(dir_, "long", 100000));
+  write_text(dir_ / "long.yaml", tiny_run("long", 100000).yaml(dir_));
   const fs::path run = dir_ / "long";
   const std::string out = (dir_ / "long.out").string();
   const pid_t pid = spawn_logged(

@@ -16,7 +16,8 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
-#include "temp_dir.h"
+#include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
 
 namespace q4::model {
 namespace {
@@ -25,20 +26,9 @@ const std::string kFixtures = Q4_FIXTURES_DIR;
 const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
 const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
 
-struct ToolResult {
-  int code;
-  std::string err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-ToolResult run_tool(const std::string& dir, const std::string& cmd_line) {
-  const std::string err = dir + "/stderr";
-  const int status = std::system((cmd_line + " >/dev/null 2>" + err).c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(err)};
+// `cmd_line` with its stdout discarded and its stderr in dir/stderr.
+q4::test::Result run_tool(const std::string& dir, const std::string& cmd_line) {
+  return q4::test::run_captured(cmd_line, "/dev/null", dir + "/stderr");
 }
 
 // Copies the tiny fixture, replacing `key` by `replace(tensor)`.
@@ -66,7 +56,7 @@ std::string load_error(const std::string& path) {
   return "<no error>";
 }
 
-TEST(Hardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string nan_norm = tmp.path("nan_norm.dat"), inf_embed = tmp.path("inf_embed.dat");
   copy_with(nan_norm, "model.norm.weight", [](at::Tensor t) {
@@ -89,7 +79,7 @@ TEST(Hardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
   EXPECT_NE(msg.find("[5, 2]"), std::string::npos) << msg;
 }
 
-TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan_scale.dat");
   const std::string key = "model.layers.0.mlp.down_proj.weight.scale";
@@ -106,7 +96,7 @@ TEST(Hardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
 
 // A block scale with the sign bit (NVFP4 scales are >= 0; the HF layouts cannot carry it) is a
 // load error like the NaN code, not something only the HF export refuses after training.
-TEST(Hardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
+TEST(ModelHardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("neg_scale.dat");
   const std::string key = "model.layers.1.self_attn.o_proj.weight.scale";
@@ -124,7 +114,7 @@ TEST(Hardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
 
 // config.json and the file disagree on the layer count: an error naming both and both counts
 // (fewer in the config used to drop the file's extra layers silently).
-TEST(Hardening, LayerCountMismatchIsALoadError) {
+TEST(ModelHardening, LayerCountMismatchIsALoadError) {
   DatReader r(kWeights);
   for (int layers : {1, 3}) {
     Qwen3Config c = Qwen3Config::from_json_file(kConfig);
@@ -143,7 +133,7 @@ TEST(Hardening, LayerCountMismatchIsALoadError) {
   }
 }
 
-TEST(Hardening, Q4genWithNanWeightsExits2) {
+TEST(ModelHardening, Q4genWithNanWeightsExits2) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan.dat");
   copy_with(path, "model.norm.weight", [](at::Tensor t) {
@@ -151,17 +141,18 @@ TEST(Hardening, Q4genWithNanWeightsExits2) {
     t[0] = NAN;
     return t;
   });
-  const ToolResult r = run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig +
-                                               " --weights " + path + " --prompt-ids 1,2,3");
+  const q4::test::Result r =
+      run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
+                              path + " --prompt-ids 1,2,3");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("model.norm.weight"), std::string::npos) << r.err;
 }
 
-TEST(Hardening, ToolNumericArgumentsAreRangeChecked) {
+TEST(ModelHardening, ToolNumericArgumentsAreRangeChecked) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string gen = std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
                           kWeights + " --prompt-ids 1,2";
-  ToolResult r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
+  q4::test::Result r = run_tool(tmp.dir(), gen + " --max-new-tokens 99999999999999999999");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--max-new-tokens"), std::string::npos) << r.err;
   const std::string init =

@@ -3,6 +3,8 @@
 // exported bytes equal the .dat's qdata/scale; a BF16 folder made here imports to the scalar
 // NVFP4 reference bit-exactly and byte-identically to `q4dat quantize` of the same weights;
 // global scales other than 1 are folded; NaN/negative scales and broken folders are errors.
+#include "q4/model/hf_interop.h"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,11 +16,11 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/io/remove_tree.h"
-#include "q4/model/hf_interop.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
 #include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
+#include "q4/test/files.h"
 
 namespace q4::model {
 namespace {
@@ -33,10 +35,7 @@ json read_json(const fs::path& p) {
   return json::parse(in);
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+using q4::test::read_text;
 
 class HfInteropTest : public ::testing::Test {
  protected:
@@ -107,7 +106,8 @@ TEST_F(HfInteropTest, DatToHfToDatIsByteIdentical) {
     EXPECT_EQ(irep.quantized, c.lm_head ? 0 : 1) << i;  // tied: lm_head from the embedding
     EXPECT_TRUE(irep.ignored.empty());
     if (c.lm_head) {
-      EXPECT_EQ(slurp(src), slurp(back)) << "case " << i << ": round trip not byte-identical";
+      EXPECT_EQ(read_text(src), read_text(back))
+          << "case " << i << ": round trip not byte-identical";
     } else {
       // The tied .dat has no lm_head; the import adds the shipped layout's separate lm_head.
       const DatReader a(src), b(back);
@@ -268,7 +268,7 @@ TEST_F(HfInteropTest, Bf16FolderMatchesReferenceAndQuantizeTool) {
   const std::string cmd = tool + " quantize " + path("dense.dat") + " " + path("tool.dat") +
                           " --match '_proj|lm_head' --qdata-elem 0 > /dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  EXPECT_EQ(slurp(path("tool.dat")), slurp(path("imported.dat")));
+  EXPECT_EQ(read_text(path("tool.dat")), read_text(path("imported.dat")));
 }
 
 // NVFP4 checkpoints whose global scale is not 1: the scale is folded into the blocks.

@@ -1,14 +1,15 @@
 // Small helpers shared by the optimizer tests (CPU and CUDA): exact tensor comparison, seeded
-// CPU generators, and the message of the c10::Error a call throws.
+// CPU generators, and error_of from the support library.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+
+#include "q4/test/error_of.h"
 
 namespace q4::optim::test {
 
@@ -21,15 +22,6 @@ inline bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
 
 inline at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
-// The message of the c10::Error that fn() throws, or "" when it throws none.
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return std::string(e.what_without_backtrace());
-  }
-  return std::string();
-}
+using q4::test::error_of;
 
 }  // namespace q4::optim::test

@@ -1,6 +1,7 @@
 // CPU tests of the NVFP4 codec: the scalar references against the spec (E4M3 tie cases, E2M1
 // thresholds) and against the independent golden fixture, the vectorized CPU path against both,
-// fp16/bf16 inputs, requantization behaviour, the straight-through gradient, and input errors.
+// fp16/bf16 inputs, requantization behaviour, the straight-through gradient, and input errors;
+// the ops on every backend (Nvfp4Backend: cpu, cuda) and the CUDA kernels against the CPU path.
 // Codes and scales are compared bit-exactly; dequantized values exactly (bitwise).
 #include "q4/quant/nvfp4.h"
 
@@ -11,6 +12,8 @@
 #include <string>
 
 #include "golden_dat.h"
+#include "q4/test/backends.h"
+#include "q4/test/error_of.h"
 
 namespace q4::quant {
 namespace {
@@ -36,7 +39,7 @@ bool representable(const at::Tensor& x, at::ScalarType dtype) {
   return bit_equal(x.to(dtype).to(at::kFloat), x);
 }
 
-// Mixed magnitudes: each row scaled by 10^k, k in [-9, 4], and a few exact zeros / -0.0.
+// Mixed magnitudes: each row scaled by 10^k, k in [-9, 4], and a few exact zeros / -0.0 (fp32).
 at::Tensor mixed_random(int64_t rows, int64_t cols, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   at::Tensor x = at::randn({rows, cols}, gen, at::kFloat);
@@ -45,6 +48,13 @@ at::Tensor mixed_random(int64_t rows, int64_t cols, uint64_t seed) {
   x.index_put_({0, torch::indexing::Slice(0, 16)}, 0.0);
   x.index_put_({1, torch::indexing::Slice(0, 16)}, -0.0);
   return x;
+}
+
+// mixed_random in `dtype`, clamped to the fp16 range when the dtype is fp16.
+at::Tensor mixed_random(int64_t rows, int64_t cols, uint64_t seed, at::ScalarType dtype) {
+  at::Tensor x = mixed_random(rows, cols, seed);
+  if (dtype == at::kHalf) x = x.clamp(-6e4, 6e4);
+  return x.to(dtype);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -308,20 +318,6 @@ TEST(Nvfp4Requant, SmallWeightsMoveRarely) {
 }
 
 // ---------------------------------------------------------------------------------------------
-TEST(Nvfp4Autograd, StraightThroughGradient) {
-  for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-    const at::Tensor w = at::randn({8, 64}, gen).to(dtype).requires_grad_(true);
-    const at::Tensor gout = at::randn({8, 64}, gen).to(dtype);
-    const at::Tensor y = fake_quant_nvfp4(w);
-    EXPECT_EQ(y.scalar_type(), dtype);
-    EXPECT_TRUE(bit_equal(y.detach(), fake_quant_nvfp4_forward(w.detach())));
-    y.backward(gout);
-    ASSERT_TRUE(w.grad().defined());
-    EXPECT_TRUE(bit_equal(w.grad(), gout));
-  }
-}
-
 TEST(Nvfp4Autograd, ComposesWithMatmul) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
   const at::Tensor w = at::randn({16, 32}, gen).requires_grad_(true);
@@ -332,30 +328,7 @@ TEST(Nvfp4Autograd, ComposesWithMatmul) {
 }
 
 // ---------------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-TEST(Nvfp4Errors, NonFiniteNamesTheTensor) {
-  for (float bad : {NAN, INFINITY, -INFINITY}) {
-    at::Tensor x = at::ones({4, 32});
-    x[2][17] = bad;
-    const std::string msg = error_of([&] { quantize_nvfp4(x, "layers.3.mlp.up_proj.weight"); });
-    EXPECT_NE(msg.find("layers.3.mlp.up_proj.weight"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("[2, 17]"), std::string::npos) << msg;
-    EXPECT_NE(error_of([&] { fake_quant_nvfp4_forward(x.to(at::kHalf), "w_h"); }).find("w_h"),
-              std::string::npos);
-    EXPECT_NE(error_of([&] { quantize_nvfp4_ref(x); }), "");
-  }
-  at::Tensor x = at::ones({4, 32});
-  x[0][0] = NAN;
-  EXPECT_NE(error_of([&] { fake_quant_nvfp4(x); }), "");
-}
+using q4::test::error_of;
 
 TEST(Nvfp4Errors, ShapeAndDtype) {
   const std::string cols = error_of([] { quantize_nvfp4(at::ones({4, 24}), "w"); });
@@ -382,6 +355,169 @@ TEST(Nvfp4Errors, EmptyTensorIsFine) {
   const Nvfp4Tensor q = quantize_nvfp4(at::zeros({0, 32}));
   EXPECT_EQ(q.qdata.sizes(), (std::vector<int64_t>{0, 16}));
   EXPECT_EQ(fake_quant_nvfp4_forward(at::zeros({0, 32})).numel(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The NVFP4 ops on every backend (cpu, cuda), one body each. Tolerance of every op against its
+// reference, on every backend: none. Codes, scales, dequantized and fake-quantized values are
+// bit-equal by construction (each backend computes the same E4M3 scale and E2M1 codes with the
+// same rounding, and the dequantized values are exact in fp32, fp16 and bf16), so every check
+// is bit_equal.
+class Nvfp4Backend : public q4::test::BackendTest {};
+
+TEST_P(Nvfp4Backend, GoldenCases) {
+  for (int c = 0; c < kGoldenCases; ++c) {
+    const at::Tensor in = g(c, "input");
+    for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      if (!representable(in, dt)) continue;  // only exactly representable
+      SCOPED_TRACE("case" + std::to_string(c) + " " + c10::toString(dt));
+      const at::Tensor x = in.to(dt).to(device());
+      const Nvfp4Tensor q = quantize_nvfp4(x);
+      EXPECT_TRUE(bit_equal(q.qdata, g(c, "weight.qdata")));
+      EXPECT_TRUE(bit_equal(q.scale, g(c, "weight.scale")));
+      EXPECT_TRUE(bit_equal(dequantize_nvfp4(q.qdata, q.scale, at::kFloat), g(c, "dequant")));
+      EXPECT_TRUE(bit_equal(fake_quant_nvfp4_forward(x), g(c, "dequant").to(dt)));
+    }
+  }
+}
+
+TEST_P(Nvfp4Backend, StraightThroughGradient) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const at::Tensor& w0 : {at::randn({8, 64}, gen).to(dt), mixed_random(32, 64, 2, dt)}) {
+      const at::Tensor w = w0.to(device()).requires_grad_(true);
+      const at::Tensor gout = at::randn(w0.sizes(), gen).to(dt).to(device());
+      const at::Tensor y = fake_quant_nvfp4(w);
+      EXPECT_EQ(y.scalar_type(), dt);
+      EXPECT_TRUE(bit_equal(y.detach(), fake_quant_nvfp4_forward(w.detach())));
+      y.backward(gout);
+      ASSERT_TRUE(w.grad().defined());
+      EXPECT_TRUE(bit_equal(w.grad(), gout));
+    }
+  }
+}
+
+// A NaN or Inf is an error naming the tensor and the element; on CUDA the unchecked variant
+// leaves the offending block NaN and the rest exact.
+TEST_P(Nvfp4Backend, NonFiniteIsAnErrorNamingTheTensor) {
+  const auto opts = at::TensorOptions().device(device());
+  for (float bad : {NAN, INFINITY, -INFINITY}) {
+    at::Tensor x = at::ones({4, 32}, opts);
+    x[2][17] = bad;
+    const std::string msg = error_of([&] { quantize_nvfp4(x, "layers.3.mlp.up_proj.weight"); });
+    EXPECT_NE(msg.find("layers.3.mlp.up_proj.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[2, 17]"), std::string::npos) << msg;
+    EXPECT_NE(error_of([&] { fake_quant_nvfp4_forward(x.to(at::kHalf), "w_h"); }).find("w_h"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { quantize_nvfp4_ref(x.cpu()); }), "");
+  }
+  at::Tensor x = at::ones({4, 32}, opts);
+  x[0][0] = NAN;
+  EXPECT_NE(error_of([&] { fake_quant_nvfp4(x); }), "");
+
+  for (float bad : {NAN, INFINITY}) {
+    at::Tensor x = at::ones({64, 64}, opts);
+    x[5][33] = bad;
+    const std::string msg = error_of([&] { fake_quant_nvfp4_forward(x, "blk.w"); });
+    EXPECT_NE(msg.find("blk.w"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[5, 33]"), std::string::npos) << msg;
+    EXPECT_THROW(quantize_nvfp4(x.to(at::kBFloat16), "w"), c10::Error);
+    // The CUDA kernel alone has an unchecked variant (the CPU path always checks): no error, the
+    // offending block (row 5, cols 32..47) is NaN, the rest exact.
+    if (!on_cuda()) continue;
+    const at::Tensor y = fake_quant_nvfp4_forward_unchecked(x.to(at::kHalf));
+    EXPECT_TRUE(at::isnan(y[5].slice(0, 32, 48)).all().item<bool>());
+    EXPECT_EQ(at::isnan(y).sum().item<int64_t>(), 16);
+    at::Tensor clean = x.clone();
+    clean[5].slice(0, 32, 48).fill_(1.0);
+    const at::Tensor expect = fake_quant_nvfp4_forward(clean.to(at::kHalf));
+    EXPECT_TRUE(at::equal(y.slice(0, 0, 5), expect.slice(0, 0, 5)));
+  }
+}
+
+// fake-quant straight into the other 16-bit dtype (the model's fp16 master -> bf16 compute
+// weight) equals fake-quant then a cast, bit for bit: the values are exact in both dtypes.
+TEST_P(Nvfp4Backend, CastOutputEqualsFakeQuantThenCast) {
+  at::Generator gen = at::detail::createCPUGenerator(5);
+  const at::Tensor w32 = at::randn({1024, 320}, gen) * 0.05;
+  for (auto [in, out] : {std::pair{at::kHalf, at::kBFloat16}, std::pair{at::kBFloat16, at::kHalf},
+                         std::pair{at::kHalf, at::kHalf}, std::pair{at::kFloat, at::kBFloat16}}) {
+    const at::Tensor w = w32.to(in).to(device());
+    const at::Tensor direct = fake_quant_nvfp4_forward_unchecked(w, out);
+    const at::Tensor ref = fake_quant_nvfp4_forward(w).to(out);
+    EXPECT_EQ(direct.scalar_type(), out);
+    EXPECT_TRUE(at::equal(direct.cpu(), ref.cpu())) << in << " -> " << out;
+  }
+}
+
+Q4_INSTANTIATE_BACKENDS(Nvfp4Backend);
+
+// ---------------------------------------------------------------------------------------------
+// The CUDA kernels against the CPU path (itself tested against the scalar reference above) on
+// large random tensors of every dtype, extreme magnitudes, odd shapes and unaligned inputs:
+// codes, scales, fake-quant and dequantize bit-equal. Every test skips without a GPU.
+#define Q4_REQUIRE_CUDA()                                            \
+  do {                                                               \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU"; \
+  } while (0)
+
+const at::Device kCuda(at::kCUDA, 0);
+
+void expect_cuda_matches_cpu(const at::Tensor& x_cpu) {
+  const at::Tensor x = x_cpu.to(kCuda);
+  const Nvfp4Tensor cpu = quantize_nvfp4(x_cpu);
+  const Nvfp4Tensor gpu = quantize_nvfp4(x);
+  ASSERT_TRUE(gpu.qdata.is_cuda());
+  EXPECT_TRUE(bit_equal(gpu.qdata, cpu.qdata)) << "codes differ";
+  EXPECT_TRUE(bit_equal(gpu.scale, cpu.scale)) << "scales differ";
+  const at::Tensor fq = fake_quant_nvfp4_forward(x);
+  EXPECT_EQ(fq.scalar_type(), x.scalar_type());
+  EXPECT_TRUE(bit_equal(fq, fake_quant_nvfp4_forward(x_cpu))) << "fake-quant differs";
+  EXPECT_TRUE(bit_equal(fake_quant_nvfp4_forward_unchecked(x), fq)) << "unchecked differs";
+  for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    EXPECT_TRUE(bit_equal(dequantize_nvfp4(gpu.qdata, gpu.scale, dt),
+                          dequantize_nvfp4(cpu.qdata, cpu.scale, dt)))
+        << "dequantize differs for " << dt;
+  }
+}
+
+TEST(Nvfp4Cuda, LargeRandomAllDtypes) {
+  Q4_REQUIRE_CUDA();
+  for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dt));
+    expect_cuda_matches_cpu(mixed_random(4096, 4096, 21, dt));
+  }
+}
+
+TEST(Nvfp4Cuda, ExtremesAndOddShapes) {
+  Q4_REQUIRE_CUDA();
+  // Huge (scale clamps at 448), tiny (scale underflows to 0), a single block, a block count that
+  // is not a multiple of the warp's lane groups.
+  expect_cuda_matches_cpu(at::linspace(-3.0, 3.0, 64, at::kFloat).view({2, 32}) * 1e38);
+  expect_cuda_matches_cpu(at::linspace(-1e-4, 1e-4, 64, at::kFloat).view({2, 32}));
+  expect_cuda_matches_cpu(at::linspace(-3.0, 2.0, 16, at::kFloat).view({1, 16}));
+  for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    expect_cuda_matches_cpu(mixed_random(37, 48, 4, dt));
+  }
+}
+
+TEST(Nvfp4Cuda, UnalignedAndStridedInput) {
+  Q4_REQUIRE_CUDA();
+  for (at::ScalarType dt : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    // Offset by one element: contiguous but not 16-byte aligned (scalar-load kernel variant).
+    const at::Tensor base = mixed_random(2, 4112, 8, dt).to(kCuda);  // >= 64 * 128 + 1 elements
+    const at::Tensor x = base.view({-1}).narrow(0, 1, 64 * 128).view({64, 128});
+    ASSERT_NE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16, 0u);
+    const at::Tensor x_cpu = x.cpu();
+    const Nvfp4Tensor gpu = quantize_nvfp4(x);
+    const Nvfp4Tensor cpu = quantize_nvfp4(x_cpu);
+    EXPECT_TRUE(bit_equal(gpu.qdata, cpu.qdata));
+    EXPECT_TRUE(bit_equal(gpu.scale, cpu.scale));
+    EXPECT_TRUE(bit_equal(fake_quant_nvfp4_forward(x), fake_quant_nvfp4_forward(x_cpu)));
+    // Transposed (non-contiguous) input goes through .contiguous().
+    const at::Tensor t = mixed_random(64, 32, 9, dt).to(kCuda).t();
+    EXPECT_TRUE(bit_equal(fake_quant_nvfp4_forward(t), fake_quant_nvfp4_forward(t.cpu())));
+  }
 }
 
 }  // namespace

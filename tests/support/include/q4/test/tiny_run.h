@@ -1,0 +1,64 @@
+// The tiny run of the end-to-end tests: a random-init Qwen3 of hidden size 32 with the real
+// vocabulary (the tokenizer has 151669 ids, so the tests tokenize real text), a few lines of data
+// and a config.yaml that trains it on the CPU, written into one folder. Each field is a section's
+// lines, so a test states only what it changes.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace q4::test {
+
+// The source tree and the built programs (bin/q4train, bin/q4dat, ...).
+inline const std::string kSource = Q4_SOURCE_DIR;
+inline const std::string kBin = Q4_BIN_DIR;
+inline const std::string kQ4train = kBin + "/q4train";
+inline const std::string kTokenizer = kSource + "/assets/qwen3/tokenizer.json";
+
+// Three prompt/answer lines of a TSV.
+inline const std::string kTinyTsv =
+    "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n";
+
+// config.json of the tiny Qwen3: hidden 32, `layers` decoder layers, untied lm_head.
+std::string tiny_model_config(int layers);
+
+struct TinyRun {
+  int layers = 1;
+  std::string data_file = "data.tsv";
+  std::string data = kTinyTsv;
+  std::string model_extra;  // lines added to model: (config, tokenizer, random init, cpu)
+  // train.trainable's value; "" leaves the key out.
+  std::string trainable = "{layers: all, projections: true, norms: true, lm_head: false}";
+  int64_t steps = 2;  // < 0 leaves train.steps out
+  int64_t batch_size = 2;
+  int64_t seq_len = 32;
+  std::string train_extra;  // lines added to train:
+  std::string optim = "  lr: 1.0e-3\n  state: int8\n";
+  std::string data_extra;  // lines added to data: (files: [data_file])
+  std::string eval = "  prompts: []\n";
+  std::string run = "run";   // output.dir is <dir>/<run>
+  std::string output_extra;  // lines added to output: (dir: <dir>/<run>)
+  std::string log;           // the lines of log:, left out when empty
+
+  // config.yaml for a run in `dir` (output.dir is dir/<run>).
+  std::string yaml(const std::filesystem::path& dir) const;
+  // Writes dir/model.json, dir/<data_file> and dir/config.yaml (dir created if missing); returns
+  // the config's path.
+  std::filesystem::path write(const std::filesystem::path& dir) const;
+};
+
+// {"--config", dir/config.yaml} followed by "--set", s for each of `sets`.
+std::vector<std::string> config_args(const std::filesystem::path& dir,
+                                     const std::vector<std::string>& sets = {});
+
+// Several CPU ranks need the trainer's Gloo process group (built only when libgloo-dev was found,
+// e.g. not on a GPU host whose LibTorch comes from a wheel): tests of them skip without it.
+#if defined(Q4_HAVE_GLOO) && Q4_HAVE_GLOO
+inline constexpr bool kCpuRanks = true;
+#else
+inline constexpr bool kCpuRanks = false;
+#endif
+
+}  // namespace q4::test
