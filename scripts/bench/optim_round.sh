@@ -19,12 +19,12 @@ if [ -n "${PREV:-}" ]; then
   prev_pid=$!
 fi
 cfg . build-gpu build || { tail -n 30 "$out/build.log"; exit 1; }
-cmake --build build-gpu -j12 --target ${TARGETS:-test_optim_cuda test_quant_cuda bench_optim} \
+cmake --build build-gpu -j12 --target ${TARGETS:-test_optim test_quant bench_optim} \
   >>"$out/build.log" 2>&1 || { grep -E "error" -A3 "$out/build.log" | head -n 60; exit 1; }
 echo "build ok in $(( $(date +%s) - t0 )) s"
 : >"$out/tests.log"
-for t in ${TESTS:-test_optim_cuda test_quant_cuda}; do
-  timeout 120 build-gpu/tests/$t 2>&1 | tail -n 60 >>"$out/tests.log"
+for t in ${TESTS:-test_optim test_quant}; do
+  timeout 120 build-gpu/tests/$t --gtest_filter="*/cuda:*Cuda*" 2>&1 | tail -n 60 >>"$out/tests.log"
 done
 grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|fp32-master" "$out/tests.log" | head -n 40
 if [ -n "$prev_pid" ]; then

@@ -19,13 +19,13 @@ if [ -n "${PREV_TREE:-}" ]; then
   prev_pid=$!
 fi
 q4_gpu_configure . build-gpu >"$work/build.log" 2>&1 || { tail -n 30 "$work/build.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" --target ${TARGETS:-q4train q4dat bench_optim test_model_cuda test_optim_cuda test_quant_cuda} \
+cmake --build build-gpu -j "$(nproc)" --target ${TARGETS:-q4train q4dat bench_optim test_model test_optim test_quant} \
   >>"$work/build.log" 2>&1 || { grep -E "error" -A3 "$work/build.log" | head -n 60; exit 1; }
 echo "build ok in $(( $(date +%s) - t0 )) s"
 
 # 1. CUDA tests.
-for t in ${TESTS:-test_quant_cuda test_optim_cuda test_model_cuda}; do
-  [ -x build-gpu/tests/$t ] && build-gpu/tests/$t 2>&1 | tail -n 60
+for t in ${TESTS:-test_quant test_optim test_model}; do
+  [ -x build-gpu/tests/$t ] && build-gpu/tests/$t --gtest_filter="*/cuda:*Cuda*" 2>&1 | tail -n 60
 done >"$out/cuda-tests.log"
 grep -E "FAILED|PASSED|Failure" "$out/cuda-tests.log" | head -20
 
