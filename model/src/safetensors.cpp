@@ -17,7 +17,7 @@
 #include <set>
 #include <sstream>
 
-#include "q4/model/atomic_file.h"
+#include "q4/io/atomic_file.h"
 
 namespace q4::model {
 
@@ -373,7 +373,7 @@ std::vector<std::string> SafetensorsModel::names() const {
 
 struct SafetensorsWriter::Impl {
   explicit Impl(const std::string& p) : file(p) {}
-  AtomicFile file;
+  io::AtomicFile file;
 };
 
 uint64_t SafetensorsWriter::tensor_bytes(const Decl& d) {
