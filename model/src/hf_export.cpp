@@ -14,7 +14,7 @@
 #include <map>
 
 #include "hf_interop_impl.h"
-#include "q4/model/atomic_file.h"
+#include "q4/io/atomic_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
 #include "q4/model/safetensors.h"
@@ -136,7 +136,7 @@ void copy_file_atomic(const fs::path& from, const fs::path& to) {
   std::ifstream in(from, std::ios::binary);
   TORCH_CHECK(in.good(), from.string(), ": cannot open");
   std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  write_file_atomic(to.string(), data);
+  io::write_file_atomic(to.string(), data);
 }
 
 // `p` made absolute and normalized, symbolic links resolved where they exist.
@@ -352,7 +352,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     w.commit();
   }
   json index = {{"metadata", {{"total_size", rep.payload_bytes}}}, {"weight_map", weight_map}};
-  write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(),
+  io::write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(),
                     index.dump(2) + "\n");
 
   // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
@@ -365,7 +365,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
                     {"kv_cache_quant_algo", nullptr},
                     {"exclude_modules", excluded}};
     json hq = {{"producer", {{"name", "q4train"}, {"version", "1"}}}, {"quantization", q}};
-    write_file_atomic((fs::path(out_dir) / "hf_quant_config.json").string(), hq.dump(2) + "\n");
+    io::write_file_atomic((fs::path(out_dir) / "hf_quant_config.json").string(), hq.dump(2) + "\n");
     qc = hq;
     qc["quant_method"] = "modelopt";
   } else {
@@ -393,7 +393,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   out_cfg["tie_word_embeddings"] = rep.tied;
   out_cfg["torch_dtype"] = "bfloat16";
   out_cfg["quantization_config"] = qc;
-  write_file_atomic((fs::path(out_dir) / "config.json").string(), out_cfg.dump(2) + "\n");
+  io::write_file_atomic((fs::path(out_dir) / "config.json").string(), out_cfg.dump(2) + "\n");
 
   if (!opt.tokenizer_dir.empty()) {
     fs::path dir = opt.tokenizer_dir;

@@ -2,6 +2,7 @@
 // element types. A trainable parameter is rewritten only when its master differs from what
 // load() would produce from the source entry (requantized with the NVFP4 rules, or cast back to
 // the source's raw type); everything else is copied byte-exactly. DatWriter makes it atomic.
+// write_dat() writes a model without a source file (a random init) in the same layout.
 #include <ATen/ATen.h>
 
 #include <optional>
@@ -77,6 +78,26 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path) con
     }
   }
   out.commit();
+}
+
+void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head) {
+  const auto& params = model.parameters();
+  auto quantized = [&](const Parameter& p) {
+    if (p.name == "lm_head.weight") return quantize_lm_head;
+    return p.quantized;
+  };
+  uint64_t count = 0;
+  for (const auto& p : params) count += quantized(p) ? 2 : 1;
+  DatWriter w(path, count);
+  for (const auto& p : params) {
+    if (quantized(p)) {
+      const auto q = q4::quant::quantize_nvfp4(p.master.to(at::kFloat), p.name);
+      w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, ElemType::kE2M1Packed);
+    } else {
+      w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), ElemType::kFloat16);
+    }
+  }
+  w.commit();
 }
 
 }  // namespace q4::model

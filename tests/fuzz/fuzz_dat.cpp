@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <string>
 
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = "/tmp/q4_fuzz_dat_" + std::to_string(::getpid()) + ".dat";
@@ -16,7 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::fwrite(data, 1, size, f);
   std::fclose(f);
   try {
-    q4::model::DatReader r(path);
+    q4::io::DatReader r(path);
     for (const auto& e : r.entries()) {
       if (e.nbytes <= (uint64_t{1} << 24)) (void)r.load(e);
     }

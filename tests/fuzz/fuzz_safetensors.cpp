@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <string>
 
-#include "q4/model/safetensors.h"
+#include "q4/io/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path =
@@ -18,7 +18,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::fwrite(data, 1, size, f);
   std::fclose(f);
   try {
-    q4::model::SafetensorsFile st(path);
+    q4::io::SafetensorsFile st(path);
     for (const auto& t : st.tensors()) {
       if (t.nbytes <= (uint64_t{1} << 24)) (void)st.load(t);
     }

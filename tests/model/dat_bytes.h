@@ -1,12 +1,13 @@
-// Hand-assembled .dat bytes for the container tests: the encoding of DESIGN.md written out
-// independently of model/src/dat_file.cpp, so the reader is tested against bytes it did not write.
+// Hand-assembled .dat bytes for the container tests: the encoding of docs/design.md written out
+// independently of io/src/dat_file.cpp, so the reader is tested against bytes it did not write
+// (and can be given bytes no writer would produce: the corrupt-file tests).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace q4::model::dat_bytes {
+namespace q4::io::dat_bytes {
 
 using Bytes = std::vector<uint8_t>;
 
@@ -28,4 +29,4 @@ inline void put_header(Bytes& b, const std::string& key, uint64_t type,
   for (uint64_t d : dims) put_uleb(b, d);
 }
 
-}  // namespace q4::model::dat_bytes
+}  // namespace q4::io::dat_bytes

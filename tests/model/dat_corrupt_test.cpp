@@ -1,4 +1,4 @@
-// Corrupt .dat input: each kind of damage DESIGN.md names is built by hand and must raise a
+// Corrupt .dat input: each kind of damage docs/design.md names is built by hand and must raise a
 // one-line c10::Error naming the file, the entry index and the key as far as it was read; a
 // truncation sweep (every prefix of a valid file) and seeded random byte flips must produce
 // either a valid file or such an error, never a crash, a hang or another exception type.
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "dat_bytes.h"
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 
-namespace q4::model {
+namespace q4::io {
 namespace {
 
 using dat_bytes::Bytes;
@@ -276,4 +276,4 @@ TEST_F(DatCorruptTest, RandomByteFlips) {
 }
 
 }  // namespace
-}  // namespace q4::model
+}  // namespace q4::io

@@ -1,8 +1,8 @@
 // DatReader/DatWriter against independently built bytes: files written by DatWriter must equal
-// byte-for-byte the encoding assembled by hand here from the DESIGN.md grammar, the fixtures
+// byte-for-byte the encoding assembled by hand here from the docs/design.md grammar, the fixtures
 // (written by the GPU machine's Python tooling) must index to their known layout, copy_from must
 // reproduce source bytes exactly, and a writer that does not commit must leave no trace.
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 
 #include <c10/util/Exception.h>
 #include <dirent.h>
@@ -21,7 +21,7 @@
 #include "dat_bytes.h"
 #include "temp_dir.h"
 
-namespace q4::model {
+namespace q4::io {
 namespace {
 
 using dat_bytes::Bytes;
@@ -47,14 +47,14 @@ void write_file(const std::string& path, const Bytes& b) {
 class DatFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tmp_ = std::make_unique<test::ScopedTempDir>("q4_dat_");
+    tmp_ = std::make_unique<model::test::ScopedTempDir>("q4_dat_");
     ASSERT_TRUE(tmp_->ok());
     dir_ = tmp_->dir();
   }
   void TearDown() override { tmp_.reset(); }
   std::vector<std::string> list_dir() const { return tmp_->list(); }
   std::string path(const std::string& name) const { return tmp_->path(name); }
-  std::unique_ptr<test::ScopedTempDir> tmp_;
+  std::unique_ptr<model::test::ScopedTempDir> tmp_;
   std::string dir_;
 };
 
@@ -402,4 +402,4 @@ TEST_F(DatFileTest, PayloadOver2GiB) {
 }
 
 }  // namespace
-}  // namespace q4::model
+}  // namespace q4::io

@@ -18,13 +18,18 @@
 #include <string>
 #include <vector>
 
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/quant/nvfp4.h"
 #include "temp_dir.h"
 
 namespace q4::model {
 namespace {
+
+using io::DatEntry;
+using io::DatReader;
+using io::DatWriter;
+using io::ElemType;
 
 const std::string kTool = std::string(Q4_BIN_DIR) + "/q4dat";
 const std::string kFixtures = Q4_FIXTURES_DIR;

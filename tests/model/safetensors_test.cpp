@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/io/remove_tree.h"
-#include "q4/model/safetensors.h"
+#include "q4/io/safetensors.h"
 
-namespace q4::model {
+namespace q4::io {
 namespace {
 
 namespace fs = std::filesystem;
@@ -210,4 +210,4 @@ TEST_F(SafetensorsTest, ShardedFolderThroughIndex) {
 }
 
 }  // namespace
-}  // namespace q4::model
+}  // namespace q4::io

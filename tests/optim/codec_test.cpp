@@ -5,13 +5,12 @@
 #include <torch/torch.h>
 
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <map>
 
 #include "../../optim/src/optim_math.h"  // code search helpers the kernels use
 #include "optim_test_util.h"
+#include "q4/io/dat_file.h"
 #include "q4/optim/state_codec.h"
 
 namespace q4::optim {
@@ -303,40 +302,9 @@ TEST(OptimCodec, VectorizedMatchesScalarReferenceBitExact) {
   }
 }
 
-// Tiny reader of the .dat container (DESIGN.md), enough for nvfp4_golden.dat.
+// Every entry of a small .dat fixture, through the real reader.
 std::map<std::string, at::Tensor> read_dat(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  const std::vector<uint8_t> buf((std::istreambuf_iterator<char>(in)),
-                                 std::istreambuf_iterator<char>());
-  size_t pos = 0;
-  auto uleb = [&]() {
-    uint64_t v = 0;
-    for (int shift = 0; pos < buf.size(); shift += 7) {
-      const uint8_t b = buf[pos++];
-      v |= static_cast<uint64_t>(b & 0x7f) << shift;
-      if (!(b & 0x80)) break;
-    }
-    return v;
-  };
-  std::map<std::string, at::Tensor> out;
-  const uint64_t count = uleb();
-  for (uint64_t e = 0; e < count; ++e) {
-    const uint64_t keylen = uleb();
-    const std::string key(reinterpret_cast<const char*>(buf.data() + pos), keylen);
-    pos += keylen;
-    const uint64_t elem = uleb();
-    std::vector<int64_t> dims(uleb());
-    for (auto& d : dims) d = static_cast<int64_t>(uleb());
-    const at::ScalarType t = elem == 6 ? at::kFloat : at::kByte;
-    at::Tensor x = at::empty(dims, t);
-    const size_t bytes = x.numel() * x.element_size();
-    EXPECT_LE(pos + bytes, buf.size()) << key;
-    std::memcpy(x.data_ptr(), buf.data() + pos, bytes);
-    pos += bytes;
-    out[key] = x;
-  }
-  return out;
+  return q4::io::DatReader(path).load_all();
 }
 
 TEST(OptimCodec, Nvfp4ModeMatchesGoldenFixture) {

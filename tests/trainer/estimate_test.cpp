@@ -1,7 +1,7 @@
 // Option mapping, parameter accounting and the VRAM probe on the tiny fixture model (CPU): the
 // trainer's view of parameter names/shapes/trainability must equal the model library's, the
 // budget's masters and moments follow from it, and the probe report has every phase with null
-// device fields on CPU. Also write_model_dat(): the random-init file loads back to exactly the
+// device fields on CPU. Also model::write_dat(): the random-init file loads back to exactly the
 // NVFP4 fake-quantized weights.
 #include "q4/trainer/estimate.h"
 
@@ -255,7 +255,7 @@ TEST(Trainer, WriteModelDatLoadsBackQuantized) {
   opt.master_dtype = at::kFloat;
   auto model = q4::model::Qwen3Model::random_init(mc, opt, 3, 0.05);
   const fs::path p = fs::temp_directory_path() / ("q4_init_" + std::to_string(::getpid()) + ".dat");
-  write_model_dat(model, p.string(), /*quantize_lm_head=*/false);
+  q4::model::write_dat(model, p.string(), /*quantize_lm_head=*/false);
   q4::model::DatReader reader(p.string());
   EXPECT_EQ(reader.find("lm_head.weight")->type, q4::model::ElemType::kFloat16);
   EXPECT_EQ(reader.find("model.layers.0.mlp.up_proj.weight.qdata")->type,

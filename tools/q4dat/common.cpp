@@ -10,7 +10,7 @@
 
 namespace q4::tools {
 
-using q4::model::DatReader;
+using q4::io::DatReader;
 
 std::vector<Nvfp4Pair> find_nvfp4_pairs(const DatReader& r, bool strict) {
   return as_input([&] { return r.nvfp4_pairs(strict); });

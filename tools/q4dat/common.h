@@ -5,14 +5,14 @@
 #include <string>
 #include <vector>
 
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 
 namespace q4::tools {
 
-using Nvfp4Pair = q4::model::DatNvfp4Pair;
+using Nvfp4Pair = q4::io::DatNvfp4Pair;
 
 // All NVFP4 pairs (DatReader::nvfp4_pairs); errors in strict mode are InputErrors.
-std::vector<Nvfp4Pair> find_nvfp4_pairs(const q4::model::DatReader& r, bool strict);
+std::vector<Nvfp4Pair> find_nvfp4_pairs(const q4::io::DatReader& r, bool strict);
 
 // A file a sub-command is about to write (OUT): refused with an InputError when it is one of
 // `inputs` (by resolved path), a directory, or anything but a regular file (a device, a FIFO, a

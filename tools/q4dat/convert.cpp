@@ -7,16 +7,16 @@
 #include <unordered_set>
 
 #include "common.h"
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 #include "q4/quant/nvfp4.h"
 #include "q4dat.h"
 
 namespace q4::tools {
 
-using q4::model::DatEntry;
-using q4::model::DatReader;
-using q4::model::DatWriter;
-using q4::model::ElemType;
+using q4::io::DatEntry;
+using q4::io::DatReader;
+using q4::io::DatWriter;
+using q4::io::ElemType;
 
 namespace {
 
@@ -51,7 +51,7 @@ int run_quantize(const QuantizeOptions& o) {
       throw InputError(fmt::format(
           "{}: entry {} '{}' matches --match '{}' but is {} {}; quantize needs a 2-D fp32/fp16/"
           "bf16 matrix whose column count is a multiple of {}",
-          o.in, i, e.key, o.match, q4::model::elem_type_name(e.type), shape_str(e.shape),
+          o.in, i, e.key, o.match, q4::io::elem_type_name(e.type), shape_str(e.shape),
           q4::quant::kNvfp4BlockSize));
     }
     for (const std::string& k : {e.key + ".qdata", e.key + ".scale"}) {

@@ -17,9 +17,9 @@
 
 namespace q4::tools {
 
-using q4::model::DatEntry;
-using q4::model::DatReader;
-using q4::model::ElemType;
+using q4::io::DatEntry;
+using q4::io::DatReader;
+using q4::io::ElemType;
 
 namespace {
 
@@ -47,7 +47,7 @@ double max_abs_of(const at::Tensor& ta, const at::Tensor& tb) {
 // Same type and shape assumed. Walks both payloads chunk by chunk.
 Compared compare(const DatReader& ra, const DatEntry& a, const DatReader& rb, const DatEntry& b) {
   Compared c;
-  const uint64_t esize = q4::model::elem_size_bytes(a.type);
+  const uint64_t esize = q4::io::elem_size_bytes(a.type);
   const uint64_t chunk = std::max<uint64_t>(esize, kChunkBytes / esize * esize);
   std::vector<uint8_t> ba, bb;
   for (uint64_t off = 0; off < a.nbytes; off += chunk) {
@@ -60,7 +60,7 @@ Compared compare(const DatReader& ra, const DatEntry& a, const DatReader& rb, co
     c.identical = false;
     for (uint64_t i = 0; i < n; ++i) c.bytes_differ += ba[i] != bb[i];
     if (!numeric(a.type)) continue;
-    const auto dtype = q4::model::elem_scalar_type(a.type);
+    const auto dtype = q4::io::elem_scalar_type(a.type);
     const int64_t count = static_cast<int64_t>(n / esize);
     const at::Tensor ta = at::from_blob(ba.data(), {count}, dtype).to(at::kDouble);
     const at::Tensor tb = at::from_blob(bb.data(), {count}, dtype).to(at::kDouble);
@@ -119,8 +119,8 @@ int run_diff(const DiffOptions& o) {
     common_a.push_back(a.key);
     if (a.type != b->type || a.shape != b->shape) {
       ++different;
-      fmt::print("differs   {}  {} {} vs {} {}\n", a.key, q4::model::elem_type_name(a.type),
-                 shape_str(a.shape), q4::model::elem_type_name(b->type), shape_str(b->shape));
+      fmt::print("differs   {}  {} {} vs {} {}\n", a.key, q4::io::elem_type_name(a.type),
+                 shape_str(a.shape), q4::io::elem_type_name(b->type), shape_str(b->shape));
       continue;
     }
     const Compared c = compare(*ra, a, *rb, *b);
@@ -149,7 +149,7 @@ int run_diff(const DiffOptions& o) {
     } else {
       ++different;
       fmt::print("differs   {}  {} of {} bytes differ ({})\n", a.key, c.bytes_differ, a.nbytes,
-                 q4::model::elem_type_name(a.type));
+                 q4::io::elem_type_name(a.type));
     }
   }
   for (const DatEntry& b : rb->entries()) {

@@ -11,8 +11,8 @@
 
 namespace q4::tools {
 
-using q4::model::DatEntry;
-using q4::model::DatReader;
+using q4::io::DatEntry;
+using q4::io::DatReader;
 
 int run_info(const InfoOptions& o) {
   const auto r = as_input([&] { return std::make_unique<DatReader>(o.file); });
@@ -34,7 +34,7 @@ int run_info(const InfoOptions& o) {
   for (size_t i = 0; i < es.size(); ++i) {
     payload += es[i].nbytes;
     if (!in_pair[i]) params += static_cast<uint64_t>(es[i].numel());
-    TypeTotal& t = by_type[q4::model::elem_type_name(es[i].type)];
+    TypeTotal& t = by_type[q4::io::elem_type_name(es[i].type)];
     ++t.entries;
     t.bytes += es[i].nbytes;
   }
@@ -51,7 +51,7 @@ int run_info(const InfoOptions& o) {
       const DatEntry& e = es[i];
       entries.push_back({{"index", i},
                          {"key", e.key},
-                         {"type", q4::model::elem_type_name(e.type)},
+                         {"type", q4::io::elem_type_name(e.type)},
                          {"type_code", static_cast<uint32_t>(e.type)},
                          {"shape", e.shape},
                          {"offset", e.offset},
@@ -64,7 +64,7 @@ int run_info(const InfoOptions& o) {
       jp.push_back({{"name", p.name},
                     {"rows", p.rows},
                     {"cols", p.cols},
-                    {"qdata_type", q4::model::elem_type_name(es[p.qdata_index].type)},
+                    {"qdata_type", q4::io::elem_type_name(es[p.qdata_index].type)},
                     {"bytes", b},
                     {"bits_per_param", bits(b, static_cast<uint64_t>(p.rows * p.cols))}});
     }
@@ -92,7 +92,7 @@ int run_info(const InfoOptions& o) {
   for (size_t i = 0; i < es.size(); ++i) {
     const DatEntry& e = es[i];
     fmt::print("{:>5}  {:<{}}  {:<5}  {:<20}  {:>14}\n", i, e.key, key_w,
-               q4::model::elem_type_name(e.type), shape_str(e.shape), e.nbytes);
+               q4::io::elem_type_name(e.type), shape_str(e.shape), e.nbytes);
   }
   fmt::print(
       "totals: {} entries, payload {} bytes, headers {} bytes, {} parameters, "

@@ -11,7 +11,7 @@
 
 #include "../cli_number.h"
 #include "common.h"
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
 #include "q4/quant/nvfp4.h"
@@ -19,8 +19,8 @@
 
 namespace q4::tools {
 
-using q4::model::DatWriter;
-using q4::model::ElemType;
+using q4::io::DatWriter;
+using q4::io::ElemType;
 using q4::model::Qwen3Config;
 
 namespace {

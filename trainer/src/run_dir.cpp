@@ -65,10 +65,6 @@ std::optional<CheckpointDir> latest_checkpoint(const std::string& run_dir) {
   return std::nullopt;
 }
 
-void write_file_atomic(const std::string& path, const std::string& text) {
-  io::write_file_atomic(path, text);
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError("cannot read " + path);

@@ -8,7 +8,6 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -18,16 +17,6 @@
 
 namespace q4::trainer {
 namespace {
-
-std::array<uint32_t, 256> make_crc32c_table() {
-  std::array<uint32_t, 256> t{};
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}
 
 void put_varint(std::string& s, uint64_t v) {
   while (v >= 0x80) {
@@ -71,14 +60,6 @@ double now_s() {
 }
 
 }  // namespace
-
-uint32_t crc32c(const void* data, size_t size, uint32_t crc) {
-  static const std::array<uint32_t, 256> table = make_crc32c_table();
-  const auto* p = static_cast<const unsigned char*>(data);
-  crc = ~crc;
-  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-  return ~crc;
-}
 
 uint32_t masked_crc32c(const void* data, size_t size) {
   const uint32_t c = crc32c(data, size);

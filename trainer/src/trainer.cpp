@@ -411,7 +411,7 @@ LoadedModel load_model(const Config& c, const model::Qwen3Config& mc, std::ostre
       init_opt.compute_dtype = at::kFloat;
       init_opt.device = at::kCPU;
       auto init = model::Qwen3Model::random_init(mc, init_opt, c.model.init_seed, c.model.init_std);
-      write_model_dat(init, lm.source_path, c.model.quantize_lm_head);
+      model::write_dat(init, lm.source_path, c.model.quantize_lm_head);
       out << "random init (seed " << c.model.init_seed << ") written to " << lm.source_path << "\n";
     }
   } else if (model::is_hf_folder(c.model.weights)) {
@@ -659,7 +659,7 @@ class Trainer {
       const fs::path tmp = fs::temp_directory_path() /
                            fmt::format("q4train-probe-{}.dat", static_cast<int64_t>(::getpid()));
       if (source_path_.empty()) {
-        write_model_dat(*model_, tmp.string(), c_.model.quantize_lm_head);
+        model::write_dat(*model_, tmp.string(), c_.model.quantize_lm_head);
       } else {
         model::DatReader source(source_path_);
         model_->export_to(source, tmp.string());
@@ -2123,26 +2123,6 @@ class Trainer {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-
-void write_model_dat(const model::Qwen3Model& m, const std::string& path, bool quantize_lm_head) {
-  const auto& params = m.parameters();
-  uint64_t count = 0;
-  auto quantized = [&](const model::Parameter& p) {
-    if (p.name == "lm_head.weight") return quantize_lm_head;
-    return p.quantized;
-  };
-  for (const auto& p : params) count += quantized(p) ? 2 : 1;
-  model::DatWriter w(path, count);
-  for (const auto& p : params) {
-    if (quantized(p)) {
-      const auto q = quant::quantize_nvfp4(p.master.to(at::kFloat), p.name);
-      w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, model::ElemType::kE2M1Packed);
-    } else {
-      w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), model::ElemType::kFloat16);
-    }
-  }
-  w.commit();
-}
 
 std::string saved_config_path_for_resume(const std::string& resume_dir) {
   fs::path p = fs::absolute(resume_dir).lexically_normal();

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "q4/io/atomic_file.h"
+
 namespace q4::trainer {
 
 inline constexpr const char* kDoneMarker = "DONE";
@@ -50,8 +52,8 @@ std::string point_config_at_run_dir(Config& c, const std::string& run_dir);
 // `--resume DIR`: DIR is a complete checkpoint or a run directory (its newest complete one).
 // ConfigError naming DIR otherwise.
 CheckpointDir resolve_resume_dir(const std::string& dir);
-// Writes `text` to `path` atomically (q4::io::AtomicFile: temp file, fsync, rename, checked).
-void write_file_atomic(const std::string& path, const std::string& text);
+// Run files are written whole and atomically (q4::io::AtomicFile: temp file, fsync, rename).
+using io::write_file_atomic;
 
 // The names q4train itself writes directly in output.dir (config.yaml, init.dat, eval.jsonl,
 // probe.json, .lock); step_XXXXXX and temp-file names are reserved too.

@@ -13,11 +13,12 @@
 #include <string>
 
 #include "q4/io/atomic_file.h"
+#include "q4/io/crc32c.h"
 
 namespace q4::trainer {
 
-// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78); crc32c("123456789") == 0xE3069283.
-uint32_t crc32c(const void* data, size_t size, uint32_t crc = 0);
+// TFRecord checksums are CRC-32C (q4/io/crc32c.h).
+using io::crc32c;
 // TFRecord's masking: ((crc >> 15) | (crc << 17)) + 0xa282ead8.
 uint32_t masked_crc32c(const void* data, size_t size);
 

@@ -86,12 +86,6 @@ int run_dry_run(const Config& config, std::ostream& out);
 int run_probe(const Config& config, const RunOptions& options, std::ostream& out,
               std::ostream& err);
 
-// Writes every parameter of `model` as a .dat: projection linears (and lm_head when
-// `quantize_lm_head`) as NVFP4 (qdata elem 100, scale elem 101), everything else fp16, in HF
-// order. Used for random init files and the probe's export when there is no source file.
-void write_model_dat(const model::Qwen3Model& model, const std::string& path,
-                     bool quantize_lm_head);
-
 // The config that a run directory saved (`<run_dir>/config.yaml`) for `--resume DIR` without
 // --config; DIR may be the run directory or one of its checkpoints.
 std::string saved_config_path_for_resume(const std::string& resume_dir);

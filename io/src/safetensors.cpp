@@ -1,7 +1,7 @@
 // safetensors reader, folder index and atomic streaming writer (safetensors.h). The header is
 // parsed with nlohmann-json (a callback catches duplicate names, which the object would
 // otherwise silently merge); every field is validated before any offset is used.
-#include "q4/model/safetensors.h"
+#include "q4/io/safetensors.h"
 
 #include <c10/util/Exception.h>
 #include <errno.h>
@@ -17,9 +17,11 @@
 #include <set>
 #include <sstream>
 
-#include "q4/model/atomic_file.h"
+#include "q4/io/atomic_file.h"
+#include "q4/io/bounded_read.h"
+#include "q4/io/message_text.h"
 
-namespace q4::model {
+namespace q4::io {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is little-endian");
 
@@ -27,8 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
-constexpr uint64_t kIoChunkBytes = uint64_t{1} << 30;
 
 struct DtypeInfo {
   StDtype t;
@@ -50,37 +50,6 @@ const DtypeInfo& info(StDtype t) {
     if (d.t == t) return d;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown StDtype");
-}
-
-// A name as it may appear in a one-line message: printable ASCII and UTF-8 kept, control bytes,
-// quotes and backslashes as \xNN; cut at 200 bytes.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (out.size() >= 200) return out + "...";
-    if (c >= 0x20 && c != 0x7F && c != '\'' && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      char tmp[8];
-      std::snprintf(tmp, sizeof(tmp), "\\x%02X", c);
-      out += tmp;
-    }
-  }
-  return out;
-}
-
-void pread_exact(int fd, const std::string& path, void* dst, uint64_t n, uint64_t off) {
-  auto* p = static_cast<uint8_t*>(dst);
-  while (n > 0) {
-    const ssize_t got = ::pread(fd, p, static_cast<size_t>(std::min(n, kIoChunkBytes)),
-                                static_cast<off_t>(off));
-    if (got < 0 && errno == EINTR) continue;
-    TORCH_CHECK(got > 0, path, ": reading ", n, " bytes at offset ", off, ": ",
-                got < 0 ? std::strerror(errno) : "file shrank after indexing");
-    p += got;
-    off += static_cast<uint64_t>(got);
-    n -= static_cast<uint64_t>(got);
-  }
 }
 
 std::string shape_text(const std::vector<int64_t>& s) {
@@ -112,150 +81,129 @@ int64_t StTensor::numel() const {
 // SafetensorsFile
 
 SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd_ >= 0, path_, ": cannot open: ", std::strerror(errno));
+  fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  TORCH_CHECK(fd_.get() >= 0, path_, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  TORCH_CHECK(::fstat(fd_.get(), &st) == 0, path_, ": stat failed: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
+  file_size_ = static_cast<uint64_t>(st.st_size);
+  TORCH_CHECK(file_size_ >= 8, path_, ": not a safetensors file: ", file_size_,
+              " bytes, shorter than the 8-byte header length");
+  uint8_t len_bytes[8];
+  read_range(0, 8, len_bytes);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  TORCH_CHECK(n >= 2 && n <= kStMaxHeaderBytes, path_, ": header length ", n,
+              " outside [2, ", kStMaxHeaderBytes, "] (not a safetensors file, or corrupt)");
+  TORCH_CHECK(n <= file_size_ - 8, path_, ": header length ", n, " exceeds the file (",
+              file_size_, " bytes)");
+  data_offset_ = 8 + n;
+  std::string header(n, '\0');
+  read_range(8, n, header.data());
+
+  // Duplicate top-level names would be merged silently by the parser: count them here.
+  std::set<std::string> seen;
+  std::string duplicate;
+  json::parser_callback_t cb = [&](int depth, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::key && depth == 1 && duplicate.empty()) {
+      const std::string k = parsed.get<std::string>();
+      if (!seen.insert(k).second) duplicate = k;
+    }
+    return true;
+  };
+  json j;
   try {
-    struct stat st {};
-    TORCH_CHECK(::fstat(fd_, &st) == 0, path_, ": stat failed: ", std::strerror(errno));
-    TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
-    file_size_ = static_cast<uint64_t>(st.st_size);
-    TORCH_CHECK(file_size_ >= 8, path_, ": not a safetensors file: ", file_size_,
-                " bytes, shorter than the 8-byte header length");
-    uint8_t len_bytes[8];
-    pread_exact(fd_, path_, len_bytes, 8, 0);
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
-    TORCH_CHECK(n >= 2 && n <= kStMaxHeaderBytes, path_, ": header length ", n,
-                " outside [2, ", kStMaxHeaderBytes, "] (not a safetensors file, or corrupt)");
-    TORCH_CHECK(n <= file_size_ - 8, path_, ": header length ", n, " exceeds the file (",
-                file_size_, " bytes)");
-    data_offset_ = 8 + n;
-    std::string header(n, '\0');
-    pread_exact(fd_, path_, header.data(), n, 8);
-
-    // Duplicate top-level names would be merged silently by the parser: count them here.
-    std::set<std::string> seen;
-    std::string duplicate;
-    json::parser_callback_t cb = [&](int depth, json::parse_event_t ev, json& parsed) {
-      if (ev == json::parse_event_t::key && depth == 1 && duplicate.empty()) {
-        const std::string k = parsed.get<std::string>();
-        if (!seen.insert(k).second) duplicate = k;
-      }
-      return true;
-    };
-    json j;
-    try {
-      j = json::parse(header, cb);
-    } catch (const json::exception& e) {
-      TORCH_CHECK(false, path_, ": header is not valid JSON: ", e.what());
-    }
-    TORCH_CHECK(duplicate.empty(), path_, ": tensor '", printable(duplicate),
-                "' appears twice in the header");
-    TORCH_CHECK(j.is_object(), path_, ": header is not a JSON object");
-
-    const uint64_t data_bytes = file_size_ - data_offset_;
-    struct Range {
-      uint64_t begin, end;
-      size_t i;
-    };
-    std::vector<Range> ranges;
-    for (auto it = j.begin(); it != j.end(); ++it) {
-      const std::string& name = it.key();
-      const json& v = it.value();
-      if (name == "__metadata__") {
-        TORCH_CHECK(v.is_object(), path_, ": __metadata__ is not an object of strings");
-        for (auto m = v.begin(); m != v.end(); ++m) {
-          TORCH_CHECK(m.value().is_string(), path_, ": __metadata__ entry '", printable(m.key()),
-                      "' is not a string");
-          metadata_[m.key()] = m.value().get<std::string>();
-        }
-        continue;
-      }
-      const std::string where = path_ + ": tensor '" + printable(name) + "'";
-      TORCH_CHECK(!name.empty(), path_, ": a tensor has an empty name");
-      TORCH_CHECK(v.is_object(), where, ": header entry is not an object");
-      const auto dt = v.find("dtype");
-      TORCH_CHECK(dt != v.end() && dt->is_string(), where, ": missing or non-string dtype");
-      const auto dtype = st_dtype_from_name(dt->get<std::string>());
-      TORCH_CHECK(dtype.has_value(), where, ": unsupported dtype '",
-                  printable(dt->get<std::string>()),
-                  "' (expected BOOL, U8, I8, I16, I32, I64, F16, BF16, F32, F64, F8_E4M3 or "
-                  "F8_E5M2)");
-      const auto sh = v.find("shape");
-      TORCH_CHECK(sh != v.end() && sh->is_array() && sh->size() <= 64, where,
-                  ": shape must be an array of at most 64 non-negative integers");
-      StTensor t{name, *dtype, {}, 0, 0};
-      uint64_t nbytes = st_dtype_size(*dtype);
-      for (const json& d : *sh) {
-        TORCH_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t{INT64_MAX}, where,
-                    ": shape ", sh->dump(), " has an entry that is not a non-negative integer");
-        const uint64_t du = d.get<uint64_t>();
-        TORCH_CHECK(!__builtin_mul_overflow(nbytes, du, &nbytes), where, ": shape ", sh->dump(),
-                    " overflows 64-bit byte counts");
-        t.shape.push_back(static_cast<int64_t>(du));
-      }
-      const auto off = v.find("data_offsets");
-      TORCH_CHECK(off != v.end() && off->is_array() && off->size() == 2 &&
-                      (*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(),
-                  where, ": data_offsets must be two non-negative integers");
-      const uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
-      TORCH_CHECK(b <= e && e <= data_bytes, where, ": data_offsets [", b, ", ", e,
-                  "] outside the data section of ", data_bytes, " bytes");
-      TORCH_CHECK(e - b == nbytes, where, ": data_offsets [", b, ", ", e, "] hold ", e - b,
-                  " bytes but ", st_dtype_name(*dtype), " ", shape_text(t.shape), " needs ",
-                  nbytes);
-      t.offset = data_offset_ + b;
-      t.nbytes = nbytes;
-      ranges.push_back({b, e, tensors_.size()});
-      tensors_.push_back(std::move(t));
-    }
-    // The data section is covered exactly: no overlap, no gap, nothing after the last tensor.
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
-    uint64_t pos = 0;
-    for (const Range& r : ranges) {
-      const std::string& nm = tensors_[r.i].name;
-      TORCH_CHECK(r.begin >= pos, path_, ": tensor '", printable(nm), "': data_offsets [", r.begin,
-                  ", ", r.end, "] overlap the previous tensor (ending at ", pos, ")");
-      TORCH_CHECK(r.begin == pos, path_, ": tensor '", printable(nm), "': data_offsets [",
-                  r.begin, ", ", r.end, "] leave a gap of ", r.begin - pos, " bytes after offset ",
-                  pos);
-      pos = r.end;
-    }
-    TORCH_CHECK(pos == data_bytes, path_, ": the tensors cover ", pos, " data bytes but the file ",
-                "holds ", data_bytes, " (truncated or trailing bytes)");
-    std::vector<StTensor> ordered;
-    ordered.reserve(tensors_.size());
-    for (const Range& r : ranges) ordered.push_back(std::move(tensors_[r.i]));
-    tensors_ = std::move(ordered);
-    for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
-  } catch (...) {
-    ::close(fd_);
-    fd_ = -1;
-    throw;
+    j = json::parse(header, cb);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, path_, ": header is not valid JSON: ", e.what());
   }
-}
+  TORCH_CHECK(duplicate.empty(), path_, ": tensor '", printable(duplicate),
+              "' appears twice in the header");
+  TORCH_CHECK(j.is_object(), path_, ": header is not a JSON object");
 
-SafetensorsFile::~SafetensorsFile() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-const StTensor* SafetensorsFile::find(const std::string& name) const {
-  auto it = index_.find(name);
-  return it == index_.end() ? nullptr : &tensors_[it->second];
+  const uint64_t data_bytes = file_size_ - data_offset_;
+  struct Range {
+    uint64_t begin, end;
+    size_t i;
+  };
+  std::vector<Range> ranges;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      TORCH_CHECK(v.is_object(), path_, ": __metadata__ is not an object of strings");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        TORCH_CHECK(m.value().is_string(), path_, ": __metadata__ entry '", printable(m.key()),
+                    "' is not a string");
+        metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = path_ + ": tensor '" + printable(name) + "'";
+    TORCH_CHECK(!name.empty(), path_, ": a tensor has an empty name");
+    TORCH_CHECK(v.is_object(), where, ": header entry is not an object");
+    const auto dt = v.find("dtype");
+    TORCH_CHECK(dt != v.end() && dt->is_string(), where, ": missing or non-string dtype");
+    const auto dtype = st_dtype_from_name(dt->get<std::string>());
+    TORCH_CHECK(dtype.has_value(), where, ": unsupported dtype '",
+                printable(dt->get<std::string>()),
+                "' (expected BOOL, U8, I8, I16, I32, I64, F16, BF16, F32, F64, F8_E4M3 or "
+                "F8_E5M2)");
+    const auto sh = v.find("shape");
+    TORCH_CHECK(sh != v.end() && sh->is_array() && sh->size() <= 64, where,
+                ": shape must be an array of at most 64 non-negative integers");
+    StTensor t{name, *dtype, {}, 0, 0};
+    uint64_t nbytes = st_dtype_size(*dtype);
+    for (const json& d : *sh) {
+      TORCH_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t{INT64_MAX}, where,
+                  ": shape ", sh->dump(), " has an entry that is not a non-negative integer");
+      const uint64_t du = d.get<uint64_t>();
+      TORCH_CHECK(!__builtin_mul_overflow(nbytes, du, &nbytes), where, ": shape ", sh->dump(),
+                  " overflows 64-bit byte counts");
+      t.shape.push_back(static_cast<int64_t>(du));
+    }
+    const auto off = v.find("data_offsets");
+    TORCH_CHECK(off != v.end() && off->is_array() && off->size() == 2 &&
+                    (*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(),
+                where, ": data_offsets must be two non-negative integers");
+    const uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
+    TORCH_CHECK(b <= e && e <= data_bytes, where, ": data_offsets [", b, ", ", e,
+                "] outside the data section of ", data_bytes, " bytes");
+    TORCH_CHECK(e - b == nbytes, where, ": data_offsets [", b, ", ", e, "] hold ", e - b,
+                " bytes but ", st_dtype_name(*dtype), " ", shape_text(t.shape), " needs ",
+                nbytes);
+    t.offset = data_offset_ + b;
+    t.nbytes = nbytes;
+    ranges.push_back({b, e, tensors_.size()});
+    tensors_.push_back(std::move(t));
+  }
+  // The data section is covered exactly: no overlap, no gap, nothing after the last tensor.
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t pos = 0;
+  for (const Range& r : ranges) {
+    const std::string& nm = tensors_[r.i].name;
+    TORCH_CHECK(r.begin >= pos, path_, ": tensor '", printable(nm), "': data_offsets [", r.begin,
+                ", ", r.end, "] overlap the previous tensor (ending at ", pos, ")");
+    TORCH_CHECK(r.begin == pos, path_, ": tensor '", printable(nm), "': data_offsets [",
+                r.begin, ", ", r.end, "] leave a gap of ", r.begin - pos, " bytes after offset ",
+                pos);
+    pos = r.end;
+  }
+  TORCH_CHECK(pos == data_bytes, path_, ": the tensors cover ", pos, " data bytes but the file ",
+              "holds ", data_bytes, " (truncated or trailing bytes)");
+  std::vector<StTensor> ordered;
+  ordered.reserve(tensors_.size());
+  for (const Range& r : ranges) ordered.push_back(std::move(tensors_[r.i]));
+  tensors_ = std::move(ordered);
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
 }
 
 const StTensor& SafetensorsFile::at(const std::string& name) const {
   const StTensor* t = find(name);
   TORCH_CHECK(t != nullptr, path_, ": no tensor '", printable(name), "'");
   return *t;
-}
-
-void SafetensorsFile::read_range(uint64_t offset, uint64_t n, void* dst) const {
-  TORCH_CHECK(offset <= file_size_ && n <= file_size_ - offset, path_, ": read of ", n,
-              " bytes at offset ", offset, " is past the end (", file_size_, " bytes)");
-  pread_exact(fd_, path_, dst, n, offset);
 }
 
 at::Tensor SafetensorsFile::load(const StTensor& t) const {
@@ -459,4 +407,4 @@ void SafetensorsWriter::commit() {
   impl_->file.commit();
 }
 
-}  // namespace q4::model
+}  // namespace q4::io

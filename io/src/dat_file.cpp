@@ -3,7 +3,7 @@
 // its headers; every field is bounds-checked against the file size before use. The writer
 // coalesces small writes, copies unchanged entries with copy_file_range (pread/write fallback,
 // 8 MiB chunks) and publishes the file atomically: temp file, fsync, rename, fsync directory.
-#include "q4/model/dat_file.h"
+#include "q4/io/dat_file.h"
 
 #include <c10/util/Exception.h>
 #include <errno.h>
@@ -13,86 +13,25 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <cstring>
 #include <sstream>
 
 #include "q4/io/atomic_file.h"
+#include "q4/io/bounded_read.h"
+#include "q4/io/message_text.h"
 
-namespace q4::model {
+namespace q4::io {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, ".dat payloads are little-endian");
 
 namespace {
 
 constexpr size_t kHeaderWindowBytes = 4096;            // reader's header read-ahead
-constexpr uint64_t kIoChunkBytes = uint64_t{1} << 30;  // per pread/write call (< 2 GiB limit)
+constexpr uint64_t kIoChunkBytes = uint64_t{1} << 30;  // per copy_file_range call (< 2 GiB)
 constexpr size_t kCopyChunkBytes = size_t{8} << 20;    // pread/write copy fallback
 constexpr size_t kWriteBufferBytes = size_t{1} << 20;  // writer coalescing buffer
 
 std::string errno_text(int err) { return std::strerror(err); }
-
-// Strict UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the byte
-// index of the first invalid sequence, or npos.
-size_t utf8_invalid_at(const std::string& s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    const unsigned char c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t cp;
-    if (c >= 0xC2 && c <= 0xDF) {
-      len = 2;
-      cp = c & 0x1F;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      len = 3;
-      cp = c & 0x0F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      len = 4;
-      cp = c & 0x07;
-    } else {
-      return i;
-    }
-    if (i + len > n) return i;
-    for (size_t k = 1; k < len; ++k) {
-      if ((p[i + k] & 0xC0) != 0x80) return i;
-      cp = (cp << 6) | (p[i + k] & 0x3F);
-    }
-    if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF)) {
-      return i;
-    }
-    i += len;
-  }
-  return std::string::npos;
-}
-
-// Key as it may appear in a one-line message: printable ASCII kept, valid multi-byte UTF-8 kept,
-// everything else (control bytes, quotes, backslashes, invalid bytes) as \xNN; cut at 200 bytes.
-std::string key_for_message(const std::string& k) {
-  const bool valid = utf8_invalid_at(k) == std::string::npos;
-  std::string out;
-  for (size_t i = 0; i < k.size(); ++i) {
-    if (out.size() >= 200) {
-      out += "...";
-      break;
-    }
-    const unsigned char c = static_cast<unsigned char>(k[i]);
-    if ((c >= 0x20 && c < 0x7F && c != '\\' && c != '\'') || (c >= 0x80 && valid)) {
-      out.push_back(static_cast<char>(c));
-    } else {
-      char tmp[8];
-      std::snprintf(tmp, sizeof(tmp), "\\x%02X", c);
-      out += tmp;
-    }
-  }
-  return out;
-}
 
 void encode_uleb128(uint64_t v, std::vector<uint8_t>& out) {
   do {
@@ -101,28 +40,6 @@ void encode_uleb128(uint64_t v, std::vector<uint8_t>& out) {
     if (v != 0) b |= 0x80;
     out.push_back(b);
   } while (v != 0);
-}
-
-// pread exactly n bytes at off, looping over partial reads; false on EOF.
-bool pread_full(int fd, void* dst, uint64_t n, uint64_t off, int* err) {
-  auto* p = static_cast<uint8_t*>(dst);
-  while (n > 0) {
-    const size_t want = static_cast<size_t>(std::min(n, kIoChunkBytes));
-    const ssize_t got = ::pread(fd, p, want, static_cast<off_t>(off));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      *err = errno;
-      return false;
-    }
-    if (got == 0) {
-      *err = 0;
-      return false;
-    }
-    p += got;
-    off += static_cast<uint64_t>(got);
-    n -= static_cast<uint64_t>(got);
-  }
-  return true;
 }
 
 // Header parser over a pread window. `fail` adds file / entry / key context to every message.
@@ -149,7 +66,7 @@ class HeaderParser {
     } else {
       os << "entry " << entry_;
       if (key_ != nullptr && !key_->empty()) {
-        os << " (key '" << key_for_message(*key_) << "')";
+        os << " (key '" << printable(*key_) << "')";
       } else {
         os << " (key not read yet)";
       }
@@ -215,131 +132,53 @@ class HeaderParser {
 
 }  // namespace
 
-bool is_known_elem_type(uint64_t code) {
-  switch (code) {
-    case 0:
-    case 1:
-    case 2:
-    case 3:
-    case 4:
-    case 5:
-    case 6:
-    case 7:
-    case 11:
-    case 15:
-    case 100:
-    case 101:
-      return true;
-    default:
-      return false;
+namespace {
+
+// The element types: code, storage dtype (which gives the element size) and name. The first row
+// of a dtype is the element type elem_type_for() gives it.
+struct ElemInfo {
+  ElemType type;
+  at::ScalarType storage;
+  const char* name;
+};
+constexpr ElemInfo kElemTypes[] = {
+    {ElemType::kUInt8, at::kByte, "uint8"},     {ElemType::kInt8, at::kChar, "int8"},
+    {ElemType::kInt16, at::kShort, "int16"},    {ElemType::kInt32, at::kInt, "int32"},
+    {ElemType::kInt64, at::kLong, "int64"},     {ElemType::kFloat16, at::kHalf, "fp16"},
+    {ElemType::kFloat32, at::kFloat, "fp32"},   {ElemType::kFloat64, at::kDouble, "fp64"},
+    {ElemType::kBool, at::kBool, "bool"},       {ElemType::kBFloat16, at::kBFloat16, "bf16"},
+    {ElemType::kE2M1Packed, at::kByte, "e2m1"}, {ElemType::kE4M3Scale, at::kByte, "e4m3"},
+};
+
+const ElemInfo* find_elem_info(uint64_t code) {
+  for (const ElemInfo& e : kElemTypes) {
+    if (static_cast<uint64_t>(e.type) == code) return &e;
   }
+  return nullptr;
 }
 
-size_t elem_size_bytes(ElemType t) {
-  switch (t) {
-    case ElemType::kUInt8:
-    case ElemType::kInt8:
-    case ElemType::kBool:
-    case ElemType::kE2M1Packed:
-    case ElemType::kE4M3Scale:
-      return 1;
-    case ElemType::kInt16:
-    case ElemType::kFloat16:
-    case ElemType::kBFloat16:
-      return 2;
-    case ElemType::kInt32:
-    case ElemType::kFloat32:
-      return 4;
-    case ElemType::kInt64:
-    case ElemType::kFloat64:
-      return 8;
-  }
-  TORCH_CHECK(false, "unknown .dat element type ", static_cast<uint32_t>(t));
+const ElemInfo& elem_info(ElemType t) {
+  const ElemInfo* e = find_elem_info(static_cast<uint64_t>(t));
+  TORCH_CHECK(e != nullptr, "unknown .dat element type ", static_cast<uint32_t>(t));
+  return *e;
 }
+
+}  // namespace
+
+bool is_known_elem_type(uint64_t code) { return find_elem_info(code) != nullptr; }
+size_t elem_size_bytes(ElemType t) { return c10::elementSize(elem_info(t).storage); }
+at::ScalarType elem_scalar_type(ElemType t) { return elem_info(t).storage; }
 
 const char* elem_type_name(ElemType t) {
-  switch (t) {
-    case ElemType::kUInt8:
-      return "uint8";
-    case ElemType::kInt8:
-      return "int8";
-    case ElemType::kInt16:
-      return "int16";
-    case ElemType::kInt32:
-      return "int32";
-    case ElemType::kInt64:
-      return "int64";
-    case ElemType::kFloat16:
-      return "fp16";
-    case ElemType::kFloat32:
-      return "fp32";
-    case ElemType::kFloat64:
-      return "fp64";
-    case ElemType::kBool:
-      return "bool";
-    case ElemType::kBFloat16:
-      return "bf16";
-    case ElemType::kE2M1Packed:
-      return "e2m1";
-    case ElemType::kE4M3Scale:
-      return "e4m3";
-  }
-  return "unknown";
-}
-
-at::ScalarType elem_scalar_type(ElemType t) {
-  switch (t) {
-    case ElemType::kUInt8:
-    case ElemType::kE2M1Packed:
-    case ElemType::kE4M3Scale:
-      return at::kByte;
-    case ElemType::kInt8:
-      return at::kChar;
-    case ElemType::kInt16:
-      return at::kShort;
-    case ElemType::kInt32:
-      return at::kInt;
-    case ElemType::kInt64:
-      return at::kLong;
-    case ElemType::kFloat16:
-      return at::kHalf;
-    case ElemType::kFloat32:
-      return at::kFloat;
-    case ElemType::kFloat64:
-      return at::kDouble;
-    case ElemType::kBool:
-      return at::kBool;
-    case ElemType::kBFloat16:
-      return at::kBFloat16;
-  }
-  TORCH_CHECK(false, "unknown .dat element type ", static_cast<uint32_t>(t));
+  const ElemInfo* e = find_elem_info(static_cast<uint64_t>(t));
+  return e != nullptr ? e->name : "unknown";
 }
 
 ElemType elem_type_for(at::ScalarType t) {
-  switch (t) {
-    case at::kByte:
-      return ElemType::kUInt8;
-    case at::kChar:
-      return ElemType::kInt8;
-    case at::kShort:
-      return ElemType::kInt16;
-    case at::kInt:
-      return ElemType::kInt32;
-    case at::kLong:
-      return ElemType::kInt64;
-    case at::kHalf:
-      return ElemType::kFloat16;
-    case at::kFloat:
-      return ElemType::kFloat32;
-    case at::kDouble:
-      return ElemType::kFloat64;
-    case at::kBool:
-      return ElemType::kBool;
-    case at::kBFloat16:
-      return ElemType::kBFloat16;
-    default:
-      TORCH_CHECK(false, "dtype ", t, " has no .dat element type");
+  for (const ElemInfo& e : kElemTypes) {
+    if (e.storage == t) return e.type;
   }
+  TORCH_CHECK(false, "dtype ", t, " has no .dat element type");
 }
 
 int64_t DatEntry::numel() const {
@@ -353,131 +192,107 @@ int64_t DatEntry::numel() const {
 
 DatReader::DatReader(std::string path) : path_(std::move(path)) {
   // O_NONBLOCK: opening a FIFO must not wait for a writer; fstat below refuses it.
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  TORCH_CHECK(fd_ >= 0, path_, ": cannot open .dat file: ", errno_text(errno));
-  try {
-    struct stat st;
-    TORCH_CHECK(::fstat(fd_, &st) == 0, path_, ": fstat failed: ", errno_text(errno));
-    TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
-    file_size_ = static_cast<uint64_t>(st.st_size);
+  fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  TORCH_CHECK(fd_.get() >= 0, path_, ": cannot open .dat file: ", errno_text(errno));
+  struct stat st;
+  TORCH_CHECK(::fstat(fd_.get(), &st) == 0, path_, ": fstat failed: ", errno_text(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
+  file_size_ = static_cast<uint64_t>(st.st_size);
 
-    HeaderParser p(fd_, file_size_, path_);
-    p.set_context(-1, nullptr);
-    TORCH_CHECK(file_size_ > 0, path_, ": entry count: empty file (expected a uleb128 count)");
-    const uint64_t count = p.uleb128("entry count");
-    // Every entry has at least 4 header bytes (keylen, key, type, ndim): bound the reservation
-    // by the file size, not by a count that may be corrupt.
-    entries_.reserve(static_cast<size_t>(std::min<uint64_t>(count, file_size_ / 4 + 1)));
-    std::string key;
-    for (uint64_t i = 0; i < count; ++i) {
-      key.clear();
-      p.set_context(static_cast<int64_t>(i), &key);
-      if (p.remaining() == 0) {
-        p.fail("file ends after " + std::to_string(i) + " entries but the count says " +
-               std::to_string(count));
-      }
-      DatEntry e;
-      e.header_offset = p.pos();
-      const uint64_t keylen = p.uleb128("key length");
-      if (keylen == 0) p.fail("empty key");
-      if (keylen > kDatMaxKeyBytes) {
-        p.fail("absurd key length " + std::to_string(keylen) + " (limit " +
-               std::to_string(kDatMaxKeyBytes) + ")");
-      }
-      std::string raw;
-      p.bytes(raw, keylen, "key");
-      key = raw;
-      const size_t bad = utf8_invalid_at(key);
-      if (bad != std::string::npos) {
-        p.fail("key is not valid UTF-8 (byte " + std::to_string(bad) + ")");
-      }
-      const uint64_t code = p.uleb128("element type");
-      if (!is_known_elem_type(code)) p.fail("unknown element type " + std::to_string(code));
-      e.type = static_cast<ElemType>(code);
-      const uint64_t ndim = p.uleb128("ndim");
-      if (ndim > kDatMaxNdim) {
-        p.fail("absurd ndim " + std::to_string(ndim) + " (limit " + std::to_string(kDatMaxNdim) +
-               ")");
-      }
-      e.shape.resize(ndim);
-      int64_t numel = 1;  // product of max(dim, 1): rejects overflow even when a dim is 0
-      bool empty = false;
-      for (uint64_t d = 0; d < ndim; ++d) {
-        const uint64_t dim = p.uleb128("dimension");
-        if (dim > static_cast<uint64_t>(INT64_MAX)) {
-          p.fail("dimension " + std::to_string(d) + " = " + std::to_string(dim) + " exceeds int64");
-        }
-        e.shape[d] = static_cast<int64_t>(dim);
-        if (dim == 0) {
-          empty = true;
-        } else if (__builtin_mul_overflow(numel, e.shape[d], &numel)) {
-          p.fail("dimension product overflows int64 at dimension " + std::to_string(d));
-        }
-      }
-      if (empty) numel = 0;
-      uint64_t nbytes = 0;
-      if (__builtin_mul_overflow(static_cast<uint64_t>(numel),
-                                 static_cast<uint64_t>(elem_size_bytes(e.type)), &nbytes) ||
-          nbytes > static_cast<uint64_t>(INT64_MAX)) {
-        p.fail("payload size overflows (" + std::to_string(numel) + " elements)");
-      }
-      e.offset = p.pos();
-      e.nbytes = nbytes;
-      if (nbytes > p.remaining()) {
-        p.fail("truncated payload: needs " + std::to_string(nbytes) + " bytes at offset " +
-               std::to_string(e.offset) + ", file has " + std::to_string(p.remaining()) + " left");
-      }
-      auto [it, inserted] = index_.emplace(key, entries_.size());
-      if (!inserted)
-        p.fail("duplicate key (first seen as entry " + std::to_string(it->second) + ")");
-      e.key = key;
-      entries_.push_back(std::move(e));
-      p.seek(entries_.back().offset + nbytes);
+  HeaderParser p(fd_.get(), file_size_, path_);
+  p.set_context(-1, nullptr);
+  TORCH_CHECK(file_size_ > 0, path_, ": entry count: empty file (expected a uleb128 count)");
+  const uint64_t count = p.uleb128("entry count");
+  // Every entry has at least 4 header bytes (keylen, key, type, ndim): bound the reservation
+  // by the file size, not by a count that may be corrupt.
+  entries_.reserve(static_cast<size_t>(std::min<uint64_t>(count, file_size_ / 4 + 1)));
+  std::string key;
+  for (uint64_t i = 0; i < count; ++i) {
+    key.clear();
+    p.set_context(static_cast<int64_t>(i), &key);
+    if (p.remaining() == 0) {
+      p.fail("file ends after " + std::to_string(i) + " entries but the count says " +
+             std::to_string(count));
     }
-    if (p.pos() != file_size_) {
-      const std::string last = entries_.empty() ? std::string("no entries")
-                                                : "entry " + std::to_string(count - 1) + " (key '" +
-                                                      key_for_message(entries_.back().key) + "')";
-      TORCH_CHECK(false, path_, ": trailing garbage: ", file_size_ - p.pos(), " bytes at offset ",
-                  p.pos(), " after ", last, ", the last of ", count, " entries");
+    DatEntry e;
+    e.header_offset = p.pos();
+    const uint64_t keylen = p.uleb128("key length");
+    if (keylen == 0) p.fail("empty key");
+    if (keylen > kDatMaxKeyBytes) {
+      p.fail("absurd key length " + std::to_string(keylen) + " (limit " +
+             std::to_string(kDatMaxKeyBytes) + ")");
     }
-  } catch (...) {
-    ::close(fd_);
-    fd_ = -1;
-    throw;
+    std::string raw;
+    p.bytes(raw, keylen, "key");
+    key = raw;
+    const size_t bad = utf8_invalid_at(key);
+    if (bad != std::string::npos) {
+      p.fail("key is not valid UTF-8 (byte " + std::to_string(bad) + ")");
+    }
+    const uint64_t code = p.uleb128("element type");
+    if (!is_known_elem_type(code)) p.fail("unknown element type " + std::to_string(code));
+    e.type = static_cast<ElemType>(code);
+    const uint64_t ndim = p.uleb128("ndim");
+    if (ndim > kDatMaxNdim) {
+      p.fail("absurd ndim " + std::to_string(ndim) + " (limit " + std::to_string(kDatMaxNdim) +
+             ")");
+    }
+    e.shape.resize(ndim);
+    int64_t numel = 1;  // product of max(dim, 1): rejects overflow even when a dim is 0
+    bool empty = false;
+    for (uint64_t d = 0; d < ndim; ++d) {
+      const uint64_t dim = p.uleb128("dimension");
+      if (dim > static_cast<uint64_t>(INT64_MAX)) {
+        p.fail("dimension " + std::to_string(d) + " = " + std::to_string(dim) + " exceeds int64");
+      }
+      e.shape[d] = static_cast<int64_t>(dim);
+      if (dim == 0) {
+        empty = true;
+      } else if (__builtin_mul_overflow(numel, e.shape[d], &numel)) {
+        p.fail("dimension product overflows int64 at dimension " + std::to_string(d));
+      }
+    }
+    if (empty) numel = 0;
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(numel),
+                               static_cast<uint64_t>(elem_size_bytes(e.type)), &nbytes) ||
+        nbytes > static_cast<uint64_t>(INT64_MAX)) {
+      p.fail("payload size overflows (" + std::to_string(numel) + " elements)");
+    }
+    e.offset = p.pos();
+    e.nbytes = nbytes;
+    if (nbytes > p.remaining()) {
+      p.fail("truncated payload: needs " + std::to_string(nbytes) + " bytes at offset " +
+             std::to_string(e.offset) + ", file has " + std::to_string(p.remaining()) + " left");
+    }
+    auto [it, inserted] = index_.emplace(key, entries_.size());
+    if (!inserted) p.fail("duplicate key (first seen as entry " + std::to_string(it->second) + ")");
+    e.key = key;
+    entries_.push_back(std::move(e));
+    p.seek(entries_.back().offset + nbytes);
   }
-}
-
-DatReader::~DatReader() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-const DatEntry* DatReader::find(const std::string& key) const {
-  auto it = index_.find(key);
-  return it == index_.end() ? nullptr : &entries_[it->second];
+  if (p.pos() != file_size_) {
+    const std::string last = entries_.empty() ? std::string("no entries")
+                                              : "entry " + std::to_string(count - 1) + " (key '" +
+                                                    printable(entries_.back().key) + "')";
+    TORCH_CHECK(false, path_, ": trailing garbage: ", file_size_ - p.pos(), " bytes at offset ",
+                p.pos(), " after ", last, ", the last of ", count, " entries");
+  }
 }
 
 const DatEntry& DatReader::at(const std::string& key) const {
   const DatEntry* e = find(key);
-  TORCH_CHECK(e != nullptr, path_, ": no entry with key '", key_for_message(key), "'");
+  TORCH_CHECK(e != nullptr, path_, ": no entry with key '", printable(key), "'");
   return *e;
-}
-
-void DatReader::read_range(uint64_t offset, uint64_t n, void* dst) const {
-  TORCH_CHECK(offset <= file_size_ && n <= file_size_ - offset, path_, ": read of ", n,
-              " bytes at offset ", offset, " is past the end (", file_size_, " bytes)");
-  int err = 0;
-  TORCH_CHECK(pread_full(fd_, dst, n, offset, &err), path_, ": reading ", n, " bytes at offset ",
-              offset, ": ", err ? errno_text(err) : std::string("file shrank after indexing"));
 }
 
 void DatReader::read_bytes(const DatEntry& e, void* dst) const {
   TORCH_CHECK(e.offset <= file_size_ && e.nbytes <= file_size_ - e.offset, path_, ": entry '",
-              key_for_message(e.key), "': payload of ", e.nbytes, " bytes at offset ", e.offset,
+              printable(e.key), "': payload of ", e.nbytes, " bytes at offset ", e.offset,
               " is past the end (", file_size_, " bytes)");
   int err = 0;
-  TORCH_CHECK(pread_full(fd_, dst, e.nbytes, e.offset, &err), path_, ": entry '",
-              key_for_message(e.key), "': reading ", e.nbytes, " bytes at offset ", e.offset, ": ",
+  TORCH_CHECK(pread_full(fd_.get(), dst, e.nbytes, e.offset, &err), path_, ": entry '",
+              printable(e.key), "': reading ", e.nbytes, " bytes at offset ", e.offset, ": ",
               err ? errno_text(err) : std::string("file shrank after indexing"));
 }
 
@@ -491,7 +306,7 @@ at::Tensor DatReader::load(const DatEntry& e) const {
     read_bytes(e, raw.data_ptr());
     const auto* b = raw.data_ptr<uint8_t>();
     for (uint64_t i = 0; i < e.nbytes; ++i) {
-      TORCH_CHECK(b[i] <= 1, path_, ": entry '", key_for_message(e.key), "': bool payload byte ", i,
+      TORCH_CHECK(b[i] <= 1, path_, ": entry '", printable(e.key), "': bool payload byte ", i,
                   " is ", static_cast<int>(b[i]), " (expected 0 or 1)");
     }
     std::memcpy(t.data_ptr(), b, e.nbytes);
@@ -501,26 +316,32 @@ at::Tensor DatReader::load(const DatEntry& e) const {
   return t;
 }
 
+std::map<std::string, at::Tensor> DatReader::load_all() const {
+  std::map<std::string, at::Tensor> out;
+  for (const DatEntry& e : entries_) out.emplace(e.key, load(e));
+  return out;
+}
+
 std::optional<DatNvfp4Pair> DatReader::find_nvfp4(const std::string& name) const {
   const DatEntry* q = find(name + kDatQdataSuffix);
   const DatEntry* s = find(name + kDatScaleSuffix);
   if (q == nullptr && s == nullptr) return std::nullopt;
   auto where = [&](const DatEntry* e) {
-    return path_ + ": entry " + std::to_string(e - entries_.data()) + " '" +
-           key_for_message(e->key) + "'";
+    return path_ + ": entry " + std::to_string(e - entries_.data()) + " '" + printable(e->key) +
+           "'";
   };
   TORCH_CHECK(q != nullptr, where(s), ": NVFP4 scale without its '",
-              key_for_message(name + kDatQdataSuffix), "' entry");
+              printable(name + kDatQdataSuffix), "' entry");
   TORCH_CHECK(s != nullptr, where(q), ": NVFP4 qdata without its '",
-              key_for_message(name + kDatScaleSuffix), "' entry");
+              printable(name + kDatScaleSuffix), "' entry");
   TORCH_CHECK(q->type == ElemType::kUInt8 || q->type == ElemType::kE2M1Packed, where(q),
               ": expected element type uint8 or e2m1 (0 or 100), got ", elem_type_name(q->type));
   TORCH_CHECK(s->type == ElemType::kE4M3Scale, where(s), ": expected element type e4m3 (101), got ",
               elem_type_name(s->type));
   TORCH_CHECK(q->shape.size() == 2 && s->shape.size() == 2 && q->shape[0] == s->shape[0] &&
                   q->shape[1] == 8 * s->shape[1],
-              path_, ": NVFP4 pair '", key_for_message(name), "': qdata ",
-              at::IntArrayRef(q->shape), " and scale ", at::IntArrayRef(s->shape),
+              path_, ": NVFP4 pair '", printable(name), "': qdata ", at::IntArrayRef(q->shape),
+              " and scale ", at::IntArrayRef(s->shape),
               " are inconsistent (expected (r, c/2) and (r, c/16))");
   return DatNvfp4Pair{name, static_cast<size_t>(q - entries_.data()),
                       static_cast<size_t>(s - entries_.data()), q->shape[0], 2 * q->shape[1]};
@@ -562,7 +383,7 @@ q4::quant::Nvfp4Tensor DatReader::load_nvfp4(const DatNvfp4Pair& p) const {
 
 DatWriter::DatWriter(std::string path, uint64_t count) : path_(std::move(path)), count_(count) {
   TORCH_CHECK(!path_.empty(), "DatWriter: empty output path");
-  file_ = std::make_unique<io::AtomicFile>(path_);
+  file_ = std::make_unique<AtomicFile>(path_);
   tmp_path_ = file_->tmp_path();
   fd_ = file_->fd();
   buf_.reserve(kWriteBufferBytes);
@@ -620,18 +441,18 @@ void DatWriter::write_all(const void* p, size_t n) {
 void DatWriter::begin_entry(const std::string& key) {
   TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
               ": DatWriter used after commit() or after a failed call");
-  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", key_for_message(pair_name_), "' has ",
+  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", printable(pair_name_), "' has ",
               pair_rows_done_, " of ", pair_scale_.defined() ? pair_scale_.size(0) : 0,
-              " rows before entry '", key_for_message(key), "' can start");
-  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
-              stream_left_, " payload bytes before entry '", key_for_message(key), "' can start");
-  TORCH_CHECK(written_ < count_, path_, ": entry '", key_for_message(key),
+              " rows before entry '", printable(key), "' can start");
+  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", printable(stream_key_), "' still owes ",
+              stream_left_, " payload bytes before entry '", printable(key), "' can start");
+  TORCH_CHECK(written_ < count_, path_, ": entry '", printable(key),
               "' would exceed the declared count of ", count_, " entries");
   TORCH_CHECK(!key.empty() && key.size() <= kDatMaxKeyBytes, path_, ": entry ", written_,
               ": key length ", key.size(), " outside [1, ", kDatMaxKeyBytes, "]");
   TORCH_CHECK(utf8_invalid_at(key) == std::string::npos, path_, ": entry ", written_, " (key '",
-              key_for_message(key), "'): key is not valid UTF-8");
-  TORCH_CHECK(keys_.count(key) == 0, path_, ": entry ", written_, " (key '", key_for_message(key),
+              printable(key), "'): key is not valid UTF-8");
+  TORCH_CHECK(keys_.count(key) == 0, path_, ": entry ", written_, " (key '", printable(key),
               "'): duplicate key");
 }
 
@@ -649,14 +470,14 @@ void DatWriter::write_header(const std::string& key, ElemType type,
 
 void DatWriter::add(const std::string& key, const at::Tensor& t, ElemType type) {
   begin_entry(key);
-  TORCH_CHECK(t.defined(), path_, ": entry '", key_for_message(key), "': undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), path_, ": entry '", key_for_message(key),
+  TORCH_CHECK(t.defined(), path_, ": entry '", printable(key), "': undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), path_, ": entry '", printable(key),
               "': expected a CPU tensor, found ", t.device());
-  TORCH_CHECK(t.scalar_type() == elem_scalar_type(type), path_, ": entry '", key_for_message(key),
+  TORCH_CHECK(t.scalar_type() == elem_scalar_type(type), path_, ": entry '", printable(key),
               "': element type ", elem_type_name(type), " needs dtype ", elem_scalar_type(type),
               ", found ", t.scalar_type());
-  TORCH_CHECK(static_cast<uint64_t>(t.dim()) <= kDatMaxNdim, path_, ": entry '",
-              key_for_message(key), "': ", t.dim(), " dimensions exceed the limit ", kDatMaxNdim);
+  TORCH_CHECK(static_cast<uint64_t>(t.dim()) <= kDatMaxNdim, path_, ": entry '", printable(key),
+              "': ", t.dim(), " dimensions exceed the limit ", kDatMaxNdim);
   const at::Tensor c = t.contiguous();
   const std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end());
   try {
@@ -674,8 +495,7 @@ void DatWriter::copy_from(const DatReader& src, const DatEntry& e) {
   begin_entry(e.key);
   TORCH_CHECK(e.header_offset < e.offset && e.offset <= src.file_size_ &&
                   e.nbytes <= src.file_size_ - e.offset,
-              path_, ": copy_from: entry '", key_for_message(e.key), "' is not an entry of ",
-              src.path());
+              path_, ": copy_from: entry '", printable(e.key), "' is not an entry of ", src.path());
   try {
     std::string header(e.offset - e.header_offset, '\0');
     src.read_range(e.header_offset, header.size(), header.data());
@@ -693,13 +513,13 @@ void DatWriter::copy_from(const DatReader& src, const DatEntry& e) {
         const uint64_t want = std::min<uint64_t>(e.nbytes - done, kIoChunkBytes);
         if (use_cfr) {
           loff_t in_off = static_cast<loff_t>(e.offset + done);
-          const ssize_t n = ::copy_file_range(src.fd_, &in_off, fd_, nullptr, want, 0);
+          const ssize_t n = ::copy_file_range(src.fd_.get(), &in_off, fd_, nullptr, want, 0);
           if (n > 0) {
             done += static_cast<uint64_t>(n);
             continue;
           }
           if (n < 0 && errno == EINTR) continue;
-          TORCH_CHECK(n != 0, path_, ": copy_from '", key_for_message(e.key), "': ", src.path(),
+          TORCH_CHECK(n != 0, path_, ": copy_from '", printable(e.key), "': ", src.path(),
                       " shrank after indexing");
           // EXDEV/ENOSYS/EINVAL/EOPNOTSUPP...: fall back to plain reads and writes.
           use_cfr = false;
@@ -723,14 +543,14 @@ void DatWriter::copy_from(const DatReader& src, const DatEntry& e) {
 void DatWriter::begin_streamed(const std::string& key, ElemType type,
                                const std::vector<int64_t>& shape) {
   begin_entry(key);
-  TORCH_CHECK(shape.size() <= kDatMaxNdim, path_, ": entry '", key_for_message(key),
-              "': ", shape.size(), " dimensions exceed the limit ", kDatMaxNdim);
+  TORCH_CHECK(shape.size() <= kDatMaxNdim, path_, ": entry '", printable(key), "': ", shape.size(),
+              " dimensions exceed the limit ", kDatMaxNdim);
   uint64_t nbytes = elem_size_bytes(type);
   for (int64_t d : shape) {
-    TORCH_CHECK(d >= 0, path_, ": entry '", key_for_message(key), "': negative dimension ", d);
+    TORCH_CHECK(d >= 0, path_, ": entry '", printable(key), "': negative dimension ", d);
     TORCH_CHECK(!__builtin_mul_overflow(nbytes, static_cast<uint64_t>(d), &nbytes) &&
                     nbytes <= static_cast<uint64_t>(INT64_MAX),
-                path_, ": entry '", key_for_message(key), "': payload size overflows");
+                path_, ": entry '", printable(key), "': payload size overflows");
   }
   try {
     write_header(key, type, shape);
@@ -748,9 +568,8 @@ void DatWriter::begin_streamed(const std::string& key, ElemType type,
 void DatWriter::append(const void* data, size_t nbytes) {
   TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
               ": DatWriter used after commit() or after a failed call");
-  TORCH_CHECK(nbytes <= stream_left_, path_, ": entry '", key_for_message(stream_key_),
-              "': append of ", nbytes, " bytes exceeds the ", stream_left_,
-              " payload bytes still owed");
+  TORCH_CHECK(nbytes <= stream_left_, path_, ": entry '", printable(stream_key_), "': append of ",
+              nbytes, " bytes exceeds the ", stream_left_, " payload bytes still owed");
   try {
     write_all(data, nbytes);
   } catch (...) {
@@ -763,7 +582,7 @@ void DatWriter::append(const void* data, size_t nbytes) {
 void DatWriter::append(const at::Tensor& chunk) {
   TORCH_CHECK(chunk.defined() && chunk.device().is_cpu() &&
                   chunk.scalar_type() == elem_scalar_type(stream_type_),
-              path_, ": entry '", key_for_message(stream_key_), "': append needs a CPU ",
+              path_, ": entry '", printable(stream_key_), "': append needs a CPU ",
               elem_scalar_type(stream_type_), " tensor, found ",
               chunk.defined() ? chunk.toString() : std::string("undefined"));
   const at::Tensor c = chunk.contiguous();
@@ -773,7 +592,7 @@ void DatWriter::append(const at::Tensor& chunk) {
 void DatWriter::add_nvfp4(const std::string& name, const q4::quant::Nvfp4Tensor& t,
                           ElemType qdata_type) {
   TORCH_CHECK(t.qdata.defined() && t.scale.defined() && t.qdata.dim() == 2 && t.scale.dim() == 2,
-              path_, ": NVFP4 pair '", key_for_message(name), "': expected 2-D qdata and scale");
+              path_, ": NVFP4 pair '", printable(name), "': expected 2-D qdata and scale");
   begin_nvfp4(name, t.qdata.size(0), 2 * t.qdata.size(1), qdata_type);
   append_nvfp4(t);
 }
@@ -781,17 +600,17 @@ void DatWriter::add_nvfp4(const std::string& name, const q4::quant::Nvfp4Tensor&
 void DatWriter::begin_nvfp4(const std::string& name, int64_t rows, int64_t cols,
                             ElemType qdata_type) {
   TORCH_CHECK(qdata_type == ElemType::kUInt8 || qdata_type == ElemType::kE2M1Packed, path_,
-              ": NVFP4 pair '", key_for_message(name), "': qdata element type must be uint8 or ",
+              ": NVFP4 pair '", printable(name), "': qdata element type must be uint8 or ",
               "e2m1, got ", elem_type_name(qdata_type));
   TORCH_CHECK(rows >= 0 && cols >= 0 && cols % q4::quant::kNvfp4BlockSize == 0, path_,
-              ": NVFP4 pair '", key_for_message(name), "': shape [", rows, ", ", cols,
+              ": NVFP4 pair '", printable(name), "': shape [", rows, ", ", cols,
               "] needs a column count that is a multiple of ", q4::quant::kNvfp4BlockSize);
   TORCH_CHECK(keys_.count(name + kDatScaleSuffix) == 0, path_, ": entry '",
-              key_for_message(name + kDatScaleSuffix), "': duplicate key");
+              printable(name + kDatScaleSuffix), "': duplicate key");
   begin_streamed(name + kDatQdataSuffix, qdata_type, {rows, cols / 2});
   pair_name_ = name;
-  pair_scale_ = at::empty({rows, cols / q4::quant::kNvfp4BlockSize},
-                          at::TensorOptions().dtype(at::kByte));
+  pair_scale_ =
+      at::empty({rows, cols / q4::quant::kNvfp4BlockSize}, at::TensorOptions().dtype(at::kByte));
   pair_rows_done_ = 0;
   if (rows == 0) append_nvfp4({pair_scale_.new_empty({0, cols / 2}), pair_scale_});
 }
@@ -803,7 +622,7 @@ void DatWriter::append_nvfp4(const q4::quant::Nvfp4Tensor& t) {
   TORCH_CHECK(n >= 0 && t.qdata.scalar_type() == at::kByte && t.qdata.size(1) * 2 == sc * 16 &&
                   t.scale.defined() && t.scale.scalar_type() == at::kByte &&
                   t.scale.sizes() == at::IntArrayRef({n, sc}) && pair_rows_done_ + n <= rows,
-              path_, ": NVFP4 pair '", key_for_message(pair_name_), "': chunk qdata ",
+              path_, ": NVFP4 pair '", printable(pair_name_), "': chunk qdata ",
               t.qdata.defined() ? t.qdata.sizes() : at::IntArrayRef{}, " / scale ",
               t.scale.defined() ? t.scale.sizes() : at::IntArrayRef{}, " does not continue a [",
               rows, ", ", sc * 16, "] matrix at row ", pair_rows_done_);
@@ -822,9 +641,9 @@ void DatWriter::append_nvfp4(const q4::quant::Nvfp4Tensor& t) {
 void DatWriter::commit() {
   TORCH_CHECK(fd_ >= 0 && !committed_ && !failed_, path_,
               ": DatWriter::commit() after commit() or after a failed call");
-  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", key_for_message(stream_key_), "' still owes ",
+  TORCH_CHECK(stream_left_ == 0, path_, ": entry '", printable(stream_key_), "' still owes ",
               stream_left_, " payload bytes");
-  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", key_for_message(pair_name_),
+  TORCH_CHECK(pair_name_.empty(), path_, ": NVFP4 pair '", printable(pair_name_),
               "' is incomplete");
   TORCH_CHECK(written_ == count_, path_, ": ", written_,
               " entries written but the header "
@@ -841,4 +660,4 @@ void DatWriter::commit() {
   committed_ = true;
 }
 
-}  // namespace q4::model
+}  // namespace q4::io
