@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ASan + UBSan run of the CPU library unit tests that parse files and manage memory by hand: io,
-# quant, the .dat container (test_model_dat: dat_file + dat_corrupt tests), data (+ q4tok) and
+# quant, the .dat container (in test_io, with the io library it belongs to), data (+ q4tok) and
 # optim (state save/load), in build-asan/ (Q4_SANITIZE=ON) at -O1, the level the sanitizers
 # recommend: every check stays on and the ASan build compiles in ~60% of -O3's time. The Qwen3
 # model tests with their three tools, trainer, e2e and convergence are left to the plain build:
@@ -10,7 +10,7 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 # The test binaries and the gtest suites they hold (tests of binaries not built here are not
 # selected): when tests move between binaries, update both lists together.
-targets=(test_io test_quant test_model_dat test_data test_optim)
+targets=(test_io test_quant test_data test_optim)
 suites='AppendFile|AtomicFile|BoundedRead|Crc32c|RemoveTree|E2m1Ref|E4m3Fast|E4m3Ref|Nvfp4[A-Za-z]*|DatCorruptTest|DatFileTest'
 suites+='|Batcher|Chat|Dataset|DatasetFormats|Q4tok|Tokenizer'
 suites+='|LrSchedule|OptimCodec|PackedAdamW'

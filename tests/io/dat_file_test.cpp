@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "dat_bytes.h"
-#include "temp_dir.h"
+#include "q4/test/temp_dir.h"
 
 namespace q4::io {
 namespace {
@@ -47,14 +47,14 @@ void write_file(const std::string& path, const Bytes& b) {
 class DatFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tmp_ = std::make_unique<model::test::ScopedTempDir>("q4_dat_");
+    tmp_ = std::make_unique<q4::test::ScopedTempDir>("q4_dat_");
     ASSERT_TRUE(tmp_->ok());
     dir_ = tmp_->dir();
   }
   void TearDown() override { tmp_.reset(); }
   std::vector<std::string> list_dir() const { return tmp_->list(); }
   std::string path(const std::string& name) const { return tmp_->path(name); }
-  std::unique_ptr<model::test::ScopedTempDir> tmp_;
+  std::unique_ptr<q4::test::ScopedTempDir> tmp_;
   std::string dir_;
 };
 
