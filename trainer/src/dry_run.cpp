@@ -17,12 +17,10 @@ namespace fs = std::filesystem;
 namespace q4::trainer {
 
 int run_dry_run(const Config& config, std::ostream& out) {
-  Config c = config;
-  const bool length_from_data = c.train.epochs > 0 || c.optim.schedule.warmup_ratio > 0;
-  if (!length_from_data) {
-    if (const std::string note = clip_warmup_to_run(c); !note.empty()) out << note << "\n";
-  }
-  check_input_files(c, /*need_data=*/c.train.steps > 0);
+  RunPlan plan(config, RunOptions{});
+  const Config& c = plan.config();
+  if (const std::string note = plan.clip_warmup(); !note.empty()) out << note << "\n";
+  check_input_files(c, /*need_data=*/plan.steps() > 0);
   check_output_paths(c);
   const auto mc = load_model_config(c);
   as_input_error("train.trainable", [&] {
@@ -31,7 +29,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
   });
   // The data as the run reads it: the real tokenizer, every file, the validation split, the
   // truncation policy and the batcher's packing (which sizes an epoch); no weights.
-  if (c.train.steps > 0) {
+  if (plan.steps() > 0) {
     const auto tok = as_input_error(
         "model.tokenizer", [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
     if (tok.vocab_size() > mc.vocab_size) {
@@ -69,15 +67,15 @@ int run_dry_run(const Config& config, std::ostream& out) {
                                               [&] { return data::Batcher(std::move(val), bo); });
       out << fmt::format("validation: {} examples, {} kept\n", n, vb.num_examples());
     }
-    out << resolve_run_length(c, batcher.batches_per_epoch(), 1);
+    out << plan.resolve_length(batcher.batches_per_epoch(), 1);
     out << fmt::format(
         "data: {} examples in {} row{}{} and {} micro-batch{} per epoch; {} step{} of {} "
         "micro-batch{} = {:.2f} epochs\n",
         batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
         c.data.packing ? " (packed)" : "", batcher.batches_per_epoch(),
-        batcher.batches_per_epoch() == 1 ? "" : "es", c.train.steps,
-        c.train.steps == 1 ? "" : "s", c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
-        static_cast<double>(c.train.steps * c.train.grad_accum) /
+        batcher.batches_per_epoch() == 1 ? "" : "es", plan.steps(),
+        plan.steps() == 1 ? "" : "s", c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
+        static_cast<double>(plan.steps() * c.train.grad_accum) /
             static_cast<double>(batcher.batches_per_epoch()));
   }
   // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
@@ -91,7 +89,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
       mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size, c.model.device,
       to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)));
   out << fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
-                     c.train.batch_size, c.train.seq_len, c.train.grad_accum, c.train.steps,
+                     c.train.batch_size, c.train.seq_len, c.train.grad_accum, plan.steps(),
                      to_string(c.optim.state));
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {

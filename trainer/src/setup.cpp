@@ -17,6 +17,7 @@
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/nvtx.h"
+#include "q4/trainer/options.h"
 #include "q4/trainer/run_dir.h"
 #include "q4/trainer/trainer.h"
 
@@ -40,15 +41,6 @@ uint64_t splitmix64(uint64_t* state) {
   return z ^ (z >> 31);
 }
 
-optim::LrSchedule make_schedule(const Config& c, int64_t steps) {
-  optim::LrScheduleOptions s;
-  s.kind = to_optim(c.optim.schedule.kind);
-  s.peak_lr = c.optim.lr;
-  s.warmup_steps = c.optim.schedule.warmup_steps;
-  s.total_steps = std::max<int64_t>(steps, c.optim.schedule.warmup_steps + 1);
-  s.min_lr = c.optim.lr * c.optim.schedule.min_lr_ratio;
-  return optim::LrSchedule(s);
-}
 
 // Loads the model: from model.weights, or a random init written once to <dir>/init.dat (so the
 // export has a source file and loading follows the same path as real weights).
@@ -220,35 +212,7 @@ std::string truncation_keys(const Config& c, const std::string& files_key) {
                      to_string(resolved_truncation(c)));
 }
 
-data::DatasetOptions dataset_options(const Config& c) {
-  data::DatasetOptions o;
-  o.format = to_data(c.data.format);
-  o.system_prompt = c.data.system_prompt;
-  o.on_error = to_data(c.data.on_error);
-  return o;
-}
 
-// Batcher settings of a run (training and the probe alike). On CUDA the batch's rows are laid
-// end to end in one row (the varlen attention separates the examples) and shapes are kept
-// stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a
-// multiple of 64, so the allocator and the kernels see a handful of shapes.
-data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
-  data::BatcherOptions bo;
-  bo.batch_size = c.train.batch_size;
-  bo.max_seq_len = c.train.seq_len;
-  bo.seed = static_cast<uint64_t>(c.train.seed);
-  bo.shuffle = c.data.shuffle;
-  bo.pack = c.data.packing;
-  bo.pack_window = c.data.pack_window;
-  bo.truncation = to_data(resolved_truncation(c));
-  bo.pad_id = pad_id;
-  if (device_is_cuda(c)) {
-    bo.fixed_len = bo.pack;
-    bo.pad_multiple = 64;
-    bo.flatten = true;  // varlen attention: rows end to end, no padding between them
-  }
-  return bo;
-}
 
 // The probe's data when the config names no files: `count` random-token sequences of exactly
 // seq_len tokens, every position supervised, drawn from train.seed. They flow through the same
@@ -396,7 +360,7 @@ void RunSetup::make_optimizer(GradSync& sync) {
   optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan_.config()));
   optimizer_index_ = sync.add_owned_params(*optimizer_);
   out_ << sync.ownership_summary(optimizer_->num_params());
-  schedule_ = std::make_unique<optim::LrSchedule>(make_schedule(plan_.config(), plan_.steps()));
+  schedule_ = std::make_unique<optim::LrSchedule>(optim::LrSchedule(lr_schedule_options(plan_.config(), plan_.steps())));
 }
 
 }  // namespace q4::trainer

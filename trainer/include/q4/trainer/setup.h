@@ -20,6 +20,7 @@
 #include "q4/optim/schedule.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/grad_sync.h"
+#include "q4/trainer/options.h"
 #include "q4/trainer/run_plan.h"
 
 namespace q4::trainer {
@@ -121,12 +122,5 @@ class RunSetup {
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::unordered_map<const model::Parameter*, int64_t> optimizer_index_;
 };
-
-// Batcher settings of a run (training and the probe alike). On CUDA the batch's rows are laid
-// end to end in one row (the varlen attention separates the examples) and shapes are kept
-// stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a
-// multiple of 64, so the allocator and the kernels see a handful of shapes.
-data::BatcherOptions batcher_options(const Config& c, int64_t pad_id);
-data::DatasetOptions dataset_options(const Config& c);
 
 }  // namespace q4::trainer
