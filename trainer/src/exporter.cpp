@@ -14,6 +14,7 @@
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/export_check.h"
+#include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/run_dir.h"
 
@@ -21,13 +22,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace q4::trainer {
-namespace {
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-}  // namespace
 
 Exporter::Exporter(const RunPlan& plan, std::ostream& out, std::ostream& err)
     : plan_(plan), out_(out), err_(err) {}

@@ -7,45 +7,43 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace q4::trainer {
 
-at::ScalarType to_scalar_type(Dtype d) {
-  switch (d) {
-    case Dtype::kFp16:
-      return at::kHalf;
-    case Dtype::kBf16:
-      return at::kBFloat16;
-    case Dtype::kFp32:
-      return at::kFloat;
+namespace {
+
+// The library value of a config enum from its (config value, library value) table; a config
+// value without one (an `auto` or `none` not resolved first) is an internal error.
+template <typename From, typename To, size_t N>
+To library_value(From v, const std::pair<From, To> (&table)[N], const char* what) {
+  for (const auto& [from, to] : table) {
+    if (from == v) return to;
   }
-  TORCH_INTERNAL_ASSERT(false, "invalid Dtype ", static_cast<int>(d));
+  TORCH_INTERNAL_ASSERT(false, what, " ", static_cast<int>(v), " has no library value");
+}
+
+}  // namespace
+
+at::ScalarType to_scalar_type(Dtype d) {
+  static constexpr std::pair<Dtype, at::ScalarType> kTable[] = {
+      {Dtype::kFp16, at::kHalf}, {Dtype::kBf16, at::kBFloat16}, {Dtype::kFp32, at::kFloat}};
+  return library_value(d, kTable, "Dtype");
 }
 
 data::Truncation to_data(Truncation t) {
-  switch (t) {
-    case Truncation::kCutLeft:
-      return data::Truncation::kCutLeft;
-    case Truncation::kCutRight:
-      return data::Truncation::kCutRight;
-    case Truncation::kDrop:
-      return data::Truncation::kDrop;
-    case Truncation::kAuto:
-      break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "Truncation ", static_cast<int>(t), " must be resolved first");
+  static constexpr std::pair<Truncation, data::Truncation> kTable[] = {
+      {Truncation::kCutLeft, data::Truncation::kCutLeft},
+      {Truncation::kCutRight, data::Truncation::kCutRight},
+      {Truncation::kDrop, data::Truncation::kDrop}};
+  return library_value(t, kTable, "Truncation (resolve auto first)");
 }
 
 model::HfFormat to_model(HfExport e) {
-  switch (e) {
-    case HfExport::kModelOpt:
-      return model::HfFormat::kModelOpt;
-    case HfExport::kCompressedTensors:
-      return model::HfFormat::kCompressedTensors;
-    case HfExport::kNone:
-      break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "HfExport ", static_cast<int>(e), " has no HF format");
+  static constexpr std::pair<HfExport, model::HfFormat> kTable[] = {
+      {HfExport::kModelOpt, model::HfFormat::kModelOpt},
+      {HfExport::kCompressedTensors, model::HfFormat::kCompressedTensors}};
+  return library_value(e, kTable, "HfExport");
 }
 
 model::TrainableSpec trainable_spec(const Config& c) {
@@ -77,18 +75,13 @@ model::ModelOptions model_options(const Config& c) {
   model::ModelOptions o;
   o.master_dtype = to_scalar_type(c.model.master_dtype);
   o.compute_dtype = to_scalar_type(resolved_compute_dtype(c));
-  switch (c.model.grad_dtype) {
-    case DtypeOrAuto::kAuto:
-      break;  // the model library picks (fp32 with fp32 masters, else bf16)
-    case DtypeOrAuto::kFp32:
-      o.grad_dtype = at::kFloat;
-      break;
-    case DtypeOrAuto::kBf16:
-      o.grad_dtype = at::kBFloat16;
-      break;
-    case DtypeOrAuto::kFp16:
-      o.grad_dtype = at::kHalf;
-      break;
+  // auto: the model library picks (fp32 with fp32 masters, else bf16).
+  static constexpr std::pair<DtypeOrAuto, at::ScalarType> kGradDtype[] = {
+      {DtypeOrAuto::kFp32, at::kFloat},
+      {DtypeOrAuto::kBf16, at::kBFloat16},
+      {DtypeOrAuto::kFp16, at::kHalf}};
+  if (c.model.grad_dtype != DtypeOrAuto::kAuto) {
+    o.grad_dtype = library_value(c.model.grad_dtype, kGradDtype, "DtypeOrAuto");
   }
   o.device = at::Device(c.model.device);
   o.trainable = trainable_spec(c);

@@ -15,6 +15,7 @@
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/grad_sync.h"
 #include "q4/trainer/memory.h"
+#include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/objective.h"
 #include "q4/trainer/probe.h"
@@ -28,10 +29,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace q4::trainer {
 namespace {
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

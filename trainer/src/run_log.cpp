@@ -24,10 +24,6 @@ using Clock = std::chrono::steady_clock;
 namespace q4::trainer {
 namespace {
 
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
 std::string one_line(const std::string& s) {
   std::string o;
   for (char ch : s) o += (ch == '\n') ? ' ' : ch;

@@ -16,6 +16,7 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
+#include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/options.h"
 #include "q4/trainer/run_dir.h"
@@ -28,10 +29,6 @@ namespace q4::trainer {
 namespace {
 
 constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // splitmix64: the portable generator behind the held-out split (same on every platform).
 uint64_t splitmix64(uint64_t* state) {

@@ -33,6 +33,7 @@
 #include "q4/trainer/exporter.h"
 #include "q4/trainer/grad_sync.h"
 #include "q4/trainer/memory.h"
+#include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/objective.h"
 #include "q4/trainer/profile.h"
@@ -48,10 +49,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace q4::trainer {
 namespace {
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 // ---------------------------------------------------------------------------------------------
 
