@@ -125,7 +125,10 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
       "rows x {} tokens\n",
       plan_.steps(),
       start_step > 0 ? fmt::format(" (resuming at {})", start_step) : std::string(),
-      plan_.epochs_configured() > 0 ? fmt::format(" (train.epochs {})", plan_.epochs_configured()) : std::string(), per_step,
+      plan_.epochs_configured() > 0
+          ? fmt::format(" (train.epochs {})", plan_.epochs_configured())
+          : std::string(),
+      per_step,
       per_step == 1 ? "" : "es", c.train.grad_accum, ranks, ranks == 1 ? "" : "s",
       c.train.batch_size, c.train.seq_len);
   if (batcher) {
@@ -155,7 +158,8 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
                       kConfigFile);
   out_ << fmt::format("  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
                       to_gib(budget.total_bytes()),
-                      plan_.device().is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch",
+                      plan_.device().is_cuda() ? "device, one micro-batch"
+                                               : "tensors, one micro-batch",
                       budget.peak_phase_name());
   out_ << "  time       estimated after the first steps\n" << std::flush;
 }

@@ -35,8 +35,8 @@ bool RunPlan::checkpoints_on() const {
 std::string RunPlan::export_path() const { return resolved_export_path(config_); }
 
 std::string RunPlan::metrics_path() const {
-  return config_.log.metrics.empty() ? std::string()
-                                     : (fs::path(config_.output.dir) / config_.log.metrics).string();
+  if (config_.log.metrics.empty()) return "";
+  return (fs::path(config_.output.dir) / config_.log.metrics).string();
 }
 
 std::string RunPlan::clip_warmup() { return length_from_data_ ? "" : clip_warmup_to_run(config_); }

@@ -357,7 +357,8 @@ void RunSetup::make_optimizer(GradSync& sync) {
   optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan_.config()));
   optimizer_index_ = sync.add_owned_params(*optimizer_);
   out_ << sync.ownership_summary(optimizer_->num_params());
-  schedule_ = std::make_unique<optim::LrSchedule>(optim::LrSchedule(lr_schedule_options(plan_.config(), plan_.steps())));
+  schedule_ = std::make_unique<optim::LrSchedule>(
+      lr_schedule_options(plan_.config(), plan_.steps()));
 }
 
 }  // namespace q4::trainer

@@ -195,7 +195,8 @@ class Trainer {
                              /*unknown_is_error=*/!resume || !path_inside(exp, cfg().output.dir),
                              cfg().output.dir);
     }
-    if (plan_.options().world.distributed()) connect_ranks();  // every rank checked its inputs first
+    // Every rank checked its inputs first.
+    if (plan_.options().world.distributed()) connect_ranks();
     const fs::path dir(cfg().output.dir);
     setup_dir_existed_ = fs::is_directory(dir, ec);
     if (setup_dir_existed_ && leader()) {
@@ -471,12 +472,14 @@ class Trainer {
 
   void inject_fault(int64_t step) const {
     if (fault_at("exit", step)) {
-      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n", plan_.options().world.rank,
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n",
+                   plan_.options().world.rank,
                    static_cast<long long>(step));
       std::_Exit(9);
     }
     if (fault_at("hang", step)) {
-      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n", plan_.options().world.rank,
+      std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n",
+                   plan_.options().world.rank,
                    static_cast<long long>(step));
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
@@ -493,9 +496,10 @@ class Trainer {
     }
     const auto t0 = Clock::now();
     comm_ = DistComm::connect(w, plan_.device(), plan_.options().dist_timeout);
-    out_ << fmt::format("data parallel: {} ranks ({}), rank {} on {}, rendezvous {}:{} in {:.1f} s\n",
-                        w.world_size, comm_->backend(), w.rank, plan_.device().str(), w.master_addr,
-                        w.master_port, ms_since(t0) / 1000.0);
+    out_ << fmt::format(
+        "data parallel: {} ranks ({}), rank {} on {}, rendezvous {}:{} in {:.1f} s\n",
+        w.world_size, comm_->backend(), w.rank, plan_.device().str(), w.master_addr,
+        w.master_port, ms_since(t0) / 1000.0);
   }
 
   RunPlan plan_;

@@ -81,8 +81,8 @@ class RunLog {
   std::ostream& out_;
   std::ostream& err_;
   bool leader_;
-  bool bar_ = false;
-  bool has_validation_ = false;  // held-out examples (the time estimate leaves evals out)  // a progress bar on stderr (log.progress, or auto on a terminal)
+  bool bar_ = false;  // a progress bar on stderr (log.progress, or auto on a terminal)
+  bool has_validation_ = false;  // held-out examples (the time estimate leaves evals out)
   JsonlWriter metrics_;
   JsonlWriter eval_log_;
   std::unique_ptr<ReportWriter> report_;
