@@ -58,7 +58,7 @@ TEST(Config, MinimalGetsDefaultsAndResolvesPaths) {
   EXPECT_EQ(c.data.files[0], "/base/train.tsv");
   EXPECT_EQ(c.train.steps, 100);
   EXPECT_EQ(c.model.master_dtype, Dtype::kFp16);
-  EXPECT_EQ(c.optim.state, MomentState::kInt8);
+  EXPECT_EQ(c.optim.state, q4::optim::StateMode::kInt8);
   EXPECT_EQ(resolved_compute_dtype(c), Dtype::kFp32);  // auto on CPU
   EXPECT_TRUE(fs::path(c.output.dir).is_absolute());
   EXPECT_EQ(resolved_export_path(c), (fs::path(c.output.dir) / "model.dat").string());
@@ -192,7 +192,7 @@ TEST(Config, SetOverridesBeforeValidation) {
   EXPECT_FALSE(c.data.shuffle);
   // Sections that the file lacks are created.
   c = parse(kMinimal, {parse_override("optim.schedule.kind=linear")});
-  EXPECT_EQ(c.optim.schedule.kind, ScheduleKind::kLinear);
+  EXPECT_EQ(c.optim.schedule.kind, q4::optim::LrScheduleKind::kLinear);
   // The override goes through the same checks.
   EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "train.steps"));
   EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "from --set"));
@@ -429,26 +429,26 @@ TEST(Config, EnumsParseOnceAndPrintBack) {
   EXPECT_EQ(c.model.master_dtype, Dtype::kBf16);
   EXPECT_EQ(c.model.compute_dtype, DtypeOrAuto::kBf16);
   EXPECT_EQ(c.model.grad_dtype, DtypeOrAuto::kFp32);
-  EXPECT_EQ(c.optim.state, MomentState::k4Bit);
-  EXPECT_EQ(c.optim.master_rounding, MasterRounding::kNearest);
+  EXPECT_EQ(c.optim.state, q4::optim::StateMode::k4Bit);
+  EXPECT_EQ(c.optim.master_rounding, q4::optim::MasterRounding::kNearest);
   EXPECT_EQ(c.optim.in_backward, InBackward::kFalse);
   EXPECT_FALSE(in_backward_updates(c));
-  EXPECT_EQ(c.optim.schedule.kind, ScheduleKind::kCosine);
-  EXPECT_EQ(c.data.format, DataFormat::kJsonl);
-  EXPECT_EQ(c.data.on_error, OnError::kSkip);
+  EXPECT_EQ(c.optim.schedule.kind, q4::optim::LrScheduleKind::kCosine);
+  EXPECT_EQ(c.data.format, q4::data::DataFormat::kJsonl);
+  EXPECT_EQ(c.data.on_error, q4::data::OnError::kSkip);
   EXPECT_EQ(c.data.truncation, Truncation::kCutRight);
   EXPECT_EQ(c.log.progress, ProgressStyle::kLine);
   EXPECT_EQ(c.output.hf_export, HfExport::kCompressedTensors);
   EXPECT_EQ(to_string(c.optim.state), "4bit");
   EXPECT_EQ(to_string(c.output.hf_export), "compressed-tensors");
-  EXPECT_EQ(to_string(MomentState::kNvfp4), "nvfp4");
+  EXPECT_EQ(to_string(q4::optim::StateMode::kNvfp4), "nvfp4");
   EXPECT_EQ(to_string(InBackward::kTrue), "true");
   // YAML booleans given to auto|true|false are its spellings.
   EXPECT_EQ(parse(kMinimal, {parse_override("optim.in_backward=true")}).optim.in_backward,
             InBackward::kTrue);
   const Config back = parse_config(config_to_yaml(c), "back.yaml", "/x");
   EXPECT_EQ(config_to_yaml(back), config_to_yaml(c));
-  EXPECT_EQ(back.optim.state, MomentState::k4Bit);
+  EXPECT_EQ(back.optim.state, q4::optim::StateMode::k4Bit);
   EXPECT_EQ(back.output.hf_export, HfExport::kCompressedTensors);
   // Wrong spellings list the choices, from the enum.
   std::string msg = error_of(kMinimal, {parse_override("log.progress=fancy")});

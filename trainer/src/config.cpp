@@ -313,46 +313,60 @@ std::string fmt_float(double v) {
   return s;
 }
 
-// The YAML spellings of each enumerated setting, indexed by enumerator.
+// The YAML spellings of each enumerated setting, one table per enum: (spelling, value) in the
+// order the docs list the choices.
 template <typename E>
 struct EnumSpelling;
-#define Q4_ENUM_SPELLING(E, ...)                        \
-  template <>                                           \
-  struct EnumSpelling<E> {                              \
-    static constexpr std::array kNames = {__VA_ARGS__}; \
+#define Q4_ENUM_SPELLING(E, ...)                                         \
+  template <>                                                            \
+  struct EnumSpelling<E> {                                               \
+    static constexpr std::pair<const char*, E> kNames[] = {__VA_ARGS__}; \
   }
-Q4_ENUM_SPELLING(InitKind, "file", "random");
-Q4_ENUM_SPELLING(Dtype, "fp16", "bf16", "fp32");
-Q4_ENUM_SPELLING(DtypeOrAuto, "auto", "fp32", "bf16", "fp16");
-Q4_ENUM_SPELLING(MomentState, "fp32", "int8", "4bit", "nvfp4");
-Q4_ENUM_SPELLING(MasterRounding, "stochastic", "nearest");
-Q4_ENUM_SPELLING(InBackward, "auto", "true", "false");
-Q4_ENUM_SPELLING(ScheduleKind, "constant", "linear", "cosine");
-Q4_ENUM_SPELLING(DataFormat, "auto", "tsv", "jsonl", "text");
-Q4_ENUM_SPELLING(OnError, "fail", "skip");
-Q4_ENUM_SPELLING(Truncation, "auto", "cut_left", "cut_right", "drop");
-Q4_ENUM_SPELLING(ProgressStyle, "auto", "bar", "line");
-Q4_ENUM_SPELLING(HfExport, "none", "modelopt", "compressed-tensors");
+Q4_ENUM_SPELLING(InitKind, {"file", InitKind::kFile}, {"random", InitKind::kRandom});
+Q4_ENUM_SPELLING(Dtype, {"fp16", Dtype::kFp16}, {"bf16", Dtype::kBf16}, {"fp32", Dtype::kFp32});
+Q4_ENUM_SPELLING(DtypeOrAuto, {"auto", DtypeOrAuto::kAuto}, {"fp32", DtypeOrAuto::kFp32},
+                 {"bf16", DtypeOrAuto::kBf16}, {"fp16", DtypeOrAuto::kFp16});
+Q4_ENUM_SPELLING(optim::StateMode, {"fp32", optim::StateMode::kFp32},
+                 {"int8", optim::StateMode::kInt8}, {"4bit", optim::StateMode::k4Bit},
+                 {"nvfp4", optim::StateMode::kNvfp4});
+Q4_ENUM_SPELLING(optim::MasterRounding, {"stochastic", optim::MasterRounding::kStochastic},
+                 {"nearest", optim::MasterRounding::kNearest});
+Q4_ENUM_SPELLING(InBackward, {"auto", InBackward::kAuto}, {"true", InBackward::kTrue},
+                 {"false", InBackward::kFalse});
+Q4_ENUM_SPELLING(optim::LrScheduleKind, {"constant", optim::LrScheduleKind::kConstant},
+                 {"linear", optim::LrScheduleKind::kLinear},
+                 {"cosine", optim::LrScheduleKind::kCosine});
+Q4_ENUM_SPELLING(data::DataFormat, {"auto", data::DataFormat::kAuto},
+                 {"tsv", data::DataFormat::kTsv}, {"jsonl", data::DataFormat::kJsonl},
+                 {"text", data::DataFormat::kText});
+Q4_ENUM_SPELLING(data::OnError, {"fail", data::OnError::kFail}, {"skip", data::OnError::kSkip});
+Q4_ENUM_SPELLING(Truncation, {"auto", Truncation::kAuto}, {"cut_left", Truncation::kCutLeft},
+                 {"cut_right", Truncation::kCutRight}, {"drop", Truncation::kDrop});
+Q4_ENUM_SPELLING(ProgressStyle, {"auto", ProgressStyle::kAuto}, {"bar", ProgressStyle::kBar},
+                 {"line", ProgressStyle::kLine});
+Q4_ENUM_SPELLING(HfExport, {"none", HfExport::kNone}, {"modelopt", HfExport::kModelOpt},
+                 {"compressed-tensors", HfExport::kCompressedTensors});
 #undef Q4_ENUM_SPELLING
 
 template <typename E>
 std::vector<std::string> enum_names() {
-  const auto& names = EnumSpelling<E>::kNames;
-  return {names.begin(), names.end()};
+  std::vector<std::string> out;
+  for (const auto& [name, value] : EnumSpelling<E>::kNames) out.emplace_back(name);
+  return out;
 }
 
 template <typename E>
 std::string enum_to_string(E v) {
-  const auto& names = EnumSpelling<E>::kNames;
-  const auto i = static_cast<size_t>(v);
-  return i < names.size() ? names[i] : "<invalid>";
+  for (const auto& [name, value] : EnumSpelling<E>::kNames) {
+    if (value == v) return name;
+  }
+  return "<invalid>";
 }
 
 template <typename E>
 std::optional<E> enum_from_string(const std::string& s) {
-  const auto& names = EnumSpelling<E>::kNames;
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (s == names[i]) return static_cast<E>(i);
+  for (const auto& [name, value] : EnumSpelling<E>::kNames) {
+    if (s == name) return value;
   }
   return std::nullopt;
 }
@@ -385,12 +399,9 @@ void check_range(const FieldRef& f, T v, const std::string& where_text) {
 std::string to_string(InitKind v) { return enum_to_string(v); }
 std::string to_string(Dtype v) { return enum_to_string(v); }
 std::string to_string(DtypeOrAuto v) { return enum_to_string(v); }
-std::string to_string(MomentState v) { return enum_to_string(v); }
-std::string to_string(MasterRounding v) { return enum_to_string(v); }
 std::string to_string(InBackward v) { return enum_to_string(v); }
-std::string to_string(ScheduleKind v) { return enum_to_string(v); }
-std::string to_string(DataFormat v) { return enum_to_string(v); }
-std::string to_string(OnError v) { return enum_to_string(v); }
+std::string to_string(data::DataFormat v) { return enum_to_string(v); }
+std::string to_string(data::OnError v) { return enum_to_string(v); }
 std::string to_string(Truncation v) { return enum_to_string(v); }
 std::string to_string(ProgressStyle v) { return enum_to_string(v); }
 std::string to_string(HfExport v) { return enum_to_string(v); }
@@ -760,8 +771,10 @@ std::string did_you_mean(const std::string& key, const std::vector<std::string>&
 // ---------------------------------------------------------------------------------------------
 // Parsing
 
-Config parse_config(const std::string& yaml_text, const std::string& source_name,
-                    const std::string& base_dir, const std::vector<Override>& overrides) {
+namespace {
+
+// The YAML text as a mapping of sections (an empty file is an empty mapping).
+YAML::Node load_root(const std::string& yaml_text, const std::string& source_name) {
   YAML::Node root;
   try {
     root = YAML::Load(yaml_text);
@@ -779,7 +792,108 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
     throw ConfigError(source_name + ": expected a mapping of sections at the top level, found " +
                       describe(root));
   }
+  return root;
+}
 
+// One field's value from its YAML node, type- and range-checked against its table row.
+void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src) {
+  std::visit(
+      [&](auto* ptr) {
+        using T = std::remove_pointer_t<decltype(ptr)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          *ptr = read_string(f.key, cur, src);
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          *ptr = read_int(f.key, cur, src);
+          check_range(f, *ptr, where(cur, src));
+        } else if constexpr (std::is_same_v<T, double>) {
+          *ptr = read_double(f.key, cur, src);
+          check_range(f, *ptr, where(cur, src));
+        } else if constexpr (std::is_same_v<T, bool>) {
+          *ptr = read_bool(f.key, cur, src);
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          *ptr = read_string_list(f.key, cur, src);
+        } else if constexpr (std::is_same_v<T, LayerSelection>) {
+          *ptr = read_layers(f.key, cur, src);
+        } else {
+          static_assert(std::is_enum_v<T>);
+          if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));
+          const auto v = enum_from_string<T>(cur.Scalar());
+          if (!v) {
+            throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
+                              join(f.choices(), ", ") + ", found '" + cur.Scalar() + "'");
+          }
+          *ptr = *v;
+        }
+      },
+      f.ptr);
+}
+
+// train.epochs and train.steps both set the run length: exactly one of them. A --set of one
+// overrides the other from the file (a smoke run: --set train.steps=3). Likewise
+// optim.schedule.warmup_ratio and warmup_steps (validate_config refuses both).
+void resolve_overridden_lengths(Config& c, const YAML::Node& root,
+                                const std::set<std::string>& overridden,
+                                const std::string& source_name) {
+  const bool steps_from_set = overridden.count("train.steps") > 0;
+  const bool epochs_from_set = overridden.count("train.epochs") > 0;
+  if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) && steps_from_set &&
+      !epochs_from_set) {
+    c.train.epochs = 0;
+  } else if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) &&
+             !(epochs_from_set && !steps_from_set)) {
+    throw ConfigError("config key train.epochs: set together with train.steps" +
+                      where(*lookup(root, {"train", "steps"}),
+                            overridden.count("train.steps") ? std::string(kFromSet)
+                                                            : source_name) +
+                      "; give one of them (steps are computed from epochs and the data)");
+  }
+  auto& sched = c.optim.schedule;
+  const bool ratio_from_set = overridden.count("optim.schedule.warmup_ratio") > 0;
+  const bool wsteps_from_set = overridden.count("optim.schedule.warmup_steps") > 0;
+  if (sched.warmup_ratio > 0 && sched.warmup_steps > 0 && ratio_from_set != wsteps_from_set) {
+    if (ratio_from_set) {
+      sched.warmup_steps = 0;
+    } else {
+      sched.warmup_ratio = 0;
+    }
+  }
+}
+
+// Paths: a leading ~/ expanded; inputs relative to the config file's directory (or the CWD for
+// --set values); model.dir (or an HF folder as model.weights) supplying config.json and
+// tokenizer.json; output.dir relative to the CWD (absolute in the saved config, so --resume
+// works anywhere).
+void resolve_paths(Config& c, std::vector<FieldRef>& fields,
+                   const std::set<std::string>& overridden, const std::string& base_dir) {
+  c.output.dir = expand_home(c.output.dir);
+  c.output.export_path = expand_home(c.output.export_path);
+  for (auto& f : fields) {
+    if (!f.is_path) continue;
+    const std::string base = overridden.count(f.key) ? fs::current_path().string() : base_dir;
+    if (auto* s = std::get_if<std::string*>(&f.ptr)) {
+      **s = resolve_path(**s, base);
+    } else if (auto* v = std::get_if<std::vector<std::string>*>(&f.ptr)) {
+      for (auto& p : **v) p = resolve_path(p, base);
+    }
+  }
+  std::error_code ec;
+  if (c.model.dir.empty() && !c.model.weights.empty() && fs::is_directory(c.model.weights, ec)) {
+    c.model.dir = c.model.weights;
+  }
+  if (!c.model.dir.empty()) {
+    if (c.model.config.empty()) c.model.config = (fs::path(c.model.dir) / "config.json").string();
+    if (c.model.tokenizer.empty()) {
+      c.model.tokenizer = (fs::path(c.model.dir) / "tokenizer.json").string();
+    }
+  }
+  if (!c.output.dir.empty()) c.output.dir = resolve_path(c.output.dir, fs::current_path().string());
+}
+
+}  // namespace
+
+Config parse_config(const std::string& yaml_text, const std::string& source_name,
+                    const std::string& base_dir, const std::vector<Override>& overrides) {
+  YAML::Node root = load_root(yaml_text, source_name);
   Config c;
   c.source = source_name;
   auto fields = config_fields(c);
@@ -814,98 +928,13 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   }
 
   check_keys(root, "", leaves, sections, keys, source_name);
-
   for (auto& f : fields) {
     const auto node = lookup(root, split(f.key, '.'));
     if (!node) continue;
-    const YAML::Node& cur = *node;
-    const std::string src = overridden.count(f.key) ? std::string(kFromSet) : source_name;
-    std::visit(
-        [&](auto* ptr) {
-          using T = std::remove_pointer_t<decltype(ptr)>;
-          if constexpr (std::is_same_v<T, std::string>) {
-            *ptr = read_string(f.key, cur, src);
-          } else if constexpr (std::is_same_v<T, int64_t>) {
-            *ptr = read_int(f.key, cur, src);
-            check_range(f, *ptr, where(cur, src));
-          } else if constexpr (std::is_same_v<T, double>) {
-            *ptr = read_double(f.key, cur, src);
-            check_range(f, *ptr, where(cur, src));
-          } else if constexpr (std::is_same_v<T, bool>) {
-            *ptr = read_bool(f.key, cur, src);
-          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-            *ptr = read_string_list(f.key, cur, src);
-          } else if constexpr (std::is_same_v<T, LayerSelection>) {
-            *ptr = read_layers(f.key, cur, src);
-          } else {
-            static_assert(std::is_enum_v<T>);
-            if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));
-            const auto v = enum_from_string<T>(cur.Scalar());
-            if (!v) {
-              throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
-                                join(f.choices(), ", ") + ", found '" + cur.Scalar() + "'");
-            }
-            *ptr = *v;
-          }
-        },
-        f.ptr);
+    read_field(f, *node, overridden.count(f.key) ? std::string(kFromSet) : source_name);
   }
-
-  // train.epochs and train.steps both set the run length: exactly one of them. A --set of one
-  // overrides the other from the file (a smoke run: --set train.steps=3).
-  const bool steps_from_set = overridden.count("train.steps") > 0;
-  const bool epochs_from_set = overridden.count("train.epochs") > 0;
-  if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) && steps_from_set &&
-      !epochs_from_set) {
-    c.train.epochs = 0;
-  } else if (c.train.epochs > 0 && lookup(root, {"train", "steps"}) &&
-             !(epochs_from_set && !steps_from_set)) {
-    throw ConfigError("config key train.epochs: set together with train.steps" +
-                      where(*lookup(root, {"train", "steps"}),
-                            overridden.count("train.steps") ? std::string(kFromSet)
-                                                            : source_name) +
-                      "; give one of them (steps are computed from epochs and the data)");
-  }
-  // Likewise optim.schedule.warmup_ratio and warmup_steps (validate_config refuses both).
-  auto& sched = c.optim.schedule;
-  const bool ratio_from_set = overridden.count("optim.schedule.warmup_ratio") > 0;
-  const bool wsteps_from_set = overridden.count("optim.schedule.warmup_steps") > 0;
-  if (sched.warmup_ratio > 0 && sched.warmup_steps > 0 && ratio_from_set != wsteps_from_set) {
-    if (ratio_from_set) {
-      sched.warmup_steps = 0;
-    } else {
-      sched.warmup_ratio = 0;
-    }
-  }
-  // A leading ~/ in the output paths too (the input paths get it in resolve_path).
-  c.output.dir = expand_home(c.output.dir);
-  c.output.export_path = expand_home(c.output.export_path);
-
-  // Input paths: relative to the config file's directory, or to the CWD for --set values.
-  for (auto& f : fields) {
-    if (!f.is_path) continue;
-    const std::string base = overridden.count(f.key) ? fs::current_path().string() : base_dir;
-    if (auto* s = std::get_if<std::string*>(&f.ptr)) {
-      **s = resolve_path(**s, base);
-    } else if (auto* v = std::get_if<std::vector<std::string>*>(&f.ptr)) {
-      for (auto& p : **v) p = resolve_path(p, base);
-    }
-  }
-  // model.dir supplies config.json / tokenizer.json when those are not given; so does
-  // model.weights when it is a Hugging Face folder.
-  std::error_code ec;
-  if (c.model.dir.empty() && !c.model.weights.empty() && fs::is_directory(c.model.weights, ec)) {
-    c.model.dir = c.model.weights;
-  }
-  if (!c.model.dir.empty()) {
-    if (c.model.config.empty()) c.model.config = (fs::path(c.model.dir) / "config.json").string();
-    if (c.model.tokenizer.empty()) {
-      c.model.tokenizer = (fs::path(c.model.dir) / "tokenizer.json").string();
-    }
-  }
-  // Outputs: relative to the CWD (absolute in the saved config, so --resume works anywhere).
-  if (!c.output.dir.empty()) c.output.dir = resolve_path(c.output.dir, fs::current_path().string());
-
+  resolve_overridden_lengths(c, root, overridden, source_name);
+  resolve_paths(c, fields, overridden, base_dir);
   validate_config(c);
   return c;
 }
@@ -1220,8 +1249,8 @@ Truncation resolved_truncation(const Config& c) {
   if (c.data.truncation != Truncation::kAuto) return c.data.truncation;
   if (c.data.files.empty()) return Truncation::kCutLeft;
   for (const auto& f : c.data.files) {
-    bool text = c.data.format == DataFormat::kText;
-    if (c.data.format == DataFormat::kAuto) {
+    bool text = c.data.format == data::DataFormat::kText;
+    if (c.data.format == data::DataFormat::kAuto) {
       std::string ext = fs::path(f).extension().string();
       for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
       text = ext == ".txt" || ext == ".text";

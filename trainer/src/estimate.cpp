@@ -1,4 +1,4 @@
-// Option mapping and the analytic memory budget (see estimate.h).
+// The analytic memory budget (see estimate.h).
 #include "q4/trainer/estimate.h"
 
 #include <algorithm>
@@ -8,169 +8,6 @@
 #include "q4/trainer/memory.h"
 
 namespace q4::trainer {
-
-at::ScalarType to_scalar_type(Dtype d) {
-  switch (d) {
-    case Dtype::kFp16:
-      return at::kHalf;
-    case Dtype::kBf16:
-      return at::kBFloat16;
-    case Dtype::kFp32:
-      return at::kFloat;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid Dtype ", static_cast<int>(d));
-}
-
-optim::StateMode to_optim(MomentState s) {
-  switch (s) {
-    case MomentState::kFp32:
-      return optim::StateMode::kFp32;
-    case MomentState::kInt8:
-      return optim::StateMode::kInt8;
-    case MomentState::k4Bit:
-      return optim::StateMode::k4Bit;
-    case MomentState::kNvfp4:
-      return optim::StateMode::kNvfp4;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid MomentState ", static_cast<int>(s));
-}
-
-optim::MasterRounding to_optim(MasterRounding r) {
-  switch (r) {
-    case MasterRounding::kStochastic:
-      return optim::MasterRounding::kStochastic;
-    case MasterRounding::kNearest:
-      return optim::MasterRounding::kNearest;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid MasterRounding ", static_cast<int>(r));
-}
-
-optim::LrScheduleKind to_optim(ScheduleKind k) {
-  switch (k) {
-    case ScheduleKind::kConstant:
-      return optim::LrScheduleKind::kConstant;
-    case ScheduleKind::kLinear:
-      return optim::LrScheduleKind::kLinear;
-    case ScheduleKind::kCosine:
-      return optim::LrScheduleKind::kCosine;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid ScheduleKind ", static_cast<int>(k));
-}
-
-data::DataFormat to_data(DataFormat f) {
-  switch (f) {
-    case DataFormat::kAuto:
-      return data::DataFormat::kAuto;
-    case DataFormat::kTsv:
-      return data::DataFormat::kTsv;
-    case DataFormat::kJsonl:
-      return data::DataFormat::kJsonl;
-    case DataFormat::kText:
-      return data::DataFormat::kText;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid DataFormat ", static_cast<int>(f));
-}
-
-data::OnError to_data(OnError e) {
-  switch (e) {
-    case OnError::kFail:
-      return data::OnError::kFail;
-    case OnError::kSkip:
-      return data::OnError::kSkip;
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid OnError ", static_cast<int>(e));
-}
-
-data::Truncation to_data(Truncation t) {
-  switch (t) {
-    case Truncation::kCutLeft:
-      return data::Truncation::kCutLeft;
-    case Truncation::kCutRight:
-      return data::Truncation::kCutRight;
-    case Truncation::kDrop:
-      return data::Truncation::kDrop;
-    case Truncation::kAuto:
-      break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "Truncation ", static_cast<int>(t), " must be resolved first");
-}
-
-model::HfFormat to_model(HfExport e) {
-  switch (e) {
-    case HfExport::kModelOpt:
-      return model::HfFormat::kModelOpt;
-    case HfExport::kCompressedTensors:
-      return model::HfFormat::kCompressedTensors;
-    case HfExport::kNone:
-      break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "HfExport ", static_cast<int>(e), " has no HF format");
-}
-
-model::TrainableSpec trainable_spec(const Config& c) {
-  const auto& t = c.train.trainable;
-  model::TrainableSpec s;
-  s.projections = t.projections;
-  s.norms = t.norms;
-  s.lm_head = t.lm_head;
-  s.embeddings = t.embeddings;
-  switch (t.layers.kind) {
-    case LayerSelection::Kind::kAll:
-      s.last_n_layers = -1;
-      break;
-    case LayerSelection::Kind::kNone:
-      s.last_n_layers = 0;
-      s.projections = false;
-      break;
-    case LayerSelection::Kind::kLast:
-      s.last_n_layers = t.layers.last_n;
-      break;
-    case LayerSelection::Kind::kList:
-      s.layers = t.layers.layers;
-      break;
-  }
-  return s;
-}
-
-model::ModelOptions model_options(const Config& c) {
-  model::ModelOptions o;
-  o.master_dtype = to_scalar_type(c.model.master_dtype);
-  o.compute_dtype = to_scalar_type(resolved_compute_dtype(c));
-  switch (c.model.grad_dtype) {
-    case DtypeOrAuto::kAuto:
-      break;  // the model library picks (fp32 with fp32 masters, else bf16)
-    case DtypeOrAuto::kFp32:
-      o.grad_dtype = at::kFloat;
-      break;
-    case DtypeOrAuto::kBf16:
-      o.grad_dtype = at::kBFloat16;
-      break;
-    case DtypeOrAuto::kFp16:
-      o.grad_dtype = at::kHalf;
-      break;
-  }
-  o.device = at::Device(c.model.device);
-  o.trainable = trainable_spec(c);
-  o.gradient_checkpointing = c.train.gradient_checkpointing;
-  o.loss_chunk_tokens = c.model.loss_chunk_tokens;
-  return o;
-}
-
-optim::AdamWOptions adamw_options(const Config& c) {
-  optim::AdamWOptions o;
-  o.lr = c.optim.lr;
-  o.beta1 = c.optim.beta1;
-  o.beta2 = c.optim.beta2;
-  o.eps = c.optim.eps;
-  o.weight_decay = c.optim.weight_decay;
-  o.state_mode = to_optim(c.optim.state);
-  o.chunk_rows = c.optim.chunk_rows;
-  o.rounding = to_optim(c.optim.master_rounding);
-  o.seed = static_cast<uint64_t>(c.train.seed);
-  // The trainer counts consecutive skips itself; the optimizer allows one more.
-  o.max_consecutive_nonfinite = c.train.max_nonfinite_steps + 1;
-  return o;
-}
 
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head) {
@@ -194,7 +31,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   MemoryBudget b;
   b.masters_bytes = m.master_bytes;
   b.frozen_bytes = m.frozen_bytes;
-  const auto mode = to_optim(c.optim.state);
+  const auto mode = c.optim.state;
   const auto ao = adamw_options(c);
   int64_t scratch_elems = 0;  // the CPU step's chunk: chunk_rows rows of the widest tensor
   for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {

@@ -11,6 +11,10 @@
 
 namespace q4::trainer {
 
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "-";
   const int64_t s = static_cast<int64_t>(std::llround(seconds));

@@ -171,10 +171,10 @@ void check_regular_output(const std::string& key, const fs::path& p) {
 
 bool writable_dir(const fs::path& d) { return ::access(d.c_str(), W_OK | X_OK) == 0; }
 
-}  // namespace
+using NamedPaths = std::vector<std::pair<std::string, fs::path>>;
 
-void check_output_paths(const Config& c) {
-  const fs::path dir = canonical_or_self(c.output.dir);
+// output.dir: a writable directory, or a new path whose nearest existing ancestor is one.
+void check_output_dir(const Config& c, const fs::path& dir) {
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
     throw ConfigError("config key output.dir: " + c.output.dir + " exists and is not a directory");
@@ -191,9 +191,12 @@ void check_output_paths(const Config& c) {
                         " is not a writable directory)");
     }
   }
+}
 
-  // Inputs, by resolved path.
-  std::vector<std::pair<std::string, fs::path>> inputs;
+// The run's inputs, by resolved path.
+NamedPaths input_paths(const Config& c, const fs::path& dir) {
+  std::error_code ec;
+  NamedPaths inputs;
   if (c.model.init == InitKind::kFile && !c.model.weights.empty()) {
     inputs.push_back({"model.weights", canonical_or_self(c.model.weights)});
   }
@@ -212,14 +215,12 @@ void check_output_paths(const Config& c) {
   if (fs::is_regular_file(c.source, ec) && canonical_or_self(c.source) != dir / kConfigFile) {
     inputs.push_back({"the config file", canonical_or_self(c.source)});
   }
+  return inputs;
+}
 
-  // Outputs the run writes, by key.
-  std::vector<std::pair<std::string, fs::path>> outputs = {
-      {"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
-      {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
-  if (c.model.init == InitKind::kRandom) {
-    outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
-  }
+// log.metrics: a file name inside output.dir that is not one of the run's own names.
+void add_metrics_output(const Config& c, const fs::path& dir, NamedPaths* outputs) {
+  std::error_code ec;
   const std::string& m = c.log.metrics;
   if (!m.empty()) {
     if (m == "." || m == ".." || m.find('/') != std::string::npos) {
@@ -234,8 +235,14 @@ void check_output_paths(const Config& c) {
     if (fs::is_directory(dir / m, ec)) {
       throw ConfigError("config key log.metrics: " + (dir / m).string() + " is a directory");
     }
-    outputs.push_back({"log.metrics", dir / m});
+    outputs->push_back({"log.metrics", dir / m});
   }
+}
+
+// output.export_path (and its record and HF folder): a new or regular file in a writable
+// directory, not another output.
+void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs) {
+  std::error_code ec;
   const std::string exp = resolved_export_path(c);
   if (!exp.empty()) {
     check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
@@ -264,12 +271,12 @@ void check_output_paths(const Config& c) {
       throw ConfigError("config key output.export_path: '" + fname +
                         "' is a name q4train uses in output.dir; choose another");
     }
-    for (const auto& o : outputs) {
+    for (const auto& o : *outputs) {
       if (o.second == e) {
         throw ConfigError("config key output.export_path: " + exp + " is also " + o.first);
       }
     }
-    outputs.push_back({"output.export_path", e});
+    outputs->push_back({"output.export_path", e});
     if (c.output.hf_export != HfExport::kNone) {
       const fs::path hf = canonical_or_self(hf_export_dir(exp));
       if (fs::exists(fs::symlink_status(hf, ec)) && !fs::is_directory(hf, ec)) {
@@ -281,6 +288,23 @@ void check_output_paths(const Config& c) {
     }
     check_hf_export_folder(c);
   }
+}
+
+}  // namespace
+
+void check_output_paths(const Config& c) {
+  const fs::path dir = canonical_or_self(c.output.dir);
+  std::error_code ec;
+  check_output_dir(c, dir);
+  const NamedPaths inputs = input_paths(c, dir);
+  // Outputs the run writes, by key.
+  NamedPaths outputs = {{"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
+                        {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
+  if (c.model.init == InitKind::kRandom) {
+    outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
+  }
+  add_metrics_output(c, dir, &outputs);
+  add_export_output(c, dir, &outputs);
   for (const auto& o : outputs) {
     // The metrics file is appended to, never renamed over: a device there (a link to /dev/full
     // or /dev/null) is written into, as io::AppendFile does; a FIFO or a directory is refused.

@@ -16,6 +16,10 @@
 #include <variant>
 #include <vector>
 
+#include "q4/data/dataset.h"
+#include "q4/optim/adamw.h"
+#include "q4/optim/schedule.h"
+
 namespace q4::trainer {
 
 // A user error (config, CLI, input files): main prints the message and exits with code 2.
@@ -24,17 +28,17 @@ class ConfigError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Enumerated settings. Each parses from and prints as its YAML spelling (to_string below); the
-// enumerators are listed in the order the docs show the choices.
+// Enumerated settings. Each parses from and prints as its YAML spelling (one spelling table per
+// enum in config.cpp, listing the choices in the order the docs show them). A setting that a
+// library defines is that library's enum: optim::StateMode (optim.state: fp32 | int8 | 4bit |
+// nvfp4), optim::MasterRounding (stochastic | nearest), optim::LrScheduleKind (constant | linear
+// | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip); their
+// to_string is the library's. The enums below are the config's own: settings with no library
+// counterpart, or with an `auto`/`none` the trainer resolves first.
 enum class InitKind { kFile, kRandom };                       // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };                     // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };        // auto | fp32 | bf16 | fp16
-enum class MomentState { kFp32, kInt8, k4Bit, kNvfp4 };       // fp32 | int8 | 4bit | nvfp4
-enum class MasterRounding { kStochastic, kNearest };          // stochastic | nearest
 enum class InBackward { kAuto, kTrue, kFalse };               // auto | true | false
-enum class ScheduleKind { kConstant, kLinear, kCosine };      // constant | linear | cosine
-enum class DataFormat { kAuto, kTsv, kJsonl, kText };         // auto | tsv | jsonl | text
-enum class OnError { kFail, kSkip };                          // fail | skip
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop };  // auto | cut_left | cut_right | drop
 enum class ProgressStyle { kAuto, kBar, kLine };              // auto | bar | line
 // none | modelopt | compressed-tensors
@@ -43,12 +47,9 @@ enum class HfExport { kNone, kModelOpt, kCompressedTensors };
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
 std::string to_string(DtypeOrAuto v);
-std::string to_string(MomentState v);
-std::string to_string(MasterRounding v);
 std::string to_string(InBackward v);
-std::string to_string(ScheduleKind v);
-std::string to_string(DataFormat v);
-std::string to_string(OnError v);
+std::string to_string(data::DataFormat v);
+std::string to_string(data::OnError v);
 std::string to_string(Truncation v);
 std::string to_string(ProgressStyle v);
 std::string to_string(HfExport v);
@@ -107,7 +108,7 @@ struct TrainConfig {
 };
 
 struct ScheduleConfig {
-  ScheduleKind kind = ScheduleKind::kConstant;  // after warmup
+  optim::LrScheduleKind kind = optim::LrScheduleKind::kConstant;  // after warmup
   int64_t warmup_steps = 0;       // linear warmup from 0 to lr
   double warmup_ratio = 0.0;      // warmup as a fraction of the run (resolved to warmup_steps)
   double min_lr_ratio = 0.0;      // final lr / lr for linear and cosine decay
@@ -119,9 +120,10 @@ struct OptimConfig {
   double beta2 = 0.999;                        // AdamW second-moment decay
   double eps = 1e-8;                           // AdamW epsilon
   double weight_decay = 0.0;                   // decoupled weight decay
-  MomentState state = MomentState::kInt8;      // moment storage
+  optim::StateMode state = optim::StateMode::kInt8;  // moment storage
   int64_t chunk_rows = 1024;                   // rows per optimizer chunk (bounds temporaries)
-  MasterRounding master_rounding = MasterRounding::kStochastic;  // fp16/bf16 master write-back
+  // fp16/bf16 master write-back
+  optim::MasterRounding master_rounding = optim::MasterRounding::kStochastic;
   // Apply each parameter's update inside the backward as soon as its gradient is complete and
   // free the gradient (no full-model gradient buffer). auto = on CUDA with grad_accum 1.
   // Clipping then uses the previous step's norm (docs/optim.md).
@@ -133,12 +135,12 @@ struct DataConfig {
   std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
   std::vector<std::string> eval_files;  // held-out files for validation loss (same formats as files)
   double eval_fraction = 0.0;  // hold out this fraction of training examples for validation loss
-  DataFormat format = DataFormat::kAuto;  // auto: by extension
+  data::DataFormat format = data::DataFormat::kAuto;  // auto: by extension
   std::string system_prompt;        // optional system turn before every example
   bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
   bool packing = true;              // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;        // packing: examples considered for each row
-  OnError on_error = OnError::kFail;          // malformed lines
+  data::OnError on_error = data::OnError::kFail;      // malformed lines
   Truncation truncation = Truncation::kAuto;  // examples over seq_len
 };
 
@@ -192,8 +194,9 @@ struct Config {
 // One field of the config tree, as seen by parser, printer and docs.
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
-                 InitKind*, Dtype*, DtypeOrAuto*, MomentState*, MasterRounding*, InBackward*,
-                 ScheduleKind*, DataFormat*, OnError*, Truncation*, ProgressStyle*, HfExport*>;
+                 InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
+                 InBackward*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
+                 Truncation*, ProgressStyle*, HfExport*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.

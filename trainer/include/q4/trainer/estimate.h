@@ -1,7 +1,8 @@
-// Config -> library options, and the analytic memory budget printed by --dry-run and placed
-// beside the measured values in the VRAM probe report. The model library's estimate_memory()
-// supplies masters, frozen weights and each phase's gradients, activations and loss chunk; the
-// moments come from the optimizer's packed storage sizes for every trainable tensor.
+// The analytic memory budget printed by --dry-run and placed beside the measured values in the
+// VRAM probe report, for the library options of options.h. The model library's
+// estimate_memory() supplies masters, frozen weights and each phase's gradients, activations and
+// loss chunk; the moments come from the optimizer's packed storage sizes for every trainable
+// tensor.
 #pragma once
 
 #include <cstdint>
@@ -16,23 +17,9 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/trainer/config.h"
+#include "q4/trainer/options.h"
 
 namespace q4::trainer {
-
-// The config's enumerated settings as the libraries' own option types (auto settings are
-// resolved before: Truncation::kAuto and HfExport::kNone have no library counterpart).
-at::ScalarType to_scalar_type(Dtype d);
-optim::StateMode to_optim(MomentState s);
-optim::MasterRounding to_optim(MasterRounding r);
-optim::LrScheduleKind to_optim(ScheduleKind k);
-data::DataFormat to_data(DataFormat f);
-data::OnError to_data(OnError e);
-data::Truncation to_data(Truncation t);
-model::HfFormat to_model(HfExport e);
-
-model::TrainableSpec trainable_spec(const Config& c);
-model::ModelOptions model_options(const Config& c);  // device, dtypes, trainable, checkpointing
-optim::AdamWOptions adamw_options(const Config& c);
 
 // Shape of one parameter as the model names it, with its trainability under `c`.
 struct ParamShape {

@@ -3,6 +3,7 @@
 // GPU memory on CPU) are printed as "-" and written as null.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -49,6 +50,8 @@ struct StepMetrics {
 std::string format_log_line(const StepMetrics& m);
 nlohmann::json metrics_to_json(const StepMetrics& m);
 std::string format_duration(double seconds);  // "45s", "3m07s", "2h05m"
+// Milliseconds since `t0` on the steady clock (phase and step timings).
+double ms_since(std::chrono::steady_clock::time_point t0);
 // A text progress bar: "[#####.....] 12/200", then " loss 2.3456" when `loss` is finite and
 // " eta 1m23s" when `eta_s` >= 0.
 std::string format_progress_bar(int64_t step, int64_t total, int width = 30,

@@ -1,0 +1,119 @@
+// Shared fixtures of the trainer component tests: a per-test temporary directory, the tiny
+// Qwen3 model of tests/fixtures with random weights (fp32 on the CPU, everything trainable), a
+// batcher of random-token examples, and the wiring of the one step (optimizer, schedule,
+// gradient sync) the way set-up builds it, without files.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "q4/data/dataset.h"
+#include "q4/io/remove_tree.h"
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
+#include "q4/optim/adamw.h"
+#include "q4/optim/schedule.h"
+#include "q4/trainer/grad_sync.h"
+#include "q4/trainer/objective.h"
+#include "q4/trainer/run_plan.h"
+#include "q4/trainer/step.h"
+
+namespace q4::trainer::testing {
+
+struct ComponentTempDir {
+  std::filesystem::path path;
+  ComponentTempDir() {
+    path = std::filesystem::temp_directory_path() /
+           ("q4_component_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    q4::io::remove_tree(path);
+    std::filesystem::create_directories(path);
+  }
+  ~ComponentTempDir() { q4::io::remove_tree(path); }
+};
+
+inline model::Qwen3Model tiny_model(uint64_t seed = 7) {
+  const auto cfg = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
+                                                      "/qwen3_tiny.config.json");
+  model::ModelOptions o;
+  o.master_dtype = at::kFloat;
+  o.compute_dtype = at::kFloat;
+  o.grad_dtype = at::kFloat;
+  o.trainable = model::TrainableSpec::everything();
+  o.gradient_checkpointing = false;
+  return model::Qwen3Model::random_init(cfg, o, seed, 0.02);
+}
+
+// `count` examples of `len` random tokens below `vocab`; the second half of each is supervised.
+inline std::vector<data::Example> random_examples(int64_t count, int64_t len, int64_t vocab,
+                                                  uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  const at::Tensor ids = at::randint(0, vocab, {count, len}, gen, at::kLong);
+  std::vector<data::Example> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    auto& e = out[static_cast<size_t>(i)];
+    for (int64_t t = 0; t < len; ++t) {
+      const auto id = static_cast<data::TokenId>(ids[i][t].item<int64_t>());
+      e.input_ids.push_back(id);
+      e.labels.push_back(t >= len / 2 ? id : data::kIgnoreIndex);
+    }
+    e.source_line = i + 1;
+  }
+  return out;
+}
+
+inline std::unique_ptr<data::Batcher> random_batcher(int64_t count, int64_t len, int64_t vocab,
+                                                     int64_t batch_size, uint64_t seed = 1) {
+  data::BatcherOptions bo;
+  bo.batch_size = batch_size;
+  bo.max_seq_len = len;
+  bo.shuffle = false;
+  return std::make_unique<data::Batcher>(random_examples(count, len, vocab, seed), bo);
+}
+
+// A run's config on the CPU for the component tests.
+inline Config cpu_config(const std::string& dir, int64_t grad_accum = 1) {
+  Config c;
+  c.model.device = "cpu";
+  c.train.steps = 10;
+  c.train.grad_accum = grad_accum;
+  c.train.batch_size = 2;
+  c.train.max_grad_norm = 0;
+  c.output.dir = dir;
+  return c;
+}
+
+// The optimizer, schedule, gradient sync and step of one process over `model`, as set-up wires
+// them.
+struct StepRig {
+  RunPlan plan;
+  optim::PackedAdamW optimizer;
+  optim::LrSchedule schedule;
+  GradSync sync;
+  std::unordered_map<const model::Parameter*, int64_t> index;
+  std::unique_ptr<TrainStep> step;
+
+  StepRig(const Config& c, model::Qwen3Model& model, Objective& objective,
+          bool in_backward = false)
+      : plan(c, RunOptions{}),
+        optimizer(optim::AdamWOptions{}),
+        schedule([] {
+          optim::LrScheduleOptions s;
+          s.kind = optim::LrScheduleKind::kConstant;
+          s.peak_lr = 1e-3;
+          s.total_steps = 10;
+          return s;
+        }()),
+        sync(nullptr, model, model.trainable_parameters()) {
+    index = sync.add_owned_params(optimizer);
+    step = std::make_unique<TrainStep>(plan, model, optimizer, schedule, objective, sync, nullptr,
+                                       in_backward, index);
+  }
+};
+
+}  // namespace q4::trainer::testing

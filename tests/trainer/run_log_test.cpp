@@ -1,0 +1,109 @@
+// The run log: a step's metrics record and log line, the validation record before the first
+// step, eval answers in the eval log, and the end summary naming the files written.
+#include "q4/trainer/run_log.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "component_fixtures.h"
+#include "q4/trainer/run_dir.h"
+
+namespace fs = std::filesystem;
+using namespace q4;
+using namespace q4::trainer;
+using namespace q4::trainer::testing;
+
+namespace {
+
+std::vector<nlohmann::json> records(const fs::path& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+Config log_config(const fs::path& dir) {
+  Config c = cpu_config(dir.string());
+  c.train.steps = 4;
+  c.log.tensorboard = false;
+  c.log.report = false;
+  c.log.every = 2;
+  c.log.progress = ProgressStyle::kLine;
+  return c;
+}
+
+}  // namespace
+
+TEST(RunLog, StepRecordsAndLines) {
+  ComponentTempDir t;
+  const RunPlan plan(log_config(t.path), RunOptions{});
+  std::ostringstream out, err;
+  RunLog log(plan, out, err, /*leader=*/true);
+  Evaluator ev(plan, true);
+  log.open(/*resume=*/false, /*start_step=*/0, ev);
+  log.log_validation(Validation{2.5, 40, 1.0}, 0, /*own_record=*/true);
+  log.start_steps(0);
+  StepOutcome so;
+  so.loss = 3.0;
+  so.supervised = 10;
+  so.real_tokens = 20;
+  so.slots = 24;
+  so.res.applied = true;
+  so.res.grad_norm = 1.25;
+  const MemorySnapshot mem;
+  log.record_step(so, 1, 1e-3, 100.0, /*log_step=*/true, std::nullopt, mem, nullptr, 1);
+  log.add_tokens(so.real_tokens);
+  so.loss = 2.0;
+  log.record_step(so, 2, 1e-3, 100.0, /*log_step=*/false, Validation{1.5, 40, 1.0}, mem,
+                  nullptr, 1);
+  log.add_tokens(so.real_tokens);
+  EXPECT_EQ(out.str().find("time: about"), std::string::npos);
+  log.record_step(so, 3, 1e-3, 100.0, /*log_step=*/false, std::nullopt, mem, nullptr, 1);
+  log.close();
+  const auto r = records(t.path / "metrics.jsonl");
+  ASSERT_EQ(r.size(), 4u);
+  EXPECT_EQ(r[0]["step"], 0);
+  EXPECT_DOUBLE_EQ(r[0]["val_loss"].get<double>(), 2.5);
+  EXPECT_EQ(r[1]["step"], 1);
+  EXPECT_DOUBLE_EQ(r[1]["loss"].get<double>(), 3.0);
+  EXPECT_DOUBLE_EQ(r[1]["grad_norm"].get<double>(), 1.25);
+  EXPECT_EQ(r[1]["tokens"], 20);
+  EXPECT_DOUBLE_EQ(r[2]["val_loss"].get<double>(), 1.5);
+  EXPECT_EQ(log.tokens_seen(), 40);
+  // One log line (step 1), then the time estimate after the third step (of 4).
+  EXPECT_NE(out.str().find("time: about 0s for the remaining 1 steps (0.10 s/step)"),
+            std::string::npos)
+      << out.str();
+  EXPECT_EQ(err.str(), "");  // no progress bar with log.progress: line
+}
+
+TEST(RunLog, AnswersAndEndSummary) {
+  ComponentTempDir t;
+  const RunPlan plan(log_config(t.path), RunOptions{});
+  std::ostringstream out, err;
+  RunLog log(plan, out, err, true);
+  Evaluator ev(plan, true);
+  log.open(false, 0, ev);
+  EvalAnswer a;
+  a.prompt = "two\nlines";
+  a.answer = "ok";
+  a.tokens = {1, 2};
+  a.stopped = true;
+  log.log_answers({a}, 3, "step", 1500.0);
+  log.close();
+  EXPECT_NE(out.str().find("eval[step step 3] two lines => ok\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("eval took 1.5 s"), std::string::npos);
+  const auto r = records(t.path / kEvalFile);
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0]["new_tokens"], 2);
+  EXPECT_EQ(r[0]["when"], "step");
+  ev.note_validation(1.25, 3);
+  log.print_end_summary(4, ev);
+  EXPECT_NE(out.str().find("done: 4 steps in"), std::string::npos);
+  EXPECT_NE(out.str().find("validation loss 1.2500 (best 1.2500 at step 3)"), std::string::npos);
+  EXPECT_NE(out.str().find("metrics"), std::string::npos);
+  EXPECT_EQ(tool_command("no-such-q4-tool"), "no-such-q4-tool");
+}

@@ -1,0 +1,81 @@
+// What a training step minimizes, one micro-batch at a time (docs/design.md#trainer-components).
+// The step hands each micro-batch to the objective, differentiates the loss it returns and sums
+// the values it names for logging; the loop never sees which objective runs. An objective says
+// what its micro-batch must carry (labels, a teacher's logits, paired sequences, reference
+// log-probabilities) so that set-up and the step prepare exactly that, and how many units (for
+// cross-entropy: supervised tokens) its loss sums over, so the step's loss is the mean over the
+// whole step (every micro-batch of every rank) whatever the micro-batch split.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "q4/data/dataset.h"
+#include "q4/model/qwen3.h"
+
+namespace q4::trainer {
+
+// A term computed inside the chunked loss, chunk by chunk, so that no (N, V) logits block ever
+// exists: for supervised rows [row_begin, row_begin + n) it gets the student's fp32 logits
+// chunk (n, V) and returns the chunk's summed term (a () fp32 tensor) and, in place in
+// `logits_grad` (n, V), its gradient with respect to those logits. A distillation objective
+// reads the teacher's logits for the same rows here (its own chunk of the teacher's lm_head).
+using ChunkTerm = std::function<at::Tensor(const at::Tensor& student_logits, int64_t row_begin,
+                                           at::Tensor& logits_grad)>;
+
+// What a micro-batch must carry for an objective.
+struct ObjectiveNeeds {
+  bool labels = true;               // next-token labels, -100 where not supervised
+  bool teacher_logits = false;      // a teacher's logits, consumed chunk by chunk (ChunkTerm)
+  bool paired_sequences = false;    // chosen/rejected rows side by side (preference objectives)
+  bool reference_logprobs = false;  // a frozen reference's per-sequence log-probabilities
+};
+
+// One micro-batch as an objective sees it. Fields an objective does not need stay empty.
+struct MicroBatch {
+  model::ModelInputs inputs;       // on the model's device; labels on the host
+  const data::Batch* batch = nullptr;  // the host batch it came from (token counts)
+  ChunkTerm teacher;               // needs.teacher_logits
+  at::Tensor reference_logprobs;   // needs.reference_logprobs: (rows) fp32
+};
+
+struct ObjectiveOutput {
+  // () fp32 on the model's device, differentiable: the micro-batch's loss summed over its units
+  // (units(batch) of them). The step differentiates loss_sum / (the step's units).
+  at::Tensor loss_sum;
+  // Named () device tensors to log, each summed over the step's micro-batches and divided by
+  // the step's units; read on the host only when the step is logged.
+  std::vector<std::pair<std::string, at::Tensor>> logged;
+};
+
+class Objective {
+ public:
+  virtual ~Objective() = default;
+  virtual std::string name() const = 0;
+  virtual ObjectiveNeeds needs() const = 0;
+  // The units the micro-batch's loss sums over (the step's mean divides by their total).
+  virtual int64_t units(const data::Batch& batch) const = 0;
+  // Forward of one micro-batch: its summed loss and the values to log.
+  virtual ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) = 0;
+};
+
+// Supervised fine-tuning: next-token cross-entropy over the supervised positions, through the
+// model's chunked loss (only supervised rows reach the lm_head; no full logits). Units are
+// supervised tokens, so the step's loss is the token-weighted mean, identical to one big batch.
+class SupervisedCrossEntropy final : public Objective {
+ public:
+  std::string name() const override { return "cross_entropy"; }
+  ObjectiveNeeds needs() const override { return ObjectiveNeeds{}; }
+  int64_t units(const data::Batch& batch) const override { return batch.supervised_tokens; }
+  ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
+};
+
+// The objective a run trains with (today: supervised cross-entropy).
+std::unique_ptr<Objective> make_objective();
+
+}  // namespace q4::trainer

@@ -1,0 +1,79 @@
+// The training step (docs/design.md#trainer-components): the one step function used by
+// training, the probe and the benchmarks. grad_accum micro-batches (world x grad_accum with data
+// parallelism, rank r taking its own) -> the objective's loss of each -> backward of the loss
+// over the step's units (the token-weighted mean: identical to one big batch) -> gradient sync
+// (in-backward updates or ZeRO-2 reductions) -> one optimizer step with clipping and the
+// non-finite guard. The only host waits: the optimizer's global-norm reduction (its clipping
+// and guard are decided on the host) and the loss read after it, which was copied before the
+// optimizer ran and so waits for nothing more.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "q4/data/dataset.h"
+#include "q4/model/qwen3.h"
+#include "q4/optim/adamw.h"
+#include "q4/optim/schedule.h"
+#include "q4/trainer/grad_sync.h"
+#include "q4/trainer/objective.h"
+#include "q4/trainer/run_plan.h"
+
+namespace q4::trainer {
+
+// What one optimizer step did.
+struct StepOutcome {
+  double loss = 0.0;          // the objective's mean over the step's units (CE: tokens)
+  int64_t real_tokens = 0;    // non-padding tokens
+  int64_t supervised = 0;     // tokens the loss averages
+  int64_t units = 0;          // the objective's units (the loss's denominator)
+  int64_t slots = 0;          // B * T summed over micro-batches (real + padding)
+  optim::StepResult res;
+  // The objective's named values, each summed over the step's micro-batches over its units:
+  // () device tensors, read on the host only when logged.
+  std::vector<std::pair<std::string, at::Tensor>> logged;
+  bool stop = false;          // a stop signal reached this rank or (data parallel) any rank
+  // output.checkpoint_minutes have passed since the last checkpoint, by rank 0's clock (data
+  // parallel: shared through the step's closing allreduce, so every rank checkpoints together).
+  bool checkpoint_due = false;
+};
+
+// Phase callback of an instrumented step (the probe): called with "batch_ready",
+// "forward_done", "backward_done" (per micro-batch) and "optimizer_step_done".
+using PhaseHook = std::function<void(const char*)>;
+
+class TrainStep {
+ public:
+  // `in_backward`: optimizer updates from inside the backward (one process, one micro-batch a
+  // step); `optimizer_index`: the optimizer's index of each owned parameter for them.
+  // `checkpoint_due`: rank 0's checkpoint clock (null: never due).
+  TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::PackedAdamW& optimizer,
+            const optim::LrSchedule& schedule, Objective& objective, GradSync& sync,
+            DistComm* comm, bool in_backward,
+            const std::unordered_map<const model::Parameter*, int64_t>& optimizer_index,
+            std::function<bool()> checkpoint_due = nullptr);
+
+  // Step `step` (0-based) on the next micro-batches of `batcher`; `mark` instruments phases.
+  StepOutcome run(int64_t step, data::Batcher& batcher, const PhaseHook& mark = nullptr);
+
+  bool in_backward() const { return in_backward_; }
+  // Back to updates after the backward (a resume that raised grad_accum above 1).
+  void disable_in_backward();
+
+ private:
+  StepOutcome finish_distributed(StepOutcome o, const at::Tensor& loss_sum,
+                                 const optim::StepArgs& step_args, double denom,
+                                 const PhaseHook& mark);
+
+  const RunPlan& plan_;
+  model::Qwen3Model& model_;
+  optim::PackedAdamW& optimizer_;
+  const optim::LrSchedule& schedule_;
+  Objective& objective_;
+  GradSync& sync_;
+  DistComm* comm_;
+  bool in_backward_;
+  std::function<bool()> checkpoint_due_;
+};
+
+}  // namespace q4::trainer

@@ -1,0 +1,113 @@
+// --dry-run: what a run checks before its first step, without loading weights, and the memory
+// estimate (see trainer.h).
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <iostream>
+
+#include "q4/model/hf_interop.h"
+#include "q4/trainer/estimate.h"
+#include "q4/trainer/memory.h"
+#include "q4/trainer/run_dir.h"
+#include "q4/trainer/setup.h"
+#include "q4/trainer/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace q4::trainer {
+
+int run_dry_run(const Config& config, std::ostream& out) {
+  RunPlan plan(config, RunOptions{});
+  const Config& c = plan.config();
+  if (const std::string note = plan.clip_warmup(); !note.empty()) out << note << "\n";
+  check_input_files(c, /*need_data=*/plan.steps() > 0);
+  check_output_paths(c);
+  const auto mc = load_model_config(c);
+  as_input_error("train.trainable", [&] {
+    trainable_spec(c).validate(mc.num_hidden_layers);
+    return 0;
+  });
+  // The data as the run reads it: the real tokenizer, every file, the validation split, the
+  // truncation policy and the batcher's packing (which sizes an epoch); no weights.
+  if (plan.steps() > 0) {
+    const auto tok = as_input_error(
+        "model.tokenizer", [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
+    if (tok.vocab_size() > mc.vocab_size) {
+      throw ConfigError(
+          fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
+                      c.model.tokenizer, tok.vocab_size(), c.model.config, mc.vocab_size));
+    }
+    const auto dopt = dataset_options(c);
+    std::vector<data::Example> examples;
+    for (const auto& f : c.data.files) {
+      auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, tok, dopt); });
+      out << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, out);
+      for (auto& e : ds.examples) examples.push_back(std::move(e));
+    }
+    if (examples.empty()) throw ConfigError(no_examples_message(c));
+    auto val = hold_out(&examples, c.data.eval_fraction, c.train.seed);
+    for (const auto& f : c.data.eval_files) {
+      auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, tok, dopt); });
+      out << "validation " << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, out);
+      for (auto& e : ds.examples) val.push_back(std::move(e));
+    }
+    const data::Batcher batcher = as_input_error(truncation_keys(c, "data.files"), [&] {
+      return data::Batcher(std::move(examples), batcher_options(c, tok.endoftext_id()));
+    });
+    const auto& ts = batcher.truncation_stats();
+    out << fmt::format("truncation to train.seq_len {} ({}): {}\n", c.train.seq_len,
+                       to_string(resolved_truncation(c)), ts.to_string());
+    if (!val.empty()) {
+      auto bo = batcher_options(c, tok.endoftext_id());
+      bo.shuffle = false;
+      const auto n = val.size();
+      const data::Batcher vb = as_input_error(truncation_keys(c, "data.eval_files"),
+                                              [&] { return data::Batcher(std::move(val), bo); });
+      out << fmt::format("validation: {} examples, {} kept\n", n, vb.num_examples());
+    }
+    out << plan.resolve_length(batcher.batches_per_epoch(), 1);
+    out << fmt::format(
+        "data: {} examples in {} row{}{} and {} micro-batch{} per epoch; {} step{} of {} "
+        "micro-batch{} = {:.2f} epochs\n",
+        batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
+        c.data.packing ? " (packed)" : "", batcher.batches_per_epoch(),
+        batcher.batches_per_epoch() == 1 ? "" : "es", plan.steps(),
+        plan.steps() == 1 ? "" : "s", c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
+        static_cast<double>(plan.steps() * c.train.grad_accum) /
+            static_cast<double>(batcher.batches_per_epoch()));
+  }
+  // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
+  // init follows config.json. Checking the weights file would mean indexing it; assume the
+  // shipped layout for files.
+  const bool separate_lm_head = c.model.init == InitKind::kFile ? true : !mc.tie_word_embeddings;
+  const auto b = estimate_budget(mc, c, separate_lm_head);
+  out << fmt::format(
+      "dry run: {} layers, hidden {}, intermediate {}, vocab {}; device {}, "
+      "masters {}, compute {}\n",
+      mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size, c.model.device,
+      to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)));
+  out << fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
+                     c.train.batch_size, c.train.seq_len, c.train.grad_accum, plan.steps(),
+                     to_string(c.optim.state));
+  out << "memory estimate (device, one micro-batch):\n" << b.to_table();
+  if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
+    out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
+  } else if (c.model.init == InitKind::kFile) {
+    out << fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
+                       to_gib(static_cast<int64_t>(fs::file_size(c.model.weights))));
+  }
+  if (const auto left = run_dir_leftovers(c); !left.empty()) {
+    out << "note: output.dir " << c.output.dir << " is not empty (" << join_names(left, 4)
+        << "): a fresh run there needs --overwrite (or --resume to continue)\n";
+  }
+  out << "resolved config:\n" << config_to_yaml(c);
+  // Last, so that a GPU run can still be estimated here: but "ok" means it starts here.
+  check_device_available(c);
+  out << "dry run ok: config valid, inputs present, data read and batched, device available; "
+         "no weights loaded\n";
+  return kExitOk;
+}
+
+}  // namespace q4::trainer

@@ -1,0 +1,364 @@
+// Set-up of a run: model, tokenizer, data and optimizer (see setup.h).
+#include "q4/trainer/setup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <numeric>
+
+#include "q4/io/atomic_file.h"
+#include "q4/model/dat_file.h"
+#include "q4/model/hf_interop.h"
+#include "q4/trainer/estimate.h"
+#include "q4/trainer/metrics.h"
+#include "q4/trainer/nvtx.h"
+#include "q4/trainer/options.h"
+#include "q4/trainer/run_dir.h"
+#include "q4/trainer/trainer.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace q4::trainer {
+namespace {
+
+constexpr const char* kHfImportFile = "hf_import.dat";  // model.weights given as an HF folder
+
+// splitmix64: the portable generator behind the held-out split (same on every platform).
+uint64_t splitmix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+
+// Loads the model: from model.weights, or a random init written once to <dir>/init.dat (so the
+// export has a source file and loading follows the same path as real weights).
+struct LoadedModel {
+  std::unique_ptr<model::Qwen3Model> model;
+  std::string source_path;  // the .dat export_to() copies from
+};
+
+// `in_memory`: a random init stays in memory (the probe: nothing written, no export source).
+LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ostream& out,
+                       bool in_memory = false) {
+  LoadedModel lm;
+  const auto opt = as_input_error("model", [&] {
+    auto o = model_options(c);
+    o.validate();
+    o.trainable.validate(mc.num_hidden_layers);
+    return o;
+  });
+  if (c.model.init == InitKind::kRandom && in_memory) {
+    lm.model = std::make_unique<model::Qwen3Model>(
+        model::Qwen3Model::random_init(mc, opt, c.model.init_seed, c.model.init_std));
+    return lm;
+  }
+  if (c.model.init == InitKind::kRandom) {
+    lm.source_path = (fs::path(c.output.dir) / kInitFile).string();
+    if (!fs::exists(lm.source_path)) {
+      auto init_opt = opt;
+      init_opt.trainable = model::TrainableSpec::nothing();
+      init_opt.master_dtype = at::kFloat;
+      init_opt.compute_dtype = at::kFloat;
+      init_opt.device = at::kCPU;
+      auto init = model::Qwen3Model::random_init(mc, init_opt, c.model.init_seed, c.model.init_std);
+      model::write_dat(init, lm.source_path, c.model.quantize_lm_head);
+      out << "random init (seed " << c.model.init_seed << ") written to " << lm.source_path << "\n";
+    }
+  } else if (model::is_hf_folder(c.model.weights)) {
+    // A Hugging Face folder is imported once per run into the shipped .dat layout, which is
+    // then loaded and exported like any .dat (docs/interop.md).
+    lm.source_path = (fs::path(c.output.dir) / kHfImportFile).string();
+    const auto t0 = Clock::now();
+    const auto rep = as_input_error("model.weights", [&] {
+      return model::import_hf(c.model.weights, lm.source_path);
+    });
+    out << fmt::format("imported {} ({} checkpoint) to {} in {:.1f} s\n", c.model.weights,
+                       rep.source_format, lm.source_path, ms_since(t0) / 1000.0);
+  } else {
+    lm.source_path = c.model.weights;
+  }
+  const std::string src = lm.source_path;
+  lm.model = as_input_error("model.weights", [&] {
+    model::DatReader reader(src);
+    return std::make_unique<model::Qwen3Model>(model::Qwen3Model::load(mc, reader, opt));
+  });
+  return lm;
+}
+
+}  // namespace
+
+// An input file: a regular file (or a link to one). A directory, FIFO or device is named as
+// such (a FIFO would block the read, a device like /dev/zero never end it).
+void require_file(const std::string& path, const std::string& key) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return;
+  const std::string kind = io::non_regular_kind(path);
+  if (!kind.empty()) {
+    throw ConfigError("config key " + key + ": " + path + " is " + kind +
+                      ", not a regular file");
+  }
+  throw ConfigError("config key " + key + ": file not found: " + path);
+}
+
+model::Qwen3Config load_model_config(const Config& c) {
+  require_file(c.model.config, "model.config");
+  auto mc = as_input_error("model.config",
+                           [&] { return model::Qwen3Config::from_json_file(c.model.config); });
+  // train.trainable.layers against the model's layer count, in the config's own words.
+  (void)c.train.trainable.layers.resolve(mc.num_hidden_layers);
+  return mc;
+}
+
+// Files that the run needs before it loads anything.
+void check_input_files(const Config& c, bool need_data) {
+  require_file(c.model.config, "model.config");
+  require_file(c.model.tokenizer, "model.tokenizer");
+  if (c.model.init == InitKind::kFile && !model::is_hf_folder(c.model.weights)) {
+    require_file(c.model.weights, "model.weights");
+  }
+  if (need_data) {
+    if (c.data.files.empty()) {
+      throw ConfigError("config key data.files: at least one training file is required");
+    }
+    for (const auto& f : c.data.files) require_file(f, "data.files");
+    for (const auto& f : c.data.eval_files) require_file(f, "data.eval_files");
+  }
+}
+
+// on_error: skip: a warning on stderr naming every reported line and its reason (the summary on
+// stdout is easy to miss among the resolved config).
+void report_skipped_lines(const data::LoadSummary& s, std::ostream& err) {
+  if (s.skipped == 0) return;
+  err << fmt::format("warning: {}: skipped {} malformed line{} (data.on_error: skip)\n", s.path,
+                     s.skipped, s.skipped == 1 ? "" : "s");
+  for (const auto& k : s.first_skipped) {
+    err << fmt::format("warning: {}:{}: skipped: {}\n", s.path, k.line, k.reason);
+  }
+  const auto shown = static_cast<int64_t>(s.first_skipped.size());
+  if (s.skipped > shown) err << fmt::format("warning: ... and {} more\n", s.skipped - shown);
+}
+
+// No example at all (empty, blank, comment-only or all-skipped files): say so, rather than
+// blaming train.seq_len.
+std::string no_examples_message(const Config& c) {
+  std::string files;
+  for (const auto& f : c.data.files) files += (files.empty() ? "" : ", ") + f;
+  // The reason depends on the format: name each file's.
+  bool tsv = false;
+  for (const auto& f : c.data.files) tsv |= fs::path(f).extension() == ".tsv";
+  return "data.files: no training examples in " + files +
+         " (every line or record is blank, a comment, a header, an empty JSON array or skipped as "
+         "malformed" +
+         (tsv ? std::string("; a TSV line is prompt<TAB>answer") : std::string()) +
+         "; formats: docs/data.md)";
+}
+
+// data.eval_fraction: ceil(fraction x N) examples (at least one) chosen by a Fisher-Yates
+// shuffle seeded by train.seed are moved from `train` to the returned list; both keep file
+// order. The same seed and data give the same split (resume relies on it).
+std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fraction,
+                                    int64_t seed) {
+  std::vector<data::Example> held;
+  if (!(fraction > 0) || train->empty()) return held;
+  const auto n = static_cast<int64_t>(train->size());
+  const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
+  if (k >= n) {
+    throw ConfigError(fmt::format(
+        "config key data.eval_fraction: holding out {} of {} training example{} leaves none to "
+        "train on; lower it or use data.eval_files",
+        k, n, n == 1 ? "" : "s"));
+  }
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  uint64_t state = static_cast<uint64_t>(seed) ^ 0x6576616C5F737031ULL;  // "eval_sp1"
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(splitmix64(&state) % static_cast<uint64_t>(i + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  std::vector<char> is_held(static_cast<size_t>(n), 0);
+  for (int64_t t = 0; t < k; ++t) is_held[static_cast<size_t>(order[static_cast<size_t>(t)])] = 1;
+  std::vector<data::Example> kept;
+  kept.reserve(static_cast<size_t>(n - k));
+  for (int64_t i = 0; i < n; ++i) {
+    auto& e = (*train)[static_cast<size_t>(i)];
+    (is_held[static_cast<size_t>(i)] ? held : kept).push_back(std::move(e));
+  }
+  *train = std::move(kept);
+  return held;
+}
+
+std::string join_names(const std::vector<std::string>& v, size_t max_shown) {
+  std::string out;
+  for (size_t i = 0; i < v.size() && i < max_shown; ++i) out += (i ? ", " : "") + v[i];
+  if (v.size() > max_shown) out += fmt::format(", ... ({} in all)", v.size());
+  return out;
+}
+
+// The keys a batcher error (nothing left after truncation) is about, for its message.
+std::string truncation_keys(const Config& c, const std::string& files_key) {
+  return fmt::format("{} (train.seq_len {}, data.truncation {})", files_key, c.train.seq_len,
+                     to_string(resolved_truncation(c)));
+}
+
+
+
+// The probe's data when the config names no files: `count` random-token sequences of exactly
+// seq_len tokens, every position supervised, drawn from train.seed. They flow through the same
+// batcher and step as real data (packed rows of one example each).
+std::vector<data::Example> synthetic_examples(int64_t count, int64_t seq_len, int64_t vocab,
+                                              uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  const at::Tensor ids =
+      at::randint(0, vocab, {count, seq_len}, gen, at::TensorOptions().dtype(at::kLong));
+  const int64_t* p = ids.data_ptr<int64_t>();
+  std::vector<data::Example> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    auto& e = out[static_cast<size_t>(i)];
+    e.input_ids.assign(p + i * seq_len, p + (i + 1) * seq_len);
+    e.labels = e.input_ids;
+    e.source_line = i + 1;
+  }
+  return out;
+}
+
+// One micro-batch on the model's device. CUDA: pinned staging and non-blocking copies, queued on
+// the current stream without waiting for it. Labels stay on the host (loss() finds the
+// supervised rows there). The varlen path needs cu_seqlens only; the masked path the segments.
+model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& model,
+                             const at::Device& device) {
+  auto move = [&](const at::Tensor& t) {
+    return device.is_cuda() ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
+  };
+  model::ModelInputs in;
+  in.labels = b.labels;
+  in.cu_seqlens = b.cu_seqlens;
+  in.max_seqlen = b.max_seqlen;
+  const bool varlen = model.uses_varlen_attention(in);
+  in.input_ids = move(b.input_ids);
+  in.position_ids = move(b.position_ids);
+  if (varlen) {
+    in.cu_seqlens = move(b.cu_seqlens);
+  } else {
+    in.cu_seqlens = at::Tensor();
+    in.attention_mask = move(b.attention_mask);
+    in.segment_ids = move(b.segment_ids);
+  }
+  return in;
+}
+
+RunSetup::RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err)
+    : plan_(plan), out_(out), err_(err), log_(plan.probe() ? err : out) {}
+
+RunSetup::~RunSetup() = default;
+
+void RunSetup::load_model(bool need_tokenizer) {
+  const Config& c = plan_.config();
+  const auto t0 = Clock::now();
+  mc_ = load_model_config(c);
+  if (need_tokenizer) {
+    tok_ = std::make_unique<data::Tokenizer>(as_input_error(
+        "model.tokenizer", [&] { return data::Tokenizer::from_file(c.model.tokenizer); }));
+    if (tok_->vocab_size() > mc_.vocab_size) {
+      throw ConfigError(
+          fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
+                      c.model.tokenizer, tok_->vocab_size(), c.model.config, mc_.vocab_size));
+    }
+  }
+  {
+    NvtxRange r("load");
+    auto lm = load_weights(c, mc_, out_, /*in_memory=*/plan_.probe());
+    model_ = std::move(lm.model);
+    source_path_ = lm.source_path;
+  }
+  separate_lm_head_ = !model_->tied();
+  log_ << fmt::format(
+      "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
+      "tensors, loaded in {:.1f} s\n",
+      mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_->num_trainable_elements(),
+      model_->trainable_parameters().size(), ms_since(t0) / 1000.0);
+  plan_.check_guard("after loading the model");
+}
+
+void RunSetup::load_data(int64_t ranks) {
+  const Config& c = plan_.config();
+  const bool probe = plan_.probe();
+  std::vector<data::Example> examples;
+  int64_t pad_id = 0;
+  if (c.data.files.empty() && probe) {
+    examples = synthetic_examples(c.train.batch_size * c.train.grad_accum, c.train.seq_len,
+                                  mc_.vocab_size, static_cast<uint64_t>(c.train.seed));
+  } else {
+    const auto dopt = dataset_options(c);
+    for (const auto& f : c.data.files) {
+      auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, *tok_, dopt); });
+      log_ << ds.summary.to_string() << "\n";
+      report_skipped_lines(ds.summary, err_);
+      for (auto& e : ds.examples) examples.push_back(std::move(e));
+    }
+    if (examples.empty()) throw ConfigError(no_examples_message(c));
+    pad_id = tok_->endoftext_id();
+    if (!probe) load_validation(&examples, pad_id);
+  }
+  batcher_ = as_input_error(truncation_keys(c, "data.files"), [&] {
+    return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c, pad_id));
+  });
+  const auto& ts = batcher_->truncation_stats();
+  if (ts.truncated || ts.dropped) {
+    log_ << "truncation to train.seq_len " << c.train.seq_len << " ("
+         << to_string(resolved_truncation(c)) << "): " << ts.to_string() << "\n";
+  }
+  if (!probe) out_ << plan_.resolve_length(batcher_->batches_per_epoch(), ranks);
+}
+
+// Held-out examples for the validation loss: data.eval_fraction of the training examples
+// (never trained on) and every example of data.eval_files, batched like training without
+// shuffling.
+void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id) {
+  const Config& c = plan_.config();
+  auto val = hold_out(train, c.data.eval_fraction, c.train.seed);
+  const auto held = static_cast<int64_t>(val.size());
+  const auto dopt = dataset_options(c);
+  for (const auto& f : c.data.eval_files) {
+    auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, *tok_, dopt); });
+    out_ << "validation " << ds.summary.to_string() << "\n";
+    report_skipped_lines(ds.summary, err_);
+    for (auto& e : ds.examples) val.push_back(std::move(e));
+  }
+  if (val.empty()) {
+    if (!c.data.eval_files.empty()) {
+      throw ConfigError("data.eval_files: no validation examples in " +
+                        join_names(c.data.eval_files, 8));
+    }
+    return;
+  }
+  auto bo = batcher_options(c, pad_id);
+  bo.shuffle = false;
+  const auto total = static_cast<int64_t>(val.size());
+  val_batcher_ = as_input_error(truncation_keys(c, "data.eval_files"), [&] {
+    return std::make_unique<data::Batcher>(std::move(val), bo);
+  });
+  out_ << fmt::format("validation: {} examples ({} held out of data.files by "
+                      "data.eval_fraction {}, {} from data.eval_files)\n",
+                      total, held, c.data.eval_fraction, total - held);
+  const auto& ts = val_batcher_->truncation_stats();
+  if (ts.truncated || ts.dropped) out_ << "validation " << ts.to_string() << "\n";
+}
+
+void RunSetup::make_optimizer(GradSync& sync) {
+  optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan_.config()));
+  optimizer_index_ = sync.add_owned_params(*optimizer_);
+  out_ << sync.ownership_summary(optimizer_->num_params());
+  schedule_ = std::make_unique<optim::LrSchedule>(
+      lr_schedule_options(plan_.config(), plan_.steps()));
+}
+
+}  // namespace q4::trainer

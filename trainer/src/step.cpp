@@ -1,0 +1,196 @@
+// The one training step; see step.h.
+#include "q4/trainer/step.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "q4/trainer/nvtx.h"
+#include "q4/trainer/setup.h"
+#include "q4/trainer/signals.h"
+
+namespace q4::trainer {
+namespace {
+
+// A device scalar copied into pinned host memory without waiting for the device: read() waits
+// only until the copy has happened (a CUDA event), so fetching the loss adds no sync of its own.
+class AsyncScalar {
+ public:
+  void start(const at::Tensor& t) {  // t: () on any device
+    event_.reset();
+    if (!t.is_cuda()) {
+      host_ = t.detach().to(at::kCPU, at::kFloat);
+      return;
+    }
+    host_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+    host_.copy_(t.detach().to(at::kFloat), /*non_blocking=*/true);
+    event_ = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    c10::impl::VirtualGuardImpl impl(t.device().type());
+    event_->record(impl.getStream(t.device()));
+  }
+  double read() const {
+    // c10::Event has no blocking wait in LibTorch 1.13: poll (the copy is done by the time the
+    // optimizer's norm has been read, so this returns at once in practice).
+    if (event_) {
+      while (!event_->query()) std::this_thread::yield();
+    }
+    return host_.item<double>();
+  }
+
+ private:
+  at::Tensor host_;
+  std::unique_ptr<c10::Event> event_;
+};
+
+// Sums the objective's named values of one micro-batch into the step's (each over `denom`).
+void add_logged(StepOutcome* o, const std::vector<std::pair<std::string, at::Tensor>>& values,
+                double denom) {
+  for (const auto& [name, v] : values) {
+    const at::Tensor x = v.detach().to(at::kDouble) / denom;
+    auto it = std::find_if(o->logged.begin(), o->logged.end(),
+                           [&](const auto& e) { return e.first == name; });
+    if (it == o->logged.end()) {
+      o->logged.emplace_back(name, x);
+    } else {
+      it->second = it->second + x;
+    }
+  }
+}
+
+}  // namespace
+
+TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::PackedAdamW& optimizer,
+                     const optim::LrSchedule& schedule, Objective& objective, GradSync& sync,
+                     DistComm* comm, bool in_backward,
+                     const std::unordered_map<const model::Parameter*, int64_t>& optimizer_index,
+                     std::function<bool()> checkpoint_due)
+    : plan_(plan),
+      model_(model),
+      optimizer_(optimizer),
+      schedule_(schedule),
+      objective_(objective),
+      sync_(sync),
+      comm_(comm),
+      in_backward_(in_backward),
+      checkpoint_due_(std::move(checkpoint_due)) {
+  if (in_backward_) {
+    // Each parameter is updated from inside the backward once its gradient is complete; the
+    // model frees the gradient when this returns.
+    auto index = optimizer_index;
+    model_.set_grad_ready_hook([this, index](model::Parameter& p) {
+      optimizer_.step_param(index.at(&p), p.grad);
+    });
+  }
+}
+
+void TrainStep::disable_in_backward() {
+  in_backward_ = false;
+  model_.set_grad_ready_hook(nullptr);
+}
+
+StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook& mark) {
+  StepOutcome o;
+  const int64_t accum = plan_.grad_accum();
+  std::vector<data::Batch> micro;
+  {
+    // Data parallel: the global batch is world x grad_accum micro-batches in the order one
+    // process would take them; rank r trains micro-batches [r * accum, (r + 1) * accum). Every
+    // rank draws them all, so the unit counts (the loss denominator) are global.
+    NvtxRange r("data");
+    const int64_t ranks = comm_ ? comm_->world_size() : 1;
+    const int64_t mine = comm_ ? comm_->rank() : 0;
+    for (int64_t i = 0; i < accum * ranks; ++i) {
+      data::Batch b = batcher.next();
+      o.supervised += b.supervised_tokens;
+      o.units += objective_.units(b);
+      o.real_tokens += b.real_tokens;
+      o.slots += b.slots();
+      if (i / accum == mine) micro.push_back(std::move(b));
+    }
+  }
+  if (mark) mark("batch_ready");
+  const double denom = static_cast<double>(std::max<int64_t>(o.units, 1));
+  optim::StepArgs args;
+  args.lr = schedule_.lr_at(step);
+  args.max_grad_norm = plan_.config().train.max_grad_norm;
+  if (in_backward_) {
+    optimizer_.begin_step(args);
+    model_.begin_grad_step();
+  }
+  if (comm_) sync_.begin_step(accum);
+  at::Tensor loss_sum;
+  for (const auto& b : micro) {
+    MicroBatch mb;
+    mb.inputs = to_inputs(b, model_, plan_.device());
+    mb.batch = &b;
+    ObjectiveOutput lo;
+    {
+      NvtxRange r("forward");
+      lo = objective_.compute(model_, mb);
+    }
+    if (mark) mark("forward_done");
+    {
+      NvtxRange r("backward");
+      (lo.loss_sum / denom).backward();
+    }
+    if (mark) mark("backward_done");
+    const at::Tensor ls = lo.loss_sum.detach();
+    loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
+    add_logged(&o, lo.logged, denom);
+  }
+  if (comm_) return finish_distributed(std::move(o), loss_sum, args, denom, mark);
+  AsyncScalar loss_host;
+  loss_host.start(loss_sum);
+  {
+    NvtxRange r("optimizer");
+    if (in_backward_) {
+      o.res = optimizer_.end_step();  // the updates ran inside the backward
+    } else {
+      std::vector<at::Tensor> grads;
+      for (auto* p : model_.trainable_parameters()) {
+        grads.push_back(p->grad.defined() ? p->grad
+                                          : at::zeros_like(p->master, p->master.options()));
+      }
+      o.res = optimizer_.step(grads, args);
+    }
+    model_.zero_grad();
+  }
+  if (mark) mark("optimizer_step_done");
+  o.loss = loss_host.read() / denom;
+  o.stop = stop_requested();
+  o.checkpoint_due = checkpoint_due_ && checkpoint_due_();
+  return o;
+}
+
+StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_sum,
+                                          const optim::StepArgs& step_args, double denom,
+                                          const PhaseHook& mark) {
+  std::vector<at::Tensor> grads = sync_.finish_step(optimizer_.num_params());
+  {
+    NvtxRange r("optimizer");
+    optim::StepArgs args = step_args;
+    // Clipping and the non-finite guard see the global norm: the owners' sums of squares add.
+    args.reduce_sumsq = [this](double s) { return comm_->allreduce_sum(s); };
+    o.res = optimizer_.step(grads, args);
+  }
+  if (o.res.applied) sync_.broadcast_masters();
+  if (mark) mark("optimizer_step_done");
+  // The step's loss (summed over the ranks), whether any rank got a stop signal and whether
+  // rank 0's clock says a timed checkpoint is due: one collective for all three.
+  const auto opt = at::TensorOptions().dtype(at::kDouble).device(plan_.device());
+  at::Tensor v = at::zeros({3}, opt);
+  v[0].copy_(loss_sum.detach().to(at::kDouble).reshape({}));
+  v[1].fill_(stop_requested() ? 1.0 : 0.0);
+  v[2].fill_(checkpoint_due_ && checkpoint_due_() ? 1.0 : 0.0);
+  comm_->allreduce_sum(v);
+  const at::Tensor h = v.cpu();
+  o.loss = h[0].item<double>() / denom;
+  o.stop = h[1].item<double>() > 0.0;
+  o.checkpoint_due = h[2].item<double>() > 0.0;
+  return o;
+}
+
+}  // namespace q4::trainer
