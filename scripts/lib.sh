@@ -12,7 +12,8 @@
 #   q4_gpu_configure SRC BUILD [CMAKE_ARGS...]
 #                                 configures a Release GPU build of SRC in BUILD against that
 #                                 LibTorch, for CUDA_ARCH (default "native": the local GPU; e.g.
-#                                 CUDA_ARCH="90;100;120;121" for the cards users have)
+#                                 CUDA_ARCH="90;120" for a list, CUDA_ARCH=default for the
+#                                 build's default, the cards users have)
 #   q4_clang                      installs clang with libFuzzer's runtime when missing
 # NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
 # machines do not support it.
@@ -45,9 +46,11 @@ q4_gpu_env() {
 q4_torch_prefix() { python3 -c 'import torch; print(torch.utils.cmake_prefix_path)'; }
 
 q4_gpu_configure() {
-  local src=$1 build=$2; shift 2
+  local src=$1 build=$2 arch=(); shift 2
+  # CUDA_ARCH=default: no architecture given, the build's own default (sm_90/100/120/121).
+  [ "${CUDA_ARCH:-native}" = default ] || arch=("-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}")
   cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    "-DCMAKE_PREFIX_PATH=$(q4_torch_prefix)" "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}" "$@"
+    "-DCMAKE_PREFIX_PATH=$(q4_torch_prefix)" "${arch[@]}" "$@"
 }
 
 # q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).

@@ -75,7 +75,7 @@ void check_assistant_content(const std::string& content, const std::string& wher
   }
 }
 
-// ---- other JSONL shapes people have (issue 14): TRL prompt/completion, ShareGPT, alpaca,
+// ---- other JSONL shapes people have: TRL prompt/completion, ShareGPT, alpaca,
 // {"text"}. parse_jsonl dispatches on the keys; `kind` names the shape for the load summary.
 
 // A list of {"role", "content"} messages (TRL conversational fields).

@@ -1,7 +1,7 @@
 // Qwen3 config.json reader. Every key is checked for presence and JSON type before use, so a
 // malformed config yields one c10::Error naming the file and key instead of an nlohmann
-// exception or a silently defaulted value (the replaced system hard-coded rope_theta 1e6 while
-// the 4B config says 5e6: rope_theta is therefore required).
+// exception or a silently defaulted value (a hard-coded rope_theta of 1e6 would be wrong for
+// the 4B config's 5e6: rope_theta is therefore required).
 #include "q4/model/qwen3_config.h"
 
 #include <c10/util/Exception.h>

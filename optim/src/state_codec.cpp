@@ -2,7 +2,7 @@
 // per chunk by the CPU step, the CUDA dispatch of the public pack/unpack functions, and the scalar
 // references. Maps (sources in optim_math.h): int8 = bitsandbytes dynamic tree map (block 256,
 // second moment made zero-free), 4-bit = torchao AdamW4bit m map + a linear zero-free map on
-// sqrt(v) (block 128), NVFP4 = DESIGN.md.
+// sqrt(v) (block 128), NVFP4 = docs/design.md#nvfp4-arithmetic.
 #include "q4/optim/state_codec.h"
 
 #include <ATen/ATen.h>
@@ -78,7 +78,7 @@ struct MapCache {
     for (int b = 0; b < 256; ++b) e4m3.data_ptr<float>()[b] = e4m3_decode(static_cast<uint8_t>(b));
     e2m1 = at::empty({16}, at::kFloat);
     for (int c = 0; c < 16; ++c) e2m1.data_ptr<float>()[c] = e2m1_decode(static_cast<uint8_t>(c));
-    // |d| >= t for each threshold of DESIGN.md: the code magnitude is the number of thresholds
+    // |d| >= t for each E2M1 threshold (docs/design.md#nvfp4-arithmetic): the code magnitude is the number of thresholds
     // <= |d| (at::bucketize with right=true).
     e2m1_thresholds = at::empty({q4::numerics::kE2m1Thresholds}, at::kFloat);
     for (int i = 0; i < q4::numerics::kE2m1Thresholds; ++i) {

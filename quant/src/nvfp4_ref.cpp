@@ -1,4 +1,4 @@
-// Scalar reference of the NVFP4 codec (DESIGN.md "NVFP4 numerics"): the readable definition that
+// Scalar reference of the NVFP4 codec (docs/design.md#nvfp4-arithmetic): the readable definition that
 // the vectorized CPU path and the CUDA kernels must reproduce bit-exactly. E4M3 encoding here is
 // a brute-force nearest search over all finite codes (ties to the even code), deliberately
 // independent of the bit tricks used by the fast paths. Per-element loops: small inputs only.

@@ -1,9 +1,9 @@
 // 300 AdamW steps on the tiny fixture Qwen3 (HF layout, NVFP4 linears, fp16 masters, STE) that
 // memorizes the fixture batch, once per moment storage mode. Evidence for the packed optimizer
-// on a real model: int8 and 4bit must end at most 10% above the fp32 reference's loss (issue 5's
-// bar; below is fine, see the check). nvfp4 (the replaced system's format) is reported, not
-// required. The curves are printed for docs/results.md. Measured with the two-hash sr_bits
-// (2026-11-25): fp32 0.0099, int8 0.0099, 4bit 0.0091 (-8%). Over
+// on a real model: int8 and 4bit must end at most 10% above the fp32 reference's loss (the
+// bar; below is fine, see the check). nvfp4 (the weight format) is reported, not
+// required. The curves are printed for docs/results.md. Measured with the two-hash sr_bits:
+// fp32 0.0099, int8 0.0099, 4bit 0.0091 (-8%). Over
 // optimizer seeds 1-6: fp32 0.0100-0.0103, 4bit 0.0087-0.0094 (7-13% below fp32: the stochastic
 // 4-bit codes add noise that speeds this memorization up slightly). With nearest 4-bit codes
 // 4bit ended at 0.0185 (1.87x fp32).
@@ -13,9 +13,9 @@
 // runs here on CPU): fp32, int8 and 4bit are trained both ways, int8/4bit must end at most 10%
 // above fp32 under in-backward updates too, and each in-backward curve must track its buffered
 // curve (tolerance below: clipping uses the previous step's global norm, so the runs differ
-// slightly from step 2 on). Measured (this seed, 2026-11-26, session 5: bit-addition master
+// slightly from step 2 on). Measured (this seed, bit-addition master
 // rounding, moment uniforms from the element's one hash): buffered fp32 0.0101, int8 0.0099, 4bit
-// 0.0089 (-12%); in-backward fp32 0.0098, int8 0.0095, 4bit 0.0089. (Session 4, one-hash sr_bits
+// 0.0089 (-12%); in-backward fp32 0.0098, int8 0.0095, 4bit 0.0089. (One-hash sr_bits
 // and a second hash for the moments: buffered 0.0102 / 0.0096 / 0.0092.)
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// JSONL shapes detected per line (issue 14): TRL prompt/completion (strings and message lists,
+// JSONL shapes detected per line: TRL prompt/completion (strings and message lists,
 // completion-only supervision), ShareGPT, alpaca and {"text"}, each compared with the example
 // the equivalent messages/text input gives, their errors, and the detected format named in the
 // load summary.

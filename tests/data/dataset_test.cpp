@@ -191,7 +191,7 @@ TEST(Dataset, FilesAndFormatDetection) {
   EXPECT_THROW(parse_data_format("csv"), c10::Error);
 }
 
-// Issue 15 defect 6: a UTF-8 BOM was tokenized into the first prompt and hid the header row.
+// A UTF-8 BOM was tokenized into the first prompt and hid the header row.
 TEST(Dataset, Utf8BomIsIgnoredInEveryFormat) {
   const Tokenizer& tok = test::qwen3_tokenizer();
   const std::string bom = "\xEF\xBB\xBF";

@@ -104,7 +104,7 @@ TEST(Q4tok, BadInputExitsWithCode2AndLine) {
   EXPECT_NE(r.out.find("stdin:2"), std::string::npos) << r.out;
 }
 
-// Issue 15 defect 10: ids that are not int32 token ids were converted silently (1.5, true and
+// Ids that are not int32 token ids were converted silently (1.5, true and
 // 4294967297 to 1; 1e23 to INT32_MIN).
 TEST(Q4tok, DecodeRejectsIdsThatAreNotTokenIds) {
   test::qwen3_tokenizer();

@@ -273,7 +273,7 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
   }
 }
 
-// Issue 15: a number out of double range made nlohmann throw out_of_range, which escaped as a
+// A number out of double range made nlohmann throw out_of_range, which escaped as a
 // runtime error (exit 1) instead of an input error naming the file.
 TEST(Tokenizer, JsonNumberOverflowIsAnInputError) {
   try {

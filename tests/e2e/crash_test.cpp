@@ -1,4 +1,4 @@
-// Crash test (issue 15): q4train is killed with SIGKILL at a random moment of a run that
+// Crash test: q4train is killed with SIGKILL at a random moment of a run that
 // checkpoints and exports after every step; then the last complete checkpoint must resume (or,
 // with none, a fresh start must run) to the same losses and the same exported bytes as an
 // uninterrupted run, and no temp file may survive the restart. Trials: Q4_CRASH_TRIALS (default

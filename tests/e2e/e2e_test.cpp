@@ -334,7 +334,7 @@ TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Issue 14: training signals, runs that explain themselves, fewer traps.
+// Training signals, runs that explain themselves, fewer traps.
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Issue 15 regression tests of build/bin/q4train (tiny random Qwen3, real tokenizer, CPU): the run
+// Regression tests of build/bin/q4train (tiny random Qwen3, real tokenizer, CPU): the run
 // directory protects itself (lock, reserved names, output paths checked before the first step,
 // the user's init.dat kept, stale temp files removed), a failed export is checkpointed first, a
 // full disk is an error, checkpoints are checksummed at resume, data problems are named, and

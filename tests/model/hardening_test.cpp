@@ -1,4 +1,4 @@
-// Regression tests of issue 15 for the model library and its tools: non-finite loaded weights are
+// Regression tests for the model library and its tools: non-finite loaded weights are
 // an input error naming file and entry (Qwen3Model::load, q4gen exit 2), and the tools reject
 // numeric arguments that used to wrap, overflow or write Inf (q4gen --max-new-tokens, q4dat
 // init --seed/--std) with a short message and exit code 2.

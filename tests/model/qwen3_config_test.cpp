@@ -70,7 +70,7 @@ TEST(Qwen3ConfigTest, Qwen3_4bFixture) {
   EXPECT_EQ(c.num_attention_heads, 32);
   EXPECT_EQ(c.num_key_value_heads, 8);
   EXPECT_EQ(c.head_dim, 128);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 5e6);  // not the 1e6 the replaced system hard-coded
+  EXPECT_DOUBLE_EQ(c.rope_theta, 5e6);  // not a hard-coded 1e6
   EXPECT_EQ(c.max_position_embeddings, 262144);
   EXPECT_TRUE(c.tie_word_embeddings);
   ASSERT_TRUE(c.bos_token_id.has_value());

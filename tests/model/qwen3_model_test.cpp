@@ -722,7 +722,7 @@ TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
   // Element-wise rtol, plus an atol of ~30 fp32 ulps of the tensor's largest value: the two
   // layouts sum in different orders (GEMM shapes, the thread split), and an element far below its
   // tensor's scale (a cancellation) keeps only the absolute error of those sums. Measured with
-  // LibTorch 2.11 and 16 threads (H100 host, 2026-11-26): embed_tokens' worst element -0.006468
+  // LibTorch 2.11 and 16 threads (H100 host): embed_tokens' worst element -0.006468
   // vs -0.006470 (|diff| 4.5e-6) where the largest |value| is 6.35; with 1 or 4 threads, or
   // LibTorch 1.13, within 1e-6.
   for (const auto& [name, t] : gu) {

@@ -1,7 +1,7 @@
 // PackedAdamW on CPU: the fp32 mode against a scalar per-element reference (bit-exact, the
 // arithmetic order of docs/optim.md), every packed mode against the fp32 mode (quadratic problem,
-// random gradient streams), the failure modes of the replaced system (lost small updates, zero
-// second moments), stochastic rounding, chunk invariance, scratch bounds, the non-finite guard,
+// random gradient streams), the failure modes packed moments are prone to (lost small updates,
+// zero second moments), stochastic rounding, chunk invariance, scratch bounds, the non-finite guard,
 // clipping, weight-decay flags, and save/load (bit-identical resume, corrupt-file errors).
 #include "q4/optim/adamw.h"
 
@@ -204,7 +204,7 @@ TEST(PackedAdamW, QuadraticProblemEveryModeAgainstFp32) {
   EXPECT_LT(ref.loss, 1e-4 * ref.loss0);
   // int8 and 4-bit end within a few percent of the fp32 solution. Measured: int8 loss 1.31e-5,
   // distance 4.1e-4; 4-bit (stochastic codes) 1.00e-5, 1.2e-5 (with nearest 4-bit codes it
-  // stalled at loss 0.107, distance 1.5e-2). NVFP4 is the replaced system's format, kept for
+  // stalled at loss 0.107, distance 1.5e-2). NVFP4 is the weight format, kept for
   // comparison: its moments underflow to 0 (m / eps steps), so it is only printed.
   const double travelled = ref.w.norm().item<double>();
   for (StateMode mode : kPacked) {
@@ -301,7 +301,7 @@ TEST(PackedAdamW, RandomGradientStreamMomentErrors) {
 // ---------------------------------------------------------------- replaced-system failures
 
 TEST(PackedAdamW, SmallLrChangesAlmostEveryFp16Weight) {
-  // The replaced system changed ~0.08% of weights at lr <= 3e-4. Here: lr 1e-5, fp16 masters
+  // Lost small updates would change only ~0.08% of weights at lr <= 3e-4. Here: lr 1e-5, fp16 masters
   // ~N(0, 0.02^2) (fp16 ulp 2^-24..2^-14 there), 10 steps, every mode. Gradients: a fixed
   // direction plus noise (a fine-tuning batch seen repeatedly), so each element drifts ~1e-4.
   for (StateMode mode : kAllModes) {

@@ -1,6 +1,6 @@
 // Moment codecs of the packed optimizer states: code maps (size, order, zero-free second
 // moments), the vectorized CPU codec against the scalar reference (bit-exact), the NVFP4 mode
-// against DESIGN.md's golden fixture (bit-exact), and reconstruction-error bounds per mode.
+// against the golden fixture (tests/fixtures/README.md) (bit-exact), and reconstruction-error bounds per mode.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -308,7 +308,7 @@ std::map<std::string, at::Tensor> read_dat(const std::string& path) {
 }
 
 TEST(OptimCodec, Nvfp4ModeMatchesGoldenFixture) {
-  // The NVFP4 moment mode must be the replaced system's format bit-for-bit: each fixture row has
+  // The NVFP4 moment mode must be the NVFP4 weight format bit-for-bit: each fixture row has
   // c % 16 == 0 columns, so the flat block layout equals the row-major qdata/scale layout.
   const auto dat = read_dat(std::string(Q4_FIXTURES_DIR) + "/nvfp4_golden.dat");
   int cases = 0;
@@ -359,7 +359,7 @@ TEST(OptimCodec, ReconstructionErrorBounds) {
 
 TEST(OptimCodec, SecondMomentNeverDecodesPositiveToZero) {
   // Blocks whose values span 14 decades: the smallest are far below any code step, yet int8 and
-  // 4-bit decode them to a positive value (the replaced system's zeros made Adam sign descent).
+  // 4-bit decode them to a positive value (zero second moments would make Adam sign descent).
   for (StateMode mode : {StateMode::kInt8, StateMode::k4Bit}) {
     const at::Tensor v = moment_like(1 << 14, Moment::kSecond, 7.0, 3).clamp_min(1e-30);
     const at::Tensor y =

@@ -306,7 +306,7 @@ TEST(Nvfp4Requant, SmallWeightsMoveRarely) {
   const double frac = static_cast<double>(st.value_moved) / st.blocks;
   RecordProperty("value_moved_fraction", std::to_string(frac));
   RecordProperty("code_moved_fraction", std::to_string(double(st.code_moved) / st.blocks));
-  // DESIGN.md reports ~0.5% of blocks moving on real weights; allow 4x headroom for this
+  // docs/design.md#nvfp4-arithmetic reports ~0.5% of blocks moving on real weights; allow 4x headroom for this
   // synthetic distribution, and require the effect to be real (not silently zero).
   EXPECT_LT(frac, 0.02);
   EXPECT_GT(st.value_moved, 0);

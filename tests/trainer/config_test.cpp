@@ -306,7 +306,7 @@ TEST(Config, ReferenceHasOneRowPerFieldWithRangeAndChoices) {
   EXPECT_THROW(splice_config_reference("# no markers\n"), ConfigError);
 }
 
-// Issue 15 defect 10: a directory given as --config was read as an empty YAML document.
+// A directory given as --config was read as an empty YAML document.
 TEST(Config, DirectoryAsConfigIsAnError) {
   const fs::path dir = fs::temp_directory_path() / ("q4_cfgdir_" + std::to_string(::getpid()));
   fs::create_directories(dir);
@@ -319,7 +319,7 @@ TEST(Config, DirectoryAsConfigIsAnError) {
   q4::io::remove_tree(dir);
 }
 
-// Issue 15 defect 6: text documents longer than train.seq_len were dropped whole (the default
+// Text documents longer than train.seq_len were dropped whole (the default
 // cut_left keeps only the supervised end, and all of a text document is supervised).
 TEST(Config, TruncationAutoCutsTextFromTheRight) {
   EXPECT_EQ(resolved_truncation(parse(kMinimal)), Truncation::kCutLeft);
@@ -463,7 +463,7 @@ TEST(Config, EnumsParseOnceAndPrintBack) {
   EXPECT_TRUE(contains(msg, "stochastic, nearest")) << msg;
 }
 
-// Issue 14 item 9: did-you-mean across sections and for other common names of a field.
+// Did-you-mean across sections and for other common names of a field.
 TEST(Config, DidYouMeanAcrossSections) {
   const std::string base = kMinimal;
   std::string msg = error_of(base + "optim:\n  learning_rate: 0.1\n");

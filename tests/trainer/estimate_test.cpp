@@ -99,8 +99,8 @@ TEST(Estimate, MomentBytesByMode) {
 }
 
 // The benchmark run's measured whole-run peak (peak allocated of q4train over load, 6 steps,
-// export and export check): NVIDIA H200, 2026-11-26, scripts/bench/release_round.sh,
-// docs/gpu/speed-2026-11-26-s4/call3/memory.txt (docs/performance.md, "Memory of a whole run"):
+// export and export check): NVIDIA H200, scripts/bench/release_round.sh
+// (docs/performance.md#memory, the H200 benchmark page):
 // int8 19.10 GiB, 4bit 15.14 GiB. The chunked cross-entropy forms its gradients in its forward
 // (on CUDA in one kernel, over the bf16 logits: no fp32 block), so the peak phase is the loss
 // forward. The estimate must be within 5%.

@@ -124,7 +124,7 @@ TEST(Metrics, JsonlResumeDropsLaterSteps) {
   fs::remove(p);
 }
 
-// Issue 15: a line cut by a crash or a full disk must not survive a resume (it used to be kept
+// A line cut by a crash or a full disk must not survive a resume (it used to be kept
 // and broke every later reader of metrics.jsonl).
 TEST(Metrics, JsonlResumeDropsACutLine) {
   const fs::path p = fs::temp_directory_path() / ("q4_metrics_cut_" + std::to_string(::getpid()));

@@ -174,7 +174,7 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
         // fp32 ulp across the uniform's threshold, ~2^-13 of the elements (bf16: 2^-16), and a
         // flipped master stays one step apart afterwards; a code flips where a value lies within
         // ulps of a code boundary, and then that element's update differs (by up to the update
-        // itself when a first moment near 0 changes code). Measured on an H200 (2026-11-26): at
+        // itself when a first moment near 0 changes code). Measured on an H200: at
         // most 67 masters and 2 codes of 512,000 after 6 steps.
         // Bounds: 0.2% of the elements, relative L2 1e-2.
         EXPECT_LE(nd, w0.numel() / 500) << what << " step " << t + 1;

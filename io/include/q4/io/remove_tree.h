@@ -2,7 +2,7 @@
 // std::filesystem::remove_all. Every q4 binary that loads LibTorch 2.x (the GPU build: libtorch.so
 // 2.11 exports its own copies of the std::filesystem functions, which the dynamic linker binds
 // ahead of libstdc++'s) crashes inside remove_all, both overloads (SIGSEGV, a call through a null
-// pointer; found 2026-11-26 through a test's TearDown, reproduced with a five-line program linked
+// pointer; found through a test's TearDown, reproduced with a five-line program linked
 // against libtorch.so). remove_tree uses POSIX calls only, so it works whatever is loaded.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Hugging Face interop (DESIGN.md "Interop"): export of a .dat to a folder vLLM serves
+// Hugging Face interop (docs/design.md#interoperability-and-scale): export of a .dat to a folder vLLM serves
 // (ModelOpt or compressed-tensors NVFP4 layout, lossless: every weight / weight_scale byte is the
 // .dat's qdata / scale byte; global scales 1.0), and import of an HF folder (BF16/FP16/FP32, or
 // either NVFP4 layout) into the shipped .dat layout. Both stream tensor by tensor (row chunks for

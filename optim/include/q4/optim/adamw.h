@@ -22,7 +22,7 @@ enum class StateMode {
   kFp32,   // reference: m, v as fp32 tensors (8 bytes/element)
   kInt8,   // block-wise dynamic-tree int8 (m signed map, v zero-free map), block 256
   k4Bit,   // block-wise 4-bit: m signed dynamic-exponent map, v linear zero-free map, block 128
-  kNvfp4,  // E2M1 codes + E4M3 scale per 16 (DESIGN.md numerics); the replaced system's format
+  kNvfp4,  // E2M1 codes + E4M3 scale per 16 (docs/design.md#nvfp4-arithmetic), the NVFP4 weight format
 };
 
 // How the fp32 result of an update is written into an fp16/bf16 master (fp32 masters: exact).

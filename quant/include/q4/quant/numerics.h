@@ -1,4 +1,4 @@
-// The one scalar definition of the NVFP4 element codecs (DESIGN.md "NVFP4 numerics") used by every
+// The one scalar definition of the NVFP4 element codecs (docs/design.md#nvfp4-arithmetic) used by every
 // fast path: quant/ (CPU path and CUDA kernels) and optim/ (NVFP4 moment mode, CPU and CUDA).
 // Header-only, no torch headers, host and device (Q4_HD). The brute-force scalar reference
 // (quant/src/nvfp4_ref.cpp, `*_ref`) stays the specification: tests/quant/numerics_test.cpp
@@ -97,7 +97,7 @@ Q4_HD float e4m3_decode(uint8_t bits) {
   return (bits & 0x80u) ? -v : v;
 }
 
-// Block scale input of DESIGN.md: clamp(amax / 6, 2^-16, 448), IEEE division (a NaN amax
+// Block scale input (docs/design.md#nvfp4-arithmetic): clamp(amax / 6, 2^-16, 448), IEEE division (a NaN amax
 // gives 2^-16, as fmaxf does; callers flag non-finite blocks themselves).
 Q4_HD float nvfp4_scale_input(float amax) {
 #if defined(__CUDA_ARCH__)

@@ -1,5 +1,5 @@
 // NVFP4 codec: E2M1 values with one FP8 E4M3FN scale per 16 consecutive elements of a row.
-// The numerics (DESIGN.md "NVFP4 numerics") are reproduced bit-exactly by every path: the
+// The numerics (docs/design.md#nvfp4-arithmetic) are reproduced bit-exactly by every path: the
 // scalar `_ref` functions (the readable definition), the vectorized CPU ATen path, and the CUDA
 // kernels. Inputs may be fp32, fp16 or bf16; all arithmetic is fp32.
 #pragma once
@@ -23,7 +23,7 @@ struct Nvfp4Tensor {
 // ---- scalar reference (the definition; used by tests and as the spec for the fast paths) ----
 uint8_t e4m3_encode_ref(float x);     // RNE, x already clamped to [0, 448]; NaN in -> 0x7F
 float e4m3_decode_ref(uint8_t bits);  // exponent 0 subnormal m/8*2^-6; only 0x7F/0xFF NaN
-uint8_t e2m1_encode_ref(float d);     // d already clamped to [-6, 6]; thresholds of DESIGN.md
+uint8_t e2m1_encode_ref(float d);     // d already clamped to [-6, 6]; thresholds of docs/design.md
 float e2m1_decode_ref(uint8_t code);  // code 0..15, bit 3 = sign
 // x: (r, c) float tensor on CPU, c % 16 == 0. Per-element C++ loops; small inputs only.
 Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x);
