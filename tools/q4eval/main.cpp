@@ -90,10 +90,7 @@ int main(int argc, char** argv) {
       if (seq_len > 0) c.train.seq_len = seq_len;
       if (system_opt->count() > 0) c.data.system_prompt = system;
       tok = std::make_unique<data::Tokenizer>(chat::load_tokenizer(paths));
-      data::DatasetOptions dopt;
-      dopt.format = trainer::to_data(c.data.format);
-      dopt.system_prompt = c.data.system_prompt;
-      dopt.on_error = trainer::to_data(c.data.on_error);
+      const data::DatasetOptions dopt = trainer::dataset_options(c);
       for (const auto& f : files) {
         auto ds = data::load_dataset(f, *tok, dopt);
         if (!quiet) std::cerr << "q4eval: " << ds.summary.to_string() << "\n";
