@@ -23,6 +23,7 @@
 #include "q4/io/remove_tree.h"
 #include "q4/test/files.h"
 #include "q4/test/process.h"
+#include "q4/test/temp_dir.h"
 #include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
