@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up on a fresh Debian 12 machine: installs the apt packages, fetches the tokenizer asset,
-# configures and builds into build/. Without arguments it builds what the demo and the chat need
-# (q4train, q4chat and their libraries); with --tests it also installs GoogleTest and builds
+# configures and builds into build/. Without arguments it builds what the demo, the chat and the evaluation need
+# (q4train, q4chat, q4eval and their libraries); with --tests it also installs GoogleTest and builds
 # everything else: the other tools and the test binaries. Idempotent and quiet on success (with
 # Q4_TIMES=1, one "bootstrap: STEP ok in Ns" line per step); prints the failing step's log on
 # error. Usage: tools/bootstrap.sh [--tests] [extra cmake args...]
@@ -40,5 +40,5 @@ step "cmake configure" cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "
 if [ "$tests" = 1 ]; then
   step "build" cmake --build build -j "$(nproc)"
 else
-  step "build" cmake --build build -j "$(nproc)" --target q4train q4chat
+  step "build" cmake --build build -j "$(nproc)" --target q4train q4chat q4eval
 fi
