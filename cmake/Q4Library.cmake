@@ -26,27 +26,6 @@ function(q4_add_library name dir)
     target_compile_definitions(${name} PUBLIC Q4_HAVE_NVTX=1)
     target_include_directories(${name} PUBLIC ${Q4_NVTX3_INCLUDE})
   endif()
-  q4_use_pch(${name})
-endfunction()
-
-# Precompiled LibTorch headers: a TU that includes <torch/torch.h> costs ~30 s otherwise. One
-# PCH is built once (target q4_pch) and reused by every target. No target sets
-# POSITION_INDEPENDENT_CODE: GCC rejects a PCH built with -fPIC in a -fPIE compile, so everything
-# uses the compiler's default (PIE on Debian) and the flags match.
-if(Q4_USE_PCH)
-  set(_anchor ${CMAKE_BINARY_DIR}/q4_pch_anchor.cpp)
-  if(NOT EXISTS ${_anchor})
-    file(WRITE ${_anchor} "// Anchor translation unit for the shared precompiled header.\n")
-  endif()
-  add_library(q4_pch OBJECT ${_anchor})
-  target_link_libraries(q4_pch PRIVATE ${TORCH_LIBRARIES})
-  target_precompile_headers(q4_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
-endif()
-
-function(q4_use_pch target)
-  if(Q4_USE_PCH)
-    target_precompile_headers(${target} REUSE_FROM q4_pch)
-  endif()
 endfunction()
 
 # q4_add_test(NAME LABELS labels... SOURCES... LINK libs... [SLOW Suite.Case...]): one gtest
@@ -64,7 +43,6 @@ function(q4_add_test name)
     Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     Q4_BIN_DIR="${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
-  q4_use_pch(${name})
   list(TRANSFORM T_LABELS REPLACE "^cpu$" "unit")
   list(JOIN T_LABELS "," _labels)
   list(JOIN T_SLOW "," _slow)

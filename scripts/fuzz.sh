@@ -17,7 +17,7 @@ b=build-fuzz
 build() {
   q4_clang
   cmake -S . -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ -DQ4_FUZZ=ON \
-    -DQ4_BUILD_TESTS=OFF -DQ4_USE_PCH=OFF >/dev/null
+    -DQ4_BUILD_TESTS=OFF >/dev/null
   cmake --build "$b" -j "$(nproc)" --target "${targets[@]}"
 }
 q4_phase "fuzz: build" build

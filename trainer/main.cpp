@@ -75,181 +75,225 @@ int fail(int code, const std::string& msg) {
   return code;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  std::signal(SIGPIPE, SIG_IGN);
-  CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
-  std::string config_path, positional_config;
-  std::vector<std::string> sets;
-  std::string resume;
-  std::string probe_report;
-  std::string profile_trace;
+// The command line as given.
+struct Cli {
+  std::string config_path, positional_config, resume, probe_report, profile_trace;
   std::string config_reference;
+  std::vector<std::string> sets;
   bool probe = false, dry_run = false, version = false;
   bool overwrite = false, export_only = false, allow_schedule_change = false;
   int probe_steps = 0;
   int nproc = 0;
   int dist_timeout_s = 600;
-  app.add_option("-c,--config", config_path, "YAML config (default: configs/demo.yaml)");
+};
+
+void add_options(CLI::App& app, Cli& o) {
+  app.add_option("-c,--config", o.config_path, "YAML config (default: configs/demo.yaml)");
   // Named apart from --config: CLI11 2.4 refuses a positional that shares an option's name.
-  app.add_option("config_file", positional_config, "YAML config (same as --config)");
-  app.add_option("--set", sets, "override a config value: key.path=value (repeatable)")->take_all();
-  app.add_option("--resume", resume,
+  app.add_option("config_file", o.positional_config, "YAML config (same as --config)");
+  app.add_option("--set", o.sets, "override a config value: key.path=value (repeatable)")
+      ->take_all();
+  app.add_option("--resume", o.resume,
                  "continue from a checkpoint directory (step_XXXXXX) or a run directory");
-  app.add_flag("--overwrite", overwrite,
+  app.add_flag("--overwrite", o.overwrite,
                "a fresh run in a non-empty output.dir replaces the previous run's files; with "
                "--resume (and --export-only), replace an export it would refuse (newer, another "
                "run's, of unknown origin); with --probe, any --probe-report file");
-  app.add_flag("--export-only", export_only,
+  app.add_flag("--export-only", o.export_only,
                "with --resume: export the checkpoint's model (output.export_path) and exit");
-  app.add_flag("--allow-schedule-change", allow_schedule_change,
+  app.add_flag("--allow-schedule-change", o.allow_schedule_change,
                "with --resume: accept a changed LR schedule (train.steps, optim.lr, "
                "optim.schedule.*)");
-  app.add_flag("--probe", probe, "run one instrumented step and print a JSON memory report");
-  app.add_option("--probe-report", probe_report, "where --probe writes its JSON report");
-  app.add_option("--probe-steps", probe_steps,
+  app.add_flag("--probe", o.probe, "run one instrumented step and print a JSON memory report");
+  app.add_option("--probe-report", o.probe_report, "where --probe writes its JSON report");
+  app.add_option("--probe-steps", o.probe_steps,
                  "with --probe: N more timed steady-state steps (median step time, tok/s)")
       ->check(CLI::Range(0, 1000000));
-  app.add_option("--profile-trace", profile_trace,
+  app.add_option("--profile-trace", o.profile_trace,
                  "write a Kineto trace (Chrome JSON) of training steps 3-4 to this file "
                  "(LibTorch 2.x)");
-  app.add_flag("--dry-run", dry_run,
+  app.add_flag("--dry-run", o.dry_run,
                "validate, estimate memory per component and phase, load nothing");
-  app.add_option("--nproc", nproc,
+  app.add_option("--nproc", o.nproc,
                  "data parallel on this host: run N ranks (one per GPU with model.device: cuda; "
                  "Gloo on CPU). Several hosts: launch with torchrun --no-python")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--dist-timeout", dist_timeout_s,
+  app.add_option("--dist-timeout", o.dist_timeout_s,
                  "data parallel: seconds a rank waits for the rendezvous or a collective before "
                  "failing (a dead or hung rank) (default 600)")
       ->check(CLI::Range(1, 86400));
-  app.add_flag("--version", version, "print the version and exit");
-  app.add_option("--config-reference", config_reference,
+  app.add_flag("--version", o.version, "print the version and exit");
+  app.add_option("--config-reference", o.config_reference,
                  "regenerate the config field reference in FILE (configs/README.md) from the "
                  "field table; - prints it");
+}
+
+void print_version() {
+  std::cout << "q4train " << Q4_VERSION << " (LibTorch " << TORCH_VERSION
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+            << ", CUDA kernels"
+#else
+            << ", CPU only"
+#endif
+            << ")" << std::endl;
+}
+
+// --config-reference FILE: regenerates the field reference in FILE ("-": prints it).
+int update_config_reference(const std::string& path) {
+  if (path == "-") {
+    std::cout << config_reference_markdown();
+    return kExitOk;
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("--config-reference: cannot read " + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string updated;
+  try {
+    updated = splice_config_reference(text.str());
+  } catch (const ConfigError& e) {
+    throw ConfigError("--config-reference " + path + ": " + e.what());
+  }
+  if (updated != text.str()) write_file_atomic(path, updated);
+  std::cout << path << (updated == text.str() ? " is up to date" : " updated") << std::endl;
+  return kExitOk;
+}
+
+// Refuses flags that exclude each other or need another, before anything loads (otherwise a
+// --profile-trace error, say, would come at training step 3).
+void check_flags(const Cli& o, const WorldInfo& world) {
+  const bool ranks = o.nproc > 1 || world.distributed();
+  if (o.probe && o.dry_run) throw ConfigError("--probe and --dry-run exclude each other");
+  if (o.nproc > 1 && world.distributed()) {
+    throw ConfigError("--nproc launches local ranks itself; under torchrun (WORLD_SIZE=" +
+                      std::to_string(world.world_size) + ") leave it out");
+  }
+  if (ranks && (o.probe || o.dry_run || !o.profile_trace.empty())) {
+    throw ConfigError(
+        "--probe, --dry-run and --profile-trace run in one process; leave out "
+        "--nproc / torchrun");
+  }
+  if (o.probe && !o.resume.empty()) throw ConfigError("--probe and --resume exclude each other");
+  if (!o.positional_config.empty() && !o.config_path.empty()) {
+    throw ConfigError("config given twice: " + o.positional_config + " and --config " +
+                      o.config_path + "; pass one");
+  }
+  if (o.export_only && o.resume.empty()) {
+    throw ConfigError("--export-only needs --resume DIR (a checkpoint or a run directory)");
+  }
+  if (o.export_only && (o.probe || o.dry_run || ranks)) {
+    throw ConfigError(
+        "--export-only runs in one process; it excludes --probe, --dry-run, "
+        "--nproc and torchrun");
+  }
+  if (o.allow_schedule_change && o.resume.empty()) {
+    throw ConfigError("--allow-schedule-change applies to --resume only");
+  }
+  if (o.probe_steps > 0 && !o.probe) throw ConfigError("--probe-steps needs --probe");
+  if (!o.profile_trace.empty() && (o.probe || o.dry_run)) {
+    throw ConfigError(
+        "--profile-trace traces training steps; it does not apply to --probe or "
+        "--dry-run");
+  }
+  if (!o.profile_trace.empty() && !profiler_available()) {
+    throw ConfigError("--profile-trace needs a build against LibTorch 2.x (this q4train uses " +
+                      std::string(TORCH_VERSION) + ")");
+  }
+}
+
+// The config the run uses: the file named (or the resumed run's, or the built-in default) with
+// the --set overrides. --resume DIR writes into DIR's run directory, whatever output.dir the
+// config names (a copied or moved run must never write into the original); only
+// --set output.dir=... sends the outputs elsewhere.
+Config resolve_config(Cli& o, const WorldInfo& world) {
+  if (!o.positional_config.empty()) o.config_path = o.positional_config;
+  std::vector<Override> overrides;
+  for (const auto& s : o.sets) overrides.push_back(parse_override(s));
+  if (o.config_path.empty()) {
+    o.config_path =
+        o.resume.empty() ? default_config_path() : saved_config_path_for_resume(o.resume);
+  }
+  Config config = load_config(o.config_path, overrides);
+  const bool prints = world.rank == 0 && o.nproc <= 1;
+  if (!o.resume.empty()) {
+    bool dir_set = false;
+    for (const auto& ov : overrides) dir_set |= ov.key == "output.dir";
+    if (!dir_set) {
+      const std::string note = point_config_at_run_dir(config, resume_run_dir(o.resume));
+      if (!note.empty() && prints) std::cout << note << std::endl;
+    }
+  }
+  if (prints) {
+    std::cout << "q4train " << Q4_VERSION << ": config " << o.config_path << ", run directory "
+              << config.output.dir << std::endl;
+  }
+  return config;
+}
+
+RunOptions run_options(const Cli& o, const WorldInfo& world) {
+  RunOptions options;
+  options.overwrite = o.overwrite;
+  options.export_only = o.export_only;
+  options.allow_schedule_change = o.allow_schedule_change;
+  if (!o.resume.empty()) options.resume = o.resume;
+  options.probe_report = o.probe_report;
+  options.probe_steps = o.probe_steps;
+  options.profile_trace = o.profile_trace;
+  options.world = world;
+  options.dist_timeout = std::chrono::seconds(o.dist_timeout_s);
+  return options;
+}
+
+// The command line each local rank gets: this one without --nproc.
+std::vector<std::string> rank_args(int argc, char** argv) {
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--nproc") {
+      ++i;
+      continue;
+    }
+    if (a.rfind("--nproc=", 0) == 0) continue;
+    args.push_back(a);
+  }
+  return args;
+}
+
+int run(Cli& o, int argc, char** argv) {
+  if (!o.config_reference.empty()) return update_config_reference(o.config_reference);
+  const WorldInfo world = world_from_env();
+  check_flags(o, world);
+  const Config config = resolve_config(o, world);
+  if (o.nproc > 1) {
+    // The config was read and checked above: a bad one fails here, before any rank starts.
+    check_inputs_before_launch(config);
+    return launch_local_ranks(o.nproc, rank_args(argc, argv), std::chrono::seconds(5));
+  }
+  if (o.dry_run) return run_dry_run(config, std::cout);
+  const RunOptions options = run_options(o, world);
+  if (o.probe) return run_probe(config, options, std::cout, std::cerr);
+  return run_training(config, options, std::cout, std::cerr);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_IGN);
+  CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
+  Cli cli;
+  add_options(app, cli);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
   }
-  if (version) {
-    std::cout << "q4train " << Q4_VERSION << " (LibTorch " << TORCH_VERSION
-#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
-              << ", CUDA kernels"
-#else
-              << ", CPU only"
-#endif
-              << ")" << std::endl;
+  if (cli.version) {
+    print_version();
     return kExitOk;
   }
   try {
-    if (!config_reference.empty()) {
-      if (config_reference == "-") {
-        std::cout << config_reference_markdown();
-        return kExitOk;
-      }
-      std::ifstream in(config_reference, std::ios::binary);
-      if (!in) throw ConfigError("--config-reference: cannot read " + config_reference);
-      std::stringstream text;
-      text << in.rdbuf();
-      std::string updated;
-      try {
-        updated = splice_config_reference(text.str());
-      } catch (const ConfigError& e) {
-        throw ConfigError("--config-reference " + config_reference + ": " + e.what());
-      }
-      if (updated != text.str()) write_file_atomic(config_reference, updated);
-      std::cout << config_reference << (updated == text.str() ? " is up to date" : " updated")
-                << std::endl;
-      return kExitOk;
-    }
-    if (probe && dry_run) throw ConfigError("--probe and --dry-run exclude each other");
-    const WorldInfo world = world_from_env();
-    if (nproc > 1 && world.distributed()) {
-      throw ConfigError("--nproc launches local ranks itself; under torchrun (WORLD_SIZE=" +
-                        std::to_string(world.world_size) + ") leave it out");
-    }
-    if ((nproc > 1 || world.distributed()) && (probe || dry_run || !profile_trace.empty())) {
-      throw ConfigError("--probe, --dry-run and --profile-trace run in one process; leave out "
-                        "--nproc / torchrun");
-    }
-    if (probe && !resume.empty()) throw ConfigError("--probe and --resume exclude each other");
-    if (!positional_config.empty() && !config_path.empty()) {
-      throw ConfigError("config given twice: " + positional_config + " and --config " +
-                        config_path + "; pass one");
-    }
-    if (!positional_config.empty()) config_path = positional_config;
-    if (export_only && resume.empty()) {
-      throw ConfigError("--export-only needs --resume DIR (a checkpoint or a run directory)");
-    }
-    if (export_only && (probe || dry_run || nproc > 1 || world.distributed())) {
-      throw ConfigError("--export-only runs in one process; it excludes --probe, --dry-run, "
-                        "--nproc and torchrun");
-    }
-    if (allow_schedule_change && resume.empty()) {
-      throw ConfigError("--allow-schedule-change applies to --resume only");
-    }
-    if (probe_steps > 0 && !probe) throw ConfigError("--probe-steps needs --probe");
-    // Checked before anything loads: otherwise the error would come at training step 3.
-    if (!profile_trace.empty() && (probe || dry_run)) {
-      throw ConfigError("--profile-trace traces training steps; it does not apply to --probe or "
-                        "--dry-run");
-    }
-    if (!profile_trace.empty() && !profiler_available()) {
-      throw ConfigError("--profile-trace needs a build against LibTorch 2.x (this q4train uses " +
-                        std::string(TORCH_VERSION) + ")");
-    }
-    std::vector<Override> overrides;
-    for (const auto& s : sets) overrides.push_back(parse_override(s));
-    if (config_path.empty()) {
-      config_path = resume.empty() ? default_config_path() : saved_config_path_for_resume(resume);
-    }
-    Config config = load_config(config_path, overrides);
-    // --resume DIR writes into DIR's run directory, whatever output.dir the config names (a
-    // copied or moved run must never write into the original); only --set output.dir=... sends
-    // the outputs elsewhere.
-    if (!resume.empty()) {
-      bool dir_set = false;
-      for (const auto& o : overrides) dir_set |= o.key == "output.dir";
-      if (!dir_set) {
-        const std::string note = point_config_at_run_dir(config, resume_run_dir(resume));
-        if (!note.empty() && world.rank == 0 && nproc <= 1) std::cout << note << std::endl;
-      }
-    }
-    if (world.rank == 0 && nproc <= 1) {
-      std::cout << "q4train " << Q4_VERSION << ": config " << config_path << ", run directory "
-                << config.output.dir << std::endl;
-    }
-    RunOptions options;
-    options.overwrite = overwrite;
-    options.export_only = export_only;
-    options.allow_schedule_change = allow_schedule_change;
-    if (!resume.empty()) options.resume = resume;
-    options.probe_report = probe_report;
-    options.probe_steps = probe_steps;
-    options.profile_trace = profile_trace;
-    options.world = world;
-    options.dist_timeout = std::chrono::seconds(dist_timeout_s);
-    if (nproc > 1) {
-      // The config was read and checked above: a bad one fails here, before any rank starts.
-      std::vector<std::string> args;
-      for (int i = 1; i < argc; ++i) {
-        const std::string a = argv[i];
-        if (a == "--nproc") {
-          ++i;
-          continue;
-        }
-        if (a.rfind("--nproc=", 0) == 0) continue;
-        args.push_back(a);
-      }
-      check_inputs_before_launch(config);
-      return launch_local_ranks(nproc, args, std::chrono::seconds(5));
-    }
-    if (dry_run) return run_dry_run(config, std::cout);
-    if (probe) return run_probe(config, options, std::cout, std::cerr);
-    return run_training(config, options, std::cout, std::cerr);
+    return run(cli, argc, argv);
   } catch (const ConfigError& e) {
     return fail(kExitUsage, rank_tag() + e.what());
   } catch (const GuardStop& e) {

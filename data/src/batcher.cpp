@@ -2,6 +2,7 @@
 // epoch's order is a splitmix64 Fisher-Yates permutation of (seed, epoch), so the whole stream
 // is a pure function of (examples, options) and a BatcherState {epoch, cursor} is enough to
 // resume exactly. Packing fills each row greedily with consecutive examples of that order.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "utf8.h"
+#include "q4/io/utf8.h"
 
 namespace q4::data {
 namespace {
@@ -39,11 +39,11 @@ bool is_blank(const std::string& s) {
 std::string quote_excerpt(const std::string& s) {
   constexpr size_t kMax = 40;
   std::string e = s.size() > kMax ? s.substr(0, kMax) + "..." : s;
-  return json(utf8::repair(e)).dump();
+  return json(io::utf8::repair(e)).dump();
 }
 
 void check_utf8(const std::string& line) {
-  const size_t bad = utf8::find_invalid(line);
+  const size_t bad = io::utf8::find_invalid(line);
   if (bad != std::string::npos) {
     throw BadLine{"invalid UTF-8 at byte " + std::to_string(bad) + " of the line"};
   }
@@ -273,8 +273,8 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
 int64_t count_line_ends(const std::string& content, size_t end) {
   int64_t n = 0;
   for (size_t i = 0; i < end && i < content.size(); ++i) {
-    n += content[i] == '\n' || (content[i] == '\r' && (i + 1 >= content.size() ||
-                                                      content[i + 1] != '\n'));
+    n += content[i] == '\n' ||
+         (content[i] == '\r' && (i + 1 >= content.size() || content[i + 1] != '\n'));
   }
   return n;
 }
@@ -292,8 +292,8 @@ std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos
                                           const std::string& name) {
   auto line_at = [&](size_t byte) { return 1 + count_line_ends(content, byte); };
   try {
-    const json whole = json::parse(content.begin() + static_cast<std::ptrdiff_t>(pos),
-                                   content.end());
+    const json whole =
+        json::parse(content.begin() + static_cast<std::ptrdiff_t>(pos), content.end());
     TORCH_CHECK(whole.is_array(), name, ": expected a JSON array of records");
   } catch (const json::parse_error& e) {
     TORCH_CHECK(false, name, ":", line_at(pos + (e.byte > 0 ? e.byte - 1 : 0)),
@@ -353,20 +353,19 @@ DataFormat resolve_format(DataFormat f, const std::string& name) {
 
 DataFormat parse_data_format(const std::string& name) {
   const std::string n = lower(name);
-  if (n == "auto") return DataFormat::kAuto;
-  if (n == "tsv") return DataFormat::kTsv;
-  if (n == "jsonl" || n == "json") return DataFormat::kJsonl;
-  if (n == "text" || n == "txt") return DataFormat::kText;
-  TORCH_CHECK(false, "data format: expected auto, tsv, jsonl or text, found \"", name, "\"");
-  return DataFormat::kAuto;
+  if (n == "json") return DataFormat::kJsonl;
+  if (n == "txt") return DataFormat::kText;
+  const auto format = io::enum_from_name<DataFormat>(n);
+  TORCH_CHECK(format, "data format: expected one of ", io::enum_choices<DataFormat>(), ", found \"",
+              name, "\"");
+  return *format;
 }
 
 OnError parse_on_error(const std::string& name) {
-  const std::string n = lower(name);
-  if (n == "fail") return OnError::kFail;
-  if (n == "skip") return OnError::kSkip;
-  TORCH_CHECK(false, "on_error: expected fail or skip, found \"", name, "\"");
-  return OnError::kFail;
+  const auto on_error = io::enum_from_name<OnError>(lower(name));
+  TORCH_CHECK(on_error, "on_error: expected one of ", io::enum_choices<OnError>(), ", found \"",
+              name, "\"");
+  return *on_error;
 }
 
 std::string LoadSummary::format_name() const {
@@ -404,7 +403,7 @@ Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
 Dataset load_dataset_from_string(const std::string& content, const std::string& name,
                                  const Tokenizer& tokenizer, const DatasetOptions& options) {
   const DataFormat format = resolve_format(options.format, name);
-  TORCH_CHECK(utf8::find_invalid(options.system_prompt) == std::string::npos,
+  TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
               "system_prompt: not valid UTF-8");
   Dataset ds;
   ds.summary.path = name;

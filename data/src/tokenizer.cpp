@@ -21,7 +21,7 @@
 #include <unordered_map>
 
 #include "normalize.h"
-#include "utf8.h"
+#include "q4/io/utf8.h"
 
 namespace q4::data {
 namespace {
@@ -286,7 +286,14 @@ struct Tokenizer::Impl {
   mutable std::mutex cache_mu;
   mutable std::unordered_map<std::string, std::vector<TokenId>> cache;
 
-  void load(const json& root);
+  void load(const json& root);  // every section of tokenizer.json, checked
+  using VocabEntries = std::vector<std::pair<TokenId, std::pair<std::string, std::string>>>;
+  VocabEntries load_vocab(const json& model, const ByteLevelInverse& c2b);
+  std::vector<std::pair<AddedToken, bool>> read_added_tokens(const json& root) const;
+  void index_ids(VocabEntries entries, const std::vector<std::pair<AddedToken, bool>>& added);
+  void load_merges(const json& merges_json, const ByteLevelInverse& c2b);
+  void load_normalizer(const json& root);
+  void load_pre_tokenizer(const json& root);
   void bpe(std::string_view piece, std::vector<TokenId>* out) const;
   void encode_piece(std::string_view piece, std::vector<TokenId>* out) const;
   void encode_segment(std::string_view seg, int64_t base, Encoding* out, bool offsets) const;
@@ -302,10 +309,29 @@ void Tokenizer::Impl::load(const json& root) {
   const std::string& src = source;
   TORCH_CHECK(root.is_object(), src, ": expected a JSON object at the top level, found ",
               json_type_of(root));
-  // ---- model
   TORCH_CHECK(root.contains("model") && root["model"].is_object(), src,
               ": missing object \"model\"");
   const json& model = root["model"];
+  const ByteLevelInverse c2b = codepoint_to_byte_table();
+  VocabEntries entries = load_vocab(model, c2b);
+  index_ids(std::move(entries), read_added_tokens(root));
+  load_merges(model["merges"], c2b);
+  load_normalizer(root);
+  load_pre_tokenizer(root);
+  // Decoder and post-processor: byte-level only (encode never inserts special tokens).
+  const json dec = root.value("decoder", json(nullptr));
+  TORCH_CHECK(dec.is_object() && dec.value("type", "") == "ByteLevel", src,
+              ": decoder: only ByteLevel is supported, found ", dec.dump());
+  const json post = root.value("post_processor", json(nullptr));
+  TORCH_CHECK(post.is_null() || (post.is_object() && post.value("type", "") == "ByteLevel"), src,
+              ": post_processor: only null or ByteLevel is supported, found ", post.dump());
+}
+
+// model: a byte-level BPE with the options this encoder implements; the vocabulary (every one
+// of the 256 bytes has a token) as (id, (bytes, token string)) entries.
+Tokenizer::Impl::VocabEntries Tokenizer::Impl::load_vocab(const json& model,
+                                                          const ByteLevelInverse& c2b) {
+  const std::string& src = source;
   const std::string mtype = model.value("type", std::string("BPE"));
   TORCH_CHECK(mtype == "BPE", src, ": model.type: only \"BPE\" is supported, found \"", mtype,
               "\"");
@@ -325,12 +351,9 @@ void Tokenizer::Impl::load(const json& root) {
   TORCH_CHECK(model.contains("merges") && model["merges"].is_array(), src,
               ": model.merges: expected an array");
 
-  const ByteLevelInverse c2b = codepoint_to_byte_table();
-
-  TokenId max_id = -1;
   const json& jv = model["vocab"];
   vocab.reserve(jv.size() * 2);
-  std::vector<std::pair<TokenId, std::pair<std::string, std::string>>> entries;
+  VocabEntries entries;
   entries.reserve(jv.size());
   std::string bytes;
   for (auto it = jv.begin(); it != jv.end(); ++it) {
@@ -347,7 +370,6 @@ void Tokenizer::Impl::load(const json& root) {
     TORCH_CHECK(vocab.emplace(bytes, id).second, src, ": model.vocab: token \"", it.key(),
                 "\" duplicates another token's bytes");
     entries.push_back({id, {bytes, it.key()}});
-    max_id = std::max(max_id, id);
   }
   for (int b = 0; b < 256; ++b) {
     auto it = vocab.find(std::string(1, static_cast<char>(b)));
@@ -355,8 +377,13 @@ void Tokenizer::Impl::load(const json& root) {
                 " has no token (byte-level BPE needs all 256 bytes)");
     byte_ids[b] = it->second;
   }
+  return entries;
+}
 
-  // ---- added tokens
+// added_tokens: (token, normalized) in file order.
+std::vector<std::pair<AddedToken, bool>> Tokenizer::Impl::read_added_tokens(
+    const json& root) const {
+  const std::string& src = source;
   std::vector<std::pair<AddedToken, bool>> added;  // token, normalized
   if (root.contains("added_tokens") && !root["added_tokens"].is_null()) {
     TORCH_CHECK(root["added_tokens"].is_array(), src, ": added_tokens: expected an array");
@@ -372,17 +399,24 @@ void Tokenizer::Impl::load(const json& root) {
       }
       AddedToken t;
       t.content = a["content"].get<std::string>();
-      TORCH_CHECK(!t.content.empty() && utf8::find_invalid(t.content) == std::string::npos, where,
+      TORCH_CHECK(!t.content.empty() && io::utf8::find_invalid(t.content) == std::string::npos, where,
                   ": content must be non-empty valid UTF-8");
       const int64_t id64 = a["id"].get<int64_t>();
       TORCH_CHECK(id64 >= 0 && id64 < (int64_t{1} << 30), where, ": id ", id64, " out of range");
       t.id = static_cast<TokenId>(id64);
       t.special = a.value("special", false);
       added.push_back({t, a.value("normalized", !t.special)});
-      max_id = std::max(max_id, t.id);
     }
   }
+  return added;
+}
 
+// The per-id tables (bytes, token string, kind), the added-token matchers and the ChatML ids.
+void Tokenizer::Impl::index_ids(VocabEntries entries,
+                                const std::vector<std::pair<AddedToken, bool>>& added) {
+  TokenId max_id = -1;
+  for (const auto& e : entries) max_id = std::max(max_id, e.first);
+  for (const auto& a : added) max_id = std::max(max_id, a.first.id);
   id_bytes.assign(max_id + 1, std::string());
   id_string.assign(max_id + 1, std::string());
   id_kind.assign(max_id + 1, kAbsent);
@@ -406,9 +440,11 @@ void Tokenizer::Impl::load(const json& root) {
   im_start = find_added("<|im_start|>");
   im_end = find_added("<|im_end|>");
   endoftext = find_added("<|endoftext|>");
+}
 
-  // ---- merges
-  const json& jm = model["merges"];
+// model.merges: "left right" strings or [left, right] pairs, ranked by position.
+void Tokenizer::Impl::load_merges(const json& jm, const ByteLevelInverse& c2b) {
+  const std::string& src = source;
   merges.reserve(jm.size());
   std::string left_s, right_s, lb, rb;
   for (size_t r = 0; r < jm.size(); ++r) {
@@ -437,8 +473,11 @@ void Tokenizer::Impl::load(const json& root) {
         (static_cast<uint64_t>(li->second) << 32) | static_cast<uint32_t>(ri->second);
     merges.put(key, Merge{static_cast<int32_t>(r), mi->second});
   }
+}
 
-  // ---- normalizer
+// normalizer: null, NFC, or a sequence of NFC.
+void Tokenizer::Impl::load_normalizer(const json& root) {
+  const std::string& src = source;
   const json normalizer = root.value("normalizer", json(nullptr));
   auto is_nfc = [](const json& n) { return n.is_object() && n.value("type", "") == "NFC"; };
   if (normalizer.is_null()) {
@@ -454,8 +493,11 @@ void Tokenizer::Impl::load(const json& root) {
     TORCH_CHECK(false, src, ": normalizer: only null or NFC is supported, found ",
                 normalizer.dump());
   }
+}
 
-  // ---- pre-tokenizer: [Split(regex|string, Isolated)...] then ByteLevel
+// pre_tokenizer: [Split(regex|string, Isolated)...] then ByteLevel.
+void Tokenizer::Impl::load_pre_tokenizer(const json& root) {
+  const std::string& src = source;
   const json pre = root.value("pre_tokenizer", json(nullptr));
   std::vector<json> steps;
   if (pre.is_object() && pre.value("type", "") == "Sequence") {
@@ -497,14 +539,6 @@ void Tokenizer::Impl::load(const json& root) {
                   "\" is not supported (Split and ByteLevel only)");
     }
   }
-
-  // ---- decoder / post-processor (ids are never inserted: encode has no special-token insertion)
-  const json dec = root.value("decoder", json(nullptr));
-  TORCH_CHECK(dec.is_object() && dec.value("type", "") == "ByteLevel", src,
-              ": decoder: only ByteLevel is supported, found ", dec.dump());
-  const json post = root.value("post_processor", json(nullptr));
-  TORCH_CHECK(post.is_null() || (post.is_object() && post.value("type", "") == "ByteLevel"), src,
-              ": post_processor: only null or ByteLevel is supported, found ", post.dump());
 }
 
 // BPE of one pre-token (raw bytes). Symbols form a linked list; a min-heap of candidate merges
@@ -614,7 +648,7 @@ void Tokenizer::Impl::encode_normalized(std::string_view seg, int64_t base, Enco
         const size_t mb = ov[0], me = ov[1];
         if (me == mb) {  // empty match: step over one character
           size_t bad = 0;
-          const size_t len = utf8::sequence_length(seg.substr(pb, plen), mb, &bad);
+          const size_t len = io::utf8::sequence_length(seg.substr(pb, plen), mb, &bad);
           pos = mb + std::max<size_t>(len, 1);
           continue;
         }
@@ -666,7 +700,7 @@ void Tokenizer::Impl::encode_segment(std::string_view seg, int64_t base, Encodin
 }
 
 Encoding Tokenizer::Impl::encode(std::string_view text, bool offsets) const {
-  const size_t bad = utf8::find_invalid(text);
+  const size_t bad = io::utf8::find_invalid(text);
   TORCH_CHECK(bad == std::string_view::npos, "tokenizer: input is not valid UTF-8: invalid byte 0x",
               std::hex, static_cast<int>(static_cast<uint8_t>(text[bad])), std::dec,
               " at byte offset ", bad);
@@ -742,7 +776,7 @@ std::string Tokenizer::decode(const std::vector<TokenId>& ids, bool skip_special
 }
 
 std::string Tokenizer::decode_lossy(const std::vector<TokenId>& ids, bool skip_special) const {
-  return utf8::repair(decode(ids, skip_special));
+  return io::utf8::repair(decode(ids, skip_special));
 }
 
 std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {

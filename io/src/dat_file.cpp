@@ -5,6 +5,7 @@
 // 8 MiB chunks) and publishes the file atomically: temp file, fsync, rename, fsync directory.
 #include "q4/io/dat_file.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -19,6 +20,7 @@
 #include "q4/io/atomic_file.h"
 #include "q4/io/bounded_read.h"
 #include "q4/io/message_text.h"
+#include "q4/io/utf8.h"
 
 namespace q4::io {
 
@@ -225,7 +227,7 @@ DatReader::DatReader(std::string path) : path_(std::move(path)) {
     std::string raw;
     p.bytes(raw, keylen, "key");
     key = raw;
-    const size_t bad = utf8_invalid_at(key);
+    const size_t bad = utf8::find_invalid(key);
     if (bad != std::string::npos) {
       p.fail("key is not valid UTF-8 (byte " + std::to_string(bad) + ")");
     }
@@ -450,7 +452,7 @@ void DatWriter::begin_entry(const std::string& key) {
               "' would exceed the declared count of ", count_, " entries");
   TORCH_CHECK(!key.empty() && key.size() <= kDatMaxKeyBytes, path_, ": entry ", written_,
               ": key length ", key.size(), " outside [1, ", kDatMaxKeyBytes, "]");
-  TORCH_CHECK(utf8_invalid_at(key) == std::string::npos, path_, ": entry ", written_, " (key '",
+  TORCH_CHECK(utf8::find_invalid(key) == std::string::npos, path_, ": entry ", written_, " (key '",
               printable(key), "'): key is not valid UTF-8");
   TORCH_CHECK(keys_.count(key) == 0, path_, ": entry ", written_, " (key '", printable(key),
               "'): duplicate key");

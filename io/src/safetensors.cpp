@@ -3,6 +3,7 @@
 // otherwise silently merge); every field is validated before any offset is used.
 #include "q4/io/safetensors.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <errno.h>
 #include <fcntl.h>

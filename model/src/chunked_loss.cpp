@@ -4,6 +4,7 @@
 // softmax - onehot in place and accumulates the hidden and weight gradients; backward scales
 // them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time; on CUDA
 // none (one fused kernel works on the matmul's output, fused_softmax_xent_).
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "q4/model/qwen3.h"

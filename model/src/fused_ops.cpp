@@ -3,6 +3,7 @@
 // elementwise ops (RMSNorm: ~8 kernels forward, more backward, over fp32 copies). Used by
 // rms_norm() and apply_rope_bthd() on CUDA when the layout allows; the ATen versions in
 // qwen3_ops.cpp stay the reference (tests/model/cuda compares them).
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "qwen3_impl.h"

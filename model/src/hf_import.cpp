@@ -36,7 +36,9 @@ ElemType elem_of(StDtype t) {
                             : (t == StDtype::kBF16 ? ElemType::kBFloat16 : ElemType::kFloat32);
 }
 
-int64_t rows_per_chunk(int64_t cols) { return std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1)); }
+int64_t rows_per_chunk(int64_t cols) {
+  return std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1));
+}
 
 std::string where(const SafetensorsModel::Ref& r) {
   return r.file->path() + ": tensor '" + r.tensor->name + "'";
@@ -58,6 +60,7 @@ at::Tensor exact_codes(const at::Tensor& v, const at::Tensor& scale_bits) {
 }
 
 struct Importer {
+  const fs::path dir;
   const SafetensorsModel& st;
   DatWriter& w;
   HfImportReport& rep;
@@ -75,8 +78,8 @@ struct Importer {
     const StTensor& t = *r.tensor;
     TORCH_CHECK(is_float(t.dtype), where(r), ": expected F16, BF16 or F32, got ",
                 st_dtype_name(t.dtype));
-    TORCH_CHECK(t.shape == p.shape, where(r), ": shape ", at::IntArrayRef(t.shape),
-                ", expected ", at::IntArrayRef(p.shape));
+    TORCH_CHECK(t.shape == p.shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
+                at::IntArrayRef(p.shape));
     // The shipped layout keeps raw tensors in fp16; a q4train export keeps its own types.
     const ElemType out = from_q4train ? elem_of(t.dtype) : ElemType::kFloat16;
     const int64_t rows = p.shape[0], cols = p.numel() / std::max<int64_t>(rows, 1);
@@ -162,13 +165,64 @@ struct Importer {
       if (mult != 1.0f) {
         const at::Tensor want = q4::quant::e4m3_decode(sb) * mult;  // fp32
         const at::Tensor folded = q4::quant::e4m3_encode(want.clamp(0, 448));
-        rep.folded_blocks_changed +=
-            q4::quant::e4m3_decode(folded).ne(want).sum().item<int64_t>();
+        rep.folded_blocks_changed += q4::quant::e4m3_decode(folded).ne(want).sum().item<int64_t>();
         sb = folded;
       }
       w.append_nvfp4({q.file->load_rows(*q.tensor, r0, n), sb});
     }
     ++(mult == 1.0f ? rep.copied_nvfp4 : rep.folded_nvfp4);
+  }
+
+  // One quantized linear of the shipped layout, from whichever form the folder stores it in: an
+  // NVFP4 pair (ModelOpt or compressed-tensors), the embedding (a tied lm_head), a raw lm_head
+  // kept raw, the exact pair of a q4train export's sidecar, or dense weights to quantize.
+  void linear(const ParamSpec& p, bool tied, bool lm_head_raw) {
+    std::error_code ec;
+    const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
+    if (p.group == ParamGroup::kLmHead && !st.find(p.name) && !st.find(m + ".weight_packed")) {
+      // Tied checkpoint: the shipped layout still stores lm_head, quantized from the embedding.
+      TORCH_CHECK(tied, dir.string(),
+                  ": no lm_head.weight, but config.json has "
+                  "tie_word_embeddings false");
+      quantize(p.name, st.at("model.embed_tokens.weight"), p.shape);
+      rep.lm_head_from_embedding = true;
+      ++rep.quantized;
+      return;
+    }
+    auto packed = take(m + ".weight_packed");
+    auto weight = take(p.name);
+    auto scale = take(m + ".weight_scale");
+    if (packed || (weight && weight->tensor->dtype == StDtype::kU8)) {
+      const bool ct = packed.has_value();
+      TORCH_CHECK(scale.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
+                  m, ".weight_scale");
+      const std::string gname = m + (ct ? ".weight_global_scale" : ".weight_scale_2");
+      auto g = take(gname);
+      TORCH_CHECK(g.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
+                  gname);
+      take(m + ".input_scale");  // W4A4 activation scale: not used by weight-only training
+      take(m + ".input_global_scale");
+      nvfp4(p.name, ct ? *packed : *weight, *scale, *g, ct, p.shape);
+      return;
+    }
+    TORCH_CHECK(weight.has_value(), dir.string(), ": missing tensor '", p.name, "' (shape ",
+                at::IntArrayRef(p.shape), ")");
+    if (p.group == ParamGroup::kLmHead && lm_head_raw) {
+      raw(p, *weight);
+      rep.lm_head_raw = true;
+      return;
+    }
+    if (p.group == ParamGroup::kLmHead && from_q4train &&
+        fs::exists(dir / kHfLmHeadScaleFile, ec)) {
+      const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());
+      const StTensor* sc = side.find("lm_head.weight_scale");
+      if (sc != nullptr && restore(p.name, *weight, *sc, side, p.shape)) {
+        ++rep.copied_nvfp4;
+        return;
+      }
+    }
+    quantize(p.name, *weight, p.shape);
+    ++rep.quantized;
   }
 };
 
@@ -179,6 +233,57 @@ json read_json(const fs::path& p) {
     return json::parse(in);
   } catch (const json::exception& e) {
     TORCH_CHECK(false, p.string(), ": not valid JSON: ", e.what());
+  }
+}
+
+// Which layout the folder's linears use: "dense", "modelopt" or "compressed-tensors" (NVFP4,
+// group size 16, only).
+std::string source_format(const fs::path& dir, const json& config) {
+  const std::string hf_dir = dir.string();
+  std::error_code ec;
+  enum class Src { kDense, kModelOpt, kCt } fmt = Src::kDense;
+  const json qc = config.value("quantization_config", json());
+  const std::string method = qc.is_object() ? qc.value("quant_method", "") : "";
+  const std::string cfg_name = (dir / "config.json").string();
+  if (method.rfind("modelopt", 0) == 0 || fs::exists(dir / "hf_quant_config.json", ec)) {
+    json q = fs::exists(dir / "hf_quant_config.json", ec)
+                 ? read_json(dir / "hf_quant_config.json").value("quantization", json())
+                 : qc.value("quantization", qc);
+    const std::string algo = q.is_object() ? q.value("quant_algo", "") : "";
+    TORCH_CHECK(algo == "NVFP4" || algo == "W4A16_NVFP4", hf_dir, ": ModelOpt quant_algo '", algo,
+                "' is not supported (expected NVFP4 or "
+                "W4A16_NVFP4)");
+    TORCH_CHECK(q.value("group_size", 16) == 16, hf_dir, ": ModelOpt group_size ",
+                q.value("group_size", 16), " (expected 16)");
+    fmt = Src::kModelOpt;
+  } else if (method == "compressed-tensors") {
+    const std::string f = qc.value("format", "");
+    TORCH_CHECK(f == "nvfp4-pack-quantized", cfg_name, ": quantization_config.format '", f,
+                "' is not supported (expected nvfp4-pack-quantized)");
+    fmt = Src::kCt;
+  } else {
+    TORCH_CHECK(method.empty(), cfg_name, ": quantization_config.quant_method '", method,
+                "' is not supported (expected none, modelopt or compressed-tensors)");
+  }
+  return fmt == Src::kDense ? "dense" : (fmt == Src::kModelOpt ? "modelopt" : "compressed-tensors");
+}
+
+// The output replaces none of the files read (config, quantization config, index, shards,
+// sidecar) nor the folder.
+void check_output_is_no_input(const fs::path& dir, const SafetensorsModel& st,
+                              const std::string& out_dat) {
+  std::error_code ec;
+  {
+    std::vector<fs::path> inputs = {dir, dir / "config.json", dir / "hf_quant_config.json",
+                                    dir / "model.safetensors.index.json", dir / kHfLmHeadScaleFile};
+    for (const auto& f : st.files()) inputs.emplace_back(f->path());
+    const fs::path out = fs::weakly_canonical(fs::absolute(out_dat), ec);
+    for (const fs::path& in : inputs) {
+      if (!fs::exists(in, ec)) continue;
+      TORCH_CHECK(out != fs::weakly_canonical(fs::absolute(in), ec), out_dat,
+                  ": the output is the input ", in.string(),
+                  " of this import; writing it would replace the input, choose another path");
+    }
   }
 }
 
@@ -197,55 +302,15 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
   TORCH_CHECK(is_hf_folder(hf_dir), hf_dir,
               ": not a Hugging Face model folder (expected config.json and model.safetensors or "
               "model.safetensors.index.json)");
-  const json config = read_json(dir / "config.json");
-  const Qwen3Config cfg = Qwen3Config::from_json(config, (dir / "config.json").string());
-  HfImportReport rep;
-
-  // Which layout the linears use.
-  enum class Src { kDense, kModelOpt, kCt } fmt = Src::kDense;
-  std::error_code ec;
-  const json qc = config.value("quantization_config", json());
-  const std::string method = qc.is_object() ? qc.value("quant_method", "") : "";
   const std::string cfg_name = (dir / "config.json").string();
-  if (method.rfind("modelopt", 0) == 0 || fs::exists(dir / "hf_quant_config.json", ec)) {
-    json q = fs::exists(dir / "hf_quant_config.json", ec)
-                 ? read_json(dir / "hf_quant_config.json").value("quantization", json())
-                 : qc.value("quantization", qc);
-    const std::string algo = q.is_object() ? q.value("quant_algo", "") : "";
-    TORCH_CHECK(algo == "NVFP4" || algo == "W4A16_NVFP4", hf_dir,
-                ": ModelOpt quant_algo '", algo, "' is not supported (expected NVFP4 or "
-                "W4A16_NVFP4)");
-    TORCH_CHECK(q.value("group_size", 16) == 16, hf_dir, ": ModelOpt group_size ",
-                q.value("group_size", 16), " (expected 16)");
-    fmt = Src::kModelOpt;
-  } else if (method == "compressed-tensors") {
-    const std::string f = qc.value("format", "");
-    TORCH_CHECK(f == "nvfp4-pack-quantized", cfg_name,
-                ": quantization_config.format '", f,
-                "' is not supported (expected nvfp4-pack-quantized)");
-    fmt = Src::kCt;
-  } else {
-    TORCH_CHECK(method.empty(), cfg_name, ": quantization_config.quant_method '", method,
-                "' is not supported (expected none, modelopt or compressed-tensors)");
-  }
-  rep.source_format = fmt == Src::kDense ? "dense" : (fmt == Src::kModelOpt ? "modelopt"
-                                                                            : "compressed-tensors");
+  const json config = read_json(cfg_name);
+  const Qwen3Config cfg = Qwen3Config::from_json(config, cfg_name);
+  HfImportReport rep;
+  rep.source_format = source_format(dir, config);
+  std::error_code ec;
 
   const SafetensorsModel st(hf_dir);
-  // The output replaces none of the files read (config, quantization config, index, shards,
-  // sidecar) nor the folder.
-  {
-    std::vector<fs::path> inputs = {dir, dir / "config.json", dir / "hf_quant_config.json",
-                                    dir / "model.safetensors.index.json", dir / kHfLmHeadScaleFile};
-    for (const auto& f : st.files()) inputs.emplace_back(f->path());
-    const fs::path out = fs::weakly_canonical(fs::absolute(out_dat), ec);
-    for (const fs::path& in : inputs) {
-      if (!fs::exists(in, ec)) continue;
-      TORCH_CHECK(out != fs::weakly_canonical(fs::absolute(in), ec), out_dat,
-                  ": the output is the input ", in.string(),
-                  " of this import; writing it would replace the input, choose another path");
-    }
-  }
+  check_output_is_no_input(dir, st, out_dat);
   // An export of ours carries its .dat element types; anything else gets the shipped layout.
   const auto& meta = st.files().front()->metadata();
   const bool from_q4train = meta.count(kHfMetaSource) && meta.at(kHfMetaSource) == "q4train";
@@ -267,7 +332,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
     count += pair ? 2 : 1;
   }
   DatWriter w(out_dat, count);
-  Importer im{st, w, rep, false, ElemType::kUInt8, {}};
+  Importer im{dir, st, w, rep, false, ElemType::kUInt8, {}};
   im.from_q4train = from_q4train;
   if (from_q4train && meta.count(kHfMetaQdataElem) && meta.at(kHfMetaQdataElem) == "100") {
     im.qdata_type = ElemType::kE2M1Packed;
@@ -281,50 +346,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
       im.raw(p, *r);
       continue;
     }
-    const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
-    if (p.group == ParamGroup::kLmHead && !st.find(p.name) && !st.find(m + ".weight_packed")) {
-      // Tied checkpoint: the shipped layout still stores lm_head, quantized from the embedding.
-      TORCH_CHECK(cfg.tie_word_embeddings, hf_dir, ": no lm_head.weight, but config.json has "
-                  "tie_word_embeddings false");
-      im.quantize(p.name, st.at("model.embed_tokens.weight"), p.shape);
-      rep.lm_head_from_embedding = true;
-      ++rep.quantized;
-      continue;
-    }
-    auto packed = im.take(m + ".weight_packed");
-    auto weight = im.take(p.name);
-    auto scale = im.take(m + ".weight_scale");
-    if (packed || (weight && weight->tensor->dtype == StDtype::kU8)) {
-      const bool ct = packed.has_value();
-      TORCH_CHECK(scale.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
-                  m, ".weight_scale");
-      const std::string gname = m + (ct ? ".weight_global_scale" : ".weight_scale_2");
-      auto g = im.take(gname);
-      TORCH_CHECK(g.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
-                  gname);
-      im.take(m + ".input_scale");  // W4A4 activation scale: not used by weight-only training
-      im.take(m + ".input_global_scale");
-      im.nvfp4(p.name, ct ? *packed : *weight, *scale, *g, ct, p.shape);
-      continue;
-    }
-    TORCH_CHECK(weight.has_value(), hf_dir, ": missing tensor '", p.name, "' (shape ",
-                at::IntArrayRef(p.shape), ")");
-    if (p.group == ParamGroup::kLmHead && lm_head_raw) {
-      im.raw(p, *weight);
-      rep.lm_head_raw = true;
-      continue;
-    }
-    if (p.group == ParamGroup::kLmHead && from_q4train &&
-        fs::exists(dir / kHfLmHeadScaleFile, ec)) {
-      const SafetensorsFile side((dir / kHfLmHeadScaleFile).string());
-      const StTensor* sc = side.find("lm_head.weight_scale");
-      if (sc != nullptr && im.restore(p.name, *weight, *sc, side, p.shape)) {
-        ++rep.copied_nvfp4;
-        continue;
-      }
-    }
-    im.quantize(p.name, *weight, p.shape);
-    ++rep.quantized;
+    im.linear(p, cfg.tie_word_embeddings, lm_head_raw);
   }
   for (const std::string& n : st.names()) {
     if (!im.used.count(n)) rep.ignored.push_back(n);

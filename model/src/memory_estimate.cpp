@@ -10,7 +10,15 @@
 #include <algorithm>
 #include <string>
 
+#include "q4/io/enum_names.h"
 #include "q4/model/qwen3.h"
+
+Q4_ENUM_NAMES(q4::model::MemoryPhaseKind, {"forward", q4::model::MemoryPhaseKind::kForward},
+              {"loss forward", q4::model::MemoryPhaseKind::kLossForward},
+              {"loss backward", q4::model::MemoryPhaseKind::kLossBackward},
+              {"layer backward", q4::model::MemoryPhaseKind::kLayerBackward},
+              {"embedding backward", q4::model::MemoryPhaseKind::kEmbeddingBackward},
+              {"optimizer step", q4::model::MemoryPhaseKind::kOptimizerStep});
 
 namespace q4::model {
 namespace {
@@ -21,23 +29,7 @@ bool ends_with(const std::string& s, const std::string& tail) {
 
 }  // namespace
 
-const char* memory_phase_name(MemoryPhaseKind kind) {
-  switch (kind) {
-    case MemoryPhaseKind::kForward:
-      return "forward";
-    case MemoryPhaseKind::kLossForward:
-      return "loss forward";
-    case MemoryPhaseKind::kLossBackward:
-      return "loss backward";
-    case MemoryPhaseKind::kLayerBackward:
-      return "layer backward";
-    case MemoryPhaseKind::kEmbeddingBackward:
-      return "embedding backward";
-    case MemoryPhaseKind::kOptimizerStep:
-      return "optimizer step";
-  }
-  TORCH_INTERNAL_ASSERT(false, "invalid MemoryPhaseKind ", static_cast<int>(kind));
-}
+const char* memory_phase_name(MemoryPhaseKind kind) { return io::enum_name(kind); }
 
 const MemoryPhase* MemoryEstimate::phase(MemoryPhaseKind kind) const {
   for (const auto& p : phases) {

@@ -3,6 +3,7 @@
 // gradient into Parameter::grad in the gradient dtype; masters never require grad, a shared
 // `trigger` leaf puts the taps into the graph. The layer checkpoint keeps only the layer input
 // and recomputes the layer under grad mode in backward (reentrant, as torch.utils.checkpoint).
+#include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 

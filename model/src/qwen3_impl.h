@@ -4,7 +4,7 @@
 // handed to autograd functions stay valid for the model's lifetime (Impl never moves).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <unordered_map>

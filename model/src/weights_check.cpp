@@ -1,6 +1,7 @@
 // Finiteness check of loaded weight entries (see weights_check.h).
 #include "q4/model/weights_check.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>

@@ -31,51 +31,43 @@
 namespace q4::optim {
 
 StateMode parse_state_mode(const std::string& text) {
-  if (text == "fp32") return StateMode::kFp32;
-  if (text == "int8") return StateMode::kInt8;
-  if (text == "4bit") return StateMode::k4Bit;
-  if (text == "nvfp4") return StateMode::kNvfp4;
-  TORCH_CHECK(false, "state mode: expected one of fp32, int8, 4bit, nvfp4; got '", text, "'");
+  const auto mode = io::enum_from_name<StateMode>(text);
+  TORCH_CHECK(mode, "state mode: expected one of ", io::enum_choices<StateMode>(), "; got '", text,
+              "'");
+  return *mode;
 }
 
-std::string to_string(StateMode mode) {
-  switch (mode) {
-    case StateMode::kFp32:
-      return "fp32";
-    case StateMode::kInt8:
-      return "int8";
-    case StateMode::k4Bit:
-      return "4bit";
-    case StateMode::kNvfp4:
-      return "nvfp4";
-  }
-  return "?";
-}
+std::string to_string(StateMode mode) { return io::enum_name(mode); }
 
 MasterRounding parse_master_rounding(const std::string& text) {
-  if (text == "nearest") return MasterRounding::kNearest;
-  if (text == "stochastic") return MasterRounding::kStochastic;
-  TORCH_CHECK(false, "master rounding: expected one of nearest, stochastic; got '", text, "'");
+  const auto rounding = io::enum_from_name<MasterRounding>(text);
+  TORCH_CHECK(rounding, "master rounding: expected one of ", io::enum_choices<MasterRounding>(),
+              "; got '", text, "'");
+  return *rounding;
 }
 
-std::string to_string(MasterRounding rounding) {
-  return rounding == MasterRounding::kNearest ? "nearest" : "stochastic";
-}
+std::string to_string(MasterRounding rounding) { return io::enum_name(rounding); }
 
 void AdamWOptions::validate() const {
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamWOptions.lr: expected a finite value >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "AdamWOptions.beta1: expected 0 <= beta1 < 1, got ", beta1);
-  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "AdamWOptions.beta2: expected 0 <= beta2 < 1, got ", beta2);
-  TORCH_CHECK(std::isfinite(eps) && eps > 0.0, "AdamWOptions.eps: expected a finite value > 0, got ", eps);
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamWOptions.lr: expected a finite value >= 0, got ",
+              lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "AdamWOptions.beta1: expected 0 <= beta1 < 1, got ",
+              beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "AdamWOptions.beta2: expected 0 <= beta2 < 1, got ",
+              beta2);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0.0,
+              "AdamWOptions.eps: expected a finite value > 0, got ", eps);
   TORCH_CHECK(std::isfinite(weight_decay) && weight_decay >= 0.0,
               "AdamWOptions.weight_decay: expected a finite value >= 0, got ", weight_decay);
   TORCH_CHECK(chunk_rows >= 1, "AdamWOptions.chunk_rows: expected >= 1, got ", chunk_rows);
-  TORCH_CHECK(small_tensor_threshold >= 0, "AdamWOptions.small_tensor_threshold: expected >= 0, got ",
-              small_tensor_threshold);
+  TORCH_CHECK(small_tensor_threshold >= 0,
+              "AdamWOptions.small_tensor_threshold: expected >= 0, got ", small_tensor_threshold);
   TORCH_CHECK(max_consecutive_nonfinite >= 0,
-              "AdamWOptions.max_consecutive_nonfinite: expected >= 0, got ", max_consecutive_nonfinite);
-  TORCH_CHECK(lr * weight_decay < 1.0, "AdamWOptions.weight_decay: lr * weight_decay must be < 1 (got ",
-              lr, " * ", weight_decay, ")");
+              "AdamWOptions.max_consecutive_nonfinite: expected >= 0, got ",
+              max_consecutive_nonfinite);
+  TORCH_CHECK(lr * weight_decay < 1.0,
+              "AdamWOptions.weight_decay: lr * weight_decay must be < 1 (got ", lr, " * ",
+              weight_decay, ")");
 }
 
 PackedAdamW::PackedAdamW(AdamWOptions options) : impl_(std::make_unique<Impl>()) {
@@ -158,8 +150,8 @@ void PackedAdamW::set_options(const AdamWOptions& options) {
   options.validate();
   const AdamWOptions& o = impl_->opt;
   TORCH_CHECK(options.state_mode == o.state_mode,
-              "AdamWOptions.state_mode cannot change on a live optimizer (", to_string(o.state_mode),
-              " -> ", to_string(options.state_mode), ")");
+              "AdamWOptions.state_mode cannot change on a live optimizer (",
+              to_string(o.state_mode), " -> ", to_string(options.state_mode), ")");
   TORCH_CHECK(options.small_tensor_threshold == o.small_tensor_threshold,
               "AdamWOptions.small_tensor_threshold cannot change on a live optimizer");
   TORCH_CHECK(options.seed == o.seed, "AdamWOptions.seed cannot change on a live optimizer");
@@ -525,8 +517,8 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     r.skipped_total = d.skipped;
     TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::step: ", d.consecutive,
                 " consecutive steps with non-finite gradients (grad norm ", norm,
-                "), more than AdamWOptions.max_consecutive_nonfinite = ", o.max_consecutive_nonfinite,
-                "; the run is diverging or the loss is broken");
+                "), more than AdamWOptions.max_consecutive_nonfinite = ",
+                o.max_consecutive_nonfinite, "; the run is diverging or the loss is broken");
     return r;
   }
   double coef = 1.0;
@@ -635,8 +627,8 @@ void PackedAdamW::begin_step(const StepArgs& args) {
   const AdamWOptions& o = d.opt;
   TORCH_CHECK(!d.in_step, "PackedAdamW::begin_step: the previous step was not ended");
   const double lr = std::isnan(args.lr) ? o.lr : args.lr;
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, "PackedAdamW::begin_step: lr must be finite and >= 0, got ",
-              lr);
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0,
+              "PackedAdamW::begin_step: lr must be finite and >= 0, got ", lr);
   TORCH_CHECK(lr * o.weight_decay < 1.0, "PackedAdamW::begin_step: lr * weight_decay must be < 1");
   TORCH_CHECK(std::isfinite(args.grad_scale),
               "PackedAdamW::begin_step: grad_scale must be finite, got ", args.grad_scale);
@@ -668,7 +660,8 @@ void PackedAdamW::begin_step(const StepArgs& args) {
   for (const auto& p : d.ps) {
     if (!p.master.is_cuda()) continue;
     const int64_t n = static_cast<int64_t>(d.ps.size());
-    if (!d.partials.defined() || d.partials.size(0) != n || d.partials.device() != p.master.device()) {
+    if (!d.partials.defined() || d.partials.size(0) != n ||
+        d.partials.device() != p.master.device()) {
       const auto opt = at::TensorOptions().device(p.master.device());
       d.partials = at::empty({n, cuda::kSumsqPartials}, opt.dtype(at::kFloat));
       d.skip = at::empty({n}, opt.dtype(at::kInt));
@@ -765,8 +758,9 @@ StepResult PackedAdamW::end_step() {
     r.step = d.step;
     r.consecutive_nonfinite = d.consecutive;
     r.skipped_total = d.skipped;
-    TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite, "PackedAdamW::end_step: ",
-                d.consecutive, " consecutive steps with non-finite gradients (", nonfinite,
+    TORCH_CHECK(d.consecutive <= o.max_consecutive_nonfinite,
+                "PackedAdamW::end_step: ", d.consecutive,
+                " consecutive steps with non-finite gradients (", nonfinite,
                 " parameters this step), more than AdamWOptions.max_consecutive_nonfinite = ",
                 o.max_consecutive_nonfinite, "; the run is diverging or the loss is broken");
     return r;

@@ -4,7 +4,7 @@
 // operation, in the order the CUDA kernels use (docs/optim.md "Arithmetic").
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <cstdint>

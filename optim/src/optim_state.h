@@ -2,7 +2,7 @@
 // (state_io.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <limits>
 #include <vector>

@@ -9,30 +9,22 @@
 namespace q4::optim {
 
 LrScheduleKind parse_lr_schedule_kind(const std::string& text) {
-  if (text == "constant") return LrScheduleKind::kConstant;
-  if (text == "cosine") return LrScheduleKind::kCosine;
-  if (text == "linear") return LrScheduleKind::kLinear;
-  TORCH_CHECK(false, "schedule kind: expected one of constant, cosine, linear; got '", text, "'");
+  const auto kind = io::enum_from_name<LrScheduleKind>(text);
+  TORCH_CHECK(kind, "schedule kind: expected one of ", io::enum_choices<LrScheduleKind>(),
+              "; got '", text, "'");
+  return *kind;
 }
 
-std::string to_string(LrScheduleKind kind) {
-  switch (kind) {
-    case LrScheduleKind::kConstant:
-      return "constant";
-    case LrScheduleKind::kCosine:
-      return "cosine";
-    case LrScheduleKind::kLinear:
-      return "linear";
-  }
-  return "?";
-}
+std::string to_string(LrScheduleKind kind) { return io::enum_name(kind); }
 
 void LrScheduleOptions::validate() const {
   TORCH_CHECK(std::isfinite(peak_lr) && peak_lr > 0.0,
               "LrScheduleOptions.peak_lr: expected a finite value > 0, got ", peak_lr);
-  TORCH_CHECK(warmup_steps >= 0, "LrScheduleOptions.warmup_steps: expected >= 0, got ", warmup_steps);
+  TORCH_CHECK(warmup_steps >= 0, "LrScheduleOptions.warmup_steps: expected >= 0, got ",
+              warmup_steps);
   TORCH_CHECK(std::isfinite(min_lr) && min_lr >= 0.0 && min_lr <= peak_lr,
-              "LrScheduleOptions.min_lr: expected 0 <= min_lr <= peak_lr (", peak_lr, "), got ", min_lr);
+              "LrScheduleOptions.min_lr: expected 0 <= min_lr <= peak_lr (", peak_lr, "), got ",
+              min_lr);
   if (kind != LrScheduleKind::kConstant) {
     TORCH_CHECK(total_steps > warmup_steps, "LrScheduleOptions.total_steps: ", to_string(kind),
                 " decay needs total_steps > warmup_steps (", warmup_steps, "), got ", total_steps);

@@ -4,12 +4,13 @@
 // step's peak extra device memory (CUDA allocator: peak during the step minus allocated before).
 // --layers/--scale shrink the set for smoke tests on CPU. Every line names the device.
 #include <ATen/ATen.h>
-#include <torch/torch.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -130,80 +131,161 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// The device --device names (auto: CUDA when available) and its name for the output lines;
+// nullopt (after a message) when it cannot be used.
+struct Device {
+  at::Device device{at::kCPU};
+  bool cuda = false;
+  std::string name = "cpu";
+  void sync() const {
+    if (cuda) torch::cuda::synchronize();
+  }
+};
+std::optional<Device> pick_device(const Args& args) {
+  Device d;
+  if (args.device == "cuda") {
+    d.cuda = true;
+  } else if (args.device == "auto") {
+    d.cuda = torch::cuda::is_available();
+  } else if (args.device != "cpu") {
+    std::fprintf(stderr, "bench_optim: --device must be auto, cuda or cpu\n");
+    return std::nullopt;
+  }
+  if (d.cuda && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "bench_optim: --device cuda but no CUDA GPU is available\n");
+    return std::nullopt;
+  }
+#if Q4_WITH_CUDA
+  if (d.cuda) d.name = at::cuda::getCurrentDeviceProperties()->name;
+#else
+  if (d.cuda) {
+    std::fprintf(stderr, "bench_optim: built without CUDA kernels (-DQ4_ENABLE_CUDA=ON)\n");
+    return std::nullopt;
+  }
+#endif
+  if (d.cuda) d.device = at::Device(at::kCUDA, 0);
+  return d;
+}
+
+// Same-run baseline: the device's achieved copy bandwidth (read + write bytes / time of a large
+// copy_), so each step can also be put against a floor measured on this card. TB/s.
+double copy_bandwidth_tbps(const Device& d, int64_t total) {
+  const int64_t elems = std::min<int64_t>(int64_t{1} << 30, std::max<int64_t>(total, 1 << 20));
+  at::Tensor src = at::empty({elems}, at::TensorOptions().device(d.device).dtype(at::kHalf));
+  at::Tensor dst = at::empty_like(src);
+  src.fill_(1.0);
+  for (int w = 0; w < 2; ++w) dst.copy_(src);
+  d.sync();
+  const int reps = 5;
+  const auto c0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < reps; ++r) dst.copy_(src);
+  d.sync();
+  const double sec =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count() / reps;
+  const double tbps = 2.0 * static_cast<double>(src.nbytes()) / sec / 1e12;
+  std::printf("[%s] baseline: copy_ of %.2f GB: %.3f ms = %.3f TB/s (read + write)\n",
+              d.name.c_str(), src.nbytes() / 1e9, sec * 1e3, tbps);
+  return tbps;
+}
+
+// Mean milliseconds of `steps` calls of fn, synchronized.
+template <class F>
+double mean_ms(const Device& d, int steps, F&& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int s = 0; s < steps; ++s) fn();
+  d.sync();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+         steps;
+}
+
+// Peak extra memory of one step: the CUDA allocator's peak over what was allocated before, or
+// the CPU step's scratch arena.
+int64_t step_extra_bytes(const Device& d, q4::optim::PackedAdamW& opt,
+                         const std::vector<at::Tensor>& grads) {
+#if Q4_WITH_CUDA
+  if (d.cuda) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+    const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    opt.step(grads);
+    d.sync();
+    const auto after = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    return after.allocated_bytes[0].peak - before.allocated_bytes[0].current;
+  }
+#endif
+  opt.release_scratch();
+  opt.step(grads);
+  return opt.scratch_peak_bytes();
+}
+
+struct ModeResult {
+  double step_ms = 0;
+};
+
+// One state mode (exact or fast block arithmetic): warm-up, peak memory, timed steps, the norm
+// pass alone, and the line that puts the step against the traffic floors.
+ModeResult bench_mode(const Args& args, const Device& d, const std::vector<Shape>& shapes,
+                      const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,
+                      const std::string& mode_name, bool exact, double copy_tbps, double fp32_ms) {
+  q4::optim::AdamWOptions o;
+  o.cuda_exact_arithmetic = exact;
+  o.lr = 1e-5;
+  o.weight_decay = 0.01;
+  o.state_mode = q4::optim::parse_state_mode(mode_name);
+  o.rounding = q4::optim::parse_master_rounding(args.rounding);
+  o.chunk_rows = args.chunk_rows;
+  q4::optim::PackedAdamW opt(o);
+  for (size_t i = 0; i < shapes.size(); ++i) opt.add_param(shapes[i].name, masters[i]);
+  for (int w = 0; w < args.warmup; ++w) opt.step(grads);
+  d.sync();
+  const int64_t extra_bytes = step_extra_bytes(d, opt, grads);
+  ModeResult r;
+  r.step_ms = mean_ms(d, args.steps, [&] { opt.step(grads); });
+  const double norm_ms = mean_ms(d, args.steps, [&] { q4::optim::global_grad_norm(grads); });
+  const q4::optim::StepTraffic t = opt.step_traffic(at::kBFloat16);
+  const double floor_ms = static_cast<double>(t.total()) / (args.hbm_tbps * 1e12) * 1e3;
+  const double copy_floor_ms = static_cast<double>(t.total()) / (copy_tbps * 1e12) * 1e3;
+  const std::string vs_fp32 = fp32_ms > 0 && mode_name != "fp32"
+                                  ? " vs fp32 " + std::to_string(r.step_ms / fp32_ms) + "x"
+                                  : "";
+  std::printf(
+      "[%s] mode=%-5s state=%.3f GB  step=%.2f ms (norm pass %.2f ms)  traffic=%.3f GB  "
+      "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  step/copy-floor=%.2fx  %s=%.1f MB%s\n",
+      d.name.c_str(), (mode_name + (exact ? "/exact" : "")).c_str(), opt.state_bytes() / 1e9,
+      r.step_ms, norm_ms, t.total() / 1e9, floor_ms, args.hbm_tbps, r.step_ms / floor_ms,
+      r.step_ms / copy_floor_ms, d.cuda ? "peak_extra" : "scratch_peak", extra_bytes / 1e6,
+      vs_fp32.c_str());
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   try {
-    bool cuda = false;
-    if (args.device == "cuda") {
-      cuda = true;
-    } else if (args.device == "auto") {
-      cuda = torch::cuda::is_available();
-    } else if (args.device != "cpu") {
-      std::fprintf(stderr, "bench_optim: --device must be auto, cuda or cpu\n");
-      return 2;
-    }
-    if (cuda && !torch::cuda::is_available()) {
-      std::fprintf(stderr, "bench_optim: --device cuda but no CUDA GPU is available\n");
-      return 1;
-    }
-    std::string dev_name = "cpu";
-#if Q4_WITH_CUDA
-    if (cuda) dev_name = at::cuda::getCurrentDeviceProperties()->name;
-#else
-    if (cuda) {
-      std::fprintf(stderr, "bench_optim: built without CUDA kernels (-DQ4_ENABLE_CUDA=ON)\n");
-      return 1;
-    }
-#endif
-    const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
-    auto sync = [&] {
-      if (cuda) torch::cuda::synchronize();
-    };
-
+    const std::optional<Device> dev = pick_device(args);
+    if (!dev) return args.device == "auto" || args.device == "cpu" || args.device == "cuda" ? 1 : 2;
+    const Device& d = *dev;
     const std::vector<Shape> shapes = qwen3_4b_shapes(args.layers, args.scale);
     std::vector<at::Tensor> masters, grads;
     int64_t total = 0;
     {
       at::NoGradGuard ng;
       for (const Shape& s : shapes) {
-        masters.push_back(
-            (at::randn({s.rows, s.cols}, at::TensorOptions().device(device)) * 0.02).to(at::kHalf));
-        grads.push_back((at::randn({s.rows, s.cols}, at::TensorOptions().device(device)) * 1e-3)
+        masters.push_back((at::randn({s.rows, s.cols}, at::TensorOptions().device(d.device)) * 0.02)
+                              .to(at::kHalf));
+        grads.push_back((at::randn({s.rows, s.cols}, at::TensorOptions().device(d.device)) * 1e-3)
                             .to(at::kBFloat16));
         total += s.rows * s.cols;
       }
     }
-    sync();
+    d.sync();
     std::printf(
         "[%s] bench_optim: %zu tensors, %.4g parameters (layers %lld, scale 1/%lld), fp16 "
         "masters, bf16 grads, %d timed steps after %d warm-up\n",
-        dev_name.c_str(), shapes.size(), static_cast<double>(total),
+        d.name.c_str(), shapes.size(), static_cast<double>(total),
         static_cast<long long>(args.layers), static_cast<long long>(args.scale), args.steps,
         args.warmup);
-
-    // Same-run baseline: the device's achieved copy bandwidth (read + write bytes / time of a
-    // large copy_), so each step can also be put against a floor measured on this card.
-    double copy_tbps = 0.0;
-    {
-      const int64_t elems = std::min<int64_t>(int64_t{1} << 30, std::max<int64_t>(total, 1 << 20));
-      at::Tensor src = at::empty({elems}, at::TensorOptions().device(device).dtype(at::kHalf));
-      at::Tensor dst = at::empty_like(src);
-      src.fill_(1.0);
-      for (int w = 0; w < 2; ++w) dst.copy_(src);
-      sync();
-      const int reps = 5;
-      const auto c0 = std::chrono::steady_clock::now();
-      for (int r = 0; r < reps; ++r) dst.copy_(src);
-      sync();
-      const double sec =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count() / reps;
-      copy_tbps = 2.0 * static_cast<double>(src.nbytes()) / sec / 1e12;
-      std::printf("[%s] baseline: copy_ of %.2f GB: %.3f ms = %.3f TB/s (read + write)\n",
-                  dev_name.c_str(), src.nbytes() / 1e9, sec * 1e3, copy_tbps);
-    }
-
+    const double copy_tbps = copy_bandwidth_tbps(d, total);
     double fp32_ms = 0.0;
     std::vector<std::pair<std::string, bool>> runs;  // (mode, exact arithmetic)
     for (const std::string& mode_name : split(args.modes)) {
@@ -212,63 +294,9 @@ int main(int argc, char** argv) {
       if (!block || args.arithmetic != "exact") runs.emplace_back(mode_name, false);
     }
     for (const auto& [mode_name, exact] : runs) {
-      q4::optim::AdamWOptions o;
-      o.cuda_exact_arithmetic = exact;
-      o.lr = 1e-5;
-      o.weight_decay = 0.01;
-      o.state_mode = q4::optim::parse_state_mode(mode_name);
-      o.rounding = q4::optim::parse_master_rounding(args.rounding);
-      o.chunk_rows = args.chunk_rows;
-      q4::optim::PackedAdamW opt(o);
-      for (size_t i = 0; i < shapes.size(); ++i) opt.add_param(shapes[i].name, masters[i]);
-      for (int w = 0; w < args.warmup; ++w) opt.step(grads);
-      sync();
-
-      // Peak extra memory of one step.
-      int64_t extra_bytes = -1;
-#if Q4_WITH_CUDA
-      if (cuda) {
-        c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-        const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-        opt.step(grads);
-        sync();
-        const auto after = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-        extra_bytes = after.allocated_bytes[0].peak - before.allocated_bytes[0].current;
-      }
-#endif
-      if (!cuda) {
-        opt.release_scratch();
-        opt.step(grads);
-        extra_bytes = opt.scratch_peak_bytes();
-      }
-
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int s = 0; s < args.steps; ++s) opt.step(grads);
-      sync();
-      const double step_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-          args.steps;
-      const auto n0 = std::chrono::steady_clock::now();
-      for (int s = 0; s < args.steps; ++s) q4::optim::global_grad_norm(grads);
-      sync();
-      const double norm_ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - n0).count() /
-          args.steps;
-
-      const q4::optim::StepTraffic t = opt.step_traffic(at::kBFloat16);
-      const double floor_ms = static_cast<double>(t.total()) / (args.hbm_tbps * 1e12) * 1e3;
-      const double copy_floor_ms = static_cast<double>(t.total()) / (copy_tbps * 1e12) * 1e3;
-      if (mode_name == "fp32") fp32_ms = step_ms;
-      std::printf(
-          "[%s] mode=%-5s state=%.3f GB  step=%.2f ms (norm pass %.2f ms)  traffic=%.3f GB  "
-          "floor=%.2f ms @ %.2f TB/s  step/floor=%.2fx  step/copy-floor=%.2fx  %s=%.1f MB%s\n",
-          dev_name.c_str(), (mode_name + (exact ? "/exact" : "")).c_str(),
-          opt.state_bytes() / 1e9, step_ms, norm_ms,
-          t.total() / 1e9, floor_ms, args.hbm_tbps, step_ms / floor_ms, step_ms / copy_floor_ms,
-          cuda ? "peak_extra" : "scratch_peak", extra_bytes / 1e6,
-          fp32_ms > 0 && mode_name != "fp32"
-              ? (" vs fp32 " + std::to_string(step_ms / fp32_ms) + "x").c_str()
-              : "");
+      const ModeResult r =
+          bench_mode(args, d, shapes, masters, grads, mode_name, exact, copy_tbps, fp32_ms);
+      if (mode_name == "fp32") fp32_ms = r.step_ms;
     }
     return 0;
   } catch (const c10::Error& e) {

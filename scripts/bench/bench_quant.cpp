@@ -3,7 +3,9 @@
 // measured in the same run, and (on CUDA) the fraction of 3.35 TB/s (H100 SXM HBM3 peak). Also
 // times quantize and dequantize. Runs on CUDA when available, otherwise on CPU (smaller default
 // shapes unless --full). Usage: bench_quant [--cpu] [--full] [--iters N]
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <cstdio>
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes = {{9728, 2560}, {2560, 9728}};
   if (!cuda && !full) shapes = {{1216, 2560}, {2560, 1216}};  // 1/8 of the rows/cols on CPU
   const std::string name = device_name(cuda);
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   try {
     for (at::ScalarType dt : {at::kBFloat16, at::kHalf, at::kFloat}) {
       for (const Shape& sh : shapes) {

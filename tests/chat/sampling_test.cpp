@@ -3,6 +3,7 @@
 // model (fixture config, vocab 384).
 #include "sampling.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -17,6 +17,7 @@
 // rounding, moment uniforms from the element's one hash): buffered fp32 0.0101, int8 0.0099, 4bit
 // 0.0089 (-12%); in-backward fp32 0.0098, int8 0.0095, 4bit 0.0089. (One-hash sr_bits
 // and a second hash for the moments: buffered 0.0102 / 0.0096 / 0.0092.)
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

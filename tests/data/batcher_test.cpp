@@ -34,6 +34,16 @@ std::vector<Example> make_many(int n, int seed_len = 3) {
   return v;
 }
 
+// Shuffled batches of `batch` rows of at most `seq_len` tokens, packed or not.
+BatcherOptions shuffled(int64_t batch, int64_t seq_len, bool pack, uint64_t seed) {
+  BatcherOptions o;
+  o.batch_size = batch;
+  o.max_seq_len = seq_len;
+  o.pack = pack;
+  o.seed = seed;
+  return o;
+}
+
 std::vector<int64_t> row(const at::Tensor& t, int64_t r) {
   const at::Tensor c = t[r].contiguous();
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
@@ -203,11 +213,7 @@ TEST(Batcher, DropLastSkipsShortTail) {
 
 TEST(Batcher, ResumesExactlyFromSavedState) {
   for (bool pack : {false, true}) {
-    BatcherOptions o;
-    o.batch_size = 3;
-    o.seed = 7;
-    o.pack = pack;
-    o.max_seq_len = 16;
+    const BatcherOptions o = shuffled(3, 16, pack, 7);
     const auto data = make_many(17);
     Batcher ref(data, o);
     std::vector<Batch> stream;
@@ -233,11 +239,7 @@ TEST(Batcher, ResumesExactlyFromSavedState) {
 }
 
 TEST(Batcher, PackingKeepsExamplesApart) {
-  BatcherOptions o;
-  o.batch_size = 2;
-  o.max_seq_len = 12;
-  o.pack = true;
-  o.seed = 3;
+  const BatcherOptions o = shuffled(2, 12, /*pack=*/true, 3);
   const auto data = make_many(20);
   Batcher b(data, o);
   std::vector<int64_t> seen;

@@ -3,6 +3,7 @@
 // supervision mask: only assistant content and its closing <|im_end|> are labelled.
 #include "q4/data/chat.h"
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <string>
+#include <utility>
 
 #include "q4/data/dataset.h"
 #include "test_util.h"
@@ -125,11 +127,6 @@ TEST(DatasetFormats, ErrorsNameLineAndField) {
   }
 }
 
-}  // namespace
-}  // namespace q4::data
-
-namespace q4::data {
-namespace {
 
 std::string load_error(const std::string& content, const std::string& name) {
   try {
@@ -144,25 +141,17 @@ std::string load_error(const std::string& content, const std::string& name) {
 // is in TSV and alpaca.
 TEST(DatasetFormats, EmptyAssistantTurnIsAnErrorInEveryFormat) {
   const std::string ok = R"({"prompt": "a", "answer": "b"})" "\n";
-  const std::string msg = load_error(
-      ok + R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]})"
-           "\n",
-      "f.jsonl");
-  EXPECT_NE(msg.find("f.jsonl:2: messages[1]: empty \"content\" of an assistant turn"),
-            std::string::npos)
-      << msg;
-  const std::string sg = load_error(
-      ok + R"({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]})"
-           "\n",
-      "f.jsonl");
-  EXPECT_NE(sg.find("f.jsonl:2: conversations[1]: empty \"value\" of an assistant turn"),
-            std::string::npos)
-      << sg;
-  const std::string trl = load_error(
-      R"({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": ""}]})"
-      "\n",
-      "f.jsonl");
-  EXPECT_NE(trl.find("f.jsonl:1: completion[0]: empty \"content\""), std::string::npos) << trl;
+  const std::pair<std::string, std::string> cases[] = {
+      {ok + R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]})",
+       "f.jsonl:2: messages[1]: empty \"content\" of an assistant turn"},
+      {ok + R"({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]})",
+       "f.jsonl:2: conversations[1]: empty \"value\" of an assistant turn"},
+      {R"({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": ""}]})",
+       "f.jsonl:1: completion[0]: empty \"content\""}};
+  for (const auto& [text, want] : cases) {
+    const std::string msg = load_error(text + "\n", "f.jsonl");
+    EXPECT_NE(msg.find(want), std::string::npos) << msg;
+  }
 }
 
 // "\r", "\n" and "\r\n" all end a line: a CR-only TSV (old Mac tools) gives one example per line.

@@ -30,7 +30,6 @@ using namespace q4::test;
 // (random init, no eval prompts, run in dir/run; `extra` is appended to the train section).
 fs::path setup_dir(const std::string& name, const std::string& data_name, const std::string& data,
                    const std::string& train_extra = "  steps: 1\n") {
-  const fs::path dir = fresh_dir(work_root("data_e2e") / name);
   TinyRun t;
   t.data_file = data_name;
   t.data = data;
@@ -40,8 +39,7 @@ fs::path setup_dir(const std::string& name, const std::string& data_name, const 
   t.train_extra = train_extra;
   t.output_extra = "  export_path: none\n";
   t.log = "  tensorboard: false\n  report: false\n";
-  t.write(dir);
-  return dir;
+  return t.write_fresh("data_e2e", name);
 }
 
 // q4train --config dir/config.yaml plus `args` (each --set given as "key=value" after "-s").

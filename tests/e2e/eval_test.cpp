@@ -5,6 +5,7 @@
 // one-line error naming it (exit 2).
 #include "eval.h"
 
+#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/file.h>

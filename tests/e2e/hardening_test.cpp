@@ -31,12 +31,10 @@ using namespace q4::test;
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir = fresh_dir(work_root("hard") / name);
   TinyRun t;
   t.steps = steps;
   t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n  keep: 5\n";
-  t.write(dir);
-  return dir;
+  return t.write_fresh("hard", name);
 }
 
 // q4train with `args`, optionally under a shell prefix (e.g. a ulimit).

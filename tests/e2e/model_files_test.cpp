@@ -6,6 +6,7 @@
 // full disk under the TensorBoard file is an error, a negative block scale is refused at load, a
 // weight that overflows in training is named, and --nproc 2 reports a truncated weights file in one
 // line.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -44,14 +45,12 @@ Result run_tool(const std::string& exe, const fs::path& dir, const std::vector<s
 // A fresh directory with model.json (`layers` layers), data.tsv and config.yaml (random init, raw
 // fp16 lm_head, run in dir/run).
 fs::path setup_dir(const std::string& name, int layers = 1) {
-  const fs::path dir = fresh_dir(work_root("mf") / name);
   TinyRun t;
   t.layers = layers;
   t.model_extra = "  quantize_lm_head: false\n";
   t.output_extra = "  checkpoint_every: 0\n  keep: 5\n";
   t.log = "  tensorboard: false\n";
-  t.write(dir);
-  return dir;
+  return t.write_fresh("mf", name);
 }
 
 Result q4train(const fs::path& dir, std::vector<std::string> sets, const std::string& tag,

@@ -35,14 +35,12 @@ using namespace q4::test;
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run);
 // checkpoint_every < 0 leaves the key out (the default cadence).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  const fs::path dir = fresh_dir(work_root("safety") / name);
   TinyRun t;
   t.steps = steps;
   t.output_extra = "  keep: 5\n  verify_export: false\n";
   if (checkpoint_every >= 0)
     t.output_extra += "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n";
-  t.write(dir);
-  return dir;
+  return t.write_fresh("safety", name);
 }
 
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,

@@ -4,6 +4,7 @@
 // reproduce source bytes exactly, and a writer that does not commit must leave no trace.
 #include "q4/io/dat_file.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <gtest/gtest.h>

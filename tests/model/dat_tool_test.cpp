@@ -3,6 +3,7 @@
 // (quantize_nvfp4_ref / dequantize_nvfp4_ref) for converted entries, raw source bytes for copied
 // ones, the tiny fixture's layout for init, and DatReader for info --json. Exit codes: 0 ok,
 // 1 runtime failure or "files differ" (diff), 2 usage / bad input.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <gtest/gtest.h>

@@ -3,6 +3,7 @@
 // generated so far. The full forward is the reference: it shares no cache code.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>

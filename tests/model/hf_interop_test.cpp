@@ -5,6 +5,7 @@
 // global scales other than 1 are folded; NaN/negative scales and broken folders are errors.
 #include "q4/model/hf_interop.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>

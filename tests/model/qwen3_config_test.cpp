@@ -9,7 +9,9 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <ostream>
 #include <string>
+#include <tuple>
 
 namespace q4::model {
 namespace {
@@ -20,6 +22,31 @@ const std::string k4b = std::string(Q4_FIXTURES_DIR) + "/qwen3_4b.config.json";
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
+}
+
+// The shape fields of a config, compared as one value so that a mismatch prints both.
+struct Shape {
+  int64_t vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, max_positions;
+  double rope_theta;
+  bool tied;
+  bool operator==(const Shape& o) const {
+    return std::tie(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, max_positions,
+                    rope_theta, tied) == std::tie(o.vocab, o.hidden, o.intermediate, o.layers,
+                                                  o.heads, o.kv_heads, o.head_dim, o.max_positions,
+                                                  o.rope_theta, o.tied);
+  }
+};
+std::ostream& operator<<(std::ostream& os, const Shape& s) {
+  return os << "vocab " << s.vocab << " hidden " << s.hidden << " intermediate " << s.intermediate
+            << " layers " << s.layers << " heads " << s.heads << "/" << s.kv_heads << " head_dim "
+            << s.head_dim << " max_positions " << s.max_positions << " rope_theta " << s.rope_theta
+            << " tied " << s.tied;
+}
+Shape shape_of(const Qwen3Config& c) {
+  return {
+      c.vocab_size,          c.hidden_size,         c.intermediate_size, c.num_hidden_layers,
+      c.num_attention_heads, c.num_key_value_heads, c.head_dim,          c.max_position_embeddings,
+      c.rope_theta,          c.tie_word_embeddings};
 }
 
 // Expects from_json(j) to throw c10::Error whose message contains every needle.
@@ -36,17 +63,8 @@ void expect_rejected(const nlohmann::json& j, std::initializer_list<const char*>
 
 TEST(Qwen3ConfigTest, TinyFixture) {
   const Qwen3Config c = Qwen3Config::from_json_file(kTiny);
-  EXPECT_EQ(c.vocab_size, 384);
-  EXPECT_EQ(c.hidden_size, 64);
-  EXPECT_EQ(c.intermediate_size, 192);
-  EXPECT_EQ(c.num_hidden_layers, 2);
-  EXPECT_EQ(c.num_attention_heads, 4);
-  EXPECT_EQ(c.num_key_value_heads, 2);
-  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(shape_of(c), (Shape{384, 64, 192, 2, 4, 2, 16, 128, 1e6, false}));
   EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-6);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
-  EXPECT_EQ(c.max_position_embeddings, 128);
-  EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_FALSE(c.bos_token_id.has_value());
   EXPECT_FALSE(c.eos_token_id.has_value());
   EXPECT_EQ(c.source, kTiny);
@@ -63,16 +81,8 @@ TEST(Qwen3ConfigTest, TinyFixture) {
 
 TEST(Qwen3ConfigTest, Qwen3_4bFixture) {
   const Qwen3Config c = Qwen3Config::from_json_file(k4b);
-  EXPECT_EQ(c.vocab_size, 151936);
-  EXPECT_EQ(c.hidden_size, 2560);
-  EXPECT_EQ(c.intermediate_size, 9728);
-  EXPECT_EQ(c.num_hidden_layers, 36);
-  EXPECT_EQ(c.num_attention_heads, 32);
-  EXPECT_EQ(c.num_key_value_heads, 8);
-  EXPECT_EQ(c.head_dim, 128);
-  EXPECT_DOUBLE_EQ(c.rope_theta, 5e6);  // not a hard-coded 1e6
-  EXPECT_EQ(c.max_position_embeddings, 262144);
-  EXPECT_TRUE(c.tie_word_embeddings);
+  // rope_theta 5e6: read from the file, not a hard-coded 1e6.
+  EXPECT_EQ(shape_of(c), (Shape{151936, 2560, 9728, 36, 32, 8, 128, 262144, 5e6, true}));
   ASSERT_TRUE(c.bos_token_id.has_value());
   EXPECT_EQ(*c.bos_token_id, 151643);
   ASSERT_TRUE(c.eos_token_id.has_value());

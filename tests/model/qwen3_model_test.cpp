@@ -8,7 +8,8 @@
 // gradients atol 1e-5 + rtol 1e-3 (fp32 reassociation across implementations).
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -665,11 +666,6 @@ TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   EXPECT_GT(loss_acts(deep, nock), 4 * a36);
 }
 
-}  // namespace
-}  // namespace q4::model
-
-namespace q4::model {
-namespace {
 
 // Two examples packed into one row (segments, restarted positions, the second example's first
 // label ignored, cu_seqlens given) against the same examples as two unpacked rows: the summed
@@ -731,11 +727,6 @@ TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
   }
 }
 
-}  // namespace
-}  // namespace q4::model
-
-namespace q4::model {
-namespace {
 
 // The in-backward hook hands over every trainable parameter exactly once per backward, with the
 // same gradient the buffered run leaves in Parameter::grad, and frees it afterwards; with and
@@ -768,11 +759,6 @@ TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
   }
 }
 
-}  // namespace
-}  // namespace q4::model
-
-namespace q4::model {
-namespace {
 
 // The streaming export check: after changing every trainable master (fp32 masters, so raw
 // tensors must be rounded to the file's fp16), an export reproduces the trained forward weights:

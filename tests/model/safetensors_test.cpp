@@ -2,6 +2,7 @@
 // Python safetensors package here; scripts/interop/check_hf_export.py checks our writer's output
 // with the real package on the GPU machine), hostile headers (each must fail with one line naming
 // the file and the tensor), and writer -> reader round trips, including a sharded folder.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstring>

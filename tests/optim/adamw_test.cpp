@@ -6,7 +6,7 @@
 #include "q4/optim/adamw.h"
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdio>

@@ -2,7 +2,7 @@
 // moments), the vectorized CPU codec against the scalar reference (bit-exact), the NVFP4 mode
 // against the golden fixture (tests/fixtures/README.md) (bit-exact), and reconstruction-error bounds per mode.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cstring>
 #include <limits>

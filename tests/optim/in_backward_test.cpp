@@ -5,7 +5,7 @@
 // a parameter with a NaN/Inf gradient keeps its master and moments while the others move, and
 // the step counts as non-finite.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <limits>

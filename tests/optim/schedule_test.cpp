@@ -57,7 +57,7 @@ TEST(LrSchedule, Validation) {
             std::string::npos);
   EXPECT_NE(msg([] { make(LrScheduleKind::kConstant, 0, 0, 0, 0); }).find("LrScheduleOptions.peak_lr"),
             std::string::npos);
-  EXPECT_NE(msg([] { parse_lr_schedule_kind("step"); }).find("constant, cosine, linear"),
+  EXPECT_NE(msg([] { parse_lr_schedule_kind("step"); }).find("constant, linear, cosine"),
             std::string::npos);
   EXPECT_EQ(parse_lr_schedule_kind("cosine"), LrScheduleKind::kCosine);
   const LrSchedule s = make(LrScheduleKind::kConstant, 1e-3, 0, 0, 0);

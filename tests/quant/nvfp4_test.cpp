@@ -6,7 +6,8 @@
 #include "q4/quant/nvfp4.h"
 
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 #include <string>
@@ -45,8 +46,8 @@ at::Tensor mixed_random(int64_t rows, int64_t cols, uint64_t seed) {
   at::Tensor x = at::randn({rows, cols}, gen, at::kFloat);
   const at::Tensor k = at::arange(rows, at::kFloat).remainder(14) - 9;
   x = x * at::pow(10.0, k).unsqueeze(1);
-  x.index_put_({0, torch::indexing::Slice(0, 16)}, 0.0);
-  x.index_put_({1, torch::indexing::Slice(0, 16)}, -0.0);
+  x.index_put_({0, at::indexing::Slice(0, 16)}, 0.0);
+  x.index_put_({1, at::indexing::Slice(0, 16)}, -0.0);
   return x;
 }
 

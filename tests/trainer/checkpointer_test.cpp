@@ -3,6 +3,7 @@
 // continues on one rank with the same global batch) and the checks a resume makes.
 #include "q4/trainer/checkpointer.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <fstream>

@@ -4,6 +4,7 @@
 // gradient sync) the way set-up builds it, without files.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

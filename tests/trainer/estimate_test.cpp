@@ -5,6 +5,7 @@
 // NVFP4 fake-quantized weights.
 #include "q4/trainer/estimate.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -2,6 +2,7 @@
 // objective (the same value on every call), only on rank 0, and the best value is tracked.
 #include "q4/trainer/evaluator.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

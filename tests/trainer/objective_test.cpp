@@ -3,6 +3,7 @@
 // a logged value) plugs into the same step without any change to it.
 #include "q4/trainer/objective.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"

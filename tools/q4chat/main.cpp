@@ -6,8 +6,8 @@
 // is an unknown command, "//" sends a line beginning with "/"), the KV cache kept across turns,
 // with line editing on a terminal when libedit2 is installed (line_input.h).
 // Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
+#include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "../tool_main.h"
 #include "line_input.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
@@ -68,64 +69,53 @@ bool is_command(const std::string& line) {
 
 int main(int argc, char** argv) {
   CLI::App app{"q4chat: chat with a Qwen3 model through the chat template"};
-  std::string model_arg, config, tokenizer, prompt, system, device = "cpu", seed = "0";
+  q4::chat::ModelArgs m;
+  std::string prompt, seed = "0";
   q4::chat::SamplingOptions so;
   so.temperature = 0.7;
   so.top_p = 0.8;
   so.top_k = 20;
   int64_t max_new = 512;
   bool quiet = false;
-  app.add_option("--model", model_arg,
-                 "a .dat file, a q4train run directory, a Hugging Face folder or a model folder")
-      ->required();
-  app.add_option("--config", config, "Qwen3 config.json (default: found from --model)");
-  app.add_option("--tokenizer", tokenizer, "tokenizer.json (default: found from --model)");
+  q4::chat::add_model_options(app, m);
   app.add_option("--prompt", prompt, "one-shot: answer this and exit (default: interactive)");
-  auto* system_opt =
-      app.add_option("--system", system, "system prompt (default: a run's data.system_prompt)");
   app.add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
   app.add_option("--top-k", so.top_k, "0 = off")->capture_default_str();
   app.add_option("--top-p", so.top_p, "1 = off")->capture_default_str();
   app.add_option("--seed", seed, "sampling seed, 0..2^64-1")->capture_default_str();
   app.add_option("--repetition-penalty", so.repetition_penalty, "1 = off")->capture_default_str();
   app.add_option("--max-new-tokens", max_new, "tokens per reply at most")->capture_default_str();
-  app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_flag("--quiet", quiet, "no load/speed lines on stderr");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  return q4::chat::run_tool("q4chat", [&] {
+  return q4::tools::run_tool("q4chat", app, argc, argv, [&] {
     using namespace q4;
     const auto t0 = std::chrono::steady_clock::now();
-    const model::ModelOptions opt = chat::inference_options(device);
+    const model::ModelOptions opt = chat::inference_options(m.device);
     std::unique_ptr<data::Tokenizer> tok;
     chat::LoadedModel loaded;
     as_input([&] {
       so.seed = parse_seed(seed);
       so.validate();
       TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
-      const chat::ModelPaths paths = chat::resolve_model_paths(model_arg, config, tokenizer);
+      const chat::ModelPaths paths = chat::resolve_model_paths(m.model, m.config, m.tokenizer);
       tok = std::make_unique<data::Tokenizer>(chat::load_tokenizer(paths));
       // A run's system prompt is what its model was trained with; --system (even empty) wins.
-      if (system_opt->count() == 0 && !paths.system_prompt.empty()) {
-        system = paths.system_prompt;
+      if (!m.system_given() && !paths.system_prompt.empty()) {
+        m.system = paths.system_prompt;
         if (!quiet) std::cerr << "q4chat: system prompt from the run's data.system_prompt\n";
       }
       check_text(*tok, prompt, "--prompt");
-      check_text(*tok, system, system_opt->count() > 0 ? "--system" : "data.system_prompt");
+      check_text(*tok, m.system, m.system_given() ? "--system" : "data.system_prompt");
       loaded = chat::load_model(paths, *tok, opt);
       const auto& cfg = loaded.config;
       if (!quiet) {
         std::cerr << fmt::format(
             "q4chat: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
-            paths.weights, cfg.num_hidden_layers, cfg.hidden_size, device,
+            paths.weights, cfg.num_hidden_layers, cfg.hidden_size, m.device,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return 0;
     });
-    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, system, max_new);
+    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new);
     const auto print = [](const std::string& s) { std::cout << s << std::flush; };
     const auto stats = [&](const chat::TurnResult& r, double s) {
       if (quiet) return;
@@ -156,7 +146,7 @@ int main(int argc, char** argv) {
       }
       if (line == "/exit" || line.empty()) break;
       if (line == "/reset") {
-        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, system, max_new);
+        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new);
         continue;
       }
       if (is_command(line)) {

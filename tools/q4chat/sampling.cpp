@@ -2,6 +2,7 @@
 // once per token (one (V) copy, which the stop check needs anyway); filters work on that row.
 #include "sampling.h"
 
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 

@@ -6,7 +6,8 @@
 // which reproduces Qwen3Model::generate() token for token.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>

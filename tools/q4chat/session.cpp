@@ -1,9 +1,11 @@
 // ChatSession, Utf8Stream and --model resolution (see session.h).
 #include "session.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include <CLI/CLI.hpp>
 #include <filesystem>
 #include <iostream>
 
@@ -250,19 +252,17 @@ LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer
   return r;
 }
 
-int run_tool(const char* tool, const std::function<int()>& body) {
-  try {
-    return body();
-  } catch (const InputError& e) {
-    std::cerr << tool << ": error: " << e.what() << "\n";
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << tool << ": error: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << tool << ": error: " << e.what() << "\n";
-    return 1;
-  }
+bool ModelArgs::system_given() const { return system_option && system_option->count() > 0; }
+
+void add_model_options(CLI::App& app, ModelArgs& args) {
+  app.add_option("--model", args.model,
+                 "a .dat file, a q4train run directory, a Hugging Face folder or a model folder")
+      ->required();
+  app.add_option("--config", args.config, "Qwen3 config.json (default: found from --model)");
+  app.add_option("--tokenizer", args.tokenizer, "tokenizer.json (default: found from --model)");
+  args.system_option = app.add_option("--system", args.system,
+                                      "system prompt (default: a run's data.system_prompt)");
+  app.add_option("--device", args.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
 }
 
 }  // namespace q4::chat

@@ -14,11 +14,17 @@
 #include <string>
 #include <vector>
 
+#include "../tool_errors.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/trainer/config.h"
 #include "sampling.h"
+
+namespace CLI {
+class App;
+class Option;
+}  // namespace CLI
 
 namespace q4::chat {
 
@@ -66,27 +72,23 @@ class ChatSession {
   bool first_ = true;
 };
 
-// An error in what the user gave (options, files, data): the tools' main maps it to exit 2.
-struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using tools::InputError;
 
 // Runs `fn`, turning the library errors it throws (c10::Error, trainer::ConfigError) into
 // InputError: for the steps that read the user's files and options.
 template <class F>
 auto as_input(F&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const c10::Error& e) {
-    throw InputError(e.what_without_backtrace());
-  } catch (const trainer::ConfigError& e) {
-    throw InputError(e.what());
-  }
+  return tools::as_input<trainer::ConfigError>(std::forward<F>(fn));
 }
 
-// A tool's main body with its exit codes: its return value; InputError -> 2, any other error
-// -> 1, each printed as one line "<tool>: error: <message>" on stderr.
-int run_tool(const char* tool, const std::function<int()>& body);
+// The options that name a model, shared by q4chat and q4eval: --model, --config, --tokenizer,
+// --system and --device.
+struct ModelArgs {
+  std::string model, config, tokenizer, system, device = "cpu";
+  const CLI::Option* system_option = nullptr;
+  bool system_given() const;  // --system was on the command line (even empty)
+};
+void add_model_options(CLI::App& app, ModelArgs& args);
 
 struct ModelPaths {
   std::string weights;        // .dat, or the folder when hf_folder

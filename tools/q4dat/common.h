@@ -22,6 +22,5 @@ void check_output_file(const std::string& out, const std::vector<std::string>& i
                        bool overwrite, const std::string& option = "OUT");
 
 std::string shape_str(const std::vector<int64_t>& shape);  // "[2, 3]"
-std::string one_line(std::string s);                       // newlines -> spaces
 
 }  // namespace q4::tools

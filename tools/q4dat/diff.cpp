@@ -4,6 +4,7 @@
 // means same keys in the same order, same types and shapes, and values within --atol. An NVFP4
 // pair present in both files is compared by its dequantized values when its bytes differ (so
 // code 8 (-0) vs code 0 counts as equal); other e2m1/e4m3 entries and bools must match exactly.
+#include <ATen/ATen.h>
 #include <fmt/core.h>
 
 #include <algorithm>

@@ -4,6 +4,7 @@
 // row chunks of ~4M values (normal(0, std), fp32), quantized chunk by chunk and appended, so
 // memory stays O(chunk + one scale matrix) even for the 4B shapes. Chunk c of tensor k uses its
 // own generator seeded from (seed, k, c): output is reproducible and independent of threading.
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/core.h>
 

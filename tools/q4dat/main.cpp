@@ -11,6 +11,7 @@
 #include <exception>
 
 #include "../cli_number.h"
+#include "../tool_main.h"
 #include "common.h"
 #include "q4dat.h"
 
@@ -96,34 +97,15 @@ int main(int argc, char** argv) {
   c_imp->add_option("OUT", imp.out, "output .dat")->required();
   c_imp->add_flag("--overwrite", imp.overwrite, "replace OUT if it exists");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
-
-  const bool is_diff = c_diff->parsed();
-  try {
+  return run_tool("q4dat", app, argc, argv, [&] {
     if (c_info->parsed()) return run_info(info);
     if (c_quant->parsed()) return run_quantize(quant);
     if (c_deq->parsed()) return run_dequantize(deq);
-    if (is_diff) return run_diff(diff);
+    // diff's exit 1 means "the files differ": any error of its own is 2.
+    if (c_diff->parsed()) return as_input<std::exception>([&] { return run_diff(diff); });
     if (c_init->parsed()) return run_init(init);
     if (c_exp->parsed()) return run_export_hf(exp);
     if (c_imp->parsed()) return run_import_hf(imp);
-  } catch (const std::invalid_argument& e) {
-    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
     return 2;
-  } catch (const InputError& e) {
-    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
-    return 2;
-  } catch (const c10::Error& e) {
-    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what_without_backtrace()));
-    return is_diff ? 2 : 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "q4dat: error: {}\n", one_line(e.what()));
-    return is_diff ? 2 : 1;
-  }
-  return 2;
+  });
 }

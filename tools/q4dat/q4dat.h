@@ -8,16 +8,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "../tool_errors.h"
+
 namespace q4::tools {
-
-// Bad usage or bad input: exit code 2.
-struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Runs f(); a c10::Error it throws becomes an InputError with the same one-line message.
-template <class F>
-auto as_input(F&& f) -> decltype(f());
 
 struct InfoOptions {
   std::string file;
@@ -71,17 +64,4 @@ struct ImportHfOptions {
 };
 int run_import_hf(const ImportHfOptions& o);
 
-}  // namespace q4::tools
-
-#include <c10/util/Exception.h>
-
-namespace q4::tools {
-template <class F>
-auto as_input(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::Error& e) {
-    throw InputError(e.what_without_backtrace());
-  }
-}
 }  // namespace q4::tools

@@ -1,10 +1,13 @@
 // q4eval's scoring, text counts and exact match (see eval.h).
 #include "eval.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <limits>
+
+#include "q4/io/utf8.h"
 
 namespace q4::eval {
 
@@ -17,33 +20,6 @@ bool is_space(uint32_t c) {
          c == 0x205F || c == 0x3000;
 }
 
-// The code point starting at text[i] and its length in bytes; an invalid sequence is one byte
-// that is not a space (U+FFFD stands for it).
-std::pair<uint32_t, size_t> next_code_point(const std::string& text, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(text[i + k]); };
-  const unsigned char c = b(0);
-  size_t n = 1;
-  uint32_t cp = c;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-    cp = c & 0x1F;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    cp = c & 0x0F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    cp = c & 0x07;
-  } else if (c >= 0x80) {
-    return {0xFFFD, 1};
-  }
-  if (i + n > text.size()) return {0xFFFD, 1};
-  for (size_t k = 1; k < n; ++k) {
-    if ((b(k) & 0xC0) != 0x80) return {0xFFFD, 1};
-    cp = (cp << 6) | (b(k) & 0x3F);
-  }
-  return {cp, n};
-}
-
 double ratio(double num, int64_t den) {
   return den > 0 ? num / static_cast<double>(den) : std::numeric_limits<double>::quiet_NaN();
 }
@@ -54,7 +30,7 @@ int64_t count_words(const std::string& text) {
   int64_t runs = 0;
   bool in_space = false;
   for (size_t i = 0; i < text.size();) {
-    const auto [cp, n] = next_code_point(text, i);
+    const auto [cp, n] = io::utf8::decode(text, i);
     const bool space = is_space(cp);
     if (space && !in_space) ++runs;
     in_space = space;

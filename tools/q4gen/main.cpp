@@ -2,7 +2,8 @@
 // comma-separated line). Text goes through the tokenizer elsewhere (q4tok / the trainer).
 // Inference only: every weight frozen, compute fp32 on CPU, bf16 on CUDA unless --dtype says.
 // Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>
 #include <iostream>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "../cli_number.h"
+#include "../tool_main.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -56,45 +58,33 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--dtype", dtype, "compute dtype fp32|bf16|fp16 (default fp32 cpu, bf16 cuda)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  try {
-    using namespace q4::model;
-    ModelOptions opt;
-    opt.trainable = TrainableSpec::nothing();
-    if (device == "cuda") {
-      TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
-      opt.device = at::Device(at::kCUDA, 0);
-      opt.compute_dtype = at::kBFloat16;
-    }
-    if (dtype == "fp32") opt.compute_dtype = at::kFloat;
-    if (dtype == "bf16") opt.compute_dtype = at::kBFloat16;
-    if (dtype == "fp16") opt.compute_dtype = at::kHalf;
-    GenerateOptions gen;
-    gen.max_new_tokens = q4::tools::parse_int_arg("--max-new-tokens", max_new, 0, kMaxNewTokens);
-    if (!stop.empty()) gen.stop_ids = parse_ids(stop, "--stop-ids");
-    const std::vector<int64_t> ids = parse_ids(prompt, "--prompt-ids");
-    Qwen3Config cfg = Qwen3Config::from_json_file(config);
-    DatReader reader(weights);
-    Qwen3Model model = Qwen3Model::load(cfg, reader, opt);
-    const std::vector<int64_t> out = model.generate(ids, gen);
-    for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? "," : "") << out[i];
-    std::cout << "\n";
-    return 0;
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "q4gen: error: " << e.what() << "\n";
-    return 2;
-  } catch (const c10::OutOfMemoryError& e) {
-    std::cerr << "q4gen: error: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const c10::Error& e) {
-    std::cerr << "q4gen: error: " << e.what_without_backtrace() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "q4gen: error: " << e.what() << "\n";
-    return 1;
-  }
+  // Every library call reads the user's config, weights or ids: its errors are input errors.
+  return q4::tools::run_tool(
+      "q4gen", app, argc, argv,
+      [&] {
+        using namespace q4::model;
+        ModelOptions opt;
+        opt.trainable = TrainableSpec::nothing();
+        if (device == "cuda") {
+          TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+          opt.device = at::Device(at::kCUDA, 0);
+          opt.compute_dtype = at::kBFloat16;
+        }
+        if (dtype == "fp32") opt.compute_dtype = at::kFloat;
+        if (dtype == "bf16") opt.compute_dtype = at::kBFloat16;
+        if (dtype == "fp16") opt.compute_dtype = at::kHalf;
+        GenerateOptions gen;
+        gen.max_new_tokens =
+            q4::tools::parse_int_arg("--max-new-tokens", max_new, 0, kMaxNewTokens);
+        if (!stop.empty()) gen.stop_ids = parse_ids(stop, "--stop-ids");
+        const std::vector<int64_t> ids = parse_ids(prompt, "--prompt-ids");
+        Qwen3Config cfg = Qwen3Config::from_json_file(config);
+        DatReader reader(weights);
+        Qwen3Model model = Qwen3Model::load(cfg, reader, opt);
+        const std::vector<int64_t> out = model.generate(ids, gen);
+        for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? "," : "") << out[i];
+        std::cout << "\n";
+        return 0;
+      },
+      /*library_error_code=*/2);
 }

@@ -2,12 +2,14 @@
 // straight-through fake-quant on every quantized linear, runs one forward and backward on
 // input_ids/labels from IN.dat, and writes logits, loss and grad.<HF name> (all fp32) to OUT.dat
 // for comparison with HF transformers. Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <string>
 
+#include "../tool_main.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -85,18 +87,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpointing", a.checkpointing, "per-layer gradient checkpointing")
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  try {
-    return run(a);
-  } catch (const c10::Error& e) {
-    std::cerr << "q4grad: error: " << e.what_without_backtrace() << "\n";
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "q4grad: error: " << e.what() << "\n";
-    return 1;
-  }
+  // Every library call reads the user's config, weights or inputs: its errors are input errors.
+  return q4::tools::run_tool(
+      "q4grad", app, argc, argv, [&] { return run(a); },
+      /*library_error_code=*/2);
 }

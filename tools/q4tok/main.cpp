@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "../tool_main.h"
 #include "q4/data/chat.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
@@ -27,10 +28,7 @@ namespace {
 using json = nlohmann::json;
 using q4::data::TokenId;
 
-// An input line that is not what the command expects (exit code 2).
-struct InputError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using q4::tools::InputError;  // an input line that is not what the command expects (exit 2)
 
 // The longest stdin line: one JSON document; a whole book's text fits.
 constexpr size_t kMaxLineBytes = size_t{64} << 20;
@@ -191,36 +189,29 @@ int main(int argc, char** argv) {
   data->add_option("--show", show,
                    "print the first N examples as the model sees them (trained tokens marked)")
       ->check(CLI::NonNegativeNumber);
-  CLI11_PARSE(app, argc, argv);
-
   std::ios::sync_with_stdio(false);
-  try {
-    // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
-    q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
-    const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
-    if (*enc) run_encode(tok);
-    if (*dec) run_decode(tok, skip_special);
-    if (*chat) run_chat(tok, gen_prompt);
-    if (*data) {
-      q4::data::DatasetOptions opt;
-      opt.format = q4::data::parse_data_format(format);
-      opt.on_error = q4::data::parse_on_error(on_error);
-      opt.system_prompt = system_prompt;
-      // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
-      q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
-      const auto ds = q4::data::load_dataset(data_path, tok, opt);
-      std::cout << ds.summary.to_string() << '\n';
-      if (show > 0) show_examples(tok, ds, show);
-    }
-  } catch (const InputError& e) {
-    std::cerr << "q4tok: " << e.what() << '\n';
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "q4tok: " << e.what_without_backtrace() << '\n';
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "q4tok: " << e.what() << '\n';
-    return 1;
-  }
-  return 0;
+  // Every library call reads the user's tokenizer or data: its errors are input errors.
+  return q4::tools::run_tool(
+      "q4tok", app, argc, argv,
+      [&] {
+        // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
+        q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
+        const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
+        if (*enc) run_encode(tok);
+        if (*dec) run_decode(tok, skip_special);
+        if (*chat) run_chat(tok, gen_prompt);
+        if (*data) {
+          q4::data::DatasetOptions opt;
+          opt.format = q4::data::parse_data_format(format);
+          opt.on_error = q4::data::parse_on_error(on_error);
+          opt.system_prompt = system_prompt;
+          // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
+          q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
+          const auto ds = q4::data::load_dataset(data_path, tok, opt);
+          std::cout << ds.summary.to_string() << '\n';
+          if (show > 0) show_examples(tok, ds, show);
+        }
+        return 0;
+      },
+      /*library_error_code=*/2);
 }

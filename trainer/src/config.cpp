@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "q4/io/bounded_read.h"
+#include "q4/io/enum_names.h"
 
 namespace fs = std::filesystem;
 
@@ -313,63 +314,37 @@ std::string fmt_float(double v) {
   return s;
 }
 
-// The YAML spellings of each enumerated setting, one table per enum: (spelling, value) in the
-// order the docs list the choices.
-template <typename E>
-struct EnumSpelling;
-#define Q4_ENUM_SPELLING(E, ...)                                         \
-  template <>                                                            \
-  struct EnumSpelling<E> {                                               \
-    static constexpr std::pair<const char*, E> kNames[] = {__VA_ARGS__}; \
-  }
-Q4_ENUM_SPELLING(InitKind, {"file", InitKind::kFile}, {"random", InitKind::kRandom});
-Q4_ENUM_SPELLING(Dtype, {"fp16", Dtype::kFp16}, {"bf16", Dtype::kBf16}, {"fp32", Dtype::kFp32});
-Q4_ENUM_SPELLING(DtypeOrAuto, {"auto", DtypeOrAuto::kAuto}, {"fp32", DtypeOrAuto::kFp32},
-                 {"bf16", DtypeOrAuto::kBf16}, {"fp16", DtypeOrAuto::kFp16});
-Q4_ENUM_SPELLING(optim::StateMode, {"fp32", optim::StateMode::kFp32},
-                 {"int8", optim::StateMode::kInt8}, {"4bit", optim::StateMode::k4Bit},
-                 {"nvfp4", optim::StateMode::kNvfp4});
-Q4_ENUM_SPELLING(optim::MasterRounding, {"stochastic", optim::MasterRounding::kStochastic},
-                 {"nearest", optim::MasterRounding::kNearest});
-Q4_ENUM_SPELLING(InBackward, {"auto", InBackward::kAuto}, {"true", InBackward::kTrue},
-                 {"false", InBackward::kFalse});
-Q4_ENUM_SPELLING(optim::LrScheduleKind, {"constant", optim::LrScheduleKind::kConstant},
-                 {"linear", optim::LrScheduleKind::kLinear},
-                 {"cosine", optim::LrScheduleKind::kCosine});
-Q4_ENUM_SPELLING(data::DataFormat, {"auto", data::DataFormat::kAuto},
-                 {"tsv", data::DataFormat::kTsv}, {"jsonl", data::DataFormat::kJsonl},
-                 {"text", data::DataFormat::kText});
-Q4_ENUM_SPELLING(data::OnError, {"fail", data::OnError::kFail}, {"skip", data::OnError::kSkip});
-Q4_ENUM_SPELLING(Truncation, {"auto", Truncation::kAuto}, {"cut_left", Truncation::kCutLeft},
-                 {"cut_right", Truncation::kCutRight}, {"drop", Truncation::kDrop});
-Q4_ENUM_SPELLING(ProgressStyle, {"auto", ProgressStyle::kAuto}, {"bar", ProgressStyle::kBar},
-                 {"line", ProgressStyle::kLine});
-Q4_ENUM_SPELLING(HfExport, {"none", HfExport::kNone}, {"modelopt", HfExport::kModelOpt},
-                 {"compressed-tensors", HfExport::kCompressedTensors});
-#undef Q4_ENUM_SPELLING
+}  // namespace
+}  // namespace q4::trainer
 
-template <typename E>
-std::vector<std::string> enum_names() {
-  std::vector<std::string> out;
-  for (const auto& [name, value] : EnumSpelling<E>::kNames) out.emplace_back(name);
-  return out;
-}
+// The YAML spellings of the config's own enums, in the order the docs list the choices; the
+// libraries' enums (state mode, rounding, schedule, data format, on_error) bring their tables.
+Q4_ENUM_NAMES(q4::trainer::InitKind, {"file", q4::trainer::InitKind::kFile},
+              {"random", q4::trainer::InitKind::kRandom});
+Q4_ENUM_NAMES(q4::trainer::Dtype, {"fp16", q4::trainer::Dtype::kFp16},
+              {"bf16", q4::trainer::Dtype::kBf16}, {"fp32", q4::trainer::Dtype::kFp32});
+Q4_ENUM_NAMES(q4::trainer::DtypeOrAuto, {"auto", q4::trainer::DtypeOrAuto::kAuto},
+              {"fp32", q4::trainer::DtypeOrAuto::kFp32}, {"bf16", q4::trainer::DtypeOrAuto::kBf16},
+              {"fp16", q4::trainer::DtypeOrAuto::kFp16});
+Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
+              {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
+Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
+              {"cut_left", q4::trainer::Truncation::kCutLeft},
+              {"cut_right", q4::trainer::Truncation::kCutRight},
+              {"drop", q4::trainer::Truncation::kDrop});
+Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::kAuto},
+              {"bar", q4::trainer::ProgressStyle::kBar},
+              {"line", q4::trainer::ProgressStyle::kLine});
+Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
+              {"modelopt", q4::trainer::HfExport::kModelOpt},
+              {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors});
 
-template <typename E>
-std::string enum_to_string(E v) {
-  for (const auto& [name, value] : EnumSpelling<E>::kNames) {
-    if (value == v) return name;
-  }
-  return "<invalid>";
-}
+namespace q4::trainer {
+namespace {
 
-template <typename E>
-std::optional<E> enum_from_string(const std::string& s) {
-  for (const auto& [name, value] : EnumSpelling<E>::kNames) {
-    if (s == name) return value;
-  }
-  return std::nullopt;
-}
+using io::enum_from_name;
+using io::enum_name;
+using io::enum_names;
 
 // "expected ..." text of a range: ">= 1", "a value in [0, 1)"; floats say finite.
 std::string expected_range(const Range& r, bool is_float) {
@@ -396,15 +371,15 @@ void check_range(const FieldRef& f, T v, const std::string& where_text) {
 
 }  // namespace
 
-std::string to_string(InitKind v) { return enum_to_string(v); }
-std::string to_string(Dtype v) { return enum_to_string(v); }
-std::string to_string(DtypeOrAuto v) { return enum_to_string(v); }
-std::string to_string(InBackward v) { return enum_to_string(v); }
-std::string to_string(data::DataFormat v) { return enum_to_string(v); }
-std::string to_string(data::OnError v) { return enum_to_string(v); }
-std::string to_string(Truncation v) { return enum_to_string(v); }
-std::string to_string(ProgressStyle v) { return enum_to_string(v); }
-std::string to_string(HfExport v) { return enum_to_string(v); }
+std::string to_string(InitKind v) { return enum_name(v); }
+std::string to_string(Dtype v) { return enum_name(v); }
+std::string to_string(DtypeOrAuto v) { return enum_name(v); }
+std::string to_string(InBackward v) { return enum_name(v); }
+std::string to_string(data::DataFormat v) { return enum_name(v); }
+std::string to_string(data::OnError v) { return enum_name(v); }
+std::string to_string(Truncation v) { return enum_name(v); }
+std::string to_string(ProgressStyle v) { return enum_name(v); }
+std::string to_string(HfExport v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Range, FieldRef
@@ -519,11 +494,11 @@ std::vector<int64_t> LayerSelection::resolve(int64_t num_layers) const {
       break;
     case Kind::kLast:
       if (last_n > num_layers) {
-        throw ConfigError("config key train.trainable.layers: last:" + std::to_string(last_n) +
-                          " selects more layers than the model has (model.config: " +
-                          std::to_string(num_layers) + " decoder layer" +
-                          (num_layers == 1 ? "" : "s") + "); use last:1 to last:" +
-                          std::to_string(num_layers) + " or all");
+        throw ConfigError(
+            "config key train.trainable.layers: last:" + std::to_string(last_n) +
+            " selects more layers than the model has (model.config: " + std::to_string(num_layers) +
+            " decoder layer" + (num_layers == 1 ? "" : "s") +
+            "); use last:1 to last:" + std::to_string(num_layers) + " or all");
       }
       for (int64_t i = num_layers - last_n; i < num_layers; ++i) out.push_back(i);
       break;
@@ -601,9 +576,8 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.gradient_checkpointing", &c.train.gradient_checkpointing,
             "recompute each decoder layer in backward (less activation memory)", {},
             {"activation_checkpointing"}),
-      field("train.steps", &c.train.steps,
-            "optimizer steps (leave out when train.epochs is set)", R::at_least(0),
-            {"max_steps", "num_steps", "total_steps", "iters"}),
+      field("train.steps", &c.train.steps, "optimizer steps (leave out when train.epochs is set)",
+            R::at_least(0), {"max_steps", "num_steps", "total_steps", "iters"}),
       // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
       // intended, and steps computed from it stay far inside int64.
       field("train.epochs", &c.train.epochs,
@@ -817,7 +791,7 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
         } else {
           static_assert(std::is_enum_v<T>);
           if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));
-          const auto v = enum_from_string<T>(cur.Scalar());
+          const auto v = enum_from_name<T>(cur.Scalar());
           if (!v) {
             throw ConfigError("config key " + f.key + where(cur, src) + ": expected one of " +
                               join(f.choices(), ", ") + ", found '" + cur.Scalar() + "'");
@@ -843,8 +817,7 @@ void resolve_overridden_lengths(Config& c, const YAML::Node& root,
              !(epochs_from_set && !steps_from_set)) {
     throw ConfigError("config key train.epochs: set together with train.steps" +
                       where(*lookup(root, {"train", "steps"}),
-                            overridden.count("train.steps") ? std::string(kFromSet)
-                                                            : source_name) +
+                            overridden.count("train.steps") ? std::string(kFromSet) : source_name) +
                       "; give one of them (steps are computed from epochs and the data)");
   }
   auto& sched = c.optim.schedule;
@@ -1019,12 +992,11 @@ void validate_config(const Config& c) {
   // error instead of naming these keys.
   constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 22;
   if (t.batch_size * t.seq_len > kMaxMicroBatchTokens) {
-    throw ConfigError(
-        "config keys train.batch_size x train.seq_len: expected at most " +
-        std::to_string(kMaxMicroBatchTokens) + " tokens per micro-batch, found " +
-        std::to_string(t.batch_size) + " x " + std::to_string(t.seq_len) + " = " +
-        std::to_string(t.batch_size * t.seq_len) +
-        " (use train.grad_accum for a larger batch per step)");
+    throw ConfigError("config keys train.batch_size x train.seq_len: expected at most " +
+                      std::to_string(kMaxMicroBatchTokens) + " tokens per micro-batch, found " +
+                      std::to_string(t.batch_size) + " x " + std::to_string(t.seq_len) + " = " +
+                      std::to_string(t.batch_size * t.seq_len) +
+                      " (use train.grad_accum for a larger batch per step)");
   }
   const auto& tr = t.trainable;
   if (tr.layers.kind == LayerSelection::Kind::kList) {
@@ -1050,9 +1022,10 @@ void validate_config(const Config& c) {
 
   const auto& o = c.optim;
   if (!(o.lr * o.weight_decay < 1)) {  // decoupled decay multiplies weights by 1 - lr * wd
-    throw ConfigError("config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
-                      "(weights would shrink to zero or flip sign), found " +
-                      fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
+    throw ConfigError(
+        "config key optim.weight_decay: optim.lr * optim.weight_decay must be < 1 "
+        "(weights would shrink to zero or flip sign), found " +
+        fmt_double(o.lr) + " * " + fmt_double(o.weight_decay));
   }
   if (o.schedule.warmup_ratio > 0 && o.schedule.warmup_steps > 0) {
     throw ConfigError(
@@ -1113,7 +1086,7 @@ std::string config_to_yaml(const Config& c_in) {
           if constexpr (std::is_same_v<T, std::string>) {
             out << YAML::DoubleQuoted << *ptr;
           } else if constexpr (std::is_enum_v<T>) {
-            out << YAML::DoubleQuoted << enum_to_string(*ptr);
+            out << YAML::DoubleQuoted << enum_name(*ptr);
           } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
             out << YAML::BeginSeq;
             for (const auto& s : *ptr) out << YAML::DoubleQuoted << s;
@@ -1180,7 +1153,7 @@ std::string md_default(const FieldRef& f) {
         } else if constexpr (std::is_same_v<T, LayerSelection>) {
           return "`" + p->to_string() + "`";
         } else {
-          return "`" + enum_to_string(*p) + "`";
+          return "`" + std::string(enum_name(*p)) + "`";
         }
       },
       f.ptr);

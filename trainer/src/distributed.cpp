@@ -5,6 +5,7 @@
 // the local launcher behind `q4train --nproc N`.
 #include "q4/trainer/distributed.h"
 
+#include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>

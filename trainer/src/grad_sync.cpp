@@ -1,6 +1,7 @@
 // ZeRO-2 gradient reductions and master broadcasts; see grad_sync.h.
 #include "q4/trainer/grad_sync.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include "q4/trainer/nvtx.h"

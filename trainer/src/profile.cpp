@@ -3,6 +3,7 @@
 // kernel time by name (scripts/bench/kernel_table.py). LibTorch 2.x only.
 #include "q4/trainer/profile.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 

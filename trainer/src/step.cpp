@@ -1,6 +1,7 @@
 // The one training step; see step.h.
 #include "q4/trainer/step.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 

@@ -5,7 +5,8 @@
 // a fast path must be about as close to it as the slow one (bf16 rounding of different
 // reduction orders is all that may differ). Skips without a GPU.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <map>
 #include <string>

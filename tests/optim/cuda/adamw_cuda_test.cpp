@@ -4,7 +4,8 @@
 // standalone codec against the CPU codec, the global norm, and the step's extra device memory
 // from the CUDA allocator statistics. Every test skips without a GPU.
 #include <gtest/gtest.h>
-#include <torch/torch.h>
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <cstdint>
 #include <cstdio>

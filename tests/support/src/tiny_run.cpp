@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "q4/test/files.h"
+#include "q4/test/temp_dir.h"
 
 namespace fs = std::filesystem;
 
@@ -42,6 +43,12 @@ fs::path TinyRun::write(const fs::path& dir) const {
   write_text(dir / data_file, data);
   write_text(dir / "config.yaml", yaml(dir));
   return dir / "config.yaml";
+}
+
+fs::path TinyRun::write_fresh(const std::string& group, const std::string& name) const {
+  const fs::path dir = fresh_dir(work_root(group) / name);
+  write(dir);
+  return dir;
 }
 
 std::vector<std::string> config_args(const fs::path& dir, const std::vector<std::string>& sets) {

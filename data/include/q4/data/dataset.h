@@ -4,7 +4,7 @@
 // lines are skipped and counted in a LoadSummary that the caller prints once.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
@@ -13,6 +13,7 @@
 
 #include "q4/data/chat.h"
 #include "q4/data/tokenizer.h"
+#include "q4/io/enum_names.h"
 
 namespace q4::data {
 
@@ -36,8 +37,9 @@ enum class OnError {
   kSkip,  // malformed lines are skipped and counted in LoadSummary
 };
 
-DataFormat parse_data_format(const std::string& name);  // "auto","tsv","jsonl"/"json","text"
-OnError parse_on_error(const std::string& name);        // "fail","skip"
+// The spellings in the tables below, any case; also "json" (jsonl) and "txt" (text).
+DataFormat parse_data_format(const std::string& name);
+OnError parse_on_error(const std::string& name);
 
 struct DatasetOptions {
   DataFormat format = DataFormat::kAuto;
@@ -62,8 +64,8 @@ struct LoadSummary {
   int64_t skipped = 0;                     // malformed lines skipped (OnError::kSkip)
   std::vector<SkippedLine> first_skipped;  // the first kMaxReported skipped lines
   static constexpr int64_t kMaxReported = 20;
-  int64_t tokens = 0;             // sum of example lengths
-  int64_t supervised_tokens = 0;  // sum of supervised labels
+  int64_t tokens = 0;                            // sum of example lengths
+  int64_t supervised_tokens = 0;                 // sum of supervised labels
   std::map<std::string, int64_t> jsonl_formats;  // JSONL: examples per detected shape
   bool json_array = false;  // the file is one JSON array of records (a .json file)
   // "jsonl (sharegpt)", "jsonl (mixed: alpaca 2, text 1)", "json array (alpaca)"; "" for
@@ -125,7 +127,7 @@ struct BatcherOptions {
   // window of the next `pack_window` examples of the epoch's order. A chat example is never
   // split. false: one example per row.
   bool pack = false;
-  int64_t pack_window = 256;   // packing: examples considered for each row (>= 1)
+  int64_t pack_window = 256;  // packing: examples considered for each row (>= 1)
   // Row length T of a batch: max_seq_len when `fixed_len` (stable shapes, e.g. for packed rows
   // on a GPU); otherwise the longest row rounded up to a multiple of `pad_multiple`, capped at
   // max_seq_len (1: exactly the longest row).
@@ -136,7 +138,7 @@ struct BatcherOptions {
   // are the same, only the padding between rows goes: for variable-length attention, which
   // needs no row structure (cu_seqlens separates the examples).
   bool flatten = false;
-  bool drop_last = false;      // drop the short final batch of each epoch
+  bool drop_last = false;  // drop the short final batch of each epoch
   Truncation truncation = Truncation::kCutLeft;
   int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)
 };
@@ -187,16 +189,16 @@ struct BatcherState {
 //                    segment of its own (padding attends only to padding), so the last entry is
 //                    B*T. max_seqlen is the longest of these segments (host int: no sync).
 struct Batch {
-  at::Tensor input_ids;                  // int64 [B, T]
-  at::Tensor labels;                     // int64 [B, T], kIgnoreIndex where not supervised
-  at::Tensor attention_mask;             // int64 [B, T], 1 real / 0 pad
-  at::Tensor position_ids;               // int64 [B, T]
-  at::Tensor segment_ids;                // int64 [B, T], 0 pad, 1..k segments
-  at::Tensor cu_seqlens;                 // int32 [S + 1], 0 .. B*T (see above)
-  int64_t max_seqlen = 0;                // longest segment of cu_seqlens
-  int64_t epoch = 0;                     // epoch this batch came from
-  int64_t real_tokens = 0;               // attention_mask.sum()
-  int64_t supervised_tokens = 0;         // count of labels[:, 1:] != -100 (what the loss averages)
+  at::Tensor input_ids;           // int64 [B, T]
+  at::Tensor labels;              // int64 [B, T], kIgnoreIndex where not supervised
+  at::Tensor attention_mask;      // int64 [B, T], 1 real / 0 pad
+  at::Tensor position_ids;        // int64 [B, T]
+  at::Tensor segment_ids;         // int64 [B, T], 0 pad, 1..k segments
+  at::Tensor cu_seqlens;          // int32 [S + 1], 0 .. B*T (see above)
+  int64_t max_seqlen = 0;         // longest segment of cu_seqlens
+  int64_t epoch = 0;              // epoch this batch came from
+  int64_t real_tokens = 0;        // attention_mask.sum()
+  int64_t supervised_tokens = 0;  // count of labels[:, 1:] != -100 (what the loss averages)
   int64_t slots() const { return input_ids.defined() ? input_ids.numel() : 0; }  // B * T
   std::vector<int64_t> example_indices;  // indices into the (post-truncation) example list
 };
@@ -248,3 +250,9 @@ class Batcher {
 };
 
 }  // namespace q4::data
+
+Q4_ENUM_NAMES(q4::data::DataFormat, {"auto", q4::data::DataFormat::kAuto},
+              {"tsv", q4::data::DataFormat::kTsv}, {"jsonl", q4::data::DataFormat::kJsonl},
+              {"text", q4::data::DataFormat::kText});
+Q4_ENUM_NAMES(q4::data::OnError, {"fail", q4::data::OnError::kFail},
+              {"skip", q4::data::OnError::kSkip});

@@ -5,7 +5,7 @@
 // Every check on file content throws c10::Error (one line: file, entry index, key, expected/found).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>

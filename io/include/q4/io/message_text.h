@@ -7,10 +7,6 @@
 
 namespace q4::io {
 
-// Strict UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the byte index
-// of the first invalid sequence, or npos.
-size_t utf8_invalid_at(const std::string& s);
-
 // `s` for a message: printable ASCII kept, multi-byte UTF-8 kept when all of `s` is valid UTF-8,
 // everything else (control bytes, DEL, quotes, backslashes, invalid bytes) as \xNN; cut at 200
 // bytes ("...").

@@ -9,7 +9,7 @@
 // data 8-byte aligned. Every error is one line naming the file and, where known, the tensor.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>

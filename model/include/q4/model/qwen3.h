@@ -6,7 +6,7 @@
 // differ from the master dtype); masters never require grad themselves.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>

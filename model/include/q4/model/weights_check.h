@@ -3,7 +3,7 @@
 // at load instead of surfacing later as skipped steps, a NaN export or a nameless quantizer error.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 

@@ -6,7 +6,7 @@
 // Arithmetic order is fixed (docs/optim.md) so that CPU and CUDA agree bit-for-bit where stated.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <functional>
@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "q4/io/enum_names.h"
+
 namespace q4::optim {
 
 // How the two Adam moments of a parameter are stored between steps.
@@ -22,7 +24,8 @@ enum class StateMode {
   kFp32,   // reference: m, v as fp32 tensors (8 bytes/element)
   kInt8,   // block-wise dynamic-tree int8 (m signed map, v zero-free map), block 256
   k4Bit,   // block-wise 4-bit: m signed dynamic-exponent map, v linear zero-free map, block 128
-  kNvfp4,  // E2M1 codes + E4M3 scale per 16 (docs/design.md#nvfp4-arithmetic), the NVFP4 weight format
+  kNvfp4,  // E2M1 codes + E4M3 scale per 16 (docs/design.md#nvfp4-arithmetic), the NVFP4 weight
+           // format
 };
 
 // How the fp32 result of an update is written into an fp16/bf16 master (fp32 masters: exact).
@@ -31,10 +34,9 @@ enum class MasterRounding {
   kStochastic,  // unbiased stochastic rounding from a counter-based hash (reproducible)
 };
 
-// "fp32" | "int8" | "4bit" | "nvfp4" (error names the accepted spellings).
+// The spellings are the tables below (errors name the accepted ones).
 StateMode parse_state_mode(const std::string& text);
 std::string to_string(StateMode mode);
-// "nearest" | "stochastic".
 MasterRounding parse_master_rounding(const std::string& text);
 std::string to_string(MasterRounding rounding);
 
@@ -213,3 +215,9 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elem
 double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm);
 
 }  // namespace q4::optim
+
+Q4_ENUM_NAMES(q4::optim::StateMode, {"fp32", q4::optim::StateMode::kFp32},
+              {"int8", q4::optim::StateMode::kInt8}, {"4bit", q4::optim::StateMode::k4Bit},
+              {"nvfp4", q4::optim::StateMode::kNvfp4});
+Q4_ENUM_NAMES(q4::optim::MasterRounding, {"stochastic", q4::optim::MasterRounding::kStochastic},
+              {"nearest", q4::optim::MasterRounding::kNearest});

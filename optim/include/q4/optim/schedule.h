@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "q4/io/enum_names.h"
+
 namespace q4::optim {
 
 enum class LrScheduleKind {
@@ -14,7 +16,7 @@ enum class LrScheduleKind {
   kLinear,    // warmup, then peak_lr -> min_lr linearly over the remaining steps
 };
 
-// "constant" | "cosine" | "linear".
+// The spellings are the table below.
 LrScheduleKind parse_lr_schedule_kind(const std::string& text);
 std::string to_string(LrScheduleKind kind);
 
@@ -42,3 +44,7 @@ class LrSchedule {
 };
 
 }  // namespace q4::optim
+
+Q4_ENUM_NAMES(q4::optim::LrScheduleKind, {"constant", q4::optim::LrScheduleKind::kConstant},
+              {"linear", q4::optim::LrScheduleKind::kLinear},
+              {"cosine", q4::optim::LrScheduleKind::kCosine});

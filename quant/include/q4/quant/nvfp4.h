@@ -4,7 +4,7 @@
 // kernels. Inputs may be fp32, fp16 or bf16; all arithmetic is fp32.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

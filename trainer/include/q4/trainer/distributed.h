@@ -4,7 +4,7 @@
 // sharded optimizer. docs/multi-gpu.md describes the scheme; this header only the mechanics.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <cstdint>

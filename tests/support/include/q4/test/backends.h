@@ -5,6 +5,7 @@
 // reference in one table, with the reason next to it.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 

@@ -47,6 +47,8 @@ struct TinyRun {
   // Writes dir/model.json, dir/<data_file> and dir/config.yaml (dir created if missing); returns
   // the config's path.
   std::filesystem::path write(const std::filesystem::path& dir) const;
+  // write() into the fresh folder work_root(group)/name; returns that folder.
+  std::filesystem::path write_fresh(const std::string& group, const std::string& name) const;
 };
 
 // {"--config", dir/config.yaml} followed by "--set", s for each of `sets`.

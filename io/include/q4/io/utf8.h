@@ -1,15 +1,17 @@
-// Private UTF-8 helpers shared by the tokenizer and the dataset loaders: strict validation
-// (no overlongs, no surrogates, nothing above U+10FFFF) that reports the first bad byte offset,
-// and lossy repair that replaces each maximal invalid subpart by U+FFFD (the same rule as
-// Rust's String::from_utf8_lossy, which HF tokenizers' decode uses).
+// The one UTF-8 decoder: strict validation (no overlongs, no surrogates, nothing above
+// U+10FFFF) that reports the first bad byte offset, code points one at a time, and lossy repair
+// that replaces each maximal invalid subpart by U+FFFD (the same rule as Rust's
+// String::from_utf8_lossy, which HF tokenizers' decode uses). Header-only: the tokenizer's inner
+// loops inline it.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
-namespace q4::data::utf8 {
+namespace q4::io::utf8 {
 
 // Length (1..4) of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid; then
 // *bad_len is the length of the maximal subpart to replace (>= 1).
@@ -44,6 +46,19 @@ inline size_t sequence_length(std::string_view s, size_t i, size_t* bad_len) {
   if (k > need) return need + 1;
   *bad_len = k;  // the lead byte plus the continuation bytes that were still valid
   return 0;
+}
+
+// The code point of the sequence starting at s[i] (i < s.size()) and its length; an invalid
+// sequence is U+FFFD with the length of its maximal subpart.
+inline std::pair<uint32_t, size_t> decode(std::string_view s, size_t i) {
+  size_t bad = 0;
+  const size_t len = sequence_length(s, i, &bad);
+  if (len == 0) return {0xFFFD, bad};
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data()) + i;
+  if (len == 1) return {p[0], 1};
+  uint32_t cp = p[0] & (0x7F >> len);
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (p[k] & 0x3F);
+  return {cp, len};
 }
 
 // Offset of the first invalid byte, or npos when `s` is valid UTF-8.
@@ -86,4 +101,4 @@ inline std::string repair(std::string_view s) {
   return out;
 }
 
-}  // namespace q4::data::utf8
+}  // namespace q4::io::utf8
