@@ -355,17 +355,11 @@ DataFormat parse_data_format(const std::string& name) {
   const std::string n = lower(name);
   if (n == "json") return DataFormat::kJsonl;
   if (n == "txt") return DataFormat::kText;
-  const auto format = io::enum_from_name<DataFormat>(n);
-  TORCH_CHECK(format, "data format: expected one of ", io::enum_choices<DataFormat>(), ", found \"",
-              name, "\"");
-  return *format;
+  return io::parse_enum<DataFormat>(n, "data format");
 }
 
 OnError parse_on_error(const std::string& name) {
-  const auto on_error = io::enum_from_name<OnError>(lower(name));
-  TORCH_CHECK(on_error, "on_error: expected one of ", io::enum_choices<OnError>(), ", found \"",
-              name, "\"");
-  return *on_error;
+  return io::parse_enum<OnError>(lower(name), "on_error");
 }
 
 std::string LoadSummary::format_name() const {

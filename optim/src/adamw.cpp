@@ -31,19 +31,13 @@
 namespace q4::optim {
 
 StateMode parse_state_mode(const std::string& text) {
-  const auto mode = io::enum_from_name<StateMode>(text);
-  TORCH_CHECK(mode, "state mode: expected one of ", io::enum_choices<StateMode>(), "; got '", text,
-              "'");
-  return *mode;
+  return io::parse_enum<StateMode>(text, "state mode");
 }
 
 std::string to_string(StateMode mode) { return io::enum_name(mode); }
 
 MasterRounding parse_master_rounding(const std::string& text) {
-  const auto rounding = io::enum_from_name<MasterRounding>(text);
-  TORCH_CHECK(rounding, "master rounding: expected one of ", io::enum_choices<MasterRounding>(),
-              "; got '", text, "'");
-  return *rounding;
+  return io::parse_enum<MasterRounding>(text, "master rounding");
 }
 
 std::string to_string(MasterRounding rounding) { return io::enum_name(rounding); }

@@ -9,10 +9,7 @@
 namespace q4::optim {
 
 LrScheduleKind parse_lr_schedule_kind(const std::string& text) {
-  const auto kind = io::enum_from_name<LrScheduleKind>(text);
-  TORCH_CHECK(kind, "schedule kind: expected one of ", io::enum_choices<LrScheduleKind>(),
-              "; got '", text, "'");
-  return *kind;
+  return io::parse_enum<LrScheduleKind>(text, "schedule kind");
 }
 
 std::string to_string(LrScheduleKind kind) { return io::enum_name(kind); }

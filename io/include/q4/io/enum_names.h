@@ -7,6 +7,8 @@
 // and everything else reads it through enum_name / enum_from_name / enum_choices.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <optional>
 #include <string>
 #include <string_view>
@@ -54,6 +56,15 @@ std::string enum_choices() {
     out += entry.first;
   }
   return out;
+}
+
+// The value spelled exactly `text`; otherwise a c10::Error "<what>: expected one of a, b, c; got
+// 'text'".
+template <typename E>
+E parse_enum(std::string_view text, const char* what) {
+  const std::optional<E> v = enum_from_name<E>(text);
+  TORCH_CHECK(v.has_value(), what, ": expected one of ", enum_choices<E>(), "; got '", text, "'");
+  return *v;
 }
 
 }  // namespace q4::io
