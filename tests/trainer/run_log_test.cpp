@@ -54,6 +54,8 @@ TEST(RunLog, StepRecordsAndLines) {
   so.res.applied = true;
   so.res.grad_norm = 1.25;
   const MemorySnapshot mem;
+  // The objective's values are written on logged steps, never over the log's own keys.
+  so.logged = {{"kl", at::full({}, 0.5)}, {"loss", at::full({}, 99.0)}};
   log.record_step(so, 1, 1e-3, 100.0, /*log_step=*/true, std::nullopt, mem, nullptr, 1);
   log.add_tokens(so.real_tokens);
   so.loss = 2.0;
@@ -71,6 +73,8 @@ TEST(RunLog, StepRecordsAndLines) {
   EXPECT_DOUBLE_EQ(r[1]["loss"].get<double>(), 3.0);
   EXPECT_DOUBLE_EQ(r[1]["grad_norm"].get<double>(), 1.25);
   EXPECT_EQ(r[1]["tokens"], 20);
+  EXPECT_DOUBLE_EQ(r[1]["kl"].get<double>(), 0.5);
+  EXPECT_FALSE(r[3].contains("kl"));  // step 3 is not logged
   EXPECT_DOUBLE_EQ(r[2]["val_loss"].get<double>(), 1.5);
   EXPECT_EQ(log.tokens_seen(), 40);
   // One log line (step 1), then the time estimate after the third step (of 4).

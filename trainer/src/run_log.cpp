@@ -222,7 +222,14 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
     m.val_loss = val->loss;
     m.val_tokens = val->tokens;
   }
-  const auto record = metrics_to_json(m);
+  auto record = metrics_to_json(m);
+  // The objective's own values (a distillation term, a preference margin), under the names it
+  // gives them; read on the host only on logged steps.
+  if (log_step) {
+    for (const auto& [name, value] : so.logged) {
+      if (!record.contains(name)) record[name] = value.item<double>();
+    }
+  }
   if (metrics_.is_open()) metrics_.write(record);
   if (tb_.is_open()) {
     auto train_only = record;  // the validation loss goes to val/loss

@@ -49,7 +49,8 @@ struct ObjectiveOutput {
   // (units(batch) of them). The step differentiates loss_sum / (the step's units).
   at::Tensor loss_sum;
   // Named () device tensors to log, each summed over the step's micro-batches and divided by
-  // the step's units; read on the host only when the step is logged.
+  // the step's units; read on the host only when the step is logged, and written to
+  // metrics.jsonl and TensorBoard under their names (a name metrics.jsonl already has is not).
   std::vector<std::pair<std::string, at::Tensor>> logged;
 };
 
