@@ -4,6 +4,7 @@
 // `trigger` leaf puts the taps into the graph. The layer checkpoint keeps only the layer input
 // and recomputes the layer under grad mode in backward (reentrant, as torch.utils.checkpoint).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 

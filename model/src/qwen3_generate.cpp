@@ -2,6 +2,7 @@
 // step attends to the cache. Only the last position's hidden state goes through lm_head. One
 // host synchronization per generated token (the argmax decides whether to stop).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 

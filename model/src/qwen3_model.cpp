@@ -3,6 +3,7 @@
 // Trainable masters stay in master_dtype and reach the forward through straight-through taps;
 // frozen weights are held once, in the compute dtype, as the forward uses them.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>

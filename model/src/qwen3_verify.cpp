@@ -8,6 +8,7 @@
 // idempotent in rare blocks (quantize(dequantize(q)) != q for ~0.5% of random blocks), so a
 // few elements of a trained tensor can differ; the message counts them.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <unordered_map>

@@ -4,6 +4,7 @@
 // step's peak extra device memory (CUDA allocator: peak during the step minus allocated before).
 // --layers/--scale shrink the set for smoke tests on CPU. Every line names the device.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
 
 #include <algorithm>

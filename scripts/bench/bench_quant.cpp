@@ -4,6 +4,7 @@
 // times quantize and dequantize. Runs on CUDA when available, otherwise on CPU (smaller default
 // shapes unless --full). Usage: bench_quant [--cpu] [--full] [--iters N]
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 

@@ -5,6 +5,7 @@
 // uninterrupted run's metrics and export bit for bit. One base run is shared by the tests (it is
 // built once under a file lock, since ctest runs every test in its own process).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>

@@ -7,6 +7,7 @@
 // weight that overflows in training is named, and --nproc 2 reports a truncated weights file in one
 // line.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>

@@ -3,6 +3,7 @@
 #include "q4/trainer/evaluator.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>

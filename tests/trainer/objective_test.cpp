@@ -4,6 +4,7 @@
 #include "q4/trainer/objective.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"

@@ -3,6 +3,7 @@
 // input_ids/labels from IN.dat, and writes logits, loss and grad.<HF name> (all fp32) to OUT.dat
 // for comparison with HF transformers. Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>

@@ -2,6 +2,7 @@
 #include "q4/trainer/evaluator.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cmath>
