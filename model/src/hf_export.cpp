@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "hf_interop_impl.h"
 #include "q4/io/atomic_file.h"
@@ -77,8 +78,7 @@ void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w
       for (int64_t r0 = 0; r0 < rows; r0 += step) {
         const int64_t n = std::min(step, rows - r0);
         at::Tensor x = at::empty({n, cols}, at::TensorOptions().dtype(elem_scalar_type(e.type)));
-        src.read_range(e.offset + static_cast<uint64_t>(r0) * row_bytes, x.nbytes(),
-                       x.data_ptr());
+        src.read_range(e.offset + static_cast<uint64_t>(r0) * row_bytes, x.nbytes(), x.data_ptr());
         w.append(x.to(st_storage_scalar_type(t.decl.dtype)).contiguous());
       }
       return;
@@ -119,8 +119,8 @@ void check_scales(const DatReader& src, const DatNvfp4Pair& p) {
       const int64_t k = static_cast<int64_t>(off + i);
       TORCH_CHECK(false, src.path(), ": entry '", s.key, "': block scale at row ",
                   k / blocks_per_row, ", block ", k % blocks_per_row, " is ",
-                  (b & 0x7F) == 0x7F ? "NaN" : "negative",
-                  " (byte 0x", "0123456789ABCDEF"[b >> 4], "0123456789ABCDEF"[b & 15],
+                  (b & 0x7F) == 0x7F ? "NaN" : "negative", " (byte 0x", "0123456789ABCDEF"[b >> 4],
+                  "0123456789ABCDEF"[b & 15],
                   "); HF NVFP4 scales must be finite and >= 0, refusing to export");
     }
   }
@@ -258,8 +258,8 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
       const DatEntry& se = src.entries()[pair->scale_index];
       if (p.group == ParamGroup::kLmHead) {
         // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
-        plan.push_back({{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr,
-                        *pair});
+        plan.push_back(
+            {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, *pair});
         lm_head_pair = pair;
         rep.lm_head_dequantized = true;
         ++rep.raw;
@@ -269,9 +269,10 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
       qdata_type = qe.type;
       const std::string m = module_of(p.name);
       plan.push_back({{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, qe.shape},
-                      OutTensor::Src::kCopy, &qe});
-      plan.push_back({{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy,
-                      &se});
+                      OutTensor::Src::kCopy,
+                      &qe});
+      plan.push_back(
+          {{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se});
       if (ct) {
         plan.push_back({{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
       } else {
@@ -328,10 +329,9 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   }
   json weight_map = json::object();
   for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string name =
-        shards.size() == 1 ? "model.safetensors"
-                           : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1,
-                                         shards.size());
+    const std::string name = shards.size() == 1 ? "model.safetensors"
+                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors",
+                                                              s + 1, shards.size());
     std::vector<SafetensorsWriter::Decl> decls;
     for (size_t i : shards[s]) {
       decls.push_back(plan[i].decl);
@@ -353,7 +353,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   }
   json index = {{"metadata", {{"total_size", rep.payload_bytes}}}, {"weight_map", weight_map}};
   io::write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(),
-                    index.dump(2) + "\n");
+                        index.dump(2) + "\n");
 
   // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
   std::vector<std::string> excluded = {"lm_head"};
@@ -370,10 +370,16 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     qc["quant_method"] = "modelopt";
   } else {
     const json ignore = excluded;
-    json weights = {{"num_bits", 4},        {"type", "float"},   {"strategy", "tensor_group"},
-                    {"group_size", 16},     {"symmetric", true}, {"dynamic", false},
-                    {"actorder", nullptr},  {"block_structure", nullptr},
-                    {"observer", "minmax"}, {"observer_kwargs", json::object()}};
+    json weights = {{"num_bits", 4},
+                    {"type", "float"},
+                    {"strategy", "tensor_group"},
+                    {"group_size", 16},
+                    {"symmetric", true},
+                    {"dynamic", false},
+                    {"actorder", nullptr},
+                    {"block_structure", nullptr},
+                    {"observer", "minmax"},
+                    {"observer_kwargs", json::object()}};
     qc = {{"quant_method", "compressed-tensors"},
           {"format", "nvfp4-pack-quantized"},
           {"quantization_status", "compressed"},

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "q4/io/bounded_read.h"

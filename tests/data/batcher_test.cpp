@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "q4/data/dataset.h"
@@ -135,8 +135,8 @@ TEST(Batcher, LongChatExamplesAreTruncatedNotDropped) {
     EXPECT_EQ(s.truncated, 2) << s.to_string();
     const auto& ex = b.examples();
     // Half a window (4 tokens) of prompt, then the first 4 answer tokens.
-    EXPECT_EQ(ex[0].input_ids, (std::vector<TokenId>{1016, 1017, 1018, 1019, 1020, 1021, 1022,
-                                                     1023}));
+    EXPECT_EQ(ex[0].input_ids,
+              (std::vector<TokenId>{1016, 1017, 1018, 1019, 1020, 1021, 1022, 1023}));
     EXPECT_EQ(ex[0].labels, (std::vector<TokenId>{kI, kI, kI, kI, 1020, 1021, 1022, 1023}));
     EXPECT_EQ(ex[1].labels, (std::vector<TokenId>{kI, kI, kI, kI, kI, kI, 2012, 2013}));
     EXPECT_EQ(s.supervised_tokens_cut, 30 - 4) << s.to_string();

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
@@ -274,7 +275,8 @@ TEST(E2E, SigintCheckpointsAndExits0) {
   const auto cfg = write_config(dir, 100000, 0);
   const std::string out = (dir / "a.out").string();
   const pid_t pid = spawn_logged(
-      kQ4train, {"--config", cfg.string(), "--set", "log.every=1", "--set", "eval.prompts=[]"}, out);
+      kQ4train, {"--config", cfg.string(), "--set", "log.every=1", "--set", "eval.prompts=[]"},
+      out);
   ASSERT_GE(pid, 0);
   // Wait until a few steps are logged, then interrupt.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -312,12 +314,12 @@ TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
   const auto cfg = write_config(dir, 12, 0);
   auto run = [&](const std::string& tag, bool in_backward, double max_norm) {
     const fs::path out = dir / tag;
-    const auto r = run_q4train({"--config", cfg.string(), "--set", "output.dir=" + out.string(),
-                                "--set", std::string("optim.in_backward=") +
-                                             (in_backward ? "true" : "false"),
-                                "--set", "train.max_grad_norm=" + std::to_string(max_norm),
-                                "--set", "eval.at_start=false", "--set", "eval.at_end=false"},
-                               dir / tag);
+    const auto r =
+        run_q4train({"--config", cfg.string(), "--set", "output.dir=" + out.string(), "--set",
+                     std::string("optim.in_backward=") + (in_backward ? "true" : "false"), "--set",
+                     "train.max_grad_norm=" + std::to_string(max_norm), "--set",
+                     "eval.at_start=false", "--set", "eval.at_end=false"},
+                    dir / tag);
     EXPECT_EQ(r.code, 0) << r.err;
     std::vector<double> losses;
     for (const auto& m : read_jsonl(out / "metrics.jsonl")) losses.push_back(m["loss"]);
@@ -355,8 +357,8 @@ TEST(E2EUx, StartAndEndSummaries) {
   ASSERT_TRUE(fs::exists(dir / "COMPLETE")) << read_text(dir / "base.err");
   const std::string out = read_text(dir / "base.out");
   EXPECT_TRUE(has(out, "run summary:")) << out;
-  for (const char* k : {"  model ", "  trainable ", "  data ", "  steps ", "  output ",
-                        "  memory ", "time: about "}) {
+  for (const char* k : {"  model ", "  trainable ", "  data ", "  steps ", "  output ", "  memory ",
+                        "time: about "}) {
     EXPECT_TRUE(has(out, k)) << k << "\n" << out;
   }
   EXPECT_FALSE(has(out, "beta1")) << "the config is dumped again";
@@ -388,10 +390,10 @@ TEST(E2EUx, ValidationLossAndWindowAverage) {
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 4, 0);
   write_text(dir / "eval.tsv", "What is 3 + 3?\t6.\nSay goodbye.\tBye!\n你好吗？\t很好。\n");
-  const auto r = run_q4train({"--config", cfg.string(), "--set",
-                              "data.eval_files=[" + (dir / "eval.tsv").string() + "]", "--set",
-                              "eval.every=2", "--set", "log.every=2", "--set", "eval.prompts=[]"},
-                             dir / "a");
+  const auto r = run_q4train(
+      {"--config", cfg.string(), "--set", "data.eval_files=[" + (dir / "eval.tsv").string() + "]",
+       "--set", "eval.every=2", "--set", "log.every=2", "--set", "eval.prompts=[]"},
+      dir / "a");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto c = load_cfg(dir);
   ASSERT_EQ(c.data.eval_files.size(), 1u);
@@ -435,10 +437,10 @@ TEST(E2EUx, EvalFractionHoldsOutExamples) {
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 1, 0);
   auto run_once = [&](const std::string& tag) {
-    return run_q4train({"--config", cfg.string(), "--set", "data.eval_fraction=0.25", "--set",
-                        "eval.prompts=[]", "--set", "output.export_path=none", "--set",
-                        "output.dir=" + (dir / tag).string()},
-                       dir / tag);
+    return run_q4train(
+        {"--config", cfg.string(), "--set", "data.eval_fraction=0.25", "--set", "eval.prompts=[]",
+         "--set", "output.export_path=none", "--set", "output.dir=" + (dir / tag).string()},
+        dir / tag);
   };
   const auto a = run_once("a");
   ASSERT_EQ(a.code, 0) << a.err;
@@ -451,8 +453,8 @@ TEST(E2EUx, EvalFractionHoldsOutExamples) {
   ASSERT_EQ(ma.size(), 2u);
   EXPECT_EQ(ma[0]["val_loss"], mb[0]["val_loss"]);
   EXPECT_EQ(ma[1]["val_loss"], mb[1]["val_loss"]);
-  const auto bad = run_q4train({"--config", cfg.string(), "--set", "data.eval_fraction=0.5"},
-                               dir / "bad");
+  const auto bad =
+      run_q4train({"--config", cfg.string(), "--set", "data.eval_fraction=0.5"}, dir / "bad");
   EXPECT_EQ(bad.code, 2);
   EXPECT_TRUE(has(bad.err, "data.eval_fraction")) << bad.err;
 }
@@ -463,9 +465,8 @@ TEST(E2EUx, WarmupIsClippedAndConfigMayBePositional) {
   const fs::path dir = work_root("e2e") / "smoke";
   q4::io::remove_tree(dir);
   const auto cfg = write_config(dir, 2, 0);
-  const auto r = run_q4train({cfg.string(), "--set", "eval.prompts=[]", "--set",
-                              "output.export_path=none"},
-                             dir / "a");
+  const auto r = run_q4train(
+      {cfg.string(), "--set", "eval.prompts=[]", "--set", "output.export_path=none"}, dir / "a");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(has(r.out, "warmup_steps 3 is longer than the run (train.steps 2); clipped to 2"))
       << r.out;
@@ -559,9 +560,9 @@ TEST(E2EUx, ResumeRefusesAChangedSchedule) {
   const std::string out_dir = "output.dir=" + (dir / "run").string();
   const std::string ck = (dir / "run" / "step_000040").string();
   const std::string config_before = read_text(dir / "run" / "config.yaml");
-  auto r = run_q4train({"--resume", ck, "--set", out_dir, "--set", "train.steps=41", "--set",
-                        "optim.lr=0.02"},
-                       dir / "a");
+  auto r = run_q4train(
+      {"--resume", ck, "--set", out_dir, "--set", "train.steps=41", "--set", "optim.lr=0.02"},
+      dir / "a");
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_TRUE(has(r.err, "train.steps 40 -> 41")) << r.err;
   EXPECT_TRUE(has(r.err, "optim.lr 0.01 -> 0.02")) << r.err;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "component_fixtures.h"
@@ -128,9 +129,8 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   state["grad_accum"] = 1;
   state["batch_size"] = plan.config().train.batch_size;
   std::ofstream(dir / kTrainStateFile) << state.dump(2) << "\n";
-  write_checkpoint_checksums(dir.string(),
-                             {shard_file_name(0, 2), shard_file_name(1, 2), kRngFile,
-                              kTrainStateFile});
+  write_checkpoint_checksums(
+      dir.string(), {shard_file_name(0, 2), shard_file_name(1, 2), kRngFile, kTrainStateFile});
   EXPECT_EQ(optimizer_files(resolve_resume_dir(dir.string())).size(), 2u);
 
   FakeState one(9);
@@ -138,8 +138,8 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   Checkpointer ck(resumed, out);
   ck.attach(one.optimizer, one.params, nullptr, one.schedule);
   int64_t told = 0;
-  const auto r = ck.restore(resolve_resume_dir(dir.string()), false,
-                            [&](int64_t accum) { told = accum; });
+  const auto r =
+      ck.restore(resolve_resume_dir(dir.string()), false, [&](int64_t accum) { told = accum; });
   EXPECT_EQ(r.step, 5);
   EXPECT_EQ(told, 2);  // the same global batch: 2 ranks x 1 = 1 rank x 2
   EXPECT_EQ(resumed.grad_accum(), 2);
@@ -187,8 +187,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
     optimizer_files(saved);
     ADD_FAILURE() << "expected a ConfigError";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("incomplete checkpoint (found 1 of 2"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("incomplete checkpoint (found 1 of 2"), std::string::npos)
         << e.what();
   }
 }

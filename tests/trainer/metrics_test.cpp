@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "q4/trainer/memory.h"
 
@@ -70,7 +71,8 @@ TEST(Metrics, Durations) {
   EXPECT_EQ(format_duration(7500), "2h05m");
   EXPECT_EQ(format_duration(-1), "-");
   EXPECT_EQ(format_progress_bar(5, 10, 10), "[#####.....] 5/10");
-  EXPECT_EQ(format_progress_bar(5, 10, 10, 2.345678, 187), "[#####.....] 5/10 loss 2.3457 eta 3m07s");
+  EXPECT_EQ(format_progress_bar(5, 10, 10, 2.345678, 187),
+            "[#####.....] 5/10 loss 2.3457 eta 3m07s");
   EXPECT_EQ(format_progress_bar(5, 10, 10, std::nan(""), 0), "[#####.....] 5/10 eta 0s");
 }
 

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 
@@ -187,20 +188,25 @@ TEST(Report, ReportWriterReadsAppendedRecordsAndMarksLivePages) {
   EXPECT_NE(page().find("<meta http-equiv=\"refresh\" content=\"10\">"), std::string::npos);
   {
     std::ofstream m(dir / "metrics.jsonl", std::ios::app);
-    m << R"({"step": 1, "loss": 4.0})" << "\n" << R"({"step": 2, "loss": 3.0})" << "\n"
+    m << R"({"step": 1, "loss": 4.0})"
+      << "\n"
+      << R"({"step": 2, "loss": 3.0})"
+      << "\n"
       << R"({"step": 3, "lo)";  // being written
   }
   EXPECT_TRUE(w.write(true));
   EXPECT_NE(page().find("2 steps logged; last step 2"), std::string::npos) << page();
   {
     std::ofstream m(dir / "metrics.jsonl", std::ios::app);
-    m << R"(ss": 2.5})" << "\n";
+    m << R"(ss": 2.5})"
+      << "\n";
   }
   EXPECT_FALSE(w.write(true, /*min_interval_s=*/3600));  // too soon: skipped
   EXPECT_TRUE(w.write(/*live=*/false));
   EXPECT_NE(page().find("3 steps logged; last step 3"), std::string::npos) << page();
   EXPECT_EQ(page().find("http-equiv"), std::string::npos);
-  std::ofstream(dir / "metrics.jsonl", std::ios::trunc) << R"({"step": 1, "loss": 4.0})" << "\n";
+  std::ofstream(dir / "metrics.jsonl", std::ios::trunc) << R"({"step": 1, "loss": 4.0})"
+                                                        << "\n";
   EXPECT_TRUE(w.write(false));
   EXPECT_NE(page().find("1 steps logged; last step 1"), std::string::npos) << page();
   q4::io::remove_tree(dir);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "component_fixtures.h"
@@ -59,8 +60,8 @@ TEST(RunLog, StepRecordsAndLines) {
   log.record_step(so, 1, 1e-3, 100.0, /*log_step=*/true, std::nullopt, mem, nullptr, 1);
   log.add_tokens(so.real_tokens);
   so.loss = 2.0;
-  log.record_step(so, 2, 1e-3, 100.0, /*log_step=*/false, Validation{1.5, 40, 1.0}, mem,
-                  nullptr, 1);
+  log.record_step(so, 2, 1e-3, 100.0, /*log_step=*/false, Validation{1.5, 40, 1.0}, mem, nullptr,
+                  1);
   log.add_tokens(so.real_tokens);
   EXPECT_EQ(out.str().find("time: about"), std::string::npos);
   log.record_step(so, 3, 1e-3, 100.0, /*log_step=*/false, std::nullopt, mem, nullptr, 1);

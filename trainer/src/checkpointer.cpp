@@ -14,6 +14,7 @@
 #include <iostream>
 #include <iterator>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "q4/io/remove_tree.h"
@@ -271,8 +272,8 @@ Checkpointer::Restored Checkpointer::restore(
   Restored r;
   r.step = state.at("step").get<int64_t>();
   if (!export_only && r.step > plan_.steps()) {
-    throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}",
-                                  ck.path, r.step, plan_.steps()));
+    throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}", ck.path,
+                                  r.step, plan_.steps()));
   }
   check_trainable_unchanged(ck, state);
   if (!export_only) {
@@ -285,9 +286,10 @@ Checkpointer::Restored Checkpointer::restore(
       const auto accum =
           grad_accum_for_world(ck_world, ck_accum, ck_batch, world, c.train.batch_size, ck.path);
       if (accum && *accum != plan_.grad_accum()) {
-        out_ << fmt::format("resume: checkpoint of {} rank(s) x grad_accum {} continues on {} "
-                            "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
-                            ck_world, ck_accum, world, *accum, ck_world * ck_accum * ck_batch);
+        out_ << fmt::format(
+            "resume: checkpoint of {} rank(s) x grad_accum {} continues on {} "
+            "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
+            ck_world, ck_accum, world, *accum, ck_world * ck_accum * ck_batch);
         plan_.rescale_grad_accum(*accum);
         if (on_grad_accum_change) on_grad_accum_change(*accum);
       }

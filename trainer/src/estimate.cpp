@@ -1,8 +1,10 @@
 // The analytic memory budget (see estimate.h).
 #include "q4/trainer/estimate.h"
 
-#include <algorithm>
 #include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "q4/optim/state_codec.h"
 #include "q4/trainer/memory.h"

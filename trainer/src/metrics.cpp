@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 namespace q4::trainer {
@@ -73,8 +74,7 @@ nlohmann::json metrics_to_json(const StepMetrics& m) {
   return j;
 }
 
-std::string format_progress_bar(int64_t step, int64_t total, int width, double loss,
-                                double eta_s) {
+std::string format_progress_bar(int64_t step, int64_t total, int width, double loss, double eta_s) {
   const double frac = total > 0 ? static_cast<double>(step) / static_cast<double>(total) : 1.0;
   const int filled = static_cast<int>(std::lround(frac * width));
   std::string bar = "[";

@@ -2,6 +2,7 @@
 #include "q4/trainer/probe.h"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 namespace q4::trainer {
 

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 #include "q4/trainer/run_dir.h"
 
@@ -262,9 +263,8 @@ std::string render_report_html(const ReportInput& in) {
   }
   const auto val = series_of(m, "val_loss");
   if (!val.empty()) {
-    const auto best = std::min_element(val.begin(), val.end(), [](const auto& a, const auto& b) {
-      return a.second < b.second;
-    });
+    const auto best = std::min_element(
+        val.begin(), val.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     summary += fmt::format(
         "<p class=\"summary\">validation loss {} at step {} (best {} at step {})</p>\n",
         num(val.back().second), num(val.back().first), num(best->second), num(best->first));

@@ -2,6 +2,7 @@
 #include "q4/test/files.h"
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 namespace fs = std::filesystem;

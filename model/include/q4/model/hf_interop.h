@@ -1,12 +1,13 @@
-// Hugging Face interop (docs/design.md#interoperability-and-scale): export of a .dat to a folder vLLM serves
-// (ModelOpt or compressed-tensors NVFP4 layout, lossless: every weight / weight_scale byte is the
-// .dat's qdata / scale byte; global scales 1.0), and import of an HF folder (BF16/FP16/FP32, or
-// either NVFP4 layout) into the shipped .dat layout. Both stream tensor by tensor (row chunks for
-// conversions), so memory stays about one tensor; both walk the Qwen3 parameter table.
+// Hugging Face interop (docs/design.md#interoperability-and-scale): export of a .dat to a folder
+// vLLM serves (ModelOpt or compressed-tensors NVFP4 layout, lossless: every weight / weight_scale
+// byte is the .dat's qdata / scale byte; global scales 1.0), and import of an HF folder
+// (BF16/FP16/FP32, or either NVFP4 layout) into the shipped .dat layout. Both stream tensor by
+// tensor (row chunks for conversions), so memory stays about one tensor; both walk the Qwen3
+// parameter table.
 #pragma once
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <utility>
@@ -56,12 +57,12 @@ void check_hf_export_dir(const std::string& out_dir,
 bool is_q4train_hf_export(const std::string& dir);
 
 struct HfExportReport {
-  int64_t quantized = 0;       // NVFP4 linears written in the quantized layout
-  int64_t raw = 0;             // raw tensors (embedding, norms, unquantized linears)
+  int64_t quantized = 0;             // NVFP4 linears written in the quantized layout
+  int64_t raw = 0;                   // raw tensors (embedding, norms, unquantized linears)
   bool lm_head_dequantized = false;  // the .dat's NVFP4 lm_head written as BF16
   bool tied = false;                 // no lm_head in the .dat: tie_word_embeddings true
   std::vector<std::string> shards;
-  std::vector<std::string> copied;   // tokenizer / generation config files
+  std::vector<std::string> copied;  // tokenizer / generation config files
   uint64_t payload_bytes = 0;
 };
 
@@ -74,13 +75,13 @@ HfExportReport export_hf(const DatReader& src, const nlohmann::json& config,
                          const std::string& out_dir, const HfExportOptions& opt);
 
 struct HfImportReport {
-  std::string source_format;   // "dense", "modelopt" or "compressed-tensors"
-  int64_t quantized = 0;       // linears quantized from float weights (NVFP4 rules)
-  int64_t copied_nvfp4 = 0;    // NVFP4 linears copied losslessly (global scale 1)
-  int64_t folded_nvfp4 = 0;    // NVFP4 linears whose global scale was folded into the blocks
+  std::string source_format;          // "dense", "modelopt" or "compressed-tensors"
+  int64_t quantized = 0;              // linears quantized from float weights (NVFP4 rules)
+  int64_t copied_nvfp4 = 0;           // NVFP4 linears copied losslessly (global scale 1)
+  int64_t folded_nvfp4 = 0;           // NVFP4 linears whose global scale was folded into the blocks
   int64_t folded_blocks_changed = 0;  // blocks whose values the E4M3 rounding changed
   int64_t raw = 0;
-  std::vector<std::string> ignored;  // tensors of the folder that are not Qwen3 parameters
+  std::vector<std::string> ignored;     // tensors of the folder that are not Qwen3 parameters
   bool lm_head_from_embedding = false;  // tied checkpoint: lm_head quantized from the embedding
   bool lm_head_raw = false;  // a q4train export of a raw lm_head: kept raw in its exported type
 };

@@ -9,11 +9,10 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "q4/data/dataset.h"
 #include "q4/model/qwen3.h"

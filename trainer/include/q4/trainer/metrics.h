@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 

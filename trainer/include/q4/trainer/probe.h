@@ -3,7 +3,7 @@
 // beside the measured values. CPU runs report the device fields as null.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
