@@ -6,6 +6,8 @@ function(q4_add_library name dir)
   set(_srcs ${_cpp})
   if(Q4_WITH_CUDA)
     file(GLOB _cu CONFIGURE_DEPENDS ${dir}/src/*.cu)
+    # Kernels compile alone: nvcc's time goes to code generation, not to headers.
+    set_source_files_properties(${_cu} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
     list(APPEND _srcs ${_cu})
   endif()
   if(NOT _srcs)

@@ -13,13 +13,12 @@
 #include <cerrno>
 #include <cstring>
 
+#include "posix_common.h"
+
 namespace q4::io {
 namespace {
 
 std::atomic<uint64_t> g_tmp_seq{0};
-constexpr size_t kIoChunkBytes = size_t{1} << 30;
-
-std::string errno_text(int err) { return std::strerror(err); }
 
 std::string parent_dir(const std::string& path) {
   const size_t slash = path.find_last_of('/');
@@ -31,7 +30,7 @@ std::string parent_dir(const std::string& path) {
 void write_fd(int fd, const void* data, size_t n, const std::string& name) {
   const auto* c = static_cast<const uint8_t*>(data);
   while (n > 0) {
-    const ssize_t w = ::write(fd, c, std::min(n, kIoChunkBytes));
+    const ssize_t w = ::write(fd, c, std::min<size_t>(n, kIoChunkBytes));
     if (w < 0 && errno == EINTR) continue;
     TORCH_CHECK(w > 0, name,
                 ": write failed: ", w == 0 ? std::string("no progress") : errno_text(errno));

@@ -21,6 +21,7 @@
 #include "q4/io/bounded_read.h"
 #include "q4/io/message_text.h"
 #include "q4/io/utf8.h"
+#include "posix_common.h"
 
 namespace q4::io {
 
@@ -29,11 +30,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, ".dat payloads are litt
 namespace {
 
 constexpr size_t kHeaderWindowBytes = 4096;            // reader's header read-ahead
-constexpr uint64_t kIoChunkBytes = uint64_t{1} << 30;  // per copy_file_range call (< 2 GiB)
 constexpr size_t kCopyChunkBytes = size_t{8} << 20;    // pread/write copy fallback
 constexpr size_t kWriteBufferBytes = size_t{1} << 20;  // writer coalescing buffer
-
-std::string errno_text(int err) { return std::strerror(err); }
 
 void encode_uleb128(uint64_t v, std::vector<uint8_t>& out) {
   do {

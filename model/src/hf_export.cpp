@@ -27,7 +27,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr int64_t kChunkElems = int64_t{1} << 22;  // row chunks of conversions
 
 // One output tensor and how to produce its bytes.
 struct OutTensor {
@@ -73,7 +72,7 @@ void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w
       const DatEntry& e = *t.entry;
       const int64_t rows = e.shape.empty() ? 1 : e.shape[0];
       const int64_t cols = rows ? e.numel() / std::max<int64_t>(rows, 1) : 0;
-      const int64_t step = std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1));
+      const int64_t step = std::max<int64_t>(1, kHfChunkElems / std::max<int64_t>(cols, 1));
       const uint64_t row_bytes = static_cast<uint64_t>(cols) * elem_size_bytes(e.type);
       for (int64_t r0 = 0; r0 < rows; r0 += step) {
         const int64_t n = std::min(step, rows - r0);
@@ -87,7 +86,7 @@ void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w
       const DatNvfp4Pair& p = t.pair;
       const DatEntry& q = src.entries()[p.qdata_index];
       const DatEntry& s = src.entries()[p.scale_index];
-      const int64_t step = std::max<int64_t>(1, kChunkElems / p.cols);
+      const int64_t step = std::max<int64_t>(1, kHfChunkElems / p.cols);
       for (int64_t r0 = 0; r0 < p.rows; r0 += step) {
         const int64_t n = std::min(step, p.rows - r0);
         at::Tensor qd = at::empty({n, p.cols / 2}, at::TensorOptions().dtype(at::kByte));

@@ -28,7 +28,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-constexpr int64_t kChunkElems = int64_t{1} << 22;
 
 bool is_float(StDtype t) { return t == StDtype::kF16 || t == StDtype::kBF16 || t == StDtype::kF32; }
 
@@ -38,7 +37,7 @@ ElemType elem_of(StDtype t) {
 }
 
 int64_t rows_per_chunk(int64_t cols) {
-  return std::max<int64_t>(1, kChunkElems / std::max<int64_t>(cols, 1));
+  return std::max<int64_t>(1, kHfChunkElems / std::max<int64_t>(cols, 1));
 }
 
 std::string where(const SafetensorsModel::Ref& r) {

@@ -14,16 +14,13 @@
 namespace q4::data {
 namespace {
 
+using test::expect_same;
+
 Dataset load(const std::string& content, const std::string& system = "") {
   DatasetOptions o;
   o.format = DataFormat::kJsonl;
   o.system_prompt = system;
   return load_dataset_from_string(content, "f.jsonl", test::qwen3_tokenizer(), o);
-}
-
-void expect_same(const Example& a, const Example& b) {
-  EXPECT_EQ(a.input_ids, b.input_ids);
-  EXPECT_EQ(a.labels, b.labels);
 }
 
 TEST(DatasetFormats, TrlPromptCompletionStrings) {

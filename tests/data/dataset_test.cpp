@@ -14,6 +14,8 @@
 namespace q4::data {
 namespace {
 
+using test::expect_same;
+
 using q4::test::error_of;
 
 DatasetOptions with(DataFormat f, OnError e = OnError::kFail, std::string system = "") {
@@ -22,11 +24,6 @@ DatasetOptions with(DataFormat f, OnError e = OnError::kFail, std::string system
   o.on_error = e;
   o.system_prompt = std::move(system);
   return o;
-}
-
-void expect_same(const Example& a, const Example& b) {
-  EXPECT_EQ(a.input_ids, b.input_ids);
-  EXPECT_EQ(a.labels, b.labels);
 }
 
 TEST(Dataset, TsvPairsHeaderCommentsCrlf) {

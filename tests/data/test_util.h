@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/test/files.h"
 
@@ -56,5 +57,11 @@ class TempFile {
  private:
   std::string path_;
 };
+
+// The same ids and labels.
+inline void expect_same(const Example& a, const Example& b) {
+  EXPECT_EQ(a.input_ids, b.input_ids);
+  EXPECT_EQ(a.labels, b.labels);
+}
 
 }  // namespace q4::data::test

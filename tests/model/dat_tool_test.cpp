@@ -23,6 +23,7 @@
 #include "q4/model/qwen3_config.h"
 #include "q4/quant/nvfp4.h"
 #include "temp_dir.h"
+#include "tiny_fixture.h"
 
 namespace q4::model {
 namespace {
@@ -33,7 +34,6 @@ using io::DatWriter;
 using io::ElemType;
 
 const std::string kTool = std::string(Q4_BIN_DIR) + "/q4dat";
-const std::string kFixtures = Q4_FIXTURES_DIR;
 
 struct ToolRun {
   int code;
@@ -311,8 +311,7 @@ TEST_F(DatToolTest, QuantizeRejectsBadTargetsAndWritesNothing) {
 TEST_F(DatToolTest, OutputsNeverReplaceAFileUnlessTold) {
   write_sample(path("in.dat"));
   const std::string in_bytes = slurp(path("in.dat"));
-  ASSERT_EQ(q4dat("quantize " + path("in.dat") + " " + path("q.dat") + " --match '^x\\.'").code,
-            0);
+  ASSERT_EQ(q4dat("quantize " + path("in.dat") + " " + path("q.dat") + " --match '^x\\.'").code, 0);
   const std::string q_bytes = slurp(path("q.dat"));
   std::ofstream(path("user.dat")) << "the user's file";
   ToolRun r = q4dat("dequantize " + path("q.dat") + " " + path("user.dat"));

@@ -18,13 +18,10 @@
 #include "q4/model/qwen3_config.h"
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
+#include "tiny_fixture.h"
 
 namespace q4::model {
 namespace {
-
-const std::string kFixtures = Q4_FIXTURES_DIR;
-const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
-const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
 
 // `cmd_line` with its stdout discarded and its stderr in dir/stderr.
 q4::test::Result run_tool(const std::string& dir, const std::string& cmd_line) {

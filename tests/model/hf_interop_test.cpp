@@ -22,14 +22,13 @@
 #include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
 #include "q4/test/files.h"
+#include "tiny_fixture.h"
 
 namespace q4::model {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
-const std::string kConfig = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
 
 json read_json(const fs::path& p) {
   std::ifstream in(p);
@@ -289,8 +288,8 @@ TEST_F(HfInteropTest, FoldsGlobalScales) {
     {
       SafetensorsWriter w((out / "model.safetensors").string(), decls, in.metadata());
       for (const auto& t : in.tensors()) {
-        const bool global = t.name.find(ct ? "weight_global_scale" : "weight_scale_2") !=
-                            std::string::npos;
+        const bool global =
+            t.name.find(ct ? "weight_global_scale" : "weight_scale_2") != std::string::npos;
         w.append(global ? at::full(t.shape, ct ? 0.5f : 2.0f) : in.load(t));
       }
       w.commit();
@@ -307,8 +306,8 @@ TEST_F(HfInteropTest, FoldsGlobalScales) {
       const at::Tensor want = q4::quant::e4m3_decode(qa.scale) * 2;
       const at::Tensor got = q4::quant::e4m3_decode(qb.scale);
       changed += got.ne(want).sum().item<int64_t>();
-      EXPECT_TRUE(at::equal(got, at::minimum(want, at::full_like(want, 448)).where(
-                                     got.eq(want) | want.gt(448), got)))
+      EXPECT_TRUE(at::equal(
+          got, at::minimum(want, at::full_like(want, 448)).where(got.eq(want) | want.gt(448), got)))
           << p.name;
     }
     EXPECT_EQ(rep.folded_blocks_changed, changed);

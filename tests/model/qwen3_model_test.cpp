@@ -6,10 +6,10 @@
 // configuration and checkpointing memory (Qwen3ModelCuda, skipped without a GPU).
 // Tolerances are the fixture's (tests/fixtures/README.md): logits/loss rtol 1e-4 atol 1e-5,
 // gradients atol 1e-5 + rtol 1e-3 (fp32 reassociation across implementations).
-#include <ATen/CPUGeneratorImpl.h>
-#include <gtest/gtest.h>
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -28,6 +28,7 @@
 #include "q4/quant/nvfp4.h"
 #include "q4/test/backends.h"
 #include "q4/test/files.h"
+#include "tiny_fixture.h"
 
 #if Q4_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -35,11 +36,6 @@
 
 namespace q4::model {
 namespace {
-
-const std::string kFixtures = Q4_FIXTURES_DIR;
-const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
-const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
-const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
 
 std::string temp_path(const std::string& name) {
   return ::testing::TempDir() + "/q4model_" + std::to_string(::getpid()) + "_" + name;
@@ -78,13 +74,13 @@ std::string worst(const at::Tensor& a, const at::Tensor& e, double rtol, double 
          std::to_string(e32.abs().max().item<double>());
 }
 
-#define EXPECT_CLOSE(a, e, rtol, atol, what)                                                 \
-  do {                                                                                       \
-    ASSERT_EQ((a).sizes(), (e).sizes()) << what;                                             \
-    EXPECT_LE(excess((a), (e), (rtol), (atol)), 0.0)                                         \
-        << what << ": max |diff| "                                                           \
-        << ((a).to(at::kFloat).cpu() - (e).to(at::kFloat).cpu()).abs().max().item<double>()  \
-        << worst((a), (e), (rtol), (atol));                                                  \
+#define EXPECT_CLOSE(a, e, rtol, atol, what)                                                \
+  do {                                                                                      \
+    ASSERT_EQ((a).sizes(), (e).sizes()) << what;                                            \
+    EXPECT_LE(excess((a), (e), (rtol), (atol)), 0.0)                                        \
+        << what << ": max |diff| "                                                          \
+        << ((a).to(at::kFloat).cpu() - (e).to(at::kFloat).cpu()).abs().max().item<double>() \
+        << worst((a), (e), (rtol), (atol));                                                 \
   } while (0)
 
 // Loss + backward; returns grads by parameter name (fp32, zeros when undefined).
@@ -667,7 +663,6 @@ TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   EXPECT_GT(loss_acts(deep, nock), 4 * a36);
 }
 
-
 // Two examples packed into one row (segments, restarted positions, the second example's first
 // label ignored, cu_seqlens given) against the same examples as two unpacked rows: the summed
 // loss and every gradient agree to fp32 rounding (the masked path; cu_seqlens is only a hint
@@ -728,7 +723,6 @@ TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
   }
 }
 
-
 // The in-backward hook hands over every trainable parameter exactly once per backward, with the
 // same gradient the buffered run leaves in Parameter::grad, and frees it afterwards; with and
 // without checkpointing (where the taps enter the graph only in the recompute).
@@ -759,7 +753,6 @@ TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
     }
   }
 }
-
 
 // The streaming export check: after changing every trainable master (fp32 masters, so raw
 // tensors must be rounded to the file's fp16), an export reproduces the trained forward weights:
@@ -844,11 +837,6 @@ Q4_INSTANTIATE_BACKENDS(Qwen3Backend);
 // Every test skips without a GPU.
 #define SKIP_WITHOUT_CUDA() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
-
-double rel_err(const at::Tensor& a, const at::Tensor& e) {
-  at::Tensor a32 = a.to(at::kFloat).cpu(), e32 = e.to(at::kFloat).cpu();
-  return ((a32 - e32).norm() / e32.norm().clamp_min(1e-30)).item<double>();
-}
 
 // fp32_all (everything trainable, checkpointing) on the GPU in the given dtypes.
 ModelOptions cuda_options(at::ScalarType master, at::ScalarType compute, at::ScalarType grad) {

@@ -2,6 +2,8 @@
 // Python safetensors package here; scripts/interop/check_hf_export.py checks our writer's output
 // with the real package on the GPU machine), hostile headers (each must fail with one line naming
 // the file and the tensor), and writer -> reader round trips, including a sharded folder.
+#include "q4/io/safetensors.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -11,7 +13,6 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/io/remove_tree.h"
-#include "q4/io/safetensors.h"
 
 namespace q4::io {
 namespace {
@@ -31,8 +32,8 @@ class SafetensorsTest : public ::testing::Test {
   std::string path(const std::string& n) const { return (dir_ / n).string(); }
 
   // Raw file: 8-byte LE header length, header text, data bytes.
-  std::string write_raw(const std::string& name, const std::string& header,
-                        const std::string& data, int64_t len_override = -1) {
+  std::string write_raw(const std::string& name, const std::string& header, const std::string& data,
+                        int64_t len_override = -1) {
     std::string bytes(8, '\0');
     const uint64_t n = len_override >= 0 ? static_cast<uint64_t>(len_override) : header.size();
     for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
@@ -59,9 +60,9 @@ TEST_F(SafetensorsTest, ReadsHandAssembledFile) {
       R"("b":{"dtype":"F8_E4M3","shape":[2,2],"data_offsets":[8,12]},)"
       R"("c":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}})";
   std::string data;
-  data += std::string("\x01\x00\xFF\x7F", 4);   // c: int16 {1, 32767}
-  data += std::string("\x80\x3F\x00\xC0", 4);   // a: bf16 {1.0, -2.0}
-  data += std::string("\x38\x7E\x00\x01", 4);   // b: e4m3 bits
+  data += std::string("\x01\x00\xFF\x7F", 4);  // c: int16 {1, 32767}
+  data += std::string("\x80\x3F\x00\xC0", 4);  // a: bf16 {1.0, -2.0}
+  data += std::string("\x38\x7E\x00\x01", 4);  // b: e4m3 bits
   const SafetensorsFile f(write_raw("x.safetensors", header, data));
   ASSERT_EQ(f.tensors().size(), 3u);
   EXPECT_EQ(f.tensors()[0].name, "c");  // data order
@@ -82,7 +83,7 @@ TEST_F(SafetensorsTest, ReadsHandAssembledFile) {
 
 TEST_F(SafetensorsTest, EveryDtypeHasItsSize) {
   const std::pair<const char*, size_t> all[] = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},   {"I16", 2}, {"I32", 4},     {"I64", 8},
+      {"BOOL", 1}, {"U8", 1},   {"I8", 1},  {"I16", 2}, {"I32", 4},     {"I64", 8},
       {"F16", 2},  {"BF16", 2}, {"F32", 4}, {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
   for (const auto& [name, size] : all) {
     const auto t = st_dtype_from_name(name);
@@ -125,8 +126,8 @@ TEST_F(SafetensorsTest, HostileHeadersAreOneLineErrors) {
       {R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", d8, -1,
        "tensor 'w': shape"},
       {R"({"w":{"dtype":"F32","shape":[2]}})", d8, -1, "tensor 'w': data_offsets must be"},
-      {R"({"__metadata__":{"k":1},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", d8,
-       -1, "__metadata__ entry 'k' is not a string"},
+      {R"({"__metadata__":{"k":1},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", d8, -1,
+       "__metadata__ entry 'k' is not a string"},
       {R"({"w\n":{"dtype":"F32","shape":[2],"data_offsets":[0,9]}})", d8, -1, "tensor 'w\\x0A'"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -138,8 +139,7 @@ TEST_F(SafetensorsTest, HostileHeadersAreOneLineErrors) {
     EXPECT_EQ(msg.find('\n'), std::string::npos) << i << ": " << msg;
   }
   std::ofstream(path("short.safetensors")) << "abc";
-  EXPECT_NE(error_of(path("short.safetensors")).find("shorter than the 8-byte"),
-            std::string::npos);
+  EXPECT_NE(error_of(path("short.safetensors")).find("shorter than the 8-byte"), std::string::npos);
 }
 
 TEST_F(SafetensorsTest, WriterRoundTripAlignedAndAtomic) {
@@ -148,8 +148,10 @@ TEST_F(SafetensorsTest, WriterRoundTripAlignedAndAtomic) {
   const at::Tensor e = at::empty({0, 4}, at::kHalf);
   {
     SafetensorsWriter w(path("w.safetensors"),
-                        {{"b", StDtype::kI64, {3}}, {"a", StDtype::kBF16, {2, 3}},
-                         {"e", StDtype::kF16, {0, 4}}, {"s", StDtype::kF32, {}}},
+                        {{"b", StDtype::kI64, {3}},
+                         {"a", StDtype::kBF16, {2, 3}},
+                         {"e", StDtype::kF16, {0, 4}},
+                         {"s", StDtype::kF32, {}}},
                         {{"format", "pt"}});
     w.append(b);
     w.append(a.narrow(0, 0, 1));  // row chunks

@@ -23,14 +23,13 @@ namespace {
 
 using test::bit_equal;
 using test::gen;
+using test::kAllModes;
+using test::kPacked;
 
 std::string tmp_path(const std::string& name) {
   return std::string(::testing::TempDir()) + "/q4optim_" + name + "_" + std::to_string(::getpid());
 }
 
-const StateMode kAllModes[] = {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit,
-                               StateMode::kNvfp4};
-const StateMode kPacked[] = {StateMode::kInt8, StateMode::k4Bit, StateMode::kNvfp4};
 
 // ---------------------------------------------------------------- scalar reference
 

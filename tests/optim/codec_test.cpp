@@ -17,6 +17,7 @@ namespace q4::optim {
 namespace {
 
 using test::bit_equal;
+using test::kPacked;
 
 // Moment-like test data: per-block magnitudes spread over `decades` decades.
 at::Tensor moment_like(int64_t n, Moment moment, double decades, uint64_t seed) {
@@ -28,7 +29,6 @@ at::Tensor moment_like(int64_t n, Moment moment, double decades, uint64_t seed) 
   return x;
 }
 
-const StateMode kPacked[] = {StateMode::kInt8, StateMode::k4Bit, StateMode::kNvfp4};
 
 TEST(OptimCodec, MapsAreSortedAndSecondMomentMapsHaveNoZero) {
   EXPECT_EQ(moment_code_map(StateMode::kInt8, Moment::kFirst).size(), 256u);

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "q4/optim/adamw.h"
 #include "q4/test/error_of.h"
 
 namespace q4::optim::test {
@@ -21,6 +22,11 @@ inline bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
 }
 
 inline at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+// Every state mode, and the block-packed ones.
+inline constexpr StateMode kAllModes[] = {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit,
+                                          StateMode::kNvfp4};
+inline constexpr StateMode kPacked[] = {StateMode::kInt8, StateMode::k4Bit, StateMode::kNvfp4};
 
 using q4::test::error_of;
 

@@ -4,14 +4,15 @@
 // ATen ops. Both are also measured against an fp32 CUDA reference of the same packed batch, so
 // a fast path must be about as close to it as the slow one (bf16 rounding of different
 // reduction orders is all that may differ). Skips without a GPU.
-#include <gtest/gtest.h>
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 #include <torch/cuda.h>
 
 #include <map>
 #include <string>
 #include <vector>
 
+#include "../tiny_fixture.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -19,15 +20,8 @@
 namespace q4::model {
 namespace {
 
-const std::string kFixtures = Q4_FIXTURES_DIR;
-
 #define SKIP_WITHOUT_CUDA() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
-
-double rel_err(const at::Tensor& a, const at::Tensor& e) {
-  at::Tensor a32 = a.to(at::kFloat).cpu(), e32 = e.to(at::kFloat).cpu();
-  return ((a32 - e32).norm() / e32.norm().clamp_min(1e-30)).item<double>();
-}
 
 // Two rows of T = 32: row 0 packs examples of 9, 13 and 6 tokens plus 4 pads, row 1 packs 20
 // and 12. Labels are the ids (first token of each example ignored), padding -100.
@@ -113,7 +107,8 @@ TEST(VarlenFusedCuda, VarlenAndFusedTrackTheMaskedReference) {
   const auto varlen = run(at::kHalf, at::kBFloat16, at::kBFloat16, in, true, false);
   const auto fast = run(at::kHalf, at::kBFloat16, at::kBFloat16, in, true, true);
   std::string wm, wv, wf;
-  const double em = worst(masked, ref, &wm), ev = worst(varlen, ref, &wv), ef = worst(fast, ref, &wf);
+  const double em = worst(masked, ref, &wm), ev = worst(varlen, ref, &wv),
+               ef = worst(fast, ref, &wf);
   std::cout << "rel err vs fp32: masked " << em << " (" << wm << "), varlen " << ev << " (" << wv
             << "), varlen+fused " << ef << " (" << wf << ")\n";
   // bf16 activations: the slow path itself is ~1e-2 off the fp32 reference; the fast paths may

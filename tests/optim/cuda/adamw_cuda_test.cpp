@@ -30,6 +30,8 @@
 namespace q4::optim {
 namespace {
 
+using test::kAllModes;
+
 #define Q4_REQUIRE_CUDA()                                            \
   do {                                                               \
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU"; \
@@ -45,8 +47,6 @@ std::string read_bytes(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-const StateMode kAllModes[] = {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit,
-                               StateMode::kNvfp4};
 
 TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
   Q4_REQUIRE_CUDA();

@@ -1,0 +1,23 @@
+// The tiny Qwen3 fixture the model tests share (tests/fixtures/qwen3_tiny.*: config, weights and
+// the HF transformers outputs they are checked against), and a relative error for comparing
+// outputs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace q4::model {
+
+inline const std::string kFixtures = Q4_FIXTURES_DIR;
+inline const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
+inline const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
+inline const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
+
+// ||a - e|| / ||e|| in fp32 on the host.
+inline double rel_err(const at::Tensor& a, const at::Tensor& e) {
+  at::Tensor a32 = a.to(at::kFloat).cpu(), e32 = e.to(at::kFloat).cpu();
+  return ((a32 - e32).norm() / e32.norm().clamp_min(1e-30)).item<double>();
+}
+
+}  // namespace q4::model
