@@ -64,7 +64,7 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     ctx->saved_data["grad_dtype"] = grad_dtype;
     auto* p = int_to_ptr<Parameter>(param);
     const auto cd = static_cast<at::ScalarType>(compute_dtype);
-    if (p->quantized) {
+    if (p->quantized && int_to_ptr<const Qwen3Model::Impl>(impl)->opt.fake_quant) {
       // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
       // catches NaN/Inf through the loss and gradients); on CPU it still raises.
       return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p->name);

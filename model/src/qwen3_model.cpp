@@ -322,7 +322,7 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
     p->quantized = quantized;
     if (p->trainable) {
       p->master = w.to(m.opt.master_dtype).contiguous();
-    } else if (quantized) {
+    } else if (quantized && m.opt.fake_quant) {
       p->master = q4::quant::fake_quant_nvfp4_forward(w, p->name).to(m.opt.compute_dtype);
     } else {
       p->master = w.to(m.opt.compute_dtype).contiguous();
@@ -420,7 +420,7 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
     w = w.to(m.opt.device);
     if (p.trainable) {
       p.master = w.to(m.opt.master_dtype);
-    } else if (p.quantized) {
+    } else if (p.quantized && m.opt.fake_quant) {
       p.master = q4::quant::fake_quant_nvfp4_forward(w, p.name).to(m.opt.compute_dtype);
     } else {
       p.master = w.to(m.opt.compute_dtype);

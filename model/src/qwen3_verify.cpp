@@ -29,10 +29,14 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
   const at::Device dev = m.opt.device;
   const at::ScalarType cd = m.opt.compute_dtype;
   c10::NoGradGuard no_grad;
-  // What this model's forward multiplies by, for a row range of the master.
+  // What this model's forward multiplies by, for a row range of the master; for an NVFP4 linear
+  // of a plain-precision model (no fake quantization), what the export quantizer makes of it:
+  // the NVFP4 export of such a model is its post-training quantization.
   auto forward_weight = [&](const Parameter& p, const at::Tensor& master) {
+    if (p.quantized && (p.trainable || !m.opt.fake_quant)) {
+      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name);
+    }
     if (!p.trainable) return master;
-    if (p.quantized) return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name);
     return master.to(cd);
   };
   std::vector<std::string> differ;

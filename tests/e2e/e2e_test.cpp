@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -193,6 +194,30 @@ TEST(E2E, ExportReloadsToTheSameLogits) {
   const double diff = (la - lb).abs().max().item<double>();
   EXPECT_LT(diff, 0.05 * scale) << "max |diff| " << diff << " of logits up to " << scale;
   EXPECT_TRUE(at::equal(la.argmax(-1), lb.argmax(-1)));
+}
+
+// Plain precision: the linears train as dense masters (no straight-through quantizer), the
+// summary says so, and the NVFP4 export is the export quantizer's rounding of the trained masters,
+// which the export check confirms. Its loss differs from the same run with fake quantization.
+TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantization) {
+  std::vector<std::string> losses;
+  for (const bool plain : {true, false}) {
+    TinyRun t;
+    t.steps = 3;
+    t.model_extra = plain ? "  fake_quant: false\n" : "";
+    t.log = "  tensorboard: false\n  report: false\n";
+    const fs::path dir = t.write_fresh("e2e", plain ? "plain" : "qat");
+    const Result r = run_in(dir, "run", kQ4train + quoted(config_args(dir)));
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_EQ(r.out.find("plain precision") != std::string::npos, plain) << r.out;
+    // Equal, or off by the re-quantization the check expects of any trained NVFP4 tensor.
+    EXPECT_TRUE(std::regex_search(r.out, std::regex("export check: \\d+/\\d+ tensors"))) << r.out;
+    EXPECT_EQ(r.out.find("FAILED"), std::string::npos) << r.out;
+    const auto records = read_jsonl(dir / "run" / "metrics.jsonl");
+    ASSERT_FALSE(records.empty());
+    losses.push_back(records.back()["loss"].dump());
+  }
+  EXPECT_NE(losses[0], losses[1]);  // the quantizer changes what trains
 }
 
 TEST(E2E, ResumeEqualsUninterruptedRun) {

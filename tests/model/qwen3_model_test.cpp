@@ -935,3 +935,62 @@ TEST(Qwen3ModelCuda, CheckpointingPeakGrowsByOneLayerInput) {
 
 }  // namespace
 }  // namespace q4::model
+
+namespace q4::model {
+namespace {
+
+// Plain precision (fake_quant off): an NVFP4 linear computes with its master as it is. Reference:
+// the same weights stored raw (fp32 entries, no NVFP4 pair), which load() never fake-quantizes.
+// After a linear's master moves off the NVFP4 grid, the plain model's loss and gradients equal the
+// raw model's bit for bit, and the straight-through model's loss differs (it rounds the master).
+TEST(Qwen3Model, PlainPrecisionComputesWithTheMasters) {
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  const ModelInputs in = fixture_inputs(e);
+  const std::string moved = "model.layers.1.mlp.down_proj.weight";
+  const at::Tensor noise =
+      at::randn({64, 192}, at::make_generator<at::CPUGeneratorImpl>(3), at::kFloat) * 1e-3;
+  // The fixture with every NVFP4 pair dequantized to a raw fp32 entry.
+  const std::string raw_path = temp_path("plain_raw.dat");
+  {
+    const auto pairs = w.nvfp4_pairs(/*strict=*/true);
+    io::DatWriter out(raw_path, w.entries().size() - pairs.size());
+    for (const auto& p : pairs) {
+      const quant::Nvfp4Tensor q = w.load_nvfp4(p);
+      out.add(p.name, quant::dequantize_nvfp4(q.qdata, q.scale, at::kFloat));
+    }
+    auto ends_with = [](const std::string& s, const std::string& tail) {
+      return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+    };
+    for (const auto& entry : w.entries()) {
+      if (!ends_with(entry.key, io::kDatQdataSuffix) && !ends_with(entry.key, io::kDatScaleSuffix)) {
+        out.copy_from(w, entry);
+      }
+    }
+    out.commit();
+  }
+  ModelOptions plain = fp32_all(), ste = fp32_all();
+  plain.fake_quant = false;
+  Qwen3Model a = Qwen3Model::load(cfg, w, plain);
+  Qwen3Model b = Qwen3Model::load(cfg, w, ste);
+  Qwen3Model raw = Qwen3Model::load(cfg, DatReader(raw_path), ste);
+  for (Qwen3Model* m : {&a, &b, &raw}) {
+    for (auto& p : m->parameters()) {
+      if (p.name == moved) p.master.add_(noise);
+    }
+  }
+  at::Tensor la, lb, lraw;
+  const auto ga = run_backward(a, in, &la);
+  const auto graw = run_backward(raw, in, &lraw);
+  run_backward(b, in, &lb);
+  EXPECT_TRUE(at::equal(la, lraw)) << la.item<double>() << " vs " << lraw.item<double>();
+  EXPECT_FALSE(at::equal(la, lb));
+  for (const auto& [name, g] : graw) {
+    ASSERT_TRUE(g.defined()) << name;
+    EXPECT_TRUE(at::equal(ga.at(name), g)) << name;
+  }
+  std::remove(raw_path.c_str());
+}
+
+}  // namespace
+}  // namespace q4::model

@@ -550,6 +550,10 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("model.init_seed", &c.model.init_seed, "seed of the random init"),
       field("model.quantize_lm_head", &c.model.quantize_lm_head,
             "random init: store lm_head as NVFP4 like the shipped checkpoint"),
+      field("model.fake_quant", &c.model.fake_quant,
+            "NVFP4 linears compute with fake-quantized masters and train straight through the "
+            "quantizer (QAT); false: plain precision, the masters as they are (the NVFP4 export "
+            "is then the trained model's post-training quantization)"),
       field("model.master_dtype", &c.model.master_dtype, "dtype of the trained master weights", {},
             {"dtype", "torch_dtype"}),
       field("model.compute_dtype", &c.model.compute_dtype,

@@ -86,6 +86,7 @@ model::ModelOptions model_options(const Config& c) {
   o.device = at::Device(c.model.device);
   o.trainable = trainable_spec(c);
   o.gradient_checkpointing = c.train.gradient_checkpointing;
+  o.fake_quant = c.model.fake_quant;
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;
 }

@@ -95,13 +95,14 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   const auto trainable = static_cast<double>(model->num_trainable_elements());
   out_ << fmt::format(
       "run summary:\n  model      Qwen3, {} layers, hidden {}, vocab {}; {}; {}, masters {}, "
-      "compute {}\n  trainable  {} parameters in {} tensors\n",
+      "compute {}\n  trainable  {} parameters in {} tensors{}\n",
       mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, model_src, c.model.device,
       to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)),
       trainable >= 1e9   ? fmt::format("{:.2f}B", trainable / 1e9)
       : trainable >= 1e6 ? fmt::format("{:.2f}M", trainable / 1e6)
                          : fmt::format("{:.0f}", trainable),
-      model->trainable_parameters().size());
+      model->trainable_parameters().size(),
+      c.model.fake_quant ? "" : "; plain precision (model.fake_quant: false, no NVFP4 quantizer)");
   if (batcher) {
     int64_t tokens = 0, supervised = 0;
     for (const auto& e : batcher->examples()) {

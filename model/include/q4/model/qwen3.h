@@ -49,6 +49,10 @@ struct ModelOptions {
   at::Device device = at::kCPU;
   TrainableSpec trainable;
   bool gradient_checkpointing = true;  // recompute each decoder layer in backward
+  // NVFP4 linears compute with fake_quant(master) and train straight through it (QAT). false:
+  // plain precision, every weight computes as its master (a model trained this way is a
+  // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
+  bool fake_quant = true;
   int64_t loss_chunk_tokens = 512;     // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;

@@ -76,6 +76,7 @@ struct ModelConfig {
   InitKind init = InitKind::kFile;    // file: load `weights`; random: random init from `config`
   int64_t init_seed = 0;              // RNG seed of the random init
   bool quantize_lm_head = true;       // random init: store lm_head as NVFP4 (as the shipped file)
+  bool fake_quant = true;  // NVFP4 linears train through the straight-through quantizer (QAT)
   Dtype master_dtype = Dtype::kFp16;  // dtype of trained master weights
   DtypeOrAuto compute_dtype = DtypeOrAuto::kAuto;  // auto: bf16 on cuda, fp32 on cpu
   std::string device = "cpu";                      // cpu | cuda | cuda:N
