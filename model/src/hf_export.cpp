@@ -27,7 +27,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-
 // One output tensor and how to produce its bytes.
 struct OutTensor {
   SafetensorsWriter::Decl decl;
@@ -209,14 +208,10 @@ void check_hf_export_dir(const std::string& out_dir,
 }
 
 std::optional<HfFormat> hf_format_from_name(const std::string& name) {
-  if (name == "modelopt") return HfFormat::kModelOpt;
-  if (name == "compressed-tensors") return HfFormat::kCompressedTensors;
-  return std::nullopt;
+  return io::enum_from_name<HfFormat>(name);
 }
 
-const char* hf_format_name(HfFormat f) {
-  return f == HfFormat::kModelOpt ? "modelopt" : "compressed-tensors";
-}
+const char* hf_format_name(HfFormat f) { return io::enum_name(f); }
 
 HfExportReport export_hf(const DatReader& src, const json& config, const std::string& out_dir,
                          const HfExportOptions& opt) {
@@ -230,6 +225,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   TORCH_CHECK(has_lm_head || cfg.tie_word_embeddings, src.path(),
               ": no lm_head.weight(.qdata) entry, but the config has tie_word_embeddings false");
   const bool ct = opt.format == HfFormat::kCompressedTensors;
+  const bool dense = opt.format == HfFormat::kBf16;
   HfExportReport rep;
   rep.tied = !has_lm_head;
 
@@ -255,6 +251,12 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
       check_scales(src, *pair);
       const DatEntry& qe = src.entries()[pair->qdata_index];
       const DatEntry& se = src.entries()[pair->scale_index];
+      if (dense) {
+        plan.push_back(
+            {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, *pair});
+        ++rep.raw;
+        continue;
+      }
       if (p.group == ParamGroup::kLmHead) {
         // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
         plan.push_back(
@@ -286,7 +288,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
                 elem_type_name(raw->type));
     TORCH_CHECK(raw->shape == p.shape, where, ": shape ", at::IntArrayRef(raw->shape),
                 ", expected ", at::IntArrayRef(p.shape));
-    const StDtype dt = opt.raw_bf16 ? StDtype::kBF16 : st_dtype_of(raw->type);
+    const StDtype dt = opt.raw_bf16 || dense ? StDtype::kBF16 : st_dtype_of(raw->type);
     plan.push_back({{p.name, dt, p.shape},
                     dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert,
                     raw});
@@ -321,6 +323,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     }
   }
   fs::remove(fs::path(out_dir) / kHfLmHeadScaleFile);
+  if (dense) fs::remove(fs::path(out_dir) / "hf_quant_config.json");
 
   std::map<std::string, std::string> meta = {{"format", "pt"}, {kHfMetaSource, "q4train"}};
   if (qdata_type && !mixed_qdata) {
@@ -358,7 +361,9 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   std::vector<std::string> excluded = {"lm_head"};
   excluded.insert(excluded.end(), unquantized.begin(), unquantized.end());
   json qc;
-  if (!ct) {
+  if (dense) {
+    // No quantization: the folder is a plain BF16 model.
+  } else if (!ct) {
     const json q = {{"quant_algo", "W4A16_NVFP4"},
                     {"group_size", 16},
                     {"kv_cache_quant_algo", nullptr},
@@ -397,7 +402,11 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   json out_cfg = config;
   out_cfg["tie_word_embeddings"] = rep.tied;
   out_cfg["torch_dtype"] = "bfloat16";
-  out_cfg["quantization_config"] = qc;
+  if (dense) {
+    out_cfg.erase("quantization_config");
+  } else {
+    out_cfg["quantization_config"] = qc;
+  }
   io::write_file_atomic((fs::path(out_dir) / "config.json").string(), out_cfg.dump(2) + "\n");
 
   if (!opt.tokenizer_dir.empty()) {

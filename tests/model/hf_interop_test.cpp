@@ -334,5 +334,40 @@ TEST_F(HfInteropTest, BrokenFoldersAreErrorsNamingTheTensor) {
   EXPECT_TRUE(is_hf_folder(out.string()));
 }
 
+// bf16: every tensor dense BF16 under its HF name (NVFP4 linears dequantized exactly, raw tensors
+// converted), no quantization config, no sidecar; an NVFP4 export's hf_quant_config.json left in
+// the same folder is removed.
+TEST_F(HfInteropTest, Bf16ExportIsTheDequantizedModel) {
+  write_dat(path("a.dat"), true, ElemType::kUInt8, 5);
+  const DatReader r(path("a.dat"));
+  const fs::path out = dir_ / "bf16";
+  HfExportOptions opt;
+  export_hf(r, config_, out.string(), opt);  // modelopt first: its files must not survive
+  ASSERT_TRUE(fs::exists(out / "hf_quant_config.json"));
+  opt.format = HfFormat::kBf16;
+  const HfExportReport rep = export_hf(r, config_, out.string(), opt);
+  EXPECT_EQ(rep.quantized, 0);
+  const SafetensorsModel m(out.string());
+  const auto specs = qwen3_parameters(cfg(false), /*include_lm_head=*/true);
+  EXPECT_EQ(m.names().size(), specs.size());
+  for (const auto& s : specs) {
+    const auto t = m.at(s.name);
+    EXPECT_EQ(t.tensor->dtype, StDtype::kBF16) << s.name;
+    const at::Tensor got = t.file->load(*t.tensor).to(at::kFloat);
+    if (const auto pair = r.find_nvfp4(s.name)) {
+      const auto q = r.load_nvfp4(*pair);
+      EXPECT_TRUE(at::equal(got, q4::quant::dequantize_nvfp4_ref(q.qdata, q.scale))) << s.name;
+    } else {
+      EXPECT_TRUE(at::equal(got, r.load(s.name).to(at::kBFloat16).to(at::kFloat))) << s.name;
+    }
+  }
+  const json c = read_json(out / "config.json");
+  EXPECT_FALSE(c.contains("quantization_config"));
+  EXPECT_EQ(c["torch_dtype"], "bfloat16");
+  EXPECT_FALSE(fs::exists(out / "hf_quant_config.json"));
+  EXPECT_FALSE(fs::exists(out / "q4train_lm_head_scale.safetensors"));
+  EXPECT_EQ(hf_format_from_name("bf16"), HfFormat::kBf16);
+}
+
 }  // namespace
 }  // namespace q4::model

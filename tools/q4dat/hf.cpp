@@ -26,7 +26,10 @@ int run_export_hf(const ExportHfOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   q4::model::HfExportOptions opt;
   const auto f = q4::model::hf_format_from_name(o.format);
-  if (!f) throw InputError("--format: expected modelopt or compressed-tensors, found " + o.format);
+  if (!f) {
+    throw InputError("--format: expected one of " + q4::io::enum_choices<q4::model::HfFormat>() +
+                     ", found " + o.format);
+  }
   opt.format = *f;
   opt.tokenizer_dir = o.tokenizer_dir;
   opt.raw_bf16 = o.raw_bf16;

@@ -77,8 +77,10 @@ int main(int argc, char** argv) {
   c_exp->add_option("IN", exp.in, "input .dat")->required();
   c_exp->add_option("OUT_DIR", exp.out_dir, "output folder (created)")->required();
   c_exp->add_option("--config", exp.config, "the model's config.json")->required();
-  c_exp->add_option("--format", exp.format, "NVFP4 checkpoint layout")
-      ->check(CLI::IsMember({"modelopt", "compressed-tensors"}))
+  c_exp
+      ->add_option("--format", exp.format,
+                   "NVFP4 checkpoint layout, or bf16: every tensor dense BF16 (no quantization)")
+      ->check(CLI::IsMember({"modelopt", "compressed-tensors", "bf16"}))
       ->capture_default_str();
   c_exp->add_option("--tokenizer-dir", exp.tokenizer_dir,
                     "folder whose tokenizer files and generation_config.json are copied");

@@ -337,7 +337,8 @@ Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::k
               {"line", q4::trainer::ProgressStyle::kLine});
 Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
               {"modelopt", q4::trainer::HfExport::kModelOpt},
-              {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors});
+              {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors},
+              {"bf16", q4::trainer::HfExport::kBf16});
 
 namespace q4::trainer {
 namespace {
@@ -682,7 +683,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "read the export back and check its forward weights equal the trained model's, tensor "
             "by tensor"),
       field("output.hf_export", &c.output.hf_export,
-            "also write a Hugging Face NVFP4 folder vLLM serves at <export .dat minus .dat>-hf"),
+            "also write a Hugging Face folder at <export .dat minus .dat>-hf: NVFP4 in the "
+            "modelopt or compressed-tensors layout (vLLM serves it), or bf16 (dense, the "
+            "export's NVFP4 linears dequantized exactly)"),
       field("guard.max_gpu_gb", &c.guard.max_gpu_gb,
             "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
             R::at_least(0)),

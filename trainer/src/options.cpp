@@ -42,7 +42,8 @@ data::Truncation to_data(Truncation t) {
 model::HfFormat to_model(HfExport e) {
   static constexpr std::pair<HfExport, model::HfFormat> kTable[] = {
       {HfExport::kModelOpt, model::HfFormat::kModelOpt},
-      {HfExport::kCompressedTensors, model::HfFormat::kCompressedTensors}};
+      {HfExport::kCompressedTensors, model::HfFormat::kCompressedTensors},
+      {HfExport::kBf16, model::HfFormat::kBf16}};
   return library_value(e, kTable, "HfExport");
 }
 

@@ -13,14 +13,18 @@
 #include <utility>
 #include <vector>
 
+#include "q4/io/enum_names.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
 
 namespace q4::model {
 
-enum class HfFormat { kModelOpt, kCompressedTensors };
-// "modelopt" | "compressed-tensors"; nullopt otherwise.
+// The layout of an exported folder: NVFP4 linears in ModelOpt's or compressed-tensors' layout
+// (lossless), or every tensor dense BF16 (NVFP4 linears dequantized, exactly; no quantization
+// config: any transformers or serving stack loads it as an unquantized model).
+enum class HfFormat { kModelOpt, kCompressedTensors, kBf16 };
+// "modelopt" | "compressed-tensors" | "bf16"; nullopt otherwise.
 std::optional<HfFormat> hf_format_from_name(const std::string& name);
 const char* hf_format_name(HfFormat f);
 
@@ -102,3 +106,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat);
 Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path, const ModelOptions& opt);
 
 }  // namespace q4::model
+
+Q4_ENUM_NAMES(q4::model::HfFormat, {"modelopt", q4::model::HfFormat::kModelOpt},
+              {"compressed-tensors", q4::model::HfFormat::kCompressedTensors},
+              {"bf16", q4::model::HfFormat::kBf16});

@@ -42,7 +42,7 @@ enum class InBackward { kAuto, kTrue, kFalse };               // auto | true | f
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop };  // auto | cut_left | cut_right | drop
 enum class ProgressStyle { kAuto, kBar, kLine };              // auto | bar | line
 // none | modelopt | compressed-tensors
-enum class HfExport { kNone, kModelOpt, kCompressedTensors };
+enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
 
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
