@@ -3,14 +3,18 @@
 
 usage: check_hf_export.py EXPORT_DIR DEQUANT_DAT
 
-EXPORT_DIR:  written by `q4dat export-hf` (ModelOpt or compressed-tensors layout).
+EXPORT_DIR:  written by `q4dat export-hf` (ModelOpt, compressed-tensors or dense BF16 layout).
 DEQUANT_DAT: `q4dat dequantize SOURCE.dat DEQUANT_DAT --dtype fp32` of the exported .dat.
 
 Opens every indexed shard with safetensors.safe_open, loads config.json with
 transformers.AutoConfig, dequantizes each NVFP4 linear by the ModelOpt formula
 code * weight_scale * weight_scale_2 (compressed-tensors: code * weight_scale / weight_global_scale)
 in fp32 and requires it to equal the dense tensor q4dat wrote, bit for bit; raw tensors
-(embedding, norms, lm_head) must equal it too after casting to fp32. Prints one PASS/FAIL line.
+(embedding, norms, lm_head) must equal it too after casting to fp32. A BF16 folder (no
+quantization_config) must hold every tensor dense and equal, and transformers'
+AutoModelForCausalLM must load it and give, on random token ids, the same logits (bit for bit,
+fp32, CUDA when present) as the same architecture holding DEQUANT_DAT's tensors. Prints one
+PASS/FAIL line.
 """
 import json
 import os
@@ -18,7 +22,7 @@ import sys
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
@@ -76,6 +80,27 @@ def dequant(packed_u8, scale_u8, global_mult):
     return vals * s * global_mult
 
 
+def logits_differ(export_dir, ref):
+    """[] when transformers' model of the folder and of `ref` give equal logits, else a reason."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.float32).to(dev)
+    want = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(export_dir),
+                                            torch_dtype=torch.float32)
+    missing, unexpected = want.load_state_dict(ref, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        return [f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}"]
+    if "lm_head.weight" in missing:
+        want.tie_weights()
+    want = want.to(dev)
+    ids = torch.randint(0, got.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = got(ids.to(dev)).logits
+        b = want(ids.to(dev)).logits
+    if torch.equal(a, b):
+        return []
+    return [f"logits differ (max abs diff {(a - b).abs().max().item()})"]
+
+
 def main():
     if len(sys.argv) != 3:
         print(__doc__)
@@ -83,8 +108,9 @@ def main():
     export_dir, ref_path = sys.argv[1], sys.argv[2]
     AutoConfig.from_pretrained(export_dir)  # must parse as a transformers config
     with open(os.path.join(export_dir, "config.json")) as f:
-        qc = json.load(f)["quantization_config"]
-    ct = qc["quant_method"] == "compressed-tensors"
+        qc = json.load(f).get("quantization_config")
+    dense = qc is None
+    ct = not dense and qc["quant_method"] == "compressed-tensors"
     with open(os.path.join(export_dir, "model.safetensors.index.json")) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
     tensors = {}
@@ -93,11 +119,13 @@ def main():
             for k in f.keys():
                 tensors[k] = f.get_tensor(k)
     ref = read_dat(ref_path)
+    if dense:  # the folder holds the .dat rounded to BF16 (exact for dequantized NVFP4 values)
+        ref = {k: v.bfloat16().float() for k, v in ref.items()}
     checked, bad = 0, []
     q_suffix = ".weight_packed" if ct else ".weight"
     for name, want in ref.items():
         mod = name[: -len(".weight")]
-        if mod + ".weight_scale" in tensors:
+        if not dense and mod + ".weight_scale" in tensors:
             packed = tensors[mod + q_suffix]
             scale = tensors[mod + ".weight_scale"]
             if scale.dtype != torch.uint8:
@@ -107,7 +135,7 @@ def main():
             else:
                 mult = tensors[mod + ".weight_scale_2"].float().reshape(())
             got = dequant(packed, scale, mult)
-        elif name in tensors:
+        elif name in tensors and (not dense or tensors[name].dtype == torch.bfloat16):
             got = tensors[name].float()
         else:
             bad.append(f"{name}: missing from the export")
@@ -116,8 +144,11 @@ def main():
         if got.shape != want.shape or not torch.equal(got, want):
             diff = (got - want).abs().max().item() if got.shape == want.shape else "shape"
             bad.append(f"{name}: differs (max abs diff {diff})")
+    if dense and not bad:
+        bad += logits_differ(export_dir, ref)
+    layout = "bf16" if dense else ("compressed-tensors" if ct else "modelopt")
     status = "PASS" if not bad and checked else "FAIL"
-    print(f"{status}: {export_dir} ({'compressed-tensors' if ct else 'modelopt'}): {checked} "
+    print(f"{status}: {export_dir} ({layout}): {checked} "
           f"tensors checked against {ref_path}, {len(bad)} differ"
           + (f"; first: {bad[0]}" if bad else ""))
     return 0 if status == "PASS" else 1

@@ -21,8 +21,9 @@
 namespace q4::model {
 
 // The layout of an exported folder: NVFP4 linears in ModelOpt's or compressed-tensors' layout
-// (lossless), or every tensor dense BF16 (NVFP4 linears dequantized, exactly; no quantization
-// config: any transformers or serving stack loads it as an unquantized model).
+// (lossless), or every tensor dense BF16 (NVFP4 linears dequantized, exactly; raw tensors
+// rounded to BF16; no quantization config: transformers and serving stacks load it as an
+// unquantized model).
 enum class HfFormat { kModelOpt, kCompressedTensors, kBf16 };
 // "modelopt" | "compressed-tensors" | "bf16"; nullopt otherwise.
 std::optional<HfFormat> hf_format_from_name(const std::string& name);
