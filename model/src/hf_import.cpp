@@ -28,7 +28,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-
 bool is_float(StDtype t) { return t == StDtype::kF16 || t == StDtype::kBF16 || t == StDtype::kF32; }
 
 ElemType elem_of(StDtype t) {
@@ -65,6 +64,7 @@ struct Importer {
   DatWriter& w;
   HfImportReport& rep;
   bool from_q4train = false;
+  bool keep_dense = false;  // HfImportOptions::keep_dense
   ElemType qdata_type = ElemType::kUInt8;
   std::set<std::string> used;
 
@@ -80,8 +80,9 @@ struct Importer {
                 st_dtype_name(t.dtype));
     TORCH_CHECK(t.shape == p.shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
                 at::IntArrayRef(p.shape));
-    // The shipped layout keeps raw tensors in fp16; a q4train export keeps its own types.
-    const ElemType out = from_q4train ? elem_of(t.dtype) : ElemType::kFloat16;
+    // The shipped layout keeps raw tensors in fp16; a q4train export, or a dense import, keeps
+    // the folder's types.
+    const ElemType out = from_q4train || keep_dense ? elem_of(t.dtype) : ElemType::kFloat16;
     const int64_t rows = p.shape[0], cols = p.numel() / std::max<int64_t>(rows, 1);
     w.begin_streamed(p.name, out, p.shape);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
@@ -184,8 +185,12 @@ struct Importer {
       TORCH_CHECK(tied, dir.string(),
                   ": no lm_head.weight, but config.json has "
                   "tie_word_embeddings false");
-      quantize(p.name, st.at("model.embed_tokens.weight"), p.shape);
       rep.lm_head_from_embedding = true;
+      if (keep_dense) {
+        raw(p, st.at("model.embed_tokens.weight"));
+        return;
+      }
+      quantize(p.name, st.at("model.embed_tokens.weight"), p.shape);
       ++rep.quantized;
       return;
     }
@@ -207,6 +212,10 @@ struct Importer {
     }
     TORCH_CHECK(weight.has_value(), dir.string(), ": missing tensor '", p.name, "' (shape ",
                 at::IntArrayRef(p.shape), ")");
+    if (keep_dense) {
+      raw(p, *weight);
+      return;
+    }
     if (p.group == ParamGroup::kLmHead && lm_head_raw) {
       raw(p, *weight);
       rep.lm_head_raw = true;
@@ -225,6 +234,16 @@ struct Importer {
     ++rep.quantized;
   }
 };
+
+// Whether the folder stores linear `p` as dense floats (not an NVFP4 pair); a missing lm_head of
+// a tied checkpoint comes from the (dense) embedding.
+bool stored_dense(const SafetensorsModel& st, const ParamSpec& p) {
+  const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
+  if (st.find(m + ".weight_packed")) return false;
+  const auto w = st.find(p.name);
+  if (w) return is_float(w->tensor->dtype);
+  return p.group == ParamGroup::kLmHead;
+}
 
 json read_json(const fs::path& p) {
   std::ifstream in(p);
@@ -297,7 +316,8 @@ bool is_hf_folder(const std::string& path) {
           fs::is_regular_file(d / "model.safetensors.index.json", ec));
 }
 
-HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) {
+HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
+                         const HfImportOptions& opt) {
   const fs::path dir(hf_dir);
   TORCH_CHECK(is_hf_folder(hf_dir), hf_dir,
               ": not a Hugging Face model folder (expected config.json and model.safetensors or "
@@ -327,13 +347,15 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat) 
                            !fs::exists(dir / kHfLmHeadScaleFile, ec);
   uint64_t count = 0;
   for (const ParamSpec& p : specs) {
-    const bool pair =
-        p.kind == ParamKind::kQuantizedLinear && !(p.group == ParamGroup::kLmHead && lm_head_raw);
+    const bool pair = p.kind == ParamKind::kQuantizedLinear &&
+                      !(p.group == ParamGroup::kLmHead && lm_head_raw) &&
+                      !(opt.keep_dense && stored_dense(st, p));
     count += pair ? 2 : 1;
   }
   DatWriter w(out_dat, count);
-  Importer im{dir, st, w, rep, false, ElemType::kUInt8, {}};
+  Importer im{dir, st, w, rep, false, false, ElemType::kUInt8, {}};
   im.from_q4train = from_q4train;
+  im.keep_dense = opt.keep_dense;
   if (from_q4train && meta.count(kHfMetaQdataElem) && meta.at(kHfMetaQdataElem) == "100") {
     im.qdata_type = ElemType::kE2M1Packed;
   }

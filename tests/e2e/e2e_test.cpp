@@ -26,6 +26,7 @@
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/io/remove_tree.h"
+#include "q4/io/safetensors.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/optim/adamw.h"
@@ -218,6 +219,42 @@ TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantization) {
     losses.push_back(records.back()["loss"].dump());
   }
   EXPECT_NE(losses[0], losses[1]);  // the quantizer changes what trains
+}
+
+// Plain precision from a dense Hugging Face folder (a first run's BF16 export): the import keeps
+// the linears dense, the run's .dat export stores them as 16-bit tensors (no NVFP4 pair), and its
+// BF16 folder holds exactly those weights.
+TEST(E2E, PlainPrecisionFromADenseFolderExportsDenseWeights) {
+  TinyRun t;
+  t.steps = 1;
+  t.log = "  tensorboard: false\n  report: false\n";
+  t.output_extra = "  hf_export: bf16\n";
+  const fs::path dir = t.write_fresh("e2e", "plain_hf");
+  const Result first =
+      run_in(dir, "first",
+             kQ4train + quoted(config_args(dir, {"output.dir=" + (dir / "first").string()})));
+  ASSERT_EQ(first.code, 0) << first.out << first.err;
+  const Result r = run_in(
+      dir, "plain",
+      kQ4train + quoted(config_args(dir, {"model.init=file",
+                                          "model.weights=" + (dir / "first" / "model-hf").string(),
+                                          "model.fake_quant=false", "train.steps=2"})));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(r.out.find("FAILED"), std::string::npos) << r.out;
+  const q4::model::DatReader imported((dir / "run" / "hf_import.dat").string());
+  const q4::model::DatReader exported((dir / "run" / "model.dat").string());
+  EXPECT_TRUE(imported.nvfp4_pairs(/*strict=*/true).empty());
+  EXPECT_TRUE(exported.nvfp4_pairs(/*strict=*/true).empty());
+  const q4::io::SafetensorsModel hf((dir / "run" / "model-hf").string());
+  int64_t changed = 0;
+  for (const auto& e : exported.entries()) {
+    const at::Tensor want = exported.load(e);
+    const auto got = hf.at(e.key);
+    EXPECT_TRUE(at::equal(got.file->load(*got.tensor).to(at::kFloat), want.to(at::kFloat)))
+        << e.key;
+    changed += !at::equal(want, imported.load(e.key));
+  }
+  EXPECT_GT(changed, 0);  // training moved the dense weights
 }
 
 TEST(E2E, ResumeEqualsUninterruptedRun) {

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "q4/io/remove_tree.h"
@@ -269,6 +270,50 @@ TEST_F(HfInteropTest, Bf16FolderMatchesReferenceAndQuantizeTool) {
                           " --match '_proj|lm_head' --qdata-elem 0 > /dev/null";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   EXPECT_EQ(read_text(path("tool.dat")), read_text(path("imported.dat")));
+}
+
+// keep_dense: a dense folder imports with every tensor raw, in the folder's element type and
+// values (no NVFP4 pair); a tied checkpoint's lm_head is the embedding, raw too.
+TEST_F(HfInteropTest, DenseImportKeepsDenseLinears) {
+  for (const bool tied : {false, true}) {
+    const Qwen3Config c = cfg(tied);
+    const auto specs = qwen3_parameters(c, /*include_lm_head=*/!tied);
+    at::Generator g = at::detail::createCPUGenerator(11);
+    std::vector<SafetensorsWriter::Decl> decls;
+    std::map<std::string, at::Tensor> values;
+    for (const auto& s : specs) {
+      const bool lin = s.kind == ParamKind::kQuantizedLinear;
+      const at::Tensor x = at::normal(0.0, 0.05, s.shape, g, at::TensorOptions().dtype(at::kFloat))
+                               .to(lin ? at::kBFloat16 : at::kHalf);
+      decls.push_back({s.name, lin ? StDtype::kBF16 : StDtype::kF16, s.shape});
+      values[s.name] = x;
+    }
+    const fs::path hf = dir_ / (tied ? "tied" : "untied");
+    fs::create_directories(hf);
+    {
+      SafetensorsWriter w((hf / "model.safetensors").string(), decls);
+      for (const auto& s : specs) w.append(values.at(s.name));
+      w.commit();
+      json conf = config_;
+      conf["tie_word_embeddings"] = tied;
+      std::ofstream(hf / "config.json") << conf.dump();
+    }
+    HfImportOptions opt;
+    opt.keep_dense = true;
+    const std::string out = path(tied ? "tied.dat" : "untied.dat");
+    const HfImportReport rep = import_hf(hf.string(), out, opt);
+    EXPECT_EQ(rep.quantized, 0);
+    EXPECT_EQ(rep.lm_head_from_embedding, tied);
+    const DatReader imp(out);
+    EXPECT_TRUE(imp.nvfp4_pairs(/*strict=*/true).empty());
+    for (const auto& s : qwen3_parameters(c, /*include_lm_head=*/true)) {
+      const at::Tensor want =
+          values.at(s.name == "lm_head.weight" && tied ? "model.embed_tokens.weight" : s.name);
+      const at::Tensor got = imp.load(s.name);
+      EXPECT_EQ(got.scalar_type(), want.scalar_type()) << s.name;
+      EXPECT_TRUE(at::equal(got, want)) << s.name;
+    }
+  }
 }
 
 // NVFP4 checkpoints whose global scale is not 1: the scale is folded into the blocks.

@@ -27,8 +27,8 @@ void check_output_file(const std::string& out, const std::vector<std::string>& i
   const fs::path o = resolved(out);
   for (const std::string& in : inputs) {
     if (!in.empty() && resolved(in) == o) {
-      throw InputError(fmt::format("{} {} is also the input {}; write to another file", option,
-                                   out, in));
+      throw InputError(
+          fmt::format("{} {} is also the input {}; write to another file", option, out, in));
     }
   }
   struct stat st {};

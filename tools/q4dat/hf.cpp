@@ -74,13 +74,15 @@ int run_import_hf(const ImportHfOptions& o) {
     inputs.push_back(e.path().string());
   }
   check_output_file(o.out, inputs, o.overwrite);
-  const auto rep = as_input([&] { return q4::model::import_hf(o.in_dir, o.out); });
+  q4::model::HfImportOptions opt;
+  opt.keep_dense = o.dense;
+  const auto rep = as_input([&] { return q4::model::import_hf(o.in_dir, o.out, opt); });
   fmt::print(
       "{}: from {} checkpoint: {} linears quantized (NVFP4 rules), {} NVFP4 copied, {} NVFP4 "
       "with the global scale folded ({} blocks changed by E4M3 rounding), {} raw{}{}{}, {:.1f} s\n",
       o.out, rep.source_format, rep.quantized, rep.copied_nvfp4, rep.folded_nvfp4,
       rep.folded_blocks_changed, rep.raw,
-      rep.lm_head_from_embedding ? ", lm_head quantized from the tied embedding" : "",
+      rep.lm_head_from_embedding ? ", lm_head from the tied embedding" : "",
       rep.lm_head_raw ? ", lm_head kept raw as exported" : "",
       rep.ignored.empty() ? "" : fmt::format(", {} tensors ignored", rep.ignored.size()),
       seconds_since(t0));

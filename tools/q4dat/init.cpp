@@ -1,9 +1,10 @@
 // q4dat init: a random Qwen3 model in the layout of the shipped NVFP4 Qwen3-4B file (entries of
 // the qwen3_params.h table: HF names, embed/norms fp16, every linear as .weight.qdata (e2m1, 100)
-// + .weight.scale (e4m3, 101), order as in tests/fixtures/qwen3_tiny.weights.dat). Written streaming: each matrix is drawn in
-// row chunks of ~4M values (normal(0, std), fp32), quantized chunk by chunk and appended, so
-// memory stays O(chunk + one scale matrix) even for the 4B shapes. Chunk c of tensor k uses its
-// own generator seeded from (seed, k, c): output is reproducible and independent of threading.
+// + .weight.scale (e4m3, 101), order as in tests/fixtures/qwen3_tiny.weights.dat). Written
+// streaming: each matrix is drawn in row chunks of ~4M values (normal(0, std), fp32), quantized
+// chunk by chunk and appended, so memory stays O(chunk + one scale matrix) even for the 4B shapes.
+// Chunk c of tensor k uses its own generator seeded from (seed, k, c): output is reproducible and
+// independent of threading.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/core.h>

@@ -98,6 +98,8 @@ int main(int argc, char** argv) {
   c_imp->add_option("HF_DIR", imp.in_dir, "folder with config.json and *.safetensors")->required();
   c_imp->add_option("OUT", imp.out, "output .dat")->required();
   c_imp->add_flag("--overwrite", imp.overwrite, "replace OUT if it exists");
+  c_imp->add_flag("--dense", imp.dense,
+                  "keep dense linears dense, in the folder's types (for plain-precision training)");
 
   return run_tool("q4dat", app, argc, argv, [&] {
     if (c_info->parsed()) return run_info(info);

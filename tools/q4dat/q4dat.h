@@ -20,7 +20,7 @@ int run_info(const InfoOptions& o);
 
 struct QuantizeOptions {
   std::string in, out, match;
-  int qdata_elem = 0;  // element type of the written .qdata entries: 0 (uint8) or 100 (e2m1)
+  int qdata_elem = 0;      // element type of the written .qdata entries: 0 (uint8) or 100 (e2m1)
   bool overwrite = false;  // OUT may replace an existing file
 };
 int run_quantize(const QuantizeOptions& o);
@@ -61,6 +61,7 @@ int run_export_hf(const ExportHfOptions& o);
 struct ImportHfOptions {
   std::string in_dir, out;
   bool overwrite = false;  // OUT may replace an existing file (never one the import reads)
+  bool dense = false;      // dense linears stay dense (HfImportOptions::keep_dense)
 };
 int run_import_hf(const ImportHfOptions& o);
 

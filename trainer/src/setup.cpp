@@ -38,7 +38,6 @@ uint64_t splitmix64(uint64_t* state) {
   return z ^ (z >> 31);
 }
 
-
 // Loads the model: from model.weights, or a random init written once to <dir>/init.dat (so the
 // export has a source file and loading follows the same path as real weights).
 struct LoadedModel {
@@ -48,7 +47,7 @@ struct LoadedModel {
 
 // `in_memory`: a random init stays in memory (the probe: nothing written, no export source).
 LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ostream& out,
-                       bool in_memory = false) {
+                         bool in_memory = false) {
   LoadedModel lm;
   const auto opt = as_input_error("model", [&] {
     auto o = model_options(c);
@@ -75,11 +74,14 @@ LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ost
     }
   } else if (model::is_hf_folder(c.model.weights)) {
     // A Hugging Face folder is imported once per run into the shipped .dat layout, which is
-    // then loaded and exported like any .dat (docs/interop.md).
+    // then loaded and exported like any .dat (docs/interop.md). Plain precision keeps dense
+    // linears dense: quantizing them would change the model it trains.
     lm.source_path = (fs::path(c.output.dir) / kHfImportFile).string();
     const auto t0 = Clock::now();
+    model::HfImportOptions import_opt;
+    import_opt.keep_dense = !c.model.fake_quant;
     const auto rep = as_input_error("model.weights", [&] {
-      return model::import_hf(c.model.weights, lm.source_path);
+      return model::import_hf(c.model.weights, lm.source_path, import_opt);
     });
     out << fmt::format("imported {} ({} checkpoint) to {} in {:.1f} s\n", c.model.weights,
                        rep.source_format, lm.source_path, ms_since(t0) / 1000.0);
@@ -103,8 +105,7 @@ void require_file(const std::string& path, const std::string& key) {
   if (fs::is_regular_file(path, ec)) return;
   const std::string kind = io::non_regular_kind(path);
   if (!kind.empty()) {
-    throw ConfigError("config key " + key + ": " + path + " is " + kind +
-                      ", not a regular file");
+    throw ConfigError("config key " + key + ": " + path + " is " + kind + ", not a regular file");
   }
   throw ConfigError("config key " + key + ": file not found: " + path);
 }
@@ -208,8 +209,6 @@ std::string truncation_keys(const Config& c, const std::string& files_key) {
   return fmt::format("{} (train.seq_len {}, data.truncation {})", files_key, c.train.seq_len,
                      to_string(resolved_truncation(c)));
 }
-
-
 
 // The probe's data when the config names no files: `count` random-token sequences of exactly
 // seq_len tokens, every position supervised, drawn from train.seed. They flow through the same
@@ -346,9 +345,10 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
   val_batcher_ = as_input_error(truncation_keys(c, "data.eval_files"), [&] {
     return std::make_unique<data::Batcher>(std::move(val), bo);
   });
-  out_ << fmt::format("validation: {} examples ({} held out of data.files by "
-                      "data.eval_fraction {}, {} from data.eval_files)\n",
-                      total, held, c.data.eval_fraction, total - held);
+  out_ << fmt::format(
+      "validation: {} examples ({} held out of data.files by "
+      "data.eval_fraction {}, {} from data.eval_files)\n",
+      total, held, c.data.eval_fraction, total - held);
   const auto& ts = val_batcher_->truncation_stats();
   if (ts.truncated || ts.dropped) out_ << "validation " << ts.to_string() << "\n";
 }
@@ -357,8 +357,8 @@ void RunSetup::make_optimizer(GradSync& sync) {
   optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan_.config()));
   optimizer_index_ = sync.add_owned_params(*optimizer_);
   out_ << sync.ownership_summary(optimizer_->num_params());
-  schedule_ = std::make_unique<optim::LrSchedule>(
-      lr_schedule_options(plan_.config(), plan_.steps()));
+  schedule_ =
+      std::make_unique<optim::LrSchedule>(lr_schedule_options(plan_.config(), plan_.steps()));
 }
 
 }  // namespace q4::trainer

@@ -99,7 +99,14 @@ bool is_hf_folder(const std::string& path);
 // by export_hf is read back with its original element types (its __metadata__ says so; a raw
 // lm_head stays raw, an NVFP4 one is restored from the sidecar scales), so .dat -> HF -> .dat is
 // byte-identical. `out_dat` is none of the files read (error naming both).
-HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat);
+struct HfImportOptions {
+  // Dense float linears stay dense (raw entries in the folder's element type, no NVFP4
+  // quantization), and so do the embedding and norms: what plain-precision training from a
+  // full-precision folder needs. NVFP4 linears of the folder are still copied as pairs.
+  bool keep_dense = false;
+};
+HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
+                         const HfImportOptions& opt = {});
 
 // The model in `path` for a tool that loads one: a .dat file as Qwen3Model::load reads it, or a
 // Hugging Face folder (is_hf_folder) imported by import_hf into a temporary .dat in the system
