@@ -124,12 +124,6 @@ void check_scales(const DatReader& src, const DatNvfp4Pair& p) {
   }
 }
 
-std::string module_of(const std::string& weight_name) {  // "x.q_proj.weight" -> "x.q_proj"
-  const std::string suffix = ".weight";
-  TORCH_INTERNAL_ASSERT(weight_name.size() > suffix.size());
-  return weight_name.substr(0, weight_name.size() - suffix.size());
-}
-
 void copy_file_atomic(const fs::path& from, const fs::path& to) {
   std::ifstream in(from, std::ios::binary);
   TORCH_CHECK(in.good(), from.string(), ": cannot open");

@@ -179,7 +179,7 @@ struct Importer {
   // kept raw, the exact pair of a q4train export's sidecar, or dense weights to quantize.
   void linear(const ParamSpec& p, bool tied, bool lm_head_raw) {
     std::error_code ec;
-    const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
+    const std::string m = module_of(p.name);
     if (p.group == ParamGroup::kLmHead && !st.find(p.name) && !st.find(m + ".weight_packed")) {
       // Tied checkpoint: the shipped layout still stores lm_head, quantized from the embedding.
       TORCH_CHECK(tied, dir.string(),
@@ -238,7 +238,7 @@ struct Importer {
 // Whether the folder stores linear `p` as dense floats (not an NVFP4 pair); a missing lm_head of
 // a tied checkpoint comes from the (dense) embedding.
 bool stored_dense(const SafetensorsModel& st, const ParamSpec& p) {
-  const std::string m = p.name.substr(0, p.name.size() - 7);  // without ".weight"
+  const std::string m = module_of(p.name);
   if (st.find(m + ".weight_packed")) return false;
   const auto w = st.find(p.name);
   if (w) return is_float(w->tensor->dtype);
