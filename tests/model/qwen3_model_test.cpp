@@ -963,7 +963,8 @@ TEST(Qwen3Model, PlainPrecisionComputesWithTheMasters) {
       return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
     };
     for (const auto& entry : w.entries()) {
-      if (!ends_with(entry.key, io::kDatQdataSuffix) && !ends_with(entry.key, io::kDatScaleSuffix)) {
+      if (!ends_with(entry.key, io::kDatQdataSuffix) &&
+          !ends_with(entry.key, io::kDatScaleSuffix)) {
         out.copy_from(w, entry);
       }
     }
@@ -990,6 +991,97 @@ TEST(Qwen3Model, PlainPrecisionComputesWithTheMasters) {
     EXPECT_TRUE(at::equal(ga.at(name), g)) << name;
   }
   std::remove(raw_path.c_str());
+}
+
+// How close `a` is to the reference `e`, for the test's record: max |a - e|, ||a - e|| / ||e||
+// and the largest share of the tolerance used, max |a - e| / (atol + rtol |e|).
+struct Closeness {
+  double max_abs = 0, rel = 0, tol_used = 0;
+  void add(const at::Tensor& a, const at::Tensor& e, double rtol, double atol) {
+    at::Tensor d = (a.to(at::kDouble).cpu() - e.to(at::kDouble).cpu()).abs();
+    max_abs = std::max(max_abs, d.max().item<double>());
+    rel = std::max(rel, rel_err(a, e));
+    tol_used = std::max(tol_used,
+                        (d / (e.to(at::kDouble).cpu().abs() * rtol + atol)).max().item<double>());
+  }
+  std::string str() const {
+    char buf[96];
+    std::snprintf(buf, sizeof(buf), "max_abs %.3g rel %.3g tol_used %.3g", max_abs, rel, tol_used);
+    return buf;
+  }
+};
+
+// Records the closeness of `m`'s logits, loss and gradients to the fixture `expected` (what the
+// report quotes; check_against_fixture() asserts the tolerances).
+void record_closeness(Qwen3Model& m, const DatReader& expected) {
+  const ModelInputs in = fixture_inputs(expected);
+  Closeness logits, loss, grads;
+  {
+    at::NoGradGuard ng;
+    logits.add(m.forward(in), expected.load("logits"), 1e-4, 1e-5);
+  }
+  at::Tensor l;
+  const auto g = run_backward(m, in, &l);
+  loss.add(l.reshape({1}), expected.load("loss"), 1e-4, 1e-5);
+  for (const auto& [name, t] : g) grads.add(t, expected.load("grad." + name), 1e-3, 1e-5);
+  ::testing::Test::RecordProperty("logits", logits.str());
+  ::testing::Test::RecordProperty("loss", loss.str());
+  ::testing::Test::RecordProperty("grads", grads.str());
+}
+
+// Plain precision against Hugging Face transformers (tests/fixtures/qwen3_tiny.plain_expected.dat,
+// made by make_plain_fixture.py: every linear's master moved off the NVFP4 grid, fp32, no
+// quantization anywhere). The NVFP4 file loaded with fake_quant off, its masters replaced by the
+// fixture's, gives HF's logits, loss and gradients within the fixture tolerances; the
+// straight-through model with the same masters rounds them back to the grid and does not.
+TEST(Qwen3Model, PlainPrecisionMatchesHfFixture) {
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kPlainExpected);
+  ModelOptions plain = fp32_all(), ste = fp32_all();
+  plain.fake_quant = false;
+  Qwen3Model a = Qwen3Model::load(cfg, w, plain);
+  Qwen3Model b = Qwen3Model::load(cfg, w, ste);
+  for (Qwen3Model* m : {&a, &b}) {
+    at::NoGradGuard ng;
+    int n = 0, quantized = 0;
+    for (auto& p : m->parameters()) {
+      ASSERT_TRUE(p.trainable) << p.name;
+      ASSERT_NE(e.find(p.name), nullptr) << p.name;
+      const at::Tensor master = e.load(p.name);
+      ASSERT_EQ(master.scalar_type(), at::kFloat) << p.name;
+      ASSERT_EQ(master.sizes(), p.master.sizes()) << p.name;
+      p.master.copy_(master);
+      ++n;
+      quantized += p.quantized;
+    }
+    EXPECT_EQ(n, 25);
+    EXPECT_EQ(quantized, 15);  // 2 x 7 linears + lm_head: the NVFP4 pairs of the file
+  }
+  check_against_fixture(a, e);
+  record_closeness(a, e);
+  at::NoGradGuard ng;
+  const at::Tensor ste_logits = b.forward(fixture_inputs(e));
+  EXPECT_GT(excess(ste_logits, e.load("logits"), 1e-4, 1e-5), 0.0);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g",
+                (ste_logits - e.load("logits")).abs().max().item<double>());
+  RecordProperty("ste_logits_max_abs_diff", buf);
+}
+
+// The same fixture read as a dense model: its 25 raw fp32 masters are the weights (the other
+// entries are not Qwen3 parameters and load() ignores them), and raw linears are never
+// fake-quantized, whatever fake_quant says.
+TEST(Qwen3Model, PlainFixtureAsDenseWeightsMatchesHf) {
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader e(kPlainExpected);
+  for (bool fake_quant : {true, false}) {
+    SCOPED_TRACE(fake_quant ? "fake_quant on" : "fake_quant off");
+    ModelOptions o = fp32_all();
+    o.fake_quant = fake_quant;
+    Qwen3Model m = Qwen3Model::load(cfg, e, o);
+    for (const auto& p : m.parameters()) EXPECT_FALSE(p.quantized) << p.name;
+    check_against_fixture(m, e);
+  }
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The tiny Qwen3 fixture the model tests share (tests/fixtures/qwen3_tiny.*: config, weights and
-// the HF transformers outputs they are checked against), and a relative error for comparing
-// outputs.
+// the HF transformers outputs they are checked against, fake-quantized and plain), and a relative
+// error for comparing outputs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,6 +13,9 @@ inline const std::string kFixtures = Q4_FIXTURES_DIR;
 inline const std::string kConfig = kFixtures + "/qwen3_tiny.config.json";
 inline const std::string kWeights = kFixtures + "/qwen3_tiny.weights.dat";
 inline const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
+// Plain precision (no quantization anywhere): masters moved off the NVFP4 grid, stored as raw
+// fp32 entries under their HF names, and HF's outputs for them (make_plain_fixture.py).
+inline const std::string kPlainExpected = kFixtures + "/qwen3_tiny.plain_expected.dat";
 
 // ||a - e|| / ||e|| in fp32 on the host.
 inline double rel_err(const at::Tensor& a, const at::Tensor& e) {
