@@ -3,7 +3,9 @@
 // chunk's loss to the running sum and, when a gradient is wanted, turns the same block into
 // softmax - onehot in place and accumulates the hidden and weight gradients; backward scales
 // them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time; on CUDA
-// none (one fused kernel works on the matmul's output, fused_softmax_xent_).
+// none (one fused kernel works on the matmul's output, fused_softmax_xent_). A LossTerm (a
+// distillation divergence) gets its own fp32 copy of each chunk's logits, returns its gradient
+// in it, and the two gradients are mixed by its weight before the same two GEMMs.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -33,12 +35,18 @@ void chunk_logit_grad(at::Tensor& e, const at::Tensor& sum, const at::Tensor& y,
 // recomputing the logits in the backward; the same memory (the weight gradient would exist in
 // the backward's loss phase anyway, and the forward runs straight into it).
 struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntropy> {
-  // hidden (N, H), weight (V, H), labels (N) int64 -> () fp32 sum of per-row CE.
+  // hidden (N, H), weight (V, H), labels (N) int64 -> () fp32 sum of per-row CE, or with `term`
+  // (1 - w) * CE + w * term, whose parts go to `parts` (detached) when it is given.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,
+                            const LossTerm* term, std::pair<at::Tensor, at::Tensor>* parts) {
     const bool want_h = hidden.requires_grad(), want_w = weight.requires_grad();
+    const bool want = want_h || want_w;
     const int64_t N = hidden.size(0);
-    at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    const double w = term ? term->weight : 0.0;
+    const auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor ce_total = at::zeros({}, f32);
+    at::Tensor term_total = term ? at::zeros({}, f32) : at::Tensor();
     at::Tensor grad_h = want_h ? at::empty_like(hidden) : at::Tensor();
     at::Tensor grad_w;
     for (int64_t s = 0; s < N; s += chunk) {
@@ -46,12 +54,19 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       at::Tensor h = hidden.narrow(0, s, n);
       at::Tensor y = labels.narrow(0, s, n);
       at::Tensor logits = at::matmul(h, weight.t());  // (n, V) in the weight's dtype
-      at::Tensor pc;  // d(chunk's CE sum)/d(logits) in the weight's dtype
+      // The term's own fp32 copy of the logits, taken before the CE works on them in place; it
+      // comes back holding the term's gradient.
+      at::Tensor zt;
+      if (term) {
+        zt = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+        term_total.add_(term->chunk(zt, y.ne(kIgnoreIndex), s, want));
+      }
+      at::Tensor pc;  // d(chunk's CE sum)/d(logits): the weight's dtype (fused) or fp32
       if (fused_xent_applies(logits, y)) {
         // CUDA: one kernel reads the logits (upcast to fp32 per element), writes the per-row
         // CE and the gradient in place: no fp32 block.
-        total.add_(fused_softmax_xent_(logits, y, want_h || want_w).sum());
-        if (!want_h && !want_w) continue;
+        ce_total.add_(fused_softmax_xent_(logits, y, want).sum());
+        if (!want) continue;
         pc = logits;
       } else {
         const at::Tensor valid = y.ne(kIgnoreIndex);
@@ -62,11 +77,13 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
         logits.sub_(mx).exp_();
         const at::Tensor row_sum = logits.sum(1);
         const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
-        total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
-        if (!want_h && !want_w) continue;
+        ce_total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
+        if (!want) continue;
         chunk_logit_grad(logits, row_sum, y, valid);
-        pc = logits.to(hidden.scalar_type());
+        pc = logits;
       }
+      if (term) pc = zt.mul_(w).add_(pc, 1.0 - w);  // the combined gradient, fp32
+      pc = pc.to(hidden.scalar_type());
       if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
       if (want_w) {
         if (!grad_w.defined()) {
@@ -78,7 +95,9 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     }
     if (want_h) ctx->saved_data["grad_h"] = grad_h;
     if (want_w) ctx->saved_data["grad_w"] = grad_w;
-    return total;
+    if (!term) return ce_total;
+    if (parts != nullptr) *parts = {ce_total.clone(), term_total.clone()};
+    return ce_total.mul(1.0 - w).add_(term_total, w);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -89,9 +108,24 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     const at::Tensor go = grads[0];  // () upstream gradient of the sum
     if (grad_h.defined()) grad_h.mul_(go);
     if (grad_w.defined()) grad_w.mul_(go);
-    return {grad_h, grad_w, at::Tensor(), at::Tensor()};
+    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+void check_loss_args(const char* what, const at::Tensor& hidden, const at::Tensor& weight,
+                     const at::Tensor& labels, int64_t chunk_tokens) {
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), what,
+              ": expected hidden (N, H) and weight (V, H), got ", hidden.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(
+      labels.dim() == 1 && labels.size(0) == hidden.size(0) && labels.scalar_type() == at::kLong,
+      what, ": expected int64 labels (", hidden.size(0), "), got ", labels.sizes(), " ",
+      c10::toString(labels.scalar_type()));
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), what,
+              ": hidden and weight dtypes differ (", c10::toString(hidden.scalar_type()), " vs ",
+              c10::toString(weight.scalar_type()), ")");
+  TORCH_CHECK(chunk_tokens > 0, what, ": chunk_tokens must be > 0, got ", chunk_tokens);
+}
 
 }  // namespace
 
@@ -99,22 +133,27 @@ std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hi
                                                             const at::Tensor& weight,
                                                             const at::Tensor& labels,
                                                             int64_t chunk_tokens) {
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
-              "chunked_cross_entropy_sum: expected hidden (N, H) and weight (V, H), got ",
-              hidden.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(
-      labels.dim() == 1 && labels.size(0) == hidden.size(0) && labels.scalar_type() == at::kLong,
-      "chunked_cross_entropy_sum: expected int64 labels (", hidden.size(0), "), got ",
-      labels.sizes(), " ", c10::toString(labels.scalar_type()));
-  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(),
-              "chunked_cross_entropy_sum: hidden and weight dtypes differ (",
-              c10::toString(hidden.scalar_type()), " vs ", c10::toString(weight.scalar_type()),
-              ")");
-  TORCH_CHECK(chunk_tokens > 0, "chunked_cross_entropy_sum: chunk_tokens must be > 0, got ",
-              chunk_tokens);
+  check_loss_args("chunked_cross_entropy_sum", hidden, weight, labels, chunk_tokens);
   at::Tensor count = labels.ne(kIgnoreIndex).sum();  // () int64
-  at::Tensor sum = ChunkedCrossEntropy::apply(hidden, weight, labels, chunk_tokens);
+  at::Tensor sum = ChunkedCrossEntropy::apply(
+      hidden, weight, labels, chunk_tokens, static_cast<const LossTerm*>(nullptr),
+      static_cast<std::pair<at::Tensor, at::Tensor>*>(nullptr));
   return {sum, count};
+}
+
+at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& weight,
+                                  const at::Tensor& labels, int64_t chunk_tokens,
+                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum) {
+  check_loss_args("chunked_loss_with_term", hidden, weight, labels, chunk_tokens);
+  TORCH_CHECK(term.chunk, "chunked_loss_with_term: the term has no chunk function");
+  TORCH_CHECK(term.weight >= 0.0 && term.weight <= 1.0,
+              "chunked_loss_with_term: the term's weight must be in [0, 1], got ", term.weight);
+  std::pair<at::Tensor, at::Tensor> parts;
+  at::Tensor total =
+      ChunkedCrossEntropy::apply(hidden, weight, labels, chunk_tokens, &term, &parts);
+  if (ce_sum != nullptr) *ce_sum = parts.first;
+  if (term_sum != nullptr) *term_sum = parts.second;
+  return total;
 }
 
 }  // namespace q4::model

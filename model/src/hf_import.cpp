@@ -378,7 +378,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
 }
 
 Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path,
-                          const ModelOptions& opt) {
+                          const ModelOptions& opt, const HfImportOptions& import) {
   if (!is_hf_folder(path)) return Qwen3Model::load(cfg, DatReader(path), opt);
   static std::atomic<int64_t> seq{0};
   struct TempDat {
@@ -390,7 +390,7 @@ Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path,
   } imported{(fs::temp_directory_path() /
               ("q4_import_" + std::to_string(::getpid()) + "_" + std::to_string(seq++) + ".dat"))
                  .string()};
-  import_hf(path, imported.path);
+  import_hf(path, imported.path, import);
   return Qwen3Model::load(cfg, DatReader(imported.path), opt);
 }
 

@@ -3,13 +3,14 @@
 // Trainable masters stay in master_dtype and reach the forward through straight-through taps;
 // frozen weights are held once, in the compute dtype, as the forward uses them.
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
@@ -73,7 +74,8 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
 }
 
 void ModelOptions::validate() const {
-  TORCH_CHECK(is_float_dtype(master_dtype), "ModelOptions.master_dtype: expected fp16, bf16 or fp32, got ",
+  TORCH_CHECK(is_float_dtype(master_dtype),
+              "ModelOptions.master_dtype: expected fp16, bf16 or fp32, got ",
               c10::toString(master_dtype));
   TORCH_CHECK(is_float_dtype(compute_dtype),
               "ModelOptions.compute_dtype: expected fp16, bf16 or fp32, got ",
@@ -83,8 +85,8 @@ void ModelOptions::validate() const {
               c10::toString(resolved_grad_dtype()));
   TORCH_CHECK(loss_chunk_tokens > 0, "ModelOptions.loss_chunk_tokens: expected > 0, got ",
               loss_chunk_tokens);
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "ModelOptions.device: expected cpu or cuda, got ",
-              device.str());
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "ModelOptions.device: expected cpu or cuda, got ", device.str());
 }
 
 // ---------------------------------------------------------------- Impl
@@ -182,12 +184,12 @@ LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor
   const double eps = cfg.rms_norm_eps;
 
   at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps);  // (B, T, H)
-  at::Tensor a;                                                  // (B, T, NH*D)
+  at::Tensor a;                                                 // (B, T, NH*D)
   if (mask.kind == AttnMask::Kind::kVarlen) {
     // Token-major layout throughout: no transposes, and the kernel takes (B*T, heads, D) views.
     TORCH_INTERNAL_ASSERT(cache == nullptr);
-    at::Tensor q = rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}),
-                            weight(lp.q_norm), eps);  // (B, T, NH, D)
+    at::Tensor q = rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm),
+                            eps);  // (B, T, NH, D)
     at::Tensor k = rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}),
                             weight(lp.k_norm), eps);  // (B, T, KVH, D)
     at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B * T, KVH, D});
@@ -211,7 +213,7 @@ LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor
       k = cache->k[layer].narrow(2, 0, past + T);
       v = cache->v[layer].narrow(2, 0, past + T);
     }
-    a = attention(q, k, v, mask);                  // (B, NH, T, D)
+    a = attention(q, k, v, mask);                   // (B, NH, T, D)
     a = a.transpose(1, 2).reshape({B, T, NH * D});  // (B, T, NH*D)
   }
   at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
@@ -447,7 +449,7 @@ at::Tensor Qwen3Model::forward(const ModelInputs& in, KvCache* cache) {
   return at::linear(h, impl_->weight(impl_->lm_head));  // (B, T, V)
 }
 
-LossOutput Qwen3Model::loss(const ModelInputs& in) {
+LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
   TORCH_CHECK(in.labels.defined() && in.labels.sizes() == in.input_ids.sizes() &&
                   in.labels.scalar_type() == at::kLong,
               "labels: expected an int64 tensor shaped like input_ids ",
@@ -462,7 +464,7 @@ LossOutput Qwen3Model::loss(const ModelInputs& in) {
       at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
           .reshape({-1});                                   // (B*T) int64
   at::Tensor rows = next.ne(-100).nonzero().reshape({-1});  // (N) int64 flat positions
-  at::Tensor targets = next.index_select(0, rows);  // (N)
+  at::Tensor targets = next.index_select(0, rows);          // (N)
   const at::Device dev = impl_->opt.device;
   if (dev.is_cuda() && rows.numel() > 0) {
     // CUDA: pad the rows to a multiple of kLossRowQuantum with ignored (-100) copies of the first
@@ -485,11 +487,20 @@ LossOutput Qwen3Model::loss(const ModelInputs& in) {
     targets = targets.to(dev);
   }
   at::Tensor hs = h.reshape({B * T, H}).index_select(0, rows);  // (N, H)
-  auto [sum, count] = chunked_cross_entropy_sum(hs, impl_->weight(impl_->lm_head), targets,
-                                                impl_->opt.loss_chunk_tokens);
   LossOutput out;
-  out.loss_sum = sum;
-  out.num_tokens = count;
+  if (term == nullptr) {
+    std::tie(out.loss_sum, out.num_tokens) = chunked_cross_entropy_sum(
+        hs, impl_->weight(impl_->lm_head), targets, impl_->opt.loss_chunk_tokens);
+    out.ce_sum = out.loss_sum.detach();
+  } else {
+    if (term->prepare) term->prepare(rows);
+    out.loss_sum =
+        chunked_loss_with_term(hs, impl_->weight(impl_->lm_head), targets,
+                               impl_->opt.loss_chunk_tokens, *term, &out.ce_sum, &out.term_sum);
+    out.num_tokens = targets.ne(-100).sum();
+  }
+  const at::Tensor& sum = out.loss_sum;
+  const at::Tensor& count = out.num_tokens;
   out.loss = sum / count.clamp_min(1).to(at::kFloat);
   return out;
 }

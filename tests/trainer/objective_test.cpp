@@ -64,7 +64,6 @@ TEST(Objective, SupervisedCrossEntropyThroughTheStepMatchesFp64) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
   EXPECT_TRUE(ce.needs().labels);
-  EXPECT_FALSE(ce.needs().teacher_logits);
   StepRig rig(cpu_config("unused", /*grad_accum=*/2), model, ce);
   const int64_t V = model.config().vocab_size;
   // The reference sees the same two micro-batches before the step changes the weights.

@@ -339,6 +339,11 @@ Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
               {"modelopt", q4::trainer::HfExport::kModelOpt},
               {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors},
               {"bf16", q4::trainer::HfExport::kBf16});
+Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
+              {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
+              {"distill", q4::trainer::ObjectiveKind::kDistill});
+Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
+              {"reverse_kl", q4::trainer::Divergence::kReverseKl});
 
 namespace q4::trainer {
 namespace {
@@ -381,6 +386,8 @@ std::string to_string(data::OnError v) { return enum_name(v); }
 std::string to_string(Truncation v) { return enum_name(v); }
 std::string to_string(ProgressStyle v) { return enum_name(v); }
 std::string to_string(HfExport v) { return enum_name(v); }
+std::string to_string(ObjectiveKind v) { return enum_name(v); }
+std::string to_string(Divergence v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Range, FieldRef
@@ -570,6 +577,10 @@ std::vector<FieldRef> config_fields(Config& c) {
             Range{0.0, 1.0, true, false}, {"initializer_range"}),
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
+      field("train.objective", &c.train.objective,
+            "what training minimizes: cross_entropy on the labels, or distill (a teacher's "
+            "distribution, distill.*)",
+            {}, {"loss", "loss_type"}),
       field("train.trainable.layers", &c.train.trainable.layers,
             "decoder layers that train: all, none, last:N or a list of indices"),
       field("train.trainable.projections", &c.train.trainable.projections,
@@ -689,6 +700,28 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("guard.max_gpu_gb", &c.guard.max_gpu_gb,
             "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
             R::at_least(0)),
+      path("distill.teacher", &c.distill.teacher,
+           "train.objective distill: the teacher, a .dat or Hugging Face folder (frozen, compute "
+           "dtype, same device; dense linears stay dense)"),
+      path("distill.teacher_config", &c.distill.teacher_config,
+           "the teacher's config.json (default: the folder's config.json, else model.config)"),
+      field("distill.alpha", &c.distill.alpha,
+            "loss = alpha x divergence + (1 - alpha) x cross-entropy on the labels",
+            R::between(0, 1, false)),
+      // Beyond 100 every distribution is flat to fp32 precision: the term carries nothing.
+      field("distill.temperature", &c.distill.temperature,
+            "softmax temperature of both models; the divergence is scaled by T^2",
+            Range{0.0, 100.0, true, false}, {"kd_temperature"}),
+      field("distill.divergence", &c.distill.divergence,
+            "KL(teacher || student) (forward_kl, mass-covering) or KL(student || teacher) "
+            "(reverse_kl, mode-seeking)"),
+      path("distill.topk_file", &c.distill.topk_file,
+           "offline distillation: the teacher's top-K log-probabilities of the training data "
+           "(written by q4train --write-teacher-topk), read instead of running the teacher"),
+      // One (rows, K) id and log-probability table per written token: K = 65,536 would be 2.5x
+      // the full-vocabulary logits of the model itself.
+      field("distill.topk", &c.distill.topk, "tokens per position that --write-teacher-topk keeps",
+            R::between(1, 4096, false)),
       field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
             {"logging_steps", "log_interval"}),
       field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),
@@ -1049,6 +1082,30 @@ void validate_config(const Config& c) {
   }
   if (out.hf_export != HfExport::kNone && out.export_path == "none") {
     throw ConfigError("config key output.hf_export: set, but output.export_path is none");
+  }
+
+  const auto& d = c.distill;
+  if (c.train.objective == ObjectiveKind::kDistill) {
+    if (d.teacher.empty() && d.topk_file.empty()) {
+      throw ConfigError(
+          "config key distill.teacher: train.objective is distill, but neither distill.teacher "
+          "nor distill.topk_file is set");
+    }
+    if (!d.topk_file.empty() && d.divergence != Divergence::kForwardKl) {
+      throw ConfigError(
+          std::string("config key distill.divergence: ") + enum_name(d.divergence) +
+          " needs the teacher's whole distribution; distill.topk_file holds its top K (use "
+          "forward_kl, or distill.teacher without distill.topk_file)");
+    }
+  } else {
+    for (const auto& [key, set] :
+         {std::pair<const char*, bool>{"distill.teacher", !d.teacher.empty()},
+          {"distill.topk_file", !d.topk_file.empty()}}) {
+      if (set) {
+        throw ConfigError(std::string("config key ") + key +
+                          ": set, but train.objective is cross_entropy (set it to distill)");
+      }
+    }
   }
 
   if (c.guard.max_gpu_gb > 0 && !cuda) {

@@ -79,7 +79,7 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
     MicroBatch mb;
     mb.inputs = to_inputs(b, *model_, plan_.device());
     mb.batch = &b;
-    const at::Tensor s = objective_->compute(*model_, mb).loss_sum.to(at::kDouble);
+    const at::Tensor s = objective_->evaluate(*model_, mb).loss_sum.to(at::kDouble);
     sum = sum.defined() ? sum + s : s;
     v.tokens += objective_->units(b);
   }

@@ -1,15 +1,26 @@
 // The objectives a step can train with; see objective.h for the contract.
 #include "q4/trainer/objective.h"
 
+#include "q4/trainer/config.h"
+#include "q4/trainer/distill.h"
+
 namespace q4::trainer {
 
-ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model,
-                                                const MicroBatch& micro) {
+ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const MicroBatch& micro) {
   ObjectiveOutput out;
   out.loss_sum = model.loss(micro.inputs).loss_sum;
   return out;
 }
 
-std::unique_ptr<Objective> make_objective() { return std::make_unique<SupervisedCrossEntropy>(); }
+std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
+                                          std::ostream& out) {
+  switch (c.train.objective) {
+    case ObjectiveKind::kCrossEntropy:
+      return std::make_unique<SupervisedCrossEntropy>();
+    case ObjectiveKind::kDistill:
+      return std::make_unique<Distillation>(c.distill, load_teacher(c, student, out));
+  }
+  throw ConfigError("config key train.objective: unknown value");
+}
 
 }  // namespace q4::trainer

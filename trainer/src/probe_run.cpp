@@ -153,7 +153,7 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     NvtxRange r("optimizer_setup");
     setup.make_optimizer(sync);
   }
-  const auto objective = make_objective();
+  const auto objective = make_objective(c, setup.model(), out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
                  nullptr, in_backward_updates(c), setup.optimizer_index());
   mark("optimizer_ready");

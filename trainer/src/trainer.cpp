@@ -59,7 +59,6 @@ class Trainer {
         out_(out),
         err_(err),
         setup_(plan_, out, err),
-        objective_(make_objective()),
         checkpointer_(plan_, out),
         evaluator_(plan_, o.world.rank == 0),
         exporter_(plan_, out, err),
@@ -268,6 +267,7 @@ class Trainer {
   // checkpointer, evaluator and run log borrow.
   void build_components() {
     model::Qwen3Model& model = setup_.model();
+    objective_ = make_objective(cfg(), model, out_);
     sync_ = std::make_unique<GradSync>(comm_.get(), model, model.trainable_parameters());
     setup_.make_optimizer(*sync_);
     step_ = std::make_unique<TrainStep>(

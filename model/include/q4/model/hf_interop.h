@@ -111,7 +111,8 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
 // The model in `path` for a tool that loads one: a .dat file as Qwen3Model::load reads it, or a
 // Hugging Face folder (is_hf_folder) imported by import_hf into a temporary .dat in the system
 // temp folder, which is deleted once the model is in memory or the load fails.
-Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path, const ModelOptions& opt);
+Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path, const ModelOptions& opt,
+                          const HfImportOptions& import = {});
 
 }  // namespace q4::model
 

@@ -53,7 +53,7 @@ struct ModelOptions {
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
   bool fake_quant = true;
-  int64_t loss_chunk_tokens = 512;     // rows of logits computed at once in loss()
+  int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
   void validate() const;  // dtype / device / chunk checks with messages naming the field
@@ -77,14 +77,34 @@ struct ModelInputs {
   // B*T) and its longest segment. Used on CUDA with fp16/bf16 compute, where attention runs
   // FlashAttention's varlen kernels (no [B,1,T,T] mask, GQA without copying K/V); elsewhere
   // the mask built from segment_ids/attention_mask gives the same result.
-  at::Tensor cu_seqlens;      // (S + 1) int32
-  int64_t max_seqlen = 0;     // host int (no device sync)
+  at::Tensor cu_seqlens;   // (S + 1) int32
+  int64_t max_seqlen = 0;  // host int (no device sync)
 };
 
 struct LossOutput {
-  at::Tensor loss;        // () fp32: mean CE over supervised positions (0 when there are none)
-  at::Tensor loss_sum;    // () fp32: summed CE (same graph; for token-weighted accumulation)
+  at::Tensor loss;  // () fp32: loss_sum / num_tokens (0 when there are none)
+  // () fp32, differentiable: the summed CE, or with a LossTerm of weight w,
+  // (1 - w) * CE sum + w * term sum (same graph; for token-weighted accumulation)
+  at::Tensor loss_sum;
   at::Tensor num_tokens;  // () int64: supervised positions (labels[:, 1:] != -100), on device
+  at::Tensor ce_sum;      // () fp32, detached: the summed CE
+  at::Tensor term_sum;    // () fp32, detached: the LossTerm's sum (undefined without one)
+};
+
+// A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
+// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#the-loss).
+// loss() gathers the supervised rows (flat positions of the (B, T) inputs, ascending; on CUDA
+// padded at the end with unsupervised copies) and calls `prepare` once with those positions
+// (int64 (N), on the model's device). Then for each chunk of rows [row_begin, row_begin + n)
+// `chunk` gets the student's fp32 logits (n, V), which it may overwrite, and `valid` (n) bool,
+// false on padded rows; it returns the chunk's term summed over valid rows, () fp32, and when
+// `want_grad` leaves d(term)/d(logits) in `logits` (0 on invalid rows). Called with autograd off.
+struct LossTerm {
+  double weight = 1.0;  // w: loss_sum = (1 - w) * CE + w * term
+  std::function<void(const at::Tensor& rows)> prepare;
+  std::function<at::Tensor(at::Tensor& logits, const at::Tensor& valid, int64_t row_begin,
+                           bool want_grad)>
+      chunk;
 };
 
 struct Parameter {
@@ -95,7 +115,7 @@ struct Parameter {
   at::Tensor grad;    // trainable: grad_dtype, master's shape; undefined until a backward
                       // reaches it and after zero_grad(). Frozen: always undefined.
   bool trainable = false;
-  bool quantized = false;  // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
+  bool quantized = false;    // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -198,7 +218,8 @@ class Qwen3Model {
   // Differentiable: loss.backward() accumulates into Parameter::grad of trainable parameters.
   // Only supervised positions go through the lm_head (their rows are gathered first). Pass
   // labels on the host to keep this free of device syncs; CUDA labels cost one (the count).
-  LossOutput loss(const ModelInputs& in);
+  // `term`: an extra term computed in the same chunks (LossTerm), borrowed for the call.
+  LossOutput loss(const ModelInputs& in, const LossTerm* term = nullptr);
 
   // Every parameter in HF order (embed, layers..., norm, lm_head when untied).
   std::vector<Parameter>& parameters();
@@ -206,7 +227,7 @@ class Qwen3Model {
   std::vector<Parameter*> trainable_parameters();
   Parameter& parameter(const std::string& name);  // error naming the key when absent
   const Parameter& parameter(const std::string& name) const;
-  void zero_grad();                        // grads -> undefined (freed)
+  void zero_grad();  // grads -> undefined (freed)
   // In-backward optimizer updates: with a hook set, each trainable parameter is handed to it from
   // inside the backward as soon as its gradient for the step is complete (every use of the
   // parameter in the graph has delivered its part), and its grad is freed when the hook returns,
@@ -257,12 +278,20 @@ void set_fused_cuda_kernels(bool enabled);
 bool fused_cuda_kernels_enabled();
 
 // Mean CE of fp32(hidden @ weight^T) rows against `labels` (-100 ignored), computed over chunks
-// of `chunk_tokens` rows; logits are recomputed per chunk in backward, never saved.
+// of `chunk_tokens` rows; each chunk's gradients are computed in the forward from the same
+// block, so no logits are saved for the backward.
 //   hidden (N, H), weight (V, H) same dtype, labels (N) int64. Returns {sum, count}: sum () fp32
 //   differentiable w.r.t. hidden and weight, count () int64.
 std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hidden,
                                                             const at::Tensor& weight,
                                                             const at::Tensor& labels,
                                                             int64_t chunk_tokens);
+
+// The same with a LossTerm: rows are handed to term.chunk in the given order (`row_begin`
+// counts from 0; term.prepare is the caller's). Returns (1 - w) * CE sum + w * term sum,
+// differentiable w.r.t. hidden and weight, and sets `ce_sum` and `term_sum` (detached).
+at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& weight,
+                                  const at::Tensor& labels, int64_t chunk_tokens,
+                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum);
 
 }  // namespace q4::model

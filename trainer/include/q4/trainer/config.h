@@ -43,6 +43,8 @@ enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop };  // auto | cut_left
 enum class ProgressStyle { kAuto, kBar, kLine };              // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
+enum class ObjectiveKind { kCrossEntropy, kDistill };  // cross_entropy | distill
+enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
 
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
@@ -53,6 +55,8 @@ std::string to_string(data::OnError v);
 std::string to_string(Truncation v);
 std::string to_string(ProgressStyle v);
 std::string to_string(HfExport v);
+std::string to_string(ObjectiveKind v);
+std::string to_string(Divergence v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
 struct LayerSelection {
@@ -69,20 +73,20 @@ struct LayerSelection {
 };
 
 struct ModelConfig {
-  std::string dir;                    // HF model directory holding config.json (and tokenizer.json)
-  std::string config;                 // config.json path; default <dir>/config.json
-  std::string weights;                // NVFP4 .dat weights; required when init == "file"
-  std::string tokenizer;              // tokenizer.json path; default <dir>/tokenizer.json
-  InitKind init = InitKind::kFile;    // file: load `weights`; random: random init from `config`
-  int64_t init_seed = 0;              // RNG seed of the random init
-  bool quantize_lm_head = true;       // random init: store lm_head as NVFP4 (as the shipped file)
+  std::string dir;                  // HF model directory holding config.json (and tokenizer.json)
+  std::string config;               // config.json path; default <dir>/config.json
+  std::string weights;              // NVFP4 .dat weights; required when init == "file"
+  std::string tokenizer;            // tokenizer.json path; default <dir>/tokenizer.json
+  InitKind init = InitKind::kFile;  // file: load `weights`; random: random init from `config`
+  int64_t init_seed = 0;            // RNG seed of the random init
+  bool quantize_lm_head = true;     // random init: store lm_head as NVFP4 (as the shipped file)
   bool fake_quant = true;  // NVFP4 linears train through the straight-through quantizer (QAT)
-  Dtype master_dtype = Dtype::kFp16;  // dtype of trained master weights
+  Dtype master_dtype = Dtype::kFp16;               // dtype of trained master weights
   DtypeOrAuto compute_dtype = DtypeOrAuto::kAuto;  // auto: bf16 on cuda, fp32 on cpu
   std::string device = "cpu";                      // cpu | cuda | cuda:N
   DtypeOrAuto grad_dtype = DtypeOrAuto::kAuto;     // gradient storage
-  double init_std = 0.02;              // random init: std of linears and embeddings
-  int64_t loss_chunk_tokens = 512;     // logits rows computed at once by the chunked loss
+  double init_std = 0.02;                          // random init: std of linears and embeddings
+  int64_t loss_chunk_tokens = 512;  // logits rows computed at once by the chunked loss
 };
 
 struct TrainableConfig {
@@ -94,35 +98,50 @@ struct TrainableConfig {
 };
 
 struct TrainConfig {
+  ObjectiveKind objective = ObjectiveKind::kCrossEntropy;  // what the step minimizes
   TrainableConfig trainable;
   bool gradient_checkpointing = false;  // recompute each decoder layer in backward
   int64_t steps = 100;                  // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
-  int64_t batch_size = 4;               // rows (sequences) per micro-batch
-  int64_t grad_accum = 1;               // micro-batches per optimizer step
-  int64_t seq_len = 256;                // tokens per row (longer examples are truncated)
-  int64_t seed = 1234;                  // data order, dropout-free sampling, stochastic rounding
-  double max_grad_norm = 1.0;           // global L2 clipping threshold; 0 disables clipping
-  int64_t max_nonfinite_steps = 5;      // consecutive non-finite steps skipped before failing
+  int64_t batch_size = 4;           // rows (sequences) per micro-batch
+  int64_t grad_accum = 1;           // micro-batches per optimizer step
+  int64_t seq_len = 256;            // tokens per row (longer examples are truncated)
+  int64_t seed = 1234;              // data order, dropout-free sampling, stochastic rounding
+  double max_grad_norm = 1.0;       // global L2 clipping threshold; 0 disables clipping
+  int64_t max_nonfinite_steps = 5;  // consecutive non-finite steps skipped before failing
+};
+
+// train.objective: distill (docs/trainer.md#distillation). The teacher is frozen and computes in
+// the run's compute dtype on its device; its NVFP4 linears hold dequantize(q).
+struct DistillConfig {
+  std::string teacher;         // .dat or Hugging Face folder (dense linears stay dense)
+  std::string teacher_config;  // its config.json (default: the folder's, else model.config)
+  double alpha = 1.0;          // loss = alpha * divergence + (1 - alpha) * cross-entropy
+  double temperature = 1.0;    // both distributions at logits / temperature; divergence x T^2
+  Divergence divergence = Divergence::kForwardKl;
+  // Offline: the teacher's top-K log-probabilities of the training data, written once by
+  // `q4train --write-teacher-topk` and read instead of running the teacher.
+  std::string topk_file;
+  int64_t topk = 64;  // K written by --write-teacher-topk
 };
 
 struct ScheduleConfig {
   optim::LrScheduleKind kind = optim::LrScheduleKind::kConstant;  // after warmup
-  int64_t warmup_steps = 0;       // linear warmup from 0 to lr
-  double warmup_ratio = 0.0;      // warmup as a fraction of the run (resolved to warmup_steps)
-  double min_lr_ratio = 0.0;      // final lr / lr for linear and cosine decay
+  int64_t warmup_steps = 0;                                       // linear warmup from 0 to lr
+  double warmup_ratio = 0.0;  // warmup as a fraction of the run (resolved to warmup_steps)
+  double min_lr_ratio = 0.0;  // final lr / lr for linear and cosine decay
 };
 
 struct OptimConfig {
-  double lr = 1e-4;                            // peak learning rate
-  double beta1 = 0.9;                          // AdamW first-moment decay
-  double beta2 = 0.999;                        // AdamW second-moment decay
-  double eps = 1e-8;                           // AdamW epsilon
-  double weight_decay = 0.0;                   // decoupled weight decay
+  double lr = 1e-4;                                  // peak learning rate
+  double beta1 = 0.9;                                // AdamW first-moment decay
+  double beta2 = 0.999;                              // AdamW second-moment decay
+  double eps = 1e-8;                                 // AdamW epsilon
+  double weight_decay = 0.0;                         // decoupled weight decay
   optim::StateMode state = optim::StateMode::kInt8;  // moment storage
-  int64_t chunk_rows = 1024;                   // rows per optimizer chunk (bounds temporaries)
+  int64_t chunk_rows = 1024;  // rows per optimizer chunk (bounds temporaries)
   // fp16/bf16 master write-back
   optim::MasterRounding master_rounding = optim::MasterRounding::kStochastic;
   // Apply each parameter's update inside the backward as soon as its gradient is complete and
@@ -133,16 +152,17 @@ struct OptimConfig {
 };
 
 struct DataConfig {
-  std::vector<std::string> files;   // training files (TSV prompt<TAB>answer, JSONL, text)
-  std::vector<std::string> eval_files;  // held-out files for validation loss (same formats as files)
+  std::vector<std::string> files;  // training files (TSV prompt<TAB>answer, JSONL, text)
+  std::vector<std::string>
+      eval_files;              // held-out files for validation loss (same formats as files)
   double eval_fraction = 0.0;  // hold out this fraction of training examples for validation loss
   data::DataFormat format = data::DataFormat::kAuto;  // auto: by extension
-  std::string system_prompt;        // optional system turn before every example
-  bool shuffle = true;              // reshuffle each epoch (seeded by train.seed)
-  bool packing = true;              // pack several examples into one seq_len row (best fit)
-  int64_t pack_window = 256;        // packing: examples considered for each row
-  data::OnError on_error = data::OnError::kFail;      // malformed lines
-  Truncation truncation = Truncation::kAuto;  // examples over seq_len
+  std::string system_prompt;                          // optional system turn before every example
+  bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
+  bool packing = true;        // pack several examples into one seq_len row (best fit)
+  int64_t pack_window = 256;  // packing: examples considered for each row
+  data::OnError on_error = data::OnError::kFail;  // malformed lines
+  Truncation truncation = Truncation::kAuto;      // examples over seq_len
 };
 
 struct EvalConfig {
@@ -161,8 +181,8 @@ struct OutputConfig {
   // Checkpoint every N minutes of training (0: by steps only); with either cadence on, the last
   // step is checkpointed too. Both 0: checkpoints only on a stop signal or a failed export.
   double checkpoint_minutes = 30.0;
-  int64_t keep = 2;              // newest complete checkpoints kept
-  bool verify_export = true;     // reload the export and check it generates the same answers
+  int64_t keep = 2;           // newest complete checkpoints kept
+  bool verify_export = true;  // reload the export and check it generates the same answers
   // Also write a Hugging Face folder vLLM serves next to the .dat (<export .dat minus .dat>-hf):
   // none | modelopt | compressed-tensors (docs/interop.md).
   HfExport hf_export = HfExport::kNone;
@@ -176,8 +196,8 @@ struct LogConfig {
   int64_t every = 1;                      // log line every N steps
   std::string metrics = "metrics.jsonl";  // metrics file name inside output.dir ("" disables)
   ProgressStyle progress = ProgressStyle::kAuto;  // progress bar on a terminal or log lines
-  bool tensorboard = true;                // TensorBoard events.out.tfevents.* in output.dir
-  bool report = true;                     // output.dir/report.html, rewritten at evals and the end
+  bool tensorboard = true;                        // TensorBoard events.out.tfevents.* in output.dir
+  bool report = true;  // output.dir/report.html, rewritten at evals and the end
 };
 
 struct Config {
@@ -189,6 +209,7 @@ struct Config {
   OutputConfig output;
   GuardConfig guard;
   LogConfig log;
+  DistillConfig distill;
   std::string source;  // where the config came from (file path), for messages
 };
 
@@ -197,7 +218,7 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
                  InBackward*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
-                 Truncation*, ProgressStyle*, HfExport*>;
+                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, Divergence*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.

@@ -1,7 +1,7 @@
 // What a training step minimizes, one micro-batch at a time (docs/design.md#trainer-components).
 // The step hands each micro-batch to the objective, differentiates the loss it returns and sums
 // the values it names for logging; the loop never sees which objective runs. An objective says
-// what its micro-batch must carry (labels, a teacher's logits, paired sequences, reference
+// what its micro-batch must carry (labels, paired sequences, reference
 // log-probabilities) so that set-up and the step prepare exactly that, and how many units (for
 // cross-entropy: supervised tokens) its loss sums over, so the step's loss is the mean over the
 // whole step (every micro-batch of every rank) whatever the micro-batch split.
@@ -9,7 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <functional>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <utility>
@@ -20,28 +20,18 @@
 
 namespace q4::trainer {
 
-// A term computed inside the chunked loss, chunk by chunk, so that no (N, V) logits block ever
-// exists: for supervised rows [row_begin, row_begin + n) it gets the student's fp32 logits
-// chunk (n, V) and returns the chunk's summed term (a () fp32 tensor) and, in place in
-// `logits_grad` (n, V), its gradient with respect to those logits. A distillation objective
-// reads the teacher's logits for the same rows here (its own chunk of the teacher's lm_head).
-using ChunkTerm = std::function<at::Tensor(const at::Tensor& student_logits, int64_t row_begin,
-                                           at::Tensor& logits_grad)>;
-
 // What a micro-batch must carry for an objective.
 struct ObjectiveNeeds {
   bool labels = true;               // next-token labels, -100 where not supervised
-  bool teacher_logits = false;      // a teacher's logits, consumed chunk by chunk (ChunkTerm)
   bool paired_sequences = false;    // chosen/rejected rows side by side (preference objectives)
   bool reference_logprobs = false;  // a frozen reference's per-sequence log-probabilities
 };
 
 // One micro-batch as an objective sees it. Fields an objective does not need stay empty.
 struct MicroBatch {
-  model::ModelInputs inputs;       // on the model's device; labels on the host
+  model::ModelInputs inputs;           // on the model's device; labels on the host
   const data::Batch* batch = nullptr;  // the host batch it came from (token counts)
-  ChunkTerm teacher;               // needs.teacher_logits
-  at::Tensor reference_logprobs;   // needs.reference_logprobs: (rows) fp32
+  at::Tensor reference_logprobs;       // needs.reference_logprobs: (rows) fp32
 };
 
 struct ObjectiveOutput {
@@ -63,6 +53,12 @@ class Objective {
   virtual int64_t units(const data::Batch& batch) const = 0;
   // Forward of one micro-batch: its summed loss and the values to log.
   virtual ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) = 0;
+  // The held-out loss of one micro-batch (the validation loss; autograd off). Default: the
+  // training loss. Distillation reports the cross-entropy instead: what the shipped model
+  // scores on held-out text, comparable with any other run and with q4eval.
+  virtual ObjectiveOutput evaluate(model::Qwen3Model& model, const MicroBatch& micro) {
+    return compute(model, micro);
+  }
 };
 
 // Supervised fine-tuning: next-token cross-entropy over the supervised positions, through the
@@ -76,7 +72,11 @@ class SupervisedCrossEntropy final : public Objective {
   ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
 };
 
-// The objective a run trains with (today: supervised cross-entropy).
-std::unique_ptr<Objective> make_objective();
+struct Config;
+
+// The objective a run trains with (train.objective): supervised cross-entropy, or distillation
+// from distill.teacher loaded on `student`'s device (its load reported on `out`).
+std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
+                                          std::ostream& out);
 
 }  // namespace q4::trainer

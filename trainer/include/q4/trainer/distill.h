@@ -1,0 +1,73 @@
+// Distillation from a full-precision teacher (train.objective: distill;
+// docs/trainer.md#distillation): the student learns the teacher's next-token distribution on the
+// supervised positions. The divergence is computed inside the student's chunked loss
+// (model::LossTerm), a chunk of rows at a time, from the teacher's logits for the same rows (its
+// own lm_head on its final hidden states, online) or from its stored top-K log-probabilities
+// (offline), so that neither model's [tokens, vocab] logits ever exist.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <iosfwd>
+#include <memory>
+#include <string>
+
+#include "q4/model/qwen3.h"
+#include "q4/trainer/config.h"
+#include "q4/trainer/objective.h"
+
+namespace q4::trainer {
+
+struct DivergenceOptions {
+  Divergence kind = Divergence::kForwardKl;
+  double temperature = 1.0;
+};
+
+// One chunk's divergence between the teacher's and the student's distributions at temperature T
+// (softmax(logits / T)), summed over the rows where `valid` is true and scaled by T^2 so that its
+// gradient keeps the size of the cross-entropy's whatever T (Hinton et al.):
+//   forward_kl: T^2 * sum_v p_t (log p_t - log p_s), gradient T * (p_s - p_t)
+//   reverse_kl: T^2 * sum_v p_s (log p_s - log p_t), gradient T * p_s * (log p_s - log p_t - KL)
+// student_logits (n, V) fp32, overwritten: with the gradient with respect to the student's
+// logits when `want_grad` (0 on invalid rows). teacher_logits (n, V), any floating dtype.
+// Returns () fp32.
+at::Tensor divergence_chunk(at::Tensor& student_logits, const at::Tensor& teacher_logits,
+                            const at::Tensor& valid, const DivergenceOptions& opt, bool want_grad);
+
+// The offline form: the teacher known by its top K tokens per row, `ids` (n, K) int64 and their
+// log-probabilities `logprobs` (n, K) under its full distribution at temperature 1. The teacher's
+// distribution is that restricted to its top K and renormalized at T, q = softmax(logprobs / T);
+// forward KL T^2 * sum_k q_k (log q_k - log p_s[ids_k]), gradient T * (p_s - q scattered to ids).
+// With K = V this is divergence_chunk's forward_kl exactly.
+at::Tensor topk_divergence_chunk(at::Tensor& student_logits, const at::Tensor& ids,
+                                 const at::Tensor& logprobs, const at::Tensor& valid,
+                                 double temperature, bool want_grad);
+
+// Online distillation: `teacher` (frozen, on the student's device) runs each micro-batch's
+// forward without autograd; loss = alpha * divergence + (1 - alpha) * CE, per supervised token.
+// Logs "distill_ce" and "distill_divergence" (each per supervised token). Its held-out loss is
+// the student's cross-entropy (Objective::evaluate).
+class Distillation final : public Objective {
+ public:
+  Distillation(const DistillConfig& c, std::unique_ptr<model::Qwen3Model> teacher);
+  std::string name() const override { return "distill"; }
+  ObjectiveNeeds needs() const override { return ObjectiveNeeds{}; }
+  int64_t units(const data::Batch& batch) const override { return batch.supervised_tokens; }
+  ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
+  ObjectiveOutput evaluate(model::Qwen3Model& model, const MicroBatch& micro) override;
+  const model::Qwen3Model& teacher() const { return *teacher_; }
+
+ private:
+  double alpha_;
+  DivergenceOptions div_;
+  std::unique_ptr<model::Qwen3Model> teacher_;
+  at::Tensor lm_head_;  // the teacher's output projection (V, H_teacher), compute dtype
+};
+
+// The teacher of `c` (distill.teacher, distill.teacher_config) loaded for `student`: same device
+// and compute dtype, nothing trainable, its vocabulary the student's. Errors name the key.
+std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Qwen3Model& student,
+                                                std::ostream& out);
+
+}  // namespace q4::trainer

@@ -1,0 +1,153 @@
+// Distillation: the divergences (computed on one chunk of rows at a time) and the online
+// objective; see distill.h.
+#include "q4/trainer/distill.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <filesystem>
+#include <ostream>
+
+#include "q4/model/hf_interop.h"
+#include "q4/trainer/setup.h"
+
+namespace fs = std::filesystem;
+
+namespace q4::trainer {
+namespace {
+
+// (n, 1) fp32: T on valid rows, 0 on the others (the gradient's factor).
+at::Tensor row_factor(const at::Tensor& valid, double t) {
+  return valid.to(at::kFloat).mul(t).unsqueeze(1);
+}
+
+// In place: x (n, V) fp32 -> log_softmax(x / t) along the rows.
+void log_softmax_at_(at::Tensor& x, double t) {
+  if (t != 1.0) x.div_(t);
+  x.sub_(at::logsumexp(x, 1, /*keepdim=*/true));
+}
+
+}  // namespace
+
+at::Tensor divergence_chunk(at::Tensor& z, const at::Tensor& teacher_logits,
+                            const at::Tensor& valid, const DivergenceOptions& opt, bool want_grad) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat &&
+                  teacher_logits.sizes() == z.sizes() && valid.dim() == 1 &&
+                  valid.size(0) == z.size(0),
+              "divergence_chunk: expected fp32 student logits (n, V), teacher logits of the same "
+              "shape and valid (n), got ",
+              z.sizes(), ", ", teacher_logits.sizes(), ", ", valid.sizes());
+  const double t = opt.temperature;
+  const at::Tensor vf = valid.to(at::kFloat);
+  at::Tensor lt = teacher_logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  log_softmax_at_(lt, t);  // log p_t
+  log_softmax_at_(z, t);   // log p_s
+  at::Tensor kl;           // (n) per-row divergence
+  if (opt.kind == Divergence::kForwardKl) {
+    const at::Tensor pt = lt.exp();
+    kl = lt.sub_(z).mul_(pt).sum(1);  // sum p_t (log p_t - log p_s)
+    if (want_grad) z.exp_().sub_(pt).mul_(row_factor(valid, t));
+  } else {
+    const at::Tensor ps = z.exp();
+    at::Tensor d = lt.neg_().add_(z);  // log p_s - log p_t
+    kl = (ps * d).sum(1);
+    if (want_grad) z.copy_(d.sub_(kl.unsqueeze(1)).mul_(ps).mul_(row_factor(valid, t)));
+  }
+  return kl.mul_(vf).sum().mul_(t * t);
+}
+
+at::Tensor topk_divergence_chunk(at::Tensor& z, const at::Tensor& ids, const at::Tensor& logprobs,
+                                 const at::Tensor& valid, double temperature, bool want_grad) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && ids.dim() == 2 &&
+                  ids.size(0) == z.size(0) && ids.scalar_type() == at::kLong &&
+                  logprobs.sizes() == ids.sizes() && valid.dim() == 1 && valid.size(0) == z.size(0),
+              "topk_divergence_chunk: expected fp32 student logits (n, V), int64 ids and "
+              "log-probabilities (n, K) and valid (n), got ",
+              z.sizes(), ", ", ids.sizes(), " ", c10::toString(ids.scalar_type()), ", ",
+              logprobs.sizes(), ", ", valid.sizes());
+  const double t = temperature;
+  at::Tensor lq = logprobs.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  log_softmax_at_(lq, t);  // log q: the top K renormalized at T
+  log_softmax_at_(z, t);   // log p_s
+  const at::Tensor q = lq.exp();
+  const at::Tensor kl = (q * (lq - z.gather(1, ids))).sum(1);  // (n)
+  if (want_grad) z.exp_().scatter_add_(1, ids, q.neg()).mul_(row_factor(valid, t));
+  return (kl * valid.to(at::kFloat)).sum().mul_(t * t);
+}
+
+Distillation::Distillation(const DistillConfig& c, std::unique_ptr<model::Qwen3Model> teacher)
+    : alpha_(c.alpha), div_{c.divergence, c.temperature}, teacher_(std::move(teacher)) {
+  const std::string head = teacher_->tied() ? "model.embed_tokens.weight" : "lm_head.weight";
+  lm_head_ = teacher_->parameter(head).master;
+}
+
+ObjectiveOutput Distillation::compute(model::Qwen3Model& model, const MicroBatch& micro) {
+  at::Tensor hidden;  // the teacher's final hidden states, (B * T, H_teacher)
+  {
+    at::NoGradGuard no_grad;
+    hidden = teacher_->hidden_states(micro.inputs);
+    hidden = hidden.reshape({-1, hidden.size(-1)});
+  }
+  at::Tensor rows_hidden;  // the supervised rows' hidden states, in the student loss's order
+  model::LossTerm term;
+  term.weight = alpha_;
+  term.prepare = [&](const at::Tensor& rows) { rows_hidden = hidden.index_select(0, rows); };
+  term.chunk = [&](at::Tensor& z, const at::Tensor& valid, int64_t row_begin, bool want_grad) {
+    const at::Tensor teacher_logits =
+        at::matmul(rows_hidden.narrow(0, row_begin, z.size(0)), lm_head_.t());
+    return divergence_chunk(z, teacher_logits, valid, div_, want_grad);
+  };
+  const model::LossOutput lo = model.loss(micro.inputs, &term);
+  ObjectiveOutput out;
+  out.loss_sum = lo.loss_sum;
+  out.logged = {{"distill_ce", lo.ce_sum}, {"distill_divergence", lo.term_sum}};
+  return out;
+}
+
+ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatch& micro) {
+  ObjectiveOutput out;
+  out.loss_sum = model.loss(micro.inputs).loss_sum;
+  return out;
+}
+
+std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Qwen3Model& student,
+                                                std::ostream& out) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string& path = c.distill.teacher;
+  const bool folder = model::is_hf_folder(path);
+  if (!folder) require_file(path, "distill.teacher");
+  std::string config_path = c.distill.teacher_config;
+  if (config_path.empty()) {
+    config_path = folder ? (fs::path(path) / "config.json").string() : c.model.config;
+  }
+  require_file(config_path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
+                                                             : "distill.teacher_config");
+  const auto cfg = as_input_error("distill.teacher_config",
+                                  [&] { return model::Qwen3Config::from_json_file(config_path); });
+  if (cfg.vocab_size != student.config().vocab_size) {
+    throw ConfigError(fmt::format(
+        "config key distill.teacher: the teacher's vocabulary ({} tokens, {}) is not the "
+        "student's ({}): distillation compares distributions over the same tokens",
+        cfg.vocab_size, config_path, student.config().vocab_size));
+  }
+  model::ModelOptions opt;
+  opt.device = student.options().device;
+  opt.compute_dtype = student.options().compute_dtype;
+  opt.master_dtype = student.options().compute_dtype;
+  opt.trainable = model::TrainableSpec::nothing();
+  opt.gradient_checkpointing = false;
+  opt.loss_chunk_tokens = student.options().loss_chunk_tokens;
+  model::HfImportOptions import;
+  import.keep_dense = true;  // a full-precision teacher stays full precision
+  auto teacher = as_input_error("distill.teacher", [&] {
+    return std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(cfg, path, opt, import));
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out << fmt::format("teacher {}: {} layers, hidden {}, loaded in {:.1f} s\n", path,
+                     cfg.num_hidden_layers, cfg.hidden_size, s);
+  return teacher;
+}
+
+}  // namespace q4::trainer
