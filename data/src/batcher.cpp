@@ -27,13 +27,44 @@ int64_t supervised_from(const std::vector<TokenId>& labels, size_t begin) {
   return n;
 }
 
+// kSplit: every example longer than `max_len` becomes its consecutive windows of `max_len`
+// tokens (the last one shorter), in order, each keeping the example's source line.
+std::vector<Example> split_into_windows(std::vector<Example> examples, size_t max_len,
+                                        TruncationStats* stats) {
+  std::vector<Example> out;
+  out.reserve(examples.size());
+  for (Example& ex : examples) {
+    const size_t len = ex.input_ids.size();
+    stats->longest_tokens = std::max(stats->longest_tokens, static_cast<int64_t>(len));
+    if (len <= max_len || ex.labels.size() != len) {  // a size mismatch is reported later
+      out.push_back(std::move(ex));
+      continue;
+    }
+    ++stats->split;
+    for (size_t start = 0; start < len; start += max_len) {
+      const size_t end = std::min(len, start + max_len);
+      Example w;
+      w.source_line = ex.source_line;
+      w.input_ids.assign(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start),
+                         ex.input_ids.begin() + static_cast<std::ptrdiff_t>(end));
+      w.labels.assign(ex.labels.begin() + static_cast<std::ptrdiff_t>(start),
+                      ex.labels.begin() + static_cast<std::ptrdiff_t>(end));
+      out.push_back(std::move(w));
+      ++stats->windows;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Truncation parse_truncation(const std::string& name) {
   if (name == "cut_left") return Truncation::kCutLeft;
   if (name == "cut_right") return Truncation::kCutRight;
   if (name == "drop") return Truncation::kDrop;
-  TORCH_CHECK(false, "truncation: expected cut_left, cut_right or drop, found \"", name, "\"");
+  if (name == "split") return Truncation::kSplit;
+  TORCH_CHECK(false, "truncation: expected cut_left, cut_right, drop or split, found \"", name,
+              "\"");
   return Truncation::kCutLeft;
 }
 
@@ -45,6 +76,7 @@ std::string TruncationStats::to_string() const {
     s << ", " << supervised_tokens_cut << " supervised tokens cut by truncation";
   }
   s << ", longest " << longest_tokens << " tokens";
+  if (split > 0) s << ", " << split << " split into " << windows << " windows";
   return s.str();
 }
 
@@ -117,6 +149,9 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
   TORCH_CHECK(options_.pad_multiple >= 1, "pad_multiple: expected >= 1, found ",
               options_.pad_multiple);
   const auto max_len = static_cast<size_t>(options_.max_seq_len);
+  if (options_.truncation == Truncation::kSplit) {
+    examples = split_into_windows(std::move(examples), max_len, &stats_);
+  }
   stats_.examples_in = static_cast<int64_t>(examples.size());
   for (size_t i = 0; i < examples.size(); ++i) {
     Example& ex = examples[i];
@@ -129,10 +164,10 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
     if (len > max_len && options_.truncation == Truncation::kDrop) {
       keep = false;
     } else if (len > max_len) {
-      const auto first = static_cast<size_t>(
-          std::find_if(ex.labels.begin(), ex.labels.end(),
-                       [](TokenId l) { return l != kIgnoreIndex; }) -
-          ex.labels.begin());
+      const auto first =
+          static_cast<size_t>(std::find_if(ex.labels.begin(), ex.labels.end(),
+                                           [](TokenId l) { return l != kIgnoreIndex; }) -
+                              ex.labels.begin());
       // The window of max_len tokens that is kept. cut_left: the end (the answer and some of the
       // prompt); cut_right: the start. When that window would lose every supervised token but
       // the first (cut_left: the supervised part plus one context token is longer than the
@@ -223,8 +258,7 @@ std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
   return order;
 }
 
-std::vector<int64_t> Batcher::plan_row(const std::vector<int64_t>& order,
-                                       BatcherState* st) const {
+std::vector<int64_t> Batcher::plan_row(const std::vector<int64_t>& order, BatcherState* st) const {
   const auto n = static_cast<int64_t>(order.size());
   auto len_of = [&](int64_t e) { return static_cast<int64_t>(examples_[e].input_ids.size()); };
   std::vector<int64_t> row;
@@ -320,8 +354,8 @@ Batch Batcher::next() {
   if (options_.fixed_len) {
     t = max_len;
   } else {
-    t = std::min(max_len, (t + options_.pad_multiple - 1) / options_.pad_multiple *
-                              options_.pad_multiple);
+    t = std::min(max_len,
+                 (t + options_.pad_multiple - 1) / options_.pad_multiple * options_.pad_multiple);
   }
   const auto opts = at::TensorOptions().dtype(at::kLong);
   b.input_ids = at::full({num_rows, t}, options_.pad_id, opts);

@@ -80,11 +80,12 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path) con
   out.commit();
 }
 
-void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head) {
+void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
+               bool quantize_linears) {
   const auto& params = model.parameters();
   auto quantized = [&](const Parameter& p) {
     if (p.name == "lm_head.weight") return quantize_lm_head;
-    return p.quantized;
+    return quantize_linears && p.quantized;
   };
   uint64_t count = 0;
   for (const auto& p : params) count += quantized(p) ? 2 : 1;

@@ -167,6 +167,36 @@ TEST(Batcher, CutRightAndDropPolicies) {
   EXPECT_THROW(parse_truncation("middle"), c10::Error);
 }
 
+// split: a long example becomes its consecutive windows, in order; a window with nothing
+// supervised after its first token is dropped like any such example.
+TEST(Batcher, SplitPolicyKeepsEveryWindow) {
+  BatcherOptions o;
+  o.max_seq_len = 4;
+  o.shuffle = false;
+  o.truncation = Truncation::kSplit;
+  Batcher b({make(0, 0, 10), make(1, 5, 2), make(2, 0, 3)}, o);
+  const auto& s = b.truncation_stats();
+  EXPECT_EQ(s.split, 2);
+  EXPECT_EQ(s.windows, 5);
+  EXPECT_EQ(s.examples_in, 6);
+  EXPECT_EQ(s.kept, 5);
+  EXPECT_EQ(s.dropped_unsupervised, 1);  // example 1's first window: prompt only
+  EXPECT_EQ(s.truncated, 0);
+  EXPECT_EQ(s.supervised_tokens_cut, 0);
+  EXPECT_EQ(s.longest_tokens, 10);
+  ASSERT_EQ(b.examples().size(), 5u);
+  EXPECT_EQ(b.examples()[0].input_ids, (std::vector<TokenId>{1000, 1001, 1002, 1003}));
+  EXPECT_EQ(b.examples()[1].input_ids, (std::vector<TokenId>{1004, 1005, 1006, 1007}));
+  EXPECT_EQ(b.examples()[2].input_ids, (std::vector<TokenId>{1008, 1009}));
+  EXPECT_EQ(b.examples()[2].labels, (std::vector<TokenId>{1008, 1009}));
+  EXPECT_EQ(b.examples()[3].input_ids, (std::vector<TokenId>{2004, 2005, 2006}));
+  EXPECT_EQ(b.examples()[3].labels, (std::vector<TokenId>{kI, 2005, 2006}));
+  EXPECT_EQ(b.examples()[3].source_line, 2);
+  EXPECT_EQ(b.examples()[4].input_ids, (std::vector<TokenId>{3000, 3001, 3002}));
+  EXPECT_NE(s.to_string().find("2 split into 5 windows"), std::string::npos) << s.to_string();
+  EXPECT_EQ(parse_truncation("split"), Truncation::kSplit);
+}
+
 TEST(Batcher, SeededShuffleIsDeterministicAndCoversEachEpoch) {
   BatcherOptions o;
   o.batch_size = 4;

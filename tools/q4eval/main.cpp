@@ -20,6 +20,7 @@
 #include "eval.h"
 #include "q4/data/dataset.h"
 #include "q4/io/bounded_read.h"
+#include "q4/io/enum_names.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/options.h"
@@ -41,6 +42,7 @@ struct Args {
   chat::ModelArgs m;
   std::vector<std::string> files;
   int64_t batch_size = 0, seq_len = 0, max_examples = 0;
+  std::string truncation;  // empty: the run's data.truncation (auto)
   bool json = false, quiet = false, no_exact_match = false;
 };
 
@@ -70,6 +72,8 @@ Inputs read_inputs(const Args& a) {
   }
   if (a.batch_size > 0) c.train.batch_size = a.batch_size;
   if (a.seq_len > 0) c.train.seq_len = a.seq_len;
+  if (!a.truncation.empty())
+    c.data.truncation = io::parse_enum<trainer::Truncation>(a.truncation, "--truncation");
   if (a.m.system_given()) c.data.system_prompt = a.m.system;
   in.tokenizer = std::make_unique<data::Tokenizer>(chat::load_tokenizer(in.paths));
   const data::DatasetOptions dopt = trainer::dataset_options(c);
@@ -194,6 +198,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", a.batch_size,
                  "rows per batch (default: a run's train.batch_size)");
   app.add_option("--seq-len", a.seq_len, "tokens per row (default: a run's train.seq_len)");
+  app.add_option("--truncation", a.truncation,
+                 "examples longer than --seq-len: " + io::enum_choices<trainer::Truncation>() +
+                     " (default: a run's data.truncation; split scores every window)");
   app.add_option("--max-examples", a.max_examples, "only the first N examples (0: all)")
       ->capture_default_str();
   app.add_flag("--no-exact-match", a.no_exact_match, "skip the greedy generation of answers");

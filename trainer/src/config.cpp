@@ -317,34 +317,6 @@ std::string fmt_float(double v) {
 }  // namespace
 }  // namespace q4::trainer
 
-// The YAML spellings of the config's own enums, in the order the docs list the choices; the
-// libraries' enums (state mode, rounding, schedule, data format, on_error) bring their tables.
-Q4_ENUM_NAMES(q4::trainer::InitKind, {"file", q4::trainer::InitKind::kFile},
-              {"random", q4::trainer::InitKind::kRandom});
-Q4_ENUM_NAMES(q4::trainer::Dtype, {"fp16", q4::trainer::Dtype::kFp16},
-              {"bf16", q4::trainer::Dtype::kBf16}, {"fp32", q4::trainer::Dtype::kFp32});
-Q4_ENUM_NAMES(q4::trainer::DtypeOrAuto, {"auto", q4::trainer::DtypeOrAuto::kAuto},
-              {"fp32", q4::trainer::DtypeOrAuto::kFp32}, {"bf16", q4::trainer::DtypeOrAuto::kBf16},
-              {"fp16", q4::trainer::DtypeOrAuto::kFp16});
-Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
-              {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
-Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
-              {"cut_left", q4::trainer::Truncation::kCutLeft},
-              {"cut_right", q4::trainer::Truncation::kCutRight},
-              {"drop", q4::trainer::Truncation::kDrop});
-Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::kAuto},
-              {"bar", q4::trainer::ProgressStyle::kBar},
-              {"line", q4::trainer::ProgressStyle::kLine});
-Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
-              {"modelopt", q4::trainer::HfExport::kModelOpt},
-              {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors},
-              {"bf16", q4::trainer::HfExport::kBf16});
-Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
-              {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
-              {"distill", q4::trainer::ObjectiveKind::kDistill});
-Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
-              {"reverse_kl", q4::trainer::Divergence::kReverseKl});
-
 namespace q4::trainer {
 namespace {
 
@@ -664,7 +636,8 @@ std::vector<FieldRef> config_fields(Config& c) {
             "packing: examples considered when filling a row", R::at_least(1)),
       field("data.on_error", &c.data.on_error, "malformed data lines: fail or skip"),
       field("data.truncation", &c.data.truncation,
-            "examples longer than train.seq_len (auto: cut_right for text files, else cut_left)"),
+            "examples longer than train.seq_len (auto: cut_right for text files, else cut_left; "
+            "split: consecutive windows, for long documents)"),
       field("eval.prompts", &c.eval.prompts, "user prompts answered greedily"),
       field("eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)",
             R::at_least(0), {"eval_steps", "eval_interval"}),

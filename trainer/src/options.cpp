@@ -35,7 +35,8 @@ data::Truncation to_data(Truncation t) {
   static constexpr std::pair<Truncation, data::Truncation> kTable[] = {
       {Truncation::kCutLeft, data::Truncation::kCutLeft},
       {Truncation::kCutRight, data::Truncation::kCutRight},
-      {Truncation::kDrop, data::Truncation::kDrop}};
+      {Truncation::kDrop, data::Truncation::kDrop},
+      {Truncation::kSplit, data::Truncation::kSplit}};
   return library_value(t, kTable, "Truncation (resolve auto first)");
 }
 

@@ -69,7 +69,10 @@ LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ost
       init_opt.compute_dtype = at::kFloat;
       init_opt.device = at::kCPU;
       auto init = model::Qwen3Model::random_init(mc, init_opt, c.model.init_seed, c.model.init_std);
-      model::write_dat(init, lm.source_path, c.model.quantize_lm_head);
+      // Plain precision starts from dense weights: its export is then the trained
+      // full-precision model (16-bit linears), not a quantization of it.
+      model::write_dat(init, lm.source_path, c.model.quantize_lm_head && c.model.fake_quant,
+                       /*quantize_linears=*/c.model.fake_quant);
       out << "random init (seed " << c.model.init_seed << ") written to " << lm.source_path << "\n";
     }
   } else if (model::is_hf_folder(c.model.weights)) {

@@ -113,6 +113,10 @@ enum class Truncation {
   kCutRight,
   // Drop and count every example longer than max_seq_len.
   kDrop,
+  // Cut every example longer than max_seq_len into consecutive windows of max_seq_len tokens
+  // (the last one shorter), each its own example with no context carried over: nothing is lost
+  // of a long text document. Windows with nothing supervised at positions >= 1 are dropped.
+  kSplit,
 };
 
 Truncation parse_truncation(const std::string& name);  // "cut_left","cut_right","drop"
@@ -153,6 +157,8 @@ struct TruncationStats {
   int64_t dropped_unsupervised = 0;   // of `dropped`: no supervised label at positions >= 1
   int64_t supervised_tokens_cut = 0;  // supervised labels lost by truncation
   int64_t longest_tokens = 0;         // longest example before truncation
+  int64_t split = 0;                  // kSplit: examples cut into windows
+  int64_t windows = 0;                // kSplit: the windows they became (counted in examples_in)
   std::string to_string() const;
 };
 

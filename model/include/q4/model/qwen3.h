@@ -266,11 +266,13 @@ class Qwen3Model {
   std::unique_ptr<Impl> impl_;
 };
 
-// Writes every parameter of `model` as a .dat, in model (HF) order: the quantized linears (and
-// lm_head when `quantize_lm_head`) as NVFP4 pairs quantized from their masters (qdata elem 100,
-// scale elem 101), everything else fp16. The file of a random init, and the export of a model
-// that has no source file. Atomic (DatWriter).
-void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head);
+// Writes every parameter of `model` as a .dat, in model (HF) order: the quantized linears (when
+// `quantize_linears`) and lm_head (when `quantize_lm_head`) as NVFP4 pairs quantized from their
+// masters (qdata elem 100, scale elem 101), everything else fp16. The file of a random init
+// (dense for a plain-precision run), and the export of a model that has no source file. Atomic
+// (DatWriter).
+void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
+               bool quantize_linears = true);
 
 // Fused CUDA kernels for RMSNorm and RoPE (default on). Off: the ATen reference ops everywhere
 // (tests compare the two; a process-wide switch, not per model).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "q4/data/dataset.h"
+#include "q4/io/enum_names.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 
@@ -35,12 +36,13 @@ class ConfigError : public std::runtime_error {
 // | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip); their
 // to_string is the library's. The enums below are the config's own: settings with no library
 // counterpart, or with an `auto`/`none` the trainer resolves first.
-enum class InitKind { kFile, kRandom };                       // file | random
-enum class Dtype { kFp16, kBf16, kFp32 };                     // fp16 | bf16 | fp32
-enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };        // auto | fp32 | bf16 | fp16
-enum class InBackward { kAuto, kTrue, kFalse };               // auto | true | false
-enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop };  // auto | cut_left | cut_right | drop
-enum class ProgressStyle { kAuto, kBar, kLine };              // auto | bar | line
+enum class InitKind { kFile, kRandom };                 // file | random
+enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
+enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
+enum class InBackward { kAuto, kTrue, kFalse };         // auto | true | false
+// auto | cut_left | cut_right | drop | split
+enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
+enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
 enum class ObjectiveKind { kCrossEntropy, kDistill };  // cross_entropy | distill
@@ -301,3 +303,31 @@ bool device_is_cuda(const Config& c);
 bool in_backward_updates(const Config& c);
 
 }  // namespace q4::trainer
+
+// The YAML spellings of the config's own enums, in the order the docs list the choices; the
+// libraries' enums (state mode, rounding, schedule, data format, on_error) bring their tables.
+Q4_ENUM_NAMES(q4::trainer::InitKind, {"file", q4::trainer::InitKind::kFile},
+              {"random", q4::trainer::InitKind::kRandom});
+Q4_ENUM_NAMES(q4::trainer::Dtype, {"fp16", q4::trainer::Dtype::kFp16},
+              {"bf16", q4::trainer::Dtype::kBf16}, {"fp32", q4::trainer::Dtype::kFp32});
+Q4_ENUM_NAMES(q4::trainer::DtypeOrAuto, {"auto", q4::trainer::DtypeOrAuto::kAuto},
+              {"fp32", q4::trainer::DtypeOrAuto::kFp32}, {"bf16", q4::trainer::DtypeOrAuto::kBf16},
+              {"fp16", q4::trainer::DtypeOrAuto::kFp16});
+Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
+              {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
+Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
+              {"cut_left", q4::trainer::Truncation::kCutLeft},
+              {"cut_right", q4::trainer::Truncation::kCutRight},
+              {"drop", q4::trainer::Truncation::kDrop}, {"split", q4::trainer::Truncation::kSplit});
+Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::kAuto},
+              {"bar", q4::trainer::ProgressStyle::kBar},
+              {"line", q4::trainer::ProgressStyle::kLine});
+Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
+              {"modelopt", q4::trainer::HfExport::kModelOpt},
+              {"compressed-tensors", q4::trainer::HfExport::kCompressedTensors},
+              {"bf16", q4::trainer::HfExport::kBf16});
+Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
+              {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
+              {"distill", q4::trainer::ObjectiveKind::kDistill});
+Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
+              {"reverse_kl", q4::trainer::Divergence::kReverseKl});

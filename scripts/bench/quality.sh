@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The quality benchmark (docs/quality.md), one GPU call: how much of the loss that NVFP4
+# post-training quantization (PTQ) costs a model q4train wins back, by QAT (straight-through
+# fine-tuning) and by QAD (distillation from the full-precision model), on held-out real text.
+#   1. teacher: configs/quality/teacher.yaml, a 75.5M non-embedding Qwen3 trained in plain
+#      precision from a random init on State of the Union + Moby-Dick (tools/fetch_datasets.sh)
+#   2. PTQ: its linears quantized by the export quantizer (q4dat quantize)
+#   3. QAT: PTQ fine-tuned with cross-entropy through the quantizer (configs/quality/finetune.yaml)
+#   4. QAD: the same budget with train.objective=distill, the teacher as distill.teacher
+#   5. q4eval of the four models on the held-out addresses and chapters (1024-token windows),
+#      and recovery = (L_PTQ - L_x) / (L_PTQ - L_teacher)
+#   scripts/bench/quality.sh [OUT_DIR]
+# Env: BUILD (build dir, default build-gpu), SKIP_BUILD=1, WORK (/tmp/q4quality), SKIP_TEACHER=1
+# (reuse WORK/teacher), FT_SET (more --set arguments for both fine-tunes), QAD_SET (for QAD only),
+# STEPS (fine-tune steps, default the config's).
+set -euo pipefail
+. "$(dirname "$0")/../lib.sh"
+out=$(mkdir -p "${1:-${OUT:-$root/runs/quality}}" && cd "${1:-${OUT:-$root/runs/quality}}" && pwd)
+build=${BUILD:-$root/build-gpu}
+work=${WORK:-/tmp/q4quality}
+mkdir -p "$work"
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  t0=$(date +%s)
+  q4_gpu_configure . "$build" -DQ4_BUILD_TESTS=OFF >"$work/build.log" 2>&1
+  cmake --build "$build" -j "$(nproc)" --target q4train q4dat q4eval >>"$work/build.log" 2>&1 \
+    || { tail -n 60 "$work/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+bin=$build/bin
+tools/fetch_tokenizer.sh
+tools/fetch_datasets.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+cfg=configs/quality
+heldout=(assets/datasets/sotu_heldout.jsonl assets/datasets/moby_dick_heldout.jsonl)
+
+# run NAME CONFIG [--set ...]: one q4train run into $work/NAME, its log in $out/NAME.log.
+run() {
+  local name=$1 config=$2; shift 2
+  rm -rf "${work:?}/$name"
+  local t0=$SECONDS
+  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$out/$name.log" 2>&1 \
+    || { tail -n 30 "$out/$name.log"; q4_die "$name: q4train failed"; }
+  echo "$name: $((SECONDS - t0)) s, $(grep -c '"step"' "$work/$name/metrics.jsonl") logged steps"
+  cp "$work/$name/metrics.jsonl" "$out/$name-metrics.jsonl"
+}
+
+[ "${SKIP_TEACHER:-0}" = 1 ] || run teacher "$cfg/teacher.yaml"
+teacher=$work/teacher/model.dat
+rm -f "$work/ptq.dat"
+"$bin/q4dat" quantize "$teacher" "$work/ptq.dat" --match '_proj\.weight$' >/dev/null
+ft=(--set "model.weights=$work/ptq.dat" ${STEPS:+--set "train.steps=$STEPS"} ${FT_SET:-})
+run qat "$cfg/finetune.yaml" "${ft[@]}"
+run qad "$cfg/finetune.yaml" "${ft[@]}" --set train.objective=distill \
+  --set "distill.teacher=$teacher" ${QAD_SET:-}
+
+evaluate() {  # evaluate NAME MODEL_DAT
+  "$bin/q4eval" --model "$2" --config "$cfg/teacher.config.json" \
+    --tokenizer assets/qwen3/tokenizer.json --data "${heldout[@]}" --seq-len 1024 \
+    --truncation split --batch-size 16 --no-exact-match --device cuda --quiet --json \
+    >"$out/eval-$1.json"
+}
+evaluate teacher "$teacher"
+evaluate ptq "$work/ptq.dat"
+evaluate qat "$work/qat/model.dat"
+evaluate qad "$work/qad/model.dat"
+python3 - "$out" <<'EOF' | tee "$out/quality.md"
+import json, sys
+out = sys.argv[1]
+ev = {k: json.load(open(f"{out}/eval-{k}.json")) for k in ("teacher", "ptq", "qat", "qad")}
+lt, lp = ev["teacher"]["loss"], ev["ptq"]["loss"]
+def tokens_per_s(name):
+    rows = [json.loads(l) for l in open(f"{out}/{name}-metrics.jsonl") if '"step"' in l]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    return sum(r["tokens_per_s"] for r in rows[1:]) / max(1, len(rows) - 1) if rows else float("nan")
+print(f"held-out tokens: {ev['teacher']['tokens']}")
+print("| model | held-out loss | perplexity | recovery | train tokens/s |")
+print("|---|---|---|---|---|")
+for k, label in (("teacher", "teacher (plain precision)"), ("ptq", "PTQ (NVFP4)"),
+                 ("qat", "QAT"), ("qad", "QAD")):
+    l = ev[k]["loss"]
+    rec = "" if k in ("teacher", "ptq") else f"{100 * (lp - l) / (lp - lt):.1f}%"
+    tps = f"{tokens_per_s(k):,.0f}" if k in ("teacher", "qat", "qad") else ""
+    print(f"| {label} | {l:.4f} | {ev[k]['perplexity']:.3f} | {rec} | {tps} |")
+EOF
