@@ -60,10 +60,9 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
     const at::Tensor& master = p->master;
     const int64_t rows = master.dim() >= 1 ? master.size(0) : 1;
     const int64_t row_elems = master.numel() / std::max<int64_t>(rows, 1);
-    const bool shape_ok = raw.defined()
-                              ? raw.sizes() == master.sizes()
-                              : qdata.dim() == 2 && qdata.size(0) == rows &&
-                                    qdata.size(1) * 2 == row_elems && master.dim() == 2;
+    const bool shape_ok = raw.defined() ? raw.sizes() == master.sizes()
+                                        : qdata.dim() == 2 && qdata.size(0) == rows &&
+                                              qdata.size(1) * 2 == row_elems && master.dim() == 2;
     if (!shape_ok) {
       differ.push_back(ref.name + " (shape)");
       continue;
@@ -86,8 +85,13 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
       }
       // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
       // with this model's weight rounded to that type, the most the file can hold (an fp32 master
-      // exported to fp16 is rounded by design, not a defect of the export).
-      const at::Tensor mine = forward_weight(*p, part(master)).to(stored).to(w.scalar_type());
+      // exported to fp16 is rounded by design, not a defect of the export). A dense master is
+      // rounded to the file's type first and then cast as load() casts it: rounding it to the
+      // compute dtype first (bf16) and then to fp16 would round twice.
+      const bool dense = raw.defined() && !(p->quantized && (p->trainable || !m.opt.fake_quant));
+      const at::Tensor mine = dense
+                                  ? part(master).to(stored).to(cd)
+                                  : forward_weight(*p, part(master)).to(stored).to(w.scalar_type());
       if (!at::equal(w, mine)) mismatched += w.ne(mine).sum().item<int64_t>();
     }
     if (mismatched > 0) {

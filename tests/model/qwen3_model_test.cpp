@@ -757,36 +757,43 @@ TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
 // The streaming export check: after changing every trainable master (fp32 masters, so raw
 // tensors must be rounded to the file's fp16), an export reproduces the trained forward weights:
 // raw tensors exactly at their stored precision, NVFP4 linears exactly up to fake-quant's rare
-// non-idempotent blocks; a tampered export is reported with its element count.
+// non-idempotent blocks; a tampered export is reported with its element count. With bf16
+// compute a raw master is compared as the file holds it (rounded to fp16 once), not rounded to
+// bf16 and then to fp16.
 TEST(Qwen3Model, CompareForwardWeightsAfterExport) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   DatReader w(kWeights);
-  Qwen3Model m = Qwen3Model::load(cfg, w, fp32_all());
-  at::Generator gen = at::detail::createCPUGenerator(17);
-  {
-    at::NoGradGuard ng;
-    for (auto* p : m.trainable_parameters()) {
-      p->master.add_(at::randn(p->master.sizes(), gen) * 1e-3);
+  for (const at::ScalarType cd : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(cd));
+    ModelOptions opt = fp32_all();
+    opt.compute_dtype = cd;
+    Qwen3Model m = Qwen3Model::load(cfg, w, opt);
+    at::Generator gen = at::detail::createCPUGenerator(17);
+    {
+      at::NoGradGuard ng;
+      for (auto* p : m.trainable_parameters()) {
+        p->master.add_(at::randn(p->master.sizes(), gen) * 1e-3);
+      }
     }
+    const std::string out = temp_path("compare_export.dat");
+    m.export_to(w, out);
+    const auto differ = m.compare_forward_weights(DatReader(out));
+    int64_t quantized_differ = 0;
+    for (const auto& d : differ) {
+      const std::string name = d.substr(0, d.find(' '));
+      const bool quantized = m.parameter(name).quantized;
+      EXPECT_TRUE(quantized) << "raw tensor differs beyond its stored precision: " << d;
+      quantized_differ += quantized;
+    }
+    EXPECT_LE(quantized_differ, 2) << "fake-quant re-application should move few tensors";
+    // Row ranges of a few rows (every tensor split into many) give the same verdict.
+    EXPECT_EQ(m.compare_forward_weights(DatReader(out), /*chunk_elems=*/100), differ);
+    // An unrelated model (the untouched source) differs in every changed tensor.
+    Qwen3Model fresh = Qwen3Model::load(cfg, w, opt);
+    EXPECT_GE(fresh.compare_forward_weights(DatReader(out)).size(),
+              m.trainable_parameters().size() / 2);
+    std::remove(out.c_str());
   }
-  const std::string out = temp_path("compare_export.dat");
-  m.export_to(w, out);
-  const auto differ = m.compare_forward_weights(DatReader(out));
-  int64_t quantized_differ = 0;
-  for (const auto& d : differ) {
-    const std::string name = d.substr(0, d.find(' '));
-    const bool quantized = m.parameter(name).quantized;
-    EXPECT_TRUE(quantized) << "raw tensor differs beyond its stored precision: " << d;
-    quantized_differ += quantized;
-  }
-  EXPECT_LE(quantized_differ, 2) << "fake-quant re-application should move few tensors";
-  // Row ranges of a few rows (every tensor split into many) give the same verdict.
-  EXPECT_EQ(m.compare_forward_weights(DatReader(out), /*chunk_elems=*/100), differ);
-  // An unrelated model (the untouched source) differs in every changed tensor.
-  Qwen3Model fresh = Qwen3Model::load(cfg, w, fp32_all());
-  EXPECT_GE(fresh.compare_forward_weights(DatReader(out)).size(),
-            m.trainable_parameters().size() / 2);
-  std::remove(out.c_str());
 }
 
 // Options of the generation check per backend: the CPU defaults; fp32 on CUDA. Tolerance of a
