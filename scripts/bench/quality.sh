@@ -4,7 +4,7 @@
 # fine-tuning) and by QAD (distillation from the full-precision model), on held-out real text.
 #   1. teacher: configs/quality/teacher.yaml, a 75.5M non-embedding Qwen3 trained in plain
 #      precision from a random init on State of the Union + Moby-Dick (tools/fetch_datasets.sh)
-#   2. PTQ: its linears quantized by the export quantizer (q4dat quantize)
+#   2. PTQ: its linears and lm_head quantized by the export quantizer (q4dat quantize), as shipped
 #   3. QAT: PTQ fine-tuned with cross-entropy through the quantizer (configs/quality/finetune.yaml)
 #   4. QAD: the same budget with train.objective=distill, the teacher as distill.teacher
 #   5. q4eval of the four models on the held-out addresses and chapters (1024-token windows),
@@ -34,13 +34,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.t
 cfg=configs/quality
 heldout=(assets/datasets/sotu_heldout.jsonl assets/datasets/moby_dick_heldout.jsonl)
 
-# run NAME CONFIG [--set ...]: one q4train run into $work/NAME, its log in $out/NAME.log.
+# run NAME CONFIG [--set ...]: one q4train run into $work/NAME (its log beside it), its
+# metrics.jsonl copied to $out/NAME-metrics.jsonl.
 run() {
   local name=$1 config=$2; shift 2
   rm -rf "${work:?}/$name"
   local t0=$SECONDS
-  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$out/$name.log" 2>&1 \
-    || { tail -n 30 "$out/$name.log"; q4_die "$name: q4train failed"; }
+  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$work/$name.log" 2>&1 \
+    || { tail -n 30 "$work/$name.log"; q4_die "$name: q4train failed"; }
+  grep -E "^done:|^peak GPU" "$work/$name.log"
   echo "$name: $((SECONDS - t0)) s, $(grep -c '"step"' "$work/$name/metrics.jsonl") logged steps"
   cp "$work/$name/metrics.jsonl" "$out/$name-metrics.jsonl"
 }
@@ -48,7 +50,7 @@ run() {
 [ "${SKIP_TEACHER:-0}" = 1 ] || run teacher "$cfg/teacher.yaml"
 teacher=$work/teacher/model.dat
 rm -f "$work/ptq.dat"
-"$bin/q4dat" quantize "$teacher" "$work/ptq.dat" --match '_proj\.weight$' >/dev/null
+"$bin/q4dat" quantize "$teacher" "$work/ptq.dat" --match '(_proj|lm_head)\.weight$' >/dev/null
 ft=(--set "model.weights=$work/ptq.dat" ${STEPS:+--set "train.steps=$STEPS"} ${FT_SET:-})
 run qat "$cfg/finetune.yaml" "${ft[@]}"
 run qad "$cfg/finetune.yaml" "${ft[@]}" --set train.objective=distill \
@@ -58,16 +60,16 @@ evaluate() {  # evaluate NAME MODEL_DAT
   "$bin/q4eval" --model "$2" --config "$cfg/teacher.config.json" \
     --tokenizer assets/qwen3/tokenizer.json --data "${heldout[@]}" --seq-len 1024 \
     --truncation split --batch-size 16 --no-exact-match --device cuda --quiet --json \
-    >"$out/eval-$1.json"
+    >"$work/eval-$1.json"
 }
 evaluate teacher "$teacher"
 evaluate ptq "$work/ptq.dat"
 evaluate qat "$work/qat/model.dat"
 evaluate qad "$work/qad/model.dat"
-python3 - "$out" <<'EOF' | tee "$out/quality.md"
+python3 - "$out" "$work" <<'EOF' | tee "$out/quality.md"
 import json, sys
-out = sys.argv[1]
-ev = {k: json.load(open(f"{out}/eval-{k}.json")) for k in ("teacher", "ptq", "qat", "qad")}
+out, work = sys.argv[1:3]
+ev = {k: json.load(open(f"{work}/eval-{k}.json")) for k in ("teacher", "ptq", "qat", "qad")}
 lt, lp = ev["teacher"]["loss"], ev["ptq"]["loss"]
 def tokens_per_s(name):
     rows = [json.loads(l) for l in open(f"{out}/{name}-metrics.jsonl") if '"step"' in l]
@@ -82,4 +84,8 @@ for k, label in (("teacher", "teacher (plain precision)"), ("ptq", "PTQ (NVFP4)"
     rec = "" if k in ("teacher", "ptq") else f"{100 * (lp - l) / (lp - lt):.1f}%"
     tps = f"{tokens_per_s(k):,.0f}" if k in ("teacher", "qat", "qad") else ""
     print(f"| {label} | {l:.4f} | {ev[k]['perplexity']:.3f} | {rec} | {tps} |")
+print()
+for k in ("teacher", "qat", "qad"):  # the validation curves (data.eval_files, every eval.every)
+    rows = [json.loads(l) for l in open(f"{out}/{k}-metrics.jsonl") if '"val_loss"' in l]
+    print(f"{k} validation: " + ", ".join(f"{r['step']}: {r['val_loss']:.4f}" for r in rows))
 EOF
