@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "q4/trainer/config.h"
+#include "q4/trainer/distill.h"
 #include "q4/trainer/distributed.h"
 #include "q4/trainer/profile.h"
 #include "q4/trainer/run_dir.h"
@@ -80,7 +81,7 @@ struct Cli {
   std::string config_path, positional_config, resume, probe_report, profile_trace;
   std::string config_reference;
   std::vector<std::string> sets;
-  bool probe = false, dry_run = false, version = false;
+  bool probe = false, dry_run = false, version = false, write_teacher_topk = false;
   bool overwrite = false, export_only = false, allow_schedule_change = false;
   int probe_steps = 0;
   int nproc = 0;
@@ -104,6 +105,9 @@ void add_options(CLI::App& app, Cli& o) {
   app.add_flag("--allow-schedule-change", o.allow_schedule_change,
                "with --resume: accept a changed LR schedule (train.steps, optim.lr, "
                "optim.schedule.*)");
+  app.add_flag("--write-teacher-topk", o.write_teacher_topk,
+               "run distill.teacher over the training data once and write its top-K "
+               "log-probabilities to distill.topk_file (offline distillation), then exit");
   app.add_flag("--probe", o.probe, "run one instrumented step and print a JSON memory report");
   app.add_option("--probe-report", o.probe_report, "where --probe writes its JSON report");
   app.add_option("--probe-steps", o.probe_steps,
@@ -190,6 +194,12 @@ void check_flags(const Cli& o, const WorldInfo& world) {
     throw ConfigError("--allow-schedule-change applies to --resume only");
   }
   if (o.probe_steps > 0 && !o.probe) throw ConfigError("--probe-steps needs --probe");
+  if (o.write_teacher_topk && (o.probe || o.dry_run || o.export_only || !o.resume.empty() ||
+                               ranks || !o.profile_trace.empty())) {
+    throw ConfigError(
+        "--write-teacher-topk runs alone: it excludes --probe, --dry-run, --export-only, "
+        "--resume, --profile-trace, --nproc and torchrun");
+  }
   if (!o.profile_trace.empty() && (o.probe || o.dry_run)) {
     throw ConfigError(
         "--profile-trace traces training steps; it does not apply to --probe or "
@@ -272,6 +282,9 @@ int run(Cli& o, int argc, char** argv) {
   if (o.dry_run) return run_dry_run(config, std::cout);
   const RunOptions options = run_options(o, world);
   if (o.probe) return run_probe(config, options, std::cout, std::cerr);
+  if (o.write_teacher_topk) {
+    return run_write_teacher_topk(config, o.overwrite, std::cout, std::cerr);
+  }
   return run_training(config, options, std::cout, std::cerr);
 }
 

@@ -257,6 +257,61 @@ TEST(E2E, PlainPrecisionFromADenseFolderExportsDenseWeights) {
   EXPECT_GT(changed, 0);  // training moved the dense weights
 }
 
+// Distillation end to end: a first run's export is the teacher of a second run (online); then
+// --write-teacher-topk writes its top-K file once (and refuses to replace it), and a third run
+// trains from the file alone (offline). Both log the divergence and the cross-entropy.
+TEST(E2E, DistillationOnlineAndFromATopkFile) {
+  TinyRun t;
+  t.steps = 2;
+  t.log = "  tensorboard: false\n  report: false\n";
+  const fs::path dir = t.write_fresh("e2e", "distill");
+  const std::string teacher = (dir / "teacher" / "model.dat").string();
+  const std::string topk = (dir / "topk.dat").string();
+  const Result first =
+      run_in(dir, "teacher",
+             kQ4train + quoted(config_args(dir, {"output.dir=" + (dir / "teacher").string()})));
+  ASSERT_EQ(first.code, 0) << first.out << first.err;
+  const auto distill_args = [&](const std::string& run, std::vector<std::string> extra) {
+    std::vector<std::string> sets = {"output.dir=" + (dir / run).string(),
+                                     "train.objective=distill", "distill.alpha=0.5"};
+    for (auto& e : extra) sets.push_back(std::move(e));
+    return config_args(dir, sets);
+  };
+  const Result online = run_in(
+      dir, "online", kQ4train + quoted(distill_args("online", {"distill.teacher=" + teacher})));
+  ASSERT_EQ(online.code, 0) << online.out << online.err;
+  EXPECT_NE(online.out.find("teacher " + teacher), std::string::npos) << online.out;
+  const auto rec = read_jsonl(dir / "online" / "metrics.jsonl");
+  ASSERT_FALSE(rec.empty());
+  EXPECT_TRUE(rec.front().contains("distill_divergence")) << rec.front().dump();
+  EXPECT_TRUE(rec.front().contains("distill_ce")) << rec.front().dump();
+
+  const auto topk_args = distill_args(
+      "write", {"distill.teacher=" + teacher, "distill.topk_file=" + topk, "distill.topk=8"});
+  std::vector<std::string> write_args = topk_args;
+  write_args.push_back("--write-teacher-topk");
+  const Result written = run_in(dir, "write", kQ4train + quoted(write_args));
+  ASSERT_EQ(written.code, 0) << written.out << written.err;
+  EXPECT_NE(written.out.find("teacher top-8 of"), std::string::npos) << written.out;
+  const Result again = run_in(dir, "write_again", kQ4train + quoted(write_args));
+  EXPECT_NE(again.code, 0);
+  EXPECT_NE(again.err.find("exists"), std::string::npos) << again.err;
+
+  const Result offline = run_in(
+      dir, "offline", kQ4train + quoted(distill_args("offline", {"distill.topk_file=" + topk})));
+  ASSERT_EQ(offline.code, 0) << offline.out << offline.err;
+  EXPECT_NE(offline.out.find("(top 8,"), std::string::npos) << offline.out;
+  const auto off = read_jsonl(dir / "offline" / "metrics.jsonl");
+  ASSERT_FALSE(off.empty());
+  EXPECT_TRUE(off.front().contains("distill_divergence")) << off.front().dump();
+  // Other data (a shorter seq_len truncates differently): the file is refused, naming the key.
+  const Result other = run_in(
+      dir, "other",
+      kQ4train + quoted(distill_args("other", {"distill.topk_file=" + topk, "train.seq_len=8"})));
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.err.find("distill.topk_file"), std::string::npos) << other.err;
+}
+
 TEST(E2E, ResumeEqualsUninterruptedRun) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"
+#include "q4/io/dat_file.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -244,6 +245,89 @@ TEST(Distillation, AlphaZeroTrainsLikeCrossEntropy) {
   const auto pa = a.trainable_parameters(), pb = b.trainable_parameters();
   for (size_t i = 0; i < pa.size(); ++i) {
     expect_close(pa[i]->master, pb[i]->master, 1e-6, pa[i]->name.c_str());
+  }
+}
+
+// The top-K file of `teacher` over `examples` with K = V, written here from each example's full
+// logits (one sequence at a time, not packed): the reference layout of distill.h.
+void write_full_topk(model::Qwen3Model& teacher, const std::vector<data::Example>& examples,
+                     const std::string& path) {
+  at::NoGradGuard no_grad;
+  const int64_t V = teacher.config().vocab_size;
+  std::vector<at::Tensor> ids, lps;
+  std::vector<int64_t> offsets{0}, hashes;
+  for (const auto& e : examples) {
+    model::ModelInputs in;
+    in.input_ids =
+        at::tensor(std::vector<int64_t>(e.input_ids.begin(), e.input_ids.end()), at::kLong)
+            .unsqueeze(0);
+    const at::Tensor lp = at::log_softmax(teacher.forward(in)[0].to(at::kFloat), -1);  // (L, V)
+    int64_t n = 0;
+    for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
+      if (e.labels[j + 1] == data::kIgnoreIndex) continue;
+      const auto [v, k] = lp[static_cast<int64_t>(j)].topk(V);
+      ids.push_back(k.to(at::kInt));
+      lps.push_back(v);
+      ++n;
+    }
+    offsets.push_back(offsets.back() + n);
+    hashes.push_back(example_hash(e));
+  }
+  io::DatWriter w(path, 5);
+  w.add("topk.ids", at::stack(ids));
+  w.add("topk.logprobs", at::stack(lps));
+  w.add("topk.example_offsets", at::tensor(offsets, at::kLong));
+  w.add("topk.example_hashes", at::tensor(hashes, at::kLong));
+  w.add("topk.vocab_size", at::tensor({V}, at::kLong));
+  w.commit();
+}
+
+// Offline distillation from a file holding the teacher's whole distribution (K = V) trains
+// exactly as online distillation: same loss, same logged values, same update. The rows of packed
+// micro-batches are found through their examples.
+TEST(OfflineDistillation, WithEveryTokenEqualsOnline) {
+  ComponentTempDir tmp;
+  auto online_student = tiny_model(), offline_student = tiny_model();
+  auto teacher = frozen_tiny(11);
+  const int64_t V = teacher.config().vocab_size;
+  data::BatcherOptions bo;
+  bo.batch_size = 2;
+  bo.max_seq_len = 24;
+  bo.pack = true;
+  bo.shuffle = false;
+  data::Batcher a(random_examples(8, 11, V, 3), bo), b(random_examples(8, 11, V, 3), bo);
+  const std::string path = (tmp.path / "topk.dat").string();
+  write_full_topk(teacher, a.examples(), path);
+  DistillConfig dc;
+  dc.alpha = 0.6;
+  dc.temperature = 1.3;
+  Distillation online(dc, std::make_unique<model::Qwen3Model>(frozen_tiny(11)));
+  OfflineDistillation offline(dc, std::make_unique<TopkTeacher>(path, b.examples(), V), b);
+  StepRig ra(cpu_config("unused"), online_student, online);
+  StepRig rb(cpu_config("unused"), offline_student, offline);
+  for (int step = 0; step < 2; ++step) {
+    const StepOutcome sa = ra.step->run(step, a), sb = rb.step->run(step, b);
+    EXPECT_NEAR(sb.loss, sa.loss, 2e-5 * sa.loss);
+    ASSERT_EQ(sb.logged.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_NEAR(sb.logged[i].second.item<double>(), sa.logged[i].second.item<double>(), 2e-5)
+          << sa.logged[i].first;
+    }
+  }
+  const auto pa = online_student.trainable_parameters();
+  const auto pb = offline_student.trainable_parameters();
+  // Adam divides by the gradient's RMS: fp32 differences of the two teachers' logits (packed vs
+  // one sequence) move an element by up to ~1% of lr (1e-3) where its gradient is near zero.
+  for (size_t i = 0; i < pa.size(); ++i) {
+    expect_close(pb[i]->master, pa[i]->master, 1e-5, pa[i]->name.c_str());
+  }
+  // A file made for other examples is refused, naming the key.
+  try {
+    TopkTeacher other(path, random_examples(8, 11, V, 4), V);
+    ADD_FAILURE() << "a file for other data was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("distill.topk_file"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("other training data"), std::string::npos) << e.what();
   }
 }
 

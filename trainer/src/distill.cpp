@@ -112,8 +112,8 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
   return out;
 }
 
-std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Qwen3Model& student,
-                                                std::ostream& out) {
+std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
+                                                int64_t vocab_size, std::ostream& out) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string& path = c.distill.teacher;
   const bool folder = model::is_hf_folder(path);
@@ -126,19 +126,19 @@ std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Qw
                                                              : "distill.teacher_config");
   const auto cfg = as_input_error("distill.teacher_config",
                                   [&] { return model::Qwen3Config::from_json_file(config_path); });
-  if (cfg.vocab_size != student.config().vocab_size) {
+  if (cfg.vocab_size != vocab_size) {
     throw ConfigError(fmt::format(
         "config key distill.teacher: the teacher's vocabulary ({} tokens, {}) is not the "
         "student's ({}): distillation compares distributions over the same tokens",
-        cfg.vocab_size, config_path, student.config().vocab_size));
+        cfg.vocab_size, config_path, vocab_size));
   }
   model::ModelOptions opt;
-  opt.device = student.options().device;
-  opt.compute_dtype = student.options().compute_dtype;
-  opt.master_dtype = student.options().compute_dtype;
+  opt.device = student.device;
+  opt.compute_dtype = student.compute_dtype;
+  opt.master_dtype = student.compute_dtype;
   opt.trainable = model::TrainableSpec::nothing();
   opt.gradient_checkpointing = false;
-  opt.loss_chunk_tokens = student.options().loss_chunk_tokens;
+  opt.loss_chunk_tokens = student.loss_chunk_tokens;
   model::HfImportOptions import;
   import.keep_dense = true;  // a full-precision teacher stays full precision
   auto teacher = as_input_error("distill.teacher", [&] {

@@ -13,12 +13,21 @@ ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const 
 }
 
 std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
-                                          std::ostream& out) {
+                                          const data::Batcher* train, std::ostream& out) {
   switch (c.train.objective) {
     case ObjectiveKind::kCrossEntropy:
       return std::make_unique<SupervisedCrossEntropy>();
     case ObjectiveKind::kDistill:
-      return std::make_unique<Distillation>(c.distill, load_teacher(c, student, out));
+      if (!c.distill.topk_file.empty()) {
+        TORCH_CHECK(train != nullptr, "offline distillation needs the training batcher");
+        auto teacher = std::make_unique<TopkTeacher>(c.distill.topk_file, train->examples(),
+                                                     student.config().vocab_size);
+        out << "teacher: " << c.distill.topk_file << " (top " << teacher->k() << ", "
+            << teacher->ids().size(0) << " positions)\n";
+        return std::make_unique<OfflineDistillation>(c.distill, std::move(teacher), *train);
+      }
+      return std::make_unique<Distillation>(
+          c.distill, load_teacher(c, student.options(), student.config().vocab_size, out));
   }
   throw ConfigError("config key train.objective: unknown value");
 }

@@ -126,20 +126,19 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     phases.push_back(p);
     err << fmt::format("probe: {:<20} {:>9.1f} ms  rss {:.2f} GiB", name, p.phase_ms,
                        to_gib(p.memory.rss_bytes))
-        << (p.memory.peak_allocated_bytes
-                ? fmt::format("  peak {:.2f} GiB  reserved {:.2f} GiB",
-                              to_gib(*p.memory.peak_allocated_bytes),
-                              to_gib(*p.memory.reserved_bytes))
-                : std::string())
+        << (p.memory.peak_allocated_bytes ? fmt::format("  peak {:.2f} GiB  reserved {:.2f} GiB",
+                                                        to_gib(*p.memory.peak_allocated_bytes),
+                                                        to_gib(*p.memory.reserved_bytes))
+                                          : std::string())
         << "\n";
     reset_peak_memory(device);
     t_prev = Clock::now();
   };
   check_input_files(c, /*need_data=*/false);
   for (const auto& f : c.data.files) require_file(f, "data.files");
-  const std::string path =
-      options.probe_report.empty() ? (fs::path(c.output.dir) / kProbeFile).string()
-                                   : options.probe_report;
+  const std::string path = options.probe_report.empty()
+                               ? (fs::path(c.output.dir) / kProbeFile).string()
+                               : options.probe_report;
   check_probe_report_path(path, options.overwrite);  // before anything loads
   reset_peak_memory(device);
   mark("start");
@@ -153,11 +152,11 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     NvtxRange r("optimizer_setup");
     setup.make_optimizer(sync);
   }
-  const auto objective = make_objective(c, setup.model(), out);
+  setup.load_data(1);
+  const auto objective = make_objective(c, setup.model(), setup.batcher(), out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
                  nullptr, in_backward_updates(c), setup.optimizer_index());
   mark("optimizer_ready");
-  setup.load_data(1);
   const StepOutcome first = step.run(0, *setup.batcher(), [&](const char* phase) { mark(phase); });
   nlohmann::json steady = nullptr;
   if (options.probe_steps > 0) {

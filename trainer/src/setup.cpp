@@ -262,7 +262,7 @@ RunSetup::RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err)
 
 RunSetup::~RunSetup() = default;
 
-void RunSetup::load_model(bool need_tokenizer) {
+void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   const Config& c = plan_.config();
   const auto t0 = Clock::now();
   mc_ = load_model_config(c);
@@ -275,6 +275,7 @@ void RunSetup::load_model(bool need_tokenizer) {
                       c.model.tokenizer, tok_->vocab_size(), c.model.config, mc_.vocab_size));
     }
   }
+  if (!load_weights_too) return;
   {
     NvtxRange r("load");
     auto lm = load_weights(c, mc_, out_, /*in_memory=*/plan_.probe());

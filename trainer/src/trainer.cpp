@@ -18,9 +18,9 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
-#include <nlohmann/json.hpp>
 
 #include "q4/io/atomic_file.h"
 #include "q4/io/remove_tree.h"
@@ -243,8 +243,9 @@ class Trainer {
       }
       // A resume writes its config once the checkpoint is restored: a refused resume (another
       // trainable set, schedule or world) leaves the run's config.yaml as it was.
-      if (!resume) write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
-                                     config_to_yaml(cfg()));
+      if (!resume)
+        write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
+                          config_to_yaml(cfg()));
     }
     // A random init is written by rank 0 and then loaded by the others.
     if (!leader()) comm_->barrier();
@@ -267,7 +268,9 @@ class Trainer {
   // checkpointer, evaluator and run log borrow.
   void build_components() {
     model::Qwen3Model& model = setup_.model();
-    objective_ = make_objective(cfg(), model, out_);
+    // Without data (--export-only, zero steps) nothing trains: no teacher to load.
+    objective_ = setup_.batcher() ? make_objective(cfg(), model, setup_.batcher(), out_)
+                                  : std::make_unique<SupervisedCrossEntropy>();
     sync_ = std::make_unique<GradSync>(comm_.get(), model, model.trainable_parameters());
     setup_.make_optimizer(*sync_);
     step_ = std::make_unique<TrainStep>(
@@ -334,8 +337,8 @@ class Trainer {
   StepOutcome traced_step(int64_t step) {
     const std::string& trace = plan_.options().profile_trace;
     const bool trace_first = !trace.empty() && step == start_step_ + 2;
-    const bool trace_last = !trace.empty() && (step == start_step_ + 3 ||
-                                               (trace_first && step + 1 == plan_.steps()));
+    const bool trace_last =
+        !trace.empty() && (step == start_step_ + 3 || (trace_first && step + 1 == plan_.steps()));
     if (trace_first) profiler_start(plan_.device().is_cuda());
     StepOutcome so = step_->run(step, *setup_.batcher());
     if (trace_last) {
@@ -356,8 +359,8 @@ class Trainer {
     }
     ++consecutive_nonfinite_;
     err_ << fmt::format(
-        "warning: step {} has non-finite gradients (norm {}); update skipped ({} in a row)\n",
-        done, res.grad_norm, consecutive_nonfinite_);
+        "warning: step {} has non-finite gradients (norm {}); update skipped ({} in a row)\n", done,
+        res.grad_norm, consecutive_nonfinite_);
     if (consecutive_nonfinite_ > cfg().train.max_nonfinite_steps) {
       TORCH_CHECK(false, "training diverged: ", consecutive_nonfinite_,
                   " consecutive steps with non-finite gradients (train.max_nonfinite_steps = ",
@@ -473,14 +476,12 @@ class Trainer {
   void inject_fault(int64_t step) const {
     if (fault_at("exit", step)) {
       std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n",
-                   plan_.options().world.rank,
-                   static_cast<long long>(step));
+                   plan_.options().world.rank, static_cast<long long>(step));
       std::_Exit(9);
     }
     if (fault_at("hang", step)) {
       std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n",
-                   plan_.options().world.rank,
-                   static_cast<long long>(step));
+                   plan_.options().world.rank, static_cast<long long>(step));
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
   }
@@ -490,16 +491,17 @@ class Trainer {
   void connect_ranks() {
     const WorldInfo& w = plan_.options().world;
     if (cfg().optim.in_backward == InBackward::kTrue) {
-      throw ConfigError("optim.in_backward: true does not apply with several ranks (each "
-                        "parameter is updated by its owner after the gradient reduction); use "
-                        "auto or false");
+      throw ConfigError(
+          "optim.in_backward: true does not apply with several ranks (each "
+          "parameter is updated by its owner after the gradient reduction); use "
+          "auto or false");
     }
     const auto t0 = Clock::now();
     comm_ = DistComm::connect(w, plan_.device(), plan_.options().dist_timeout);
     out_ << fmt::format(
-        "data parallel: {} ranks ({}), rank {} on {}, rendezvous {}:{} in {:.1f} s\n",
-        w.world_size, comm_->backend(), w.rank, plan_.device().str(), w.master_addr,
-        w.master_port, ms_since(t0) / 1000.0);
+        "data parallel: {} ranks ({}), rank {} on {}, rendezvous {}:{} in {:.1f} s\n", w.world_size,
+        comm_->backend(), w.rank, plan_.device().str(), w.master_addr, w.master_port,
+        ms_since(t0) / 1000.0);
   }
 
   RunPlan plan_;

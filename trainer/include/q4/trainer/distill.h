@@ -12,7 +12,9 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "q4/data/dataset.h"
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/objective.h"
@@ -65,9 +67,69 @@ class Distillation final : public Objective {
   at::Tensor lm_head_;  // the teacher's output projection (V, H_teacher), compute dtype
 };
 
-// The teacher of `c` (distill.teacher, distill.teacher_config) loaded for `student`: same device
-// and compute dtype, nothing trainable, its vocabulary the student's. Errors name the key.
-std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Qwen3Model& student,
-                                                std::ostream& out);
+// The teacher of `c` (distill.teacher, distill.teacher_config) loaded beside a student computing
+// with `student` options: same device and compute dtype, nothing trainable, its vocabulary
+// `vocab_size` (the student's). Errors name the key.
+std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
+                                                int64_t vocab_size, std::ostream& out);
+
+// ---------------------------------------------------------------- offline: the top-K file
+//
+// distill.topk_file (docs/trainer.md#offline-distillation), a .dat container with
+//   topk.ids             int32 (S, K)  the teacher's K most likely next tokens at every
+//   topk.logprobs        fp32 (S, K)   supervised position of every training example, in example
+//                                      order then position order, and their log-probabilities
+//                                      (temperature 1, most likely first)
+//   topk.example_offsets int64 (E + 1) example e's rows are [offsets[e], offsets[e + 1])
+//   topk.example_hashes  int64 (E)     FNV-1a of each example's tokens and labels
+//   topk.vocab_size      int64 (1)
+// "Training examples" are the batcher's (after data.eval_fraction and truncation): the file is
+// refused unless they are the same, example by example.
+
+// 64-bit FNV-1a of an example's input ids then labels.
+int64_t example_hash(const data::Example& e);
+
+// For each flat (B * T) position of `batch`: the file row holding the teacher's prediction of the
+// next token there, or -1 where that token is not supervised. `offsets` as in the file.
+std::vector<int64_t> topk_rows_of_batch(const data::Batch& batch,
+                                        const std::vector<data::Example>& examples,
+                                        const std::vector<int64_t>& offsets);
+
+// `q4train --write-teacher-topk`: runs distill.teacher over the training examples of `c` once and
+// writes distill.topk_file (K = distill.topk). An existing file is an error unless `overwrite`.
+int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, std::ostream& err);
+
+// The teacher as its top-K file, checked against the training examples it must describe.
+class TopkTeacher {
+ public:
+  TopkTeacher(const std::string& path, const std::vector<data::Example>& examples,
+              int64_t vocab_size);
+  int64_t k() const { return ids_.size(1); }
+  const at::Tensor& ids() const { return ids_; }            // (S, K) int32, host
+  const at::Tensor& logprobs() const { return logprobs_; }  // (S, K) fp32, host
+  const std::vector<int64_t>& offsets() const { return offsets_; }
+
+ private:
+  at::Tensor ids_, logprobs_;
+  std::vector<int64_t> offsets_;
+};
+
+// Offline distillation: forward KL against the top-K file's teacher (topk_divergence_chunk), the
+// rows of each micro-batch looked up by its examples; otherwise as Distillation.
+class OfflineDistillation final : public Objective {
+ public:
+  OfflineDistillation(const DistillConfig& c, std::unique_ptr<TopkTeacher> teacher,
+                      const data::Batcher& train);
+  std::string name() const override { return "distill_topk"; }
+  ObjectiveNeeds needs() const override { return ObjectiveNeeds{}; }
+  int64_t units(const data::Batch& batch) const override { return batch.supervised_tokens; }
+  ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
+  ObjectiveOutput evaluate(model::Qwen3Model& model, const MicroBatch& micro) override;
+
+ private:
+  double alpha_, temperature_;
+  std::unique_ptr<TopkTeacher> teacher_;
+  const data::Batcher& train_;
+};
 
 }  // namespace q4::trainer

@@ -75,8 +75,9 @@ class SupervisedCrossEntropy final : public Objective {
 struct Config;
 
 // The objective a run trains with (train.objective): supervised cross-entropy, or distillation
-// from distill.teacher loaded on `student`'s device (its load reported on `out`).
+// from distill.teacher loaded on `student`'s device (its load reported on `out`), or from
+// distill.topk_file, checked against the examples of `train` (the training batcher).
 std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
-                                          std::ostream& out);
+                                          const data::Batcher* train, std::ostream& out);
 
 }  // namespace q4::trainer

@@ -78,8 +78,9 @@ class RunSetup {
   RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err);
   ~RunSetup();
 
-  // model.config, the tokenizer (training; the probe only with data files) and the model.
-  void load_model(bool need_tokenizer);
+  // model.config, the tokenizer (training; the probe only with data files) and, with
+  // `load_weights`, the model (without: what load_data needs, for tools that read a run's data).
+  void load_model(bool need_tokenizer, bool load_weights = true);
   // The batcher over data.files (and, for training, the validation batcher), or (the probe
   // without files) over synthetic sequences; then the run length from the data.
   void load_data(int64_t ranks);
