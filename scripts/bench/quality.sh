@@ -6,7 +6,8 @@
 #      precision from a random init on State of the Union + Moby-Dick (tools/fetch_datasets.sh)
 #   2. PTQ: its linears and lm_head quantized by the export quantizer (q4dat quantize), as shipped
 #   3. QAT: PTQ fine-tuned with cross-entropy through the quantizer (configs/quality/finetune.yaml)
-#   4. QAD: the same budget with train.objective=distill, the teacher as distill.teacher
+#   4. QAD: the same budget with train.objective=distill, the teacher as distill.teacher; and
+#      offline: the same from the teacher's top-64 file (q4train --write-teacher-topk)
 #   5. q4eval of the four models on the held-out addresses and chapters (1024-token windows),
 #      and recovery = (L_PTQ - L_x) / (L_PTQ - L_teacher)
 #   scripts/bench/quality.sh [OUT_DIR]
@@ -48,6 +49,7 @@ run() {
 }
 
 [ "${SKIP_TEACHER:-0}" = 1 ] || run teacher "$cfg/teacher.yaml"
+[ -f "$out/teacher-metrics.jsonl" ] || cp "$work/teacher/metrics.jsonl" "$out/teacher-metrics.jsonl"
 teacher=$work/teacher/model.dat
 rm -f "$work/ptq.dat"
 "$bin/q4dat" quantize "$teacher" "$work/ptq.dat" --match '(_proj|lm_head)\.weight$' >/dev/null
@@ -55,6 +57,17 @@ ft=(--set "model.weights=$work/ptq.dat" ${STEPS:+--set "train.steps=$STEPS"} ${F
 run qat "$cfg/finetune.yaml" "${ft[@]}"
 run qad "$cfg/finetune.yaml" "${ft[@]}" --set train.objective=distill \
   --set "distill.teacher=$teacher" ${QAD_SET:-}
+# Offline: the teacher's top-64 of every training position, written once per teacher.
+if [ "${SKIP_TEACHER:-0}" != 1 ] || [ ! -f "$work/topk.dat" ]; then
+  rm -f "$work/topk.dat"
+  "$bin/q4train" --config "$cfg/finetune.yaml" "${ft[@]}" --set "output.dir=$work/topk-write" \
+    --set train.objective=distill --set "distill.teacher=$teacher" \
+    --set "distill.topk_file=$work/topk.dat" --set distill.topk=64 --write-teacher-topk \
+    >"$work/topk-write.log" 2>&1 || { tail -n 20 "$work/topk-write.log"; q4_die "top-K write failed"; }
+  grep "teacher top-" "$work/topk-write.log"
+fi
+run qad_topk "$cfg/finetune.yaml" "${ft[@]}" --set train.objective=distill \
+  --set "distill.topk_file=$work/topk.dat" ${QAD_SET:-}
 
 evaluate() {  # evaluate NAME MODEL_DAT
   "$bin/q4eval" --model "$2" --config "$cfg/teacher.config.json" \
@@ -66,10 +79,12 @@ evaluate teacher "$teacher"
 evaluate ptq "$work/ptq.dat"
 evaluate qat "$work/qat/model.dat"
 evaluate qad "$work/qad/model.dat"
+evaluate qad_topk "$work/qad_topk/model.dat"
 python3 - "$out" "$work" <<'EOF' | tee "$out/quality.md"
 import json, sys
 out, work = sys.argv[1:3]
-ev = {k: json.load(open(f"{work}/eval-{k}.json")) for k in ("teacher", "ptq", "qat", "qad")}
+names = ("teacher", "ptq", "qat", "qad", "qad_topk")
+ev = {k: json.load(open(f"{work}/eval-{k}.json")) for k in names}
 lt, lp = ev["teacher"]["loss"], ev["ptq"]["loss"]
 def tokens_per_s(name):
     rows = [json.loads(l) for l in open(f"{out}/{name}-metrics.jsonl") if '"step"' in l]
@@ -79,13 +94,13 @@ print(f"held-out tokens: {ev['teacher']['tokens']}")
 print("| model | held-out loss | perplexity | recovery | train tokens/s |")
 print("|---|---|---|---|---|")
 for k, label in (("teacher", "teacher (plain precision)"), ("ptq", "PTQ (NVFP4)"),
-                 ("qat", "QAT"), ("qad", "QAD")):
+                 ("qat", "QAT"), ("qad", "QAD"), ("qad_topk", "QAD, offline top-64")):
     l = ev[k]["loss"]
     rec = "" if k in ("teacher", "ptq") else f"{100 * (lp - l) / (lp - lt):.1f}%"
-    tps = f"{tokens_per_s(k):,.0f}" if k in ("teacher", "qat", "qad") else ""
+    tps = f"{tokens_per_s(k):,.0f}" if k not in ("ptq",) else ""
     print(f"| {label} | {l:.4f} | {ev[k]['perplexity']:.3f} | {rec} | {tps} |")
 print()
-for k in ("teacher", "qat", "qad"):  # the validation curves (data.eval_files, every eval.every)
+for k in ("teacher", "qat", "qad", "qad_topk"):  # the validation curves (data.eval_files, every eval.every)
     rows = [json.loads(l) for l in open(f"{out}/{k}-metrics.jsonl") if '"val_loss"' in l]
     print(f"{k} validation: " + ", ".join(f"{r['step']}: {r['val_loss']:.4f}" for r in rows))
 EOF

@@ -69,8 +69,8 @@ TEST(TopkDivergence, WithEveryTokenIsTheForwardKl) {
   const at::Tensor valid = at::tensor({1, 0, 1, 1, 1}).ne(0);
   // The teacher's whole distribution as "top 29", in a shuffled order.
   const at::Tensor ids = at::argsort(at::randn({5, 29}, gen(5)), /*dim=*/1, /*descending=*/false);
-  const at::Tensor lp = at::log_softmax(t0, 1).gather(1, ids);
   for (double t : {1.0, 0.7}) {
+    const at::Tensor lp = at::log_softmax(t0 / t, 1).gather(1, ids);
     at::Tensor a = z0.clone(), b = z0.clone();
     const double full =
         divergence_chunk(a, t0, valid, {Divergence::kForwardKl, t}, true).item<double>();
@@ -85,14 +85,18 @@ TEST(TopkDivergence, MatchesFp64AndAutograd) {
   const at::Tensor t0 = at::randn({5, 31}, gen(7), at::kFloat) * 2;
   const at::Tensor valid = at::tensor({1, 1, 1, 0, 1}).ne(0);
   const int64_t K = 4;
-  const at::Tensor lp_full = at::log_softmax(t0.to(at::kDouble), 1);
-  const auto [lp, ids] = lp_full.topk(K, 1);
   const double t = 1.5;
-  // q = the top K renormalized at T; KL(q || p_s) over those K tokens.
+  const at::Tensor lp_full = at::log_softmax(t0.to(at::kDouble) / t, 1);
+  const auto [lp, ids] = lp_full.topk(K, 1);
+  // KL over the K tokens and "any other token": the teacher's q_k and remaining mass q_r
+  // against the student's p_s[ids_k] and remaining mass s_r, at T.
   at::Tensor z = z0.to(at::kDouble).requires_grad_(true);
-  const at::Tensor lq = at::log_softmax(lp / t, 1);
+  const at::Tensor q = lp.exp();
+  const at::Tensor qr = 1 - q.sum(1);
   const at::Tensor ls = at::log_softmax(z / t, 1).gather(1, ids);
-  const at::Tensor ref = ((lq.exp() * (lq - ls)).sum(1) * valid.to(at::kDouble)).sum() * (t * t);
+  const at::Tensor sr = 1 - ls.exp().sum(1);
+  const at::Tensor rows = (q * (lp - ls)).sum(1) + qr * (qr.log() - sr.log());
+  const at::Tensor ref = (rows * valid.to(at::kDouble)).sum() * (t * t);
   ref.backward();
   at::Tensor got_grad = z0.clone();
   const double got =
@@ -251,7 +255,7 @@ TEST(Distillation, AlphaZeroTrainsLikeCrossEntropy) {
 // The top-K file of `teacher` over `examples` with K = V, written here from each example's full
 // logits (one sequence at a time, not packed): the reference layout of distill.h.
 void write_full_topk(model::Qwen3Model& teacher, const std::vector<data::Example>& examples,
-                     const std::string& path) {
+                     double temperature, const std::string& path) {
   at::NoGradGuard no_grad;
   const int64_t V = teacher.config().vocab_size;
   std::vector<at::Tensor> ids, lps;
@@ -261,7 +265,8 @@ void write_full_topk(model::Qwen3Model& teacher, const std::vector<data::Example
     in.input_ids =
         at::tensor(std::vector<int64_t>(e.input_ids.begin(), e.input_ids.end()), at::kLong)
             .unsqueeze(0);
-    const at::Tensor lp = at::log_softmax(teacher.forward(in)[0].to(at::kFloat), -1);  // (L, V)
+    const at::Tensor lp =
+        at::log_softmax(teacher.forward(in)[0].to(at::kFloat) / temperature, -1);  // (L, V)
     int64_t n = 0;
     for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
       if (e.labels[j + 1] == data::kIgnoreIndex) continue;
@@ -273,12 +278,13 @@ void write_full_topk(model::Qwen3Model& teacher, const std::vector<data::Example
     offsets.push_back(offsets.back() + n);
     hashes.push_back(example_hash(e));
   }
-  io::DatWriter w(path, 5);
+  io::DatWriter w(path, 6);
   w.add("topk.ids", at::stack(ids));
   w.add("topk.logprobs", at::stack(lps));
   w.add("topk.example_offsets", at::tensor(offsets, at::kLong));
   w.add("topk.example_hashes", at::tensor(hashes, at::kLong));
   w.add("topk.vocab_size", at::tensor({V}, at::kLong));
+  w.add("topk.temperature", at::tensor({temperature}, at::kDouble));
   w.commit();
 }
 
@@ -297,12 +303,13 @@ TEST(OfflineDistillation, WithEveryTokenEqualsOnline) {
   bo.shuffle = false;
   data::Batcher a(random_examples(8, 11, V, 3), bo), b(random_examples(8, 11, V, 3), bo);
   const std::string path = (tmp.path / "topk.dat").string();
-  write_full_topk(teacher, a.examples(), path);
   DistillConfig dc;
   dc.alpha = 0.6;
   dc.temperature = 1.3;
+  write_full_topk(teacher, a.examples(), dc.temperature, path);
   Distillation online(dc, std::make_unique<model::Qwen3Model>(frozen_tiny(11)));
-  OfflineDistillation offline(dc, std::make_unique<TopkTeacher>(path, b.examples(), V), b);
+  OfflineDistillation offline(
+      dc, std::make_unique<TopkTeacher>(path, b.examples(), V, dc.temperature), b);
   StepRig ra(cpu_config("unused"), online_student, online);
   StepRig rb(cpu_config("unused"), offline_student, offline);
   for (int step = 0; step < 2; ++step) {
@@ -323,7 +330,7 @@ TEST(OfflineDistillation, WithEveryTokenEqualsOnline) {
   }
   // A file made for other examples is refused, naming the key.
   try {
-    TopkTeacher other(path, random_examples(8, 11, V, 4), V);
+    TopkTeacher other(path, random_examples(8, 11, V, 4), V, dc.temperature);
     ADD_FAILURE() << "a file for other data was accepted";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("distill.topk_file"), std::string::npos) << e.what();

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <ostream>
 
 #include "q4/model/hf_interop.h"
@@ -68,12 +69,33 @@ at::Tensor topk_divergence_chunk(at::Tensor& z, const at::Tensor& ids, const at:
               z.sizes(), ", ", ids.sizes(), " ", c10::toString(ids.scalar_type()), ", ",
               logprobs.sizes(), ", ", valid.sizes());
   const double t = temperature;
-  at::Tensor lq = logprobs.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-  log_softmax_at_(lq, t);  // log q: the top K renormalized at T
-  log_softmax_at_(z, t);   // log p_s
+  const at::Tensor lq = logprobs.to(at::kFloat);  // log q_k, the teacher's at T
   const at::Tensor q = lq.exp();
-  const at::Tensor kl = (q * (lq - z.gather(1, ids))).sum(1);  // (n)
-  if (want_grad) z.exp_().scatter_add_(1, ids, q.neg()).mul_(row_factor(valid, t));
+  log_softmax_at_(z, t);                                 // log p_s
+  at::Tensor kl = (q * (lq - z.gather(1, ids))).sum(1);  // (n): the K tokens' part
+  // The tail ("any other token"): the teacher's remaining mass q_r against the student's s_r.
+  // With K = V there is none (q_r is rounding noise and s_r an empty sum).
+  const bool tail = ids.size(1) < z.size(1);
+  at::Tensor ratio;  // (n, 1): q_r / s_r, the factor of the student's own tail in the target
+  if (tail) {
+    const at::Tensor qr = (1.0 - q.sum(1)).clamp_min_(0.0);
+    at::Tensor masked = z.clone();
+    masked.scatter_(1, ids, -std::numeric_limits<float>::infinity());
+    // log s_r; bounded so that a student whose tail underflowed gives a large, finite term.
+    const at::Tensor lsr = at::logsumexp(masked, 1).clamp_min_(-80.0);
+    masked.reset();
+    const at::Tensor has = qr.gt(0.0);
+    const at::Tensor log_ratio = qr.clamp_min(1e-30).log() - lsr;
+    kl.add_(at::where(has, qr * log_ratio, at::zeros_like(qr)));
+    ratio = at::where(has, log_ratio.exp(), at::zeros_like(qr)).unsqueeze(1);
+  }
+  if (want_grad) {
+    // d/dz = T * (p_s - target): target q_k on the K tokens, p_s * q_r / s_r on the others.
+    z.exp_();  // p_s
+    const at::Tensor top = z.gather(1, ids) - q;
+    if (tail) z.mul_(1.0 - ratio);
+    z.scatter_(1, ids, top).mul_(row_factor(valid, t));
+  }
   return (kl * valid.to(at::kFloat)).sum().mul_(t * t);
 }
 

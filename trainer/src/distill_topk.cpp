@@ -23,6 +23,7 @@ constexpr const char* kLogprobs = "topk.logprobs";
 constexpr const char* kOffsets = "topk.example_offsets";
 constexpr const char* kHashes = "topk.example_hashes";
 constexpr const char* kVocab = "topk.vocab_size";
+constexpr const char* kTemperature = "topk.temperature";
 
 // Positions j of an example whose next token is supervised (labels[j + 1]), in order: the rows
 // the file keeps for it. Position 0's own label is never a target (data::Batch).
@@ -86,7 +87,7 @@ std::vector<int64_t> topk_rows_of_batch(const data::Batch& batch,
 }
 
 TopkTeacher::TopkTeacher(const std::string& path, const std::vector<data::Example>& examples,
-                         int64_t vocab_size) {
+                         int64_t vocab_size, double temperature) {
   require_file(path, "distill.topk_file");
   const auto reader =
       as_input_error("distill.topk_file", [&] { return std::make_unique<io::DatReader>(path); });
@@ -103,6 +104,13 @@ TopkTeacher::TopkTeacher(const std::string& path, const std::vector<data::Exampl
   };
   const at::Tensor offsets = entry(kOffsets), hashes = entry(kHashes);
   const int64_t file_vocab = entry(kVocab).item<int64_t>();
+  const double file_t = entry(kTemperature).item<double>();
+  if (file_t != temperature) {
+    throw ConfigError(fmt::format(
+        "config key distill.temperature: {} holds the teacher's probabilities at temperature {}, "
+        "not {} (write it again with this temperature, or set it to {})",
+        path, file_t, temperature, file_t));
+  }
   ids_ = entry(kIds);
   logprobs_ = entry(kLogprobs);
   const auto mismatch = [&](const std::string& what) {
@@ -245,8 +253,9 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
     const at::Tensor dst_t = at::tensor(dst, at::kLong);
     for (int64_t s = 0; s < hidden.size(0); s += chunk) {
       const int64_t n = std::min(chunk, hidden.size(0) - s);
-      const at::Tensor lp =
-          at::log_softmax(at::matmul(hidden.narrow(0, s, n), head.t()).to(at::kFloat), 1);
+      at::Tensor logits = at::matmul(hidden.narrow(0, s, n), head.t()).to(at::kFloat);
+      if (cfg.distill.temperature != 1.0) logits.div_(cfg.distill.temperature);
+      const at::Tensor lp = at::log_softmax(logits, 1);
       const auto [v, k] = lp.topk(K, 1);
       ids.index_copy_(0, dst_t.narrow(0, s, n), k.to(at::kInt).cpu());
       logprobs.index_copy_(0, dst_t.narrow(0, s, n), v.cpu());
@@ -257,12 +266,13 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
               " positions (the batcher skipped examples)");
   std::vector<int64_t> hashes;
   for (const auto& e : examples) hashes.push_back(example_hash(e));
-  io::DatWriter w(path, 5);
+  io::DatWriter w(path, 6);
   w.add(kIds, ids);
   w.add(kLogprobs, logprobs);
   w.add(kOffsets, at::tensor(offsets, at::kLong));
   w.add(kHashes, at::tensor(hashes, at::kLong));
   w.add(kVocab, at::tensor({V}, at::kLong));
+  w.add(kTemperature, at::tensor({cfg.distill.temperature}, at::kDouble));
   w.commit();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   out << fmt::format("teacher top-{} of {} positions ({} examples) -> {} ({:.1f} MB) in {:.1f} s\n",

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -19,7 +20,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fmt/format.h>
 #include <functional>
 #include <numeric>
 #include <stdexcept>
@@ -65,8 +65,8 @@ int env_int(const char* name, int fallback, int lo, int hi) {
   errno = 0;
   const long x = std::strtol(v, &end, 10);
   if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi) {
-    throw ConfigError(fmt::format("environment variable {}={} is not an integer in [{}, {}]", name,
-                                  v, lo, hi));
+    throw ConfigError(
+        fmt::format("environment variable {}={} is not an integer in [{}, {}]", name, v, lo, hi));
   }
   return static_cast<int>(x);
 }
@@ -91,8 +91,9 @@ WorldInfo world_from_env() {
   if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') w.master_addr = a;
   w.master_port = env_int("MASTER_PORT", 29500, 1, 65535);
   if (w.world_size > 1 && std::getenv("MASTER_ADDR") == nullptr) {
-    throw ConfigError("environment: WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (torchrun "
-                      "sets them; q4train --nproc N does too)");
+    throw ConfigError(
+        "environment: WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (torchrun "
+        "sets them; q4train --nproc N does too)");
   }
   return w;
 }
@@ -118,7 +119,8 @@ struct DistWork::Impl {
   c10::intrusive_ptr<c10d::Work> work;
   int rank = 0;
   std::string what;
-  std::function<void()> after;  // runs once the collective is done (e.g. copy a widened result back)
+  std::function<void()>
+      after;  // runs once the collective is done (e.g. copy a widened result back)
 };
 
 DistWork::DistWork() = default;
@@ -142,8 +144,8 @@ void DistWork::wait() {
   try {
     impl_->work->wait();
   } catch (const c10::Error& e) {
-    throw std::runtime_error(rank_prefix(impl_->rank) + impl_->what + " failed: " +
-                             e.what_without_backtrace() +
+    throw std::runtime_error(rank_prefix(impl_->rank) + impl_->what +
+                             " failed: " + e.what_without_backtrace() +
                              " (another rank died or hung; see its output)");
   } catch (const std::exception& e) {
     throw std::runtime_error(rank_prefix(impl_->rank) + impl_->what + " failed: " + e.what() +
@@ -169,7 +171,7 @@ struct DistComm::Impl {
   at::Device device = at::kCPU;
 
   DistWork wrap(c10::intrusive_ptr<c10d::Work> w, const char* what,
-               std::function<void()> after = nullptr) {
+                std::function<void()> after = nullptr) {
     DistWork d;
     d.impl_ = std::make_unique<DistWork::Impl>();
     d.impl_->work = std::move(w);
@@ -190,8 +192,8 @@ struct DistComm::Impl {
     try {
       return fn();
     } catch (const c10::Error& e) {
-      throw std::runtime_error(rank_prefix(world.rank) + what + " failed: " +
-                               e.what_without_backtrace());
+      throw std::runtime_error(rank_prefix(world.rank) + what +
+                               " failed: " + e.what_without_backtrace());
     }
   }
 };
@@ -246,8 +248,8 @@ std::unique_ptr<DistComm> DistComm::connect(const WorldInfo& world, const at::De
     if (device.is_cuda()) {
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
-      d.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(d.store, world.rank,
-                                                           world.world_size, opts);
+      d.nccl =
+          c10::make_intrusive<c10d::ProcessGroupNCCL>(d.store, world.rank, world.world_size, opts);
       d.pg = d.nccl;
     }
 #endif
@@ -263,8 +265,8 @@ std::unique_ptr<DistComm> DistComm::connect(const WorldInfo& world, const at::De
         opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       }
       opts->threads = 2;
-      d.pg = c10::make_intrusive<c10d::ProcessGroupGloo>(d.store, world.rank, world.world_size,
-                                                         opts);
+      d.pg =
+          c10::make_intrusive<c10d::ProcessGroupGloo>(d.store, world.rank, world.world_size, opts);
     }
 #endif
   } catch (const c10::Error& e) {

@@ -30,8 +30,8 @@ int run_dry_run(const Config& config, std::ostream& out) {
   // The data as the run reads it: the real tokenizer, every file, the validation split, the
   // truncation policy and the batcher's packing (which sizes an epoch); no weights.
   if (plan.steps() > 0) {
-    const auto tok = as_input_error(
-        "model.tokenizer", [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
+    const auto tok = as_input_error("model.tokenizer",
+                                    [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
     if (tok.vocab_size() > mc.vocab_size) {
       throw ConfigError(
           fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
@@ -73,8 +73,8 @@ int run_dry_run(const Config& config, std::ostream& out) {
         "micro-batch{} = {:.2f} epochs\n",
         batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
         c.data.packing ? " (packed)" : "", batcher.batches_per_epoch(),
-        batcher.batches_per_epoch() == 1 ? "" : "es", plan.steps(),
-        plan.steps() == 1 ? "" : "s", c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
+        batcher.batches_per_epoch() == 1 ? "" : "es", plan.steps(), plan.steps() == 1 ? "" : "s",
+        c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
         static_cast<double>(plan.steps() * c.train.grad_accum) /
             static_cast<double>(batcher.batches_per_epoch()));
   }

@@ -34,8 +34,7 @@ void Exporter::write_periodic(int64_t step, model::Qwen3Model& model,
   } catch (const std::exception& e) {
     const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
     err_ << "warning: export at step " << step
-         << " failed, training goes on: " << (ce ? ce->what_without_backtrace() : e.what())
-         << "\n";
+         << " failed, training goes on: " << (ce ? ce->what_without_backtrace() : e.what()) << "\n";
   }
 }
 
@@ -77,10 +76,10 @@ void Exporter::check(const std::string& path, model::Qwen3Model& model) {
   const auto report = summarize_export_check(differ, n, requantized, ms_since(t1) / 1000.0);
   for (const auto& line : report.lines) out_ << line << "\n";
   if (!report.failures.empty()) {
-    throw std::runtime_error(fmt::format(
-        "export check failed: {} tensor(s) of {} differ from the trained model beyond "
-        "re-quantization (listed above)",
-        report.failures.size(), path));
+    throw std::runtime_error(
+        fmt::format("export check failed: {} tensor(s) of {} differ from the trained model beyond "
+                    "re-quantization (listed above)",
+                    report.failures.size(), path));
   }
 }
 
@@ -97,8 +96,8 @@ void Exporter::write_hf_folder(const std::string& dat_path) {
   const auto config = nlohmann::json::parse(in);
   const auto rep = model::export_hf(model::DatReader(dat_path), config, dir, o);
   out_ << fmt::format("hf export ({}) -> {} ({} shard(s), {:.1f} s); serve with: vllm serve {}\n",
-                      to_string(c.output.hf_export), dir, rep.shards.size(),
-                      ms_since(t0) / 1000.0, dir);
+                      to_string(c.output.hf_export), dir, rep.shards.size(), ms_since(t0) / 1000.0,
+                      dir);
 }
 
 }  // namespace q4::trainer

@@ -38,10 +38,11 @@ std::string GradSync::ownership_summary(int64_t owned_tensors) const {
     total += params_[i]->master.numel();
     if (local_index_[i] >= 0) mine += params_[i]->master.numel();
   }
-  return fmt::format("sharded optimizer: rank {} owns {} of {} tensors, {} of {} elements "
-                     "({:.1f}%)\n",
-                     comm_->rank(), owned_tensors, params_.size(), mine, total,
-                     total > 0 ? 100.0 * static_cast<double>(mine) / total : 0.0);
+  return fmt::format(
+      "sharded optimizer: rank {} owns {} of {} tensors, {} of {} elements "
+      "({:.1f}%)\n",
+      comm_->rank(), owned_tensors, params_.size(), mine, total,
+      total > 0 ? 100.0 * static_cast<double>(mine) / total : 0.0);
 }
 
 void GradSync::begin_step(int64_t grad_accum) {
@@ -72,8 +73,8 @@ void GradSync::launch_ready_reductions() {
     at::Tensor g = ready_grads_[i];
     ready_grads_[i] = at::Tensor();
     if (!g.defined()) {  // no use of the parameter reached the loss on this rank
-      g = at::zeros(params_[i]->master.sizes(), params_[i]->master.options().dtype(
-                                                    model_.options().resolved_grad_dtype()));
+      g = at::zeros(params_[i]->master.sizes(),
+                    params_[i]->master.options().dtype(model_.options().resolved_grad_dtype()));
     }
     reduce_works_.push_back(comm_->reduce_sum(g, owner_[i]));
     if (local_index_[i] >= 0) owned_grads_[i] = g;

@@ -20,8 +20,9 @@ std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Mod
     case ObjectiveKind::kDistill:
       if (!c.distill.topk_file.empty()) {
         TORCH_CHECK(train != nullptr, "offline distillation needs the training batcher");
-        auto teacher = std::make_unique<TopkTeacher>(c.distill.topk_file, train->examples(),
-                                                     student.config().vocab_size);
+        auto teacher =
+            std::make_unique<TopkTeacher>(c.distill.topk_file, train->examples(),
+                                          student.config().vocab_size, c.distill.temperature);
         out << "teacher: " << c.distill.topk_file << " (top " << teacher->k() << ", "
             << teacher->ids().size(0) << " positions)\n";
         return std::make_unique<OfflineDistillation>(c.distill, std::move(teacher), *train);

@@ -254,8 +254,7 @@ void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs
                         " is a directory; expected a .dat file path");
     }
     // The export record beside it is published the same way.
-    check_regular_output("output.export_path (its record)",
-                         fs::absolute(export_record_path(exp)));
+    check_regular_output("output.export_path (its record)", fs::absolute(export_record_path(exp)));
     const fs::path parent = e.parent_path();
     if (parent != dir) {
       if (!fs::is_directory(parent, ec)) {
@@ -492,9 +491,10 @@ void check_export_not_newer(const std::string& export_path, int64_t step, bool o
                             bool unknown_is_error, const std::string& run_dir) {
   std::error_code ec;
   if (overwrite) return;
-  const std::string safe = "; pass --overwrite to replace it, or export elsewhere (e.g. --set "
-                           "output.export_path=" +
-                           step_export_name(step) + ")";
+  const std::string safe =
+      "; pass --overwrite to replace it, or export elsewhere (e.g. --set "
+      "output.export_path=" +
+      step_export_name(step) + ")";
   // The record beside the export is written too: a file of that name that is not a record is
   // someone else's.
   const std::string rec = export_record_path(export_path);
@@ -519,9 +519,10 @@ void check_export_not_newer(const std::string& export_path, int64_t step, bool o
     }
   }
   if (held && *held > step) {
-    throw ConfigError(fmt::format("output.export_path {} holds step {}, newer than step {} that "
-                                  "this would export{}",
-                                  export_path, *held, step, safe));
+    throw ConfigError(
+        fmt::format("output.export_path {} holds step {}, newer than step {} that "
+                    "this would export{}",
+                    export_path, *held, step, safe));
   }
   if (!held && unknown_is_error) {
     throw ConfigError("output.export_path " + export_path + " exists and its step is unknown (no " +

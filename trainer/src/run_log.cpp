@@ -112,9 +112,9 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
     out_ << fmt::format("  data       {} examples, {} tokens ({} supervised) from {} file{}",
                         batcher->num_examples(), tokens, supervised, c.data.files.size(),
                         c.data.files.size() == 1 ? "" : "s");
-    out_ << (evaluator.has_validation() ? fmt::format("; validation {} examples",
-                                        evaluator.validation_examples())
-                          : std::string())
+    out_ << (evaluator.has_validation()
+                 ? fmt::format("; validation {} examples", evaluator.validation_examples())
+                 : std::string())
          << "\n";
   }
   // A step is grad_accum x ranks micro-batches of up to batch_size rows each; a row is one
@@ -124,13 +124,10 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   out_ << fmt::format(
       "  steps      {}{}{}, each {} micro-batch{} ({} accumulated x {} rank{}) of up to {} "
       "rows x {} tokens\n",
-      plan_.steps(),
-      start_step > 0 ? fmt::format(" (resuming at {})", start_step) : std::string(),
-      plan_.epochs_configured() > 0
-          ? fmt::format(" (train.epochs {})", plan_.epochs_configured())
-          : std::string(),
-      per_step,
-      per_step == 1 ? "" : "es", c.train.grad_accum, ranks, ranks == 1 ? "" : "s",
+      plan_.steps(), start_step > 0 ? fmt::format(" (resuming at {})", start_step) : std::string(),
+      plan_.epochs_configured() > 0 ? fmt::format(" (train.epochs {})", plan_.epochs_configured())
+                                    : std::string(),
+      per_step, per_step == 1 ? "" : "es", c.train.grad_accum, ranks, ranks == 1 ? "" : "s",
       c.train.batch_size, c.train.seq_len);
   if (batcher) {
     const auto bpe = batcher->batches_per_epoch();
@@ -142,8 +139,7 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
         examples, examples == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
         c.data.packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
         static_cast<double>(bpe) / static_cast<double>(per_step),
-        static_cast<double>(examples) * static_cast<double>(per_step) /
-            static_cast<double>(bpe),
+        static_cast<double>(examples) * static_cast<double>(per_step) / static_cast<double>(bpe),
         static_cast<double>(rows) * static_cast<double>(per_step) / static_cast<double>(bpe));
     if (rows < c.train.batch_size) {
       out_ << fmt::format(
@@ -155,13 +151,12 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   }
   out_ << fmt::format("  lr         {} ({}, warmup {})\n", c.optim.lr,
                       to_string(c.optim.schedule.kind), c.optim.schedule.warmup_steps);
-  out_ << fmt::format("  output     {} (full resolved config in {})\n", c.output.dir,
-                      kConfigFile);
-  out_ << fmt::format("  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
-                      to_gib(budget.total_bytes()),
-                      plan_.device().is_cuda() ? "device, one micro-batch"
-                                               : "tensors, one micro-batch",
-                      budget.peak_phase_name());
+  out_ << fmt::format("  output     {} (full resolved config in {})\n", c.output.dir, kConfigFile);
+  out_ << fmt::format(
+      "  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
+      to_gib(budget.total_bytes()),
+      plan_.device().is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch",
+      budget.peak_phase_name());
   out_ << "  time       estimated after the first steps\n" << std::flush;
 }
 void RunLog::start_steps(int64_t start_step) {
@@ -174,8 +169,7 @@ void RunLog::start_steps(int64_t start_step) {
 
 void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double step_ms,
                          bool log_step, const std::optional<Validation>& val,
-                         const MemorySnapshot& mem, const data::Batcher* batcher,
-                         int64_t world) {
+                         const MemorySnapshot& mem, const data::Batcher* batcher, int64_t world) {
   const int64_t total = plan_.steps();
   const bool last = done == total;
   session_ms_ += step_ms;
@@ -246,9 +240,8 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
   }
   // The run-time estimate, once: from the steps after the first (which warms up caches).
   if (session_steps_ == std::min<int64_t>(3, total - start_step_) && !last) {
-    const double per_ms = session_steps_ > 1
-                              ? (session_ms_ - first_step_ms_) / (session_steps_ - 1)
-                              : session_ms_;
+    const double per_ms =
+        session_steps_ > 1 ? (session_ms_ - first_step_ms_) / (session_steps_ - 1) : session_ms_;
     if (bar_) err_ << "\r\033[K";
     out_ << fmt::format(
         "time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
@@ -285,8 +278,7 @@ void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, c
   }
   // TensorBoard text and report.html.
   for (size_t i = 0; i < answers.size(); ++i) {
-    tb_.add_text("eval/" + std::to_string(i), answers[i].prompt + " => " + answers[i].answer,
-                 step);
+    tb_.add_text("eval/" + std::to_string(i), answers[i].prompt + " => " + answers[i].answer, step);
   }
   update_report(/*live=*/true);
   out_ << fmt::format("eval took {:.1f} s\n", ms / 1000.0);
@@ -310,9 +302,10 @@ void RunLog::note_run_peak() {
 
 void RunLog::print_run_peak() {
   if (run_peak_bytes_ <= 0) return;
-  out_ << fmt::format("peak GPU memory allocated over the run (load, steps, evals, export, "
-                      "export check): {:.2f} GiB\n",
-                      to_gib(run_peak_bytes_));
+  out_ << fmt::format(
+      "peak GPU memory allocated over the run (load, steps, evals, export, "
+      "export check): {:.2f} GiB\n",
+      to_gib(run_peak_bytes_));
 }
 
 void RunLog::close() {

@@ -81,9 +81,8 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
     // Each parameter is updated from inside the backward once its gradient is complete; the
     // model frees the gradient when this returns.
     auto index = optimizer_index;
-    model_.set_grad_ready_hook([this, index](model::Parameter& p) {
-      optimizer_.step_param(index.at(&p), p.grad);
-    });
+    model_.set_grad_ready_hook(
+        [this, index](model::Parameter& p) { optimizer_.step_param(index.at(&p), p.grad); });
   }
 }
 

@@ -38,10 +38,13 @@ at::Tensor divergence_chunk(at::Tensor& student_logits, const at::Tensor& teache
                             const at::Tensor& valid, const DivergenceOptions& opt, bool want_grad);
 
 // The offline form: the teacher known by its top K tokens per row, `ids` (n, K) int64 and their
-// log-probabilities `logprobs` (n, K) under its full distribution at temperature 1. The teacher's
-// distribution is that restricted to its top K and renormalized at T, q = softmax(logprobs / T);
-// forward KL T^2 * sum_k q_k (log q_k - log p_s[ids_k]), gradient T * (p_s - q scattered to ids).
-// With K = V this is divergence_chunk's forward_kl exactly.
+// log-probabilities `logprobs` (n, K) under its full distribution at temperature T, q_k. Forward
+// KL over K + 1 outcomes, the K tokens and "any other token" (the teacher's remaining mass
+// q_r = 1 - sum_k q_k against the student's s_r = 1 - sum_k p_s[ids_k]):
+//   T^2 * (sum_k q_k (log q_k - log p_s[ids_k]) + q_r (log q_r - log s_r)),
+// gradient T * (p_s - target), target q_k on the K tokens and p_s * q_r / s_r elsewhere. So the
+// student is not pushed to put the tail's mass on the K tokens (renormalizing the top K would),
+// and with K = V this is divergence_chunk's forward_kl exactly.
 at::Tensor topk_divergence_chunk(at::Tensor& student_logits, const at::Tensor& ids,
                                  const at::Tensor& logprobs, const at::Tensor& valid,
                                  double temperature, bool want_grad);
@@ -79,10 +82,11 @@ std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::Mo
 //   topk.ids             int32 (S, K)  the teacher's K most likely next tokens at every
 //   topk.logprobs        fp32 (S, K)   supervised position of every training example, in example
 //                                      order then position order, and their log-probabilities
-//                                      (temperature 1, most likely first)
+//                                      at topk.temperature (most likely first)
 //   topk.example_offsets int64 (E + 1) example e's rows are [offsets[e], offsets[e + 1])
 //   topk.example_hashes  int64 (E)     FNV-1a of each example's tokens and labels
 //   topk.vocab_size      int64 (1)
+//   topk.temperature     fp64 (1)      distill.temperature when written; training must use it
 // "Training examples" are the batcher's (after data.eval_fraction and truncation): the file is
 // refused unless they are the same, example by example.
 
@@ -103,7 +107,7 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
 class TopkTeacher {
  public:
   TopkTeacher(const std::string& path, const std::vector<data::Example>& examples,
-              int64_t vocab_size);
+              int64_t vocab_size, double temperature);
   int64_t k() const { return ids_.size(1); }
   const at::Tensor& ids() const { return ids_; }            // (S, K) int32, host
   const at::Tensor& logprobs() const { return logprobs_; }  // (S, K) fp32, host
