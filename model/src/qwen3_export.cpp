@@ -13,11 +13,25 @@
 
 namespace q4::model {
 
-void Qwen3Model::export_to(const DatReader& source, const std::string& path) const {
+void Qwen3Model::export_to(const DatReader& source, const std::string& path,
+                           bool dense_linears) const {
   Impl& m = *impl_;
   TORCH_CHECK(path != source.path(), "export: output path ", path,
               " must differ from the source file");
-  DatWriter out(path, source.entries().size());
+  TORCH_CHECK(!dense_linears || !m.opt.fake_quant,
+              "export: dense linears are the export of a plain-precision model (fake_quant off)");
+  // A trained NVFP4 pair written dense: one fp16 entry (the pair's name without .qdata) at the
+  // qdata's position, no scale entry.
+  auto written_dense = [&](const Parameter* p) {
+    return dense_linears && p->trainable && p->quantized;
+  };
+  uint64_t count = source.entries().size();
+  for (const DatEntry& e : source.entries()) {
+    const KeyRef ref = classify_key(e.key);
+    const Parameter* p = m.find(ref.name);
+    count -= p != nullptr && written_dense(p) && ref.part == KeyRef::Part::kScale ? 1 : 0;
+  }
+  DatWriter out(path, count);
   // Per quantized parameter: nullopt = unchanged (copy both halves), else the new packed data.
   std::unordered_map<std::string, std::optional<q4::quant::Nvfp4Tensor>> decided;
 
@@ -34,6 +48,12 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path) con
                 " is raw in this model but quantized in the export source");
     TORCH_CHECK(ref.part != KeyRef::Part::kRaw || !p->quantized, where, ": ", p->name,
                 " is quantized in this model but raw in the export source");
+    if (written_dense(p)) {
+      if (ref.part == KeyRef::Part::kQData) {
+        out.add(p->name, p->master.to(at::kCPU, at::kHalf).contiguous(), ElemType::kFloat16);
+      }
+      continue;
+    }
     if (ref.part == KeyRef::Part::kRaw) {
       TORCH_CHECK(e.shape == p->master.sizes().vec(), where, ": shape differs from the model's ",
                   p->master.sizes());

@@ -88,7 +88,8 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
       // exported to fp16 is rounded by design, not a defect of the export). A dense master is
       // rounded to the file's type first and then cast as load() casts it: rounding it to the
       // compute dtype first (bf16) and then to fp16 would round twice.
-      const bool dense = raw.defined() && !(p->quantized && (p->trainable || !m.opt.fake_quant));
+      // (A raw entry of an NVFP4 linear of a plain-precision model is its dense export.)
+      const bool dense = raw.defined() && !(p->quantized && m.opt.fake_quant);
       const at::Tensor mine = dense
                                   ? part(master).to(stored).to(cd)
                                   : forward_weight(*p, part(master)).to(stored).to(w.scalar_type());

@@ -198,27 +198,54 @@ TEST(E2E, ExportReloadsToTheSameLogits) {
 }
 
 // Plain precision: the linears train as dense masters (no straight-through quantizer), the
-// summary says so, and the NVFP4 export is the export quantizer's rounding of the trained masters,
-// which the export check confirms. Its loss differs from the same run with fake quantization.
-TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantization) {
-  std::vector<std::string> losses;
-  for (const bool plain : {true, false}) {
-    TinyRun t;
-    t.steps = 3;
-    t.model_extra = plain ? "  fake_quant: false\n" : "";
-    t.log = "  tensorboard: false\n  report: false\n";
-    const fs::path dir = t.write_fresh("e2e", plain ? "plain" : "qat");
-    const Result r = run_in(dir, "run", kQ4train + quoted(config_args(dir)));
-    ASSERT_EQ(r.code, 0) << r.out << r.err;
-    EXPECT_EQ(r.out.find("plain precision") != std::string::npos, plain) << r.out;
-    // Equal, or off by the re-quantization the check expects of any trained NVFP4 tensor.
-    EXPECT_TRUE(std::regex_search(r.out, std::regex("export check: \\d+/\\d+ tensors"))) << r.out;
+// summary says so, and its loss differs from the same run with fake quantization. From an NVFP4
+// .dat (the straight-through run's init) the export is the export quantizer's rounding of the
+// trained masters (NVFP4 pairs), or with output.export_dense the masters themselves (fp16), both
+// confirmed by the export check; from a random init the run starts and ends dense.
+TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantizationOrItself) {
+  TinyRun t;
+  t.steps = 3;
+  t.log = "  tensorboard: false\n  report: false\n";
+  const fs::path dir = t.write_fresh("e2e", "plain");
+  const auto run = [&](const std::string& name, std::vector<std::string> sets) {
+    sets.push_back("output.dir=" + (dir / name).string());
+    const Result r = run_in(dir, name, kQ4train + quoted(config_args(dir, sets)));
+    EXPECT_EQ(r.code, 0) << r.out << r.err;
     EXPECT_EQ(r.out.find("FAILED"), std::string::npos) << r.out;
-    const auto records = read_jsonl(dir / "run" / "metrics.jsonl");
-    ASSERT_FALSE(records.empty());
-    losses.push_back(records.back()["loss"].dump());
-  }
-  EXPECT_NE(losses[0], losses[1]);  // the quantizer changes what trains
+    return r;
+  };
+  const auto pairs = [&](const std::string& name) {
+    return q4::model::DatReader((dir / name / "model.dat").string()).nvfp4_pairs(true).size();
+  };
+  const auto last_loss = [&](const std::string& name) {
+    const auto records = read_jsonl(dir / name / "metrics.jsonl");
+    return records.empty() ? std::string() : records.back()["loss"].dump();
+  };
+  const Result qat = run("qat", {});
+  EXPECT_EQ(qat.out.find("plain precision"), std::string::npos) << qat.out;
+  const std::string nvfp4_init = (dir / "qat" / "init.dat").string();
+  const Result ptq =
+      run("ptq", {"model.fake_quant=false", "model.init=file", "model.weights=" + nvfp4_init});
+  EXPECT_NE(ptq.out.find("plain precision"), std::string::npos) << ptq.out;
+  // Equal, or off by the re-quantization the check expects of any trained NVFP4 tensor.
+  EXPECT_TRUE(std::regex_search(ptq.out, std::regex("export check: \\d+/\\d+ tensors"))) << ptq.out;
+  EXPECT_GT(pairs("ptq"), 0u);
+  EXPECT_NE(last_loss("ptq"), last_loss("qat"));  // the quantizer changes what trains
+  const Result dense = run("dense", {"model.fake_quant=false", "model.init=file",
+                                     "model.weights=" + nvfp4_init, "output.export_dense=true"});
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(dense.out, m, std::regex("export check: (\\d+)/(\\d+) tensors")))
+      << dense.out;
+  EXPECT_EQ(m[1].str(), m[2].str()) << "every tensor of a dense export is exact: " << dense.out;
+  EXPECT_EQ(pairs("dense"), 1u);  // only the frozen lm_head stays the NVFP4 pair it was
+  EXPECT_EQ(last_loss("dense"), last_loss("ptq"));  // the same training, another export
+  run("random", {"model.fake_quant=false"});
+  EXPECT_EQ(pairs("random"), 0u);
+  // A straight-through run has no dense export.
+  const Result refused =
+      run_in(dir, "refused", kQ4train + quoted(config_args(dir, {"output.export_dense=true"})));
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.err.find("output.export_dense"), std::string::npos) << refused.err;
 }
 
 // Plain precision from a dense Hugging Face folder (a first run's BF16 export): the import keeps

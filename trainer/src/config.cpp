@@ -670,6 +670,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "also write a Hugging Face folder at <export .dat minus .dat>-hf: NVFP4 in the "
             "modelopt or compressed-tensors layout (vLLM serves it), or bf16 (dense, the "
             "export's NVFP4 linears dequantized exactly)"),
+      field("output.export_dense", &c.output.export_dense,
+            "model.fake_quant false: write the trained NVFP4 linears as fp16 tensors (the "
+            "full-precision model) instead of their NVFP4 quantization"),
       field("guard.max_gpu_gb", &c.guard.max_gpu_gb,
             "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
             R::at_least(0)),
@@ -1052,6 +1055,17 @@ void validate_config(const Config& c) {
   if (out.dir.empty()) range_error("output.dir", "a directory", "an empty value");
   if (out.export_every > 0 && out.export_path == "none") {
     throw ConfigError("config key output.export_every: set, but output.export_path is none");
+  }
+  if (out.export_dense && m.fake_quant) {
+    throw ConfigError(
+        "config key output.export_dense: set, but model.fake_quant is true (a straight-through "
+        "model's weights are its NVFP4 quantization; set model.fake_quant: false)");
+  }
+  if (out.export_dense &&
+      (out.hf_export == HfExport::kModelOpt || out.hf_export == HfExport::kCompressedTensors)) {
+    throw ConfigError(std::string("config key output.export_dense: the ") +
+                      enum_name(out.hf_export) +
+                      " layout is NVFP4; with dense linears use output.hf_export: bf16");
   }
   if (out.hf_export != HfExport::kNone && out.export_path == "none") {
     throw ConfigError("config key output.hf_export: set, but output.export_path is none");

@@ -49,7 +49,7 @@ void Exporter::write(int64_t step, model::Qwen3Model& model, const std::string& 
   const auto t0 = Clock::now();
   {
     model::DatReader source(source_path);
-    model.export_to(source, path);
+    model.export_to(source, path, c.output.export_dense);
   }
   record_export_step(path, step, c.output.dir);
   out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);

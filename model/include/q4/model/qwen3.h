@@ -242,7 +242,10 @@ class Qwen3Model {
   // master differs from what load() produces from the source entry is requantized (NVFP4
   // rules, source element types) or cast back to its source element type; everything else is
   // copied byte-exactly. Atomic (DatWriter). `source` must match this model's shapes.
-  void export_to(const DatReader& source, const std::string& path) const;
+  // `dense_linears` (plain precision only): trainable NVFP4 linears are written as fp16 tensors
+  // of their masters (the trained full-precision model) instead of their NVFP4 quantization.
+  void export_to(const DatReader& source, const std::string& path,
+                 bool dense_linears = false) const;
   // The parameters whose forward weight, as a model loaded from `exported` would compute it,
   // differs from this model's, each as "name (k of n elements)" (empty: the export reproduces
   // this model's forward exactly). Raw tensors are compared after rounding this model's weight

@@ -188,6 +188,9 @@ struct OutputConfig {
   // Also write a Hugging Face folder vLLM serves next to the .dat (<export .dat minus .dat>-hf):
   // none | modelopt | compressed-tensors (docs/interop.md).
   HfExport hf_export = HfExport::kNone;
+  // Plain precision: trained NVFP4 linears exported as fp16 tensors (the full-precision model)
+  // instead of their post-training quantization.
+  bool export_dense = false;
 };
 
 struct GuardConfig {
