@@ -39,8 +39,8 @@ struct ComponentTempDir {
 };
 
 inline model::Qwen3Model tiny_model(uint64_t seed = 7) {
-  const auto cfg = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
-                                                      "/qwen3_tiny.config.json");
+  const auto cfg =
+      model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
   model::ModelOptions o;
   o.master_dtype = at::kFloat;
   o.compute_dtype = at::kFloat;
@@ -77,6 +77,17 @@ inline std::unique_ptr<data::Batcher> random_batcher(int64_t count, int64_t len,
   return std::make_unique<data::Batcher>(random_examples(count, len, vocab, seed), bo);
 }
 
+// A host batch as the model's inputs (CPU tests: no staging).
+inline model::ModelInputs host_inputs(const data::Batch& b) {
+  model::ModelInputs in;
+  in.input_ids = b.input_ids;
+  in.labels = b.labels;
+  in.attention_mask = b.attention_mask;
+  in.position_ids = b.position_ids;
+  in.segment_ids = b.segment_ids;
+  return in;
+}
+
 // A run's config on the CPU for the component tests.
 inline Config cpu_config(const std::string& dir, int64_t grad_accum = 1) {
   Config c;
@@ -99,8 +110,7 @@ struct StepRig {
   std::unordered_map<const model::Parameter*, int64_t> index;
   std::unique_ptr<TrainStep> step;
 
-  StepRig(const Config& c, model::Qwen3Model& model, Objective& objective,
-          bool in_backward = false)
+  StepRig(const Config& c, model::Qwen3Model& model, Objective& objective, bool in_backward = false)
       : plan(c, RunOptions{}),
         optimizer(optim::AdamWOptions{}),
         schedule([] {

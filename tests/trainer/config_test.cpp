@@ -520,13 +520,16 @@ TEST(Config, AllocationSizesHaveRanges) {
     std::string set, expect;
   };
   for (const Case& c : std::vector<Case>{
-           {"train.batch_size=1000000000", "config key train.batch_size (from --set): expected "
-                                           "a value in [1, 4096], found 1000000000"},
-           {"train.seq_len=100000000", "config key train.seq_len (from --set): expected a value "
-                                       "in [2, 262144]"},
+           {"train.batch_size=1000000000",
+            "config key train.batch_size (from --set): expected "
+            "a value in [1, 4096], found 1000000000"},
+           {"train.seq_len=100000000",
+            "config key train.seq_len (from --set): expected a value "
+            "in [2, 262144]"},
            {"eval.max_new_tokens=100000000000", "config key eval.max_new_tokens (from --set)"},
-           {"model.init_std=1e30", "config key model.init_std (from --set): expected a finite "
-                                   "value in (0, 1]"},
+           {"model.init_std=1e30",
+            "config key model.init_std (from --set): expected a finite "
+            "value in (0, 1]"},
        }) {
     const std::string msg = error_of(m, {parse_override(c.set)});
     EXPECT_TRUE(contains(msg, c.expect)) << c.set << " -> " << msg;
@@ -535,11 +538,11 @@ TEST(Config, AllocationSizesHaveRanges) {
       m, {parse_override("train.batch_size=4096"), parse_override("train.seq_len=262144")});
   EXPECT_TRUE(contains(msg, "train.batch_size x train.seq_len")) << msg;
   EXPECT_TRUE(contains(msg, "train.grad_accum")) << msg;
-  EXPECT_EQ(error_of(m, {parse_override("train.batch_size=64"),
-                         parse_override("train.seq_len=32768"),
-                         parse_override("eval.max_new_tokens=32768"),
-                         parse_override("model.init_std=1")}),
-            "");
+  EXPECT_EQ(
+      error_of(m,
+               {parse_override("train.batch_size=64"), parse_override("train.seq_len=32768"),
+                parse_override("eval.max_new_tokens=32768"), parse_override("model.init_std=1")}),
+      "");
 }
 
 // A second YAML document is an error naming the file and its line, not silently ignored; a
@@ -624,16 +627,17 @@ TEST(Config, LastLayersPastTheModelNamesTheKey) {
 // ranks))), then warmup_ratio -> round(ratio x steps), then the warmup clipped to the run; the
 // config reads as the steps-based one it resolved to.
 TEST(Config, RunLengthResolvesFromTheData) {
-  Config c = parse(kMinimal, {parse_override("train.epochs=3"),
-                              parse_override("train.grad_accum=2"),
-                              parse_override("optim.schedule.warmup_ratio=0.1")});
+  Config c =
+      parse(kMinimal, {parse_override("train.epochs=3"), parse_override("train.grad_accum=2"),
+                       parse_override("optim.schedule.warmup_ratio=0.1")});
   std::string notes = resolve_run_length(c, /*micro_batches_per_epoch=*/10, /*ranks=*/2);
-  EXPECT_EQ(c.train.steps, 8);  // ceil(3 x 10 / 4) = ceil(7.5)
+  EXPECT_EQ(c.train.steps, 8);                  // ceil(3 x 10 / 4) = ceil(7.5)
   EXPECT_EQ(c.optim.schedule.warmup_steps, 1);  // round(0.8)
   EXPECT_EQ(c.train.epochs, 0);
   EXPECT_EQ(c.optim.schedule.warmup_ratio, 0);
-  EXPECT_TRUE(contains(notes, "train.epochs 3 -> train.steps 8 (10 micro-batches per epoch, 4 per "
-                              "step: train.grad_accum 2 x 2 ranks)"))
+  EXPECT_TRUE(contains(notes,
+                       "train.epochs 3 -> train.steps 8 (10 micro-batches per epoch, 4 per "
+                       "step: train.grad_accum 2 x 2 ranks)"))
       << notes;
   c = parse(kMinimal, {parse_override("train.epochs=4"), parse_override("train.grad_accum=3")});
   resolve_run_length(c, 3, 1);
@@ -641,8 +645,8 @@ TEST(Config, RunLengthResolvesFromTheData) {
   c = parse(kMinimal, {parse_override("train.epochs=0.01")});
   resolve_run_length(c, 5, 1);
   EXPECT_EQ(c.train.steps, 1);  // at least one step
-  c = parse(kMinimal, {parse_override("train.steps=4"),
-                       parse_override("optim.schedule.warmup_steps=9")});
+  c = parse(kMinimal,
+            {parse_override("train.steps=4"), parse_override("optim.schedule.warmup_steps=9")});
   notes = resolve_run_length(c, 5, 1);
   EXPECT_EQ(c.train.steps, 4);  // steps-based: unchanged, the warmup clipped
   EXPECT_EQ(c.optim.schedule.warmup_steps, 4);

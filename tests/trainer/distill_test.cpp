@@ -161,16 +161,6 @@ model::Qwen3Model frozen_tiny(uint64_t seed) {
   return model::Qwen3Model::random_init(cfg, o, seed, 0.05);
 }
 
-model::ModelInputs host_inputs(const data::Batch& b) {
-  model::ModelInputs in;
-  in.input_ids = b.input_ids;
-  in.labels = b.labels;
-  in.attention_mask = b.attention_mask;
-  in.position_ids = b.position_ids;
-  in.segment_ids = b.segment_ids;
-  return in;
-}
-
 struct Fp64Parts {
   double ce = 0, kl = 0;
   int64_t tokens = 0;

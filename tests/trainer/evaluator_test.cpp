@@ -41,7 +41,7 @@ TEST(Evaluator, ValidationLossIsOnePassThroughTheObjective) {
   EXPECT_EQ(v->tokens, tokens);
   EXPECT_NEAR(v->loss, sum / static_cast<double>(tokens), 1e-6);
   const auto again = ev.validation_loss(5);
-  EXPECT_DOUBLE_EQ(again->loss, v->loss);  // every pass starts from the first batch
+  EXPECT_DOUBLE_EQ(again->loss, v->loss);   // every pass starts from the first batch
   EXPECT_EQ(ev.best_validation_step(), 4);  // equal is not better
   EXPECT_DOUBLE_EQ(*ev.last_validation(), v->loss);
 }

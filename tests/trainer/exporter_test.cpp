@@ -52,8 +52,7 @@ TEST(Exporter, WritesChecksAndNeverGoesBack) {
   EXPECT_NE(out.str().find("export check"), std::string::npos) << out.str();
   EXPECT_ANY_THROW(exporter.write(3, model, source));  // the final export: an error
   exporter.write_periodic(2, model, source);           // a periodic one: a warning
-  EXPECT_NE(err.str().find("warning: export at step 2 failed, training goes on"),
-            std::string::npos)
+  EXPECT_NE(err.str().find("warning: export at step 2 failed, training goes on"), std::string::npos)
       << err.str();
   EXPECT_EQ(existing_export_step(path), 4);
 }

@@ -37,16 +37,6 @@ class HiddenEnergy final : public Objective {
   int calls = 0;
 };
 
-model::ModelInputs host_inputs(const data::Batch& b) {
-  model::ModelInputs in;
-  in.input_ids = b.input_ids;
-  in.labels = b.labels;
-  in.attention_mask = b.attention_mask;
-  in.position_ids = b.position_ids;
-  in.segment_ids = b.segment_ids;
-  return in;
-}
-
 // fp64 reference of the summed next-token CE of one batch (HF shift) from the full logits.
 double ce_sum_fp64(model::Qwen3Model& model, const data::Batch& b) {
   at::NoGradGuard no_grad;

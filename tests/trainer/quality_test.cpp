@@ -139,14 +139,7 @@ double heldout_loss(model::Qwen3Model& model, const std::vector<data::Example>& 
   double sum = 0;
   int64_t n = 0;
   for (int64_t i = 0; i < b.batches_per_epoch(); ++i) {
-    const data::Batch batch = b.next();
-    model::ModelInputs in;
-    in.input_ids = batch.input_ids;
-    in.labels = batch.labels;
-    in.attention_mask = batch.attention_mask;
-    in.position_ids = batch.position_ids;
-    in.segment_ids = batch.segment_ids;
-    const auto lo = model.loss(in);
+    const auto lo = model.loss(host_inputs(b.next()));
     sum += lo.loss_sum.item<double>();
     n += lo.num_tokens.item<int64_t>();
   }

@@ -19,8 +19,7 @@ std::vector<at::Tensor> masters(model::Qwen3Model& m) {
   return out;
 }
 
-void expect_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
-                  double atol) {
+void expect_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double atol) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), atol) << "tensor " << i;
@@ -77,9 +76,9 @@ TEST(TrainStep, PhasesInOrder) {
   auto batcher = random_batcher(4, 12, model.config().vocab_size, 2);
   std::vector<std::string> phases;
   const StepOutcome so = rig.step->run(0, *batcher, [&](const char* p) { phases.push_back(p); });
-  EXPECT_EQ(phases, (std::vector<std::string>{"batch_ready", "forward_done", "backward_done",
-                                              "forward_done", "backward_done",
-                                              "optimizer_step_done"}));
+  EXPECT_EQ(phases,
+            (std::vector<std::string>{"batch_ready", "forward_done", "backward_done",
+                                      "forward_done", "backward_done", "optimizer_step_done"}));
   EXPECT_FALSE(so.stop);
   EXPECT_FALSE(so.checkpoint_due);
   EXPECT_EQ(so.slots, 4 * 12);

@@ -99,6 +99,15 @@ at::Tensor topk_divergence_chunk(at::Tensor& z, const at::Tensor& ids, const at:
   return (kl * valid.to(at::kFloat)).sum().mul_(t * t);
 }
 
+ObjectiveOutput distillation_output(model::Qwen3Model& model, const MicroBatch& micro,
+                                    const model::LossTerm& term) {
+  const model::LossOutput lo = model.loss(micro.inputs, &term);
+  ObjectiveOutput out;
+  out.loss_sum = lo.loss_sum;
+  out.logged = {{"distill_ce", lo.ce_sum}, {"distill_divergence", lo.term_sum}};
+  return out;
+}
+
 Distillation::Distillation(const DistillConfig& c, std::unique_ptr<model::Qwen3Model> teacher)
     : alpha_(c.alpha), div_{c.divergence, c.temperature}, teacher_(std::move(teacher)) {
   const std::string head = teacher_->tied() ? "model.embed_tokens.weight" : "lm_head.weight";
@@ -121,17 +130,11 @@ ObjectiveOutput Distillation::compute(model::Qwen3Model& model, const MicroBatch
         at::matmul(rows_hidden.narrow(0, row_begin, z.size(0)), lm_head_.t());
     return divergence_chunk(z, teacher_logits, valid, div_, want_grad);
   };
-  const model::LossOutput lo = model.loss(micro.inputs, &term);
-  ObjectiveOutput out;
-  out.loss_sum = lo.loss_sum;
-  out.logged = {{"distill_ce", lo.ce_sum}, {"distill_divergence", lo.term_sum}};
-  return out;
+  return distillation_output(model, micro, term);
 }
 
 ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatch& micro) {
-  ObjectiveOutput out;
-  out.loss_sum = model.loss(micro.inputs).loss_sum;
-  return out;
+  return SupervisedCrossEntropy().compute(model, micro);
 }
 
 std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,

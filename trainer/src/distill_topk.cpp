@@ -181,17 +181,11 @@ ObjectiveOutput OfflineDistillation::compute(model::Qwen3Model& model, const Mic
     return topk_divergence_chunk(z, ids.narrow(0, row_begin, n), logprobs.narrow(0, row_begin, n),
                                  valid, temperature_, want_grad);
   };
-  const model::LossOutput lo = model.loss(micro.inputs, &term);
-  ObjectiveOutput out;
-  out.loss_sum = lo.loss_sum;
-  out.logged = {{"distill_ce", lo.ce_sum}, {"distill_divergence", lo.term_sum}};
-  return out;
+  return distillation_output(model, micro, term);
 }
 
 ObjectiveOutput OfflineDistillation::evaluate(model::Qwen3Model& model, const MicroBatch& micro) {
-  ObjectiveOutput out;
-  out.loss_sum = model.loss(micro.inputs).loss_sum;
-  return out;
+  return SupervisedCrossEntropy().compute(model, micro);
 }
 
 int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, std::ostream& err) {

@@ -49,6 +49,11 @@ at::Tensor topk_divergence_chunk(at::Tensor& student_logits, const at::Tensor& i
                                  const at::Tensor& logprobs, const at::Tensor& valid,
                                  double temperature, bool want_grad);
 
+// A distillation micro-batch's loss through the student's chunked loss with `term`, and its
+// logged values: "distill_ce" and "distill_divergence" (each summed over the supervised tokens).
+ObjectiveOutput distillation_output(model::Qwen3Model& model, const MicroBatch& micro,
+                                    const model::LossTerm& term);
+
 // Online distillation: `teacher` (frozen, on the student's device) runs each micro-batch's
 // forward without autograd; loss = alpha * divergence + (1 - alpha) * CE, per supervised token.
 // Logs "distill_ce" and "distill_divergence" (each per supervised token). Its held-out loss is
