@@ -137,16 +137,20 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
   return SupervisedCrossEntropy().compute(model, micro);
 }
 
+std::string teacher_config_path(const Config& c) {
+  if (!c.distill.teacher_config.empty()) return c.distill.teacher_config;
+  return model::is_hf_folder(c.distill.teacher)
+             ? (fs::path(c.distill.teacher) / "config.json").string()
+             : c.model.config;
+}
+
 std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string& path = c.distill.teacher;
   const bool folder = model::is_hf_folder(path);
   if (!folder) require_file(path, "distill.teacher");
-  std::string config_path = c.distill.teacher_config;
-  if (config_path.empty()) {
-    config_path = folder ? (fs::path(path) / "config.json").string() : c.model.config;
-  }
+  const std::string config_path = teacher_config_path(c);
   require_file(config_path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
                                                              : "distill.teacher_config");
   const auto cfg = as_input_error("distill.teacher_config",

@@ -229,7 +229,8 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
   const int64_t chunk = mo.loss_chunk_tokens;
   at::NoGradGuard no_grad;
   int64_t written = 0;
-  for (int64_t i = 0;; ++i) {
+  auto last_report = std::chrono::steady_clock::now();
+  for (;;) {
     const data::Batch b = batcher.next();
     if (b.epoch > 0) break;
     const std::vector<int64_t> src = topk_rows_of_batch(b, examples, offsets);
@@ -255,6 +256,12 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
       logprobs.index_copy_(0, dst_t.narrow(0, s, n), v.cpu());
     }
     written += static_cast<int64_t>(pos.size());
+    if (std::chrono::steady_clock::now() - last_report > std::chrono::seconds(30)) {
+      last_report = std::chrono::steady_clock::now();
+      out << fmt::format("teacher top-{}: {} of {} positions ({:.0f}%)\n", K, written, S,
+                         100.0 * static_cast<double>(written) / static_cast<double>(S))
+          << std::flush;
+    }
   }
   TORCH_CHECK(written == S, "--write-teacher-topk: wrote ", written, " of ", S,
               " positions (the batcher skipped examples)");

@@ -135,6 +135,14 @@ void check_input_files(const Config& c, bool need_data) {
     }
     for (const auto& f : c.data.files) require_file(f, "data.files");
     for (const auto& f : c.data.eval_files) require_file(f, "data.eval_files");
+    // The teacher (or its top-K file) before anything is written or loaded.
+    if (c.train.objective == ObjectiveKind::kDistill) {
+      if (!c.distill.topk_file.empty()) {
+        require_file(c.distill.topk_file, "distill.topk_file");
+      } else if (!model::is_hf_folder(c.distill.teacher)) {
+        require_file(c.distill.teacher, "distill.teacher");
+      }
+    }
   }
 }
 
