@@ -195,6 +195,48 @@ TEST(DataParallel, TwoRanksTrackOneRankWithTheSameGlobalBatch) {
       << read_text(two / "log.out");
 }
 
+// Distillation on two ranks: each rank runs its own teacher copy (online) or reads the same
+// top-K file (offline) on its micro-batches, and the curve is the one-rank run's with the same
+// global batch. The teacher is the base run's export.
+TEST(DataParallel, DistillationOnTwoRanksTracksOneRank) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
+  const fs::path two = two_rank_base();
+  const std::string teacher = (two / "run" / "model.dat").string();
+  ASSERT_TRUE(fs::exists(teacher)) << read_text(two / "log.err");
+  const fs::path dir = work_root("dist") / "distill";
+  q4::io::remove_tree(dir);
+  const std::string topk = (dir / "topk.dat").string();
+  const auto config = [&](const std::string& name, int64_t accum) {
+    return write_config(dir / name, 4, accum, 0).string();
+  };
+  const auto distill = [&](const std::string& cfg, bool offline) {
+    std::vector<std::string> a = {
+        "--config", cfg, "--set", "train.objective=distill", "--set", "distill.alpha=0.5"};
+    a.push_back("--set");
+    a.push_back(offline ? "distill.topk_file=" + topk : "distill.teacher=" + teacher);
+    return a;
+  };
+  const std::string writer_cfg = config("writer", 2);
+  auto w = distill(writer_cfg, true);
+  w.insert(w.end(), {"--set", "distill.teacher=" + teacher, "--write-teacher-topk"});
+  const TimedRun written = run(w, dir / "writer" / "log");
+  ASSERT_EQ(written.code, 0) << written.err << written.out;
+  for (const bool offline : {false, true}) {
+    const std::string mode = offline ? "offline" : "online";
+    auto two_args = distill(config(mode + "2", 1), offline);
+    two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
+    const TimedRun r2 = run(two_args, dir / (mode + "2") / "log");
+    ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
+    const TimedRun r1 = run(distill(config(mode + "1", 2), offline), dir / (mode + "1") / "log");
+    ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
+    const auto got = read_jsonl(dir / (mode + "2") / "run" / "metrics.jsonl");
+    expect_same_curve(got, read_jsonl(dir / (mode + "1") / "run" / "metrics.jsonl"), kRankTolerance,
+                      mode + ": 2 ranks vs 1");
+    ASSERT_FALSE(got.empty());
+    EXPECT_TRUE(got.front().contains("distill_divergence")) << got.front().dump();
+  }
+}
+
 TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path base = two_rank_base();
