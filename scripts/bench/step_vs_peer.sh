@@ -8,7 +8,7 @@
 #   scripts/bench/step_vs_peer.sh [OUT_DIR]
 # Env: PEER (peer_hf_step.py; default ../shared/bench/peer_hf_step.py), BUILD (build dir,
 # default build-gpu), STATE (int8), STEPS (16), SKIP_BUILD=1, SKIP_PEER=1, PEER_MODES
-# ("ste compile plain"), EXTRA_SET (more --set arguments for q4train).
+# ("ste compile plain plain-nockpt"), EXTRA_SET (more --set arguments for q4train).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
 out=$(mkdir -p "${1:-${OUT:-$root/runs/bench}}" && cd "${1:-${OUT:-$root/runs/bench}}" && pwd)
@@ -74,11 +74,12 @@ fi
 
 if [ "${SKIP_PEER:-0}" != 1 ]; then
   : >"$out/peer.log"
-  for m in ${PEER_MODES:-ste compile plain}; do
+  for m in ${PEER_MODES:-ste compile plain plain-nockpt}; do
     case $m in
       ste) env=(MODE=ste) ;;
       compile) env=(MODE=ste COMPILE=1) ;;
       plain) env=(MODE=plain) ;;
+      plain-nockpt) env=(MODE=plain CKPT=0) ;;  # the peer's fastest mode when memory allows
     esac
     env "${env[@]}" SEEDOPT=0 PYTHONUNBUFFERED=1 python3 "$peer" 2>&1 | tee -a "$out/peer.log" \
       | grep -E '^(RESULT|params)' || true

@@ -62,7 +62,7 @@ def main():
                                  opt=r["optimizer_ms_median"], steps=4))
     gpu = open(os.path.join(d, "gpu.txt")).read().strip() if os.path.exists(
         os.path.join(d, "gpu.txt")) else "?"
-    modes = [k for k in ("ste", "ste+compile", "plain") if k in peer]
+    modes = [k for k in ("ste", "ste+compile", "plain", "plain+nockpt") if k in peer]
     print(f"GPU: {gpu}\n")
     head = ["run", "real tok/s", "slot fill", "median step ms", "slowest ms", "peak GiB",
             "optimizer ms", "MFU"] + [f"x {k}" for k in modes]
