@@ -132,6 +132,33 @@ TEST(Estimate, Bench4bWithinFivePercentOfTheMeasuredPeak) {
   }
 }
 
+// The distillation run of the speed benchmark (scripts/bench/distill_step.sh: the 4B .dat as
+// its own teacher) peaked at 28.4 GiB on an H100, against 19.1 without distillation. The
+// estimate adds the teacher's bf16 weights for the whole run and its transients to the loss
+// forward, and must be within 5% of that.
+TEST(Estimate, DistillationAddsTheTeacher) {
+  const std::string path = std::string(Q4_SOURCE_DIR) + "/scripts/bench/bench-4b.yaml";
+  const std::string teacher_config = std::string(Q4_FIXTURES_DIR) + "/qwen3_4b.config.json";
+  const Config sft = load_config(path);
+  const Config kd =
+      load_config(path, {parse_override("train.objective=distill"),
+                         parse_override("distill.teacher=/not/read/by/the/estimate.dat"),
+                         parse_override("distill.teacher_config=" + teacher_config)});
+  const auto mc = q4::model::Qwen3Config::from_json_file(sft.model.config);
+  const auto a = estimate_budget(mc, sft, true), b = estimate_budget(mc, kd, true);
+  EXPECT_EQ(a.teacher_bytes, 0);
+  EXPECT_EQ(b.teacher_bytes, mc.num_parameters(!mc.tie_word_embeddings) * 2);
+  EXPECT_EQ(b.persistent_bytes(), a.persistent_bytes() + b.teacher_bytes);
+  EXPECT_GT(b.logits_bytes, a.logits_bytes);
+  EXPECT_NEAR(to_gib(b.total_bytes()) / 28.4, 1.0, 0.05) << b.to_table();
+  EXPECT_EQ(b.to_json()["teacher_bytes"].get<int64_t>(), b.teacher_bytes);
+  // Offline, no teacher is on the device.
+  const Config offline =
+      load_config(path, {parse_override("train.objective=distill"),
+                         parse_override("distill.topk_file=/not/read/by/the/estimate.dat")});
+  EXPECT_EQ(estimate_budget(mc, offline, true).teacher_bytes, 0);
+}
+
 TEST(Estimate, LayerBackwardDominatesWithoutTheLmHead) {
   // Frozen lm_head and embedding, one 8192-token sequence: the loss phases hold only a logits
   // block, while a recomputed layer's graph grows with the tokens.

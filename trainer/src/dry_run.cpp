@@ -6,7 +6,6 @@
 #include <iostream>
 
 #include "q4/model/hf_interop.h"
-#include "q4/trainer/distill.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/memory.h"
 #include "q4/trainer/run_dir.h"
@@ -93,21 +92,6 @@ int run_dry_run(const Config& config, std::ostream& out) {
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, plan.steps(),
                      to_string(c.optim.state));
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
-  if (c.train.objective == ObjectiveKind::kDistill && c.distill.topk_file.empty()) {
-    // The teacher's weights in the compute dtype sit beside the student (its activations live
-    // one layer at a time, no autograd).
-    const std::string tc = teacher_config_path(c);
-    require_file(tc, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
-                                                      : "distill.teacher_config");
-    const auto tcfg = as_input_error("distill.teacher_config",
-                                     [&] { return model::Qwen3Config::from_json_file(tc); });
-    const int64_t n = tcfg.num_parameters(/*include_lm_head=*/!tcfg.tie_word_embeddings);
-    const int64_t bytes = n * (resolved_compute_dtype(c) == Dtype::kFp32 ? 4 : 2);
-    out << fmt::format(
-        "teacher: {} parameters, {:.2f} GiB of weights in {} beside the student (add it to the "
-        "estimate)\n",
-        n, to_gib(bytes), to_string(resolved_compute_dtype(c)));
-  }
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
   } else if (c.model.init == InitKind::kFile) {

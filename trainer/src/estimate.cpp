@@ -7,7 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/optim/state_codec.h"
+#include "q4/trainer/distill.h"
 #include "q4/trainer/memory.h"
+#include "q4/trainer/setup.h"
 
 namespace q4::trainer {
 
@@ -22,6 +24,37 @@ std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Con
   }
   return out;
 }
+
+namespace {
+
+// Online distillation (docs/trainer.md#distillation): the teacher's weights for the whole run;
+// in the loss forward, one teacher layer's forward transients (no autograd: the widest is the
+// MLP's (tokens, I) gate/up/product) besides its final hidden states, and per logits chunk the
+// teacher's logits block and the divergence's fp32 blocks (the student's copy, the teacher's
+// log-probabilities, their exp and a logsumexp temporary).
+void add_teacher(const model::Qwen3Config& student, const Config& c, const model::ModelOptions& opt,
+                 MemoryBudget* b) {
+  const std::string path = teacher_config_path(c);
+  require_file(path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
+                                                      : "distill.teacher_config");
+  const auto t = as_input_error("distill.teacher_config",
+                                [&] { return model::Qwen3Config::from_json_file(path); });
+  const int64_t cs = opt.compute_dtype == at::kFloat ? 4 : 2;
+  b->teacher_bytes = t.num_parameters(/*include_lm_head=*/!t.tie_word_embeddings) * cs;
+  const int64_t tokens = c.train.batch_size * c.train.seq_len;
+  const int64_t chunk = std::min(opt.loss_chunk_tokens, tokens);
+  const int64_t V = student.vocab_size;
+  const int64_t teacher_forward =
+      tokens * cs * (2 * t.hidden_size + 3 * t.intermediate_size) + tokens * t.hidden_size * cs;
+  const int64_t divergence = chunk * V * (cs + 4 * 4);
+  for (auto& p : b->phases) {
+    if (p.name == model::memory_phase_name(model::MemoryPhaseKind::kLossForward)) {
+      p.logits_bytes += std::max(teacher_forward, divergence);
+    }
+  }
+}
+
+}  // namespace
 
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
   const auto opt = model_options(c);
@@ -61,6 +94,9 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
     p.optimizer_bytes = scratch;
     b.phases.push_back(p);
   }
+  if (c.train.objective == ObjectiveKind::kDistill && c.distill.topk_file.empty()) {
+    add_teacher(mc, c, opt, &b);
+  }
   for (size_t i = 0; i < b.phases.size(); ++i) {
     if (b.phases[i].total_bytes() > b.phases[b.peak_phase].total_bytes()) b.peak_phase = i;
   }
@@ -91,6 +127,7 @@ nlohmann::json MemoryBudget::to_json() const {
   }
   return {{"masters_bytes", masters_bytes},
           {"frozen_bytes", frozen_bytes},
+          {"teacher_bytes", teacher_bytes},
           {"gradients_bytes", gradients_bytes},
           {"moments_bytes", moments_bytes},
           {"activations_bytes", activations_bytes},
@@ -111,6 +148,7 @@ std::string MemoryBudget::to_table() const {
   row("masters", masters_bytes, "whole run");
   row("frozen", frozen_bytes, "whole run");
   row("moments", moments_bytes, "whole run");
+  if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");
   s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} {:>9}  (GiB; total = whole run + phase)\n",
                    "phase", "gradients", "activations", "logits", "optimizer", "total");
   for (size_t i = 0; i < phases.size(); ++i) {

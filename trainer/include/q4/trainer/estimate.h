@@ -51,6 +51,9 @@ struct MemoryBudget {
   int64_t masters_bytes = 0;  // trainable masters
   int64_t frozen_bytes = 0;   // frozen weights as the forward holds them
   int64_t moments_bytes = 0;  // AdamW m and v as stored (packed)
+  // train.objective distill with a teacher model: its weights in the compute dtype (whole run);
+  // its forward's transients and the divergence's fp32 blocks are in the loss forward phase.
+  int64_t teacher_bytes = 0;
   // The peak phase's terms (phases[peak_phase]).
   int64_t gradients_bytes = 0;    // gradients alive
   int64_t activations_bytes = 0;  // saved activations, layer graph and working tensors
@@ -59,7 +62,9 @@ struct MemoryBudget {
   int64_t trainable_elements = 0;
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
-  int64_t persistent_bytes() const { return masters_bytes + frozen_bytes + moments_bytes; }
+  int64_t persistent_bytes() const {
+    return masters_bytes + frozen_bytes + moments_bytes + teacher_bytes;
+  }
   int64_t total_bytes() const {
     return persistent_bytes() + gradients_bytes + activations_bytes + logits_bytes +
            optimizer_bytes;
