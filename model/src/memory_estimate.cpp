@@ -128,14 +128,16 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // gate/up/product beside the residual and the norm output.
   const int64_t layer_forward_work = tokens * cs * (2 * H + 3 * I);
   auto layer_graph = [&](int64_t l) { return layer_saved + layer_weight_elems[l] * cs; };
-  // Saved activations of layers [0, n): checkpointed inputs, or whole graphs with their inputs.
+  // Saved activations of layers [0, n): a recomputed layer's input, or the whole graph of a
+  // layer that keeps its activations, with its input.
   auto saved_below = [&](int64_t n) {
     int64_t s = n * boundary;
-    if (!opt.gradient_checkpointing) {
-      for (int64_t l = 0; l < n; ++l) s += layer_graph(l);
+    for (int64_t l = 0; l < n; ++l) {
+      if (!opt.recomputes(l)) s += layer_graph(l);
     }
     return s;
   };
+  const bool any_recomputed = L > 0 && opt.recomputes(0);
 
   // Loss head: final-norm output rows gathered for the lm_head (every token is an upper bound
   // of the supervised rows), the lm_head in the compute dtype (a fresh tap output when it
@@ -163,7 +165,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Forward: every layer's saved activations (the last layer's output is the final norm's input)
   // and, checkpointed, one layer's forward transients.
   add(MemoryPhaseKind::kForward, carry,
-      all_saved + boundary + (opt.gradient_checkpointing ? layer_forward_work : 0), 0);
+      all_saved + boundary + (any_recomputed ? layer_forward_work : 0), 0);
   // Loss forward: the chunked cross-entropy computes its gradients here, from the logits block
   // that gives the loss: the final norm's saved input and its output (alive in loss()), the
   // hidden rows and their gradient, the lm_head weight and its gradient being accumulated
@@ -183,16 +185,16 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // plus all of layer l's. The checkpoint's backward seeds the down projection by hand: its
   // input gradient (tokens, I) and its weight gradient are held until the layer is done.
   {
-    const bool ckpt = opt.gradient_checkpointing;
-    // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients and
-    // the SwiGLU's (tokens, I) gradients (its output's, held as a seed when checkpointing, and
-    // its two inputs').
-    const int64_t work = 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
     MemoryPhase best;
     best.kind = MemoryPhaseKind::kLayerBackward;
     int64_t above = 0;  // buffered gradients of layers above l
     const int64_t head_stored = in_backward ? 0 : head_elems * gs;
     for (int64_t l = L - 1; l >= 0; --l) {
+      const bool ckpt = opt.recomputes(l);
+      // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients
+      // and the SwiGLU's (tokens, I) gradients (its output's, held as a seed when
+      // checkpointing, and its two inputs').
+      const int64_t work = 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
       // The held down-projection seed when it is not the stored gradient itself.
       const int64_t seed = ckpt && (in_backward || carried || gs != cs) ? layer_down[l] * cs : 0;
       int64_t g = tied_grad + seed;

@@ -85,6 +85,8 @@ void ModelOptions::validate() const {
               c10::toString(resolved_grad_dtype()));
   TORCH_CHECK(loss_chunk_tokens > 0, "ModelOptions.loss_chunk_tokens: expected > 0, got ",
               loss_chunk_tokens);
+  TORCH_CHECK(recompute_layers >= -1, "ModelOptions.recompute_layers: expected >= -1, got ",
+              recompute_layers);
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "ModelOptions.device: expected cpu or cuda, got ", device.str());
 }
@@ -96,6 +98,9 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
   cfg.validate();
   opt.validate();
   opt.trainable.validate(cfg.num_hidden_layers);
+  TORCH_CHECK(opt.recompute_layers <= cfg.num_hidden_layers,
+              "ModelOptions.recompute_layers: expected at most the ", cfg.num_hidden_layers,
+              " decoder layers, got ", opt.recompute_layers);
   const TrainableSpec& ts = opt.trainable;
   const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
@@ -228,7 +233,7 @@ at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::T
                                                       const AttnMask& mask, KvCache* cache) const {
   const bool building_graph =
       at::GradMode::is_enabled() && (h.requires_grad() || trigger.requires_grad());
-  if (opt.gradient_checkpointing && building_graph && cache == nullptr) {
+  if (opt.recomputes(layer) && building_graph && cache == nullptr) {
     return checkpoint_layer(this, layer, h, rope_t, mask);
   }
   return layer_forward(layer, h, rope_t, mask, cache);
@@ -528,6 +533,17 @@ const Parameter& Qwen3Model::parameter(const std::string& name) const {
 
 void Qwen3Model::zero_grad() {
   for (auto& p : impl_->params) p.grad = at::Tensor();
+}
+
+void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_layers) {
+  ModelOptions o = impl_->opt;
+  o.gradient_checkpointing = gradient_checkpointing;
+  o.recompute_layers = recompute_layers;
+  o.validate();
+  TORCH_CHECK(recompute_layers <= impl_->cfg.num_hidden_layers,
+              "ModelOptions.recompute_layers: expected at most the ",
+              impl_->cfg.num_hidden_layers, " decoder layers, got ", recompute_layers);
+  impl_->opt = o;
 }
 
 void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }

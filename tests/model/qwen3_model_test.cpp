@@ -167,6 +167,35 @@ TEST(Qwen3Model, CheckpointingGivesIdenticalGradients) {
   }
 }
 
+// Recompute by memory budget: only the first layer recomputes (the second keeps its graph), and
+// the choice may change between steps on the same model.
+TEST(Qwen3Model, RecomputingSomeLayersGivesIdenticalGradients) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ASSERT_EQ(cfg.num_hidden_layers, 2);
+  ModelOptions first = fp32_all(true);
+  first.recompute_layers = 1;
+  EXPECT_TRUE(first.recomputes(0));
+  EXPECT_FALSE(first.recomputes(1));
+  Qwen3Model a = Qwen3Model::load(cfg, w, first);
+  Qwen3Model b = Qwen3Model::load(cfg, w, fp32_all(false));
+  at::Tensor la, lb;
+  auto ga = run_backward(a, fixture_inputs(e), &la);
+  auto gb = run_backward(b, fixture_inputs(e), &lb);
+  EXPECT_TRUE(at::equal(la, lb));
+  for (const auto& kv : ga) EXPECT_TRUE(at::equal(kv.second, gb[kv.first])) << kv.first;
+  // Every layer recomputed, set on the loaded model.
+  a.set_recompute(true, -1);
+  EXPECT_TRUE(a.options().recomputes(1));
+  a.zero_grad();
+  at::Tensor lc;
+  auto gc = run_backward(a, fixture_inputs(e), &lc);
+  EXPECT_TRUE(at::equal(lc, lb));
+  for (const auto& kv : gc) EXPECT_TRUE(at::equal(kv.second, gb[kv.first])) << kv.first;
+  EXPECT_THROW(a.set_recompute(true, 3), c10::Error);  // more layers than the model has
+  EXPECT_THROW(a.set_recompute(true, -2), c10::Error);
+}
+
 TEST(Qwen3Model, Q4GradBinaryMatchesFixture) {
   const std::string bin = std::string(Q4_BIN_DIR) + "/q4grad";
   ASSERT_EQ(::access(bin.c_str(), X_OK), 0) << bin << " not built";
@@ -661,6 +690,21 @@ TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   const auto a36 = loss_acts(deep, o);
   EXPECT_EQ(a36 - a2, 34 * 4 * 1024 * cfg.hidden_size * 4);
   EXPECT_GT(loss_acts(deep, nock), 4 * a36);
+  // Recomputing the first N layers: each layer that keeps its activations adds the difference
+  // between its graph and its checkpointed input, so the estimate falls step by step from no
+  // recompute (N = 0) to every layer (N = 36).
+  int64_t prev = estimate_memory(deep, nock, 4, 1024, false).total_bytes();
+  const int64_t per_layer = (loss_acts(deep, nock) - a36) / 36;
+  for (int64_t n : {1, 10, 35}) {
+    ModelOptions part = o;
+    part.recompute_layers = n;
+    const int64_t t = estimate_memory(deep, part, 4, 1024, false).total_bytes();
+    EXPECT_LT(t, prev) << n;
+    prev = t;
+    // The saved activations behind the loss: exactly 36 - n layer graphs more than all-recomputed.
+    EXPECT_EQ(loss_acts(deep, part) - a36, (36 - n) * per_layer) << n;
+  }
+  EXPECT_LT(estimate_memory(deep, o, 4, 1024, false).total_bytes(), prev);
 }
 
 // Two examples packed into one row (segments, restarted positions, the second example's first
@@ -895,7 +939,7 @@ TEST(Qwen3ModelCuda, FixtureBf16Compute) {
 }
 
 #if Q4_WITH_CUDA
-int64_t peak_step_bytes(int64_t layers, bool ckpt) {
+int64_t peak_step_bytes(int64_t layers, bool ckpt, int64_t recompute_layers = -1) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   cfg.hidden_size = 256;
   cfg.intermediate_size = 768;
@@ -906,6 +950,7 @@ int64_t peak_step_bytes(int64_t layers, bool ckpt) {
   cfg.max_position_embeddings = 1024;
   ModelOptions o = cuda_options(at::kHalf, at::kBFloat16, at::kBFloat16);
   o.gradient_checkpointing = ckpt;
+  o.recompute_layers = recompute_layers;
   o.trainable = TrainableSpec::nothing();  // no grads: measure activations only
   o.trainable.embeddings = true;           // ... but still a backward through every layer
   Qwen3Model m = Qwen3Model::random_init(cfg, o, 1, 0.02);
@@ -935,6 +980,11 @@ TEST(Qwen3ModelCuda, CheckpointingPeakGrowsByOneLayerInput) {
   // more); without it each layer keeps ~20 activation tensors.
   EXPECT_LE(ck8 - ck2, 7 * boundary);
   EXPECT_GT(no8 - no2, 5 * (ck8 - ck2));
+  // Recomputing the first 4 of 8: between the two, about half-way.
+  const int64_t half8 = peak_step_bytes(8, true, 4);
+  RecordProperty("peak_recompute4_L8", std::to_string(half8));
+  EXPECT_GT(half8, ck8 + (no8 - ck8) / 4);
+  EXPECT_LT(half8, no8 - (no8 - ck8) / 4);
 #else
   GTEST_SKIP() << "built without Q4_WITH_CUDA (no allocator statistics)";
 #endif

@@ -259,7 +259,7 @@ TEST(Config, ShippedRecipesParse) {
   ASSERT_FALSE(demo.data.files.empty());
   EXPECT_TRUE(fs::exists(demo.data.files[0])) << demo.data.files[0];
   const Config probe = load_config(std::string(Q4_SOURCE_DIR) + "/configs/probe-4b.yaml");
-  EXPECT_TRUE(probe.train.gradient_checkpointing);
+  EXPECT_EQ(probe.train.gradient_checkpointing, Recompute::kTrue);
   EXPECT_EQ(probe.train.batch_size * probe.train.seq_len, 4 * 1024);
   EXPECT_EQ(probe.model.master_dtype, Dtype::kFp16);
   EXPECT_EQ(resolved_compute_dtype(probe), Dtype::kBf16);

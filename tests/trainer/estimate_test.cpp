@@ -6,12 +6,14 @@
 #include "q4/trainer/estimate.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -21,6 +23,7 @@
 #include "q4/quant/nvfp4.h"
 #include "q4/trainer/memory.h"
 #include "q4/trainer/probe.h"
+#include "q4/trainer/setup.h"
 #include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
@@ -191,6 +194,92 @@ TEST(Estimate, BufferedPathHoldsEveryGradient) {
   // With in-backward updates the same run holds far less.
   const Config ib = load_config(path);
   EXPECT_LT(estimate_budget(mc, ib, true).total_bytes() + buffer / 2, b.total_bytes());
+}
+
+// train.gradient_checkpointing auto at Qwen3-4B shapes on CUDA (estimated, nothing runs): the
+// fewest recomputed layers whose estimate fits the budget less its margin.
+TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
+  const Config c = tiny_config("train: {batch_size: 4, seq_len: 1024}\n",
+                               {"model.device=cuda", "train.trainable.lm_head=true"});
+  EXPECT_EQ(c.train.gradient_checkpointing, Recompute::kAuto);
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  const int64_t L = mc.num_hidden_layers;
+  std::vector<int64_t> est;
+  for (int64_t n = 0; n <= L; ++n) {
+    Config t = c;
+    set_recompute_layers(t, n, L);
+    est.push_back(estimate_budget(mc, t, true).total_bytes());
+    if (n > 0) {
+      EXPECT_LT(est[n], est[n - 1]) << n;
+    }
+  }
+  // The budget that exactly admits an estimate e: e x 1.08 + 1 GiB (the margin).
+  auto budget_for = [](int64_t e) { return static_cast<int64_t>(e * 1.08) + (int64_t{1} << 30); };
+  RecomputeChoice r = choose_recompute(mc, c, true, budget_for(est[0]) + 1000);
+  EXPECT_TRUE(r.fits);
+  EXPECT_EQ(r.recompute_layers, 0);
+  EXPECT_EQ(r.estimate_bytes, est[0]);
+  EXPECT_EQ(r.budget_source, "free device memory");
+  for (int64_t k : {int64_t{1}, int64_t{12}, L}) {
+    // Just under what k - 1 recomputed layers need: k must recompute.
+    r = choose_recompute(mc, c, true, budget_for(est[k - 1]) - 1000);
+    EXPECT_TRUE(r.fits) << k;
+    EXPECT_EQ(r.recompute_layers, k);
+    EXPECT_LE(r.estimate_bytes, r.usable_bytes);
+  }
+  r = choose_recompute(mc, c, true, budget_for(est[L]) - (int64_t{1} << 28));
+  EXPECT_FALSE(r.fits);
+  EXPECT_EQ(r.recompute_layers, L);
+  EXPECT_NE(r.describe().find("OVER"), std::string::npos) << r.describe();
+  // guard.max_gpu_gb is the budget when set, whatever memory is free.
+  Config g = c;
+  g.guard.max_gpu_gb = static_cast<double>(budget_for(est[L / 2 - 1]) - 1000) / 1e9;
+  r = choose_recompute(mc, g, true, int64_t{80} << 30);
+  EXPECT_EQ(r.budget_source, "guard.max_gpu_gb");
+  EXPECT_EQ(r.recompute_layers, L / 2);
+  // Resolving writes the choice into the config; the model options follow it.
+  const std::string line = resolve_recompute(g, mc, true, 0);
+  EXPECT_NE(line.find(fmt::format("the first {} of {} decoder layers", L / 2, L)),
+            std::string::npos)
+      << line;
+  EXPECT_EQ(g.train.gradient_checkpointing, Recompute::kTrue);
+  EXPECT_EQ(g.train.recompute_layers, L / 2);
+  const auto o = model_options(g);
+  EXPECT_TRUE(o.recomputes(L / 2 - 1));
+  EXPECT_FALSE(o.recomputes(L / 2));
+  EXPECT_EQ(resolve_recompute(g, mc, true, 0), "");  // resolved once
+  // None recomputed is written as false; auto on the CPU is no recompute.
+  Config none = c;
+  set_recompute_layers(none, 0, L);
+  EXPECT_EQ(none.train.gradient_checkpointing, Recompute::kFalse);
+  EXPECT_FALSE(model_options(tiny_config()).gradient_checkpointing);
+  // Unresolved auto on CUDA: every layer (the safe side).
+  EXPECT_TRUE(model_options(c).recomputes(L - 1));
+}
+
+TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
+  auto message = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([] { tiny_config("train: {recompute_layers: 1}\n"); })
+                .find("train.recompute_layers: set, but train.gradient_checkpointing is auto"),
+            std::string::npos);
+  EXPECT_NE(message([] { tiny_config("train: {recompute_layers: -2}\n"); })
+                .find("train.recompute_layers"),
+            std::string::npos);
+  const Config c = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 3}\n");
+  EXPECT_NE(message([&] { load_model_config(c); })
+                .find("train.recompute_layers: 3 is more than the 2 decoder layers"),
+            std::string::npos);
+  const Config ok = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 1}\n");
+  EXPECT_NO_THROW(load_model_config(ok));
+  EXPECT_TRUE(model_options(ok).recomputes(0));
+  EXPECT_FALSE(model_options(ok).recomputes(1));
 }
 
 TEST(Estimate, FlopsPerToken) {

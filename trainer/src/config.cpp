@@ -353,6 +353,7 @@ std::string to_string(InitKind v) { return enum_name(v); }
 std::string to_string(Dtype v) { return enum_name(v); }
 std::string to_string(DtypeOrAuto v) { return enum_name(v); }
 std::string to_string(InBackward v) { return enum_name(v); }
+std::string to_string(Recompute v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
 std::string to_string(Truncation v) { return enum_name(v); }
@@ -562,8 +563,14 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.trainable.lm_head", &c.train.trainable.lm_head, "the output projection trains"),
       field("train.trainable.embeddings", &c.train.trainable.embeddings, "embed_tokens trains"),
       field("train.gradient_checkpointing", &c.train.gradient_checkpointing,
-            "recompute each decoder layer in backward (less activation memory)", {},
-            {"activation_checkpointing"}),
+            "recompute decoder layers in backward (less activation memory): auto = as many as "
+            "the GPU memory budget needs (guard.max_gpu_gb, else the free memory; none on the "
+            "CPU), true = every layer (or train.recompute_layers), false = none",
+            {}, {"activation_checkpointing"}),
+      field("train.recompute_layers", &c.train.recompute_layers,
+            "with gradient_checkpointing true: the first N decoder layers recompute, the others "
+            "keep their activations (-1: every layer)",
+            R::at_least(-1)),
       field("train.steps", &c.train.steps, "optimizer steps (leave out when train.epochs is set)",
             R::at_least(0), {"max_steps", "num_steps", "total_steps", "iters"}),
       // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
@@ -1095,6 +1102,11 @@ void validate_config(const Config& c) {
     }
   }
 
+  if (c.train.recompute_layers >= 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
+    throw ConfigError("config key train.recompute_layers: set, but train.gradient_checkpointing "
+                      "is " +
+                      to_string(c.train.gradient_checkpointing) + " (set it to true)");
+  }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
                       " (the guard watches GPU memory)");
@@ -1291,6 +1303,16 @@ std::string resolved_export_path(const Config& c) {
   fs::path path(p);
   if (path.is_absolute()) return path.string();
   return (fs::path(c.output.dir) / path).lexically_normal().string();
+}
+
+void set_recompute_layers(Config& c, int64_t n, int64_t num_layers) {
+  if (n <= 0) {
+    c.train.gradient_checkpointing = Recompute::kFalse;
+    c.train.recompute_layers = -1;
+  } else {
+    c.train.gradient_checkpointing = Recompute::kTrue;
+    c.train.recompute_layers = n >= num_layers ? -1 : n;
+  }
 }
 
 bool in_backward_updates(const Config& c) {

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
@@ -82,6 +83,26 @@ int run_dry_run(const Config& config, std::ostream& out) {
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.
   const bool separate_lm_head = c.model.init == InitKind::kFile ? true : !mc.tie_word_embeddings;
+  // gradient_checkpointing auto: the choice the run would make here (with guard.max_gpu_gb, or
+  // this machine's GPU's free memory); without either it is made at start.
+  std::string recompute_note;
+  if (c.train.gradient_checkpointing == Recompute::kAuto && device_is_cuda(c)) {
+    std::optional<int64_t> free_bytes;
+    if (c.guard.max_gpu_gb > 0) {
+      free_bytes = 0;
+    } else {
+      try {
+        check_device_available(c);
+        const auto snap = memory_snapshot(at::Device(c.model.device));
+        free_bytes = snap.device_total_bytes.value_or(0) - snap.device_used_bytes.value_or(0);
+      } catch (const ConfigError&) {
+      }
+    }
+    recompute_note =
+        free_bytes ? plan.resolve_recompute(mc, separate_lm_head, *free_bytes)
+                   : "gradient checkpointing auto: decided at start from the GPU's free memory "
+                     "(no usable GPU here); estimated below with every layer recomputed";
+  }
   const auto b = estimate_budget(mc, c, separate_lm_head);
   out << fmt::format(
       "dry run: {} layers, hidden {}, intermediate {}, vocab {}; device {}, "
@@ -91,6 +112,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
   out << fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, plan.steps(),
                      to_string(c.optim.state));
+  if (!recompute_note.empty()) out << recompute_note << "\n";
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);

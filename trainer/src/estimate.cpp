@@ -110,6 +110,53 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   return b;
 }
 
+RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
+                                 bool separate_lm_head, int64_t free_bytes) {
+  RecomputeChoice r;
+  r.layers = mc.num_hidden_layers;
+  if (c.guard.max_gpu_gb > 0) {
+    r.budget_bytes = static_cast<int64_t>(c.guard.max_gpu_gb * 1e9);
+    r.budget_source = "guard.max_gpu_gb";
+  } else {
+    r.budget_bytes = free_bytes;
+    r.budget_source = "free device memory";
+  }
+  constexpr int64_t kContext = int64_t{1} << 30;
+  r.usable_bytes = static_cast<int64_t>(static_cast<double>(r.budget_bytes - kContext) / 1.08);
+  // The estimate falls as layers recompute: the first n that fits.
+  Config trial = c;
+  for (int64_t n = 0; n <= r.layers; ++n) {
+    set_recompute_layers(trial, n, r.layers);
+    r.recompute_layers = n;
+    r.estimate_bytes = estimate_budget(mc, trial, separate_lm_head).total_bytes();
+    if (r.estimate_bytes <= r.usable_bytes) return r;
+  }
+  r.fits = false;
+  return r;
+}
+
+std::string RecomputeChoice::describe() const {
+  const std::string what =
+      recompute_layers == 0        ? std::string("no decoder layer recomputes")
+      : recompute_layers == layers ? fmt::format("all {} decoder layers recompute", layers)
+                                   : fmt::format("the first {} of {} decoder layers recompute",
+                                                 recompute_layers, layers);
+  return fmt::format(
+      "gradient checkpointing auto: {} (estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB "
+      "{}){}",
+      what, to_gib(estimate_bytes), fits ? "within" : "OVER", to_gib(usable_bytes),
+      to_gib(budget_bytes), budget_source,
+      fits ? "" : "; lower train.batch_size or train.seq_len, or use optim.state 4bit");
+}
+
+std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
+                              int64_t free_bytes) {
+  if (c.train.gradient_checkpointing != Recompute::kAuto) return "";
+  const RecomputeChoice r = choose_recompute(mc, c, separate_lm_head, free_bytes);
+  set_recompute_layers(c, r.recompute_layers, r.layers);
+  return r.describe();
+}
+
 const std::string& MemoryBudget::peak_phase_name() const {
   static const std::string kNone = "none";
   return phases.empty() ? kNone : phases[peak_phase].name;

@@ -87,7 +87,19 @@ model::ModelOptions model_options(const Config& c) {
   }
   o.device = at::Device(c.model.device);
   o.trainable = trainable_spec(c);
-  o.gradient_checkpointing = c.train.gradient_checkpointing;
+  // auto before it is resolved (RunSetup::load_model): every layer on CUDA, none on the CPU.
+  switch (c.train.gradient_checkpointing) {
+    case Recompute::kTrue:
+      o.gradient_checkpointing = true;
+      o.recompute_layers = c.train.recompute_layers;
+      break;
+    case Recompute::kFalse:
+      o.gradient_checkpointing = false;
+      break;
+    case Recompute::kAuto:
+      o.gradient_checkpointing = o.device.is_cuda();
+      break;
+  }
   o.fake_quant = c.model.fake_quant;
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;

@@ -41,6 +41,11 @@ std::string RunPlan::metrics_path() const {
 
 std::string RunPlan::clip_warmup() { return length_from_data_ ? "" : clip_warmup_to_run(config_); }
 
+std::string RunPlan::resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
+                                       int64_t free_bytes) {
+  return trainer::resolve_recompute(config_, mc, separate_lm_head, free_bytes);
+}
+
 std::string RunPlan::resolve_length(int64_t micro_batches_per_epoch, int64_t ranks) {
   std::string notes = resolve_run_length(config_, micro_batches_per_epoch, ranks);
   steps_ = config_.train.steps;

@@ -16,6 +16,7 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
+#include "q4/trainer/memory.h"
 #include "q4/trainer/metrics.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/options.h"
@@ -119,6 +120,11 @@ model::Qwen3Config load_model_config(const Config& c) {
                            [&] { return model::Qwen3Config::from_json_file(c.model.config); });
   // train.trainable.layers against the model's layer count, in the config's own words.
   (void)c.train.trainable.layers.resolve(mc.num_hidden_layers);
+  if (c.train.recompute_layers > mc.num_hidden_layers) {
+    throw ConfigError(fmt::format(
+        "config key train.recompute_layers: {} is more than the {} decoder layers of {}",
+        c.train.recompute_layers, mc.num_hidden_layers, c.model.config));
+  }
   return mc;
 }
 
@@ -284,6 +290,14 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
     }
   }
   if (!load_weights_too) return;
+  // gradient_checkpointing auto plans with the memory that is free before the model loads.
+  const bool auto_recompute =
+      c.train.gradient_checkpointing == Recompute::kAuto && plan_.device().is_cuda();
+  int64_t free_before = 0;
+  if (auto_recompute) {
+    const auto snap = memory_snapshot(plan_.device());
+    free_before = snap.device_total_bytes.value_or(0) - snap.device_used_bytes.value_or(0);
+  }
   {
     NvtxRange r("load");
     auto lm = load_weights(c, mc_, out_, /*in_memory=*/plan_.probe());
@@ -291,6 +305,11 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
     source_path_ = lm.source_path;
   }
   separate_lm_head_ = !model_->tied();
+  if (auto_recompute) {
+    log_ << plan_.resolve_recompute(mc_, separate_lm_head_, free_before) << "\n";
+    const auto o = model_options(plan_.config());
+    model_->set_recompute(o.gradient_checkpointing, o.recompute_layers);
+  }
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
       "tensors, loaded in {:.1f} s\n",

@@ -48,7 +48,11 @@ struct ModelOptions {
   std::optional<at::ScalarType> grad_dtype;
   at::Device device = at::kCPU;
   TrainableSpec trainable;
-  bool gradient_checkpointing = true;  // recompute each decoder layer in backward
+  bool gradient_checkpointing = true;  // recompute decoder layers in backward
+  // With checkpointing, how many decoder layers recompute: the first N (the last L - N keep
+  // their activations; their backward runs first, so that memory is freed before any layer is
+  // recomputed). -1: every layer. Chosen from a memory budget by the trainer.
+  int64_t recompute_layers = -1;
   // NVFP4 linears compute with fake_quant(master) and train straight through it (QAT). false:
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
@@ -56,6 +60,10 @@ struct ModelOptions {
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
+  // Whether decoder layer `layer` is recomputed in backward (checkpointed).
+  bool recomputes(int64_t layer) const {
+    return gradient_checkpointing && (recompute_layers < 0 || layer < recompute_layers);
+  }
   void validate() const;  // dtype / device / chunk checks with messages naming the field
 };
 
@@ -205,6 +213,10 @@ class Qwen3Model {
   const Qwen3Config& config() const;
   const ModelOptions& options() const;
   bool tied() const;  // lm_head is embed_tokens
+  // Which decoder layers recompute in backward (ModelOptions::gradient_checkpointing and
+  // recompute_layers), between steps: the trainer picks it from a memory budget once the model
+  // is loaded. Results do not depend on it.
+  void set_recompute(bool gradient_checkpointing, int64_t recompute_layers);
 
   // Hidden states after the final norm, (B, T, H) in the compute dtype. With a cache, the
   // inputs are appended after cache->length tokens (causal mask offset accordingly) and the

@@ -40,6 +40,7 @@ enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
 enum class InBackward { kAuto, kTrue, kFalse };         // auto | true | false
+enum class Recompute { kAuto, kTrue, kFalse };          // auto | true | false
 // auto | cut_left | cut_right | drop | split
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
@@ -52,6 +53,7 @@ std::string to_string(InitKind v);
 std::string to_string(Dtype v);
 std::string to_string(DtypeOrAuto v);
 std::string to_string(InBackward v);
+std::string to_string(Recompute v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
 std::string to_string(Truncation v);
@@ -102,8 +104,12 @@ struct TrainableConfig {
 struct TrainConfig {
   ObjectiveKind objective = ObjectiveKind::kCrossEntropy;  // what the step minimizes
   TrainableConfig trainable;
-  bool gradient_checkpointing = false;  // recompute each decoder layer in backward
-  int64_t steps = 100;                  // optimizer steps (resolved from epochs when that is set)
+  // Decoder layers recomputed in backward (docs/trainer.md#recompute-by-memory-budget): true
+  // every layer (or the first train.recompute_layers), false none, auto (the default) as many
+  // as the memory budget needs on CUDA (none on the CPU); resolved at start.
+  Recompute gradient_checkpointing = Recompute::kAuto;
+  int64_t recompute_layers = -1;  // with gradient_checkpointing true: the first N recompute; -1 all
+  int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
@@ -222,7 +228,7 @@ struct Config {
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
-                 InBackward*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
+                 InBackward*, Recompute*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, Divergence*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
@@ -304,6 +310,9 @@ Truncation resolved_truncation(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);
+// train.gradient_checkpointing and train.recompute_layers set to recompute the first `n` of
+// `num_layers` decoder layers (0: none, num_layers: every one); how auto is resolved.
+void set_recompute_layers(Config& c, int64_t n, int64_t num_layers);
 
 }  // namespace q4::trainer
 
@@ -318,6 +327,8 @@ Q4_ENUM_NAMES(q4::trainer::DtypeOrAuto, {"auto", q4::trainer::DtypeOrAuto::kAuto
               {"fp16", q4::trainer::DtypeOrAuto::kFp16});
 Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
               {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
+Q4_ENUM_NAMES(q4::trainer::Recompute, {"auto", q4::trainer::Recompute::kAuto},
+              {"true", q4::trainer::Recompute::kTrue}, {"false", q4::trainer::Recompute::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
               {"cut_left", q4::trainer::Truncation::kCutLeft},
               {"cut_right", q4::trainer::Truncation::kCutRight},

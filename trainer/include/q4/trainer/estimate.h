@@ -78,6 +78,31 @@ struct MemoryBudget {
 // Budget for one micro-batch of train.batch_size x train.seq_len tokens.
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
 
+// train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): the fewest
+// decoder layers to recompute (the first N; the others keep their activations) for the memory
+// estimate to fit the usable budget.
+struct RecomputeChoice {
+  int64_t layers = 0;            // decoder layers of the model
+  int64_t recompute_layers = 0;  // the first N recompute (0: none, `layers`: every one)
+  int64_t estimate_bytes = 0;    // the estimate with that choice
+  int64_t budget_bytes = 0;      // guard.max_gpu_gb or the device's free memory
+  int64_t usable_bytes = 0;      // the budget less the margin; the estimate must fit it
+  bool fits = true;              // false: over the budget even with every layer recomputed
+  std::string budget_source;     // "guard.max_gpu_gb" or "free device memory"
+  // "recompute 8 of 36 decoder layers (auto: estimate 23.1 GiB, budget 25.0 GiB from ...)".
+  std::string describe() const;
+};
+// The budget auto plans for: guard.max_gpu_gb when set, else `free_bytes` (the device's free
+// memory before the model loads); usable: less what the estimate does not count (the CUDA
+// context and library workspaces, 1 GiB, and the caching allocator's rounding and
+// fragmentation, 8%).
+RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
+                                 bool separate_lm_head, int64_t free_bytes);
+// Resolves auto in `c` (a CUDA run; the CPU's auto is no recompute) with choose_recompute and
+// returns its description; returns "" and changes nothing when `c` is not auto.
+std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
+                              int64_t free_bytes);
+
 // Training FLOPs per token: 6 x (matmul parameters) + attention (12 x layers x seq_len x q_dim),
 // as llm.c counts them (recomputation by checkpointing is not counted).
 double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len);

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "q4/model/qwen3_config.h"
 #include "q4/trainer/config.h"
 #include "q4/trainer/distributed.h"
 
@@ -100,6 +101,9 @@ class RunPlan {
   std::string clip_warmup();
   // A run whose length comes from the data: resolve_run_length on the plan (the notes, or "").
   std::string resolve_length(int64_t micro_batches_per_epoch, int64_t ranks);
+  // train.gradient_checkpointing auto resolved (estimate.h resolve_recompute): its line.
+  std::string resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
+                                int64_t free_bytes);
   // A resume on another world size keeps the global batch with this many micro-batches a step.
   void rescale_grad_accum(int64_t grad_accum);
 
