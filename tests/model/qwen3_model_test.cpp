@@ -880,6 +880,47 @@ TEST_P(Qwen3Backend, KvCacheGenerationMatchesFullRecompute) {
   EXPECT_CLOSE(l2, m.forward(full).narrow(1, 7, 9), tol, tol, "cached prefill");
 }
 
+// Long context: positions 131,060..131,083 and 262,120..262,143 with Qwen3-4B-Instruct-2507's
+// RoPE (theta 5e6, 262,144 positions) against transformers at the same positions
+// (qwen3_tiny.far_positions.dat), plain precision, fp32: the RoPE phases (fp32 products of the
+// position and the inverse frequency, as transformers forms them) and everything after them.
+TEST_P(Qwen3Backend, FarPositionsMatchHf) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), masters(kPlainExpected), e(kFarPositions);
+  cfg.rope_theta = e.load("rope_theta").item<double>();
+  cfg.max_position_embeddings = 262144;
+  ASSERT_EQ(cfg.rope_theta, 5e6);
+  ModelOptions o = fp32_all();
+  o.fake_quant = false;
+  o.device = device();
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  {
+    at::NoGradGuard ng;
+    for (auto& p : m.parameters()) p.master.copy_(masters.load(p.name));
+  }
+  ModelInputs in = fixture_inputs(e);
+  in.position_ids = e.load("position_ids");
+  ASSERT_EQ(in.position_ids.max().item<int64_t>(), 262143);
+  ASSERT_EQ(in.position_ids[0][0].item<int64_t>(), 131060);
+  const FixtureTolerances tol = kFixtureFp32.at(GetParam());
+  {
+    at::NoGradGuard ng;
+    const at::Tensor logits = m.forward(in);
+    EXPECT_CLOSE(logits, e.load("logits"), tol.logits.rtol, tol.logits.atol, "logits");
+    // The positions are used: the same tokens at 0..23 give other logits.
+    ModelInputs near = in;
+    near.position_ids = at::Tensor();
+    EXPECT_GT((m.forward(near).cpu() - e.load("logits")).abs().max().item<double>(), 1e-3);
+  }
+  at::Tensor loss;
+  auto grads = run_backward(m, in, &loss);
+  EXPECT_CLOSE(loss.reshape({1}), e.load("loss"), tol.loss.rtol, tol.loss.atol, "loss");
+  for (const auto& p : m.parameters()) {
+    EXPECT_CLOSE(grads[p.name], e.load("grad." + p.name), tol.grad.rtol, tol.grad.atol,
+                 "grad." + p.name);
+  }
+}
+
 Q4_INSTANTIATE_BACKENDS(Qwen3Backend);
 
 // ---------------------------------------------------------------------------------------------

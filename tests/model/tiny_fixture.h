@@ -16,6 +16,8 @@ inline const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
 // Plain precision (no quantization anywhere): masters moved off the NVFP4 grid, stored as raw
 // fp32 entries under their HF names, and HF's outputs for them (make_plain_fixture.py).
 inline const std::string kPlainExpected = kFixtures + "/qwen3_tiny.plain_expected.dat";
+// The plain model at positions past 131,072 with the 2507 RoPE (make_far_positions_fixture.py).
+inline const std::string kFarPositions = kFixtures + "/qwen3_tiny.far_positions.dat";
 
 // ||a - e|| / ||e|| in fp32 on the host.
 inline double rel_err(const at::Tensor& a, const at::Tensor& e) {
