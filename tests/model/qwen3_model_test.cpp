@@ -907,10 +907,12 @@ TEST_P(Qwen3Backend, FarPositionsMatchHf) {
     at::NoGradGuard ng;
     const at::Tensor logits = m.forward(in);
     EXPECT_CLOSE(logits, e.load("logits"), tol.logits.rtol, tol.logits.atol, "logits");
-    // The positions are used: the same tokens at 0..23 give other logits.
-    ModelInputs near = in;
-    near.position_ids = at::Tensor();
-    EXPECT_GT((m.forward(near).cpu() - e.load("logits")).abs().max().item<double>(), 1e-3);
+    // The positions are used: RoPE is relative, so the same tokens at stride 2 from the same
+    // start give other logits.
+    ModelInputs stretched = in;
+    const at::Tensor start = in.position_ids.narrow(1, 0, 1);
+    stretched.position_ids = start + 2 * (in.position_ids - start);
+    EXPECT_GT((m.forward(stretched).cpu() - e.load("logits")).abs().max().item<double>(), 1e-3);
   }
   at::Tensor loss;
   auto grads = run_backward(m, in, &loss);
