@@ -130,13 +130,22 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   auto layer_graph = [&](int64_t l) { return layer_saved + layer_weight_elems[l] * cs; };
   // Saved activations of layers [0, n): a recomputed layer's input, or the whole graph of a
   // layer that keeps its activations, with its input.
+  // A recomputed layer's input offloaded to pinned host memory takes no device memory.
+  const bool offload = cuda && opt.offload_layer_inputs;
   auto saved_below = [&](int64_t n) {
-    int64_t s = n * boundary;
+    int64_t s = 0;
     for (int64_t l = 0; l < n; ++l) {
-      if (!opt.recomputes(l)) s += layer_graph(l);
+      if (!opt.recomputes(l)) {
+        s += boundary + layer_graph(l);
+      } else if (!offload) {
+        s += boundary;
+      }
     }
     return s;
   };
+  for (int64_t l = 0; offload && l < L; ++l) {
+    if (opt.recomputes(l)) est.host_bytes += boundary;
+  }
   const bool any_recomputed = L > 0 && opt.recomputes(0);
 
   // Loss head: final-norm output rows gathered for the lm_head (every token is an upper bound

@@ -122,7 +122,16 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
                             int64_t impl, int64_t layer, const at::Tensor& cos,
                             const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
                             int64_t max_seqlen) {
-    ctx->save_for_backward({h});
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
+    if (im->opt.offload_layer_inputs && h.is_cuda()) {
+      // Copied out on the compute stream (ordered before any later reuse of h's memory) into
+      // pinned memory from the caching host allocator; fetched back in backward.
+      at::Tensor host = at::empty(h.sizes(), h.options().device(at::kCPU).pinned_memory(true));
+      host.copy_(h, /*non_blocking=*/true);
+      ctx->saved_data["host_input"] = host;
+    } else {
+      ctx->save_for_backward({h});
+    }
     ctx->saved_data["max_seqlen"] = max_seqlen;
     ctx->saved_data["impl"] = impl;
     ctx->saved_data["layer"] = layer;
@@ -130,7 +139,6 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     ctx->saved_data["sin"] = sin;
     ctx->saved_data["mask_kind"] = mask_kind;
     ctx->saved_data["allowed"] = allowed;
-    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
     AttnMask mask;
     mask.kind = static_cast<AttnMask::Kind>(mask_kind);
     mask.allowed = allowed;
@@ -145,7 +153,14 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     mask.kind = static_cast<AttnMask::Kind>(ctx->saved_data["mask_kind"].toInt());
     mask.allowed = ctx->saved_data["allowed"].toTensor();
     mask.max_seqlen = ctx->saved_data["max_seqlen"].toInt();
-    at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    at::Tensor h;
+    if (ctx->saved_data.count("host_input") > 0) {
+      const at::Tensor host = ctx->saved_data["host_input"].toTensor();
+      h = host.to(rope.cos.device(), /*non_blocking=*/true).requires_grad_(true);
+      ctx->saved_data.erase("host_input");
+    } else {
+      h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    }
     LayerParts parts;
     {
       at::AutoGradMode enable(true);

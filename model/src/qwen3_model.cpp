@@ -535,10 +535,12 @@ void Qwen3Model::zero_grad() {
   for (auto& p : impl_->params) p.grad = at::Tensor();
 }
 
-void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_layers) {
+void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_layers,
+                               bool offload_layer_inputs) {
   ModelOptions o = impl_->opt;
   o.gradient_checkpointing = gradient_checkpointing;
   o.recompute_layers = recompute_layers;
+  o.offload_layer_inputs = offload_layer_inputs;
   o.validate();
   TORCH_CHECK(recompute_layers <= impl_->cfg.num_hidden_layers,
               "ModelOptions.recompute_layers: expected at most the ",

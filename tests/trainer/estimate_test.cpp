@@ -227,7 +227,21 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
     EXPECT_EQ(r.recompute_layers, k);
     EXPECT_LE(r.estimate_bytes, r.usable_bytes);
   }
+  // Past every layer recomputed: their inputs go to the host, L layer inputs fewer on the GPU.
+  Config off = c;
+  set_recompute_layers(off, L, L, /*offload_layer_inputs=*/true);
+  EXPECT_TRUE(model_options(off).offload_layer_inputs);
+  const MemoryBudget ob = estimate_budget(mc, off, true);
+  const int64_t boundary = 4 * 1024 * mc.hidden_size * 2;  // one bf16 layer input
+  EXPECT_EQ(ob.host_bytes, L * boundary);
+  EXPECT_LE(ob.total_bytes(), est[L] - (L - 2) * boundary);
   r = choose_recompute(mc, c, true, budget_for(est[L]) - (int64_t{1} << 28));
+  EXPECT_TRUE(r.fits);
+  EXPECT_EQ(r.recompute_layers, L);
+  EXPECT_TRUE(r.offload_layer_inputs);
+  EXPECT_EQ(r.host_bytes, L * boundary);
+  EXPECT_NE(r.describe().find("inputs in pinned host memory"), std::string::npos) << r.describe();
+  r = choose_recompute(mc, c, true, budget_for(ob.total_bytes()) - (int64_t{1} << 24));
   EXPECT_FALSE(r.fits);
   EXPECT_EQ(r.recompute_layers, L);
   EXPECT_NE(r.describe().find("OVER"), std::string::npos) << r.describe();
@@ -268,6 +282,10 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
   };
   EXPECT_NE(message([] { tiny_config("train: {recompute_layers: 1}\n"); })
                 .find("train.recompute_layers: set, but train.gradient_checkpointing is auto"),
+            std::string::npos);
+  EXPECT_NE(message([] {
+              tiny_config("train: {gradient_checkpointing: false, offload_layer_inputs: true}\n");
+            }).find("train.offload_layer_inputs: true, but train.gradient_checkpointing is false"),
             std::string::npos);
   EXPECT_NE(message([] { tiny_config("train: {recompute_layers: -2}\n"); })
                 .find("train.recompute_layers"),

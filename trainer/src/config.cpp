@@ -571,6 +571,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "with gradient_checkpointing true: the first N decoder layers recompute, the others "
             "keep their activations (-1: every layer)",
             R::at_least(-1)),
+      field("train.offload_layer_inputs", &c.train.offload_layer_inputs,
+            "CUDA: recomputed layers keep their input in pinned host memory instead of the GPU "
+            "(long context); gradient_checkpointing auto turns it on when the budget needs it"),
       field("train.steps", &c.train.steps, "optimizer steps (leave out when train.epochs is set)",
             R::at_least(0), {"max_steps", "num_steps", "total_steps", "iters"}),
       // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
@@ -1107,6 +1110,11 @@ void validate_config(const Config& c) {
                       "is " +
                       to_string(c.train.gradient_checkpointing) + " (set it to true)");
   }
+  if (c.train.offload_layer_inputs && c.train.gradient_checkpointing == Recompute::kFalse) {
+    throw ConfigError("config key train.offload_layer_inputs: true, but "
+                      "train.gradient_checkpointing is false (only recomputed layers offload "
+                      "their input)");
+  }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
                       " (the guard watches GPU memory)");
@@ -1305,7 +1313,9 @@ std::string resolved_export_path(const Config& c) {
   return (fs::path(c.output.dir) / path).lexically_normal().string();
 }
 
-void set_recompute_layers(Config& c, int64_t n, int64_t num_layers) {
+void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
+                          bool offload_layer_inputs) {
+  c.train.offload_layer_inputs = n > 0 && offload_layer_inputs;
   if (n <= 0) {
     c.train.gradient_checkpointing = Recompute::kFalse;
     c.train.recompute_layers = -1;

@@ -65,6 +65,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
       model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head, life);
   MemoryBudget b;
   b.masters_bytes = m.master_bytes;
+  b.host_bytes = m.host_bytes;
   b.frozen_bytes = m.frozen_bytes;
   const auto mode = c.optim.state;
   const auto ao = adamw_options(c);
@@ -125,10 +126,14 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
   r.usable_bytes = static_cast<int64_t>(static_cast<double>(r.budget_bytes - kContext) / 1.08);
   // The estimate falls as layers recompute: the first n that fits.
   Config trial = c;
-  for (int64_t n = 0; n <= r.layers; ++n) {
-    set_recompute_layers(trial, n, r.layers);
-    r.recompute_layers = n;
-    r.estimate_bytes = estimate_budget(mc, trial, separate_lm_head).total_bytes();
+  for (int64_t n = 0; n <= r.layers + 1; ++n) {
+    // n = layers + 1: every layer recomputed, their inputs on the host.
+    r.recompute_layers = std::min(n, r.layers);
+    r.offload_layer_inputs = n > r.layers;
+    set_recompute_layers(trial, r.recompute_layers, r.layers, r.offload_layer_inputs);
+    const MemoryBudget b = estimate_budget(mc, trial, separate_lm_head);
+    r.estimate_bytes = b.total_bytes();
+    r.host_bytes = b.host_bytes;
     if (r.estimate_bytes <= r.usable_bytes) return r;
   }
   r.fits = false;
@@ -136,11 +141,14 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
 }
 
 std::string RecomputeChoice::describe() const {
-  const std::string what =
+  std::string what =
       recompute_layers == 0        ? std::string("no decoder layer recomputes")
       : recompute_layers == layers ? fmt::format("all {} decoder layers recompute", layers)
                                    : fmt::format("the first {} of {} decoder layers recompute",
                                                  recompute_layers, layers);
+  if (offload_layer_inputs) {
+    what += fmt::format(", their inputs in pinned host memory ({:.1f} GiB)", to_gib(host_bytes));
+  }
   return fmt::format(
       "gradient checkpointing auto: {} (estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB "
       "{}){}",
@@ -153,7 +161,7 @@ std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool sepa
                               int64_t free_bytes) {
   if (c.train.gradient_checkpointing != Recompute::kAuto) return "";
   const RecomputeChoice r = choose_recompute(mc, c, separate_lm_head, free_bytes);
-  set_recompute_layers(c, r.recompute_layers, r.layers);
+  set_recompute_layers(c, r.recompute_layers, r.layers, r.offload_layer_inputs);
   return r.describe();
 }
 
@@ -184,7 +192,8 @@ nlohmann::json MemoryBudget::to_json() const {
           {"total_bytes", total_bytes()},
           {"peak_phase", peak_phase_name()},
           {"phases", ph},
-          {"trainable_elements", trainable_elements}};
+          {"trainable_elements", trainable_elements},
+          {"host_bytes", host_bytes}};
 }
 
 std::string MemoryBudget::to_table() const {
@@ -207,6 +216,7 @@ std::string MemoryBudget::to_table() const {
   }
   s += fmt::format("  peak phase: {}\n", peak_phase_name());
   row("total", total_bytes(), "whole run + the peak phase");
+  if (host_bytes > 0) row("host (pinned)", host_bytes, "offloaded layer inputs, not on the GPU");
   s += fmt::format("  trainable elements: {}\n", trainable_elements);
   return s;
 }

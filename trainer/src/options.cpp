@@ -100,6 +100,7 @@ model::ModelOptions model_options(const Config& c) {
       o.gradient_checkpointing = o.device.is_cuda();
       break;
   }
+  o.offload_layer_inputs = o.gradient_checkpointing && c.train.offload_layer_inputs;
   o.fake_quant = c.model.fake_quant;
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;

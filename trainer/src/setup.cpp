@@ -308,7 +308,7 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   if (auto_recompute) {
     log_ << plan_.resolve_recompute(mc_, separate_lm_head_, free_before) << "\n";
     const auto o = model_options(plan_.config());
-    model_->set_recompute(o.gradient_checkpointing, o.recompute_layers);
+    model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs);
   }
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "

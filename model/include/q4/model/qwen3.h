@@ -53,6 +53,10 @@ struct ModelOptions {
   // their activations; their backward runs first, so that memory is freed before any layer is
   // recomputed). -1: every layer. Chosen from a memory budget by the trainer.
   int64_t recompute_layers = -1;
+  // CUDA: a recomputed layer keeps its input in pinned host memory (copied out in the forward,
+  // back before its recompute) instead of on the device: long context, where the L layer inputs
+  // are the largest activation term. No effect on the CPU or on layers that keep activations.
+  bool offload_layer_inputs = false;
   // NVFP4 linears compute with fake_quant(master) and train straight through it (QAT). false:
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
@@ -173,6 +177,7 @@ struct GradientLifetime {
 struct MemoryEstimate {
   int64_t master_bytes = 0;  // trainable masters (whole run)
   int64_t frozen_bytes = 0;  // frozen weights held in the compute dtype (whole run)
+  int64_t host_bytes = 0;    // pinned host memory: offloaded layer inputs (not in the total)
   // The peak phase's terms (phases[peak_phase]).
   int64_t grad_bytes = 0;
   int64_t activation_bytes = 0;
@@ -216,7 +221,8 @@ class Qwen3Model {
   // Which decoder layers recompute in backward (ModelOptions::gradient_checkpointing and
   // recompute_layers), between steps: the trainer picks it from a memory budget once the model
   // is loaded. Results do not depend on it.
-  void set_recompute(bool gradient_checkpointing, int64_t recompute_layers);
+  void set_recompute(bool gradient_checkpointing, int64_t recompute_layers,
+                     bool offload_layer_inputs = false);
 
   // Hidden states after the final norm, (B, T, H) in the compute dtype. With a cache, the
   // inputs are appended after cache->length tokens (causal mask offset accordingly) and the

@@ -109,6 +109,9 @@ struct TrainConfig {
   // as the memory budget needs on CUDA (none on the CPU); resolved at start.
   Recompute gradient_checkpointing = Recompute::kAuto;
   int64_t recompute_layers = -1;  // with gradient_checkpointing true: the first N recompute; -1 all
+  // CUDA: recomputed layers keep their input in pinned host memory (long context); auto turns
+  // it on when every layer recomputed is still over the budget.
+  bool offload_layer_inputs = false;
   int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
@@ -310,9 +313,11 @@ Truncation resolved_truncation(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);
-// train.gradient_checkpointing and train.recompute_layers set to recompute the first `n` of
-// `num_layers` decoder layers (0: none, num_layers: every one); how auto is resolved.
-void set_recompute_layers(Config& c, int64_t n, int64_t num_layers);
+// train.gradient_checkpointing, train.recompute_layers and train.offload_layer_inputs set to
+// recompute the first `n` of `num_layers` decoder layers (0: none, num_layers: every one), their
+// inputs offloaded or not; how auto is resolved.
+void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
+                          bool offload_layer_inputs = false);
 
 }  // namespace q4::trainer
 

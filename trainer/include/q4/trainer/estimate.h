@@ -60,6 +60,7 @@ struct MemoryBudget {
   int64_t logits_bytes = 0;       // lm_head compute weight, one logits block, hidden rows
   int64_t optimizer_bytes = 0;    // optimizer scratch
   int64_t trainable_elements = 0;
+  int64_t host_bytes = 0;  // pinned host memory (offloaded layer inputs), not device memory
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
   int64_t persistent_bytes() const {
@@ -80,10 +81,12 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
 
 // train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): the fewest
 // decoder layers to recompute (the first N; the others keep their activations) for the memory
-// estimate to fit the usable budget.
+// estimate to fit the usable budget; past every layer, their inputs offloaded to the host.
 struct RecomputeChoice {
   int64_t layers = 0;            // decoder layers of the model
   int64_t recompute_layers = 0;  // the first N recompute (0: none, `layers`: every one)
+  bool offload_layer_inputs = false;  // every layer recomputes and keeps its input on the host
+  int64_t host_bytes = 0;             // pinned host memory of the offloaded inputs
   int64_t estimate_bytes = 0;    // the estimate with that choice
   int64_t budget_bytes = 0;      // guard.max_gpu_gb or the device's free memory
   int64_t usable_bytes = 0;      // the budget less the margin; the estimate must fit it
