@@ -16,6 +16,7 @@ namespace q4::model {
 void Qwen3Model::export_to(const DatReader& source, const std::string& path,
                            bool dense_linears) const {
   Impl& m = *impl_;
+  m.fence(nullptr);  // every master current before any is read
   TORCH_CHECK(path != source.path(), "export: output path ", path,
               " must differ from the source file");
   TORCH_CHECK(!dense_linears || !m.opt.fake_quant,

@@ -66,6 +66,7 @@ struct Qwen3Model::Impl {
   std::vector<LayerParams> layers;
   at::Tensor trigger;   // () fp32 leaf with requires_grad when anything trains (graph anchor)
   Qwen3Model::GradReadyHook grad_ready;  // in-backward updates (empty: keep Parameter::grad)
+  Qwen3Model::MasterFence master_fence;  // masters in flight (empty: always current)
   at::Tensor inv_freq;  // (D/2) fp32 on the device, HF formula
 
   // Parameter table (names, shapes, trainable flags) without masters.
@@ -74,9 +75,14 @@ struct Qwen3Model::Impl {
   Parameter* find(const std::string& name);
   const std::vector<int64_t>& shape_of(const Parameter* p) const;
   bool any_trainable() const;
+  // Before a read of trainable master `p`, or of every master (nullptr): the master fence.
+  void fence(const Parameter* p) const {
+    if (master_fence) master_fence(p);
+  }
 
   // Weight as the forward uses it, compute dtype: frozen -> master; trainable -> a
-  // straight-through tap (fake-quantized when quantized) that accumulates into p->grad.
+  // straight-through tap (fake-quantized when quantized) that accumulates into p->grad, after
+  // the master fence for p. Every forward reads trainable masters through these two.
   at::Tensor weight(Parameter* p) const;
   at::Tensor embed_lookup(const at::Tensor& ids) const;  // (B, T) -> (B, T, H)
 

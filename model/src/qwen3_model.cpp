@@ -158,11 +158,13 @@ bool Qwen3Model::Impl::any_trainable() const {
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
   if (!p->trainable) return p->master;
+  fence(p);
   return tap_weight(this, p, opt.compute_dtype, grad_dtype);
 }
 
 at::Tensor Qwen3Model::Impl::embed_lookup(const at::Tensor& ids) const {
   if (!embed->trainable) return at::embedding(embed->master, ids);
+  fence(embed);
   return tap_embedding(this, embed, ids, opt.compute_dtype, grad_dtype);
 }
 
@@ -510,10 +512,18 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
   return out;
 }
 
-std::vector<Parameter>& Qwen3Model::parameters() { return impl_->params; }
-const std::vector<Parameter>& Qwen3Model::parameters() const { return impl_->params; }
+std::vector<Parameter>& Qwen3Model::parameters() {
+  impl_->fence(nullptr);
+  return impl_->params;
+}
+
+const std::vector<Parameter>& Qwen3Model::parameters() const {
+  impl_->fence(nullptr);
+  return impl_->params;
+}
 
 std::vector<Parameter*> Qwen3Model::trainable_parameters() {
+  impl_->fence(nullptr);
   std::vector<Parameter*> out;
   for (auto& p : impl_->params) {
     if (p.trainable) out.push_back(&p);
@@ -522,6 +532,7 @@ std::vector<Parameter*> Qwen3Model::trainable_parameters() {
 }
 
 Parameter& Qwen3Model::parameter(const std::string& name) {
+  impl_->fence(nullptr);
   Parameter* p = impl_->find(name);
   TORCH_CHECK(p != nullptr, "no parameter named '", name, "' in this Qwen3 model");
   return *p;
@@ -549,6 +560,8 @@ void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_la
 }
 
 void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }
+
+void Qwen3Model::set_master_fence(MasterFence fence) { impl_->master_fence = std::move(fence); }
 
 void Qwen3Model::begin_grad_step() {
   for (auto& p : impl_->params) p.pending_uses = 0;

@@ -26,6 +26,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
                                                              int64_t chunk_elems) const {
   TORCH_CHECK(chunk_elems > 0, "compare_forward_weights: chunk_elems must be > 0");
   Impl& m = *impl_;
+  m.fence(nullptr);  // every master current before any is read
   const at::Device dev = m.opt.device;
   const at::ScalarType cd = m.opt.compute_dtype;
   c10::NoGradGuard no_grad;

@@ -1,6 +1,7 @@
 // Data-parallel runs on CPU (Gloo), through `q4train --nproc 2`: the same loss curve as one
 // process with the same global batch, exact resume of a two-rank checkpoint, resharding onto one
-// rank, and failure behaviour (a dead or hung rank ends the job with an error; a bad config
+// rank, master broadcasts overlapped with the next step yet seen by every reader, and failure
+// behaviour (a dead or hung rank ends the job with an error; a bad config
 // fails before any rank starts). Tiny random Qwen3 with the real tokenizer, a few steps each.
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -266,6 +267,55 @@ TEST(DataParallel, TwoRankCheckpointResumesOnOneRank) {
   expect_same_curve(read_jsonl(dir / "run" / "metrics.jsonl"),
                     read_jsonl(base / "run" / "metrics.jsonl"), kRankTolerance,
                     "resumed on 1 rank vs 2 ranks");
+}
+
+// The owners' master broadcasts are left in flight at the end of a step and waited for by each
+// master's next reader. With bf16 masters Gloo carries a broadcast widened to fp32 and writes the
+// master back only when the broadcast is waited for, so a reader without its wait (the next
+// forward, the eval, the checkpoint, the export, the first forward after a resume's broadcast)
+// would see the old value, deterministically. Two ranks give one rank's curve and, byte for
+// byte, its export; the two-rank checkpoint of step 2 resumed on two ranks gives the
+// uninterrupted run's losses and export bit for bit.
+TEST(DataParallel, OverlappedMasterBroadcastsReachEveryReader) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
+  const fs::path dir = work_root("dist") / "bf16";
+  q4::io::remove_tree(dir);
+  const auto with = [](const fs::path& cfg, std::vector<std::string> extra) {
+    std::vector<std::string> a = {"--config", cfg.string(), "--set", "model.master_dtype=bf16"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const TimedRun two =
+      run(with(write_config(dir / "two", 4, 1, 2), {"--nproc", "2", kTimeout, "60"}),
+          dir / "two" / "log");
+  ASSERT_EQ(two.code, 0) << two.err << two.out;
+  const TimedRun one = run(with(write_config(dir / "one", 4, 2, 0), {}), dir / "one" / "log");
+  ASSERT_EQ(one.code, 0) << one.err << one.out;
+  const auto curve = read_jsonl(dir / "two" / "run" / "metrics.jsonl");
+  expect_same_curve(curve, read_jsonl(dir / "one" / "run" / "metrics.jsonl"), kRankTolerance,
+                    "bf16 masters: 2 ranks vs 1");
+  const std::string exported = read_text(dir / "two" / "run" / "model.dat");
+  ASSERT_FALSE(exported.empty());
+  EXPECT_TRUE(exported == read_text(dir / "one" / "run" / "model.dat"))
+      << "the two-rank export differs from the one-rank export";
+
+  const fs::path resumed = dir / "resumed";
+  fs::create_directories(resumed);
+  fs::copy(dir / "two" / "run", resumed / "run", fs::copy_options::recursive);
+  q4::io::remove_tree(resumed / "run" / "step_000004");
+  fs::remove(resumed / "run" / "model.dat");
+  const TimedRun r =
+      run({"--resume", (resumed / "run" / "step_000002").string(), "--set",
+           "output.dir=" + (resumed / "run").string(), "--nproc", "2", kTimeout, "60"},
+          resumed / "log");
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  const auto got = read_jsonl(resumed / "run" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), curve.size());
+  for (size_t i = 0; i < curve.size(); ++i) {
+    EXPECT_EQ(got[i]["loss"].get<double>(), curve[i]["loss"].get<double>()) << "step " << i + 1;
+  }
+  EXPECT_TRUE(read_text(resumed / "run" / "model.dat") == exported)
+      << "the resumed export differs from the uninterrupted run's";
 }
 
 TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 #include <string>
 
 #include "generate_check.h"
@@ -838,6 +839,101 @@ TEST(Qwen3Model, CompareForwardWeightsAfterExport) {
               m.trainable_parameters().size() / 2);
     std::remove(out.c_str());
   }
+}
+
+// The master fence (data parallelism waits there for masters still being broadcast) runs before
+// every read of a trainable master. Here the fence is what delivers each updated master, copied
+// from a reference model only when the fence asks for it: the loss, gradients (checkpointing
+// recomputes the layers), generation, export and export check then equal the reference model's
+// bit for bit, which they could not if anything read a master before its fence. Frozen masters
+// (the norms here) never reach it, and a forward asks per parameter, never for all at once.
+TEST(Qwen3Model, MasterFenceRunsBeforeEveryMasterRead) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  DatReader w(kWeights), e(kExpected);
+  const ModelInputs in = fixture_inputs(e);
+  ModelOptions opt = fp32_all(/*checkpointing=*/true);
+  opt.trainable.norms = false;
+  Qwen3Model ref = Qwen3Model::load(cfg, w, opt);
+  Qwen3Model m = Qwen3Model::load(cfg, w, opt);
+  std::map<std::string, Parameter*> late;  // m's trainable parameters, by name
+  for (Parameter* p : m.trainable_parameters()) late[p->name] = p;
+  ASSERT_LT(late.size(), m.parameters().size()) << "the test needs frozen parameters";
+  std::set<std::string> in_flight;       // not yet delivered to m
+  std::map<std::string, int> per_param;  // fence(&p) calls
+  int all_calls = 0;                     // fence(nullptr) calls
+  const auto deliver = [&](const std::string& name) {
+    if (in_flight.erase(name) == 0) return;
+    late.at(name)->master.copy_(ref.parameter(name).master);
+  };
+  m.set_master_fence([&](const Parameter* p) {
+    if (p != nullptr) {
+      ASSERT_TRUE(late.count(p->name)) << p->name << ": a frozen master reached the fence";
+      ++per_param[p->name];
+      deliver(p->name);
+      return;
+    }
+    ++all_calls;
+    for (const auto& kv : late) deliver(kv.first);
+  });
+  at::Generator gen = at::detail::createCPUGenerator(23);
+  // The reference takes an update that m receives only through its fence.
+  const auto update = [&] {
+    at::NoGradGuard ng;
+    for (Parameter* p : ref.trainable_parameters()) {
+      p->master.add_(at::randn(p->master.sizes(), gen) * 1e-3);
+      in_flight.insert(p->name);
+    }
+    per_param.clear();
+    all_calls = 0;
+  };
+
+  update();
+  m.zero_grad();
+  ref.zero_grad();
+  const LossOutput lm = m.loss(in);
+  lm.loss.backward();
+  const LossOutput lr = ref.loss(in);
+  lr.loss.backward();
+  EXPECT_TRUE(in_flight.empty()) << "the forward used every trainable master";
+  EXPECT_EQ(all_calls, 0) << "a forward waits per parameter";
+  EXPECT_EQ(per_param.size(), late.size());
+  EXPECT_TRUE(at::equal(lm.loss, lr.loss));
+  for (const auto& kv : late) {
+    EXPECT_TRUE(at::equal(kv.second->grad, ref.parameter(kv.first).grad)) << kv.first;
+  }
+
+  update();
+  const std::vector<int64_t> prompt = {1, 5, 9, 2};
+  EXPECT_EQ(m.generate(prompt, {6, {}}), ref.generate(prompt, {6, {}}));
+  EXPECT_TRUE(in_flight.empty());
+  EXPECT_EQ(all_calls, 0);
+
+  update();
+  const std::string out_m = temp_path("fence_m.dat"), out_ref = temp_path("fence_ref.dat");
+  ref.export_to(w, out_ref);
+  m.export_to(w, out_m);
+  EXPECT_EQ(all_calls, 1);
+  EXPECT_EQ(q4::test::read_text(out_m), q4::test::read_text(out_ref));
+
+  update();
+  EXPECT_EQ(m.compare_forward_weights(DatReader(out_ref)),
+            ref.compare_forward_weights(DatReader(out_ref)));
+  EXPECT_EQ(all_calls, 1);
+
+  for (const auto& accessor : {0, 1, 2}) {
+    update();
+    if (accessor == 0) (void)m.parameters();
+    if (accessor == 1) (void)m.trainable_parameters();
+    if (accessor == 2) (void)m.parameter("model.norm.weight");
+    EXPECT_TRUE(in_flight.empty()) << "accessor " << accessor;
+    EXPECT_EQ(all_calls, 1) << "accessor " << accessor;
+  }
+  m.set_master_fence(nullptr);
+  for (const auto& kv : late) {
+    EXPECT_TRUE(at::equal(kv.second->master, ref.parameter(kv.first).master)) << kv.first;
+  }
+  std::remove(out_m.c_str());
+  std::remove(out_ref.c_str());
 }
 
 // Options of the generation check per backend: the CPU defaults; fp32 on CUDA. Tolerance of a

@@ -100,8 +100,8 @@ inline Config cpu_config(const std::string& dir, int64_t grad_accum = 1) {
   return c;
 }
 
-// The optimizer, schedule, gradient sync and step of one process over `model`, as set-up wires
-// them.
+// The optimizer, schedule, gradient sync and step of one process (or, with `comm`, of one rank)
+// over `model`, as set-up wires them.
 struct StepRig {
   RunPlan plan;
   optim::PackedAdamW optimizer;
@@ -110,7 +110,8 @@ struct StepRig {
   std::unordered_map<const model::Parameter*, int64_t> index;
   std::unique_ptr<TrainStep> step;
 
-  StepRig(const Config& c, model::Qwen3Model& model, Objective& objective, bool in_backward = false)
+  StepRig(const Config& c, model::Qwen3Model& model, Objective& objective, bool in_backward = false,
+          DistComm* comm = nullptr)
       : plan(c, RunOptions{}),
         optimizer(optim::AdamWOptions{}),
         schedule([] {
@@ -120,9 +121,9 @@ struct StepRig {
           s.total_steps = 10;
           return s;
         }()),
-        sync(nullptr, model, model.trainable_parameters()) {
+        sync(comm, model, model.trainable_parameters()) {
     index = sync.add_owned_params(optimizer);
-    step = std::make_unique<TrainStep>(plan, model, optimizer, schedule, objective, sync, nullptr,
+    step = std::make_unique<TrainStep>(plan, model, optimizer, schedule, objective, sync, comm,
                                        in_backward, index);
   }
 };

@@ -114,6 +114,9 @@ void Checkpointer::save(int64_t step, int64_t tokens_seen) {
 // marker last, so a checkpoint counts only when all shards are complete.
 void Checkpointer::write(int64_t step, int64_t tokens_seen, const std::string& dir_name) {
   NvtxRange r("checkpoint");
+  // The optimizer's masters bypass the model's accessors (and their master fence): every
+  // broadcast in flight is waited for here, so a checkpoint sees one settled state.
+  if (sync_) sync_->wait_masters();
   const Config& c = plan_.config();
   const fs::path dir(dir_name);
   if (leader()) {
@@ -298,6 +301,7 @@ Checkpointer::Restored Checkpointer::restore(
     }
   }
   const std::vector<std::string> state_files = optimizer_files(ck);
+  if (sync_) sync_->wait_masters();  // the load writes masters, which a broadcast may read
   as_input_error("--resume", [&] {
     try {
       optimizer_->load_shards(state_files, /*restore_masters=*/true);
@@ -308,7 +312,8 @@ Checkpointer::Restored Checkpointer::restore(
     return 0;
   });
   restore_run_state(ck, state, &r);
-  // Each rank restored the masters it owns; the others come from their owners.
+  // Each rank restored the masters it owns; the others come from their owners (launched here,
+  // waited for by their first reader: GradSync).
   if (comm_ && sync_) sync_->broadcast_masters();
   out_ << (export_only ? "loaded " : "resumed from ") << ck.path << " at step " << r.step << "\n";
   return r;

@@ -15,6 +15,22 @@ GradSync::GradSync(DistComm* comm, model::Qwen3Model& model, std::vector<model::
   owner_ = assign_owners(numels, comm_ ? comm_->world_size() : 1);
   local_index_.assign(params_.size(), -1);
   for (size_t i = 0; i < params_.size(); ++i) global_index_[params_[i]] = i;
+  master_works_.resize(params_.size());
+  if (comm_) {
+    model_.set_master_fence([this](const model::Parameter* p) {
+      if (p != nullptr) {
+        wait_master(*p);
+      } else {
+        wait_masters();
+      }
+    });
+  }
+}
+
+GradSync::~GradSync() {
+  // Broadcasts still in flight are released, not waited for (a destructor must not throw): a run
+  // that ends normally has drained them (end of run, checkpoint, export).
+  if (comm_) model_.set_master_fence(nullptr);
 }
 
 std::unordered_map<const model::Parameter*, int64_t> GradSync::add_owned_params(
@@ -111,13 +127,33 @@ std::vector<at::Tensor> GradSync::finish_step(int64_t num_owned) {
 
 void GradSync::broadcast_masters() {
   if (!comm_) return;
+  wait_masters();  // a previous launch's broadcast of a master never used since
   NvtxRange r("master_broadcast");
-  std::vector<DistWork> works;
-  works.reserve(params_.size());
+  // Model order (embedding, layer 0, ..., final norm, lm_head): the order the forward uses them.
   for (size_t i = 0; i < params_.size(); ++i) {
-    works.push_back(comm_->broadcast(params_[i]->master, owner_[i]));
+    master_works_[i] = comm_->broadcast(params_[i]->master, owner_[i]);
+    ++masters_in_flight_;
   }
-  for (auto& w : works) w.wait();
+}
+
+void GradSync::wait_master(const model::Parameter& p) {
+  if (masters_in_flight_ == 0) return;
+  const auto it = global_index_.find(&p);
+  if (it != global_index_.end()) wait_master_at(it->second);
+}
+
+void GradSync::wait_masters() {
+  if (masters_in_flight_ == 0) return;
+  NvtxRange r("master_wait_all");
+  for (size_t i = 0; i < master_works_.size(); ++i) wait_master_at(i);
+}
+
+void GradSync::wait_master_at(size_t i) {
+  DistWork& w = master_works_[i];
+  if (!w.pending()) return;
+  NvtxRange r("master_wait");
+  w.wait();
+  --masters_in_flight_;
 }
 
 }  // namespace q4::trainer

@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -105,6 +106,17 @@ void synchronize_device(const c10::Device& device) {
   if (device.is_cuda()) {
     c10::cuda::CUDAGuard guard(device);
     c10::cuda::device_synchronize();
+  }
+#else
+  (void)device;
+#endif
+}
+
+void synchronize_stream(const c10::Device& device) {
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+  if (device.is_cuda()) {
+    const int idx = device.has_index() ? device.index() : c10::cuda::current_device();
+    c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(idx)).synchronize();
   }
 #else
   (void)device;

@@ -117,6 +117,8 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   args.lr = schedule_.lr_at(step);
   args.max_grad_norm = plan_.config().train.max_grad_norm;
   if (in_backward_) {
+    // The updates inside the backward write masters: none may still be in a broadcast.
+    sync_.wait_masters();
     optimizer_.begin_step(args);
     model_.begin_grad_step();
   }
@@ -169,6 +171,9 @@ StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_
                                           const optim::StepArgs& step_args, double denom,
                                           const PhaseHook& mark) {
   std::vector<at::Tensor> grads = sync_.finish_step(optimizer_.num_params());
+  // The optimizer writes owned masters, which the previous step's broadcasts read: all of them
+  // are waited for first (the forward waited for each master it used, so this orders the rest).
+  sync_.wait_masters();
   {
     NvtxRange r("optimizer");
     optim::StepArgs args = step_args;
@@ -176,16 +181,20 @@ StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_
     args.reduce_sumsq = [this](double s) { return comm_->allreduce_sum(s); };
     o.res = optimizer_.step(grads, args);
   }
-  if (o.res.applied) sync_.broadcast_masters();
   if (mark) mark("optimizer_step_done");
   // The step's loss (summed over the ranks), whether any rank got a stop signal and whether
-  // rank 0's clock says a timed checkpoint is due: one collective for all three.
+  // rank 0's clock says a timed checkpoint is due: one collective for all three. It goes before
+  // the master broadcasts: collectives run in launch order, and the host waits for this one
+  // below, so after them it would wait for every broadcast and nothing would overlap.
   const auto opt = at::TensorOptions().dtype(at::kDouble).device(plan_.device());
   at::Tensor v = at::zeros({3}, opt);
   v[0].copy_(loss_sum.detach().to(at::kDouble).reshape({}));
   v[1].fill_(stop_requested() ? 1.0 : 0.0);
   v[2].fill_(checkpoint_due_ && checkpoint_due_() ? 1.0 : 0.0);
   comm_->allreduce_sum(v);
+  // Launched, not waited for: the next forward waits for each master right before its first
+  // use (GradSync, the model's master fence).
+  if (o.res.applied) sync_.broadcast_masters();
   const at::Tensor h = v.cpu();
   o.loss = h[0].item<double>() / denom;
   o.stop = h[1].item<double>() > 0.0;

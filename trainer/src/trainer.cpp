@@ -318,8 +318,10 @@ class Trainer {
                            ((cfg().eval.every > 0 && done % cfg().eval.every == 0) || last);
       const bool log_step = done % cfg().log.every == 0 || last || step == start_step_ || val_due;
       // Logging steps wait for the optimizer too (exact timing and memory there); other steps
-      // return as soon as the loss is on the host, the optimizer kernels still running.
-      if (log_step) synchronize_device(plan_.device());
+      // return as soon as the loss is on the host, the optimizer kernels still running. Only the
+      // compute stream is waited for: the master broadcasts on the communication stream overlap
+      // the next step, whose time includes any wait for them.
+      if (log_step) synchronize_stream(plan_.device());
       const double step_ms = ms_since(t0);
       log_.add_tokens(so.real_tokens);
       check_nonfinite(so.res, done);
@@ -383,6 +385,7 @@ class Trainer {
     out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM) << ": stopping after step "
          << done << "\n";
     if (checkpointer_.last_step() != done) save_checkpoint(done);
+    sync_->wait_masters();  // no broadcast outlives the run
     log_.update_report(/*live=*/false);
     log_.print_stopped(done);
     if (comm_) comm_->barrier();
@@ -410,6 +413,9 @@ class Trainer {
   // After the last step: the final checkpoint before anything at the end that can fail (eval,
   // export, report), the end-of-run eval, the export, the report and the summary.
   int end_of_run(int64_t total) {
+    // The last step's broadcasts, before anything reads a master (the checkpoint and export wait
+    // for them too; this also covers a run with neither).
+    sync_->wait_masters();
     if (total > start_step_) log_.end_bar_line();
     if (total == start_step_ && evaluator_.has_validation()) {  // nothing left to train
       if (const auto v = evaluator_.validation_loss(total)) {

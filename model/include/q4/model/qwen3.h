@@ -239,7 +239,8 @@ class Qwen3Model {
   // `term`: an extra term computed in the same chunks (LossTerm), borrowed for the call.
   LossOutput loss(const ModelInputs& in, const LossTerm* term = nullptr);
 
-  // Every parameter in HF order (embed, layers..., norm, lm_head when untied).
+  // Every parameter in HF order (embed, layers..., norm, lm_head when untied). These three
+  // accessors call the master fence (below) for every master before they return.
   std::vector<Parameter>& parameters();
   const std::vector<Parameter>& parameters() const;
   std::vector<Parameter*> trainable_parameters();
@@ -255,6 +256,17 @@ class Qwen3Model {
   void set_grad_ready_hook(GradReadyHook hook);
   void begin_grad_step();
   int64_t num_trainable_elements() const;  // total elements of trainable masters
+
+  // Masters whose current value may still be arriving from elsewhere (data parallelism: an
+  // owner's broadcast of its updated master is in flight while the next step starts). With a
+  // fence set, the model calls it before it reads a trainable master: fence(&p) right before a
+  // forward's first use of p (the weight and embedding taps: training, evaluation, generation),
+  // fence(nullptr) for every master in parameters(), parameter(), trainable_parameters(),
+  // export_to() and compare_forward_weights(), the way every other reader reaches masters. The
+  // fence returns once the master may be read (and written) in the current stream's order, and
+  // must return at once when nothing is in flight. Empty (the default): masters are current.
+  using MasterFence = std::function<void(const Parameter* p)>;
+  void set_master_fence(MasterFence fence);
 
   // Writes `path` with the entries of `source` in source order: a trainable parameter whose
   // master differs from what load() produces from the source entry is requantized (NVFP4

@@ -49,7 +49,8 @@ class Checkpointer {
 
   // What a checkpoint holds, borrowed: the optimizer (owned masters and moments), the trained
   // parameters' names, the training batcher (null: none), the schedule. `comm`: null for one
-  // process; otherwise `sync` broadcasts the restored masters from their owners.
+  // process; otherwise `sync` broadcasts the restored masters from their owners, and save and
+  // restore wait for its broadcasts in flight before they touch a master.
   void attach(optim::PackedAdamW& optimizer, const std::vector<model::Parameter*>& params,
               data::Batcher* batcher, const optim::LrSchedule& schedule, DistComm* comm = nullptr,
               GradSync* sync = nullptr);

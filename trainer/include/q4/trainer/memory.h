@@ -31,6 +31,9 @@ std::string device_name(const c10::Device& device);
 std::optional<double> device_peak_flops(const std::string& name);
 // Waits for queued device work (so wall times are real); no-op on CPU.
 void synchronize_device(const c10::Device& device);
+// Waits for the work queued on the device's current stream only (what this thread asked of it),
+// not for collectives still running on the communication stream; no-op on CPU.
+void synchronize_stream(const c10::Device& device);
 
 inline double to_gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024 * 1024); }
 inline double to_gb(int64_t bytes) { return static_cast<double>(bytes) / 1e9; }

@@ -5,7 +5,9 @@
 // (in-backward updates or ZeRO-2 reductions) -> one optimizer step with clipping and the
 // non-finite guard. The only host waits: the optimizer's global-norm reduction (its clipping
 // and guard are decided on the host) and the loss read after it, which was copied before the
-// optimizer ran and so waits for nothing more.
+// optimizer ran and so waits for nothing more. Data parallel: the step ends with the owners'
+// master broadcasts launched, not waited for; the next step's forward waits for each master
+// before using it (grad_sync.h).
 #pragma once
 
 #include <functional>
