@@ -8,7 +8,8 @@
 #  2. kill and resume: a small random-init Qwen3 trained on 2 GPUs with a checkpoint every 10
 #     steps, rank 1 killed at step 15 (Q4_FAULT), resumed on 1 GPU (grad_accum doubles): its
 #     losses against the uninterrupted 2-GPU run.
-#   OUT=dir scripts/bench/multi_gpu.sh      (env: STEPS=12, NPROCS, SKIP_BUILD=1, BUILD, CUDA_ARCH)
+#   OUT=dir scripts/bench/multi_gpu.sh      (env: STEPS=12, NPROCS, SKIP_BUILD=1, BUILD, CUDA_ARCH,
+#   SKIP_RESUME=1, EXTRA_SET: more --set arguments for the scaling runs)
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
 out=${OUT:-$root/runs/multi-gpu}
@@ -45,7 +46,7 @@ for n in $nprocs; do
   t0=$(date +%s)
   "$bin/q4train" --config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
     --set "data.files=[$work/bench.jsonl]" --set "train.steps=$steps" \
-    --set "output.dir=$work/dp$n" --nproc "$n" 2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" \
+    --set "output.dir=$work/dp$n" --nproc "$n" ${EXTRA_SET:-} 2>&1 | grep -v "^#\|^  \|^[a-z_]*:$" \
     >"$work/dp$n.log" || { kill $smi; tail -n 30 "$work/dp$n.log"; exit 1; }
   kill $smi || true
   echo "nproc $n: $(( $(date +%s) - t0 )) s wall"
