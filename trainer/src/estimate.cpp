@@ -82,6 +82,11 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
       b.moments_bytes += 2 * optim::packed_moment_bytes(mode, n);
     }
   }
+  if (ao.offload_moments && opt.device.is_cuda()) {  // in pinned host memory, not on the GPU
+    b.host_bytes += b.moments_bytes;
+    b.moments_on_host = true;
+    b.moments_bytes = 0;
+  }
   // CUDA updates are fused kernels without scratch; the CPU step uses an arena of at most ~16
   // fp32 values per chunk element (PackedAdamW::scratch_peak_bytes), kept from the first update
   // on (the trainer does not release it), so it is counted in every phase.
@@ -193,7 +198,8 @@ nlohmann::json MemoryBudget::to_json() const {
           {"peak_phase", peak_phase_name()},
           {"phases", ph},
           {"trainable_elements", trainable_elements},
-          {"host_bytes", host_bytes}};
+          {"host_bytes", host_bytes},
+          {"moments_on_host", moments_on_host}};
 }
 
 std::string MemoryBudget::to_table() const {
@@ -203,7 +209,8 @@ std::string MemoryBudget::to_table() const {
   };
   row("masters", masters_bytes, "whole run");
   row("frozen", frozen_bytes, "whole run");
-  row("moments", moments_bytes, "whole run");
+  row("moments", moments_bytes,
+      moments_on_host ? "whole run; in pinned host memory (optim.offload: moments)" : "whole run");
   if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");
   s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} {:>9}  (GiB; total = whole run + phase)\n",
                    "phase", "gradients", "activations", "logits", "optimizer", "total");
@@ -216,7 +223,9 @@ std::string MemoryBudget::to_table() const {
   }
   s += fmt::format("  peak phase: {}\n", peak_phase_name());
   row("total", total_bytes(), "whole run + the peak phase");
-  if (host_bytes > 0) row("host (pinned)", host_bytes, "offloaded layer inputs, not on the GPU");
+  if (host_bytes > 0) {
+    row("host (pinned)", host_bytes, "offloaded moments and layer inputs, not on the GPU");
+  }
   s += fmt::format("  trainable elements: {}\n", trainable_elements);
   return s;
 }

@@ -116,6 +116,7 @@ optim::AdamWOptions adamw_options(const Config& c) {
   o.state_mode = c.optim.state;
   o.chunk_rows = c.optim.chunk_rows;
   o.rounding = c.optim.master_rounding;
+  o.offload_moments = c.optim.offload == Offload::kMoments;
   o.seed = static_cast<uint64_t>(c.train.seed);
   // The trainer counts consecutive skips itself; the optimizer allows one more.
   o.max_consecutive_nonfinite = c.train.max_nonfinite_steps + 1;

@@ -340,6 +340,81 @@ TEST(PackedAdamWCuda, StepNeedsNoExtraDeviceMemory) {
 // In-backward updates on the device: the same bits as the CPU's in-backward path (which the
 // CPU tests tie to step()), and a NaN gradient leaves its parameter untouched through the
 // device-side flag (no host sync) while the others move.
+// Moments in pinned host memory (offload_moments): the same kernels through mapped host
+// pointers, so masters, moments and the state file are bit-identical to device-resident
+// moments, for the buffered and the in-backward step; the device holds no moment bytes.
+TEST(PackedAdamWCuda, OffloadedMomentsMatchResidentBitExact) {
+  Q4_REQUIRE_CUDA();
+#if Q4_WITH_CUDA
+  for (StateMode mode : kAllModes) {
+    AdamWOptions o;
+    o.lr = 2e-3;
+    o.weight_decay = 0.1;
+    o.state_mode = mode;
+    o.seed = 5;
+    AdamWOptions off = o;
+    off.offload_moments = true;
+    const at::Tensor w0 = (at::randn({37, 129}, gen(1)) * 0.05).to(at::kHalf);
+    const at::Tensor s0 = at::randn({7, 40}, gen(2)).to(at::kHalf);
+    for (bool in_backward : {false, true}) {
+      const std::string what = to_string(mode) + (in_backward ? " in-backward" : " buffered");
+      PackedAdamW a(o), b(off);
+      at::Tensor wa = w0.to(kCuda), sa = s0.to(kCuda), wb = w0.to(kCuda), sb = s0.to(kCuda);
+      a.add_param("w", wa);
+      a.add_param("s", sa, false);
+      torch::cuda::synchronize();
+      const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+      b.add_param("w", wb);
+      b.add_param("s", sb, false);
+      EXPECT_EQ(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current,
+                before)
+          << what << ": offloaded moments allocated device memory";
+      EXPECT_FALSE(a.params()[0].moments_on_host);
+      EXPECT_TRUE(b.params()[0].moments_on_host);
+      for (int t = 0; t < 4; ++t) {
+        const at::Tensor g1 = (at::randn({37, 129}, gen(10 + t)) * 1e-2).to(at::kBFloat16).to(kCuda);
+        const at::Tensor g2 = at::randn({7, 40}, gen(20 + t)).to(at::kBFloat16).to(kCuda);
+        for (PackedAdamW* opt : {&a, &b}) {
+          if (in_backward) {
+            StepArgs args;
+            args.max_grad_norm = 0.5;  // the first step's clip rescales the moments on the host
+            opt->begin_step(args);
+            opt->step_param(1, g2);
+            opt->step_param(0, g1);
+            opt->end_step();
+          } else {
+            opt->step({g1, g2});
+          }
+        }
+      }
+      EXPECT_TRUE(bit_equal(wa, wb)) << what;
+      EXPECT_TRUE(bit_equal(sa, sb)) << what;
+      EXPECT_TRUE(bit_equal(a.decoded_exp_avg(0), b.decoded_exp_avg(0))) << what;
+      EXPECT_TRUE(bit_equal(a.decoded_exp_avg_sq(0), b.decoded_exp_avg_sq(0))) << what;
+      const std::string dir = ::testing::TempDir();
+      a.save(dir + "q4_offload_a.state");
+      b.save(dir + "q4_offload_b.state");
+      EXPECT_EQ(read_bytes(dir + "q4_offload_a.state"), read_bytes(dir + "q4_offload_b.state"))
+          << what;
+      // A resumed offloaded optimizer continues identically.
+      PackedAdamW c(off);
+      at::Tensor wc = w0.to(kCuda), sc = s0.to(kCuda);
+      c.add_param("w", wc);
+      c.add_param("s", sc, false);
+      c.load(dir + "q4_offload_b.state");
+      EXPECT_TRUE(bit_equal(wc, wb)) << what;
+      const at::Tensor g1 = (at::randn({37, 129}, gen(40)) * 1e-2).to(at::kBFloat16).to(kCuda);
+      const at::Tensor g2 = at::randn({7, 40}, gen(41)).to(at::kBFloat16).to(kCuda);
+      a.step({g1, g2});
+      c.step({g1, g2});
+      EXPECT_TRUE(bit_equal(wa, wc)) << what << " after resume";
+    }
+  }
+#else
+  GTEST_SKIP() << "built without Q4_WITH_CUDA (no allocator statistics)";
+#endif
+}
+
 TEST(PackedAdamWCuda, InBackwardMatchesCpuAndSkipsNonFiniteOnDevice) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit}) {

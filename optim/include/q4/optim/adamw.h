@@ -58,6 +58,11 @@ struct AdamWOptions {
   // a rounding boundary); true = the CPU path's arithmetic op for op, bit-identical to it
   // (tests; ~15% slower). fp32 and NVFP4 moments always use the exact arithmetic.
   bool cuda_exact_arithmetic = false;
+  // CUDA masters: the moments live in pinned host memory and the update kernels read and write
+  // them there over PCIe (zero-copy: pinned memory is mapped into the device's address space), so
+  // they take no device memory; results are bit-identical to device-resident moments, the update
+  // runs at PCIe rather than HBM speed. No effect on CPU masters.
+  bool offload_moments = false;
   // Checks every field (and cross-field rules); the message names the field.
   void validate() const;
 };
@@ -95,6 +100,7 @@ struct ParamInfo {
   bool weight_decay = true;
   StateMode mode = StateMode::kFp32;  // effective mode (small tensors: kFp32)
   int64_t state_bytes = 0;            // bytes of m and v as stored (codes + scales)
+  bool moments_on_host = false;       // offload_moments with a CUDA master: pinned host memory
   int64_t stream_index = 0;  // stochastic-rounding stream of the parameter (default: its index)
 };
 

@@ -41,6 +41,7 @@ enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
 enum class InBackward { kAuto, kTrue, kFalse };         // auto | true | false
 enum class Recompute { kAuto, kTrue, kFalse };          // auto | true | false
+enum class Offload { kNone, kMoments };                 // none | moments
 // auto | cut_left | cut_right | drop | split
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
@@ -54,6 +55,7 @@ std::string to_string(Dtype v);
 std::string to_string(DtypeOrAuto v);
 std::string to_string(InBackward v);
 std::string to_string(Recompute v);
+std::string to_string(Offload v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
 std::string to_string(Truncation v);
@@ -159,6 +161,9 @@ struct OptimConfig {
   // free the gradient (no full-model gradient buffer). auto = on CUDA with grad_accum 1.
   // Clipping then uses the previous step's norm (docs/optim.md).
   InBackward in_backward = InBackward::kAuto;
+  // moments: on CUDA the moments live in pinned host memory, updated there over PCIe by the
+  // same kernels (bit-identical results, no device memory for them, a slower update).
+  Offload offload = Offload::kNone;
   ScheduleConfig schedule;
 };
 
@@ -231,7 +236,7 @@ struct Config {
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
-                 InBackward*, Recompute*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
+                 InBackward*, Recompute*, Offload*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, Divergence*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
@@ -334,6 +339,8 @@ Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
               {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Recompute, {"auto", q4::trainer::Recompute::kAuto},
               {"true", q4::trainer::Recompute::kTrue}, {"false", q4::trainer::Recompute::kFalse});
+Q4_ENUM_NAMES(q4::trainer::Offload, {"none", q4::trainer::Offload::kNone},
+              {"moments", q4::trainer::Offload::kMoments});
 Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
               {"cut_left", q4::trainer::Truncation::kCutLeft},
               {"cut_right", q4::trainer::Truncation::kCutRight},
