@@ -112,6 +112,60 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
   }
 };
 
+// Per-row log-probability of the label. Forward: chunk logits, log p = picked - logsumexp;
+// nothing saved but the inputs. Backward: each chunk's logits again, d(log p_r)/d(logits_r) =
+// onehot(label_r) - softmax_r scaled by the row's upstream gradient, then the two GEMMs.
+struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogprobs> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+    ctx->save_for_backward({hidden, weight, labels});
+    ctx->saved_data["chunk"] = chunk;
+    const int64_t N = hidden.size(0);
+    at::Tensor out = at::empty({N}, hidden.options().dtype(at::kFloat));
+    at::NoGradGuard no_grad;
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      const at::Tensor logits = at::matmul(hidden.narrow(0, s, n), weight.t()).to(at::kFloat);
+      const at::Tensor y = labels.narrow(0, s, n).unsqueeze(1);
+      out.narrow(0, s, n).copy_(logits.gather(1, y).squeeze(1) - at::logsumexp(logits, 1));
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& hidden = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& labels = saved[2];
+    const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const at::Tensor go = grads[0].to(at::kFloat);  // (N)
+    const bool want_h = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
+    const int64_t N = hidden.size(0);
+    at::Tensor grad_h = want_h ? at::empty_like(hidden) : at::Tensor();
+    at::Tensor grad_w;
+    at::NoGradGuard no_grad;
+    for (int64_t s = 0; s < N; s += chunk) {
+      const int64_t n = std::min(chunk, N - s);
+      const at::Tensor h = hidden.narrow(0, s, n);
+      at::Tensor p = at::matmul(h, weight.t()).to(at::kFloat).softmax(1);  // (n, V)
+      const at::Tensor g = go.narrow(0, s, n).unsqueeze(1);
+      // g (onehot - p) = -(g p) + g at the label.
+      p.mul_(g).neg_();
+      p.scatter_add_(1, labels.narrow(0, s, n).unsqueeze(1), g);
+      const at::Tensor pc = p.to(hidden.scalar_type());
+      if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
+      if (want_w) {
+        if (!grad_w.defined()) {
+          grad_w = at::matmul(pc.t(), h);
+        } else {
+          grad_w.addmm_(pc.t(), h);
+        }
+      }
+    }
+    return {grad_h, grad_w, at::Tensor(), at::Tensor()};
+  }
+};
+
 void check_loss_args(const char* what, const at::Tensor& hidden, const at::Tensor& weight,
                      const at::Tensor& labels, int64_t chunk_tokens) {
   TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), what,
@@ -154,6 +208,17 @@ at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& we
   if (ce_sum != nullptr) *ce_sum = parts.first;
   if (term_sum != nullptr) *term_sum = parts.second;
   return total;
+}
+
+at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
+                                  const at::Tensor& labels, int64_t chunk_tokens) {
+  check_loss_args("chunked_token_logprobs", hidden, weight, labels, chunk_tokens);
+  if (labels.numel() > 0 && labels.is_cpu()) {  // no device sync for a check
+    const auto lo = labels.min().item<int64_t>(), hi = labels.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < weight.size(0), "chunked_token_logprobs: labels must be in [0, ",
+                weight.size(0), "), got [", lo, ", ", hi, "]");
+  }
+  return ChunkedTokenLogprobs::apply(hidden, weight, labels, chunk_tokens);
 }
 
 }  // namespace q4::model

@@ -512,6 +512,28 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
   return out;
 }
 
+Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in) {
+  TORCH_CHECK(in.labels.defined() && in.labels.sizes() == in.input_ids.sizes() &&
+                  in.labels.scalar_type() == at::kLong,
+              "labels: expected an int64 tensor shaped like input_ids ",
+              shape_str(in.input_ids.sizes()));
+  at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
+  // HF shift, as loss(): position t's label is labels[t + 1].
+  const at::Tensor next =
+      at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
+          .reshape({-1});
+  TokenLogprobs out;
+  out.positions = next.ne(-100).nonzero().reshape({-1});
+  const at::Device dev = impl_->opt.device;
+  const at::Tensor rows = out.positions.to(dev);
+  const at::Tensor targets = next.index_select(0, out.positions).to(dev);
+  out.logprobs = chunked_token_logprobs(h.reshape({B * T, H}).index_select(0, rows),
+                                        impl_->weight(impl_->lm_head), targets,
+                                        impl_->opt.loss_chunk_tokens);
+  return out;
+}
+
 std::vector<Parameter>& Qwen3Model::parameters() {
   impl_->fence(nullptr);
   return impl_->params;

@@ -197,6 +197,50 @@ TEST(Qwen3Model, RecomputingSomeLayersGivesIdenticalGradients) {
   EXPECT_THROW(a.set_recompute(true, -2), c10::Error);
 }
 
+// Per-token log-probabilities of the supervised labels (preference objectives) against the
+// dense path: log_softmax of the full logits gathered at the same positions, and the gradients
+// of a weighted sum of them (every row its own upstream gradient) against autograd through the
+// full logits. Their plain sum is minus loss()'s summed cross-entropy.
+TEST(Qwen3Model, TokenLogprobsMatchTheFullLogits) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = fp32_all(true);
+  o.loss_chunk_tokens = 5;  // several chunks, a partial last one
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  ModelInputs in = fixture_inputs(e);
+  in.labels.narrow(1, 3, 4).fill_(-100);  // some unsupervised positions
+  const int64_t B = in.input_ids.size(0), T = in.input_ids.size(1);
+
+  m.zero_grad();
+  const Qwen3Model::TokenLogprobs tl = m.token_logprobs(in);
+  const int64_t N = tl.positions.numel();
+  ASSERT_GT(N, 10);
+  const at::Tensor weights = at::randn({N}, at::make_generator<at::CPUGeneratorImpl>(5));
+  (tl.logprobs * weights).sum().backward();
+  std::map<std::string, at::Tensor> g_chunked;
+  for (const auto& p : m.parameters()) g_chunked[p.name] = p.grad.clone();
+
+  m.zero_grad();
+  const at::Tensor logits = m.forward(in).reshape({B * T, -1});  // differentiable, dense
+  const at::Tensor next =
+      at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
+          .reshape({-1});
+  const at::Tensor pos = next.ne(-100).nonzero().reshape({-1});
+  EXPECT_TRUE(at::equal(pos, tl.positions));
+  const at::Tensor dense = logits.log_softmax(1).index_select(0, pos).gather(
+      1, next.index_select(0, pos).unsqueeze(1)).squeeze(1);
+  EXPECT_CLOSE(tl.logprobs.detach(), dense.detach(), 1e-5, 1e-5, "log-probabilities");
+  (dense * weights).sum().backward();
+  for (const auto& p : m.parameters()) {
+    // The fixture tolerance for fp32 gradients (tests/fixtures/README.md): summation order.
+    EXPECT_CLOSE(g_chunked[p.name], p.grad, 1e-3, 1e-5, "grad " + p.name);
+  }
+  // Their sum is minus the summed cross-entropy.
+  const LossOutput lo = m.loss(in);
+  EXPECT_NEAR(-tl.logprobs.sum().item<double>(), lo.loss_sum.item<double>(),
+              1e-5 * std::fabs(lo.loss_sum.item<double>()));
+}
+
 TEST(Qwen3Model, Q4GradBinaryMatchesFixture) {
   const std::string bin = std::string(Q4_BIN_DIR) + "/q4grad";
   ASSERT_EQ(::access(bin.c_str(), X_OK), 0) << bin << " not built";

@@ -238,6 +238,16 @@ class Qwen3Model {
   // labels on the host to keep this free of device syncs; CUDA labels cost one (the count).
   // `term`: an extra term computed in the same chunks (LossTerm), borrowed for the call.
   LossOutput loss(const ModelInputs& in, const LossTerm* term = nullptr);
+  // Per-token log-probabilities of the supervised labels (HF shift, as loss()): `positions` (N)
+  // int64, the flat (B*T) positions whose next label is supervised, ascending, on the host when
+  // the labels are; `logprobs` (N) fp32 on the model's device, differentiable (through the
+  // chunked lm_head, chunked_token_logprobs). Per-sequence sums (preference objectives) are an
+  // index_add of them.
+  struct TokenLogprobs {
+    at::Tensor positions;
+    at::Tensor logprobs;
+  };
+  TokenLogprobs token_logprobs(const ModelInputs& in);
 
   // Every parameter in HF order (embed, layers..., norm, lm_head when untied). These three
   // accessors call the master fence (below) for every master before they return.
@@ -328,5 +338,13 @@ std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hi
 at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& weight,
                                   const at::Tensor& labels, int64_t chunk_tokens,
                                   const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum);
+
+// Log-probability of each row's label, log softmax(hidden · weightᵀ)[label], in chunks of
+// `chunk_tokens` rows: hidden (N, H), weight (V, H) same dtype, labels (N) int64 in [0, V).
+// Returns (N) fp32, differentiable w.r.t. hidden and weight: the backward recomputes each chunk's
+// logits (one more lm_head GEMM than the cross-entropy, whose upstream gradient is a scalar;
+// here every row has its own), so no logits are saved.
+at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
+                                  const at::Tensor& labels, int64_t chunk_tokens);
 
 }  // namespace q4::model
