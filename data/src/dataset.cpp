@@ -100,19 +100,23 @@ std::vector<Message> message_list(const json& jm, const std::string& key) {
   return msgs;
 }
 
-// TRL prompt/completion: both strings (a user prompt and its answer) or both message lists
-// (only the completion is supervised, as TRL's completion-only loss).
-Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
-  const json& p = j["prompt"];
-  const json& c = j["completion"];
+// A prompt and its completion, the completion under the record's key `ckey`: both strings (a
+// user prompt and its answer) or both message lists (only the completion is supervised, as
+// TRL's completion-only loss).
+Example prompt_and_completion(const json& p, const json& c, const std::string& ckey,
+                              const Tokenizer& tok, const DatasetOptions& opt) {
   if (p.is_string() && c.is_string()) {
-    if (is_blank(c.get<std::string>())) throw BadLine{"empty \"completion\""};
+    if (is_blank(c.get<std::string>())) throw BadLine{"empty \"" + ckey + "\""};
     return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt);
   }
+  if (p.is_string() != c.is_string()) {
+    throw BadLine{"\"prompt\" and \"" + ckey +
+                  "\": expected both strings or both lists of messages"};
+  }
   std::vector<Message> prompt = message_list(p, "prompt");
-  const std::vector<Message> completion = message_list(c, "completion");
+  const std::vector<Message> completion = message_list(c, ckey);
   if (completion.empty() || completion.front().role != "assistant") {
-    throw BadLine{"\"completion\": expected a list starting with an assistant message"};
+    throw BadLine{"\"" + ckey + "\": expected a list starting with an assistant message"};
   }
   const bool has_system = std::any_of(prompt.begin(), prompt.end(),
                                       [](const Message& m) { return m.role == "system"; });
@@ -130,6 +134,59 @@ Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt
               t.labels.begin() + static_cast<std::ptrdiff_t>(head.input_ids.size()), kIgnoreIndex);
   }
   return from_chat(std::move(t), 0);
+}
+
+// TRL prompt/completion.
+Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  return prompt_and_completion(j["prompt"], j["completion"], "completion", tok, opt);
+}
+
+// TRL preference record: {"prompt", "chosen", "rejected"} (strings, or message lists), or
+// {"chosen", "rejected"} message lists whose shared leading messages are the prompt (TRL's
+// implicit prompt). Each answer becomes a prompt/completion example.
+PreferencePair parse_preference(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  for (const char* key : {"chosen", "rejected"}) {
+    if (!j.contains(key)) throw BadLine{std::string("a preference record needs \"") + key + "\""};
+  }
+  PreferencePair pair;
+  if (j.contains("prompt")) {
+    pair.chosen = prompt_and_completion(j["prompt"], j["chosen"], "chosen", tok, opt);
+    pair.rejected = prompt_and_completion(j["prompt"], j["rejected"], "rejected", tok, opt);
+  } else {
+    const std::vector<Message> c = message_list(j["chosen"], "chosen");
+    const std::vector<Message> r = message_list(j["rejected"], "rejected");
+    size_t k = 0;  // the shared prefix: the implicit prompt
+    while (k < c.size() && k < r.size() && c[k].role == r[k].role && c[k].content == r[k].content) {
+      ++k;
+    }
+    if (k == 0) {
+      throw BadLine{"\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
+                    "the shared messages are the prompt)"};
+    }
+    auto to_json = [](const std::vector<Message>& m, size_t begin, size_t end) {
+      json out = json::array();
+      for (size_t i = begin; i < end; ++i) out.push_back({{"role", m[i].role}, {"content", m[i].content}});
+      return out;
+    };
+    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()), jr = to_json(r, k, r.size());
+    pair.chosen = prompt_and_completion(prompt, jc, "chosen", tok, opt);
+    pair.rejected = prompt_and_completion(prompt, jr, "rejected", tok, opt);
+  }
+  if (pair.chosen.input_ids == pair.rejected.input_ids) {
+    throw BadLine{"\"chosen\" and \"rejected\" are the same answer (nothing to prefer)"};
+  }
+  return pair;
+}
+
+json parse_object(const std::string& line) {
+  json j;
+  try {
+    j = json::parse(line);
+  } catch (const json::exception& e) {
+    throw BadLine{std::string("bad JSON: ") + e.what()};
+  }
+  if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};
+  return j;
 }
 
 // ShareGPT: {"conversations": [{"from": "system|human|gpt", "value": ...}]} ("user"/"assistant"
@@ -497,6 +554,71 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
   }
   ds.summary.examples = static_cast<int64_t>(ds.examples.size());
   return ds;
+}
+
+PreferenceDataset load_preference_dataset_from_string(const std::string& content,
+                                                     const std::string& name,
+                                                     const Tokenizer& tokenizer,
+                                                     const DatasetOptions& options) {
+  TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
+              "system_prompt: not valid UTF-8");
+  PreferenceDataset ds;
+  ds.summary.path = name;
+  // One record: parsed, counted, or skipped (on_error: skip) or an error naming file and line.
+  auto take = [&](const std::string& text, int64_t line) {
+    try {
+      check_utf8(text);
+      PreferencePair p = parse_preference(parse_object(text), tokenizer, options);
+      p.source_line = p.chosen.source_line = p.rejected.source_line = line;
+      for (const Example* e : {&p.chosen, &p.rejected}) {
+        ds.summary.tokens += static_cast<int64_t>(e->input_ids.size());
+        for (TokenId l : e->labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+      }
+      ++ds.summary.jsonl_formats["trl preference"];
+      ds.pairs.push_back(std::move(p));
+    } catch (const BadLine& bad) {
+      TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", bad.reason,
+                  " (set on_error: skip to skip malformed records)");
+      ++ds.summary.skipped;
+      if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
+        ds.summary.first_skipped.push_back({line, bad.reason});
+      }
+    }
+  };
+  size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
+  const size_t first = content.find_first_not_of(" \t\r\n", pos);
+  if (first != std::string::npos && content[first] == '[') {
+    ds.summary.json_array = true;
+    ds.summary.lines = count_line_ends(content, content.size()) +
+                       ((content.back() == '\n' || content.back() == '\r') ? 0 : 1);
+    for (const ArrayRecord& r : split_json_array(content, first, name)) take(r.text, r.line);
+  } else {
+    int64_t line_no = 0;
+    while (pos < content.size()) {
+      size_t nl = content.find_first_of("\r\n", pos);
+      if (nl == std::string::npos) nl = content.size();
+      const std::string line = content.substr(pos, nl - pos);
+      pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
+      ds.summary.lines = ++line_no;
+      if (is_blank(line)) {
+        ++ds.summary.ignored;
+        continue;
+      }
+      take(line, line_no);
+    }
+  }
+  ds.summary.examples = static_cast<int64_t>(ds.pairs.size());
+  return ds;
+}
+
+PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                          const DatasetOptions& options) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), path, ": cannot open data file");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TORCH_CHECK(!in.bad(), path, ": read error");
+  return load_preference_dataset_from_string(ss.str(), path, tokenizer, options);
 }
 
 Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer,

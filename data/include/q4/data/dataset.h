@@ -94,6 +94,27 @@ Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer,
 Dataset load_dataset_from_string(const std::string& content, const std::string& name,
                                  const Tokenizer& tokenizer, const DatasetOptions& options = {});
 
+// Preference data (TRL's format), one record per JSONL line or JSON-array element:
+// {"prompt", "chosen", "rejected"} with strings (a user prompt and two answers) or message lists
+// (a conversation and two assistant continuations), or {"chosen", "rejected"} message lists whose
+// shared leading messages are the prompt. Each answer is an Example of prompt + answer with the
+// answer alone supervised; the two differ. Errors and on_error as for load_dataset.
+struct PreferencePair {
+  Example chosen;
+  Example rejected;
+  int64_t source_line = 0;
+};
+struct PreferenceDataset {
+  std::vector<PreferencePair> pairs;
+  LoadSummary summary;  // examples counts pairs; tokens both answers
+};
+PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                          const DatasetOptions& options = {});
+PreferenceDataset load_preference_dataset_from_string(const std::string& content,
+                                                     const std::string& name,
+                                                     const Tokenizer& tokenizer,
+                                                     const DatasetOptions& options = {});
+
 // Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
                           const std::string& answer, const std::string& system_prompt = "");
