@@ -109,7 +109,8 @@ Example prompt_and_completion(const json& p, const json& c, const std::string& c
     if (is_blank(c.get<std::string>())) throw BadLine{"empty \"" + ckey + "\""};
     return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt);
   }
-  if (p.is_string() != c.is_string()) {
+  auto text_or_list = [](const json& v) { return v.is_string() || v.is_array(); };
+  if (p.is_string() != c.is_string() && text_or_list(p) && text_or_list(c)) {
     throw BadLine{"\"prompt\" and \"" + ckey +
                   "\": expected both strings or both lists of messages"};
   }
