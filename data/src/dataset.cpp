@@ -612,24 +612,27 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
   return ds;
 }
 
-PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
-                                          const DatasetOptions& options) {
+namespace {
+
+std::string read_data_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), path, ": cannot open data file");
   std::ostringstream ss;
   ss << in.rdbuf();
   TORCH_CHECK(!in.bad(), path, ": read error");
-  return load_preference_dataset_from_string(ss.str(), path, tokenizer, options);
+  return ss.str();
+}
+
+}  // namespace
+
+PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
+                                          const DatasetOptions& options) {
+  return load_preference_dataset_from_string(read_data_file(path), path, tokenizer, options);
 }
 
 Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer,
                      const DatasetOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), path, ": cannot open data file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), path, ": read error");
-  return load_dataset_from_string(ss.str(), path, tokenizer, options);
+  return load_dataset_from_string(read_data_file(path), path, tokenizer, options);
 }
 
 }  // namespace q4::data

@@ -456,20 +456,35 @@ at::Tensor Qwen3Model::forward(const ModelInputs& in, KvCache* cache) {
   return at::linear(h, impl_->weight(impl_->lm_head));  // (B, T, V)
 }
 
-LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
+namespace {
+
+void check_labels(const ModelInputs& in) {
   TORCH_CHECK(in.labels.defined() && in.labels.sizes() == in.input_ids.sizes() &&
                   in.labels.scalar_type() == at::kLong,
               "labels: expected an int64 tensor shaped like input_ids ",
               shape_str(in.input_ids.sizes()));
+}
+
+// The label each position predicts, flat (B*T) int64 where the labels live: HF shift, position
+// t predicts labels[t + 1] and the last position nothing (-100). After the forward (which
+// checks the batch is not empty).
+at::Tensor shifted_labels(const ModelInputs& in) {
+  const int64_t B = in.labels.size(0), T = in.labels.size(1);
+  return at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
+      .reshape({-1});
+}
+
+}  // namespace
+
+LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
+  check_labels(in);
   at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
-  // HF shift: position t predicts labels[t + 1]; the last position predicts nothing. Only the
-  // supervised rows reach the lm_head (the (rows, V) logits dominate the step when answers are
-  // short): their flat indices are found where the labels live. Labels on the host (or on the
-  // CPU device) cost no device sync; labels already on a CUDA device cost one (the row count).
-  at::Tensor next =
-      at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
-          .reshape({-1});                                   // (B*T) int64
+  at::Tensor next = shifted_labels(in);  // (B*T) int64
+  // Only the supervised rows reach the lm_head (the (rows, V) logits dominate the step when
+  // answers are short): their flat indices are found where the labels live. Labels on the host
+  // (or on the CPU device) cost no device sync; labels already on a CUDA device cost one (the
+  // row count).
   at::Tensor rows = next.ne(-100).nonzero().reshape({-1});  // (N) int64 flat positions
   at::Tensor targets = next.index_select(0, rows);          // (N)
   const at::Device dev = impl_->opt.device;
@@ -513,16 +528,10 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
 }
 
 Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in) {
-  TORCH_CHECK(in.labels.defined() && in.labels.sizes() == in.input_ids.sizes() &&
-                  in.labels.scalar_type() == at::kLong,
-              "labels: expected an int64 tensor shaped like input_ids ",
-              shape_str(in.input_ids.sizes()));
+  check_labels(in);
   at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
-  // HF shift, as loss(): position t's label is labels[t + 1].
-  const at::Tensor next =
-      at::cat({in.labels.narrow(1, 1, T - 1), at::full({B, 1}, -100, in.labels.options())}, 1)
-          .reshape({-1});
+  const at::Tensor next = shifted_labels(in);
   TokenLogprobs out;
   out.positions = next.ne(-100).nonzero().reshape({-1});
   const at::Device dev = impl_->opt.device;

@@ -59,3 +59,24 @@ TEST(RunPlan, CadencesPathsAndReshard) {
   EXPECT_TRUE(on.device().is_cpu());
   on.check_guard("here");  // no guard on the CPU
 }
+
+// gradient_checkpointing auto is resolved into the plan's config (what the model is built
+// with) but saved as configured, so a resume on another GPU decides again.
+TEST(RunPlan, RecomputeResolvesButIsSavedAsConfigured) {
+  Config c = cpu_config("runs/x");
+  c.model.device = "cuda";  // resolution is a CUDA matter; nothing runs here
+  c.train.steps = 3;
+  RunPlan plan(c, RunOptions{});
+  const auto mc =
+      q4::model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
+  const std::string line = plan.resolve_recompute(mc, true, int64_t{80} << 30);
+  EXPECT_NE(line.find("gradient checkpointing auto: no decoder layer recomputes"),
+            std::string::npos)
+      << line;
+  EXPECT_EQ(plan.config().train.gradient_checkpointing, Recompute::kFalse);
+  const Config saved = plan.config_to_save();
+  EXPECT_EQ(saved.train.gradient_checkpointing, Recompute::kAuto);
+  EXPECT_EQ(saved.train.recompute_layers, -1);
+  EXPECT_EQ(saved.train.steps, 3);
+  EXPECT_NE(config_to_yaml(saved).find("gradient_checkpointing: \"auto\""), std::string::npos);
+}

@@ -21,6 +21,7 @@ namespace q4::trainer {
 
 RunPlan::RunPlan(const Config& config, const RunOptions& options, bool probe)
     : config_(config),
+      configured_train_(config.train),
       options_(options),
       device_(config.model.device),
       probe_(probe),
@@ -43,7 +44,16 @@ std::string RunPlan::clip_warmup() { return length_from_data_ ? "" : clip_warmup
 
 std::string RunPlan::resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
                                        int64_t free_bytes) {
+  configured_train_ = config_.train;
   return trainer::resolve_recompute(config_, mc, separate_lm_head, free_bytes);
+}
+
+Config RunPlan::config_to_save() const {
+  Config c = config_;
+  c.train.gradient_checkpointing = configured_train_.gradient_checkpointing;
+  c.train.recompute_layers = configured_train_.recompute_layers;
+  c.train.offload_layer_inputs = configured_train_.offload_layer_inputs;
+  return c;
 }
 
 std::string RunPlan::resolve_length(int64_t micro_batches_per_epoch, int64_t ranks) {

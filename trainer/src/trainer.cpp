@@ -245,7 +245,7 @@ class Trainer {
       // trainable set, schedule or world) leaves the run's config.yaml as it was.
       if (!resume)
         write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
-                          config_to_yaml(cfg()));
+                          config_to_yaml(plan_.config_to_save()));
     }
     // A random init is written by rank 0 and then loaded by the others.
     if (!leader()) comm_->barrier();
@@ -258,7 +258,7 @@ class Trainer {
       restore(*resume);
       if (leader()) {
         write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
-                          config_to_yaml(cfg()));
+                          config_to_yaml(plan_.config_to_save()));
       }
     }
     if (leader()) log_.open(resume.has_value(), start_step_, evaluator_);

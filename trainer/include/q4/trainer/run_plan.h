@@ -104,6 +104,9 @@ class RunPlan {
   // train.gradient_checkpointing auto resolved (estimate.h resolve_recompute): its line.
   std::string resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
                                 int64_t free_bytes);
+  // The config a run writes to its config.yaml: config() with the recompute settings as
+  // configured (auto stays auto, so a resume, maybe on another GPU, decides again).
+  Config config_to_save() const;
   // A resume on another world size keeps the global batch with this many micro-batches a step.
   void rescale_grad_accum(int64_t grad_accum);
 
@@ -113,6 +116,7 @@ class RunPlan {
 
  private:
   Config config_;
+  TrainConfig configured_train_;  // train.* before resolve_recompute
   RunOptions options_;
   at::Device device_;
   bool probe_ = false;
