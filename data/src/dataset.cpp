@@ -179,6 +179,18 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
   return pair;
 }
 
+// A malformed line or record: an error naming the file and line, or (on_error: skip) counted and
+// reported in the summary. `unit` names what is skipped ("lines", "records").
+void skip_or_fail(LoadSummary* s, const DatasetOptions& options, const std::string& name,
+                  int64_t line, const std::string& reason, const char* unit) {
+  TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", reason,
+              " (set on_error: skip to skip malformed ", unit, ")");
+  ++s->skipped;
+  if (static_cast<int64_t>(s->first_skipped.size()) < LoadSummary::kMaxReported) {
+    s->first_skipped.push_back({line, reason});
+  }
+}
+
 json parse_object(const std::string& line) {
   json j;
   try {
@@ -481,12 +493,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
         ds.examples.push_back(std::move(ex));
       } catch (const BadLine& bad) {
-        TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", r.line, ": ", bad.reason,
-                    " (set on_error: skip to skip malformed records)");
-        ++ds.summary.skipped;
-        if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
-          ds.summary.first_skipped.push_back({r.line, bad.reason});
-        }
+        skip_or_fail(&ds.summary, options, name, r.line, bad.reason, "records");
       }
     }
     ds.summary.examples = static_cast<int64_t>(ds.examples.size());
@@ -545,12 +552,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
       for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
       ds.examples.push_back(std::move(ex));
     } catch (const BadLine& bad) {
-      TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line_no, ": ", bad.reason,
-                  " (set on_error: skip to skip malformed lines)");
-      ++ds.summary.skipped;
-      if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
-        ds.summary.first_skipped.push_back({line_no, bad.reason});
-      }
+      skip_or_fail(&ds.summary, options, name, line_no, bad.reason, "lines");
     }
   }
   ds.summary.examples = static_cast<int64_t>(ds.examples.size());
@@ -578,12 +580,7 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
       ++ds.summary.jsonl_formats["trl preference"];
       ds.pairs.push_back(std::move(p));
     } catch (const BadLine& bad) {
-      TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", bad.reason,
-                  " (set on_error: skip to skip malformed records)");
-      ++ds.summary.skipped;
-      if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
-        ds.summary.first_skipped.push_back({line, bad.reason});
-      }
+      skip_or_fail(&ds.summary, options, name, line, bad.reason, "records");
     }
   };
   size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
