@@ -12,6 +12,7 @@
 
 #include "q4/io/enum_names.h"
 #include "q4/model/qwen3.h"
+#include "q4/quant/nvfp4.h"
 
 Q4_ENUM_NAMES(q4::model::MemoryPhaseKind, {"forward", q4::model::MemoryPhaseKind::kForward},
               {"loss forward", q4::model::MemoryPhaseKind::kLossForward},
@@ -55,8 +56,15 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads;
   const bool tied = !include_lm_head;
   const bool in_backward = grads.applied_in_backward;
-  // Gradients of earlier micro-batches stay in the buffer through every phase of later ones.
+  const bool cuda = opt.device.is_cuda();
+  // Trainable NVFP4 linears keep codes on the device and their masters in pinned host memory.
+  const bool offload = cuda && opt.offload_masters;
+  // Gradients of earlier micro-batches stay in the buffer through every phase of later ones;
+  // with offloaded masters, those of the offloaded linears add up in pinned host memory instead
+  // (each one freed on the device once complete, as with in-backward updates).
   const bool carried = !in_backward && grads.accumulation_steps > 1;
+  const bool host_accum = carried && offload;
+  const bool buffer_carried = carried && !host_accum;
 
   MemoryEstimate est;
   // Per decoder layer: trainable elements, their compute-dtype weights saved by the layer's
@@ -65,6 +73,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   std::vector<int64_t> layer_down(L, 0);  // trainable down_proj elements
   int64_t head_elems = 0;  // gradients produced by the loss: lm_head (untied) and the final norm
   int64_t embed_elems = 0;
+  int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
   bool lm_trains = false;
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     const int64_t n = p.numel();
@@ -72,8 +81,14 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       est.frozen_bytes += n * cs;
       continue;
     }
-    est.master_bytes += n * ms;
     est.grad_buffer_bytes += n * gs;
+    if (offload && p.kind == ParamKind::kQuantizedLinear) {
+      est.master_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize;  // codes + E4M3 scales
+      est.host_bytes += n * ms + (host_accum ? n * gs : 0);  // master (+ gradient buffer)
+    } else {
+      est.master_bytes += n * ms;
+      resident_grad_bytes += n * gs;
+    }
     if (p.layer >= 0) {
       layer_elems[p.layer] += n;
       if (p.kind == ParamKind::kQuantizedLinear) layer_weight_elems[p.layer] += n;
@@ -91,14 +106,14 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // stored one: kept as is when the dtypes agree and nothing is stored yet, else converted or
   // added into the buffer while the fresh one still exists.
   auto fresh = [&](int64_t n) {
-    if (carried) return n * cs + (gs == cs ? 0 : n * gs);
+    if (buffer_carried) return n * cs + (gs == cs ? 0 : n * gs);
     return gs == cs ? 0 : n * cs;
   };
-  const int64_t carry = carried ? est.grad_buffer_bytes : 0;
+  const int64_t carry =
+      buffer_carried ? est.grad_buffer_bytes : (host_accum ? resident_grad_bytes : 0);
 
   const int64_t tokens = batch * seq_len;
   const int64_t boundary = tokens * H * cs;  // a layer input/output
-  const bool cuda = opt.device.is_cuda();
   // The trainer's batches carry cu_seqlens: on CUDA with 16-bit compute (LibTorch >= 2.4) the
   // layers take the variable-length FlashAttention path with the fused RMSNorm/RoPE kernels.
   const int64_t D = cfg.head_dim;
@@ -131,19 +146,19 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Saved activations of layers [0, n): a recomputed layer's input, or the whole graph of a
   // layer that keeps its activations, with its input.
   // A recomputed layer's input offloaded to pinned host memory takes no device memory.
-  const bool offload = cuda && opt.offload_layer_inputs;
+  const bool offload_inputs = cuda && opt.offload_layer_inputs;
   auto saved_below = [&](int64_t n) {
     int64_t s = 0;
     for (int64_t l = 0; l < n; ++l) {
       if (!opt.recomputes(l)) {
         s += boundary + layer_graph(l);
-      } else if (!offload) {
+      } else if (!offload_inputs) {
         s += boundary;
       }
     }
     return s;
   };
-  for (int64_t l = 0; offload && l < L; ++l) {
+  for (int64_t l = 0; offload_inputs && l < L; ++l) {
     if (opt.recomputes(l)) est.host_bytes += boundary;
   }
   const bool any_recomputed = L > 0 && opt.recomputes(0);
@@ -185,7 +200,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
   // differs, added into the buffer when one is carried).
   add(MemoryPhaseKind::kLossBackward,
-      carry + std::max(lm_elems * cs, (carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
+      carry + std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
       all_saved + 2 * boundary, rows * H * cs);
   // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l] (layer l's graph
   // recomputed from its checkpoint when checkpointing), the backward's working tensors, and the
@@ -197,7 +212,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     MemoryPhase best;
     best.kind = MemoryPhaseKind::kLayerBackward;
     int64_t above = 0;  // buffered gradients of layers above l
-    const int64_t head_stored = in_backward ? 0 : head_elems * gs;
+    const int64_t head_stored = in_backward || host_accum ? 0 : head_elems * gs;
     for (int64_t l = L - 1; l >= 0; --l) {
       const bool ckpt = opt.recomputes(l);
       // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients
@@ -207,10 +222,10 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       // The held down-projection seed when it is not the stored gradient itself.
       const int64_t seed = ckpt && (in_backward || carried || gs != cs) ? layer_down[l] * cs : 0;
       int64_t g = tied_grad + seed;
-      if (carried) {
+      if (buffer_carried) {
         g = carry + seed + fresh(layer_largest[l]);
-      } else if (in_backward) {
-        g += layer_largest[l] * gs + fresh(layer_largest[l]);
+      } else if (in_backward || host_accum) {
+        g = std::max(carry, tied_grad) + seed + layer_largest[l] * gs + fresh(layer_largest[l]);
       } else {
         g += head_stored + above + layer_elems[l] * gs + fresh(layer_largest[l]);
       }
@@ -227,14 +242,17 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // the rows added from the incoming (tokens, H) gradient; on the CPU half-precision gradients
   // are added through an fp32 (V, H) buffer. Buffered, every other gradient exists too.
   if (embed_elems > 0) {
-    const int64_t g = in_backward ? embed_elems * gs : est.grad_buffer_bytes;
+    const int64_t g = in_backward  ? embed_elems * gs
+                      : host_accum ? std::max(carry, embed_elems * gs)
+                                   : est.grad_buffer_bytes;
     const int64_t cpu_acc = (!cuda && gs != 4) ? embed_elems * 4 : 0;
     add(MemoryPhaseKind::kEmbeddingBackward, g, boundary + cpu_acc, 0);
   }
   // Buffered updates: the complete gradient buffer while the optimizer runs (its scratch is
   // the optimizer's to count).
   if (!in_backward && est.grad_buffer_bytes > 0) {
-    add(MemoryPhaseKind::kOptimizerStep, est.grad_buffer_bytes, 0, 0);
+    add(MemoryPhaseKind::kOptimizerStep, host_accum ? resident_grad_bytes : est.grad_buffer_bytes,
+        0, 0);
   }
 
   for (size_t i = 0; i < est.phases.size(); ++i) {

@@ -64,6 +64,11 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     ctx->saved_data["grad_dtype"] = grad_dtype;
     auto* p = int_to_ptr<Parameter>(param);
     const auto cd = static_cast<at::ScalarType>(compute_dtype);
+    if (p->qdata.defined()) {
+      // Offloaded master: its codes are quantize(master), so this is fake_quant(master) bit for
+      // bit (dequantized values are exact in every float dtype).
+      return q4::quant::dequantize_nvfp4(p->qdata, p->scale, cd);
+    }
     if (p->quantized && int_to_ptr<const Qwen3Model::Impl>(impl)->opt.fake_quant) {
       // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
       // catches NaN/Inf through the loss and gradients); on CPU it still raises.

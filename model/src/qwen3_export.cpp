@@ -74,15 +74,17 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
         // The source's dequantized weight lives only for the comparison (the export runs next
         // to the masters and moments, so its temporaries count toward the run's peak).
         const q4::quant::Nvfp4Tensor src = source.load_nvfp4(*source.find_nvfp4(ref.name));
-        const at::Device dev = p->master.device();
+        const at::Device dev = m.opt.device;
         const at::Tensor deq = q4::quant::dequantize_nvfp4(src.qdata.to(dev), src.scale.to(dev),
                                                            p->master.scalar_type());
         TORCH_CHECK(deq.sizes() == p->master.sizes(), where, ": dequantized shape ", deq.sizes(),
                     " differs from the model's ", p->master.sizes());
-        unchanged = at::equal(deq, p->master);
+        unchanged = at::equal(deq, m.device_master(p));
       }
       std::optional<q4::quant::Nvfp4Tensor> packed;
-      if (!unchanged) {
+      if (!unchanged && p->qdata.defined()) {
+        packed = q4::quant::Nvfp4Tensor{p->qdata.cpu().contiguous(), p->scale.cpu().contiguous()};
+      } else if (!unchanged) {
         q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(p->master, p->name);
         packed = q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(), t.scale.cpu().contiguous()};
       }

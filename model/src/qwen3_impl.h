@@ -75,6 +75,11 @@ struct Qwen3Model::Impl {
   Parameter* find(const std::string& name);
   const std::vector<int64_t>& shape_of(const Parameter* p) const;
   bool any_trainable() const;
+  // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
+  // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
+  void offload_master(Parameter* p);
+  // p's master on the model's device: itself, or a device copy of an offloaded one.
+  at::Tensor device_master(const Parameter* p) const;
   // Before a read of trainable master `p`, or of every master (nullptr): the master fence.
   void fence(const Parameter* p) const {
     if (master_fence) master_fence(p);

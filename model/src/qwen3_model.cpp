@@ -14,6 +14,7 @@
 
 #include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
+#include "q4/quant/pinned.h"
 #include "qwen3_impl.h"
 #include "stored_layers.h"
 
@@ -89,6 +90,9 @@ void ModelOptions::validate() const {
               recompute_layers);
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "ModelOptions.device: expected cpu or cuda, got ", device.str());
+  TORCH_CHECK(!offload_masters || fake_quant,
+              "ModelOptions.offload_masters needs fake_quant (plain precision computes with the "
+              "masters themselves)");
 }
 
 // ---------------------------------------------------------------- Impl
@@ -150,6 +154,23 @@ Parameter* Qwen3Model::Impl::find(const std::string& name) {
 
 const std::vector<int64_t>& Qwen3Model::Impl::shape_of(const Parameter* p) const {
   return shapes[static_cast<size_t>(p - params.data())];
+}
+
+void Qwen3Model::Impl::offload_master(Parameter* p) {
+  if (!opt.offload_masters || !p->trainable || !p->quantized) return;
+  // Codes from the device master while it is there (one pass), then the master moves out.
+  const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(p->master, p->name);
+  p->qdata = q.qdata;
+  p->scale = q.scale;
+  if (p->master.is_cuda()) {
+    at::Tensor host = q4::quant::pinned_empty(p->master.sizes(), p->master.scalar_type());
+    host.copy_(p->master);
+    p->master = host;
+  }
+}
+
+at::Tensor Qwen3Model::Impl::device_master(const Parameter* p) const {
+  return p->master.device() == opt.device ? p->master : p->master.to(opt.device);
 }
 
 bool Qwen3Model::Impl::any_trainable() const {
@@ -331,6 +352,7 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
     p->quantized = quantized;
     if (p->trainable) {
       p->master = w.to(m.opt.master_dtype).contiguous();
+      m.offload_master(p);
     } else if (quantized && m.opt.fake_quant) {
       p->master = q4::quant::fake_quant_nvfp4_forward(w, p->name).to(m.opt.compute_dtype);
     } else {
@@ -429,6 +451,7 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
     w = w.to(m.opt.device);
     if (p.trainable) {
       p.master = w.to(m.opt.master_dtype);
+      m.offload_master(&p);
     } else if (p.quantized && m.opt.fake_quant) {
       p.master = q4::quant::fake_quant_nvfp4_forward(w, p.name).to(m.opt.compute_dtype);
     } else {
@@ -593,6 +616,17 @@ void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_la
 void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }
 
 void Qwen3Model::set_master_fence(MasterFence fence) { impl_->master_fence = std::move(fence); }
+
+void Qwen3Model::refresh_codes(const Parameter* only) {
+  at::NoGradGuard no_grad;
+  for (auto& p : impl_->params) {
+    if (!p.qdata.defined() || (only != nullptr && only != &p)) continue;
+    const at::Tensor master = p.master.device() == p.qdata.device()
+                                  ? p.master
+                                  : q4::quant::device_alias(p.master, p.qdata.device());
+    q4::quant::quantize_nvfp4_into(master, {p.qdata, p.scale}, p.name);
+  }
+}
 
 void Qwen3Model::begin_grad_step() {
   for (auto& p : impl_->params) p.pending_uses = 0;

@@ -58,7 +58,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
       qdata = exported.load(*q);
       scale = exported.load(*s);
     }
-    const at::Tensor& master = p->master;
+    const at::Tensor master = m.device_master(p);
     const int64_t rows = master.dim() >= 1 ? master.size(0) : 1;
     const int64_t row_elems = master.numel() / std::max<int64_t>(rows, 1);
     const bool shape_ok = raw.defined() ? raw.sizes() == master.sizes()

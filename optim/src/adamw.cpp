@@ -19,6 +19,7 @@
 #include "optim_math.h"
 #include "optim_state.h"
 #include "q4/optim/state_codec.h"
+#include "q4/quant/pinned.h"
 
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -85,6 +86,32 @@ bool is_master_dtype(at::ScalarType t) {
 
 void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, bool weight_decay,
                             int64_t stream_index) {
+  TORCH_CHECK(!master.defined() || master.is_cpu() || master.is_cuda(), "PackedAdamW::add_param('",
+              name, "'): master must be on CPU or CUDA, got ", master.device());
+  register_param(name, master, master.defined() ? master.device() : at::Device(at::kCPU),
+                 weight_decay, stream_index);
+}
+
+void PackedAdamW::add_host_param(const std::string& name, const at::Tensor& master,
+                                 const at::Device& device, bool weight_decay,
+                                 int64_t stream_index) {
+  TORCH_CHECK(master.defined() && master.is_cpu() && master.is_pinned(),
+              "PackedAdamW::add_host_param('", name,
+              "'): master must be a tensor in pinned host memory");
+  TORCH_CHECK(device.is_cuda(), "PackedAdamW::add_host_param('", name,
+              "'): expected a CUDA device, got ", device);
+#if Q4_WITH_CUDA
+  const at::Device dev = device.has_index() ? device : at::Device(at::kCUDA, c10::cuda::current_device());
+  register_param(name, master, dev, weight_decay, stream_index);
+#else
+  TORCH_CHECK(false, "PackedAdamW::add_host_param('", name,
+              "'): q4_optim was built without CUDA kernels (configure with -DQ4_ENABLE_CUDA=ON)");
+#endif
+}
+
+void PackedAdamW::register_param(const std::string& name, const at::Tensor& master,
+                                 const at::Device& device, bool weight_decay,
+                                 int64_t stream_index) {
   Impl& d = *impl_;
   TORCH_CHECK(!d.frozen, "PackedAdamW::add_param('", name,
               "'): parameters must be registered before the first step() or load()");
@@ -99,43 +126,47 @@ void PackedAdamW::add_param(const std::string& name, const at::Tensor& master, b
   TORCH_CHECK(master.is_contiguous(), "PackedAdamW::add_param('", name,
               "'): master must be contiguous");
   TORCH_CHECK(master.numel() > 0, "PackedAdamW::add_param('", name, "'): empty tensor");
-  TORCH_CHECK(master.is_cpu() || master.is_cuda(), "PackedAdamW::add_param('", name,
-              "'): master must be on CPU or CUDA, got ", master.device());
 #if !Q4_WITH_CUDA
-  TORCH_CHECK(!master.is_cuda(), "PackedAdamW::add_param('", name,
+  TORCH_CHECK(!device.is_cuda(), "PackedAdamW::add_param('", name,
               "'): CUDA master given but q4_optim was built without CUDA kernels "
               "(configure with -DQ4_ENABLE_CUDA=ON)");
 #endif
   detail::ParamState p;
   p.master = master;
-  p.flat = master.detach().view({-1});
   ParamInfo& info = p.info;
+  info.master_on_host = master.is_cpu() && device.is_cuda();
+  // A master in pinned host memory is updated by the device's kernels through an alias.
+  p.flat = info.master_on_host ? quant::device_alias(master.detach().view({-1}), device)
+                               : master.detach().view({-1});
   info.name = name;
   info.shape = master.sizes().vec();
   info.master_dtype = master.scalar_type();
-  info.device = master.device();
+  info.device = device;
   info.rows = master.dim() >= 1 ? master.size(0) : 1;
   info.cols = master.numel() / std::max<int64_t>(info.rows, 1);
   info.weight_decay = weight_decay;
   info.stream_index = stream_index >= 0 ? stream_index : static_cast<int64_t>(d.ps.size());
   info.mode = master.numel() < d.opt.small_tensor_threshold ? StateMode::kFp32 : d.opt.state_mode;
   const int64_t n = master.numel();
-  info.moments_on_host = d.opt.offload_moments && master.is_cuda();
+  info.moments_on_host = (d.opt.offload_moments && device.is_cuda()) || info.master_on_host;
   // Offloaded moments: pinned host memory, which the CUDA kernels address directly.
-  const auto fopts = info.moments_on_host
-                         ? at::TensorOptions().device(at::kCPU).pinned_memory(true)
-                         : at::TensorOptions().device(master.device());
+  const auto zeros = [&](int64_t count, at::ScalarType dtype) {
+    if (!info.moments_on_host) {
+      return at::zeros({count}, at::TensorOptions().device(device).dtype(dtype));
+    }
+    return quant::pinned_empty({count}, dtype).zero_();
+  };
   if (info.mode == StateMode::kFp32) {
-    p.m32 = at::zeros({n}, fopts.dtype(at::kFloat));
-    p.v32 = at::zeros({n}, fopts.dtype(at::kFloat));
+    p.m32 = zeros(n, at::kFloat);
+    p.v32 = zeros(n, at::kFloat);
   } else {
     const int64_t nb = ceil_div(n, moment_block_size(info.mode));
     const int64_t ncodes = info.mode == StateMode::kInt8 ? n : ceil_div(n, 2);
     const auto sdt = info.mode == StateMode::kNvfp4 ? at::kByte : at::kFloat;
     for (PackedMoment* pm : {&p.m, &p.v}) {
       pm->numel = n;
-      pm->codes = at::zeros({ncodes}, fopts.dtype(at::kByte));
-      pm->scales = at::zeros({nb}, fopts.dtype(sdt));
+      pm->codes = zeros(ncodes, at::kByte);
+      pm->scales = zeros(nb, sdt);
     }
   }
   info.state_bytes = 2 * packed_moment_bytes(info.mode, n);
@@ -403,7 +434,7 @@ void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, 
 #if Q4_WITH_CUDA
 void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
                      bool stochastic, uint32_t key, const int32_t* skip = nullptr) {
-  c10::cuda::CUDAGuard guard(p.master.device());
+  c10::cuda::CUDAGuard guard(p.info.device);
   cuda::StepParams k;
   at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
   k.grad = g.defined() ? g.data_ptr() : nullptr;
@@ -449,8 +480,8 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
 void wait_for_host_moments(const std::vector<ParamState>& ps) {
 #if Q4_WITH_CUDA
   for (const ParamState& p : ps) {
-    if (p.info.moments_on_host) {
-      // Kernels on any stream may still be writing offloaded moments: wait for all of them.
+    if (p.info.moments_on_host || p.info.master_on_host) {
+      // Kernels on any stream may still be writing offloaded state: wait for all of them.
       c10::cuda::device_synchronize();
       return;
     }
@@ -560,9 +591,9 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     detail::ParamState& p = d.ps[i];
     const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
     const uint32_t key = detail::sr_stream_key(o.seed, t, p.info.stream_index);
-    if (p.master.is_cuda()) {
+    if (p.info.device.is_cuda()) {
 #if Q4_WITH_CUDA
-      const c10::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream(p.master.device().index());
+      const c10::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream(p.info.device.index());
       if (!side || side->device() != main.device()) {
         if (side) {  // parameters on another device: join the previous side stream first
           side_done->record(*side);
@@ -676,11 +707,10 @@ void PackedAdamW::begin_step(const StepArgs& args) {
   d.host_nonfinite = 0;
 #if Q4_WITH_CUDA
   for (const auto& p : d.ps) {
-    if (!p.master.is_cuda()) continue;
+    if (!p.info.device.is_cuda()) continue;
     const int64_t n = static_cast<int64_t>(d.ps.size());
-    if (!d.partials.defined() || d.partials.size(0) != n ||
-        d.partials.device() != p.master.device()) {
-      const auto opt = at::TensorOptions().device(p.master.device());
+    if (!d.partials.defined() || d.partials.size(0) != n || d.partials.device() != p.info.device) {
+      const auto opt = at::TensorOptions().device(p.info.device);
       d.partials = at::empty({n, cuda::kSumsqPartials}, opt.dtype(at::kFloat));
       d.skip = at::empty({n}, opt.dtype(at::kInt));
     }
@@ -714,9 +744,9 @@ void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
   const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
   const bool stochastic = o.rounding == MasterRounding::kStochastic;
   const uint32_t key = detail::sr_stream_key(o.seed, d.cur_t, p.info.stream_index);
-  if (p.master.is_cuda()) {
+  if (p.info.device.is_cuda()) {
 #if Q4_WITH_CUDA
-    c10::cuda::CUDAGuard guard(p.master.device());
+    c10::cuda::CUDAGuard guard(p.info.device);
     const auto stream = at::cuda::getCurrentCUDAStream();
     int32_t* flag = d.skip.data_ptr<int32_t>() + index;
     if (grad.defined()) {

@@ -16,7 +16,10 @@ namespace detail {
 
 struct ParamState {
   at::Tensor master;  // as registered (any shape), updated in place
-  at::Tensor flat;    // (numel) view of master
+  at::Tensor flat;    // (numel) view of master the update writes (a device alias when the master
+                      // is in pinned host memory)
+  // (numel) view of master on its own device, for the state file.
+  at::Tensor host_flat() const { return master.detach().view({-1}); }
   ParamInfo info;
   at::Tensor m32;  // (numel) fp32 first moment (mode fp32)
   at::Tensor v32;  // (numel) fp32 second moment (mode fp32)

@@ -183,7 +183,7 @@ void PackedAdamW::save(const std::string& path, bool include_masters) const {
       w.pod<uint8_t>(p.info.weight_decay ? 1 : 0);
       w.pod<uint8_t>(include_masters ? 1 : 0);
       for (const at::Tensor& t : blobs_of(p)) w.tensor(t);
-      if (include_masters) w.tensor(p.flat);
+      if (include_masters) w.tensor(p.host_flat());
     }
     w.raw(kEnd, 8);
     w.commit();
@@ -302,7 +302,7 @@ void check_entry(const std::string& f, const Entry& e, const detail::ParamState&
               wp, " weight_decay flag is ", static_cast<int>(e.weight_decay), ", registered ",
               p.info.weight_decay);
   std::vector<at::Tensor> expect = blobs_of(p);
-  if (e.has_master) expect.push_back(p.flat);
+  if (e.has_master) expect.push_back(p.host_flat());
   for (size_t b = 0; b < expect.size(); ++b) {
     TORCH_CHECK(e.blobs[b].second == nbytes_of(expect[b]), "PackedAdamW::load: '", f, "': ", wp,
                 " blob ", b, " has ", e.blobs[b].second, " bytes, expected ",
@@ -375,7 +375,7 @@ void PackedAdamW::load_files(Impl& d, const std::vector<std::string>& paths,
     const Entry& e = *source[i].entry;
     Reader& r = *readers[source[i].file];
     std::vector<at::Tensor> dst = blobs_of(p);
-    if (e.has_master && restore_masters) dst.push_back(p.flat);
+    if (e.has_master && restore_masters) dst.push_back(p.host_flat());
     for (size_t b = 0; b < dst.size(); ++b) {
       r.seek(e.blobs[b].first);
       r.into(dst[b], e.blobs[b].second, "parameter '" + p.info.name + "'");

@@ -266,6 +266,39 @@ Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name) {
   return quantize_cpu(x, name);
 }
 
+void quantize_nvfp4_into(const at::Tensor& x_in, const Nvfp4Tensor& out,
+                         const std::string& name) {
+  check_input(x_in, "quantize_nvfp4_into", name);
+  const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  const auto want = [&](const at::Tensor& t, int64_t c, const char* what) {
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kByte && t.is_contiguous() &&
+                    t.dim() == 2 && t.size(0) == rows && t.size(1) == c &&
+                    t.device() == x_in.device(),
+                "quantize_nvfp4_into: ", what, " of '", name,
+                "' must be a contiguous uint8 [", rows, ", ", c, "] tensor on ", x_in.device());
+  };
+  want(out.qdata, cols / 2, "qdata");
+  want(out.scale, cols / kNvfp4BlockSize, "scale");
+  const at::Tensor x = x_in.contiguous();
+  if (x.is_cuda()) {
+#if Q4_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    cuda::check_cuda(
+        cuda::launch_quantize_nvfp4(x.data_ptr(), cuda::dtype_of(x.scalar_type(), "nvfp4"),
+                                    x.numel() / kNvfp4BlockSize, out.qdata.data_ptr<uint8_t>(),
+                                    out.scale.data_ptr<uint8_t>(), nullptr,
+                                    at::cuda::getCurrentCUDAStream()),
+        "quantize_nvfp4_into");
+    return;
+#else
+    fail_no_cuda("quantize_nvfp4_into");
+#endif
+  }
+  const Nvfp4Tensor q = quantize_cpu(x, name);
+  out.qdata.copy_(q.qdata);
+  out.scale.copy_(q.scale);
+}
+
 at::Tensor dequantize_nvfp4(const at::Tensor& qdata_in, const at::Tensor& scale_in,
                             at::ScalarType dtype) {
   TORCH_CHECK(qdata_in.dim() == 2 && scale_in.dim() == 2,

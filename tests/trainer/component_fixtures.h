@@ -38,7 +38,7 @@ struct ComponentTempDir {
   ~ComponentTempDir() { q4::io::remove_tree(path); }
 };
 
-inline model::Qwen3Model tiny_model(uint64_t seed = 7) {
+inline model::Qwen3Model tiny_model(uint64_t seed = 7, bool offload_masters = false) {
   const auto cfg =
       model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
   model::ModelOptions o;
@@ -47,6 +47,7 @@ inline model::Qwen3Model tiny_model(uint64_t seed = 7) {
   o.grad_dtype = at::kFloat;
   o.trainable = model::TrainableSpec::everything();
   o.gradient_checkpointing = false;
+  o.offload_masters = offload_masters;
   return model::Qwen3Model::random_init(cfg, o, seed, 0.02);
 }
 

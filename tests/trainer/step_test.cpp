@@ -4,8 +4,10 @@
 #include "q4/trainer/step.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include "component_fixtures.h"
+#include "q4/quant/nvfp4.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -67,6 +69,91 @@ TEST(TrainStep, InBackwardUpdatesEqualBufferedOnes) {
   EXPECT_FALSE(in_backward.step->in_backward());
   const StepOutcome s3 = in_backward.step->run(1, *b2);
   EXPECT_TRUE(s3.res.applied);
+}
+
+// optim.offload: all keeps each trained NVFP4 linear's codes for the forward and re-derives them
+// after every update (on the CPU the masters stay put; the same forward and refreshes): the
+// losses and masters of a few steps equal those of fake-quantizing the masters, bit for bit, in
+// buffered, in-backward and accumulated steps. A missed refresh would leave step 2 computing
+// with step 1's weights.
+TEST(TrainStep, OffloadedMastersTrainAsResidentOnes) {
+  SupervisedCrossEntropy ce;
+  for (const int64_t accum : {1, 2}) {
+    for (const bool in_backward : {false, true}) {
+      if (accum > 1 && in_backward) continue;
+      auto resident = tiny_model(), offloaded = tiny_model(7, /*offload_masters=*/true);
+      int64_t with_codes = 0;
+      for (auto* p : offloaded.trainable_parameters()) with_codes += p->qdata.defined() ? 1 : 0;
+      ASSERT_GT(with_codes, 0);
+      for (auto* p : resident.trainable_parameters()) ASSERT_FALSE(p->qdata.defined());
+      const Config c = cpu_config("unused", accum);
+      StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
+      const int64_t V = resident.config().vocab_size;
+      auto b1 = random_batcher(8, 12, V, 2);
+      auto b2 = random_batcher(8, 12, V, 2);
+      for (int64_t step = 0; step < 3; ++step) {
+        const StepOutcome s1 = r1.step->run(step, *b1);
+        const StepOutcome s2 = r2.step->run(step, *b2);
+        ASSERT_TRUE(s1.res.applied && s2.res.applied);
+        EXPECT_EQ(s1.loss, s2.loss) << "accum " << accum << " in_backward " << in_backward
+                                    << " step " << step;
+      }
+      const auto a = masters(resident), b = masters(offloaded);
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
+      for (auto* p : offloaded.trainable_parameters()) {
+        if (!p->qdata.defined()) continue;
+        const auto q = quant::quantize_nvfp4(p->master, p->name);
+        EXPECT_TRUE(at::equal(q.qdata, p->qdata) && at::equal(q.scale, p->scale)) << p->name;
+      }
+    }
+  }
+}
+
+// The same on the GPU, where offloaded masters live in pinned host memory and are updated there
+// over PCIe, and accumulated gradients of several micro-batches add up there too: fp16 masters,
+// bf16 compute, losses and masters bit for bit equal to the resident run's.
+TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
+  const auto cuda_model = [](bool offload) {
+    const auto cfg = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
+                                                        "/qwen3_tiny.config.json");
+    model::ModelOptions o;
+    o.master_dtype = at::kHalf;
+    o.compute_dtype = at::kBFloat16;
+    o.device = at::Device(at::kCUDA, 0);
+    o.trainable = model::TrainableSpec::everything();
+    o.gradient_checkpointing = true;
+    o.offload_masters = offload;
+    return model::Qwen3Model::random_init(cfg, o, 11, 0.02);
+  };
+  SupervisedCrossEntropy ce;
+  for (const int64_t accum : {1, 2}) {
+    for (const bool in_backward : {false, true}) {
+      if (accum > 1 && in_backward) continue;
+      const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
+      auto resident = cuda_model(false), offloaded = cuda_model(true);
+      for (auto* p : offloaded.trainable_parameters()) {
+        if (p->quantized) EXPECT_TRUE(p->master.is_cpu() && p->master.is_pinned()) << p->name;
+      }
+      Config c = cpu_config("unused", accum);
+      c.model.device = "cuda";
+      StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
+      const int64_t V = resident.config().vocab_size;
+      auto b1 = random_batcher(8, 12, V, 2);
+      auto b2 = random_batcher(8, 12, V, 2);
+      for (int64_t step = 0; step < 3; ++step) {
+        const StepOutcome s1 = r1.step->run(step, *b1);
+        const StepOutcome s2 = r2.step->run(step, *b2);
+        EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
+        EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
+      }
+      torch::cuda::synchronize();
+      const auto a = masters(resident), b = masters(offloaded);
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::equal(a[i].cpu(), b[i].cpu())) << what << " tensor " << i;
+      }
+    }
+  }
 }
 
 TEST(TrainStep, PhasesInOrder) {

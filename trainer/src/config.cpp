@@ -613,8 +613,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("optim.state", &c.optim.state, "moment storage format", {},
             {"optim_bits", "state_dtype", "moment_dtype"}),
       field("optim.offload", &c.optim.offload,
-            "none, or moments: on CUDA the AdamW moments live in pinned host memory (no GPU "
-            "memory for them; the update runs at PCIe speed; same results)"),
+            "none; moments: on CUDA the AdamW moments live in pinned host memory (no GPU "
+            "memory for them; the update runs at PCIe speed; same results); all: the trained "
+            "NVFP4 linears' masters too (the GPU keeps their 4-bit codes)"),
       field("optim.in_backward", &c.optim.in_backward,
             "update each parameter inside the backward and free its gradient (auto: CUDA, "
             "grad_accum 1)"),
@@ -1123,6 +1124,11 @@ void validate_config(const Config& c) {
     throw ConfigError("config key optim.offload: " + to_string(c.optim.offload) +
                       ", but model.device is " + m.device +
                       " (offload moves optimizer state from the GPU to the host)");
+  }
+  if (c.optim.offload == Offload::kAll && !c.model.fake_quant) {
+    throw ConfigError("config key optim.offload: all, but model.fake_quant is false (the GPU "
+                      "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
+                      "the masters themselves)");
   }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +

@@ -82,6 +82,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
       b.moments_bytes += 2 * optim::packed_moment_bytes(mode, n);
     }
   }
+  b.masters_on_host = opt.offload_masters && opt.device.is_cuda();
   if (ao.offload_moments && opt.device.is_cuda()) {  // in pinned host memory, not on the GPU
     b.host_bytes += b.moments_bytes;
     b.moments_on_host = true;
@@ -199,7 +200,8 @@ nlohmann::json MemoryBudget::to_json() const {
           {"phases", ph},
           {"trainable_elements", trainable_elements},
           {"host_bytes", host_bytes},
-          {"moments_on_host", moments_on_host}};
+          {"moments_on_host", moments_on_host},
+          {"masters_on_host", masters_on_host}};
 }
 
 std::string MemoryBudget::to_table() const {
@@ -207,10 +209,13 @@ std::string MemoryBudget::to_table() const {
   auto row = [&](const char* name, int64_t bytes, const char* note) {
     s += fmt::format("  {:<20} {:>9.3f} GiB  {}\n", name, to_gib(bytes), note);
   };
-  row("masters", masters_bytes, "whole run");
+  row("masters", masters_bytes,
+      masters_on_host ? "whole run; NVFP4 codes of the linears, their masters on the host "
+                        "(optim.offload: all)"
+                      : "whole run");
   row("frozen", frozen_bytes, "whole run");
   row("moments", moments_bytes,
-      moments_on_host ? "whole run; in pinned host memory (optim.offload: moments)" : "whole run");
+      moments_on_host ? "whole run; in pinned host memory (optim.offload)" : "whole run");
   if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");
   s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} {:>9}  (GiB; total = whole run + phase)\n",
                    "phase", "gradients", "activations", "logits", "optimizer", "total");
@@ -224,7 +229,8 @@ std::string MemoryBudget::to_table() const {
   s += fmt::format("  peak phase: {}\n", peak_phase_name());
   row("total", total_bytes(), "whole run + the peak phase");
   if (host_bytes > 0) {
-    row("host (pinned)", host_bytes, "offloaded moments and layer inputs, not on the GPU");
+    row("host (pinned)", host_bytes,
+        "offloaded masters, moments, gradients and layer inputs, not on the GPU");
   }
   s += fmt::format("  trainable elements: {}\n", trainable_elements);
   return s;

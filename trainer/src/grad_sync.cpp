@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <stdexcept>
+
 #include "q4/trainer/nvtx.h"
 
 namespace q4::trainer {
@@ -16,6 +18,11 @@ GradSync::GradSync(DistComm* comm, model::Qwen3Model& model, std::vector<model::
   local_index_.assign(params_.size(), -1);
   for (size_t i = 0; i < params_.size(); ++i) global_index_[params_[i]] = i;
   master_works_.resize(params_.size());
+  if (comm_ && model_.options().offload_masters) {
+    throw std::runtime_error(
+        "optim.offload: all trains on one GPU (data parallel broadcasts the masters from the "
+        "GPU); use optim.offload: moments with several processes");
+  }
   if (comm_) {
     model_.set_master_fence([this](const model::Parameter* p) {
       if (p != nullptr) {
@@ -41,8 +48,14 @@ std::unordered_map<const model::Parameter*, int64_t> GradSync::add_owned_params(
     if (owner_[i] != (comm_ ? comm_->rank() : 0)) continue;
     local_index_[i] = optimizer.num_params();
     index[p] = optimizer.num_params();
-    optimizer.add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2,
-                        /*stream_index=*/static_cast<int64_t>(i));
+    if (p->master.is_cpu() && model_.options().device.is_cuda()) {  // optim.offload: all
+      optimizer.add_host_param(p->name, p->master, model_.options().device,
+                               /*weight_decay=*/p->master.dim() >= 2,
+                               /*stream_index=*/static_cast<int64_t>(i));
+    } else {
+      optimizer.add_param(p->name, p->master, /*weight_decay=*/p->master.dim() >= 2,
+                          /*stream_index=*/static_cast<int64_t>(i));
+    }
   }
   return index;
 }

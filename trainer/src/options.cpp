@@ -102,6 +102,7 @@ model::ModelOptions model_options(const Config& c) {
   }
   o.offload_layer_inputs = o.gradient_checkpointing && c.train.offload_layer_inputs;
   o.fake_quant = c.model.fake_quant;
+  o.offload_masters = c.optim.offload == Offload::kAll;
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;
 }
@@ -116,7 +117,7 @@ optim::AdamWOptions adamw_options(const Config& c) {
   o.state_mode = c.optim.state;
   o.chunk_rows = c.optim.chunk_rows;
   o.rounding = c.optim.master_rounding;
-  o.offload_moments = c.optim.offload == Offload::kMoments;
+  o.offload_moments = c.optim.offload != Offload::kNone;
   o.seed = static_cast<uint64_t>(c.train.seed);
   // The trainer counts consecutive skips itself; the optimizer allows one more.
   o.max_consecutive_nonfinite = c.train.max_nonfinite_steps + 1;

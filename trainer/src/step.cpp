@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "q4/quant/pinned.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/setup.h"
 #include "q4/trainer/signals.h"
@@ -81,8 +82,10 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
     // Each parameter is updated from inside the backward once its gradient is complete; the
     // model frees the gradient when this returns.
     auto index = optimizer_index;
-    model_.set_grad_ready_hook(
-        [this, index](model::Parameter& p) { optimizer_.step_param(index.at(&p), p.grad); });
+    model_.set_grad_ready_hook([this, index](model::Parameter& p) {
+      optimizer_.step_param(index.at(&p), p.grad);
+      model_.refresh_codes(&p);  // offloaded master: the next forward's codes
+    });
   }
 }
 
@@ -123,6 +126,12 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
     model_.begin_grad_step();
   }
   if (comm_) sync_.begin_step(accum);
+  const bool host_accum = accumulates_on_host();
+  if (host_accum) {
+    host_started_.clear();
+    model_.begin_grad_step();
+    model_.set_grad_ready_hook([this](model::Parameter& p) { collect_gradient(p); });
+  }
   at::Tensor loss_sum;
   for (const auto& b : micro) {
     MicroBatch mb;
@@ -138,11 +147,16 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
       NvtxRange r("backward");
       (lo.loss_sum / denom).backward();
     }
+    if (host_accum) {
+      for (auto& [p, g] : kept_) p->grad = std::move(g);
+      kept_.clear();
+    }
     if (mark) mark("backward_done");
     const at::Tensor ls = lo.loss_sum.detach();
     loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
     add_logged(&o, lo.logged, denom);
   }
+  if (host_accum) model_.set_grad_ready_hook(nullptr);
   if (comm_) return finish_distributed(std::move(o), loss_sum, args, denom, mark);
   AsyncScalar loss_host;
   loss_host.start(loss_sum);
@@ -153,10 +167,19 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
     } else {
       std::vector<at::Tensor> grads;
       for (auto* p : model_.trainable_parameters()) {
-        grads.push_back(p->grad.defined() ? p->grad
-                                          : at::zeros_like(p->master, p->master.options()));
+        if (host_accum && host_grads_.count(p) > 0) {
+          const at::Tensor& h = host_gradient(*p);
+          if (host_started_.count(p) == 0) h.zero_();  // no micro-batch reached it
+          grads.push_back(h);
+          continue;
+        }
+        grads.push_back(p->grad.defined()
+                            ? p->grad
+                            : at::zeros(p->master.sizes(),
+                                        p->master.options().device(plan_.device())));
       }
       o.res = optimizer_.step(grads, args);
+      if (o.res.applied) model_.refresh_codes();
     }
     model_.zero_grad();
   }
@@ -165,6 +188,35 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   o.stop = stop_requested();
   o.checkpoint_due = checkpoint_due_ && checkpoint_due_();
   return o;
+}
+
+bool TrainStep::accumulates_on_host() const {
+  return !in_backward_ && comm_ == nullptr && plan_.grad_accum() > 1 &&
+         model_.options().offload_masters && plan_.device().is_cuda();
+}
+
+const at::Tensor& TrainStep::host_gradient(const model::Parameter& p) {
+  auto it = host_grads_.find(&p);
+  if (it == host_grads_.end()) {
+    const at::Tensor pinned =
+        quant::pinned_empty(p.master.sizes(), model_.options().resolved_grad_dtype());
+    it = host_grads_.emplace(&p, quant::device_alias(pinned, p.qdata.device())).first;
+  }
+  return it->second;
+}
+
+void TrainStep::collect_gradient(model::Parameter& p) {
+  if (!(p.qdata.defined() && p.master.is_cpu())) {
+    kept_.emplace_back(&p, p.grad);
+    return;
+  }
+  const at::Tensor& h = host_gradient(p);
+  at::NoGradGuard no_grad;
+  if (host_started_.insert(&p).second) {
+    h.copy_(p.grad);
+  } else {
+    h.add_(p.grad);
+  }
 }
 
 StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_sum,

@@ -111,6 +111,7 @@ class Trainer {
     setup_.load_model(/*need_tokenizer=*/false);
     build_components();
     start_step_ = checkpointer_.restore(ck, /*export_only=*/true).step;
+    setup_.model().refresh_codes();
     exporter_.write(start_step_, setup_.model(), setup_.source_path());
     out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
                         format_duration(ms_since(run_start_) / 1000.0));
@@ -293,6 +294,7 @@ class Trainer {
                 "(optim.in_backward off)\n";
       }
     });
+    setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
     start_step_ = r.step;
     log_.set_tokens_seen(r.tokens_seen);
   }

@@ -19,6 +19,7 @@
 #include "../optim_test_util.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/state_codec.h"
+#include "q4/quant/pinned.h"
 
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -413,6 +414,66 @@ TEST(PackedAdamWCuda, OffloadedMomentsMatchResidentBitExact) {
 #else
   GTEST_SKIP() << "built without Q4_WITH_CUDA (no allocator statistics)";
 #endif
+}
+
+// A master in pinned host memory (add_host_param, optim.offload: all) is updated by the same
+// kernels through its device alias: masters, moments and the state file equal a device master's
+// bit for bit, buffered and in-backward, and a resumed one continues identically.
+TEST(PackedAdamWCuda, HostMasterMatchesDeviceMasterBitExact) {
+  Q4_REQUIRE_CUDA();
+  for (StateMode mode : kAllModes) {
+    AdamWOptions o;
+    o.lr = 2e-3;
+    o.weight_decay = 0.1;
+    o.state_mode = mode;
+    o.seed = 9;
+    const at::Tensor w0 = (at::randn({37, 129}, gen(3)) * 0.05).to(at::kHalf);
+    for (bool in_backward : {false, true}) {
+      const std::string what = to_string(mode) + (in_backward ? " in-backward" : " buffered");
+      PackedAdamW a(o), b(o);
+      at::Tensor wa = w0.to(kCuda);
+      at::Tensor wb = quant::pinned_empty(w0.sizes(), w0.scalar_type());
+      wb.copy_(w0);
+      a.add_param("w", wa);
+      b.add_host_param("w", wb, at::Device(at::kCUDA));
+      EXPECT_TRUE(b.params()[0].master_on_host && b.params()[0].moments_on_host);
+      EXPECT_EQ(b.params()[0].device, kCuda);
+      for (int t = 0; t < 4; ++t) {
+        const at::Tensor g = (at::randn({37, 129}, gen(50 + t)) * 1e-2).to(at::kBFloat16).to(kCuda);
+        for (PackedAdamW* opt : {&a, &b}) {
+          if (in_backward) {
+            StepArgs args;
+            args.max_grad_norm = 0.5;
+            opt->begin_step(args);
+            opt->step_param(0, g);
+            opt->end_step();
+          } else {
+            opt->step({g});
+          }
+        }
+      }
+      torch::cuda::synchronize();
+      EXPECT_TRUE(bit_equal(wa.cpu(), wb)) << what;
+      EXPECT_TRUE(bit_equal(a.decoded_exp_avg_sq(0).cpu(), b.decoded_exp_avg_sq(0).cpu())) << what;
+      const std::string dir = ::testing::TempDir();
+      a.save(dir + "q4_host_master_a.state");
+      b.save(dir + "q4_host_master_b.state");
+      EXPECT_EQ(read_bytes(dir + "q4_host_master_a.state"),
+                read_bytes(dir + "q4_host_master_b.state"))
+          << what;
+      PackedAdamW c(o);
+      at::Tensor wc = quant::pinned_empty(w0.sizes(), w0.scalar_type());
+      wc.copy_(w0);
+      c.add_host_param("w", wc, kCuda);
+      c.load(dir + "q4_host_master_b.state");
+      EXPECT_TRUE(bit_equal(wc, wb)) << what;
+      const at::Tensor g = (at::randn({37, 129}, gen(60)) * 1e-2).to(at::kBFloat16).to(kCuda);
+      a.step({g});
+      c.step({g});
+      torch::cuda::synchronize();
+      EXPECT_TRUE(bit_equal(wa.cpu(), wc)) << what << " after resume";
+    }
+  }
 }
 
 TEST(PackedAdamWCuda, InBackwardMatchesCpuAndSkipsNonFiniteOnDevice) {

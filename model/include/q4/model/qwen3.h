@@ -61,6 +61,13 @@ struct ModelOptions {
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
   bool fake_quant = true;
+  // Each trainable NVFP4 linear computes from NVFP4 codes kept on the device, quantize(master)
+  // (Parameter::qdata/scale), dequantized by its forward: the weights fake_quant(master) gives,
+  // bit for bit. On CUDA its master then lives in pinned host memory, where the optimizer updates
+  // it (PackedAdamW::add_host_param), so the GPU holds 0.56 bytes per such parameter instead of
+  // 2 (docs/design.md#training-numerics). After a master changes, refresh_codes(). On the CPU
+  // masters stay where they are (the same forward; tests). Needs fake_quant.
+  bool offload_masters = false;
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
@@ -128,6 +135,10 @@ struct Parameter {
                       // reaches it and after zero_grad(). Frozen: always undefined.
   bool trainable = false;
   bool quantized = false;    // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
+  // ModelOptions::offload_masters, a trainable NVFP4 linear: quantize(master) on the model's
+  // device, (rows, cols/2) and (rows, cols/16) uint8, what the forward dequantizes. The master is
+  // then in pinned host memory on CUDA (read it there; kernels reach it through an alias).
+  at::Tensor qdata, scale;
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -175,9 +186,10 @@ struct GradientLifetime {
 };
 
 struct MemoryEstimate {
-  int64_t master_bytes = 0;  // trainable masters (whole run)
+  int64_t master_bytes = 0;  // trainable masters (whole run); offloaded: the linears' codes
   int64_t frozen_bytes = 0;  // frozen weights held in the compute dtype (whole run)
-  int64_t host_bytes = 0;    // pinned host memory: offloaded layer inputs (not in the total)
+  int64_t host_bytes = 0;    // pinned host memory: offloaded layer inputs, masters and their
+                             // accumulated gradients (not in the total)
   // The peak phase's terms (phases[peak_phase]).
   int64_t grad_bytes = 0;
   int64_t activation_bytes = 0;
@@ -266,6 +278,10 @@ class Qwen3Model {
   void set_grad_ready_hook(GradReadyHook hook);
   void begin_grad_step();
   int64_t num_trainable_elements() const;  // total elements of trainable masters
+  // ModelOptions::offload_masters: the master of `p` (nullptr: of every trainable parameter) has
+  // changed (an optimizer update, a restore): re-derives its device codes, in the current
+  // stream's order. Parameters without codes are skipped.
+  void refresh_codes(const Parameter* p = nullptr);
 
   // Masters whose current value may still be arriving from elsewhere (data parallelism: an
   // owner's broadcast of its updated master is in flight while the next step starts). With a

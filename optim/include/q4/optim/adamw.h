@@ -100,7 +100,8 @@ struct ParamInfo {
   bool weight_decay = true;
   StateMode mode = StateMode::kFp32;  // effective mode (small tensors: kFp32)
   int64_t state_bytes = 0;            // bytes of m and v as stored (codes + scales)
-  bool moments_on_host = false;       // offload_moments with a CUDA master: pinned host memory
+  bool moments_on_host = false;  // pinned host memory (offload_moments, or master_on_host)
+  bool master_on_host = false;   // add_host_param: the master is in pinned host memory
   int64_t stream_index = 0;  // stochastic-rounding stream of the parameter (default: its index)
 };
 
@@ -130,6 +131,13 @@ class PackedAdamW {
   // a parameter the same way.
   void add_param(const std::string& name, const at::Tensor& master, bool weight_decay = true,
                  int64_t stream_index = -1);
+  // Registers a master in pinned host memory (quant/pinned.h) that the CUDA kernels of `device`
+  // update in place over PCIe, with its moments in pinned host memory too: nothing of the
+  // parameter's optimizer state takes device memory. Gradients come on `device`. Results are
+  // bit-identical to a master on the device; the host reads the master only after the device has
+  // finished (the state file does that itself).
+  void add_host_param(const std::string& name, const at::Tensor& master, const at::Device& device,
+                      bool weight_decay = true, int64_t stream_index = -1);
 
   // One AdamW step. The first overload reads each master's .grad(); the second takes one
   // gradient per registered parameter, in registration order (same numel and device; fp32, bf16
@@ -205,6 +213,8 @@ class PackedAdamW {
 
  private:
   struct Impl;
+  void register_param(const std::string& name, const at::Tensor& master, const at::Device& device,
+                      bool weight_decay, int64_t stream_index);
   static void load_files(Impl& d, const std::vector<std::string>& paths, bool restore_masters,
                          bool strict);
   std::unique_ptr<Impl> impl_;

@@ -39,6 +39,11 @@ at::Tensor e4m3_decode(const at::Tensor& bits);
 // ---- fast paths (CPU: vectorized ATen; CUDA: fused kernels), dispatched on x.device() ----
 // x: (r, c) fp32/fp16/bf16, c % 16 == 0. NaN/Inf in x is an error naming `name`.
 Nvfp4Tensor quantize_nvfp4(const at::Tensor& x, const std::string& name = "tensor");
+// quantize_nvfp4(x) written into out.qdata / out.scale (allocated, same device as x), without
+// the NaN/Inf check's device->host sync on CUDA (a block with NaN/Inf gets a NaN scale, so it
+// dequantizes to NaN). x may be a device_alias (pinned.h) of host memory.
+void quantize_nvfp4_into(const at::Tensor& x, const Nvfp4Tensor& out,
+                         const std::string& name = "tensor");
 // Returns (r, c) in `dtype` on the device of qdata.
 at::Tensor dequantize_nvfp4(const at::Tensor& qdata, const at::Tensor& scale,
                             at::ScalarType dtype = at::kFloat);

@@ -41,7 +41,7 @@ enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
 enum class InBackward { kAuto, kTrue, kFalse };         // auto | true | false
 enum class Recompute { kAuto, kTrue, kFalse };          // auto | true | false
-enum class Offload { kNone, kMoments };                 // none | moments
+enum class Offload { kNone, kMoments, kAll };          // none | moments | all
 // auto | cut_left | cut_right | drop | split
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
@@ -162,7 +162,10 @@ struct OptimConfig {
   // Clipping then uses the previous step's norm (docs/optim.md).
   InBackward in_backward = InBackward::kAuto;
   // moments: on CUDA the moments live in pinned host memory, updated there over PCIe by the
-  // same kernels (bit-identical results, no device memory for them, a slower update).
+  // same kernels (bit-identical results, no device memory for them, a slower update). all: the
+  // trained NVFP4 linears' masters too, the GPU keeping their NVFP4 codes for the forward
+  // (ModelOptions::offload_masters); with grad_accum > 1 their gradients add up in pinned host
+  // memory as well.
   Offload offload = Offload::kNone;
   ScheduleConfig schedule;
 };
@@ -340,7 +343,7 @@ Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
 Q4_ENUM_NAMES(q4::trainer::Recompute, {"auto", q4::trainer::Recompute::kAuto},
               {"true", q4::trainer::Recompute::kTrue}, {"false", q4::trainer::Recompute::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Offload, {"none", q4::trainer::Offload::kNone},
-              {"moments", q4::trainer::Offload::kMoments});
+              {"moments", q4::trainer::Offload::kMoments}, {"all", q4::trainer::Offload::kAll});
 Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
               {"cut_left", q4::trainer::Truncation::kCutLeft},
               {"cut_right", q4::trainer::Truncation::kCutRight},

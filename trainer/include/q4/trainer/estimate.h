@@ -60,9 +60,10 @@ struct MemoryBudget {
   int64_t logits_bytes = 0;       // lm_head compute weight, one logits block, hidden rows
   int64_t optimizer_bytes = 0;    // optimizer scratch
   int64_t trainable_elements = 0;
-  // Pinned host memory (offloaded moments and layer inputs), not device memory.
+  // Pinned host memory (offloaded masters, moments, gradients and layer inputs), not device memory.
   int64_t host_bytes = 0;
-  bool moments_on_host = false;  // optim.offload: moments (moments_bytes is then 0)
+  bool moments_on_host = false;  // optim.offload: moments or all (moments_bytes is then 0)
+  bool masters_on_host = false;  // optim.offload: all (masters_bytes holds the linears' codes)
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
   int64_t persistent_bytes() const {

@@ -12,6 +12,10 @@
 
 #include <functional>
 #include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "q4/data/dataset.h"
 #include "q4/model/qwen3.h"
@@ -66,6 +70,15 @@ class TrainStep {
   StepOutcome finish_distributed(StepOutcome o, const at::Tensor& loss_sum,
                                  const optim::StepArgs& step_args, double denom,
                                  const PhaseHook& mark);
+  // optim.offload: all with grad_accum > 1 (one process): the gradients of masters in pinned
+  // host memory add up in pinned host memory too, so the GPU never holds their whole buffer.
+  // The model's grad-ready hook hands each parameter's micro-batch gradient to
+  // collect_gradient(): an offloaded one is added (zero-copy) into its host buffer and freed; any
+  // other is kept and put back after the micro-batch (it accumulates on the device as usual). The
+  // same additions in the same order as a device buffer: bit-identical gradients.
+  bool accumulates_on_host() const;
+  void collect_gradient(model::Parameter& p);
+  const at::Tensor& host_gradient(const model::Parameter& p);  // device alias of the buffer
 
   const RunPlan& plan_;
   model::Qwen3Model& model_;
@@ -76,6 +89,9 @@ class TrainStep {
   DistComm* comm_;
   bool in_backward_;
   std::function<bool()> checkpoint_due_;
+  std::unordered_map<const model::Parameter*, at::Tensor> host_grads_;  // device aliases
+  std::unordered_set<const model::Parameter*> host_started_;  // written in this step
+  std::vector<std::pair<model::Parameter*, at::Tensor>> kept_;  // device gradients to put back
 };
 
 }  // namespace q4::trainer
