@@ -133,7 +133,9 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
       const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
       auto resident = cuda_model(false), offloaded = cuda_model(true);
       for (auto* p : offloaded.trainable_parameters()) {
-        if (p->quantized) EXPECT_TRUE(p->master.is_cpu() && p->master.is_pinned()) << p->name;
+        if (p->quantized) {
+          EXPECT_TRUE(p->master.is_cpu() && p->master.is_pinned()) << p->name;
+        }
       }
       Config c = cpu_config("unused", accum);
       c.model.device = "cuda";
