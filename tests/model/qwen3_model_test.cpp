@@ -682,6 +682,41 @@ TEST(Qwen3Model, ExportTrainedReloadsToSteWeights) {
   std::remove(out.c_str());
 }
 
+// optim.offload: all on CUDA: a trained NVFP4 linear costs its codes on the device (9/16 byte an
+// element) and its master on the host; with accumulation its gradient is not carried on the
+// device (pinned host buffer), so the buffered update holds only the other gradients.
+TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = fp32_all();
+  o.master_dtype = at::kHalf;
+  o.compute_dtype = at::kBFloat16;
+  o.grad_dtype = std::nullopt;
+  o.device = at::Device(at::kCUDA, 0);
+  int64_t linear = 0, other = 0;
+  for (const ParamSpec& p : qwen3_parameters(cfg, true)) {
+    (p.kind == ParamKind::kQuantizedLinear ? linear : other) += p.numel();
+  }
+  GradientLifetime accum;
+  accum.accumulation_steps = 4;
+  const MemoryEstimate resident = estimate_memory(cfg, o, 2, 64, true, accum);
+  o.offload_masters = true;
+  const MemoryEstimate off = estimate_memory(cfg, o, 2, 64, true, accum);
+  EXPECT_EQ(resident.master_bytes, 2 * (linear + other));
+  EXPECT_EQ(off.master_bytes, linear / 2 + linear / 16 + 2 * other);
+  EXPECT_EQ(off.host_bytes - resident.host_bytes, 2 * linear + 2 * linear);  // master + bf16 grads
+  ASSERT_NE(off.phase(MemoryPhaseKind::kOptimizerStep), nullptr);
+  EXPECT_EQ(resident.phase(MemoryPhaseKind::kOptimizerStep)->grad_bytes, 2 * (linear + other));
+  EXPECT_EQ(off.phase(MemoryPhaseKind::kOptimizerStep)->grad_bytes, 2 * other);
+  EXPECT_LT(off.total_bytes(), resident.total_bytes());
+  // On the CPU nothing moves.
+  o.device = at::kCPU;
+  o.compute_dtype = at::kFloat;
+  ModelOptions cpu_resident = o;
+  cpu_resident.offload_masters = false;
+  EXPECT_EQ(estimate_memory(cfg, o, 2, 64, true, accum).total_bytes(),
+            estimate_memory(cfg, cpu_resident, 2, 64, true, accum).total_bytes());
+}
+
 TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   cfg.tie_word_embeddings = true;
