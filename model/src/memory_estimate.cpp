@@ -77,6 +77,24 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   bool lm_trains = false;
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     const int64_t n = p.numel();
+    if (opt.lora.adapts(p, ts, L)) {
+      // Frozen as NVFP4 codes; the adapter's A and B train. The forward's weight (merged and
+      // fake-quantized, or dequantized) is a compute-dtype tensor like a trained linear's tap.
+      const int64_t a = opt.lora.rank * (p.shape[0] + p.shape[1]);
+      est.frozen_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize;
+      est.master_bytes += a * ms;
+      est.grad_buffer_bytes += a * gs;
+      resident_grad_bytes += a * gs;
+      if (p.layer >= 0) {
+        layer_elems[p.layer] += a;
+        layer_weight_elems[p.layer] += n;
+        layer_largest[p.layer] = std::max(layer_largest[p.layer], a);
+      } else {
+        head_elems += a;
+        lm_trains = true;
+      }
+      continue;
+    }
     if (!ts.trains(p, L, tied)) {
       est.frozen_bytes += n * cs;
       continue;

@@ -86,6 +86,40 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
   }
 };
 
+struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
+  // trigger () -> fake_quant(W + s·B·A) (out, in) in the compute dtype, for the adapted linear
+  // `param` (W its frozen codes, A and B its adapter's masters).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& trigger, int64_t impl,
+                            int64_t param, int64_t compute_dtype, int64_t grad_dtype) {
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["param"] = param;
+    ctx->saved_data["grad_dtype"] = grad_dtype;
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
+    auto* p = int_to_ptr<Parameter>(param);
+    return q4::quant::fake_quant_nvfp4_forward_unchecked(
+        im->merged_weight(p), static_cast<at::ScalarType>(compute_dtype), p->name);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
+    auto* p = int_to_ptr<Parameter>(ctx->saved_data["param"].toInt());
+    const auto gd = static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt());
+    if (grads[0].defined()) {
+      // Both gradients from the masters as they were in the forward, before either updates.
+      const at::Tensor dw = grads[0].to(at::kFloat);
+      const double s = im->opt.lora.scale();
+      const at::Tensor a = p->lora_a->master.to(at::kFloat);
+      const at::Tensor b = p->lora_b->master.to(at::kFloat);
+      const at::Tensor ga = at::mm(b.t(), dw).mul_(s);
+      const at::Tensor gb = at::mm(dw, a.t()).mul_(s);
+      accumulate(p->lora_a, ga, gd);
+      accumulate(p->lora_b, gb, gd);
+    }
+    use_done(im, p->lora_a);
+    use_done(im, p->lora_b);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
   // master (V, H), ids (B, T) int64 -> (B, T, H) compute dtype. Backward adds rows into grad.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master, const at::Tensor& ids,
@@ -187,6 +221,11 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
         seeds.push_back(at::mm(g2.t(), parts.s.reshape({-1, I})));
       }
     }
+    if (parts.down_lora) {  // a plain adapter's term of the down projection, through autograd
+      at::AutoGradMode enable(true);
+      roots.push_back(im->plain_lora(parts.s, im->layers[layer].down_proj));
+      seeds.push_back(g);
+    }
     torch::autograd::backward(roots, seeds);
     return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -200,6 +239,14 @@ at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType
   use_begins(p);
   return WeightTap::apply(p->master, impl->trigger, ptr_to_int(impl), ptr_to_int(p),
                           static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
+}
+
+at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
+                           at::ScalarType compute_dtype, at::ScalarType grad_dtype) {
+  use_begins(p->lora_a);
+  use_begins(p->lora_b);
+  return LoraMergedTap::apply(impl->trigger, ptr_to_int(impl), ptr_to_int(p),
+                              static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
 }
 
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,

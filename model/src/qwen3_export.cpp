@@ -41,7 +41,7 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
     KeyRef ref = classify_key(e.key);
     Parameter* p = m.find(ref.name);
     const std::string where = source.path() + ": entry " + std::to_string(i) + " '" + e.key + "'";
-    if (p == nullptr || !p->trainable) {
+    if (p == nullptr || (!p->trainable && p->lora_a == nullptr)) {
       out.copy_from(source, e);
       continue;
     }
@@ -68,6 +68,14 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
       continue;
     }
     auto it = decided.find(ref.name);
+    if (it == decided.end() && p->lora_a != nullptr) {
+      // An adapted linear: its merged weight W + s·B·A, quantized (what a merge-aware forward
+      // computes with, bit for bit).
+      const q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(m.merged_weight(p), p->name);
+      it = decided.emplace(ref.name, q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(),
+                                                            t.scale.cpu().contiguous()})
+               .first;
+    }
     if (it == decided.end()) {
       bool unchanged = false;
       {
@@ -106,6 +114,10 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
 void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
                bool quantize_linears) {
   const auto& params = model.parameters();
+  for (const auto& p : params) {
+    TORCH_CHECK(p.lora_a == nullptr, "write_dat: ", p.name,
+                " has a LoRA adapter; export the model with export_to() (it merges adapters)");
+  }
   auto quantized = [&](const Parameter& p) {
     if (p.name == "lm_head.weight") return quantize_lm_head;
     return quantize_linears && p.quantized;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "q4/model/qwen3.h"
+#include "q4/model/qwen3_params.h"
 
 namespace q4::model {
 
@@ -50,6 +51,7 @@ struct LayerParts {
   at::Tensor hs;      // (B, T, H) residual stream after attention
   at::Tensor s;       // (B, T, I) SwiGLU output, the down projection's input
   at::Tensor w_down;  // (H, I) down projection weight in the compute dtype (tap if trainable)
+  bool down_lora = false;  // the down projection has a plain LoRA adapter: + s·(s·Aᵀ)·Bᵀ too
 };
 
 struct Qwen3Model::Impl {
@@ -64,6 +66,8 @@ struct Qwen3Model::Impl {
   Parameter* final_norm = nullptr;
   Parameter* lm_head = nullptr;  // == embed when tied
   std::vector<LayerParams> layers;
+  std::vector<Parameter> adapters;  // LoRA A, B per adapted linear; never resized after construction
+  std::vector<std::vector<int64_t>> adapter_shapes;
   at::Tensor trigger;   // () fp32 leaf with requires_grad when anything trains (graph anchor)
   Qwen3Model::GradReadyHook grad_ready;  // in-backward updates (empty: keep Parameter::grad)
   Qwen3Model::MasterFence master_fence;  // masters in flight (empty: always current)
@@ -75,6 +79,14 @@ struct Qwen3Model::Impl {
   Parameter* find(const std::string& name);
   const std::vector<int64_t>& shape_of(const Parameter* p) const;
   bool any_trainable() const;
+  // LoRA: whether parameter `s` gets an adapter; A and B's initial draw (after loading).
+  bool adapted(const ParamSpec& s) const;
+  void init_adapters();
+  // An adapted linear's W + (alpha/rank)·B·A, fp32 on the device (no autograd).
+  at::Tensor merged_weight(const Parameter* p) const;
+  // x·weight(p)ᵀ, plus the plain LoRA term when p has a plain adapter.
+  at::Tensor linear(const at::Tensor& x, Parameter* p) const;
+  at::Tensor plain_lora(const at::Tensor& x, Parameter* p) const;  // s·(x·Aᵀ)·Bᵀ
   // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
   // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
   void offload_master(Parameter* p);
@@ -142,6 +154,10 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 // ---- autograd functions (qwen3_autograd.cpp) ----
 at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
                       at::ScalarType grad_dtype);
+// Merge-aware LoRA: fake_quant(W + s·B·A) in the compute dtype; backward hands s·Bᵀ·dW and
+// s·dW·Aᵀ to A's and B's gradients (straight through the quantizer).
+at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
+                           at::ScalarType compute_dtype, at::ScalarType grad_dtype);
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype);
 at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,

@@ -74,6 +74,47 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
   return grad_dtype ? *grad_dtype : default_grad_dtype(master_dtype, compute_dtype);
 }
 
+namespace {
+
+// The adapted linear's short name ("q_proj", ..., "lm_head") of an HF parameter name, or "".
+std::string linear_short_name(const std::string& name) {
+  if (name == "lm_head.weight") return "lm_head";
+  static const char* kLinears[] = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                   "gate_proj", "up_proj", "down_proj"};
+  for (const char* l : kLinears) {
+    const std::string tail = std::string(".") + l + ".weight";
+    if (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0) {
+      return l;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+bool LoraSpec::adapts(const ParamSpec& p, const TrainableSpec& trainable,
+                      int64_t num_layers) const {
+  if (!enabled() || p.kind != ParamKind::kQuantizedLinear) return false;
+  const std::string s = linear_short_name(p.name);
+  if (s.empty() || std::find(targets.begin(), targets.end(), s) == targets.end()) return false;
+  return p.layer < 0 || trainable.layer_selected(p.layer, num_layers);
+}
+
+void LoraSpec::validate() const {
+  if (!enabled()) return;
+  TORCH_CHECK(rank > 0, "lora.rank: expected > 0, got ", rank);
+  TORCH_CHECK(alpha > 0 && std::isfinite(alpha), "lora.alpha: expected > 0, got ", alpha);
+  TORCH_CHECK(!targets.empty(), "lora.targets: expected at least one of q_proj, k_proj, v_proj, "
+              "o_proj, gate_proj, up_proj, down_proj, lm_head");
+  for (const auto& t : targets) {
+    TORCH_CHECK(!linear_short_name("x." + t + ".weight").empty() || t == "lm_head",
+                "lora.targets: unknown linear '", t, "' (expected q_proj, k_proj, v_proj, o_proj, "
+                "gate_proj, up_proj, down_proj or lm_head)");
+  }
+  TORCH_CHECK(merge_aware || std::find(targets.begin(), targets.end(), "lm_head") == targets.end(),
+              "lora.targets: lm_head takes a merge-aware adapter only (lora.merge_aware: true)");
+}
+
 void ModelOptions::validate() const {
   TORCH_CHECK(is_float_dtype(master_dtype),
               "ModelOptions.master_dtype: expected fp16, bf16 or fp32, got ",
@@ -93,6 +134,10 @@ void ModelOptions::validate() const {
   TORCH_CHECK(!offload_masters || fake_quant,
               "ModelOptions.offload_masters needs fake_quant (plain precision computes with the "
               "masters themselves)");
+  lora.validate();
+  TORCH_CHECK(!lora.enabled() || fake_quant,
+              "lora: adapters train on the NVFP4 weights, which plain precision (fake_quant off) "
+              "does not use");
 }
 
 // ---------------------------------------------------------------- Impl
@@ -118,6 +163,28 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
     params[i].quantized = false;  // set by the loader from the file's storage
     shapes[i] = specs[i].shape;
     index[specs[i].name] = i;
+  }
+  if (opt.lora.enabled()) {
+    // Sized once: base parameters point into it.
+    int64_t n = 0;
+    for (const ParamSpec& s : specs) n += adapted(s) ? 2 : 0;
+    adapters.reserve(static_cast<size_t>(n));
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (!adapted(specs[i])) continue;
+      const std::string base = specs[i].name.substr(0, specs[i].name.size() - 7);  // ".weight"
+      const int64_t out = specs[i].shape[0], in = specs[i].shape[1], r = opt.lora.rank;
+      params[i].trainable = false;  // the adapter trains instead
+      for (const char* part : {"lora_A", "lora_B"}) {
+        Parameter a;
+        a.name = base + "." + part + ".weight";
+        a.trainable = true;
+        adapters.push_back(std::move(a));
+        adapter_shapes.push_back(part[5] == 'A' ? std::vector<int64_t>{r, in}
+                                                : std::vector<int64_t>{out, r});
+      }
+      params[i].lora_a = &adapters[adapters.size() - 2];
+      params[i].lora_b = &adapters[adapters.size() - 1];
+    }
   }
   embed = find("model.embed_tokens.weight");
   final_norm = find("model.norm.weight");
@@ -173,11 +240,56 @@ at::Tensor Qwen3Model::Impl::device_master(const Parameter* p) const {
   return p->master.device() == opt.device ? p->master : p->master.to(opt.device);
 }
 
+bool Qwen3Model::Impl::adapted(const ParamSpec& s) const {
+  return opt.lora.adapts(s, opt.trainable, cfg.num_hidden_layers);
+}
+
+void Qwen3Model::Impl::init_adapters() {
+  // PEFT's default: A ~ kaiming_uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
+  // the adapted model starts as the base model.
+  at::Generator gen = at::detail::createCPUGenerator(opt.lora.seed);
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const auto& shape = adapter_shapes[i];
+    at::Tensor w = at::zeros(shape, at::kFloat);
+    if (i % 2 == 0) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(shape[1]));
+      w.uniform_(-bound, bound, gen);
+    }
+    adapters[i].master = w.to(opt.device).to(opt.master_dtype).contiguous();
+  }
+}
+
+at::Tensor Qwen3Model::Impl::merged_weight(const Parameter* p) const {
+  TORCH_CHECK(p->lora_a != nullptr, "merged_weight: ", p->name, " has no adapter");
+  fence(p->lora_a);
+  fence(p->lora_b);
+  at::NoGradGuard no_grad;
+  at::Tensor w = q4::quant::dequantize_nvfp4(p->qdata, p->scale, at::kFloat);
+  const at::Tensor ba = at::mm(p->lora_b->master.to(at::kFloat), p->lora_a->master.to(at::kFloat));
+  return w.add_(ba, opt.lora.scale());
+}
+
+at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
+  at::Tensor y = at::linear(x, weight(p));
+  if (p->lora_a != nullptr && !opt.lora.merge_aware) y = y + plain_lora(x, p);
+  return y;
+}
+
+at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, Parameter* p) const {
+  return at::linear(at::linear(x, weight(p->lora_a)), weight(p->lora_b)) * opt.lora.scale();
+}
+
 bool Qwen3Model::Impl::any_trainable() const {
-  return std::any_of(params.begin(), params.end(), [](const Parameter& p) { return p.trainable; });
+  return !adapters.empty() ||
+         std::any_of(params.begin(), params.end(), [](const Parameter& p) { return p.trainable; });
 }
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
+  if (p->lora_a != nullptr) {
+    // Merge-aware: fake_quant(W + s·B·A), straight through to A and B; plain: W itself.
+    if (opt.lora.merge_aware) return tap_lora_merged(this, p, opt.compute_dtype, grad_dtype);
+    return q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype);
+  }
   if (!p->trainable) return p->master;
   fence(p);
   return tap_weight(this, p, opt.compute_dtype, grad_dtype);
@@ -200,7 +312,9 @@ at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
                                            const RopeTables& rope_t, const AttnMask& mask,
                                            KvCache* cache) const {
   LayerParts p = layer_forward_parts(layer, h, rope_t, mask, cache);
-  return p.hs + at::linear(p.s, p.w_down);
+  at::Tensor out = p.hs + at::linear(p.s, p.w_down);
+  if (p.down_lora) out = out + plain_lora(p.s, layers[layer].down_proj);
+  return out;
 }
 
 LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor& h,
@@ -216,22 +330,22 @@ LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor
   if (mask.kind == AttnMask::Kind::kVarlen) {
     // Token-major layout throughout: no transposes, and the kernel takes (B*T, heads, D) views.
     TORCH_INTERNAL_ASSERT(cache == nullptr);
-    at::Tensor q = rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm),
+    at::Tensor q = rms_norm(linear(x, lp.q_proj).view({B, T, NH, D}), weight(lp.q_norm),
                             eps);  // (B, T, NH, D)
-    at::Tensor k = rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}),
+    at::Tensor k = rms_norm(linear(x, lp.k_proj).view({B, T, KVH, D}),
                             weight(lp.k_norm), eps);  // (B, T, KVH, D)
-    at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B * T, KVH, D});
+    at::Tensor v = linear(x, lp.v_proj).view({B * T, KVH, D});
     q = apply_rope_bthd(q, rope_t).view({B * T, NH, D});
     k = apply_rope_bthd(k, rope_t).view({B * T, KVH, D});
     a = attention_varlen(q, k, v, mask.allowed, mask.max_seqlen).view({B, T, NH * D});
   } else {
     at::Tensor q =
-        rms_norm(at::linear(x, weight(lp.q_proj)).view({B, T, NH, D}), weight(lp.q_norm), eps)
+        rms_norm(linear(x, lp.q_proj).view({B, T, NH, D}), weight(lp.q_norm), eps)
             .transpose(1, 2);  // (B, NH, T, D)
     at::Tensor k =
-        rms_norm(at::linear(x, weight(lp.k_proj)).view({B, T, KVH, D}), weight(lp.k_norm), eps)
+        rms_norm(linear(x, lp.k_proj).view({B, T, KVH, D}), weight(lp.k_norm), eps)
             .transpose(1, 2);  // (B, KVH, T, D)
-    at::Tensor v = at::linear(x, weight(lp.v_proj)).view({B, T, KVH, D}).transpose(1, 2);
+    at::Tensor v = linear(x, lp.v_proj).view({B, T, KVH, D}).transpose(1, 2);
     q = apply_rope(q, rope_t);
     k = apply_rope(k, rope_t);
     if (cache != nullptr) {
@@ -244,11 +358,12 @@ LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor
     a = attention(q, k, v, mask);                   // (B, NH, T, D)
     a = a.transpose(1, 2).reshape({B, T, NH * D});  // (B, T, NH*D)
   }
-  at::Tensor hs = h + at::linear(a, weight(lp.o_proj));  // (B, T, H)
+  at::Tensor hs = h + linear(a, lp.o_proj);  // (B, T, H)
 
   at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
-  at::Tensor s = swiglu(at::linear(y, weight(lp.gate_proj)), at::linear(y, weight(lp.up_proj)));
-  return {hs, s, weight(lp.down_proj)};
+  at::Tensor s = swiglu(linear(y, lp.gate_proj), linear(y, lp.up_proj));
+  return {hs, s, weight(lp.down_proj),
+          lp.down_proj->lora_a != nullptr && !opt.lora.merge_aware};
 }
 
 at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::Tensor& h,
@@ -385,6 +500,8 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
                   shape_str(e.shape));
       TORCH_CHECK(!p->master.defined() && pending.count(ref.name) == 0, where, ": parameter ",
                   ref.name, " is stored both raw and quantized");
+      TORCH_CHECK(p->lora_a == nullptr, where, ": ", ref.name,
+                  " is stored unquantized; LoRA adapters (lora.targets) go on NVFP4 linears");
       at::Tensor raw = weights.load(e);
       check_finite_weight(raw, e.type, where);
       finish(p, raw.to(dev), false);
@@ -412,6 +529,14 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
       pd.scale = weights.load(e);
       check_finite_weight(pd.scale, e.type, where);
     }
+    if (pd.qdata.defined() && pd.scale.defined() && p->lora_a != nullptr) {
+      // An adapted linear keeps the file's codes: its forward is built from W itself.
+      p->quantized = true;
+      p->qdata = pd.qdata.to(dev).contiguous();
+      p->scale = pd.scale.to(dev).contiguous();
+      pending.erase(ref.name);
+      continue;
+    }
     if (pd.qdata.defined() && pd.scale.defined()) {
       // Dequantized values (<= 5 significant bits, |x| <= 2688) are exact in fp16/bf16/fp32.
       const at::ScalarType dt = p->trainable ? m.opt.master_dtype : m.opt.compute_dtype;
@@ -429,10 +554,11 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
               stored_layers, " decoder layers but ", cfg.source, " has num_hidden_layers ",
               cfg.num_hidden_layers, "; the config and the weights must describe the same model");
   for (size_t i = 0; i < m.params.size(); ++i) {
-    TORCH_CHECK(m.params[i].master.defined(), path, ": missing parameter ", m.params[i].name,
+    TORCH_CHECK(m.params[i].master.defined() || m.params[i].qdata.defined(), path, ": missing parameter ", m.params[i].name,
                 " (expected ", m.params[i].name, " raw or ", m.params[i].name,
                 ".qdata/.scale, shape ", shape_str(m.shapes[i]), ")");
   }
+  m.init_adapters();
   return Qwen3Model(std::move(impl));
 }
 
@@ -449,7 +575,11 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
                 : at::normal(0.0, std, m.shapes[i], gen, at::TensorOptions().dtype(at::kFloat));
     p.quantized = !is_norm && &p != m.embed;
     w = w.to(m.opt.device);
-    if (p.trainable) {
+    if (p.lora_a != nullptr) {
+      const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(w, p.name);
+      p.qdata = q.qdata;
+      p.scale = q.scale;
+    } else if (p.trainable) {
       p.master = w.to(m.opt.master_dtype);
       m.offload_master(&p);
     } else if (p.quantized && m.opt.fake_quant) {
@@ -458,6 +588,7 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
       p.master = w.to(m.opt.compute_dtype);
     }
   }
+  m.init_adapters();
   return Qwen3Model(std::move(impl));
 }
 
@@ -582,7 +713,13 @@ std::vector<Parameter*> Qwen3Model::trainable_parameters() {
   for (auto& p : impl_->params) {
     if (p.trainable) out.push_back(&p);
   }
+  for (auto& p : impl_->adapters) out.push_back(&p);
   return out;
+}
+
+std::vector<Parameter>& Qwen3Model::adapters() {
+  impl_->fence(nullptr);
+  return impl_->adapters;
 }
 
 Parameter& Qwen3Model::parameter(const std::string& name) {
@@ -597,6 +734,7 @@ const Parameter& Qwen3Model::parameter(const std::string& name) const {
 }
 
 void Qwen3Model::zero_grad() {
+  for (auto& p : impl_->adapters) p.grad = at::Tensor();
   for (auto& p : impl_->params) p.grad = at::Tensor();
 }
 
@@ -620,7 +758,7 @@ void Qwen3Model::set_master_fence(MasterFence fence) { impl_->master_fence = std
 void Qwen3Model::refresh_codes(const Parameter* only) {
   at::NoGradGuard no_grad;
   for (auto& p : impl_->params) {
-    if (!p.qdata.defined() || (only != nullptr && only != &p)) continue;
+    if (!p.trainable || !p.qdata.defined() || (only != nullptr && only != &p)) continue;
     const at::Tensor master = p.master.device() == p.qdata.device()
                                   ? p.master
                                   : q4::quant::device_alias(p.master, p.qdata.device());
@@ -630,6 +768,7 @@ void Qwen3Model::refresh_codes(const Parameter* only) {
 
 void Qwen3Model::begin_grad_step() {
   for (auto& p : impl_->params) p.pending_uses = 0;
+  for (auto& p : impl_->adapters) p.pending_uses = 0;
 }
 
 int64_t Qwen3Model::num_trainable_elements() const {
@@ -637,6 +776,7 @@ int64_t Qwen3Model::num_trainable_elements() const {
   for (const auto& p : impl_->params) {
     if (p.trainable) n += p.master.numel();
   }
+  for (const auto& p : impl_->adapters) n += p.master.numel();
   return n;
 }
 

@@ -34,7 +34,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
   // of a plain-precision model (no fake quantization), what the export quantizer makes of it:
   // the NVFP4 export of such a model is its post-training quantization.
   auto forward_weight = [&](const Parameter& p, const at::Tensor& master) {
-    if (p.quantized && (p.trainable || !m.opt.fake_quant)) {
+    if (p.quantized && (p.trainable || p.lora_a != nullptr || !m.opt.fake_quant)) {
       return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name);
     }
     if (!p.trainable) return master;
@@ -58,7 +58,8 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
       qdata = exported.load(*q);
       scale = exported.load(*s);
     }
-    const at::Tensor master = m.device_master(p);
+    // An adapted linear computes with fake_quant of its merged weight.
+    const at::Tensor master = p->lora_a != nullptr ? m.merged_weight(p) : m.device_master(p);
     const int64_t rows = master.dim() >= 1 ? master.size(0) : 1;
     const int64_t row_elems = master.numel() / std::max<int64_t>(rows, 1);
     const bool shape_ok = raw.defined() ? raw.sizes() == master.sizes()

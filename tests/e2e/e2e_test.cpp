@@ -366,6 +366,61 @@ TEST(E2E, ResumeEqualsUninterruptedRun) {
   EXPECT_EQ(read_text(dir / "run" / "model.dat"), read_text(base / "run" / "model.dat"));
 }
 
+// train.method lora: a run killed after its first checkpoint and resumed gives the uninterrupted
+// run's losses, merged export and PEFT adapter bit for bit (merge-aware and plain adapters).
+TEST(E2E, LoraResumeEqualsUninterruptedRunAndExportsTheAdapter) {
+  for (const bool merge_aware : {true, false}) {
+    const fs::path dir = work_root("e2e") / (merge_aware ? "lora-merge" : "lora-plain");
+    q4::io::remove_tree(dir);
+    const auto cfg = write_config(dir, 8, 4);
+    const std::vector<std::string> lora = {
+        "--set", "train.method=lora", "--set", "lora.rank=4", "--set",
+        std::string("lora.merge_aware=") + (merge_aware ? "true" : "false"), "--set",
+        "eval.at_start=false", "--set", "eval.at_end=false"};
+    auto args = [&](const std::string& run) {
+      std::vector<std::string> a = {"--config", cfg.string(), "--set",
+                                    "output.dir=" + (dir / run).string()};
+      a.insert(a.end(), lora.begin(), lora.end());
+      return a;
+    };
+    const auto full = run_q4train(args("full"), dir / "full");
+    ASSERT_EQ(full.code, 0) << full.err;
+    EXPECT_NE(full.out.find(merge_aware ? "LoRA (merge-aware): rank 4" : "LoRA (plain): rank 4"),
+              std::string::npos)
+        << full.out;
+    EXPECT_NE(full.out.find("adapter (PEFT) -> "), std::string::npos) << full.out;
+    EXPECT_EQ(merge_aware, full.out.find("plain LoRA: the merged NVFP4 export") == std::string::npos)
+        << full.out;
+    const fs::path adapter = dir / "full" / "model-adapter";
+    ASSERT_TRUE(fs::exists(adapter / "adapter_model.safetensors"));
+    const auto ac = nlohmann::json::parse(read_text(adapter / "adapter_config.json"));
+    EXPECT_EQ(ac["r"], 4);
+    EXPECT_EQ(ac["peft_type"], "LORA");
+    // The same run interrupted after step 4: a copy of the run directory without what came
+    // later, resumed from its step-4 checkpoint.
+    fs::copy(dir / "full", dir / "cut", fs::copy_options::recursive);
+    q4::io::remove_tree(dir / "cut" / "step_000008");
+    fs::remove(dir / "cut" / "model.dat");
+    fs::remove(dir / "cut" / "model.dat.json");
+    q4::io::remove_tree(dir / "cut" / "model-adapter");
+    const auto resumed = run_q4train({"--resume", (dir / "cut" / "step_000004").string(), "--set",
+                                      "output.dir=" + (dir / "cut").string()},
+                                     dir / "resumed");
+    ASSERT_EQ(resumed.code, 0) << resumed.err;
+    const auto want = read_jsonl(dir / "full" / "metrics.jsonl");
+    const auto got = read_jsonl(dir / "cut" / "metrics.jsonl");
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i]["loss"].get<double>(), want[i]["loss"].get<double>()) << "step " << i + 1;
+    }
+    EXPECT_EQ(read_text(dir / "cut" / "model.dat"), read_text(dir / "full" / "model.dat"));
+    EXPECT_EQ(read_text(dir / "cut" / "model-adapter" / "adapter_model.safetensors"),
+              read_text(adapter / "adapter_model.safetensors"));
+    // The adapters trained: the export differs from the initial weights.
+    EXPECT_NE(read_text(dir / "full" / "model.dat"), read_text(dir / "full" / "init.dat"));
+  }
+}
+
 TEST(E2E, BadConfigKeyExits2NamingIt) {
   const fs::path dir = work_root("e2e") / "badkey";
   const auto cfg = write_config(dir, 4, 0);

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "q4/io/remove_tree.h"
+#include "q4/trainer/options.h"
 #include "q4/trainer/trainer.h"
 
 namespace fs = std::filesystem;
@@ -155,6 +156,37 @@ TEST(Config, RangesAndContradictions) {
   EXPECT_EQ(error_of("model: {config: c.json, tokenizer: t.json, init: random}\n"), "");
   EXPECT_TRUE(contains(error_of("model: {weights: w.dat, tokenizer: t.json}\n"), "model.config"));
   EXPECT_TRUE(contains(error_of("model: {config: c.json, weights: w.dat}\n"), "model.tokenizer"));
+}
+
+TEST(Config, LoraKeys) {
+  const std::string base = std::string(kMinimal) + "train: {method: lora}\n";
+  const Config c = parse(base);
+  EXPECT_EQ(c.train.method, TrainMethod::kLora);
+  EXPECT_EQ(c.lora.rank, 16);
+  EXPECT_EQ(c.lora.targets.size(), 7u);
+  EXPECT_TRUE(c.lora.merge_aware);
+  EXPECT_TRUE(contains(error_of(base + "lora: {rank: 0}\n"), "lora.rank"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {dropout: 0.1}\n"), "lora.dropout"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {targets: [q_proj, qkv]}\n"), "'qkv'"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {targets: []}\n"), "lora.targets"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {targets: [lm_head], merge_aware: false}\n"),
+                       "merge-aware adapter only"));
+  EXPECT_EQ(error_of(base + "lora: {targets: [lm_head, q_proj]}\n"), "");
+  EXPECT_TRUE(contains(error_of(base, {parse_override("model.fake_quant=false")}), "train.method"));
+  // PEFT's spellings point to ours.
+  EXPECT_TRUE(contains(error_of(base + "lora: {r: 8}\n"), "did you mean lora.rank"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {target_modules: [v_proj]}\n"),
+                       "did you mean lora.targets"));
+  const Config some = parse(base + "lora: {rank: 8, alpha: 16, targets: [v_proj]}\n");
+  EXPECT_EQ(some.lora.rank, 8);
+  EXPECT_EQ(some.lora.alpha, 16.0);
+  EXPECT_EQ(some.lora.targets, std::vector<std::string>{"v_proj"});
+  // The adapted projections are frozen: full fine-tuning's trainable spec is not.
+  EXPECT_FALSE(trainable_spec(c).projections);
+  EXPECT_TRUE(trainable_spec(parse(kMinimal)).projections);
+  const auto mo = model_options(c);
+  EXPECT_EQ(mo.lora.rank, 16);
+  EXPECT_DOUBLE_EQ(mo.lora.scale(), 2.0);
 }
 
 TEST(Config, LayerSelection) {

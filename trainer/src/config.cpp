@@ -361,6 +361,7 @@ std::string to_string(Truncation v) { return enum_name(v); }
 std::string to_string(ProgressStyle v) { return enum_name(v); }
 std::string to_string(HfExport v) { return enum_name(v); }
 std::string to_string(ObjectiveKind v) { return enum_name(v); }
+std::string to_string(TrainMethod v) { return enum_name(v); }
 std::string to_string(Divergence v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
@@ -555,6 +556,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "what training minimizes: cross_entropy on the labels, or distill (a teacher's "
             "distribution, distill.*)",
             {}, {"loss", "loss_type"}),
+      field("train.method", &c.train.method,
+            "full: the selected weights train; lora: low-rank adapters on the NVFP4 linears "
+            "(lora.*), which stay frozen"),
       field("train.trainable.layers", &c.train.trainable.layers,
             "decoder layers that train: all, none, last:N or a list of indices"),
       field("train.trainable.projections", &c.train.trainable.projections,
@@ -691,6 +695,20 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("guard.max_gpu_gb", &c.guard.max_gpu_gb,
             "stop (exit 3) when reserved or device-used GPU memory passes this many GB; 0 off",
             R::at_least(0)),
+      field("lora.rank", &c.lora.rank, "train.method lora: rank of each adapter",
+            R::at_least(1), {"r", "lora_r"}),
+      field("lora.alpha", &c.lora.alpha, "the adapter's update is scaled by alpha / rank",
+            R::above(0), {"lora_alpha"}),
+      field("lora.dropout", &c.lora.dropout,
+            "dropout on the adapter's input (only 0 is supported)", R::at_least(0),
+            {"lora_dropout"}),
+      field("lora.targets", &c.lora.targets,
+            "adapted linears: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
+            "(in the train.trainable.layers), lm_head",
+            {}, {"target_modules"}),
+      field("lora.merge_aware", &c.lora.merge_aware,
+            "true: train through the quantization of the merged weight (the merged NVFP4 export "
+            "is what was trained); false: plain LoRA on the 4-bit weight"),
       path("distill.teacher", &c.distill.teacher,
            "train.objective distill: the teacher, a .dat or Hugging Face folder (frozen, compute "
            "dtype, same device; dense linears stay dense)"),
@@ -1124,6 +1142,41 @@ void validate_config(const Config& c) {
     throw ConfigError("config key optim.offload: " + to_string(c.optim.offload) +
                       ", but model.device is " + m.device +
                       " (offload moves optimizer state from the GPU to the host)");
+  }
+  if (c.train.method == TrainMethod::kLora) {
+    if (!c.model.fake_quant) {
+      throw ConfigError("config key train.method: lora, but model.fake_quant is false (adapters "
+                        "train on the NVFP4 weights)");
+    }
+    if (c.lora.dropout != 0.0) {
+      throw ConfigError("config key lora.dropout: " + fmt_double(c.lora.dropout) +
+                        ", but only 0 is supported (a dropout mask would have to be replayed "
+                        "by the recompute)");
+    }
+    static const std::vector<std::string> kTargets = {"q_proj", "k_proj",    "v_proj",
+                                                      "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj", "lm_head"};
+    if (c.lora.targets.empty()) {
+      throw ConfigError("config key lora.targets: empty (name at least one of q_proj, k_proj, "
+                        "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
+    }
+    for (const auto& t : c.lora.targets) {
+      if (std::find(kTargets.begin(), kTargets.end(), t) == kTargets.end()) {
+        throw ConfigError("config key lora.targets: unknown linear '" + t +
+                          "' (expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                          "down_proj or lm_head)");
+      }
+    }
+    const bool head = std::find(c.lora.targets.begin(), c.lora.targets.end(), "lm_head") !=
+                      c.lora.targets.end();
+    if (head && !c.lora.merge_aware) {
+      throw ConfigError("config key lora.targets: lm_head takes a merge-aware adapter only (set "
+                        "lora.merge_aware: true or drop lm_head)");
+    }
+    if (head && c.train.trainable.lm_head) {
+      throw ConfigError("config key train.trainable.lm_head: true, but lora.targets adapts "
+                        "lm_head (one or the other)");
+    }
   }
   if (c.optim.offload == Offload::kAll && !c.model.fake_quant) {
     throw ConfigError("config key optim.offload: all, but model.fake_quant is false (the GPU "

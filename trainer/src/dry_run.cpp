@@ -113,6 +113,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
                      c.train.batch_size, c.train.seq_len, c.train.grad_accum, plan.steps(),
                      to_string(c.optim.state));
   if (!recompute_note.empty()) out << recompute_note << "\n";
+  if (const auto lora = lora_summary(mc, c, separate_lm_head); !lora.empty()) out << lora << "\n";
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);

@@ -16,13 +16,47 @@ namespace q4::trainer {
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head) {
   const auto spec = trainable_spec(c);
+  const auto lora = model_options(c).lora;
   std::vector<ParamShape> out;
+  std::vector<ParamShape> adapters;
   for (const auto& p : model::qwen3_parameters(mc, separate_lm_head)) {
     // Weight decay on the linears (lm_head included), not on the embedding or the norms.
     out.push_back({p.name, p.shape, spec.trains(p, mc.num_hidden_layers, !separate_lm_head),
                    p.kind == model::ParamKind::kQuantizedLinear});
+    if (lora.adapts(p, spec, mc.num_hidden_layers)) {  // LoRA A (rank, in) and B (out, rank)
+      const std::string base = p.name.substr(0, p.name.size() - 7);
+      adapters.push_back({base + ".lora_A.weight", {lora.rank, p.shape[1]}, true, true});
+      adapters.push_back({base + ".lora_B.weight", {p.shape[0], lora.rank}, true, true});
+    }
   }
+  out.insert(out.end(), adapters.begin(), adapters.end());
   return out;
+}
+
+std::string lora_summary(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
+  if (c.train.method != TrainMethod::kLora) return "";
+  int64_t adapters = 0, adapter_elems = 0, other = 0, total = 0;
+  for (const auto& p : parameter_shapes(mc, c, separate_lm_head)) {
+    int64_t n = 1;
+    for (int64_t d : p.shape) n *= d;
+    const bool adapter = p.name.find(".lora_") != std::string::npos;
+    if (!adapter) total += n;
+    if (adapter) {
+      ++adapters;
+      adapter_elems += n;
+    } else if (p.trainable) {
+      other += n;
+    }
+  }
+  std::string targets;
+  for (const auto& t : c.lora.targets) targets += (targets.empty() ? "" : ", ") + t;
+  return fmt::format(
+      "LoRA ({}): rank {}, alpha {} (scale {:.3g}) on {}: {} adapter tensors, {} elements "
+      "({:.2f}% of the model's {}), plus {} other trainable elements",
+      c.lora.merge_aware ? "merge-aware" : "plain", c.lora.rank, c.lora.alpha,
+      c.lora.alpha / static_cast<double>(c.lora.rank), targets, adapters, adapter_elems,
+      total > 0 ? 100.0 * static_cast<double>(adapter_elems) / static_cast<double>(total) : 0.0,
+      total, other);
 }
 
 namespace {

@@ -51,7 +51,7 @@ model::HfFormat to_model(HfExport e) {
 model::TrainableSpec trainable_spec(const Config& c) {
   const auto& t = c.train.trainable;
   model::TrainableSpec s;
-  s.projections = t.projections;
+  s.projections = t.projections && c.train.method == TrainMethod::kFull;  // lora: adapters train
   s.norms = t.norms;
   s.lm_head = t.lm_head;
   s.embeddings = t.embeddings;
@@ -103,6 +103,13 @@ model::ModelOptions model_options(const Config& c) {
   o.offload_layer_inputs = o.gradient_checkpointing && c.train.offload_layer_inputs;
   o.fake_quant = c.model.fake_quant;
   o.offload_masters = c.optim.offload == Offload::kAll;
+  if (c.train.method == TrainMethod::kLora) {
+    o.lora.rank = c.lora.rank;
+    o.lora.alpha = c.lora.alpha;
+    o.lora.targets = c.lora.targets;
+    o.lora.merge_aware = c.lora.merge_aware;
+    o.lora.seed = static_cast<uint64_t>(c.train.seed);
+  }
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;
 }

@@ -286,6 +286,13 @@ void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs
       }
     }
     check_hf_export_folder(c);
+    if (c.train.method == TrainMethod::kLora) {
+      const fs::path ad = canonical_or_self(adapter_dir(exp));
+      if (fs::exists(fs::symlink_status(ad, ec)) && !fs::is_directory(ad, ec)) {
+        throw ConfigError("config key train.method: lora writes its PEFT adapter to " +
+                          ad.string() + ", which exists and is not a directory");
+      }
+    }
   }
 }
 
@@ -432,6 +439,12 @@ std::string hf_export_dir(const std::string& dat_path) {
   fs::path p(dat_path);
   if (p.extension() == ".dat") p.replace_extension();
   return p.string() + "-hf";
+}
+
+std::string adapter_dir(const std::string& dat_path) {
+  fs::path p(dat_path);
+  if (p.extension() == ".dat") p.replace_extension();
+  return p.string() + "-adapter";
 }
 
 std::string export_record_path(const std::string& export_path) { return export_path + ".json"; }

@@ -66,6 +66,7 @@ LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ost
     if (!fs::exists(lm.source_path)) {
       auto init_opt = opt;
       init_opt.trainable = model::TrainableSpec::nothing();
+      init_opt.lora = model::LoraSpec{};  // the base model; adapters start at load
       init_opt.master_dtype = at::kFloat;
       init_opt.compute_dtype = at::kFloat;
       init_opt.device = at::kCPU;
@@ -315,6 +316,9 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
       "tensors, loaded in {:.1f} s\n",
       mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_->num_trainable_elements(),
       model_->trainable_parameters().size(), ms_since(t0) / 1000.0);
+  if (const auto lora = lora_summary(mc_, plan_.config(), separate_lm_head_); !lora.empty()) {
+    log_ << lora << "\n";
+  }
   plan_.check_guard("after loading the model");
 }
 

@@ -41,6 +41,27 @@ struct TrainableSpec {
   void validate(int64_t num_layers) const;
 };
 
+// Low-rank adapters (LoRA, docs/design.md#adapters) on NVFP4 linears: the linear's weight becomes
+// W + (alpha/rank)·B·A with A (rank, in) and B (out, rank) trained and W frozen, kept as the
+// file's NVFP4 codes. Merge-aware: the forward computes with fake_quant(W + (alpha/rank)·B·A)
+// (straight-through to A and B), so the merged NVFP4 export is what was trained. Plain:
+// y = x·Wᵀ + (alpha/rank)·(x·Aᵀ)·Bᵀ. A starts as PEFT's kaiming_uniform(a=√5) draw, B at zero.
+struct LoraSpec {
+  int64_t rank = 0;     // 0: no adapters
+  double alpha = 16.0;  // the update is scaled by alpha / rank
+  // Adapted linears by short name: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+  // (in every selected layer) and lm_head.
+  std::vector<std::string> targets;
+  bool merge_aware = true;
+  uint64_t seed = 0;  // A's initial draw
+  bool enabled() const { return rank > 0; }
+  double scale() const { return alpha / static_cast<double>(rank); }
+  // Whether parameter `p` of a num_layers model gets an adapter: an NVFP4 linear named in
+  // targets, in a layer `trainable` selects (lm_head: always when named).
+  bool adapts(const ParamSpec& p, const TrainableSpec& trainable, int64_t num_layers) const;
+  void validate() const;  // errors naming the field
+};
+
 struct ModelOptions {
   at::ScalarType master_dtype = at::kHalf;    // trainable masters: fp16 (default), bf16, fp32
   at::ScalarType compute_dtype = at::kFloat;  // activations / matmuls: fp32 (CPU), bf16 (GPU)
@@ -68,6 +89,9 @@ struct ModelOptions {
   // 2 (docs/design.md#training-numerics). After a master changes, refresh_codes(). On the CPU
   // masters stay where they are (the same forward; tests). Needs fake_quant.
   bool offload_masters = false;
+  // Adapters; with them the adapted linears are frozen (TrainableSpec::projections is ignored
+  // for them) and only A, B and whatever else `trainable` selects train.
+  LoraSpec lora;
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
@@ -139,6 +163,11 @@ struct Parameter {
   // device, (rows, cols/2) and (rows, cols/16) uint8, what the forward dequantizes. The master is
   // then in pinned host memory on CUDA (read it there; kernels reach it through an alias).
   at::Tensor qdata, scale;
+  // A linear with a LoRA adapter (ModelOptions::lora): its frozen weight is the file's NVFP4
+  // codes in qdata/scale (master undefined) and these are the adapter's A and B, trainable
+  // parameters named "<base without .weight>.lora_A.weight" / ".lora_B.weight".
+  Parameter* lora_a = nullptr;
+  Parameter* lora_b = nullptr;
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -265,7 +294,8 @@ class Qwen3Model {
   // accessors call the master fence (below) for every master before they return.
   std::vector<Parameter>& parameters();
   const std::vector<Parameter>& parameters() const;
-  std::vector<Parameter*> trainable_parameters();
+  std::vector<Parameter*> trainable_parameters();  // the HF parameters', then the adapters'
+  std::vector<Parameter>& adapters();  // LoRA A and B of every adapted linear, in HF order
   Parameter& parameter(const std::string& name);  // error naming the key when absent
   const Parameter& parameter(const std::string& name) const;
   void zero_grad();  // grads -> undefined (freed)
@@ -302,6 +332,16 @@ class Qwen3Model {
   // of their masters (the trained full-precision model) instead of their NVFP4 quantization.
   void export_to(const DatReader& source, const std::string& path,
                  bool dense_linears = false) const;
+  // The LoRA adapters as a PEFT adapter folder `dir`: adapter_model.safetensors (A and B of
+  // every adapted linear under PEFT's names, in the masters' dtype) and adapter_config.json
+  // (r, lora_alpha, target_modules, layers_to_transform; `base_model` as
+  // base_model_name_or_path). peft loads it onto the dequantized base model. Each file is
+  // written atomically.
+  void export_adapter(const std::string& dir, const std::string& base_model = "") const;
+  // Plain LoRA's merged export requantizes W + s·B·A: the RMS of that requantization's change,
+  // relative to the RMS of the adapters' updates s·B·A, over every adapted linear (0 without
+  // adapters). Merge-aware adapters trained through it, so for them it describes the grid only.
+  double merged_requantization_error() const;
   // The parameters whose forward weight, as a model loaded from `exported` would compute it,
   // differs from this model's, each as "name (k of n elements)" (empty: the export reproduces
   // this model's forward exactly). Raw tensors are compared after rounding this model's weight

@@ -48,6 +48,7 @@ enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
 enum class ObjectiveKind { kCrossEntropy, kDistill };  // cross_entropy | distill
+enum class TrainMethod { kFull, kLora };               // full | lora
 enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
 
 std::string to_string(InitKind v);
@@ -62,6 +63,7 @@ std::string to_string(Truncation v);
 std::string to_string(ProgressStyle v);
 std::string to_string(HfExport v);
 std::string to_string(ObjectiveKind v);
+std::string to_string(TrainMethod v);
 std::string to_string(Divergence v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
@@ -105,6 +107,9 @@ struct TrainableConfig {
 
 struct TrainConfig {
   ObjectiveKind objective = ObjectiveKind::kCrossEntropy;  // what the step minimizes
+  // full: the selected weights train; lora: low-rank adapters on the NVFP4 linears (lora.*),
+  // which stay frozen, plus the norms/lm_head/embeddings train.trainable selects.
+  TrainMethod method = TrainMethod::kFull;
   TrainableConfig trainable;
   // Decoder layers recomputed in backward (docs/trainer.md#recompute-by-memory-budget): true
   // every layer (or the first train.recompute_layers), false none, auto (the default) as many
@@ -138,6 +143,18 @@ struct DistillConfig {
   // `q4train --write-teacher-topk` and read instead of running the teacher.
   std::string topk_file;
   int64_t topk = 64;  // K written by --write-teacher-topk
+};
+
+// train.method: lora (docs/trainer.md#lora-adapters).
+struct LoraConfig {
+  int64_t rank = 16;
+  double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
+  double dropout = 0.0;  // on the adapter's input (plain adapters only)
+  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                      "gate_proj", "up_proj", "down_proj"};
+  // true: the forward computes with fake_quant(W + B·A·alpha/rank), so the merged NVFP4 export
+  // is what was trained; false: plain LoRA, x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/rank.
+  bool merge_aware = true;
 };
 
 struct ScheduleConfig {
@@ -232,6 +249,7 @@ struct Config {
   GuardConfig guard;
   LogConfig log;
   DistillConfig distill;
+  LoraConfig lora;
   std::string source;  // where the config came from (file path), for messages
 };
 
@@ -240,7 +258,7 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
                  InBackward*, Recompute*, Offload*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
-                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, Divergence*>;
+                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -358,5 +376,7 @@ Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
 Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
               {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
               {"distill", q4::trainer::ObjectiveKind::kDistill});
+Q4_ENUM_NAMES(q4::trainer::TrainMethod, {"full", q4::trainer::TrainMethod::kFull},
+              {"lora", q4::trainer::TrainMethod::kLora});
 Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
               {"reverse_kl", q4::trainer::Divergence::kReverseKl});

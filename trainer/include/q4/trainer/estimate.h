@@ -30,6 +30,10 @@ struct ParamShape {
 };
 // Every parameter of a Qwen3 model in the model library's order (Qwen3Model::parameters());
 // `separate_lm_head`: lm_head is its own tensor.
+// train.method lora: one line naming the adapters and what trains, e.g. "LoRA (merge-aware)
+// rank 16, alpha 32 on q_proj, ...: 252 adapter tensors, 33.0M elements (0.82% of the model's
+// 4.02B), plus 0.0M other trainable elements"; empty for full fine-tuning.
+std::string lora_summary(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head);
 

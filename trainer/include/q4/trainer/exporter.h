@@ -27,6 +27,7 @@ class Exporter {
 
  private:
   void write_hf_folder(const std::string& dat_path);
+  void write_adapter(const std::string& dat_path, model::Qwen3Model& model);
   void check(const std::string& path, model::Qwen3Model& model);
 
   const RunPlan& plan_;

@@ -61,6 +61,8 @@ bool is_reserved_run_name(const std::string& file_name);
 
 // output.hf_export's folder: next to the exported .dat, "<path minus .dat>-hf".
 std::string hf_export_dir(const std::string& dat_path);
+// train.method lora's PEFT adapter folder: next to the exported .dat, "<path minus .dat>-adapter".
+std::string adapter_dir(const std::string& dat_path);
 
 // Every output path, checked before anything is written (ConfigError naming the key): log.metrics
 // is a plain file name that is not reserved; the export is not a directory, its directory exists

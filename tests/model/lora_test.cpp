@@ -1,0 +1,216 @@
+// LoRA adapters on the NVFP4 linears (ModelOptions::lora), against direct computations:
+// - a fresh adapter (B = 0) leaves the merge-aware model's logits exactly the base model's;
+// - merge-aware gradients of A and B are s·Bᵀ·dW and s·dW·Aᵀ (fp64) of the gradient dW of the
+//   merged, fake-quantized weight, taken from a full fine-tune of a model holding that weight;
+// - plain LoRA gradients are the dense formula's (x·(W + s·B·A)ᵀ in plain precision);
+// - the merge-aware export reloads to the trained forward weights bit for bit.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+
+#include "q4/model/dat_file.h"
+#include "q4/model/qwen3.h"
+#include "q4/quant/nvfp4.h"
+#include "tiny_fixture.h"
+
+namespace q4::model {
+namespace {
+
+ModelOptions lora_options(bool merge_aware) {
+  ModelOptions o;
+  o.master_dtype = at::kFloat;
+  o.compute_dtype = at::kFloat;
+  o.grad_dtype = at::kFloat;
+  o.trainable = TrainableSpec::nothing();
+  o.gradient_checkpointing = true;
+  o.lora.rank = 4;
+  o.lora.alpha = 8.0;
+  o.lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  o.lora.merge_aware = merge_aware;
+  o.lora.seed = 3;
+  return o;
+}
+
+ModelInputs lora_inputs(const Qwen3Config& cfg) {
+  at::Generator gen = at::detail::createCPUGenerator(17);
+  ModelInputs in;
+  in.input_ids = at::randint(0, cfg.vocab_size, {2, 9}, gen, at::kLong);
+  in.labels = in.input_ids.clone();
+  return in;
+}
+
+// B of every adapter drawn away from zero (as after some training), the same in every call.
+void perturb_b(Qwen3Model& m) {
+  at::Generator gen = at::detail::createCPUGenerator(29);
+  for (auto& p : m.adapters()) {
+    if (p.name.find("lora_B") == std::string::npos) continue;
+    p.master.copy_(at::randn(p.master.sizes(), gen, at::kFloat) * 0.05);
+  }
+}
+
+std::string lora_temp_path(const std::string& name) {
+  return ::testing::TempDir() + "/q4lora_" + std::to_string(::getpid()) + "_" + name;
+}
+
+TEST(Lora, FreshMergeAwareAdapterKeepsTheBaseModel) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions base_opt = lora_options(true);
+  base_opt.lora = LoraSpec{};
+  Qwen3Model base = Qwen3Model::load(cfg, w, base_opt);
+  Qwen3Model adapted = Qwen3Model::load(cfg, w, lora_options(true));
+  const int64_t L = cfg.num_hidden_layers;
+  ASSERT_EQ(adapted.adapters().size(), static_cast<size_t>(2 * 7 * L));
+  EXPECT_EQ(adapted.trainable_parameters().size(), adapted.adapters().size());
+  const auto& q = adapted.parameter("model.layers.0.self_attn.q_proj.weight");
+  EXPECT_FALSE(q.trainable);
+  EXPECT_FALSE(q.master.defined());  // frozen as codes only
+  ASSERT_NE(q.lora_a, nullptr);
+  EXPECT_EQ(q.lora_a->name, "model.layers.0.self_attn.q_proj.lora_A.weight");
+  EXPECT_EQ(q.lora_a->master.sizes(), (at::IntArrayRef{4, cfg.hidden_size}));
+  EXPECT_EQ(q.lora_b->master.sizes(), (at::IntArrayRef{cfg.q_dim(), 4}));
+  EXPECT_EQ(q.lora_b->master.abs().max().item<double>(), 0.0);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(cfg.hidden_size));
+  EXPECT_LE(q.lora_a->master.abs().max().item<double>(), bound);
+  EXPECT_GT(q.lora_a->master.abs().max().item<double>(), 0.5 * bound);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  EXPECT_TRUE(at::equal(base.forward(in), adapted.forward(in)));
+}
+
+TEST(Lora, MergeAwareGradientsAreTheMergedWeightsThroughTheAdapter) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  Qwen3Model m = Qwen3Model::load(cfg, w, lora_options(true));
+  perturb_b(m);
+  const auto in = lora_inputs(cfg);
+  LossOutput lo = m.loss(in);
+  lo.loss.backward();
+  // Reference: every adapted linear trains in full, its master set to the merged weight
+  // W + s·B·A (fp32), so its STE gradient is the gradient of fake_quant(merged).
+  ModelOptions full = lora_options(true);
+  full.lora = LoraSpec{};
+  full.trainable = TrainableSpec::nothing();
+  full.trainable.projections = true;
+  Qwen3Model ref = Qwen3Model::load(cfg, w, full);
+  const double s = 8.0 / 4.0;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) {
+      if (p.lora_a == nullptr) continue;
+      at::Tensor merged = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
+      merged.add_(at::mm(p.lora_b->master, p.lora_a->master), s);  // as the model merges
+      ref.parameter(p.name).master.copy_(merged);
+    }
+  }
+  LossOutput lr = ref.loss(in);
+  lr.loss.backward();
+  EXPECT_EQ(lo.loss.item<double>(), lr.loss.item<double>());
+  int64_t checked = 0;
+  for (auto& p : m.parameters()) {
+    if (p.lora_a == nullptr) continue;
+    const at::Tensor dw = ref.parameter(p.name).grad.to(at::kDouble);
+    const at::Tensor a = p.lora_a->master.to(at::kDouble), b = p.lora_b->master.to(at::kDouble);
+    const at::Tensor ga = s * at::mm(b.t(), dw), gb = s * at::mm(dw, a.t());
+    ASSERT_TRUE(p.lora_a->grad.defined() && p.lora_b->grad.defined()) << p.name;
+    EXPECT_TRUE(at::allclose(p.lora_a->grad.to(at::kDouble), ga, 1e-4, 1e-7)) << p.name;
+    EXPECT_TRUE(at::allclose(p.lora_b->grad.to(at::kDouble), gb, 1e-4, 1e-7)) << p.name;
+    EXPECT_GT(gb.abs().max().item<double>(), 0.0) << p.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 7 * cfg.num_hidden_layers);
+}
+
+TEST(Lora, PlainGradientsAreTheDenseFormulas) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  for (const bool checkpointing : {true, false}) {
+    ModelOptions o = lora_options(false);
+    o.gradient_checkpointing = checkpointing;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    perturb_b(m);
+    const auto in = lora_inputs(cfg);
+    LossOutput lo = m.loss(in);
+    lo.loss.backward();
+    // Reference: plain precision (the weights as they are), each adapted linear trained in full
+    // from W + s·B·A: y = x·(W + s·B·A)ᵀ is the plain adapter's formula, so dA = s·Bᵀ·dW and
+    // dB = s·dW·Aᵀ.
+    ModelOptions full = lora_options(false);
+    full.lora = LoraSpec{};
+    full.fake_quant = false;
+    full.trainable = TrainableSpec::nothing();
+    full.trainable.projections = true;
+    Qwen3Model ref = Qwen3Model::load(cfg, w, full);
+    const double s = 2.0;
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : m.parameters()) {
+        if (p.lora_a == nullptr) continue;
+        at::Tensor merged = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
+        merged.add_(at::mm(p.lora_b->master, p.lora_a->master), s);
+        ref.parameter(p.name).master.copy_(merged);
+      }
+    }
+    LossOutput lr = ref.loss(in);
+    lr.loss.backward();
+    // Only lm_head differs (fake-quantized here, not in the reference): a few of its blocks.
+    EXPECT_NEAR(lo.loss.item<double>(), lr.loss.item<double>(), 2e-3);
+    for (auto& p : m.parameters()) {
+      if (p.lora_a == nullptr) continue;
+      const at::Tensor dw = ref.parameter(p.name).grad.to(at::kDouble);
+      const at::Tensor a = p.lora_a->master.to(at::kDouble), b = p.lora_b->master.to(at::kDouble);
+      const at::Tensor ga = s * at::mm(b.t(), dw), gb = s * at::mm(dw, a.t());
+      const double scale_a = ga.abs().max().item<double>(), scale_b = gb.abs().max().item<double>();
+      EXPECT_LE((p.lora_a->grad.to(at::kDouble) - ga).abs().max().item<double>(), 2e-2 * scale_a)
+          << p.name << " checkpointing " << checkpointing;
+      EXPECT_LE((p.lora_b->grad.to(at::kDouble) - gb).abs().max().item<double>(), 2e-2 * scale_b)
+          << p.name << " checkpointing " << checkpointing;
+    }
+  }
+}
+
+TEST(Lora, PlainGradientsDoNotDependOnCheckpointing) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  std::map<std::string, at::Tensor> grads[2];
+  for (const bool checkpointing : {true, false}) {
+    ModelOptions o = lora_options(false);
+    o.gradient_checkpointing = checkpointing;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    perturb_b(m);
+    m.loss(lora_inputs(cfg)).loss.backward();
+    for (auto& p : m.adapters()) grads[checkpointing ? 1 : 0][p.name] = p.grad.clone();
+  }
+  for (const auto& [name, g] : grads[0]) EXPECT_TRUE(at::equal(g, grads[1][name])) << name;
+}
+
+TEST(Lora, MergeAwareExportReloadsToTheTrainedWeights) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = lora_options(true);
+  o.lora.targets.push_back("lm_head");
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  perturb_b(m);
+  const std::string path = lora_temp_path("merged.dat");
+  m.export_to(w, path);
+  DatReader exported(path);
+  EXPECT_TRUE(m.compare_forward_weights(exported).empty());
+  // The reloaded base model (no adapters) computes exactly what the adapted model computed.
+  ModelOptions plain = o;
+  plain.lora = LoraSpec{};
+  Qwen3Model reloaded = Qwen3Model::load(cfg, exported, plain);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  EXPECT_TRUE(at::equal(m.forward(in), reloaded.forward(in)));
+  // A control: the base file itself gives other logits.
+  Qwen3Model base = Qwen3Model::load(cfg, w, plain);
+  EXPECT_FALSE(at::equal(m.forward(in), base.forward(in)));
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace q4::model
