@@ -238,6 +238,29 @@ TEST(DataParallel, DistillationOnTwoRanksTracksOneRank) {
   }
 }
 
+// LoRA adapters train data parallel: the curve on two ranks is the one-rank run's with the same
+// global batch, and rank 0 writes the merged export and the PEFT adapter.
+TEST(DataParallel, LoraOnTwoRanksTracksOneRank) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
+  const fs::path dir = work_root("dist") / "lora";
+  q4::io::remove_tree(dir);
+  const auto lora = [&](const std::string& name, int64_t accum) {
+    return std::vector<std::string>{"--config", write_config(dir / name, 4, accum, 0).string(),
+                                    "--set",    "train.method=lora",
+                                    "--set",    "lora.rank=4"};
+  };
+  auto two_args = lora("two", 1);
+  two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
+  const TimedRun r2 = run(two_args, dir / "two" / "log");
+  ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
+  const TimedRun r1 = run(lora("one", 2), dir / "one" / "log");
+  ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
+  expect_same_curve(read_jsonl(dir / "two" / "run" / "metrics.jsonl"),
+                    read_jsonl(dir / "one" / "run" / "metrics.jsonl"), kRankTolerance,
+                    "lora: 2 ranks vs 1");
+  EXPECT_TRUE(fs::exists(dir / "two" / "run" / "model-adapter" / "adapter_model.safetensors"));
+}
+
 TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path base = two_rank_base();

@@ -70,7 +70,8 @@ void Exporter::check(const std::string& path, model::Qwen3Model& model) {
   // Trained NVFP4 tensors may differ in a few re-quantized blocks (export_check.h).
   const auto requantized = [&](const std::string& name) {
     for (const auto& p : model.parameters()) {
-      if (p.name == name) return p.trainable && p.quantized;
+      // A trained NVFP4 tensor, or an adapted one (its merge is quantized the same way).
+      if (p.name == name) return p.quantized && (p.trainable || p.lora_a != nullptr);
     }
     return false;
   };
