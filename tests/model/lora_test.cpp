@@ -231,5 +231,47 @@ TEST(Lora, MergeAwareExportHoldsTheTrainedWeights) {
   std::remove(path.c_str());
 }
 
+// A plain adapter written as a PEFT folder and loaded onto the base model (as q4chat --adapter
+// does) computes the trained model's logits bit for bit; a broken folder is refused by name.
+TEST(Lora, PeftAdapterFolderRoundTrips) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = lora_options(false);
+  o.trainable.layers = {1};  // adapters on the second layer only: layers_to_transform
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  ASSERT_EQ(m.adapters().size(), 14u);
+  perturb_b(m);
+  const std::string dir = lora_temp_path("adapter");
+  m.export_adapter(dir, "base");
+  const AdapterConfig ac = read_adapter_config(dir);
+  EXPECT_EQ(ac.lora.rank, 4);
+  EXPECT_EQ(ac.lora.alpha, 8.0);
+  EXPECT_FALSE(ac.lora.merge_aware);
+  EXPECT_EQ(ac.layers, std::vector<int64_t>{1});
+  EXPECT_EQ(ac.lora.targets.size(), 7u);
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  ASSERT_EQ(loaded.adapters().size(), 14u);
+  loaded.load_adapter(dir);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  EXPECT_TRUE(at::equal(m.forward(in), loaded.forward(in)));
+  // Without the adapter the logits differ (B is not zero).
+  inference.lora = LoraSpec{};
+  EXPECT_FALSE(at::equal(m.forward(in), Qwen3Model::load(cfg, w, inference).forward(in)));
+  // A wrong rank: the shape mismatch names the tensor.
+  ModelOptions wrong = with_adapter(inference, ac);
+  wrong.lora.rank = 2;
+  Qwen3Model other = Qwen3Model::load(cfg, w, wrong);
+  try {
+    other.load_adapter(dir);
+    ADD_FAILURE() << "a rank-4 adapter loaded into rank-2 adapters";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lora_A"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace q4::model

@@ -105,12 +105,12 @@ int main(int argc, char** argv) {
       }
       check_text(*tok, prompt, "--prompt");
       check_text(*tok, m.system, m.system_given() ? "--system" : "data.system_prompt");
-      loaded = chat::load_model(paths, *tok, opt);
+      loaded = chat::load_model(paths, *tok, opt, m.adapter);
       const auto& cfg = loaded.config;
       if (!quiet) {
         std::cerr << fmt::format(
-            "q4chat: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
-            paths.weights, cfg.num_hidden_layers, cfg.hidden_size, m.device,
+            "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
+            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter, cfg.num_hidden_layers, cfg.hidden_size, m.device,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return 0;

@@ -241,14 +241,16 @@ data::Tokenizer load_tokenizer(const ModelPaths& paths) {
 }
 
 LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer,
-                       const model::ModelOptions& opt) {
+                       const model::ModelOptions& opt, const std::string& adapter) {
   LoadedModel r;
   r.config = model::Qwen3Config::from_json_file(paths.config);
   TORCH_CHECK(tokenizer.vocab_size() <= r.config.vocab_size, "tokenizer ", paths.tokenizer, " has ",
               tokenizer.vocab_size(), " tokens but ", paths.config, " has vocab_size ",
               r.config.vocab_size);
-  r.model =
-      std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(r.config, paths.weights, opt));
+  const model::ModelOptions o =
+      adapter.empty() ? opt : model::with_adapter(opt, model::read_adapter_config(adapter));
+  r.model = std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(r.config, paths.weights, o));
+  if (!adapter.empty()) r.model->load_adapter(adapter);
   return r;
 }
 
@@ -263,6 +265,8 @@ void add_model_options(CLI::App& app, ModelArgs& args) {
   args.system_option = app.add_option("--system", args.system,
                                       "system prompt (default: a run's data.system_prompt)");
   app.add_option("--device", args.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--adapter", args.adapter,
+                 "a PEFT LoRA adapter folder to apply (q4train's <export>-adapter, or peft's)");
 }
 
 }  // namespace q4::chat

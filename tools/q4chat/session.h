@@ -85,6 +85,7 @@ auto as_input(F&& fn) -> decltype(fn()) {
 // --system and --device.
 struct ModelArgs {
   std::string model, config, tokenizer, system, device = "cpu";
+  std::string adapter;  // a PEFT LoRA adapter folder applied to the model (empty: none)
   const CLI::Option* system_option = nullptr;
   bool system_given() const;  // --system was on the command line (even empty)
 };
@@ -126,7 +127,9 @@ struct LoadedModel {
 // The config and weights of `paths` (a .dat or a Hugging Face folder, model::load_dat_or_hf)
 // with `opt`; `tokenizer`'s vocabulary must fit the config's vocab_size. NVFP4 linears hold
 // dequantize(q), as inference computes them.
+// With `adapter`, the PEFT LoRA adapter folder (model::read_adapter_config) on top: plain LoRA
+// on the NVFP4 linears it names.
 LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer,
-                       const model::ModelOptions& opt);
+                       const model::ModelOptions& opt, const std::string& adapter = "");
 
 }  // namespace q4::chat

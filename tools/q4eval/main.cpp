@@ -152,7 +152,7 @@ int run(const Args& a) {
   opt.loss_chunk_tokens = run_opt.loss_chunk_tokens;
   if (run_opt.device.type() == opt.device.type()) opt.compute_dtype = run_opt.compute_dtype;
   chat::LoadedModel loaded =
-      as_input([&] { return chat::load_model(in.paths, *in.tokenizer, opt); });
+      as_input([&] { return chat::load_model(in.paths, *in.tokenizer, opt, a.m.adapter); });
   if (!a.quiet) {
     std::cerr << fmt::format("q4eval: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n",
                              in.paths.described, in.paths.weights, loaded.config.num_hidden_layers,

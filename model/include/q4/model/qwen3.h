@@ -185,6 +185,19 @@ struct GenerateOptions {
   std::vector<int64_t> stop_ids = {151645, 151643};  // Qwen3 <|im_end|>, <|endoftext|>
 };
 
+// A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), as
+// Qwen3Model::export_adapter writes it or peft saves it for a Qwen3 model.
+struct AdapterConfig {
+  LoraSpec lora;                // rank, alpha, targets; merge_aware false (a PEFT adapter is plain)
+  std::vector<int64_t> layers;  // layers_to_transform (empty: every layer)
+};
+// Reads `dir`/adapter_config.json; errors name the file and the key (LoRA only: no DoRA,
+// rsLoRA, bias, fan_in_fan_out or modules_to_save).
+AdapterConfig read_adapter_config(const std::string& dir);
+// `opt` with the adapter of `dir` in it (fp32 adapter masters), ready for Qwen3Model::load and
+// then load_adapter().
+ModelOptions with_adapter(ModelOptions opt, const AdapterConfig& adapter);
+
 // Analytic device-memory budget (bytes) for the trainer's --dry-run and VRAM probe. A step
 // goes through phases whose transient tensors never coexist (the loss's backward frees its
 // logits before the layers' backward recomputes a layer): the budget is the persistent tensors
@@ -338,6 +351,10 @@ class Qwen3Model {
   // base_model_name_or_path). peft loads it onto the dequantized base model. Each file is
   // written atomically.
   void export_adapter(const std::string& dir, const std::string& base_model = "") const;
+  // Sets every adapter's A and B from `dir`/adapter_model.safetensors (PEFT names, with or without
+  // the ".default" adapter name); a missing tensor or a shape that differs is an error naming the
+  // file and the tensor. The model was built with with_adapter(read_adapter_config(dir)).
+  void load_adapter(const std::string& dir);
   // Plain LoRA's merged export requantizes W + s·B·A: the RMS of that requantization's change,
   // relative to the RMS of the adapters' updates s·B·A, over every adapted linear (0 without
   // adapters). Merge-aware adapters trained through it, so for them it describes the grid only.
