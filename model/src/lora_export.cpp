@@ -164,6 +164,10 @@ void Qwen3Model::load_adapter(const std::string& dir) {
   }
 }
 
+at::Tensor Qwen3Model::merged_weight(const Parameter& adapted) const {
+  return impl_->merged_weight(&adapted);
+}
+
 double Qwen3Model::merged_requantization_error() const {
   const Impl& m = *impl_;
   at::NoGradGuard no_grad;

@@ -114,11 +114,8 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
 void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
                bool quantize_linears) {
   const auto& params = model.parameters();
-  for (const auto& p : params) {
-    TORCH_CHECK(p.lora_a == nullptr, "write_dat: ", p.name,
-                " has a LoRA adapter; export the model with export_to() (it merges adapters)");
-  }
   auto quantized = [&](const Parameter& p) {
+    if (p.lora_a != nullptr) return true;  // its merge, quantized (as export_to writes it)
     if (p.name == "lm_head.weight") return quantize_lm_head;
     return quantize_linears && p.quantized;
   };
@@ -127,7 +124,8 @@ void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_l
   DatWriter w(path, count);
   for (const auto& p : params) {
     if (quantized(p)) {
-      const auto q = q4::quant::quantize_nvfp4(p.master.to(at::kFloat), p.name);
+      const auto q = q4::quant::quantize_nvfp4(
+          p.lora_a != nullptr ? model.merged_weight(p) : p.master.to(at::kFloat), p.name);
       w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, ElemType::kE2M1Packed);
     } else {
       w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), ElemType::kFloat16);

@@ -215,6 +215,19 @@ TEST(Lora, MergeAwareExportHoldsTheTrainedWeights) {
     ++adapted;
   }
   EXPECT_GE(adapted, 7 * cfg.num_hidden_layers);
+  // write_dat (a model without a source file) stores the same merge.
+  const std::string written = lora_temp_path("written.dat");
+  write_dat(m, written, /*quantize_lm_head=*/true);
+  DatReader wd(written);
+  for (auto& p : m.parameters()) {
+    if (p.lora_a == nullptr) continue;
+    EXPECT_TRUE(at::equal(wd.load(p.name + ".qdata"), exported.load(p.name + ".qdata"))) << p.name;
+    EXPECT_TRUE(at::equal(m.merged_weight(p), [&] {
+      at::Tensor x = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
+      return x.add_(at::mm(p.lora_b->master, p.lora_a->master), s);
+    }())) << p.name;
+  }
+  std::remove(written.c_str());
   // Anything the export check reports is an adapted linear (re-quantized blocks on reload).
   for (const auto& d : m.compare_forward_weights(exported)) {
     const std::string name = d.substr(0, d.find(' '));

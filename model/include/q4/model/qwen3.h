@@ -355,6 +355,9 @@ class Qwen3Model {
   // the ".default" adapter name); a missing tensor or a shape that differs is an error naming the
   // file and the tensor. The model was built with with_adapter(read_adapter_config(dir)).
   void load_adapter(const std::string& dir);
+  // An adapted linear's merged weight W + (alpha/rank)·B·A, fp32 on the model's device: what a
+  // merge-aware forward fake-quantizes and the export quantizes.
+  at::Tensor merged_weight(const Parameter& adapted) const;
   // Plain LoRA's merged export requantizes W + s·B·A: the RMS of that requantization's change,
   // relative to the RMS of the adapters' updates s·B·A, over every adapted linear (0 without
   // adapters). Merge-aware adapters trained through it, so for them it describes the grid only.
@@ -384,9 +387,9 @@ class Qwen3Model {
 
 // Writes every parameter of `model` as a .dat, in model (HF) order: the quantized linears (when
 // `quantize_linears`) and lm_head (when `quantize_lm_head`) as NVFP4 pairs quantized from their
-// masters (qdata elem 100, scale elem 101), everything else fp16. The file of a random init
-// (dense for a plain-precision run), and the export of a model that has no source file. Atomic
-// (DatWriter).
+// masters (qdata elem 100, scale elem 101), an adapted linear as its merged weight's NVFP4 pair,
+// everything else fp16. The file of a random init (dense for a plain-precision run), and the
+// export of a model that has no source file. Atomic (DatWriter).
 void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
                bool quantize_linears = true);
 
