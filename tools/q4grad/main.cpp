@@ -1,7 +1,9 @@
 // q4grad: parity tool. Loads a Qwen3 .dat with fp32 masters, every parameter trainable and
 // straight-through fake-quant on every quantized linear, runs one forward and backward on
 // input_ids/labels from IN.dat, and writes logits, loss and grad.<HF name> (all fp32) to OUT.dat
-// for comparison with HF transformers. Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
+// for comparison with HF transformers. --adapter DIR applies a PEFT LoRA folder (plain LoRA, its
+// linears frozen: zero gradients), for comparison with peft (scripts/bench/lora.sh). Exit codes:
+// 0 ok, 2 usage/config/input error, 1 runtime.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
@@ -20,6 +22,7 @@ namespace {
 struct Args {
   std::string config, weights, inputs, out;
   std::string checkpointing = "on";
+  std::string adapter;  // a PEFT LoRA folder applied (plain LoRA); its linears stay frozen
   std::string device = "cpu";
 };
 
@@ -41,7 +44,9 @@ int run(const Args& a) {
   opt.device = device;
   opt.trainable = TrainableSpec::everything();
   opt.gradient_checkpointing = a.checkpointing == "on";
+  if (!a.adapter.empty()) opt = with_adapter(opt, read_adapter_config(a.adapter));
   Qwen3Model model = Qwen3Model::load(cfg, weights, opt);
+  if (!a.adapter.empty()) model.load_adapter(a.adapter);
 
   ModelInputs in;
   in.input_ids = inputs.load("input_ids");
@@ -65,8 +70,12 @@ int run(const Args& a) {
   w.add("logits", logits);
   w.add("loss", lo.loss.detach().to(at::kFloat).cpu().reshape({1}));
   for (const Parameter& p : params) {
+    // An adapted linear is frozen (no master: its codes are (rows, cols/2)): a zero gradient.
+    const auto shape = p.master.defined()
+                           ? p.master.sizes().vec()
+                           : std::vector<int64_t>{p.qdata.size(0), 2 * p.qdata.size(1)};
     at::Tensor g = p.grad.defined() ? p.grad.to(at::kFloat).cpu().contiguous()
-                                    : at::zeros(p.master.sizes(), at::kFloat);
+                                    : at::zeros(shape, at::kFloat);
     w.add("grad." + p.name, g);
   }
   w.commit();
@@ -88,6 +97,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpointing", a.checkpointing, "per-layer gradient checkpointing")
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--adapter", a.adapter,
+                 "a PEFT LoRA adapter folder: its linears frozen, x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/r");
   // Every library call reads the user's config, weights or inputs: its errors are input errors.
   return q4::tools::run_tool(
       "q4grad", app, argc, argv, [&] { return run(a); },

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# LoRA on the GPU, one call: builds, writes the speed benchmark's data and Qwen3-4B-shaped .dat
+# (as step_vs_peer.sh), then
+#   1. trains the benchmark (scripts/bench/bench-4b.yaml) in full and with rank-16 adapters on
+#      every projection, merge-aware and plain (embeddings, norms and lm_head frozen), and prints
+#      tokens/s and peak memory of each (summarize_step_vs_peer.py per run);
+#   2. checks the plain adapter against peft: a few plain-LoRA steps with an export, the base's
+#      BF16 Hugging Face export (q4dat export-hf --format bf16), and lora_peft_check.py comparing
+#      peft's logits with q4grad --adapter's.
+#   scripts/bench/lora.sh [OUT_DIR]      Env: BUILD (build-gpu), WORK (/tmp/q4bench), STEPS (8)
+set -euo pipefail
+. "$(dirname "$0")/../lib.sh"
+out=$(mkdir -p "${1:-${OUT:-$root/runs/lora-bench}}" && cd "${1:-${OUT:-$root/runs/lora-bench}}" && pwd)
+build=${BUILD:-$root/build-gpu}
+work=${WORK:-/tmp/q4bench}
+steps=${STEPS:-8}
+mkdir -p "$work"
+q4_gpu_configure . "$build" >"$work/build.log" 2>&1
+cmake --build "$build" -j "$(nproc)" --target q4train q4dat q4grad >>"$work/build.log" 2>&1 \
+  || { tail -n 60 "$work/build.log"; exit 1; }
+export SKIP_BUILD=1 SKIP_PEER=1 SKIP_PROBE=1 STEPS=$steps BUILD=$build WORK=$work
+frozen="--set train.trainable.norms=false --set train.trainable.lm_head=false --set train.trainable.embeddings=false"
+EXTRA_SET="" scripts/bench/step_vs_peer.sh "$out/full" | tail -n 4
+EXTRA_SET="--set train.method=lora --set lora.rank=16 $frozen" \
+  scripts/bench/step_vs_peer.sh "$out/lora-merge" | tail -n 4
+EXTRA_SET="--set train.method=lora --set lora.rank=16 --set lora.merge_aware=false $frozen" \
+  scripts/bench/step_vs_peer.sh "$out/lora-plain" | tail -n 4
+
+# 2. The PEFT adapter against peft.
+rm -rf "$work/peft"
+"$build/bin/q4train" --config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
+  --set "data.files=[$work/bench.jsonl]" --set train.method=lora --set lora.rank=16 \
+  --set lora.merge_aware=false $frozen --set train.steps=3 --set optim.lr=1e-3 \
+  --set "output.dir=$work/peft" --set "output.export_path=$work/peft/model.dat" \
+  >"$out/peft-train.log" 2>&1
+[ -d "$work/base-bf16" ] || "$build/bin/q4dat" export-hf "$work/q4b.dat" "$work/base-bf16" \
+  --config tests/fixtures/qwen3_4b.config.json --format bf16 >"$out/peft-export.log" 2>&1
+python3 scripts/bench/lora_peft_check.py ids "$work/peft-ids.dat" 151936
+"$build/bin/q4grad" --config tests/fixtures/qwen3_4b.config.json --weights "$work/q4b.dat" \
+  --adapter "$work/peft/model-adapter" --inputs "$work/peft-ids.dat" --out "$work/peft-q4.dat" \
+  --device cuda | tee -a "$out/peft-check.log"
+python3 scripts/bench/lora_peft_check.py compare "$work/base-bf16" "$work/peft/model-adapter" \
+  "$work/peft-ids.dat" "$work/peft-q4.dat" | tee -a "$out/peft-check.log"

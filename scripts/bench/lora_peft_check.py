@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""q4train's PEFT adapter against peft (scripts/bench/lora.sh runs it on the GPU machine).
+
+  lora_peft_check.py ids OUT_IDS.dat VOCAB
+      writes fixed token ids (input_ids, labels: int64 [2, 64]) for q4grad --inputs
+  lora_peft_check.py compare BASE_HF_DIR ADAPTER_DIR IDS.dat Q4GRAD_OUT.dat
+      loads the dequantized base (q4dat export-hf --format bf16) in fp32 with transformers, puts
+      the adapter on it with peft, and compares its logits with q4grad --adapter's (q4train's
+      plain-LoRA forward, fp32). Prints RESULT {json}: the largest logit difference relative to
+      the largest logit, and the same without the adapter (a control that must be much larger
+      when the adapter has trained). Exit 1 when the relative difference exceeds --tol (1e-3:
+      fp32 against fp32 with other kernels; q4grad fake-quantizes the lm_head the bf16 export
+      stores dequantized, which moves a few rare blocks).
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures"))
+from make_plain_fixture import read_dat, tensor_entry, write_dat  # noqa: E402
+
+
+def logits_of(dat):
+    et, shape, payload = read_dat(dat)["logits"]
+    assert et == 6, "q4grad writes fp32 logits"
+    return torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(shape)
+
+
+def ids_of(dat):
+    et, shape, payload = read_dat(dat)["input_ids"]
+    return torch.frombuffer(bytearray(payload), dtype=torch.int64).reshape(shape)
+
+
+def main():
+    if sys.argv[1] == "ids":
+        out, vocab = sys.argv[2], int(sys.argv[3])
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, vocab, (2, 64), generator=g)
+        write_dat(out, [("input_ids", tensor_entry(ids)), ("labels", tensor_entry(ids.clone()))])
+        return 0
+    assert sys.argv[1] == "compare", __doc__
+    base, adapter, ids_path, q4_out = sys.argv[2:6]
+    tol = float(sys.argv[sys.argv.index("--tol") + 1]) if "--tol" in sys.argv else 1e-3
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).to(dev)
+    ids = ids_of(ids_path).to(dev)
+    with torch.no_grad():
+        plain = model(ids).logits.float().cpu()
+        peft_model = PeftModel.from_pretrained(model, adapter).to(dev)
+        adapted = peft_model(ids).logits.float().cpu()
+    q4 = logits_of(q4_out)
+    scale = q4.abs().max().item()
+    rel = (adapted - q4).abs().max().item() / scale
+    control = (plain - q4).abs().max().item() / scale
+    print("RESULT " + json.dumps({"max_rel_diff": rel, "without_adapter_rel_diff": control,
+                                  "max_abs_logit": scale, "tol": tol}))
+    return 0 if rel <= tol and control > 10 * rel else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
