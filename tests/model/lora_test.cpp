@@ -52,6 +52,24 @@ void perturb_b(Qwen3Model& m) {
   }
 }
 
+// The reference of an adapted model `m`: the base model with every adapted linear trained in
+// full, its master set to m's merged weight W + s·B·A (fp32), in fake-quantized or plain
+// precision. Its gradient of each such linear is dW; A's and B's are s·Bᵀ·dW and s·dW·Aᵀ.
+Qwen3Model merged_reference(Qwen3Model& m, const Qwen3Config& cfg, const DatReader& w,
+                            bool fake_quant) {
+  ModelOptions full = lora_options(true);
+  full.lora = LoraSpec{};
+  full.fake_quant = fake_quant;
+  full.trainable = TrainableSpec::nothing();
+  full.trainable.projections = true;
+  Qwen3Model ref = Qwen3Model::load(cfg, w, full);
+  at::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) {
+    if (p.lora_a != nullptr) ref.parameter(p.name).master.copy_(m.merged_weight(p));
+  }
+  return ref;
+}
+
 std::string lora_temp_path(const std::string& name) {
   return ::testing::TempDir() + "/q4lora_" + std::to_string(::getpid()) + "_" + name;
 }
@@ -90,23 +108,10 @@ TEST(Lora, MergeAwareGradientsAreTheMergedWeightsThroughTheAdapter) {
   const auto in = lora_inputs(cfg);
   LossOutput lo = m.loss(in);
   lo.loss.backward();
-  // Reference: every adapted linear trains in full, its master set to the merged weight
-  // W + s·B·A (fp32), so its STE gradient is the gradient of fake_quant(merged).
-  ModelOptions full = lora_options(true);
-  full.lora = LoraSpec{};
-  full.trainable = TrainableSpec::nothing();
-  full.trainable.projections = true;
-  Qwen3Model ref = Qwen3Model::load(cfg, w, full);
+  // Reference: every adapted linear trains in full from its merged weight, so its STE gradient
+  // is the gradient of fake_quant(merged).
+  Qwen3Model ref = merged_reference(m, cfg, w, /*fake_quant=*/true);
   const double s = 8.0 / 4.0;
-  {
-    at::NoGradGuard no_grad;
-    for (auto& p : m.parameters()) {
-      if (p.lora_a == nullptr) continue;
-      at::Tensor merged = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
-      merged.add_(at::mm(p.lora_b->master, p.lora_a->master), s);  // as the model merges
-      ref.parameter(p.name).master.copy_(merged);
-    }
-  }
   LossOutput lr = ref.loss(in);
   lr.loss.backward();
   EXPECT_EQ(lo.loss.item<double>(), lr.loss.item<double>());
@@ -136,25 +141,10 @@ TEST(Lora, PlainGradientsAreTheDenseFormulas) {
     const auto in = lora_inputs(cfg);
     LossOutput lo = m.loss(in);
     lo.loss.backward();
-    // Reference: plain precision (the weights as they are), each adapted linear trained in full
-    // from W + s·B·A: y = x·(W + s·B·A)ᵀ is the plain adapter's formula, so dA = s·Bᵀ·dW and
-    // dB = s·dW·Aᵀ.
-    ModelOptions full = lora_options(false);
-    full.lora = LoraSpec{};
-    full.fake_quant = false;
-    full.trainable = TrainableSpec::nothing();
-    full.trainable.projections = true;
-    Qwen3Model ref = Qwen3Model::load(cfg, w, full);
+    // Reference: plain precision (the weights as they are) from the merged weights: y =
+    // x·(W + s·B·A)ᵀ is the plain adapter's formula.
+    Qwen3Model ref = merged_reference(m, cfg, w, /*fake_quant=*/false);
     const double s = 2.0;
-    {
-      at::NoGradGuard no_grad;
-      for (auto& p : m.parameters()) {
-        if (p.lora_a == nullptr) continue;
-        at::Tensor merged = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
-        merged.add_(at::mm(p.lora_b->master, p.lora_a->master), s);
-        ref.parameter(p.name).master.copy_(merged);
-      }
-    }
     LossOutput lr = ref.loss(in);
     lr.loss.backward();
     // Only lm_head differs (fake-quantized here, not in the reference): a few of its blocks.

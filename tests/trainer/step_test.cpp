@@ -28,6 +28,31 @@ void expect_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
   }
 }
 
+// Three steps of `resident` and `offloaded` (optim.offload: all) with config `c`, one rig each
+// on the same data: losses and gradient norms must be equal, then the masters, bit for bit.
+void expect_offload_matches(const Config& c, model::Qwen3Model& resident,
+                            model::Qwen3Model& offloaded, bool in_backward,
+                            const std::string& what) {
+  SupervisedCrossEntropy ce;
+  StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
+  const int64_t V = resident.config().vocab_size;
+  auto b1 = random_batcher(8, 12, V, 2);
+  auto b2 = random_batcher(8, 12, V, 2);
+  for (int64_t step = 0; step < 3; ++step) {
+    const StepOutcome s1 = r1.step->run(step, *b1);
+    const StepOutcome s2 = r2.step->run(step, *b2);
+    ASSERT_TRUE(s1.res.applied && s2.res.applied) << what;
+    EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
+    EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
+  }
+  // Offloaded masters are written by kernels in flight: read them after the device is done.
+  if (torch::cuda::is_available()) torch::cuda::synchronize();
+  const auto a = masters(resident), b = masters(offloaded);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i].cpu(), b[i].cpu())) << what << " tensor " << i;
+  }
+}
+
 }  // namespace
 
 TEST(TrainStep, AccumulationEqualsOneBigBatch) {
@@ -77,7 +102,6 @@ TEST(TrainStep, InBackwardUpdatesEqualBufferedOnes) {
 // buffered, in-backward and accumulated steps. A missed refresh would leave step 2 computing
 // with step 1's weights.
 TEST(TrainStep, OffloadedMastersTrainAsResidentOnes) {
-  SupervisedCrossEntropy ce;
   for (const int64_t accum : {1, 2}) {
     for (const bool in_backward : {false, true}) {
       if (accum > 1 && in_backward) continue;
@@ -86,20 +110,8 @@ TEST(TrainStep, OffloadedMastersTrainAsResidentOnes) {
       for (auto* p : offloaded.trainable_parameters()) with_codes += p->qdata.defined() ? 1 : 0;
       ASSERT_GT(with_codes, 0);
       for (auto* p : resident.trainable_parameters()) ASSERT_FALSE(p->qdata.defined());
-      const Config c = cpu_config("unused", accum);
-      StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
-      const int64_t V = resident.config().vocab_size;
-      auto b1 = random_batcher(8, 12, V, 2);
-      auto b2 = random_batcher(8, 12, V, 2);
-      for (int64_t step = 0; step < 3; ++step) {
-        const StepOutcome s1 = r1.step->run(step, *b1);
-        const StepOutcome s2 = r2.step->run(step, *b2);
-        ASSERT_TRUE(s1.res.applied && s2.res.applied);
-        EXPECT_EQ(s1.loss, s2.loss) << "accum " << accum << " in_backward " << in_backward
-                                    << " step " << step;
-      }
-      const auto a = masters(resident), b = masters(offloaded);
-      for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i;
+      const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
+      expect_offload_matches(cpu_config("unused", accum), resident, offloaded, in_backward, what);
       for (auto* p : offloaded.trainable_parameters()) {
         if (!p->qdata.defined()) continue;
         const auto q = quant::quantize_nvfp4(p->master, p->name);
@@ -126,7 +138,6 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
     o.offload_masters = offload;
     return model::Qwen3Model::random_init(cfg, o, 11, 0.02);
   };
-  SupervisedCrossEntropy ce;
   for (const int64_t accum : {1, 2}) {
     for (const bool in_backward : {false, true}) {
       if (accum > 1 && in_backward) continue;
@@ -139,21 +150,7 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
       }
       Config c = cpu_config("unused", accum);
       c.model.device = "cuda";
-      StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
-      const int64_t V = resident.config().vocab_size;
-      auto b1 = random_batcher(8, 12, V, 2);
-      auto b2 = random_batcher(8, 12, V, 2);
-      for (int64_t step = 0; step < 3; ++step) {
-        const StepOutcome s1 = r1.step->run(step, *b1);
-        const StepOutcome s2 = r2.step->run(step, *b2);
-        EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
-        EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
-      }
-      torch::cuda::synchronize();
-      const auto a = masters(resident), b = masters(offloaded);
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_TRUE(at::equal(a[i].cpu(), b[i].cpu())) << what << " tensor " << i;
-      }
+      expect_offload_matches(c, resident, offloaded, in_backward, what);
     }
   }
 }
