@@ -148,6 +148,17 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
               options_.pack_window);
   TORCH_CHECK(options_.pad_multiple >= 1, "pad_multiple: expected >= 1, found ",
               options_.pad_multiple);
+  const int64_t g = options_.group;
+  TORCH_CHECK(g >= 1, "group: expected >= 1, found ", g);
+  if (g > 1) {
+    TORCH_CHECK(options_.batch_size % g == 0, "batch_size ", options_.batch_size,
+                " must be a multiple of the group size ", g, " (whole pairs in every batch)");
+    TORCH_CHECK(!options_.pack, "packing would separate the examples of a group of ", g);
+    TORCH_CHECK(options_.truncation != Truncation::kSplit,
+                "split truncation would separate the examples of a group of ", g);
+    TORCH_CHECK(static_cast<int64_t>(examples.size()) % g == 0, "found ", examples.size(),
+                " examples, not whole groups of ", g);
+  }
   const auto max_len = static_cast<size_t>(options_.max_seq_len);
   if (options_.truncation == Truncation::kSplit) {
     examples = split_into_windows(std::move(examples), max_len, &stats_);
@@ -203,12 +214,23 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
     }
     if (!keep) {
       ++stats_.dropped;
+      ex.input_ids.clear();  // marks it dropped for its group (below)
       continue;
     }
     for (TokenId id : ex.input_ids) {
       TORCH_CHECK(id >= 0, "example ", i, " (line ", ex.source_line, "): negative token id ", id);
     }
-    examples_.push_back(std::move(ex));
+  }
+  // Kept examples, a group only when all of its examples are kept.
+  for (size_t i = 0; i < examples.size(); i += static_cast<size_t>(g)) {
+    const auto first = examples.begin() + static_cast<std::ptrdiff_t>(i);
+    const auto last = first + g;
+    const auto kept = std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
+    if (kept < g) {
+      stats_.dropped += kept;
+      continue;
+    }
+    for (auto it = first; it != last; ++it) examples_.push_back(std::move(*it));
   }
   stats_.kept = static_cast<int64_t>(examples_.size());
   TORCH_CHECK(!examples_.empty(), "no example left to train on after truncation to ",
@@ -242,10 +264,11 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
 }
 
 std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
-  const auto n = static_cast<int64_t>(examples_.size());
+  const int64_t g = options_.group;
+  const auto n = static_cast<int64_t>(examples_.size()) / g;  // groups (examples when g is 1)
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
-  if (!options_.shuffle) return order;
+  if (!options_.shuffle) return expand_groups(order);
   uint64_t x = options_.seed;
   x = splitmix64(&x) ^ (static_cast<uint64_t>(epoch) * 0xD1B54A32D192ED03ULL);
   for (int64_t i = n - 1; i > 0; --i) {
@@ -254,6 +277,17 @@ std::vector<int64_t> Batcher::permutation(int64_t epoch) const {
     const auto j = static_cast<int64_t>(
         (static_cast<unsigned __int128>(r) * static_cast<uint64_t>(i + 1)) >> 64);
     std::swap(order[i], order[j]);
+  }
+  return expand_groups(order);
+}
+
+std::vector<int64_t> Batcher::expand_groups(const std::vector<int64_t>& groups) const {
+  const int64_t g = options_.group;
+  if (g == 1) return groups;
+  std::vector<int64_t> order;
+  order.reserve(groups.size() * static_cast<size_t>(g));
+  for (int64_t k : groups) {
+    for (int64_t m = 0; m < g; ++m) order.push_back(k * g + m);
   }
   return order;
 }

@@ -59,6 +59,70 @@ void expect_batches_equal(const Batch& a, const Batch& b) {
   EXPECT_EQ(a.epoch, b.epoch);
 }
 
+// Groups (preference pairs): shuffling moves whole pairs, every batch holds whole pairs in
+// order (chosen, rejected), a pair whose one example is dropped goes whole, the stream resumes
+// exactly, and what cannot keep a group together is refused.
+TEST(Batcher, GroupsStayTogether) {
+  BatcherOptions o = shuffled(4, 12, false, 9);
+  o.group = 2;
+  o.truncation = Truncation::kDrop;
+  std::vector<Example> ex = make_many(20);
+  ex[7] = make(7, 10, 5);  // 15 tokens > 12: dropped, and its pair (6, 7) with it
+  Batcher b(ex, o);
+  EXPECT_EQ(b.truncation_stats().kept, 18);
+  EXPECT_EQ(b.truncation_stats().dropped, 2);
+  std::set<int64_t> seen;
+  std::vector<int64_t> first_epoch;
+  for (int i = 0; i < 5; ++i) {  // 18 examples in batches of 4: 4 + 4 + 4 + 4 + 2
+    const Batch batch = b.next();
+    const auto& idx = batch.example_indices;
+    ASSERT_EQ(idx.size() % 2, 0u);
+    for (size_t k = 0; k < idx.size(); k += 2) {
+      EXPECT_EQ(idx[k] % 2, 0) << "a pair starts with its first example";
+      EXPECT_EQ(idx[k + 1], idx[k] + 1) << "the pair's second example follows";
+      // Rows carry the examples themselves: the first token names the source example.
+      const int64_t src0 = row(batch.input_ids, static_cast<int64_t>(k))[0] / 1000 - 1;
+      const int64_t src1 = row(batch.input_ids, static_cast<int64_t>(k) + 1)[0] / 1000 - 1;
+      EXPECT_EQ(src1, src0 + 1);
+      EXPECT_EQ(src0 % 2, 0);
+      EXPECT_NE(src0, 6);  // the dropped pair
+    }
+    for (int64_t i2 : idx) seen.insert(i2), first_epoch.push_back(i2);
+  }
+  EXPECT_EQ(seen.size(), 18u);
+  // Not the file order: pairs were shuffled.
+  std::vector<int64_t> sorted = first_epoch;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_NE(first_epoch, sorted);
+  // Exact resume mid-epoch.
+  Batcher c(ex, o);
+  c.next();
+  const auto st = c.state();
+  const Batch want = c.next();
+  Batcher d(ex, o);
+  d.restore(st);
+  expect_batches_equal(d.next(), want);
+  // Group 1 keeps the stream it always had.
+  BatcherOptions one = shuffled(4, 12, false, 9);
+  Batcher e1(make_many(20), one), e2(make_many(20), [&] {
+    BatcherOptions x = one;
+    x.group = 1;
+    return x;
+  }());
+  for (int i = 0; i < 6; ++i) expect_batches_equal(e1.next(), e2.next());
+  // Refused: an odd batch, packing, split truncation, a partial group.
+  BatcherOptions bad = o;
+  bad.batch_size = 3;
+  EXPECT_THROW(Batcher(make_many(20), bad), c10::Error);
+  bad = o;
+  bad.pack = true;
+  EXPECT_THROW(Batcher(make_many(20), bad), c10::Error);
+  bad = o;
+  bad.truncation = Truncation::kSplit;
+  EXPECT_THROW(Batcher(make_many(20), bad), c10::Error);
+  EXPECT_THROW(Batcher(make_many(19), o), c10::Error);
+}
+
 TEST(Batcher, PadsToLongestWithMasks) {
   BatcherOptions o;
   o.batch_size = 3;

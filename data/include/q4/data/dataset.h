@@ -164,6 +164,11 @@ struct BatcherOptions {
   // needs no row structure (cu_seqlens separates the examples).
   bool flatten = false;
   bool drop_last = false;  // drop the short final batch of each epoch
+  // Consecutive examples form groups of this many that stay together (a preference pair: its
+  // chosen and rejected answers): shuffling permutes whole groups, truncation keeps or drops a
+  // group whole, and every batch holds whole groups in order. Needs batch_size a multiple of it,
+  // an example count that is one too, no packing and no split truncation.
+  int64_t group = 1;
   Truncation truncation = Truncation::kCutLeft;
   int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)
 };
@@ -260,6 +265,8 @@ class Batcher {
 
  private:
   std::vector<int64_t> permutation(int64_t epoch) const;
+  // Example order from an order of groups (BatcherOptions::group; itself when groups are 1).
+  std::vector<int64_t> expand_groups(const std::vector<int64_t>& groups) const;
   // Example indices (into examples_) of each row of the next batch, advancing `state`
   // (cursor and pending) within the epoch whose order is `order`. Empty: the epoch is done.
   std::vector<std::vector<int64_t>> plan_rows(const std::vector<int64_t>& order,
