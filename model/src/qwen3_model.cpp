@@ -92,6 +92,14 @@ std::string linear_short_name(const std::string& name) {
 
 }  // namespace
 
+std::string lora_param_name(const std::string& linear, const char* part) {
+  const std::string tail = ".weight";
+  TORCH_CHECK(linear.size() > tail.size() &&
+                  linear.compare(linear.size() - tail.size(), tail.size(), tail) == 0,
+              "lora_param_name: ", linear, " is not a weight");
+  return linear.substr(0, linear.size() - tail.size()) + "." + part + tail;
+}
+
 bool LoraSpec::adapts(const ParamSpec& p, const TrainableSpec& trainable,
                       int64_t num_layers) const {
   if (!enabled() || p.kind != ParamKind::kQuantizedLinear) return false;
@@ -171,12 +179,11 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
     adapters.reserve(static_cast<size_t>(n));
     for (size_t i = 0; i < specs.size(); ++i) {
       if (!adapted(specs[i])) continue;
-      const std::string base = specs[i].name.substr(0, specs[i].name.size() - 7);  // ".weight"
       const int64_t out = specs[i].shape[0], in = specs[i].shape[1], r = opt.lora.rank;
       params[i].trainable = false;  // the adapter trains instead
       for (const char* part : {"lora_A", "lora_B"}) {
         Parameter a;
-        a.name = base + "." + part + ".weight";
+        a.name = lora_param_name(specs[i].name, part);
         a.trainable = true;
         adapters.push_back(std::move(a));
         adapter_shapes.push_back(part[5] == 'A' ? std::vector<int64_t>{r, in}

@@ -24,9 +24,10 @@ std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Con
     out.push_back({p.name, p.shape, spec.trains(p, mc.num_hidden_layers, !separate_lm_head),
                    p.kind == model::ParamKind::kQuantizedLinear});
     if (lora.adapts(p, spec, mc.num_hidden_layers)) {  // LoRA A (rank, in) and B (out, rank)
-      const std::string base = p.name.substr(0, p.name.size() - 7);
-      adapters.push_back({base + ".lora_A.weight", {lora.rank, p.shape[1]}, true, true});
-      adapters.push_back({base + ".lora_B.weight", {p.shape[0], lora.rank}, true, true});
+      adapters.push_back({model::lora_param_name(p.name, "lora_A"), {lora.rank, p.shape[1]}, true,
+                          true});
+      adapters.push_back({model::lora_param_name(p.name, "lora_B"), {p.shape[0], lora.rank}, true,
+                          true});
     }
   }
   out.insert(out.end(), adapters.begin(), adapters.end());

@@ -61,6 +61,9 @@ struct LoraSpec {
   bool adapts(const ParamSpec& p, const TrainableSpec& trainable, int64_t num_layers) const;
   void validate() const;  // errors naming the field
 };
+// The adapter parameters' names of the linear `linear` ("model.layers.0.self_attn.q_proj.weight"):
+// part "lora_A" -> "model.layers.0.self_attn.q_proj.lora_A.weight" (PEFT's, without its prefix).
+std::string lora_param_name(const std::string& linear, const char* part);
 
 struct ModelOptions {
   at::ScalarType master_dtype = at::kHalf;    // trainable masters: fp16 (default), bf16, fp32
