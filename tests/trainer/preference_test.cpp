@@ -1,15 +1,21 @@
 // The preference losses against a direct fp64 computation from the log-probabilities: each
 // pair's loss, its gradient with respect to the policy's chosen and rejected log-probabilities
 // (derived by hand below, not by autograd) and the rewards, for DPO's sigmoid loss (with and
-// without label smoothing), IPO and SimPO, in fp32 and fp64.
+// without label smoothing), IPO and SimPO, in fp32 and fp64. Then the objective on the tiny
+// model against the same loss written out from each sequence's full logits (gradients by
+// autograd), and through the step.
 #include "q4/trainer/preference.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#include "component_fixtures.h"
 
 using namespace q4::trainer;
 
@@ -162,4 +168,204 @@ TEST(PreferenceLoss, MistakesNameTheField) {
   o.label_smoothing = 0;
   p.rejected_tokens = at::ones({2});
   EXPECT_NE(message(p, o).find("rejected_tokens must be (3)"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- the objective
+
+namespace {
+
+using q4::trainer::testing::cpu_config;
+using q4::trainer::testing::host_inputs;
+using q4::trainer::testing::random_examples;
+using q4::trainer::testing::StepRig;
+using q4::trainer::testing::tiny_model;
+
+// 8 pairs laid out chosen, rejected, ...: chosen answers 12 tokens (6 supervised), rejected 9 (4).
+std::vector<q4::data::Example> pair_examples(int64_t vocab) {
+  auto chosen = random_examples(8, 12, vocab, 3), rejected = random_examples(8, 9, vocab, 4);
+  std::vector<q4::data::Example> out;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    out.push_back(chosen[i]);
+    out.push_back(rejected[i]);
+  }
+  return out;
+}
+
+q4::data::BatcherOptions pair_batches(int64_t rows) {
+  q4::data::BatcherOptions bo;
+  bo.batch_size = rows;
+  bo.max_seq_len = 12;
+  bo.shuffle = false;
+  bo.group = 2;
+  return bo;
+}
+
+// An example's summed log-probability of its supervised labels from the model's full logits,
+// one sequence alone, in fp64 (differentiable through the model's forward).
+at::Tensor direct_logprob(q4::model::Qwen3Model& m, const q4::data::Example& e) {
+  q4::model::ModelInputs in;
+  in.input_ids = at::tensor(std::vector<int64_t>(e.input_ids.begin(), e.input_ids.end()), at::kLong)
+                     .unsqueeze(0);
+  const at::Tensor lp = at::log_softmax(m.forward(in)[0].to(at::kDouble), -1);  // (L, V)
+  at::Tensor sum = at::zeros({}, at::kDouble);
+  for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
+    if (e.labels[j + 1] != q4::data::kIgnoreIndex) sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
+  }
+  return sum;
+}
+
+int64_t supervised(const q4::data::Example& e) {
+  int64_t n = 0;
+  for (size_t j = 1; j < e.labels.size(); ++j) n += e.labels[j] != q4::data::kIgnoreIndex;
+  return n;
+}
+
+// The pairs' summed loss, written out in fp64 from the log-probabilities (docs/trainer.md).
+struct DirectPairs {
+  at::Tensor loss;  // () fp64, differentiable
+  double chosen_rewards = 0, rejected_rewards = 0, wins = 0, chosen_logps = 0, nll = 0;
+};
+DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::Example>& ex,
+                         const std::vector<double>& ref, const PreferenceConfig& c) {
+  DirectPairs d;
+  d.loss = at::zeros({}, at::kDouble);
+  const double b = c.beta, e = c.label_smoothing;
+  auto sigmoid_loss = [&](const at::Tensor& z) {
+    return -(1 - e) * at::log_sigmoid(z * b) - e * at::log_sigmoid(z * -b);
+  };
+  for (size_t i = 0; i + 1 < ex.size(); i += 2) {
+    const at::Tensor pc = direct_logprob(m, ex[i]), pr = direct_logprob(m, ex[i + 1]);
+    const double nc = static_cast<double>(supervised(ex[i]));
+    const double nr = static_cast<double>(supervised(ex[i + 1]));
+    at::Tensor l, rc, rr;
+    switch (c.loss) {
+      case PreferenceLossKind::kSigmoid:
+        rc = (pc - ref[i]) * b;
+        rr = (pr - ref[i + 1]) * b;
+        l = sigmoid_loss((pc - ref[i]) - (pr - ref[i + 1]));
+        break;
+      case PreferenceLossKind::kIpo:
+        rc = (pc - ref[i]) / nc * b;
+        rr = (pr - ref[i + 1]) / nr * b;
+        l = ((pc - ref[i]) / nc - (pr - ref[i + 1]) / nr - 1 / (2 * b)).pow(2);
+        break;
+      case PreferenceLossKind::kSimpo:
+        rc = pc / nc * b;
+        rr = pr / nr * b;
+        l = sigmoid_loss(pc / nc - pr / nr - c.simpo_gamma / b);
+        break;
+    }
+    l = l + c.sft_weight * (-pc / nc);
+    d.loss = d.loss + l;
+    d.chosen_rewards += rc.item<double>();
+    d.rejected_rewards += rr.item<double>();
+    d.wins += rc.item<double>() > rr.item<double>() ? 1.0 : rc.item<double>() == rr.item<double>() ? 0.5 : 0.0;
+    d.chosen_logps += pc.item<double>();
+    d.nll += (-pc / nc).item<double>();
+  }
+  return d;
+}
+
+std::vector<at::Tensor> grads_of(q4::model::Qwen3Model& m) {
+  std::vector<at::Tensor> g;
+  for (auto* p : m.trainable_parameters()) {
+    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone() : at::zeros_like(p->master, at::kDouble));
+  }
+  m.zero_grad();
+  return g;
+}
+
+double logged(const q4::trainer::ObjectiveOutput& o, const std::string& name) {
+  for (const auto& [k, v] : o.logged) {
+    if (k == name) return v.item<double>();
+  }
+  ADD_FAILURE() << "not logged: " << name;
+  return 0;
+}
+
+}  // namespace
+
+// The objective on one micro-batch of 4 pairs against the loss written out in fp64 from each
+// sequence's full logits: the reference pass, the loss, its gradients (autograd through the
+// model, for every parameter) and the logged values, for every loss, with label smoothing and
+// with the SFT term.
+TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
+  auto policy = tiny_model(7), reference = tiny_model(11);
+  const int64_t V = policy.config().vocab_size;
+  q4::data::Batcher all(pair_examples(V), pair_batches(16));
+  const auto& ex = all.examples();
+  std::ostringstream sink;
+  // The reference pass (in batches of 2 pairs) against each sequence scored alone in fp64.
+  const std::vector<double> ref = sequence_logprobs_of(reference, ex, pair_batches(4), sink, "t");
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < ex.size(); ++i) {
+      EXPECT_NEAR(ref[i], direct_logprob(reference, ex[i]).item<double>(), 2e-4) << "example " << i;
+    }
+  }
+  const q4::data::Batch b = all.next();
+  q4::trainer::MicroBatch mb;
+  mb.inputs = host_inputs(b);
+  mb.batch = &b;
+  std::vector<PreferenceConfig> cases(5);
+  cases[1].label_smoothing = 0.2;
+  cases[2].loss = PreferenceLossKind::kIpo;
+  cases[3].loss = PreferenceLossKind::kSimpo;
+  cases[3].beta = 2.0;
+  cases[4].sft_weight = 0.5;
+  cases[4].beta = 0.5;
+  for (const auto& pc : cases) {
+    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) +
+                 " sft " + std::to_string(pc.sft_weight));
+    ReferenceLogprobs r;
+    r.train = ref;
+    PreferenceObjective objective(pc, r);
+    EXPECT_EQ(objective.units(b), 8);
+    const q4::trainer::ObjectiveOutput o = objective.compute(policy, mb);
+    (o.loss_sum / 8.0).backward();
+    const auto got = grads_of(policy);
+    const DirectPairs d = direct_pairs(policy, ex, ref, pc);
+    (d.loss / 8.0).backward();
+    const auto want = grads_of(policy);
+    EXPECT_NEAR(o.loss_sum.item<double>(), d.loss.item<double>(), 1e-4 * (d.loss.abs().item<double>() + 1));
+    EXPECT_NEAR(logged(o, "rewards/chosen"), d.chosen_rewards, 1e-4 * (std::fabs(d.chosen_rewards) + 1));
+    EXPECT_NEAR(logged(o, "rewards/rejected"), d.rejected_rewards, 1e-4 * (std::fabs(d.rejected_rewards) + 1));
+    EXPECT_NEAR(logged(o, "rewards/margins"), d.chosen_rewards - d.rejected_rewards, 2e-4 * (std::fabs(d.chosen_rewards) + 1));
+    EXPECT_EQ(logged(o, "rewards/accuracies"), d.wins);
+    EXPECT_NEAR(logged(o, "logps/chosen"), d.chosen_logps, 1e-4 * std::fabs(d.chosen_logps));
+    if (pc.sft_weight > 0) EXPECT_NEAR(logged(o, "nll_loss"), d.nll, 1e-4 * d.nll);
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>());
+      scale = std::max(scale, want[i].abs().max().item<double>());
+    }
+    EXPECT_GT(scale, 1e-4);  // a gradient that is really there
+    EXPECT_LE(worst, 1e-4 * scale);
+  }
+}
+
+// Through the real step with grad_accum 2 (one pair of 2 micro-batches each): the step's loss is
+// the mean over the step's pairs, and the policy before its first update scores the reference's
+// own log-probabilities: rewards 0, accuracy 1/2, DPO loss log 2.
+TEST(PreferenceObjective, ThroughTheStepTheFirstLossIsLog2) {
+  auto policy = tiny_model(7);
+  const int64_t V = policy.config().vocab_size;
+  q4::data::Batcher batcher(pair_examples(V), pair_batches(4));
+  std::ostringstream sink;
+  ReferenceLogprobs r;
+  r.train = sequence_logprobs_of(policy, batcher.examples(), pair_batches(16), sink, "t");
+  PreferenceObjective objective(PreferenceConfig{}, r);
+  StepRig rig(cpu_config("unused", /*grad_accum=*/2), policy, objective);
+  const StepOutcome so = rig.step->run(0, batcher);
+  EXPECT_EQ(so.units, 4);
+  EXPECT_NEAR(so.loss, std::log(2.0), 1e-5);
+  ASSERT_FALSE(so.logged.empty());
+  for (const auto& [name, v] : so.logged) {
+    if (name.rfind("rewards/", 0) != 0) continue;
+    EXPECT_NEAR(v.item<double>(), name == "rewards/accuracies" ? 0.5 : 0.0, 1e-5) << name;
+  }
+  EXPECT_TRUE(so.res.applied);
+  // The update moved the policy: the next step's pairs have rewards.
+  const StepOutcome next = rig.step->run(1, batcher);
+  EXPECT_LT(next.loss, std::log(2.0));
 }

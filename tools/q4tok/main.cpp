@@ -4,7 +4,8 @@
 //   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
 //           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
 //   data:   load a dataset file and print its LoadSummary and token counts; with --show N, the
-//           first N examples as the model sees them (the rendered text, trained spans marked)
+//           first N examples as the model sees them (the rendered text, trained spans marked);
+//           --preference reads TRL preference pairs and shows each pair's two answers
 // Input lines are at most kMaxLineBytes (a stream without newlines, e.g. /dev/zero, is an error
 // naming the line, not an endless read).
 // Exit codes: 0 ok, 2 usage or input error, 1 runtime error.
@@ -131,31 +132,57 @@ void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt) {
 constexpr const char* kTrainedOpen = "\u27e6";   // ⟦
 constexpr const char* kTrainedClose = "\u27e7";  // ⟧
 
-// The first `n` examples of `ds` as the model sees them: the text the tokens decode to (the
-// rendered chat template for chat formats, the raw line for text) with each run of trained
-// tokens between the marks. As in a batch, an example's first token is never a target.
-void show_examples(const q4::data::Tokenizer& tok, const q4::data::Dataset& ds, int64_t n) {
+// One example as the model sees it: the text its tokens decode to (the rendered chat template
+// for chat formats, the raw line for text) with each run of trained tokens between the marks. As
+// in a batch, an example's first token is never a target.
+void show_example(const q4::data::Tokenizer& tok, const q4::data::Example& ex,
+                  const std::string& title) {
+  auto trained = [&](size_t k) { return k > 0 && ex.labels[k] != q4::data::kIgnoreIndex; };
+  int64_t num_trained = 0;
+  for (size_t k = 0; k < ex.labels.size(); ++k) num_trained += trained(k);
+  std::cout << "--- " << title << ": " << ex.input_ids.size() << " tokens, " << num_trained
+            << " trained\n";
+  std::string text;
+  for (size_t k = 0; k < ex.input_ids.size();) {
+    size_t e = k;
+    while (e < ex.input_ids.size() && trained(e) == trained(k)) ++e;
+    const std::string span = tok.decode_lossy(
+        std::vector<TokenId>(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(k),
+                             ex.input_ids.begin() + static_cast<std::ptrdiff_t>(e)));
+    text += trained(k) ? kTrainedOpen + span + kTrainedClose : span;
+    k = e;
+  }
+  std::cout << text << (text.empty() || text.back() != '\n' ? "\n" : "");
+}
+
+void print_marks_legend() {
   std::cout << "trained tokens are shown between " << kTrainedOpen << " and " << kTrainedClose
             << "\n";
+}
+
+// The first `n` examples of `ds` as the model sees them.
+void show_examples(const q4::data::Tokenizer& tok, const q4::data::Dataset& ds, int64_t n) {
+  print_marks_legend();
   const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.examples.size()));
   for (int64_t i = 0; i < count; ++i) {
     const auto& ex = ds.examples[static_cast<size_t>(i)];
-    auto trained = [&](size_t k) { return k > 0 && ex.labels[k] != q4::data::kIgnoreIndex; };
-    int64_t num_trained = 0;
-    for (size_t k = 0; k < ex.labels.size(); ++k) num_trained += trained(k);
-    std::cout << "--- example " << i + 1 << " (" << ds.summary.path << ":" << ex.source_line
-              << "): " << ex.input_ids.size() << " tokens, " << num_trained << " trained\n";
-    std::string text;
-    for (size_t k = 0; k < ex.input_ids.size();) {
-      size_t e = k;
-      while (e < ex.input_ids.size() && trained(e) == trained(k)) ++e;
-      const std::string span = tok.decode_lossy(
-          std::vector<TokenId>(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(k),
-                               ex.input_ids.begin() + static_cast<std::ptrdiff_t>(e)));
-      text += trained(k) ? kTrainedOpen + span + kTrainedClose : span;
-      k = e;
-    }
-    std::cout << text << (text.empty() || text.back() != '\n' ? "\n" : "");
+    show_example(tok, ex,
+                 "example " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
+                     std::to_string(ex.source_line) + ")");
+  }
+}
+
+// The first `n` preference pairs: each answer as the model sees it (only the answer trained).
+void show_pairs(const q4::data::Tokenizer& tok, const q4::data::PreferenceDataset& ds, int64_t n) {
+  print_marks_legend();
+  const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.pairs.size()));
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& p = ds.pairs[static_cast<size_t>(i)];
+    const std::string where =
+        "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
+        std::to_string(p.source_line) + ")";
+    show_example(tok, p.chosen, where + " chosen");
+    show_example(tok, p.rejected, where + " rejected");
   }
 }
 
@@ -187,8 +214,13 @@ int main(int argc, char** argv) {
   data->add_option("--system", system_prompt, "system prompt");
   int64_t show = 0;
   data->add_option("--show", show,
-                   "print the first N examples as the model sees them (trained tokens marked)")
+                   "print the first N examples (pairs) as the model sees them (trained tokens "
+                   "marked)")
       ->check(CLI::NonNegativeNumber);
+  bool preference = false;
+  data->add_flag("--preference", preference,
+                 "read TRL preference pairs {prompt, chosen, rejected} (train.objective "
+                 "preference)");
   std::ios::sync_with_stdio(false);
   // Every library call reads the user's tokenizer or data: its errors are input errors.
   return q4::tools::run_tool(
@@ -207,9 +239,15 @@ int main(int argc, char** argv) {
           opt.system_prompt = system_prompt;
           // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
           q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
-          const auto ds = q4::data::load_dataset(data_path, tok, opt);
-          std::cout << ds.summary.to_string() << '\n';
-          if (show > 0) show_examples(tok, ds, show);
+          if (preference) {
+            const auto ds = q4::data::load_preference_dataset(data_path, tok, opt);
+            std::cout << ds.summary.to_string() << '\n';
+            if (show > 0) show_pairs(tok, ds, show);
+          } else {
+            const auto ds = q4::data::load_dataset(data_path, tok, opt);
+            std::cout << ds.summary.to_string() << '\n';
+            if (show > 0) show_examples(tok, ds, show);
+          }
         }
         return 0;
       },

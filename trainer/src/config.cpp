@@ -363,6 +363,7 @@ std::string to_string(HfExport v) { return enum_name(v); }
 std::string to_string(ObjectiveKind v) { return enum_name(v); }
 std::string to_string(TrainMethod v) { return enum_name(v); }
 std::string to_string(Divergence v) { return enum_name(v); }
+std::string to_string(PreferenceLossKind v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Range, FieldRef
@@ -553,8 +554,8 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
       field("train.objective", &c.train.objective,
-            "what training minimizes: cross_entropy on the labels, or distill (a teacher's "
-            "distribution, distill.*)",
+            "what training minimizes: cross_entropy on the labels, distill (a teacher's "
+            "distribution, distill.*) or preference (chosen over rejected answers, preference.*)",
             {}, {"loss", "loss_type"}),
       field("train.method", &c.train.method,
             "full: the selected weights train; lora: low-rank adapters on the NVFP4 linears "
@@ -731,6 +732,25 @@ std::vector<FieldRef> config_fields(Config& c) {
       // the full-vocabulary logits of the model itself.
       field("distill.topk", &c.distill.topk, "tokens per position that --write-teacher-topk keeps",
             R::between(1, 4096, false)),
+      field("preference.loss", &c.preference.loss,
+            "sigmoid (DPO), ipo, or simpo (reference-free, per-token averages)", {},
+            {"loss_type"}),
+      field("preference.beta", &c.preference.beta,
+            "scale of the implicit reward beta x (log pi - log ref)", R::above(0)),
+      field("preference.label_smoothing", &c.preference.label_smoothing,
+            "sigmoid and simpo: the assumed chance that a pair's labels are flipped",
+            R::between(0, 0.5, true)),
+      field("preference.simpo_gamma", &c.preference.simpo_gamma,
+            "simpo: the target reward margin (divided by beta in the loss)", {},
+            {"gamma_beta_ratio"}),
+      field("preference.sft_weight", &c.preference.sft_weight,
+            "adds this x the chosen answer's mean cross-entropy per pair (TRL's rpo_alpha)",
+            R::at_least(0), {"rpo_alpha"}),
+      path("preference.reference", &c.preference.reference,
+           "the reference model, a .dat or Hugging Face folder (default: the starting model); "
+           "its log-probabilities are computed once before training"),
+      path("preference.reference_config", &c.preference.reference_config,
+           "the reference's config.json (default: the folder's config.json, else model.config)"),
       field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
             {"logging_steps", "log_interval"}),
       field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),
@@ -1123,9 +1143,31 @@ void validate_config(const Config& c) {
           {"distill.topk_file", !d.topk_file.empty()}}) {
       if (set) {
         throw ConfigError(std::string("config key ") + key +
-                          ": set, but train.objective is cross_entropy (set it to distill)");
+                          ": set, but train.objective is " + to_string(c.train.objective) +
+                          " (set it to distill)");
       }
     }
+  }
+
+  const auto& pref = c.preference;
+  if (c.train.objective == ObjectiveKind::kPreference) {
+    if (c.train.batch_size % 2 != 0) {
+      throw ConfigError(fmt::format(
+          "config key train.batch_size: {} rows, but train.objective preference needs an even "
+          "number (a pair's chosen and rejected answers share a micro-batch)",
+          c.train.batch_size));
+    }
+    if (c.data.truncation == Truncation::kSplit) {
+      throw ConfigError("config key data.truncation: split would cut an answer into windows "
+                        "that are no longer a pair (use cut_left, cut_right or drop)");
+    }
+    if (!pref.reference.empty() && pref.loss == PreferenceLossKind::kSimpo) {
+      throw ConfigError("config key preference.reference: set, but preference.loss simpo uses "
+                        "no reference");
+    }
+  } else if (!pref.reference.empty()) {
+    throw ConfigError("config key preference.reference: set, but train.objective is " +
+                      to_string(c.train.objective) + " (set it to preference)");
   }
 
   if (c.train.recompute_layers >= 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
@@ -1370,6 +1412,10 @@ Truncation resolved_truncation(const Config& c) {
     if (!text) return Truncation::kCutLeft;
   }
   return Truncation::kCutRight;
+}
+
+bool resolved_packing(const Config& c) {
+  return c.data.packing && c.train.objective != ObjectiveKind::kPreference;
 }
 
 std::string resolved_export_path(const Config& c) {

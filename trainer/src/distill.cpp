@@ -137,46 +137,16 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
   return SupervisedCrossEntropy().compute(model, micro);
 }
 
-std::string teacher_config_path(const Config& c) {
-  if (!c.distill.teacher_config.empty()) return c.distill.teacher_config;
-  return model::is_hf_folder(c.distill.teacher)
-             ? (fs::path(c.distill.teacher) / "config.json").string()
-             : c.model.config;
-}
-
 std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string& path = c.distill.teacher;
-  const bool folder = model::is_hf_folder(path);
-  if (!folder) require_file(path, "distill.teacher");
-  const std::string config_path = teacher_config_path(c);
-  require_file(config_path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
-                                                             : "distill.teacher_config");
-  const auto cfg = as_input_error("distill.teacher_config",
-                                  [&] { return model::Qwen3Config::from_json_file(config_path); });
-  if (cfg.vocab_size != vocab_size) {
-    throw ConfigError(fmt::format(
-        "config key distill.teacher: the teacher's vocabulary ({} tokens, {}) is not the "
-        "student's ({}): distillation compares distributions over the same tokens",
-        cfg.vocab_size, config_path, vocab_size));
-  }
-  model::ModelOptions opt;
-  opt.device = student.device;
-  opt.compute_dtype = student.compute_dtype;
-  opt.master_dtype = student.compute_dtype;
-  opt.trainable = model::TrainableSpec::nothing();
-  opt.gradient_checkpointing = false;
-  opt.loss_chunk_tokens = student.loss_chunk_tokens;
-  model::HfImportOptions import;
-  import.keep_dense = true;  // a full-precision teacher stays full precision
-  auto teacher = as_input_error("distill.teacher", [&] {
-    return std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(cfg, path, opt, import));
-  });
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  out << fmt::format("teacher {}: {} layers, hidden {}, loaded in {:.1f} s\n", path,
-                     cfg.num_hidden_layers, cfg.hidden_size, s);
-  return teacher;
+  FrozenModelSpec spec;
+  spec.path = c.distill.teacher;
+  spec.config_path = c.distill.teacher_config;
+  spec.key = "distill.teacher";
+  spec.config_key = "distill.teacher_config";
+  spec.role = "teacher";
+  spec.keep_dense = true;  // a full-precision teacher stays full precision
+  return load_frozen_model(c, spec, student, vocab_size, out);
 }
 
 }  // namespace q4::trainer

@@ -9,6 +9,7 @@
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/estimate.h"
 #include "q4/trainer/memory.h"
+#include "q4/trainer/preference.h"
 #include "q4/trainer/run_dir.h"
 #include "q4/trainer/setup.h"
 #include "q4/trainer/trainer.h"
@@ -38,21 +39,19 @@ int run_dry_run(const Config& config, std::ostream& out) {
           fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
                       c.model.tokenizer, tok.vocab_size(), c.model.config, mc.vocab_size));
     }
-    const auto dopt = dataset_options(c);
     std::vector<data::Example> examples;
     for (const auto& f : c.data.files) {
-      auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, tok, dopt); });
-      out << ds.summary.to_string() << "\n";
-      report_skipped_lines(ds.summary, out);
-      for (auto& e : ds.examples) examples.push_back(std::move(e));
+      for (auto& e : load_examples(c, f, tok, "data.files", "", out, out)) {
+        examples.push_back(std::move(e));
+      }
     }
     if (examples.empty()) throw ConfigError(no_examples_message(c));
-    auto val = hold_out(&examples, c.data.eval_fraction, c.train.seed);
+    const int64_t group = c.train.objective == ObjectiveKind::kPreference ? 2 : 1;
+    auto val = hold_out(&examples, c.data.eval_fraction, c.train.seed, group);
     for (const auto& f : c.data.eval_files) {
-      auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, tok, dopt); });
-      out << "validation " << ds.summary.to_string() << "\n";
-      report_skipped_lines(ds.summary, out);
-      for (auto& e : ds.examples) val.push_back(std::move(e));
+      for (auto& e : load_examples(c, f, tok, "data.eval_files", "validation ", out, out)) {
+        val.push_back(std::move(e));
+      }
     }
     const data::Batcher batcher = as_input_error(truncation_keys(c, "data.files"), [&] {
       return data::Batcher(std::move(examples), batcher_options(c, tok.endoftext_id()));
@@ -73,7 +72,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
         "data: {} examples in {} row{}{} and {} micro-batch{} per epoch; {} step{} of {} "
         "micro-batch{} = {:.2f} epochs\n",
         batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
-        c.data.packing ? " (packed)" : "", batcher.batches_per_epoch(),
+        resolved_packing(c) ? " (packed)" : "", batcher.batches_per_epoch(),
         batcher.batches_per_epoch() == 1 ? "" : "es", plan.steps(), plan.steps() == 1 ? "" : "s",
         c.train.grad_accum, c.train.grad_accum == 1 ? "" : "es",
         static_cast<double>(plan.steps() * c.train.grad_accum) /
@@ -114,6 +113,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
                      to_string(c.optim.state));
   if (!recompute_note.empty()) out << recompute_note << "\n";
   if (const auto lora = lora_summary(mc, c, separate_lm_head); !lora.empty()) out << lora << "\n";
+  if (c.train.objective == ObjectiveKind::kPreference) out << preference_summary(c) << "\n";
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);

@@ -69,7 +69,10 @@ namespace {
 // log-probabilities, their exp and a logsumexp temporary).
 void add_teacher(const model::Qwen3Config& student, const Config& c, const model::ModelOptions& opt,
                  MemoryBudget* b) {
-  const std::string path = teacher_config_path(c);
+  FrozenModelSpec spec;
+  spec.path = c.distill.teacher;
+  spec.config_path = c.distill.teacher_config;
+  const std::string path = frozen_config_path(c, spec);
   require_file(path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
                                                       : "distill.teacher_config");
   const auto t = as_input_error("distill.teacher_config",

@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -53,6 +55,14 @@ std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::T
   return out;
 }
 
+std::string Validation::values_line() const {
+  std::string s;
+  for (const auto& [name, value] : values) {
+    s += fmt::format("{}{} {:.4f}", s.empty() ? "" : ", ", name, value);
+  }
+  return s;
+}
+
 Evaluator::Evaluator(const RunPlan& plan, bool leader) : plan_(plan), leader_(leader) {}
 
 void Evaluator::attach(model::Qwen3Model& model, const data::Tokenizer* tok, Objective& objective,
@@ -72,6 +82,7 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
   val_batcher_->restore(val_start_);
   const int64_t batches = val_batcher_->batches_per_epoch();
   at::Tensor sum;
+  std::vector<std::pair<std::string, at::Tensor>> sums;  // the logged values, by name
   Validation v;
   for (int64_t i = 0; i < batches; ++i) {
     const data::Batch b = val_batcher_->next();
@@ -79,12 +90,26 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
     MicroBatch mb;
     mb.inputs = to_inputs(b, *model_, plan_.device());
     mb.batch = &b;
-    const at::Tensor s = objective_->evaluate(*model_, mb).loss_sum.to(at::kDouble);
+    const ObjectiveOutput o = objective_->evaluate(*model_, mb);
+    const at::Tensor s = o.loss_sum.to(at::kDouble);
     sum = sum.defined() ? sum + s : s;
+    for (const auto& [name, value] : o.logged) {
+      const at::Tensor x = value.detach().to(at::kDouble);
+      auto it = std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == name; });
+      if (it == sums.end()) {
+        sums.emplace_back(name, x);
+      } else {
+        it->second = it->second + x;
+      }
+    }
     v.tokens += objective_->units(b);
   }
-  v.loss = sum.defined() && v.tokens > 0 ? sum.item<double>() / static_cast<double>(v.tokens)
-                                         : std::numeric_limits<double>::quiet_NaN();
+  const auto mean = [&](const at::Tensor& t) {
+    return t.defined() && v.tokens > 0 ? t.item<double>() / static_cast<double>(v.tokens)
+                                       : std::numeric_limits<double>::quiet_NaN();
+  };
+  v.loss = mean(sum);
+  for (const auto& [name, t] : sums) v.values.emplace_back(name, mean(t));
   v.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   note_validation(v.loss, step);
   return v;

@@ -3,6 +3,7 @@
 
 #include "q4/trainer/config.h"
 #include "q4/trainer/distill.h"
+#include "q4/trainer/preference.h"
 
 namespace q4::trainer {
 
@@ -12,8 +13,10 @@ ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const 
   return out;
 }
 
-std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
-                                          const data::Batcher* train, std::ostream& out) {
+std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& student,
+                                          const data::Batcher* train,
+                                          const data::Batcher* validation, bool leader,
+                                          std::ostream& out) {
   switch (c.train.objective) {
     case ObjectiveKind::kCrossEntropy:
       return std::make_unique<SupervisedCrossEntropy>();
@@ -29,6 +32,15 @@ std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Mod
       }
       return std::make_unique<Distillation>(
           c.distill, load_teacher(c, student.options(), student.config().vocab_size, out));
+    case ObjectiveKind::kPreference: {
+      TORCH_CHECK(train != nullptr, "preference tuning needs the training batcher");
+      out << preference_summary(c) << "\n";
+      ReferenceLogprobs ref;
+      if (c.preference.loss != PreferenceLossKind::kSimpo) {
+        ref = reference_logprobs(c, student, *train, validation, leader, out);
+      }
+      return std::make_unique<PreferenceObjective>(c.preference, std::move(ref));
+    }
   }
   throw ConfigError("config key train.objective: unknown value");
 }

@@ -155,10 +155,12 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.max_seq_len = c.train.seq_len;
   bo.seed = static_cast<uint64_t>(c.train.seed);
   bo.shuffle = c.data.shuffle;
-  bo.pack = c.data.packing;
+  bo.pack = resolved_packing(c);
   bo.pack_window = c.data.pack_window;
   bo.truncation = to_data(resolved_truncation(c));
   bo.pad_id = pad_id;
+  // A preference pair's chosen and rejected answers stay together (the objective pairs them).
+  if (c.train.objective == ObjectiveKind::kPreference) bo.group = 2;
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
     bo.pad_multiple = 64;

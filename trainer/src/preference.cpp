@@ -1,9 +1,23 @@
-// Preference-tuning losses (see preference.h).
+// Preference tuning: the losses, the per-sequence log-probabilities, the reference computed once
+// and the objective (see preference.h).
 #include "q4/trainer/preference.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <fmt/format.h>
 
+#include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <ostream>
+
+#include "q4/io/dat_file.h"
+#include "q4/trainer/distill.h"
+#include "q4/trainer/options.h"
+#include "q4/trainer/run_dir.h"
+#include "q4/trainer/setup.h"
+
+namespace fs = std::filesystem;
 
 namespace q4::trainer {
 
@@ -74,6 +88,276 @@ PreferenceLossOutput preference_loss(const PreferencePairs& p, const PreferenceL
       out.rejected_rewards = (ar * o.beta).detach();
       break;
     }
+  }
+  return out;
+}
+
+PreferenceLossOptions preference_loss_options(const PreferenceConfig& c) {
+  PreferenceLossOptions o;
+  o.kind = c.loss;
+  o.beta = c.beta;
+  o.label_smoothing = c.label_smoothing;
+  o.simpo_gamma = c.simpo_gamma;
+  return o;
+}
+
+namespace {
+
+// For each flat (B * T) position of `batch`, the ordinal of the sequence it belongs to (its index
+// in batch.example_indices: the batcher lays the examples out in that order), -1 on padding.
+std::vector<int64_t> sequence_of_positions(const data::Batch& batch) {
+  const int64_t B = batch.input_ids.size(0), T = batch.input_ids.size(1);
+  const at::Tensor seg = batch.segment_ids.contiguous();
+  const int64_t* s = seg.data_ptr<int64_t>();
+  std::vector<int64_t> out(static_cast<size_t>(B * T), -1);
+  int64_t next = 0;
+  for (int64_t r = 0; r < B; ++r) {
+    int64_t prev = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t id = s[r * T + t];
+      if (id == 0) continue;
+      if (id != prev) {
+        prev = id;
+        ++next;
+      }
+      out[static_cast<size_t>(r * T + t)] = next - 1;
+    }
+  }
+  TORCH_CHECK(next == static_cast<int64_t>(batch.example_indices.size()), "preference: the batch has ",
+              next, " sequences but ", batch.example_indices.size(), " examples");
+  return out;
+}
+
+constexpr const char* kTrain = "reference.train";
+constexpr const char* kTrainHashes = "reference.train_hashes";
+constexpr const char* kValidation = "reference.validation";
+constexpr const char* kValidationHashes = "reference.validation_hashes";
+
+at::Tensor hashes_of(const std::vector<data::Example>& examples) {
+  std::vector<int64_t> h;
+  h.reserve(examples.size());
+  for (const auto& e : examples) h.push_back(example_hash(e));
+  return at::tensor(h, at::kLong);
+}
+
+// The file's log-probabilities of `examples` under `key`, or nothing when it holds other examples.
+std::optional<std::vector<double>> read_reference(const io::DatReader& r, const char* key,
+                                                  const char* hashes_key,
+                                                  const std::vector<data::Example>& examples) {
+  const io::DatEntry* v = r.find(key);
+  const io::DatEntry* h = r.find(hashes_key);
+  if (v == nullptr || h == nullptr) return std::nullopt;
+  const at::Tensor values = r.load(*v), hashes = r.load(*h);
+  if (values.scalar_type() != at::kDouble || hashes.scalar_type() != at::kLong ||
+      values.dim() != 1 || hashes.sizes() != values.sizes() ||
+      values.numel() != static_cast<int64_t>(examples.size()) ||
+      !at::equal(hashes, hashes_of(examples))) {
+    return std::nullopt;
+  }
+  return std::vector<double>(values.data_ptr<double>(), values.data_ptr<double>() + values.numel());
+}
+
+}  // namespace
+
+SequenceLogprobs sequence_logprobs(model::Qwen3Model& model, const model::ModelInputs& in,
+                                   const data::Batch& batch) {
+  const std::vector<int64_t> seq = sequence_of_positions(batch);
+  const auto n = static_cast<int64_t>(batch.example_indices.size());
+  const model::Qwen3Model::TokenLogprobs tl = model.token_logprobs(in);
+  const at::Tensor pos = tl.positions.cpu().contiguous();
+  at::Tensor index = at::empty({pos.numel()}, at::kLong);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  int64_t* ix = index.data_ptr<int64_t>();
+  SequenceLogprobs out;
+  out.tokens = at::zeros({n}, at::kLong);
+  int64_t* tokens = out.tokens.data_ptr<int64_t>();
+  for (int64_t k = 0; k < pos.numel(); ++k) {
+    ix[k] = seq.at(static_cast<size_t>(p[k]));
+    TORCH_CHECK(ix[k] >= 0, "preference: a supervised label on padding");
+    ++tokens[ix[k]];
+  }
+  const at::Tensor lp = tl.logprobs.to(at::kFloat);
+  out.sums = at::zeros({n}, lp.options())
+                 .index_add(0, index.to(lp.device(), /*non_blocking=*/false), lp);
+  return out;
+}
+
+std::vector<double> sequence_logprobs_of(model::Qwen3Model& model,
+                                         const std::vector<data::Example>& examples,
+                                         data::BatcherOptions options, std::ostream& out,
+                                         const std::string& what) {
+  std::vector<double> result(examples.size(), std::nan(""));
+  if (examples.empty()) return result;
+  options.shuffle = false;
+  options.drop_last = false;
+  data::Batcher batcher(examples, options);
+  TORCH_CHECK(batcher.num_examples() == static_cast<int64_t>(examples.size()),
+              "preference: the reference pass dropped examples");
+  at::NoGradGuard no_grad;
+  const at::Device dev = model.options().device;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto last_report = t0;
+  size_t done = 0;
+  for (;;) {
+    const data::Batch b = batcher.next();
+    if (b.epoch > 0) break;
+    const SequenceLogprobs s = sequence_logprobs(model, to_inputs(b, model, dev), b);
+    const at::Tensor sums = s.sums.to(at::kCPU, at::kDouble).contiguous();
+    const double* v = sums.data_ptr<double>();
+    for (size_t k = 0; k < b.example_indices.size(); ++k) {
+      result.at(static_cast<size_t>(b.example_indices[k])) = v[k];
+    }
+    done += b.example_indices.size();
+    if (std::chrono::steady_clock::now() - last_report > std::chrono::seconds(30)) {
+      last_report = std::chrono::steady_clock::now();
+      out << fmt::format("reference log-probabilities ({}): {} of {} sequences\n", what, done,
+                         examples.size())
+          << std::flush;
+    }
+  }
+  for (double v : result) {
+    TORCH_CHECK(std::isfinite(v), "preference: the reference pass left a sequence without a "
+                                  "finite log-probability");
+  }
+  return result;
+}
+
+ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
+                                     const data::Batcher& train, const data::Batcher* validation,
+                                     bool write, std::ostream& out) {
+  const std::string path = (fs::path(c.output.dir) / kReferenceFile).string();
+  static const std::vector<data::Example> kNone;
+  const auto& held = validation ? validation->examples() : kNone;
+  ReferenceLogprobs ref;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    const auto reader = as_input_error(
+        "output.dir (" + std::string(kReferenceFile) + ")",
+        [&] { return std::make_unique<io::DatReader>(path); });
+    auto t = read_reference(*reader, kTrain, kTrainHashes, train.examples());
+    auto v = read_reference(*reader, kValidation, kValidationHashes, held);
+    if (t && v) {
+      out << fmt::format("reference log-probabilities: read from {} ({} + {} sequences)\n", path,
+                         t->size(), v->size());
+      ref.train = std::move(*t);
+      ref.validation = std::move(*v);
+      return ref;
+    }
+    out << "reference log-probabilities: " << path
+        << " describes other examples; computing them again\n";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const model::ModelOptions mo = model_options(c);
+  std::unique_ptr<model::Qwen3Model> loaded;
+  model::Qwen3Model* reference = &policy;
+  if (!c.preference.reference.empty()) {
+    FrozenModelSpec spec;
+    spec.path = c.preference.reference;
+    spec.config_path = c.preference.reference_config;
+    spec.key = "preference.reference";
+    spec.config_key = "preference.reference_config";
+    spec.role = "reference";
+    spec.keep_dense = !c.model.fake_quant;
+    spec.fake_quant = c.model.fake_quant;
+    loaded = load_frozen_model(c, spec, mo, policy.config().vocab_size, out);
+    reference = loaded.get();
+  }
+  const data::BatcherOptions bo = batcher_options(c, 0);
+  ref.train = sequence_logprobs_of(*reference, train.examples(), bo, out, "training");
+  ref.validation = sequence_logprobs_of(*reference, held, bo, out, "validation");
+  loaded.reset();  // the reference leaves memory before training
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (write) {
+    io::DatWriter w(path, 4);
+    w.add(kTrain, at::tensor(ref.train, at::kDouble));
+    w.add(kTrainHashes, hashes_of(train.examples()));
+    w.add(kValidation, at::tensor(ref.validation, at::kDouble));
+    w.add(kValidationHashes, hashes_of(held));
+    w.commit();
+  }
+  out << fmt::format("reference log-probabilities of {} + {} sequences by {} in {:.1f} s{}\n",
+                     ref.train.size(), ref.validation.size(),
+                     c.preference.reference.empty() ? "the starting model" : c.preference.reference,
+                     secs, write ? " -> " + path : "");
+  return ref;
+}
+
+std::string preference_summary(const Config& c) {
+  const auto& p = c.preference;
+  std::string s = fmt::format("preference: {} loss, beta {}", to_string(p.loss), p.beta);
+  if (p.loss != PreferenceLossKind::kIpo && p.label_smoothing > 0) {
+    s += fmt::format(", label smoothing {}", p.label_smoothing);
+  }
+  if (p.loss == PreferenceLossKind::kSimpo) s += fmt::format(", gamma {}", p.simpo_gamma);
+  if (p.sft_weight > 0) s += fmt::format(", + {} x chosen cross-entropy", p.sft_weight);
+  if (p.loss == PreferenceLossKind::kSimpo) return s + "; no reference model";
+  return s + fmt::format("; reference log-probabilities computed once, before step 1, by {} and "
+                         "kept in {}",
+                         p.reference.empty() ? "the starting model" : p.reference,
+                         (fs::path(c.output.dir) / kReferenceFile).string());
+}
+
+PreferenceObjective::PreferenceObjective(const PreferenceConfig& c, ReferenceLogprobs reference)
+    : loss_(preference_loss_options(c)), sft_weight_(c.sft_weight), reference_(std::move(reference)) {
+  loss_.validate();
+}
+
+ObjectiveNeeds PreferenceObjective::needs() const {
+  ObjectiveNeeds n;
+  n.paired_sequences = true;
+  return n;
+}
+
+ObjectiveOutput PreferenceObjective::compute(model::Qwen3Model& model, const MicroBatch& micro) {
+  return pairs_output(model, micro, reference_.train);
+}
+
+ObjectiveOutput PreferenceObjective::evaluate(model::Qwen3Model& model, const MicroBatch& micro) {
+  return pairs_output(model, micro, reference_.validation);
+}
+
+ObjectiveOutput PreferenceObjective::pairs_output(model::Qwen3Model& model, const MicroBatch& micro,
+                                                  const std::vector<double>& reference) const {
+  TORCH_CHECK(micro.batch != nullptr, "preference: the micro-batch's host batch is needed");
+  const data::Batch& b = *micro.batch;
+  const auto n = static_cast<int64_t>(b.example_indices.size());
+  TORCH_CHECK(n % 2 == 0, "preference: a micro-batch of ", n, " sequences is not whole pairs");
+  const SequenceLogprobs s = sequence_logprobs(model, micro.inputs, b);
+  const at::Device dev = s.sums.device();
+  auto even = [&](const at::Tensor& t) { return t.slice(0, 0, n, 2); };
+  auto odd = [&](const at::Tensor& t) { return t.slice(0, 1, n, 2); };
+  PreferencePairs pairs;
+  pairs.chosen_logps = even(s.sums);
+  pairs.rejected_logps = odd(s.sums);
+  pairs.chosen_tokens = even(s.tokens).to(dev);
+  pairs.rejected_tokens = odd(s.tokens).to(dev);
+  TORCH_CHECK(at::all(s.tokens.gt(0)).item<bool>(),
+              "preference: an answer has no supervised token left (train.seq_len cut it away)");
+  if (loss_.kind != PreferenceLossKind::kSimpo) {
+    std::vector<double> r;
+    r.reserve(static_cast<size_t>(n));
+    for (int64_t e : b.example_indices) r.push_back(reference.at(static_cast<size_t>(e)));
+    const at::Tensor ref = at::tensor(r, at::kDouble).to(dev, at::kFloat);
+    pairs.ref_chosen_logps = even(ref);
+    pairs.ref_rejected_logps = odd(ref);
+  }
+  const PreferenceLossOutput lo = preference_loss(pairs, loss_);
+  ObjectiveOutput out;
+  out.loss_sum = lo.losses.sum();
+  const at::Tensor cr = lo.chosen_rewards, rr = lo.rejected_rewards;
+  const at::Tensor wins = cr.gt(rr).to(at::kFloat) + cr.eq(rr).to(at::kFloat) * 0.5;
+  out.logged = {{"rewards/chosen", cr.sum()},
+                {"rewards/rejected", rr.sum()},
+                {"rewards/margins", (cr - rr).sum()},
+                {"rewards/accuracies", wins.sum()},
+                {"logps/chosen", pairs.chosen_logps.detach().sum()},
+                {"logps/rejected", pairs.rejected_logps.detach().sum()}};
+  if (sft_weight_ > 0) {
+    // The chosen answer's mean cross-entropy per token, per pair (TRL's rpo_alpha term).
+    const at::Tensor nll = -pairs.chosen_logps / pairs.chosen_tokens.to(at::kFloat);
+    out.loss_sum = out.loss_sum + nll.sum() * sft_weight_;
+    out.logged.emplace_back("nll_loss", nll.detach().sum());
   }
   return out;
 }

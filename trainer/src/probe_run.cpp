@@ -153,7 +153,8 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     setup.make_optimizer(sync);
   }
   setup.load_data(1);
-  const auto objective = make_objective(c, setup.model(), setup.batcher(), out);
+  const auto objective = make_objective(c, setup.model(), setup.batcher(), nullptr,
+                                        /*leader=*/false, out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
                  nullptr, in_backward_updates(c), setup.optimizer_index());
   mark("optimizer_ready");

@@ -226,7 +226,21 @@ std::string render_report_html(const ReportInput& in) {
     pts.insert(pts.end(), more.begin(), more.end());
     if (!pts.empty()) loss.push_back({"validation loss", pts});
   }
-  plot("Loss", loss, "nats/token", /*log_y=*/true);
+  // Preference tuning (train.objective preference) logs TRL's reward names; its loss is per pair.
+  const bool preference = !series_of(m, "rewards/accuracies").empty();
+  plot("Loss", loss, preference ? "per pair" : "nats/token", /*log_y=*/true);
+  if (preference) {
+    plot("Rewards (beta x log-probability gain over the reference)",
+         {{"chosen", series_of(m, "rewards/chosen")},
+          {"rejected", series_of(m, "rewards/rejected")},
+          {"margin", series_of(m, "rewards/margins")},
+          {"held-out margin", series_of(m, "eval_rewards/margins")}},
+         "");
+    plot("Reward accuracy (chosen gained more than rejected)",
+         {{"training pairs", series_of(m, "rewards/accuracies")},
+          {"held-out pairs", series_of(m, "eval_rewards/accuracies")}},
+         "");
+  }
   plot("Learning rate", {{"lr", series_of(m, "lr")}}, "");
   plot("Gradient norm (before clipping)", {{"grad norm", series_of(m, "grad_norm")}}, "");
   plot("Throughput", {{"tokens/s", series_of(m, "tokens_per_s")}}, "tok/s");

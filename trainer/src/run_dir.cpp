@@ -144,7 +144,7 @@ bool is_reserved_run_name(const std::string& name) {
   // Also the files the run writes next to these: the HF-folder import (hf_import.dat), the
   // report and the TensorBoard event files.
   for (const char* r : {kConfigFile, kInitFile, kEvalFile, kProbeFile, kLockFile, kDoneMarker,
-                        kChecksumFile, "hf_import.dat", "report.html"}) {
+                        kChecksumFile, kReferenceFile, "hf_import.dat", "report.html"}) {
     if (name == r) return true;
   }
   return parse_step_name(name).has_value() || io::is_temp_file_name(name) ||
@@ -308,6 +308,10 @@ void check_output_paths(const Config& c) {
                         {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
   if (c.model.init == InitKind::kRandom) {
     outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
+  }
+  if (c.train.objective == ObjectiveKind::kPreference &&
+      c.preference.loss != PreferenceLossKind::kSimpo) {
+    outputs.push_back({"output.dir (" + std::string(kReferenceFile) + ")", dir / kReferenceFile});
   }
   add_metrics_output(c, dir, &outputs);
   add_export_output(c, dir, &outputs);

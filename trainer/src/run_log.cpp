@@ -137,7 +137,7 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
         "  epoch      {} example{} in {} row{}{} and {} micro-batch{}: {:.2f} steps per epoch, "
         "about {:.1f} examples ({:.1f} rows) per step\n",
         examples, examples == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
-        c.data.packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
+        resolved_packing(c) ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
         static_cast<double>(bpe) / static_cast<double>(per_step),
         static_cast<double>(examples) * static_cast<double>(per_step) / static_cast<double>(bpe),
         static_cast<double>(rows) * static_cast<double>(per_step) / static_cast<double>(bpe));
@@ -225,17 +225,26 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
       if (!record.contains(name)) record[name] = value.item<double>();
     }
   }
+  if (val) {
+    for (const auto& [name, value] : val->values) record["eval_" + name] = value;
+  }
   if (metrics_.is_open()) metrics_.write(record);
   if (tb_.is_open()) {
-    auto train_only = record;  // the validation loss goes to val/loss
+    auto train_only = record;  // the validation values go to val/<name>
     train_only.erase("val_loss");
     train_only.erase("val_tokens");
+    if (val) {
+      for (const auto& kv : val->values) train_only.erase("eval_" + kv.first);
+    }
     tb_.add_metrics(train_only, m.step);  // TensorBoard scalars
     if (val) log_validation(*val, done, /*own_record=*/false);
   }
   if (log_step) {
     if (bar_) err_ << "\r\033[K";
     out_ << format_log_line(m) << std::endl;
+    if (val && !val->values.empty()) {
+      out_ << fmt::format("step {} validation: {}\n", m.step, val->values_line());
+    }
     update_report(/*live=*/true, kReportMinIntervalS);
   }
   // The run-time estimate, once: from the steps after the first (which warms up caches).
@@ -259,9 +268,16 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
 
 void RunLog::log_validation(const Validation& v, int64_t step, bool own_record) {
   if (own_record && metrics_.is_open()) {
-    metrics_.write({{"step", step}, {"val_loss", v.loss}, {"val_tokens", v.tokens}});
+    nlohmann::json record = {{"step", step}, {"val_loss", v.loss}, {"val_tokens", v.tokens}};
+    for (const auto& [name, value] : v.values) record["eval_" + name] = value;
+    metrics_.write(record);
   }
   if (tb_.is_open() && std::isfinite(v.loss)) tb_.add_scalar("val/loss", v.loss, step);
+  if (tb_.is_open()) {
+    for (const auto& [name, value] : v.values) {
+      if (std::isfinite(value)) tb_.add_scalar("val/" + name, value, step);
+    }
+  }
 }
 
 void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, const char* tag,

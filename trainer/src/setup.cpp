@@ -181,20 +181,24 @@ std::string no_examples_message(const Config& c) {
          "; formats: docs/data.md)";
 }
 
-// data.eval_fraction: ceil(fraction x N) examples (at least one) chosen by a Fisher-Yates
-// shuffle seeded by train.seed are moved from `train` to the returned list; both keep file
-// order. The same seed and data give the same split (resume relies on it).
+// data.eval_fraction: ceil(fraction x N) groups of `group` consecutive examples (at least one;
+// preference pairs are groups of 2) chosen by a Fisher-Yates shuffle seeded by train.seed are
+// moved from `train` to the returned list; both keep file order. The same seed and data give the
+// same split (resume relies on it).
 std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fraction,
-                                    int64_t seed) {
+                                    int64_t seed, int64_t group) {
   std::vector<data::Example> held;
   if (!(fraction > 0) || train->empty()) return held;
-  const auto n = static_cast<int64_t>(train->size());
+  TORCH_CHECK(group >= 1 && static_cast<int64_t>(train->size()) % group == 0,
+              "hold_out: ", train->size(), " examples are not whole groups of ", group);
+  const auto n = static_cast<int64_t>(train->size()) / group;
+  const char* unit = group == 2 ? "pair" : "training example";
   const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
   if (k >= n) {
     throw ConfigError(fmt::format(
-        "config key data.eval_fraction: holding out {} of {} training example{} leaves none to "
+        "config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
         "train on; lower it or use data.eval_files",
-        k, n, n == 1 ? "" : "s"));
+        k, n, unit, n == 1 ? "" : "s"));
   }
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
@@ -206,10 +210,10 @@ std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fr
   std::vector<char> is_held(static_cast<size_t>(n), 0);
   for (int64_t t = 0; t < k; ++t) is_held[static_cast<size_t>(order[static_cast<size_t>(t)])] = 1;
   std::vector<data::Example> kept;
-  kept.reserve(static_cast<size_t>(n - k));
-  for (int64_t i = 0; i < n; ++i) {
+  kept.reserve(static_cast<size_t>((n - k) * group));
+  for (int64_t i = 0; i < n * group; ++i) {
     auto& e = (*train)[static_cast<size_t>(i)];
-    (is_held[static_cast<size_t>(i)] ? held : kept).push_back(std::move(e));
+    (is_held[static_cast<size_t>(i / group)] ? held : kept).push_back(std::move(e));
   }
   *train = std::move(kept);
   return held;
@@ -272,6 +276,73 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
   return in;
 }
 
+// The examples of one data file: its records, or (train.objective preference) its pairs laid out
+// as chosen, rejected, chosen, ... (the batcher keeps each pair together). The summary is printed.
+std::vector<data::Example> load_examples(const Config& c, const std::string& file,
+                                         const data::Tokenizer& tok, const std::string& key,
+                                         const std::string& prefix, std::ostream& out,
+                                         std::ostream& err) {
+  const auto dopt = dataset_options(c);
+  std::vector<data::Example> examples;
+  data::LoadSummary summary;
+  if (c.train.objective == ObjectiveKind::kPreference) {
+    auto ds =
+        as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
+    for (auto& p : ds.pairs) {
+      examples.push_back(std::move(p.chosen));
+      examples.push_back(std::move(p.rejected));
+    }
+    summary = std::move(ds.summary);
+  } else {
+    auto ds = as_input_error(key, [&] { return data::load_dataset(file, tok, dopt); });
+    examples = std::move(ds.examples);
+    summary = std::move(ds.summary);
+  }
+  out << prefix << summary.to_string() << "\n";
+  report_skipped_lines(summary, err);
+  return examples;
+}
+
+std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec) {
+  if (!spec.config_path.empty()) return spec.config_path;
+  return model::is_hf_folder(spec.path) ? (fs::path(spec.path) / "config.json").string()
+                                        : c.model.config;
+}
+
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
+                                                     const model::ModelOptions& student,
+                                                     int64_t vocab_size, std::ostream& out) {
+  const auto t0 = Clock::now();
+  if (!model::is_hf_folder(spec.path)) require_file(spec.path, spec.key);
+  const std::string config_path = frozen_config_path(c, spec);
+  require_file(config_path,
+               spec.config_path.empty() ? spec.key + " (its config.json)" : spec.config_key);
+  const auto cfg = as_input_error(spec.config_key,
+                                  [&] { return model::Qwen3Config::from_json_file(config_path); });
+  if (cfg.vocab_size != vocab_size) {
+    throw ConfigError(fmt::format(
+        "config key {}: the {}'s vocabulary ({} tokens, {}) is not the trained model's ({}): "
+        "they must score the same tokens",
+        spec.key, spec.role, cfg.vocab_size, config_path, vocab_size));
+  }
+  model::ModelOptions opt;
+  opt.device = student.device;
+  opt.compute_dtype = student.compute_dtype;
+  opt.master_dtype = student.compute_dtype;
+  opt.fake_quant = spec.fake_quant;
+  opt.trainable = model::TrainableSpec::nothing();
+  opt.gradient_checkpointing = false;
+  opt.loss_chunk_tokens = student.loss_chunk_tokens;
+  model::HfImportOptions import;
+  import.keep_dense = spec.keep_dense;
+  auto m = as_input_error(spec.key, [&] {
+    return std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(cfg, spec.path, opt, import));
+  });
+  out << fmt::format("{} {}: {} layers, hidden {}, loaded in {:.1f} s\n", spec.role, spec.path,
+                     cfg.num_hidden_layers, cfg.hidden_size, ms_since(t0) / 1000.0);
+  return m;
+}
+
 RunSetup::RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err)
     : plan_(plan), out_(out), err_(err), log_(plan.probe() ? err : out) {}
 
@@ -331,12 +402,10 @@ void RunSetup::load_data(int64_t ranks) {
     examples = synthetic_examples(c.train.batch_size * c.train.grad_accum, c.train.seq_len,
                                   mc_.vocab_size, static_cast<uint64_t>(c.train.seed));
   } else {
-    const auto dopt = dataset_options(c);
     for (const auto& f : c.data.files) {
-      auto ds = as_input_error("data.files", [&] { return data::load_dataset(f, *tok_, dopt); });
-      log_ << ds.summary.to_string() << "\n";
-      report_skipped_lines(ds.summary, err_);
-      for (auto& e : ds.examples) examples.push_back(std::move(e));
+      for (auto& e : load_examples(c, f, *tok_, "data.files", "", log_, err_)) {
+        examples.push_back(std::move(e));
+      }
     }
     if (examples.empty()) throw ConfigError(no_examples_message(c));
     pad_id = tok_->endoftext_id();
@@ -358,14 +427,13 @@ void RunSetup::load_data(int64_t ranks) {
 // shuffling.
 void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id) {
   const Config& c = plan_.config();
-  auto val = hold_out(train, c.data.eval_fraction, c.train.seed);
+  const int64_t group = c.train.objective == ObjectiveKind::kPreference ? 2 : 1;
+  auto val = hold_out(train, c.data.eval_fraction, c.train.seed, group);
   const auto held = static_cast<int64_t>(val.size());
-  const auto dopt = dataset_options(c);
   for (const auto& f : c.data.eval_files) {
-    auto ds = as_input_error("data.eval_files", [&] { return data::load_dataset(f, *tok_, dopt); });
-    out_ << "validation " << ds.summary.to_string() << "\n";
-    report_skipped_lines(ds.summary, err_);
-    for (auto& e : ds.examples) val.push_back(std::move(e));
+    for (auto& e : load_examples(c, f, *tok_, "data.eval_files", "validation ", out_, err_)) {
+      val.push_back(std::move(e));
+    }
   }
   if (val.empty()) {
     if (!c.data.eval_files.empty()) {

@@ -270,7 +270,9 @@ class Trainer {
   void build_components() {
     model::Qwen3Model& model = setup_.model();
     // Without data (--export-only, zero steps) nothing trains: no teacher to load.
-    objective_ = setup_.batcher() ? make_objective(cfg(), model, setup_.batcher(), out_)
+    // Before restore(): the preference reference is the starting model.
+    objective_ = setup_.batcher() ? make_objective(cfg(), model, setup_.batcher(),
+                                                   setup_.validation_batcher(), leader(), out_)
                                   : std::make_unique<SupervisedCrossEntropy>();
     sync_ = std::make_unique<GradSync>(comm_.get(), model, model.trainable_parameters());
     setup_.make_optimizer(*sync_);
@@ -396,8 +398,9 @@ class Trainer {
 
   void validate_at_start() {
     if (const auto v = evaluator_.validation_loss(0)) {
-      out_ << fmt::format("validation loss at step 0: {:.4f} ({} tokens, {:.1f} s)\n", v->loss,
-                          v->tokens, v->ms / 1000.0);
+      out_ << fmt::format("validation loss at step 0: {:.4f} ({} {}, {:.1f} s){}\n", v->loss,
+                          v->tokens, objective_->units_name(), v->ms / 1000.0,
+                          v->values.empty() ? "" : "; " + v->values_line());
       log_.log_validation(*v, 0, /*own_record=*/true);
     }
   }
@@ -421,7 +424,8 @@ class Trainer {
     if (total > start_step_) log_.end_bar_line();
     if (total == start_step_ && evaluator_.has_validation()) {  // nothing left to train
       if (const auto v = evaluator_.validation_loss(total)) {
-        out_ << fmt::format("validation loss at step {}: {:.4f}\n", total, v->loss);
+        out_ << fmt::format("validation loss at step {}: {:.4f}{}\n", total, v->loss,
+                            v->values.empty() ? "" : "; " + v->values_line());
       }
     }
     if (plan_.checkpoints_on() && checkpointer_.last_step() != total && total > start_step_) {

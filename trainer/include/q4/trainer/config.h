@@ -47,9 +47,12 @@ enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
-enum class ObjectiveKind { kCrossEntropy, kDistill };  // cross_entropy | distill
+enum class ObjectiveKind { kCrossEntropy, kDistill, kPreference };  // cross_entropy | distill |
+                                                                  // preference
 enum class TrainMethod { kFull, kLora };               // full | lora
 enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
+// The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
+enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
 
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
@@ -65,6 +68,7 @@ std::string to_string(HfExport v);
 std::string to_string(ObjectiveKind v);
 std::string to_string(TrainMethod v);
 std::string to_string(Divergence v);
+std::string to_string(PreferenceLossKind v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
 struct LayerSelection {
@@ -143,6 +147,21 @@ struct DistillConfig {
   // `q4train --write-teacher-topk` and read instead of running the teacher.
   std::string topk_file;
   int64_t topk = 64;  // K written by --write-teacher-topk
+};
+
+// train.objective: preference (docs/trainer.md#preference-tuning). data.files hold TRL preference
+// records; the reference's log-probabilities are computed once, before the first step, and kept
+// in <output.dir>/reference_logprobs.dat.
+struct PreferenceConfig {
+  PreferenceLossKind loss = PreferenceLossKind::kSigmoid;
+  double beta = 0.1;             // the implicit reward's scale (TRL's beta)
+  double label_smoothing = 0.0;  // sigmoid and simpo: the chance a label is flipped, [0, 0.5)
+  double simpo_gamma = 0.5;      // simpo: the target reward margin, over beta
+  // + sft_weight x the chosen answer's mean cross-entropy per pair (TRL's rpo_alpha); 0: none.
+  double sft_weight = 0.0;
+  // The reference model, a .dat or Hugging Face folder; empty: the starting model itself.
+  std::string reference;
+  std::string reference_config;  // its config.json (default: the folder's, else model.config)
 };
 
 // train.method: lora (docs/trainer.md#lora-adapters).
@@ -249,6 +268,7 @@ struct Config {
   GuardConfig guard;
   LogConfig log;
   DistillConfig distill;
+  PreferenceConfig preference;
   LoraConfig lora;
   std::string source;  // where the config came from (file path), for messages
 };
@@ -258,7 +278,8 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
                  InBackward*, Recompute*, Offload*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
-                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*>;
+                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
+                 PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -336,6 +357,9 @@ std::string resolved_export_path(const Config& c);  // "" when export is disable
 // data.truncation with auto resolved: cut_right (keep the start) when every data file is plain
 // text, cut_left (keep the answer) otherwise.
 Truncation resolved_truncation(const Config& c);
+// data.packing as the run applies it: preference pairs are never packed (each answer is a row;
+// on CUDA the rows lie end to end, so there is no padding to save).
+bool resolved_packing(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);
@@ -375,8 +399,13 @@ Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
               {"bf16", q4::trainer::HfExport::kBf16});
 Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
               {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
-              {"distill", q4::trainer::ObjectiveKind::kDistill});
+              {"distill", q4::trainer::ObjectiveKind::kDistill},
+              {"preference", q4::trainer::ObjectiveKind::kPreference});
 Q4_ENUM_NAMES(q4::trainer::TrainMethod, {"full", q4::trainer::TrainMethod::kFull},
               {"lora", q4::trainer::TrainMethod::kLora});
 Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
               {"reverse_kl", q4::trainer::Divergence::kReverseKl});
+Q4_ENUM_NAMES(q4::trainer::PreferenceLossKind,
+              {"sigmoid", q4::trainer::PreferenceLossKind::kSigmoid},
+              {"ipo", q4::trainer::PreferenceLossKind::kIpo},
+              {"simpo", q4::trainer::PreferenceLossKind::kSimpo});

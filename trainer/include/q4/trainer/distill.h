@@ -75,9 +75,6 @@ class Distillation final : public Objective {
   at::Tensor lm_head_;  // the teacher's output projection (V, H_teacher), compute dtype
 };
 
-// distill.teacher_config, or the teacher folder's config.json, or model.config.
-std::string teacher_config_path(const Config& c);
-
 // The teacher of `c` (distill.teacher, distill.teacher_config) loaded beside a student computing
 // with `student` options: same device and compute dtype, nothing trainable, its vocabulary
 // `vocab_size` (the student's). Errors name the key.

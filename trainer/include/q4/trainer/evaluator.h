@@ -31,6 +31,10 @@ struct Validation {
   double loss = 0;     // the objective's mean over every held-out example (CE: per token)
   int64_t tokens = 0;  // units it averages (CE: supervised tokens)
   double ms = 0;
+  // The objective's logged values over the held-out examples, each a mean over the units
+  // (preference: rewards/accuracies, ...); metrics.jsonl has them as eval_<name>.
+  std::vector<std::pair<std::string, double>> values;
+  std::string values_line() const;  // "rewards/accuracies 0.9500, ..." ("" without values)
 };
 
 // The model's answers to `prompts` (system prompt data.system_prompt), at most max_new_tokens

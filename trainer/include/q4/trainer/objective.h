@@ -1,8 +1,8 @@
 // What a training step minimizes, one micro-batch at a time (docs/design.md#trainer-components).
 // The step hands each micro-batch to the objective, differentiates the loss it returns and sums
 // the values it names for logging; the loop never sees which objective runs. An objective says
-// what its micro-batch must carry (labels, paired sequences, reference
-// log-probabilities) so that set-up and the step prepare exactly that, and how many units (for
+// what its micro-batch must carry (labels, paired sequences) so that set-up and the step prepare
+// exactly that, and how many units (for
 // cross-entropy: supervised tokens) its loss sums over, so the step's loss is the mean over the
 // whole step (every micro-batch of every rank) whatever the micro-batch split.
 #pragma once
@@ -23,15 +23,13 @@ namespace q4::trainer {
 // What a micro-batch must carry for an objective.
 struct ObjectiveNeeds {
   bool labels = true;               // next-token labels, -100 where not supervised
-  bool paired_sequences = false;    // chosen/rejected rows side by side (preference objectives)
-  bool reference_logprobs = false;  // a frozen reference's per-sequence log-probabilities
+  bool paired_sequences = false;  // chosen/rejected rows side by side (preference objectives)
 };
 
 // One micro-batch as an objective sees it. Fields an objective does not need stay empty.
 struct MicroBatch {
   model::ModelInputs inputs;           // on the model's device; labels on the host
-  const data::Batch* batch = nullptr;  // the host batch it came from (token counts)
-  at::Tensor reference_logprobs;       // needs.reference_logprobs: (rows) fp32
+  const data::Batch* batch = nullptr;  // the host batch it came from (token counts, examples)
 };
 
 struct ObjectiveOutput {
@@ -51,6 +49,8 @@ class Objective {
   virtual ObjectiveNeeds needs() const = 0;
   // The units the micro-batch's loss sums over (the step's mean divides by their total).
   virtual int64_t units(const data::Batch& batch) const = 0;
+  // What a unit is, for messages ("tokens": supervised tokens).
+  virtual std::string units_name() const { return "tokens"; }
   // Forward of one micro-batch: its summed loss and the values to log.
   virtual ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) = 0;
   // The held-out loss of one micro-batch (the validation loss; autograd off). Default: the
@@ -74,10 +74,15 @@ class SupervisedCrossEntropy final : public Objective {
 
 struct Config;
 
-// The objective a run trains with (train.objective): supervised cross-entropy, or distillation
+// The objective a run trains with (train.objective): supervised cross-entropy; distillation
 // from distill.teacher loaded on `student`'s device (its load reported on `out`), or from
-// distill.topk_file, checked against the examples of `train` (the training batcher).
-std::unique_ptr<Objective> make_objective(const Config& c, const model::Qwen3Model& student,
-                                          const data::Batcher* train, std::ostream& out);
+// distill.topk_file, checked against the examples of `train` (the training batcher); or
+// preference tuning, with the reference's log-probabilities of `train` and `validation` (null:
+// no held-out examples) read from the run or computed by `student` before it trains (written to
+// the run when `leader`).
+std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& student,
+                                          const data::Batcher* train,
+                                          const data::Batcher* validation, bool leader,
+                                          std::ostream& out);
 
 }  // namespace q4::trainer

@@ -8,18 +8,23 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <iosfwd>
+#include <memory>
 #include <string>
+#include <vector>
 
-#include "q4/io/enum_names.h"
+#include "q4/data/dataset.h"
+#include "q4/model/qwen3.h"
+#include "q4/trainer/config.h"
+#include "q4/trainer/objective.h"
 
 namespace q4::trainer {
 
-enum class PreferenceLossKind {
-  kSigmoid,  // DPO: -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z),
-             // z = (pi_c - pi_r) - (ref_c - ref_r) on summed log-probabilities
-  kIpo,      // IPO: (z - 1 / (2 beta))^2, z on per-token averages
-  kSimpo,    // SimPO, reference-free: the sigmoid loss of z = avg_c - avg_r - gamma / beta
-};
+// PreferenceLossKind (config.h):
+//   sigmoid  DPO: -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z),
+//            z = (pi_c - pi_r) - (ref_c - ref_r) on summed log-probabilities
+//   ipo      IPO: (z - 1 / (2 beta))^2, z on per-token averages
+//   simpo    SimPO, reference-free: the sigmoid loss of z = avg_c - avg_r - gamma / beta
 
 struct PreferenceLossOptions {
   PreferenceLossKind kind = PreferenceLossKind::kSigmoid;
@@ -48,9 +53,73 @@ struct PreferenceLossOutput {
 PreferenceLossOutput preference_loss(const PreferencePairs& pairs,
                                      const PreferenceLossOptions& options);
 
-}  // namespace q4::trainer
+// ---------------------------------------------------------------- the objective
+//
+// train.objective: preference (docs/trainer.md#preference-tuning). Batches hold whole pairs,
+// chosen then rejected (data::BatcherOptions::group 2); an answer's log-probability is the sum over
+// its supervised tokens (Qwen3Model::token_logprobs), so the prompt never counts.
 
-Q4_ENUM_NAMES(q4::trainer::PreferenceLossKind,
-              {"sigmoid", q4::trainer::PreferenceLossKind::kSigmoid},
-              {"ipo", q4::trainer::PreferenceLossKind::kIpo},
-              {"simpo", q4::trainer::PreferenceLossKind::kSimpo});
+PreferenceLossOptions preference_loss_options(const PreferenceConfig& c);
+
+// The summed log-probabilities of each sequence of `batch` (its examples in the order of
+// batch.example_indices), from a forward of `in` (`batch` on the model's device).
+struct SequenceLogprobs {
+  at::Tensor sums;    // (n) fp32 on the model's device; differentiable when grad mode is on
+  at::Tensor tokens;  // (n) int64 on the host: supervised tokens of each sequence
+};
+SequenceLogprobs sequence_logprobs(model::Qwen3Model& model, const model::ModelInputs& in,
+                                   const data::Batch& batch);
+
+// Every example's summed log-probability under `model` (no autograd), in the batcher's example
+// order: one pass over `examples` in unshuffled batches of `options`.
+std::vector<double> sequence_logprobs_of(model::Qwen3Model& model,
+                                         const std::vector<data::Example>& examples,
+                                         data::BatcherOptions options, std::ostream& out,
+                                         const std::string& what);
+
+// The reference's log-probabilities of the training and held-out examples (each in its batcher's
+// example order), kept in <output.dir>/reference_logprobs.dat:
+//   reference.train / reference.validation                fp64 (E)  summed log-probabilities
+//   reference.train_hashes / reference.validation_hashes  int64 (E) example_hash of each example
+struct ReferenceLogprobs {
+  std::vector<double> train, validation;
+};
+
+// The run's reference log-probabilities: read from output.dir when the file there describes these
+// examples (a resumed run), else computed by preference.reference, or by `policy` itself (which
+// must still hold the starting weights), and written there when `write` (rank 0).
+ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
+                                     const data::Batcher& train, const data::Batcher* validation,
+                                     bool write, std::ostream& out);
+
+// One line for --dry-run and the start: the loss, its constants and where the reference comes
+// from.
+std::string preference_summary(const Config& c);
+
+// The preference objective: the pairs' loss (preference_loss, plus sft_weight x the chosen
+// answer's mean cross-entropy) summed over the micro-batch's pairs, its units. Logs, as TRL names
+// them (each a mean over pairs): rewards/chosen, rewards/rejected, rewards/margins,
+// rewards/accuracies (a tie counts 1/2: before the first update the policy is the reference), and
+// logps/chosen, logps/rejected; nll_loss with sft_weight. The held-out loss is the same loss on
+// the held-out pairs.
+class PreferenceObjective final : public Objective {
+ public:
+  PreferenceObjective(const PreferenceConfig& c, ReferenceLogprobs reference);
+  std::string name() const override { return "preference"; }
+  ObjectiveNeeds needs() const override;
+  int64_t units(const data::Batch& batch) const override {
+    return static_cast<int64_t>(batch.example_indices.size()) / 2;
+  }
+  std::string units_name() const override { return "pairs"; }
+  ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
+  ObjectiveOutput evaluate(model::Qwen3Model& model, const MicroBatch& micro) override;
+
+ private:
+  ObjectiveOutput pairs_output(model::Qwen3Model& model, const MicroBatch& micro,
+                               const std::vector<double>& reference) const;
+  PreferenceLossOptions loss_;
+  double sft_weight_;
+  ReferenceLogprobs reference_;
+};
+
+}  // namespace q4::trainer

@@ -22,6 +22,8 @@ inline constexpr const char* kConfigFile = "config.yaml";
 inline constexpr const char* kEvalFile = "eval.jsonl";
 inline constexpr const char* kInitFile = "init.dat";
 inline constexpr const char* kProbeFile = "probe.json";
+// train.objective preference: the reference's log-probabilities of every answer, computed once.
+inline constexpr const char* kReferenceFile = "reference_logprobs.dat";
 
 struct Config;
 

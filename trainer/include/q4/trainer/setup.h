@@ -56,11 +56,19 @@ std::string no_examples_message(const Config& c);
 std::string join_names(const std::vector<std::string>& v, size_t max_shown);
 // The keys a batcher error (nothing left after truncation) is about, for its message.
 std::string truncation_keys(const Config& c, const std::string& files_key);
-// data.eval_fraction: ceil(fraction x N) examples (at least one) chosen by a Fisher-Yates
-// shuffle seeded by train.seed are moved from `train` to the returned list; both keep file
-// order. The same seed and data give the same split (resume relies on it).
+// data.eval_fraction: ceil(fraction x N) groups of `group` consecutive examples (at least one;
+// a preference pair is a group of 2) chosen by a Fisher-Yates shuffle seeded by train.seed are
+// moved from `train` to the returned list; both keep file order. The same seed and data give the
+// same split (resume relies on it).
 std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fraction,
-                                    int64_t seed);
+                                    int64_t seed, int64_t group = 1);
+// The examples of one data file (`key` names it in errors): its records, or (train.objective
+// preference) its pairs laid out as chosen, rejected, chosen, ... Its summary goes to `out`
+// after `prefix`, skipped lines to `err`.
+std::vector<data::Example> load_examples(const Config& c, const std::string& file,
+                                         const data::Tokenizer& tok, const std::string& key,
+                                         const std::string& prefix, std::ostream& out,
+                                         std::ostream& err);
 // The probe's data when the config names no files: `count` random-token sequences of exactly
 // seq_len tokens, every position supervised, drawn from `seed`.
 std::vector<data::Example> synthetic_examples(int64_t count, int64_t seq_len, int64_t vocab,
@@ -70,6 +78,22 @@ std::vector<data::Example> synthetic_examples(int64_t count, int64_t seq_len, in
 // supervised rows there). The varlen path needs cu_seqlens only; the masked path the segments.
 model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& model,
                              const at::Device& device);
+
+// A frozen model (a distillation teacher, a preference reference) to load beside the model that
+// trains: `path` a .dat or Hugging Face folder, `config_path` its config.json (empty: the folder's
+// config.json, else model.config). `key` and `config_key` name them in errors, `role` in messages.
+struct FrozenModelSpec {
+  std::string path, config_path, key, config_key, role;
+  bool keep_dense = true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
+  bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
+};
+// The config.json a frozen model is read with (see FrozenModelSpec::config_path).
+std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec);
+// Loads it on `student`'s device in its compute dtype, nothing trainable; its vocabulary must be
+// `vocab_size` (the trained model's). The load is reported on `out`.
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
+                                                     const model::ModelOptions& student,
+                                                     int64_t vocab_size, std::ostream& out);
 
 // The model, data and optimizer of a run, owned here; the other components borrow them.
 class RunSetup {
@@ -98,6 +122,7 @@ class RunSetup {
   const data::Batcher* batcher() const { return batcher_.get(); }
   // The validation batcher (null without held-out examples); the evaluator takes it.
   std::unique_ptr<data::Batcher> take_validation_batcher() { return std::move(val_batcher_); }
+  const data::Batcher* validation_batcher() const { return val_batcher_.get(); }
   optim::PackedAdamW& optimizer() { return *optimizer_; }
   const optim::LrSchedule& schedule() const { return *schedule_; }
   // Optimizer index per owned parameter (in-backward updates).
