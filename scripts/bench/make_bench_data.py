@@ -3,9 +3,12 @@
 {"messages": [...]}) of widely varied length, from a fixed word list and a seeded generator,
 so every run and every machine trains on the same tokens.
 
+--preference writes TRL preference pairs instead ({"prompt", "chosen", "rejected"}: a prompt of
+8-160 words and two answers of 24-640 words each), for the preference step's benchmark.
+
 Lengths: prompt 8-160 words, answer 24-640 words (about 1.3 tokens a word with the Qwen3
 tokenizer), so examples span roughly 50-1,000 tokens and fit a 1,024-token row; a quarter
-are two-turn conversations. Usage: make_bench_data.py [--examples N] [--seed S] > bench.jsonl
+are two-turn conversations. Usage: make_bench_data.py [--examples N] [--seed S] [--preference] > bench.jsonl
 """
 import argparse
 import json
@@ -52,8 +55,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=20261126)
+    ap.add_argument("--preference", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    if args.preference:
+        for _ in range(args.examples):
+            budget = int(rng.triangular(40, 760, 200))
+            p = max(8, min(160, int(budget * rng.uniform(0.1, 0.35))))
+            pair = {"prompt": sentence_stream(rng, p)}
+            for side in ("chosen", "rejected"):
+                pair[side] = sentence_stream(rng, max(24, min(640, int(rng.uniform(0.5, 1.0) * (budget - p)))))
+            sys.stdout.write(json.dumps(pair, ensure_ascii=False) + "\n")
+        return
     for _ in range(args.examples):
         turns = 2 if rng.random() < 0.25 else 1
         budget = int(rng.triangular(40, 760, 200))  # words for the whole conversation
