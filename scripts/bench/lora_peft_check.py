@@ -3,14 +3,16 @@
 
   lora_peft_check.py ids OUT_IDS.dat VOCAB
       writes fixed token ids (input_ids, labels: int64 [2, 64]) for q4grad --inputs
-  lora_peft_check.py compare BASE_HF_DIR ADAPTER_DIR IDS.dat Q4GRAD_OUT.dat
+  lora_peft_check.py compare BASE_HF_DIR ADAPTER_DIR IDS.dat Q4GRAD_OUT.dat [--base-dat BASE.dat]
       loads the dequantized base (q4dat export-hf --format bf16) in fp32 with transformers, puts
       the adapter on it with peft, and compares its logits with q4grad --adapter's (q4train's
-      plain-LoRA forward, fp32). Prints RESULT {json}: the largest logit difference relative to
-      the largest logit, and the same without the adapter (a control that must be much larger
-      when the adapter has trained). Exit 1 when the relative difference exceeds --tol (1e-3:
-      fp32 against fp32 with other kernels; q4grad fake-quantizes the lm_head the bf16 export
-      stores dequantized, which moves a few rare blocks).
+      plain-LoRA forward, fp32). The NVFP4 linears are exact in bf16 (a code times an E4M3 scale
+      has at most 5 significant bits), but the export rounds the fp16 embedding and norms to
+      bf16: --base-dat (the base .dat) puts the file's own 16-bit values back first. Prints
+      RESULT {json}: the largest logit difference relative to the largest logit, and the same
+      without the adapter (a control that must be much larger when the adapter has trained).
+      Exit 1 when the relative difference exceeds --tol (1e-3: fp32 against fp32 with other
+      kernels; q4grad fake-quantizes the frozen linears once more, which moves rare blocks).
 """
 import json
 import os
@@ -33,6 +35,22 @@ def ids_of(dat):
     return torch.frombuffer(bytearray(payload), dtype=torch.int64).reshape(shape)
 
 
+def restore_raw_entries(model, dat):
+    """Copies the .dat's raw fp16/bf16/fp32 entries (embedding, norms) over the model's."""
+    kinds = {5: torch.float16, 15: torch.bfloat16, 6: torch.float32}
+    params = dict(model.named_parameters())
+    n = 0
+    for key, (et, shape, payload) in read_dat(dat).items():
+        if et not in kinds or key not in params:
+            continue
+        t = torch.frombuffer(bytearray(payload), dtype=kinds[et]).reshape(shape).float()
+        with torch.no_grad():
+            params[key].copy_(t)
+        n += 1
+    assert n > 0, dat + ": no raw entry matched the model's parameter names"
+    return n
+
+
 def main():
     if sys.argv[1] == "ids":
         out, vocab = sys.argv[2], int(sys.argv[3])
@@ -47,7 +65,11 @@ def main():
     from transformers import AutoModelForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).to(dev)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if "--base-dat" in sys.argv:
+        restored = restore_raw_entries(model, sys.argv[sys.argv.index("--base-dat") + 1])
+        print(f"restored {restored} raw 16-bit entries from the base .dat")
+    model = model.to(dev)
     ids = ids_of(ids_path).to(dev)
     with torch.no_grad():
         plain = model(ids).logits.float().cpu()

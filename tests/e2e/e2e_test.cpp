@@ -421,6 +421,85 @@ TEST(E2E, LoraResumeEqualsUninterruptedRunAndExportsTheAdapter) {
   }
 }
 
+// train.objective preference: the reference's log-probabilities are computed once, before step 1,
+// and kept in the run; a run killed after its first checkpoint and resumed reads them back (the
+// file untouched) and gives the uninterrupted run's losses, rewards and export bit for bit. The
+// held-out pairs' reward accuracy is logged as eval_rewards/accuracies.
+TEST(E2E, PreferenceResumeReadsTheReferenceAndEqualsUninterruptedRun) {
+  const fs::path dir = work_root("e2e") / "preference";
+  q4::io::remove_tree(dir);
+  TinyRun t;
+  t.data_file = "pairs.jsonl";
+  t.data = kTinyPairsJsonl;
+  t.trainable = "{layers: all, projections: true, norms: true, lm_head: true, embeddings: true}";
+  t.steps = 8;
+  t.batch_size = 4;
+  t.seq_len = 32;
+  t.train_extra = "  objective: preference\n";
+  t.optim = "  lr: 1.0e-2\n  state: int8\n";
+  t.data_extra = "  eval_fraction: 0.2\n";
+  t.eval = "  prompts: []\n  every: 4\n  at_start: true\n";
+  t.output_extra = "  checkpoint_every: 4\n";
+  t.log = "  every: 1\n";
+  const auto cfg = t.write(dir);
+  const auto full = run_q4train({"--config", cfg.string()}, dir / "full");
+  ASSERT_EQ(full.code, 0) << full.err << full.out;
+  EXPECT_NE(full.out.find("preference: sigmoid loss, beta 0.1"), std::string::npos) << full.out;
+  // 6 pairs: 2 held out (ceil(0.2 x 6)), 4 trained, each pair two sequences.
+  EXPECT_NE(full.out.find("reference log-probabilities of 8 + 4 sequences by the starting model"),
+            std::string::npos)
+      << full.out;
+  const fs::path ref = dir / "run" / "reference_logprobs.dat";
+  ASSERT_TRUE(fs::exists(ref));
+  const auto want = read_jsonl(dir / "run" / "metrics.jsonl");
+  // Step 1 starts at the reference: DPO's log 2; the validation at step 0 has no preference yet.
+  bool saw_start = false, saw_end = false;
+  for (const auto& r : want) {
+    if (!r.contains("eval_rewards/accuracies")) continue;
+    if (r["step"] == 0) {
+      saw_start = true;
+      EXPECT_NEAR(r["eval_rewards/accuracies"].get<double>(), 0.5, 1e-9);
+      EXPECT_NEAR(r["val_loss"].get<double>(), std::log(2.0), 1e-4);
+    }
+    if (r["step"] == 8) saw_end = true;
+  }
+  EXPECT_TRUE(saw_start && saw_end);
+  ASSERT_TRUE(want[1].contains("loss"));
+  EXPECT_NEAR(want[1]["loss"].get<double>(), std::log(2.0), 1e-4);
+  EXPECT_TRUE(want.back().contains("rewards/margins"));
+  EXPECT_GT(want.back()["rewards/margins"].get<double>(), 0.0);  // it learned the preference
+  // Killed after step 4: the run directory without what came later, resumed.
+  fs::copy(dir / "run", dir / "cut", fs::copy_options::recursive);
+  q4::io::remove_tree(dir / "cut" / "step_000008");
+  fs::remove(dir / "cut" / "model.dat");
+  fs::remove(dir / "cut" / "model.dat.json");
+  const auto before = fs::last_write_time(dir / "cut" / "reference_logprobs.dat");
+  const std::string ref_bytes = read_text(ref);
+  const auto resumed = run_q4train({"--resume", (dir / "cut" / "step_000004").string(), "--set",
+                                    "output.dir=" + (dir / "cut").string()},
+                                   dir / "resumed");
+  ASSERT_EQ(resumed.code, 0) << resumed.err << resumed.out;
+  EXPECT_NE(resumed.out.find("reference log-probabilities: read from"), std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(resumed.out.find("by the starting model in"), std::string::npos) << resumed.out;
+  EXPECT_EQ(fs::last_write_time(dir / "cut" / "reference_logprobs.dat"), before);
+  EXPECT_EQ(read_text(dir / "cut" / "reference_logprobs.dat"), ref_bytes);
+  const auto got = read_jsonl(dir / "cut" / "metrics.jsonl");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    for (const char* k : {"loss", "rewards/margins", "eval_rewards/accuracies"}) {
+      if (want[i].contains(k)) EXPECT_EQ(got[i][k], want[i][k]) << k << " at record " << i;
+    }
+  }
+  EXPECT_EQ(read_text(dir / "cut" / "model.dat"), read_text(dir / "run" / "model.dat"));
+  // A batch that would split a pair is refused before anything loads.
+  const auto odd = run_q4train({"--config", cfg.string(), "--set", "train.batch_size=3", "--set",
+                                "output.dir=" + (dir / "odd").string()},
+                               dir / "odd");
+  EXPECT_EQ(odd.code, 2);
+  EXPECT_NE(odd.err.find("train.batch_size"), std::string::npos) << odd.err;
+}
+
 TEST(E2E, BadConfigKeyExits2NamingIt) {
   const fs::path dir = work_root("e2e") / "badkey";
   const auto cfg = write_config(dir, 4, 0);

@@ -556,7 +556,7 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.objective", &c.train.objective,
             "what training minimizes: cross_entropy on the labels, distill (a teacher's "
             "distribution, distill.*) or preference (chosen over rejected answers, preference.*)",
-            {}, {"loss", "loss_type"}),
+            {}, {"loss_type"}),
       field("train.method", &c.train.method,
             "full: the selected weights train; lora: low-rank adapters on the NVFP4 linears "
             "(lora.*), which stay frozen"),
@@ -733,8 +733,7 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("distill.topk", &c.distill.topk, "tokens per position that --write-teacher-topk keeps",
             R::between(1, 4096, false)),
       field("preference.loss", &c.preference.loss,
-            "sigmoid (DPO), ipo, or simpo (reference-free, per-token averages)", {},
-            {"loss_type"}),
+            "sigmoid (DPO), ipo, or simpo (reference-free, per-token averages)"),
       field("preference.beta", &c.preference.beta,
             "scale of the implicit reward beta x (log pi - log ref)", R::above(0)),
       field("preference.label_smoothing", &c.preference.label_smoothing,

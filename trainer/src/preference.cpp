@@ -262,9 +262,12 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
     loaded = load_frozen_model(c, spec, mo, policy.config().vocab_size, out);
     reference = loaded.get();
   }
-  const data::BatcherOptions bo = batcher_options(c, 0);
-  ref.train = sequence_logprobs_of(*reference, train.examples(), bo, out, "training");
-  ref.validation = sequence_logprobs_of(*reference, held, bo, out, "validation");
+  // Batched as training batches them (unshuffled): the same rows, padding and attention path.
+  ref.train = sequence_logprobs_of(*reference, train.examples(), train.options(), out, "training");
+  if (validation) {
+    ref.validation =
+        sequence_logprobs_of(*reference, held, validation->options(), out, "validation");
+  }
   loaded.reset();  // the reference leaves memory before training
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

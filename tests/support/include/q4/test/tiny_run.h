@@ -21,6 +21,15 @@ inline const std::string kTokenizer = kSource + "/assets/qwen3/tokenizer.json";
 inline const std::string kTinyTsv =
     "Who are you?\tA test.\nSay hello.\tHello!\nWhat is 2 + 2?\t4.\n";
 
+// Six TRL preference pairs ({"prompt", "chosen", "rejected"}) for train.objective preference.
+inline const std::string kTinyPairsJsonl =
+    "{\"prompt\": \"Who are you?\", \"chosen\": \"A test model.\", \"rejected\": \"Go away.\"}\n"
+    "{\"prompt\": \"Say hello.\", \"chosen\": \"Hello there!\", \"rejected\": \"No.\"}\n"
+    "{\"prompt\": \"What is 2 + 2?\", \"chosen\": \"2 + 2 is 4.\", \"rejected\": \"Not my problem.\"}\n"
+    "{\"prompt\": \"Name a color.\", \"chosen\": \"Blue.\", \"rejected\": \"Ask someone else.\"}\n"
+    "{\"prompt\": \"What day follows Monday?\", \"chosen\": \"Tuesday.\", \"rejected\": \"Who cares.\"}\n"
+    "{\"prompt\": \"What does a cat say?\", \"chosen\": \"Meow.\", \"rejected\": \"Figure it out.\"}\n";
+
 // config.json of the tiny Qwen3: hidden 32, `layers` decoder layers, untied lm_head.
 std::string tiny_model_config(int layers);
 
