@@ -472,11 +472,12 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
   auto finish = [&](Parameter* p, at::Tensor w, bool quantized) {
     // w: on the device, master-ready values (dequantized or raw), any float dtype.
     p->quantized = quantized;
+    // A frozen linear computes with the file's own values, dequantize(file) (docs/design.md
+    // #training-numerics): quantizing them again would move the blocks whose largest value
+    // selects another scale (docs/design.md#nvfp4-arithmetic).
     if (p->trainable) {
       p->master = w.to(m.opt.master_dtype).contiguous();
       m.offload_master(p);
-    } else if (quantized && m.opt.fake_quant) {
-      p->master = q4::quant::fake_quant_nvfp4_forward(w, p->name).to(m.opt.compute_dtype);
     } else {
       p->master = w.to(m.opt.compute_dtype).contiguous();
     }

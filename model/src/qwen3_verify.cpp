@@ -1,12 +1,10 @@
 // Export verification without a second model: for every parameter of an exported .dat, the
-// weight a model loaded from it would use in its forward (load()'s rules: a quantized entry is
-// dequantized and fake-quantized, a raw one cast to the compute dtype) is compared bit for bit
+// weight a model loaded from it would use in its forward (load()'s rules for a frozen model: a
+// quantized entry is dequantized, a raw one cast to the compute dtype) is compared bit for bit
 // with the weight this model's forward uses. Equal weights give equal logits and greedy answers,
 // so this is the reload check at the cost of one tensor on the device at a time. Raw tensors
-// are compared at the precision of their stored element type. A trained
-// NVFP4 weight reloads as fake_quant(dequantize(quantize(master))), and fake-quantization is not
-// idempotent in rare blocks (quantize(dequantize(q)) != q for ~0.5% of random blocks), so a
-// few elements of a trained tensor can differ; the message counts them.
+// are compared at the precision of their stored element type. A trained NVFP4 weight reloads as
+// dequantize(quantize(master)), which is fake_quant(master), its forward weight, exactly.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -83,7 +81,6 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
         // Dequantized values are exact in every float dtype, so dequantizing straight to the
         // compute dtype equals load()'s path.
         w = q4::quant::dequantize_nvfp4(part(qdata).to(dev), part(scale).to(dev), cd);
-        w = q4::quant::fake_quant_nvfp4_forward_unchecked(w, cd, p->name);
       }
       // A raw tensor is stored in its source element type (fp16 in the shipped layout): compare
       // with this model's weight rounded to that type, the most the file can hold (an fp32 master

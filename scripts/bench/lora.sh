@@ -37,6 +37,9 @@ fi
 
 # 2. The PEFT adapter against peft.
 [ "${SKIP_PEFT:-0}" = 1 ] && exit 0
+[ -f "$work/bench.jsonl" ] || python3 scripts/bench/make_bench_data.py >"$work/bench.jsonl"
+[ -f "$work/q4b.dat" ] || "$build/bin/q4dat" init --config tests/fixtures/qwen3_4b.config.json \
+  --out "$work/q4b.dat" --seed 0
 rm -rf "$work/peft"
 "$build/bin/q4train" --config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
   --set "data.files=[$work/bench.jsonl]" --set train.method=lora --set lora.rank=16 \

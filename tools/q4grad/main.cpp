@@ -42,7 +42,9 @@ int run(const Args& a) {
   opt.compute_dtype = at::kFloat;
   opt.grad_dtype = at::kFloat;
   opt.device = device;
-  opt.trainable = TrainableSpec::everything();
+  // With an adapter only its A and B train, as in a LoRA run: the base is frozen and computes
+  // with dequantize(file) (docs/design.md#training-numerics).
+  opt.trainable = a.adapter.empty() ? TrainableSpec::everything() : TrainableSpec::nothing();
   opt.gradient_checkpointing = a.checkpointing == "on";
   if (!a.adapter.empty()) opt = with_adapter(opt, read_adapter_config(a.adapter));
   Qwen3Model model = Qwen3Model::load(cfg, weights, opt);
@@ -98,7 +100,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--adapter", a.adapter,
-                 "a PEFT LoRA adapter folder: its linears frozen, x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/r");
+                 "a PEFT LoRA adapter folder: x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/r, the base frozen and "
+                 "only the adapters' gradients written");
   // Every library call reads the user's config, weights or inputs: its errors are input errors.
   return q4::tools::run_tool(
       "q4grad", app, argc, argv, [&] { return run(a); },

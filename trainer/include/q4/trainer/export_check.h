@@ -1,9 +1,11 @@
 // The words of the export check (output.verify_export): which differences between the reloaded
 // export and the trained model are the expected effect of re-quantization and which are a
-// failure. A trained NVFP4 weight reloads as fake_quant(dequantize(quantize(master))), and
-// quantize(dequantize(q)) != q in about 0.1-0.5% of blocks (docs/design.md, "NVFP4
-// arithmetic"), so a few elements of such a tensor can differ; anything else that differs (a
-// raw or frozen tensor, a shape, a missing tensor, a large share of a tensor) is a failure.
+// failure. A trained NVFP4 weight reloads as dequantize(quantize(master)), which is its forward
+// weight fake_quant(master) exactly, so a reload normally matches bit for bit; a small share of
+// a trained tensor's elements that differs is still reported as re-quantization (blocks that
+// quantize(dequantize(q)) moves, about 0.1-0.5%: docs/design.md, "NVFP4 arithmetic"), and
+// anything else that differs (a raw or frozen tensor, a shape, a missing tensor, a large share of
+// a tensor) is a failure.
 #pragma once
 
 #include <cstdint>
