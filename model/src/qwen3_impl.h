@@ -86,7 +86,7 @@ struct Qwen3Model::Impl {
   at::Tensor merged_weight(const Parameter* p) const;
   // x·weight(p)ᵀ, plus the plain LoRA term when p has a plain adapter.
   at::Tensor linear(const at::Tensor& x, Parameter* p) const;
-  at::Tensor plain_lora(const at::Tensor& x, Parameter* p) const;  // s·(x·Aᵀ)·Bᵀ
+  at::Tensor plain_lora(const at::Tensor& x, Parameter* p) const;  // (s·x·Aᵀ)·Bᵀ
   // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
   // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
   void offload_master(Parameter* p);
