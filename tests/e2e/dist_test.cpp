@@ -261,6 +261,36 @@ TEST(DataParallel, LoraOnTwoRanksTracksOneRank) {
   EXPECT_TRUE(fs::exists(dir / "two" / "run" / "model-adapter" / "adapter_model.safetensors"));
 }
 
+// Preference tuning data parallel: each rank trains whole pairs (one a micro-batch here) and the
+// loss is the mean over the global step's pairs, so two ranks follow one rank with the same
+// global batch; the reference pass runs on every rank and rank 0 writes the run's file.
+TEST(DataParallel, PreferenceOnTwoRanksTracksOneRank) {
+  if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
+  const fs::path dir = work_root("dist") / "preference";
+  q4::io::remove_tree(dir);
+  const auto pref = [&](const std::string& name, int64_t accum) {
+    const fs::path cfg = write_config(dir / name, 4, accum, 0);
+    write_text(dir / name / "pairs.jsonl", kTinyPairsJsonl);
+    return std::vector<std::string>{
+        "--config", cfg.string(), "--set", "train.objective=preference", "--set",
+        "data.files=[" + (dir / name / "pairs.jsonl").string() + "]", "--set", "eval.prompts=[]"};
+  };
+  auto two_args = pref("two", 1);
+  two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
+  const TimedRun r2 = run(two_args, dir / "two" / "log");
+  ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
+  const TimedRun r1 = run(pref("one", 2), dir / "one" / "log");
+  ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
+  const auto two = read_jsonl(dir / "two" / "run" / "metrics.jsonl");
+  const auto one = read_jsonl(dir / "one" / "run" / "metrics.jsonl");
+  expect_same_curve(two, one, kRankTolerance, "preference: 2 ranks vs 1");
+  ASSERT_FALSE(two.empty());
+  ASSERT_TRUE(two.back().contains("rewards/margins"));
+  EXPECT_NEAR(two.back()["rewards/margins"].get<double>(), one.back()["rewards/margins"].get<double>(),
+              1e-5);
+  EXPECT_TRUE(fs::exists(dir / "two" / "run" / "reference_logprobs.dat"));
+}
+
 TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path base = two_rank_base();

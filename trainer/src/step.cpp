@@ -239,12 +239,19 @@ StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_
   // rank 0's clock says a timed checkpoint is due: one collective for all three. It goes before
   // the master broadcasts: collectives run in launch order, and the host waits for this one
   // below, so after them it would wait for every broadcast and nothing would overlap.
+  // The objective's logged values ride along: each rank's are its micro-batches' share of the
+  // global step (already over the global units), so they add too. Every rank logs the same names.
   const auto opt = at::TensorOptions().dtype(at::kDouble).device(plan_.device());
-  at::Tensor v = at::zeros({3}, opt);
+  const auto n_logged = static_cast<int64_t>(o.logged.size());
+  at::Tensor v = at::zeros({3 + n_logged}, opt);
   v[0].copy_(loss_sum.detach().to(at::kDouble).reshape({}));
   v[1].fill_(stop_requested() ? 1.0 : 0.0);
   v[2].fill_(checkpoint_due_ && checkpoint_due_() ? 1.0 : 0.0);
+  for (int64_t i = 0; i < n_logged; ++i) {
+    v[3 + i].copy_(o.logged[static_cast<size_t>(i)].second.detach().to(at::kDouble).reshape({}));
+  }
   comm_->allreduce_sum(v);
+  for (int64_t i = 0; i < n_logged; ++i) o.logged[static_cast<size_t>(i)].second = v[3 + i];
   // Launched, not waited for: the next forward waits for each master right before its first
   // use (GradSync, the model's master fence).
   if (o.res.applied) sync_.broadcast_masters();
