@@ -129,3 +129,53 @@ TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
   EXPECT_EQ(chat.out, pairs.at("What is the capital of Japan?") + "\n");
   q4::io::remove_tree(dir);
 }
+
+// The README's preference demo as shipped (`configs/demo-preference.yaml`, only output.dir moved):
+// the held-out pairs' reward accuracy starts at 0.5 (the policy is its own reference) and ends at
+// 0.95 or more, the validation DPO loss falls, no eval answer is a brush-off of the rejected
+// style, and q4chat answers in the chosen style ("Sure! ..."). About 80 s on 2 CPU cores.
+TEST(Demo, PreferenceDemoFlipsTheHeldOutPairs) {
+  const std::string config = kSource + "/configs/demo-preference.yaml";
+  const fs::path dir = fs::temp_directory_path() / ("q4_demo_pref_" + std::to_string(::getuid()) +
+                                                    "_" + std::to_string(::getpid()));
+  q4::io::remove_tree(dir);
+  fs::create_directories(dir);
+  const fs::path rundir = dir / "run";
+  const Result r = run(kBin + "/q4train --config " + config + " --set output.dir=" + rundir.string(),
+                       dir / "q4train.log");
+  ASSERT_EQ(r.code, 0) << r.out;
+  double first = -1, last = -1, first_loss = 0, last_loss = 0;
+  for (const auto& m : read_jsonl(rundir / "metrics.jsonl")) {
+    if (!m.contains("eval_rewards/accuracies")) continue;
+    if (first < 0) {
+      first = m["eval_rewards/accuracies"].get<double>();
+      first_loss = m["val_loss"].get<double>();
+    }
+    last = m["eval_rewards/accuracies"].get<double>();
+    last_loss = m["val_loss"].get<double>();
+  }
+  EXPECT_EQ(first, 0.5) << r.out;
+  EXPECT_GE(last, 0.95) << r.out;
+  EXPECT_LT(last_loss, first_loss) << r.out;
+  std::ifstream in(rundir / "eval.jsonl");
+  std::string line;
+  int answers = 0;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (j.at("when") != "end") continue;
+    ++answers;
+    const std::string a = j.at("answer");
+    EXPECT_EQ(a.rfind("Sure!", 0), 0u) << j.at("prompt") << " => " << a;
+    for (const char* rude : {"yourself", "problem", "someone else", "care"}) {
+      EXPECT_EQ(a.find(rude), std::string::npos) << j.at("prompt") << " => " << a;
+    }
+  }
+  EXPECT_GT(answers, 0);
+  const Result chat = run(kBin + "/q4chat --model " + rundir.string() +
+                              " --prompt 'What is the capital of Japan?' --temperature 0 --quiet",
+                          dir / "q4chat.log");
+  ASSERT_EQ(chat.code, 0) << chat.out;
+  EXPECT_EQ(chat.out.rfind("Sure!", 0), 0u) << chat.out;
+  q4::io::remove_tree(dir);
+}

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "component_fixtures.h"
+#include "q4/model/dat_file.h"
 
 using namespace q4::trainer;
 
@@ -368,4 +369,44 @@ TEST(PreferenceObjective, ThroughTheStepTheFirstLossIsLog2) {
   // The update moved the policy: the next step's pairs have rewards.
   const StepOutcome next = rig.step->run(1, batcher);
   EXPECT_LT(next.loss, std::log(2.0));
+}
+
+// preference.reference: another model (a .dat) scores the answers once, through the frozen load
+// (its NVFP4 linears dequantized, the values a fake-quantized forward of its masters uses), the
+// scores go to output.dir, and a second call reads them back instead of loading the model again.
+TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
+  q4::trainer::testing::ComponentTempDir tmp;
+  auto policy = tiny_model(7), other = tiny_model(11);
+  const int64_t V = policy.config().vocab_size;
+  const std::string ref_path = (tmp.path / "reference.dat").string();
+  q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
+  q4::data::Batcher train(pair_examples(V), pair_batches(4));
+  Config c = cpu_config(tmp.path.string());
+  c.model.config = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
+  c.model.compute_dtype = DtypeOrAuto::kFp32;
+  c.train.objective = ObjectiveKind::kPreference;
+  c.preference.reference = ref_path;
+  std::ostringstream out;
+  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, out);
+  EXPECT_NE(out.str().find("reference " + ref_path), std::string::npos) << out.str();
+  // The same file loaded frozen here scores the same sums bit for bit.
+  q4::model::ModelOptions o;
+  o.master_dtype = o.compute_dtype = at::kFloat;
+  o.trainable = q4::model::TrainableSpec::nothing();
+  q4::model::DatReader reader(ref_path);
+  auto loaded = q4::model::Qwen3Model::load(policy.config(), reader, o);
+  std::ostringstream sink;
+  const auto want = sequence_logprobs_of(loaded, train.examples(), pair_batches(4), sink, "t");
+  const auto mine = sequence_logprobs_of(policy, train.examples(), pair_batches(4), sink, "t");
+  EXPECT_EQ(r.train, want);
+  double far = 0;
+  for (size_t i = 0; i < want.size(); ++i) far = std::max(far, std::fabs(r.train[i] - mine[i]));
+  EXPECT_GT(far, 0.1) << "the reference scored like the policy";
+  EXPECT_TRUE(r.validation.empty());
+  // Read back, not recomputed (the reference file is gone: loading it would fail).
+  std::filesystem::remove(ref_path);
+  std::ostringstream again;
+  const ReferenceLogprobs r2 = reference_logprobs(c, policy, train, nullptr, true, again);
+  EXPECT_NE(again.str().find("read from"), std::string::npos) << again.str();
+  EXPECT_EQ(r2.train, r.train);
 }
