@@ -8,7 +8,10 @@
 #   3. QAT: PTQ fine-tuned with cross-entropy through the quantizer (configs/quality/finetune.yaml)
 #   4. QAD: the same budget with train.objective=distill, the teacher as distill.teacher; and
 #      offline: the same from the teacher's top-64 file (q4train --write-teacher-topk)
-#   5. q4eval of the four models on the held-out addresses and chapters (1024-token windows),
+#   5. LoRA, the same budget: rank-16 adapters on every projection (norms train too, lm_head
+#      frozen, lr 5e-4), merge-aware (the merged NVFP4 export is what trained) and plain (its
+#      merged export requantized)
+#   6. q4eval of the models on the held-out addresses and chapters (1024-token windows),
 #      and recovery = (L_PTQ - L_x) / (L_PTQ - L_teacher)
 #   scripts/bench/quality.sh [OUT_DIR]
 # Env: BUILD (build dir, default build-gpu), SKIP_BUILD=1, WORK (/tmp/q4quality), SKIP_TEACHER=1
@@ -69,6 +72,12 @@ fi
 run qad_topk "$cfg/finetune.yaml" "${ft[@]}" --set train.objective=distill \
   --set "distill.topk_file=$work/topk.dat" ${QAD_SET:-}
 
+lora=(--set train.method=lora --set lora.rank=16 --set train.trainable.lm_head=false
+      --set optim.lr=5e-4)
+run lora_merge "$cfg/finetune.yaml" "${ft[@]}" "${lora[@]}"
+run lora_plain "$cfg/finetune.yaml" "${ft[@]}" "${lora[@]}" --set lora.merge_aware=false
+grep -h "plain LoRA: the merged" "$work/lora_plain.log" || true
+
 evaluate() {  # evaluate NAME MODEL_DAT
   "$bin/q4eval" --model "$2" --config "$cfg/teacher.config.json" \
     --tokenizer assets/qwen3/tokenizer.json --data "${heldout[@]}" --seq-len 1024 \
@@ -80,10 +89,12 @@ evaluate ptq "$work/ptq.dat"
 evaluate qat "$work/qat/model.dat"
 evaluate qad "$work/qad/model.dat"
 evaluate qad_topk "$work/qad_topk/model.dat"
+evaluate lora_merge "$work/lora_merge/model.dat"
+evaluate lora_plain "$work/lora_plain/model.dat"
 python3 - "$out" "$work" <<'EOF' | tee "$out/quality.md"
 import json, sys
 out, work = sys.argv[1:3]
-names = ("teacher", "ptq", "qat", "qad", "qad_topk")
+names = ("teacher", "ptq", "qat", "qad", "qad_topk", "lora_merge", "lora_plain")
 ev = {k: json.load(open(f"{work}/eval-{k}.json")) for k in names}
 lt, lp = ev["teacher"]["loss"], ev["ptq"]["loss"]
 def tokens_per_s(name):
@@ -94,13 +105,15 @@ print(f"held-out tokens: {ev['teacher']['tokens']}")
 print("| model | held-out loss | perplexity | recovery | train tokens/s |")
 print("|---|---|---|---|---|")
 for k, label in (("teacher", "teacher (plain precision)"), ("ptq", "PTQ (NVFP4)"),
-                 ("qat", "QAT"), ("qad", "QAD"), ("qad_topk", "QAD, offline top-64")):
+                 ("qat", "QAT"), ("qad", "QAD"), ("qad_topk", "QAD, offline top-64"),
+                 ("lora_merge", "LoRA r16, merge-aware (merged NVFP4 export)"),
+                 ("lora_plain", "LoRA r16, plain (merged, requantized)")):
     l = ev[k]["loss"]
     rec = "" if k in ("teacher", "ptq") else f"{100 * (lp - l) / (lp - lt):.1f}%"
     tps = f"{tokens_per_s(k):,.0f}" if k not in ("ptq",) else ""
     print(f"| {label} | {l:.4f} | {ev[k]['perplexity']:.3f} | {rec} | {tps} |")
 print()
-for k in ("teacher", "qat", "qad", "qad_topk"):  # the validation curves (data.eval_files, every eval.every)
+for k in ("teacher", "qat", "qad", "qad_topk", "lora_merge", "lora_plain"):  # validation curves (data.eval_files, every eval.every)
     rows = [json.loads(l) for l in open(f"{out}/{k}-metrics.jsonl") if '"val_loss"' in l]
     print(f"{k} validation: " + ", ".join(f"{r['step']}: {r['val_loss']:.4f}" for r in rows))
 EOF
