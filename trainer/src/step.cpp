@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
@@ -17,6 +18,10 @@
 
 namespace q4::trainer {
 namespace {
+
+// The most gradient memory the host accumulation's side stream may hold unread (see
+// TrainStep::collect_gradient; counted by the memory estimate's host-accumulation term).
+constexpr int64_t kMaxInFlightBytes = int64_t{512} << 20;
 
 // A device scalar copied into pinned host memory without waiting for the device: read() waits
 // only until the copy has happened (a CUDA event), so fetching the loss adds no sync of its own.
@@ -157,7 +162,10 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
     loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
     add_logged(&o, lo.logged, denom);
   }
-  if (host_accum) model_.set_grad_ready_hook(nullptr);
+  if (host_accum) {
+    model_.set_grad_ready_hook(nullptr);
+    wait_for_accumulation();  // the update reads the host buffers on the compute stream
+  }
   if (comm_) return finish_distributed(std::move(o), loss_sum, args, denom, mark);
   AsyncScalar loss_host;
   loss_host.start(loss_sum);
@@ -213,11 +221,45 @@ void TrainStep::collect_gradient(model::Parameter& p) {
   }
   const at::Tensor& h = host_gradient(p);
   at::NoGradGuard no_grad;
-  if (host_started_.insert(&p).second) {
-    h.copy_(p.grad);
-  } else {
-    h.add_(p.grad);
+  const bool first = host_started_.insert(&p).second;
+  if (!p.grad.is_cuda()) {
+    first ? h.copy_(p.grad) : h.add_(p.grad);
+    return;
   }
+  // On the side stream once the gradient is ready on the compute stream; the allocator keeps the
+  // gradient's memory (freed when the hook returns) until the side stream has read it.
+  const c10::impl::VirtualGuardImpl impl(p.grad.device().type());
+  const c10::Stream compute = impl.getStream(p.grad.device());
+  if (!accum_stream_) accum_stream_ = impl.getStreamFromGlobalPool(p.grad.device());
+  c10::Event ready(p.grad.device().type());
+  ready.record(compute);
+  ready.block(*accum_stream_);
+  {
+    const c10::StreamGuard on_side(*accum_stream_);
+    first ? h.copy_(p.grad, /*non_blocking=*/true) : h.add_(p.grad);
+  }
+  impl.recordDataPtrOnStream(p.grad.storage().data_ptr(), *accum_stream_);
+  // Bounded lag: the side stream is PCIe-bound and slower than the backward, and each gradient
+  // it has not read keeps its memory. Past kMaxInFlightBytes the host waits for the oldest.
+  auto done = std::make_unique<c10::Event>(p.grad.device().type());
+  done->record(*accum_stream_);
+  in_flight_.emplace_back(std::move(done), p.grad.nbytes());
+  in_flight_bytes_ += static_cast<int64_t>(p.grad.nbytes());
+  while (in_flight_bytes_ > kMaxInFlightBytes && in_flight_.size() > 1) {
+    while (!in_flight_.front().first->query()) std::this_thread::yield();
+    in_flight_bytes_ -= in_flight_.front().second;
+    in_flight_.pop_front();
+  }
+}
+
+void TrainStep::wait_for_accumulation() {
+  if (!accum_stream_) return;
+  in_flight_.clear();
+  in_flight_bytes_ = 0;
+  const c10::impl::VirtualGuardImpl impl(accum_stream_->device_type());
+  c10::Event done(accum_stream_->device_type());
+  done.record(*accum_stream_);
+  done.block(impl.getStream(accum_stream_->device()));
 }
 
 StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_sum,

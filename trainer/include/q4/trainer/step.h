@@ -10,8 +10,13 @@
 // before using it (grad_sync.h).
 #pragma once
 
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -75,9 +80,12 @@ class TrainStep {
   // The model's grad-ready hook hands each parameter's micro-batch gradient to
   // collect_gradient(): an offloaded one is added (zero-copy) into its host buffer and freed; any
   // other is kept and put back after the micro-batch (it accumulates on the device as usual). The
-  // same additions in the same order as a device buffer: bit-identical gradients.
+  // same additions in the same order as a device buffer: bit-identical gradients. On CUDA the
+  // additions run on a side stream, each after its gradient is ready, so their PCIe traffic
+  // overlaps the rest of the backward; the compute stream waits for them before the update.
   bool accumulates_on_host() const;
   void collect_gradient(model::Parameter& p);
+  void wait_for_accumulation();
   const at::Tensor& host_gradient(const model::Parameter& p);  // device alias of the buffer
 
   const RunPlan& plan_;
@@ -92,6 +100,11 @@ class TrainStep {
   std::unordered_map<const model::Parameter*, at::Tensor> host_grads_;  // device aliases
   std::unordered_set<const model::Parameter*> host_started_;  // written in this step
   std::vector<std::pair<model::Parameter*, at::Tensor>> kept_;  // device gradients to put back
+  std::optional<c10::Stream> accum_stream_;  // CUDA: the host accumulation's side stream
+  // Gradients the side stream has not read yet (their memory stays allocated until it has), as
+  // (done event, bytes), oldest first: the host waits for the oldest while they pass the bound.
+  std::deque<std::pair<std::unique_ptr<c10::Event>, int64_t>> in_flight_;
+  int64_t in_flight_bytes_ = 0;
 };
 
 }  // namespace q4::trainer
