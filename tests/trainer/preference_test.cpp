@@ -410,3 +410,31 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
   EXPECT_NE(again.str().find("read from"), std::string::npos) << again.str();
   EXPECT_EQ(r2.train, r.train);
 }
+
+// The preference step with checkpointed layers and updates inside the backward is the plain
+// buffered step: the same losses, rewards and masters over two steps.
+TEST(PreferenceObjective, CheckpointingAndInBackwardUpdatesTrainAsTheBufferedStep) {
+  auto plain = tiny_model(7), other = tiny_model(7);
+  other.set_recompute(/*gradient_checkpointing=*/true, /*recompute_layers=*/-1);
+  const int64_t V = plain.config().vocab_size;
+  q4::data::Batcher a(pair_examples(V), pair_batches(4)), b(pair_examples(V), pair_batches(4));
+  std::ostringstream sink;
+  ReferenceLogprobs r;
+  r.train = sequence_logprobs_of(plain, a.examples(), pair_batches(4), sink, "t");
+  PreferenceObjective oa(PreferenceConfig{}, r), ob(PreferenceConfig{}, r);
+  StepRig ra(cpu_config("unused"), plain, oa), rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
+  ASSERT_TRUE(rb.step->in_backward());
+  for (int step = 0; step < 2; ++step) {
+    const StepOutcome sa = ra.step->run(step, a), sb = rb.step->run(step, b);
+    EXPECT_NEAR(sb.loss, sa.loss, 1e-6) << "step " << step;
+    ASSERT_EQ(sa.logged.size(), sb.logged.size());
+    for (size_t i = 0; i < sa.logged.size(); ++i) {
+      EXPECT_NEAR(sb.logged[i].second.item<double>(), sa.logged[i].second.item<double>(), 1e-5)
+          << sa.logged[i].first;
+    }
+  }
+  const auto pa = plain.trainable_parameters(), pb = other.trainable_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_LE((pa[i]->master - pb[i]->master).abs().max().item<double>(), 1e-6) << pa[i]->name;
+  }
+}
