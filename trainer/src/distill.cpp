@@ -139,13 +139,10 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
 
 std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out) {
-  FrozenModelSpec spec;
-  spec.path = c.distill.teacher;
-  spec.config_path = c.distill.teacher_config;
-  spec.key = "distill.teacher";
-  spec.config_key = "distill.teacher_config";
-  spec.role = "teacher";
-  spec.keep_dense = true;  // a full-precision teacher stays full precision
+  // A full-precision teacher stays full precision (its dense linears dense).
+  const FrozenModelSpec spec{c.distill.teacher, c.distill.teacher_config, "distill.teacher",
+                             "distill.teacher_config", "teacher", /*keep_dense=*/true,
+                             /*fake_quant=*/true};
   return load_frozen_model(c, spec, student, vocab_size, out);
 }
 

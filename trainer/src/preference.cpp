@@ -251,14 +251,10 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
   std::unique_ptr<model::Qwen3Model> loaded;
   model::Qwen3Model* reference = &policy;
   if (!c.preference.reference.empty()) {
-    FrozenModelSpec spec;
-    spec.path = c.preference.reference;
-    spec.config_path = c.preference.reference_config;
-    spec.key = "preference.reference";
-    spec.config_key = "preference.reference_config";
-    spec.role = "reference";
-    spec.keep_dense = !c.model.fake_quant;
-    spec.fake_quant = c.model.fake_quant;
+    // Loaded as model.weights is: a plain-precision run's dense linears stay dense.
+    const FrozenModelSpec spec{c.preference.reference, c.preference.reference_config,
+                               "preference.reference", "preference.reference_config", "reference",
+                               /*keep_dense=*/!c.model.fake_quant, c.model.fake_quant};
     loaded = load_frozen_model(c, spec, mo, policy.config().vocab_size, out);
     reference = loaded.get();
   }
