@@ -1151,10 +1151,9 @@ void validate_config(const Config& c) {
   const auto& pref = c.preference;
   if (c.train.objective == ObjectiveKind::kPreference) {
     if (c.train.batch_size % 2 != 0) {
-      throw ConfigError(fmt::format(
-          "config key train.batch_size: {} rows, but train.objective preference needs an even "
-          "number (a pair's chosen and rejected answers share a micro-batch)",
-          c.train.batch_size));
+      throw ConfigError("config key train.batch_size: " + std::to_string(c.train.batch_size) +
+                        " rows, but train.objective preference needs an even number (a pair's "
+                        "chosen and rejected answers share a micro-batch)");
     }
     if (c.data.truncation == Truncation::kSplit) {
       throw ConfigError("config key data.truncation: split would cut an answer into windows "

@@ -448,10 +448,12 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
   val_batcher_ = as_input_error(truncation_keys(c, "data.eval_files"), [&] {
     return std::make_unique<data::Batcher>(std::move(val), bo);
   });
+  // Preference runs count pairs (two sequences each).
+  const char* unit = group == 2 ? "pairs" : "examples";
   out_ << fmt::format(
-      "validation: {} examples ({} held out of data.files by "
+      "validation: {} {} ({} held out of data.files by "
       "data.eval_fraction {}, {} from data.eval_files)\n",
-      total, held, c.data.eval_fraction, total - held);
+      total / group, unit, held / group, c.data.eval_fraction, (total - held) / group);
   const auto& ts = val_batcher_->truncation_stats();
   if (ts.truncated || ts.dropped) out_ << "validation " << ts.to_string() << "\n";
 }
