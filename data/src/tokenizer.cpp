@@ -744,7 +744,13 @@ Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string
   }
   auto impl = std::make_unique<Impl>();
   impl->source = source_name;
-  impl->load(root);
+  try {
+    impl->load(root);
+  } catch (const json::exception& e) {
+    // A field of the wrong JSON type (a list where a string belongs, ...): the checks in load()
+    // name the fields they know; anything they do not reach is still an input error.
+    TORCH_CHECK(false, source_name, ": unexpected tokenizer.json structure: ", e.what());
+  }
   return Tokenizer(std::move(impl));
 }
 
