@@ -61,6 +61,18 @@ Result run(const std::string& cmd, const fs::path& log) {
   return r;
 }
 
+// An emptied folder of this user and process under the system's temp directory.
+fs::path scratch_dir(const std::string& prefix) {
+  return fresh_dir(fs::temp_directory_path() /
+                   (prefix + std::to_string(::getuid()) + "_" + std::to_string(::getpid())));
+}
+
+// q4train on a shipped config with only output.dir moved to `rundir`; its log in `dir`.
+Result train(const std::string& config, const fs::path& rundir, const fs::path& dir) {
+  return run(kBin + "/q4train --config " + config + " --set output.dir=" + rundir.string(),
+             dir / "q4train.log");
+}
+
 }  // namespace
 
 TEST(Demo, EvalPromptsAreTheTrainingPrompts) {
@@ -81,14 +93,9 @@ TEST(Demo, EvalPromptsAreTheTrainingPrompts) {
 TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
   const auto c = q4::trainer::load_config(kDemo);
   const auto pairs = read_pairs(c.data.files.at(0));
-  const fs::path dir =
-      fs::temp_directory_path() / ("q4_demo_" + std::to_string(::getuid()) + "_" +
-                                   std::to_string(::getpid()));
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
+  const fs::path dir = scratch_dir("q4_demo_");
   const fs::path rundir = dir / "demo";
-  const Result r = run(kBin + "/q4train --config " + kDemo + " --set output.dir=" + rundir.string(),
-                       dir / "q4train.log");
+  const Result r = train(kDemo, rundir, dir);
   ASSERT_EQ(r.code, 0) << r.out;
 
   // The trainer's own check of the export: every tensor gives the trained forward weights.
@@ -136,13 +143,9 @@ TEST(Demo, EveryEvalAnswerIsTheTrainedAnswer) {
 // style, and q4chat answers in the chosen style ("Sure! ..."). About 80 s on 2 CPU cores.
 TEST(Demo, PreferenceDemoFlipsTheHeldOutPairs) {
   const std::string config = kSource + "/configs/demo-preference.yaml";
-  const fs::path dir = fs::temp_directory_path() / ("q4_demo_pref_" + std::to_string(::getuid()) +
-                                                    "_" + std::to_string(::getpid()));
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
+  const fs::path dir = scratch_dir("q4_demo_pref_");
   const fs::path rundir = dir / "run";
-  const Result r = run(kBin + "/q4train --config " + config + " --set output.dir=" + rundir.string(),
-                       dir / "q4train.log");
+  const Result r = train(config, rundir, dir);
   ASSERT_EQ(r.code, 0) << r.out;
   double first = -1, last = -1, first_loss = 0, last_loss = 0;
   for (const auto& m : read_jsonl(rundir / "metrics.jsonl")) {
