@@ -779,6 +779,16 @@ void Qwen3Model::refresh_codes(const Parameter* only) {
   }
 }
 
+void Qwen3Model::refresh_codes(const Parameter& p, const at::Tensor& master) {
+  TORCH_INTERNAL_ASSERT(p.qdata.defined() && master.sizes() == p.master.sizes(),
+                        "refresh_codes: ", p.name, " has no codes or another shape");
+  at::NoGradGuard no_grad;
+  const at::Tensor values = master.device() == p.qdata.device()
+                                ? master
+                                : q4::quant::device_alias(master, p.qdata.device());
+  q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name);
+}
+
 void Qwen3Model::begin_grad_step() {
   for (auto& p : impl_->params) p.pending_uses = 0;
   for (auto& p : impl_->adapters) p.pending_uses = 0;

@@ -24,8 +24,11 @@
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <deque>
 
 #include "q4/quant/kernel_dtype.h"
 #endif
@@ -274,35 +277,48 @@ double sumsq_cpu(const at::Tensor& g, int64_t chunk_elems, Scratch& s) {
 int cuda_dtype(at::ScalarType t) { return static_cast<int>(quant::cuda::dtype_of(t, "q4::optim")); }
 #endif
 
-// Squared global norm over grads (undefined entries skipped), combined in double.
-double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, Scratch& s) {
+// Squared global norm over grads (undefined entries skipped), combined in double. `parts`
+// (empty, or one per gradient): CUDA partial rows already taken (gradient_sumsq_parts), which
+// take the place of the launch for that gradient; the rows keep their order, so the sum is the
+// same bits either way.
+double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, Scratch& s,
+                    const std::vector<at::Tensor>& parts) {
+  TORCH_CHECK(parts.empty() || parts.size() == grads.size(), "q4::optim: ", parts.size(),
+              " sumsq_parts for ", grads.size(), " gradients");
   double total = 0.0;
 #if Q4_WITH_CUDA
   std::vector<const at::Tensor*> on_cuda;
+  std::vector<const at::Tensor*> on_cuda_part;  // the precomputed row, or nullptr
 #endif
-  for (const at::Tensor& g : grads) {
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
     if (!g.defined() || g.numel() == 0) continue;
     TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
                     g.scalar_type() == at::kBFloat16,
                 "q4::optim: gradient dtype must be fp32, fp16 or bf16, got ", g.scalar_type());
-    if (g.is_cuda()) {
+    const bool has_part = !parts.empty() && parts[k].defined();
+    if (g.is_cuda() || has_part) {
 #if Q4_WITH_CUDA
       on_cuda.push_back(&g);
+      on_cuda_part.push_back(has_part ? &parts[k] : nullptr);
       continue;
 #else
       TORCH_CHECK(false, "q4::optim: CUDA gradient but q4_optim was built without CUDA");
 #endif
     }
+    TORCH_CHECK(!has_part, "q4::optim: sumsq_parts are for CUDA gradients only");
     total += sumsq_cpu(g, chunk_elems, s);
   }
 #if Q4_WITH_CUDA
   if (!on_cuda.empty()) {
     // (P, kSumsqPartials) fp32 partial sums, summed in double in a fixed order.
-    const at::Device dev = on_cuda.front()->device();
+    const at::Device dev = on_cuda_part.front() != nullptr ? on_cuda_part.front()->device()
+                                                           : on_cuda.front()->device();
     at::Tensor partials = at::empty({static_cast<int64_t>(on_cuda.size()), cuda::kSumsqPartials},
                                     at::TensorOptions().device(dev).dtype(at::kFloat));
     // One multi-tensor launch per run of same-dtype gradients (a few hundred per-tensor launches
     // would each pay a launch and a memory-pipeline ramp): raw pointers, one guard and stream.
+    // A precomputed row ends a run and is copied into its place.
     float* rows = partials.data_ptr<float>();
     c10::cuda::CUDAGuard guard(dev);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -312,16 +328,29 @@ double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, S
     std::vector<int> dts(on_cuda.size());
     for (size_t i = 0; i < on_cuda.size(); ++i) {
       const at::Tensor& g = *on_cuda[i];
-      TORCH_CHECK(g.device() == dev, "q4::optim: gradients on several devices (", dev, " and ",
-                  g.device(), ")");
+      const at::Device gdev = on_cuda_part[i] != nullptr ? on_cuda_part[i]->device() : g.device();
+      TORCH_CHECK(gdev == dev, "q4::optim: gradients on several devices (", dev, " and ", gdev,
+                  ")");
+      if (on_cuda_part[i] != nullptr) {
+        const at::Tensor& part = *on_cuda_part[i];
+        TORCH_CHECK(part.device() == dev && part.scalar_type() == at::kFloat &&
+                        part.numel() == cuda::kSumsqPartials,
+                    "q4::optim: a sumsq_parts entry must be gradient_sumsq_parts of its gradient");
+        partials[static_cast<int64_t>(i)].copy_(part.reshape({-1}), /*non_blocking=*/true);
+        continue;
+      }
       if (!g.is_contiguous()) keep.push_back(g.contiguous());
       ptrs[i] = g.is_contiguous() ? g.data_ptr() : keep.back().data_ptr();
       ns[i] = g.numel();
       dts[i] = cuda_dtype(g.scalar_type());
     }
     for (size_t i = 0; i < on_cuda.size();) {
+      if (on_cuda_part[i] != nullptr) {
+        ++i;
+        continue;
+      }
       size_t j = i + 1;
-      while (j < on_cuda.size() && dts[j] == dts[i]) ++j;
+      while (j < on_cuda.size() && on_cuda_part[j] == nullptr && dts[j] == dts[i]) ++j;
       cuda::launch_sumsq_many(ptrs.data() + i, ns.data() + i, static_cast<int>(j - i), dts[i],
                               rows + static_cast<int64_t>(i) * cuda::kSumsqPartials, stream);
       i = j;
@@ -338,7 +367,26 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elem
   TORCH_CHECK(chunk_elems >= 1, "global_grad_norm: chunk_elems must be >= 1, got ", chunk_elems);
   c10::NoGradGuard no_grad;
   detail::Scratch s;
-  return std::sqrt(detail::global_sumsq(grads, chunk_elems, s));
+  return std::sqrt(detail::global_sumsq(grads, chunk_elems, s, {}));
+}
+
+at::Tensor gradient_sumsq_parts(const at::Tensor& grad) {
+  TORCH_CHECK(grad.defined() && grad.is_cuda() && grad.is_contiguous() &&
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
+                   grad.scalar_type() == at::kBFloat16),
+              "gradient_sumsq_parts: expected a contiguous fp32/fp16/bf16 CUDA tensor");
+#if Q4_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(grad.device());
+  at::Tensor row = at::empty({cuda::kSumsqPartials}, grad.options().dtype(at::kFloat));
+  const void* ptr = grad.data_ptr();
+  const int64_t n = grad.numel();
+  cuda::launch_sumsq_many(&ptr, &n, 1, detail::cuda_dtype(grad.scalar_type()),
+                          row.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
+  return row;
+#else
+  TORCH_CHECK(false, "gradient_sumsq_parts: q4_optim was built without CUDA");
+  return {};
+#endif
 }
 
 double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm) {
@@ -477,6 +525,173 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
 }
 #endif
 
+#if Q4_WITH_CUDA
+// DMA staging of a CUDA parameter's state in pinned host memory (PackedAdamW::
+// set_master_updated_hook). The device copies live in one arena of kMaxStagedBytes, taken from
+// the caller's stream when a step begins and used as a ring (a parameter whose copies would take
+// over half of it is updated through its aliases instead): a parameter's host tensors are copied in
+// on `in_` (without waiting for the caller's stream: the state was written back by the previous
+// step, which ended waiting for `out_`), updated by `launch` on the caller's stream once they are
+// in, and the written ones copied back on `out_`; a region is reused after its copy back
+// (stream-ordered waits, no host wait).
+class HostStager {
+ public:
+  bool applies(const ParamState& p, const at::Tensor& grad) const {
+    return p.info.master_on_host || p.info.moments_on_host || (grad.defined() && !grad.is_cuda());
+  }
+
+  // Before the step's first update: the arena, when a parameter of `ps` has state to stage.
+  void begin(const std::vector<ParamState>& ps) {
+    int dev = -1;
+    for (const ParamState& p : ps) {
+      if (p.info.device.is_cuda() && (p.info.master_on_host || p.info.moments_on_host)) {
+        dev = p.info.device.index();
+        break;
+      }
+    }
+    if (dev < 0) return;
+    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(dev);
+    in_ = at::cuda::getStreamFromPool(false, dev);
+    out_ = at::cuda::getStreamFromPool(false, dev);
+    // From the caller's pool; the copy streams start after what the caller's stream did so far,
+    // which is the last use of that memory.
+    arena_ =
+        at::empty({kMaxStagedBytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
+    at::cuda::CUDAEvent ready;
+    ready.record(run);
+    ready.block(*in_);
+    ready.block(*out_);
+    head_ = 0;
+  }
+
+  void update(ParamState& p, const at::Tensor& grad, int64_t index,
+              const std::function<void(ParamState&, const at::Tensor&)>& launch,
+              const std::function<void(int64_t, const at::Tensor&)>& hook) {
+    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(p.info.device.index());
+    const bool grad_in = grad.defined() && !grad.is_cuda();
+    const int64_t bytes = staged_bytes(p, grad_in ? static_cast<int64_t>(grad.nbytes()) : 0);
+    if (!arena_.defined() || bytes > arena_.numel() / 2) {
+      // Too large to stage within the bound (the embedding, lm_head): updated in place through
+      // the device aliases, over PCIe.
+      launch(p, grad_in ? quant::device_alias(grad.contiguous(), p.info.device) : grad);
+      return;
+    }
+    Region r;
+    r.begin = place(bytes);
+    int64_t at = r.begin;
+    ParamState s = p;  // the same parameter, its host tensors replaced by device copies
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (host, device copy)
+    std::vector<bool> written;                              // copied back after the update
+    const auto stage = [&](const at::Tensor& host, bool back) {
+      const int64_t n = static_cast<int64_t>(host.nbytes());
+      at::Tensor d = arena_.narrow(0, at, n).view(host.scalar_type()).view(host.sizes());
+      at += round_up(n);
+      copies.emplace_back(host, d);
+      written.push_back(back);
+      return d;
+    };
+    at::Tensor g = grad;
+    if (p.info.master_on_host) s.flat = stage(p.master.detach().view({-1}), true);
+    if (p.info.moments_on_host) {
+      if (p.info.mode == StateMode::kFp32) {
+        s.m32 = stage(p.m32, true);
+        s.v32 = stage(p.v32, true);
+      } else {
+        s.m.codes = stage(p.m.codes, true);
+        s.m.scales = stage(p.m.scales, true);
+        s.v.codes = stage(p.v.codes, true);
+        s.v.scales = stage(p.v.scales, true);
+      }
+    }
+    if (grad_in) g = stage(grad.contiguous(), false);
+    r.end = at;
+    {
+      const c10::cuda::CUDAStreamGuard on_in(*in_);
+      for (auto& [host, d] : copies) d.copy_(host, /*non_blocking=*/true);
+    }
+    at::cuda::CUDAEvent copied;
+    copied.record(*in_);
+    copied.block(run);
+    launch(s, g);
+    if (hook && p.info.master_on_host) hook(index, s.flat.view(p.master.sizes()));
+    at::cuda::CUDAEvent updated;
+    updated.record(run);
+    updated.block(*out_);
+    {
+      const c10::cuda::CUDAStreamGuard on_out(*out_);
+      for (size_t k = 0; k < copies.size(); ++k) {
+        if (written[k]) copies[k].first.copy_(copies[k].second, /*non_blocking=*/true);
+      }
+    }
+    // The region is free again once copied back, and once the update has read it (a gradient
+    // copied in is not copied back).
+    r.done.record(*out_);
+    live_.push_back(std::move(r));
+  }
+
+  // After the step's last update: the caller's stream waits for every copy back; the arena
+  // returns to its pool once both copy streams are done with it.
+  void finish() {
+    if (!arena_.defined()) return;
+    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(out_->device_index());
+    for (const c10::cuda::CUDAStream& st : {*in_, *out_}) {
+      at::cuda::CUDAEvent done;
+      done.record(st);
+      done.block(run);
+    }
+    arena_ = at::Tensor();
+    live_.clear();
+  }
+
+ private:
+  struct Region {
+    int64_t begin = 0, end = 0;
+    at::cuda::CUDAEvent done;  // copied back on out_
+  };
+  static int64_t round_up(int64_t n) { return (n + 511) / 512 * 512; }
+  // Device bytes of a parameter's copies (each 512-byte aligned) plus `grad_bytes`.
+  static int64_t staged_bytes(const ParamState& p, int64_t grad_bytes) {
+    int64_t b = round_up(grad_bytes);
+    if (p.info.master_on_host) b += round_up(static_cast<int64_t>(p.flat.nbytes()));
+    if (p.info.moments_on_host) {
+      if (p.info.mode == StateMode::kFp32) {
+        b += 2 * round_up(static_cast<int64_t>(p.m32.nbytes()));
+      } else {
+        for (const PackedMoment* m : {&p.m, &p.v}) {
+          b += round_up(static_cast<int64_t>(m->codes.nbytes())) +
+               round_up(static_cast<int64_t>(m->scales.nbytes()));
+        }
+      }
+    }
+    return b;
+  }
+  // The next `bytes` of the ring; the copy-in stream waits for the regions it overwrites.
+  int64_t place(int64_t bytes) {
+    const int64_t size = arena_.numel();
+    TORCH_INTERNAL_ASSERT(bytes <= size, "HostStager: ", bytes, " bytes over an arena of ", size);
+    if (head_ + bytes > size) head_ = 0;
+    const int64_t b = head_, e = head_ + bytes;
+    for (auto it = live_.begin(); it != live_.end();) {
+      if (it->begin < e && b < it->end) {
+        it->done.block(*in_);
+        it = live_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    head_ = e;
+    return b;
+  }
+
+  std::optional<c10::cuda::CUDAStream> in_, out_;
+  at::Tensor arena_;  // (bytes) uint8 on the device
+  int64_t head_ = 0;
+  std::deque<Region> live_;
+};
+#else
+class HostStager {};
+#endif
+
 void wait_for_host_moments(const std::vector<ParamState>& ps) {
 #if Q4_WITH_CUDA
   for (const ParamState& p : ps) {
@@ -528,8 +743,9 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     const ParamInfo& info = d.infos[i];
     TORCH_CHECK(g.numel() == d.ps[i].flat.numel(), "PackedAdamW::step: gradient of '", info.name,
                 "' has ", g.numel(), " elements, expected ", d.ps[i].flat.numel());
-    TORCH_CHECK(g.device() == info.device, "PackedAdamW::step: gradient of '", info.name,
-                "' is on ", g.device(), ", master on ", info.device);
+    TORCH_CHECK(g.device() == info.device || (info.device.is_cuda() && g.is_pinned()),
+                "PackedAdamW::step: gradient of '", info.name, "' is on ", g.device(),
+                ", master on ", info.device, " (a CUDA master also takes pinned host memory)");
     TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
                     g.scalar_type() == at::kBFloat16,
                 "PackedAdamW::step: gradient of '", info.name, "' must be fp32, fp16 or bf16, got ",
@@ -544,12 +760,24 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   TORCH_CHECK(std::isfinite(args.max_grad_norm) && args.max_grad_norm >= 0.0,
               "PackedAdamW::step: max_grad_norm must be finite and >= 0, got ", args.max_grad_norm);
   d.frozen = true;
+  if (!d.stager) d.stager = std::make_shared<detail::HostStager>();
   c10::NoGradGuard no_grad;
 
   // Chunk for the norm pass: the widest parameter's chunk, so the scratch bound is the same.
   int64_t norm_chunk = 1;
   for (const auto& i : d.infos) norm_chunk = std::max(norm_chunk, o.chunk_rows * i.cols);
-  double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch);
+  // A CUDA parameter's gradient in pinned host memory without its norm parts: taken on the
+  // device (a copy in), as for any CUDA gradient.
+  std::vector<at::Tensor> parts = args.sumsq_parts;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (!g.defined() || g.is_cuda() || !d.infos[i].device.is_cuda()) continue;
+    if (parts.empty()) parts.resize(grads.size());
+    if (!parts[i].defined()) {
+      parts[i] = gradient_sumsq_parts(g.contiguous().to(d.infos[i].device, /*non_blocking=*/true));
+    }
+  }
+  double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch, parts);
   if (args.reduce_sumsq) sumsq = args.reduce_sumsq(sumsq);
   const double norm = std::sqrt(sumsq) * std::fabs(args.grad_scale);
 
@@ -586,6 +814,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   std::optional<c10::cuda::CUDAStream> side;
   std::optional<at::cuda::CUDAEvent> side_done;
   int cuda_launches = 0;
+  d.stager->begin(d.ps);
 #endif
   for (size_t i = 0; i < d.ps.size(); ++i) {
     detail::ParamState& p = d.ps[i];
@@ -605,11 +834,23 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
         ready.record(main);
         ready.block(*side);
       }
-      if (cuda_launches++ % 2 == 1) {
+      const auto launch = [&](detail::ParamState& ps, const at::Tensor& g) {
+        detail::step_param_cuda(ps, g, c, decay, stochastic, key);
+      };
+      const auto update = [&] {
+        if (d.stager->applies(p, grads[i])) {
+          d.stager->update(p, grads[i], static_cast<int64_t>(i), launch, d.master_updated);
+        } else {
+          launch(p, grads[i]);
+        }
+      };
+      // Staged parameters run on the caller's stream, whose pool their copies come from.
+      const bool staged = d.stager->applies(p, grads[i]);
+      if (!staged && cuda_launches++ % 2 == 1) {
         c10::cuda::CUDAStreamGuard on_side(*side);
-        detail::step_param_cuda(p, grads[i], c, decay, stochastic, key);
+        update();
       } else {
-        detail::step_param_cuda(p, grads[i], c, decay, stochastic, key);
+        update();
       }
 #endif
     } else {
@@ -617,6 +858,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     }
   }
 #if Q4_WITH_CUDA
+  d.stager->finish();
   if (side) {
     side_done->record(*side);
     side_done->block(at::cuda::getCurrentCUDAStream(side->device_index()));
@@ -686,6 +928,10 @@ void PackedAdamW::begin_step(const StepArgs& args) {
               args.max_grad_norm);
   d.frozen = true;
   d.in_step = true;
+  if (!d.stager) d.stager = std::make_shared<detail::HostStager>();
+#if Q4_WITH_CUDA
+  d.stager->begin(d.ps);
+#endif
   d.cur_lr = lr;
   d.cur_grad_scale = args.grad_scale;
   d.cur_t = d.step + 1;
@@ -749,22 +995,27 @@ void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
     c10::cuda::CUDAGuard guard(p.info.device);
     const auto stream = at::cuda::getCurrentCUDAStream();
     int32_t* flag = d.skip.data_ptr<int32_t>() + index;
-    if (grad.defined()) {
-      const at::Tensor g = grad.contiguous();
+    at::Tensor g = grad.defined() ? grad.contiguous() : grad;
+    if (g.defined()) {
       float* parts = d.partials[index].data_ptr<float>();
       cuda::launch_sumsq(g.data_ptr(), detail::cuda_dtype(g.scalar_type()), g.numel(), parts,
                          stream);
       cuda::launch_nonfinite_flag(parts, cuda::kSumsqPartials, flag, stream);
-      detail::step_param_cuda(p, g, c, decay, stochastic, key, flag);
+    }
+    const auto launch = [&](detail::ParamState& ps, const at::Tensor& gs) {
+      detail::step_param_cuda(ps, gs, c, decay, stochastic, key, flag);
+    };
+    if (d.stager->applies(p, g)) {
+      d.stager->update(p, g, index, launch, d.master_updated);
     } else {
-      detail::step_param_cuda(p, grad, c, decay, stochastic, key, flag);
+      launch(p, g);
     }
 #endif
     return;
   }
   if (grad.defined()) {
     int64_t chunk = std::max<int64_t>(1, o.chunk_rows * p.info.cols);
-    const double ss = detail::global_sumsq({grad}, chunk, d.scratch);
+    const double ss = detail::global_sumsq({grad}, chunk, d.scratch, {});
     if (!std::isfinite(ss)) {
       ++d.host_nonfinite;
       d.host_sumsq = std::numeric_limits<double>::infinity();
@@ -784,6 +1035,9 @@ StepResult PackedAdamW::end_step() {
     if (!d.stepped[i]) step_param(static_cast<int64_t>(i), at::Tensor());
   }
   d.in_step = false;
+#if Q4_WITH_CUDA
+  d.stager->finish();
+#endif
   double sumsq = d.host_sumsq;
   int64_t nonfinite = d.host_nonfinite;
   if (d.partials.defined()) {  // the step's one host wait
@@ -825,6 +1079,10 @@ StepResult PackedAdamW::end_step() {
   r.consecutive_nonfinite = 0;
   r.skipped_total = d.skipped;
   return r;
+}
+
+void PackedAdamW::set_master_updated_hook(std::function<void(int64_t, const at::Tensor&)> hook) {
+  impl_->master_updated = std::move(hook);
 }
 
 bool PackedAdamW::in_step() const { return impl_->in_step; }

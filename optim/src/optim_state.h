@@ -4,7 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -26,6 +28,8 @@ struct ParamState {
   PackedMoment m;  // packed first moment (int8 / 4bit / nvfp4)
   PackedMoment v;  // packed second moment
 };
+
+class HostStager;  // adamw.cpp: DMA staging of state in pinned host memory (CUDA)
 
 // Waits for the device when a parameter's moments are in pinned host memory (offload_moments),
 // before the host reads or writes them (state file, decoded moments, the first step's rescale).
@@ -52,6 +56,10 @@ struct PackedAdamW::Impl {
   std::vector<char> stepped;     // per parameter: updated in this step
   at::Tensor partials;           // (P, kSumsqPartials) fp32 on the device (CUDA params)
   at::Tensor skip;               // (P) int32 on the device: non-finite flag per parameter
+  // CUDA parameters with state in pinned host memory: their updates' staging (one per step)
+  // and what sees each master updated in device memory (set_master_updated_hook).
+  std::shared_ptr<detail::HostStager> stager;
+  std::function<void(int64_t, const at::Tensor&)> master_updated;
   double host_sumsq = 0.0;       // CPU parameters' sum of squares
   int64_t host_nonfinite = 0;    // CPU parameters skipped
 };

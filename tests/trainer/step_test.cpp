@@ -122,8 +122,9 @@ TEST(TrainStep, OffloadedMastersTrainAsResidentOnes) {
 }
 
 // The same on the GPU, where offloaded masters live in pinned host memory and are updated there
-// over PCIe, and accumulated gradients of several micro-batches add up there too: fp16 masters,
-// bf16 compute, losses and masters bit for bit equal to the resident run's.
+// over PCIe, and accumulated gradients of several micro-batches add up there too (staged through
+// the device by DMA, their norm parts taken on the way): fp16 masters, bf16 compute, losses and
+// masters bit for bit equal to the resident run's.
 TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
   const auto cuda_model = [](bool offload) {
@@ -138,7 +139,8 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
     o.offload_masters = offload;
     return model::Qwen3Model::random_init(cfg, o, 11, 0.02);
   };
-  for (const int64_t accum : {1, 2}) {
+  // accum 3: a first (copied out), a middle (added) and a last micro-batch (added, norm parts).
+  for (const int64_t accum : {1, 2, 3}) {
     for (const bool in_backward : {false, true}) {
       if (accum > 1 && in_backward) continue;
       const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");

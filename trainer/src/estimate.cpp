@@ -130,13 +130,22 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   // fp32 values per chunk element (PackedAdamW::scratch_peak_bytes), kept from the first update
   // on (the trainer does not release it), so it is counted in every phase.
   const int64_t scratch = opt.device.is_cuda() ? 0 : 16 * 4 * scratch_elems;
+  // State in pinned host memory is updated through device copies (PackedAdamW staging), which
+  // take kMaxStagedBytes while updates run (the optimizer step, or the backward with
+  // in-backward updates).
+  const int64_t staging =
+      opt.device.is_cuda() && (b.masters_on_host || b.moments_on_host) ? optim::kMaxStagedBytes : 0;
   for (const auto& mp : m.phases) {
     BudgetPhase p;
     p.name = model::memory_phase_name(mp.kind);
     p.gradients_bytes = mp.grad_bytes;
     p.activations_bytes = mp.activation_bytes;
     p.logits_bytes = mp.loss_bytes;
-    p.optimizer_bytes = scratch;
+    const bool updating = life.applied_in_backward
+                              ? mp.kind != model::MemoryPhaseKind::kForward &&
+                                    mp.kind != model::MemoryPhaseKind::kLossForward
+                              : mp.kind == model::MemoryPhaseKind::kOptimizerStep;
+    p.optimizer_bytes = scratch + (updating ? staging : 0);
     b.phases.push_back(p);
   }
   if (c.train.objective == ObjectiveKind::kDistill && c.distill.topk_file.empty()) {

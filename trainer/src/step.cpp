@@ -19,8 +19,8 @@
 namespace q4::trainer {
 namespace {
 
-// The most gradient memory the host accumulation's side stream may hold unread (see
-// TrainStep::collect_gradient; counted by the memory estimate's host-accumulation term).
+// The most gradient and staging memory the host accumulation's side streams may hold unwritten
+// (see TrainStep::collect_gradient; counted by the memory estimate's host-accumulation term).
 constexpr int64_t kMaxInFlightBytes = int64_t{512} << 20;
 
 // A device scalar copied into pinned host memory without waiting for the device: read() waits
@@ -84,16 +84,28 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
       comm_(comm),
       in_backward_(in_backward),
       checkpoint_due_(std::move(checkpoint_due)) {
+  by_index_.assign(static_cast<size_t>(optimizer_.num_params()), nullptr);
+  for (const auto& [p, i] : optimizer_index) by_index_[static_cast<size_t>(i)] = p;
+  // An offloaded master updated in device memory (optimizer staging) gives its codes from there.
+  optimizer_.set_master_updated_hook([this](int64_t i, const at::Tensor& master) {
+    const model::Parameter* p = by_index_[static_cast<size_t>(i)];
+    if (p == nullptr || !p->qdata.defined()) return;
+    model_.refresh_codes(*p, master);
+    refreshed_.insert(p);
+  });
   if (in_backward_) {
     // Each parameter is updated from inside the backward once its gradient is complete; the
     // model frees the gradient when this returns.
     auto index = optimizer_index;
     model_.set_grad_ready_hook([this, index](model::Parameter& p) {
       optimizer_.step_param(index.at(&p), p.grad);
-      model_.refresh_codes(&p);  // offloaded master: the next forward's codes
+      // Offloaded master: the next forward's codes, unless the update gave them already.
+      if (refreshed_.erase(&p) == 0) model_.refresh_codes(&p);
     });
   }
 }
+
+TrainStep::~TrainStep() { optimizer_.set_master_updated_hook(nullptr); }
 
 void TrainStep::disable_in_backward() {
   in_backward_ = false;
@@ -139,7 +151,9 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
     model_.set_grad_ready_hook([this](model::Parameter& p) { collect_gradient(p); });
   }
   at::Tensor loss_sum;
-  for (const auto& b : micro) {
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const data::Batch& b = micro[i];
+    last_micro_ = i + 1 == micro.size();
     MicroBatch mb;
     mb.inputs = to_inputs(b, model_, plan_.device());
     mb.batch = &b;
@@ -177,18 +191,30 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
       std::vector<at::Tensor> grads;
       for (auto* p : model_.trainable_parameters()) {
         if (host_accum && host_grads_.count(p) > 0) {
-          const at::Tensor& h = host_gradient(*p);
+          // In pinned host memory: the optimizer copies it in by DMA.
+          const at::Tensor& h = host_gradient(*p).pinned;
           if (host_started_.count(p) == 0) h.zero_();  // no micro-batch reached it
           grads.push_back(h);
+          auto part = sumsq_parts_.find(p);
+          if (part != sumsq_parts_.end()) {
+            args.sumsq_parts.resize(model_.trainable_parameters().size());
+            args.sumsq_parts[grads.size() - 1] = part->second;
+          }
           continue;
         }
-        grads.push_back(p->grad.defined()
-                            ? p->grad
-                            : at::zeros(p->master.sizes(),
-                                        p->master.options().device(plan_.device())));
+        grads.push_back(p->grad.defined() ? p->grad
+                                          : at::zeros(p->master.sizes(),
+                                                      p->master.options().device(plan_.device())));
       }
+      refreshed_.clear();
       o.res = optimizer_.step(grads, args);
-      if (o.res.applied) model_.refresh_codes();
+      if (o.res.applied) {
+        for (auto* p : model_.trainable_parameters()) {
+          if (refreshed_.count(p) == 0) model_.refresh_codes(p);
+        }
+      }
+      refreshed_.clear();
+      sumsq_parts_.clear();  // read on the compute stream (recorded there when taken)
     }
     model_.zero_grad();
   }
@@ -204,12 +230,14 @@ bool TrainStep::accumulates_on_host() const {
          model_.options().offload_masters && plan_.device().is_cuda();
 }
 
-const at::Tensor& TrainStep::host_gradient(const model::Parameter& p) {
+TrainStep::HostGradient& TrainStep::host_gradient(const model::Parameter& p) {
   auto it = host_grads_.find(&p);
   if (it == host_grads_.end()) {
-    const at::Tensor pinned =
-        quant::pinned_empty(p.master.sizes(), model_.options().resolved_grad_dtype());
-    it = host_grads_.emplace(&p, quant::device_alias(pinned, p.qdata.device())).first;
+    HostGradient h;
+    h.pinned = quant::pinned_empty(p.master.sizes(), model_.options().resolved_grad_dtype());
+    h.alias = quant::device_alias(h.pinned, p.qdata.device());
+    h.written = std::make_unique<c10::Event>(p.qdata.device().type());
+    it = host_grads_.emplace(&p, std::move(h)).first;
   }
   return it->second;
 }
@@ -219,32 +247,69 @@ void TrainStep::collect_gradient(model::Parameter& p) {
     kept_.emplace_back(&p, p.grad);
     return;
   }
-  const at::Tensor& h = host_gradient(p);
+  HostGradient& h = host_gradient(p);
   at::NoGradGuard no_grad;
   const bool first = host_started_.insert(&p).second;
-  if (!p.grad.is_cuda()) {
-    first ? h.copy_(p.grad) : h.add_(p.grad);
+  const at::Tensor g = p.grad.view(h.pinned.sizes());
+  if (!g.is_cuda()) {
+    first ? h.pinned.copy_(g) : h.pinned.add_(g);
     return;
   }
-  // On the side stream once the gradient is ready on the compute stream; the allocator keeps the
-  // gradient's memory (freed when the hook returns) until the side stream has read it.
-  const c10::impl::VirtualGuardImpl impl(p.grad.device().type());
-  const c10::Stream compute = impl.getStream(p.grad.device());
-  if (!accum_stream_) accum_stream_ = impl.getStreamFromGlobalPool(p.grad.device());
-  c10::Event ready(p.grad.device().type());
-  ready.record(compute);
-  ready.block(*accum_stream_);
-  {
-    const c10::StreamGuard on_side(*accum_stream_);
-    first ? h.copy_(p.grad, /*non_blocking=*/true) : h.add_(p.grad);
+  // Each copy and addition is ordered after the gradient is ready on the compute stream; the
+  // allocator keeps the gradient's memory (freed when the hook returns) and the staging copy
+  // until the side streams have used them.
+  const c10::Device dev = g.device();
+  const c10::impl::VirtualGuardImpl impl(dev.type());
+  const c10::Stream compute = impl.getStream(dev);
+  if (!in_stream_) {
+    in_stream_ = impl.getStreamFromGlobalPool(dev);
+    out_stream_ = impl.getStreamFromGlobalPool(dev);
   }
-  impl.recordDataPtrOnStream(p.grad.storage().data_ptr(), *accum_stream_);
-  // Bounded lag: the side stream is PCIe-bound and slower than the backward, and each gradient
-  // it has not read keeps its memory. Past kMaxInFlightBytes the host waits for the oldest.
-  auto done = std::make_unique<c10::Event>(p.grad.device().type());
-  done->record(*accum_stream_);
-  in_flight_.emplace_back(std::move(done), p.grad.nbytes());
-  in_flight_bytes_ += static_cast<int64_t>(p.grad.nbytes());
+  // The staging copy comes from the compute stream's pool (a side stream's pool would keep its
+  // own peak cached); `ready` orders its use after everything the compute stream did before.
+  const at::Tensor sum = first ? at::Tensor() : at::empty_like(g);
+  c10::Event ready(dev.type());
+  ready.record(compute);
+  int64_t bytes = static_cast<int64_t>(g.nbytes());
+  if (first) {
+    ready.block(*out_stream_);
+    const c10::StreamGuard on_out(*out_stream_);
+    h.pinned.copy_(g, /*non_blocking=*/true);
+    impl.recordDataPtrOnStream(g.storage().data_ptr(), *out_stream_);
+  } else {
+    // Host-to-device stream: the buffer as the previous micro-batch left it, plus this gradient
+    // (the same bf16 addition the device buffer would do); then the sum goes out.
+    ready.block(*in_stream_);
+    h.written->block(*in_stream_);
+    {
+      const c10::StreamGuard on_in(*in_stream_);
+      sum.copy_(h.pinned, /*non_blocking=*/true);
+      sum.add_(g);
+      if (last_micro_) {
+        const at::Tensor part = optim::gradient_sumsq_parts(sum);
+        impl.recordDataPtrOnStream(part.storage().data_ptr(), compute);
+        sumsq_parts_[&p] = part;
+      }
+    }
+    impl.recordDataPtrOnStream(g.storage().data_ptr(), *in_stream_);
+    impl.recordDataPtrOnStream(sum.storage().data_ptr(), *in_stream_);
+    c10::Event added(dev.type());
+    added.record(*in_stream_);
+    added.block(*out_stream_);
+    const c10::StreamGuard on_out(*out_stream_);
+    h.pinned.copy_(sum, /*non_blocking=*/true);
+    impl.recordDataPtrOnStream(sum.storage().data_ptr(), *out_stream_);
+    bytes += static_cast<int64_t>(sum.nbytes());
+  }
+  h.written->record(*out_stream_);
+  bound_in_flight(*out_stream_, bytes);
+}
+
+void TrainStep::bound_in_flight(const c10::Stream& out, int64_t bytes) {
+  auto done = std::make_unique<c10::Event>(out.device_type());
+  done->record(out);
+  in_flight_.emplace_back(std::move(done), bytes);
+  in_flight_bytes_ += bytes;
   while (in_flight_bytes_ > kMaxInFlightBytes && in_flight_.size() > 1) {
     while (!in_flight_.front().first->query()) std::this_thread::yield();
     in_flight_bytes_ -= in_flight_.front().second;
@@ -253,13 +318,16 @@ void TrainStep::collect_gradient(model::Parameter& p) {
 }
 
 void TrainStep::wait_for_accumulation() {
-  if (!accum_stream_) return;
+  if (!in_stream_) return;
   in_flight_.clear();
   in_flight_bytes_ = 0;
-  const c10::impl::VirtualGuardImpl impl(accum_stream_->device_type());
-  c10::Event done(accum_stream_->device_type());
-  done.record(*accum_stream_);
-  done.block(impl.getStream(accum_stream_->device()));
+  const c10::impl::VirtualGuardImpl impl(in_stream_->device_type());
+  const c10::Stream compute = impl.getStream(in_stream_->device());
+  for (const c10::Stream& s : {*in_stream_, *out_stream_}) {
+    c10::Event done(s.device_type());
+    done.record(s);
+    done.block(compute);
+  }
 }
 
 StepOutcome TrainStep::finish_distributed(StepOutcome o, const at::Tensor& loss_sum,

@@ -476,6 +476,62 @@ TEST(PackedAdamWCuda, HostMasterMatchesDeviceMasterBitExact) {
   }
 }
 
+// Norm parts taken ahead (gradient_sumsq_parts, StepArgs::sumsq_parts) for some gradients give
+// the step the norm, clip and masters it computes itself, bit for bit, in any mix of taken and
+// computed parts and of gradient dtypes.
+TEST(PackedAdamWCuda, PrecomputedNormPartsGiveTheSameStep) {
+  Q4_REQUIRE_CUDA();
+  AdamWOptions o;
+  o.lr = 2e-3;
+  o.state_mode = StateMode::kInt8;
+  const std::vector<std::vector<int64_t>> shapes{{37, 129}, {64, 256}, {7, 40}, {300, 33}};
+  std::vector<at::Tensor> w0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    w0.push_back((at::randn(shapes[i], gen(70 + static_cast<int>(i))) * 0.05).to(at::kHalf));
+  }
+  for (const std::vector<bool>& taken :
+       {std::vector<bool>{true, false, true, false}, std::vector<bool>{true, true, true, true},
+        std::vector<bool>{false, true, false, true}}) {
+    PackedAdamW a(o), b(o);
+    std::vector<at::Tensor> wa, wb;
+    for (size_t i = 0; i < w0.size(); ++i) {
+      wa.push_back(w0[i].to(kCuda));
+      wb.push_back(w0[i].to(kCuda));
+      a.add_param("w" + std::to_string(i), wa.back());
+      b.add_param("w" + std::to_string(i), wb.back());
+    }
+    for (int t = 0; t < 3; ++t) {
+      std::vector<at::Tensor> g;
+      for (size_t i = 0; i < w0.size(); ++i) {
+        const auto dt = i == 2 ? at::kFloat : at::kBFloat16;
+        g.push_back((at::randn(shapes[i], gen(80 + 10 * t + static_cast<int>(i))) * 0.3)
+                        .to(dt)
+                        .to(kCuda));
+      }
+      StepArgs plain;
+      plain.max_grad_norm = 1.0;  // clipped: the norm decides the update
+      StepArgs ahead = plain;
+      ahead.sumsq_parts.resize(g.size());
+      for (size_t i = 0; i < g.size(); ++i) {
+        if (taken[i]) ahead.sumsq_parts[i] = gradient_sumsq_parts(g[i]);
+      }
+      const StepResult ra = a.step(g, plain);
+      const StepResult rb = b.step(g, ahead);
+      EXPECT_EQ(ra.grad_norm, rb.grad_norm);
+      EXPECT_EQ(ra.clip_coef, rb.clip_coef);
+      EXPECT_LT(ra.clip_coef, 1.0);
+    }
+    for (size_t i = 0; i < w0.size(); ++i) EXPECT_TRUE(bit_equal(wa[i].cpu(), wb[i].cpu())) << i;
+  }
+  StepArgs wrong;
+  wrong.sumsq_parts.resize(1);
+  PackedAdamW c(o);
+  at::Tensor wc = w0[0].to(kCuda);
+  c.add_param("w", wc);
+  wrong.sumsq_parts[0] = at::zeros({3}, at::TensorOptions().device(kCuda));
+  EXPECT_THROW(c.step({at::zeros_like(wc)}, wrong), c10::Error);
+}
+
 TEST(PackedAdamWCuda, InBackwardMatchesCpuAndSkipsNonFiniteOnDevice) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : {StateMode::kFp32, StateMode::kInt8, StateMode::k4Bit}) {

@@ -328,6 +328,10 @@ class Qwen3Model {
   // changed (an optimizer update, a restore): re-derives its device codes, in the current
   // stream's order. Parameters without codes are skipped.
   void refresh_codes(const Parameter* p = nullptr);
+  // The same for one parameter from `master` ((out, in), any device and float dtype), which holds
+  // its master's current values (e.g. the optimizer's device copy of an offloaded master, so the
+  // host copy is not read back over PCIe).
+  void refresh_codes(const Parameter& p, const at::Tensor& master);
 
   // Masters whose current value may still be arriving from elsewhere (data parallelism: an
   // owner's broadcast of its updated master is in flight while the next step starts). With a

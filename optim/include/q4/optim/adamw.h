@@ -76,6 +76,11 @@ struct StepArgs {
   // global one (an all-reduce over the ranks), so clipping and the non-finite guard see the whole
   // model. Unset: this optimizer's own sum.
   std::function<double(double)> reduce_sumsq;
+  // Gradients' sums of squares already taken (gradient_sumsq_parts of exactly the gradient later
+  // passed to step()): one entry per registered parameter, undefined where step() takes it from
+  // the gradient; empty: all. A caller that had the gradient in device memory before it went to
+  // pinned host memory spares the norm pass a read over PCIe. The norm is bit-identical.
+  std::vector<at::Tensor> sumsq_parts;
 };
 
 struct StepResult {
@@ -141,7 +146,8 @@ class PackedAdamW {
 
   // One AdamW step. The first overload reads each master's .grad(); the second takes one
   // gradient per registered parameter, in registration order (same numel and device; fp32, bf16
-  // or fp16; any layout with the master's numel, contiguous). A parameter whose grad is undefined
+  // or fp16; any layout with the master's numel, contiguous). A CUDA parameter's gradient may
+  // also be in pinned host memory (copied in by DMA; best with its StepArgs::sumsq_parts). A parameter whose grad is undefined
   // (first overload) gets a zero gradient (its moments decay, weight decay still applies).
   // Order: global norm of grad_scale*g -> non-finite guard -> clip coef -> fused update.
   // Throws when the non-finite guard trips more than max_consecutive_nonfinite times in a row.
@@ -167,6 +173,17 @@ class PackedAdamW {
   // The global norm the next in-backward step clips with (NaN: none); saved with checkpoints.
   double previous_grad_norm() const;
   void set_previous_grad_norm(double norm);
+
+  // CUDA parameters whose master or moments are in pinned host memory are updated by DMA: the
+  // state (and a gradient in pinned host memory) is copied to device buffers on a copy stream,
+  // updated there by the same kernel (the same bits as through the device alias) and copied back
+  // on another, so both PCIe directions run at copy-engine speed while other parameters update;
+  // the copies take kMaxStagedBytes of device memory while updates run (a parameter whose copies
+  // would take over half of that, e.g. an embedding, is updated over PCIe through its aliases
+  // instead). `hook(index, master)`, when set, runs on the update's stream right after a staged
+  // master is updated, with its new values in device memory (valid for work ordered on that
+  // stream; e.g. requantizing the codes the forward uses without reading the host copy again).
+  void set_master_updated_hook(std::function<void(int64_t, const at::Tensor&)> hook);
 
   // Drops (set_to_none) or zeroes every registered master's .grad().
   void zero_grad(bool set_to_none = true);
@@ -220,11 +237,19 @@ class PackedAdamW {
   std::unique_ptr<Impl> impl_;
 };
 
+// The device memory the staging of host-memory optimizer state takes while updates run; see
+// PackedAdamW::set_master_updated_hook.
+inline constexpr int64_t kMaxStagedBytes = int64_t{512} << 20;
+
 // Global L2 norm of a list of gradients (fp32/bf16/fp16, any device), each processed in
 // chunks of at most `chunk_elems` elements converted to fp32 (CPU) or by a fused fp32-accumulating
 // reduction (CUDA); partial sums combined in double. Undefined tensors are skipped. Returns
 // NaN/Inf when any element is non-finite.
 double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elems = 1 << 20);
+
+// The global-norm pass's partial sums of squares of one CUDA gradient (fp32/bf16/fp16,
+// contiguous): (P) fp32 on its device, computed on the current stream, for StepArgs::sumsq_parts.
+at::Tensor gradient_sumsq_parts(const at::Tensor& grad);
 
 // Scales every gradient in place by min(1, max_norm / (norm + 1e-6)) and returns the norm before
 // clipping. Non-finite norm: nothing is scaled. max_norm must be > 0.
