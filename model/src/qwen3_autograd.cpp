@@ -120,6 +120,42 @@ struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
   }
 };
 
+struct PlainLoraLinear : public torch::autograd::Function<PlainLoraLinear> {
+  // x (..., in), w (out, in) the adapted linear's frozen weight, a (r, in), b (out, r) (the
+  // adapter's tapped weights), all in the compute dtype -> y = x·wᵀ + s·(x·aᵀ)·bᵀ (..., out).
+  // The adapter's term is added and scaled by the GEMMs' epilogues (beta 1, alpha s) in both
+  // directions, dx = g·w + s·(g·b)·a included: no (tokens, in|out) elementwise pass and no
+  // separate add of the two input gradients.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& a, const at::Tensor& b, double s) {
+    const int64_t in = x.size(-1), out = w.size(0);
+    const at::Tensor x2 = x.reshape({-1, in});
+    const at::Tensor xa = at::mm(x2, a.t());  // (tokens, r)
+    const at::Tensor y = at::addmm(at::mm(x2, w.t()), xa, b.t(), 1.0, s);
+    ctx->save_for_backward({x2, w, a, b, xa});
+    ctx->saved_data["s"] = s;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out;
+    return y.view(sizes);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2 = saved[0], &w = saved[1], &a = saved[2], &b = saved[3], &xa = saved[4];
+    const double s = ctx->saved_data["s"].toDouble();
+    const at::Tensor g = grads[0].reshape({-1, w.size(0)});
+    const at::Tensor gb = at::mm(g, b);  // (tokens, r)
+    at::Tensor dx, da, db;
+    if (ctx->needs_input_grad(0)) {
+      dx = at::addmm(at::mm(g, w), gb, a, 1.0, s).view(ctx->saved_data["x_sizes"].toIntVector());
+    }
+    // beta 0: the first argument only gives the shape (its values are ignored).
+    if (ctx->needs_input_grad(2)) da = at::addmm(at::empty_like(a), gb.t(), x2, 0.0, s);
+    if (ctx->needs_input_grad(3)) db = at::addmm(at::empty_like(b), g.t(), xa, 0.0, s);
+    return {dx, at::Tensor(), da, db, at::Tensor()};
+  }
+};
+
 struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
   // master (V, H), ids (B, T) int64 -> (B, T, H) compute dtype. Backward adds rows into grad.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& master, const at::Tensor& ids,
@@ -247,6 +283,11 @@ at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
   use_begins(p->lora_b);
   return LoraMergedTap::apply(impl->trigger, ptr_to_int(impl), ptr_to_int(p),
                               static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
+}
+
+at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
+                             const at::Tensor& b, double scale) {
+  return PlainLoraLinear::apply(x, w, a, b, scale);
 }
 
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,

@@ -158,6 +158,9 @@ at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType
 // s·dW·Aᵀ to A's and B's gradients (straight through the quantizer).
 at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
                            at::ScalarType compute_dtype, at::ScalarType grad_dtype);
+// Plain LoRA: x·wᵀ + scale·(x·aᵀ)·bᵀ for a frozen w, with a and b from their taps.
+at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
+                             const at::Tensor& b, double scale);
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype);
 at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,

@@ -277,14 +277,9 @@ at::Tensor Qwen3Model::Impl::merged_weight(const Parameter* p) const {
 }
 
 at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
-  at::Tensor y = at::linear(x, weight(p));
-  if (p->lora_a == nullptr || opt.lora.merge_aware) return y;
-  // Plain adapter: y + (s·x·Aᵀ)·Bᵀ, the add done by the GEMM (beta 1) and the scale on the
-  // rank-wide (tokens, r) product, so no (tokens, out) elementwise pass runs either way.
-  const at::Tensor xa = at::linear(x, weight(p->lora_a)) * opt.lora.scale();
-  const int64_t out = y.size(-1), r = xa.size(-1);
-  return at::addmm(y.reshape({-1, out}), xa.reshape({-1, r}), weight(p->lora_b).t())
-      .view(y.sizes());
+  if (p->lora_a == nullptr || opt.lora.merge_aware) return at::linear(x, weight(p));
+  // Plain adapter: one autograd function with the adapter's term inside the GEMMs.
+  return plain_lora_linear(x, weight(p), weight(p->lora_a), weight(p->lora_b), opt.lora.scale());
 }
 
 at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, Parameter* p) const {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <unistd.h>
 
 #include <map>

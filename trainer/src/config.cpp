@@ -623,7 +623,7 @@ std::vector<FieldRef> config_fields(Config& c) {
             "NVFP4 linears' masters too (the GPU keeps their 4-bit codes)"),
       field("optim.in_backward", &c.optim.in_backward,
             "update each parameter inside the backward and free its gradient (auto: CUDA, "
-            "grad_accum 1)"),
+            "grad_accum 1, full fine-tuning)"),
       field("optim.chunk_rows", &c.optim.chunk_rows,
             "rows per optimizer chunk (bounds temporaries)", R::at_least(1)),
       field("optim.master_rounding", &c.optim.master_rounding,
@@ -1446,7 +1446,9 @@ bool in_backward_updates(const Config& c) {
     case InBackward::kAuto:
       break;
   }
-  return device_is_cuda(c) && c.train.grad_accum == 1;
+  // Adapters: their gradients are small (nothing to free early), and the buffered step takes
+  // their norm in a few multi-tensor launches instead of three launches per adapter tensor.
+  return device_is_cuda(c) && c.train.grad_accum == 1 && c.train.method != TrainMethod::kLora;
 }
 
 }  // namespace q4::trainer
