@@ -69,8 +69,20 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   MemoryEstimate est;
   // Per decoder layer: trainable elements, their compute-dtype weights saved by the layer's
   // linears (tap outputs; frozen layers save the frozen tensors themselves) and the largest one.
-  std::vector<int64_t> layer_elems(L, 0), layer_weight_elems(L, 0), layer_largest(L, 0);
-  std::vector<int64_t> layer_down(L, 0);  // trainable down_proj elements
+  // The compute-dtype weights are split by block: attention (q/k/v/o) and MLP (gate/up/down).
+  std::vector<int64_t> layer_elems(L, 0), layer_largest(L, 0);
+  std::vector<int64_t> attn_weight_elems(L, 0), mlp_weight_elems(L, 0);
+  // Elements of the MLP block's weight taps (trainable weights, merge-aware merged weights,
+  // plain adapters' A and B; the norm's too), and of the down projection's weight tap, whose
+  // gradient the checkpoint forms by hand.
+  std::vector<int64_t> mlp_tapped(L, 0), down_tapped(L, 0);
+  auto weight_elems = [&](const ParamSpec& p) -> std::vector<int64_t>& {
+    return p.name.find(".mlp.") != std::string::npos ? mlp_weight_elems : attn_weight_elems;
+  };
+  auto in_mlp = [](const ParamSpec& p) {
+    return p.name.find(".mlp.") != std::string::npos ||
+           ends_with(p.name, ".post_attention_layernorm.weight");
+  };
   int64_t head_elems = 0;  // gradients produced by the loss: lm_head (untied) and the final norm
   int64_t embed_elems = 0;
   int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
@@ -87,8 +99,14 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       resident_grad_bytes += a * gs;
       if (p.layer >= 0) {
         layer_elems[p.layer] += a;
-        layer_weight_elems[p.layer] += n;
+        weight_elems(p)[p.layer] += n;
         layer_largest[p.layer] = std::max(layer_largest[p.layer], a);
+        // Merge-aware: the tap is the merged (out, in) weight; plain: A and B themselves.
+        const int64_t tap = opt.lora.merge_aware ? n : a;
+        if (in_mlp(p)) mlp_tapped[p.layer] += tap;
+        if (opt.lora.merge_aware && ends_with(p.name, ".mlp.down_proj.weight")) {
+          down_tapped[p.layer] = n;
+        }
       } else {
         head_elems += a;
         lm_trains = true;
@@ -109,8 +127,9 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     }
     if (p.layer >= 0) {
       layer_elems[p.layer] += n;
-      if (p.kind == ParamKind::kQuantizedLinear) layer_weight_elems[p.layer] += n;
-      if (ends_with(p.name, ".mlp.down_proj.weight")) layer_down[p.layer] = n;
+      if (p.kind == ParamKind::kQuantizedLinear) weight_elems(p)[p.layer] += n;
+      if (in_mlp(p)) mlp_tapped[p.layer] += n;
+      if (ends_with(p.name, ".mlp.down_proj.weight")) down_tapped[p.layer] = n;
       layer_largest[p.layer] = std::max(layer_largest[p.layer], n);
     } else if (p.group == ParamGroup::kEmbedding) {
       embed_elems = n;
@@ -136,10 +155,12 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // layers take the variable-length FlashAttention path with the fused RMSNorm/RoPE kernels.
   const int64_t D = cfg.head_dim;
   const bool varlen = cuda && cs == 2 && D % 8 == 0 && D <= 256;
-  // Saved by one layer's graph per token besides its input and output, in the compute dtype:
-  // the input norm's output, the residual sum, the post-attention norm's output and the MLP's
-  // gate/up/product (3H + 3I), then the attention's tensors; fp32 per-row RMSNorm scales (4 norms,
-  // q/k per head) and the attention log-sum-exp. Attention probabilities are never kept.
+  const bool gqa = KVH != NH;
+  // Saved by one layer's graph per token besides its input, in the compute dtype, by block.
+  // Attention: the input norm's output, then the attention's tensors; fp32 per-row RMSNorm
+  // scales (input norm, q/k per head) and the attention log-sum-exp. Attention probabilities are
+  // never kept. MLP: its input hs (the post-attention norm's input), that norm's output and the
+  // gate/up/product (2H + 3I), the norm's fp32 scale.
   int64_t attn = 0;
   if (varlen) {
     // q and k: projection output (the norm's input) and RoPE output; v; the attention output.
@@ -147,33 +168,52 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   } else {
     // ATen RoPE keeps its input and rotate_half(x) too; SDPA sees K/V repeated to every query
     // head (GQA) and keeps its output beside the (tokens, q_dim) copy o_proj reads.
-    attn = 6 * QD + 3 * KVD + (KVH == NH ? 2 * KVD : 2 * QD);
+    attn = 6 * QD + 3 * KVD + (gqa ? 2 * QD : 2 * KVD);
   }
-  int64_t layer_per_token = cs * (3 * H + 3 * I + attn) + 4 * (2 + 2 * NH + KVH);
+  int64_t attn_per_token = cs * (H + attn) + 4 * (1 + 2 * NH + KVH);
+  int64_t mlp_per_token = cs * (2 * H + 3 * I) + 4;
   if (!cuda) {
     // The ATen reference RMSNorm also keeps its fp32 input and its normalized value (in fp32
     // compute, the input itself and the fp32 product), SwiGLU silu(gate).
-    const int64_t norm_width = 2 * H + QD + KVD;
-    layer_per_token += 4 * norm_width + (cs == 4 ? 0 : cs * norm_width) + cs * I;
+    auto ref_norm = [&](int64_t width) { return 4 * width + (cs == 4 ? 0 : cs * width); };
+    attn_per_token += ref_norm(H + QD + KVD);
+    mlp_per_token += ref_norm(H) + cs * I;
   }
-  const int64_t layer_saved = tokens * layer_per_token;
-  // Largest transient of a layer forward without grad (checkpointed): the MLP's (tokens, I)
-  // gate/up/product beside the residual and the norm output.
-  const int64_t layer_forward_work = tokens * cs * (2 * H + 3 * I);
-  auto layer_graph = [&](int64_t l) { return layer_saved + layer_weight_elems[l] * cs; };
-  // Saved activations of layers [0, n): a recomputed layer's input, or the whole graph of a
-  // layer that keeps its activations, with its input.
+  // MLP chunks (ModelOptions::mlp_chunk_tokens) in a checkpoint's forward and recompute.
+  const bool chunked = opt.mlp_chunk_tokens > 0 && tokens > opt.mlp_chunk_tokens;
+  const int64_t chunk_rows = chunked ? opt.mlp_chunk_tokens : tokens;
+  // Largest transient of a layer forward without grad (checkpointed), beyond its input: the
+  // attention block's q/k (projection and norm or RoPE output), v and the input norm's output
+  // (K/V also repeated for SDPA with GQA); the MLP's (rows, I) gate/up/product beside its input
+  // and the norm output, per chunk when chunked (its input and output then (tokens, H) each).
+  const int64_t attn_forward_work =
+      tokens * cs * (H + 2 * QD + 2 * KVD + (!varlen && gqa ? 2 * QD : 0));
+  const int64_t mlp_forward_work = chunked ? tokens * cs * 2 * H + chunk_rows * cs * (2 * H + 3 * I)
+                                           : tokens * cs * (2 * H + 3 * I);
+  const int64_t layer_forward_work = std::max(attn_forward_work, mlp_forward_work);
+  // The attention block's backward working tensors besides its saved graph: FlashAttention-2's
+  // varlen backward takes the output's gradient and allocates dq, an fp32 dq accumulator and
+  // per-row fp32 softmax sums, and with GQA dk/dv for every query head before reducing them to
+  // the KV heads; elsewhere dout, dq and the repeated dk/dv (K/V were repeated for SDPA) and
+  // the reduced ones.
+  const int64_t attn_backward_work =
+      varlen ? tokens * (cs * (2 * QD + (gqa ? 2 * QD : 0) + 2 * KVD) + 4 * QD + 4 * NH)
+             : tokens * cs * (2 * QD + (gqa ? 2 * QD : 2 * KVD) + 2 * KVD);
+  // A layer's block graphs: saved activations plus the compute-dtype weights its linears keep.
+  auto attn_graph = [&](int64_t l) { return tokens * attn_per_token + attn_weight_elems[l] * cs; };
+  auto mlp_graph = [&](int64_t l) { return tokens * mlp_per_token + mlp_weight_elems[l] * cs; };
   // A recomputed layer's input offloaded to pinned host memory takes no device memory.
   const bool offload_inputs = cuda && opt.offload_layer_inputs;
+  // What layer l holds on the device from its forward until its backward: the whole graph and
+  // its input, or (recomputed) its input alone.
+  auto held = [&](int64_t l) {
+    if (!opt.recomputes(l)) return boundary + attn_graph(l) + mlp_graph(l);
+    return offload_inputs ? int64_t{0} : boundary;
+  };
+  // Saved activations of layers [0, n).
   auto saved_below = [&](int64_t n) {
     int64_t s = 0;
-    for (int64_t l = 0; l < n; ++l) {
-      if (!opt.recomputes(l)) {
-        s += boundary + layer_graph(l);
-      } else if (!offload_inputs) {
-        s += boundary;
-      }
-    }
+    for (int64_t l = 0; l < n; ++l) s += held(l);
     return s;
   };
   for (int64_t l = 0; offload_inputs && l < L; ++l) {
@@ -220,12 +260,21 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   add(MemoryPhaseKind::kLossBackward,
       carry + std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
       all_saved + 2 * boundary, rows * H * cs);
-  // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l] (layer l's graph
-  // recomputed from its checkpoint when checkpointing), the backward's working tensors, and the
-  // gradients alive: with in-backward updates the lm_head's is applied and freed already and a
-  // layer's weights are applied one by one; buffered, the lm_head's and every layer's above l
-  // plus all of layer l's. The checkpoint's backward seeds the down projection by hand: its
-  // input gradient (tokens, I) and its weight gradient are held until the layer is done.
+  // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l), layer l's input
+  // and graph (recomputed from its checkpoint when checkpointing), the backward's working
+  // tensors, and the gradients alive: with in-backward updates the lm_head's is applied and
+  // freed already and a layer's weights are applied one by one; buffered, the lm_head's and
+  // every layer's above l plus all of layer l's. A layer's backward has two steps, the larger
+  // counts:
+  // - the MLP block's: the incoming and outgoing boundary gradients and the SwiGLU's (rows, I)
+  //   gradients (its output's, held as a seed when checkpointing, and its two inputs'). The
+  //   checkpoint's hand-seeded down projection holds its weight gradient until the layer is
+  //   done. Chunked, the attention graph and hs with one chunk's MLP graph and gradients, hs's
+  //   gradient (tokens, H), and the fp32 sums of the MLP weights' gradients beside one chunk's.
+  // - the attention block's: its graph with the attention backward's working tensors, the
+  //   incoming gradient, hs and its gradient; recomputed unchunked, the SwiGLU output and its
+  //   gradient seed are still held, chunked the MLP taps' seeds (their sums in the compute
+  //   dtype).
   {
     MemoryPhase best;
     best.kind = MemoryPhaseKind::kLayerBackward;
@@ -233,24 +282,39 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     const int64_t head_stored = in_backward || host_accum ? 0 : head_elems * gs;
     for (int64_t l = L - 1; l >= 0; --l) {
       const bool ckpt = opt.recomputes(l);
-      // Working tensors beyond the saved graph: the incoming and outgoing boundary gradients
-      // and the SwiGLU's (tokens, I) gradients (its output's, held as a seed when
-      // checkpointing, and its two inputs').
-      const int64_t work = 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
-      // The held down-projection seed when it is not the stored gradient itself.
-      const int64_t seed = ckpt && (in_backward || carried || gs != cs) ? layer_down[l] * cs : 0;
-      int64_t g = tied_grad + seed;
+      const bool chunk_mlp = ckpt && chunked;
+      const int64_t graphs = boundary + attn_graph(l) + mlp_weight_elems[l] * cs;
+      int64_t mlp_step = 0, attn_step = 0, mlp_step_grads = 0, attn_step_grads = 0;
+      if (chunk_mlp) {
+        const int64_t chunk_graph =
+            chunk_rows * (mlp_per_token - cs * H + 3 * I * cs);  // hs rows are views
+        mlp_step = graphs + 3 * boundary + chunk_graph;          // hs, g, hs's gradient
+        attn_step = graphs + 3 * boundary + attn_backward_work;
+        mlp_step_grads = 4 * mlp_tapped[l] + cs * (mlp_tapped[l] - down_tapped[l]);
+        attn_step_grads = cs * mlp_tapped[l];
+      } else {
+        mlp_step =
+            graphs + tokens * mlp_per_token + 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
+        attn_step = graphs + 3 * boundary + attn_backward_work + (ckpt ? 2 * tokens * I * cs : 0);
+        // The held down-projection seed when it is not the stored gradient itself.
+        mlp_step_grads = ckpt && (in_backward || carried || gs != cs) ? down_tapped[l] * cs : 0;
+        attn_step_grads = mlp_step_grads;
+      }
+      int64_t g = tied_grad;
       if (buffer_carried) {
-        g = carry + seed + fresh(layer_largest[l]);
+        g = carry + fresh(layer_largest[l]);
       } else if (in_backward || host_accum) {
-        g = std::max(carry, tied_grad) + seed + layer_largest[l] * gs + fresh(layer_largest[l]);
+        g = std::max(carry, tied_grad) + layer_largest[l] * gs + fresh(layer_largest[l]);
       } else {
         g += head_stored + above + layer_elems[l] * gs + fresh(layer_largest[l]);
       }
-      const int64_t a = saved_below(l) + boundary + layer_graph(l) + work;
-      if (g + a > best.total_bytes()) {
-        best.grad_bytes = g;
-        best.activation_bytes = a;
+      const int64_t below = saved_below(l);
+      for (const auto& [acts, extra] :
+           {std::pair<int64_t, int64_t>{mlp_step, mlp_step_grads}, {attn_step, attn_step_grads}}) {
+        if (g + extra + below + acts > best.total_bytes()) {
+          best.grad_bytes = g + extra;
+          best.activation_bytes = below + acts;
+        }
       }
       above += layer_elems[l] * gs;
     }

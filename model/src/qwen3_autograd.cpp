@@ -192,6 +192,140 @@ struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
   }
 };
 
+// The tensors of `w` that are tap outputs in the graph (trainable weights, merge-aware
+// adapters' merged weights, plain adapters' A and B, the trainable norm), in a fixed order.
+std::vector<at::Tensor*> tapped_weights(MlpWeights* w) {
+  std::vector<at::Tensor*> out;
+  for (at::Tensor* t :
+       {&w->norm, &w->gate.w, &w->gate.lora_a, &w->gate.lora_b, &w->up.w, &w->up.lora_a,
+        &w->up.lora_b, &w->down.w, &w->down.lora_a, &w->down.lora_b}) {
+    if (t->defined() && t->requires_grad()) out.push_back(t);
+  }
+  return out;
+}
+
+// Adds `g` (any float dtype) into the fp32 sum `acc` (undefined: starts it).
+void add_fp32(at::Tensor* acc, const at::Tensor& g) {
+  if (!acc->defined()) {
+    *acc = g.scalar_type() == at::kFloat ? g : g.to(at::kFloat);
+  } else {
+    acc->add_(g);
+  }
+}
+
+// The backward of the MLP block out = hs + s·W_downᵀ (+ the down projection's plain adapter
+// term), s = swiglu(gate(y), up(y)), y = post_attention_layernorm(hs), recomputed from its input
+// hs (B, T, H): a node of the recomputed attention block's graph or a leaf. Appends to
+// roots/seeds what torch::autograd::backward must be given, from `g` (B, T, H) the gradient of
+// out: hs itself with its whole gradient, and the MLP weights' taps with theirs. The weights are
+// resolved once, so each tap begins one use and delivers one gradient. The down projection's
+// output is not needed for any gradient, so its forward GEMM is not recomputed: its backward is
+// done here (ds = g·W_down, dW_down = gᵀ·s).
+//
+// With ModelOptions::mlp_chunk_tokens below the token count the block runs over row chunks: each
+// chunk recomputes y, gate/up and s from its rows of hs with the weights' detached copies and is
+// back-propagated alone (torch::autograd::grad), its rows of hs's gradient written into one
+// (tokens, H) tensor and its weight gradients added into fp32 sums; then the taps get those
+// sums, cast to the compute dtype, in the same backward call as hs.
+void mlp_backward_roots(const Qwen3Model::Impl* im, int64_t layer, const at::Tensor& hs,
+                        const at::Tensor& g, std::vector<at::Tensor>* roots,
+                        std::vector<at::Tensor>* seeds) {
+  MlpWeights w;
+  {
+    at::AutoGradMode enable(true);
+    w = im->mlp_weights(layer);
+  }
+  const int64_t H = hs.size(-1), N = hs.numel() / H, I = w.down.w.size(1);
+  const int64_t chunk = im->opt.mlp_chunk_tokens;
+  if (chunk <= 0 || N <= chunk) {
+    at::Tensor s;
+    {
+      at::AutoGradMode enable(true);
+      s = im->mlp_hidden(hs, w);  // (B, T, I)
+    }
+    roots->push_back(hs);
+    seeds->push_back(g);
+    roots->push_back(s);
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor g2 = g.reshape({-1, H});
+      seeds->push_back(at::mm(g2, w.down.w).view(s.sizes()));
+      if (w.down.w.requires_grad()) {
+        roots->push_back(w.down.w);
+        seeds->push_back(at::mm(g2.t(), s.reshape({-1, I})));
+      }
+    }
+    if (w.down.lora_a.defined()) {  // the plain adapter's term, through autograd
+      at::AutoGradMode enable(true);
+      roots->push_back(im->plain_lora(s, w.down));
+      seeds->push_back(g);
+    }
+    return;
+  }
+
+  // Chunked: the chunks compute with leaves detached from the taps (and with the frozen weights
+  // themselves), so no chunk enters the taps' graph.
+  MlpWeights leaf = w;
+  const std::vector<at::Tensor*> taps = tapped_weights(&w);
+  const std::vector<at::Tensor*> leaves = tapped_weights(&leaf);
+  for (at::Tensor* t : leaves) *t = t->detach().requires_grad_(true);
+  // Gradients of every leaf but the down projection's weight come from autograd::grad; that one
+  // is formed by hand from the chunk's s.
+  std::vector<at::Tensor> grad_inputs(1);  // [0]: the chunk's rows of hs
+  std::vector<size_t> grad_slot;           // index into taps of grad_inputs[1 + i]
+  size_t down_slot = taps.size();
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    if (leaves[i] == &leaf.down.w) {
+      down_slot = i;
+    } else {
+      grad_inputs.push_back(*leaves[i]);
+      grad_slot.push_back(i);
+    }
+  }
+  const at::Tensor w_down = leaf.down.w.detach();  // (H, I)
+  const at::Tensor hs2 = hs.detach().reshape({N, H});
+  const at::Tensor g2 = g.reshape({N, H});
+  at::Tensor g_hs = at::empty_like(g2);       // (N, H) hs's gradient, chunk by chunk
+  std::vector<at::Tensor> sums(taps.size());  // fp32, each tap's shape
+  for (int64_t b = 0; b < N; b += chunk) {
+    const int64_t n = std::min(chunk, N - b);
+    const at::Tensor g_c = g2.narrow(0, b, n);  // (n, H)
+    grad_inputs[0] = hs2.narrow(0, b, n).detach().requires_grad_(true);
+    std::vector<at::Tensor> outs, out_grads;
+    {
+      at::AutoGradMode enable(true);
+      outs.push_back(im->mlp_hidden(grad_inputs[0], leaf));  // s_c (n, I)
+      if (leaf.down.lora_a.defined()) outs.push_back(im->plain_lora(outs[0], leaf.down));
+    }
+    at::NoGradGuard no_grad;
+    out_grads.push_back(at::mm(g_c, w_down));  // (n, I)
+    if (outs.size() > 1) out_grads.push_back(g_c);
+    if (down_slot < taps.size()) add_fp32(&sums[down_slot], at::mm(g_c.t(), outs[0].detach()));
+    const std::vector<at::Tensor> grads =
+        torch::autograd::grad(outs, grad_inputs, out_grads, /*retain_graph=*/false,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+    // out = hs + ...: the residual's gradient plus the block's.
+    at::Tensor rows = g_hs.narrow(0, b, n);
+    if (grads[0].defined()) {
+      at::add_out(rows, g_c, grads[0]);
+    } else {
+      rows.copy_(g_c);
+    }
+    for (size_t i = 0; i < grad_slot.size(); ++i) {
+      if (grads[1 + i].defined()) add_fp32(&sums[grad_slot[i]], grads[1 + i]);
+    }
+  }
+  roots->push_back(hs);
+  seeds->push_back(g_hs.view(hs.sizes()));
+  for (size_t i = 0; i < taps.size(); ++i) {
+    // Every tap that began a use delivers it, zero when no chunk reached it.
+    roots->push_back(*taps[i]);
+    seeds->push_back(sums[i].defined() ? sums[i].to(taps[i]->scalar_type())
+                                       : at::zeros_like(*taps[i]));
+    sums[i] = at::Tensor();
+  }
+}
+
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
                             int64_t impl, int64_t layer, const at::Tensor& cos,
@@ -218,7 +352,8 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     mask.kind = static_cast<AttnMask::Kind>(mask_kind);
     mask.allowed = allowed;
     mask.max_seqlen = max_seqlen;
-    return im->layer_forward(layer, h, RopeTables{cos, sin}, mask, nullptr);
+    const at::Tensor hs = im->attention_block(layer, h, RopeTables{cos, sin}, mask, nullptr);
+    return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -236,32 +371,15 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     } else {
       h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     }
-    LayerParts parts;
+    at::Tensor hs;
     {
       at::AutoGradMode enable(true);
-      parts = im->layer_forward_parts(layer, h, rope, mask, nullptr);
+      hs = im->attention_block(layer, h, rope, mask, nullptr);
     }
-    // out = hs + s·w_downᵀ. The down projection's output is not needed for any gradient, so
-    // its forward GEMM is not recomputed: its backward is done here and the autograd graph
-    // takes over at hs, s and (when it trains) the weight tap.
-    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(h);
-    std::vector<at::Tensor> roots{parts.hs, parts.s};
-    std::vector<at::Tensor> seeds{g};
-    {
-      at::NoGradGuard no_grad;
-      const int64_t H = parts.w_down.size(0), I = parts.w_down.size(1);
-      at::Tensor g2 = g.reshape({-1, H});
-      seeds.push_back(at::mm(g2, parts.w_down).view(parts.s.sizes()));
-      if (parts.w_down.requires_grad()) {
-        roots.push_back(parts.w_down);
-        seeds.push_back(at::mm(g2.t(), parts.s.reshape({-1, I})));
-      }
-    }
-    if (parts.down_lora) {  // a plain adapter's term of the down projection, through autograd
-      at::AutoGradMode enable(true);
-      roots.push_back(im->plain_lora(parts.s, im->layers[layer].down_proj));
-      seeds.push_back(g);
-    }
+    // The autograd graph takes over at hs (and at the MLP weights' taps).
+    const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(h);
+    std::vector<at::Tensor> roots, seeds;
+    mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
     return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

@@ -45,13 +45,29 @@ struct RopeTables {
   at::Tensor sin;  // (B, T, D) compute dtype
 };
 
+// The weights of one linear as its forward uses them, each resolved once (weight taps): w (out,
+// in) in the compute dtype, and for a plain LoRA adapter its A (r, in) and B (out, r), whose term
+// s·(x·Aᵀ)·Bᵀ is added to x·wᵀ.
+struct LinearWeights {
+  at::Tensor w;
+  at::Tensor lora_a, lora_b;  // undefined without a plain adapter
+};
+
+// The weights of a decoder layer's MLP block, out = hs + down(swiglu(gate(y), up(y))) with
+// y = post_attention_layernorm(hs).
+struct MlpWeights {
+  at::Tensor norm;     // (H) post_attention_layernorm
+  LinearWeights gate;  // (I, H)
+  LinearWeights up;    // (I, H)
+  LinearWeights down;  // (H, I)
+};
+
 // A decoder layer's output is hs + s·w_downᵀ: the parts before the down projection, so a
 // checkpoint's recompute can skip that GEMM (backward needs only its input and weight).
 struct LayerParts {
-  at::Tensor hs;      // (B, T, H) residual stream after attention
-  at::Tensor s;       // (B, T, I) SwiGLU output, the down projection's input
-  at::Tensor w_down;  // (H, I) down projection weight in the compute dtype (tap if trainable)
-  bool down_lora = false;  // the down projection has a plain LoRA adapter: + s·(s·Aᵀ)·Bᵀ too
+  at::Tensor hs;  // (B, T, H) residual stream after attention
+  at::Tensor s;   // (B, T, I) SwiGLU output, the down projection's input
+  MlpWeights w;   // the MLP block's weights (taps when they train)
 };
 
 struct Qwen3Model::Impl {
@@ -86,7 +102,10 @@ struct Qwen3Model::Impl {
   at::Tensor merged_weight(const Parameter* p) const;
   // x·weight(p)ᵀ, plus the plain LoRA term when p has a plain adapter.
   at::Tensor linear(const at::Tensor& x, Parameter* p) const;
-  at::Tensor plain_lora(const at::Tensor& x, Parameter* p) const;  // (s·x·Aᵀ)·Bᵀ
+  // The same from weights resolved before (linear_weights(p), or detached copies of them).
+  at::Tensor linear(const at::Tensor& x, const LinearWeights& w) const;
+  LinearWeights linear_weights(Parameter* p) const;  // weight(p), and A's and B's when plain
+  at::Tensor plain_lora(const at::Tensor& x, const LinearWeights& w) const;  // (s·x·Aᵀ)·Bᵀ
   // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
   // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
   void offload_master(Parameter* p);
@@ -110,6 +129,18 @@ struct Qwen3Model::Impl {
   // The same layer up to (not including) the down projection.
   LayerParts layer_forward_parts(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                                  const AttnMask& mask, KvCache* cache) const;
+  // The attention block: h (B, T, H) -> hs = h + o_proj(attention(input_layernorm(h))).
+  at::Tensor attention_block(int64_t layer, const at::Tensor& h, const RopeTables& rope,
+                             const AttnMask& mask, KvCache* cache) const;
+  MlpWeights mlp_weights(int64_t layer) const;  // resolved once, in the current grad mode
+  // s = swiglu(gate(y), up(y)), y = post_attention_layernorm(hs): (..., H) -> (..., I).
+  at::Tensor mlp_hidden(const at::Tensor& hs, const MlpWeights& w) const;
+  // out = hs + down(s) (+ the down projection's plain adapter term).
+  at::Tensor mlp_output(const at::Tensor& hs, const at::Tensor& s, const MlpWeights& w) const;
+  // The MLP block without a graph (a checkpoint's forward): over row chunks of `chunk_tokens`
+  // of the flattened tokens when there are more than that (0: one pass). hs (B, T, H).
+  at::Tensor mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
+                                  int64_t chunk_tokens) const;
   // Layer through the checkpoint function (recomputed in backward) when enabled and a graph is
   // being built; plain layer_forward otherwise.
   at::Tensor layer_maybe_checkpointed(int64_t layer, const at::Tensor& h, const RopeTables& rope,

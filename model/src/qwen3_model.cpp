@@ -137,6 +137,8 @@ void ModelOptions::validate() const {
               loss_chunk_tokens);
   TORCH_CHECK(recompute_layers >= -1, "ModelOptions.recompute_layers: expected >= -1, got ",
               recompute_layers);
+  TORCH_CHECK(mlp_chunk_tokens >= 0, "ModelOptions.mlp_chunk_tokens: expected >= 0, got ",
+              mlp_chunk_tokens);
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "ModelOptions.device: expected cpu or cuda, got ", device.str());
   TORCH_CHECK(!offload_masters || fake_quant,
@@ -276,14 +278,28 @@ at::Tensor Qwen3Model::Impl::merged_weight(const Parameter* p) const {
   return w.add_(ba, opt.lora.scale());
 }
 
-at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
-  if (p->lora_a == nullptr || opt.lora.merge_aware) return at::linear(x, weight(p));
-  // Plain adapter: one autograd function with the adapter's term inside the GEMMs.
-  return plain_lora_linear(x, weight(p), weight(p->lora_a), weight(p->lora_b), opt.lora.scale());
+LinearWeights Qwen3Model::Impl::linear_weights(Parameter* p) const {
+  LinearWeights w;
+  w.w = weight(p);
+  if (p->lora_a != nullptr && !opt.lora.merge_aware) {
+    w.lora_a = weight(p->lora_a);
+    w.lora_b = weight(p->lora_b);
+  }
+  return w;
 }
 
-at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, Parameter* p) const {
-  return at::linear(at::linear(x, weight(p->lora_a)) * opt.lora.scale(), weight(p->lora_b));
+at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
+  return linear(x, linear_weights(p));
+}
+
+at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, const LinearWeights& w) const {
+  if (!w.lora_a.defined()) return at::linear(x, w.w);
+  // Plain adapter: one autograd function with the adapter's term inside the GEMMs.
+  return plain_lora_linear(x, w.w, w.lora_a, w.lora_b, opt.lora.scale());
+}
+
+at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, const LinearWeights& w) const {
+  return at::linear(at::linear(x, w.lora_a) * opt.lora.scale(), w.lora_b);
 }
 
 bool Qwen3Model::Impl::any_trainable() const {
@@ -319,14 +335,22 @@ at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
                                            const RopeTables& rope_t, const AttnMask& mask,
                                            KvCache* cache) const {
   LayerParts p = layer_forward_parts(layer, h, rope_t, mask, cache);
-  at::Tensor out = p.hs + at::linear(p.s, p.w_down);
-  if (p.down_lora) out = out + plain_lora(p.s, layers[layer].down_proj);
-  return out;
+  return mlp_output(p.hs, p.s, p.w);
 }
 
 LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor& h,
                                                  const RopeTables& rope_t, const AttnMask& mask,
                                                  KvCache* cache) const {
+  LayerParts p;
+  p.hs = attention_block(layer, h, rope_t, mask, cache);
+  p.w = mlp_weights(layer);
+  p.s = mlp_hidden(p.hs, p.w);
+  return p;
+}
+
+at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
+                                             const RopeTables& rope_t, const AttnMask& mask,
+                                             KvCache* cache) const {
   const LayerParams& lp = layers[layer];
   const int64_t B = h.size(0), T = h.size(1);
   const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads, D = cfg.head_dim;
@@ -365,12 +389,45 @@ LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor
     a = attention(q, k, v, mask);                   // (B, NH, T, D)
     a = a.transpose(1, 2).reshape({B, T, NH * D});  // (B, T, NH*D)
   }
-  at::Tensor hs = h + linear(a, lp.o_proj);  // (B, T, H)
+  return h + linear(a, lp.o_proj);  // (B, T, H)
+}
 
-  at::Tensor y = rms_norm(hs, weight(lp.post_attention_layernorm), eps);
-  at::Tensor s = swiglu(linear(y, lp.gate_proj), linear(y, lp.up_proj));
-  return {hs, s, weight(lp.down_proj),
-          lp.down_proj->lora_a != nullptr && !opt.lora.merge_aware};
+MlpWeights Qwen3Model::Impl::mlp_weights(int64_t layer) const {
+  const LayerParams& lp = layers[layer];
+  MlpWeights w;
+  w.norm = weight(lp.post_attention_layernorm);
+  w.gate = linear_weights(lp.gate_proj);
+  w.up = linear_weights(lp.up_proj);
+  w.down = linear_weights(lp.down_proj);
+  return w;
+}
+
+at::Tensor Qwen3Model::Impl::mlp_hidden(const at::Tensor& hs, const MlpWeights& w) const {
+  at::Tensor y = rms_norm(hs, w.norm, cfg.rms_norm_eps);
+  return swiglu(linear(y, w.gate), linear(y, w.up));
+}
+
+at::Tensor Qwen3Model::Impl::mlp_output(const at::Tensor& hs, const at::Tensor& s,
+                                        const MlpWeights& w) const {
+  at::Tensor out = hs + at::linear(s, w.down.w);
+  if (w.down.lora_a.defined()) out = out + plain_lora(s, w.down);
+  return out;
+}
+
+at::Tensor Qwen3Model::Impl::mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
+                                                  int64_t chunk_tokens) const {
+  const int64_t H = hs.size(-1), N = hs.numel() / H;
+  if (chunk_tokens <= 0 || N <= chunk_tokens) return mlp_output(hs, mlp_hidden(hs, w), w);
+  // The MLP is token-wise: row chunks of the flattened tokens give the same rows, and only one
+  // chunk's (chunk, I) gate/up/SwiGLU tensors exist at a time.
+  const at::Tensor hs2 = hs.reshape({N, H});
+  at::Tensor out = at::empty_like(hs2);  // (N, H)
+  for (int64_t b = 0; b < N; b += chunk_tokens) {
+    const int64_t n = std::min(chunk_tokens, N - b);
+    const at::Tensor hs_c = hs2.narrow(0, b, n);
+    out.narrow(0, b, n).copy_(mlp_output(hs_c, mlp_hidden(hs_c, w), w));
+  }
+  return out.view(hs.sizes());
 }
 
 at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::Tensor& h,

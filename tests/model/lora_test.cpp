@@ -179,6 +179,70 @@ TEST(Lora, PlainGradientsDoNotDependOnCheckpointing) {
   for (const auto& [name, g] : grads[0]) EXPECT_TRUE(at::equal(g, grads[1][name])) << name;
 }
 
+// The recompute's MLP in row chunks (ModelOptions::mlp_chunk_tokens) with adapters on every
+// linear: gate/up/down's plain A and B (the down projection's through its own term) or
+// merge-aware merged weights are taps resolved once; each chunk computes with their detached
+// copies and the taps get the fp32 sums. Against the unchunked recompute, for chunks of 4 (a
+// last chunk of 2 of the 18 tokens) and 7, with the norms training beside the adapters; and with
+// the in-backward hook, which must see every trainable parameter once per step with the
+// gradient the buffered chunked run leaves. Tolerance as in
+// Qwen3Model.MlpChunkedRecomputeMatchesUnchunked (fp32 summation order only).
+TEST(Lora, ChunkedMlpRecomputeMatchesUnchunked) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  const auto in = lora_inputs(cfg);
+  // Loss and every trainable parameter's gradient, from Parameter::grad or the hook.
+  auto run = [&](const ModelOptions& o, bool hook) {
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    perturb_b(m);
+    std::map<std::string, at::Tensor> got;
+    std::map<std::string, int> calls;
+    if (hook) {
+      m.set_grad_ready_hook([&](Parameter& p) {
+        ++calls[p.name];
+        got[p.name] = p.grad.clone();
+      });
+    }
+    m.begin_grad_step();
+    LossOutput lo = m.loss(in);
+    lo.loss.backward();
+    got["loss"] = lo.loss.detach().reshape({1});
+    for (Parameter* p : m.trainable_parameters()) {
+      if (hook) {
+        EXPECT_EQ(calls[p->name], 1) << p->name;
+        EXPECT_FALSE(p->grad.defined()) << p->name << ": freed after the hook";
+      } else {
+        got[p->name] = p->grad.clone();
+      }
+    }
+    return got;
+  };
+  for (const bool merge_aware : {false, true}) {
+    ModelOptions base = lora_options(merge_aware);
+    base.trainable.norms = true;
+    const auto want = run(base, false);
+    ASSERT_EQ(want.size(), 1 + 2 * 7 * 2 + 4 * 2 + 1u);  // loss, A and B, 4 norms a layer, final
+    for (const int64_t chunk : {4, 7}) {
+      SCOPED_TRACE(std::string(merge_aware ? "merge-aware" : "plain") + ", chunk " +
+                   std::to_string(chunk));
+      ModelOptions o = base;
+      o.mlp_chunk_tokens = chunk;
+      const auto got = run(o, false);
+      const auto hooked = run(o, true);
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& [name, g] : want) {
+        ASSERT_TRUE(got.count(name) && hooked.count(name)) << name;
+        const double scale = g.abs().max().item<double>();
+        const at::Tensor excess = (got.at(name) - g).abs() - (g.abs() * 1e-5 + 4e-6 * scale);
+        EXPECT_LE(excess.max().item<double>(), 0.0)
+            << name << ": max |diff| " << (got.at(name) - g).abs().max().item<double>();
+        EXPECT_GT(scale, 0.0) << name;
+        if (name != "loss") EXPECT_TRUE(at::equal(hooked.at(name), got.at(name))) << name;
+      }
+    }
+  }
+}
+
 TEST(Lora, MergeAwareExportHoldsTheTrainedWeights) {
   DatReader w(kWeights);
   const auto cfg = Qwen3Config::from_json_file(kConfig);

@@ -168,6 +168,53 @@ TEST(Qwen3Model, CheckpointingGivesIdenticalGradients) {
   }
 }
 
+// ModelOptions::mlp_chunk_tokens: the recompute (and the checkpointed forward) runs each
+// layer's MLP block over row chunks of the 2 x 24 = 48 tokens. Chunk sizes that divide 48 and
+// that do not (a short last chunk, down to one row), in models where every group trains and
+// where the MLP's linears are frozen (only the norms and the embedding train), against the
+// same model unchunked and without checkpointing.
+//
+// Tolerance: elementwise |chunked - unchunked| <= 1e-5·|unchunked| + 4e-6·max|unchunked| per
+// tensor. Chunking changes only the order of fp32 sums: the MLP weights' gradients are summed
+// over chunks instead of inside one GEMM, and GEMMs over fewer rows may block their sums
+// differently; the ulp-sized changes then travel through the rest of the backward. An element
+// that cancels to far below its tensor's scale keeps the absolute error of those sums, hence the
+// second term: measured at most 1.2e-6·max (k_norm, 48 one-row chunks, LibTorch 2.x on 2 CPU
+// threads). A chunk skipped in the recompute or in the forward fails it by orders of magnitude
+// (tried: a sixth to a half of each MLP weight gradient goes missing, and the residual gradient
+// or the output of those rows is wrong).
+TEST(Qwen3Model, MlpChunkedRecomputeMatchesUnchunked) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  const ModelInputs in = fixture_inputs(e);
+  TrainableSpec frozen_mlp;
+  frozen_mlp.projections = false;
+  frozen_mlp.norms = true;
+  frozen_mlp.embeddings = true;
+  for (const TrainableSpec& ts : {TrainableSpec::everything(), frozen_mlp}) {
+    ModelOptions base = fp32_all(true);
+    base.trainable = ts;
+    Qwen3Model ref = Qwen3Model::load(cfg, w, base);
+    at::Tensor lr;
+    const auto gr = run_backward(ref, in, &lr);
+    for (int64_t chunk : {16, 20, 7, 1, 47, 48}) {
+      SCOPED_TRACE("chunk " + std::to_string(chunk) + (ts.projections ? "" : ", frozen MLP"));
+      ModelOptions o = base;
+      o.mlp_chunk_tokens = chunk;
+      Qwen3Model m = Qwen3Model::load(cfg, w, o);
+      at::Tensor lc;
+      const auto gc = run_backward(m, in, &lc);
+      EXPECT_CLOSE(lc, lr, 1e-5, 0.0, "loss");
+      for (const auto& [name, want] : gr) {
+        ASSERT_EQ(gc.at(name).defined(), want.defined()) << name;
+        if (!want.defined()) continue;
+        const double scale = want.abs().max().item<double>();
+        EXPECT_CLOSE(gc.at(name), want, 1e-5, 4e-6 * scale, name);
+      }
+    }
+  }
+}
+
 // Recompute by memory budget: only the first layer recomputes (the second keeps its graph), and
 // the choice may change between steps on the same model.
 TEST(Qwen3Model, RecomputingSomeLayersGivesIdenticalGradients) {
@@ -755,6 +802,62 @@ TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
             estimate_memory(cfg, cpu_resident, 2, 64, true, accum).total_bytes());
 }
 
+// ModelOptions::mlp_chunk_tokens in the estimate, at Qwen3-4B shapes on CUDA (bf16 varlen
+// path) with one sequence of 131,072 tokens, every layer recomputed with its input on the host
+// and in-backward updates: the layer backward is the peak phase. Unchunked its largest step is
+// the MLP block's, which holds the recomputed MLP graph (2H + 3I values and an fp32 norm scale
+// per token) and three (tokens, I) SwiGLU gradients beside two boundary gradients. Chunked, the
+// attention block's backward is the larger step: hs's gradient, hs and the incoming gradient
+// (3 boundaries) with FlashAttention-2's working tensors (4 q_dim + 2 kv_dim values with GQA,
+// an fp32 q_dim accumulator and NH fp32 softmax sums per token). Per token the layer backward
+// loses (2H + 3I)·2 + 4 + 3I·2 - H·2 - attention work bytes, exactly; the gradients gain the
+// MLP taps' seeds (every MLP weight, bf16) in place of the held down-projection seed. The
+// checkpointed forward's transient drops from the MLP's (2H + 3I) values per token to the
+// attention block's (H + 2 q_dim + 2 kv_dim). A layer of no more tokens than a chunk is not
+// chunked.
+TEST(Qwen3Model, MemoryEstimateOfChunkedMlpRecompute) {
+  const auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  ModelOptions o;
+  o.master_dtype = at::kHalf;
+  o.compute_dtype = at::kBFloat16;
+  o.device = at::Device(at::kCUDA, 0);
+  o.trainable = TrainableSpec::everything();
+  o.offload_layer_inputs = true;
+  GradientLifetime ib;
+  ib.applied_in_backward = true;
+  const int64_t T = 131072, H = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim(), NH = cfg.num_attention_heads;
+  auto estimate = [&](int64_t chunk, int64_t tokens) {
+    ModelOptions c = o;
+    c.mlp_chunk_tokens = chunk;
+    return estimate_memory(cfg, c, 1, tokens, true, ib);
+  };
+  const MemoryEstimate whole = estimate(0, T), chunked = estimate(8192, T);
+  const MemoryPhase* lb_whole = whole.phase(MemoryPhaseKind::kLayerBackward);
+  const MemoryPhase* lb_chunked = chunked.phase(MemoryPhaseKind::kLayerBackward);
+  ASSERT_NE(lb_whole, nullptr);
+  ASSERT_NE(lb_chunked, nullptr);
+  EXPECT_EQ(whole.phases[whole.peak_phase].kind, MemoryPhaseKind::kLayerBackward);
+  EXPECT_EQ(chunked.phases[chunked.peak_phase].kind, MemoryPhaseKind::kLayerBackward);
+  const int64_t attention_work = 2 * (4 * QD + 2 * KVD) + 4 * QD + 4 * NH;
+  const int64_t saved_per_token = (2 * H + 3 * I) * 2 + 4 + 3 * I * 2 - H * 2 - attention_work;
+  EXPECT_EQ(lb_whole->activation_bytes - lb_chunked->activation_bytes, T * saved_per_token);
+  EXPECT_GT(saved_per_token * T, int64_t{8} << 30);  // 8.4 GiB of a 21.9 GiB phase
+  const int64_t mlp_taps = 3 * H * I + H, down = H * I;
+  EXPECT_EQ(lb_chunked->grad_bytes - lb_whole->grad_bytes, 2 * (mlp_taps - down));
+  EXPECT_LT(chunked.total_bytes(), whole.total_bytes() - (int64_t{8} << 30));
+  // While the attention step is the larger one, the chunk size does not change the peak; a chunk
+  // of half the sequence makes the MLP step the larger one again.
+  EXPECT_EQ(estimate(4096, T).total_bytes(), chunked.total_bytes());
+  EXPECT_GT(estimate(65536, T).total_bytes(), chunked.total_bytes());
+  // The checkpointed forward's transient.
+  EXPECT_EQ(whole.phase(MemoryPhaseKind::kForward)->activation_bytes -
+                chunked.phase(MemoryPhaseKind::kForward)->activation_bytes,
+            T * 2 * ((2 * H + 3 * I) - (H + 2 * QD + 2 * KVD)));
+  EXPECT_EQ(estimate(8192, 8192).total_bytes(), estimate(0, 8192).total_bytes());
+  EXPECT_LT(estimate(8192, 16384).total_bytes(), estimate(0, 16384).total_bytes());
+}
+
 TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   cfg.tie_word_embeddings = true;
@@ -887,15 +990,20 @@ TEST(Qwen3Model, PackedLossAndGradientsEqualUnpacked) {
 
 // The in-backward hook hands over every trainable parameter exactly once per backward, with the
 // same gradient the buffered run leaves in Parameter::grad, and frees it afterwards; with and
-// without checkpointing (where the taps enter the graph only in the recompute).
+// without checkpointing (where the taps enter the graph only in the recompute), and with the
+// recompute's MLP in row chunks (each MLP weight's gradient summed over 3 chunks of 20, 20 and 8
+// tokens before its tap delivers it once).
 TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   DatReader w(kWeights), e(kExpected);
   const ModelInputs in = fixture_inputs(e);
-  for (bool ckpt : {true, false}) {
-    Qwen3Model ref = Qwen3Model::load(cfg, w, fp32_all(ckpt));
+  for (const int64_t mode : {0, 1, 2}) {
+    ModelOptions o = fp32_all(/*checkpointing=*/mode != 2);
+    if (mode == 1) o.mlp_chunk_tokens = 20;
+    SCOPED_TRACE(mode == 0 ? "checkpointing" : mode == 1 ? "chunked MLP" : "no checkpointing");
+    Qwen3Model ref = Qwen3Model::load(cfg, w, o);
     const auto want = run_backward(ref, in);
-    Qwen3Model m = Qwen3Model::load(cfg, w, fp32_all(ckpt));
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
     std::map<std::string, at::Tensor> got;
     std::map<std::string, int> calls;
     m.set_grad_ready_hook([&](Parameter& p) {
@@ -908,9 +1016,9 @@ TEST(Qwen3Model, GradReadyHookDeliversEachCompleteGradientOnce) {
       m.loss(in).loss.backward();
       for (const auto& p : m.parameters()) {
         if (!p.trainable) continue;
-        EXPECT_EQ(calls[p.name], 1) << p.name << " ckpt " << ckpt;
+        EXPECT_EQ(calls[p.name], 1) << p.name;
         EXPECT_FALSE(p.grad.defined()) << p.name << ": freed after the hook";
-        EXPECT_TRUE(at::equal(got[p.name], want.at(p.name))) << p.name << " ckpt " << ckpt;
+        EXPECT_TRUE(at::equal(got[p.name], want.at(p.name))) << p.name;
       }
     }
   }

@@ -417,8 +417,9 @@ TEST(Config, TableIsConsistent) {
   for (const auto& f : config_fields(c)) {
     EXPECT_TRUE(keys.insert(f.key).second) << "duplicate key " << f.key;
     EXPECT_FALSE(f.doc.empty()) << f.key;
-    const bool numeric =
-        std::holds_alternative<int64_t*>(f.ptr) || std::holds_alternative<double*>(f.ptr);
+    const bool numeric = std::holds_alternative<int64_t*>(f.ptr) ||
+                         std::holds_alternative<double*>(f.ptr) ||
+                         std::holds_alternative<IntOrAuto*>(f.ptr);
     if (!numeric) {
       EXPECT_TRUE(f.range.empty()) << f.key << ": a range on a non-numeric field";
     }
@@ -443,7 +444,47 @@ TEST(Config, TableIsConsistent) {
     if (const auto* p = std::get_if<double*>(&f.ptr)) {
       EXPECT_TRUE(f.range.contains(**p)) << f.key;
     }
+    if (const auto* p = std::get_if<IntOrAuto*>(&f.ptr); p && (*p)->value) {
+      EXPECT_TRUE(f.range.contains(static_cast<double>(*(*p)->value))) << f.key;
+    }
   }
+}
+
+// train.mlp_chunk_tokens: auto or an integer >= 0; auto chunks by 8192 tokens only past 16,384
+// tokens a micro-batch.
+TEST(Config, MlpChunkTokensIsAnIntegerOrAuto) {
+  const std::string base = kMinimal;
+  Config c = parse(base);
+  EXPECT_TRUE(c.train.mlp_chunk_tokens.is_auto());
+  EXPECT_EQ(resolved_mlp_chunk_tokens(c), 0);  // 4 x 256 tokens
+  c = parse(base, {parse_override("train.batch_size=1"), parse_override("train.seq_len=131072")});
+  EXPECT_EQ(resolved_mlp_chunk_tokens(c), kAutoMlpChunkTokens);
+  c = parse(base, {parse_override("train.batch_size=16"), parse_override("train.seq_len=1024")});
+  EXPECT_EQ(resolved_mlp_chunk_tokens(c), 0);  // exactly 16,384: one pass
+  c = parse(base, {parse_override("train.mlp_chunk_tokens=4096")});
+  EXPECT_EQ(c.train.mlp_chunk_tokens.value, std::optional<int64_t>(4096));
+  EXPECT_EQ(resolved_mlp_chunk_tokens(c), 4096);
+  c = parse(base + "train: {mlp_chunk_tokens: 0}\n",
+            {parse_override("train.batch_size=1"), parse_override("train.seq_len=131072")});
+  EXPECT_EQ(resolved_mlp_chunk_tokens(c), 0);
+  EXPECT_EQ(parse(config_to_yaml(c)).train.mlp_chunk_tokens.value, std::optional<int64_t>(0));
+  EXPECT_TRUE(contains(config_to_yaml(parse(base)), "mlp_chunk_tokens: auto"));
+  std::string msg = error_of(base + "train: {mlp_chunk_tokens: -1}\n");
+  EXPECT_TRUE(contains(msg,
+                       "config key train.mlp_chunk_tokens (test.yaml line 8): expected >= 0, "
+                       "found -1"))
+      << msg;
+  msg = error_of(base, {parse_override("train.mlp_chunk_tokens=some")});
+  EXPECT_TRUE(contains(msg, "train.mlp_chunk_tokens (from --set): expected an integer or auto"))
+      << msg;
+  // Without recomputed layers it has nothing to chunk (auto may resolve to no recompute).
+  EXPECT_EQ(error_of(base, {parse_override("train.mlp_chunk_tokens=512"),
+                            parse_override("train.gradient_checkpointing=false")}),
+            "");
+  // Configs built in code get the range check from validate_config.
+  c = parse(base);
+  c.train.mlp_chunk_tokens.value = -5;
+  EXPECT_THROW(validate_config(c), ConfigError);
 }
 
 // Enumerated strings become enums once; to_string gives the YAML spelling back.

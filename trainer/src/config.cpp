@@ -409,11 +409,14 @@ std::string FieldRef::type_name() const {
           return is_path ? "list of paths" : "list of strings";
         }
         if constexpr (std::is_same_v<T, LayerSelection>) return "layers";
+        if constexpr (std::is_same_v<T, IntOrAuto>) return "int or auto";
         if constexpr (std::is_enum_v<T>) return "enum";
         return "";
       },
       ptr);
 }
+
+std::string IntOrAuto::to_string() const { return value ? std::to_string(*value) : "auto"; }
 
 // ---------------------------------------------------------------------------------------------
 // LayerSelection
@@ -580,6 +583,11 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.offload_layer_inputs", &c.train.offload_layer_inputs,
             "CUDA: recomputed layers keep their input in pinned host memory instead of the GPU "
             "(long context); gradient_checkpointing auto turns it on when the budget needs it"),
+      field("train.mlp_chunk_tokens", &c.train.mlp_chunk_tokens,
+            "recomputed layers run their MLP block over row chunks of this many of the "
+            "micro-batch's tokens (less memory at long context; 0: one pass; auto: 8192 when "
+            "batch_size x seq_len is over 16384, else 0)",
+            R::at_least(0)),
       field("train.steps", &c.train.steps, "optimizer steps (leave out when train.epochs is set)",
             R::at_least(0), {"max_steps", "num_steps", "total_steps", "iters"}),
       // Upper bound: a safety net against absurd settings; 1e6 passes over any data is never
@@ -856,6 +864,17 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
           *ptr = read_string_list(f.key, cur, src);
         } else if constexpr (std::is_same_v<T, LayerSelection>) {
           *ptr = read_layers(f.key, cur, src);
+        } else if constexpr (std::is_same_v<T, IntOrAuto>) {
+          if (cur.IsScalar() && trim(cur.Scalar()) == "auto") {
+            ptr->value.reset();
+          } else {
+            int64_t v = 0;
+            if (!cur.IsScalar() || !parse_int(trim(cur.Scalar()), &v)) {
+              type_error(f.key, cur, src, "an integer or auto");
+            }
+            check_range(f, v, where(cur, src));
+            ptr->value = v;
+          }
         } else {
           static_assert(std::is_enum_v<T>);
           if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));
@@ -1016,6 +1035,9 @@ void validate_config(const Config& c) {
   for (const auto& f : config_fields(copy)) {
     if (const auto* p = std::get_if<int64_t*>(&f.ptr)) check_range(f, **p, "");
     if (const auto* p = std::get_if<double*>(&f.ptr)) check_range(f, **p, "");
+    if (const auto* p = std::get_if<IntOrAuto*>(&f.ptr); p && (*p)->value) {
+      check_range(f, *(*p)->value, "");
+    }
   }
 
   const auto& m = c.model;
@@ -1280,6 +1302,12 @@ std::string config_to_yaml(const Config& c_in) {
             }
           } else if constexpr (std::is_same_v<T, double>) {
             out << fmt_float(*ptr);
+          } else if constexpr (std::is_same_v<T, IntOrAuto>) {
+            if (ptr->value) {
+              out << *ptr->value;
+            } else {
+              out << "auto";
+            }
           } else {
             out << *ptr;
           }
@@ -1330,6 +1358,8 @@ std::string md_default(const FieldRef& f) {
         } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
           return "`[" + join(*p, ", ") + "]`";
         } else if constexpr (std::is_same_v<T, LayerSelection>) {
+          return "`" + p->to_string() + "`";
+        } else if constexpr (std::is_same_v<T, IntOrAuto>) {
           return "`" + p->to_string() + "`";
         } else {
           return "`" + std::string(enum_name(*p)) + "`";
@@ -1435,6 +1465,11 @@ void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
     c.train.gradient_checkpointing = Recompute::kTrue;
     c.train.recompute_layers = n >= num_layers ? -1 : n;
   }
+}
+
+int64_t resolved_mlp_chunk_tokens(const Config& c) {
+  if (c.train.mlp_chunk_tokens.value) return *c.train.mlp_chunk_tokens.value;
+  return c.train.batch_size * c.train.seq_len > kAutoMlpChunkAboveTokens ? kAutoMlpChunkTokens : 0;
 }
 
 bool in_backward_updates(const Config& c) {

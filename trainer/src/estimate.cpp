@@ -168,6 +168,7 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
                                  bool separate_lm_head, int64_t free_bytes) {
   RecomputeChoice r;
   r.layers = mc.num_hidden_layers;
+  r.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   if (c.guard.max_gpu_gb > 0) {
     r.budget_bytes = static_cast<int64_t>(c.guard.max_gpu_gb * 1e9);
     r.budget_source = "guard.max_gpu_gb";
@@ -201,6 +202,9 @@ std::string RecomputeChoice::describe() const {
                                                  recompute_layers, layers);
   if (offload_layer_inputs) {
     what += fmt::format(", their inputs in pinned host memory ({:.1f} GiB)", to_gib(host_bytes));
+  }
+  if (recompute_layers > 0 && mlp_chunk_tokens > 0) {
+    what += fmt::format(", their MLP in chunks of {} tokens", mlp_chunk_tokens);
   }
   return fmt::format(
       "gradient checkpointing auto: {} (estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB "

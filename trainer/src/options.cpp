@@ -101,6 +101,7 @@ model::ModelOptions model_options(const Config& c) {
       break;
   }
   o.offload_layer_inputs = o.gradient_checkpointing && c.train.offload_layer_inputs;
+  o.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   o.fake_quant = c.model.fake_quant;
   o.offload_masters = c.optim.offload == Offload::kAll;
   if (c.train.method == TrainMethod::kLora) {

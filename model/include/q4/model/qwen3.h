@@ -81,6 +81,15 @@ struct ModelOptions {
   // back before its recompute) instead of on the device: long context, where the L layer inputs
   // are the largest activation term. No effect on the CPU or on layers that keep activations.
   bool offload_layer_inputs = false;
+  // A recomputed layer's MLP block runs over row chunks of this many of the layer's B*T tokens,
+  // in its forward (no graph) and in its recompute, when the layer has more tokens than that
+  // (0: never). The MLP is token-wise: each chunk's post_attention_layernorm -> gate/up ->
+  // SwiGLU -> down projection is run and back-propagated alone, so only one chunk's (chunk, I)
+  // tensors and their gradients exist, not the layer's (tokens, I) ones; the MLP weights'
+  // gradients are summed over the chunks in fp32 and each delivered once through its tap
+  // (docs/model.md#gradient-checkpointing). Results equal the unchunked ones up to the order of
+  // those sums.
+  int64_t mlp_chunk_tokens = 0;
   // NVFP4 linears compute with fake_quant(master) and train straight through it (QAT). false:
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).

@@ -84,6 +84,13 @@ struct LayerSelection {
   std::vector<int64_t> resolve(int64_t num_layers) const;
 };
 
+// An integer setting the trainer may choose itself: `auto`, or a value within the field's range.
+struct IntOrAuto {
+  std::optional<int64_t> value;  // nullopt: auto
+  bool is_auto() const { return !value.has_value(); }
+  std::string to_string() const;  // "auto" or the integer
+};
+
 struct ModelConfig {
   std::string dir;                  // HF model directory holding config.json (and tokenizer.json)
   std::string config;               // config.json path; default <dir>/config.json
@@ -123,6 +130,9 @@ struct TrainConfig {
   // CUDA: recomputed layers keep their input in pinned host memory (long context); auto turns
   // it on when every layer recomputed is still over the budget.
   bool offload_layer_inputs = false;
+  // Recomputed layers run their MLP over row chunks of this many tokens (docs/trainer.md#
+  // recompute-by-memory-budget); 0: never; auto: resolved_mlp_chunk_tokens().
+  IntOrAuto mlp_chunk_tokens;
   int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
@@ -276,10 +286,10 @@ struct Config {
 // One field of the config tree, as seen by parser, printer and docs.
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
-                 InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*, optim::MasterRounding*,
-                 InBackward*, Recompute*, Offload*, optim::LrScheduleKind*, data::DataFormat*, data::OnError*,
-                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
-                 PreferenceLossKind*>;
+                 IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
+                 optim::MasterRounding*, InBackward*, Recompute*, Offload*, optim::LrScheduleKind*,
+                 data::DataFormat*, data::OnError*, Truncation*, ProgressStyle*, HfExport*,
+                 ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -368,6 +378,21 @@ bool in_backward_updates(const Config& c);
 // inputs offloaded or not; how auto is resolved.
 void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
                           bool offload_layer_inputs = false);
+// train.mlp_chunk_tokens with auto resolved: chunks of kAutoMlpChunkTokens when a micro-batch
+// (train.batch_size x train.seq_len) has more than kAutoMlpChunkAboveTokens tokens, else 0.
+int64_t resolved_mlp_chunk_tokens(const Config& c);
+// The numbers, at Qwen3-4B shapes (H 2560, I 9728, bf16; model/src/memory_estimate.cpp): a
+// chunk's MLP working set (its graph less the input rows it views, and the three SwiGLU
+// gradients) is 119 KiB a token, 0.93 GiB for 8192 tokens, and chunking adds 0.37 GiB of fp32
+// gradient sums and one chunk's gradients for the MLP weights. The attention block's backward
+// step (67 KiB a token beyond the graph both steps hold) is then the layer's larger step from
+// 2.3 chunks on, ~19k tokens: smaller chunks save nothing more there, larger ones would stay the
+// peak to proportionally longer sequences. At 16,384 tokens the unchunked MLP step is 2.1 GiB and
+// chunks would save 0.9 GiB of it, less the 0.37 GiB, with the MLP backward's GEMMs split; at
+// 131,072 they save 8.4 GiB. Up to 16,384 tokens (the shipped recipes' batches) the MLP is one
+// pass, whose CPU fp32 gradients are bit-identical to no recompute.
+constexpr int64_t kAutoMlpChunkTokens = 8192;
+constexpr int64_t kAutoMlpChunkAboveTokens = 16384;
 
 }  // namespace q4::trainer
 

@@ -94,6 +94,7 @@ struct RecomputeChoice {
   int64_t recompute_layers = 0;  // the first N recompute (0: none, `layers`: every one)
   bool offload_layer_inputs = false;  // every layer recomputes and keeps its input on the host
   int64_t host_bytes = 0;             // pinned host memory of the offloaded inputs
+  int64_t mlp_chunk_tokens = 0;       // recomputed layers' MLP chunks (0: one pass)
   int64_t estimate_bytes = 0;    // the estimate with that choice
   int64_t budget_bytes = 0;      // guard.max_gpu_gb or the device's free memory
   int64_t usable_bytes = 0;      // the budget less the margin; the estimate must fit it
