@@ -2,9 +2,10 @@
 // probe next to the allocator's measurements. Persistent terms (trainable masters, frozen weights
 // in the compute dtype) plus the largest of the step's phases, each counted from what this
 // implementation allocates: checkpointed layer inputs alive at that point (or every layer's saved
-// tensors without checkpointing), the loss chunk's logits block and the lm_head's compute weight
-// and gradient (loss phases), one recomputed layer's graph (layer backward), and the gradients
-// that exist then (all of them on the buffered path, one at a time with in-backward updates).
+// tensors without checkpointing, or one block's for a layer that keeps it), the loss chunk's
+// logits block and the lm_head's compute weight and gradient (loss phases), one recomputed
+// layer's graph (layer backward), and the gradients that exist then (all of them on the buffered
+// path, one at a time with in-backward updates). layer_keep_costs prices keeping one block.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -28,6 +29,64 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// Whether linear parameter `p` reaches a layer's graph as a compute-dtype weight that its linear
+// saves beyond what the model stores: a trainable NVFP4 linear's tap output, an adapted linear's
+// dequantized or merged weight. Frozen weights are saved as the stored tensors themselves.
+bool saves_compute_weight(const ParamSpec& p, const ModelOptions& opt, int64_t num_layers,
+                          bool tied) {
+  if (opt.lora.adapts(p, opt.trainable, num_layers)) return true;
+  return p.kind == ParamKind::kQuantizedLinear && opt.trainable.trains(p, num_layers, tied);
+}
+
+bool in_mlp_block(const ParamSpec& p) {
+  return p.name.find(".mlp.") != std::string::npos ||
+         ends_with(p.name, ".post_attention_layernorm.weight");
+}
+
+// Bytes per token that one decoder layer's graph saves besides its input, by block, as this
+// implementation allocates them. Attention: the input norm's output, then the attention's
+// tensors; fp32 per-row RMSNorm scales (input norm, q/k per head) and the attention log-sum-exp
+// (attention probabilities are never kept). MLP: its input hs (the post-attention norm's input),
+// that norm's output and the gate/up/product (2H + 3I), the norm's fp32 scale.
+struct LayerActivations {
+  // The trainer's batches carry cu_seqlens: on CUDA with 16-bit compute (LibTorch >= 2.4) the
+  // layers take the variable-length FlashAttention path with the fused RMSNorm/RoPE kernels.
+  bool varlen = false;
+  bool gqa = false;  // fewer KV heads than query heads
+  int64_t attn_per_token = 0;
+  int64_t mlp_per_token = 0;
+};
+
+LayerActivations layer_activations(const Qwen3Config& cfg, const ModelOptions& opt) {
+  const int64_t cs = static_cast<int64_t>(c10::elementSize(opt.compute_dtype));
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim(), D = cfg.head_dim;
+  const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads;
+  const bool cuda = opt.device.is_cuda();
+  LayerActivations a;
+  a.varlen = cuda && cs == 2 && D % 8 == 0 && D <= 256;
+  a.gqa = KVH != NH;
+  int64_t attn = 0;
+  if (a.varlen) {
+    // q and k: projection output (the norm's input) and RoPE output; v; the attention output.
+    attn = 3 * QD + 3 * KVD;
+  } else {
+    // ATen RoPE keeps its input and rotate_half(x) too; SDPA sees K/V repeated to every query
+    // head (GQA) and keeps its output beside the (tokens, q_dim) copy o_proj reads.
+    attn = 6 * QD + 3 * KVD + (a.gqa ? 2 * QD : 2 * KVD);
+  }
+  a.attn_per_token = cs * (H + attn) + 4 * (1 + 2 * NH + KVH);
+  a.mlp_per_token = cs * (2 * H + 3 * I) + 4;
+  if (!cuda) {
+    // The ATen reference RMSNorm also keeps its fp32 input and its normalized value (in fp32
+    // compute, the input itself and the fp32 product), SwiGLU silu(gate).
+    auto ref_norm = [&](int64_t width) { return 4 * width + (cs == 4 ? 0 : cs * width); };
+    a.attn_per_token += ref_norm(H + QD + KVD);
+    a.mlp_per_token += ref_norm(H) + cs * I;
+  }
+  return a;
+}
+
 }  // namespace
 
 const char* memory_phase_name(MemoryPhaseKind kind) { return io::enum_name(kind); }
@@ -42,7 +101,7 @@ const MemoryPhase* MemoryEstimate::phase(MemoryPhaseKind kind) const {
 MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
                                int64_t seq_len, bool include_lm_head,
                                const GradientLifetime& grads) {
-  opt.validate();
+  opt.validate(cfg.num_hidden_layers);
   opt.trainable.validate(cfg.num_hidden_layers);
   TORCH_CHECK(grads.accumulation_steps >= 1,
               "GradientLifetime.accumulation_steps: expected >= 1, got ", grads.accumulation_steps);
@@ -53,7 +112,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   const int64_t H = cfg.hidden_size, I = cfg.intermediate_size, V = cfg.vocab_size;
   const int64_t L = cfg.num_hidden_layers;
   const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim();
-  const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads;
+  const int64_t NH = cfg.num_attention_heads;
   const bool tied = !include_lm_head;
   const bool in_backward = grads.applied_in_backward;
   const bool cuda = opt.device.is_cuda();
@@ -76,19 +135,15 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // plain adapters' A and B; the norm's too), and of the down projection's weight tap, whose
   // gradient the checkpoint forms by hand.
   std::vector<int64_t> mlp_tapped(L, 0), down_tapped(L, 0);
-  auto weight_elems = [&](const ParamSpec& p) -> std::vector<int64_t>& {
-    return p.name.find(".mlp.") != std::string::npos ? mlp_weight_elems : attn_weight_elems;
-  };
-  auto in_mlp = [](const ParamSpec& p) {
-    return p.name.find(".mlp.") != std::string::npos ||
-           ends_with(p.name, ".post_attention_layernorm.weight");
-  };
   int64_t head_elems = 0;  // gradients produced by the loss: lm_head (untied) and the final norm
   int64_t embed_elems = 0;
   int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
   bool lm_trains = false;
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     const int64_t n = p.numel();
+    if (p.layer >= 0 && saves_compute_weight(p, opt, L, tied)) {
+      (in_mlp_block(p) ? mlp_weight_elems : attn_weight_elems)[p.layer] += n;
+    }
     if (opt.lora.adapts(p, ts, L)) {
       // Frozen as NVFP4 codes; the adapter's A and B train. The forward's weight (merged and
       // fake-quantized, or dequantized) is a compute-dtype tensor like a trained linear's tap.
@@ -99,11 +154,10 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       resident_grad_bytes += a * gs;
       if (p.layer >= 0) {
         layer_elems[p.layer] += a;
-        weight_elems(p)[p.layer] += n;
         layer_largest[p.layer] = std::max(layer_largest[p.layer], a);
         // Merge-aware: the tap is the merged (out, in) weight; plain: A and B themselves.
         const int64_t tap = opt.lora.merge_aware ? n : a;
-        if (in_mlp(p)) mlp_tapped[p.layer] += tap;
+        if (in_mlp_block(p)) mlp_tapped[p.layer] += tap;
         if (opt.lora.merge_aware && ends_with(p.name, ".mlp.down_proj.weight")) {
           down_tapped[p.layer] = n;
         }
@@ -127,8 +181,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     }
     if (p.layer >= 0) {
       layer_elems[p.layer] += n;
-      if (p.kind == ParamKind::kQuantizedLinear) weight_elems(p)[p.layer] += n;
-      if (in_mlp(p)) mlp_tapped[p.layer] += n;
+      if (in_mlp_block(p)) mlp_tapped[p.layer] += n;
       if (ends_with(p.name, ".mlp.down_proj.weight")) down_tapped[p.layer] = n;
       layer_largest[p.layer] = std::max(layer_largest[p.layer], n);
     } else if (p.group == ParamGroup::kEmbedding) {
@@ -151,38 +204,13 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
 
   const int64_t tokens = batch * seq_len;
   const int64_t boundary = tokens * H * cs;  // a layer input/output
-  // The trainer's batches carry cu_seqlens: on CUDA with 16-bit compute (LibTorch >= 2.4) the
-  // layers take the variable-length FlashAttention path with the fused RMSNorm/RoPE kernels.
-  const int64_t D = cfg.head_dim;
-  const bool varlen = cuda && cs == 2 && D % 8 == 0 && D <= 256;
-  const bool gqa = KVH != NH;
-  // Saved by one layer's graph per token besides its input, in the compute dtype, by block.
-  // Attention: the input norm's output, then the attention's tensors; fp32 per-row RMSNorm
-  // scales (input norm, q/k per head) and the attention log-sum-exp. Attention probabilities are
-  // never kept. MLP: its input hs (the post-attention norm's input), that norm's output and the
-  // gate/up/product (2H + 3I), the norm's fp32 scale.
-  int64_t attn = 0;
-  if (varlen) {
-    // q and k: projection output (the norm's input) and RoPE output; v; the attention output.
-    attn = 3 * QD + 3 * KVD;
-  } else {
-    // ATen RoPE keeps its input and rotate_half(x) too; SDPA sees K/V repeated to every query
-    // head (GQA) and keeps its output beside the (tokens, q_dim) copy o_proj reads.
-    attn = 6 * QD + 3 * KVD + (gqa ? 2 * QD : 2 * KVD);
-  }
-  int64_t attn_per_token = cs * (H + attn) + 4 * (1 + 2 * NH + KVH);
-  int64_t mlp_per_token = cs * (2 * H + 3 * I) + 4;
-  if (!cuda) {
-    // The ATen reference RMSNorm also keeps its fp32 input and its normalized value (in fp32
-    // compute, the input itself and the fp32 product), SwiGLU silu(gate).
-    auto ref_norm = [&](int64_t width) { return 4 * width + (cs == 4 ? 0 : cs * width); };
-    attn_per_token += ref_norm(H + QD + KVD);
-    mlp_per_token += ref_norm(H) + cs * I;
-  }
+  const LayerActivations acts = layer_activations(cfg, opt);
+  const bool varlen = acts.varlen, gqa = acts.gqa;
+  const int64_t attn_per_token = acts.attn_per_token, mlp_per_token = acts.mlp_per_token;
   // MLP chunks (ModelOptions::mlp_chunk_tokens) in a checkpoint's forward and recompute.
   const bool chunked = opt.mlp_chunk_tokens > 0 && tokens > opt.mlp_chunk_tokens;
   const int64_t chunk_rows = chunked ? opt.mlp_chunk_tokens : tokens;
-  // Largest transient of a layer forward without grad (checkpointed), beyond its input: the
+  // Largest transient of a block's forward without grad (checkpointed), beyond its input: the
   // attention block's q/k (projection and norm or RoPE output), v and the input norm's output
   // (K/V also repeated for SDPA with GQA); the MLP's (rows, I) gate/up/product beside its input
   // and the norm output, per chunk when chunked (its input and output then (tokens, H) each).
@@ -190,7 +218,6 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       tokens * cs * (H + 2 * QD + 2 * KVD + (!varlen && gqa ? 2 * QD : 0));
   const int64_t mlp_forward_work = chunked ? tokens * cs * 2 * H + chunk_rows * cs * (2 * H + 3 * I)
                                            : tokens * cs * (2 * H + 3 * I);
-  const int64_t layer_forward_work = std::max(attn_forward_work, mlp_forward_work);
   // The attention block's backward working tensors besides its saved graph: FlashAttention-2's
   // varlen backward takes the output's gradient and allocates dq, an fp32 dq accumulator and
   // per-row fp32 softmax sums, and with GQA dk/dv for every query head before reducing them to
@@ -202,13 +229,27 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // A layer's block graphs: saved activations plus the compute-dtype weights its linears keep.
   auto attn_graph = [&](int64_t l) { return tokens * attn_per_token + attn_weight_elems[l] * cs; };
   auto mlp_graph = [&](int64_t l) { return tokens * mlp_per_token + mlp_weight_elems[l] * cs; };
-  // A recomputed layer's input offloaded to pinned host memory takes no device memory.
+  auto mode = [&](int64_t l) { return opt.layer_recompute(l, L); };
+  // A checkpointed layer input (whole layer or attention block) offloaded to pinned host memory
+  // takes no device memory.
   const bool offload_inputs = cuda && opt.offload_layer_inputs;
+  const int64_t ckpt_input = offload_inputs ? 0 : boundary;
   // What layer l holds on the device from its forward until its backward: the whole graph and
-  // its input, or (recomputed) its input alone.
-  auto held = [&](int64_t l) {
-    if (!opt.recomputes(l)) return boundary + attn_graph(l) + mlp_graph(l);
-    return offload_inputs ? int64_t{0} : boundary;
+  // its input; recomputed, its input alone; keeping one block, that block's graph with the
+  // layer input (saved by the attention graph or the attention checkpoint) and, keeping the
+  // attention block, hs (the MLP checkpoint's input).
+  auto held = [&](int64_t l) -> int64_t {
+    switch (mode(l)) {
+      case LayerRecompute::kNone:
+        return boundary + attn_graph(l) + mlp_graph(l);
+      case LayerRecompute::kLayer:
+        return ckpt_input;
+      case LayerRecompute::kAttention:
+        return ckpt_input + mlp_graph(l);
+      case LayerRecompute::kMlp:
+        return boundary + attn_graph(l) + boundary;
+    }
+    return 0;
   };
   // Saved activations of layers [0, n).
   auto saved_below = [&](int64_t n) {
@@ -216,10 +257,18 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     for (int64_t l = 0; l < n; ++l) s += held(l);
     return s;
   };
-  for (int64_t l = 0; offload_inputs && l < L; ++l) {
-    if (opt.recomputes(l)) est.host_bytes += boundary;
+  // The largest checkpointed forward transient of any layer.
+  int64_t layer_forward_work = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerRecompute m = mode(l);
+    if (m == LayerRecompute::kLayer || m == LayerRecompute::kAttention) {
+      layer_forward_work = std::max(layer_forward_work, attn_forward_work);
+      if (offload_inputs) est.host_bytes += boundary;
+    }
+    if (m == LayerRecompute::kLayer || m == LayerRecompute::kMlp) {
+      layer_forward_work = std::max(layer_forward_work, mlp_forward_work);
+    }
   }
-  const bool any_recomputed = L > 0 && opt.recomputes(0);
 
   // Loss head: final-norm output rows gathered for the lm_head (every token is an upper bound
   // of the supervised rows), the lm_head in the compute dtype (a fresh tap output when it
@@ -246,8 +295,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   const int64_t all_saved = saved_below(L);
   // Forward: every layer's saved activations (the last layer's output is the final norm's input)
   // and, checkpointed, one layer's forward transients.
-  add(MemoryPhaseKind::kForward, carry,
-      all_saved + boundary + (any_recomputed ? layer_forward_work : 0), 0);
+  add(MemoryPhaseKind::kForward, carry, all_saved + boundary + layer_forward_work, 0);
   // Loss forward: the chunked cross-entropy computes its gradients here, from the logits block
   // that gives the loss: the final norm's saved input and its output (alive in loss()), the
   // hidden rows and their gradient, the lm_head weight and its gradient being accumulated
@@ -267,38 +315,50 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // every layer's above l plus all of layer l's. A layer's backward has two steps, the larger
   // counts:
   // - the MLP block's: the incoming and outgoing boundary gradients and the SwiGLU's (rows, I)
-  //   gradients (its output's, held as a seed when checkpointing, and its two inputs'). The
-  //   checkpoint's hand-seeded down projection holds its weight gradient until the layer is
-  //   done. Chunked, the attention graph and hs with one chunk's MLP graph and gradients, hs's
-  //   gradient (tokens, H), and the fp32 sums of the MLP weights' gradients beside one chunk's.
+  //   gradients (its output's, held as a seed when recomputed, and its two inputs'). The
+  //   recompute's hand-seeded down projection holds its weight gradient until the block is
+  //   done. Chunked, hs, the incoming gradient and hs's, with one chunk's MLP graph and
+  //   gradients, and the fp32 sums of the MLP weights' gradients beside one chunk's.
   // - the attention block's: its graph with the attention backward's working tensors, the
-  //   incoming gradient, hs and its gradient; recomputed unchunked, the SwiGLU output and its
-  //   gradient seed are still held, chunked the MLP taps' seeds (their sums in the compute
-  //   dtype).
+  //   incoming gradient, hs and its gradient; after the whole layer's recompute, unchunked the
+  //   SwiGLU output and its gradient seed are still held, chunked the MLP taps' seeds (their
+  //   sums in the compute dtype).
+  // Each step also holds the layer's input and the graph of the block not in it, when that one
+  // is still alive: the attention graph in the MLP step (kept, or recomputed with the layer),
+  // the recomputed layer's MLP weights in its attention step.
   {
     MemoryPhase best;
     best.kind = MemoryPhaseKind::kLayerBackward;
     int64_t above = 0;  // buffered gradients of layers above l
     const int64_t head_stored = in_backward || host_accum ? 0 : head_elems * gs;
     for (int64_t l = L - 1; l >= 0; --l) {
-      const bool ckpt = opt.recomputes(l);
-      const bool chunk_mlp = ckpt && chunked;
-      const int64_t graphs = boundary + attn_graph(l) + mlp_weight_elems[l] * cs;
+      const LayerRecompute m = mode(l);
+      const bool mlp_recomputed = m == LayerRecompute::kLayer || m == LayerRecompute::kMlp;
+      // The attention graph exists in the MLP step unless the attention block is checkpointed
+      // (whose input may still be on the host then).
+      const bool attn_ckpt = m == LayerRecompute::kAttention;
+      const int64_t attn_held = attn_ckpt ? 0 : attn_graph(l);
+      const int64_t input = attn_ckpt ? ckpt_input : boundary;
       int64_t mlp_step = 0, attn_step = 0, mlp_step_grads = 0, attn_step_grads = 0;
-      if (chunk_mlp) {
+      if (mlp_recomputed && chunked) {
         const int64_t chunk_graph =
             chunk_rows * (mlp_per_token - cs * H + 3 * I * cs);  // hs rows are views
-        mlp_step = graphs + 3 * boundary + chunk_graph;          // hs, g, hs's gradient
-        attn_step = graphs + 3 * boundary + attn_backward_work;
+        mlp_step = input + attn_held + mlp_weight_elems[l] * cs + 3 * boundary + chunk_graph;
         mlp_step_grads = 4 * mlp_tapped[l] + cs * (mlp_tapped[l] - down_tapped[l]);
-        attn_step_grads = cs * mlp_tapped[l];
       } else {
-        mlp_step =
-            graphs + tokens * mlp_per_token + 2 * boundary + (ckpt ? 3 : 2) * tokens * I * cs;
-        attn_step = graphs + 3 * boundary + attn_backward_work + (ckpt ? 2 * tokens * I * cs : 0);
+        mlp_step = input + attn_held + mlp_graph(l) + 2 * boundary +
+                   (mlp_recomputed ? 3 : 2) * tokens * I * cs;
         // The held down-projection seed when it is not the stored gradient itself.
-        mlp_step_grads = ckpt && (in_backward || carried || gs != cs) ? down_tapped[l] * cs : 0;
-        attn_step_grads = mlp_step_grads;
+        mlp_step_grads =
+            mlp_recomputed && (in_backward || carried || gs != cs) ? down_tapped[l] * cs : 0;
+      }
+      attn_step = boundary + attn_graph(l) + 3 * boundary + attn_backward_work;
+      if (m == LayerRecompute::kLayer) {
+        // The whole layer's recompute holds its MLP part until its backward call returns.
+        attn_step += mlp_weight_elems[l] * cs + (chunked ? 0 : 2 * tokens * I * cs);
+        attn_step_grads = chunked ? cs * mlp_tapped[l] : mlp_step_grads;
+      } else if (m == LayerRecompute::kNone) {
+        attn_step += mlp_weight_elems[l] * cs;
       }
       int64_t g = tied_grad;
       if (buffer_carried) {
@@ -345,6 +405,49 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   est.activation_bytes = peak.activation_bytes;
   est.loss_bytes = peak.loss_bytes;
   return est;
+}
+
+LayerKeepCosts layer_keep_costs(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
+                                int64_t seq_len, bool include_lm_head, int64_t layer) {
+  const int64_t L = cfg.num_hidden_layers;
+  TORCH_CHECK(layer >= 0 && layer < L, "layer_keep_costs: layer ", layer, " is outside [0, ", L,
+              ")");
+  const int64_t cs = static_cast<int64_t>(c10::elementSize(opt.compute_dtype));
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim();
+  const int64_t tokens = batch * seq_len;
+  const LayerActivations acts = layer_activations(cfg, opt);
+  int64_t attn_weights = 0, mlp_weights = 0;
+  for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
+    if (p.layer != layer || !saves_compute_weight(p, opt, L, !include_lm_head)) continue;
+    (in_mlp_block(p) ? mlp_weights : attn_weights) += p.numel();
+  }
+  const int64_t boundary = tokens * H * cs;
+  LayerKeepCosts c;
+  // Bytes, as estimate_memory holds them from the layer's forward to its backward, beyond what
+  // the whole layer's checkpoint holds (its input, on the host when offloaded):
+  //   attention kept: tokens x attention graph per token + its weights + hs (the MLP
+  //   checkpoint's input) [+ the layer input, which stays on the device];
+  //   MLP kept: tokens x MLP graph per token (hs included) + its weights.
+  const bool offloaded = opt.device.is_cuda() && opt.offload_layer_inputs;
+  c.attention.kept_bytes =
+      tokens * acts.attn_per_token + attn_weights * cs + boundary + (offloaded ? boundary : 0);
+  c.mlp.kept_bytes = tokens * acts.mlp_per_token + mlp_weights * cs;
+  // Multiply-accumulates the recompute of the block runs, per token:
+  //   attention: H (q_dim + 2 kv_dim) for q/k/v, q_dim H for o_proj, and causal attention over
+  //   seq_len-token rows, (seq_len + 1) / 2 keys a query on average, q_dim each for QK^T and PV:
+  //   q_dim (seq_len + 1);
+  //   MLP: 2 H I for gate and up (the recompute never runs the down projection's forward).
+  // Adapters' rank-r products, norms, RoPE and SwiGLU are left out (a few percent at most), as
+  // are the weight taps' fake-quant passes (per layer, not per token). seq_len is taken as every
+  // row's length: with packing, shorter examples attend over fewer keys.
+  const double attn_macs = static_cast<double>(H) * static_cast<double>(QD + 2 * KVD) +
+                           static_cast<double>(QD) * static_cast<double>(H) +
+                           static_cast<double>(QD) * static_cast<double>(seq_len + 1);
+  c.attention.saved_macs = static_cast<double>(tokens) * attn_macs;
+  c.mlp.saved_macs =
+      static_cast<double>(tokens) * 2.0 * static_cast<double>(H) * static_cast<double>(I);
+  return c;
 }
 
 }  // namespace q4::model

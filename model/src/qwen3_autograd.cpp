@@ -1,8 +1,9 @@
 // Custom autograd functions of the model. Weight taps hand the forward its compute-dtype weight
 // (fake-quantized for NVFP4 linears: straight-through) and, in backward, accumulate the incoming
 // gradient into Parameter::grad in the gradient dtype; masters never require grad, a shared
-// `trigger` leaf puts the taps into the graph. The layer checkpoint keeps only the layer input
-// and recomputes the layer under grad mode in backward (reentrant, as torch.utils.checkpoint).
+// `trigger` leaf puts the taps into the graph. The checkpoints keep only their input (a layer's,
+// or one block's) and recompute it under grad mode in backward (reentrant, as
+// torch.utils.checkpoint).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -326,63 +327,136 @@ void mlp_backward_roots(const Qwen3Model::Impl* im, int64_t layer, const at::Ten
   }
 }
 
+// A checkpoint of a layer's input h with the RoPE tables and the mask: saved in the forward (in
+// pinned host memory with ModelOptions::offload_layer_inputs on CUDA: copied out on the compute
+// stream, ordered before any later reuse of h's memory, from the caching host allocator), and
+// fetched back in the backward as a leaf that requires grad.
+void save_layer_input(AutogradContext* ctx, const Qwen3Model::Impl* im, const at::Tensor& h,
+                      int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t mask_kind, const at::Tensor& allowed, int64_t max_seqlen) {
+  if (im->opt.offload_layer_inputs && h.is_cuda()) {
+    at::Tensor host = at::empty(h.sizes(), h.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(h, /*non_blocking=*/true);
+    ctx->saved_data["host_input"] = host;
+  } else {
+    ctx->save_for_backward({h});
+  }
+  ctx->saved_data["max_seqlen"] = max_seqlen;
+  ctx->saved_data["impl"] = ptr_to_int(im);
+  ctx->saved_data["layer"] = layer;
+  ctx->saved_data["cos"] = cos;
+  ctx->saved_data["sin"] = sin;
+  ctx->saved_data["mask_kind"] = mask_kind;
+  ctx->saved_data["allowed"] = allowed;
+}
+
+AttnMask mask_of(int64_t kind, const at::Tensor& allowed, int64_t max_seqlen) {
+  AttnMask mask;
+  mask.kind = static_cast<AttnMask::Kind>(kind);
+  mask.allowed = allowed;
+  mask.max_seqlen = max_seqlen;
+  return mask;
+}
+
+struct SavedLayerInput {
+  at::Tensor h;  // (B, T, H) leaf that requires grad
+  RopeTables rope;
+  AttnMask mask;
+};
+
+SavedLayerInput restore_layer_input(AutogradContext* ctx) {
+  SavedLayerInput in;
+  in.rope = RopeTables{ctx->saved_data["cos"].toTensor(), ctx->saved_data["sin"].toTensor()};
+  in.mask = mask_of(ctx->saved_data["mask_kind"].toInt(), ctx->saved_data["allowed"].toTensor(),
+                    ctx->saved_data["max_seqlen"].toInt());
+  if (ctx->saved_data.count("host_input") > 0) {
+    const at::Tensor host = ctx->saved_data["host_input"].toTensor();
+    in.h = host.to(in.rope.cos.device(), /*non_blocking=*/true).requires_grad_(true);
+    ctx->saved_data.erase("host_input");
+  } else {
+    in.h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+  }
+  return in;
+}
+
+// The whole layer: keeps h; the backward recomputes the attention block, then the MLP's
+// (mlp_backward_roots).
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
                             int64_t impl, int64_t layer, const at::Tensor& cos,
                             const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
                             int64_t max_seqlen) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
-    if (im->opt.offload_layer_inputs && h.is_cuda()) {
-      // Copied out on the compute stream (ordered before any later reuse of h's memory) into
-      // pinned memory from the caching host allocator; fetched back in backward.
-      at::Tensor host = at::empty(h.sizes(), h.options().device(at::kCPU).pinned_memory(true));
-      host.copy_(h, /*non_blocking=*/true);
-      ctx->saved_data["host_input"] = host;
-    } else {
-      ctx->save_for_backward({h});
-    }
-    ctx->saved_data["max_seqlen"] = max_seqlen;
-    ctx->saved_data["impl"] = impl;
-    ctx->saved_data["layer"] = layer;
-    ctx->saved_data["cos"] = cos;
-    ctx->saved_data["sin"] = sin;
-    ctx->saved_data["mask_kind"] = mask_kind;
-    ctx->saved_data["allowed"] = allowed;
-    AttnMask mask;
-    mask.kind = static_cast<AttnMask::Kind>(mask_kind);
-    mask.allowed = allowed;
-    mask.max_seqlen = max_seqlen;
-    const at::Tensor hs = im->attention_block(layer, h, RopeTables{cos, sin}, mask, nullptr);
+    save_layer_input(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
+    const at::Tensor hs = im->attention_block(layer, h, RopeTables{cos, sin},
+                                              mask_of(mask_kind, allowed, max_seqlen), nullptr);
     return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
     const int64_t layer = ctx->saved_data["layer"].toInt();
-    RopeTables rope{ctx->saved_data["cos"].toTensor(), ctx->saved_data["sin"].toTensor()};
-    AttnMask mask;
-    mask.kind = static_cast<AttnMask::Kind>(ctx->saved_data["mask_kind"].toInt());
-    mask.allowed = ctx->saved_data["allowed"].toTensor();
-    mask.max_seqlen = ctx->saved_data["max_seqlen"].toInt();
-    at::Tensor h;
-    if (ctx->saved_data.count("host_input") > 0) {
-      const at::Tensor host = ctx->saved_data["host_input"].toTensor();
-      h = host.to(rope.cos.device(), /*non_blocking=*/true).requires_grad_(true);
-      ctx->saved_data.erase("host_input");
-    } else {
-      h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
-    }
+    const SavedLayerInput in = restore_layer_input(ctx);
     at::Tensor hs;
     {
       at::AutoGradMode enable(true);
-      hs = im->attention_block(layer, h, rope, mask, nullptr);
+      hs = im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
     }
     // The autograd graph takes over at hs (and at the MLP weights' taps).
-    const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(h);
+    const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(in.h);
     std::vector<at::Tensor> roots, seeds;
     mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
-    return {h.grad(),     at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    return {in.h.grad(),  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The attention block h -> hs: keeps h; the MLP block after it keeps its graph.
+struct AttentionCheckpoint : public torch::autograd::Function<AttentionCheckpoint> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
+                            int64_t impl, int64_t layer, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
+                            int64_t max_seqlen) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
+    save_layer_input(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
+    return im->attention_block(layer, h, RopeTables{cos, sin},
+                               mask_of(mask_kind, allowed, max_seqlen), nullptr);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    const SavedLayerInput in = restore_layer_input(ctx);
+    at::Tensor hs;
+    {
+      at::AutoGradMode enable(true);
+      hs = im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
+    }
+    torch::autograd::backward({hs}, {grads[0].defined() ? grads[0] : at::zeros_like(hs)});
+    return {in.h.grad(),  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The MLP block hs -> out: keeps hs (the attention block before it keeps its graph); the
+// backward recomputes it (mlp_backward_roots, chunked as the whole layer's).
+struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hs, const at::Tensor& trigger,
+                            int64_t impl, int64_t layer) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
+    ctx->save_for_backward({hs});
+    ctx->saved_data["impl"] = impl;
+    ctx->saved_data["layer"] = layer;
+    return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    const at::Tensor hs = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(hs);
+    std::vector<at::Tensor> roots, seeds;
+    mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
+    torch::autograd::backward(roots, seeds);
+    return {hs.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -422,6 +496,18 @@ at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const a
       mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
   return LayerCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
                                 static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
+}
+
+at::Tensor checkpoint_attention(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                                const RopeTables& rope, const AttnMask& mask) {
+  at::Tensor allowed =
+      mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
+  return AttentionCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
+                                    static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
+}
+
+at::Tensor checkpoint_mlp(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& hs) {
+  return MlpCheckpoint::apply(hs, impl->trigger, ptr_to_int(impl), layer);
 }
 
 }  // namespace q4::model

@@ -141,8 +141,9 @@ struct Qwen3Model::Impl {
   // of the flattened tokens when there are more than that (0: one pass). hs (B, T, H).
   at::Tensor mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
                                   int64_t chunk_tokens) const;
-  // Layer through the checkpoint function (recomputed in backward) when enabled and a graph is
-  // being built; plain layer_forward otherwise.
+  // The layer through its checkpoints (ModelOptions::layer_recompute: the whole layer, or one
+  // block with the other keeping its graph) when a graph is being built; plain layer_forward
+  // otherwise.
   at::Tensor layer_maybe_checkpointed(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                                       const AttnMask& mask, KvCache* cache) const;
   at::Tensor hidden_states(const ModelInputs& in, KvCache* cache);
@@ -194,8 +195,13 @@ at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at:
                              const at::Tensor& b, double scale);
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype);
+// Checkpoints (recomputed in backward): the whole layer h -> out, keeping h; the attention block
+// h -> hs, keeping h; the MLP block hs -> out, keeping hs.
 at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
                             const RopeTables& rope, const AttnMask& mask);
+at::Tensor checkpoint_attention(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                                const RopeTables& rope, const AttnMask& mask);
+at::Tensor checkpoint_mlp(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& hs);
 
 // Classification of a .dat key: "P.weight.qdata" / "P.weight.scale" -> name "P.weight".
 struct KeyRef {

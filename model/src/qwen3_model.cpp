@@ -139,6 +139,9 @@ void ModelOptions::validate() const {
               recompute_layers);
   TORCH_CHECK(mlp_chunk_tokens >= 0, "ModelOptions.mlp_chunk_tokens: expected >= 0, got ",
               mlp_chunk_tokens);
+  TORCH_CHECK(recompute_keep_attention >= 0 && recompute_keep_mlp >= 0,
+              "ModelOptions.recompute_keep_attention / recompute_keep_mlp: expected >= 0, got ",
+              recompute_keep_attention, " / ", recompute_keep_mlp);
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "ModelOptions.device: expected cpu or cuda, got ", device.str());
   TORCH_CHECK(!offload_masters || fake_quant,
@@ -150,16 +153,37 @@ void ModelOptions::validate() const {
               "does not use");
 }
 
+void ModelOptions::validate(int64_t num_layers) const {
+  validate();
+  TORCH_CHECK(recompute_layers <= num_layers,
+              "ModelOptions.recompute_layers: expected at most the ", num_layers,
+              " decoder layers, got ", recompute_layers);
+  const int64_t recomputed =
+      gradient_checkpointing ? (recompute_layers < 0 ? num_layers : recompute_layers) : 0;
+  TORCH_CHECK(recompute_keep_attention + recompute_keep_mlp <= recomputed,
+              "ModelOptions.recompute_keep_attention + recompute_keep_mlp: expected at most the ",
+              recomputed, " recomputed decoder layers, got ", recompute_keep_attention, " + ",
+              recompute_keep_mlp);
+}
+
+LayerRecompute ModelOptions::layer_recompute(int64_t layer, int64_t num_layers) const {
+  if (!gradient_checkpointing) return LayerRecompute::kNone;
+  // Recomputed: [0, n); of those, the top recompute_keep_mlp keep their MLP block and the
+  // recompute_keep_attention below them their attention block.
+  const int64_t n = recompute_layers < 0 ? num_layers : std::min(recompute_layers, num_layers);
+  if (layer >= n) return LayerRecompute::kNone;
+  if (layer >= n - recompute_keep_mlp) return LayerRecompute::kAttention;
+  if (layer >= n - recompute_keep_mlp - recompute_keep_attention) return LayerRecompute::kMlp;
+  return LayerRecompute::kLayer;
+}
+
 // ---------------------------------------------------------------- Impl
 
 Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm_head)
     : cfg(c), opt(o), grad_dtype(o.resolved_grad_dtype()), tied(tied_lm_head) {
   cfg.validate();
-  opt.validate();
+  opt.validate(cfg.num_hidden_layers);
   opt.trainable.validate(cfg.num_hidden_layers);
-  TORCH_CHECK(opt.recompute_layers <= cfg.num_hidden_layers,
-              "ModelOptions.recompute_layers: expected at most the ", cfg.num_hidden_layers,
-              " decoder layers, got ", opt.recompute_layers);
   const TrainableSpec& ts = opt.trainable;
   const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
@@ -435,8 +459,19 @@ at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::T
                                                       const AttnMask& mask, KvCache* cache) const {
   const bool building_graph =
       at::GradMode::is_enabled() && (h.requires_grad() || trigger.requires_grad());
-  if (opt.recomputes(layer) && building_graph && cache == nullptr) {
-    return checkpoint_layer(this, layer, h, rope_t, mask);
+  if (!building_graph || cache != nullptr) return layer_forward(layer, h, rope_t, mask, cache);
+  switch (opt.layer_recompute(layer, cfg.num_hidden_layers)) {
+    case LayerRecompute::kNone:
+      break;
+    case LayerRecompute::kLayer:
+      return checkpoint_layer(this, layer, h, rope_t, mask);
+    case LayerRecompute::kAttention: {
+      const at::Tensor hs = checkpoint_attention(this, layer, h, rope_t, mask);
+      const MlpWeights w = mlp_weights(layer);
+      return mlp_output(hs, mlp_hidden(hs, w), w);
+    }
+    case LayerRecompute::kMlp:
+      return checkpoint_mlp(this, layer, attention_block(layer, h, rope_t, mask, nullptr));
   }
   return layer_forward(layer, h, rope_t, mask, cache);
 }
@@ -804,15 +839,15 @@ void Qwen3Model::zero_grad() {
 }
 
 void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_layers,
-                               bool offload_layer_inputs) {
+                               bool offload_layer_inputs, int64_t recompute_keep_attention,
+                               int64_t recompute_keep_mlp) {
   ModelOptions o = impl_->opt;
   o.gradient_checkpointing = gradient_checkpointing;
   o.recompute_layers = recompute_layers;
   o.offload_layer_inputs = offload_layer_inputs;
-  o.validate();
-  TORCH_CHECK(recompute_layers <= impl_->cfg.num_hidden_layers,
-              "ModelOptions.recompute_layers: expected at most the ",
-              impl_->cfg.num_hidden_layers, " decoder layers, got ", recompute_layers);
+  o.recompute_keep_attention = recompute_keep_attention;
+  o.recompute_keep_mlp = recompute_keep_mlp;
+  o.validate(impl_->cfg.num_hidden_layers);
   impl_->opt = o;
 }
 

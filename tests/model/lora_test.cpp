@@ -164,19 +164,34 @@ TEST(Lora, PlainGradientsAreTheDenseFormulas) {
   }
 }
 
-TEST(Lora, PlainGradientsDoNotDependOnCheckpointing) {
+// Plain and merge-aware adapters: the gradients do not depend on what recomputes (the whole
+// layers, or one block of each with the other keeping its graph): bitwise equal on the CPU.
+TEST(Lora, GradientsDoNotDependOnCheckpointing) {
   DatReader w(kWeights);
   const auto cfg = Qwen3Config::from_json_file(kConfig);
-  std::map<std::string, at::Tensor> grads[2];
-  for (const bool checkpointing : {true, false}) {
-    ModelOptions o = lora_options(false);
-    o.gradient_checkpointing = checkpointing;
-    Qwen3Model m = Qwen3Model::load(cfg, w, o);
-    perturb_b(m);
-    m.loss(lora_inputs(cfg)).loss.backward();
-    for (auto& p : m.adapters()) grads[checkpointing ? 1 : 0][p.name] = p.grad.clone();
+  for (const bool merge_aware : {false, true}) {
+    auto grads = [&](bool checkpointing, int64_t keep_attention, int64_t keep_mlp) {
+      ModelOptions o = lora_options(merge_aware);
+      o.gradient_checkpointing = checkpointing;
+      o.recompute_keep_attention = keep_attention;
+      o.recompute_keep_mlp = keep_mlp;
+      Qwen3Model m = Qwen3Model::load(cfg, w, o);
+      perturb_b(m);
+      m.loss(lora_inputs(cfg)).loss.backward();
+      std::map<std::string, at::Tensor> g;
+      for (auto& p : m.adapters()) g[p.name] = p.grad.clone();
+      return g;
+    };
+    const auto want = grads(false, 0, 0);
+    for (const auto& [ka, km] :
+         std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {2, 0}, {0, 2}, {1, 1}}) {
+      const auto got = grads(true, ka, km);
+      for (const auto& [name, g] : want) {
+        EXPECT_TRUE(at::equal(g, got.at(name)))
+            << name << (merge_aware ? " merge-aware" : " plain") << ", keep " << ka << "/" << km;
+      }
+    }
   }
-  for (const auto& [name, g] : grads[0]) EXPECT_TRUE(at::equal(g, grads[1][name])) << name;
 }
 
 // The recompute's MLP in row chunks (ModelOptions::mlp_chunk_tokens) with adapters on every

@@ -244,6 +244,124 @@ TEST(Qwen3Model, RecomputingSomeLayersGivesIdenticalGradients) {
   EXPECT_THROW(a.set_recompute(true, -2), c10::Error);
 }
 
+// Selective recompute: a recomputed layer may keep one block's activations and recompute only
+// the other (ModelOptions::recompute_keep_attention / recompute_keep_mlp). Every combination of
+// the two layers' modes (whole layer, attention kept, MLP kept, nothing recomputed) runs the
+// same fp32 ops on the same inputs as no checkpointing: loss and gradients bitwise equal on
+// the CPU, and with the in-backward hook each parameter is handed over once with that gradient.
+// What recomputes is seen through the master fence, which runs at every read of a trainable
+// master: once a step for a block that keeps its graph, twice (forward and recompute) for one
+// that recomputes.
+TEST(Qwen3Model, BlockRecomputeGivesIdenticalGradients) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ASSERT_EQ(cfg.num_hidden_layers, 2);
+  const ModelInputs in = fixture_inputs(e);
+  Qwen3Model ref = Qwen3Model::load(cfg, w, fp32_all(false));
+  at::Tensor lref;
+  const auto gref = run_backward(ref, in, &lref);
+  using LR = LayerRecompute;
+  struct Case {
+    int64_t recompute_layers, keep_attention, keep_mlp;
+    LR layer0, layer1;
+  };
+  const std::vector<Case> cases = {
+      {-1, 0, 0, LR::kLayer, LR::kLayer},
+      {-1, 1, 0, LR::kLayer, LR::kMlp},
+      {-1, 0, 1, LR::kLayer, LR::kAttention},
+      {-1, 2, 0, LR::kMlp, LR::kMlp},
+      {-1, 0, 2, LR::kAttention, LR::kAttention},
+      {-1, 1, 1, LR::kMlp, LR::kAttention},
+      {1, 1, 0, LR::kMlp, LR::kNone},
+      {1, 0, 1, LR::kAttention, LR::kNone},
+  };
+  std::set<std::pair<LR, LR>> seen;
+  for (const Case& c : cases) {
+    SCOPED_TRACE("recompute_layers " + std::to_string(c.recompute_layers) + ", keep attention " +
+                 std::to_string(c.keep_attention) + ", keep MLP " + std::to_string(c.keep_mlp));
+    ModelOptions o = fp32_all(true);
+    o.recompute_layers = c.recompute_layers;
+    o.recompute_keep_attention = c.keep_attention;
+    o.recompute_keep_mlp = c.keep_mlp;
+    EXPECT_EQ(o.layer_recompute(0, 2), c.layer0);
+    EXPECT_EQ(o.layer_recompute(1, 2), c.layer1);
+    seen.insert({c.layer0, c.layer1});
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    std::map<std::string, int> reads;
+    m.set_master_fence([&](const Parameter* p) {
+      if (p != nullptr) ++reads[p->name];
+    });
+    at::Tensor loss;
+    const auto g = run_backward(m, in, &loss);
+    EXPECT_TRUE(at::equal(loss, lref));
+    for (const auto& [name, want] : gref) EXPECT_TRUE(at::equal(g.at(name), want)) << name;
+    for (int64_t l = 0; l < 2; ++l) {
+      const LR mode = l == 0 ? c.layer0 : c.layer1;
+      const bool attn = mode == LR::kLayer || mode == LR::kAttention;
+      const bool mlp = mode == LR::kLayer || mode == LR::kMlp;
+      const std::string pre = "model.layers." + std::to_string(l) + ".";
+      for (const char* a :
+           {"input_layernorm", "self_attn.q_proj", "self_attn.k_norm", "self_attn.o_proj"}) {
+        EXPECT_EQ(reads[pre + a + ".weight"], attn ? 2 : 1) << pre << a;
+      }
+      for (const char* f : {"post_attention_layernorm", "mlp.gate_proj", "mlp.down_proj"}) {
+        EXPECT_EQ(reads[pre + f + ".weight"], mlp ? 2 : 1) << pre << f;
+      }
+    }
+    m.set_master_fence(nullptr);
+    // In-backward: every trainable parameter once, complete.
+    std::map<std::string, int> calls;
+    std::map<std::string, at::Tensor> got;
+    m.set_grad_ready_hook([&](Parameter& p) {
+      ++calls[p.name];
+      got[p.name] = p.grad.clone();
+    });
+    m.zero_grad();
+    m.begin_grad_step();
+    m.loss(in).loss.backward();
+    for (const auto& p : m.parameters()) {
+      EXPECT_EQ(calls[p.name], 1) << p.name;
+      EXPECT_TRUE(at::equal(got[p.name], gref.at(p.name))) << p.name;
+    }
+  }
+  EXPECT_EQ(seen.size(), cases.size());
+  // Set on a loaded model; more kept blocks than recomputed layers are refused.
+  Qwen3Model m = Qwen3Model::load(cfg, w, fp32_all(true));
+  m.set_recompute(true, -1, false, 1, 1);
+  EXPECT_EQ(m.options().layer_recompute(0, 2), LR::kMlp);
+  EXPECT_THROW(m.set_recompute(true, 1, false, 1, 1), c10::Error);
+  EXPECT_THROW(m.set_recompute(true, -1, false, -1, 0), c10::Error);
+  ModelOptions bad = fp32_all(true);
+  bad.recompute_keep_mlp = 3;
+  EXPECT_THROW(Qwen3Model::load(cfg, w, bad), c10::Error);
+  bad.gradient_checkpointing = false;
+  bad.recompute_keep_mlp = 1;
+  EXPECT_THROW(Qwen3Model::load(cfg, w, bad), c10::Error);
+}
+
+// The MLP checkpoint chunks like the whole layer's (ModelOptions::mlp_chunk_tokens): with both
+// layers keeping their attention block and recomputing the MLP in chunks of 20, 20 and 8
+// tokens, against no checkpointing, to the tolerance of MlpChunkedRecomputeMatchesUnchunked.
+TEST(Qwen3Model, ChunkedMlpCheckpointMatchesNoCheckpointing) {
+  DatReader w(kWeights), e(kExpected);
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  const ModelInputs in = fixture_inputs(e);
+  Qwen3Model ref = Qwen3Model::load(cfg, w, fp32_all(false));
+  at::Tensor lref;
+  const auto gref = run_backward(ref, in, &lref);
+  ModelOptions o = fp32_all(true);
+  o.recompute_keep_attention = 2;
+  o.mlp_chunk_tokens = 20;
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  at::Tensor loss;
+  const auto g = run_backward(m, in, &loss);
+  EXPECT_CLOSE(loss, lref, 1e-5, 0.0, "loss");
+  for (const auto& [name, want] : gref) {
+    const double scale = want.abs().max().item<double>();
+    EXPECT_CLOSE(g.at(name), want, 1e-5, 4e-6 * scale, name);
+  }
+}
+
 // Per-token log-probabilities of the supervised labels (preference objectives) against the
 // dense path: log_softmax of the full logits gathered at the same positions, and the gradients
 // of a weighted sum of them (every row its own upstream gradient) against autograd through the
@@ -856,6 +974,70 @@ TEST(Qwen3Model, MemoryEstimateOfChunkedMlpRecompute) {
             T * 2 * ((2 * H + 3 * I) - (H + 2 * QD + 2 * KVD)));
   EXPECT_EQ(estimate(8192, 8192).total_bytes(), estimate(0, 8192).total_bytes());
   EXPECT_LT(estimate(8192, 16384).total_bytes(), estimate(0, 16384).total_bytes());
+}
+
+// Kept blocks in the estimate (Qwen3-4B shapes, CUDA bf16, 4 x 1024 tokens, everything
+// trainable): a recomputed layer keeping its attention block holds that block's graph and
+// weights and hs besides its input; keeping its MLP block, that block's graph (hs included) and
+// weights. Those are layer_keep_costs' bytes, exactly what the saved activations behind the loss
+// grow by; with offloaded inputs, a layer keeping its attention block keeps its input on the
+// device as well. The multiply-adds: q/k/v/o projections plus causal attention over 1024-token
+// rows, and the MLP's gate and up.
+TEST(Qwen3Model, MemoryEstimateOfKeptBlocks) {
+  const auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  ModelOptions o;
+  o.master_dtype = at::kHalf;
+  o.compute_dtype = at::kBFloat16;
+  o.device = at::Device(at::kCUDA, 0);
+  o.trainable = TrainableSpec::everything();
+  GradientLifetime ib;
+  ib.applied_in_backward = true;
+  const int64_t L = cfg.num_hidden_layers, H = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim(), B = 4, T = 1024;
+  const LayerKeepCosts costs = layer_keep_costs(cfg, o, B, T, true, L - 1);
+  const int64_t attn_per_token =
+      2 * (H + 3 * QD + 3 * KVD) + 4 * (1 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads);
+  const int64_t attn_weights = H * QD + 2 * H * KVD + QD * H;
+  EXPECT_EQ(costs.attention.kept_bytes, B * T * (attn_per_token + 2 * H) + 2 * attn_weights);
+  EXPECT_EQ(costs.mlp.kept_bytes, B * T * (2 * (2 * H + 3 * I) + 4) + 2 * 3 * H * I);
+  EXPECT_DOUBLE_EQ(costs.attention.saved_macs,
+                   static_cast<double>(B * T) * (attn_weights + QD * (T + 1)));
+  EXPECT_DOUBLE_EQ(costs.mlp.saved_macs, static_cast<double>(B * T) * 2 * H * I);
+  auto behind_loss = [&](int64_t keep_attention, int64_t keep_mlp, bool offload) {
+    ModelOptions k = o;
+    k.recompute_keep_attention = keep_attention;
+    k.recompute_keep_mlp = keep_mlp;
+    k.offload_layer_inputs = offload;
+    return estimate_memory(cfg, k, B, T, true, ib);
+  };
+  auto acts = [](const MemoryEstimate& e) {
+    return e.phase(MemoryPhaseKind::kLossBackward)->activation_bytes;
+  };
+  const MemoryEstimate all = behind_loss(0, 0, false);
+  EXPECT_EQ(acts(behind_loss(1, 0, false)) - acts(all), costs.attention.kept_bytes);
+  EXPECT_EQ(acts(behind_loss(0, 1, false)) - acts(all), costs.mlp.kept_bytes);
+  EXPECT_EQ(acts(behind_loss(3, 5, false)) - acts(all),
+            3 * costs.attention.kept_bytes + 5 * costs.mlp.kept_bytes);
+  // Offloaded inputs: the layer keeping its attention block keeps its input on the device.
+  ModelOptions off = o;
+  off.offload_layer_inputs = true;
+  const LayerKeepCosts off_costs = layer_keep_costs(cfg, off, B, T, true, L - 1);
+  EXPECT_EQ(off_costs.attention.kept_bytes, costs.attention.kept_bytes + B * T * H * 2);
+  const MemoryEstimate all_off = behind_loss(0, 0, true), keep_off = behind_loss(1, 1, true);
+  EXPECT_EQ(acts(keep_off) - acts(all_off),
+            off_costs.attention.kept_bytes + off_costs.mlp.kept_bytes);
+  EXPECT_EQ(all_off.host_bytes - keep_off.host_bytes, B * T * H * 2);
+  // Every block kept raises the estimate, up to keeping every layer whole.
+  int64_t prev = all.total_bytes();
+  for (int64_t k = 1; k <= L; ++k) {
+    const int64_t t = behind_loss(k, 0, false).total_bytes();
+    EXPECT_GT(t, prev) << k;
+    prev = t;
+  }
+  ModelOptions none = o;
+  none.gradient_checkpointing = false;
+  EXPECT_LT(prev, estimate_memory(cfg, none, B, T, true, ib).total_bytes());
+  EXPECT_THROW(behind_loss(L, 1, false), c10::Error);  // more kept blocks than layers
 }
 
 TEST(Qwen3Model, RandomInitAndMemoryEstimate) {

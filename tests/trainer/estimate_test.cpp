@@ -196,8 +196,10 @@ TEST(Estimate, BufferedPathHoldsEveryGradient) {
   EXPECT_LT(estimate_budget(mc, ib, true).total_bytes() + buffer / 2, b.total_bytes());
 }
 
-// train.gradient_checkpointing auto at Qwen3-4B shapes on CUDA (estimated, nothing runs): the
-// fewest recomputed layers whose estimate fits the budget less its margin.
+// train.gradient_checkpointing auto at Qwen3-4B shapes on CUDA (estimated, nothing runs): no
+// recompute when that fits the budget less its margin, every layer when only that fits (then
+// offloaded), and in between never fewer recomputed layers than the whole-layer choice, whose
+// estimate would not fit.
 TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   const Config c = tiny_config("train: {batch_size: 4, seq_len: 1024}\n",
                                {"model.device=cuda", "train.trainable.lm_head=true"});
@@ -221,12 +223,18 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   EXPECT_EQ(r.estimate_bytes, est[0]);
   EXPECT_EQ(r.budget_source, "free device memory");
   for (int64_t k : {int64_t{1}, int64_t{12}, L}) {
-    // Just under what k - 1 recomputed layers need: k must recompute.
+    // Just under what k - 1 recomputed layers need: at least k recompute (keeping a block in a
+    // recomputed layer only adds to its estimate).
     r = choose_recompute(mc, c, true, budget_for(est[k - 1]) - 1000);
     EXPECT_TRUE(r.fits) << k;
-    EXPECT_EQ(r.recompute_layers, k);
+    EXPECT_GE(r.recompute_layers, k);
     EXPECT_LE(r.estimate_bytes, r.usable_bytes);
   }
+  // Just what every layer recomputed needs: no block is kept.
+  r = choose_recompute(mc, c, true, budget_for(est[L]) + 1000);
+  EXPECT_EQ(r.recompute_layers, L);
+  EXPECT_EQ(r.keep_attention + r.keep_mlp, 0);
+  EXPECT_FALSE(r.offload_layer_inputs);
   // Past every layer recomputed: their inputs go to the host, L layer inputs fewer on the GPU.
   Config off = c;
   set_recompute_layers(off, L, L, /*offload_layer_inputs=*/true);
@@ -239,8 +247,18 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   EXPECT_TRUE(r.fits);
   EXPECT_EQ(r.recompute_layers, L);
   EXPECT_TRUE(r.offload_layer_inputs);
-  EXPECT_EQ(r.host_bytes, L * boundary);
+  // What is left beside the offloaded inputs keeps blocks; a layer keeping its attention block
+  // keeps its input on the device (its graph holds it).
+  EXPECT_EQ(r.host_bytes, (L - r.keep_attention) * boundary);
   EXPECT_NE(r.describe().find("inputs in pinned host memory"), std::string::npos) << r.describe();
+  r = choose_recompute(mc, c, true, budget_for(ob.total_bytes()) + 1000);
+  EXPECT_TRUE(r.offload_layer_inputs);
+  EXPECT_EQ(r.keep_attention + r.keep_mlp, 0);
+  EXPECT_EQ(r.host_bytes, L * boundary);
+  r = choose_recompute(mc, c, true, budget_for((ob.total_bytes() + est[L]) / 2));
+  EXPECT_TRUE(r.offload_layer_inputs);
+  EXPECT_GT(r.keep_attention + r.keep_mlp, 0);
+  EXPECT_LE(r.estimate_bytes, r.usable_bytes);
   r = choose_recompute(mc, c, true, budget_for(ob.total_bytes()) - (int64_t{1} << 24));
   EXPECT_FALSE(r.fits);
   EXPECT_EQ(r.recompute_layers, L);
@@ -250,17 +268,22 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   g.guard.max_gpu_gb = static_cast<double>(budget_for(est[L / 2 - 1]) - 1000) / 1e9;
   r = choose_recompute(mc, g, true, int64_t{80} << 30);
   EXPECT_EQ(r.budget_source, "guard.max_gpu_gb");
-  EXPECT_EQ(r.recompute_layers, L / 2);
+  EXPECT_GE(r.recompute_layers, L / 2);
+  EXPECT_LT(r.recompute_layers, L);
   // Resolving writes the choice into the config; the model options follow it.
   const std::string line = resolve_recompute(g, mc, true, 0);
-  EXPECT_NE(line.find(fmt::format("the first {} of {} decoder layers", L / 2, L)),
+  EXPECT_NE(line.find(fmt::format("the first {} of {} decoder layers", r.recompute_layers, L)),
             std::string::npos)
       << line;
   EXPECT_EQ(g.train.gradient_checkpointing, Recompute::kTrue);
-  EXPECT_EQ(g.train.recompute_layers, L / 2);
+  EXPECT_EQ(g.train.recompute_layers, r.recompute_layers);
+  EXPECT_EQ(g.train.recompute_keep_attention, r.keep_attention);
+  EXPECT_EQ(g.train.recompute_keep_mlp, r.keep_mlp);
   const auto o = model_options(g);
-  EXPECT_TRUE(o.recomputes(L / 2 - 1));
-  EXPECT_FALSE(o.recomputes(L / 2));
+  EXPECT_TRUE(o.recomputes(r.recompute_layers - 1));
+  EXPECT_FALSE(o.recomputes(r.recompute_layers));
+  EXPECT_EQ(o.recompute_keep_attention, r.keep_attention);
+  EXPECT_EQ(o.recompute_keep_mlp, r.keep_mlp);
   EXPECT_EQ(resolve_recompute(g, mc, true, 0), "");  // resolved once
   // None recomputed is written as false; auto on the CPU is no recompute.
   Config none = c;
@@ -269,6 +292,85 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   EXPECT_FALSE(model_options(tiny_config()).gradient_checkpointing);
   // Unresolved auto on CUDA: every layer (the safe side).
   EXPECT_TRUE(model_options(c).recomputes(L - 1));
+}
+
+// auto between every layer recomputed and none (Qwen3-4B shapes, CUDA): the budget left over
+// goes to kept blocks (model::layer_keep_costs), the choice that fits with the most recompute
+// saved. One sequence of 32,768 tokens, everything trainable: the attention block saves 5.5x
+// the MLP's recompute per byte kept (the attention core grows with the sequence); 16 x 256
+// tokens with merge-aware adapters on q/k/v/o only: the MLP block saves 1.4x the attention's
+// (whose merged weights are kept with its graph). Over budgets from the one extreme to the
+// other: the choice fits and its estimate is the one of the config it writes, more budget
+// saves at least as much recompute, never less than whole layers alone would, only the block
+// that saves more per byte is kept on its own, and (32k) whole layers only once every recomputed
+// layer keeps that block.
+TEST(Estimate, RecomputeByBudgetKeepsTheBlockThatSavesMostPerByte) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  const int64_t L = mc.num_hidden_layers;
+  struct Case {
+    Config c;
+    bool attention_first;
+  };
+  const std::vector<Case> cases = {
+      {tiny_config("train: {batch_size: 1, seq_len: 32768}\n",
+                   {"model.device=cuda", "train.trainable.lm_head=true"}),
+       true},
+      {tiny_config("train: {method: lora, batch_size: 16, seq_len: 256}\n"
+                   "lora: {targets: [q_proj, k_proj, v_proj, o_proj]}\n",
+                   {"model.device=cuda"}),
+       false},
+  };
+  auto budget_for = [](int64_t e) { return static_cast<int64_t>(e * 1.08) + (int64_t{1} << 30); };
+  for (const Case& k : cases) {
+    const Config& c = k.c;
+    SCOPED_TRACE(k.attention_first ? "attention first" : "MLP first");
+    const auto costs = q4::model::layer_keep_costs(mc, model_options(c), c.train.batch_size,
+                                                   c.train.seq_len, true, L - 1);
+    const double ratio = costs.attention.macs_per_byte() / costs.mlp.macs_per_byte();
+    EXPECT_GT(k.attention_first ? ratio : 1 / ratio, 1.3) << ratio;
+    auto saved = [&](int64_t n, int64_t ka, int64_t km) {
+      return static_cast<double>(L - n) * (costs.attention.saved_macs + costs.mlp.saved_macs) +
+             ka * costs.attention.saved_macs + km * costs.mlp.saved_macs;
+    };
+    std::vector<int64_t> est;  // whole layers: the first n recompute
+    for (int64_t n = 0; n <= L; ++n) {
+      Config t = c;
+      set_recompute_layers(t, n, L);
+      est.push_back(estimate_budget(mc, t, true).total_bytes());
+    }
+    double prev_saved = 0;
+    int64_t most_kept = 0;
+    for (int64_t i = 1; i < 8; ++i) {
+      const int64_t budget = budget_for(est[L] + (est[0] - est[L]) * i / 8);
+      const RecomputeChoice r = choose_recompute(mc, c, true, budget);
+      SCOPED_TRACE(r.describe());
+      ASSERT_TRUE(r.fits);
+      EXPECT_FALSE(r.offload_layer_inputs);
+      EXPECT_LE(r.estimate_bytes, r.usable_bytes);
+      Config t = c;
+      set_recompute_layers(t, r.recompute_layers, L, false, r.keep_attention, r.keep_mlp);
+      EXPECT_EQ(estimate_budget(mc, t, true).total_bytes(), r.estimate_bytes);
+      const double s = saved(r.recompute_layers, r.keep_attention, r.keep_mlp);
+      EXPECT_GE(s, prev_saved);
+      prev_saved = s;
+      int64_t n = 0;  // whole layers alone: the fewest recomputed that fit
+      while (est[n] > r.usable_bytes) ++n;
+      EXPECT_GE(s, saved(n, 0, 0));
+      const int64_t first = k.attention_first ? r.keep_attention : r.keep_mlp;
+      const int64_t second = k.attention_first ? r.keep_mlp : r.keep_attention;
+      EXPECT_EQ(second, 0);
+      most_kept = std::max(most_kept, first);
+      if (k.attention_first && r.recompute_layers < L) {
+        EXPECT_EQ(first, r.recompute_layers);
+      }
+      if (first > 0) {
+        EXPECT_NE(r.describe().find(k.attention_first ? "keep the attention block's activations"
+                                                      : "keep the MLP block's activations"),
+                  std::string::npos);
+      }
+    }
+    EXPECT_GT(most_kept, L / 2);
+  }
 }
 
 // optim.offload: moments takes the moments off the GPU estimate and counts them as host memory;
@@ -338,6 +440,39 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
   EXPECT_NO_THROW(load_model_config(ok));
   EXPECT_TRUE(model_options(ok).recomputes(0));
   EXPECT_FALSE(model_options(ok).recomputes(1));
+  // Kept blocks: with gradient_checkpointing true, at most the recomputed layers.
+  EXPECT_NE(message([] {
+              tiny_config("train: {recompute_keep_mlp: 1}\n");
+            }).find("train.recompute_keep_mlp: set, but train.gradient_checkpointing is auto"),
+            std::string::npos);
+  EXPECT_NE(message([] {
+              tiny_config("train: {gradient_checkpointing: false, recompute_keep_attention: 1}\n");
+            })
+                .find("train.recompute_keep_attention: set, but train.gradient_checkpointing is "
+                      "false"),
+            std::string::npos);
+  EXPECT_NE(message([] {
+              tiny_config("train: {recompute_keep_attention: -1}\n");
+            }).find("train.recompute_keep_attention"),
+            std::string::npos);
+  const Config many = tiny_config(
+      "train: {gradient_checkpointing: true, recompute_layers: 1, recompute_keep_attention: 1, "
+      "recompute_keep_mlp: 1}\n");
+  EXPECT_NE(message([&] { load_model_config(many); })
+                .find("train.recompute_keep_attention + train.recompute_keep_mlp: 1 + 1 is more "
+                      "than the 1 recomputed decoder layers"),
+            std::string::npos);
+  const Config blocks = tiny_config(
+      "train: {gradient_checkpointing: true, recompute_keep_attention: 1, recompute_keep_mlp: "
+      "1}\n");
+  EXPECT_NO_THROW(load_model_config(blocks));
+  const auto o = model_options(blocks);
+  EXPECT_EQ(o.layer_recompute(0, 2), q4::model::LayerRecompute::kMlp);
+  EXPECT_EQ(o.layer_recompute(1, 2), q4::model::LayerRecompute::kAttention);
+  // Written back as given (config.yaml of the run).
+  const Config back = parse_config(config_to_yaml(blocks), "back.yaml", "/");
+  EXPECT_EQ(back.train.recompute_keep_attention, 1);
+  EXPECT_EQ(back.train.recompute_keep_mlp, 1);
 }
 
 TEST(Estimate, FlopsPerToken) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"
+#include "q4/trainer/estimate.h"
 
 using namespace q4::trainer;
 using namespace q4::trainer::testing;
@@ -79,4 +80,22 @@ TEST(RunPlan, RecomputeResolvesButIsSavedAsConfigured) {
   EXPECT_EQ(saved.train.recompute_layers, -1);
   EXPECT_EQ(saved.train.steps, 3);
   EXPECT_NE(config_to_yaml(saved).find("gradient_checkpointing: \"auto\""), std::string::npos);
+  // A budget between every layer recomputed and none: kept blocks, resolved but not saved.
+  const int64_t L = mc.num_hidden_layers;
+  Config all = c, none = c;
+  set_recompute_layers(all, L, L);
+  set_recompute_layers(none, 0, L);
+  const int64_t mid = (estimate_budget(mc, all, true).total_bytes() +
+                       estimate_budget(mc, none, true).total_bytes()) /
+                      2;
+  RunPlan tight(c, RunOptions{});
+  const std::string chosen =
+      tight.resolve_recompute(mc, true, static_cast<int64_t>(mid * 1.08) + (int64_t{1} << 30));
+  const TrainConfig& t = tight.config().train;
+  EXPECT_EQ(t.gradient_checkpointing, Recompute::kTrue) << chosen;
+  EXPECT_GT(t.recompute_keep_attention + t.recompute_keep_mlp + (L - t.recompute_layers), 0)
+      << chosen;
+  const Config tight_saved = tight.config_to_save();
+  EXPECT_EQ(tight_saved.train.recompute_keep_attention, 0);
+  EXPECT_EQ(tight_saved.train.recompute_keep_mlp, 0);
 }

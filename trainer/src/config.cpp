@@ -580,6 +580,15 @@ std::vector<FieldRef> config_fields(Config& c) {
             "with gradient_checkpointing true: the first N decoder layers recompute, the others "
             "keep their activations (-1: every layer)",
             R::at_least(-1)),
+      field("train.recompute_keep_attention", &c.train.recompute_keep_attention,
+            "with gradient_checkpointing true: this many of the recomputed layers (below those of "
+            "recompute_keep_mlp) keep their attention block's activations and recompute only "
+            "the MLP block",
+            R::at_least(0)),
+      field("train.recompute_keep_mlp", &c.train.recompute_keep_mlp,
+            "with gradient_checkpointing true: the last this many recomputed layers keep their "
+            "MLP block's activations and recompute only the attention block",
+            R::at_least(0)),
       field("train.offload_layer_inputs", &c.train.offload_layer_inputs,
             "CUDA: recomputed layers keep their input in pinned host memory instead of the GPU "
             "(long context); gradient_checkpointing auto turns it on when the budget needs it"),
@@ -1195,6 +1204,15 @@ void validate_config(const Config& c) {
                       "is " +
                       to_string(c.train.gradient_checkpointing) + " (set it to true)");
   }
+  for (const auto& [key, n] : {std::pair<const char*, int64_t>{"train.recompute_keep_attention",
+                                                               c.train.recompute_keep_attention},
+                               {"train.recompute_keep_mlp", c.train.recompute_keep_mlp}}) {
+    if (n > 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
+      throw ConfigError(std::string("config key ") + key + ": set, but " +
+                        "train.gradient_checkpointing is " +
+                        to_string(c.train.gradient_checkpointing) + " (set it to true)");
+    }
+  }
   if (c.train.offload_layer_inputs && c.train.gradient_checkpointing == Recompute::kFalse) {
     throw ConfigError("config key train.offload_layer_inputs: true, but "
                       "train.gradient_checkpointing is false (only recomputed layers offload "
@@ -1455,9 +1473,11 @@ std::string resolved_export_path(const Config& c) {
   return (fs::path(c.output.dir) / path).lexically_normal().string();
 }
 
-void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
-                          bool offload_layer_inputs) {
+void set_recompute_layers(Config& c, int64_t n, int64_t num_layers, bool offload_layer_inputs,
+                          int64_t keep_attention, int64_t keep_mlp) {
   c.train.offload_layer_inputs = n > 0 && offload_layer_inputs;
+  c.train.recompute_keep_attention = n > 0 ? keep_attention : 0;
+  c.train.recompute_keep_mlp = n > 0 ? keep_mlp : 0;
   if (n <= 0) {
     c.train.gradient_checkpointing = Recompute::kFalse;
     c.train.recompute_layers = -1;

@@ -178,19 +178,84 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
   }
   constexpr int64_t kContext = int64_t{1} << 30;
   r.usable_bytes = static_cast<int64_t>(static_cast<double>(r.budget_bytes - kContext) / 1.08);
-  // The estimate falls as layers recompute: the first n that fits.
+  const int64_t L = r.layers;
   Config trial = c;
-  for (int64_t n = 0; n <= r.layers + 1; ++n) {
-    // n = layers + 1: every layer recomputed, their inputs on the host.
-    r.recompute_layers = std::min(n, r.layers);
-    r.offload_layer_inputs = n > r.layers;
-    set_recompute_layers(trial, r.recompute_layers, r.layers, r.offload_layer_inputs);
-    const MemoryBudget b = estimate_budget(mc, trial, separate_lm_head);
+  auto estimate = [&](int64_t n, bool offload, int64_t ka, int64_t km) {
+    set_recompute_layers(trial, n, L, offload, ka, km);
+    return estimate_budget(mc, trial, separate_lm_head);
+  };
+  auto take = [&](int64_t n, bool offload, int64_t ka, int64_t km) {
+    const MemoryBudget b = estimate(n, offload, ka, km);
+    r.recompute_layers = n;
+    r.offload_layer_inputs = offload;
+    r.keep_attention = ka;
+    r.keep_mlp = km;
     r.estimate_bytes = b.total_bytes();
     r.host_bytes = b.host_bytes;
-    if (r.estimate_bytes <= r.usable_bytes) return r;
+    r.fits = r.estimate_bytes <= r.usable_bytes;
+  };
+  // Whether recomputing the first n layers, ka and km of them keeping their attention or MLP
+  // block, fits (with the recomputed inputs on the host when `offload`).
+  bool offload = false;
+  auto fits = [&](int64_t n, int64_t ka, int64_t km) {
+    return estimate(n, offload, ka, km).total_bytes() <= r.usable_bytes;
+  };
+  if (fits(0, 0, 0)) {
+    take(0, false, 0, 0);
+    return r;
   }
-  r.fits = false;
+  if (!fits(L, 0, 0)) {
+    // Every layer recomputed, their inputs on the host (OVER when even that does not fit).
+    offload = true;
+    if (!fits(L, 0, 0)) {
+      take(L, true, 0, 0);
+      return r;
+    }
+  }
+  // Between every layer (its inputs on the host when needed) and none. The recompute a choice
+  // saves against every layer recomputed, in multiply-adds (model::layer_keep_costs, the top
+  // layer's for every layer): a whole kept layer saves both blocks' recompute, a kept block its
+  // own.
+  model::ModelOptions opt = model_options(c);
+  opt.offload_layer_inputs = offload;
+  const model::LayerKeepCosts costs = model::layer_keep_costs(
+      mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head, L - 1);
+  r.attention_macs_per_byte = costs.attention.macs_per_byte();
+  r.mlp_macs_per_byte = costs.mlp.macs_per_byte();
+  const double per_layer = costs.attention.saved_macs + costs.mlp.saved_macs;
+  auto saved = [&](int64_t n, int64_t ka, int64_t km) {
+    return static_cast<double>(L - n) * per_layer +
+           static_cast<double>(ka) * costs.attention.saved_macs +
+           static_cast<double>(km) * costs.mlp.saved_macs;
+  };
+  // The most recompute saved among the choices that fit: for each number n of recomputed
+  // layers that fits, the (ka, km) frontier, walked with ka rising and km falling (the estimate
+  // grows with every block kept, so what fits is closed downwards in ka and km). Equal savings:
+  // the smaller estimate. The optimum keeps the block that saves more per byte first and spends
+  // what that leaves on the other; whole layers (the previous choice by layer alone, ka = km =
+  // 0) are among the candidates.
+  int64_t best_n = L, best_ka = 0, best_km = 0;
+  double best_saved = -1;
+  int64_t best_bytes = 0;
+  for (int64_t n = L; n >= 1 && fits(n, 0, 0); --n) {
+    int64_t km = 0;
+    while (km < n && fits(n, 0, km + 1)) ++km;
+    for (int64_t ka = 0; ka <= n; ++ka) {
+      while (km >= 0 && (ka + km > n || !fits(n, ka, km))) --km;
+      if (km < 0) break;
+      const double s = saved(n, ka, km);
+      if (s < best_saved) continue;
+      const int64_t bytes = estimate(n, offload, ka, km).total_bytes();
+      if (s > best_saved || bytes < best_bytes) {
+        best_n = n;
+        best_ka = ka;
+        best_km = km;
+        best_saved = s;
+        best_bytes = bytes;
+      }
+    }
+  }
+  take(best_n, offload, best_ka, best_km);
   return r;
 }
 
@@ -206,6 +271,25 @@ std::string RecomputeChoice::describe() const {
   if (recompute_layers > 0 && mlp_chunk_tokens > 0) {
     what += fmt::format(", their MLP in chunks of {} tokens", mlp_chunk_tokens);
   }
+  auto keep = [](int64_t n) { return n == 1 ? "keeps" : "keep"; };
+  if (keep_attention > 0 && keep_mlp > 0) {
+    what += fmt::format(
+        "; of those, {} {} the attention block's activations and {} the MLP block's",
+        keep_attention, keep(keep_attention), keep_mlp);
+  } else if (keep_attention > 0) {
+    what +=
+        fmt::format("; of those, {} {} the attention block's activations (only the MLP recomputes)",
+                    keep_attention, keep(keep_attention));
+  } else if (keep_mlp > 0) {
+    what +=
+        fmt::format("; of those, {} {} the MLP block's activations (only the attention recomputes)",
+                    keep_mlp, keep(keep_mlp));
+  }
+  if (keep_attention + keep_mlp > 0) {
+    what += fmt::format(
+        " [multiply-adds of recompute saved per byte kept: attention {:.0f}, MLP {:.0f}]",
+        attention_macs_per_byte, mlp_macs_per_byte);
+  }
   return fmt::format(
       "gradient checkpointing auto: {} (estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB "
       "{}){}",
@@ -218,7 +302,8 @@ std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool sepa
                               int64_t free_bytes) {
   if (c.train.gradient_checkpointing != Recompute::kAuto) return "";
   const RecomputeChoice r = choose_recompute(mc, c, separate_lm_head, free_bytes);
-  set_recompute_layers(c, r.recompute_layers, r.layers, r.offload_layer_inputs);
+  set_recompute_layers(c, r.recompute_layers, r.layers, r.offload_layer_inputs, r.keep_attention,
+                       r.keep_mlp);
   return r.describe();
 }
 

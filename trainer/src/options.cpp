@@ -92,6 +92,8 @@ model::ModelOptions model_options(const Config& c) {
     case Recompute::kTrue:
       o.gradient_checkpointing = true;
       o.recompute_layers = c.train.recompute_layers;
+      o.recompute_keep_attention = c.train.recompute_keep_attention;
+      o.recompute_keep_mlp = c.train.recompute_keep_mlp;
       break;
     case Recompute::kFalse:
       o.gradient_checkpointing = false;

@@ -178,6 +178,8 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
                          {"compute_dtype", to_string(resolved_compute_dtype(c))},
                          {"gradient_checkpointing", to_string(c.train.gradient_checkpointing)},
                          {"recompute_layers", c.train.recompute_layers},
+                         {"recompute_keep_attention", c.train.recompute_keep_attention},
+                         {"recompute_keep_mlp", c.train.recompute_keep_mlp},
                          {"mlp_chunk_tokens", resolved_mlp_chunk_tokens(c)},
                          {"optim_state", to_string(c.optim.state)},
                          {"in_backward", step.in_backward()},

@@ -53,6 +53,8 @@ Config RunPlan::config_to_save() const {
   c.train.gradient_checkpointing = configured_train_.gradient_checkpointing;
   c.train.recompute_layers = configured_train_.recompute_layers;
   c.train.offload_layer_inputs = configured_train_.offload_layer_inputs;
+  c.train.recompute_keep_attention = configured_train_.recompute_keep_attention;
+  c.train.recompute_keep_mlp = configured_train_.recompute_keep_mlp;
   return c;
 }
 

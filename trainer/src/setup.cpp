@@ -126,6 +126,15 @@ model::Qwen3Config load_model_config(const Config& c) {
         "config key train.recompute_layers: {} is more than the {} decoder layers of {}",
         c.train.recompute_layers, mc.num_hidden_layers, c.model.config));
   }
+  const int64_t recomputed =
+      c.train.recompute_layers < 0 ? mc.num_hidden_layers : c.train.recompute_layers;
+  const int64_t kept = c.train.recompute_keep_attention + c.train.recompute_keep_mlp;
+  if (c.train.gradient_checkpointing == Recompute::kTrue && kept > recomputed) {
+    throw ConfigError(fmt::format(
+        "config keys train.recompute_keep_attention + train.recompute_keep_mlp: {} + {} is more "
+        "than the {} recomputed decoder layers (train.recompute_layers)",
+        c.train.recompute_keep_attention, c.train.recompute_keep_mlp, recomputed));
+  }
   return mc;
 }
 
@@ -380,7 +389,8 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   if (auto_recompute) {
     log_ << plan_.resolve_recompute(mc_, separate_lm_head_, free_before) << "\n";
     const auto o = model_options(plan_.config());
-    model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs);
+    model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs,
+                          o.recompute_keep_attention, o.recompute_keep_mlp);
   }
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "

@@ -65,6 +65,16 @@ struct LoraSpec {
 // part "lora_A" -> "model.layers.0.self_attn.q_proj.lora_A.weight" (PEFT's, without its prefix).
 std::string lora_param_name(const std::string& linear, const char* part);
 
+// What a decoder layer keeps from its forward for its backward (ModelOptions::layer_recompute).
+// A layer is two blocks: attention, h -> hs = h + o_proj(attention(input_layernorm(h))), and
+// MLP, hs -> hs + down(swiglu(gate(y), up(y))) with y = post_attention_layernorm(hs).
+enum class LayerRecompute {
+  kNone,       // every activation (no recompute)
+  kLayer,      // its input h; both blocks recompute
+  kAttention,  // its input h and the MLP block's activations; the attention block recomputes
+  kMlp,        // the attention block's activations and hs; the MLP block recomputes
+};
+
 struct ModelOptions {
   at::ScalarType master_dtype = at::kHalf;    // trainable masters: fp16 (default), bf16, fp32
   at::ScalarType compute_dtype = at::kFloat;  // activations / matmuls: fp32 (CPU), bf16 (GPU)
@@ -77,6 +87,13 @@ struct ModelOptions {
   // their activations; their backward runs first, so that memory is freed before any layer is
   // recomputed). -1: every layer. Chosen from a memory budget by the trainer.
   int64_t recompute_layers = -1;
+  // Of the recomputed layers, the last `recompute_keep_mlp` keep their MLP block's activations
+  // and recompute only the attention block (LayerRecompute::kAttention), and the
+  // `recompute_keep_attention` below them keep the attention block's activations and recompute
+  // only the MLP block (kMlp); the others recompute both. Chosen from a memory budget by the
+  // trainer: a block kept saves its recompute at the cost of its activations.
+  int64_t recompute_keep_attention = 0;
+  int64_t recompute_keep_mlp = 0;
   // CUDA: a recomputed layer keeps its input in pinned host memory (copied out in the forward,
   // back before its recompute) instead of on the device: long context, where the L layer inputs
   // are the largest activation term. No effect on the CPU or on layers that keep activations.
@@ -107,11 +124,16 @@ struct ModelOptions {
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
-  // Whether decoder layer `layer` is recomputed in backward (checkpointed).
+  // Whether decoder layer `layer` recomputes anything in backward (checkpointed).
   bool recomputes(int64_t layer) const {
     return gradient_checkpointing && (recompute_layers < 0 || layer < recompute_layers);
   }
+  // What decoder layer `layer` of a `num_layers`-layer model keeps for its backward.
+  LayerRecompute layer_recompute(int64_t layer, int64_t num_layers) const;
   void validate() const;  // dtype / device / chunk checks with messages naming the field
+  // validate() and the checks that need the model's depth (recompute_layers and the kept
+  // blocks against the layers).
+  void validate(int64_t num_layers) const;
 };
 
 // The measured choice (docs/model.md): fp32 when masters are fp32, else bf16 (fp16 grads
@@ -264,6 +286,24 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
                                int64_t seq_len, bool include_lm_head,
                                const GradientLifetime& grads = {});
 
+// Keeping one block's activations in a recomputed decoder layer (LayerRecompute::kMlp keeps the
+// attention block's, kAttention the MLP block's) instead of recomputing the whole layer: the
+// device bytes held from the layer's forward to its backward (as estimate_memory counts them)
+// and the recompute saved, in multiply-accumulates of one batch x seq_len step.
+struct BlockKeepCost {
+  int64_t kept_bytes = 0;
+  double saved_macs = 0;
+  double macs_per_byte() const {
+    return kept_bytes > 0 ? saved_macs / static_cast<double>(kept_bytes) : 0.0;
+  }
+};
+struct LayerKeepCosts {
+  BlockKeepCost attention;  // keep the attention block, recompute the MLP
+  BlockKeepCost mlp;        // keep the MLP block, recompute the attention
+};
+LayerKeepCosts layer_keep_costs(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
+                                int64_t seq_len, bool include_lm_head, int64_t layer);
+
 class Qwen3Model {
  public:
   // One pass over `weights` in file order; peak host memory about one tensor. Quantized pairs
@@ -284,11 +324,13 @@ class Qwen3Model {
   const Qwen3Config& config() const;
   const ModelOptions& options() const;
   bool tied() const;  // lm_head is embed_tokens
-  // Which decoder layers recompute in backward (ModelOptions::gradient_checkpointing and
-  // recompute_layers), between steps: the trainer picks it from a memory budget once the model
-  // is loaded. Results do not depend on it.
+  // Which decoder layers (and blocks) recompute in backward (ModelOptions::
+  // gradient_checkpointing, recompute_layers, recompute_keep_attention, recompute_keep_mlp),
+  // between steps: the trainer picks it from a memory budget once the model is loaded. Results
+  // do not depend on it.
   void set_recompute(bool gradient_checkpointing, int64_t recompute_layers,
-                     bool offload_layer_inputs = false);
+                     bool offload_layer_inputs = false, int64_t recompute_keep_attention = 0,
+                     int64_t recompute_keep_mlp = 0);
 
   // Hidden states after the final norm, (B, T, H) in the compute dtype. With a cache, the
   // inputs are appended after cache->length tokens (causal mask offset accordingly) and the

@@ -127,6 +127,11 @@ struct TrainConfig {
   // as the memory budget needs on CUDA (none on the CPU); resolved at start.
   Recompute gradient_checkpointing = Recompute::kAuto;
   int64_t recompute_layers = -1;  // with gradient_checkpointing true: the first N recompute; -1 all
+  // With gradient_checkpointing true: of the recomputed layers, the last recompute_keep_mlp keep
+  // their MLP block's activations (only the attention block recomputes) and the
+  // recompute_keep_attention below them their attention block's (only the MLP recomputes).
+  int64_t recompute_keep_attention = 0;
+  int64_t recompute_keep_mlp = 0;
   // CUDA: recomputed layers keep their input in pinned host memory (long context); auto turns
   // it on when every layer recomputed is still over the budget.
   bool offload_layer_inputs = false;
@@ -373,11 +378,13 @@ bool resolved_packing(const Config& c);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);
-// train.gradient_checkpointing, train.recompute_layers and train.offload_layer_inputs set to
-// recompute the first `n` of `num_layers` decoder layers (0: none, num_layers: every one), their
-// inputs offloaded or not; how auto is resolved.
+// train.gradient_checkpointing, train.recompute_layers, train.offload_layer_inputs and the kept
+// blocks set to recompute the first `n` of `num_layers` decoder layers (0: none, num_layers:
+// every one), their inputs offloaded or not, `keep_attention` and `keep_mlp` of them keeping one
+// block's activations; how auto is resolved.
 void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
-                          bool offload_layer_inputs = false);
+                          bool offload_layer_inputs = false, int64_t keep_attention = 0,
+                          int64_t keep_mlp = 0);
 // train.mlp_chunk_tokens with auto resolved: chunks of kAutoMlpChunkTokens when a micro-batch
 // (train.batch_size x train.seq_len) has more than kAutoMlpChunkAboveTokens tokens, else 0.
 int64_t resolved_mlp_chunk_tokens(const Config& c);

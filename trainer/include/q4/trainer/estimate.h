@@ -86,12 +86,24 @@ struct MemoryBudget {
 // Budget for one micro-batch of train.batch_size x train.seq_len tokens.
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
 
-// train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): the fewest
-// decoder layers to recompute (the first N; the others keep their activations) for the memory
-// estimate to fit the usable budget; past every layer, their inputs offloaded to the host.
+// train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): what to
+// recompute for the memory estimate to fit the usable budget. Nothing when that fits; else, from
+// every layer recomputed (their inputs offloaded to the host when only that fits), the choice
+// that fits with the most recompute saved (multiply-adds, model::layer_keep_costs): how many
+// layers recompute (the others keep every activation) and how many of those keep their
+// attention or their MLP block's activations, searched over every such combination. The budget
+// left over thus goes to the block that saves more recompute per byte first; whole layers alone
+// (the choice before blocks could be kept) are among the candidates.
 struct RecomputeChoice {
   int64_t layers = 0;            // decoder layers of the model
   int64_t recompute_layers = 0;  // the first N recompute (0: none, `layers`: every one)
+  // Of those, how many keep their attention block's activations (only the MLP recomputes) and
+  // their MLP block's (only the attention recomputes).
+  int64_t keep_attention = 0;
+  int64_t keep_mlp = 0;
+  // Recompute saved per byte kept (multiply-accumulates), by block; set when blocks are kept.
+  double attention_macs_per_byte = 0;
+  double mlp_macs_per_byte = 0;
   bool offload_layer_inputs = false;  // every layer recomputes and keeps its input on the host
   int64_t host_bytes = 0;             // pinned host memory of the offloaded inputs
   int64_t mlp_chunk_tokens = 0;       // recomputed layers' MLP chunks (0: one pass)
@@ -100,7 +112,8 @@ struct RecomputeChoice {
   int64_t usable_bytes = 0;      // the budget less the margin; the estimate must fit it
   bool fits = true;              // false: over the budget even with every layer recomputed
   std::string budget_source;     // "guard.max_gpu_gb" or "free device memory"
-  // "recompute 8 of 36 decoder layers (auto: estimate 23.1 GiB, budget 25.0 GiB from ...)".
+  // "gradient checkpointing auto: the first 30 of 36 decoder layers recompute; of those, 30 keep
+  // the attention block's activations (only the MLP recomputes) [...] (estimate ...)".
   std::string describe() const;
 };
 // The budget auto plans for: guard.max_gpu_gb when set, else `free_bytes` (the device's free
