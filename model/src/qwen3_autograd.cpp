@@ -379,6 +379,13 @@ SavedLayerInput restore_layer_input(AutogradContext* ctx) {
   return in;
 }
 
+// The attention block h -> hs recomputed from a restored input, with its graph back to in.h.
+at::Tensor recompute_attention(const Qwen3Model::Impl* im, int64_t layer,
+                               const SavedLayerInput& in) {
+  at::AutoGradMode enable(true);
+  return im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
+}
+
 // The whole layer: keeps h; the backward recomputes the attention block, then the MLP's
 // (mlp_backward_roots).
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
@@ -396,11 +403,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
     const int64_t layer = ctx->saved_data["layer"].toInt();
     const SavedLayerInput in = restore_layer_input(ctx);
-    at::Tensor hs;
-    {
-      at::AutoGradMode enable(true);
-      hs = im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
-    }
+    const at::Tensor hs = recompute_attention(im, layer, in);
     // The autograd graph takes over at hs (and at the MLP weights' taps).
     const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(in.h);
     std::vector<at::Tensor> roots, seeds;
@@ -426,11 +429,7 @@ struct AttentionCheckpoint : public torch::autograd::Function<AttentionCheckpoin
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
     const int64_t layer = ctx->saved_data["layer"].toInt();
     const SavedLayerInput in = restore_layer_input(ctx);
-    at::Tensor hs;
-    {
-      at::AutoGradMode enable(true);
-      hs = im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
-    }
+    const at::Tensor hs = recompute_attention(im, layer, in);
     torch::autograd::backward({hs}, {grads[0].defined() ? grads[0] : at::zeros_like(hs)});
     return {in.h.grad(),  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

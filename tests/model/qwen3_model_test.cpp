@@ -920,6 +920,17 @@ TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
             estimate_memory(cfg, cpu_resident, 2, 64, true, accum).total_bytes());
 }
 
+// The analytic estimate's options for a CUDA run in bf16 with fp16 masters, everything trained
+// (no device is needed to estimate).
+ModelOptions cuda_bf16_everything() {
+  ModelOptions o;
+  o.master_dtype = at::kHalf;
+  o.compute_dtype = at::kBFloat16;
+  o.device = at::Device(at::kCUDA, 0);
+  o.trainable = TrainableSpec::everything();
+  return o;
+}
+
 // ModelOptions::mlp_chunk_tokens in the estimate, at Qwen3-4B shapes on CUDA (bf16 varlen
 // path) with one sequence of 131,072 tokens, every layer recomputed with its input on the host
 // and in-backward updates: the layer backward is the peak phase. Unchunked its largest step is
@@ -935,11 +946,7 @@ TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
 // chunked.
 TEST(Qwen3Model, MemoryEstimateOfChunkedMlpRecompute) {
   const auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
-  ModelOptions o;
-  o.master_dtype = at::kHalf;
-  o.compute_dtype = at::kBFloat16;
-  o.device = at::Device(at::kCUDA, 0);
-  o.trainable = TrainableSpec::everything();
+  ModelOptions o = cuda_bf16_everything();
   o.offload_layer_inputs = true;
   GradientLifetime ib;
   ib.applied_in_backward = true;
@@ -985,11 +992,7 @@ TEST(Qwen3Model, MemoryEstimateOfChunkedMlpRecompute) {
 // rows, and the MLP's gate and up.
 TEST(Qwen3Model, MemoryEstimateOfKeptBlocks) {
   const auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
-  ModelOptions o;
-  o.master_dtype = at::kHalf;
-  o.compute_dtype = at::kBFloat16;
-  o.device = at::Device(at::kCUDA, 0);
-  o.trainable = TrainableSpec::everything();
+  ModelOptions o = cuda_bf16_everything();
   GradientLifetime ib;
   ib.applied_in_backward = true;
   const int64_t L = cfg.num_hidden_layers, H = cfg.hidden_size, I = cfg.intermediate_size;
