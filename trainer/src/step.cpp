@@ -235,7 +235,6 @@ TrainStep::HostGradient& TrainStep::host_gradient(const model::Parameter& p) {
   if (it == host_grads_.end()) {
     HostGradient h;
     h.pinned = quant::pinned_empty(p.master.sizes(), model_.options().resolved_grad_dtype());
-    h.alias = quant::device_alias(h.pinned, p.qdata.device());
     h.written = std::make_unique<c10::Event>(p.qdata.device().type());
     it = host_grads_.emplace(&p, std::move(h)).first;
   }

@@ -93,7 +93,6 @@ class TrainStep {
   // The compute stream waits for both streams before the update.
   struct HostGradient {
     at::Tensor pinned;  // (numel) gradient dtype, pinned host memory: the accumulation buffer
-    at::Tensor alias;   // the same bytes as a CUDA tensor, which the optimizer reads
     std::unique_ptr<c10::Event> written;  // the last copy into `pinned` (device-to-host stream)
   };
   bool accumulates_on_host() const;
