@@ -480,11 +480,12 @@ void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, 
 }
 
 #if Q4_WITH_CUDA
-void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
-                     bool stochastic, uint32_t key, const int32_t* skip = nullptr) {
-  c10::cuda::CUDAGuard guard(p.info.device);
+// The kernel arguments of one parameter's update; `g` is its contiguous gradient (undefined:
+// zero), which must outlive the launch.
+cuda::StepParams step_params_cuda(ParamState& p, const at::Tensor& g, const StepConsts& c,
+                                  bool decay, bool stochastic, uint32_t key,
+                                  const int32_t* skip) {
   cuda::StepParams k;
-  at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
   k.grad = g.defined() ? g.data_ptr() : nullptr;
   k.grad_dtype = g.defined() ? cuda_dtype(g.scalar_type()) : cuda::kDtF32;
   k.master = p.flat.data_ptr();
@@ -521,8 +522,50 @@ void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c,
                          : static_cast<float>(static_cast<double>(c.inv_sqrt_bc2) / c.step_size);
   k.fast_den_b = no_step ? std::numeric_limits<float>::max()
                          : static_cast<float>(static_cast<double>(c.eps) / c.step_size);
-  cuda::launch_adamw_step(k, at::cuda::getCurrentCUDAStream());
+  return k;
 }
+
+void step_param_cuda(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
+                     bool stochastic, uint32_t key, const int32_t* skip = nullptr) {
+  c10::cuda::CUDAGuard guard(p.info.device);
+  const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
+  cuda::launch_adamw_step(step_params_cuda(p, g, c, decay, stochastic, key, skip),
+                          at::cuda::getCurrentCUDAStream());
+}
+
+// Small resident parameters with packed moments (the buffered step's adapters: a few hundred
+// tensors of under a million elements), collected and updated kStepBatch to a launch on the
+// caller's stream of their device (cuda::launch_adamw_steps; the same bits as one launch each).
+class SmallStepBatch {
+ public:
+  static constexpr int64_t kMaxElements = int64_t{1} << 20;
+  static bool takes(const ParamState& p, const at::Tensor& grad) {
+    return p.info.mode != StateMode::kFp32 && p.flat.numel() > 0 &&
+           p.flat.numel() <= kMaxElements && p.flat.is_cuda() &&
+           (!grad.defined() || grad.is_cuda());
+  }
+  void add(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
+           bool stochastic, uint32_t key) {
+    if (!params_.empty() && device_ != p.info.device) flush();
+    device_ = p.info.device;
+    const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();
+    if (g.defined()) grads_.push_back(g);
+    params_.push_back(step_params_cuda(p, g, c, decay, stochastic, key, nullptr));
+  }
+  void flush() {
+    if (params_.empty()) return;
+    c10::cuda::CUDAGuard guard(device_);
+    cuda::launch_adamw_steps(params_.data(), static_cast<int>(params_.size()),
+                             at::cuda::getCurrentCUDAStream());
+    params_.clear();
+    grads_.clear();
+  }
+
+ private:
+  at::Device device_ = at::kCPU;
+  std::vector<cuda::StepParams> params_;
+  std::vector<at::Tensor> grads_;  // alive until the launch
+};
 #endif
 
 #if Q4_WITH_CUDA
@@ -815,6 +858,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   std::optional<at::cuda::CUDAEvent> side_done;
   int cuda_launches = 0;
   d.stager->begin(d.ps);
+  detail::SmallStepBatch small;
 #endif
   for (size_t i = 0; i < d.ps.size(); ++i) {
     detail::ParamState& p = d.ps[i];
@@ -846,7 +890,9 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
       };
       // Staged parameters run on the caller's stream, whose pool their copies come from.
       const bool staged = d.stager->applies(p, grads[i]);
-      if (!staged && cuda_launches++ % 2 == 1) {
+      if (!staged && detail::SmallStepBatch::takes(p, grads[i])) {
+        small.add(p, grads[i], c, decay, stochastic, key);
+      } else if (!staged && cuda_launches++ % 2 == 1) {
         c10::cuda::CUDAStreamGuard on_side(*side);
         update();
       } else {
@@ -858,6 +904,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     }
   }
 #if Q4_WITH_CUDA
+  small.flush();
   d.stager->finish();
   if (side) {
     side_done->record(*side);

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "cuda_launch.h"
 #include "optim_math.h"
@@ -631,17 +632,19 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
 template <int MODE>
 constexpr int kBlockMinCtas = MODE == 3 ? 5 : 4;
 
+// One tensor's update by CTA `cta` of the `ctas` it is given. An element's result depends only
+// on its block and its index, never on the grid, so any split over CTAs gives the same bits.
 template <int MODE, bool kExact, bool kSR, typename G, typename M>
-__global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_kernel(StepParams p) {
+__device__ __forceinline__ void block_tensor(const StepParams& p, SharedMaps& sm, int cta,
+                                             int ctas) {
   if (p.skip != nullptr && *p.skip != 0) return;  // uniform for the whole grid
   using Pos = GroupPos<MODE>;
   constexpr int B = Pos::B;
-  __shared__ SharedMaps sm;
   load_shared_maps<MODE, kExact>(sm);
   const int lane = threadIdx.x & 31;
   const int64_t nblocks = (p.n + B - 1) / B;
   const int64_t tasks = (nblocks + Pos::kBlocksPerWarp - 1) / Pos::kBlocksPerWarp;
-  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(ctas) * blockDim.x) >> 5;
   // Tasks whose every element lies inside the tensor take the vector path when all pointers are
   // 16-byte aligned: with a grid-stride loop these are a prefix, so the loop is split in two
   // (no per-task check). Uniform per warp: shuffles see all 32 lanes.
@@ -650,7 +653,7 @@ __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_ker
   const int64_t end = tasks * kTaskElems;
   const int64_t step = warps * kTaskElems;
   // The loop state is one 64-bit element index per warp task (GroupPos derives the rest).
-  int64_t first = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * kTaskElems;
+  int64_t first = ((static_cast<int64_t>(cta) * blockDim.x + threadIdx.x) >> 5) * kTaskElems;
   for (; first < full_end; first += step) {
     block_step<MODE, true, kExact, kSR, G, M>(p, sm, Pos(first, lane, nblocks), p.n, lane);
   }
@@ -658,6 +661,33 @@ __global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_ker
     const Pos pos(first, lane, nblocks);
     block_step<MODE, false, kExact, kSR, G, M>(p, sm, pos, pos.active ? p.n : 0, lane);
   }
+}
+
+template <int MODE, bool kExact, bool kSR, typename G, typename M>
+__global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>) adamw_block_kernel(StepParams p) {
+  __shared__ SharedMaps sm;
+  block_tensor<MODE, kExact, kSR, G, M>(p, sm, static_cast<int>(blockIdx.x),
+                                        static_cast<int>(gridDim.x));
+}
+
+// Several small tensors of one kind (mode, arithmetic, rounding, dtypes) in one launch: tensor k
+// owns CTAs [cta_start[k], cta_start[k + 1]), as many as its own launch would take. A few
+// hundred adapter tensors a step would otherwise each pay a launch and a pipeline ramp.
+struct StepBatch {
+  StepParams p[kStepBatch];
+  int cta_start[kStepBatch + 1];
+  int count;
+};
+static_assert(sizeof(StepBatch) <= 4096, "StepBatch must fit the kernel parameter space");
+
+template <int MODE, bool kExact, bool kSR, typename G, typename M>
+__global__ void __launch_bounds__(kThreads, kBlockMinCtas<MODE>)
+    adamw_block_multi_kernel(StepBatch b) {
+  __shared__ SharedMaps sm;
+  int k = 0;
+  while (k + 1 < b.count && b.cta_start[k + 1] <= static_cast<int>(blockIdx.x)) ++k;
+  block_tensor<MODE, kExact, kSR, G, M>(b.p[k], sm, static_cast<int>(blockIdx.x) - b.cta_start[k],
+                                        b.cta_start[k + 1] - b.cta_start[k]);
 }
 
 // ---- standalone codec ----
@@ -833,6 +863,29 @@ int64_t grid_for_elems(int64_t n) {
   return g < 65535 * 8 ? g : 65535 * 8;
 }
 
+template <int MODE, bool kExact, bool kSR, typename G, typename M>
+void launch_block_many(const StepParams* ps, int count, cudaStream_t s) {
+  StepBatch b{};
+  b.count = count;
+  int ctas = 0;
+  for (int k = 0; k < count; ++k) {
+    b.p[k] = ps[k];
+    b.cta_start[k] = ctas;
+    ctas += static_cast<int>(block_kernel_grid<MODE>(ps[k].n));
+  }
+  b.cta_start[count] = ctas;
+  adamw_block_multi_kernel<MODE, kExact, kSR, G, M><<<ctas, kThreads, 0, s>>>(b);
+}
+
+template <int MODE, bool kExact, typename G, typename M>
+void launch_block_many_sr(const StepParams* ps, int count, cudaStream_t s) {
+  if (ps[0].stochastic != 0) {
+    launch_block_many<MODE, kExact, true, G, M>(ps, count, s);
+  } else {
+    launch_block_many<MODE, kExact, false, G, M>(ps, count, s);
+  }
+}
+
 template <int MODE, bool kExact, typename G, typename M>
 void launch_block(const StepParams& p, cudaStream_t s) {
   if (p.stochastic != 0) {
@@ -900,6 +953,59 @@ void launch_adamw_step(const StepParams& params, cudaStream_t stream) {
   dispatch_code(p.grad_dtype, "grad dtype",
                 [&](auto grad) { launch_grad<decltype(grad)>(p, stream); });
   check_cuda(cudaGetLastError(), "q4::optim CUDA: adamw step launch");
+}
+
+bool same_block_kind(const StepParams& a, const StepParams& b) {
+  return a.mode == b.mode && a.exact == b.exact && a.stochastic == b.stochastic &&
+         a.grad_dtype == b.grad_dtype && a.master_dtype == b.master_dtype;
+}
+
+void launch_adamw_steps(const StepParams* params, int count, cudaStream_t stream) {
+  if (count == 0) return;
+  ensure_tables();
+  std::vector<StepParams> ps(params, params + count);
+  for (StepParams& p : ps) {
+    if (p.mode == 0 || p.n == 0) {
+      throw std::runtime_error("q4::optim CUDA: launch_adamw_steps takes packed-moment tensors");
+    }
+    p.vec_ok = aligned16(p.grad) && aligned16(p.master) && aligned16(p.m_codes) &&
+               aligned16(p.v_codes);
+  }
+  for (int first = 0; first < count;) {
+    int last = first + 1;
+    while (last < count && last - first < kStepBatch && same_block_kind(ps[first], ps[last])) ++last;
+    const StepParams* run = ps.data() + first;
+    const int n = last - first;
+    dispatch_code(run->grad_dtype, "grad dtype", [&](auto grad) {
+      using G = decltype(grad);
+      dispatch_code(run->master_dtype, "master dtype", [&](auto master) {
+        using M = decltype(master);
+        switch (run->mode) {
+          case 1:
+            if (run->exact != 0) {
+              launch_block_many_sr<1, true, G, M>(run, n, stream);
+            } else {
+              launch_block_many_sr<1, false, G, M>(run, n, stream);
+            }
+            break;
+          case 2:
+            if (run->exact != 0) {
+              launch_block_many_sr<2, true, G, M>(run, n, stream);
+            } else {
+              launch_block_many_sr<2, false, G, M>(run, n, stream);
+            }
+            break;
+          case 3:
+            launch_block_many_sr<3, true, G, M>(run, n, stream);
+            break;
+          default:
+            throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(run->mode));
+        }
+      });
+    });
+    check_cuda(cudaGetLastError(), "q4::optim CUDA: adamw batched step launch");
+    first = last;
+  }
 }
 
 void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream) {

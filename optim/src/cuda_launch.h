@@ -62,6 +62,11 @@ struct StepParams {
 };
 
 void launch_adamw_step(const StepParams& p, cudaStream_t stream);
+// The same update for `count` tensors with packed moments (modes 1-3), in as few launches as
+// possible: consecutive tensors of one kind (mode, exact, stochastic, dtypes) go kStepBatch to a
+// launch, each bit-identical to its own launch_adamw_step.
+inline constexpr int kStepBatch = 16;
+void launch_adamw_steps(const StepParams* ps, int count, cudaStream_t stream);
 
 // Sum of squares of g (n elements, dtype) in fp32: writes kSumsqPartials fp32 partial sums (each
 // a fixed-order reduction), so the result does not depend on scheduling.

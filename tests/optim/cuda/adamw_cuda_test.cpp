@@ -119,6 +119,74 @@ TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
   }
 }
 
+// The buffered step updates small tensors with packed moments kStepBatch to a launch (the
+// adapters of a LoRA run) and large ones alone: both bit-identical to the CPU path (the large
+// one's masters up to the fp32 last bit noted below), across more tensors than one batch holds,
+// with partial last blocks, one unaligned master and one zero gradient (undefined) among them.
+TEST(PackedAdamWCuda, BatchedSmallTensorsMatchCpuBitExact) {
+  Q4_REQUIRE_CUDA();
+  for (StateMode mode : {StateMode::kInt8, StateMode::k4Bit, StateMode::kNvfp4}) {
+    for (MasterRounding rnd : {MasterRounding::kStochastic, MasterRounding::kNearest}) {
+      AdamWOptions o;
+      o.cuda_exact_arithmetic = true;
+      o.lr = 2e-3;
+      o.weight_decay = 0.1;
+      o.state_mode = mode;
+      o.rounding = rnd;
+      o.seed = 17;
+      o.small_tensor_threshold = 64;  // every tensor here takes packed moments
+      std::vector<std::vector<int64_t>> shapes;
+      for (int k = 0; k < 21; ++k) shapes.push_back({16 + k, 129 + 8 * k});
+      shapes.push_back({1100, 1000});  // over a batch's size limit: a launch of its own
+      shapes.push_back({3, 35});
+      PackedAdamW cpu(o), gpu(o);
+      std::vector<at::Tensor> wc, wg;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const at::Tensor w0 = (at::randn(shapes[i], gen(100 + i)) * 0.05).to(at::kHalf);
+        wc.push_back(w0.clone());
+        if (i == 5) {  // one element past an aligned address
+          const at::Tensor buf = at::zeros({w0.numel() + 1}, w0.options().device(kCuda));
+          wg.push_back(buf.narrow(0, 1, w0.numel()).view(shapes[i]).copy_(w0));
+        } else {
+          wg.push_back(w0.to(kCuda));
+        }
+        cpu.add_param("w" + std::to_string(i), wc.back(), i % 3 != 0);
+        gpu.add_param("w" + std::to_string(i), wg.back(), i % 3 != 0);
+      }
+      for (int t = 0; t < 3; ++t) {
+        std::vector<at::Tensor> gc, gg;
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          at::Tensor g;
+          if (!(t == 1 && i == 7)) g = (at::randn(shapes[i], gen(1000 * t + i)) * 1e-2).to(at::kBFloat16);
+          gc.push_back(g);
+          gg.push_back(g.defined() ? g.to(kCuda) : g);
+        }
+        cpu.step(gc);
+        gpu.step(gg);
+      }
+      const std::string what = to_string(mode) + " " + to_string(rnd);
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        if (i == 21) {
+          // The large tensor's update differs from the CPU's in the last fp32 bit at a few
+          // elements (see MatchesCpuBitExactEveryModeAndDtype's fp32 masters), which rounding to
+          // fp16 hides except where it decides the rounding: at most a few of its 1.1e6 masters
+          // then sit one fp16 step apart (seen: one, 4-bit stochastic, H100).
+          const at::Tensor d = (wc[i].view(at::kShort).to(at::kInt) -
+                                wg[i].cpu().view(at::kShort).to(at::kInt))
+                                   .abs();
+          EXPECT_LE(d.max().item<int>(), 1) << what;
+          EXPECT_LE((d > 0).sum().item<int64_t>(), 4) << what;
+        } else {
+          EXPECT_TRUE(bit_equal(wc[i], wg[i])) << what << " tensor " << i;
+        }
+        EXPECT_TRUE(bit_equal(cpu.decoded_exp_avg(i), gpu.decoded_exp_avg(i))) << what << " " << i;
+        EXPECT_TRUE(bit_equal(cpu.decoded_exp_avg_sq(i), gpu.decoded_exp_avg_sq(i)))
+            << what << " " << i;
+      }
+    }
+  }
+}
+
 // Masters as raw 16-bit patterns (fp16/bf16): adjacent values of one sign differ by 1.
 at::Tensor master_bits(const at::Tensor& w) { return w.cpu().view(at::kShort).to(at::kInt); }
 
