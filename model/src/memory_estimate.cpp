@@ -29,12 +29,18 @@ bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
+// Whether adapted linears keep their dequantized frozen weight (counted with the frozen bytes;
+// the graphs save that tensor itself).
+bool caches_weight(const ModelOptions& opt) {
+  return opt.cache_adapted_weights && !opt.lora.merge_aware;
+}
+
 // Whether linear parameter `p` reaches a layer's graph as a compute-dtype weight that its linear
 // saves beyond what the model stores: a trainable NVFP4 linear's tap output, an adapted linear's
 // dequantized or merged weight. Frozen weights are saved as the stored tensors themselves.
 bool saves_compute_weight(const ParamSpec& p, const ModelOptions& opt, int64_t num_layers,
                           bool tied) {
-  if (opt.lora.adapts(p, opt.trainable, num_layers)) return true;
+  if (opt.lora.adapts(p, opt.trainable, num_layers)) return !caches_weight(opt);
   return p.kind == ParamKind::kQuantizedLinear && opt.trainable.trains(p, num_layers, tied);
 }
 
@@ -148,7 +154,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       // Frozen as NVFP4 codes; the adapter's A and B train. The forward's weight (merged and
       // fake-quantized, or dequantized) is a compute-dtype tensor like a trained linear's tap.
       const int64_t a = opt.lora.rank * (p.shape[0] + p.shape[1]);
-      est.frozen_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize;
+      est.frozen_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize + (caches_weight(opt) ? n * cs : 0);
       est.master_bytes += a * ms;
       est.grad_buffer_bytes += a * gs;
       resident_grad_bytes += a * gs;

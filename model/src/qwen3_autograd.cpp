@@ -121,18 +121,49 @@ struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
   }
 };
 
+// s·u·v + x·w (u (tokens, r), v (r, n), x (tokens, k), w (k, n)): the rank-r term is written
+// first (a GEMM that only writes its output), then the large GEMM adds into it in its epilogue
+// (beta 1, in place), where reading the term hides behind the multiply. The other order would
+// make the small GEMM read and write the whole output.
+at::Tensor adapter_then_base(const at::Tensor& u, const at::Tensor& v, double s,
+                             const at::Tensor& x, const at::Tensor& w) {
+  // beta 0: the first argument only gives the shape (its values are ignored).
+  at::Tensor y = at::addmm(at::empty({u.size(0), v.size(1)}, u.options()), u, v, 0.0, s);
+  return y.addmm_(x, w);
+}
+
+// The gradients of y = x·wᵀ + s·(x·aᵀ)·bᵀ from g = dy (tokens, out), x2 (tokens, in) and
+// xa = x2·aᵀ: dx = s·(g·b)·a + g·w (adapter_then_base), da = s·(g·b)ᵀ·x2, db = s·gᵀ·xa (those
+// wanted).
+// PlainLoraLinear's backward and the MLP checkpoint's hand-formed down projection share it, so
+// both give the same bits.
+struct PlainLoraGrads {
+  at::Tensor dx, da, db;
+};
+PlainLoraGrads plain_lora_grads(const at::Tensor& x2, const at::Tensor& xa, const at::Tensor& w,
+                                const at::Tensor& a, const at::Tensor& b, double s,
+                                const at::Tensor& g, bool want_dx, bool want_da, bool want_db) {
+  const at::Tensor gb = at::mm(g, b);  // (tokens, r)
+  PlainLoraGrads d;
+  if (want_dx) d.dx = adapter_then_base(gb, a, s, g, w);
+  // beta 0: the first argument only gives the shape (its values are ignored).
+  if (want_da) d.da = at::addmm(at::empty_like(a), gb.t(), x2, 0.0, s);
+  if (want_db) d.db = at::addmm(at::empty_like(b), g.t(), xa, 0.0, s);
+  return d;
+}
+
 struct PlainLoraLinear : public torch::autograd::Function<PlainLoraLinear> {
   // x (..., in), w (out, in) the adapted linear's frozen weight, a (r, in), b (out, r) (the
   // adapter's tapped weights), all in the compute dtype -> y = x·wᵀ + s·(x·aᵀ)·bᵀ (..., out).
-  // The adapter's term is added and scaled by the GEMMs' epilogues (beta 1, alpha s) in both
-  // directions, dx = g·w + s·(g·b)·a included: no (tokens, in|out) elementwise pass and no
-  // separate add of the two input gradients.
+  // The adapter's term is scaled in its own GEMM and added by the large GEMM's epilogue (beta 1,
+  // adapter_then_base) in both directions: no (tokens, in|out) elementwise pass and no separate
+  // add of the two input gradients.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const at::Tensor& a, const at::Tensor& b, double s) {
     const int64_t in = x.size(-1), out = w.size(0);
     const at::Tensor x2 = x.reshape({-1, in});
     const at::Tensor xa = at::mm(x2, a.t());  // (tokens, r)
-    const at::Tensor y = at::addmm(at::mm(x2, w.t()), xa, b.t(), 1.0, s);
+    const at::Tensor y = adapter_then_base(xa, b.t(), s, x2, w.t());
     ctx->save_for_backward({x2, w, a, b, xa});
     ctx->saved_data["s"] = s;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -143,17 +174,83 @@ struct PlainLoraLinear : public torch::autograd::Function<PlainLoraLinear> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x2 = saved[0], &w = saved[1], &a = saved[2], &b = saved[3], &xa = saved[4];
-    const double s = ctx->saved_data["s"].toDouble();
     const at::Tensor g = grads[0].reshape({-1, w.size(0)});
-    const at::Tensor gb = at::mm(g, b);  // (tokens, r)
-    at::Tensor dx, da, db;
-    if (ctx->needs_input_grad(0)) {
-      dx = at::addmm(at::mm(g, w), gb, a, 1.0, s).view(ctx->saved_data["x_sizes"].toIntVector());
+    PlainLoraGrads d = plain_lora_grads(x2, xa, w, a, b, ctx->saved_data["s"].toDouble(), g,
+                                        ctx->needs_input_grad(0), ctx->needs_input_grad(2),
+                                        ctx->needs_input_grad(3));
+    if (d.dx.defined()) d.dx = d.dx.view(ctx->saved_data["x_sizes"].toIntVector());
+    return {d.dx, at::Tensor(), d.da, d.db, at::Tensor()};
+  }
+};
+
+struct PlainLoraLinears : public torch::autograd::Function<PlainLoraLinears> {
+  // Two or three plain adapted linears of one input x (..., in): q/k/v, gate/up. Arguments
+  // (w, a, b) per linear as PlainLoraLinear's; for a pair the third triple is empty tensors
+  // (LibTorch 1.13 takes no undefined inputs).
+  // y_i = x·w_iᵀ + s·(x·a_iᵀ)·b_iᵀ, as PlainLoraLinear computes each, but the adapters' inputs
+  // share one GEMM (x·[a_0; a_1; a_2]ᵀ), and in backward the input gradient sums every linear's
+  // term in the GEMMs' epilogues (dx = s·[g_i·b_i]·[a_i] + Σ g_i·w_i, one buffer, no separate
+  // adds) and the A gradients come from one GEMM over x.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w0,
+                               const at::Tensor& a0, const at::Tensor& b0, const at::Tensor& w1,
+                               const at::Tensor& a1, const at::Tensor& b1, const at::Tensor& w2,
+                               const at::Tensor& a2, const at::Tensor& b2, double s) {
+    const int64_t in = x.size(-1), r = a0.size(0);
+    const at::Tensor x2 = x.reshape({-1, in});
+    std::vector<at::Tensor> ws = {w0, w1}, as = {a0, a1}, bs = {b0, b1};
+    if (w2.numel() > 0) {
+      ws.push_back(w2);
+      as.push_back(a2);
+      bs.push_back(b2);
     }
+    const at::Tensor a_all = at::cat(as, 0);       // (k·r, in)
+    const at::Tensor xa_all = at::mm(x2, a_all.t());  // (tokens, k·r)
+    variable_list ys;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const at::Tensor xa = xa_all.narrow(1, static_cast<int64_t>(i) * r, r);
+      std::vector<int64_t> sizes = x.sizes().vec();
+      sizes.back() = ws[i].size(0);
+      ys.push_back(adapter_then_base(xa, bs[i].t(), s, x2, ws[i].t()).view(sizes));
+    }
+    ctx->save_for_backward({x2, a_all, xa_all, w0, b0, w1, b1, w2, b2});
+    ctx->saved_data["s"] = s;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    return ys;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2 = saved[0], &a_all = saved[1], &xa_all = saved[2];
+    const double s = ctx->saved_data["s"].toDouble();
+    const int64_t k = saved[7].numel() > 0 ? 3 : 2, r = a_all.size(0) / k, tokens = x2.size(0);
+    variable_list out(11);
+    std::vector<at::Tensor> gs, gbs;  // per linear: (tokens, out_i), (tokens, r)
+    for (int64_t i = 0; i < k; ++i) {
+      const at::Tensor &w = saved[3 + 2 * i], &b = saved[4 + 2 * i];
+      const at::Tensor g = grads[i].defined() ? grads[i].reshape({tokens, w.size(0)})
+                                              : at::zeros({tokens, w.size(0)}, w.options());
+      gs.push_back(g);
+      gbs.push_back(at::mm(g, b));
+    }
+    const at::Tensor gb_all = at::cat(gbs, 1);  // (tokens, k·r)
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor dx = adapter_then_base(gb_all, a_all, s, gs[0], saved[3]);
+      for (int64_t i = 1; i < k; ++i) dx.addmm_(gs[i], saved[3 + 2 * i]);
+      out[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
+    }
+    bool want_a = false;
+    for (int64_t i = 0; i < k; ++i) want_a = want_a || ctx->needs_input_grad(2 + 3 * i);
     // beta 0: the first argument only gives the shape (its values are ignored).
-    if (ctx->needs_input_grad(2)) da = at::addmm(at::empty_like(a), gb.t(), x2, 0.0, s);
-    if (ctx->needs_input_grad(3)) db = at::addmm(at::empty_like(b), g.t(), xa, 0.0, s);
-    return {dx, at::Tensor(), da, db, at::Tensor()};
+    const at::Tensor da_all =
+        want_a ? at::addmm(at::empty_like(a_all), gb_all.t(), x2, 0.0, s) : at::Tensor();
+    for (int64_t i = 0; i < k; ++i) {
+      if (ctx->needs_input_grad(2 + 3 * i)) out[2 + 3 * i] = da_all.narrow(0, i * r, r);
+      if (ctx->needs_input_grad(3 + 3 * i)) {
+        const at::Tensor& b = saved[4 + 2 * i];
+        out[3 + 3 * i] =
+            at::addmm(at::empty_like(b), gs[i].t(), xa_all.narrow(1, i * r, r), 0.0, s);
+      }
+    }
+    return out;
   }
 };
 
@@ -247,19 +344,28 @@ void mlp_backward_roots(const Qwen3Model::Impl* im, int64_t layer, const at::Ten
     roots->push_back(hs);
     seeds->push_back(g);
     roots->push_back(s);
-    {
-      at::NoGradGuard no_grad;
-      const at::Tensor g2 = g.reshape({-1, H});
-      seeds->push_back(at::mm(g2, w.down.w).view(s.sizes()));
-      if (w.down.w.requires_grad()) {
-        roots->push_back(w.down.w);
-        seeds->push_back(at::mm(g2.t(), s.reshape({-1, I})));
+    at::NoGradGuard no_grad;
+    const at::Tensor g2 = g.reshape({-1, H});
+    const at::Tensor s2 = s.detach().reshape({-1, I});
+    if (w.down.lora_a.defined()) {
+      // A plain adapter: PlainLoraLinear's gradients (mlp_output's down projection is one).
+      const at::Tensor &a = w.down.lora_a, &b = w.down.lora_b;
+      const at::Tensor xa = at::mm(s2, a.detach().t());
+      const PlainLoraGrads d =
+          plain_lora_grads(s2, xa, w.down.w, a.detach(), b.detach(), im->opt.lora.scale(), g2,
+                           true, a.requires_grad(), b.requires_grad());
+      seeds->push_back(d.dx.view(s.sizes()));
+      for (const auto& [tap, grad] : {std::make_pair(a, d.da), std::make_pair(b, d.db)}) {
+        if (!grad.defined()) continue;
+        roots->push_back(tap);
+        seeds->push_back(grad);
       }
+    } else {
+      seeds->push_back(at::mm(g2, w.down.w).view(s.sizes()));
     }
-    if (w.down.lora_a.defined()) {  // the plain adapter's term, through autograd
-      at::AutoGradMode enable(true);
-      roots->push_back(im->plain_lora(s, w.down));
-      seeds->push_back(g);
+    if (w.down.w.requires_grad()) {
+      roots->push_back(w.down.w);
+      seeds->push_back(at::mm(g2.t(), s2));
     }
     return;
   }
@@ -479,6 +585,19 @@ at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
 at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
                              const at::Tensor& b, double scale) {
   return PlainLoraLinear::apply(x, w, a, b, scale);
+}
+
+std::vector<at::Tensor> plain_lora_linears(const at::Tensor& x,
+                                           const std::vector<const LinearWeights*>& ws,
+                                           double scale) {
+  TORCH_CHECK(ws.size() == 2 || ws.size() == 3, "plain_lora_linears: 2 or 3 linears, got ",
+              ws.size());
+  const at::Tensor empty = at::empty({0}, x.options());
+  const LinearWeights none{empty, empty, empty};
+  const LinearWeights& third = ws.size() == 3 ? *ws[2] : none;
+  return PlainLoraLinears::apply(x, ws[0]->w, ws[0]->lora_a, ws[0]->lora_b, ws[1]->w,
+                                 ws[1]->lora_a, ws[1]->lora_b, third.w, third.lora_a,
+                                 third.lora_b, scale);
 }
 
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,

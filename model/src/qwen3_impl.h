@@ -104,6 +104,10 @@ struct Qwen3Model::Impl {
   at::Tensor linear(const at::Tensor& x, Parameter* p) const;
   // The same from weights resolved before (linear_weights(p), or detached copies of them).
   at::Tensor linear(const at::Tensor& x, const LinearWeights& w) const;
+  // x through two or three linears that share it (q/k/v, gate/up): one plain_lora_linears when
+  // every one carries a plain adapter, else linear() each.
+  std::vector<at::Tensor> linears(const at::Tensor& x,
+                                  const std::vector<const LinearWeights*>& ws) const;
   LinearWeights linear_weights(Parameter* p) const;  // weight(p), and A's and B's when plain
   at::Tensor plain_lora(const at::Tensor& x, const LinearWeights& w) const;  // (s·x·Aᵀ)·Bᵀ
   // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
@@ -193,6 +197,11 @@ at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
 // Plain LoRA: x·wᵀ + scale·(x·aᵀ)·bᵀ for a frozen w, with a and b from their taps.
 at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
                              const at::Tensor& b, double scale);
+// Two or three plain adapted linears of one input, each as plain_lora_linear computes it, with
+// the adapters' GEMMs shared and the input gradient summed in the GEMMs (q/k/v, gate/up).
+std::vector<at::Tensor> plain_lora_linears(const at::Tensor& x,
+                                           const std::vector<const LinearWeights*>& ws,
+                                           double scale);
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,
                          at::ScalarType compute_dtype, at::ScalarType grad_dtype);
 // Checkpoints (recomputed in backward): the whole layer h -> out, keeping h; the attention block

@@ -322,6 +322,17 @@ at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, const LinearWeights& w)
   return plain_lora_linear(x, w.w, w.lora_a, w.lora_b, opt.lora.scale());
 }
 
+std::vector<at::Tensor> Qwen3Model::Impl::linears(
+    const at::Tensor& x, const std::vector<const LinearWeights*>& ws) const {
+  const bool all_plain = std::all_of(ws.begin(), ws.end(), [](const LinearWeights* w) {
+    return w->lora_a.defined();
+  });
+  if (all_plain) return plain_lora_linears(x, ws, opt.lora.scale());
+  std::vector<at::Tensor> out;
+  for (const LinearWeights* w : ws) out.push_back(linear(x, *w));
+  return out;
+}
+
 at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, const LinearWeights& w) const {
   return at::linear(at::linear(x, w.lora_a) * opt.lora.scale(), w.lora_b);
 }
@@ -335,7 +346,13 @@ at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
   if (p->lora_a != nullptr) {
     // Merge-aware: fake_quant(W + s·B·A), straight through to A and B; plain: W itself.
     if (opt.lora.merge_aware) return tap_lora_merged(this, p, opt.compute_dtype, grad_dtype);
-    return q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype);
+    if (!opt.cache_adapted_weights) {
+      return q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype);
+    }
+    if (!p->dequantized.defined()) {
+      p->dequantized = q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype);
+    }
+    return p->dequantized;
   }
   if (!p->trainable) return p->master;
   fence(p);
@@ -381,26 +398,27 @@ at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
   const double eps = cfg.rms_norm_eps;
 
   at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps);  // (B, T, H)
-  at::Tensor a;                                                 // (B, T, NH*D)
+  const LinearWeights wq = linear_weights(lp.q_proj), wk = linear_weights(lp.k_proj),
+                      wv = linear_weights(lp.v_proj);
+  const std::vector<at::Tensor> qkv = linears(x, {&wq, &wk, &wv});
+  at::Tensor a;  // (B, T, NH*D)
   if (mask.kind == AttnMask::Kind::kVarlen) {
     // Token-major layout throughout: no transposes, and the kernel takes (B*T, heads, D) views.
     TORCH_INTERNAL_ASSERT(cache == nullptr);
-    at::Tensor q = rms_norm(linear(x, lp.q_proj).view({B, T, NH, D}), weight(lp.q_norm),
+    at::Tensor q = rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm),
                             eps);  // (B, T, NH, D)
-    at::Tensor k = rms_norm(linear(x, lp.k_proj).view({B, T, KVH, D}),
-                            weight(lp.k_norm), eps);  // (B, T, KVH, D)
-    at::Tensor v = linear(x, lp.v_proj).view({B * T, KVH, D});
+    at::Tensor k = rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm),
+                            eps);  // (B, T, KVH, D)
+    at::Tensor v = qkv[2].view({B * T, KVH, D});
     q = apply_rope_bthd(q, rope_t).view({B * T, NH, D});
     k = apply_rope_bthd(k, rope_t).view({B * T, KVH, D});
     a = attention_varlen(q, k, v, mask.allowed, mask.max_seqlen).view({B, T, NH * D});
   } else {
-    at::Tensor q =
-        rms_norm(linear(x, lp.q_proj).view({B, T, NH, D}), weight(lp.q_norm), eps)
-            .transpose(1, 2);  // (B, NH, T, D)
-    at::Tensor k =
-        rms_norm(linear(x, lp.k_proj).view({B, T, KVH, D}), weight(lp.k_norm), eps)
-            .transpose(1, 2);  // (B, KVH, T, D)
-    at::Tensor v = linear(x, lp.v_proj).view({B, T, KVH, D}).transpose(1, 2);
+    at::Tensor q = rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm), eps)
+                       .transpose(1, 2);  // (B, NH, T, D)
+    at::Tensor k = rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm), eps)
+                       .transpose(1, 2);  // (B, KVH, T, D)
+    at::Tensor v = qkv[2].view({B, T, KVH, D}).transpose(1, 2);
     q = apply_rope(q, rope_t);
     k = apply_rope(k, rope_t);
     if (cache != nullptr) {
@@ -428,14 +446,13 @@ MlpWeights Qwen3Model::Impl::mlp_weights(int64_t layer) const {
 
 at::Tensor Qwen3Model::Impl::mlp_hidden(const at::Tensor& hs, const MlpWeights& w) const {
   at::Tensor y = rms_norm(hs, w.norm, cfg.rms_norm_eps);
-  return swiglu(linear(y, w.gate), linear(y, w.up));
+  const std::vector<at::Tensor> gate_up = linears(y, {&w.gate, &w.up});
+  return swiglu(gate_up[0], gate_up[1]);
 }
 
 at::Tensor Qwen3Model::Impl::mlp_output(const at::Tensor& hs, const at::Tensor& s,
                                         const MlpWeights& w) const {
-  at::Tensor out = hs + at::linear(s, w.down.w);
-  if (w.down.lora_a.defined()) out = out + plain_lora(s, w.down);
-  return out;
+  return hs + linear(s, w.down);
 }
 
 at::Tensor Qwen3Model::Impl::mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
@@ -849,6 +866,13 @@ void Qwen3Model::set_recompute(bool gradient_checkpointing, int64_t recompute_la
   o.recompute_keep_mlp = recompute_keep_mlp;
   o.validate(impl_->cfg.num_hidden_layers);
   impl_->opt = o;
+}
+
+void Qwen3Model::set_cache_adapted_weights(bool cache) {
+  impl_->opt.cache_adapted_weights = cache;
+  if (!cache) {
+    for (Parameter& p : impl_->params) p.dequantized = at::Tensor();
+  }
 }
 
 void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }

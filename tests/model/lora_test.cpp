@@ -194,6 +194,47 @@ TEST(Lora, GradientsDoNotDependOnCheckpointing) {
   }
 }
 
+// Plain adapters with the frozen weights kept dequantized (ModelOptions::cache_adapted_weights):
+// losses and adapter gradients of two steps (the adapters updated between them) equal those of
+// dequantizing in every forward, with and without checkpointing; the kept weights are made once
+// and dropped by set_cache_adapted_weights(false).
+TEST(Lora, CachedFrozenWeightsGiveIdenticalSteps) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  for (const bool checkpointing : {false, true}) {
+    auto run = [&](bool cache) {
+      ModelOptions o = lora_options(false);
+      o.gradient_checkpointing = checkpointing;
+      o.cache_adapted_weights = cache;
+      Qwen3Model m = Qwen3Model::load(cfg, w, o);
+      perturb_b(m);
+      std::map<std::string, at::Tensor> out;
+      for (int step = 0; step < 2; ++step) {
+        out["loss" + std::to_string(step)] = m.loss(lora_inputs(cfg)).loss;
+        out["loss" + std::to_string(step)].backward();
+        at::NoGradGuard no_grad;
+        for (auto& p : m.adapters()) {
+          out[p.name + std::to_string(step)] = p.grad.clone();
+          p.master.sub_(p.grad, 0.1);
+          p.grad = at::Tensor();
+        }
+      }
+      int64_t kept = 0;
+      for (const auto& p : m.parameters()) kept += p.dequantized.defined() ? 1 : 0;
+      EXPECT_EQ(kept, cache ? static_cast<int64_t>(m.adapters().size() / 2) : 0);
+      m.set_cache_adapted_weights(false);
+      for (const auto& p : m.parameters()) EXPECT_FALSE(p.dequantized.defined()) << p.name;
+      return out;
+    };
+    const auto want = run(false);
+    const auto got = run(true);
+    for (const auto& [name, t] : want) {
+      EXPECT_TRUE(at::equal(t.detach(), got.at(name).detach()))
+          << name << (checkpointing ? " checkpointed" : "");
+    }
+  }
+}
+
 // The recompute's MLP in row chunks (ModelOptions::mlp_chunk_tokens) with adapters on every
 // linear: gate/up/down's plain A and B (the down projection's through its own term) or
 // merge-aware merged weights are taps resolved once; each chunk computes with their detached

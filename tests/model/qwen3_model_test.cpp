@@ -931,6 +931,42 @@ ModelOptions cuda_bf16_everything() {
   return o;
 }
 
+// Plain adapters with their frozen weights kept dequantized (cache_adapted_weights): 2 bytes a
+// frozen adapted element for the whole run. Without recompute every layer's graph holds those
+// weights at the peak anyway (the same tensors then), so the peak does not move; with recompute
+// it grows by what was kept.
+TEST(Qwen3Model, MemoryEstimateOfCachedAdaptedWeights) {
+  auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = cuda_bf16_everything();
+  o.trainable = TrainableSpec::nothing();
+  o.lora.rank = 4;
+  o.lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  o.lora.merge_aware = false;
+  int64_t adapted = 0;
+  for (const ParamSpec& p : qwen3_parameters(cfg, true)) {
+    if (o.lora.adapts(p, o.trainable, cfg.num_hidden_layers)) adapted += p.numel();
+  }
+  ASSERT_GT(adapted, 0);
+  for (const bool recompute : {false, true}) {
+    o.gradient_checkpointing = recompute;
+    o.cache_adapted_weights = false;
+    const MemoryEstimate plain = estimate_memory(cfg, o, 2, 64, true);
+    o.cache_adapted_weights = true;
+    const MemoryEstimate kept = estimate_memory(cfg, o, 2, 64, true);
+    EXPECT_EQ(kept.frozen_bytes - plain.frozen_bytes, 2 * adapted);
+    if (recompute) {
+      EXPECT_GT(kept.total_bytes(), plain.total_bytes());
+    } else {
+      EXPECT_EQ(kept.total_bytes(), plain.total_bytes());
+    }
+    o.lora.merge_aware = true;  // merge-aware adapters keep nothing
+    const MemoryEstimate merged = estimate_memory(cfg, o, 2, 64, true);
+    o.cache_adapted_weights = false;
+    EXPECT_EQ(estimate_memory(cfg, o, 2, 64, true).total_bytes(), merged.total_bytes());
+    o.lora.merge_aware = false;
+  }
+}
+
 // ModelOptions::mlp_chunk_tokens in the estimate, at Qwen3-4B shapes on CUDA (bf16 varlen
 // path) with one sequence of 131,072 tokens, every layer recomputed with its input on the host
 // and in-backward updates: the layer backward is the peak phase. Unchunked its largest step is

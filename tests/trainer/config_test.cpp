@@ -187,6 +187,24 @@ TEST(Config, LoraKeys) {
   const auto mo = model_options(c);
   EXPECT_EQ(mo.lora.rank, 16);
   EXPECT_DOUBLE_EQ(mo.lora.scale(), 2.0);
+  // Plain adapters keep their frozen weights dequantized when no layer recomputes (auto), or
+  // when told; merge-aware adapters never.
+  EXPECT_FALSE(mo.cache_adapted_weights);
+  const std::string plain = base + "lora: {merge_aware: false}\n";
+  EXPECT_EQ(parse(plain).lora.cache_base_weights, AutoBool::kAuto);
+  auto cached = [&](const std::string& recompute, const std::string& cache) {
+    Config k = parse(plain);
+    k.train.gradient_checkpointing = *io::enum_from_name<AutoBool>(recompute);
+    k.lora.cache_base_weights = *io::enum_from_name<AutoBool>(cache);
+    return model_options(k).cache_adapted_weights;
+  };
+  EXPECT_TRUE(cached("false", "auto"));
+  EXPECT_FALSE(cached("true", "auto"));
+  EXPECT_TRUE(cached("true", "true"));
+  EXPECT_FALSE(cached("false", "false"));
+  EXPECT_TRUE(cached("auto", "auto"));  // the CPU's auto: no recompute
+  EXPECT_TRUE(contains(error_of(base + "lora: {merge_aware: false, cache_base_weights: maybe}\n"),
+                       "lora.cache_base_weights"));
 }
 
 TEST(Config, LayerSelection) {

@@ -352,8 +352,7 @@ void check_range(const FieldRef& f, T v, const std::string& where_text) {
 std::string to_string(InitKind v) { return enum_name(v); }
 std::string to_string(Dtype v) { return enum_name(v); }
 std::string to_string(DtypeOrAuto v) { return enum_name(v); }
-std::string to_string(InBackward v) { return enum_name(v); }
-std::string to_string(Recompute v) { return enum_name(v); }
+std::string to_string(AutoBool v) { return enum_name(v); }
 std::string to_string(Offload v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
@@ -727,6 +726,10 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("lora.merge_aware", &c.lora.merge_aware,
             "true: train through the quantization of the merged weight (the merged NVFP4 export "
             "is what was trained); false: plain LoRA on the 4-bit weight"),
+      field("lora.cache_base_weights", &c.lora.cache_base_weights,
+            "plain adapters: keep the adapted linears' frozen weights dequantized in the compute "
+            "dtype (2 bytes an element) instead of dequantizing them in every forward; auto: when "
+            "no decoder layer recomputes"),
       path("distill.teacher", &c.distill.teacher,
            "train.objective distill: the teacher, a .dat or Hugging Face folder (frozen, compute "
            "dtype, same device; dense linears stay dense)"),

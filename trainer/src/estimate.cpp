@@ -53,11 +53,14 @@ std::string lora_summary(const model::Qwen3Config& mc, const Config& c, bool sep
   for (const auto& t : c.lora.targets) targets += (targets.empty() ? "" : ", ") + t;
   return fmt::format(
       "LoRA ({}): rank {}, alpha {} (scale {:.3g}) on {}: {} adapter tensors, {} elements "
-      "({:.2f}% of the model's {}), plus {} other trainable elements",
+      "({:.2f}% of the model's {}), plus {} other trainable elements{}",
       c.lora.merge_aware ? "merge-aware" : "plain", c.lora.rank, c.lora.alpha,
       c.lora.alpha / static_cast<double>(c.lora.rank), targets, adapters, adapter_elems,
       total > 0 ? 100.0 * static_cast<double>(adapter_elems) / static_cast<double>(total) : 0.0,
-      total, other);
+      total, other,
+      model_options(c).cache_adapted_weights
+          ? "; the adapted linears' frozen weights are kept dequantized (lora.cache_base_weights)"
+          : "");
 }
 
 namespace {

@@ -112,6 +112,12 @@ model::ModelOptions model_options(const Config& c) {
     o.lora.targets = c.lora.targets;
     o.lora.merge_aware = c.lora.merge_aware;
     o.lora.seed = static_cast<uint64_t>(c.train.seed);
+    // auto: when no layer recomputes (resolved recompute, or false), whose graphs hold every
+    // adapted linear's weight from its forward to its backward anyway.
+    o.cache_adapted_weights =
+        !c.lora.merge_aware && (c.lora.cache_base_weights == AutoBool::kTrue ||
+                                (c.lora.cache_base_weights == AutoBool::kAuto &&
+                                 !o.gradient_checkpointing));
   }
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;

@@ -391,6 +391,7 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
     const auto o = model_options(plan_.config());
     model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs,
                           o.recompute_keep_attention, o.recompute_keep_mlp);
+    model_->set_cache_adapted_weights(o.cache_adapted_weights);
   }
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "

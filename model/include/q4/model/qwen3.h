@@ -121,6 +121,11 @@ struct ModelOptions {
   // Adapters; with them the adapted linears are frozen (TrainableSpec::projections is ignored
   // for them) and only A, B and whatever else `trainable` selects train.
   LoraSpec lora;
+  // Plain adapters: each adapted linear's frozen weight, dequantize(codes) in the compute dtype,
+  // is computed once and kept (Parameter::dequantized) instead of in every forward and
+  // recompute: 2 bytes a frozen element on the device, which a layer that keeps its activations
+  // holds from its forward to its backward anyway. The codes never change, so neither does it.
+  bool cache_adapted_weights = false;
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
 
   at::ScalarType resolved_grad_dtype() const;
@@ -202,6 +207,9 @@ struct Parameter {
   // parameters named "<base without .weight>.lora_A.weight" / ".lora_B.weight".
   Parameter* lora_a = nullptr;
   Parameter* lora_b = nullptr;
+  // ModelOptions::cache_adapted_weights: dequantize(qdata, scale) in the compute dtype, made by
+  // the first forward that needs it.
+  at::Tensor dequantized;
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -331,6 +339,9 @@ class Qwen3Model {
   void set_recompute(bool gradient_checkpointing, int64_t recompute_layers,
                      bool offload_layer_inputs = false, int64_t recompute_keep_attention = 0,
                      int64_t recompute_keep_mlp = 0);
+  // ModelOptions::cache_adapted_weights, between steps (the trainer decides it with the
+  // recompute); false drops the kept weights. Results do not depend on it.
+  void set_cache_adapted_weights(bool cache);
 
   // Hidden states after the final norm, (B, T, H) in the compute dtype. With a cache, the
   // inputs are appended after cache->length tokens (causal mask offset accordingly) and the

@@ -39,8 +39,11 @@ class ConfigError : public std::runtime_error {
 enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
-enum class InBackward { kAuto, kTrue, kFalse };         // auto | true | false
-enum class Recompute { kAuto, kTrue, kFalse };          // auto | true | false
+// A switch the trainer may resolve itself: auto | true | false (optim.in_backward,
+// train.gradient_checkpointing, lora.cache_base_weights).
+enum class AutoBool { kAuto, kTrue, kFalse };
+using InBackward = AutoBool;
+using Recompute = AutoBool;
 enum class Offload { kNone, kMoments, kAll };          // none | moments | all
 // auto | cut_left | cut_right | drop | split
 enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
@@ -57,8 +60,7 @@ enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | si
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
 std::string to_string(DtypeOrAuto v);
-std::string to_string(InBackward v);
-std::string to_string(Recompute v);
+std::string to_string(AutoBool v);
 std::string to_string(Offload v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
@@ -189,6 +191,10 @@ struct LoraConfig {
   // true: the forward computes with fake_quant(W + B·A·alpha/rank), so the merged NVFP4 export
   // is what was trained; false: plain LoRA, x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/rank.
   bool merge_aware = true;
+  // Plain adapters: keep each adapted linear's frozen weight dequantized in the compute dtype
+  // (2 bytes an element) instead of dequantizing it in every forward. auto: when no decoder
+  // layer recomputes, whose graphs then hold those weights anyway.
+  AutoBool cache_base_weights = AutoBool::kAuto;
 };
 
 struct ScheduleConfig {
@@ -292,7 +298,7 @@ struct Config {
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
-                 optim::MasterRounding*, InBackward*, Recompute*, Offload*, optim::LrScheduleKind*,
+                 optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
                  data::DataFormat*, data::OnError*, Truncation*, ProgressStyle*, HfExport*,
                  ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
 
@@ -412,10 +418,8 @@ Q4_ENUM_NAMES(q4::trainer::Dtype, {"fp16", q4::trainer::Dtype::kFp16},
 Q4_ENUM_NAMES(q4::trainer::DtypeOrAuto, {"auto", q4::trainer::DtypeOrAuto::kAuto},
               {"fp32", q4::trainer::DtypeOrAuto::kFp32}, {"bf16", q4::trainer::DtypeOrAuto::kBf16},
               {"fp16", q4::trainer::DtypeOrAuto::kFp16});
-Q4_ENUM_NAMES(q4::trainer::InBackward, {"auto", q4::trainer::InBackward::kAuto},
-              {"true", q4::trainer::InBackward::kTrue}, {"false", q4::trainer::InBackward::kFalse});
-Q4_ENUM_NAMES(q4::trainer::Recompute, {"auto", q4::trainer::Recompute::kAuto},
-              {"true", q4::trainer::Recompute::kTrue}, {"false", q4::trainer::Recompute::kFalse});
+Q4_ENUM_NAMES(q4::trainer::AutoBool, {"auto", q4::trainer::AutoBool::kAuto},
+              {"true", q4::trainer::AutoBool::kTrue}, {"false", q4::trainer::AutoBool::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Offload, {"none", q4::trainer::Offload::kNone},
               {"moments", q4::trainer::Offload::kMoments}, {"all", q4::trainer::Offload::kAll});
 Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
