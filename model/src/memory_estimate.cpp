@@ -154,7 +154,8 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
       // Frozen as NVFP4 codes; the adapter's A and B train. The forward's weight (merged and
       // fake-quantized, or dequantized) is a compute-dtype tensor like a trained linear's tap.
       const int64_t a = opt.lora.rank * (p.shape[0] + p.shape[1]);
-      est.frozen_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize + (caches_weight(opt) ? n * cs : 0);
+      est.frozen_bytes +=
+          n / 2 + n / q4::quant::kNvfp4BlockSize + (caches_weight(opt) ? n * cs : 0);
       est.master_bytes += a * ms;
       est.grad_buffer_bytes += a * gs;
       resident_grad_bytes += a * gs;

@@ -203,7 +203,7 @@ struct PlainLoraLinears : public torch::autograd::Function<PlainLoraLinears> {
       as.push_back(a2);
       bs.push_back(b2);
     }
-    const at::Tensor a_all = at::cat(as, 0);       // (k·r, in)
+    const at::Tensor a_all = at::cat(as, 0);          // (k·r, in)
     const at::Tensor xa_all = at::mm(x2, a_all.t());  // (tokens, k·r)
     variable_list ys;
     for (size_t i = 0; i < ws.size(); ++i) {
@@ -352,8 +352,8 @@ void mlp_backward_roots(const Qwen3Model::Impl* im, int64_t layer, const at::Ten
       const at::Tensor &a = w.down.lora_a, &b = w.down.lora_b;
       const at::Tensor xa = at::mm(s2, a.detach().t());
       const PlainLoraGrads d =
-          plain_lora_grads(s2, xa, w.down.w, a.detach(), b.detach(), im->opt.lora.scale(), g2,
-                           true, a.requires_grad(), b.requires_grad());
+          plain_lora_grads(s2, xa, w.down.w, a.detach(), b.detach(), im->opt.lora.scale(), g2, true,
+                           a.requires_grad(), b.requires_grad());
       seeds->push_back(d.dx.view(s.sizes()));
       for (const auto& [tap, grad] : {std::make_pair(a, d.da), std::make_pair(b, d.db)}) {
         if (!grad.defined()) continue;
@@ -595,9 +595,8 @@ std::vector<at::Tensor> plain_lora_linears(const at::Tensor& x,
   const at::Tensor empty = at::empty({0}, x.options());
   const LinearWeights none{empty, empty, empty};
   const LinearWeights& third = ws.size() == 3 ? *ws[2] : none;
-  return PlainLoraLinears::apply(x, ws[0]->w, ws[0]->lora_a, ws[0]->lora_b, ws[1]->w,
-                                 ws[1]->lora_a, ws[1]->lora_b, third.w, third.lora_a,
-                                 third.lora_b, scale);
+  return PlainLoraLinears::apply(x, ws[0]->w, ws[0]->lora_a, ws[0]->lora_b, ws[1]->w, ws[1]->lora_a,
+                                 ws[1]->lora_b, third.w, third.lora_a, third.lora_b, scale);
 }
 
 at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::Tensor& ids,

@@ -324,9 +324,8 @@ at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, const LinearWeights& w)
 
 std::vector<at::Tensor> Qwen3Model::Impl::linears(
     const at::Tensor& x, const std::vector<const LinearWeights*>& ws) const {
-  const bool all_plain = std::all_of(ws.begin(), ws.end(), [](const LinearWeights* w) {
-    return w->lora_a.defined();
-  });
+  const bool all_plain =
+      std::all_of(ws.begin(), ws.end(), [](const LinearWeights* w) { return w->lora_a.defined(); });
   if (all_plain) return plain_lora_linears(x, ws, opt.lora.scale());
   std::vector<at::Tensor> out;
   for (const LinearWeights* w : ws) out.push_back(linear(x, *w));

@@ -483,8 +483,7 @@ void step_param_cpu(ParamState& p, const at::Tensor& grad, const StepConsts& c, 
 // The kernel arguments of one parameter's update; `g` is its contiguous gradient (undefined:
 // zero), which must outlive the launch.
 cuda::StepParams step_params_cuda(ParamState& p, const at::Tensor& g, const StepConsts& c,
-                                  bool decay, bool stochastic, uint32_t key,
-                                  const int32_t* skip) {
+                                  bool decay, bool stochastic, uint32_t key, const int32_t* skip) {
   cuda::StepParams k;
   k.grad = g.defined() ? g.data_ptr() : nullptr;
   k.grad_dtype = g.defined() ? cuda_dtype(g.scalar_type()) : cuda::kDtF32;
@@ -544,8 +543,8 @@ class SmallStepBatch {
            p.flat.numel() <= kMaxElements && p.flat.is_cuda() &&
            (!grad.defined() || grad.is_cuda());
   }
-  void add(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay,
-           bool stochastic, uint32_t key) {
+  void add(ParamState& p, const at::Tensor& grad, const StepConsts& c, bool decay, bool stochastic,
+           uint32_t key) {
     if (!params_.empty() && device_ != p.info.device) flush();
     device_ = p.info.device;
     const at::Tensor g = grad.defined() ? grad.contiguous() : at::Tensor();

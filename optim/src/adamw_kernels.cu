@@ -968,12 +968,13 @@ void launch_adamw_steps(const StepParams* params, int count, cudaStream_t stream
     if (p.mode == 0 || p.n == 0) {
       throw std::runtime_error("q4::optim CUDA: launch_adamw_steps takes packed-moment tensors");
     }
-    p.vec_ok = aligned16(p.grad) && aligned16(p.master) && aligned16(p.m_codes) &&
-               aligned16(p.v_codes);
+    p.vec_ok =
+        aligned16(p.grad) && aligned16(p.master) && aligned16(p.m_codes) && aligned16(p.v_codes);
   }
   for (int first = 0; first < count;) {
     int last = first + 1;
-    while (last < count && last - first < kStepBatch && same_block_kind(ps[first], ps[last])) ++last;
+    while (last < count && last - first < kStepBatch && same_block_kind(ps[first], ps[last]))
+      ++last;
     const StepParams* run = ps.data() + first;
     const int n = last - first;
     dispatch_code(run->grad_dtype, "grad dtype", [&](auto grad) {

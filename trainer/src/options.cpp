@@ -115,9 +115,9 @@ model::ModelOptions model_options(const Config& c) {
     // auto: when no layer recomputes (resolved recompute, or false), whose graphs hold every
     // adapted linear's weight from its forward to its backward anyway.
     o.cache_adapted_weights =
-        !c.lora.merge_aware && (c.lora.cache_base_weights == AutoBool::kTrue ||
-                                (c.lora.cache_base_weights == AutoBool::kAuto &&
-                                 !o.gradient_checkpointing));
+        !c.lora.merge_aware &&
+        (c.lora.cache_base_weights == AutoBool::kTrue ||
+         (c.lora.cache_base_weights == AutoBool::kAuto && !o.gradient_checkpointing));
   }
   o.loss_chunk_tokens = c.model.loss_chunk_tokens;
   return o;

@@ -157,7 +157,8 @@ TEST(PackedAdamWCuda, BatchedSmallTensorsMatchCpuBitExact) {
         std::vector<at::Tensor> gc, gg;
         for (size_t i = 0; i < shapes.size(); ++i) {
           at::Tensor g;
-          if (!(t == 1 && i == 7)) g = (at::randn(shapes[i], gen(1000 * t + i)) * 1e-2).to(at::kBFloat16);
+          if (!(t == 1 && i == 7))
+            g = (at::randn(shapes[i], gen(1000 * t + i)) * 1e-2).to(at::kBFloat16);
           gc.push_back(g);
           gg.push_back(g.defined() ? g.to(kCuda) : g);
         }
@@ -171,9 +172,9 @@ TEST(PackedAdamWCuda, BatchedSmallTensorsMatchCpuBitExact) {
           // elements (see MatchesCpuBitExactEveryModeAndDtype's fp32 masters), which rounding to
           // fp16 hides except where it decides the rounding: at most a few of its 1.1e6 masters
           // then sit one fp16 step apart (seen: one, 4-bit stochastic, H100).
-          const at::Tensor d = (wc[i].view(at::kShort).to(at::kInt) -
-                                wg[i].cpu().view(at::kShort).to(at::kInt))
-                                   .abs();
+          const at::Tensor d =
+              (wc[i].view(at::kShort).to(at::kInt) - wg[i].cpu().view(at::kShort).to(at::kInt))
+                  .abs();
           EXPECT_LE(d.max().item<int>(), 1) << what;
           EXPECT_LE((d > 0).sum().item<int64_t>(), 4) << what;
         } else {
