@@ -492,6 +492,24 @@ at::Tensor recompute_attention(const Qwen3Model::Impl* im, int64_t layer,
   return im->attention_block(layer, in.h, in.rope, in.mask, nullptr);
 }
 
+// The forward of a checkpoint that starts at the layer input h: saves h (save_layer_input) and
+// runs the attention block without a graph.
+at::Tensor checkpointed_attention(AutogradContext* ctx, const Qwen3Model::Impl* im,
+                                  const at::Tensor& h, int64_t layer, const at::Tensor& cos,
+                                  const at::Tensor& sin, int64_t mask_kind,
+                                  const at::Tensor& allowed, int64_t max_seqlen) {
+  save_layer_input(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
+  return im->attention_block(layer, h, RopeTables{cos, sin},
+                             mask_of(mask_kind, allowed, max_seqlen), nullptr);
+}
+
+// The backward's outputs of such a checkpoint: h's gradient; its other 8 inputs take none.
+variable_list layer_input_grad(const SavedLayerInput& in) {
+  variable_list out(9);
+  out[0] = in.h.grad();
+  return out;
+}
+
 // The whole layer: keeps h; the backward recomputes the attention block, then the MLP's
 // (mlp_backward_roots).
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
@@ -500,9 +518,8 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
                             const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
                             int64_t max_seqlen) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
-    save_layer_input(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
-    const at::Tensor hs = im->attention_block(layer, h, RopeTables{cos, sin},
-                                              mask_of(mask_kind, allowed, max_seqlen), nullptr);
+    const at::Tensor hs =
+        checkpointed_attention(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
     return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -515,8 +532,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     std::vector<at::Tensor> roots, seeds;
     mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
-    return {in.h.grad(),  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return layer_input_grad(in);
   }
 };
 
@@ -526,10 +542,8 @@ struct AttentionCheckpoint : public torch::autograd::Function<AttentionCheckpoin
                             int64_t impl, int64_t layer, const at::Tensor& cos,
                             const at::Tensor& sin, int64_t mask_kind, const at::Tensor& allowed,
                             int64_t max_seqlen) {
-    const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
-    save_layer_input(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
-    return im->attention_block(layer, h, RopeTables{cos, sin},
-                               mask_of(mask_kind, allowed, max_seqlen), nullptr);
+    return checkpointed_attention(ctx, int_to_ptr<const Qwen3Model::Impl>(impl), h, layer, cos, sin,
+                                  mask_kind, allowed, max_seqlen);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -537,8 +551,7 @@ struct AttentionCheckpoint : public torch::autograd::Function<AttentionCheckpoin
     const SavedLayerInput in = restore_layer_input(ctx);
     const at::Tensor hs = recompute_attention(im, layer, in);
     torch::autograd::backward({hs}, {grads[0].defined() ? grads[0] : at::zeros_like(hs)});
-    return {in.h.grad(),  at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return layer_input_grad(in);
   }
 };
 
