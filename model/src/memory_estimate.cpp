@@ -145,6 +145,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   int64_t embed_elems = 0;
   int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
   bool lm_trains = false;
+  int64_t lm_offloaded = 0;  // elements of an lm_head whose master is in host memory
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     const int64_t n = p.numel();
     if (p.layer >= 0 && saves_compute_weight(p, opt, L, tied)) {
@@ -197,6 +198,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     } else {
       head_elems += n;
       lm_trains = lm_trains || p.group == ParamGroup::kLmHead;
+      if (offload && p.kind == ParamKind::kQuantizedLinear) lm_offloaded = n;
     }
   }
   // Transient bytes of one freshly computed gradient of n elements (compute dtype) beyond the
@@ -206,8 +208,9 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     if (buffer_carried) return n * cs + (gs == cs ? 0 : n * gs);
     return gs == cs ? 0 : n * cs;
   };
-  const int64_t carry =
-      buffer_carried ? est.grad_buffer_bytes : (host_accum ? resident_grad_bytes : 0);
+  const int64_t carry = buffer_carried ? est.grad_buffer_bytes
+                        : host_accum   ? resident_grad_bytes + grads.host_staging_bytes
+                                       : 0;
 
   const int64_t tokens = batch * seq_len;
   const int64_t boundary = tokens * H * cs;  // a layer input/output
@@ -312,8 +315,13 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Loss backward: the weight and logits are gone; the hidden rows' gradient is scattered into
   // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
   // differs, added into the buffer when one is carried).
+  // Added up in host memory, an lm_head gradient over half the staging is summed in a copy of
+  // its own in the last micro-batch.
+  const int64_t lm_sum =
+      host_accum && lm_offloaded * gs > grads.host_staging_bytes / 2 ? lm_offloaded * gs : 0;
   add(MemoryPhaseKind::kLossBackward,
-      carry + std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
+      carry +
+          std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems) + lm_sum),
       all_saved + 2 * boundary, rows * H * cs);
   // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l), layer l's input
   // and graph (recomputed from its checkpoint when checkpointing), the backward's working
@@ -400,8 +408,8 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Buffered updates: the complete gradient buffer while the optimizer runs (its scratch is
   // the optimizer's to count).
   if (!in_backward && est.grad_buffer_bytes > 0) {
-    add(MemoryPhaseKind::kOptimizerStep, host_accum ? resident_grad_bytes : est.grad_buffer_bytes,
-        0, 0);
+    add(MemoryPhaseKind::kOptimizerStep,
+        host_accum ? resident_grad_bytes + grads.host_staging_bytes : est.grad_buffer_bytes, 0, 0);
   }
 
   for (size_t i = 0; i < est.phases.size(); ++i) {

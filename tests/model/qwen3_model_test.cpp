@@ -911,6 +911,19 @@ TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
   EXPECT_EQ(resident.phase(MemoryPhaseKind::kOptimizerStep)->grad_bytes, 2 * (linear + other));
   EXPECT_EQ(off.phase(MemoryPhaseKind::kOptimizerStep)->grad_bytes, 2 * other);
   EXPECT_LT(off.total_bytes(), resident.total_bytes());
+  // The device staging the step adds those gradients up through is held for the whole run.
+  GradientLifetime staged = accum;
+  staged.host_staging_bytes = int64_t{1} << 20;
+  const MemoryEstimate off_staged = estimate_memory(cfg, o, 2, 64, true, staged);
+  for (const MemoryPhaseKind k : {MemoryPhaseKind::kForward, MemoryPhaseKind::kLayerBackward,
+                                  MemoryPhaseKind::kOptimizerStep}) {
+    EXPECT_EQ(off_staged.phase(k)->grad_bytes - off.phase(k)->grad_bytes, staged.host_staging_bytes)
+        << memory_phase_name(k);
+  }
+  ModelOptions on_device = o;  // resident masters: their gradients never leave the device
+  on_device.offload_masters = false;
+  EXPECT_EQ(estimate_memory(cfg, on_device, 2, 64, true, staged).total_bytes(),
+            resident.total_bytes());
   // On the CPU nothing moves.
   o.device = at::kCPU;
   o.compute_dtype = at::kFloat;

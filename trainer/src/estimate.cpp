@@ -8,6 +8,7 @@
 
 #include "q4/optim/state_codec.h"
 #include "q4/trainer/distill.h"
+#include "q4/trainer/host_accumulation.h"
 #include "q4/trainer/memory.h"
 #include "q4/trainer/setup.h"
 
@@ -102,6 +103,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   model::GradientLifetime life;
   life.applied_in_backward = in_backward_updates(c);
   life.accumulation_steps = c.train.grad_accum;
+  life.host_staging_bytes = kHostAccumulationRingBytes;
   const auto m =
       model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head, life);
   MemoryBudget b;

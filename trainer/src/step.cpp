@@ -2,26 +2,19 @@
 #include "q4/trainer/step.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <thread>
 #include <vector>
 
-#include "q4/quant/pinned.h"
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/setup.h"
 #include "q4/trainer/signals.h"
 
 namespace q4::trainer {
 namespace {
-
-// The most gradient and staging memory the host accumulation's side streams may hold unwritten
-// (see TrainStep::collect_gradient; counted by the memory estimate's host-accumulation term).
-constexpr int64_t kMaxInFlightBytes = int64_t{512} << 20;
 
 // A device scalar copied into pinned host memory without waiting for the device: read() waits
 // only until the copy has happened (a CUDA event), so fetching the loss adds no sync of its own.
@@ -146,14 +139,17 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   if (comm_) sync_.begin_step(accum);
   const bool host_accum = accumulates_on_host();
   if (host_accum) {
-    host_started_.clear();
+    if (!host_sums_) {
+      host_sums_ = std::make_unique<HostGradientAccumulator>(model_.options().resolved_grad_dtype(),
+                                                             plan_.device());
+    }
     model_.begin_grad_step();
     model_.set_grad_ready_hook([this](model::Parameter& p) { collect_gradient(p); });
   }
   at::Tensor loss_sum;
   for (size_t i = 0; i < micro.size(); ++i) {
     const data::Batch& b = micro[i];
-    last_micro_ = i + 1 == micro.size();
+    if (host_accum) host_sums_->begin_micro_batch(i == 0, i + 1 == micro.size());
     MicroBatch mb;
     mb.inputs = to_inputs(b, model_, plan_.device());
     mb.batch = &b;
@@ -178,7 +174,7 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   }
   if (host_accum) {
     model_.set_grad_ready_hook(nullptr);
-    wait_for_accumulation();  // the update reads the host buffers on the compute stream
+    host_sums_->finish();  // the update reads the host buffers on the compute stream
   }
   if (comm_) return finish_distributed(std::move(o), loss_sum, args, denom, mark);
   AsyncScalar loss_host;
@@ -190,15 +186,12 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
     } else {
       std::vector<at::Tensor> grads;
       for (auto* p : model_.trainable_parameters()) {
-        if (host_accum && host_grads_.count(p) > 0) {
+        if (host_accum && host_sums_->holds(p)) {
           // In pinned host memory: the optimizer copies it in by DMA.
-          const at::Tensor& h = host_gradient(*p).pinned;
-          if (host_started_.count(p) == 0) h.zero_();  // no micro-batch reached it
-          grads.push_back(h);
-          auto part = sumsq_parts_.find(p);
-          if (part != sumsq_parts_.end()) {
+          grads.push_back(host_sums_->sum(p));
+          if (at::Tensor part = host_sums_->take_sumsq_parts(p); part.defined()) {
             args.sumsq_parts.resize(model_.trainable_parameters().size());
-            args.sumsq_parts[grads.size() - 1] = part->second;
+            args.sumsq_parts[grads.size() - 1] = std::move(part);
           }
           continue;
         }
@@ -214,7 +207,6 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
         }
       }
       refreshed_.clear();
-      sumsq_parts_.clear();  // read on the compute stream (recorded there when taken)
     }
     model_.zero_grad();
   }
@@ -230,102 +222,11 @@ bool TrainStep::accumulates_on_host() const {
          model_.options().offload_masters && plan_.device().is_cuda();
 }
 
-TrainStep::HostGradient& TrainStep::host_gradient(const model::Parameter& p) {
-  auto it = host_grads_.find(&p);
-  if (it == host_grads_.end()) {
-    HostGradient h;
-    h.pinned = quant::pinned_empty(p.master.sizes(), model_.options().resolved_grad_dtype());
-    h.written = std::make_unique<c10::Event>(p.qdata.device().type());
-    it = host_grads_.emplace(&p, std::move(h)).first;
-  }
-  return it->second;
-}
-
 void TrainStep::collect_gradient(model::Parameter& p) {
-  if (!(p.qdata.defined() && p.master.is_cpu())) {
-    kept_.emplace_back(&p, p.grad);
-    return;
-  }
-  HostGradient& h = host_gradient(p);
-  at::NoGradGuard no_grad;
-  const bool first = host_started_.insert(&p).second;
-  const at::Tensor g = p.grad.view(h.pinned.sizes());
-  if (!g.is_cuda()) {
-    first ? h.pinned.copy_(g) : h.pinned.add_(g);
-    return;
-  }
-  // Each copy and addition is ordered after the gradient is ready on the compute stream; the
-  // allocator keeps the gradient's memory (freed when the hook returns) and the staging copy
-  // until the side streams have used them.
-  const c10::Device dev = g.device();
-  const c10::impl::VirtualGuardImpl impl(dev.type());
-  const c10::Stream compute = impl.getStream(dev);
-  if (!in_stream_) {
-    in_stream_ = impl.getStreamFromGlobalPool(dev);
-    out_stream_ = impl.getStreamFromGlobalPool(dev);
-  }
-  // The staging copy comes from the compute stream's pool (a side stream's pool would keep its
-  // own peak cached); `ready` orders its use after everything the compute stream did before.
-  const at::Tensor sum = first ? at::Tensor() : at::empty_like(g);
-  c10::Event ready(dev.type());
-  ready.record(compute);
-  int64_t bytes = static_cast<int64_t>(g.nbytes());
-  if (first) {
-    ready.block(*out_stream_);
-    const c10::StreamGuard on_out(*out_stream_);
-    h.pinned.copy_(g, /*non_blocking=*/true);
-    impl.recordDataPtrOnStream(g.storage().data_ptr(), *out_stream_);
+  if (p.qdata.defined() && p.master.is_cpu()) {
+    host_sums_->add(&p, p.grad);
   } else {
-    // Host-to-device stream: the buffer as the previous micro-batch left it, plus this gradient
-    // (the same bf16 addition the device buffer would do); then the sum goes out.
-    ready.block(*in_stream_);
-    h.written->block(*in_stream_);
-    {
-      const c10::StreamGuard on_in(*in_stream_);
-      sum.copy_(h.pinned, /*non_blocking=*/true);
-      sum.add_(g);
-      if (last_micro_) {
-        const at::Tensor part = optim::gradient_sumsq_parts(sum);
-        impl.recordDataPtrOnStream(part.storage().data_ptr(), compute);
-        sumsq_parts_[&p] = part;
-      }
-    }
-    impl.recordDataPtrOnStream(g.storage().data_ptr(), *in_stream_);
-    impl.recordDataPtrOnStream(sum.storage().data_ptr(), *in_stream_);
-    c10::Event added(dev.type());
-    added.record(*in_stream_);
-    added.block(*out_stream_);
-    const c10::StreamGuard on_out(*out_stream_);
-    h.pinned.copy_(sum, /*non_blocking=*/true);
-    impl.recordDataPtrOnStream(sum.storage().data_ptr(), *out_stream_);
-    bytes += static_cast<int64_t>(sum.nbytes());
-  }
-  h.written->record(*out_stream_);
-  bound_in_flight(*out_stream_, bytes);
-}
-
-void TrainStep::bound_in_flight(const c10::Stream& out, int64_t bytes) {
-  auto done = std::make_unique<c10::Event>(out.device_type());
-  done->record(out);
-  in_flight_.emplace_back(std::move(done), bytes);
-  in_flight_bytes_ += bytes;
-  while (in_flight_bytes_ > kMaxInFlightBytes && in_flight_.size() > 1) {
-    while (!in_flight_.front().first->query()) std::this_thread::yield();
-    in_flight_bytes_ -= in_flight_.front().second;
-    in_flight_.pop_front();
-  }
-}
-
-void TrainStep::wait_for_accumulation() {
-  if (!in_stream_) return;
-  in_flight_.clear();
-  in_flight_bytes_ = 0;
-  const c10::impl::VirtualGuardImpl impl(in_stream_->device_type());
-  const c10::Stream compute = impl.getStream(in_stream_->device());
-  for (const c10::Stream& s : {*in_stream_, *out_stream_}) {
-    c10::Event done(s.device_type());
-    done.record(s);
-    done.block(compute);
+    kept_.emplace_back(&p, p.grad);
   }
 }
 

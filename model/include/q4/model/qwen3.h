@@ -267,6 +267,9 @@ struct MemoryPhase {
 struct GradientLifetime {
   bool applied_in_backward = false;  // each gradient is applied and freed once complete
   int64_t accumulation_steps = 1;    // micro-batches per update; > 1 keeps the buffer across them
+  // Device bytes the step stages gradients through, for the whole run, when offloaded masters'
+  // gradients add up in host memory (accumulation_steps > 1).
+  int64_t host_staging_bytes = 0;
 };
 
 struct MemoryEstimate {

@@ -10,13 +10,8 @@
 // before using it (grad_sync.h).
 #pragma once
 
-#include <c10/core/Event.h>
-#include <c10/core/Stream.h>
-
-#include <deque>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -27,6 +22,7 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/trainer/grad_sync.h"
+#include "q4/trainer/host_accumulation.h"
 #include "q4/trainer/objective.h"
 #include "q4/trainer/run_plan.h"
 
@@ -79,29 +75,12 @@ class TrainStep {
                                  const optim::StepArgs& step_args, double denom,
                                  const PhaseHook& mark);
   // optim.offload: all with grad_accum > 1 (one process): the gradients of masters in pinned
-  // host memory add up in pinned host memory too, so the GPU never holds their whole buffer.
-  // The model's grad-ready hook hands each parameter's micro-batch gradient to
-  // collect_gradient(): an offloaded one goes to its host buffer and is freed; any other is kept
-  // and put back after the micro-batch (it accumulates on the device as usual). The same
-  // additions in the same order as a device buffer: bit-identical gradients. On CUDA the traffic
-  // is DMA on two side streams, each gradient once it is ready, overlapping the rest of the
-  // backward: the first micro-batch copies the gradient out; each later one copies the buffer
-  // in (host-to-device stream), adds the gradient on the device and copies the sum out
-  // (device-to-host stream), so both PCIe directions run at copy-engine speed and no kernel
-  // waits on PCIe. The last micro-batch also takes the sum's norm parts on the device
-  // (optim::gradient_sumsq_parts), so the optimizer's norm pass does not read the buffers again.
-  // The compute stream waits for both streams before the update.
-  struct HostGradient {
-    at::Tensor pinned;  // (numel) gradient dtype, pinned host memory: the accumulation buffer
-    std::unique_ptr<c10::Event> written;  // the last copy into `pinned` (device-to-host stream)
-  };
+  // host memory add up in pinned host memory too (host_accumulation.h). The model's grad-ready
+  // hook hands each parameter's micro-batch gradient to collect_gradient(): an offloaded one
+  // goes to its host buffer and is freed; any other is kept and put back after the micro-batch
+  // (it accumulates on the device as usual).
   bool accumulates_on_host() const;
   void collect_gradient(model::Parameter& p);
-  void wait_for_accumulation();
-  HostGradient& host_gradient(const model::Parameter& p);
-  // Past kMaxInFlightBytes of gradients and staging copies not yet written out, the host waits
-  // for the oldest (their memory stays allocated until then).
-  void bound_in_flight(const c10::Stream& out, int64_t bytes);
 
   const RunPlan& plan_;
   model::Qwen3Model& model_;
@@ -115,17 +94,8 @@ class TrainStep {
   std::vector<const model::Parameter*> by_index_;  // the parameter of each optimizer index
   // Offloaded masters whose codes the optimizer's master-updated hook refreshed.
   std::unordered_set<const model::Parameter*> refreshed_;
-  std::unordered_map<const model::Parameter*, HostGradient> host_grads_;
-  std::unordered_set<const model::Parameter*> host_started_;  // written in this step
-  // Norm parts of the accumulated gradients, taken in the step's last micro-batch.
-  std::unordered_map<const model::Parameter*, at::Tensor> sumsq_parts_;
-  bool last_micro_ = false;  // the micro-batch being back-propagated is the step's last
+  std::unique_ptr<HostGradientAccumulator> host_sums_;          // created with the first such step
   std::vector<std::pair<model::Parameter*, at::Tensor>> kept_;  // device gradients to put back
-  std::optional<c10::Stream> in_stream_;   // CUDA: host-to-device copies and the additions
-  std::optional<c10::Stream> out_stream_;  // CUDA: device-to-host copies
-  // (done event, bytes) of what the side streams hold, oldest first.
-  std::deque<std::pair<std::unique_ptr<c10::Event>, int64_t>> in_flight_;
-  int64_t in_flight_bytes_ = 0;
 };
 
 }  // namespace q4::trainer
