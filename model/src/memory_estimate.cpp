@@ -124,10 +124,11 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   const bool cuda = opt.device.is_cuda();
   // Trainable NVFP4 linears keep codes on the device and their masters in pinned host memory.
   const bool offload = cuda && opt.offload_masters;
-  // Gradients of earlier micro-batches stay in the buffer through every phase of later ones;
-  // with offloaded masters, those of the offloaded linears add up in pinned host memory instead
+  // Gradients of earlier micro-batches stay in the buffer through every phase of later ones
+  // (with in-backward updates too: the last micro-batch's backward applies the sums); with
+  // offloaded masters, those of the offloaded linears add up in pinned host memory instead
   // (each one freed on the device once complete, as with in-backward updates).
-  const bool carried = !in_backward && grads.accumulation_steps > 1;
+  const bool carried = grads.accumulation_steps > 1;
   const bool host_accum = carried && offload;
   const bool buffer_carried = carried && !host_accum;
 
@@ -399,9 +400,9 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // the rows added from the incoming (tokens, H) gradient; on the CPU half-precision gradients
   // are added through an fp32 (V, H) buffer. Buffered, every other gradient exists too.
   if (embed_elems > 0) {
-    const int64_t g = in_backward  ? embed_elems * gs
-                      : host_accum ? std::max(carry, embed_elems * gs)
-                                   : est.grad_buffer_bytes;
+    const int64_t g = host_accum                      ? std::max(carry, embed_elems * gs)
+                      : in_backward && !buffer_carried ? embed_elems * gs
+                                                       : est.grad_buffer_bytes;
     const int64_t cpu_acc = (!cuda && gs != 4) ? embed_elems * 4 : 0;
     add(MemoryPhaseKind::kEmbeddingBackward, g, boundary + cpu_acc, 0);
   }

@@ -920,6 +920,15 @@ TEST(Qwen3Model, MemoryEstimateWithOffloadedMasters) {
     EXPECT_EQ(off_staged.phase(k)->grad_bytes - off.phase(k)->grad_bytes, staged.host_staging_bytes)
         << memory_phase_name(k);
   }
+  // Updated inside the last micro-batch's backward, the sums are carried as for the buffered
+  // update until then; no optimizer step phase follows.
+  GradientLifetime in_backward = accum;
+  in_backward.applied_in_backward = true;
+  const MemoryEstimate off_ib = estimate_memory(cfg, o, 2, 64, true, in_backward);
+  EXPECT_EQ(off_ib.phase(MemoryPhaseKind::kOptimizerStep), nullptr);
+  for (const MemoryPhaseKind k : {MemoryPhaseKind::kForward, MemoryPhaseKind::kLayerBackward}) {
+    EXPECT_EQ(off_ib.phase(k)->grad_bytes, off.phase(k)->grad_bytes) << memory_phase_name(k);
+  }
   ModelOptions on_device = o;  // resident masters: their gradients never leave the device
   on_device.offload_masters = false;
   EXPECT_EQ(estimate_memory(cfg, on_device, 2, 64, true, staged).total_bytes(),

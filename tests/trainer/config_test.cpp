@@ -537,6 +537,11 @@ TEST(Config, EnumsParseOnceAndPrintBack) {
   // YAML booleans given to auto|true|false are its spellings.
   EXPECT_EQ(parse(kMinimal, {parse_override("optim.in_backward=true")}).optim.in_backward,
             InBackward::kTrue);
+  // With several micro-batches a step, true updates inside the last one's backward; auto keeps
+  // buffered updates then.
+  EXPECT_TRUE(in_backward_updates(parse(
+      kMinimal, {parse_override("optim.in_backward=true"), parse_override("train.grad_accum=4")})));
+  EXPECT_FALSE(in_backward_updates(parse(kMinimal, {parse_override("train.grad_accum=4")})));
   const Config back = parse_config(config_to_yaml(c), "back.yaml", "/x");
   EXPECT_EQ(config_to_yaml(back), config_to_yaml(c));
   EXPECT_EQ(back.optim.state, q4::optim::StateMode::k4Bit);

@@ -638,8 +638,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "memory for them; the update runs at PCIe speed; same results); all: the trained "
             "NVFP4 linears' masters too (the GPU keeps their 4-bit codes)"),
       field("optim.in_backward", &c.optim.in_backward,
-            "update each parameter inside the backward and free its gradient (auto: CUDA, "
-            "grad_accum 1, full fine-tuning)"),
+            "update each parameter inside the backward and free its gradient (with grad_accum "
+            "> 1: inside the last micro-batch's backward, from the summed gradient); clipping "
+            "then uses the previous step's norm (auto: CUDA, grad_accum 1, full fine-tuning)"),
       field("optim.chunk_rows", &c.optim.chunk_rows,
             "rows per optimizer chunk (bounds temporaries)", R::at_least(1)),
       field("optim.master_rounding", &c.optim.master_rounding,
@@ -1082,11 +1083,6 @@ void validate_config(const Config& c) {
   }
 
   const auto& t = c.train;
-  if (c.optim.in_backward == InBackward::kTrue && t.grad_accum > 1) {
-    throw ConfigError(
-        "config key optim.in_backward: true needs train.grad_accum 1 (gradients of several "
-        "micro-batches must be accumulated before the update); use auto or false");
-  }
   // Tokens of one micro-batch: each field's own range still allows 4096 rows of 262,144 tokens.
   // 2^22 tokens is already about 20 GiB per activation tensor at Qwen3-4B's hidden size 2560
   // in bf16, more than any one micro-batch fits; past it the allocator would fail with a raw

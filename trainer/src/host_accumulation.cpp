@@ -187,13 +187,21 @@ HostGradientAccumulator::Span HostGradientAccumulator::fetch(const Piece& piece,
   return Span{-1, at, at + round_up(bytes), record_on(*in_)};
 }
 
-void HostGradientAccumulator::add(const void* key, const at::Tensor& grad) {
+void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const Apply& apply) {
   Buffer& b = buffer(key, grad);
   at::NoGradGuard no_grad;
   const bool first = started_.insert(key).second;
+  if (apply && first) {  // nothing summed before: the gradient is the sum
+    if (grad.is_cuda()) next_order_.push_back(key);
+    consumed_.insert(key);
+    apply(grad);
+    return;
+  }
   if (!grad.is_cuda()) {
     const at::Tensor g = grad.view(b.pinned.sizes());
     first ? b.pinned.copy_(g) : b.pinned.add_(g);
+    consumed_.insert(key);
+    if (apply) apply(b.pinned.view(grad.sizes()));
     return;
   }
   TORCH_CHECK(ring_.defined() && grad.device() == ring_.device(), "HostGradientAccumulator: a ",
@@ -205,10 +213,11 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad) {
   const at::Tensor g = grad.view({-1}), host = b.pinned.view({-1});
   const std::vector<Piece> pieces = pieces_of(key, g.numel());
   if (last_ && !first && pieces.size() > 1) {
-    add_whole(key, b, g);
+    add_whole(key, b, g, apply);
     consumed_.insert(key);
     return;
   }
+  TORCH_CHECK(!apply || last_, "HostGradientAccumulator: a sum applied before the last micro-batch");
   const c10::Stream compute = current_stream(g);
   for (const Piece& pc : pieces) {
     const at::Tensor gs = g.narrow(0, pc.offset, pc.numel);
@@ -226,6 +235,13 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad) {
       // a device buffer would do.
       const at::Tensor sum = ring_view(s.begin, gs);
       sum.add_(gs);
+      if (apply) {  // one piece here: the sum is used where it is, not written out
+        apply(sum.view(grad.sizes()));
+        s.event = record_on(compute);
+        release(std::move(s));
+        prefetch();
+        continue;
+      }
       if (last_) sumsq_parts_[key] = optim::gradient_sumsq_parts(sum);  // one piece here
     }
     record_on(compute)->block(*out_);
@@ -241,7 +257,8 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad) {
   consumed_.insert(key);
 }
 
-void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Tensor& g) {
+void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Tensor& g,
+                                        const Apply& apply) {
   const c10::Stream compute = current_stream(g);
   const at::Tensor host = b.pinned.view({-1});
   const at::Tensor sum = at::empty_like(g);  // the compute stream's pool: in_ starts after it
@@ -253,6 +270,10 @@ void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Te
   }
   record_on(*in_)->block(compute);
   sum.add_(g);
+  if (apply) {  // used on the compute stream, then freed in its order
+    apply(sum.view(b.pinned.sizes()));
+    return;
+  }
   sumsq_parts_[key] = optim::gradient_sumsq_parts(sum);
   record_on(compute)->block(*out_);
   {
@@ -270,6 +291,14 @@ void HostGradientAccumulator::finish() {
   const c10::impl::VirtualGuardImpl impl(in_->device_type());
   const c10::Stream compute = impl.getStream(in_->device());
   for (const c10::Stream& s : {*in_, *out_}) record_on(s)->block(compute);
+}
+
+std::vector<const void*> HostGradientAccumulator::unapplied() const {
+  std::vector<const void*> out;
+  for (const void* key : started_) {
+    if (consumed_.count(key) == 0) out.push_back(key);
+  }
+  return out;
 }
 
 const at::Tensor& HostGradientAccumulator::sum(const void* key) {

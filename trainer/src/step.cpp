@@ -78,7 +78,10 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
       in_backward_(in_backward),
       checkpoint_due_(std::move(checkpoint_due)) {
   by_index_.assign(static_cast<size_t>(optimizer_.num_params()), nullptr);
-  for (const auto& [p, i] : optimizer_index) by_index_[static_cast<size_t>(i)] = p;
+  for (const auto& [p, i] : optimizer_index) {
+    by_index_[static_cast<size_t>(i)] = p;
+    index_[p] = i;
+  }
   // An offloaded master updated in device memory (optimizer staging) gives its codes from there.
   optimizer_.set_master_updated_hook([this](int64_t i, const at::Tensor& master) {
     const model::Parameter* p = by_index_[static_cast<size_t>(i)];
@@ -86,24 +89,11 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
     model_.refresh_codes(*p, master);
     refreshed_.insert(p);
   });
-  if (in_backward_) {
-    // Each parameter is updated from inside the backward once its gradient is complete; the
-    // model frees the gradient when this returns.
-    auto index = optimizer_index;
-    model_.set_grad_ready_hook([this, index](model::Parameter& p) {
-      optimizer_.step_param(index.at(&p), p.grad);
-      // Offloaded master: the next forward's codes, unless the update gave them already.
-      if (refreshed_.erase(&p) == 0) model_.refresh_codes(&p);
-    });
-  }
 }
 
 TrainStep::~TrainStep() { optimizer_.set_master_updated_hook(nullptr); }
 
-void TrainStep::disable_in_backward() {
-  in_backward_ = false;
-  model_.set_grad_ready_hook(nullptr);
-}
+void TrainStep::disable_in_backward() { in_backward_ = false; }
 
 StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook& mark) {
   StepOutcome o;
@@ -130,26 +120,28 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   optim::StepArgs args;
   args.lr = schedule_.lr_at(step);
   args.max_grad_norm = plan_.config().train.max_grad_norm;
-  if (in_backward_) {
-    // The updates inside the backward write masters: none may still be in a broadcast.
-    sync_.wait_masters();
-    optimizer_.begin_step(args);
-    model_.begin_grad_step();
-  }
   if (comm_) sync_.begin_step(accum);
   const bool host_accum = accumulates_on_host();
-  if (host_accum) {
-    if (!host_sums_) {
-      host_sums_ = std::make_unique<HostGradientAccumulator>(model_.options().resolved_grad_dtype(),
-                                                             plan_.device());
-    }
+  if (host_accum && !host_sums_) {
+    host_sums_ = std::make_unique<HostGradientAccumulator>(model_.options().resolved_grad_dtype(),
+                                                           plan_.device());
+  }
+  const bool hooked = in_backward_ || host_accum;
+  if (hooked) {
     model_.begin_grad_step();
-    model_.set_grad_ready_hook([this](model::Parameter& p) { collect_gradient(p); });
+    model_.set_grad_ready_hook([this](model::Parameter& p) { on_gradient(p); });
   }
   at::Tensor loss_sum;
   for (size_t i = 0; i < micro.size(); ++i) {
     const data::Batch& b = micro[i];
-    if (host_accum) host_sums_->begin_micro_batch(i == 0, i + 1 == micro.size());
+    last_micro_ = i + 1 == micro.size();
+    if (in_backward_ && last_micro_) {
+      // Its backward updates: the masters may be in no broadcast, and the optimizer's staging
+      // is taken only now.
+      sync_.wait_masters();
+      optimizer_.begin_step(args);
+    }
+    if (host_accum) host_sums_->begin_micro_batch(i == 0, last_micro_);
     MicroBatch mb;
     mb.inputs = to_inputs(b, model_, plan_.device());
     mb.batch = &b;
@@ -163,19 +155,16 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
       NvtxRange r("backward");
       (lo.loss_sum / denom).backward();
     }
-    if (host_accum) {
-      for (auto& [p, g] : kept_) p->grad = std::move(g);
-      kept_.clear();
-    }
+    for (auto& [p, g] : kept_) p->grad = std::move(g);  // the next backward adds into it
+    kept_.clear();
     if (mark) mark("backward_done");
     const at::Tensor ls = lo.loss_sum.detach();
     loss_sum = loss_sum.defined() ? loss_sum + ls : ls;
     add_logged(&o, lo.logged, denom);
   }
-  if (host_accum) {
-    model_.set_grad_ready_hook(nullptr);
-    host_sums_->finish();  // the update reads the host buffers on the compute stream
-  }
+  if (hooked) model_.set_grad_ready_hook(nullptr);
+  if (host_accum) host_sums_->finish();  // later reads of the host buffers are ordered after
+  if (in_backward_) apply_unreached();
   if (comm_) return finish_distributed(std::move(o), loss_sum, args, denom, mark);
   AsyncScalar loss_host;
   loss_host.start(loss_sum);
@@ -218,15 +207,46 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
 }
 
 bool TrainStep::accumulates_on_host() const {
-  return !in_backward_ && comm_ == nullptr && plan_.grad_accum() > 1 &&
+  return comm_ == nullptr && plan_.grad_accum() > 1 &&
          model_.options().offload_masters && plan_.device().is_cuda();
 }
 
-void TrainStep::collect_gradient(model::Parameter& p) {
-  if (p.qdata.defined() && p.master.is_cpu()) {
-    host_sums_->add(&p, p.grad);
+void TrainStep::on_gradient(model::Parameter& p) {
+  const bool on_host = host_sums_ && p.qdata.defined() && p.master.is_cpu();
+  if (!(in_backward_ && last_micro_)) {
+    // Summed on: in host memory, or on the device (put back after the micro-batch).
+    if (on_host) {
+      host_sums_->add(&p, p.grad);
+    } else {
+      kept_.emplace_back(&p, p.grad);
+    }
+    return;
+  }
+  // Updated now, from its complete sum; the model frees the gradient when this returns.
+  const int64_t i = index_.at(&p);
+  if (on_host) {
+    host_sums_->add(&p, p.grad, [&](const at::Tensor& sum) { optimizer_.step_param(i, sum); });
   } else {
-    kept_.emplace_back(&p, p.grad);
+    optimizer_.step_param(i, p.grad);
+  }
+  // Offloaded master: the next forward's codes, unless the update gave them already.
+  if (refreshed_.erase(&p) == 0) model_.refresh_codes(&p);
+}
+
+void TrainStep::apply_unreached() {
+  // Sums of earlier micro-batches that the last one's backward did not reach: updated now
+  // (end_step() gives the parameters no micro-batch reached a zero gradient).
+  for (auto* p : model_.trainable_parameters()) {
+    if (!p->grad.defined()) continue;
+    optimizer_.step_param(index_.at(p), p->grad);
+    if (refreshed_.erase(p) == 0) model_.refresh_codes(p);
+    p->grad = at::Tensor();
+  }
+  if (!host_sums_) return;
+  for (const void* key : host_sums_->unapplied()) {
+    const auto* p = static_cast<const model::Parameter*>(key);
+    optimizer_.step_param(index_.at(p), host_sums_->sum(key).to(plan_.device()));
+    if (refreshed_.erase(p) == 0) model_.refresh_codes(p);
   }
 }
 

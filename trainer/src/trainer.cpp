@@ -289,8 +289,8 @@ class Trainer {
 
   void restore(const CheckpointDir& ck) {
     const auto r = checkpointer_.restore(ck, /*export_only=*/false, [this](int64_t accum) {
-      if (step_->in_backward() && accum > 1) {
-        // Updates inside the backward need one micro-batch per step: back to buffered ones.
+      if (step_->in_backward() && accum > 1 && cfg().optim.in_backward != InBackward::kTrue) {
+        // auto chose updates inside the backward for one micro-batch a step: buffered ones now.
         step_->disable_in_backward();
         out_ << "resume: grad_accum > 1, so optimizer updates run after the backward "
                 "(optim.in_backward off)\n";

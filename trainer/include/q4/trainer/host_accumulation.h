@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -48,14 +49,21 @@ class HostGradientAccumulator {
   // Before each micro-batch's forward, in order; `last`: the step's last one. A first
   // micro-batch starts a new sum for every key.
   void begin_micro_batch(bool first, bool last);
+  // Called with a key's complete sum (grad's sizes, on grad's device) on the current stream; it
+  // may read the sum only in that stream's order and until it returns (its memory is reused).
+  using Apply = std::function<void(const at::Tensor&)>;
   // Adds `grad`, the complete gradient of `key` in this micro-batch (contiguous, on the device
   // given, on the current stream), into its buffer (created, pinned, with grad's sizes on first
-  // use). The gradient may be freed when this returns.
-  void add(const void* key, const at::Tensor& grad);
+  // use). The gradient may be freed when this returns. With `apply` (the last micro-batch only:
+  // updates inside its backward), the sum goes to `apply` instead of back to host memory.
+  void add(const void* key, const at::Tensor& grad, const Apply& apply = nullptr);
   // After the last micro-batch: the current stream waits for every copy, so the buffers may be
   // read in its order.
   void finish();
 
+  // Keys this step added to but the current micro-batch did not (after an applying last
+  // micro-batch: sums `apply` never saw, which sum() gives).
+  std::vector<const void*> unapplied() const;
   // Whether `key` has a buffer (it was added in some step).
   bool holds(const void* key) const { return buffers_.count(key) > 0; }
   // The step's sum of `key` in pinned host memory; zeroed when no micro-batch of this step
@@ -101,7 +109,7 @@ class HostGradientAccumulator {
   void release_fetched();
   // The last micro-batch's addition for a key over half the ring: its norm parts need the whole
   // sum on the device, in a staging copy that the compute stream waits to be written out.
-  void add_whole(const void* key, Buffer& b, const at::Tensor& g);
+  void add_whole(const void* key, Buffer& b, const at::Tensor& g, const Apply& apply);
 
   at::ScalarType dtype_;
   int64_t ring_bytes_;

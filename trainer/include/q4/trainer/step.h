@@ -75,12 +75,17 @@ class TrainStep {
                                  const optim::StepArgs& step_args, double denom,
                                  const PhaseHook& mark);
   // optim.offload: all with grad_accum > 1 (one process): the gradients of masters in pinned
-  // host memory add up in pinned host memory too (host_accumulation.h). The model's grad-ready
-  // hook hands each parameter's micro-batch gradient to collect_gradient(): an offloaded one
-  // goes to its host buffer and is freed; any other is kept and put back after the micro-batch
-  // (it accumulates on the device as usual).
+  // host memory add up in pinned host memory too (host_accumulation.h).
   bool accumulates_on_host() const;
-  void collect_gradient(model::Parameter& p);
+  // The model's grad-ready hook (in-backward updates, or sums in host memory) gets each
+  // parameter's complete micro-batch gradient. Before the last micro-batch of an in-backward
+  // step, and in every micro-batch of a buffered one, the gradient is summed on: an offloaded
+  // master's in its host buffer (then freed), any other kept and put back after the
+  // micro-batch (the next backward adds into it). In the last micro-batch of an in-backward
+  // step the complete sum is applied at once.
+  void on_gradient(model::Parameter& p);
+  // In-backward steps: the updates of sums the last micro-batch's backward did not reach.
+  void apply_unreached();
 
   const RunPlan& plan_;
   model::Qwen3Model& model_;
@@ -92,10 +97,12 @@ class TrainStep {
   bool in_backward_;
   std::function<bool()> checkpoint_due_;
   std::vector<const model::Parameter*> by_index_;  // the parameter of each optimizer index
+  std::unordered_map<const model::Parameter*, int64_t> index_;  // and the reverse
   // Offloaded masters whose codes the optimizer's master-updated hook refreshed.
   std::unordered_set<const model::Parameter*> refreshed_;
   std::unique_ptr<HostGradientAccumulator> host_sums_;          // created with the first such step
   std::vector<std::pair<model::Parameter*, at::Tensor>> kept_;  // device gradients to put back
+  bool last_micro_ = false;  // the micro-batch being back-propagated is the step's last
 };
 
 }  // namespace q4::trainer
