@@ -146,7 +146,6 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   int64_t embed_elems = 0;
   int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
   bool lm_trains = false;
-  int64_t lm_offloaded = 0;  // elements of an lm_head whose master is in host memory
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     const int64_t n = p.numel();
     if (p.layer >= 0 && saves_compute_weight(p, opt, L, tied)) {
@@ -199,7 +198,6 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
     } else {
       head_elems += n;
       lm_trains = lm_trains || p.group == ParamGroup::kLmHead;
-      if (offload && p.kind == ParamKind::kQuantizedLinear) lm_offloaded = n;
     }
   }
   // Transient bytes of one freshly computed gradient of n elements (compute dtype) beyond the
@@ -316,13 +314,9 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // Loss backward: the weight and logits are gone; the hidden rows' gradient is scattered into
   // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
   // differs, added into the buffer when one is carried).
-  // Added up in host memory, an lm_head gradient over half the staging is summed in a copy of
-  // its own in the last micro-batch.
-  const int64_t lm_sum =
-      host_accum && lm_offloaded * gs > grads.host_staging_bytes / 2 ? lm_offloaded * gs : 0;
   add(MemoryPhaseKind::kLossBackward,
       carry +
-          std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems) + lm_sum),
+          std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
       all_saved + 2 * boundary, rows * H * cs);
   // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l), layer l's input
   // and graph (recomputed from its checkpoint when checkpointing), the backward's working

@@ -259,29 +259,32 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const
 
 void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Tensor& g,
                                         const Apply& apply) {
+  // The buffer comes in through the ring, slice by slice as any other, and is added into the
+  // gradient itself (the same sums: addition commutes), which is this micro-batch's own and is
+  // freed after: the whole sum takes no device memory of its own.
   const c10::Stream compute = current_stream(g);
-  const at::Tensor host = b.pinned.view({-1});
-  const at::Tensor sum = at::empty_like(g);  // the compute stream's pool: in_ starts after it
-  record_on(compute)->block(*in_);
-  b.written->block(*in_);
-  {
-    const c10::StreamGuard on_in(*in_);
-    sum.copy_(host, /*non_blocking=*/true);
+  for (const Piece& pc : pieces_of(key, g.numel())) {
+    Span s = fetch(pc, b);
+    s.event->block(compute);
+    const at::Tensor gs = g.narrow(0, pc.offset, pc.numel);
+    gs.add_(ring_view(s.begin, gs));
+    s.event = record_on(compute);
+    release(std::move(s));
+    prefetch();
   }
-  record_on(*in_)->block(compute);
-  sum.add_(g);
   if (apply) {  // used on the compute stream, then freed in its order
-    apply(sum.view(b.pinned.sizes()));
+    apply(g.view(b.pinned.sizes()));
     return;
   }
-  sumsq_parts_[key] = optim::gradient_sumsq_parts(sum);
+  sumsq_parts_[key] = optim::gradient_sumsq_parts(g);
   record_on(compute)->block(*out_);
   {
     const c10::StreamGuard on_out(*out_);
-    host.copy_(sum, /*non_blocking=*/true);
+    b.pinned.view({-1}).copy_(g, /*non_blocking=*/true);
   }
   b.written->record(*out_);
-  // The compute stream goes on once the sum is out, so its memory is free in stream order.
+  // The compute stream goes on once the sum is out, so the gradient's memory is free in its
+  // order.
   record_on(*out_)->block(compute);
 }
 

@@ -14,8 +14,8 @@
 //    optimizer's norm pass does not read the buffers again.
 // Space in the ring is reused in stream order: the stream writing a span waits (on the device)
 // for the copy that last read it. A gradient over half the ring (an NVFP4 lm_head) goes through
-// it in slices; in the last micro-batch, whose norm parts need the whole sum, through a staging
-// copy of its own that the compute stream waits for.
+// it in slices; in the last micro-batch, whose norm parts (or update) need the whole sum, the
+// slices are added into the gradient itself, which then holds the sum.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -54,7 +54,8 @@ class HostGradientAccumulator {
   using Apply = std::function<void(const at::Tensor&)>;
   // Adds `grad`, the complete gradient of `key` in this micro-batch (contiguous, on the device
   // given, on the current stream), into its buffer (created, pinned, with grad's sizes on first
-  // use). The gradient may be freed when this returns. With `apply` (the last micro-batch only:
+  // use). The gradient may be freed when this returns; in the last micro-batch one over half the
+  // ring is overwritten with the sum. With `apply` (the last micro-batch only:
   // updates inside its backward), the sum goes to `apply` instead of back to host memory.
   void add(const void* key, const at::Tensor& grad, const Apply& apply = nullptr);
   // After the last micro-batch: the current stream waits for every copy, so the buffers may be
@@ -107,8 +108,8 @@ class HostGradientAccumulator {
   void release(Span s);
   // Gives up every fetched span; their pieces are fetched again, in order.
   void release_fetched();
-  // The last micro-batch's addition for a key over half the ring: its norm parts need the whole
-  // sum on the device, in a staging copy that the compute stream waits to be written out.
+  // The last micro-batch's addition for a key over half the ring: its norm parts (or update)
+  // need the whole sum on the device, added into `g` slice by slice.
   void add_whole(const void* key, Buffer& b, const at::Tensor& g, const Apply& apply);
 
   at::ScalarType dtype_;
