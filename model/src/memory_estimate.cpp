@@ -315,8 +315,7 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
   // a (tokens, H) one and the lm_head gradient stored (converted when the gradient dtype
   // differs, added into the buffer when one is carried).
   add(MemoryPhaseKind::kLossBackward,
-      carry +
-          std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
+      carry + std::max(lm_elems * cs, (buffer_carried ? 0 : lm_elems * gs) + fresh(lm_elems)),
       all_saved + 2 * boundary, rows * H * cs);
   // Layer backward, layer l (from L-1 down to 0): activations of layers [0, l), layer l's input
   // and graph (recomputed from its checkpoint when checkpointing), the backward's working
