@@ -570,7 +570,8 @@ class SmallStepBatch {
 #if Q4_WITH_CUDA
 // DMA staging of a CUDA parameter's state in pinned host memory (PackedAdamW::
 // set_master_updated_hook). The device copies live in one arena of kMaxStagedBytes, taken from
-// the caller's stream when a step begins and used as a ring (a parameter whose copies would take
+// the caller's stream when a step begins (or the caller's, set_staging_arena) and used as a ring
+// (a parameter whose copies would take
 // over half of it is updated through its aliases instead): a parameter's host tensors are copied in
 // on `in_` (without waiting for the caller's stream: the state was written back by the previous
 // step, which ended waiting for `out_`), updated by `launch` on the caller's stream once they are
@@ -582,8 +583,9 @@ class HostStager {
     return p.info.master_on_host || p.info.moments_on_host || (grad.defined() && !grad.is_cuda());
   }
 
-  // Before the step's first update: the arena, when a parameter of `ps` has state to stage.
-  void begin(const std::vector<ParamState>& ps) {
+  // Before the step's first update: the arena (`given`, else one of kMaxStagedBytes), when a
+  // parameter of `ps` has state to stage.
+  void begin(const std::vector<ParamState>& ps, const at::Tensor& given) {
     int dev = -1;
     for (const ParamState& p : ps) {
       if (p.info.device.is_cuda() && (p.info.master_on_host || p.info.moments_on_host)) {
@@ -597,8 +599,10 @@ class HostStager {
     out_ = at::cuda::getStreamFromPool(false, dev);
     // From the caller's pool; the copy streams start after what the caller's stream did so far,
     // which is the last use of that memory.
-    arena_ =
-        at::empty({kMaxStagedBytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
+    arena_ = given.defined()
+                 ? given
+                 : at::empty({kMaxStagedBytes},
+                             at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
     at::cuda::CUDAEvent ready;
     ready.record(run);
     ready.block(*in_);
@@ -856,7 +860,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   std::optional<c10::cuda::CUDAStream> side;
   std::optional<at::cuda::CUDAEvent> side_done;
   int cuda_launches = 0;
-  d.stager->begin(d.ps);
+  d.stager->begin(d.ps, d.staging_arena);
   detail::SmallStepBatch small;
 #endif
   for (size_t i = 0; i < d.ps.size(); ++i) {
@@ -976,7 +980,7 @@ void PackedAdamW::begin_step(const StepArgs& args) {
   d.in_step = true;
   if (!d.stager) d.stager = std::make_shared<detail::HostStager>();
 #if Q4_WITH_CUDA
-  d.stager->begin(d.ps);
+  d.stager->begin(d.ps, d.staging_arena);
 #endif
   d.cur_lr = lr;
   d.cur_grad_scale = args.grad_scale;
@@ -1129,6 +1133,13 @@ StepResult PackedAdamW::end_step() {
 
 void PackedAdamW::set_master_updated_hook(std::function<void(int64_t, const at::Tensor&)> hook) {
   impl_->master_updated = std::move(hook);
+}
+
+void PackedAdamW::set_staging_arena(const at::Tensor& arena) {
+  TORCH_CHECK(!arena.defined() || (arena.is_cuda() && arena.dim() == 1 &&
+                                   arena.scalar_type() == at::kByte && arena.is_contiguous()),
+              "PackedAdamW::set_staging_arena: expected a contiguous 1-d uint8 CUDA tensor");
+  impl_->staging_arena = arena;
 }
 
 bool PackedAdamW::in_step() const { return impl_->in_step; }

@@ -60,6 +60,7 @@ struct PackedAdamW::Impl {
   // and what sees each master updated in device memory (set_master_updated_hook).
   std::shared_ptr<detail::HostStager> stager;
   std::function<void(int64_t, const at::Tensor&)> master_updated;
+  at::Tensor staging_arena;      // set_staging_arena(); undefined: one taken per step
   double host_sumsq = 0.0;       // CPU parameters' sum of squares
   int64_t host_nonfinite = 0;    // CPU parameters skipped
 };

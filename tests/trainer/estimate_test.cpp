@@ -413,6 +413,27 @@ TEST(Estimate, OffloadedMomentsLeaveTheDevice) {
   }
 }
 
+// optim.offload: all with accumulation: updated inside the last micro-batch's backward, the
+// staging is the ring's share (counted with the ring in every phase), not a second arena, so
+// that backward costs no more than the buffered one's; buffered, the update takes its own.
+TEST(Estimate, InBackwardOffloadSharesTheRing) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_4b.config.json");
+  Config buffered =
+      tiny_config("train: {batch_size: 4, seq_len: 1024, grad_accum: 8}\n",
+                  {"model.device=cuda", "train.trainable.lm_head=true", "optim.offload=all",
+                   "optim.in_backward=false", "train.gradient_checkpointing=true"});
+  Config in_backward = buffered;
+  in_backward.optim.in_backward = InBackward::kTrue;
+  const MemoryBudget a = estimate_budget(mc, buffered, true);
+  const MemoryBudget b = estimate_budget(mc, in_backward, true);
+  for (const auto& p : a.phases) {
+    EXPECT_EQ(p.optimizer_bytes, p.name == "optimizer step" ? optim::kMaxStagedBytes : 0)
+        << p.name;
+  }
+  for (const auto& p : b.phases) EXPECT_EQ(p.optimizer_bytes, 0) << p.name;
+  EXPECT_LE(b.total_bytes(), a.total_bytes());
+}
+
 TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
   auto message = [](const std::function<void()>& fn) {
     try {

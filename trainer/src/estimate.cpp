@@ -138,8 +138,13 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   // State in pinned host memory is updated through device copies (PackedAdamW staging), which
   // take kMaxStagedBytes while updates run (the optimizer step, or the backward with
   // in-backward updates).
+  // Updated inside the backward from sums in host memory, the staging is a share of the ring
+  // that host_staging_bytes counts (kSharedStagingBytes).
+  const bool shared = b.masters_on_host && life.applied_in_backward && c.train.grad_accum > 1;
   const int64_t staging =
-      opt.device.is_cuda() && (b.masters_on_host || b.moments_on_host) ? optim::kMaxStagedBytes : 0;
+      opt.device.is_cuda() && (b.masters_on_host || b.moments_on_host) && !shared
+          ? optim::kMaxStagedBytes
+          : 0;
   for (const auto& mp : m.phases) {
     BudgetPhase p;
     p.name = model::memory_phase_name(mp.kind);

@@ -91,9 +91,16 @@ TrainStep::TrainStep(const RunPlan& plan, model::Qwen3Model& model, optim::Packe
   });
 }
 
-TrainStep::~TrainStep() { optimizer_.set_master_updated_hook(nullptr); }
+TrainStep::~TrainStep() {
+  optimizer_.set_master_updated_hook(nullptr);
+  optimizer_.set_staging_arena({});
+}
 
-void TrainStep::disable_in_backward() { in_backward_ = false; }
+void TrainStep::disable_in_backward() {
+  in_backward_ = false;
+  optimizer_.set_staging_arena({});  // buffered updates take theirs in the update
+  staging_ = at::Tensor();
+}
 
 StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook& mark) {
   StepOutcome o;
@@ -123,8 +130,14 @@ StepOutcome TrainStep::run(int64_t step, data::Batcher& batcher, const PhaseHook
   if (comm_) sync_.begin_step(accum);
   const bool host_accum = accumulates_on_host();
   if (host_accum && !host_sums_) {
+    const int64_t staging = in_backward_ ? kSharedStagingBytes : 0;
     host_sums_ = std::make_unique<HostGradientAccumulator>(model_.options().resolved_grad_dtype(),
-                                                           plan_.device());
+                                                           plan_.device(),
+                                                           kHostAccumulationRingBytes - staging);
+    if (staging > 0) {
+      staging_ = at::empty({staging}, at::TensorOptions().dtype(at::kByte).device(plan_.device()));
+      optimizer_.set_staging_arena(staging_);
+    }
   }
   const bool hooked = in_backward_ || host_accum;
   if (hooked) {

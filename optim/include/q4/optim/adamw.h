@@ -184,6 +184,12 @@ class PackedAdamW {
   // master is updated, with its new values in device memory (valid for work ordered on that
   // stream; e.g. requantizing the codes the forward uses without reading the host copy again).
   void set_master_updated_hook(std::function<void(int64_t, const at::Tensor&)> hook);
+  // The device memory that staging uses, held by the caller (any size; a parameter whose copies
+  // take over half of it goes through its aliases): the staging writes it only on its copy
+  // streams after the caller's stream reaches begin_step(), and the caller's stream waits for
+  // every copy by the end of the step. Undefined (the default): kMaxStagedBytes taken from the
+  // caller's stream's pool for each step. A step in progress keeps the arena it began with.
+  void set_staging_arena(const at::Tensor& arena);
 
   // Drops (set_to_none) or zeroes every registered master's .grad().
   void zero_grad(bool set_to_none = true);

@@ -35,6 +35,11 @@ namespace q4::trainer {
 
 // Device memory of the ring (counted by the memory estimate: GradientLifetime).
 inline constexpr int64_t kHostAccumulationRingBytes = int64_t{512} << 20;
+// With in-backward updates the last micro-batch's backward both adds and updates, so that
+// memory is split for the run: this much is the optimizer's staging arena
+// (PackedAdamW::set_staging_arena) and the rest the ring. A staging arena taken for the step
+// would come from memory the backward is using.
+inline constexpr int64_t kSharedStagingBytes = kHostAccumulationRingBytes / 2;
 
 class HostGradientAccumulator {
  public:

@@ -101,6 +101,7 @@ class TrainStep {
   // Offloaded masters whose codes the optimizer's master-updated hook refreshed.
   std::unordered_set<const model::Parameter*> refreshed_;
   std::unique_ptr<HostGradientAccumulator> host_sums_;          // created with the first such step
+  at::Tensor staging_;  // with in-backward updates: the optimizer's share of the ring's memory
   std::vector<std::pair<model::Parameter*, at::Tensor>> kept_;  // device gradients to put back
   bool last_micro_ = false;  // the micro-batch being back-propagated is the step's last
 };
