@@ -427,8 +427,7 @@ TEST(Estimate, InBackwardOffloadSharesTheRing) {
   const MemoryBudget a = estimate_budget(mc, buffered, true);
   const MemoryBudget b = estimate_budget(mc, in_backward, true);
   for (const auto& p : a.phases) {
-    EXPECT_EQ(p.optimizer_bytes, p.name == "optimizer step" ? optim::kMaxStagedBytes : 0)
-        << p.name;
+    EXPECT_EQ(p.optimizer_bytes, p.name == "optimizer step" ? optim::kMaxStagedBytes : 0) << p.name;
   }
   for (const auto& p : b.phases) EXPECT_EQ(p.optimizer_bytes, 0) << p.name;
   EXPECT_LE(b.total_bytes(), a.total_bytes());
