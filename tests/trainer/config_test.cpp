@@ -542,6 +542,18 @@ TEST(Config, EnumsParseOnceAndPrintBack) {
   EXPECT_TRUE(in_backward_updates(parse(
       kMinimal, {parse_override("optim.in_backward=true"), parse_override("train.grad_accum=4")})));
   EXPECT_FALSE(in_backward_updates(parse(kMinimal, {parse_override("train.grad_accum=4")})));
+  // On CUDA auto updates inside the backward with one micro-batch a step, and with several when
+  // the masters are in host memory (their sums then skip a round trip over PCIe).
+  const auto cuda = [&](std::vector<std::string> sets) {
+    std::vector<Override> o{parse_override("model.device=cuda")};
+    for (const auto& set : sets) o.push_back(parse_override(set));
+    return in_backward_updates(parse(kMinimal, o));
+  };
+  EXPECT_TRUE(cuda({}));
+  EXPECT_FALSE(cuda({"train.grad_accum=4"}));
+  EXPECT_FALSE(cuda({"train.grad_accum=4", "optim.offload=moments"}));
+  EXPECT_TRUE(cuda({"train.grad_accum=4", "optim.offload=all"}));
+  EXPECT_FALSE(cuda({"optim.offload=all", "optim.in_backward=false"}));
   const Config back = parse_config(config_to_yaml(c), "back.yaml", "/x");
   EXPECT_EQ(config_to_yaml(back), config_to_yaml(c));
   EXPECT_EQ(back.optim.state, q4::optim::StateMode::k4Bit);

@@ -640,7 +640,8 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("optim.in_backward", &c.optim.in_backward,
             "update each parameter inside the backward and free its gradient (with grad_accum "
             "> 1: inside the last micro-batch's backward, from the summed gradient); clipping "
-            "then uses the previous step's norm (auto: CUDA, grad_accum 1, full fine-tuning)"),
+            "then uses the previous step's norm (auto: CUDA, full fine-tuning, grad_accum 1 or "
+            "optim.offload all)"),
       field("optim.chunk_rows", &c.optim.chunk_rows,
             "rows per optimizer chunk (bounds temporaries)", R::at_least(1)),
       field("optim.master_rounding", &c.optim.master_rounding,
@@ -1501,7 +1502,10 @@ bool in_backward_updates(const Config& c) {
   }
   // Adapters: their gradients are small (nothing to free early), and the buffered step takes
   // their norm in a few multi-tensor launches instead of three launches per adapter tensor.
-  return device_is_cuda(c) && c.train.grad_accum == 1 && c.train.method != TrainMethod::kLora;
+  // Several micro-batches a step: only with masters in host memory, whose summed gradients then
+  // go to their updates without a round trip over PCIe (docs/optim.md, "In-backward updates").
+  return device_is_cuda(c) && c.train.method != TrainMethod::kLora &&
+         (c.train.grad_accum == 1 || c.optim.offload == Offload::kAll);
 }
 
 }  // namespace q4::trainer

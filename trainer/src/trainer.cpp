@@ -289,11 +289,13 @@ class Trainer {
 
   void restore(const CheckpointDir& ck) {
     const auto r = checkpointer_.restore(ck, /*export_only=*/false, [this](int64_t accum) {
-      if (step_->in_backward() && accum > 1 && cfg().optim.in_backward != InBackward::kTrue) {
+      Config resumed = cfg();
+      resumed.train.grad_accum = accum;
+      if (step_->in_backward() && !in_backward_updates(resumed)) {
         // auto chose updates inside the backward for one micro-batch a step: buffered ones now.
         step_->disable_in_backward();
-        out_ << "resume: grad_accum > 1, so optimizer updates run after the backward "
-                "(optim.in_backward off)\n";
+        out_ << "resume: grad_accum " << accum
+             << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
       }
     });
     setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
