@@ -67,7 +67,7 @@ class TrainStep {
   StepOutcome run(int64_t step, data::Batcher& batcher, const PhaseHook& mark = nullptr);
 
   bool in_backward() const { return in_backward_; }
-  // Back to updates after the backward (a resume that raised grad_accum above 1).
+  // Back to updates after the backward (a resume whose grad_accum makes auto choose those).
   void disable_in_backward();
 
  private:
