@@ -915,6 +915,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
   }
 #endif
   d.step = t;
+  d.prev_norm = norm;  // what an in-backward step after this one clips with
   d.consecutive = 0;
   r.applied = true;
   r.clip_coef = coef;

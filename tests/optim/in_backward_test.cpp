@@ -98,7 +98,9 @@ TEST(InBackward, ClipsWithThePreviousStepsNorm) {
   // Same as the buffered steps: the first clipped by its own norm (the masters differ only where
   // eps matters: Adam's first update is sign(g) up to eps), the second fed the gradients
   // pre-scaled by the previous norm's coefficient.
-  a.step(pr.grads[0], args);
+  const StepResult a1 = a.step(pr.grads[0], args);
+  // A buffered step leaves its norm for an in-backward step after it, as an in-backward one does.
+  EXPECT_NEAR(a.previous_grad_norm(), a1.grad_norm, 0.0);
   std::vector<at::Tensor> scaled;
   for (const auto& g : pr.grads[1]) scaled.push_back(g * r2.clip_coef);
   StepArgs plain;

@@ -170,7 +170,9 @@ class PackedAdamW {
   void step_param(int64_t index, const at::Tensor& grad);
   StepResult end_step();
   bool in_step() const;
-  // The global norm the next in-backward step clips with (NaN: none); saved with checkpoints.
+  // The global norm the next in-backward step clips with (NaN: none): the last applied step's,
+  // buffered or in-backward, so a run may switch between the two (a resume with another
+  // grad_accum); saved with checkpoints.
   double previous_grad_norm() const;
   void set_previous_grad_norm(double norm);
 
