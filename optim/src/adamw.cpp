@@ -570,13 +570,12 @@ class SmallStepBatch {
 #if Q4_WITH_CUDA
 // DMA staging of a CUDA parameter's state in pinned host memory (PackedAdamW::
 // set_master_updated_hook). The device copies live in one arena of kMaxStagedBytes, taken from
-// the caller's stream when a step begins (or the caller's, set_staging_arena) and used as a ring
-// (a parameter whose copies would take
-// over half of it is updated through its aliases instead): a parameter's host tensors are copied in
-// on `in_` (without waiting for the caller's stream: the state was written back by the previous
-// step, which ended waiting for `out_`), updated by `launch` on the caller's stream once they are
-// in, and the written ones copied back on `out_`; a region is reused after its copy back
-// (stream-ordered waits, no host wait).
+// the caller's stream when a step begins (or the caller's own, set_staging_arena) and used as a
+// ring (a parameter whose copies would take over half of it is updated through its aliases
+// instead): a parameter's host tensors are copied in on `in_` (without waiting for the caller's
+// stream: the state was written back by the previous step, which ended waiting for `out_`),
+// updated by `launch` on the caller's stream once they are in, and the written ones copied back
+// on `out_`; a region is reused after its copy back (stream-ordered waits, no host wait).
 class HostStager {
  public:
   bool applies(const ParamState& p, const at::Tensor& grad) const {

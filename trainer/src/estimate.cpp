@@ -137,9 +137,8 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   const int64_t scratch = opt.device.is_cuda() ? 0 : 16 * 4 * scratch_elems;
   // State in pinned host memory is updated through device copies (PackedAdamW staging), which
   // take kMaxStagedBytes while updates run (the optimizer step, or the backward with
-  // in-backward updates).
-  // Updated inside the backward from sums in host memory, the staging is a share of the ring
-  // that host_staging_bytes counts (kSharedStagingBytes).
+  // in-backward updates); updated inside the backward from sums in host memory, the staging is
+  // the ring's share that host_staging_bytes counts already (kSharedStagingBytes).
   const bool shared = b.masters_on_host && life.applied_in_backward && c.train.grad_accum > 1;
   const int64_t staging =
       opt.device.is_cuda() && (b.masters_on_host || b.moments_on_host) && !shared

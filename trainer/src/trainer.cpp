@@ -292,7 +292,7 @@ class Trainer {
       Config resumed = cfg();
       resumed.train.grad_accum = accum;
       if (step_->in_backward() && !in_backward_updates(resumed)) {
-        // auto chose updates inside the backward for one micro-batch a step: buffered ones now.
+        // auto's choice for the checkpoint's grad_accum is buffered updates.
         step_->disable_in_backward();
         out_ << "resume: grad_accum " << accum
              << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
