@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -27,57 +29,86 @@ int64_t supervised_from(const std::vector<TokenId>& labels, size_t begin) {
   return n;
 }
 
-// kSplit: every example longer than `max_len` becomes its consecutive windows of `max_len`
-// tokens (the last one shorter), in order, each keeping the example's source line.
-std::vector<Example> split_into_windows(std::vector<Example> examples, size_t max_len,
-                                        TruncationStats* stats) {
-  std::vector<Example> out;
-  out.reserve(examples.size());
-  for (Example& ex : examples) {
-    const size_t len = ex.input_ids.size();
-    stats->longest_tokens = std::max(stats->longest_tokens, static_cast<int64_t>(len));
-    if (len <= max_len || ex.labels.size() != len) {  // a size mismatch is reported later
-      out.push_back(std::move(ex));
-      continue;
-    }
-    ++stats->split;
-    for (size_t start = 0; start < len; start += max_len) {
-      const size_t end = std::min(len, start + max_len);
-      Example w;
-      w.source_line = ex.source_line;
-      w.input_ids.assign(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start),
-                         ex.input_ids.begin() + static_cast<std::ptrdiff_t>(end));
-      w.labels.assign(ex.labels.begin() + static_cast<std::ptrdiff_t>(start),
-                      ex.labels.begin() + static_cast<std::ptrdiff_t>(end));
-      out.push_back(std::move(w));
-      ++stats->windows;
-    }
+// The windows of an example longer than `max_len` (Truncation::kSplit): `max_len` tokens each
+// (the last one shorter), each starting on the last token of the one before, so that every
+// label at positions >= 1 is a target (never at a row's position 0) of exactly one window.
+void split_into_windows(Example&& ex, size_t max_len, std::vector<Example>* out,
+                        TruncationStats* stats) {
+  const size_t len = ex.input_ids.size();
+  ++stats->split;
+  int64_t k = 0;
+  for (size_t start = 0;; start += max_len - 1) {
+    const size_t end = std::min(len, start + max_len);
+    Example w;
+    w.source_line = ex.source_line;
+    w.plain_text = ex.plain_text;
+    w.window = k++;
+    w.input_ids.assign(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start),
+                       ex.input_ids.begin() + static_cast<std::ptrdiff_t>(end));
+    w.labels.assign(ex.labels.begin() + static_cast<std::ptrdiff_t>(start),
+                    ex.labels.begin() + static_cast<std::ptrdiff_t>(end));
+    out->push_back(std::move(w));
+    ++stats->windows;
+    if (end == len) break;
   }
-  return out;
 }
 
 }  // namespace
 
 Truncation parse_truncation(const std::string& name) {
-  if (name == "cut_left") return Truncation::kCutLeft;
-  if (name == "cut_right") return Truncation::kCutRight;
-  if (name == "drop") return Truncation::kDrop;
-  if (name == "split") return Truncation::kSplit;
-  TORCH_CHECK(false, "truncation: expected cut_left, cut_right, drop or split, found \"", name,
-              "\"");
-  return Truncation::kCutLeft;
+  const auto t = io::enum_from_name<Truncation>(name);
+  TORCH_CHECK(t.has_value(), "truncation: expected ", io::enum_choices<Truncation>(),
+              ", found \"", name, "\"");
+  return *t;
+}
+
+std::string to_string(Truncation t) { return io::enum_name(t); }
+
+std::string describe(Truncation t) {
+  if (t == Truncation::kAuto) return "auto: plain text split into windows, other records cut_left";
+  return to_string(t);
+}
+
+int64_t TruncationStats::supervised_tokens_lost() const {
+  return supervised_tokens_cut + supervised_tokens_dropped;
+}
+
+double TruncationStats::lost_share() const {
+  return supervised_tokens_in > 0 ? static_cast<double>(supervised_tokens_lost()) /
+                                        static_cast<double>(supervised_tokens_in)
+                                  : 0.0;
 }
 
 std::string TruncationStats::to_string() const {
   std::ostringstream s;
   s << examples_in << " examples, " << kept << " kept (" << truncated << " truncated), " << dropped
     << " dropped (" << dropped_unsupervised << " with nothing to supervise)";
-  if (supervised_tokens_cut > 0) {
-    s << ", " << supervised_tokens_cut << " supervised tokens cut by truncation";
-  }
-  s << ", longest " << longest_tokens << " tokens";
   if (split > 0) s << ", " << split << " split into " << windows << " windows";
+  s << "; " << supervised_tokens_lost() << " of " << supervised_tokens_in
+    << " supervised tokens lost (" << fmt::format("{:.1f}", 100.0 * lost_share()) << "%";
+  if (supervised_tokens_lost() > 0) {
+    s << ": " << supervised_tokens_cut << " cut from truncated examples, "
+      << supervised_tokens_dropped << " in dropped ones";
+  }
+  s << "), longest " << longest_tokens << " tokens";
   return s.str();
+}
+
+std::string truncation_warning(const TruncationStats& stats, int64_t max_seq_len,
+                               Truncation truncation, const std::string& seq_len_key,
+                               const std::string& truncation_key) {
+  if (stats.lost_share() <= kTruncationWarnShare) return "";
+  std::string advice = "raise " + seq_len_key;
+  if (truncation != Truncation::kSplit) {
+    advice += ", or set " + truncation_key +
+              " split (every token trained, in windows without the context before them)";
+  }
+  return fmt::format(
+      "truncation to {} tokens ({}) loses {} of {} supervised tokens ({:.1f}%, over {:.0f}%): {} "
+      "examples truncated, {} dropped; {}",
+      max_seq_len, to_string(truncation), stats.supervised_tokens_lost(),
+      stats.supervised_tokens_in, 100.0 * stats.lost_share(), 100.0 * kTruncationWarnShare,
+      stats.truncated, stats.dropped - stats.dropped_unsupervised, advice);
 }
 
 std::string BatcherState::to_json() const {
@@ -160,20 +191,37 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
                 " examples, not whole groups of ", g);
   }
   const auto max_len = static_cast<size_t>(options_.max_seq_len);
-  if (options_.truncation == Truncation::kSplit) {
-    examples = split_into_windows(std::move(examples), max_len, &stats_);
+  // Split truncation first: kSplit splits every long example, kAuto the plain-text documents
+  // (never a group's: the check above keeps kSplit away from groups).
+  {
+    std::vector<Example> in = std::move(examples);
+    examples.clear();
+    examples.reserve(in.size());
+    for (Example& ex : in) {
+      const size_t len = ex.input_ids.size();
+      stats_.longest_tokens = std::max(stats_.longest_tokens, static_cast<int64_t>(len));
+      stats_.supervised_tokens_in += supervised_from(ex.labels, 1);
+      const bool split = options_.truncation == Truncation::kSplit ||
+                         (options_.truncation == Truncation::kAuto && ex.plain_text && g == 1);
+      if (split && len > max_len && ex.labels.size() == len) {  // a size mismatch: reported below
+        split_into_windows(std::move(ex), max_len, &examples, &stats_);
+      } else {
+        examples.push_back(std::move(ex));
+      }
+    }
   }
   stats_.examples_in = static_cast<int64_t>(examples.size());
+  std::vector<int64_t> supervised(examples.size(), 0);  // of each example as kept
   for (size_t i = 0; i < examples.size(); ++i) {
     Example& ex = examples[i];
     TORCH_CHECK(ex.input_ids.size() == ex.labels.size(), "example ", i, " (line ", ex.source_line,
                 "): input_ids has ", ex.input_ids.size(), " tokens but labels has ",
                 ex.labels.size());
     const size_t len = ex.input_ids.size();
-    stats_.longest_tokens = std::max(stats_.longest_tokens, static_cast<int64_t>(len));
     bool keep = true;
     if (len > max_len && options_.truncation == Truncation::kDrop) {
       keep = false;
+      stats_.supervised_tokens_dropped += supervised_from(ex.labels, 1);
     } else if (len > max_len) {
       const auto first =
           static_cast<size_t>(std::find_if(ex.labels.begin(), ex.labels.end(),
@@ -189,9 +237,9 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
         for (size_t k = start + 1; k < start + max_len; ++k) n += ex.labels[k] != kIgnoreIndex;
         return n;
       };
-      size_t start = options_.truncation == Truncation::kCutLeft ? len - max_len : 0;
+      size_t start = options_.truncation == Truncation::kCutRight ? 0 : len - max_len;
       const bool answer_fits = first < len && len - first + 1 <= max_len;
-      if ((options_.truncation == Truncation::kCutLeft && !answer_fits) ||
+      if ((options_.truncation != Truncation::kCutRight && !answer_fits) ||
           supervised_in(start) == 0) {
         start = first < len ? std::min(len - max_len, first - std::min(first, max_len / 2)) : 0;
       }
@@ -208,7 +256,8 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
       ++stats_.truncated;
       if (supervised_from(ex.labels, 1) == 0) --stats_.truncated;
     }
-    if (keep && supervised_from(ex.labels, 1) == 0) {
+    supervised[i] = keep ? supervised_from(ex.labels, 1) : 0;
+    if (keep && supervised[i] == 0) {
       keep = false;
       ++stats_.dropped_unsupervised;
     }
@@ -228,6 +277,9 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
     const auto kept = std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
     if (kept < g) {
       stats_.dropped += kept;
+      for (size_t k = i; k < i + static_cast<size_t>(g); ++k) {
+        stats_.supervised_tokens_dropped += supervised[k];
+      }
       continue;
     }
     for (auto it = first; it != last; ++it) examples_.push_back(std::move(*it));

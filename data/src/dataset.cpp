@@ -251,15 +251,21 @@ Example parse_alpaca(const json& j, const Tokenizer& tok, const DatasetOptions& 
   return make_pair_example(tok, prompt, answer, opt.system_prompt);
 }
 
-// {"text": ...}: plain text, no template, every token supervised (like the text format).
-Example parse_text_record(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
-  const std::string text = string_field(j, "text");
-  if (is_blank(text)) throw BadLine{"empty \"text\""};
+// A plain-text document: no template, every token supervised, plus <|endoftext|> when asked.
+Example text_example(const std::string& text, const Tokenizer& tok, const DatasetOptions& opt) {
   Example e;
   e.input_ids = tok.encode(text);
   if (opt.text_append_endoftext) e.input_ids.push_back(tok.endoftext_id());
   e.labels = e.input_ids;
+  e.plain_text = true;
   return e;
+}
+
+// {"text": ...}: plain text, no template, every token supervised (like the text format).
+Example parse_text_record(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
+  const std::string text = string_field(j, "text");
+  if (is_blank(text)) throw BadLine{"empty \"text\""};
+  return text_example(text, tok, opt);
 }
 
 Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& tok,
@@ -419,6 +425,61 @@ DataFormat resolve_format(DataFormat f, const std::string& name) {
   return f;
 }
 
+// A text file read by paragraphs or as one document (TextUnit::kParagraph, kFile) from byte
+// `pos`: its lines (split as the line reader splits them) joined by "\n", blank lines separating
+// paragraphs and, at either end of a document, dropped. A line with invalid UTF-8 makes its
+// document an error or (on_error: skip) a skip naming that line.
+void load_text_documents(const std::string& content, size_t pos, const Tokenizer& tok,
+                         const DatasetOptions& options, Dataset* ds) {
+  std::string doc, bad;
+  int64_t first = 0, bad_line = 0, line_no = 0;
+  const auto flush = [&] {
+    if (first == 0) return;
+    if (!bad.empty()) {
+      skip_or_fail(&ds->summary, options, ds->summary.path, bad_line, bad, "documents");
+    } else {
+      Example ex = text_example(doc, tok, options);
+      ex.source_line = first;
+      ds->summary.tokens += static_cast<int64_t>(ex.input_ids.size());
+      ds->summary.supervised_tokens += static_cast<int64_t>(ex.labels.size());
+      ds->examples.push_back(std::move(ex));
+    }
+    doc.clear();
+    bad.clear();
+    first = 0;
+  };
+  std::string blanks;  // blank lines inside a file's document, kept once text follows
+  while (pos < content.size()) {
+    size_t nl = content.find_first_of("\r\n", pos);
+    if (nl == std::string::npos) nl = content.size();
+    const std::string line = content.substr(pos, nl - pos);
+    pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
+    ds->summary.lines = ++line_no;
+    if (is_blank(line)) {
+      ++ds->summary.ignored;
+      if (options.text_unit == TextUnit::kParagraph) flush();
+      if (first != 0) blanks += line + "\n";
+      continue;
+    }
+    if (first == 0) {
+      first = line_no;
+    } else {
+      doc += "\n" + blanks;
+    }
+    blanks.clear();
+    doc += line;
+    if (bad.empty()) {
+      try {
+        check_utf8(line);
+      } catch (const BadLine& b) {
+        bad = b.reason;
+        bad_line = line_no;
+      }
+    }
+  }
+  flush();
+}
+
 }  // namespace
 
 DataFormat parse_data_format(const std::string& name) {
@@ -430,6 +491,10 @@ DataFormat parse_data_format(const std::string& name) {
 
 OnError parse_on_error(const std::string& name) {
   return io::parse_enum<OnError>(lower(name), "on_error");
+}
+
+TextUnit parse_text_unit(const std::string& name) {
+  return io::parse_enum<TextUnit>(lower(name), "text_unit");
 }
 
 std::string LoadSummary::format_name() const {
@@ -499,6 +564,11 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
     ds.summary.examples = static_cast<int64_t>(ds.examples.size());
     return ds;
   }
+  if (format == DataFormat::kText && options.text_unit != TextUnit::kLine) {
+    load_text_documents(content, pos, tokenizer, options, &ds);
+    ds.summary.examples = static_cast<int64_t>(ds.examples.size());
+    return ds;
+  }
   int64_t line_no = 0;
   while (pos < content.size()) {
     // "\n", "\r\n" and a lone "\r" (old Mac tools) each end a line: a raw CR is never part of
@@ -543,9 +613,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         ++ds.summary.jsonl_formats[kind];
       } else {
         check_utf8(line);
-        ex.input_ids = tokenizer.encode(line);
-        if (options.text_append_endoftext) ex.input_ids.push_back(tokenizer.endoftext_id());
-        ex.labels = ex.input_ids;
+        ex = text_example(line, tokenizer, options);
       }
       ex.source_line = line_no;
       ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());

@@ -180,7 +180,7 @@ TEST(Batcher, CutLeftKeepsAnswerAndTruncatesWhatCannotFit) {
   const Batch x = b.next();
   EXPECT_LE(x.input_ids.size(1), 8);
   EXPECT_NE(s.to_string().find("3 truncated"), std::string::npos) << s.to_string();
-  EXPECT_NE(s.to_string().find("2 supervised tokens cut"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.to_string().find("2 of 20 supervised tokens lost (10.0%: 2 cut from truncated examples"), std::string::npos) << s.to_string();
 }
 
 // A chat example whose prompt alone is longer than the window, or whose answer is: truncated (the
@@ -231,9 +231,11 @@ TEST(Batcher, CutRightAndDropPolicies) {
   EXPECT_THROW(parse_truncation("middle"), c10::Error);
 }
 
-// split: a long example becomes its consecutive windows, in order; a window with nothing
-// supervised after its first token is dropped like any such example.
-TEST(Batcher, SplitPolicyKeepsEveryWindow) {
+// split: a long example becomes its windows, in order, each starting on the last token of the one
+// before (the context of its first target), so that every label at positions >= 1 is a target of
+// exactly one window; a window with nothing supervised after its first token is dropped like any
+// such example.
+TEST(Batcher, SplitPolicyTrainsEveryTokenOnce) {
   BatcherOptions o;
   o.max_seq_len = 4;
   o.shuffle = false;
@@ -247,18 +249,126 @@ TEST(Batcher, SplitPolicyKeepsEveryWindow) {
   EXPECT_EQ(s.dropped_unsupervised, 1);  // example 1's first window: prompt only
   EXPECT_EQ(s.truncated, 0);
   EXPECT_EQ(s.supervised_tokens_cut, 0);
+  EXPECT_EQ(s.supervised_tokens_in, 9 + 2 + 2);
+  EXPECT_EQ(s.supervised_tokens_lost(), 0);
   EXPECT_EQ(s.longest_tokens, 10);
   ASSERT_EQ(b.examples().size(), 5u);
-  EXPECT_EQ(b.examples()[0].input_ids, (std::vector<TokenId>{1000, 1001, 1002, 1003}));
-  EXPECT_EQ(b.examples()[1].input_ids, (std::vector<TokenId>{1004, 1005, 1006, 1007}));
-  EXPECT_EQ(b.examples()[2].input_ids, (std::vector<TokenId>{1008, 1009}));
-  EXPECT_EQ(b.examples()[2].labels, (std::vector<TokenId>{1008, 1009}));
-  EXPECT_EQ(b.examples()[3].input_ids, (std::vector<TokenId>{2004, 2005, 2006}));
-  EXPECT_EQ(b.examples()[3].labels, (std::vector<TokenId>{kI, 2005, 2006}));
-  EXPECT_EQ(b.examples()[3].source_line, 2);
-  EXPECT_EQ(b.examples()[4].input_ids, (std::vector<TokenId>{3000, 3001, 3002}));
+  const auto& ex = b.examples();
+  EXPECT_EQ(ex[0].input_ids, (std::vector<TokenId>{1000, 1001, 1002, 1003}));
+  EXPECT_EQ(ex[1].input_ids, (std::vector<TokenId>{1003, 1004, 1005, 1006}));
+  EXPECT_EQ(ex[2].input_ids, (std::vector<TokenId>{1006, 1007, 1008, 1009}));
+  EXPECT_EQ((std::vector<int64_t>{ex[0].window, ex[1].window, ex[2].window}),
+            (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(ex[3].input_ids, (std::vector<TokenId>{2003, 2004, 2005, 2006}));
+  EXPECT_EQ(ex[3].labels, (std::vector<TokenId>{kI, kI, 2005, 2006}));
+  EXPECT_EQ(ex[3].source_line, 2);
+  EXPECT_EQ(ex[3].window, 1);  // its window 0 (prompt only) was dropped
+  EXPECT_EQ(ex[4].input_ids, (std::vector<TokenId>{3000, 3001, 3002}));
+  EXPECT_EQ(ex[4].window, 0);
+  // The targets (labels at positions >= 1) of all windows: each supervised label once.
+  std::multiset<TokenId> targets;
+  for (const auto& e : ex) {
+    for (size_t k = 1; k < e.labels.size(); ++k) {
+      if (e.labels[k] != kI) targets.insert(e.labels[k]);
+    }
+  }
+  std::multiset<TokenId> want;
+  for (const Example& e : {make(0, 0, 10), make(1, 5, 2), make(2, 0, 3)}) {
+    for (size_t k = 1; k < e.labels.size(); ++k) {
+      if (e.labels[k] != kI) want.insert(e.labels[k]);
+    }
+  }
+  EXPECT_EQ(targets, want);
   EXPECT_NE(s.to_string().find("2 split into 5 windows"), std::string::npos) << s.to_string();
   EXPECT_EQ(parse_truncation("split"), Truncation::kSplit);
+  // Every window length from 2 up: the windows of a 37-token document train its 36 targets.
+  for (int64_t len = 2; len <= 12; ++len) {
+    o.max_seq_len = len;
+    Batcher w({make(0, 0, 37)}, o);
+    int64_t trained = 0;
+    for (const auto& e : w.examples()) trained += static_cast<int64_t>(e.labels.size()) - 1;
+    EXPECT_EQ(trained, 36) << "max_seq_len " << len;
+    EXPECT_EQ(w.examples().back().input_ids.back(), 1036) << "max_seq_len " << len;
+  }
+}
+
+// The default (auto): a plain-text document is split into windows, every other example (a
+// conversation, a prompt and its answer) is cut on the left as before; grouped examples are
+// never split.
+TEST(Batcher, AutoSplitsPlainTextAndCutsTheRest) {
+  BatcherOptions o;
+  EXPECT_EQ(o.truncation, Truncation::kAuto);
+  o.max_seq_len = 4;
+  o.shuffle = false;
+  Example text = make(0, 0, 10);
+  text.plain_text = true;
+  Batcher b({text, make(1, 5, 2)}, o);
+  const auto& s = b.truncation_stats();
+  EXPECT_EQ(s.split, 1);
+  EXPECT_EQ(s.windows, 3);
+  EXPECT_EQ(s.truncated, 1);  // the chat example
+  ASSERT_EQ(b.examples().size(), 4u);
+  EXPECT_EQ(b.examples()[2].input_ids, (std::vector<TokenId>{1006, 1007, 1008, 1009}));
+  EXPECT_TRUE(b.examples()[2].plain_text);
+  EXPECT_EQ(b.examples()[3].input_ids, (std::vector<TokenId>{2003, 2004, 2005, 2006}));
+  EXPECT_EQ(s.supervised_tokens_lost(), 0) << s.to_string();
+  EXPECT_EQ(parse_truncation("auto"), Truncation::kAuto);
+  EXPECT_NE(describe(Truncation::kAuto).find("plain text split"), std::string::npos);
+  o.group = 2;
+  o.batch_size = 2;
+  Example other = make(2, 0, 9);
+  other.plain_text = true;
+  Batcher g({text, other}, o);
+  EXPECT_EQ(g.truncation_stats().split, 0);
+  EXPECT_EQ(g.examples().size(), 2u);
+}
+
+// What truncation loses is counted (cut from kept examples, and whole dropped examples and their
+// group partners) against the supervised tokens given, and past 1% of them a warning names the
+// settings to change.
+TEST(Batcher, LostTokensAreCountedAndWarnedAbout) {
+  BatcherOptions o;
+  o.max_seq_len = 4;
+  o.shuffle = false;
+  o.truncation = Truncation::kCutRight;
+  Batcher r({make(0, 0, 6), make(1, 1, 2)}, o);  // 5 + 2 supervised; 2 cut
+  const auto& s = r.truncation_stats();
+  EXPECT_EQ(s.supervised_tokens_in, 7);
+  EXPECT_EQ(s.supervised_tokens_cut, 2);
+  EXPECT_EQ(s.supervised_tokens_lost(), 2);
+  EXPECT_DOUBLE_EQ(s.lost_share(), 2.0 / 7.0);
+  EXPECT_NE(s.to_string().find("2 of 7 supervised tokens lost (28.6%"), std::string::npos)
+      << s.to_string();
+  const std::string w = truncation_warning(s, 4, o.truncation, "train.seq_len", "data.truncation");
+  EXPECT_NE(w.find("loses 2 of 7 supervised tokens (28.6%"), std::string::npos) << w;
+  EXPECT_NE(w.find("1 examples truncated"), std::string::npos) << w;
+  EXPECT_NE(w.find("raise train.seq_len, or set data.truncation split"), std::string::npos) << w;
+  // drop: the whole example's supervised tokens, and (groups) its partner's.
+  o.truncation = Truncation::kDrop;
+  Batcher d({make(0, 0, 6), make(1, 1, 2)}, o);
+  EXPECT_EQ(d.truncation_stats().supervised_tokens_dropped, 5);
+  EXPECT_EQ(d.truncation_stats().supervised_tokens_lost(), 5);
+  o.group = 2;
+  o.batch_size = 2;
+  Batcher g({make(0, 0, 6), make(1, 1, 2), make(2, 1, 2), make(3, 1, 1)}, o);
+  EXPECT_EQ(g.truncation_stats().supervised_tokens_dropped, 5 + 2);
+  EXPECT_EQ(g.truncation_stats().supervised_tokens_in, 5 + 2 + 2 + 1);
+  // Nothing lost, or at most 1%: no warning.
+  o = BatcherOptions{};
+  o.max_seq_len = 4;
+  Batcher none({make(0, 1, 2)}, o);
+  EXPECT_EQ(truncation_warning(none.truncation_stats(), 4, o.truncation, "a", "b"), "");
+  TruncationStats one;
+  one.supervised_tokens_in = 1000;
+  one.supervised_tokens_cut = 10;
+  EXPECT_EQ(truncation_warning(one, 4, Truncation::kCutLeft, "a", "b"), "");
+  one.supervised_tokens_cut = 11;
+  EXPECT_NE(truncation_warning(one, 4, Truncation::kCutLeft, "a", "b"), "");
+  // split loses nothing it can help: the advice is the window size alone.
+  one.supervised_tokens_cut = 0;
+  one.supervised_tokens_dropped = 11;
+  EXPECT_EQ(truncation_warning(one, 4, Truncation::kSplit, "a", "b").find("set b"),
+            std::string::npos);
 }
 
 TEST(Batcher, SeededShuffleIsDeterministicAndCoversEachEpoch) {

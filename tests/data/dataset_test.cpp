@@ -158,17 +158,74 @@ TEST(Dataset, JsonlErrors) {
 
 TEST(Dataset, PlainTextSupervisesEverything) {
   const Tokenizer& tok = test::qwen3_tokenizer();
+  DatasetOptions lines = with(DataFormat::kAuto);
+  lines.text_unit = TextUnit::kLine;
   const auto ds =
-      load_dataset_from_string("Hello, world!\n\n# not a comment in text\n", "t.txt", tok);
+      load_dataset_from_string("Hello, world!\n\n# not a comment in text\n", "t.txt", tok, lines);
   ASSERT_EQ(ds.examples.size(), 2u);
   std::vector<TokenId> want = {9707, 11, 1879, 0, tok.endoftext_id()};
   EXPECT_EQ(ds.examples[0].input_ids, want);
   EXPECT_EQ(ds.examples[0].labels, want);
+  EXPECT_TRUE(ds.examples[0].plain_text);
   EXPECT_EQ(ds.examples[1].source_line, 3);
   DatasetOptions o = with(DataFormat::kText);
   o.text_append_endoftext = false;
   const auto raw = load_dataset_from_string("Hello, world!\n", "t", tok, o);
   EXPECT_EQ(raw.examples[0].input_ids, (std::vector<TokenId>{9707, 11, 1879, 0}));
+  // A {"text"} record is a plain-text document too; a conversation is not.
+  const auto j = load_dataset_from_string(
+      "{\"text\": \"Hello\"}\n{\"prompt\": \"q\", \"answer\": \"a\"}\n", "t.jsonl", tok);
+  ASSERT_EQ(j.examples.size(), 2u);
+  EXPECT_TRUE(j.examples[0].plain_text);
+  EXPECT_FALSE(j.examples[1].plain_text);
+}
+
+// data.text_unit: a text file is one document (the default), its paragraphs (blank lines between
+// them) or its lines. Line ends read as "\n"; blank lines at a document's ends go, those inside a
+// file's document stay.
+TEST(Dataset, TextUnitIsTheFileAParagraphOrALine) {
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  const std::string content = "\n\nOne.\r\nTwo.\n\n \nThree.\rFour.\n\n";
+  auto text_of = [&](const Example& e) {
+    return tok.decode({e.input_ids.begin(), e.input_ids.end() - 1});  // without <|endoftext|>
+  };
+  DatasetOptions o = with(DataFormat::kAuto);
+  EXPECT_EQ(o.text_unit, TextUnit::kFile);
+  const auto file = load_dataset_from_string(content, "t.txt", tok, o);
+  ASSERT_EQ(file.examples.size(), 1u);
+  EXPECT_EQ(text_of(file.examples[0]), "One.\nTwo.\n\n \nThree.\nFour.");
+  EXPECT_EQ(file.examples[0].source_line, 3);
+  EXPECT_TRUE(file.examples[0].plain_text);
+  EXPECT_EQ(file.examples[0].input_ids.back(), tok.endoftext_id());
+  EXPECT_EQ(file.summary.lines, 9);
+  EXPECT_EQ(file.summary.ignored, 5);
+  EXPECT_EQ(file.summary.tokens, static_cast<int64_t>(file.examples[0].input_ids.size()));
+  EXPECT_EQ(file.summary.supervised_tokens, file.summary.tokens);
+  o.text_unit = TextUnit::kParagraph;
+  const auto para = load_dataset_from_string(content, "t.txt", tok, o);
+  ASSERT_EQ(para.examples.size(), 2u);
+  EXPECT_EQ(text_of(para.examples[0]), "One.\nTwo.");
+  EXPECT_EQ(text_of(para.examples[1]), "Three.\nFour.");
+  EXPECT_EQ(para.examples[1].source_line, 7);
+  o.text_unit = TextUnit::kLine;
+  const auto line = load_dataset_from_string(content, "t.txt", tok, o);
+  ASSERT_EQ(line.examples.size(), 4u);
+  EXPECT_EQ(text_of(line.examples[3]), "Four.");
+  EXPECT_EQ(line.examples[3].source_line, 8);
+  // Blank only: no document. Invalid UTF-8: the document's error names its line.
+  o.text_unit = TextUnit::kFile;
+  EXPECT_TRUE(load_dataset_from_string("\n \n", "t.txt", tok, o).examples.empty());
+  const std::string msg =
+      error_of([&] { load_dataset_from_string("ok\nbad \xFF\n", "t.txt", tok, o); });
+  EXPECT_NE(msg.find("t.txt:2: invalid UTF-8"), std::string::npos) << msg;
+  o.text_unit = TextUnit::kParagraph;
+  o.on_error = OnError::kSkip;
+  const auto skipped = load_dataset_from_string("bad \xFF\n\nok\n", "t.txt", tok, o);
+  ASSERT_EQ(skipped.examples.size(), 1u);
+  EXPECT_EQ(skipped.summary.skipped, 1);
+  EXPECT_EQ(skipped.examples[0].source_line, 3);
+  EXPECT_EQ(parse_text_unit("Paragraph"), TextUnit::kParagraph);
+  EXPECT_THROW(parse_text_unit("page"), c10::Error);
 }
 
 TEST(Dataset, FilesAndFormatDetection) {

@@ -63,7 +63,8 @@ std::string tsv(int n, int answer_words = 2) {
 }
 
 // Chat examples longer than train.seq_len were dropped ("raise max_seq_len"); they are truncated
-// per data.truncation and counted, and the run trains.
+// per data.truncation and counted, the run trains, and a loss of more than 1% of the supervised
+// tokens is a warning naming the settings.
 TEST(DataE2E, LongChatExamplesAreTruncatedAndCounted) {
   std::string data;
   for (int i = 0; i < 3; ++i) {
@@ -80,7 +81,12 @@ TEST(DataE2E, LongChatExamplesAreTruncatedAndCounted) {
     EXPECT_TRUE(contains(r.out, std::string("truncation to train.seq_len 64 (") + policy +
                                     "): 3 examples, 3 kept (3 truncated), 0 dropped"))
         << r.out;
-    EXPECT_TRUE(contains(r.out, "supervised tokens cut by truncation")) << r.out;
+    EXPECT_TRUE(contains(r.out, "supervised tokens lost (")) << r.out;
+    EXPECT_TRUE(contains(r.out, "cut from truncated examples, 0 in dropped ones")) << r.out;
+    EXPECT_TRUE(contains(r.err, "warning: truncation to 64 tokens (" + std::string(policy) +
+                                    ") loses "))
+        << r.err;
+    EXPECT_TRUE(contains(r.err, "raise train.seq_len, or set data.truncation split")) << r.err;
   }
   // Only the drop policy drops, and then the message names real keys.
   const Result d = run(dir, {"--overwrite", "--set", "data.truncation=drop"});

@@ -369,19 +369,19 @@ TEST(Config, DirectoryAsConfigIsAnError) {
   q4::io::remove_tree(dir);
 }
 
-// Text documents longer than train.seq_len were dropped whole (the default
-// cut_left keeps only the supervised end, and all of a text document is supervised).
-TEST(Config, TruncationAutoCutsTextFromTheRight) {
-  EXPECT_EQ(resolved_truncation(parse(kMinimal)), Truncation::kCutLeft);
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.TXT]")})),
-            Truncation::kCutRight);
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.files=[a.txt, b.tsv]")})),
-            Truncation::kCutLeft);
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.format=text")})),
-            Truncation::kCutRight);
-  EXPECT_EQ(resolved_truncation(parse(kMinimal, {parse_override("data.truncation=drop")})),
+// data.truncation auto reaches the batcher as auto (plain text split, the rest cut_left: the
+// batcher decides per example); data.text_unit reaches the loader, file by default.
+TEST(Config, TruncationAutoAndTextUnitReachTheLibrary) {
+  EXPECT_EQ(parse(kMinimal).data.truncation, Truncation::kAuto);
+  EXPECT_EQ(batcher_options(parse(kMinimal), 0).truncation, Truncation::kAuto);
+  EXPECT_EQ(batcher_options(parse(kMinimal, {parse_override("data.truncation=drop")}), 0).truncation,
             Truncation::kDrop);
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
+  EXPECT_EQ(dataset_options(parse(kMinimal)).text_unit, q4::data::TextUnit::kFile);
+  EXPECT_EQ(dataset_options(parse(kMinimal, {parse_override("data.text_unit=paragraph")})).text_unit,
+            q4::data::TextUnit::kParagraph);
+  EXPECT_NE(error_of(kMinimal, {parse_override("data.text_unit=page")}).find("data.text_unit"),
+            std::string::npos);
 }
 
 // Each numeric field's range lives in the table; the parser names key, value, range and line.

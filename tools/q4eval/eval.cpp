@@ -50,13 +50,8 @@ Metrics metrics(const Totals& t) {
   return m;
 }
 
-TextCount count_scored_text(const at::Tensor& labels, const data::Tokenizer& tokenizer) {
-  TORCH_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.device().is_cpu(),
-              "count_scored_text: expected int64 (B, T) labels on the host, got ", labels.sizes(),
-              " ", labels.scalar_type(), " on ", labels.device());
-  const at::Tensor l = labels.contiguous();
-  const int64_t rows = l.size(0), cols = l.size(1);
-  const int64_t* p = l.data_ptr<int64_t>();
+TextCount count_scored_text(const std::vector<data::Example>& examples,
+                            const data::Tokenizer& tokenizer) {
   TextCount out;
   std::vector<data::TokenId> run;
   const auto flush = [&] {
@@ -66,17 +61,20 @@ TextCount count_scored_text(const at::Tensor& labels, const data::Tokenizer& tok
     if (!text.empty()) out.words += count_words(text);
     run.clear();
   };
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t t = 1; t < cols; ++t) {
-      const int64_t id = p[r * cols + t];
-      if (id == data::kIgnoreIndex) {
+  const data::Example* prev = nullptr;
+  for (const data::Example& e : examples) {
+    // A window that does not continue the previous example starts a document of its own.
+    if (prev == nullptr || e.window != prev->window + 1) flush();
+    for (size_t t = 1; t < e.labels.size(); ++t) {
+      if (e.labels[t] == data::kIgnoreIndex) {
         flush();
       } else {
-        run.push_back(static_cast<data::TokenId>(id));
+        run.push_back(e.labels[t]);
       }
     }
-    flush();
+    prev = &e;
   }
+  flush();
   return out;
 }
 
@@ -112,10 +110,10 @@ Totals score(model::Qwen3Model& model, data::Batcher& batcher, const data::Token
     const at::Tensor s = model.loss(batch_inputs(b, model, device)).loss_sum.to(at::kDouble);
     sum = sum.defined() ? sum + s : s;
     t.tokens += b.supervised_tokens;
-    const TextCount c = count_scored_text(b.labels, tokenizer);
-    t.words += c.words;
-    t.bytes += c.bytes;
   }
+  const TextCount c = count_scored_text(batcher.examples(), tokenizer);
+  t.words = c.words;
+  t.bytes = c.bytes;
   t.nll = sum.defined() ? sum.item<double>() : 0.0;
   return t;
 }

@@ -40,15 +40,19 @@ struct Metrics {
 // The metrics of `t`; a ratio whose denominator is 0 is NaN.
 Metrics metrics(const Totals& t);
 
-// Words and bytes of the text a batch's loss scores: in each row, every run of consecutive
-// positions t >= 1 with labels[t] != -100 is decoded with special tokens skipped (<|im_end|>,
-// <|endoftext|> add no text) and counted as one document; a run with no text counts no word.
-//   labels: int64 (B, T) on the host.
+// Words and bytes of the text the loss scores in `examples` (as batched: after truncation):
+// each example's labels at positions >= 1 (a row's position 0 is never a target), with the
+// windows of one document (Example::window 1, 2, ... after 0) read as one sequence (a window's
+// position 0 is its previous window's last position), so the count is the document's whatever
+// the window size. Every run of consecutive supervised labels is decoded with special tokens
+// skipped (<|im_end|>, <|endoftext|> add no text) and counted as one document; a run with no text
+// counts no word.
 struct TextCount {
   int64_t words = 0;
   int64_t bytes = 0;
 };
-TextCount count_scored_text(const at::Tensor& labels, const data::Tokenizer& tokenizer);
+TextCount count_scored_text(const std::vector<data::Example>& examples,
+                            const data::Tokenizer& tokenizer);
 
 // A batch as the model's inputs on `device` (the attention layout the model uses for it: the
 // variable-length segments on CUDA with 16-bit compute, the mask elsewhere); labels stay on the

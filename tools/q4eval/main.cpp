@@ -43,6 +43,7 @@ struct Args {
   std::vector<std::string> files;
   int64_t batch_size = 0, seq_len = 0, max_examples = 0;
   std::string truncation;  // empty: the run's data.truncation (auto)
+  std::string text_unit;   // empty: the run's data.text_unit (file)
   bool json = false, quiet = false, no_exact_match = false;
 };
 
@@ -68,12 +69,14 @@ Inputs read_inputs(const Args& a) {
   if (std::filesystem::is_directory(a.m.model) && std::filesystem::exists(run_config)) {
     c = trainer::load_config(run_config.string());
   } else {
-    c.data.files = a.files;  // data.truncation auto resolves on the files evaluated
+    c.data.files = a.files;
   }
   if (a.batch_size > 0) c.train.batch_size = a.batch_size;
   if (a.seq_len > 0) c.train.seq_len = a.seq_len;
   if (!a.truncation.empty())
-    c.data.truncation = io::parse_enum<trainer::Truncation>(a.truncation, "--truncation");
+    c.data.truncation = io::parse_enum<data::Truncation>(a.truncation, "--truncation");
+  if (!a.text_unit.empty())
+    c.data.text_unit = io::parse_enum<data::TextUnit>(a.text_unit, "--text-unit");
   if (a.m.system_given()) c.data.system_prompt = a.m.system;
   in.tokenizer = std::make_unique<data::Tokenizer>(chat::load_tokenizer(in.paths));
   const data::DatasetOptions dopt = trainer::dataset_options(c);
@@ -99,7 +102,7 @@ struct Report {
 
 void print_report(const Args& a, const Inputs& in, const Report& r) {
   const eval::Metrics m = eval::metrics(r.totals);
-  const std::string truncation = trainer::to_string(trainer::resolved_truncation(in.config));
+  const std::string truncation = data::to_string(in.config.data.truncation);
   const double em_rate =
       r.em.examples > 0 ? static_cast<double>(r.em.matches) / static_cast<double>(r.em.examples)
                         : 0.0;
@@ -166,11 +169,15 @@ int run(const Args& a) {
   r.batching.shuffle = false;
   auto batcher = as_input([&] { return data::Batcher(in.examples, r.batching); });
   const auto& ts = batcher.truncation_stats();
-  if (!a.quiet && (ts.truncated || ts.dropped)) {
+  if (!a.quiet && (ts.truncated || ts.dropped || ts.split)) {
     std::cerr << "q4eval: truncation to " << r.batching.max_seq_len << " tokens ("
-              << trainer::to_string(trainer::resolved_truncation(in.config))
-              << "): " << ts.to_string() << "\n";
+              << data::describe(in.config.data.truncation) << "): " << ts.to_string() << "\n";
   }
+  // Not --quiet alone: a score over a fraction of the data is worth the line.
+  const std::string warn = data::truncation_warning(ts, r.batching.max_seq_len,
+                                                    in.config.data.truncation, "--seq-len",
+                                                    "--truncation");
+  if (!warn.empty()) std::cerr << "q4eval: warning: " << warn << "\n";
   const auto t1 = std::chrono::steady_clock::now();
   r.totals = eval::score(*loaded.model, batcher, *in.tokenizer);
   r.scored_examples = batcher.num_examples();
@@ -199,8 +206,12 @@ int main(int argc, char** argv) {
                  "rows per batch (default: a run's train.batch_size)");
   app.add_option("--seq-len", a.seq_len, "tokens per row (default: a run's train.seq_len)");
   app.add_option("--truncation", a.truncation,
-                 "examples longer than --seq-len: " + io::enum_choices<trainer::Truncation>() +
-                     " (default: a run's data.truncation; split scores every window)");
+                 "examples longer than --seq-len: " + io::enum_choices<data::Truncation>() +
+                     " (default: a run's data.truncation, else auto: plain text split into "
+                     "windows, every token scored)");
+  app.add_option("--text-unit", a.text_unit,
+                 "a text file's examples: " + io::enum_choices<data::TextUnit>() +
+                     " (default: a run's data.text_unit, else file)");
   app.add_option("--max-examples", a.max_examples, "only the first N examples (0: all)")
       ->capture_default_str();
   app.add_flag("--no-exact-match", a.no_exact_match, "skip the greedy generation of answers");

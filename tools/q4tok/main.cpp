@@ -3,9 +3,11 @@
 //   decode: one JSON array of ids per line  -> one JSON string per line (invalid UTF-8 -> U+FFFD)
 //   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
 //           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
-//   data:   load a dataset file and print its LoadSummary and token counts; with --show N, the
-//           first N examples as the model sees them (the rendered text, trained spans marked);
-//           --preference reads TRL preference pairs and shows each pair's two answers
+//   data:   load a dataset file and print its LoadSummary and token counts, then what truncation
+//           to --seq-len does to it (the counts the trainer prints, and its warning); with
+//           --show N, the first N examples as the model sees them (the rendered text, trained
+//           spans marked); --preference reads TRL preference pairs and shows each pair's two
+//           answers
 // Input lines are at most kMaxLineBytes (a stream without newlines, e.g. /dev/zero, is an error
 // naming the line, not an endless read).
 // Exit codes: 0 ok, 2 usage or input error, 1 runtime error.
@@ -160,6 +162,25 @@ void print_marks_legend() {
             << "\n";
 }
 
+// What truncation to `seq_len` does to `examples` (in groups of `group`: a preference pair), as
+// the trainer's start lines say it; the warning on stderr.
+void print_truncation(std::vector<q4::data::Example> examples, int64_t seq_len,
+                      q4::data::Truncation truncation, int64_t group) {
+  q4::data::BatcherOptions bo;
+  bo.max_seq_len = seq_len;
+  bo.truncation = truncation;
+  bo.group = group;
+  bo.batch_size = group;
+  bo.shuffle = false;
+  const q4::data::Batcher b(std::move(examples), bo);
+  std::cout << "truncation to " << seq_len << " tokens (" << q4::data::describe(truncation)
+            << "): " << b.truncation_stats().to_string() << "\n";
+  const std::string w = q4::data::truncation_warning(b.truncation_stats(), seq_len, truncation,
+                                                     "--seq-len (train.seq_len)",
+                                                     "--truncation (data.truncation)");
+  if (!w.empty()) std::cerr << "warning: " << w << "\n";
+}
+
 // The first `n` examples of `ds` as the model sees them.
 void show_examples(const q4::data::Tokenizer& tok, const q4::data::Dataset& ds, int64_t n) {
   print_marks_legend();
@@ -206,12 +227,23 @@ int main(int argc, char** argv) {
   add_tok(chat);
   chat->add_flag("--add-generation-prompt", gen_prompt, "append <|im_start|>assistant\\n");
   std::string data_path, format = "auto", on_error = "fail", system_prompt;
+  std::string truncation = "auto", text_unit = "file";
+  int64_t seq_len = 256;
   auto* data = app.add_subcommand("data", "load a dataset file and print its summary");
   add_tok(data);
   data->add_option("--data", data_path, "TSV / JSONL / text file")->required();
   data->add_option("--format", format, "auto | tsv | jsonl | text");
   data->add_option("--on-error", on_error, "fail | skip");
   data->add_option("--system", system_prompt, "system prompt");
+  data->add_option("--text-unit", text_unit,
+                   "a text file's examples: file | paragraph | line (data.text_unit)")
+      ->capture_default_str();
+  data->add_option("--seq-len", seq_len, "tokens per row truncation is counted for (train.seq_len)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, std::numeric_limits<int64_t>::max()));
+  data->add_option("--truncation", truncation,
+                   "auto | cut_left | cut_right | drop | split (data.truncation)")
+      ->capture_default_str();
   int64_t show = 0;
   data->add_option("--show", show,
                    "print the first N examples (pairs) as the model sees them (trained tokens "
@@ -237,15 +269,24 @@ int main(int argc, char** argv) {
           opt.format = q4::data::parse_data_format(format);
           opt.on_error = q4::data::parse_on_error(on_error);
           opt.system_prompt = system_prompt;
+          opt.text_unit = q4::data::parse_text_unit(text_unit);
+          const auto policy = q4::data::parse_truncation(truncation);
           // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
           q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
           if (preference) {
             const auto ds = q4::data::load_preference_dataset(data_path, tok, opt);
             std::cout << ds.summary.to_string() << '\n';
+            std::vector<q4::data::Example> examples;
+            for (const auto& p : ds.pairs) {
+              examples.push_back(p.chosen);
+              examples.push_back(p.rejected);
+            }
+            if (!examples.empty()) print_truncation(std::move(examples), seq_len, policy, 2);
             if (show > 0) show_pairs(tok, ds, show);
           } else {
             const auto ds = q4::data::load_dataset(data_path, tok, opt);
             std::cout << ds.summary.to_string() << '\n';
+            if (!ds.examples.empty()) print_truncation(ds.examples, seq_len, policy, 1);
             if (show > 0) show_examples(tok, ds, show);
           }
         }

@@ -356,7 +356,7 @@ std::string to_string(AutoBool v) { return enum_name(v); }
 std::string to_string(Offload v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
-std::string to_string(Truncation v) { return enum_name(v); }
+std::string to_string(data::TextUnit v) { return enum_name(v); }
 std::string to_string(ProgressStyle v) { return enum_name(v); }
 std::string to_string(HfExport v) { return enum_name(v); }
 std::string to_string(ObjectiveKind v) { return enum_name(v); }
@@ -674,8 +674,11 @@ std::vector<FieldRef> config_fields(Config& c) {
             "packing: examples considered when filling a row", R::at_least(1)),
       field("data.on_error", &c.data.on_error, "malformed data lines: fail or skip"),
       field("data.truncation", &c.data.truncation,
-            "examples longer than train.seq_len (auto: cut_right for text files, else cut_left; "
-            "split: consecutive windows, for long documents)"),
+            "examples longer than train.seq_len (auto: plain text split into windows, every "
+            "token trained; conversations and prompt/answer records cut_left)"),
+      field("data.text_unit", &c.data.text_unit,
+            "what one example of a text file is: the whole file, each paragraph (blank lines "
+            "separate them) or each line"),
       field("eval.prompts", &c.eval.prompts, "user prompts answered greedily"),
       field("eval.every", &c.eval.every, "evaluate every N steps (0: only before and after)",
             R::at_least(0), {"eval_steps", "eval_interval"}),
@@ -1442,21 +1445,6 @@ Dtype resolved_compute_dtype(const Config& c) {
       break;
   }
   return device_is_cuda(c) ? Dtype::kBf16 : Dtype::kFp32;
-}
-
-Truncation resolved_truncation(const Config& c) {
-  if (c.data.truncation != Truncation::kAuto) return c.data.truncation;
-  if (c.data.files.empty()) return Truncation::kCutLeft;
-  for (const auto& f : c.data.files) {
-    bool text = c.data.format == data::DataFormat::kText;
-    if (c.data.format == data::DataFormat::kAuto) {
-      std::string ext = fs::path(f).extension().string();
-      for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-      text = ext == ".txt" || ext == ".text";
-    }
-    if (!text) return Truncation::kCutLeft;
-  }
-  return Truncation::kCutRight;
 }
 
 bool resolved_packing(const Config& c) {

@@ -58,7 +58,10 @@ int run_dry_run(const Config& config, std::ostream& out) {
     });
     const auto& ts = batcher.truncation_stats();
     out << fmt::format("truncation to train.seq_len {} ({}): {}\n", c.train.seq_len,
-                       to_string(resolved_truncation(c)), ts.to_string());
+                       describe(c.data.truncation), ts.to_string());
+    const std::string warn = data::truncation_warning(ts, c.train.seq_len, c.data.truncation,
+                                                      "train.seq_len", "data.truncation");
+    if (!warn.empty()) out << "warning: " << warn << "\n";
     if (!val.empty()) {
       auto bo = batcher_options(c, tok.endoftext_id());
       bo.shuffle = false;
@@ -66,6 +69,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
       const data::Batcher vb = as_input_error(truncation_keys(c, "data.eval_files"),
                                               [&] { return data::Batcher(std::move(val), bo); });
       out << fmt::format("validation: {} examples, {} kept\n", n, vb.num_examples());
+      report_truncation(c, vb.truncation_stats(), "validation ", out, out);
     }
     out << plan.resolve_length(batcher.batches_per_epoch(), 1);
     out << fmt::format(

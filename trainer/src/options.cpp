@@ -31,15 +31,6 @@ at::ScalarType to_scalar_type(Dtype d) {
   return library_value(d, kTable, "Dtype");
 }
 
-data::Truncation to_data(Truncation t) {
-  static constexpr std::pair<Truncation, data::Truncation> kTable[] = {
-      {Truncation::kCutLeft, data::Truncation::kCutLeft},
-      {Truncation::kCutRight, data::Truncation::kCutRight},
-      {Truncation::kDrop, data::Truncation::kDrop},
-      {Truncation::kSplit, data::Truncation::kSplit}};
-  return library_value(t, kTable, "Truncation (resolve auto first)");
-}
-
 model::HfFormat to_model(HfExport e) {
   static constexpr std::pair<HfExport, model::HfFormat> kTable[] = {
       {HfExport::kModelOpt, model::HfFormat::kModelOpt},
@@ -155,6 +146,7 @@ data::DatasetOptions dataset_options(const Config& c) {
   o.format = c.data.format;
   o.system_prompt = c.data.system_prompt;
   o.on_error = c.data.on_error;
+  o.text_unit = c.data.text_unit;
   return o;
 }
 
@@ -166,7 +158,7 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
   bo.shuffle = c.data.shuffle;
   bo.pack = resolved_packing(c);
   bo.pack_window = c.data.pack_window;
-  bo.truncation = to_data(resolved_truncation(c));
+  bo.truncation = c.data.truncation;
   bo.pad_id = pad_id;
   // A preference pair's chosen and rejected answers stay together (the objective pairs them).
   if (c.train.objective == ObjectiveKind::kPreference) bo.group = 2;

@@ -238,7 +238,17 @@ std::string join_names(const std::vector<std::string>& v, size_t max_shown) {
 // The keys a batcher error (nothing left after truncation) is about, for its message.
 std::string truncation_keys(const Config& c, const std::string& files_key) {
   return fmt::format("{} (train.seq_len {}, data.truncation {})", files_key, c.train.seq_len,
-                     to_string(resolved_truncation(c)));
+                     to_string(c.data.truncation));
+}
+
+void report_truncation(const Config& c, const data::TruncationStats& stats,
+                       const std::string& what, std::ostream& out, std::ostream& err) {
+  if (stats.truncated == 0 && stats.dropped == 0 && stats.split == 0) return;
+  out << fmt::format("{}truncation to train.seq_len {} ({}): {}\n", what, c.train.seq_len,
+                     describe(c.data.truncation), stats.to_string());
+  const std::string w = data::truncation_warning(stats, c.train.seq_len, c.data.truncation,
+                                                 "train.seq_len", "data.truncation");
+  if (!w.empty()) err << "warning: " << what << w << "\n";
 }
 
 // The probe's data when the config names no files: `count` random-token sequences of exactly
@@ -425,11 +435,7 @@ void RunSetup::load_data(int64_t ranks) {
   batcher_ = as_input_error(truncation_keys(c, "data.files"), [&] {
     return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c, pad_id));
   });
-  const auto& ts = batcher_->truncation_stats();
-  if (ts.truncated || ts.dropped) {
-    log_ << "truncation to train.seq_len " << c.train.seq_len << " ("
-         << to_string(resolved_truncation(c)) << "): " << ts.to_string() << "\n";
-  }
+  report_truncation(c, batcher_->truncation_stats(), "", log_, err_);
   if (!probe) out_ << plan_.resolve_length(batcher_->batches_per_epoch(), ranks);
 }
 
@@ -465,8 +471,7 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
       "validation: {} {} ({} held out of data.files by "
       "data.eval_fraction {}, {} from data.eval_files)\n",
       total / group, unit, held / group, c.data.eval_fraction, (total - held) / group);
-  const auto& ts = val_batcher_->truncation_stats();
-  if (ts.truncated || ts.dropped) out_ << "validation " << ts.to_string() << "\n";
+  report_truncation(c, val_batcher_->truncation_stats(), "validation ", out_, err_);
 }
 
 void RunSetup::make_optimizer(GradSync& sync) {

@@ -29,7 +29,15 @@ enum class DataFormat {
            // "system|human|gpt","value"}]}, alpaca {"instruction","input","output"}, or
            // {"text":...} (plain text, every token supervised, like kText). A file whose first
            // character is '[' is one JSON array of such records (e.g. alpaca_data.json).
-  kText,   // one document per line, no template, every token supervised
+  kText,   // plain-text documents (DatasetOptions::text_unit), no template, every token
+           // supervised
+};
+
+// What one plain-text example of a kText file is.
+enum class TextUnit {
+  kFile,       // the whole file is one document (default)
+  kParagraph,  // each run of non-blank lines (paragraphs are separated by blank lines)
+  kLine,       // each non-blank line
 };
 
 enum class OnError {
@@ -40,6 +48,7 @@ enum class OnError {
 // The spellings in the tables below, any case; also "json" (jsonl) and "txt" (text).
 DataFormat parse_data_format(const std::string& name);
 OnError parse_on_error(const std::string& name);
+TextUnit parse_text_unit(const std::string& name);
 
 struct DatasetOptions {
   DataFormat format = DataFormat::kAuto;
@@ -49,6 +58,9 @@ struct DatasetOptions {
   OnError on_error = OnError::kFail;
   // kText only: append <|endoftext|> (supervised) to each document so the model learns ends.
   bool text_append_endoftext = true;
+  // kText only: a document is the whole file, a paragraph or a line. In every unit, line ends
+  // ("\r\n", a lone "\r") read as "\n" and the document's leading and trailing line ends go.
+  TextUnit text_unit = TextUnit::kFile;
 };
 
 struct SkippedLine {
@@ -79,6 +91,12 @@ struct Example {
   std::vector<TokenId> input_ids;  // [L]
   std::vector<TokenId> labels;     // [L], token id where supervised, kIgnoreIndex elsewhere
   int64_t source_line = 0;         // 1-based line in the source file (for messages)
+  // A plain-text document (a text file's unit or a {"text"} record): Truncation::kAuto splits it
+  // into windows instead of cutting it.
+  bool plain_text = false;
+  // Set by split truncation: 0 for an example's first (or only) window, k for its (k+1)-th,
+  // which continues the previous one.
+  int64_t window = 0;
 };
 
 struct Dataset {
@@ -122,7 +140,10 @@ Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
 // ---------------------------------------------------------------- batching
 
 enum class Truncation {
-  // Default. Keep the end of the sequence (the answer and its <|im_end|>) and cut tokens from
+  // Default: plain-text documents (Example::plain_text) as kSplit, every other example (a
+  // conversation, a prompt and its answer) as kCutLeft. Grouped examples are never split.
+  kAuto,
+  // Keep the end of the sequence (the answer and its <|im_end|>) and cut tokens from
   // the left (the prompt side). If the supervised part (first supervised token .. end) plus one
   // token of context is longer than max_seq_len, keep instead the window that starts half a
   // window (max_seq_len / 2 tokens) before the first supervised token (from the start when the
@@ -134,13 +155,21 @@ enum class Truncation {
   kCutRight,
   // Drop and count every example longer than max_seq_len.
   kDrop,
-  // Cut every example longer than max_seq_len into consecutive windows of max_seq_len tokens
-  // (the last one shorter), each its own example with no context carried over: nothing is lost
-  // of a long text document. Windows with nothing supervised at positions >= 1 are dropped.
+  // Cut every example longer than max_seq_len into windows of max_seq_len tokens (the last one
+  // shorter), each its own example. Consecutive windows share one token: a window's first token
+  // is the last of the previous window, the context of its first target (a row's position 0 is
+  // never a target), so every label at positions >= 1 is a target of exactly one window and
+  // nothing of a long text document is lost. Windows with nothing supervised at positions >= 1
+  // are dropped (they held only prompt).
   kSplit,
 };
 
-Truncation parse_truncation(const std::string& name);  // "cut_left","cut_right","drop"
+// "auto", "cut_left", "cut_right", "drop", "split".
+Truncation parse_truncation(const std::string& name);
+std::string to_string(Truncation t);
+// The policy in a few words, for the start lines: "auto (plain text split into windows, other
+// records cut_left)", "cut_left", ...
+std::string describe(Truncation t);
 
 struct BatcherOptions {
   int64_t batch_size = 1;      // rows per batch (examples per batch when not packing)
@@ -169,7 +198,7 @@ struct BatcherOptions {
   // group whole, and every batch holds whole groups in order. Needs batch_size a multiple of it,
   // an example count that is one too, no packing and no split truncation.
   int64_t group = 1;
-  Truncation truncation = Truncation::kCutLeft;
+  Truncation truncation = Truncation::kAuto;
   int64_t pad_id = 0;  // input id written at padding (masked out; any valid id works)
 };
 
@@ -182,11 +211,29 @@ struct TruncationStats {
                                       // left to supervise at positions >= 1
   int64_t dropped_unsupervised = 0;   // of `dropped`: no supervised label at positions >= 1
   int64_t supervised_tokens_cut = 0;  // supervised labels lost by truncation
-  int64_t longest_tokens = 0;         // longest example before truncation
-  int64_t split = 0;                  // kSplit: examples cut into windows
-  int64_t windows = 0;                // kSplit: the windows they became (counted in examples_in)
+  // Supervised labels (at positions >= 1) of the examples before truncation, and those of whole
+  // examples dropped (kDrop, or a group whose other example was dropped).
+  int64_t supervised_tokens_in = 0;
+  int64_t supervised_tokens_dropped = 0;
+  int64_t longest_tokens = 0;  // longest example before truncation
+  int64_t split = 0;           // examples cut into windows
+  int64_t windows = 0;         // the windows they became (counted in examples_in)
+  // Supervised tokens that no batch trains on (cut or dropped), and their share of
+  // supervised_tokens_in (0 when there are none).
+  int64_t supervised_tokens_lost() const;
+  double lost_share() const;
   std::string to_string() const;
 };
+
+// Past this share of the supervised tokens lost to truncation, the tools warn.
+inline constexpr double kTruncationWarnShare = 0.01;
+
+// "" when lost_share() <= kTruncationWarnShare; otherwise a warning (no "warning: " prefix, no
+// newline) that says how much is lost and what to set: `seq_len_key` and `truncation_key` name
+// the settings where the caller reads them ("train.seq_len", "--seq-len").
+std::string truncation_warning(const TruncationStats& stats, int64_t max_seq_len,
+                               Truncation truncation, const std::string& seq_len_key,
+                               const std::string& truncation_key);
 
 // Resume point: serialize it with a checkpoint and pass it back to Batcher::restore().
 struct BatcherState {
@@ -290,3 +337,9 @@ Q4_ENUM_NAMES(q4::data::DataFormat, {"auto", q4::data::DataFormat::kAuto},
               {"text", q4::data::DataFormat::kText});
 Q4_ENUM_NAMES(q4::data::OnError, {"fail", q4::data::OnError::kFail},
               {"skip", q4::data::OnError::kSkip});
+Q4_ENUM_NAMES(q4::data::TextUnit, {"file", q4::data::TextUnit::kFile},
+              {"paragraph", q4::data::TextUnit::kParagraph}, {"line", q4::data::TextUnit::kLine});
+Q4_ENUM_NAMES(q4::data::Truncation, {"auto", q4::data::Truncation::kAuto},
+              {"cut_left", q4::data::Truncation::kCutLeft},
+              {"cut_right", q4::data::Truncation::kCutRight},
+              {"drop", q4::data::Truncation::kDrop}, {"split", q4::data::Truncation::kSplit});

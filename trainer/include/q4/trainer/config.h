@@ -33,8 +33,9 @@ class ConfigError : public std::runtime_error {
 // enum in config.cpp, listing the choices in the order the docs show them). A setting that a
 // library defines is that library's enum: optim::StateMode (optim.state: fp32 | int8 | 4bit |
 // nvfp4), optim::MasterRounding (stochastic | nearest), optim::LrScheduleKind (constant | linear
-// | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip); their
-// to_string is the library's. The enums below are the config's own: settings with no library
+// | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip),
+// data::TextUnit (file | paragraph | line), data::Truncation (auto | cut_left | cut_right | drop
+// | split); their to_string is the library's. The enums below are the config's own: settings with no library
 // counterpart, or with an `auto`/`none` the trainer resolves first.
 enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
@@ -45,8 +46,7 @@ enum class AutoBool { kAuto, kTrue, kFalse };
 using InBackward = AutoBool;
 using Recompute = AutoBool;
 enum class Offload { kNone, kMoments, kAll };          // none | moments | all
-// auto | cut_left | cut_right | drop | split
-enum class Truncation { kAuto, kCutLeft, kCutRight, kDrop, kSplit };
+using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
@@ -64,7 +64,7 @@ std::string to_string(AutoBool v);
 std::string to_string(Offload v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
-std::string to_string(Truncation v);
+std::string to_string(data::TextUnit v);
 std::string to_string(ProgressStyle v);
 std::string to_string(HfExport v);
 std::string to_string(ObjectiveKind v);
@@ -239,6 +239,7 @@ struct DataConfig {
   int64_t pack_window = 256;  // packing: examples considered for each row
   data::OnError on_error = data::OnError::kFail;  // malformed lines
   Truncation truncation = Truncation::kAuto;      // examples over seq_len
+  data::TextUnit text_unit = data::TextUnit::kFile;  // text files: file, paragraph or line
 };
 
 struct EvalConfig {
@@ -299,7 +300,7 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
-                 data::DataFormat*, data::OnError*, Truncation*, ProgressStyle*, HfExport*,
+                 data::DataFormat*, data::OnError*, data::TextUnit*, Truncation*, ProgressStyle*, HfExport*,
                  ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
@@ -375,9 +376,6 @@ std::string splice_config_reference(const std::string& readme);
 // Derived settings.
 Dtype resolved_compute_dtype(const Config& c);      // auto resolved: bf16 on cuda, fp32 on cpu
 std::string resolved_export_path(const Config& c);  // "" when export is disabled
-// data.truncation with auto resolved: cut_right (keep the start) when every data file is plain
-// text, cut_left (keep the answer) otherwise.
-Truncation resolved_truncation(const Config& c);
 // data.packing as the run applies it: preference pairs are never packed (each answer is a row;
 // on CUDA the rows lie end to end, so there is no padding to save).
 bool resolved_packing(const Config& c);
@@ -422,10 +420,6 @@ Q4_ENUM_NAMES(q4::trainer::AutoBool, {"auto", q4::trainer::AutoBool::kAuto},
               {"true", q4::trainer::AutoBool::kTrue}, {"false", q4::trainer::AutoBool::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Offload, {"none", q4::trainer::Offload::kNone},
               {"moments", q4::trainer::Offload::kMoments}, {"all", q4::trainer::Offload::kAll});
-Q4_ENUM_NAMES(q4::trainer::Truncation, {"auto", q4::trainer::Truncation::kAuto},
-              {"cut_left", q4::trainer::Truncation::kCutLeft},
-              {"cut_right", q4::trainer::Truncation::kCutRight},
-              {"drop", q4::trainer::Truncation::kDrop}, {"split", q4::trainer::Truncation::kSplit});
 Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::kAuto},
               {"bar", q4::trainer::ProgressStyle::kBar},
               {"line", q4::trainer::ProgressStyle::kLine});

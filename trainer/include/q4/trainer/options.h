@@ -16,7 +16,6 @@
 namespace q4::trainer {
 
 at::ScalarType to_scalar_type(Dtype d);
-data::Truncation to_data(Truncation t);  // after resolved_truncation (never kAuto)
 model::HfFormat to_model(HfExport e);    // never kNone
 
 model::TrainableSpec trainable_spec(const Config& c);

@@ -56,6 +56,13 @@ std::string no_examples_message(const Config& c);
 std::string join_names(const std::vector<std::string>& v, size_t max_shown);
 // The keys a batcher error (nothing left after truncation) is about, for its message.
 std::string truncation_keys(const Config& c, const std::string& files_key);
+
+// What truncation to train.seq_len did to a batcher's examples: one line on `out` ("<what>
+// truncation to train.seq_len N (policy): counts") when it truncated, split or dropped any, and a
+// warning on `err` naming the settings when it lost more than data::kTruncationWarnShare of the
+// supervised tokens. `what` is "" or "validation ".
+void report_truncation(const Config& c, const data::TruncationStats& stats,
+                       const std::string& what, std::ostream& out, std::ostream& err);
 // data.eval_fraction: ceil(fraction x N) groups of `group` consecutive examples (at least one;
 // a preference pair is a group of 2) chosen by a Fisher-Yates shuffle seeded by train.seed are
 // moved from `train` to the returned list; both keep file order. The same seed and data give the
