@@ -4,10 +4,9 @@
 // resume exactly. Packing fills each row greedily with consecutive examples of that order.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-
-#include <algorithm>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -57,8 +56,8 @@ void split_into_windows(Example&& ex, size_t max_len, std::vector<Example>* out,
 
 Truncation parse_truncation(const std::string& name) {
   const auto t = io::enum_from_name<Truncation>(name);
-  TORCH_CHECK(t.has_value(), "truncation: expected ", io::enum_choices<Truncation>(),
-              ", found \"", name, "\"");
+  TORCH_CHECK(t.has_value(), "truncation: expected ", io::enum_choices<Truncation>(), ", found \"",
+              name, "\"");
   return *t;
 }
 
@@ -98,10 +97,11 @@ std::string truncation_warning(const TruncationStats& stats, int64_t max_seq_len
                                Truncation truncation, const std::string& seq_len_key,
                                const std::string& truncation_key) {
   if (stats.lost_share() <= kTruncationWarnShare) return "";
+  // auto and split lose no plain text; under the other policies long documents are cut too.
   std::string advice = "raise " + seq_len_key;
-  if (truncation != Truncation::kSplit) {
-    advice += ", or set " + truncation_key +
-              " split (every token trained, in windows without the context before them)";
+  if (truncation != Truncation::kAuto && truncation != Truncation::kSplit) {
+    advice += ", or for plain text set " + truncation_key +
+              " auto or split (every token trained, in windows)";
   }
   return fmt::format(
       "truncation to {} tokens ({}) loses {} of {} supervised tokens ({:.1f}%, over {:.0f}%): {} "
@@ -274,7 +274,8 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
   for (size_t i = 0; i < examples.size(); i += static_cast<size_t>(g)) {
     const auto first = examples.begin() + static_cast<std::ptrdiff_t>(i);
     const auto last = first + g;
-    const auto kept = std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
+    const auto kept =
+        std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
     if (kept < g) {
       stats_.dropped += kept;
       for (size_t k = i; k < i + static_cast<size_t>(g); ++k) {

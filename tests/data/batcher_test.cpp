@@ -180,7 +180,10 @@ TEST(Batcher, CutLeftKeepsAnswerAndTruncatesWhatCannotFit) {
   const Batch x = b.next();
   EXPECT_LE(x.input_ids.size(1), 8);
   EXPECT_NE(s.to_string().find("3 truncated"), std::string::npos) << s.to_string();
-  EXPECT_NE(s.to_string().find("2 of 20 supervised tokens lost (10.0%: 2 cut from truncated examples"), std::string::npos) << s.to_string();
+  EXPECT_NE(
+      s.to_string().find("2 of 20 supervised tokens lost (10.0%: 2 cut from truncated examples"),
+      std::string::npos)
+      << s.to_string();
 }
 
 // A chat example whose prompt alone is longer than the window, or whose answer is: truncated (the
@@ -342,7 +345,9 @@ TEST(Batcher, LostTokensAreCountedAndWarnedAbout) {
   const std::string w = truncation_warning(s, 4, o.truncation, "train.seq_len", "data.truncation");
   EXPECT_NE(w.find("loses 2 of 7 supervised tokens (28.6%"), std::string::npos) << w;
   EXPECT_NE(w.find("1 examples truncated"), std::string::npos) << w;
-  EXPECT_NE(w.find("raise train.seq_len, or set data.truncation split"), std::string::npos) << w;
+  EXPECT_NE(w.find("raise train.seq_len, or for plain text set data.truncation auto or split"),
+            std::string::npos)
+      << w;
   // drop: the whole example's supervised tokens, and (groups) its partner's.
   o.truncation = Truncation::kDrop;
   Batcher d({make(0, 0, 6), make(1, 1, 2)}, o);

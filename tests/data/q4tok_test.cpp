@@ -149,5 +149,41 @@ TEST(Q4tok, DataShowMarksTrainedTokensInEveryFormat) {
   }
 }
 
+// `q4tok data` says what truncation to --seq-len does, with the counts and the warning the trainer
+// prints: a long text file is split into windows by default (nothing lost, no warning); cut_right
+// loses most of it, and past 1% of the supervised tokens the warning names the settings.
+TEST(Q4tok, DataCountsWhatTruncationLoses) {
+  test::qwen3_tokenizer();
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "Sentence number " + std::to_string(i) + " of the text.\n";
+  const test::TempFile f(".txt", text);
+  const ToolRun split = run_q4tok("data --seq-len 16 --data " + f.path(), "", /*merge_err=*/true);
+  EXPECT_EQ(split.exit_code, 0) << split.out;
+  EXPECT_NE(split.out.find("1 examples from 40 lines"), std::string::npos) << split.out;
+  EXPECT_NE(split.out.find("truncation to 16 tokens (auto: plain text split into windows"),
+            std::string::npos)
+      << split.out;
+  EXPECT_NE(split.out.find("1 split into "), std::string::npos) << split.out;
+  EXPECT_NE(split.out.find("; 0 of "), std::string::npos) << split.out;
+  EXPECT_EQ(split.out.find("warning"), std::string::npos) << split.out;
+  const ToolRun cut = run_q4tok("data --seq-len 16 --truncation cut_right --data " + f.path(), "",
+                                /*merge_err=*/true);
+  EXPECT_EQ(cut.exit_code, 0) << cut.out;
+  EXPECT_NE(cut.out.find("(1 truncated)"), std::string::npos) << cut.out;
+  EXPECT_NE(cut.out.find("warning: truncation to 16 tokens (cut_right) loses "), std::string::npos)
+      << cut.out;
+  EXPECT_NE(cut.out.find("raise --seq-len (train.seq_len), or for plain text set --truncation "
+                         "(data.truncation) auto or split"),
+            std::string::npos)
+      << cut.out;
+  // By lines: 40 short documents, none longer than the window.
+  const ToolRun lines =
+      run_q4tok("data --seq-len 16 --text-unit line --data " + f.path(), "", /*merge_err=*/true);
+  EXPECT_EQ(lines.exit_code, 0) << lines.out;
+  EXPECT_NE(lines.out.find("40 examples from 40 lines"), std::string::npos) << lines.out;
+  EXPECT_NE(lines.out.find("40 examples, 40 kept (0 truncated)"), std::string::npos) << lines.out;
+  EXPECT_EQ(run_q4tok("data --text-unit page --data " + f.path(), "").exit_code, 2);
+}
+
 }  // namespace
 }  // namespace q4::data

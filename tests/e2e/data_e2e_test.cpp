@@ -83,10 +83,11 @@ TEST(DataE2E, LongChatExamplesAreTruncatedAndCounted) {
         << r.out;
     EXPECT_TRUE(contains(r.out, "supervised tokens lost (")) << r.out;
     EXPECT_TRUE(contains(r.out, "cut from truncated examples, 0 in dropped ones")) << r.out;
-    EXPECT_TRUE(contains(r.err, "warning: truncation to 64 tokens (" + std::string(policy) +
-                                    ") loses "))
+    EXPECT_TRUE(
+        contains(r.err, "warning: truncation to 64 tokens (" + std::string(policy) + ") loses "))
         << r.err;
-    EXPECT_TRUE(contains(r.err, "raise train.seq_len, or set data.truncation split")) << r.err;
+    EXPECT_TRUE(contains(r.err, "raise train.seq_len, or for plain text set data.truncation auto"))
+        << r.err;
   }
   // Only the drop policy drops, and then the message names real keys.
   const Result d = run(dir, {"--overwrite", "--set", "data.truncation=drop"});
@@ -95,12 +96,41 @@ TEST(DataE2E, LongChatExamplesAreTruncatedAndCounted) {
   EXPECT_FALSE(contains(d.err, "max_seq_len")) << d.err;
 }
 
+// A .txt file is one document, split into train.seq_len windows by default: every token trained,
+// the split counted in the start lines and by --dry-run, nothing lost, no warning. By paragraphs
+// (data.text_unit) the blank-line-separated paragraphs are the documents.
+TEST(DataE2E, PlainTextIsSplitIntoWindowsByDefault) {
+  std::string text;
+  for (int p = 0; p < 3; ++p) {
+    for (int i = 0; i < 12; ++i)
+      text += "Paragraph " + std::to_string(p) + ", line " + std::to_string(i) + ".\n";
+    text += "\n";
+  }
+  const fs::path dir = setup_dir("text", "book.txt", text);
+  for (const bool dry : {true, false}) {
+    const Result r = run(
+        dir, dry ? std::vector<std::string>{"--dry-run"} : std::vector<std::string>{"--overwrite"});
+    ASSERT_EQ(r.code, 0) << r.err << r.out;
+    EXPECT_TRUE(contains(r.out, "book.txt: 1 examples from 39 lines")) << r.out;
+    EXPECT_TRUE(contains(r.out,
+                         "truncation to train.seq_len 64 (auto: plain text split into "
+                         "windows, other records cut_left)"))
+        << r.out;
+    EXPECT_TRUE(contains(r.out, "1 split into ")) << r.out;
+    EXPECT_TRUE(contains(r.out, "; 0 of ")) << r.out;
+    EXPECT_FALSE(contains(r.err, "warning")) << r.err;
+  }
+  const Result p = run(dir, {"--dry-run", "--set", "data.text_unit=paragraph"});
+  ASSERT_EQ(p.code, 0) << p.err << p.out;
+  EXPECT_TRUE(contains(p.out, "book.txt: 3 examples from 39 lines")) << p.out;
+}
+
 // A JSON array of records (alpaca_data.json) trains like the same records as JSONL.
 TEST(DataE2E, JsonArrayFileTrains) {
-  const fs::path dir = setup_dir(
-      "array", "alpaca_data.json",
-      "[\n  {\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"},\n"
-      "  {\"instruction\": \"Add\", \"input\": \"2 and 2\", \"output\": \"4\"}\n]\n");
+  const fs::path dir =
+      setup_dir("array", "alpaca_data.json",
+                "[\n  {\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"},\n"
+                "  {\"instruction\": \"Add\", \"input\": \"2 and 2\", \"output\": \"4\"}\n]\n");
   const Result r = run(dir, {});
   ASSERT_EQ(r.code, 0) << r.err << r.out;
   EXPECT_TRUE(contains(r.out, "2 examples")) << r.out;
@@ -113,9 +143,9 @@ TEST(DataE2E, JsonArrayFileTrains) {
 // schedule, and a resume that resolves other steps is refused (the check compares them).
 TEST(DataE2E, EpochsResolveToStepsAndResume) {
   const fs::path dir = setup_dir("epochs", "data.tsv", tsv(6), "  epochs: 2\n");
-  const std::vector<std::string> sets = {
-      "--set", "data.packing=false", "--set", "optim.schedule.warmup_ratio=0.5",
-      "--set", "output.checkpoint_every=3"};
+  const std::vector<std::string> sets = {"--set", "data.packing=false",
+                                         "--set", "optim.schedule.warmup_ratio=0.5",
+                                         "--set", "output.checkpoint_every=3"};
   const Result a = run(dir, sets, "Q4_FAULT=exit:0:4");
   ASSERT_EQ(a.code, 9) << a.err << a.out;  // the injected fault at the start of step 4
   EXPECT_TRUE(contains(a.out, "train.epochs 2 -> train.steps 6 (3 micro-batches per epoch"))

@@ -194,13 +194,15 @@ TEST_F(Eval, HuggingFaceExportScoresTheSame) {
   EXPECT_TRUE(line.err.empty()) << line.err;
 }
 
-// A text file: each line is a document whose tokens after the first (and its <|endoftext|>,
-// which spells nothing) are scored; the words and bytes q4eval reports are those of that text,
-// counted directly here, and the metrics follow from the reported NLL in fp64.
+// A text file read by lines (--text-unit line): each line is a document whose tokens after the
+// first (and its <|endoftext|>, which spells nothing) are scored; the words and bytes q4eval
+// reports are those of that text, counted directly here, and the metrics follow from the reported
+// NLL in fp64.
 TEST_F(Eval, TextFileWordsAndBytes) {
-  const Result r = run_q4eval({"--model", (dir_ / "out").string(), "--data",
-                               (dir_ / "text.txt").string(), "--seq-len", "128", "--json"},
-                              dir_ / "eval_text");
+  const Result r =
+      run_q4eval({"--model", (dir_ / "out").string(), "--data", (dir_ / "text.txt").string(),
+                  "--seq-len", "128", "--text-unit", "line", "--json"},
+                 dir_ / "eval_text");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = last_json(r);
   const auto tok = q4::data::Tokenizer::from_file(kTokenizer);
@@ -224,6 +226,50 @@ TEST_F(Eval, TextFileWordsAndBytes) {
   EXPECT_NEAR(j["bits_per_byte"].get<double>(), nll / (static_cast<double>(bytes) * std::log(2.0)),
               1e-12);
   EXPECT_FALSE(j.contains("exact_match")) << "text data has no answers: " << j.dump();
+}
+
+// A text file is one document (the default text unit), split into windows of --seq-len tokens
+// (the default truncation) that share one token, so every token after the first is scored once
+// and every word is counted once, whatever the window: the tokens, words and bytes are the
+// document's at 8192, 64 and 8 tokens a window, and the word perplexity moves only as much as the
+// loss per token does (less context in a short window). Counted per window, the words grew with
+// every window (a word cut in two counted twice, each window's text one more), and the word
+// perplexity fell from millions to thousands.
+TEST_F(Eval, WordPerplexityDoesNotDependOnTheWindow) {
+  std::string doc;
+  for (int i = 0; i < 12; ++i) {
+    doc += "The committee reported " + std::to_string(i * 37) +
+           " unprecedented recommendations, notwithstanding objections. ";
+  }
+  doc += "\n";
+  write_text(dir_ / "long.txt", doc);
+  const auto tok = q4::data::Tokenizer::from_file(kTokenizer);
+  auto ids = tok.encode(doc.substr(0, doc.size() - 1));  // the last line end goes
+  const std::string scored = tok.decode({ids.begin() + 1, ids.end()});
+  const auto tokens = static_cast<int64_t>(ids.size());  // ids[1..] and <|endoftext|>
+  std::vector<double> word_ppl, token_loss;
+  for (const char* seq_len : {"8192", "64", "8"}) {
+    SCOPED_TRACE(std::string("--seq-len ") + seq_len);
+    const Result r =
+        run_q4eval({"--model", (dir_ / "out").string(), "--data", (dir_ / "long.txt").string(),
+                    "--seq-len", seq_len, "--json", "--no-exact-match"},
+                   dir_ / (std::string("eval_window_") + seq_len));
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto j = last_json(r);
+    EXPECT_EQ(j["tokens"].get<int64_t>(), tokens) << j.dump();
+    EXPECT_EQ(j["words"].get<int64_t>(), q4::eval::count_words(scored)) << j.dump();
+    EXPECT_EQ(j["bytes"].get<int64_t>(), static_cast<int64_t>(scored.size())) << j.dump();
+    EXPECT_EQ(j["truncation"].get<std::string>(), "auto") << j.dump();
+    word_ppl.push_back(j["word_perplexity"].get<double>());
+    token_loss.push_back(j["loss"].get<double>());
+  }
+  for (size_t k = 1; k < word_ppl.size(); ++k) {
+    // log word_ppl = loss x tokens / words: with the same counts, the ratio of the log word
+    // perplexities is the ratio of the losses per token.
+    EXPECT_NEAR(std::log(word_ppl[k]) / std::log(word_ppl[0]), token_loss[k] / token_loss[0], 1e-9);
+    EXPECT_NEAR(std::log(word_ppl[k]), std::log(word_ppl[0]), 0.1 * std::log(word_ppl[0]))
+        << word_ppl[k] << " vs " << word_ppl[0];
+  }
 }
 
 // Bad input: one line on stderr naming the path, exit 2.
@@ -287,26 +333,46 @@ TEST(EvalMetrics, MetricsFromTotals) {
   EXPECT_TRUE(std::isnan(q4::eval::metrics(none).bits_per_byte));
 }
 
-// The scored text of a hand-made batch: position 0 is never scored, each run of supervised
-// labels is one document, <|im_end|> adds no text, -100 ends a run.
-TEST(EvalMetrics, ScoredTextOfABatch) {
+// The scored text of hand-made examples: position 0 is never scored, each run of supervised
+// labels is one document, <|im_end|> adds no text, -100 ends a run; the windows of one document
+// (window 1 continuing window 0, their shared token counted once) are one text.
+TEST(EvalMetrics, ScoredTextOfExamples) {
   const auto tok = q4::data::Tokenizer::from_file(kTokenizer);
   const auto hello = tok.encode("Hello world");
   const auto foo = tok.encode(" foo bar\n");
-  std::vector<int64_t> row = {hello[0]};  // position 0: supervised but never scored
-  row.insert(row.end(), hello.begin(), hello.end());
-  row.push_back(tok.im_end_id());
-  row.push_back(q4::data::kIgnoreIndex);
-  row.insert(row.end(), foo.begin(), foo.end());
-  std::vector<int64_t> pad(row.size(), q4::data::kIgnoreIndex);
-  pad[1] = hello[0];  // a second row: one token of text
-  std::vector<int64_t> flat = row;
-  flat.insert(flat.end(), pad.begin(), pad.end());
-  const auto labels = at::tensor(flat, at::kLong).view({2, static_cast<int64_t>(row.size())});
-  const auto c = q4::eval::count_scored_text(labels, tok);
+  q4::data::Example a;
+  a.input_ids = {hello[0]};  // position 0: supervised but never scored
+  a.input_ids.insert(a.input_ids.end(), hello.begin(), hello.end());
+  a.input_ids.push_back(tok.im_end_id());
+  a.input_ids.push_back(tok.im_start_id());
+  a.input_ids.insert(a.input_ids.end(), foo.begin(), foo.end());
+  a.labels = a.input_ids;
+  a.labels[hello.size() + 2] = q4::data::kIgnoreIndex;
+  q4::data::Example b;  // a second example: one token of text
+  b.input_ids = {hello[0], hello[0]};
+  b.labels = {q4::data::kIgnoreIndex, hello[0]};
+  const auto c = q4::eval::count_scored_text({a, b}, tok);
   const std::string first = tok.decode({hello[0]});
   EXPECT_EQ(c.bytes, 11 + 9 + static_cast<int64_t>(first.size()));
   EXPECT_EQ(c.words, 2 + 4 + q4::eval::count_words(first));
+  // "one two three four" in windows of 3 tokens sharing one: counted as the whole text.
+  const auto ids = tok.encode("one two three four five six");
+  ASSERT_GE(ids.size(), 6u);
+  std::vector<q4::data::Example> windows;
+  for (size_t start = 0, k = 0;; start += 2, ++k) {
+    const size_t end = std::min(ids.size(), start + 3);
+    q4::data::Example w;
+    w.input_ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(start),
+                       ids.begin() + static_cast<std::ptrdiff_t>(end));
+    w.labels = w.input_ids;
+    w.window = static_cast<int64_t>(k);
+    windows.push_back(w);
+    if (end == ids.size()) break;
+  }
+  const auto whole = q4::eval::count_scored_text(windows, tok);
+  const std::string text = tok.decode({ids.begin() + 1, ids.end()});
+  EXPECT_EQ(whole.words, q4::eval::count_words(text));
+  EXPECT_EQ(whole.bytes, static_cast<int64_t>(text.size()));
 }
 
 // What exact match compares: the last answer of a prompt/answer example; text has none.

@@ -175,8 +175,8 @@ TEST(Config, LoraKeys) {
   EXPECT_TRUE(contains(error_of(base, {parse_override("model.fake_quant=false")}), "train.method"));
   // PEFT's spellings point to ours.
   EXPECT_TRUE(contains(error_of(base + "lora: {r: 8}\n"), "did you mean lora.rank"));
-  EXPECT_TRUE(contains(error_of(base + "lora: {target_modules: [v_proj]}\n"),
-                       "did you mean lora.targets"));
+  EXPECT_TRUE(
+      contains(error_of(base + "lora: {target_modules: [v_proj]}\n"), "did you mean lora.targets"));
   const Config some = parse(base + "lora: {rank: 8, alpha: 16, targets: [v_proj]}\n");
   EXPECT_EQ(some.lora.rank, 8);
   EXPECT_EQ(some.lora.alpha, 16.0);
@@ -374,12 +374,14 @@ TEST(Config, DirectoryAsConfigIsAnError) {
 TEST(Config, TruncationAutoAndTextUnitReachTheLibrary) {
   EXPECT_EQ(parse(kMinimal).data.truncation, Truncation::kAuto);
   EXPECT_EQ(batcher_options(parse(kMinimal), 0).truncation, Truncation::kAuto);
-  EXPECT_EQ(batcher_options(parse(kMinimal, {parse_override("data.truncation=drop")}), 0).truncation,
-            Truncation::kDrop);
+  EXPECT_EQ(
+      batcher_options(parse(kMinimal, {parse_override("data.truncation=drop")}), 0).truncation,
+      Truncation::kDrop);
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
   EXPECT_EQ(dataset_options(parse(kMinimal)).text_unit, q4::data::TextUnit::kFile);
-  EXPECT_EQ(dataset_options(parse(kMinimal, {parse_override("data.text_unit=paragraph")})).text_unit,
-            q4::data::TextUnit::kParagraph);
+  EXPECT_EQ(
+      dataset_options(parse(kMinimal, {parse_override("data.text_unit=paragraph")})).text_unit,
+      q4::data::TextUnit::kParagraph);
   EXPECT_NE(error_of(kMinimal, {parse_override("data.text_unit=page")}).find("data.text_unit"),
             std::string::npos);
 }

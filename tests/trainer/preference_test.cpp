@@ -26,7 +26,9 @@ struct Direct {
   std::vector<double> loss, d_chosen, d_rejected, r_chosen, r_rejected;
 };
 
-double log_sigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
+double log_sigmoid(double x) {
+  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
+}
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // L = -(1 - e) log s(b z) - e log s(-b z); dL/dz = -(1 - e) b s(-b z) + e b s(b z).
@@ -106,12 +108,10 @@ TEST(PreferenceLoss, EveryKindMatchesADirectFp64Computation) {
     PreferenceLossKind kind;
     double beta, smoothing;
   };
-  for (const Case k : {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0},
-                       Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
-                       Case{PreferenceLossKind::kIpo, 0.1, 0.0},
-                       Case{PreferenceLossKind::kIpo, 0.6, 0.0},
-                       Case{PreferenceLossKind::kSimpo, 2.0, 0.0},
-                       Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
+  for (const Case k :
+       {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0}, Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
+        Case{PreferenceLossKind::kIpo, 0.1, 0.0}, Case{PreferenceLossKind::kIpo, 0.6, 0.0},
+        Case{PreferenceLossKind::kSimpo, 2.0, 0.0}, Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
     PreferenceLossOptions o;
     o.kind = k.kind;
     o.beta = k.beta;
@@ -210,7 +210,8 @@ at::Tensor direct_logprob(q4::model::Qwen3Model& m, const q4::data::Example& e) 
   const at::Tensor lp = at::log_softmax(m.forward(in)[0].to(at::kDouble), -1);  // (L, V)
   at::Tensor sum = at::zeros({}, at::kDouble);
   for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
-    if (e.labels[j + 1] != q4::data::kIgnoreIndex) sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
+    if (e.labels[j + 1] != q4::data::kIgnoreIndex)
+      sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
   }
   return sum;
 }
@@ -225,6 +226,7 @@ int64_t supervised(const q4::data::Example& e) {
 struct DirectPairs {
   at::Tensor loss;  // () fp64, differentiable
   double chosen_rewards = 0, rejected_rewards = 0, wins = 0, chosen_logps = 0, nll = 0;
+  double closest = 1e300;  // the smallest |chosen - rejected reward| of a pair
 };
 DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::Example>& ex,
                          const std::vector<double>& ref, const PreferenceConfig& c) {
@@ -260,7 +262,10 @@ DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::E
     d.loss = d.loss + l;
     d.chosen_rewards += rc.item<double>();
     d.rejected_rewards += rr.item<double>();
-    d.wins += rc.item<double>() > rr.item<double>() ? 1.0 : rc.item<double>() == rr.item<double>() ? 0.5 : 0.0;
+    d.wins += rc.item<double>() > rr.item<double>()    ? 1.0
+              : rc.item<double>() == rr.item<double>() ? 0.5
+                                                       : 0.0;
+    d.closest = std::min(d.closest, std::fabs(rc.item<double>() - rr.item<double>()));
     d.chosen_logps += pc.item<double>();
     d.nll += (-pc / nc).item<double>();
   }
@@ -270,7 +275,8 @@ DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::E
 std::vector<at::Tensor> grads_of(q4::model::Qwen3Model& m) {
   std::vector<at::Tensor> g;
   for (auto* p : m.trainable_parameters()) {
-    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone() : at::zeros_like(p->master, at::kDouble));
+    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone()
+                                  : at::zeros_like(p->master, at::kDouble));
   }
   m.zero_grad();
   return g;
@@ -316,8 +322,8 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
   cases[4].sft_weight = 0.5;
   cases[4].beta = 0.5;
   for (const auto& pc : cases) {
-    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) +
-                 " sft " + std::to_string(pc.sft_weight));
+    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) + " sft " +
+                 std::to_string(pc.sft_weight));
     ReferenceLogprobs r;
     r.train = ref;
     PreferenceObjective objective(pc, r);
@@ -328,10 +334,17 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
     const DirectPairs d = direct_pairs(policy, ex, ref, pc);
     (d.loss / 8.0).backward();
     const auto want = grads_of(policy);
-    EXPECT_NEAR(o.loss_sum.item<double>(), d.loss.item<double>(), 1e-4 * (d.loss.abs().item<double>() + 1));
-    EXPECT_NEAR(logged(o, "rewards/chosen"), d.chosen_rewards, 1e-4 * (std::fabs(d.chosen_rewards) + 1));
-    EXPECT_NEAR(logged(o, "rewards/rejected"), d.rejected_rewards, 1e-4 * (std::fabs(d.rejected_rewards) + 1));
-    EXPECT_NEAR(logged(o, "rewards/margins"), d.chosen_rewards - d.rejected_rewards, 2e-4 * (std::fabs(d.chosen_rewards) + 1));
+    EXPECT_NEAR(o.loss_sum.item<double>(), d.loss.item<double>(),
+                1e-4 * (d.loss.abs().item<double>() + 1));
+    EXPECT_NEAR(logged(o, "rewards/chosen"), d.chosen_rewards,
+                1e-4 * (std::fabs(d.chosen_rewards) + 1));
+    EXPECT_NEAR(logged(o, "rewards/rejected"), d.rejected_rewards,
+                1e-4 * (std::fabs(d.rejected_rewards) + 1));
+    EXPECT_NEAR(logged(o, "rewards/margins"), d.chosen_rewards - d.rejected_rewards,
+                2e-4 * (std::fabs(d.chosen_rewards) + 1));
+    // A count of wins is exact only when no pair is within rounding of a tie: the two models
+    // differ, so every margin is far above the fp32 rounding of the sums (~1e-5 here).
+    ASSERT_GT(d.closest, 1e-3);
     EXPECT_EQ(logged(o, "rewards/accuracies"), d.wins);
     EXPECT_NEAR(logged(o, "logps/chosen"), d.chosen_logps, 1e-4 * std::fabs(d.chosen_logps));
     if (pc.sft_weight > 0) EXPECT_NEAR(logged(o, "nll_loss"), d.nll, 1e-4 * d.nll);
@@ -347,28 +360,44 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
 
 // Through the real step with grad_accum 2 (one pair of 2 micro-batches each): the step's loss is
 // the mean over the step's pairs, and the policy before its first update scores the reference's
-// own log-probabilities: rewards 0, accuracy 1/2, DPO loss log 2.
+// own log-probabilities. Bit for bit only when the reference pass batches the answers as the step
+// does (the same rows, so the same shapes and kernels): then rewards are exactly 0, every pair a
+// tie (accuracy 1/2) and the DPO loss log 2. A reference pass in other shapes (16 rows a batch)
+// rounds differently (BLAS kernels block other shapes otherwise): the loss and rewards agree to
+// rounding, but which answer of a pair "wins" is rounding noise, so its accuracy is not a value
+// any kernel guarantees and is not checked.
 TEST(PreferenceObjective, ThroughTheStepTheFirstLossIsLog2) {
-  auto policy = tiny_model(7);
-  const int64_t V = policy.config().vocab_size;
-  q4::data::Batcher batcher(pair_examples(V), pair_batches(4));
-  std::ostringstream sink;
-  ReferenceLogprobs r;
-  r.train = sequence_logprobs_of(policy, batcher.examples(), pair_batches(16), sink, "t");
-  PreferenceObjective objective(PreferenceConfig{}, r);
-  StepRig rig(cpu_config("unused", /*grad_accum=*/2), policy, objective);
-  const StepOutcome so = rig.step->run(0, batcher);
-  EXPECT_EQ(so.units, 4);
-  EXPECT_NEAR(so.loss, std::log(2.0), 1e-5);
-  ASSERT_FALSE(so.logged.empty());
-  for (const auto& [name, v] : so.logged) {
-    if (name.rfind("rewards/", 0) != 0) continue;
-    EXPECT_NEAR(v.item<double>(), name == "rewards/accuracies" ? 0.5 : 0.0, 1e-5) << name;
+  for (const int64_t reference_rows : {4, 16}) {
+    SCOPED_TRACE("reference pass of " + std::to_string(reference_rows) + " rows a batch");
+    const bool same_shapes = reference_rows == 4;
+    auto policy = tiny_model(7);
+    const int64_t V = policy.config().vocab_size;
+    q4::data::Batcher batcher(pair_examples(V), pair_batches(4));
+    std::ostringstream sink;
+    ReferenceLogprobs r;
+    r.train =
+        sequence_logprobs_of(policy, batcher.examples(), pair_batches(reference_rows), sink, "t");
+    PreferenceObjective objective(PreferenceConfig{}, r);
+    StepRig rig(cpu_config("unused", /*grad_accum=*/2), policy, objective);
+    const StepOutcome so = rig.step->run(0, batcher);
+    EXPECT_EQ(so.units, 4);
+    EXPECT_NEAR(so.loss, std::log(2.0), same_shapes ? 1e-7 : 1e-5);
+    ASSERT_FALSE(so.logged.empty());
+    for (const auto& [name, v] : so.logged) {
+      if (name.rfind("rewards/", 0) != 0) continue;
+      if (name == "rewards/accuracies") {
+        if (same_shapes) EXPECT_EQ(v.item<double>(), 0.5) << name;
+      } else if (same_shapes) {
+        EXPECT_EQ(v.item<double>(), 0.0) << name;
+      } else {
+        EXPECT_NEAR(v.item<double>(), 0.0, 1e-5) << name;  // beta x rounding of the sums
+      }
+    }
+    EXPECT_TRUE(so.res.applied);
+    // The update moved the policy: the next step's pairs have rewards.
+    const StepOutcome next = rig.step->run(1, batcher);
+    EXPECT_LT(next.loss, std::log(2.0));
   }
-  EXPECT_TRUE(so.res.applied);
-  // The update moved the policy: the next step's pairs have rewards.
-  const StepOutcome next = rig.step->run(1, batcher);
-  EXPECT_LT(next.loss, std::log(2.0));
 }
 
 // preference.reference: another model (a .dat) scores the answers once, through the frozen load
@@ -422,7 +451,8 @@ TEST(PreferenceObjective, CheckpointingAndInBackwardUpdatesTrainAsTheBufferedSte
   ReferenceLogprobs r;
   r.train = sequence_logprobs_of(plain, a.examples(), pair_batches(4), sink, "t");
   PreferenceObjective oa(PreferenceConfig{}, r), ob(PreferenceConfig{}, r);
-  StepRig ra(cpu_config("unused"), plain, oa), rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
+  StepRig ra(cpu_config("unused"), plain, oa),
+      rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
   ASSERT_TRUE(rb.step->in_backward());
   for (int step = 0; step < 2; ++step) {
     const StepOutcome sa = ra.step->run(step, a), sb = rb.step->run(step, b);

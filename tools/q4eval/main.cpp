@@ -174,9 +174,8 @@ int run(const Args& a) {
               << data::describe(in.config.data.truncation) << "): " << ts.to_string() << "\n";
   }
   // Not --quiet alone: a score over a fraction of the data is worth the line.
-  const std::string warn = data::truncation_warning(ts, r.batching.max_seq_len,
-                                                    in.config.data.truncation, "--seq-len",
-                                                    "--truncation");
+  const std::string warn = data::truncation_warning(
+      ts, r.batching.max_seq_len, in.config.data.truncation, "--seq-len", "--truncation");
   if (!warn.empty()) std::cerr << "q4eval: warning: " << warn << "\n";
   const auto t1 = std::chrono::steady_clock::now();
   r.totals = eval::score(*loaded.model, batcher, *in.tokenizer);

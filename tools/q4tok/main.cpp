@@ -175,9 +175,9 @@ void print_truncation(std::vector<q4::data::Example> examples, int64_t seq_len,
   const q4::data::Batcher b(std::move(examples), bo);
   std::cout << "truncation to " << seq_len << " tokens (" << q4::data::describe(truncation)
             << "): " << b.truncation_stats().to_string() << "\n";
-  const std::string w = q4::data::truncation_warning(b.truncation_stats(), seq_len, truncation,
-                                                     "--seq-len (train.seq_len)",
-                                                     "--truncation (data.truncation)");
+  const std::string w =
+      q4::data::truncation_warning(b.truncation_stats(), seq_len, truncation,
+                                   "--seq-len (train.seq_len)", "--truncation (data.truncation)");
   if (!w.empty()) std::cerr << "warning: " << w << "\n";
 }
 
@@ -199,9 +199,8 @@ void show_pairs(const q4::data::Tokenizer& tok, const q4::data::PreferenceDatase
   const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.pairs.size()));
   for (int64_t i = 0; i < count; ++i) {
     const auto& p = ds.pairs[static_cast<size_t>(i)];
-    const std::string where =
-        "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
-        std::to_string(p.source_line) + ")";
+    const std::string where = "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
+                              std::to_string(p.source_line) + ")";
     show_example(tok, p.chosen, where + " chosen");
     show_example(tok, p.rejected, where + " rejected");
   }

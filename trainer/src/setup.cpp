@@ -204,10 +204,10 @@ std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fr
   const char* unit = group == 2 ? "pair" : "training example";
   const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
   if (k >= n) {
-    throw ConfigError(fmt::format(
-        "config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
-        "train on; lower it or use data.eval_files",
-        k, n, unit, n == 1 ? "" : "s"));
+    throw ConfigError(
+        fmt::format("config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
+                    "train on; lower it or use data.eval_files",
+                    k, n, unit, n == 1 ? "" : "s"));
   }
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
@@ -241,8 +241,8 @@ std::string truncation_keys(const Config& c, const std::string& files_key) {
                      to_string(c.data.truncation));
 }
 
-void report_truncation(const Config& c, const data::TruncationStats& stats,
-                       const std::string& what, std::ostream& out, std::ostream& err) {
+void report_truncation(const Config& c, const data::TruncationStats& stats, const std::string& what,
+                       std::ostream& out, std::ostream& err) {
   if (stats.truncated == 0 && stats.dropped == 0 && stats.split == 0) return;
   out << fmt::format("{}truncation to train.seq_len {} ({}): {}\n", what, c.train.seq_len,
                      describe(c.data.truncation), stats.to_string());
@@ -305,8 +305,7 @@ std::vector<data::Example> load_examples(const Config& c, const std::string& fil
   std::vector<data::Example> examples;
   data::LoadSummary summary;
   if (c.train.objective == ObjectiveKind::kPreference) {
-    auto ds =
-        as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
+    auto ds = as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
     for (auto& p : ds.pairs) {
       examples.push_back(std::move(p.chosen));
       examples.push_back(std::move(p.rejected));

@@ -129,9 +129,9 @@ struct PreferenceDataset {
 PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
                                           const DatasetOptions& options = {});
 PreferenceDataset load_preference_dataset_from_string(const std::string& content,
-                                                     const std::string& name,
-                                                     const Tokenizer& tokenizer,
-                                                     const DatasetOptions& options = {});
+                                                      const std::string& name,
+                                                      const Tokenizer& tokenizer,
+                                                      const DatasetOptions& options = {});
 
 // Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
@@ -341,5 +341,5 @@ Q4_ENUM_NAMES(q4::data::TextUnit, {"file", q4::data::TextUnit::kFile},
               {"paragraph", q4::data::TextUnit::kParagraph}, {"line", q4::data::TextUnit::kLine});
 Q4_ENUM_NAMES(q4::data::Truncation, {"auto", q4::data::Truncation::kAuto},
               {"cut_left", q4::data::Truncation::kCutLeft},
-              {"cut_right", q4::data::Truncation::kCutRight},
-              {"drop", q4::data::Truncation::kDrop}, {"split", q4::data::Truncation::kSplit});
+              {"cut_right", q4::data::Truncation::kCutRight}, {"drop", q4::data::Truncation::kDrop},
+              {"split", q4::data::Truncation::kSplit});

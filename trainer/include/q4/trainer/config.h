@@ -35,8 +35,8 @@ class ConfigError : public std::runtime_error {
 // nvfp4), optim::MasterRounding (stochastic | nearest), optim::LrScheduleKind (constant | linear
 // | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip),
 // data::TextUnit (file | paragraph | line), data::Truncation (auto | cut_left | cut_right | drop
-// | split); their to_string is the library's. The enums below are the config's own: settings with no library
-// counterpart, or with an `auto`/`none` the trainer resolves first.
+// | split); their to_string is the library's. The enums below are the config's own: settings with
+// no library counterpart, or with an `auto`/`none` the trainer resolves first.
 enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
@@ -45,15 +45,19 @@ enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | 
 enum class AutoBool { kAuto, kTrue, kFalse };
 using InBackward = AutoBool;
 using Recompute = AutoBool;
-enum class Offload { kNone, kMoments, kAll };          // none | moments | all
+enum class Offload { kNone, kMoments, kAll };  // none | moments | all
 using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
-enum class ObjectiveKind { kCrossEntropy, kDistill, kPreference };  // cross_entropy | distill |
-                                                                  // preference
-enum class TrainMethod { kFull, kLora };               // full | lora
-enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
+enum class ObjectiveKind {
+  kCrossEntropy,
+  kDistill,
+  kPreference
+};                                                 // cross_entropy | distill |
+                                                   // preference
+enum class TrainMethod { kFull, kLora };           // full | lora
+enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
 enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
 
@@ -140,7 +144,7 @@ struct TrainConfig {
   // Recomputed layers run their MLP over row chunks of this many tokens (docs/trainer.md#
   // recompute-by-memory-budget); 0: never; auto: resolved_mlp_chunk_tokens().
   IntOrAuto mlp_chunk_tokens;
-  int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
+  int64_t steps = 100;  // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
@@ -184,7 +188,7 @@ struct PreferenceConfig {
 // train.method: lora (docs/trainer.md#lora-adapters).
 struct LoraConfig {
   int64_t rank = 16;
-  double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
+  double alpha = 32.0;   // the adapter's update is scaled by alpha / rank
   double dropout = 0.0;  // on the adapter's input (plain adapters only)
   std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
@@ -237,8 +241,8 @@ struct DataConfig {
   bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
   bool packing = true;        // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;  // packing: examples considered for each row
-  data::OnError on_error = data::OnError::kFail;  // malformed lines
-  Truncation truncation = Truncation::kAuto;      // examples over seq_len
+  data::OnError on_error = data::OnError::kFail;     // malformed lines
+  Truncation truncation = Truncation::kAuto;         // examples over seq_len
   data::TextUnit text_unit = data::TextUnit::kFile;  // text files: file, paragraph or line
 };
 
@@ -300,8 +304,8 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
-                 data::DataFormat*, data::OnError*, data::TextUnit*, Truncation*, ProgressStyle*, HfExport*,
-                 ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
+                 data::DataFormat*, data::OnError*, data::TextUnit*, Truncation*, ProgressStyle*,
+                 HfExport*, ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.

@@ -16,7 +16,7 @@
 namespace q4::trainer {
 
 at::ScalarType to_scalar_type(Dtype d);
-model::HfFormat to_model(HfExport e);    // never kNone
+model::HfFormat to_model(HfExport e);  // never kNone
 
 model::TrainableSpec trainable_spec(const Config& c);
 model::ModelOptions model_options(const Config& c);  // device, dtypes, trainable, checkpointing

@@ -61,8 +61,8 @@ std::string truncation_keys(const Config& c, const std::string& files_key);
 // truncation to train.seq_len N (policy): counts") when it truncated, split or dropped any, and a
 // warning on `err` naming the settings when it lost more than data::kTruncationWarnShare of the
 // supervised tokens. `what` is "" or "validation ".
-void report_truncation(const Config& c, const data::TruncationStats& stats,
-                       const std::string& what, std::ostream& out, std::ostream& err);
+void report_truncation(const Config& c, const data::TruncationStats& stats, const std::string& what,
+                       std::ostream& out, std::ostream& err);
 // data.eval_fraction: ceil(fraction x N) groups of `group` consecutive examples (at least one;
 // a preference pair is a group of 2) chosen by a Fisher-Yates shuffle seeded by train.seed are
 // moved from `train` to the returned list; both keep file order. The same seed and data give the
@@ -91,7 +91,8 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 // config.json, else model.config). `key` and `config_key` name them in errors, `role` in messages.
 struct FrozenModelSpec {
   std::string path, config_path, key, config_key, role;
-  bool keep_dense = true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
+  bool keep_dense =
+      true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
   bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
 };
 // The config.json a frozen model is read with (see FrozenModelSpec::config_path).
