@@ -274,8 +274,7 @@ Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) :
   for (size_t i = 0; i < examples.size(); i += static_cast<size_t>(g)) {
     const auto first = examples.begin() + static_cast<std::ptrdiff_t>(i);
     const auto last = first + g;
-    const auto kept =
-        std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
+    const auto kept = std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
     if (kept < g) {
       stats_.dropped += kept;
       for (size_t k = i; k < i + static_cast<size_t>(g); ++k) {

@@ -161,18 +161,15 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
       ++k;
     }
     if (k == 0) {
-      throw BadLine{
-          "\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
-          "the shared messages are the prompt)"};
+      throw BadLine{"\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
+                    "the shared messages are the prompt)"};
     }
     auto to_json = [](const std::vector<Message>& m, size_t begin, size_t end) {
       json out = json::array();
-      for (size_t i = begin; i < end; ++i)
-        out.push_back({{"role", m[i].role}, {"content", m[i].content}});
+      for (size_t i = begin; i < end; ++i) out.push_back({{"role", m[i].role}, {"content", m[i].content}});
       return out;
     };
-    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()),
-               jr = to_json(r, k, r.size());
+    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()), jr = to_json(r, k, r.size());
     pair.chosen = prompt_and_completion(prompt, jc, "chosen", tok, opt);
     pair.rejected = prompt_and_completion(prompt, jr, "rejected", tok, opt);
   }
@@ -631,9 +628,9 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
 }
 
 PreferenceDataset load_preference_dataset_from_string(const std::string& content,
-                                                      const std::string& name,
-                                                      const Tokenizer& tokenizer,
-                                                      const DatasetOptions& options) {
+                                                     const std::string& name,
+                                                     const Tokenizer& tokenizer,
+                                                     const DatasetOptions& options) {
   TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
               "system_prompt: not valid UTF-8");
   PreferenceDataset ds;

@@ -127,10 +127,10 @@ TEST(DataE2E, PlainTextIsSplitIntoWindowsByDefault) {
 
 // A JSON array of records (alpaca_data.json) trains like the same records as JSONL.
 TEST(DataE2E, JsonArrayFileTrains) {
-  const fs::path dir =
-      setup_dir("array", "alpaca_data.json",
-                "[\n  {\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"},\n"
-                "  {\"instruction\": \"Add\", \"input\": \"2 and 2\", \"output\": \"4\"}\n]\n");
+  const fs::path dir = setup_dir(
+      "array", "alpaca_data.json",
+      "[\n  {\"instruction\": \"Say hi\", \"input\": \"\", \"output\": \"Hi!\"},\n"
+      "  {\"instruction\": \"Add\", \"input\": \"2 and 2\", \"output\": \"4\"}\n]\n");
   const Result r = run(dir, {});
   ASSERT_EQ(r.code, 0) << r.err << r.out;
   EXPECT_TRUE(contains(r.out, "2 examples")) << r.out;
@@ -143,9 +143,9 @@ TEST(DataE2E, JsonArrayFileTrains) {
 // schedule, and a resume that resolves other steps is refused (the check compares them).
 TEST(DataE2E, EpochsResolveToStepsAndResume) {
   const fs::path dir = setup_dir("epochs", "data.tsv", tsv(6), "  epochs: 2\n");
-  const std::vector<std::string> sets = {"--set", "data.packing=false",
-                                         "--set", "optim.schedule.warmup_ratio=0.5",
-                                         "--set", "output.checkpoint_every=3"};
+  const std::vector<std::string> sets = {
+      "--set", "data.packing=false", "--set", "optim.schedule.warmup_ratio=0.5",
+      "--set", "output.checkpoint_every=3"};
   const Result a = run(dir, sets, "Q4_FAULT=exit:0:4");
   ASSERT_EQ(a.code, 9) << a.err << a.out;  // the injected fault at the start of step 4
   EXPECT_TRUE(contains(a.out, "train.epochs 2 -> train.steps 6 (3 micro-batches per epoch"))

@@ -26,9 +26,7 @@ struct Direct {
   std::vector<double> loss, d_chosen, d_rejected, r_chosen, r_rejected;
 };
 
-double log_sigmoid(double x) {
-  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
-}
+double log_sigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // L = -(1 - e) log s(b z) - e log s(-b z); dL/dz = -(1 - e) b s(-b z) + e b s(b z).
@@ -108,10 +106,12 @@ TEST(PreferenceLoss, EveryKindMatchesADirectFp64Computation) {
     PreferenceLossKind kind;
     double beta, smoothing;
   };
-  for (const Case k :
-       {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0}, Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
-        Case{PreferenceLossKind::kIpo, 0.1, 0.0}, Case{PreferenceLossKind::kIpo, 0.6, 0.0},
-        Case{PreferenceLossKind::kSimpo, 2.0, 0.0}, Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
+  for (const Case k : {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0},
+                       Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
+                       Case{PreferenceLossKind::kIpo, 0.1, 0.0},
+                       Case{PreferenceLossKind::kIpo, 0.6, 0.0},
+                       Case{PreferenceLossKind::kSimpo, 2.0, 0.0},
+                       Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
     PreferenceLossOptions o;
     o.kind = k.kind;
     o.beta = k.beta;
@@ -210,8 +210,7 @@ at::Tensor direct_logprob(q4::model::Qwen3Model& m, const q4::data::Example& e) 
   const at::Tensor lp = at::log_softmax(m.forward(in)[0].to(at::kDouble), -1);  // (L, V)
   at::Tensor sum = at::zeros({}, at::kDouble);
   for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
-    if (e.labels[j + 1] != q4::data::kIgnoreIndex)
-      sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
+    if (e.labels[j + 1] != q4::data::kIgnoreIndex) sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
   }
   return sum;
 }
@@ -275,8 +274,7 @@ DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::E
 std::vector<at::Tensor> grads_of(q4::model::Qwen3Model& m) {
   std::vector<at::Tensor> g;
   for (auto* p : m.trainable_parameters()) {
-    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone()
-                                  : at::zeros_like(p->master, at::kDouble));
+    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone() : at::zeros_like(p->master, at::kDouble));
   }
   m.zero_grad();
   return g;
@@ -322,8 +320,8 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
   cases[4].sft_weight = 0.5;
   cases[4].beta = 0.5;
   for (const auto& pc : cases) {
-    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) + " sft " +
-                 std::to_string(pc.sft_weight));
+    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) +
+                 " sft " + std::to_string(pc.sft_weight));
     ReferenceLogprobs r;
     r.train = ref;
     PreferenceObjective objective(pc, r);
@@ -451,8 +449,7 @@ TEST(PreferenceObjective, CheckpointingAndInBackwardUpdatesTrainAsTheBufferedSte
   ReferenceLogprobs r;
   r.train = sequence_logprobs_of(plain, a.examples(), pair_batches(4), sink, "t");
   PreferenceObjective oa(PreferenceConfig{}, r), ob(PreferenceConfig{}, r);
-  StepRig ra(cpu_config("unused"), plain, oa),
-      rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
+  StepRig ra(cpu_config("unused"), plain, oa), rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
   ASSERT_TRUE(rb.step->in_backward());
   for (int step = 0; step < 2; ++step) {
     const StepOutcome sa = ra.step->run(step, a), sb = rb.step->run(step, b);

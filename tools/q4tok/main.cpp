@@ -199,8 +199,9 @@ void show_pairs(const q4::data::Tokenizer& tok, const q4::data::PreferenceDatase
   const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.pairs.size()));
   for (int64_t i = 0; i < count; ++i) {
     const auto& p = ds.pairs[static_cast<size_t>(i)];
-    const std::string where = "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
-                              std::to_string(p.source_line) + ")";
+    const std::string where =
+        "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
+        std::to_string(p.source_line) + ")";
     show_example(tok, p.chosen, where + " chosen");
     show_example(tok, p.rejected, where + " rejected");
   }

@@ -204,10 +204,10 @@ std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fr
   const char* unit = group == 2 ? "pair" : "training example";
   const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
   if (k >= n) {
-    throw ConfigError(
-        fmt::format("config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
-                    "train on; lower it or use data.eval_files",
-                    k, n, unit, n == 1 ? "" : "s"));
+    throw ConfigError(fmt::format(
+        "config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
+        "train on; lower it or use data.eval_files",
+        k, n, unit, n == 1 ? "" : "s"));
   }
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
@@ -305,7 +305,8 @@ std::vector<data::Example> load_examples(const Config& c, const std::string& fil
   std::vector<data::Example> examples;
   data::LoadSummary summary;
   if (c.train.objective == ObjectiveKind::kPreference) {
-    auto ds = as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
+    auto ds =
+        as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
     for (auto& p : ds.pairs) {
       examples.push_back(std::move(p.chosen));
       examples.push_back(std::move(p.rejected));

@@ -129,9 +129,9 @@ struct PreferenceDataset {
 PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
                                           const DatasetOptions& options = {});
 PreferenceDataset load_preference_dataset_from_string(const std::string& content,
-                                                      const std::string& name,
-                                                      const Tokenizer& tokenizer,
-                                                      const DatasetOptions& options = {});
+                                                     const std::string& name,
+                                                     const Tokenizer& tokenizer,
+                                                     const DatasetOptions& options = {});
 
 // Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,

@@ -91,8 +91,7 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 // config.json, else model.config). `key` and `config_key` name them in errors, `role` in messages.
 struct FrozenModelSpec {
   std::string path, config_path, key, config_key, role;
-  bool keep_dense =
-      true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
+  bool keep_dense = true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
   bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
 };
 // The config.json a frozen model is read with (see FrozenModelSpec::config_path).
