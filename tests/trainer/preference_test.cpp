@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -341,8 +342,9 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
     EXPECT_NEAR(logged(o, "rewards/margins"), d.chosen_rewards - d.rejected_rewards,
                 2e-4 * (std::fabs(d.chosen_rewards) + 1));
     // A count of wins is exact only when no pair is within rounding of a tie: the two models
-    // differ, so every margin is far above the fp32 rounding of the sums (~1e-5 here).
-    ASSERT_GT(d.closest, 1e-3);
+    // differ, so every margin (at least 7e-4 here) is far above the rounding of a reward (beta
+    // times the fp32 rounding of a sum of log-probabilities, under 1e-5).
+    ASSERT_GT(d.closest, 1e-4);
     EXPECT_EQ(logged(o, "rewards/accuracies"), d.wins);
     EXPECT_NEAR(logged(o, "logps/chosen"), d.chosen_logps, 1e-4 * std::fabs(d.chosen_logps));
     if (pc.sft_weight > 0) EXPECT_NEAR(logged(o, "nll_loss"), d.nll, 1e-4 * d.nll);
@@ -385,6 +387,7 @@ TEST(PreferenceObjective, ThroughTheStepTheFirstLossIsLog2) {
       if (name.rfind("rewards/", 0) != 0) continue;
       if (name == "rewards/accuracies") {
         if (same_shapes) EXPECT_EQ(v.item<double>(), 0.5) << name;
+        if (!same_shapes) std::cout << "accuracy, rounding's ties: " << v.item<double>() << "\n";
       } else if (same_shapes) {
         EXPECT_EQ(v.item<double>(), 0.0) << name;
       } else {

@@ -173,7 +173,7 @@ int run(const Args& a) {
     std::cerr << "q4eval: truncation to " << r.batching.max_seq_len << " tokens ("
               << data::describe(in.config.data.truncation) << "): " << ts.to_string() << "\n";
   }
-  // Not --quiet alone: a score over a fraction of the data is worth the line.
+  // Even with --quiet: a score over part of the data must not pass unnoticed.
   const std::string warn = data::truncation_warning(
       ts, r.batching.max_seq_len, in.config.data.truncation, "--seq-len", "--truncation");
   if (!warn.empty()) std::cerr << "q4eval: warning: " << warn << "\n";
