@@ -265,9 +265,11 @@ TEST_F(Eval, WordPerplexityDoesNotDependOnTheWindow) {
   }
   for (size_t k = 1; k < word_ppl.size(); ++k) {
     // log word_ppl = loss x tokens / words: with the same counts, the ratio of the log word
-    // perplexities is the ratio of the losses per token.
+    // perplexities is the ratio of the losses per token, which less context moves by under 1%
+    // here (measured on a tiny model: 18.56, 18.60, 18.68 at 8192, 64, 8); counting words per
+    // window added a word or more per window (about 22 to this text's 97 at 8 tokens).
     EXPECT_NEAR(std::log(word_ppl[k]) / std::log(word_ppl[0]), token_loss[k] / token_loss[0], 1e-9);
-    EXPECT_NEAR(std::log(word_ppl[k]), std::log(word_ppl[0]), 0.1 * std::log(word_ppl[0]))
+    EXPECT_NEAR(std::log(word_ppl[k]), std::log(word_ppl[0]), 0.05 * std::log(word_ppl[0]))
         << word_ppl[k] << " vs " << word_ppl[0];
   }
 }
