@@ -226,7 +226,9 @@ int64_t supervised(const q4::data::Example& e) {
 struct DirectPairs {
   at::Tensor loss;  // () fp64, differentiable
   double chosen_rewards = 0, rejected_rewards = 0, wins = 0, chosen_logps = 0, nll = 0;
-  double closest = 1e300;  // the smallest |chosen - rejected reward| of a pair
+  // Pairs whose rewards are within rounding of a tie: |chosen - rejected| < beta x 1e-3, four
+  // times the 2e-4 by which an fp32 sum of log-probabilities may differ from this fp64 one.
+  int near_ties = 0;
 };
 DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::Example>& ex,
                          const std::vector<double>& ref, const PreferenceConfig& c) {
@@ -265,7 +267,7 @@ DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::E
     d.wins += rc.item<double>() > rr.item<double>()    ? 1.0
               : rc.item<double>() == rr.item<double>() ? 0.5
                                                        : 0.0;
-    d.closest = std::min(d.closest, std::fabs(rc.item<double>() - rr.item<double>()));
+    d.near_ties += std::fabs(rc.item<double>() - rr.item<double>()) < b * 1e-3;
     d.chosen_logps += pc.item<double>();
     d.nll += (-pc / nc).item<double>();
   }
@@ -341,11 +343,9 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
                 1e-4 * (std::fabs(d.rejected_rewards) + 1));
     EXPECT_NEAR(logged(o, "rewards/margins"), d.chosen_rewards - d.rejected_rewards,
                 2e-4 * (std::fabs(d.chosen_rewards) + 1));
-    // A count of wins is exact only when no pair is within rounding of a tie: the two models
-    // differ, so every margin (at least 7e-4 here) is far above the rounding of a reward (beta
-    // times the fp32 rounding of a sum of log-probabilities, under 1e-5).
-    ASSERT_GT(d.closest, 1e-4);
-    EXPECT_EQ(logged(o, "rewards/accuracies"), d.wins);
+    // The count of wins agrees on every pair far from a tie; a pair within rounding of one (IPO
+    // here: per-token rewards 5e-6 apart) may count 0, 1/2 or 1 on any kernel.
+    EXPECT_LE(std::fabs(logged(o, "rewards/accuracies") - d.wins), d.near_ties) << d.near_ties;
     EXPECT_NEAR(logged(o, "logps/chosen"), d.chosen_logps, 1e-4 * std::fabs(d.chosen_logps));
     if (pc.sft_weight > 0) EXPECT_NEAR(logged(o, "nll_loss"), d.nll, 1e-4 * d.nll);
     double worst = 0, scale = 0;
