@@ -109,8 +109,14 @@ Example prompt_and_completion(const json& p, const json& c, const std::string& c
     if (is_blank(c.get<std::string>())) throw BadLine{"empty \"" + ckey + "\""};
     return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt);
   }
-  auto text_or_list = [](const json& v) { return v.is_string() || v.is_array(); };
-  if (p.is_string() != c.is_string() && text_or_list(p) && text_or_list(c)) {
+  // Each field is blamed for its own type, the pair for a mismatch between them.
+  for (const auto& [v, key] : {std::pair<const json&, std::string>{p, "prompt"}, {c, ckey}}) {
+    if (!v.is_string() && !v.is_array()) {
+      throw BadLine{"\"" + key + "\": expected a string or a list of messages, found " +
+                    (v.is_null() ? std::string("null") : v.type_name())};
+    }
+  }
+  if (p.is_string() != c.is_string()) {
     throw BadLine{"\"prompt\" and \"" + ckey +
                   "\": expected both strings or both lists of messages"};
   }
@@ -150,6 +156,12 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
     if (!j.contains(key)) throw BadLine{std::string("a preference record needs \"") + key + "\""};
   }
   PreferencePair pair;
+  if (!j.contains("prompt") && (j["chosen"].is_string() || j["rejected"].is_string())) {
+    throw BadLine{
+        "\"prompt\": missing (answers given as strings need one; without \"prompt\", "
+        "\"chosen\" and \"rejected\" are message lists whose shared leading messages "
+        "are the prompt)"};
+  }
   if (j.contains("prompt")) {
     pair.chosen = prompt_and_completion(j["prompt"], j["chosen"], "chosen", tok, opt);
     pair.rejected = prompt_and_completion(j["prompt"], j["rejected"], "rejected", tok, opt);
@@ -161,15 +173,18 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
       ++k;
     }
     if (k == 0) {
-      throw BadLine{"\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
-                    "the shared messages are the prompt)"};
+      throw BadLine{
+          "\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
+          "the shared messages are the prompt)"};
     }
     auto to_json = [](const std::vector<Message>& m, size_t begin, size_t end) {
       json out = json::array();
-      for (size_t i = begin; i < end; ++i) out.push_back({{"role", m[i].role}, {"content", m[i].content}});
+      for (size_t i = begin; i < end; ++i)
+        out.push_back({{"role", m[i].role}, {"content", m[i].content}});
       return out;
     };
-    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()), jr = to_json(r, k, r.size());
+    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()),
+               jr = to_json(r, k, r.size());
     pair.chosen = prompt_and_completion(prompt, jc, "chosen", tok, opt);
     pair.rejected = prompt_and_completion(prompt, jr, "rejected", tok, opt);
   }
@@ -184,7 +199,9 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
 void skip_or_fail(LoadSummary* s, const DatasetOptions& options, const std::string& name,
                   int64_t line, const std::string& reason, const char* unit) {
   TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", reason,
-              " (set on_error: skip to skip malformed ", unit, ")");
+              options.skip_hint.empty()
+                  ? std::string()
+                  : " (" + options.skip_hint + " to skip malformed " + unit + ")");
   ++s->skipped;
   if (static_cast<int64_t>(s->first_skipped.size()) < LoadSummary::kMaxReported) {
     s->first_skipped.push_back({line, reason});
@@ -279,6 +296,12 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
                   "records starts with '[')"};
   }
   if (!j.is_object()) throw BadLine{std::string("expected a JSON object, found ") + j.type_name()};
+  if (j.contains("chosen") && j.contains("rejected")) {
+    throw BadLine{
+        "a preference record ({\"prompt\", \"chosen\", \"rejected\"}), not a "
+        "training example" +
+        (opt.preference_hint.empty() ? std::string() : "; " + opt.preference_hint)};
+  }
   if (j.contains("messages")) {
     const json& jm = j["messages"];
     if (!jm.is_array()) throw BadLine{"\"messages\": expected an array"};
@@ -628,9 +651,9 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
 }
 
 PreferenceDataset load_preference_dataset_from_string(const std::string& content,
-                                                     const std::string& name,
-                                                     const Tokenizer& tokenizer,
-                                                     const DatasetOptions& options) {
+                                                      const std::string& name,
+                                                      const Tokenizer& tokenizer,
+                                                      const DatasetOptions& options) {
   TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
               "system_prompt: not valid UTF-8");
   PreferenceDataset ds;

@@ -317,7 +317,9 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     }
   }
   fs::remove(fs::path(out_dir) / kHfLmHeadScaleFile);
-  if (dense) fs::remove(fs::path(out_dir) / "hf_quant_config.json");
+  // Only the modelopt layout has an hf_quant_config.json; a loader reads one it finds before
+  // config.json's quantization_config, so an earlier modelopt export's goes before any shard.
+  if (ct || dense) fs::remove(fs::path(out_dir) / "hf_quant_config.json");
 
   std::map<std::string, std::string> meta = {{"format", "pt"}, {kHfMetaSource, "q4train"}};
   if (qdata_type && !mixed_qdata) {

@@ -58,9 +58,10 @@ TEST(PreferenceData, StringsMessagesAndTheImplicitPrompt) {
     EXPECT_NE(p.chosen.input_ids, p.rejected.input_ids);
   }
   // The same records as one JSON array.
-  const std::string array = "[\n" +
-                            std::string(R"({"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."})") +
-                            ",\n" + R"({"prompt": "x", "chosen": "y", "rejected": "z"})" + "\n]\n";
+  const std::string array =
+      "[\n" +
+      std::string(R"({"prompt": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."})") +
+      ",\n" + R"({"prompt": "x", "chosen": "y", "rejected": "z"})" + "\n]\n";
   const PreferenceDataset a = load_preference_dataset_from_string(array, "p.json", tok());
   ASSERT_EQ(a.pairs.size(), 2u);
   EXPECT_TRUE(a.summary.json_array);
@@ -77,21 +78,41 @@ TEST(PreferenceData, MistakesNameTheFileAndLine) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(error(R"({"prompt": "a", "chosen": "b"})").find("p.jsonl:2: a preference record needs \"rejected\""),
+  EXPECT_NE(error(R"({"prompt": "a", "chosen": "b"})")
+                .find("p.jsonl:2: a preference record needs \"rejected\""),
             std::string::npos);
   EXPECT_NE(error(R"({"prompt": "a", "chosen": "b", "rejected": "b"})").find("are the same answer"),
             std::string::npos);
   EXPECT_NE(error(R"({"prompt": "a", "chosen": "", "rejected": "b"})").find("empty \"chosen\""),
             std::string::npos);
-  EXPECT_NE(error(R"({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"})")
-                .find("expected both strings or both lists of messages"),
+  EXPECT_NE(
+      error(
+          R"({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}], "rejected": "c"})")
+          .find("expected both strings or both lists of messages"),
+      std::string::npos);
+  EXPECT_NE(
+      error(
+          R"({"chosen": [{"role": "assistant", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]})")
+          .find("share no leading message"),
+      std::string::npos);
+  EXPECT_NE(
+      error(
+          R"({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "user", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]})")
+          .find("\"chosen\": expected a list starting with an assistant message"),
+      std::string::npos);
+  // Each key is blamed for its own value: a number as "chosen" is not the prompt's fault, and
+  // string answers without a prompt miss "prompt" (not a message list in "chosen").
+  EXPECT_NE(
+      error(R"({"prompt": "a", "chosen": 5, "rejected": "c"})")
+          .find("p.jsonl:2: \"chosen\": expected a string or a list of messages, found number"),
+      std::string::npos)
+      << error(R"({"prompt": "a", "chosen": 5, "rejected": "c"})");
+  EXPECT_NE(error(R"({"prompt": 7, "chosen": "b", "rejected": "c"})")
+                .find("\"prompt\": expected a string or a list of messages, found number"),
             std::string::npos);
-  EXPECT_NE(error(R"({"chosen": [{"role": "assistant", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]})")
-                .find("share no leading message"),
-            std::string::npos);
-  EXPECT_NE(error(R"({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "user", "content": "b"}], "rejected": [{"role": "assistant", "content": "c"}]})")
-                .find("\"chosen\": expected a list starting with an assistant message"),
-            std::string::npos);
+  EXPECT_NE(error(R"({"chosen": "b", "rejected": "c"})").find("p.jsonl:2: \"prompt\": missing"),
+            std::string::npos)
+      << error(R"({"chosen": "b", "rejected": "c"})");
   EXPECT_NE(error("[1, 2").find("p.jsonl"), std::string::npos);
   EXPECT_NE(error("not json").find("p.jsonl:2: bad JSON"), std::string::npos);
   // on_error: skip counts and reports instead.
@@ -104,6 +125,30 @@ TEST(PreferenceData, MistakesNameTheFileAndLine) {
   EXPECT_EQ(d.summary.skipped, 1);
   ASSERT_EQ(d.summary.first_skipped.size(), 1u);
   EXPECT_EQ(d.summary.first_skipped[0].line, 2);
+}
+
+// A preference file read as training examples says what it is, with the caller's hint; the
+// skip hint is the caller's too (none when it has no such setting).
+TEST(PreferenceData, APreferenceFileReadAsExamplesIsNamed) {
+  const std::string record = R"({"prompt": "a", "chosen": "b", "rejected": "c"})";
+  auto error = [&](const DatasetOptions& o) {
+    try {
+      load_dataset_from_string(record + "\n", "p.jsonl", tok(), o);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  DatasetOptions o;
+  o.preference_hint = "pass --preference";
+  o.skip_hint = "";
+  const std::string m = error(o);
+  EXPECT_NE(m.find("p.jsonl:1: a preference record"), std::string::npos) << m;
+  EXPECT_NE(m.find("; pass --preference"), std::string::npos) << m;
+  EXPECT_EQ(m.find("on_error"), std::string::npos) << m;
+  o.skip_hint = "pass --on-error skip";
+  EXPECT_NE(error(o).find("(pass --on-error skip to skip malformed lines)"), std::string::npos)
+      << error(o);
 }
 
 }  // namespace

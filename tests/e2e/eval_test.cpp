@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -288,6 +289,23 @@ TEST_F(Eval, BadInputIsOneLineNamingIt) {
   EXPECT_EQ(b.code, 2);
   EXPECT_TRUE(contains(b.err, no_model)) << b.err;
   EXPECT_EQ(std::count(b.err.begin(), b.err.end(), '\n'), 1) << b.err;
+  // --seq-len 1 names the flag (it used to name the batcher's max_seq_len).
+  const Result c = run_q4eval({"--model", (dir_ / "out").string(), "--data",
+                               (dir_ / "eval.tsv").string(), "--seq-len", "1"},
+                              dir_ / "bad_seq_len");
+  EXPECT_EQ(c.code, 2);
+  EXPECT_TRUE(contains(c.err, "--seq-len: expected >= 2")) << c.err;
+  EXPECT_FALSE(contains(c.err, "max_seq_len")) << c.err;
+  // A preference file is named as one; q4eval has no on_error to suggest.
+  const fs::path pref = dir_ / "pairs.jsonl";
+  std::ofstream(pref) << R"({"prompt": "a", "chosen": "b", "rejected": "c"})"
+                      << "\n";
+  const Result d = run_q4eval({"--model", (dir_ / "out").string(), "--data", pref.string()},
+                              dir_ / "preference_data");
+  EXPECT_EQ(d.code, 2);
+  EXPECT_TRUE(contains(d.err, "a preference record")) << d.err;
+  EXPECT_TRUE(contains(d.err, "not preference pairs")) << d.err;
+  EXPECT_FALSE(contains(d.err, "on_error")) << d.err;
 }
 
 // Python's len(re.split(r"\s+", s)), worked out by hand.

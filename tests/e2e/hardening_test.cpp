@@ -3,6 +3,7 @@
 // the user's init.dat kept, stale temp files removed), a failed export is checkpointed first, a
 // full disk is an error, checkpoints are checksummed at resume, data problems are named, and
 // stop signals during set-up or repeated still end with exit 0 and a checkpoint.
+#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -17,7 +18,9 @@
 #include <sstream>
 #include <thread>
 
+#include "q4/io/dat_file.h"
 #include "q4/io/remove_tree.h"
+#include "q4/model/dat_file.h"
 #include "q4/test/files.h"
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
@@ -270,6 +273,90 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
     // A fresh run stopped in set-up removes what it created, the run directory included.
     if (fs::exists(dir / "run")) EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
   }
+}
+
+// A run whose every step is skipped for non-finite gradients, shorter than
+// train.max_nonfinite_steps, is an error (it used to end with exit 0 and export the starting
+// model). An lm_head of 3e38 (finite, so the weights load) makes the logits overflow.
+TEST(Hardening, EveryStepSkippedIsAnError) {
+  const fs::path dir = setup_dir("allskipped", 1, 0);
+  Result r = run(dir, run(dir, {"output.export_path=none"}), "init");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const q4::model::DatReader init((dir / "run" / "init.dat").string());
+  const fs::path big = dir / "big.dat";
+  {
+    std::vector<const q4::io::DatEntry*> kept;  // every entry but lm_head's, its type kept
+    for (const auto& e : init.entries()) {
+      if (e.key.rfind("lm_head.weight", 0) != 0) kept.push_back(&e);
+    }
+    const int64_t hidden = init.load("model.norm.weight").size(0);
+    q4::io::DatWriter w(big.string(), static_cast<int64_t>(kept.size()) + 1);
+    for (const auto* e : kept) w.add(e->key, init.load(*e), e->type);
+    w.add("lm_head.weight", at::full({151936, hidden}, 3e38, at::kFloat));
+    w.commit();
+  }
+  const std::string weights = "model.weights=" + big.string();
+  const std::string out_dir = "output.dir=" + (dir / "run2").string();
+  r = run(dir,
+          run(dir, {"model.init=file", weights.c_str(), "model.master_dtype=fp32", out_dir.c_str(),
+                    "train.steps=2", "output.export_path=none"}),
+          "skipped");
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "every step of this run (2) had non-finite gradients")) << r.err;
+}
+
+// Ctrl-C stops --write-teacher-topk at its next batch: exit 0, a line saying nothing was written,
+// and no file (it used to be killed by the signal, or to run the whole pass first).
+TEST(Hardening, WriteTeacherTopkStopsOnASignal) {
+  TinyRun t;
+  t.steps = 1;
+  std::string data;
+  for (int i = 0; i < 20000; ++i) data += "Question " + std::to_string(i) + "?\tAnswer.\n";
+  t.data = data;
+  const fs::path dir = t.write_fresh("hard", "topkstop");
+  Result r = run(dir, run(dir, {"output.export_path=none", "data.eval_fraction=0"}), "init");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path topk = dir / "topk.dat";
+  std::vector<std::string> args =
+      config_args(dir, {"train.objective=distill", "output.dir=" + (dir / "w").string(),
+                        "distill.teacher=" + (dir / "run" / "init.dat").string(),
+                        "distill.topk_file=" + topk.string()});
+  args.push_back("--write-teacher-topk");
+  const std::string out = (dir / "w.out").string();
+  const pid_t pid = spawn_logged(kQ4train, args, out);
+  ASSERT_GE(pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!contains(read_text(out), "teacher ") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(pid, SIGINT);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string log = read_text(out);
+  ASSERT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+  EXPECT_TRUE(contains(log, "nothing written")) << log;
+  EXPECT_FALSE(fs::exists(topk)) << log;
+  EXPECT_TRUE(temp_files(dir).empty()) << log;
+}
+
+// --dry-run checks the teacher's vocabulary as the run does (it used to pass a mismatch).
+TEST(Hardening, DryRunChecksTheTeachersVocabulary) {
+  const fs::path dir = setup_dir("dryvocab", 1, 0);
+  std::string cfg = read_text(dir / "model.json");
+  const std::string from = "\"vocab_size\": 151936", to = "\"vocab_size\": 1000";
+  ASSERT_NE(cfg.find(from), std::string::npos) << cfg;
+  cfg.replace(cfg.find(from), from.size(), to);
+  std::ofstream(dir / "teacher.json") << cfg;
+  std::ofstream(dir / "teacher.dat") << "x";
+  const std::string t = "distill.teacher=" + (dir / "teacher.dat").string();
+  const std::string tc = "distill.teacher_config=" + (dir / "teacher.json").string();
+  std::vector<std::string> args = run(dir, {"train.objective=distill", t.c_str(), tc.c_str()});
+  args.push_back("--dry-run");
+  const Result r = run(dir, args, "dry");
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "config key distill.teacher: the teacher's vocabulary (1000 tokens"))
+      << r.err;
 }
 
 }  // namespace

@@ -414,5 +414,21 @@ TEST_F(HfInteropTest, Bf16ExportIsTheDequantizedModel) {
   EXPECT_EQ(hf_format_from_name("bf16"), HfFormat::kBf16);
 }
 
+// compressed-tensors over an earlier modelopt export of the same folder: the modelopt
+// hf_quant_config.json (which a loader would read before config.json) does not survive.
+TEST_F(HfInteropTest, CompressedTensorsExportRemovesAModeloptQuantConfig) {
+  write_dat(path("a.dat"), true, ElemType::kUInt8, 5);
+  const DatReader r(path("a.dat"));
+  const fs::path out = dir_ / "reexport";
+  HfExportOptions opt;
+  export_hf(r, config_, out.string(), opt);
+  ASSERT_TRUE(fs::exists(out / "hf_quant_config.json"));
+  opt.format = HfFormat::kCompressedTensors;
+  export_hf(r, config_, out.string(), opt);
+  EXPECT_FALSE(fs::exists(out / "hf_quant_config.json"));
+  const json c = read_json(out / "config.json");
+  EXPECT_EQ(c["quantization_config"]["quant_method"], "compressed-tensors");
+}
+
 }  // namespace
 }  // namespace q4::model

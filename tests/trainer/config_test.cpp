@@ -175,8 +175,8 @@ TEST(Config, LoraKeys) {
   EXPECT_TRUE(contains(error_of(base, {parse_override("model.fake_quant=false")}), "train.method"));
   // PEFT's spellings point to ours.
   EXPECT_TRUE(contains(error_of(base + "lora: {r: 8}\n"), "did you mean lora.rank"));
-  EXPECT_TRUE(contains(error_of(base + "lora: {target_modules: [v_proj]}\n"),
-                       "did you mean lora.targets"));
+  EXPECT_TRUE(
+      contains(error_of(base + "lora: {target_modules: [v_proj]}\n"), "did you mean lora.targets"));
   const Config some = parse(base + "lora: {rank: 8, alpha: 16, targets: [v_proj]}\n");
   EXPECT_EQ(some.lora.rank, 8);
   EXPECT_EQ(some.lora.alpha, 16.0);
@@ -761,4 +761,59 @@ TEST(Config, RunLengthResolvesFromTheData) {
   EXPECT_EQ(c.train.steps, 4);  // steps-based: unchanged, the warmup clipped
   EXPECT_EQ(c.optim.schedule.warmup_steps, 4);
   EXPECT_TRUE(contains(notes, "clipped")) << notes;
+}
+
+// Settings that do not apply to the run are named in one warning line, with why; the defaults,
+// and settings that apply, are not (they used to be ignored without a word).
+TEST(Config, SettingsThatDoNotApplyAreNamed) {
+  EXPECT_EQ(ignored_settings_warning(parse(kMinimal)), "");
+  const std::string w = ignored_settings_warning(
+      parse(std::string(kMinimal) + "lora: {rank: 8, alpha: 4}\npreference: {beta: 0.5}\n"));
+  EXPECT_EQ(w,
+            "warning: settings that do not apply to this run are ignored: lora.rank, lora.alpha "
+            "(train.method is full); preference.beta (train.objective is cross_entropy)");
+  // Under lora and preference those keys apply; ipo has no label smoothing, merge-aware adapters
+  // no cached base weights, sigmoid no simpo_gamma.
+  const std::string pref = std::string(kMinimal) +
+                           "train: {method: lora, objective: preference}\n"
+                           "lora: {rank: 8, cache_base_weights: true}\n"
+                           "preference: {loss: ipo, label_smoothing: 0.1, beta: 0.5}\n";
+  EXPECT_EQ(
+      ignored_settings_warning(parse(pref)),
+      "warning: settings that do not apply to this run are ignored: preference.label_smoothing "
+      "(preference.loss is ipo); lora.cache_base_weights (lora.merge_aware is true)");
+  EXPECT_TRUE(contains(
+      ignored_settings_warning(parse(std::string(kMinimal) + "preference: {simpo_gamma: 1.0}\n"
+                                                             "train: {objective: preference}\n")),
+      "preference.simpo_gamma (preference.loss is sigmoid)"));
+  EXPECT_EQ(ignored_settings_warning(parse(
+                std::string(kMinimal) +
+                "train: {method: lora}\nlora: {merge_aware: false, cache_base_weights: true}\n")),
+            "");
+}
+
+// Extremes inside the old ranges that ended in non-finite steps are refused, naming the key and
+// its range.
+TEST(Config, LossScalesAreBounded) {
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "distill: {temperature: 1e-44}\n"),
+                       "config key distill.temperature (test.yaml line"));
+  EXPECT_TRUE(
+      contains(error_of(std::string(kMinimal) + "distill: {temperature: 1e-44}\n"), "[0.01, 100]"));
+  EXPECT_EQ(error_of(std::string(kMinimal) + "distill: {temperature: 0.01}\n"), "");
+  EXPECT_TRUE(
+      contains(error_of(std::string(kMinimal) + "preference: {beta: 1e30}\n"), "preference.beta"));
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "preference: {simpo_gamma: 1e300}\n"),
+                       "preference.simpo_gamma"));
+  EXPECT_TRUE(contains(error_of(std::string(kMinimal) + "preference: {sft_weight: 1e300}\n"),
+                       "preference.sft_weight"));
+}
+
+// A cross-field error names the config file, and says when it is empty (a resumed run's
+// config.yaml that lost its contents used to say only "model.weights: required").
+TEST(Config, CrossFieldErrorsNameTheFile) {
+  const std::string empty = error_of("");
+  EXPECT_TRUE(contains(empty, "(config file test.yaml, which is empty)")) << empty;
+  const std::string m = error_of(std::string(kMinimal) + "train: {objective: distill}\n");
+  EXPECT_TRUE(contains(m, "distill.teacher")) << m;
+  EXPECT_TRUE(contains(m, "(config file test.yaml)")) << m;
 }

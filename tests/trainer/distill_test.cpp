@@ -8,6 +8,9 @@
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <functional>
+
 #include "component_fixtures.h"
 #include "q4/io/dat_file.h"
 
@@ -325,6 +328,67 @@ TEST(OfflineDistillation, WithEveryTokenEqualsOnline) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("distill.topk_file"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("other training data"), std::string::npos) << e.what();
+  }
+}
+
+// A top-K file of K = 4 out of V for `examples`: each supervised position a random distribution's
+// top 4 log-probabilities, then `edit` applied to the (rows, 4) log-probabilities.
+void write_random_topk(const std::vector<data::Example>& examples, int64_t V,
+                       const std::function<void(at::Tensor&)>& edit, const std::string& path) {
+  std::vector<int64_t> offsets{0}, hashes;
+  for (const auto& e : examples) {
+    int64_t n = 0;
+    for (size_t j = 1; j < e.labels.size(); ++j) n += e.labels[j] != data::kIgnoreIndex;
+    offsets.push_back(offsets.back() + n);
+    hashes.push_back(example_hash(e));
+  }
+  const at::Tensor lp_full = at::log_softmax(at::randn({offsets.back(), V}, gen(5)), 1);
+  auto [lp, ids] = lp_full.topk(4, 1);
+  lp = lp.contiguous();
+  edit(lp);
+  io::DatWriter w(path, 6);
+  w.add("topk.ids", ids.to(at::kInt));
+  w.add("topk.logprobs", lp);
+  w.add("topk.example_offsets", at::tensor(offsets, at::kLong));
+  w.add("topk.example_hashes", at::tensor(hashes, at::kLong));
+  w.add("topk.vocab_size", at::tensor({V}, at::kLong));
+  w.add("topk.temperature", at::tensor({1.0}, at::kDouble));
+  w.commit();
+}
+
+// The file's log-probabilities are checked on load: a NaN, a value above 0 or a row whose
+// probabilities sum past 1 is an input error naming the file and the row (a NaN used to skip
+// every step, a +5 to train).
+TEST(OfflineDistillation, BadLogprobsAreRefusedOnLoad) {
+  ComponentTempDir tmp;
+  const int64_t V = 64;
+  const auto examples = random_examples(4, 9, V, 3);
+  const std::string path = (tmp.path / "topk.dat").string();
+  write_random_topk(
+      examples, V, [](at::Tensor&) {}, path);
+  EXPECT_NO_THROW(TopkTeacher(path, examples, V, 1.0));
+  struct Case {
+    const char* what;
+    std::function<void(at::Tensor&)> edit;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {"NaN", [](at::Tensor& lp) { lp[5][2] = std::nanf(""); }, "row 5 "},
+      {"every NaN", [](at::Tensor& lp) { lp.fill_(std::nanf("")); }, "row 0 "},
+      {"+5", [](at::Tensor& lp) { lp[7][0] = 5.0f; }, "above 0"},
+      {"mass", [](at::Tensor& lp) { lp[3].fill_(std::log(0.3f)); }, "sum to 1.2"},
+  };
+  for (const Case& k : cases) {
+    write_random_topk(examples, V, k.edit, path);
+    try {
+      TopkTeacher t(path, examples, V, 1.0);
+      ADD_FAILURE() << k.what << ": accepted";
+    } catch (const ConfigError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("distill.topk_file: " + path), std::string::npos) << k.what << ": " << m;
+      EXPECT_NE(m.find(k.expected), std::string::npos) << k.what << ": " << m;
+      EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    }
   }
 }
 

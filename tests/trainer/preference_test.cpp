@@ -11,13 +11,20 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "component_fixtures.h"
+#include "q4/io/dat_file.h"
 #include "q4/model/dat_file.h"
+#include "q4/trainer/run_dir.h"
+#include "q4/trainer/signals.h"
 
 using namespace q4::trainer;
 
@@ -27,7 +34,9 @@ struct Direct {
   std::vector<double> loss, d_chosen, d_rejected, r_chosen, r_rejected;
 };
 
-double log_sigmoid(double x) { return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x)); }
+double log_sigmoid(double x) {
+  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
+}
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // L = -(1 - e) log s(b z) - e log s(-b z); dL/dz = -(1 - e) b s(-b z) + e b s(b z).
@@ -107,12 +116,10 @@ TEST(PreferenceLoss, EveryKindMatchesADirectFp64Computation) {
     PreferenceLossKind kind;
     double beta, smoothing;
   };
-  for (const Case k : {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0},
-                       Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
-                       Case{PreferenceLossKind::kIpo, 0.1, 0.0},
-                       Case{PreferenceLossKind::kIpo, 0.6, 0.0},
-                       Case{PreferenceLossKind::kSimpo, 2.0, 0.0},
-                       Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
+  for (const Case k :
+       {Case{PreferenceLossKind::kSigmoid, 0.1, 0.0}, Case{PreferenceLossKind::kSigmoid, 0.5, 0.1},
+        Case{PreferenceLossKind::kIpo, 0.1, 0.0}, Case{PreferenceLossKind::kIpo, 0.6, 0.0},
+        Case{PreferenceLossKind::kSimpo, 2.0, 0.0}, Case{PreferenceLossKind::kSimpo, 2.5, 0.15}}) {
     PreferenceLossOptions o;
     o.kind = k.kind;
     o.beta = k.beta;
@@ -211,7 +218,8 @@ at::Tensor direct_logprob(q4::model::Qwen3Model& m, const q4::data::Example& e) 
   const at::Tensor lp = at::log_softmax(m.forward(in)[0].to(at::kDouble), -1);  // (L, V)
   at::Tensor sum = at::zeros({}, at::kDouble);
   for (size_t j = 0; j + 1 < e.labels.size(); ++j) {
-    if (e.labels[j + 1] != q4::data::kIgnoreIndex) sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
+    if (e.labels[j + 1] != q4::data::kIgnoreIndex)
+      sum = sum + lp[static_cast<int64_t>(j)][e.labels[j + 1]];
   }
   return sum;
 }
@@ -277,7 +285,8 @@ DirectPairs direct_pairs(q4::model::Qwen3Model& m, const std::vector<q4::data::E
 std::vector<at::Tensor> grads_of(q4::model::Qwen3Model& m) {
   std::vector<at::Tensor> g;
   for (auto* p : m.trainable_parameters()) {
-    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone() : at::zeros_like(p->master, at::kDouble));
+    g.push_back(p->grad.defined() ? p->grad.to(at::kDouble).clone()
+                                  : at::zeros_like(p->master, at::kDouble));
   }
   m.zero_grad();
   return g;
@@ -323,8 +332,8 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
   cases[4].sft_weight = 0.5;
   cases[4].beta = 0.5;
   for (const auto& pc : cases) {
-    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) +
-                 " sft " + std::to_string(pc.sft_weight));
+    SCOPED_TRACE(to_string(pc.loss) + " smoothing " + std::to_string(pc.label_smoothing) + " sft " +
+                 std::to_string(pc.sft_weight));
     ReferenceLogprobs r;
     r.train = ref;
     PreferenceObjective objective(pc, r);
@@ -441,6 +450,113 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
   EXPECT_EQ(r2.train, r.train);
 }
 
+// reference_logprobs.dat records which model scored it and a checksum: a resume that names
+// another preference.reference is refused (it used to read the stale scores while logging the
+// new model), a damaged file is refused naming it, a file without a checksum is scored again.
+TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
+  q4::trainer::testing::ComponentTempDir tmp;
+  auto policy = tiny_model(7), other = tiny_model(11);
+  const int64_t V = policy.config().vocab_size;
+  const std::string ref_path = (tmp.path / "reference.dat").string();
+  q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
+  q4::data::Batcher train(pair_examples(V), pair_batches(4));
+  Config c = cpu_config(tmp.path.string());
+  c.model.config = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
+  c.model.compute_dtype = DtypeOrAuto::kFp32;
+  c.train.objective = ObjectiveKind::kPreference;
+  std::ostringstream out;
+  const ReferenceLogprobs by_policy = reference_logprobs(c, policy, train, nullptr, true, out);
+  const std::string file = (tmp.path / kReferenceFile).string();
+  auto error_of = [&](const Config& cc) -> std::string {
+    std::ostringstream sink;
+    try {
+      reference_logprobs(cc, policy, train, nullptr, true, sink);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "no error: " + sink.str();
+  };
+  // Another reference on resume: refused, naming the key, both models and the file.
+  Config changed = c;
+  changed.preference.reference = ref_path;
+  const std::string m = error_of(changed);
+  EXPECT_NE(m.find("config key preference.reference: " + ref_path), std::string::npos) << m;
+  EXPECT_NE(m.find("the starting model"), std::string::npos) << m;
+  EXPECT_NE(m.find(file), std::string::npos) << m;
+  // The same reference reads back.
+  EXPECT_EQ(error_of(c).rfind("no error", 0), 0u);
+
+  // Rewrites the file's entries with `edit` applied to reference.train; `keep_checksum` false
+  // leaves out the checksum (and model) entries, as an older q4train wrote the file.
+  auto rewrite = [&](const std::function<void(at::Tensor&)>& edit, bool keep_checksum) {
+    std::map<std::string, at::Tensor> all = q4::io::DatReader(file).load_all();
+    edit(all.at("reference.train"));
+    if (!keep_checksum) {
+      all.erase("reference.crc32c");
+      all.erase("reference.model");
+    }
+    q4::io::DatWriter w(file, static_cast<int64_t>(all.size()));
+    for (const auto& [k, t] : all) w.add(k, t);
+    w.commit();
+  };
+  rewrite([](at::Tensor& t) { t.fill_(std::nan("")); }, /*keep_checksum=*/true);
+  const std::string d = error_of(c);
+  EXPECT_NE(d.find(file + " is damaged (checksum mismatch)"), std::string::npos) << d;
+  // Without a checksum (all NaN, as in an older file): computed again, finite, written anew.
+  rewrite([](at::Tensor& t) { t.fill_(std::nan("")); }, /*keep_checksum=*/false);
+  std::ostringstream again;
+  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, again);
+  EXPECT_NE(again.str().find("has no checksum"), std::string::npos) << again.str();
+  EXPECT_EQ(r.train, by_policy.train);
+  EXPECT_EQ(error_of(c).rfind("no error", 0), 0u);
+}
+
+// A stop signal during the reference pass ends it at the next batch and writes nothing (it used
+// to run the whole pass first).
+TEST(PreferenceObjective, AStopSignalEndsTheReferencePass) {
+  q4::trainer::testing::ComponentTempDir tmp;
+  auto policy = tiny_model(7);
+  const int64_t V = policy.config().vocab_size;
+  q4::data::Batcher train(pair_examples(V), pair_batches(4));
+  Config c = cpu_config(tmp.path.string());
+  c.train.objective = ObjectiveKind::kPreference;
+  request_stop(SIGINT);
+  std::ostringstream out;
+  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, out);
+  clear_stop_request();
+  EXPECT_NE(out.str().find("stopped by signal 2; nothing written"), std::string::npos) << out.str();
+  EXPECT_FALSE(std::filesystem::exists(tmp.path / kReferenceFile));
+  ASSERT_FALSE(r.train.empty());
+  EXPECT_TRUE(std::isnan(r.train.front())) << "a sequence was scored after the signal";
+}
+
+// The bounds of beta and simpo_gamma: the extremes that made non-finite steps are refused,
+// naming the key and its range.
+TEST(PreferenceLoss, ExtremeSettingsAreRefused) {
+  for (double beta : {1e-40, 1e30}) {
+    Config c;
+    c.preference.beta = beta;
+    try {
+      validate_config(c);
+      ADD_FAILURE() << "beta " << beta << " accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("preference.beta"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("[0.001, 1000]"), std::string::npos) << e.what();
+    }
+  }
+  Config c;
+  c.preference.simpo_gamma = 1e300;
+  try {
+    validate_config(c);
+    ADD_FAILURE() << "simpo_gamma 1e300 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("preference.simpo_gamma"), std::string::npos) << e.what();
+  }
+  PreferenceLossOptions o;
+  o.beta = 1e-40;
+  EXPECT_THROW(o.validate(), c10::Error);
+}
+
 // The preference step with checkpointed layers and updates inside the backward is the plain
 // buffered step: the same losses, rewards and masters over two steps.
 TEST(PreferenceObjective, CheckpointingAndInBackwardUpdatesTrainAsTheBufferedStep) {
@@ -452,7 +568,8 @@ TEST(PreferenceObjective, CheckpointingAndInBackwardUpdatesTrainAsTheBufferedSte
   ReferenceLogprobs r;
   r.train = sequence_logprobs_of(plain, a.examples(), pair_batches(4), sink, "t");
   PreferenceObjective oa(PreferenceConfig{}, r), ob(PreferenceConfig{}, r);
-  StepRig ra(cpu_config("unused"), plain, oa), rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
+  StepRig ra(cpu_config("unused"), plain, oa),
+      rb(cpu_config("unused"), other, ob, /*in_backward=*/true);
   ASSERT_TRUE(rb.step->in_backward());
   for (int step = 0; step < 2; ++step) {
     const StepOutcome sa = ra.step->run(step, a), sb = rb.step->run(step, b);

@@ -59,7 +59,9 @@ struct Inputs {
 Inputs read_inputs(const Args& a) {
   TORCH_CHECK(a.batch_size >= 0, "--batch-size: expected >= 1 (0: the default), got ",
               a.batch_size);
-  TORCH_CHECK(a.seq_len >= 0, "--seq-len: expected >= 1 (0: the default), got ", a.seq_len);
+  // A row scores its next tokens: it needs two (the batcher's own minimum).
+  TORCH_CHECK(a.seq_len == 0 || a.seq_len >= 2, "--seq-len: expected >= 2 (0: the default), got ",
+              a.seq_len);
   TORCH_CHECK(a.max_examples >= 0, "--max-examples: expected >= 0, got ", a.max_examples);
   for (const auto& f : a.files) io::check_regular_file(f, kMaxDataBytes, "--data");
   Inputs in;
@@ -79,7 +81,13 @@ Inputs read_inputs(const Args& a) {
     c.data.text_unit = io::parse_enum<data::TextUnit>(a.text_unit, "--text-unit");
   if (a.m.system_given()) c.data.system_prompt = a.m.system;
   in.tokenizer = std::make_unique<data::Tokenizer>(chat::load_tokenizer(in.paths));
-  const data::DatasetOptions dopt = trainer::dataset_options(c);
+  data::DatasetOptions dopt = trainer::dataset_options(c);
+  // q4eval has no on_error flag (a run's config.yaml may set data.on_error) and scores supervised
+  // examples only.
+  dopt.skip_hint = "";
+  dopt.preference_hint =
+      "q4eval scores supervised examples, not preference pairs (give it prompt/completion "
+      "records)";
   for (const auto& f : a.files) {
     auto ds = data::load_dataset(f, *in.tokenizer, dopt);
     if (!a.quiet) std::cerr << "q4eval: " << ds.summary.to_string() << "\n";

@@ -199,9 +199,8 @@ void show_pairs(const q4::data::Tokenizer& tok, const q4::data::PreferenceDatase
   const auto count = std::min<int64_t>(n, static_cast<int64_t>(ds.pairs.size()));
   for (int64_t i = 0; i < count; ++i) {
     const auto& p = ds.pairs[static_cast<size_t>(i)];
-    const std::string where =
-        "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
-        std::to_string(p.source_line) + ")";
+    const std::string where = "pair " + std::to_string(i + 1) + " (" + ds.summary.path + ":" +
+                              std::to_string(p.source_line) + ")";
     show_example(tok, p.chosen, where + " chosen");
     show_example(tok, p.rejected, where + " rejected");
   }
@@ -271,6 +270,8 @@ int main(int argc, char** argv) {
           opt.system_prompt = system_prompt;
           opt.text_unit = q4::data::parse_text_unit(text_unit);
           const auto policy = q4::data::parse_truncation(truncation);
+          opt.skip_hint = "pass --on-error skip";
+          opt.preference_hint = "pass --preference to read preference pairs";
           // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
           q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
           if (preference) {

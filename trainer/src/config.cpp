@@ -742,10 +742,10 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("distill.alpha", &c.distill.alpha,
             "loss = alpha x divergence + (1 - alpha) x cross-entropy on the labels",
             R::between(0, 1, false)),
-      // Beyond 100 every distribution is flat to fp32 precision: the term carries nothing.
+      // Bounded so that logits / T and T^2 stay finite in fp32 (config.h).
       field("distill.temperature", &c.distill.temperature,
             "softmax temperature of both models; the divergence is scaled by T^2",
-            Range{0.0, 100.0, true, false}, {"kd_temperature"}),
+            R::between(kMinDistillTemperature, kMaxDistillTemperature, false), {"kd_temperature"}),
       field("distill.divergence", &c.distill.divergence,
             "KL(teacher || student) (forward_kl, mass-covering) or KL(student || teacher) "
             "(reverse_kl, mode-seeking)"),
@@ -759,16 +759,17 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("preference.loss", &c.preference.loss,
             "sigmoid (DPO), ipo, or simpo (reference-free, per-token averages)"),
       field("preference.beta", &c.preference.beta,
-            "scale of the implicit reward beta x (log pi - log ref)", R::above(0)),
+            "scale of the implicit reward beta x (log pi - log ref)",
+            R::between(kMinPreferenceBeta, kMaxPreferenceBeta, false)),
       field("preference.label_smoothing", &c.preference.label_smoothing,
             "sigmoid and simpo: the assumed chance that a pair's labels are flipped",
             R::between(0, 0.5, true)),
       field("preference.simpo_gamma", &c.preference.simpo_gamma,
-            "simpo: the target reward margin (divided by beta in the loss)", {},
-            {"gamma_beta_ratio"}),
+            "simpo: the target reward margin (divided by beta in the loss)",
+            R::between(-kMaxSimpoGamma, kMaxSimpoGamma, false), {"gamma_beta_ratio"}),
       field("preference.sft_weight", &c.preference.sft_weight,
             "adds this x the chosen answer's mean cross-entropy per pair (TRL's rpo_alpha)",
-            R::at_least(0), {"rpo_alpha"}),
+            R::between(0, kMaxSftWeight, false), {"rpo_alpha"}),
       path("preference.reference", &c.preference.reference,
            "the reference model, a .dat or Hugging Face folder (default: the starting model); "
            "its log-probabilities are computed once before training"),
@@ -970,6 +971,7 @@ void resolve_paths(Config& c, std::vector<FieldRef>& fields,
 Config parse_config(const std::string& yaml_text, const std::string& source_name,
                     const std::string& base_dir, const std::vector<Override>& overrides) {
   YAML::Node root = load_root(yaml_text, source_name);
+  const bool empty_file = root.size() == 0;  // before the --set overrides are spliced in
   Config c;
   c.source = source_name;
   auto fields = config_fields(c);
@@ -1011,7 +1013,15 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   }
   resolve_overridden_lengths(c, root, overridden, source_name);
   resolve_paths(c, fields, overridden, base_dir);
-  validate_config(c);
+  // A cross-field rule has no line to point at: the message names the file instead (a saved
+  // config.yaml that lost its contents reads "model.weights: required" otherwise).
+  try {
+    validate_config(c);
+  } catch (const ConfigError& e) {
+    if (source_name == kFromSet) throw;
+    throw ConfigError(std::string(e.what()) + " (config file " + source_name +
+                      (empty_file ? ", which is empty)" : ")"));
+  }
   return c;
 }
 
@@ -1174,9 +1184,8 @@ void validate_config(const Config& c) {
          {std::pair<const char*, bool>{"distill.teacher", !d.teacher.empty()},
           {"distill.topk_file", !d.topk_file.empty()}}) {
       if (set) {
-        throw ConfigError(std::string("config key ") + key +
-                          ": set, but train.objective is " + to_string(c.train.objective) +
-                          " (set it to distill)");
+        throw ConfigError(std::string("config key ") + key + ": set, but train.objective is " +
+                          to_string(c.train.objective) + " (set it to distill)");
       }
     }
   }
@@ -1189,12 +1198,14 @@ void validate_config(const Config& c) {
                         "chosen and rejected answers share a micro-batch)");
     }
     if (c.data.truncation == Truncation::kSplit) {
-      throw ConfigError("config key data.truncation: split would cut an answer into windows "
-                        "that are no longer a pair (use cut_left, cut_right or drop)");
+      throw ConfigError(
+          "config key data.truncation: split would cut an answer into windows "
+          "that are no longer a pair (use cut_left, cut_right or drop)");
     }
     if (!pref.reference.empty() && pref.loss == PreferenceLossKind::kSimpo) {
-      throw ConfigError("config key preference.reference: set, but preference.loss simpo uses "
-                        "no reference");
+      throw ConfigError(
+          "config key preference.reference: set, but preference.loss simpo uses "
+          "no reference");
     }
   } else if (!pref.reference.empty()) {
     throw ConfigError("config key preference.reference: set, but train.objective is " +
@@ -1202,9 +1213,10 @@ void validate_config(const Config& c) {
   }
 
   if (c.train.recompute_layers >= 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
-    throw ConfigError("config key train.recompute_layers: set, but train.gradient_checkpointing "
-                      "is " +
-                      to_string(c.train.gradient_checkpointing) + " (set it to true)");
+    throw ConfigError(
+        "config key train.recompute_layers: set, but train.gradient_checkpointing "
+        "is " +
+        to_string(c.train.gradient_checkpointing) + " (set it to true)");
   }
   for (const auto& [key, n] : {std::pair<const char*, int64_t>{"train.recompute_keep_attention",
                                                                c.train.recompute_keep_attention},
@@ -1216,9 +1228,10 @@ void validate_config(const Config& c) {
     }
   }
   if (c.train.offload_layer_inputs && c.train.gradient_checkpointing == Recompute::kFalse) {
-    throw ConfigError("config key train.offload_layer_inputs: true, but "
-                      "train.gradient_checkpointing is false (only recomputed layers offload "
-                      "their input)");
+    throw ConfigError(
+        "config key train.offload_layer_inputs: true, but "
+        "train.gradient_checkpointing is false (only recomputed layers offload "
+        "their input)");
   }
   if (c.optim.offload != Offload::kNone && !cuda) {
     throw ConfigError("config key optim.offload: " + to_string(c.optim.offload) +
@@ -1227,20 +1240,21 @@ void validate_config(const Config& c) {
   }
   if (c.train.method == TrainMethod::kLora) {
     if (!c.model.fake_quant) {
-      throw ConfigError("config key train.method: lora, but model.fake_quant is false (adapters "
-                        "train on the NVFP4 weights)");
+      throw ConfigError(
+          "config key train.method: lora, but model.fake_quant is false (adapters "
+          "train on the NVFP4 weights)");
     }
     if (c.lora.dropout != 0.0) {
       throw ConfigError("config key lora.dropout: " + fmt_double(c.lora.dropout) +
                         ", but only 0 is supported (a dropout mask would have to be replayed "
                         "by the recompute)");
     }
-    static const std::vector<std::string> kTargets = {"q_proj", "k_proj",    "v_proj",
-                                                      "o_proj", "gate_proj", "up_proj",
-                                                      "down_proj", "lm_head"};
+    static const std::vector<std::string> kTargets = {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"};
     if (c.lora.targets.empty()) {
-      throw ConfigError("config key lora.targets: empty (name at least one of q_proj, k_proj, "
-                        "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
+      throw ConfigError(
+          "config key lora.targets: empty (name at least one of q_proj, k_proj, "
+          "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
     }
     for (const auto& t : c.lora.targets) {
       if (std::find(kTargets.begin(), kTargets.end(), t) == kTargets.end()) {
@@ -1249,21 +1263,24 @@ void validate_config(const Config& c) {
                           "down_proj or lm_head)");
       }
     }
-    const bool head = std::find(c.lora.targets.begin(), c.lora.targets.end(), "lm_head") !=
-                      c.lora.targets.end();
+    const bool head =
+        std::find(c.lora.targets.begin(), c.lora.targets.end(), "lm_head") != c.lora.targets.end();
     if (head && !c.lora.merge_aware) {
-      throw ConfigError("config key lora.targets: lm_head takes a merge-aware adapter only (set "
-                        "lora.merge_aware: true or drop lm_head)");
+      throw ConfigError(
+          "config key lora.targets: lm_head takes a merge-aware adapter only (set "
+          "lora.merge_aware: true or drop lm_head)");
     }
     if (head && c.train.trainable.lm_head) {
-      throw ConfigError("config key train.trainable.lm_head: true, but lora.targets adapts "
-                        "lm_head (one or the other)");
+      throw ConfigError(
+          "config key train.trainable.lm_head: true, but lora.targets adapts "
+          "lm_head (one or the other)");
     }
   }
   if (c.optim.offload == Offload::kAll && !c.model.fake_quant) {
-    throw ConfigError("config key optim.offload: all, but model.fake_quant is false (the GPU "
-                      "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
-                      "the masters themselves)");
+    throw ConfigError(
+        "config key optim.offload: all, but model.fake_quant is false (the GPU "
+        "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
+        "the masters themselves)");
   }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
@@ -1389,6 +1406,47 @@ std::string md_default(const FieldRef& f) {
 }
 
 }  // namespace
+
+std::string ignored_settings_warning(const Config& c_in) {
+  Config c = c_in, defaults;
+  const auto fields = config_fields(c), base = config_fields(defaults);
+  const bool lora = c.train.method == TrainMethod::kLora;
+  const auto& p = c.preference;
+  // Why each setting does not apply here; "" when it does.
+  auto why = [&](const std::string& key) -> std::string {
+    auto starts = [&](const char* prefix) { return key.rfind(prefix, 0) == 0; };
+    if (starts("lora.") && !lora) return "train.method is " + to_string(c.train.method);
+    if (starts("distill.") && c.train.objective != ObjectiveKind::kDistill) {
+      return "train.objective is " + to_string(c.train.objective);
+    }
+    if (starts("preference.") && c.train.objective != ObjectiveKind::kPreference) {
+      return "train.objective is " + to_string(c.train.objective);
+    }
+    if (key == "preference.label_smoothing" && p.loss == PreferenceLossKind::kIpo) {
+      return "preference.loss is ipo";
+    }
+    if (key == "preference.simpo_gamma" && p.loss != PreferenceLossKind::kSimpo) {
+      return "preference.loss is " + to_string(p.loss);
+    }
+    if (key == "lora.cache_base_weights" && c.lora.merge_aware) return "lora.merge_aware is true";
+    return "";
+  };
+  std::map<std::string, std::vector<std::string>> by_reason;  // reason -> keys, in table order
+  std::vector<std::string> order;
+  for (size_t i = 0; i < fields.size(); ++i) {
+    if (md_default(fields[i]) == md_default(base[i])) continue;  // at its default
+    const std::string r = why(fields[i].key);
+    if (r.empty()) continue;
+    if (!by_reason.count(r)) order.push_back(r);
+    by_reason[r].push_back(fields[i].key);
+  }
+  if (order.empty()) return "";
+  std::string s = "warning: settings that do not apply to this run are ignored:";
+  for (size_t i = 0; i < order.size(); ++i) {
+    s += (i ? "; " : " ") + join(by_reason[order[i]], ", ") + " (" + order[i] + ")";
+  }
+  return s;
+}
 
 std::string config_reference_markdown() {
   Config defaults;

@@ -139,11 +139,7 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
 
 std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out) {
-  // A full-precision teacher stays full precision (its dense linears dense).
-  const FrozenModelSpec spec{c.distill.teacher, c.distill.teacher_config, "distill.teacher",
-                             "distill.teacher_config", "teacher", /*keep_dense=*/true,
-                             /*fake_quant=*/true};
-  return load_frozen_model(c, spec, student, vocab_size, out);
+  return load_frozen_model(c, teacher_spec(c), student, vocab_size, out);
 }
 
 }  // namespace q4::trainer

@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <ostream>
@@ -12,6 +13,7 @@
 #include "q4/trainer/distill.h"
 #include "q4/trainer/options.h"
 #include "q4/trainer/setup.h"
+#include "q4/trainer/signals.h"
 
 namespace fs = std::filesystem;
 
@@ -148,6 +150,50 @@ TopkTeacher::TopkTeacher(const std::string& path, const std::vector<data::Exampl
       (ids_.min().item<int64_t>() < 0 || ids_.max().item<int64_t>() >= vocab_size)) {
     throw ConfigError("config key distill.topk_file: " + path + ": token ids out of range");
   }
+  check_logprobs(path, examples);
+}
+
+// Every row a distribution's top K: finite log-probabilities <= 0 whose probabilities sum to at
+// most 1. The tolerances cover fp32 rounding: log_softmax's largest value can come out a few ulps
+// above 0, and K <= 4096 rounded probabilities sum to within K x 2^-24 < 3e-4 of their true sum.
+void TopkTeacher::check_logprobs(const std::string& path,
+                                 const std::vector<data::Example>& examples) const {
+  constexpr double kLogprobTolerance = 1e-5, kMassTolerance = 1e-3;
+  constexpr int64_t kRowsAtOnce = 1 << 16;  // bounds the fp64 temporaries
+  const int64_t S = logprobs_.size(0);
+  int64_t row = -1;  // the first row that is not a distribution's top K
+  for (int64_t r0 = 0; r0 < S && row < 0; r0 += kRowsAtOnce) {
+    const at::Tensor lp = logprobs_.narrow(0, r0, std::min(kRowsAtOnce, S - r0));  // (n, K)
+    const at::Tensor ok =
+        at::isfinite(lp)
+            .all(1)
+            .logical_and(lp.le(kLogprobTolerance).all(1))
+            .logical_and(lp.to(at::kDouble).exp().sum(1).le(1.0 + kMassTolerance));
+    if (!ok.all().item<bool>()) row = r0 + ok.logical_not().to(at::kByte).argmax().item<int64_t>();
+  }
+  if (row < 0) return;
+  const at::Tensor lp = logprobs_[row];  // (K)
+  const auto first = [](const at::Tensor& mask) {
+    return mask.to(at::kByte).argmax().item<int64_t>();
+  };
+  std::string what;
+  if (!at::isfinite(lp).all().item<bool>()) {
+    const int64_t k = first(at::isfinite(lp).logical_not());
+    what = fmt::format("log-probability {} is {}", k, lp[k].item<float>());
+  } else if (lp.gt(kLogprobTolerance).any().item<bool>()) {
+    const int64_t k = first(lp.gt(kLogprobTolerance));
+    what = fmt::format("log-probability {} is {}, above 0", k, lp[k].item<float>());
+  } else {
+    what = fmt::format("its probabilities sum to {:.6g}, above 1",
+                       lp.to(at::kDouble).exp().sum().item<double>());
+  }
+  // The example (and its line) whose positions hold the row.
+  const auto e = static_cast<size_t>(std::upper_bound(offsets_.begin(), offsets_.end(), row) -
+                                     offsets_.begin() - 1);
+  throw ConfigError(fmt::format(
+      "config key distill.topk_file: {}: row {} (example {}, line {}): {} (not a teacher's "
+      "top-K log-probabilities; write it again with q4train --write-teacher-topk)",
+      path, row, e, e < examples.size() ? examples[e].source_line : 0, what));
 }
 
 OfflineDistillation::OfflineDistillation(const DistillConfig& c,
@@ -202,6 +248,11 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
                       " exists; remove it, or pass --overwrite to replace it");
   }
   check_device_available(cfg);
+  // A stop signal ends the pass at the next batch; the file is written whole or not at all.
+  set_stop_message(
+      "\nq4train: stop signal received: stopping at the next batch; nothing is written (a third "
+      "signal kills)\n");
+  install_stop_handlers();
   RunPlan plan(cfg, RunOptions{});
   RunSetup setup(plan, out, err);
   setup.load_model(/*need_tokenizer=*/true, /*load_weights=*/false);
@@ -231,6 +282,13 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
   int64_t written = 0;
   auto last_report = std::chrono::steady_clock::now();
   for (;;) {
+    if (stop_requested()) {
+      out << fmt::format(
+          "signal {}: stopped after {} of {} positions; nothing written ({} would be "
+          "incomplete), run the command again to write it\n",
+          stop_signal(), written, S, path);
+      return kExitOk;
+    }
     const data::Batch b = batcher.next();
     if (b.epoch > 0) break;
     const std::vector<int64_t> src = topk_rows_of_batch(b, examples, offsets);

@@ -22,6 +22,7 @@ int run_dry_run(const Config& config, std::ostream& out) {
   RunPlan plan(config, RunOptions{});
   const Config& c = plan.config();
   if (const std::string note = plan.clip_warmup(); !note.empty()) out << note << "\n";
+  if (const std::string w = ignored_settings_warning(c); !w.empty()) out << w << "\n";
   check_input_files(c, /*need_data=*/plan.steps() > 0);
   check_output_paths(c);
   const auto mc = load_model_config(c);
@@ -29,6 +30,17 @@ int run_dry_run(const Config& config, std::ostream& out) {
     trainable_spec(c).validate(mc.num_hidden_layers);
     return 0;
   });
+  // The frozen models the run loads (a teacher only without distill.topk_file), their files and
+  // vocabularies checked as the run checks them before loading them.
+  const bool trains = plan.steps() > 0;
+  if (trains && c.train.objective == ObjectiveKind::kDistill && !c.distill.teacher.empty() &&
+      c.distill.topk_file.empty()) {
+    check_frozen_model_config(c, teacher_spec(c), mc.vocab_size);
+  }
+  if (trains && c.train.objective == ObjectiveKind::kPreference &&
+      c.preference.loss != PreferenceLossKind::kSimpo && !c.preference.reference.empty()) {
+    check_frozen_model_config(c, reference_spec(c), mc.vocab_size);
+  }
   // The data as the run reads it: the real tokenizer, every file, the validation split, the
   // truncation policy and the batcher's packing (which sizes an epoch); no weights.
   if (plan.steps() > 0) {

@@ -147,6 +147,8 @@ data::DatasetOptions dataset_options(const Config& c) {
   o.system_prompt = c.data.system_prompt;
   o.on_error = c.data.on_error;
   o.text_unit = c.data.text_unit;
+  o.skip_hint = "set data.on_error: skip";
+  o.preference_hint = "set train.objective: preference to train on preference pairs";
   return o;
 }
 

@@ -11,23 +11,28 @@
 #include <filesystem>
 #include <ostream>
 
+#include "q4/io/crc32c.h"
 #include "q4/io/dat_file.h"
 #include "q4/trainer/distill.h"
 #include "q4/trainer/options.h"
 #include "q4/trainer/run_dir.h"
 #include "q4/trainer/setup.h"
+#include "q4/trainer/signals.h"
 
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
 
 void PreferenceLossOptions::validate() const {
-  TORCH_CHECK(std::isfinite(beta) && beta > 0, "preference.beta: expected a finite value > 0, got ",
-              beta);
+  // The config's bounds (config.h): inside them the fp32 loss math stays finite.
+  TORCH_CHECK(beta >= kMinPreferenceBeta && beta <= kMaxPreferenceBeta,
+              "preference.beta: expected a value in [", kMinPreferenceBeta, ", ",
+              kMaxPreferenceBeta, "], got ", beta);
   TORCH_CHECK(label_smoothing >= 0 && label_smoothing < 0.5,
               "preference.label_smoothing: expected 0 <= value < 0.5, got ", label_smoothing);
-  TORCH_CHECK(std::isfinite(simpo_gamma), "preference.simpo_gamma: expected a finite value, got ",
-              simpo_gamma);
+  TORCH_CHECK(simpo_gamma >= -kMaxSimpoGamma && simpo_gamma <= kMaxSimpoGamma,
+              "preference.simpo_gamma: expected a value in [", -kMaxSimpoGamma, ", ",
+              kMaxSimpoGamma, "], got ", simpo_gamma);
 }
 
 namespace {
@@ -123,8 +128,9 @@ std::vector<int64_t> sequence_of_positions(const data::Batch& batch) {
       out[static_cast<size_t>(r * T + t)] = next - 1;
     }
   }
-  TORCH_CHECK(next == static_cast<int64_t>(batch.example_indices.size()), "preference: the batch has ",
-              next, " sequences but ", batch.example_indices.size(), " examples");
+  TORCH_CHECK(next == static_cast<int64_t>(batch.example_indices.size()),
+              "preference: the batch has ", next, " sequences but ", batch.example_indices.size(),
+              " examples");
   return out;
 }
 
@@ -132,6 +138,8 @@ constexpr const char* kTrain = "reference.train";
 constexpr const char* kTrainHashes = "reference.train_hashes";
 constexpr const char* kValidation = "reference.validation";
 constexpr const char* kValidationHashes = "reference.validation_hashes";
+constexpr const char* kModel = "reference.model";
+constexpr const char* kChecksum = "reference.crc32c";
 
 at::Tensor hashes_of(const std::vector<data::Example>& examples) {
   std::vector<int64_t> h;
@@ -140,17 +148,97 @@ at::Tensor hashes_of(const std::vector<data::Example>& examples) {
   return at::tensor(h, at::kLong);
 }
 
-// The file's log-probabilities of `examples` under `key`, or nothing when it holds other examples.
-std::optional<std::vector<double>> read_reference(const io::DatReader& r, const char* key,
-                                                  const char* hashes_key,
-                                                  const std::vector<data::Example>& examples) {
-  const io::DatEntry* v = r.find(key);
-  const io::DatEntry* h = r.find(hashes_key);
-  if (v == nullptr || h == nullptr) return std::nullopt;
-  const at::Tensor values = r.load(*v), hashes = r.load(*h);
-  if (values.scalar_type() != at::kDouble || hashes.scalar_type() != at::kLong ||
-      values.dim() != 1 || hashes.sizes() != values.sizes() ||
-      values.numel() != static_cast<int64_t>(examples.size()) ||
+// preference.reference as the file records it: the path, or "" for the starting model.
+at::Tensor model_entry(const std::string& reference) {
+  return at::tensor(std::vector<uint8_t>(reference.begin(), reference.end()), at::kByte);
+}
+
+std::string model_name(const std::string& reference) {
+  return reference.empty() ? "the starting model" : reference;
+}
+
+// CRC32C over the payloads of every other entry, in the order they are written.
+int64_t checksum_of(const std::vector<at::Tensor>& payloads) {
+  uint32_t crc = 0;
+  for (const at::Tensor& t : payloads) {
+    const at::Tensor c = t.contiguous();
+    crc = io::crc32c(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), crc);
+  }
+  return static_cast<int64_t>(crc);
+}
+
+// The file's entries as written by reference_logprobs: nullopt for a file without a checksum (an
+// older q4train's, computed again); an input error for a damaged one (checksum, types, values),
+// or one computed by another reference model than the config names.
+struct ReferenceFile {
+  at::Tensor train, train_hashes, validation, validation_hashes;
+};
+std::optional<ReferenceFile> read_reference_file(const std::string& path, const Config& c,
+                                                 std::ostream& out) {
+  const std::string key = "output.dir (" + std::string(kReferenceFile) + ")";
+  const auto reader = as_input_error(key, [&] { return std::make_unique<io::DatReader>(path); });
+  const io::DatReader& r = *reader;
+  if (r.find(kChecksum) == nullptr) {
+    out << "reference log-probabilities: " << path
+        << " has no checksum (an older q4train wrote it); computing them again\n";
+    return std::nullopt;
+  }
+  auto damaged = [&](const std::string& what) {
+    return ConfigError(fmt::format(
+        "{}: {} is damaged ({}); remove it to compute the reference log-probabilities again", key,
+        path, what));
+  };
+  ReferenceFile f;
+  at::Tensor model, crc;
+  const std::vector<std::pair<const char*, at::Tensor*>> entries = {
+      {kTrain, &f.train},
+      {kTrainHashes, &f.train_hashes},
+      {kValidation, &f.validation},
+      {kValidationHashes, &f.validation_hashes},
+      {kModel, &model},
+      {kChecksum, &crc}};
+  for (const auto& [name, t] : entries) {
+    const io::DatEntry* e = r.find(name);
+    if (e == nullptr) throw damaged(std::string("no entry ") + name);
+    *t = as_input_error(key, [&] { return r.load(*e); });
+  }
+  const bool types_ok =
+      f.train.scalar_type() == at::kDouble && f.validation.scalar_type() == at::kDouble &&
+      f.train_hashes.scalar_type() == at::kLong && f.validation_hashes.scalar_type() == at::kLong &&
+      model.scalar_type() == at::kByte && crc.scalar_type() == at::kLong && crc.numel() == 1 &&
+      f.train.dim() == 1 && f.validation.dim() == 1 && f.train_hashes.sizes() == f.train.sizes() &&
+      f.validation_hashes.sizes() == f.validation.sizes();
+  if (!types_ok) throw damaged("unexpected entry types or shapes");
+  if (checksum_of({f.train, f.train_hashes, f.validation, f.validation_hashes, model}) !=
+      crc.item<int64_t>()) {
+    throw damaged("checksum mismatch");
+  }
+  for (const at::Tensor* v : {&f.train, &f.validation}) {
+    const double* p = v->data_ptr<double>();
+    for (int64_t i = 0; i < v->numel(); ++i) {
+      if (!std::isfinite(p[i])) {
+        throw damaged(fmt::format("{}[{}] is {}, not a finite log-probability",
+                                  v == &f.train ? kTrain : kValidation, i, p[i]));
+      }
+    }
+  }
+  // The run's objective is defined by its reference: a resume that names another one would train
+  // against scores of the old one (or change the objective mid-run).
+  const std::string was(static_cast<const char*>(model.data_ptr()),
+                        static_cast<size_t>(model.numel()));
+  if (was != c.preference.reference) {
+    throw ConfigError(fmt::format(
+        "config key preference.reference: {}, but {} holds the reference log-probabilities of {} "
+        "(this run's reference); set it back, or remove the file to score with the new one",
+        model_name(c.preference.reference), path, model_name(was)));
+  }
+  return f;
+}
+
+// The file's log-probabilities of `examples`, or nothing when it holds other examples.
+std::optional<std::vector<double>> matching(const at::Tensor& values, const at::Tensor& hashes,
+                                            const std::vector<data::Example>& examples) {
+  if (values.numel() != static_cast<int64_t>(examples.size()) ||
       !at::equal(hashes, hashes_of(examples))) {
     return std::nullopt;
   }
@@ -177,8 +265,8 @@ SequenceLogprobs sequence_logprobs(model::Qwen3Model& model, const model::ModelI
     ++tokens[ix[k]];
   }
   const at::Tensor lp = tl.logprobs.to(at::kFloat);
-  out.sums = at::zeros({n}, lp.options())
-                 .index_add(0, index.to(lp.device(), /*non_blocking=*/false), lp);
+  out.sums =
+      at::zeros({n}, lp.options()).index_add(0, index.to(lp.device(), /*non_blocking=*/false), lp);
   return out;
 }
 
@@ -199,6 +287,9 @@ std::vector<double> sequence_logprobs_of(model::Qwen3Model& model,
   auto last_report = t0;
   size_t done = 0;
   for (;;) {
+    // A stop signal ends the pass at the next batch (docs/reliability.md, "Signals"): the run
+    // stops in set-up and the caller writes nothing.
+    if (stop_requested()) return result;
     const data::Batch b = batcher.next();
     if (b.epoch > 0) break;
     const SequenceLogprobs s = sequence_logprobs(model, to_inputs(b, model, dev), b);
@@ -216,8 +307,9 @@ std::vector<double> sequence_logprobs_of(model::Qwen3Model& model,
     }
   }
   for (double v : result) {
-    TORCH_CHECK(std::isfinite(v), "preference: the reference pass left a sequence without a "
-                                  "finite log-probability");
+    TORCH_CHECK(std::isfinite(v),
+                "preference: the reference pass left a sequence without a "
+                "finite log-probability");
   }
   return result;
 }
@@ -231,31 +323,26 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
   ReferenceLogprobs ref;
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) {
-    const auto reader = as_input_error(
-        "output.dir (" + std::string(kReferenceFile) + ")",
-        [&] { return std::make_unique<io::DatReader>(path); });
-    auto t = read_reference(*reader, kTrain, kTrainHashes, train.examples());
-    auto v = read_reference(*reader, kValidation, kValidationHashes, held);
-    if (t && v) {
-      out << fmt::format("reference log-probabilities: read from {} ({} + {} sequences)\n", path,
-                         t->size(), v->size());
-      ref.train = std::move(*t);
-      ref.validation = std::move(*v);
-      return ref;
+    if (const auto f = read_reference_file(path, c, out)) {
+      auto t = matching(f->train, f->train_hashes, train.examples());
+      auto v = matching(f->validation, f->validation_hashes, held);
+      if (t && v) {
+        out << fmt::format("reference log-probabilities: read from {} ({} + {} sequences)\n", path,
+                           t->size(), v->size());
+        ref.train = std::move(*t);
+        ref.validation = std::move(*v);
+        return ref;
+      }
+      out << "reference log-probabilities: " << path
+          << " describes other examples; computing them again\n";
     }
-    out << "reference log-probabilities: " << path
-        << " describes other examples; computing them again\n";
   }
   const auto t0 = std::chrono::steady_clock::now();
   const model::ModelOptions mo = model_options(c);
   std::unique_ptr<model::Qwen3Model> loaded;
   model::Qwen3Model* reference = &policy;
   if (!c.preference.reference.empty()) {
-    // Loaded as model.weights is: a plain-precision run's dense linears stay dense.
-    const FrozenModelSpec spec{c.preference.reference, c.preference.reference_config,
-                               "preference.reference", "preference.reference_config", "reference",
-                               /*keep_dense=*/!c.model.fake_quant, c.model.fake_quant};
-    loaded = load_frozen_model(c, spec, mo, policy.config().vocab_size, out);
+    loaded = load_frozen_model(c, reference_spec(c), mo, policy.config().vocab_size, out);
     reference = loaded.get();
   }
   // Batched as training batches them (unshuffled): the same rows, padding and attention path.
@@ -265,14 +352,22 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
         sequence_logprobs_of(*reference, held, validation->options(), out, "validation");
   }
   loaded.reset();  // the reference leaves memory before training
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (stop_requested()) {
+    // A signal in the pass: the partial scores are no file (the run stops before its first step).
+    out << "reference log-probabilities: stopped by signal " << stop_signal()
+        << "; nothing written\n";
+    return ref;
+  }
   if (write) {
-    io::DatWriter w(path, 4);
-    w.add(kTrain, at::tensor(ref.train, at::kDouble));
-    w.add(kTrainHashes, hashes_of(train.examples()));
-    w.add(kValidation, at::tensor(ref.validation, at::kDouble));
-    w.add(kValidationHashes, hashes_of(held));
+    const std::vector<at::Tensor> payloads = {at::tensor(ref.train, at::kDouble),
+                                              hashes_of(train.examples()),
+                                              at::tensor(ref.validation, at::kDouble),
+                                              hashes_of(held), model_entry(c.preference.reference)};
+    io::DatWriter w(path, 6);
+    const char* keys[] = {kTrain, kTrainHashes, kValidation, kValidationHashes, kModel};
+    for (size_t i = 0; i < payloads.size(); ++i) w.add(keys[i], payloads[i]);
+    w.add(kChecksum, at::tensor({checksum_of(payloads)}, at::kLong));
     w.commit();
   }
   out << fmt::format("reference log-probabilities of {} + {} sequences by {} in {:.1f} s{}\n",
@@ -291,14 +386,17 @@ std::string preference_summary(const Config& c) {
   if (p.loss == PreferenceLossKind::kSimpo) s += fmt::format(", gamma {}", p.simpo_gamma);
   if (p.sft_weight > 0) s += fmt::format(", + {} x chosen cross-entropy", p.sft_weight);
   if (p.loss == PreferenceLossKind::kSimpo) return s + "; no reference model";
-  return s + fmt::format("; reference log-probabilities computed once, before step 1, by {} and "
-                         "kept in {}",
-                         p.reference.empty() ? "the starting model" : p.reference,
-                         (fs::path(c.output.dir) / kReferenceFile).string());
+  return s + fmt::format(
+                 "; reference log-probabilities computed once, before step 1, by {} and "
+                 "kept in {}",
+                 p.reference.empty() ? "the starting model" : p.reference,
+                 (fs::path(c.output.dir) / kReferenceFile).string());
 }
 
 PreferenceObjective::PreferenceObjective(const PreferenceConfig& c, ReferenceLogprobs reference)
-    : loss_(preference_loss_options(c)), sft_weight_(c.sft_weight), reference_(std::move(reference)) {
+    : loss_(preference_loss_options(c)),
+      sft_weight_(c.sft_weight),
+      reference_(std::move(reference)) {
   loss_.validate();
 }
 

@@ -204,10 +204,10 @@ std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fr
   const char* unit = group == 2 ? "pair" : "training example";
   const auto k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * n)));
   if (k >= n) {
-    throw ConfigError(fmt::format(
-        "config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
-        "train on; lower it or use data.eval_files",
-        k, n, unit, n == 1 ? "" : "s"));
+    throw ConfigError(
+        fmt::format("config key data.eval_fraction: holding out {} of {} {}{} leaves none to "
+                    "train on; lower it or use data.eval_files",
+                    k, n, unit, n == 1 ? "" : "s"));
   }
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
@@ -305,8 +305,7 @@ std::vector<data::Example> load_examples(const Config& c, const std::string& fil
   std::vector<data::Example> examples;
   data::LoadSummary summary;
   if (c.train.objective == ObjectiveKind::kPreference) {
-    auto ds =
-        as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
+    auto ds = as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
     for (auto& p : ds.pairs) {
       examples.push_back(std::move(p.chosen));
       examples.push_back(std::move(p.rejected));
@@ -322,16 +321,30 @@ std::vector<data::Example> load_examples(const Config& c, const std::string& fil
   return examples;
 }
 
+FrozenModelSpec teacher_spec(const Config& c) {
+  // A full-precision teacher stays full precision (its dense linears dense).
+  return {c.distill.teacher, c.distill.teacher_config, "distill.teacher",  "distill.teacher_config",
+          "teacher",         /*keep_dense=*/true,      /*fake_quant=*/true};
+}
+
+FrozenModelSpec reference_spec(const Config& c) {
+  return {c.preference.reference,
+          c.preference.reference_config,
+          "preference.reference",
+          "preference.reference_config",
+          "reference",
+          /*keep_dense=*/!c.model.fake_quant,
+          c.model.fake_quant};
+}
+
 std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec) {
   if (!spec.config_path.empty()) return spec.config_path;
   return model::is_hf_folder(spec.path) ? (fs::path(spec.path) / "config.json").string()
                                         : c.model.config;
 }
 
-std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
-                                                     const model::ModelOptions& student,
-                                                     int64_t vocab_size, std::ostream& out) {
-  const auto t0 = Clock::now();
+model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& spec,
+                                             int64_t vocab_size) {
   if (!model::is_hf_folder(spec.path)) require_file(spec.path, spec.key);
   const std::string config_path = frozen_config_path(c, spec);
   require_file(config_path,
@@ -344,6 +357,14 @@ std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const Froz
         "they must score the same tokens",
         spec.key, spec.role, cfg.vocab_size, config_path, vocab_size));
   }
+  return cfg;
+}
+
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
+                                                     const model::ModelOptions& student,
+                                                     int64_t vocab_size, std::ostream& out) {
+  const auto t0 = Clock::now();
+  const model::Qwen3Config cfg = check_frozen_model_config(c, spec, vocab_size);
   model::ModelOptions opt;
   opt.device = student.device;
   opt.compute_dtype = student.compute_dtype;

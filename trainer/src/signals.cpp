@@ -12,6 +12,10 @@ namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 volatile std::sig_atomic_t g_signal_count = 0;
+// What the first signal announces; a string literal, set before the handlers can run.
+const char* volatile g_first_message =
+    "\nq4train: stop signal received: finishing the current step, then a checkpoint and exit (a "
+    "third signal kills without a checkpoint)\n";
 
 void say(const char* text) {
   [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, text, std::strlen(text));
@@ -28,8 +32,7 @@ extern "C" void q4_on_stop_signal(int sig) {
   }
   if (g_stop_signal == 0) g_stop_signal = sig;
   if (count == 1) {
-    say("\nq4train: stop signal received: finishing the current step, then a checkpoint and "
-        "exit (a third signal kills without a checkpoint)\n");
+    say(g_first_message);
   } else {
     say("\nq4train: already stopping (a checkpoint may be being written); one more signal kills "
         "without a checkpoint\n");
@@ -37,6 +40,8 @@ extern "C" void q4_on_stop_signal(int sig) {
 }
 
 }  // namespace
+
+void set_stop_message(const char* text) { g_first_message = text; }
 
 void install_stop_handlers() {
   struct sigaction sa {};

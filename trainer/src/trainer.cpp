@@ -70,6 +70,7 @@ class Trainer {
     if (plan_.options().export_only) return export_only();
     // A run length from the data (train.epochs, warmup_ratio) is clipped once it is resolved.
     if (const std::string note = plan_.clip_warmup(); !note.empty()) out_ << note << "\n";
+    if (const std::string w = ignored_settings_warning(cfg()); !w.empty()) err_ << w << "\n";
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
     if (stop_requested()) {
@@ -359,7 +360,7 @@ class Trainer {
   }
 
   // A skipped update (non-finite gradients) is a warning; more than train.max_nonfinite_steps
-  // in a row end the run.
+  // in a row end the run, and so does a run whose every step was skipped (end_of_run).
   void check_nonfinite(const optim::StepResult& res, int64_t done) {
     if (res.applied) {
       consecutive_nonfinite_ = 0;
@@ -424,6 +425,13 @@ class Trainer {
     // for them too; this also covers a run with neither).
     sync_->wait_masters();
     if (total > start_step_) log_.end_bar_line();
+    // A run shorter than train.max_nonfinite_steps whose every step was skipped trained nothing:
+    // an error, not a finished run (its export would be the starting model).
+    if (total > start_step_ && consecutive_nonfinite_ == total - start_step_) {
+      TORCH_CHECK(false, "training diverged: every step of this run (", consecutive_nonfinite_,
+                  ") had non-finite gradients and was skipped; nothing was trained (check the "
+                  "data, optim.lr and the objective's settings)");
+    }
     if (total == start_step_ && evaluator_.has_validation()) {  // nothing left to train
       if (const auto v = evaluator_.validation_loss(total)) {
         out_ << fmt::format("validation loss at step {}: {:.4f}{}\n", total, v->loss,

@@ -56,6 +56,12 @@ struct DatasetOptions {
   // conversation that has no system message of its own. Empty = no system turn.
   std::string system_prompt;
   OnError on_error = OnError::kFail;
+  // How the caller sets on_error, for the error on a malformed line ("set data.on_error: skip");
+  // empty: the caller has no such setting and the error gives no hint.
+  std::string skip_hint = "set on_error: skip";
+  // A preference record ({"chosen", "rejected"}) met by load_dataset is an error; this says how
+  // the caller reads such a file instead ("set train.objective: preference"); empty: nothing.
+  std::string preference_hint;
   // kText only: append <|endoftext|> (supervised) to each document so the model learns ends.
   bool text_append_endoftext = true;
   // kText only: a document is the whole file, a paragraph or a line. In every unit, line ends
@@ -129,9 +135,9 @@ struct PreferenceDataset {
 PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
                                           const DatasetOptions& options = {});
 PreferenceDataset load_preference_dataset_from_string(const std::string& content,
-                                                     const std::string& name,
-                                                     const Tokenizer& tokenizer,
-                                                     const DatasetOptions& options = {});
+                                                      const std::string& name,
+                                                      const Tokenizer& tokenizer,
+                                                      const DatasetOptions& options = {});
 
 // Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,

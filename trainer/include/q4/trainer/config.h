@@ -50,10 +50,14 @@ using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
-enum class ObjectiveKind { kCrossEntropy, kDistill, kPreference };  // cross_entropy | distill |
-                                                                  // preference
-enum class TrainMethod { kFull, kLora };               // full | lora
-enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
+enum class ObjectiveKind {
+  kCrossEntropy,
+  kDistill,
+  kPreference
+};                                                 // cross_entropy | distill |
+                                                   // preference
+enum class TrainMethod { kFull, kLora };           // full | lora
+enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
 enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
 
@@ -140,7 +144,7 @@ struct TrainConfig {
   // Recomputed layers run their MLP over row chunks of this many tokens (docs/trainer.md#
   // recompute-by-memory-budget); 0: never; auto: resolved_mlp_chunk_tokens().
   IntOrAuto mlp_chunk_tokens;
-  int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
+  int64_t steps = 100;  // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
@@ -154,6 +158,19 @@ struct TrainConfig {
 
 // train.objective: distill (docs/trainer.md#distillation). The teacher is frozen and computes in
 // the run's compute dtype on its device; its NVFP4 linears hold dequantize(q).
+// Bounds of the settings that scale logits, log-probabilities or losses: inside them every
+// product, quotient and exponent of the fp32 loss math stays finite (docs/trainer.md, "Bounds").
+// distill.temperature: logits / T with |logits| up to ~1e4 stays far below the fp32 maximum, and
+// T^2 well above its smallest normal; above 100 every distribution is flat to fp32 precision.
+inline constexpr double kMinDistillTemperature = 0.01, kMaxDistillTemperature = 100.0;
+// preference.beta: beta x (a sequence log-probability sum, up to ~1e6 in magnitude), 1 / (2 beta)
+// and simpo_gamma / beta all stay within 1e9; the gradients scale with beta.
+inline constexpr double kMinPreferenceBeta = 1e-3, kMaxPreferenceBeta = 1e3;
+// preference.simpo_gamma: the SimPO margin (papers use 0.3-1.6); |gamma| / beta <= 1e5.
+inline constexpr double kMaxSimpoGamma = 100.0;
+// preference.sft_weight: a multiple of a mean cross-entropy (TRL's rpo_alpha is about 1).
+inline constexpr double kMaxSftWeight = 1e3;
+
 struct DistillConfig {
   std::string teacher;         // .dat or Hugging Face folder (dense linears stay dense)
   std::string teacher_config;  // its config.json (default: the folder's, else model.config)
@@ -184,7 +201,7 @@ struct PreferenceConfig {
 // train.method: lora (docs/trainer.md#lora-adapters).
 struct LoraConfig {
   int64_t rank = 16;
-  double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
+  double alpha = 32.0;   // the adapter's update is scaled by alpha / rank
   double dropout = 0.0;  // on the adapter's input (plain adapters only)
   std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
@@ -355,6 +372,14 @@ Config load_config(const std::string& path, const std::vector<Override>& overrid
 // covers configs built or edited in code) and the cross-field rules; ConfigError naming the key.
 // parse_config calls it.
 void validate_config(const Config& c);
+
+// Settings that differ from their defaults but do not apply to this run (lora.* without
+// train.method lora, distill.* and preference.* under another objective, a sigmoid/SimPO-only
+// setting under ipo, simpo_gamma without simpo, lora.cache_base_weights with merge-aware
+// adapters): one warning line listing the keys and why, or "" when there are none. A setting
+// that would change what the run computes if it applied (distill.teacher, preference.reference)
+// is refused by validate_config instead.
+std::string ignored_settings_warning(const Config& c);
 
 // The resolved config as YAML (every field, defaults included; train.steps is left out while
 // train.epochs sets the run length); parse_config(to_yaml(c)) == c.

@@ -119,6 +119,10 @@ class TopkTeacher {
   const std::vector<int64_t>& offsets() const { return offsets_; }
 
  private:
+  // Every row finite, <= 0 and of probability mass <= 1 (fp32 tolerances); else an input error
+  // naming the file, the row, its example and line.
+  void check_logprobs(const std::string& path, const std::vector<data::Example>& examples) const;
+
   at::Tensor ids_, logprobs_;
   std::vector<int64_t> offsets_;
 };

@@ -91,11 +91,20 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 // config.json, else model.config). `key` and `config_key` name them in errors, `role` in messages.
 struct FrozenModelSpec {
   std::string path, config_path, key, config_key, role;
-  bool keep_dense = true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
+  bool keep_dense =
+      true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
   bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
 };
+// The run's frozen models: distill.teacher (dense linears dense, fake-quantized NVFP4 linears) and
+// preference.reference (loaded as model.weights is: a plain-precision run's dense linears dense).
+FrozenModelSpec teacher_spec(const Config& c);
+FrozenModelSpec reference_spec(const Config& c);
 // The config.json a frozen model is read with (see FrozenModelSpec::config_path).
 std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec);
+// Its config.json, read and checked (the files exist; its vocabulary is `vocab_size`, the trained
+// model's): what load_frozen_model checks before loading anything, and what --dry-run checks.
+model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& spec,
+                                             int64_t vocab_size);
 // Loads it on `student`'s device in its compute dtype, nothing trainable; its vocabulary must be
 // `vocab_size` (the trained model's). The load is reported on `out`.
 std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,

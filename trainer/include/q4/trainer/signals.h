@@ -10,6 +10,9 @@ namespace q4::trainer {
 inline constexpr int kSignalsBeforeKill = 3;  // the third stop signal kills
 
 void install_stop_handlers();  // idempotent
+// What the first signal says on stderr (a string literal: the handler writes it as it is), for
+// commands that stop otherwise than after a training step (--write-teacher-topk).
+void set_stop_message(const char* text);
 bool stop_requested();
 int stop_signal();           // the signal that asked for the stop (0 when none)
 void request_stop(int sig);  // what the handler does; tests call it directly
