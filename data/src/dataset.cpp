@@ -12,12 +12,14 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "q4/data/chat_json.h"
 #include "q4/io/utf8.h"
 
 namespace q4::data {
 namespace {
 
-using json = nlohmann::json;
+// Ordered: tool definitions and arguments print in the order they were written.
+using json = nlohmann::ordered_json;
 
 constexpr char kUtf8Bom[] = "\xEF\xBB\xBF";
 
@@ -53,6 +55,7 @@ Example from_chat(ChatTokens&& t, int64_t line) {
   Example e;
   e.input_ids = std::move(t.input_ids);
   e.labels = std::move(t.labels);
+  e.reasoning_dropped = t.reasoning_dropped;
   e.source_line = line;
   return e;
 }
@@ -68,46 +71,55 @@ std::string string_field(const json& obj, const char* key) {
 
 // An assistant turn with nothing in it trains the model to answer with nothing: an error, like
 // an empty answer in every other format. `where` names the turn ("messages[2]"), `key` its text.
-void check_assistant_content(const std::string& content, const std::string& where,
-                             const char* key) {
-  if (is_blank(content)) {
+// A turn that only calls tools, or only reasons, says something.
+void check_assistant_content(const Message& m, const std::string& where, const char* key) {
+  if (is_blank(m.content) && m.tool_calls.empty() &&
+      (!m.reasoning_content.has_value() || is_blank(*m.reasoning_content))) {
     throw BadLine{where + ": empty \"" + key + "\" of an assistant turn (nothing to supervise)"};
+  }
+}
+
+// Chat messages and tools read from JSON, their errors as the line's reason.
+std::vector<Message> messages_of(const json& list, const std::string& key) {
+  try {
+    return messages_from_json(list, key);
+  } catch (const ChatJsonError& e) {
+    throw BadLine{e.what()};
+  }
+}
+ToolList tools_of(const json& record) {
+  try {
+    return tools_from_json(record);
+  } catch (const ChatJsonError& e) {
+    throw BadLine{e.what()};
   }
 }
 
 // ---- other JSONL shapes people have: TRL prompt/completion, ShareGPT, alpaca,
 // {"text"}. parse_jsonl dispatches on the keys; `kind` names the shape for the load summary.
 
-// A list of {"role", "content"} messages (TRL conversational fields).
+// A list of messages (TRL conversational fields), with reasoning and tool calls.
 std::vector<Message> message_list(const json& jm, const std::string& key) {
   if (!jm.is_array()) throw BadLine{"\"" + key + "\": expected a string or a list of messages"};
-  std::vector<Message> msgs;
-  for (size_t i = 0; i < jm.size(); ++i) {
-    const json& m = jm[i];
-    const std::string where = key + "[" + std::to_string(i) + "]";
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
-        !m["content"].is_string()) {
-      throw BadLine{where + ": expected {\"role\": string, \"content\": string}"};
+  std::vector<Message> msgs = messages_of(jm, key);
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    if (msgs[i].role == "assistant") {
+      check_assistant_content(msgs[i], key + "[" + std::to_string(i) + "]", "content");
     }
-    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-    const std::string& r = msgs.back().role;
-    if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
-      throw BadLine{where + ".role: unknown role \"" + r +
-                    "\" (expected system, user, assistant or tool)"};
-    }
-    if (r == "assistant") check_assistant_content(msgs.back().content, where, "content");
   }
   return msgs;
 }
 
 // A prompt and its completion, the completion under the record's key `ckey`: both strings (a
 // user prompt and its answer) or both message lists (only the completion is supervised, as
-// TRL's completion-only loss).
+// TRL's completion-only loss). `tools`: the record's tool definitions.
 Example prompt_and_completion(const json& p, const json& c, const std::string& ckey,
-                              const Tokenizer& tok, const DatasetOptions& opt) {
-  if (p.is_string() && c.is_string()) {
+                              const Tokenizer& tok, const DatasetOptions& opt,
+                              const ToolList& tools) {
+  if (p.is_string() && c.is_string() && tools.empty()) {
     if (is_blank(c.get<std::string>())) throw BadLine{"empty \"" + ckey + "\""};
-    return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt);
+    return make_pair_example(tok, p.get<std::string>(), c.get<std::string>(), opt.system_prompt,
+                             opt.chat);
   }
   // Each field is blamed for its own type, the pair for a mismatch between them.
   for (const auto& [v, key] : {std::pair<const json&, std::string>{p, "prompt"}, {c, ckey}}) {
@@ -115,6 +127,12 @@ Example prompt_and_completion(const json& p, const json& c, const std::string& c
       throw BadLine{"\"" + key + "\": expected a string or a list of messages, found " +
                     (v.is_null() ? std::string("null") : v.type_name())};
     }
+  }
+  if (p.is_string() && c.is_string()) {  // with tools: a user turn and an assistant turn
+    if (is_blank(c.get<std::string>())) throw BadLine{"empty \"" + ckey + "\""};
+    return prompt_and_completion(json::array({{{"role", "user"}, {"content", p}}}),
+                                 json::array({{{"role", "assistant"}, {"content", c}}}), ckey, tok,
+                                 opt, tools);
   }
   if (p.is_string() != c.is_string()) {
     throw BadLine{"\"prompt\" and \"" + ckey +
@@ -132,20 +150,13 @@ Example prompt_and_completion(const json& p, const json& c, const std::string& c
   }
   std::vector<Message> all = prompt;
   all.insert(all.end(), completion.begin(), completion.end());
-  ChatTokens t = tokenize_chat(tok, all);
-  // Assistant turns inside the prompt are context: unsupervise everything the prompt renders.
-  const ChatTokens head = tokenize_chat(tok, prompt, /*add_generation_prompt=*/true);
-  if (head.input_ids.size() <= t.input_ids.size() &&
-      std::equal(head.input_ids.begin(), head.input_ids.end(), t.input_ids.begin())) {
-    std::fill(t.labels.begin(),
-              t.labels.begin() + static_cast<std::ptrdiff_t>(head.input_ids.size()), kIgnoreIndex);
-  }
-  return from_chat(std::move(t), 0);
+  // Assistant turns inside the prompt are context: only the completion's are supervised.
+  return from_chat(tokenize_chat(tok, all, false, opt.chat, tools, prompt.size()), 0);
 }
 
 // TRL prompt/completion.
 Example parse_trl(const json& j, const Tokenizer& tok, const DatasetOptions& opt) {
-  return prompt_and_completion(j["prompt"], j["completion"], "completion", tok, opt);
+  return prompt_and_completion(j["prompt"], j["completion"], "completion", tok, opt, tools_of(j));
 }
 
 // TRL preference record: {"prompt", "chosen", "rejected"} (strings, or message lists), or
@@ -162,31 +173,29 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
         "\"chosen\" and \"rejected\" are message lists whose shared leading messages "
         "are the prompt)"};
   }
+  const ToolList tools = tools_of(j);
   if (j.contains("prompt")) {
-    pair.chosen = prompt_and_completion(j["prompt"], j["chosen"], "chosen", tok, opt);
-    pair.rejected = prompt_and_completion(j["prompt"], j["rejected"], "rejected", tok, opt);
+    pair.chosen = prompt_and_completion(j["prompt"], j["chosen"], "chosen", tok, opt, tools);
+    pair.rejected = prompt_and_completion(j["prompt"], j["rejected"], "rejected", tok, opt, tools);
   } else {
-    const std::vector<Message> c = message_list(j["chosen"], "chosen");
-    const std::vector<Message> r = message_list(j["rejected"], "rejected");
-    size_t k = 0;  // the shared prefix: the implicit prompt
-    while (k < c.size() && k < r.size() && c[k].role == r[k].role && c[k].content == r[k].content) {
-      ++k;
-    }
+    message_list(j["chosen"], "chosen");  // validates both lists
+    message_list(j["rejected"], "rejected");
+    const json &c = j["chosen"], &r = j["rejected"];
+    size_t k = 0;  // the shared prefix (whole messages, tool calls included): the implicit prompt
+    while (k < c.size() && k < r.size() && c[k] == r[k]) ++k;
     if (k == 0) {
       throw BadLine{
           "\"chosen\" and \"rejected\" share no leading message (without \"prompt\", "
           "the shared messages are the prompt)"};
     }
-    auto to_json = [](const std::vector<Message>& m, size_t begin, size_t end) {
+    auto slice = [](const json& m, size_t begin, size_t end) {
       json out = json::array();
-      for (size_t i = begin; i < end; ++i)
-        out.push_back({{"role", m[i].role}, {"content", m[i].content}});
+      for (size_t i = begin; i < end; ++i) out.push_back(m[i]);
       return out;
     };
-    const json prompt = to_json(c, 0, k), jc = to_json(c, k, c.size()),
-               jr = to_json(r, k, r.size());
-    pair.chosen = prompt_and_completion(prompt, jc, "chosen", tok, opt);
-    pair.rejected = prompt_and_completion(prompt, jr, "rejected", tok, opt);
+    const json prompt = slice(c, 0, k), jc = slice(c, k, c.size()), jr = slice(r, k, r.size());
+    pair.chosen = prompt_and_completion(prompt, jc, "chosen", tok, opt, tools);
+    pair.rejected = prompt_and_completion(prompt, jr, "rejected", tok, opt, tools);
   }
   if (pair.chosen.input_ids == pair.rejected.input_ids) {
     throw BadLine{"\"chosen\" and \"rejected\" are the same answer (nothing to prefer)"};
@@ -246,13 +255,13 @@ Example parse_sharegpt(const json& j, const Tokenizer& tok, const DatasetOptions
     has_system |= role == "system";
     has_assistant |= role == "assistant";
     msgs.push_back({role, m["value"].get<std::string>()});
-    if (role == "assistant") check_assistant_content(msgs.back().content, where, "value");
+    if (role == "assistant") check_assistant_content(msgs.back(), where, "value");
   }
   if (!has_assistant) throw BadLine{"\"conversations\": no gpt turn (nothing to supervise)"};
   if (!has_system && !opt.system_prompt.empty()) {
     msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
   }
-  return from_chat(tokenize_chat(tok, msgs), 0);
+  return from_chat(tokenize_chat(tok, msgs, false, opt.chat), 0);
 }
 
 // Alpaca: {"instruction", "input" (optional, may be empty), "output"}; the prompt is the
@@ -265,7 +274,7 @@ Example parse_alpaca(const json& j, const Tokenizer& tok, const DatasetOptions& 
   }
   const std::string answer = string_field(j, "output");
   if (is_blank(answer)) throw BadLine{"empty \"output\""};
-  return make_pair_example(tok, prompt, answer, opt.system_prompt);
+  return make_pair_example(tok, prompt, answer, opt.system_prompt, opt.chat);
 }
 
 // A plain-text document: no template, every token supervised, plus <|endoftext|> when asked.
@@ -305,32 +314,21 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
   if (j.contains("messages")) {
     const json& jm = j["messages"];
     if (!jm.is_array()) throw BadLine{"\"messages\": expected an array"};
-    std::vector<Message> msgs;
+    std::vector<Message> msgs = messages_of(jm, "messages");
     bool has_system = false, has_assistant = false;
-    for (size_t i = 0; i < jm.size(); ++i) {
-      const json& m = jm[i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-          !m.contains("content") || !m["content"].is_string()) {
-        throw BadLine{where + ": expected {\"role\": string, \"content\": string}"};
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      has_system |= msgs[i].role == "system";
+      has_assistant |= msgs[i].role == "assistant";
+      if (msgs[i].role == "assistant") {
+        check_assistant_content(msgs[i], "messages[" + std::to_string(i) + "]", "content");
       }
-      Message msg{m["role"].get<std::string>(), m["content"].get<std::string>()};
-      if (msg.role != "system" && msg.role != "user" && msg.role != "assistant" &&
-          msg.role != "tool") {
-        throw BadLine{where + ".role: unknown role \"" + msg.role +
-                      "\" (expected system, user, assistant or tool)"};
-      }
-      has_system |= msg.role == "system";
-      has_assistant |= msg.role == "assistant";
-      if (msg.role == "assistant") check_assistant_content(msg.content, where, "content");
-      msgs.push_back(std::move(msg));
     }
     if (!has_assistant) throw BadLine{"\"messages\": no assistant message (nothing to supervise)"};
     if (!has_system && !opt.system_prompt.empty()) {
       msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
     }
     *kind = "messages";
-    return from_chat(tokenize_chat(tok, msgs), line_no);
+    return from_chat(tokenize_chat(tok, msgs, false, opt.chat, tools_of(j)), line_no);
   }
   if (j.contains("prompt") && j.contains("completion")) {
     *kind = "trl prompt/completion";
@@ -345,7 +343,7 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
     if (key == nullptr) throw BadLine{"\"prompt\" without \"answer\", \"response\" or \"target\""};
     const std::string answer = string_field(j, key);
     if (is_blank(answer)) throw BadLine{std::string("empty \"") + key + "\""};
-    Example e = make_pair_example(tok, prompt, answer, opt.system_prompt);
+    Example e = make_pair_example(tok, prompt, answer, opt.system_prompt, opt.chat);
     e.source_line = line_no;
     *kind = "prompt/answer";
     return e;
@@ -536,6 +534,11 @@ std::string LoadSummary::to_string() const {
     << " blank/comment/header), " << skipped << " skipped, " << tokens << " tokens, "
     << supervised_tokens << " supervised";
   if (!format_name().empty()) s << ", format " << format_name();
+  if (reasoning_dropped > 0) {
+    s << "\n  " << reasoning_dropped
+      << " assistant turns' reasoning not rendered (the chat template drops it: see "
+         "data.chat_template)";
+  }
   for (const auto& k : first_skipped) s << "\n  skipped line " << k.line << ": " << k.reason;
   if (skipped > static_cast<int64_t>(first_skipped.size())) {
     s << "\n  ... and " << (skipped - static_cast<int64_t>(first_skipped.size())) << " more";
@@ -544,12 +547,13 @@ std::string LoadSummary::to_string() const {
 }
 
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
-                          const std::string& answer, const std::string& system_prompt) {
+                          const std::string& answer, const std::string& system_prompt,
+                          const ChatOptions& chat) {
   std::vector<Message> msgs;
   if (!system_prompt.empty()) msgs.push_back({"system", system_prompt});
   msgs.push_back({"user", prompt});
   msgs.push_back({"assistant", answer});
-  return from_chat(tokenize_chat(tokenizer, msgs), 0);
+  return from_chat(tokenize_chat(tokenizer, msgs, false, chat), 0);
 }
 
 Dataset load_dataset_from_string(const std::string& content, const std::string& name,
@@ -579,6 +583,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         ex.source_line = r.line;
         ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
         for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+        ds.summary.reasoning_dropped += ex.reasoning_dropped;
         ds.examples.push_back(std::move(ex));
       } catch (const BadLine& bad) {
         skip_or_fail(&ds.summary, options, name, r.line, bad.reason, "records");
@@ -628,7 +633,8 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         }
         const std::string answer = line.substr(tab + 1);
         if (is_blank(answer)) throw BadLine{"empty answer after the tab"};
-        ex = make_pair_example(tokenizer, line.substr(0, tab), answer, options.system_prompt);
+        ex = make_pair_example(tokenizer, line.substr(0, tab), answer, options.system_prompt,
+                               options.chat);
       } else if (format == DataFormat::kJsonl) {
         check_utf8(line);
         std::string kind;
@@ -641,6 +647,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
       ex.source_line = line_no;
       ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
       for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+      ds.summary.reasoning_dropped += ex.reasoning_dropped;
       ds.examples.push_back(std::move(ex));
     } catch (const BadLine& bad) {
       skip_or_fail(&ds.summary, options, name, line_no, bad.reason, "lines");
@@ -667,6 +674,7 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
       for (const Example* e : {&p.chosen, &p.rejected}) {
         ds.summary.tokens += static_cast<int64_t>(e->input_ids.size());
         for (TokenId l : e->labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
+        ds.summary.reasoning_dropped += e->reasoning_dropped;
       }
       ++ds.summary.jsonl_formats["trl preference"];
       ds.pairs.push_back(std::move(p));

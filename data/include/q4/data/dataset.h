@@ -67,6 +67,8 @@ struct DatasetOptions {
   // kText only: a document is the whole file, a paragraph or a line. In every unit, line ends
   // ("\r\n", a lone "\r") read as "\n" and the document's leading and trailing line ends go.
   TextUnit text_unit = TextUnit::kFile;
+  // The chat template conversations render with (resolved: never kAuto).
+  ChatOptions chat;
 };
 
 struct SkippedLine {
@@ -85,6 +87,7 @@ struct LoadSummary {
   int64_t tokens = 0;                            // sum of example lengths
   int64_t supervised_tokens = 0;                 // sum of supervised labels
   std::map<std::string, int64_t> jsonl_formats;  // JSONL: examples per detected shape
+  int64_t reasoning_dropped = 0;  // assistant turns whose reasoning the template does not render
   bool json_array = false;  // the file is one JSON array of records (a .json file)
   // "jsonl (sharegpt)", "jsonl (mixed: alpaca 2, text 1)", "json array (alpaca)"; "" for
   // TSV/text files.
@@ -103,6 +106,7 @@ struct Example {
   // Set by split truncation: 0 for an example's first (or only) window, k for its (k+1)-th,
   // which continues the previous one.
   int64_t window = 0;
+  int64_t reasoning_dropped = 0;   // ChatTokens::reasoning_dropped of its conversation
 };
 
 struct Dataset {
@@ -141,7 +145,8 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
 
 // Helper used by the loaders: a prompt/answer pair as a (system,) user, assistant conversation.
 Example make_pair_example(const Tokenizer& tokenizer, const std::string& prompt,
-                          const std::string& answer, const std::string& system_prompt = "");
+                          const std::string& answer, const std::string& system_prompt = "",
+                          const ChatOptions& chat = {});
 
 // ---------------------------------------------------------------- batching
 
