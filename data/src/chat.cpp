@@ -268,9 +268,15 @@ ChatTemplate identify_chat_template(const std::string& text, const std::string& 
   return ChatTemplate::kAuto;
 }
 
+std::string tokenizer_folder(const std::string& tokenizer_path) {
+  if (tokenizer_path.empty()) return "";
+  return std::filesystem::absolute(tokenizer_path).parent_path().string();
+}
+
 ChatTemplate resolve_chat_template(ChatTemplate t, const std::string& folder) {
   namespace fs = std::filesystem;
   if (t != ChatTemplate::kAuto) return t;
+  if (folder.empty()) return ChatTemplate::kQwen3_2507Instruct;
   std::error_code ec;
   const fs::path jinja = fs::path(folder) / "chat_template.jinja";
   if (fs::is_regular_file(jinja, ec))

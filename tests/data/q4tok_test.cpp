@@ -185,5 +185,58 @@ TEST(Q4tok, DataCountsWhatTruncationLoses) {
   EXPECT_EQ(run_q4tok("data --text-unit page --data " + f.path(), "").exit_code, 2);
 }
 
+TEST(Q4tok, ChatTemplateAndThinkingFlags) {
+  test::qwen3_tokenizer();
+  // chat: the template and enable_thinking reach the generation prompt; tools are read in order.
+  const std::string conv =
+      R"({"tools": [{"name": "f", "b": 1.0, "a": null}], "messages": [{"role": "user", "content": "Hi"}]})"
+      "\n";
+  ToolRun r =
+      run_q4tok("chat --add-generation-prompt --chat-template qwen3 --enable-thinking false", conv,
+                /*merge_err=*/true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const std::string rendered = json::parse(r.out)["rendered"].get<std::string>();
+  EXPECT_NE(rendered.find("<tools>\n{\"name\": \"f\", \"b\": 1.0, \"a\": null}\n</tools>"),
+            std::string::npos)
+      << rendered;
+  EXPECT_EQ(rendered.substr(rendered.size() - 41),
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  r = run_q4tok("chat --add-generation-prompt --chat-template qwen3-2507-thinking", conv);
+  ASSERT_EQ(r.exit_code, 0);
+  EXPECT_NE(json::parse(r.out)["rendered"].get<std::string>().find("assistant\n<think>\n"),
+            std::string::npos);
+  // data --show: the hybrid template renders the answer's think block, trained.
+  const test::TempFile f(
+      ".jsonl",
+      R"({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "reasoning_content": "R", "content": "A"}]})"
+      "\n");
+  r = run_q4tok("data --show 1 --chat-template qwen3 --data " + f.path(), "", true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("<|im_start|>assistant\n\u27e6<think>\nR\n</think>\n\nA<|im_end|>\u27e7"),
+            std::string::npos)
+      << r.out;
+  // The default (auto, no template beside the tokenizer) is 2507 Instruct: reasoning dropped,
+  // and the summary says so.
+  r = run_q4tok("data --show 1 --data " + f.path(), "", true);
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("<|im_start|>assistant\n\u27e6A<|im_end|>\u27e7"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("1 assistant turns' reasoning not rendered"), std::string::npos) << r.out;
+  // Bad input: an unknown template name, a tool call without a name.
+  r = run_q4tok("chat --chat-template chatml", conv, true);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--chat-template"), std::string::npos) << r.out;
+  r = run_q4tok(
+      "chat",
+      R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})"
+      "\n",
+      true);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.out.find("stdin:1: messages[0].tool_calls[0].function: a tool call without a "
+                       "\"name\""),
+            std::string::npos)
+      << r.out;
+}
+
 }  // namespace
 }  // namespace q4::data

@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
     const model::ModelOptions opt = chat::inference_options(m.device);
     std::unique_ptr<data::Tokenizer> tok;
     chat::LoadedModel loaded;
+    data::ChatOptions chat_opt;
     as_input([&] {
       so.seed = parse_seed(seed);
       so.validate();
@@ -102,6 +103,15 @@ int main(int argc, char** argv) {
       if (!m.system_given() && !paths.system_prompt.empty()) {
         m.system = paths.system_prompt;
         if (!quiet) std::cerr << "q4chat: system prompt from the run's data.system_prompt\n";
+      }
+      chat_opt = chat::chat_options(m, paths);
+      if (!quiet) {
+        std::cerr << "q4chat: chat template " << io::enum_name(chat_opt.chat_template)
+                  << (chat_opt.enable_thinking ? *chat_opt.enable_thinking
+                                                     ? ", enable_thinking true"
+                                                     : ", enable_thinking false"
+                                               : "")
+                  << "\n";
       }
       check_text(*tok, prompt, "--prompt");
       check_text(*tok, m.system, m.system_given() ? "--system" : "data.system_prompt");
@@ -115,7 +125,8 @@ int main(int argc, char** argv) {
       }
       return 0;
     });
-    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new);
+    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new,
+                                                    chat_opt);
     const auto print = [](const std::string& s) { std::cout << s << std::flush; };
     const auto stats = [&](const chat::TurnResult& r, double s) {
       if (quiet) return;
@@ -146,7 +157,8 @@ int main(int argc, char** argv) {
       }
       if (line == "/exit" || line.empty()) break;
       if (line == "/reset") {
-        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new);
+        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new,
+                                                    chat_opt);
         continue;
       }
       if (is_command(line)) {

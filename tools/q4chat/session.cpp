@@ -96,12 +96,13 @@ std::string Utf8Stream::finish() {
 
 ChatSession::ChatSession(model::Qwen3Model& model, const data::Tokenizer& tokenizer,
                          const SamplingOptions& sampling, std::string system,
-                         int64_t max_new_tokens)
+                         int64_t max_new_tokens, const data::ChatOptions& chat)
     : model_(model),
       tok_(tokenizer),
       sampler_(sampling),
       system_(std::move(system)),
       max_new_tokens_(max_new_tokens),
+      chat_(chat),
       cache_(model.make_cache(1, 256)) {
   TORCH_CHECK(max_new_tokens > 0, "--max-new-tokens: expected > 0, got ", max_new_tokens);
 }
@@ -115,7 +116,7 @@ TurnResult ChatSession::turn(const std::string& user,
     std::vector<data::Message> msgs;
     if (!system_.empty()) msgs.push_back({"system", system_});
     msgs.push_back({"user", user});
-    const auto t = data::tokenize_chat(tok_, msgs, /*add_generation_prompt=*/true).input_ids;
+    const auto t = data::tokenize_chat(tok_, msgs, /*add_generation_prompt=*/true, chat_).input_ids;
     ids.assign(t.begin(), t.end());
   } else {
     // The previous reply's last token was sampled but not fed. It closes the reply when it is
@@ -126,7 +127,8 @@ TurnResult ChatSession::turn(const std::string& user,
     }
     ids.push_back(im_end);
     const auto t = tok_.encode(
-        "\n" + data::render_chat(std::vector<data::Message>{data::Message{"user", user}}, true));
+        "\n" +
+        data::render_chat(std::vector<data::Message>{data::Message{"user", user}}, true, chat_));
     ids.insert(ids.end(), t.begin(), t.end());
     // history_ holds the unfed last token; replace it by what is fed now.
     if (!last_reply_.empty()) history_.pop_back();
@@ -187,6 +189,10 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
       r.config = c.model.config;
       r.tokenizer = c.model.tokenizer;
       r.system_prompt = c.data.system_prompt;
+      r.chat_template = c.data.chat_template;
+      if (c.data.enable_thinking != trainer::AutoBool::kAuto) {
+        r.enable_thinking = c.data.enable_thinking == trainer::AutoBool::kTrue;
+      }
       r.described = "run directory " + model + " (config.yaml)";
     } else if (model::is_hf_folder(p.string())) {
       r.weights = p.string();
@@ -254,6 +260,18 @@ LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer
   return r;
 }
 
+data::ChatOptions chat_options(const ModelArgs& args, const ModelPaths& paths) {
+  data::ChatOptions o;
+  const data::ChatTemplate t =
+      args.chat_template.empty()
+          ? paths.chat_template
+          : io::parse_enum<data::ChatTemplate>(args.chat_template, "--chat-template");
+  o.chat_template = data::resolve_chat_template(t, data::tokenizer_folder(paths.tokenizer));
+  o.enable_thinking = paths.enable_thinking;
+  if (!args.enable_thinking.empty()) o.enable_thinking = args.enable_thinking == "true";
+  return o;
+}
+
 bool ModelArgs::system_given() const { return system_option && system_option->count() > 0; }
 
 void add_model_options(CLI::App& app, ModelArgs& args) {
@@ -264,6 +282,14 @@ void add_model_options(CLI::App& app, ModelArgs& args) {
   app.add_option("--tokenizer", args.tokenizer, "tokenizer.json (default: found from --model)");
   args.system_option = app.add_option("--system", args.system,
                                       "system prompt (default: a run's data.system_prompt)");
+  app.add_option("--chat-template", args.chat_template,
+                 "qwen3, qwen3-2507-instruct, qwen3-2507-thinking or auto (default: a run's "
+                 "data.chat_template, else auto: the model folder's template)")
+      ->check(CLI::IsMember(io::enum_names<data::ChatTemplate>()));
+  app.add_option("--enable-thinking", args.enable_thinking,
+                 "true or false: HF's enable_thinking (default: a run's data.enable_thinking, "
+                 "else unset: thinking on)")
+      ->check(CLI::IsMember({"true", "false"}));
   app.add_option("--device", args.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--adapter", args.adapter,
                  "a PEFT LoRA adapter folder to apply (q4train's <export>-adapter, or peft's)");

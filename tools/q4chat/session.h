@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../tool_errors.h"
+#include "q4/data/chat.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -50,9 +51,13 @@ struct TurnResult {
 class ChatSession {
  public:
   // `system`: optional system turn; `max_new_tokens` per reply. The model is used for inference
-  // only; the tokenizer must have the ChatML tokens.
+  // only; the tokenizer must have the ChatML tokens. `chat`: the template of each turn's prompt
+  // (its generation prompt: enable_thinking). Earlier turns stay in the cache as generated, so a
+  // reply's <think> block stays in the context, where a re-render by the qwen3 and 2507 Thinking
+  // templates would drop it (docs/data.md "Chat templates").
   ChatSession(model::Qwen3Model& model, const data::Tokenizer& tokenizer,
-              const SamplingOptions& sampling, std::string system, int64_t max_new_tokens);
+              const SamplingOptions& sampling, std::string system, int64_t max_new_tokens,
+              const data::ChatOptions& chat = {});
   // One user turn: the reply is decoded and streamed to `on_text` piece by piece.
   TurnResult turn(const std::string& user,
                   const std::function<void(const std::string&)>& on_text = {});
@@ -66,6 +71,7 @@ class ChatSession {
   Sampler sampler_;
   std::string system_;
   int64_t max_new_tokens_;
+  data::ChatOptions chat_;
   model::KvCache cache_;
   std::vector<int64_t> history_;
   std::vector<int64_t> last_reply_;  // tokens of the previous reply (the last one not cached)
@@ -85,7 +91,9 @@ auto as_input(F&& fn) -> decltype(fn()) {
 // --system and --device.
 struct ModelArgs {
   std::string model, config, tokenizer, system, device = "cpu";
-  std::string adapter;  // a PEFT LoRA adapter folder applied to the model (empty: none)
+  std::string chat_template;    // --chat-template (empty: the run's, else auto)
+  std::string enable_thinking;  // --enable-thinking true|false (empty: the run's, else unset)
+  std::string adapter;          // a PEFT LoRA adapter folder applied to the model (empty: none)
   const CLI::Option* system_option = nullptr;
   bool system_given() const;  // --system was on the command line (even empty)
 };
@@ -98,7 +106,15 @@ struct ModelPaths {
   std::string described;      // one line on how the paths were found
   bool hf_folder = false;     // weights is a Hugging Face folder (model::is_hf_folder)
   std::string system_prompt;  // a run directory's data.system_prompt (empty: none)
+  // A run directory's data.chat_template and data.enable_thinking (else auto and unset).
+  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
+  std::optional<bool> enable_thinking;
 };
+
+// The chat template to render with: --chat-template / --enable-thinking, else the run's, else
+// auto (the template of the tokenizer's folder, identified; qwen3-2507-instruct when it has
+// none).
+data::ChatOptions chat_options(const ModelArgs& args, const ModelPaths& paths);
 
 // `model`: a .dat file (config/tokenizer from the options, else config.json/tokenizer.json
 // beside it), a q4train run directory (its export, model.config/model.tokenizer and

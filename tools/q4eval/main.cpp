@@ -80,6 +80,14 @@ Inputs read_inputs(const Args& a) {
   if (!a.text_unit.empty())
     c.data.text_unit = io::parse_enum<data::TextUnit>(a.text_unit, "--text-unit");
   if (a.m.system_given()) c.data.system_prompt = a.m.system;
+  // The template: --chat-template / --enable-thinking, else the run's, else the model folder's.
+  in.paths.chat_template = c.data.chat_template;
+  const data::ChatOptions chat_opt = chat::chat_options(a.m, in.paths);
+  c.data.chat_template = chat_opt.chat_template;
+  if (chat_opt.enable_thinking.has_value()) {
+    c.data.enable_thinking = *chat_opt.enable_thinking ? trainer::AutoBool::kTrue
+                                                       : trainer::AutoBool::kFalse;
+  }
   in.tokenizer = std::make_unique<data::Tokenizer>(chat::load_tokenizer(in.paths));
   data::DatasetOptions dopt = trainer::dataset_options(c);
   // q4eval has no on_error flag (a run's config.yaml may set data.on_error) and scores supervised

@@ -1,8 +1,9 @@
 // q4tok: line-oriented front end of the q4_data tokenizer, chat template and loaders.
 //   encode: one JSON string per stdin line  -> one JSON array of ids per line
 //   decode: one JSON array of ids per line  -> one JSON string per line (invalid UTF-8 -> U+FFFD)
-//   chat:   one JSON conversation per line ({"messages":[...]} or [...]) -> one JSON object
-//           {"rendered", "ids", "mask"} per line (mask 1 = supervised)
+//   chat:   one JSON conversation per line ({"messages":[...], "tools":[...]} or [...]) -> one
+//           JSON object {"rendered", "ids", "mask"} per line (mask 1 = supervised); the chat
+//           template by --chat-template / --enable-thinking (docs/data.md "Chat templates")
 //   data:   load a dataset file and print its LoadSummary and token counts, then what truncation
 //           to --seq-len does to it (the counts the trainer prints, and its warning); with
 //           --show N, the first N examples as the model sees them (the rendered text, trained
@@ -22,6 +23,7 @@
 
 #include "../tool_main.h"
 #include "q4/data/chat.h"
+#include "q4/data/chat_json.h"
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/io/bounded_read.h"
@@ -102,28 +104,35 @@ void run_decode(const q4::data::Tokenizer& tok, bool skip_special) {
   }
 }
 
-void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt) {
+// A conversation per line: {"messages": [...], "tools": [...]} or [...messages].
+void run_chat(const q4::data::Tokenizer& tok, bool add_generation_prompt,
+              const q4::data::ChatOptions& chat) {
+  using q4::data::ordered_json;
   std::string line;
   for (int64_t n = 1; next_line(line, n); ++n) {
-    const json j = parse_line(line, n);
-    const json& jm = j.is_object() && j.contains("messages") ? j["messages"] : j;
-    std::vector<q4::data::Message> msgs;
+    const std::string where = "stdin:" + std::to_string(n);
+    ordered_json j;
+    try {
+      j = ordered_json::parse(line);  // ordered: tool definitions print in their order
+    } catch (const ordered_json::exception& e) {
+      throw InputError(where + ": bad JSON: " + e.what());
+    }
+    const ordered_json& jm = j.is_object() && j.contains("messages") ? j["messages"] : j;
     if (!jm.is_array()) {
-      throw InputError("stdin:" + std::to_string(n) +
-                       ": expected {\"messages\": [...]} or an array of messages");
+      throw InputError(where + ": expected {\"messages\": [...]} or an array of messages");
     }
-    for (const auto& m : jm) {
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-          !m.contains("content") || !m["content"].is_string()) {
-        throw InputError("stdin:" + std::to_string(n) +
-                         ": each message must be {\"role\": string, \"content\": string}");
-      }
-      msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    std::vector<q4::data::Message> msgs;
+    q4::data::ToolList tools;
+    try {
+      msgs = q4::data::messages_from_json(jm, "messages");
+      tools = q4::data::tools_from_json(j);
+    } catch (const q4::data::ChatJsonError& e) {
+      throw InputError(where + ": " + e.what());
     }
-    const auto t = q4::data::tokenize_chat(tok, msgs, add_generation_prompt);
+    const auto t = q4::data::tokenize_chat(tok, msgs, add_generation_prompt, chat, tools);
     std::vector<int> mask(t.labels.size());
     for (size_t k = 0; k < mask.size(); ++k) mask[k] = t.labels[k] != q4::data::kIgnoreIndex;
-    json out = {{"rendered", q4::data::render_chat(msgs, add_generation_prompt)},
+    json out = {{"rendered", q4::data::render_chat(msgs, add_generation_prompt, chat, tools)},
                 {"ids", t.input_ids},
                 {"mask", mask}};
     std::cout << out.dump() << '\n';
@@ -222,9 +231,20 @@ int main(int argc, char** argv) {
   add_tok(dec);
   dec->add_flag("--skip-special", skip_special, "drop special added tokens");
   bool gen_prompt = false;
+  std::string chat_template = "auto", enable_thinking;
+  auto add_template = [&](CLI::App* sub) {
+    sub->add_option("--chat-template", chat_template,
+                    "auto (the template beside --tokenizer, identified; qwen3-2507-instruct when "
+                    "there is none), qwen3, qwen3-2507-instruct or qwen3-2507-thinking")
+        ->check(CLI::IsMember(q4::io::enum_names<q4::data::ChatTemplate>()));
+    sub->add_option("--enable-thinking", enable_thinking,
+                    "true | false: HF's enable_thinking (default: unset, thinking on)")
+        ->check(CLI::IsMember({"true", "false"}));
+  };
   auto* chat = app.add_subcommand("chat", "JSON conversation per line -> rendered, ids, mask");
   add_tok(chat);
   chat->add_flag("--add-generation-prompt", gen_prompt, "append <|im_start|>assistant\\n");
+  add_template(chat);
   std::string data_path, format = "auto", on_error = "fail", system_prompt;
   std::string truncation = "auto", text_unit = "file";
   int64_t seq_len = 256;
@@ -243,6 +263,7 @@ int main(int argc, char** argv) {
   data->add_option("--truncation", truncation,
                    "auto | cut_left | cut_right | drop | split (data.truncation)")
       ->capture_default_str();
+  add_template(data);
   int64_t show = 0;
   data->add_option("--show", show,
                    "print the first N examples (pairs) as the model sees them (trained tokens "
@@ -260,9 +281,14 @@ int main(int argc, char** argv) {
         // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
         q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
         const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
+        q4::data::ChatOptions chat_opt;
+        chat_opt.chat_template = q4::data::resolve_chat_template(
+            q4::io::parse_enum<q4::data::ChatTemplate>(chat_template, "--chat-template"),
+            q4::data::tokenizer_folder(tokenizer_path));
+        if (!enable_thinking.empty()) chat_opt.enable_thinking = enable_thinking == "true";
         if (*enc) run_encode(tok);
         if (*dec) run_decode(tok, skip_special);
-        if (*chat) run_chat(tok, gen_prompt);
+        if (*chat) run_chat(tok, gen_prompt, chat_opt);
         if (*data) {
           q4::data::DatasetOptions opt;
           opt.format = q4::data::parse_data_format(format);
@@ -272,6 +298,7 @@ int main(int argc, char** argv) {
           const auto policy = q4::data::parse_truncation(truncation);
           opt.skip_hint = "pass --on-error skip";
           opt.preference_hint = "pass --preference to read preference pairs";
+          opt.chat = chat_opt;
           // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
           q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
           if (preference) {

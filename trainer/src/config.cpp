@@ -357,6 +357,7 @@ std::string to_string(Offload v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
 std::string to_string(data::TextUnit v) { return enum_name(v); }
+std::string to_string(data::ChatTemplate v) { return enum_name(v); }
 std::string to_string(ProgressStyle v) { return enum_name(v); }
 std::string to_string(HfExport v) { return enum_name(v); }
 std::string to_string(ObjectiveKind v) { return enum_name(v); }
@@ -666,6 +667,13 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("data.format", &c.data.format, "file format (auto: by extension)"),
       field("data.system_prompt", &c.data.system_prompt,
             "optional system turn before every example", {}, {"system"}),
+      field("data.chat_template", &c.data.chat_template,
+            "chat template: qwen3 (hybrid thinking), qwen3-2507-instruct, qwen3-2507-thinking, "
+            "or auto (the model folder's, identified; qwen3-2507-instruct when it has none)",
+            {}, {"template"}),
+      field("data.enable_thinking", &c.data.enable_thinking,
+            "HF's enable_thinking for the qwen3 template's generation prompt (auto: unset, "
+            "thinking on)"),
       field("data.shuffle", &c.data.shuffle, "reshuffle every epoch (seeded by train.seed)"),
       field("data.packing", &c.data.packing,
             "pack several examples into one seq_len row (best fit; false: one example per row)", {},
@@ -1013,6 +1021,13 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   }
   resolve_overridden_lengths(c, root, overridden, source_name);
   resolve_paths(c, fields, overridden, base_dir);
+  try {
+    c.data.chat_template = data::resolve_chat_template(c.data.chat_template,
+                                                       data::tokenizer_folder(c.model.tokenizer));
+  } catch (const c10::Error& e) {
+    throw ConfigError(std::string("config key data.chat_template (auto): ") +
+                      e.what_without_backtrace());
+  }
   // A cross-field rule has no line to point at: the message names the file instead (a saved
   // config.yaml that lost its contents reads "model.weights: required" otherwise).
   try {

@@ -11,6 +11,7 @@
 
 #include "q4/data/chat.h"
 #include "q4/trainer/nvtx.h"
+#include "q4/trainer/options.h"
 #include "q4/trainer/setup.h"
 
 namespace q4::trainer {
@@ -26,7 +27,8 @@ std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::T
     std::vector<data::Message> msgs;
     if (!c.data.system_prompt.empty()) msgs.push_back({"system", c.data.system_prompt});
     msgs.push_back({"user", prompt});
-    const auto ids = data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true).input_ids;
+    const auto ids =
+        data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true, chat_options(c)).input_ids;
     EvalAnswer a;
     a.prompt = prompt;
     a.tokens = model.generate(std::vector<int64_t>(ids.begin(), ids.end()), gen);

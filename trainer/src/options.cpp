@@ -141,6 +141,16 @@ optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps) {
   return s;
 }
 
+data::ChatOptions chat_options(const Config& c) {
+  data::ChatOptions o;
+  o.chat_template = data::resolve_chat_template(c.data.chat_template,
+                                                data::tokenizer_folder(c.model.tokenizer));
+  if (c.data.enable_thinking != AutoBool::kAuto) {
+    o.enable_thinking = c.data.enable_thinking == AutoBool::kTrue;
+  }
+  return o;
+}
+
 data::DatasetOptions dataset_options(const Config& c) {
   data::DatasetOptions o;
   o.format = c.data.format;
@@ -149,6 +159,7 @@ data::DatasetOptions dataset_options(const Config& c) {
   o.text_unit = c.data.text_unit;
   o.skip_hint = "set data.on_error: skip";
   o.preference_hint = "set train.objective: preference to train on preference pairs";
+  o.chat = chat_options(c);
   return o;
 }
 

@@ -86,9 +86,12 @@ ChatTokens tokenize_chat(const Tokenizer& tokenizer, const std::vector<Message>&
 
 // kAuto -> the template of the model folder `folder` (its chat_template.jinja, else the
 // "chat_template" of its tokenizer_config.json), identified by comparing whitespace-normalised
-// text with the three known templates; a folder with neither file -> kQwen3_2507Instruct. An
+// text with the three known templates; no folder ("") or a folder with neither file ->
+// kQwen3_2507Instruct. An
 // unknown template is an error naming the file. Other values are returned unchanged.
 ChatTemplate resolve_chat_template(ChatTemplate t, const std::string& folder);
+// The folder of a tokenizer.json path, for resolve_chat_template ("" for an empty path).
+std::string tokenizer_folder(const std::string& tokenizer_path);
 
 // The template `text` (read from `source`) as one of the three; an error naming `source` when it
 // is none of them.

@@ -69,6 +69,7 @@ std::string to_string(Offload v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
 std::string to_string(data::TextUnit v);
+std::string to_string(data::ChatTemplate v);
 std::string to_string(ProgressStyle v);
 std::string to_string(HfExport v);
 std::string to_string(ObjectiveKind v);
@@ -251,6 +252,11 @@ struct DataConfig {
   double eval_fraction = 0.0;  // hold out this fraction of training examples for validation loss
   data::DataFormat format = data::DataFormat::kAuto;  // auto: by extension
   std::string system_prompt;                          // optional system turn before every example
+  // Chat template of conversations (docs/data.md "Chat templates"). auto: the model folder's
+  // template identified (its folder: that of model.tokenizer); 2507 Instruct when it has none.
+  // parse_config resolves auto, so the saved config.yaml names the template the run used.
+  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
+  AutoBool enable_thinking = AutoBool::kAuto;  // HF's enable_thinking; auto: unset (thinking on)
   bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
   bool packing = true;        // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;  // packing: examples considered for each row
@@ -317,8 +323,9 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
-                 data::DataFormat*, data::OnError*, data::TextUnit*, Truncation*, ProgressStyle*,
-                 HfExport*, ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*>;
+                 data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*, Truncation*,
+                 ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
+                 PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.

@@ -24,6 +24,9 @@ optim::AdamWOptions adamw_options(const Config& c);
 // The LR schedule over a run of `steps` optimizer steps (the run plan's resolved length).
 optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps);
 data::DatasetOptions dataset_options(const Config& c);
+// data.chat_template and data.enable_thinking; auto (a Config that parse_config did not resolve)
+// resolved from the folder of model.tokenizer.
+data::ChatOptions chat_options(const Config& c);
 // Batcher settings of a run (training and the probe alike). On CUDA the batch's rows are laid
 // end to end in one row (the varlen attention separates the examples) and shapes are kept
 // stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a
