@@ -816,3 +816,32 @@ TEST(Config, CrossFieldErrorsNameTheFile) {
   EXPECT_TRUE(contains(m, "distill.teacher")) << m;
   EXPECT_TRUE(contains(m, "(config file test.yaml)")) << m;
 }
+
+// data.chat_template auto is resolved at parse time from the tokenizer's folder, so the saved
+// config names the template the run used; an unknown folder template is a one-line error.
+TEST(Config, ChatTemplateAutoResolvesFromTheTokenizerFolder) {
+  EXPECT_EQ(parse(kMinimal).data.chat_template, q4::data::ChatTemplate::kQwen3_2507Instruct);
+  const fs::path dir = fs::temp_directory_path() / ("q4_cfgchat_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  fs::copy_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_hybrid.tokenizer_config.json",
+                dir / "tokenizer_config.json", fs::copy_options::overwrite_existing);
+  const std::string cfg =
+      "model:\n  dir: " + dir.string() + "\n  weights: m/model.dat\ndata:\n  files: [train.tsv]\n";
+  const Config c = parse(cfg);
+  EXPECT_EQ(c.data.chat_template, q4::data::ChatTemplate::kQwen3);
+  EXPECT_TRUE(contains(config_to_yaml(c), "chat_template: qwen3")) << config_to_yaml(c);
+  EXPECT_EQ(chat_options(c).chat_template, q4::data::ChatTemplate::kQwen3);
+  EXPECT_FALSE(chat_options(c).enable_thinking.has_value());
+  const Config off = parse(cfg, {parse_override("data.enable_thinking=false"),
+                                 parse_override("data.chat_template=qwen3-2507-thinking")});
+  EXPECT_EQ(off.data.chat_template, q4::data::ChatTemplate::kQwen3_2507Thinking);
+  EXPECT_EQ(chat_options(off).enable_thinking, std::optional<bool>(false));
+  std::ofstream(dir / "chat_template.jinja") << "{{ messages }}";
+  const std::string msg = error_of(cfg);
+  EXPECT_TRUE(contains(msg, "data.chat_template")) << msg;
+  EXPECT_TRUE(contains(msg, (dir / "chat_template.jinja").string())) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("data.chat_template=chatml")}),
+                       "qwen3-2507-thinking"));
+  q4::io::remove_tree(dir);
+}

@@ -120,13 +120,14 @@ int main(int argc, char** argv) {
       if (!quiet) {
         std::cerr << fmt::format(
             "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
-            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter, cfg.num_hidden_layers, cfg.hidden_size, m.device,
+            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter,
+            cfg.num_hidden_layers, cfg.hidden_size, m.device,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return 0;
     });
-    auto session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new,
-                                                    chat_opt);
+    auto session =
+        std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new, chat_opt);
     const auto print = [](const std::string& s) { std::cout << s << std::flush; };
     const auto stats = [&](const chat::TurnResult& r, double s) {
       if (quiet) return;
@@ -158,7 +159,7 @@ int main(int argc, char** argv) {
       if (line == "/exit" || line.empty()) break;
       if (line == "/reset") {
         session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new,
-                                                    chat_opt);
+                                                      chat_opt);
         continue;
       }
       if (is_command(line)) {

@@ -85,8 +85,8 @@ Inputs read_inputs(const Args& a) {
   const data::ChatOptions chat_opt = chat::chat_options(a.m, in.paths);
   c.data.chat_template = chat_opt.chat_template;
   if (chat_opt.enable_thinking.has_value()) {
-    c.data.enable_thinking = *chat_opt.enable_thinking ? trainer::AutoBool::kTrue
-                                                       : trainer::AutoBool::kFalse;
+    c.data.enable_thinking =
+        *chat_opt.enable_thinking ? trainer::AutoBool::kTrue : trainer::AutoBool::kFalse;
   }
   in.tokenizer = std::make_unique<data::Tokenizer>(chat::load_tokenizer(in.paths));
   data::DatasetOptions dopt = trainer::dataset_options(c);

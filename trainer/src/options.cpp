@@ -143,8 +143,8 @@ optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps) {
 
 data::ChatOptions chat_options(const Config& c) {
   data::ChatOptions o;
-  o.chat_template = data::resolve_chat_template(c.data.chat_template,
-                                                data::tokenizer_folder(c.model.tokenizer));
+  o.chat_template =
+      data::resolve_chat_template(c.data.chat_template, data::tokenizer_folder(c.model.tokenizer));
   if (c.data.enable_thinking != AutoBool::kAuto) {
     o.enable_thinking = c.data.enable_thinking == AutoBool::kTrue;
   }

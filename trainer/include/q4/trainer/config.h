@@ -257,7 +257,7 @@ struct DataConfig {
   // parse_config resolves auto, so the saved config.yaml names the template the run used.
   data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
   AutoBool enable_thinking = AutoBool::kAuto;  // HF's enable_thinking; auto: unset (thinking on)
-  bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
+  bool shuffle = true;                         // reshuffle each epoch (seeded by train.seed)
   bool packing = true;        // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;  // packing: examples considered for each row
   data::OnError on_error = data::OnError::kFail;     // malformed lines
