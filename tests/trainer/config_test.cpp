@@ -175,8 +175,8 @@ TEST(Config, LoraKeys) {
   EXPECT_TRUE(contains(error_of(base, {parse_override("model.fake_quant=false")}), "train.method"));
   // PEFT's spellings point to ours.
   EXPECT_TRUE(contains(error_of(base + "lora: {r: 8}\n"), "did you mean lora.rank"));
-  EXPECT_TRUE(
-      contains(error_of(base + "lora: {target_modules: [v_proj]}\n"), "did you mean lora.targets"));
+  EXPECT_TRUE(contains(error_of(base + "lora: {target_modules: [v_proj]}\n"),
+                       "did you mean lora.targets"));
   const Config some = parse(base + "lora: {rank: 8, alpha: 16, targets: [v_proj]}\n");
   EXPECT_EQ(some.lora.rank, 8);
   EXPECT_EQ(some.lora.alpha, 16.0);

@@ -120,8 +120,7 @@ int main(int argc, char** argv) {
       if (!quiet) {
         std::cerr << fmt::format(
             "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
-            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter,
-            cfg.num_hidden_layers, cfg.hidden_size, m.device,
+            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter, cfg.num_hidden_layers, cfg.hidden_size, m.device,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       return 0;

@@ -93,7 +93,7 @@ struct ModelArgs {
   std::string model, config, tokenizer, system, device = "cpu";
   std::string chat_template;    // --chat-template (empty: the run's, else auto)
   std::string enable_thinking;  // --enable-thinking true|false (empty: the run's, else unset)
-  std::string adapter;          // a PEFT LoRA adapter folder applied to the model (empty: none)
+  std::string adapter;  // a PEFT LoRA adapter folder applied to the model (empty: none)
   const CLI::Option* system_option = nullptr;
   bool system_given() const;  // --system was on the command line (even empty)
 };

@@ -1199,8 +1199,9 @@ void validate_config(const Config& c) {
          {std::pair<const char*, bool>{"distill.teacher", !d.teacher.empty()},
           {"distill.topk_file", !d.topk_file.empty()}}) {
       if (set) {
-        throw ConfigError(std::string("config key ") + key + ": set, but train.objective is " +
-                          to_string(c.train.objective) + " (set it to distill)");
+        throw ConfigError(std::string("config key ") + key +
+                          ": set, but train.objective is " + to_string(c.train.objective) +
+                          " (set it to distill)");
       }
     }
   }
@@ -1213,14 +1214,12 @@ void validate_config(const Config& c) {
                         "chosen and rejected answers share a micro-batch)");
     }
     if (c.data.truncation == Truncation::kSplit) {
-      throw ConfigError(
-          "config key data.truncation: split would cut an answer into windows "
-          "that are no longer a pair (use cut_left, cut_right or drop)");
+      throw ConfigError("config key data.truncation: split would cut an answer into windows "
+                        "that are no longer a pair (use cut_left, cut_right or drop)");
     }
     if (!pref.reference.empty() && pref.loss == PreferenceLossKind::kSimpo) {
-      throw ConfigError(
-          "config key preference.reference: set, but preference.loss simpo uses "
-          "no reference");
+      throw ConfigError("config key preference.reference: set, but preference.loss simpo uses "
+                        "no reference");
     }
   } else if (!pref.reference.empty()) {
     throw ConfigError("config key preference.reference: set, but train.objective is " +
@@ -1228,10 +1227,9 @@ void validate_config(const Config& c) {
   }
 
   if (c.train.recompute_layers >= 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
-    throw ConfigError(
-        "config key train.recompute_layers: set, but train.gradient_checkpointing "
-        "is " +
-        to_string(c.train.gradient_checkpointing) + " (set it to true)");
+    throw ConfigError("config key train.recompute_layers: set, but train.gradient_checkpointing "
+                      "is " +
+                      to_string(c.train.gradient_checkpointing) + " (set it to true)");
   }
   for (const auto& [key, n] : {std::pair<const char*, int64_t>{"train.recompute_keep_attention",
                                                                c.train.recompute_keep_attention},
@@ -1243,10 +1241,9 @@ void validate_config(const Config& c) {
     }
   }
   if (c.train.offload_layer_inputs && c.train.gradient_checkpointing == Recompute::kFalse) {
-    throw ConfigError(
-        "config key train.offload_layer_inputs: true, but "
-        "train.gradient_checkpointing is false (only recomputed layers offload "
-        "their input)");
+    throw ConfigError("config key train.offload_layer_inputs: true, but "
+                      "train.gradient_checkpointing is false (only recomputed layers offload "
+                      "their input)");
   }
   if (c.optim.offload != Offload::kNone && !cuda) {
     throw ConfigError("config key optim.offload: " + to_string(c.optim.offload) +
@@ -1255,21 +1252,20 @@ void validate_config(const Config& c) {
   }
   if (c.train.method == TrainMethod::kLora) {
     if (!c.model.fake_quant) {
-      throw ConfigError(
-          "config key train.method: lora, but model.fake_quant is false (adapters "
-          "train on the NVFP4 weights)");
+      throw ConfigError("config key train.method: lora, but model.fake_quant is false (adapters "
+                        "train on the NVFP4 weights)");
     }
     if (c.lora.dropout != 0.0) {
       throw ConfigError("config key lora.dropout: " + fmt_double(c.lora.dropout) +
                         ", but only 0 is supported (a dropout mask would have to be replayed "
                         "by the recompute)");
     }
-    static const std::vector<std::string> kTargets = {
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"};
+    static const std::vector<std::string> kTargets = {"q_proj", "k_proj",    "v_proj",
+                                                      "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj", "lm_head"};
     if (c.lora.targets.empty()) {
-      throw ConfigError(
-          "config key lora.targets: empty (name at least one of q_proj, k_proj, "
-          "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
+      throw ConfigError("config key lora.targets: empty (name at least one of q_proj, k_proj, "
+                        "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
     }
     for (const auto& t : c.lora.targets) {
       if (std::find(kTargets.begin(), kTargets.end(), t) == kTargets.end()) {
@@ -1278,24 +1274,21 @@ void validate_config(const Config& c) {
                           "down_proj or lm_head)");
       }
     }
-    const bool head =
-        std::find(c.lora.targets.begin(), c.lora.targets.end(), "lm_head") != c.lora.targets.end();
+    const bool head = std::find(c.lora.targets.begin(), c.lora.targets.end(), "lm_head") !=
+                      c.lora.targets.end();
     if (head && !c.lora.merge_aware) {
-      throw ConfigError(
-          "config key lora.targets: lm_head takes a merge-aware adapter only (set "
-          "lora.merge_aware: true or drop lm_head)");
+      throw ConfigError("config key lora.targets: lm_head takes a merge-aware adapter only (set "
+                        "lora.merge_aware: true or drop lm_head)");
     }
     if (head && c.train.trainable.lm_head) {
-      throw ConfigError(
-          "config key train.trainable.lm_head: true, but lora.targets adapts "
-          "lm_head (one or the other)");
+      throw ConfigError("config key train.trainable.lm_head: true, but lora.targets adapts "
+                        "lm_head (one or the other)");
     }
   }
   if (c.optim.offload == Offload::kAll && !c.model.fake_quant) {
-    throw ConfigError(
-        "config key optim.offload: all, but model.fake_quant is false (the GPU "
-        "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
-        "the masters themselves)");
+    throw ConfigError("config key optim.offload: all, but model.fake_quant is false (the GPU "
+                      "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
+                      "the masters themselves)");
   }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +

@@ -50,14 +50,10 @@ using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
-enum class ObjectiveKind {
-  kCrossEntropy,
-  kDistill,
-  kPreference
-};                                                 // cross_entropy | distill |
-                                                   // preference
-enum class TrainMethod { kFull, kLora };           // full | lora
-enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
+enum class ObjectiveKind { kCrossEntropy, kDistill, kPreference };  // cross_entropy | distill |
+                                                                  // preference
+enum class TrainMethod { kFull, kLora };               // full | lora
+enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
 enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
 
@@ -145,7 +141,7 @@ struct TrainConfig {
   // Recomputed layers run their MLP over row chunks of this many tokens (docs/trainer.md#
   // recompute-by-memory-budget); 0: never; auto: resolved_mlp_chunk_tokens().
   IntOrAuto mlp_chunk_tokens;
-  int64_t steps = 100;  // optimizer steps (resolved from epochs when that is set)
+  int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
@@ -202,7 +198,7 @@ struct PreferenceConfig {
 // train.method: lora (docs/trainer.md#lora-adapters).
 struct LoraConfig {
   int64_t rank = 16;
-  double alpha = 32.0;   // the adapter's update is scaled by alpha / rank
+  double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
   double dropout = 0.0;  // on the adapter's input (plain adapters only)
   std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
@@ -257,7 +253,7 @@ struct DataConfig {
   // parse_config resolves auto, so the saved config.yaml names the template the run used.
   data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
   AutoBool enable_thinking = AutoBool::kAuto;  // HF's enable_thinking; auto: unset (thinking on)
-  bool shuffle = true;                         // reshuffle each epoch (seeded by train.seed)
+  bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
   bool packing = true;        // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;  // packing: examples considered for each row
   data::OnError on_error = data::OnError::kFail;     // malformed lines
