@@ -829,7 +829,7 @@ TEST(Config, ChatTemplateAutoResolvesFromTheTokenizerFolder) {
       "model:\n  dir: " + dir.string() + "\n  weights: m/model.dat\ndata:\n  files: [train.tsv]\n";
   const Config c = parse(cfg);
   EXPECT_EQ(c.data.chat_template, q4::data::ChatTemplate::kQwen3);
-  EXPECT_TRUE(contains(config_to_yaml(c), "chat_template: qwen3")) << config_to_yaml(c);
+  EXPECT_TRUE(contains(config_to_yaml(c), "chat_template: \"qwen3\"")) << config_to_yaml(c);
   EXPECT_EQ(chat_options(c).chat_template, q4::data::ChatTemplate::kQwen3);
   EXPECT_FALSE(chat_options(c).enable_thinking.has_value());
   const Config off = parse(cfg, {parse_override("data.enable_thinking=false"),
