@@ -279,7 +279,7 @@ int run(Cli& o, int argc, char** argv) {
     check_inputs_before_launch(config);
     return launch_local_ranks(o.nproc, rank_args(argc, argv), std::chrono::seconds(5));
   }
-  if (o.dry_run) return run_dry_run(config, std::cout);
+  if (o.dry_run) return run_dry_run(config, std::cout, o.overwrite);
   const RunOptions options = run_options(o, world);
   if (o.probe) return run_probe(config, options, std::cout, std::cerr);
   if (o.write_teacher_topk) {

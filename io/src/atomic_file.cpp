@@ -72,6 +72,9 @@ void check_regular_target(const std::string& path) {
               "; an output is written only as a regular file or a new path");
 }
 
+std::vector<std::string> remove_temps(const std::string& dir, const std::string& only_for,
+                                      bool own_is_stale);
+
 }  // namespace
 
 std::string non_regular_kind(const std::string& path) {
@@ -86,6 +89,11 @@ std::string non_regular_kind(const std::string& path) {
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   TORCH_CHECK(!path_.empty(), "AtomicFile: empty output path");
   check_regular_target(path_);
+  // A writer of this path killed before commit() (kill -9) left its temp file: it goes now, so
+  // that repeated crashes never accumulate them. A live writer's (another process) stays.
+  const size_t slash = path_.find_last_of('/');
+  remove_temps(parent_dir(path_), slash == std::string::npos ? path_ : path_.substr(slash + 1),
+               /*own_is_stale=*/false);
   tmp_path_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(g_tmp_seq++);
   fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   TORCH_CHECK(fd_ >= 0, path_, ": cannot create temp file ", tmp_path_, ": ", errno_text(errno));
@@ -149,8 +157,11 @@ void fsync_directory(const std::string& dir) {
 
 bool is_temp_file_name(const std::string& file_name) { return temp_pid(file_name) >= 0; }
 
-std::vector<std::string> remove_stale_temp_files(const std::string& dir,
-                                                 const std::string& only_for) {
+namespace {
+
+// remove_stale_temp_files; `own_is_stale`: this process's own temps count as dead writers'.
+std::vector<std::string> remove_temps(const std::string& dir, const std::string& only_for,
+                                      bool own_is_stale) {
   std::vector<std::string> removed;
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return removed;
@@ -163,13 +174,21 @@ std::vector<std::string> remove_stale_temp_files(const std::string& dir,
     if (!only_for.empty() && name.rfind(only_for + ".tmp.", 0) != 0) continue;
     // A live writer other than this process keeps its temp file (kill(pid, 0) fails with ESRCH
     // only when no such process exists; EPERM means it exists).
-    const bool alive =
-        pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    const bool alive = pid == ::getpid()
+                           ? !own_is_stale
+                           : ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
     if (alive) continue;
     const std::string p = dir + "/" + name;
     if (::unlink(p.c_str()) == 0) removed.push_back(p);
   }
   return removed;
+}
+
+}  // namespace
+
+std::vector<std::string> remove_stale_temp_files(const std::string& dir,
+                                                 const std::string& only_for) {
+  return remove_temps(dir, only_for, /*own_is_stale=*/true);
 }
 
 AppendFile::~AppendFile() {

@@ -51,6 +51,6 @@ rm -rf "$work/peft"
 python3 scripts/bench/lora_peft_check.py ids "$work/peft-ids.dat" 151936
 "$build/bin/q4grad" --config tests/fixtures/qwen3_4b.config.json --weights "$work/q4b.dat" \
   --adapter "$work/peft/model-adapter" --inputs "$work/peft-ids.dat" --out "$work/peft-q4.dat" \
-  --device cuda | tee -a "$out/peft-check.log"
+  --overwrite --device cuda | tee -a "$out/peft-check.log"
 python3 scripts/bench/lora_peft_check.py compare "$work/base-bf16" "$work/peft/model-adapter" \
   "$work/peft-ids.dat" "$work/peft-q4.dat" --base-dat "$work/q4b.dat" | tee -a "$out/peft-check.log"

@@ -3,8 +3,9 @@
 // run leaves the original untouched), an export never replaces a newer one, outputs never
 // replace inputs, devices or FIFOs, the last step is checkpointed before the end-of-run eval,
 // checkpoints are on by default, a closed stdout does not end a run, a stop during set-up leaves
-// nothing that blocks the same command, and resume errors name the file and the previous
-// checkpoint.
+// nothing that blocks the same command, resume errors name the file and the previous
+// checkpoint, and no output (the export, its HF and adapter folders, the top-K file, the metrics
+// log, what --overwrite removes) ever replaces a file the run reads, --overwrite or not.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -19,6 +20,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "q4/io/remove_tree.h"
 #include "q4/test/files.h"
@@ -460,6 +463,234 @@ TEST(Safety, ResumeWithAnotherTrainableSetIsRefused) {
   r = run(dir,
           {"--resume", (dir / "run").string(), "--set", "train.steps=6", "--allow-schedule-change"},
           "c");
+  EXPECT_EQ(r.code, 0) << r.err;
+}
+
+// The teacher of the distillation tests: a one-step run's export, dir/teacher/model.dat (with its
+// HF folder dir/teacher/model-hf when `hf`). Returns the .dat's path.
+std::string make_teacher(const fs::path& dir, bool hf) {
+  std::vector<std::string> sets = {"output.dir=" + (dir / "teacher").string()};
+  if (hf) sets.push_back("output.hf_export=bf16");
+  const Result r = run(dir, config_args(dir, sets), "teacher");
+  EXPECT_EQ(r.code, 0) << r.err;
+  return (dir / "teacher" / "model.dat").string();
+}
+
+std::vector<std::string> with_flags(std::vector<std::string> args,
+                                    const std::vector<std::string>& flags) {
+  args.insert(args.end(), flags.begin(), flags.end());
+  return args;
+}
+
+// --write-teacher-topk --overwrite with distill.topk_file naming an input replaced it, and the
+// refusal without --overwrite suggested adding it; a top-K path that cannot be written (a device,
+// a FIFO, a directory, a missing or read-only directory) failed only after the teacher loaded
+// (exit 1); a killed writer's temp file stayed forever. Inputs are refused whatever --overwrite
+// says and never with a hint to add it; the path is checked before anything loads; the next
+// write removes the dead writer's temp file.
+TEST(Safety, TopkFileNeverReplacesAnInputAndIsCheckedBeforeLoading) {
+  const fs::path dir = setup_dir("topk", 1, 0);
+  const std::string teacher = make_teacher(dir, false);
+  fs::copy_file(kTokenizer, dir / "tokenizer.json");  // never the source tree's
+  fs::copy_file(teacher, dir / "weights.dat");
+  const auto topk_args = [&](const std::string& file, std::vector<std::string> sets) {
+    for (const std::string& s : {"model.tokenizer=" + (dir / "tokenizer.json").string(),
+                                 std::string("train.objective=distill"),
+                                 "distill.teacher=" + teacher, "distill.topk_file=" + file}) {
+      sets.push_back(s);
+    }
+    return with_flags(config_args(dir, sets), {"--write-teacher-topk"});
+  };
+  const std::vector<std::pair<fs::path, std::string>> inputs = {
+      {dir / "data.tsv", "data.files"},     {dir / "config.yaml", "the config file"},
+      {dir / "model.json", "model.config"}, {dir / "tokenizer.json", "model.tokenizer"},
+      {teacher, "distill.teacher"},         {dir / "weights.dat", "model.weights"}};
+  for (const auto& [file, key] : inputs) {
+    const std::vector<std::string> weights = {"model.init=file",
+                                              "model.weights=" + (dir / "weights.dat").string()};
+    const std::string before = read_text(file);
+    for (const bool overwrite : {false, true}) {
+      auto args =
+          topk_args(file.string(), key == "model.weights" ? weights : std::vector<std::string>{});
+      if (overwrite) args.push_back("--overwrite");
+      const Result r = run(dir, args, "a");
+      EXPECT_EQ(r.code, 2) << key << ": " << r.err;
+      EXPECT_TRUE(contains(r.err, "config key distill.topk_file")) << r.err;
+      EXPECT_TRUE(contains(r.err, "the input " + key)) << r.err;
+      EXPECT_FALSE(contains(r.err, "--overwrite")) << "suggested for an input: " << r.err;
+      EXPECT_TRUE(read_text(file) == before) << key << " was replaced";
+    }
+  }
+
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  fs::create_symlink("/dev/null", dir / "devnull");
+  fs::create_directories(dir / "folder");
+  std::vector<fs::path> bad = {dir / "fifo", dir / "devnull", dir / "folder",
+                               dir / "missing" / "topk.dat"};
+  if (::geteuid() != 0) {  // root writes into a read-only directory
+    fs::create_directories(dir / "readonly");
+    fs::permissions(dir / "readonly", fs::perms::owner_read | fs::perms::owner_exec);
+    bad.push_back(dir / "readonly" / "topk.dat");
+  }
+  for (const auto& target : bad) {
+    const Result r =
+        run(dir, with_flags(topk_args(target.string(), {}), {"--overwrite"}), "b", "timeout 120");
+    EXPECT_EQ(r.code, 2) << target << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "config key distill.topk_file")) << r.err;
+    EXPECT_FALSE(contains(r.out, " layers, hidden ")) << "checked after loading: " << r.out;
+  }
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo"));
+  EXPECT_TRUE(fs::is_symlink(dir / "devnull"));
+  EXPECT_TRUE(fs::is_empty(dir / "folder"));
+
+  // A writer killed before its rename left topk.dat.tmp.<pid>.<n>: the next write removes it.
+  const fs::path topk = dir / "topk.dat";
+  write_text(dir / "topk.dat.tmp.999999999.0", "partial");
+  const Result r = run(dir, topk_args(topk.string(), {}), "c");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(fs::is_regular_file(topk));
+  EXPECT_FALSE(fs::exists(dir / "topk.dat.tmp.999999999.0"));
+}
+
+// An export over the teacher (--overwrite), the top-K file or preference.reference replaced it;
+// output.hf_export replaced the teacher's HF folder without --overwrite. Refused before anything
+// loads, naming both keys, by the run and by --dry-run alike.
+TEST(Safety, OutputsNeverReplaceTheTeacherTopkFileOrReference) {
+  const fs::path dir = setup_dir("teacher", 1, 0);
+  const std::string teacher = make_teacher(dir, true);
+  const std::string before = read_text(teacher);
+  const auto refused = [&](const std::vector<std::string>& args, const std::string& out_key,
+                           const std::string& in_key) {
+    for (const char* flag : {"--overwrite", "--dry-run"}) {
+      const Result r = run(dir, with_flags(args, {flag}), "a");
+      EXPECT_EQ(r.code, 2) << flag << ": " << r.err;
+      EXPECT_TRUE(contains(r.err, "config key " + out_key)) << r.err;
+      EXPECT_TRUE(contains(r.err, "the input " + in_key)) << r.err;
+      EXPECT_FALSE(contains(r.err, "pass --overwrite")) << r.err;
+    }
+    EXPECT_FALSE(fs::exists(dir / "run"));
+  };
+  refused(config_args(dir, {"train.objective=distill", "distill.teacher=" + teacher,
+                            "output.export_path=" + teacher}),
+          "output.export_path", "distill.teacher");
+  EXPECT_TRUE(read_text(teacher) == before);
+
+  const std::string topk = (dir / "topk.dat").string();
+  const std::vector<std::string> offline = {"train.objective=distill", "distill.teacher=" + teacher,
+                                            "distill.topk_file=" + topk, "distill.topk=4"};
+  const Result w = run(dir, with_flags(config_args(dir, offline), {"--write-teacher-topk"}), "w");
+  ASSERT_EQ(w.code, 0) << w.err;
+  const std::string topk_bytes = read_text(topk);
+  auto sets = offline;
+  sets.push_back("output.export_path=" + topk);
+  refused(config_args(dir, sets), "output.export_path", "distill.topk_file");
+  EXPECT_TRUE(read_text(topk) == topk_bytes);
+
+  write_text(dir / "pairs.jsonl", kTinyPairsJsonl);
+  refused(config_args(dir, {"data.files=[" + (dir / "pairs.jsonl").string() + "]",
+                            "train.objective=preference", "preference.reference=" + teacher,
+                            "output.export_path=" + teacher}),
+          "output.export_path", "preference.reference");
+  EXPECT_TRUE(read_text(teacher) == before);
+
+  // The teacher's HF folder as the new export's HF folder (the export itself a new file).
+  const fs::path hf = dir / "teacher" / "model-hf";
+  const Snapshot folder = snapshot(hf);
+  const Result r =
+      run(dir,
+          config_args(dir, {"train.objective=distill", "distill.teacher=" + hf.string(),
+                            "output.export_path=" + (dir / "teacher" / "model").string(),
+                            "output.hf_export=bf16"}),
+          "h");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "config key output.hf_export")) << r.err;
+  EXPECT_TRUE(contains(r.err, "the input distill.teacher")) << r.err;
+  expect_same(folder, snapshot(hf), "the teacher's HF folder");
+}
+
+// --overwrite into a run directory holding the teacher the new run reads deleted it (then "file
+// not found"): an input there is never removed, and one at a path the run writes (init.dat, the
+// export) is refused before anything is removed.
+TEST(Safety, OverwriteNeverRemovesAnInputOfTheNewRun) {
+  const fs::path dir = setup_dir("overwrite_teacher", 1, 0);
+  Result r = run(dir, config_args(dir, {"output.hf_export=bf16"}), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path run_dir = dir / "run";
+  const std::string init = read_text(run_dir / "init.dat");
+  const std::string model = read_text(run_dir / "model.dat");
+  for (const char* teacher : {"init.dat", "model.dat"}) {
+    const auto args = config_args(
+        dir, {"train.objective=distill", "distill.teacher=" + (run_dir / teacher).string()});
+    for (const char* flag : {"--dry-run", "--overwrite"}) {
+      r = run(dir, with_flags(args, {"--overwrite", flag}), "b");
+      EXPECT_EQ(r.code, 2) << teacher << ": " << r.err;
+      EXPECT_TRUE(contains(r.err, "the input distill.teacher")) << r.err;
+      EXPECT_FALSE(contains(r.err, "pass --overwrite")) << r.err;
+    }
+  }
+  EXPECT_TRUE(read_text(run_dir / "init.dat") == init);
+  EXPECT_TRUE(read_text(run_dir / "model.dat") == model);
+  // The previous run's HF folder as the teacher: the new run (no HF export) keeps it.
+  const fs::path hf = run_dir / "model-hf";
+  r = run(
+      dir,
+      with_flags(config_args(dir, {"train.objective=distill", "distill.teacher=" + hf.string()}),
+                 {"--overwrite"}),
+      "c");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "removed the previous run's")) << r.out;
+  EXPECT_TRUE(fs::exists(hf / "config.json"));
+  EXPECT_TRUE(fs::exists(run_dir / "model.dat"));
+}
+
+// log.metrics named like the export's record was accepted; the export was then refused after
+// training, and the --overwrite it suggested replaced the metrics log with the record.
+TEST(Safety, MetricsLogAndExportRecordAreDistinct) {
+  const fs::path dir = setup_dir("metrics_record", 1, 0);
+  for (const char* flag : {"--dry-run", "--overwrite"}) {
+    const Result r =
+        run(dir, with_flags(config_args(dir, {"log.metrics=model.dat.json"}), {flag}), "a");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "log.metrics")) << r.err;
+    EXPECT_TRUE(contains(r.err, "record")) << r.err;
+    EXPECT_FALSE(fs::exists(dir / "run")) << flag;
+  }
+}
+
+// <export>-adapter/ replaced any folder there (another run's adapter, a symbolic link to the
+// user's folder) without the checks the -hf folder gets: a folder with files is replaced only as
+// the adapter of this run's own export, or with --overwrite.
+TEST(Safety, AdapterFolderIsNeverAnotherRunsOrAUsersFolder) {
+  const fs::path dir = setup_dir("adapter", 1, 0);
+  fs::create_directories(dir / "shared");
+  const auto lora = [&](const std::string& run, const std::string& exp) {
+    return config_args(dir,
+                       {"output.dir=" + (dir / run).string(), "train.method=lora", "lora.rank=4",
+                        "output.export_path=" + (dir / "shared" / exp).string()});
+  };
+  Result r = run(dir, lora("a", "m.dat"), "a");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const fs::path theirs = dir / "shared" / "m-adapter";
+  ASSERT_TRUE(fs::exists(theirs / "adapter_config.json"));
+  const Snapshot adapter = snapshot(theirs);
+  // Another run's export "m" (no .dat) has the same adapter folder.
+  r = run(dir, lora("b", "m"), "b");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, theirs.string())) << r.err;
+  expect_same(adapter, snapshot(theirs), "the other run's adapter");
+  EXPECT_FALSE(fs::exists(dir / "b"));
+  // A symbolic link to the user's folder.
+  fs::create_directories(dir / "mine");
+  write_text(dir / "mine" / "notes.txt", "precious");
+  fs::create_directory_symlink(dir / "mine", dir / "shared" / "s-adapter");
+  r = run(dir, lora("c", "s.dat"), "c");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "adapter")) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "mine" / "adapter_config.json"));
+  // This run's own adapter is replaced by its next export (a resume).
+  r = run(dir,
+          {"--resume", (dir / "a").string(), "--set", "train.steps=2", "--allow-schedule-change"},
+          "d");
   EXPECT_EQ(r.code, 0) << r.err;
 }
 

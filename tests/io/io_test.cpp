@@ -1,5 +1,6 @@
 // q4_io: CRC32C against published test vectors, AtomicFile (publish, abort, failed writes leave
-// the target and no temp file), stale-temp cleanup, and AppendFile on a full device.
+// the target and no temp file), stale-temp cleanup (at start and at the next write of a path),
+// the output-path rule (output_path.h) and AppendFile on a full device.
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -17,6 +18,7 @@
 
 #include "q4/io/atomic_file.h"
 #include "q4/io/crc32c.h"
+#include "q4/io/output_path.h"
 #include "q4/io/remove_tree.h"
 
 namespace fs = std::filesystem;
@@ -233,6 +235,54 @@ TEST(AtomicFile, StaleTempCleanup) {
   removed = remove_stale_temp_files(d.string());
   EXPECT_EQ(removed.size(), 2u);
   EXPECT_EQ(names_in(d), (std::vector<std::string>{"keep.txt", live}));
+  q4::io::remove_tree(d);
+}
+
+// A writer killed before commit() left `<path>.tmp.<pid>.<n>`; the next write of that path removes
+// it (never another path's, a live process's, or this process's own).
+TEST(AtomicFile, NextWriteOfAPathRemovesItsDeadWritersTemps) {
+  const fs::path d = fresh_dir("next_write");
+  const std::string own = "model.dat.tmp." + std::to_string(::getpid()) + ".77";
+  const std::string live = "model.dat.tmp." + std::to_string(::getppid()) + ".0";
+  for (const std::string n :
+       {std::string("model.dat.tmp.999999999.0"), std::string("model.dat.tmp.999999998"),
+        std::string("other.dat.tmp.999999999.1"), own, live}) {
+    std::ofstream(d / n) << "x";
+  }
+  write_file_atomic((d / "model.dat").string(), "new");
+  EXPECT_EQ(read_text(d / "model.dat"), "new");
+  auto want = std::vector<std::string>{"model.dat", own, live, "other.dat.tmp.999999999.1"};
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(names_in(d), want);
+  q4::io::remove_tree(d);
+}
+
+// Outputs are compared with inputs resolved: the same path, a symbolic link, a hard link, a
+// folder holding the input, a file inside an input folder; apart otherwise.
+TEST(OutputPath, RelationToAnInput) {
+  const fs::path d = fresh_dir("relation");
+  fs::create_directories(d / "model-hf");
+  std::ofstream(d / "model-hf" / "config.json") << "{}";
+  std::ofstream(d / "data.tsv") << "a\tb\n";
+  fs::create_symlink(d / "data.tsv", d / "link.tsv");
+  fs::create_hard_link(d / "data.tsv", d / "hard.tsv");
+  const std::string data = (d / "data.tsv").string(), hf = (d / "model-hf").string();
+  EXPECT_EQ(output_input_relation(data, data), "is");
+  EXPECT_EQ(output_input_relation((d / "." / "data.tsv").string(), data), "is");
+  EXPECT_EQ(output_input_relation((d / "link.tsv").string(), data), "is");
+  EXPECT_EQ(output_input_relation((d / "hard.tsv").string(), data), "is");
+  EXPECT_EQ(output_input_relation(d.string(), data), "holds");
+  EXPECT_EQ(output_input_relation((d / "model-hf" / "x.dat").string(), hf), "lies inside");
+  EXPECT_EQ(output_input_relation((d / "model.dat").string(), data), "");
+  EXPECT_EQ(output_input_relation((d / "model-hf2").string(), hf), "");
+  EXPECT_EQ(output_input_relation("", data), "");
+
+  EXPECT_EQ(output_file_problem((d / "new.dat").string()), "");
+  EXPECT_EQ(output_file_problem(data), "");
+  EXPECT_EQ(output_file_problem(hf), "is a directory");
+  EXPECT_EQ(output_file_problem("/dev/null"), "is a character device");
+  EXPECT_NE(output_file_problem((d / "missing" / "x.dat").string()).find("does not exist"),
+            std::string::npos);
   q4::io::remove_tree(d);
 }
 

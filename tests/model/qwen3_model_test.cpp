@@ -10,6 +10,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -392,8 +393,10 @@ TEST(Qwen3Model, TokenLogprobsMatchTheFullLogits) {
           .reshape({-1});
   const at::Tensor pos = next.ne(-100).nonzero().reshape({-1});
   EXPECT_TRUE(at::equal(pos, tl.positions));
-  const at::Tensor dense = logits.log_softmax(1).index_select(0, pos).gather(
-      1, next.index_select(0, pos).unsqueeze(1)).squeeze(1);
+  const at::Tensor dense = logits.log_softmax(1)
+                               .index_select(0, pos)
+                               .gather(1, next.index_select(0, pos).unsqueeze(1))
+                               .squeeze(1);
   EXPECT_CLOSE(tl.logprobs.detach(), dense.detach(), 1e-5, 1e-5, "log-probabilities");
   (dense * weights).sum().backward();
   for (const auto& p : m.parameters()) {
@@ -436,6 +439,37 @@ TEST(Qwen3Model, Q4GradRejectsBadInput) {
   const int rc = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(rc));
   EXPECT_EQ(WEXITSTATUS(rc), 2);
+}
+
+// q4grad --out replaced any file, its own weights included: an input is refused whatever
+// --overwrite says, an existing file without it, a FIFO always; nothing is loaded first.
+TEST(Qwen3Model, Q4GradOutNeverReplacesAnInputOrAFile) {
+  const std::string bin = std::string(Q4_BIN_DIR) + "/q4grad";
+  const std::string weights = temp_path("grad_weights.dat"), notes = temp_path("notes.dat"),
+                    fifo = temp_path("grad_fifo");
+  std::remove(weights.c_str());
+  std::remove(fifo.c_str());
+  ASSERT_EQ(std::system(("cp " + kWeights + " " + weights).c_str()), 0);
+  const std::string original = q4::test::read_text(weights);
+  q4::test::write_text(notes, "precious");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  const auto run = [&](const std::string& out, const std::string& flags) {
+    const std::string cmd = "timeout 120 " + bin + " --config " + kConfig + " --weights " +
+                            weights + " --inputs " + kExpected + " --out " + out + " " + flags +
+                            " > /dev/null 2>&1";
+    const int rc = std::system(cmd.c_str());
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  };
+  for (const char* flags : {"", "--overwrite"}) {
+    EXPECT_EQ(run(weights, flags), 2) << flags;
+    EXPECT_EQ(run(fifo, flags), 2) << flags;
+  }
+  EXPECT_TRUE(q4::test::read_text(weights) == original);
+  EXPECT_EQ(run(notes, ""), 2);
+  EXPECT_EQ(q4::test::read_text(notes), "precious");
+  EXPECT_EQ(run(notes, "--overwrite"), 0);
+  EXPECT_NE(q4::test::read_text(notes), "precious");
+  for (const auto& p : {weights, notes, fifo}) std::remove(p.c_str());
 }
 
 TEST(Qwen3Model, ChunkedLossEqualsUnchunked) {

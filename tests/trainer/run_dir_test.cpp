@@ -118,7 +118,7 @@ TEST(RunDir, AtomicWriteReplacesAndLeavesNoTemp) {
 }
 
 // What makes a fresh run refuse output.dir: anything but the lock, temp files, incomplete
-// checkpoints, probe.json and the run's own inputs.
+// checkpoints, probe.json and the run's own inputs (and folders holding one).
 TEST(RunDir, LeftoversIgnoreLockTempsIncompleteCheckpointsAndInputs) {
   TempDir t;
   Config c;
@@ -137,4 +137,14 @@ TEST(RunDir, LeftoversIgnoreLockTempsIncompleteCheckpointsAndInputs) {
   EXPECT_EQ(run_dir_leftovers(c), (std::vector<std::string>{"metrics.jsonl", "step_000004"}));
   c.model.weights.clear();
   EXPECT_EQ(run_dir_leftovers(c).size(), 3u);
+  // A folder holding an input (a distillation teacher's HF folder) is the run's too.
+  fs::create_directories(t.path / "run" / "model-hf");
+  std::ofstream(t.path / "run" / "model-hf" / "config.json") << "{}";
+  c.train.objective = ObjectiveKind::kDistill;
+  c.distill.teacher = (t.path / "run" / "model-hf").string();
+  EXPECT_EQ(run_dir_leftovers(c).size(), 3u);
+  c.distill.teacher = (t.path / "run" / "model-hf" / "config.json").string();
+  EXPECT_EQ(run_dir_leftovers(c).size(), 3u);
+  c.train.objective = ObjectiveKind::kCrossEntropy;  // the teacher is not read
+  EXPECT_EQ(run_dir_leftovers(c).size(), 4u);
 }

@@ -2,17 +2,23 @@
 // straight-through fake-quant on every quantized linear, runs one forward and backward on
 // input_ids/labels from IN.dat, and writes logits, loss and grad.<HF name> (all fp32) to OUT.dat
 // for comparison with HF transformers. --adapter DIR applies a PEFT LoRA folder (plain LoRA, its
-// linears frozen: zero gradients), for comparison with peft (scripts/bench/lora.sh). Exit codes:
-// 0 ok, 2 usage/config/input error, 1 runtime.
+// linears frozen: zero gradients), for comparison with peft (scripts/bench/lora.sh). OUT is
+// checked before anything loads: never one of the inputs (docs/reliability.md#inputs-and-outputs),
+// a regular file or a new path in a writable directory, and an existing file only with
+// --overwrite. Exit codes: 0 ok, 2 usage/config/input error, 1 runtime.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <iostream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../tool_main.h"
+#include "q4/io/output_path.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -24,10 +30,36 @@ struct Args {
   std::string checkpointing = "on";
   std::string adapter;  // a PEFT LoRA folder applied (plain LoRA); its linears stay frozen
   std::string device = "cpu";
+  bool overwrite = false;
 };
+
+// --out before anything loads: not an input (whatever --overwrite says), writable, and an
+// existing file only with --overwrite.
+void check_out(const Args& a) {
+  using q4::tools::InputError;
+  const std::vector<std::pair<const char*, std::string>> inputs = {{"--config", a.config},
+                                                                   {"--weights", a.weights},
+                                                                   {"--inputs", a.inputs},
+                                                                   {"--adapter", a.adapter}};
+  for (const auto& [option, path] : inputs) {
+    const std::string rel = q4::io::output_input_relation(a.out, path);
+    if (!rel.empty()) {
+      throw InputError("--out " + a.out + " " + rel + " the input " + option + " " + path +
+                       "; write to another file");
+    }
+  }
+  if (const std::string why = q4::io::output_file_problem(a.out); !why.empty()) {
+    throw InputError("--out " + a.out + " " + why + "; q4grad writes a regular file there");
+  }
+  std::error_code ec;
+  if (!a.overwrite && std::filesystem::exists(a.out, ec)) {
+    throw InputError("--out " + a.out + " already exists; pass --overwrite to replace it");
+  }
+}
 
 int run(const Args& a) {
   using namespace q4::model;
+  check_out(a);
   at::Device device(at::kCPU);
   if (a.device == "cuda") {
     TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
@@ -76,8 +108,8 @@ int run(const Args& a) {
     const auto shape = p.master.defined()
                            ? p.master.sizes().vec()
                            : std::vector<int64_t>{p.qdata.size(0), 2 * p.qdata.size(1)};
-    at::Tensor g = p.grad.defined() ? p.grad.to(at::kFloat).cpu().contiguous()
-                                    : at::zeros(shape, at::kFloat);
+    at::Tensor g =
+        p.grad.defined() ? p.grad.to(at::kFloat).cpu().contiguous() : at::zeros(shape, at::kFloat);
     w.add("grad." + p.name, g);
   }
   w.commit();
@@ -98,6 +130,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", a.out, "output .dat (logits, loss, grad.<name>)")->required();
   app.add_option("--checkpointing", a.checkpointing, "per-layer gradient checkpointing")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_flag("--overwrite", a.overwrite, "replace --out if it exists");
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--adapter", a.adapter,
                  "a PEFT LoRA adapter folder: x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/r, the base frozen and "

@@ -12,6 +12,7 @@
 #include "q4/io/dat_file.h"
 #include "q4/trainer/distill.h"
 #include "q4/trainer/options.h"
+#include "q4/trainer/run_dir.h"
 #include "q4/trainer/setup.h"
 #include "q4/trainer/signals.h"
 
@@ -237,16 +238,8 @@ ObjectiveOutput OfflineDistillation::evaluate(model::Qwen3Model& model, const Mi
 int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, std::ostream& err) {
   const auto t0 = std::chrono::steady_clock::now();
   const Config& cfg = c;
-  if (cfg.distill.topk_file.empty() || cfg.distill.teacher.empty()) {
-    throw ConfigError(
-        "--write-teacher-topk: set distill.teacher (the model to run) and distill.topk_file "
-        "(the file to write)");
-  }
+  check_topk_output(cfg, overwrite);  // before anything loads
   const std::string& path = cfg.distill.topk_file;
-  if (fs::exists(path) && !overwrite) {
-    throw ConfigError("--write-teacher-topk: " + path +
-                      " exists; remove it, or pass --overwrite to replace it");
-  }
   check_device_available(cfg);
   // A stop signal ends the pass at the next batch; the file is written whole or not at all.
   set_stop_message(

@@ -18,13 +18,13 @@ namespace fs = std::filesystem;
 
 namespace q4::trainer {
 
-int run_dry_run(const Config& config, std::ostream& out) {
+int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   RunPlan plan(config, RunOptions{});
   const Config& c = plan.config();
   if (const std::string note = plan.clip_warmup(); !note.empty()) out << note << "\n";
   if (const std::string w = ignored_settings_warning(c); !w.empty()) out << w << "\n";
   check_input_files(c, /*need_data=*/plan.steps() > 0);
-  check_output_paths(c);
+  check_output_paths(c, overwrite);
   const auto mc = load_model_config(c);
   as_input_error("train.trainable", [&] {
     trainable_spec(c).validate(mc.num_hidden_layers);

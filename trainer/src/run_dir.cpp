@@ -18,6 +18,7 @@
 
 #include "q4/io/atomic_file.h"
 #include "q4/io/crc32c.h"
+#include "q4/io/output_path.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
@@ -193,27 +194,14 @@ void check_output_dir(const Config& c, const fs::path& dir) {
   }
 }
 
-// The run's inputs, by resolved path.
+// The run's inputs for the output checks: run_inputs() less <output.dir>/config.yaml, the run's
+// own copy (a fresh run refuses a config there in check_fresh_output_dir; a resume rewrites it).
 NamedPaths input_paths(const Config& c, const fs::path& dir) {
-  std::error_code ec;
   NamedPaths inputs;
-  if (c.model.init == InitKind::kFile && !c.model.weights.empty()) {
-    inputs.push_back({"model.weights", canonical_or_self(c.model.weights)});
-  }
-  if (!c.model.config.empty())
-    inputs.push_back({"model.config", canonical_or_self(c.model.config)});
-  if (!c.model.tokenizer.empty()) {
-    inputs.push_back({"model.tokenizer", canonical_or_self(c.model.tokenizer)});
-  }
-  for (const auto& f : c.data.files) inputs.push_back({"data.files", canonical_or_self(f)});
-  for (const auto& f : c.data.eval_files) {
-    inputs.push_back({"data.eval_files", canonical_or_self(f)});
-  }
-  // The config file itself (source is the path given to load_config; a config built in code has
-  // none). <output.dir>/config.yaml is the run's own copy: a fresh run refuses it elsewhere
-  // (check_config_not_in_run_dir), a resume rewrites it.
-  if (fs::is_regular_file(c.source, ec) && canonical_or_self(c.source) != dir / kConfigFile) {
-    inputs.push_back({"the config file", canonical_or_self(c.source)});
+  for (const auto& [key, path] : run_inputs(c)) {
+    const fs::path p = canonical_or_self(path);
+    if (key == "the config file" && p == dir / kConfigFile) continue;
+    inputs.push_back({key, p});
   }
   return inputs;
 }
@@ -239,68 +227,123 @@ void add_metrics_output(const Config& c, const fs::path& dir, NamedPaths* output
   }
 }
 
-// output.export_path (and its record and HF folder): a new or regular file in a writable
-// directory, not another output.
+// output.export_path and its record: new or regular files in a writable directory.
 void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs) {
   std::error_code ec;
   const std::string exp = resolved_export_path(c);
-  if (!exp.empty()) {
-    check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
-    const fs::path e = canonical_or_self(exp);
-    const std::string fname = fs::path(exp).filename().string();
-    // output.dir itself is a directory once the run makes it.
-    if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec) || e == dir) {
-      throw ConfigError("config key output.export_path: " + exp +
-                        " is a directory; expected a .dat file path");
+  if (exp.empty()) return;
+  check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
+  const fs::path e = canonical_or_self(exp);
+  const std::string fname = fs::path(exp).filename().string();
+  // output.dir itself is a directory once the run makes it.
+  if (fname.empty() || fname == "." || fname == ".." || fs::is_directory(e, ec) || e == dir) {
+    throw ConfigError("config key output.export_path: " + exp +
+                      " is a directory; expected a .dat file path");
+  }
+  // The export record beside it is published the same way.
+  check_regular_output("output.export_path (its record)", fs::absolute(export_record_path(exp)));
+  const fs::path parent = e.parent_path();
+  if (parent != dir) {
+    if (!fs::is_directory(parent, ec)) {
+      throw ConfigError("config key output.export_path: directory " + parent.string() +
+                        " does not exist");
     }
-    // The export record beside it is published the same way.
-    check_regular_output("output.export_path (its record)", fs::absolute(export_record_path(exp)));
-    const fs::path parent = e.parent_path();
-    if (parent != dir) {
-      if (!fs::is_directory(parent, ec)) {
-        throw ConfigError("config key output.export_path: directory " + parent.string() +
-                          " does not exist");
-      }
-      if (!writable_dir(parent)) {
-        throw ConfigError("config key output.export_path: directory " + parent.string() +
-                          " is not writable");
-      }
+    if (!writable_dir(parent)) {
+      throw ConfigError("config key output.export_path: directory " + parent.string() +
+                        " is not writable");
     }
-    if (parent == dir && is_reserved_run_name(fname)) {
-      throw ConfigError("config key output.export_path: '" + fname +
-                        "' is a name q4train uses in output.dir; choose another");
+  }
+  if (parent == dir && is_reserved_run_name(fname)) {
+    throw ConfigError("config key output.export_path: '" + fname +
+                      "' is a name q4train uses in output.dir; choose another");
+  }
+  outputs->push_back({"output.export_path", e});
+  outputs->push_back(
+      {"output.export_path (its record)", canonical_or_self(export_record_path(exp))});
+}
+
+// The folders written next to the export: output.hf_export's and train.method lora's.
+NamedPaths export_folders(const Config& c) {
+  NamedPaths folders;
+  const std::string exp = resolved_export_path(c);
+  if (exp.empty()) return folders;
+  if (c.output.hf_export != HfExport::kNone) {
+    folders.push_back({"output.hf_export", canonical_or_self(hf_export_dir(exp))});
+  }
+  if (c.train.method == TrainMethod::kLora) {
+    folders.push_back(
+        {"train.method (lora's adapter folder)", canonical_or_self(adapter_dir(exp))});
+  }
+  return folders;
+}
+
+ConfigError input_conflict(const std::string& key, const std::string& output,
+                           const std::string& relation,
+                           const std::pair<std::string, fs::path>& input) {
+  return ConfigError("config key " + key + ": " + output + " " + relation + " the input " +
+                     input.first + " (" + input.second.string() +
+                     "); an output never replaces or writes into a file the run reads, choose "
+                     "another path");
+}
+
+std::string output_key(const std::string& name) {
+  return name.rfind("output.dir", 0) == 0 ? std::string("output.dir") : name;
+}
+
+// No output is, holds or lies inside an input, and no input lies where the run's checkpoints go
+// (step_XXXXXX, rewritten and rotated away) or in a temp file that start-up cleaning removes.
+void check_outputs_meet_no_input(const fs::path& dir, const NamedPaths& outputs,
+                                 const NamedPaths& inputs) {
+  for (const auto& o : outputs) {
+    for (const auto& in : inputs) {
+      const std::string rel = io::output_input_relation(o.second.string(), in.second.string());
+      if (!rel.empty()) throw input_conflict(output_key(o.first), o.second.string(), rel, in);
     }
-    for (const auto& o : *outputs) {
-      if (o.second == e) {
-        throw ConfigError("config key output.export_path: " + exp + " is also " + o.first);
-      }
-    }
-    outputs->push_back({"output.export_path", e});
-    if (c.output.hf_export != HfExport::kNone) {
-      const fs::path hf = canonical_or_self(hf_export_dir(exp));
-      if (fs::exists(fs::symlink_status(hf, ec)) && !fs::is_directory(hf, ec)) {
-        const std::string kind = io::non_regular_kind(hf.string());
-        throw ConfigError("config key output.hf_export: " + hf.string() + " is " +
-                          (kind.empty() ? std::string("a file") : kind) +
-                          "; the HF folder must be a directory or a new path");
-      }
-    }
-    check_hf_export_folder(c);
-    if (c.train.method == TrainMethod::kLora) {
-      const fs::path ad = canonical_or_self(adapter_dir(exp));
-      if (fs::exists(fs::symlink_status(ad, ec)) && !fs::is_directory(ad, ec)) {
-        throw ConfigError("config key train.method: lora writes its PEFT adapter to " +
-                          ad.string() + ", which exists and is not a directory");
-      }
+  }
+  for (const auto& in : inputs) {
+    const fs::path rel = in.second.lexically_relative(dir);
+    if (rel.empty() || *rel.begin() == ".." || rel == ".") continue;
+    const std::string top = rel.begin()->string();
+    if (parse_step_name(top) || io::is_temp_file_name(top)) {
+      throw input_conflict("output.dir", (dir / top).string(), "holds", in);
     }
   }
 }
 
 }  // namespace
 
-void check_output_paths(const Config& c) {
-  const fs::path dir = canonical_or_self(c.output.dir);
+std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c, bool writing_topk) {
+  std::vector<std::pair<std::string, std::string>> in;
   std::error_code ec;
+  if (fs::is_regular_file(c.source, ec)) in.push_back({"the config file", c.source});
+  if (!c.model.config.empty()) in.push_back({"model.config", c.model.config});
+  if (!c.model.tokenizer.empty()) in.push_back({"model.tokenizer", c.model.tokenizer});
+  if (c.model.init == InitKind::kFile && !c.model.weights.empty()) {
+    in.push_back({"model.weights", c.model.weights});
+  }
+  for (const auto& f : c.data.files) in.push_back({"data.files", f});
+  for (const auto& f : c.data.eval_files) in.push_back({"data.eval_files", f});
+  const bool distill = c.train.objective == ObjectiveKind::kDistill;
+  if (writing_topk || (distill && c.distill.topk_file.empty())) {
+    if (!c.distill.teacher.empty()) in.push_back({"distill.teacher", c.distill.teacher});
+    if (!c.distill.teacher_config.empty()) {
+      in.push_back({"distill.teacher_config", c.distill.teacher_config});
+    }
+  } else if (distill) {
+    in.push_back({"distill.topk_file", c.distill.topk_file});
+  }
+  if (c.train.objective == ObjectiveKind::kPreference &&
+      c.preference.loss != PreferenceLossKind::kSimpo && !c.preference.reference.empty()) {
+    in.push_back({"preference.reference", c.preference.reference});
+    if (!c.preference.reference_config.empty()) {
+      in.push_back({"preference.reference_config", c.preference.reference_config});
+    }
+  }
+  return in;
+}
+
+void check_output_paths(const Config& c, bool overwrite) {
+  const fs::path dir = canonical_or_self(c.output.dir);
   check_output_dir(c, dir);
   const NamedPaths inputs = input_paths(c, dir);
   // Outputs the run writes, by key.
@@ -315,6 +358,17 @@ void check_output_paths(const Config& c) {
   }
   add_metrics_output(c, dir, &outputs);
   add_export_output(c, dir, &outputs);
+  // Two outputs at one path: the later write would replace the earlier (the metrics log named
+  // like the export's record, say).
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (outputs[i].second == outputs[j].second) {
+        throw ConfigError("config key " + output_key(outputs[i].first) + ": " +
+                          outputs[i].second.string() + " is also " + outputs[j].first +
+                          "; choose another");
+      }
+    }
+  }
   for (const auto& o : outputs) {
     // The metrics file is appended to, never renamed over: a device there (a link to /dev/full
     // or /dev/null) is written into, as io::AppendFile does; a FIFO or a directory is refused.
@@ -322,35 +376,41 @@ void check_output_paths(const Config& c) {
         io::non_regular_kind(o.second.string()).find("device") != std::string::npos) {
       continue;
     }
-    check_regular_output(o.first.rfind("output.dir", 0) == 0 ? "output.dir" : o.first, o.second);
+    check_regular_output(output_key(o.first), o.second);
   }
-  if (c.log.report) check_regular_output("log.report", dir / "report.html");
-  for (const auto& o : outputs) {
-    for (const auto& in : inputs) {
-      if (o.second == in.second) {
-        throw ConfigError(
-            "config key " +
-            (o.first.rfind("output.dir", 0) == 0 ? std::string("output.dir") : o.first) + ": " +
-            o.second.string() + " would overwrite the input " + in.first +
-            "; choose another output");
+  if (c.log.report) {
+    check_regular_output("log.report", dir / "report.html");
+    outputs.push_back({"log.report", dir / "report.html"});
+  }
+  NamedPaths all = outputs;
+  for (const auto& f : export_folders(c)) all.push_back(f);
+  check_outputs_meet_no_input(dir, all, inputs);
+  const std::string exp = resolved_export_path(c);
+  if (!exp.empty()) {
+    std::error_code ec;
+    if (c.output.hf_export != HfExport::kNone) {
+      const fs::path hf = canonical_or_self(hf_export_dir(exp));
+      if (fs::exists(fs::symlink_status(hf, ec)) && !fs::is_directory(hf, ec)) {
+        const std::string kind = io::non_regular_kind(hf.string());
+        throw ConfigError("config key output.hf_export: " + hf.string() + " is " +
+                          (kind.empty() ? std::string("a file") : kind) +
+                          "; the HF folder must be a directory or a new path");
       }
     }
+    check_hf_export_folder(c);
+    if (c.train.method == TrainMethod::kLora) check_adapter_folder(c, overwrite);
   }
 }
 
 void check_hf_export_folder(const Config& c) {
   const std::string exp = resolved_export_path(c);
   if (c.output.hf_export == HfExport::kNone || exp.empty()) return;
-  std::vector<std::pair<std::string, std::string>> inputs = {{"output.dir", c.output.dir}};
-  if (c.model.init == InitKind::kFile) inputs.push_back({"model.weights", c.model.weights});
-  inputs.push_back({"model.config", c.model.config});
+  std::vector<std::pair<std::string, std::string>> inputs = run_inputs(c);
+  inputs.push_back({"output.dir", c.output.dir});
   if (!c.model.tokenizer.empty()) {
-    inputs.push_back({"model.tokenizer", c.model.tokenizer});
     inputs.push_back({"the folder of model.tokenizer",
                       canonical_or_self(c.model.tokenizer).parent_path().string()});
   }
-  for (const auto& f : c.data.files) inputs.push_back({"data.files", f});
-  for (const auto& f : c.data.eval_files) inputs.push_back({"data.eval_files", f});
   try {
     model::check_hf_export_dir(hf_export_dir(exp), inputs, /*overwrite=*/false);
   } catch (const c10::Error& e) {
@@ -359,23 +419,43 @@ void check_hf_export_folder(const Config& c) {
   }
 }
 
+void check_topk_output(const Config& c, bool overwrite) {
+  const std::string& path = c.distill.topk_file;
+  if (path.empty() || c.distill.teacher.empty()) {
+    throw ConfigError(
+        "--write-teacher-topk: set distill.teacher (the model to run) and distill.topk_file "
+        "(the file to write)");
+  }
+  for (const auto& [key, in] : run_inputs(c, /*writing_topk=*/true)) {
+    const std::string rel = io::output_input_relation(path, in);
+    if (!rel.empty()) throw input_conflict("distill.topk_file", path, rel, {key, fs::path(in)});
+  }
+  if (const std::string why = io::output_file_problem(path); !why.empty()) {
+    throw ConfigError("config key distill.topk_file: " + path + " " + why +
+                      "; --write-teacher-topk writes a regular file there");
+  }
+  std::error_code ec;
+  if (fs::exists(path, ec) && !overwrite) {
+    throw ConfigError("config key distill.topk_file: " + path +
+                      " exists; remove it, or pass --overwrite to replace it");
+  }
+}
+
 std::vector<std::string> run_dir_leftovers(const Config& c) {
   std::vector<std::string> out;
   std::error_code ec;
   if (!fs::is_directory(c.output.dir, ec)) return out;
-  std::vector<fs::path> inputs;
-  for (const std::string* p : {&c.model.weights, &c.model.config, &c.model.tokenizer}) {
-    if (!p->empty()) inputs.push_back(canonical_or_self(*p));
-  }
-  for (const auto& f : c.data.files) inputs.push_back(canonical_or_self(f));
-  for (const auto& f : c.data.eval_files) inputs.push_back(canonical_or_self(f));
+  const auto inputs = run_inputs(c);
   for (const auto& e : fs::directory_iterator(c.output.dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name == kLockFile || name == kProbeFile || io::is_temp_file_name(name)) continue;
     if (parse_step_name(name) && !fs::exists(e.path() / kDoneMarker)) continue;
-    const fs::path p = canonical_or_self(e.path().string());
-    if (std::find(inputs.begin(), inputs.end(), p) != inputs.end()) continue;
-    out.push_back(name);
+    // The run's inputs, and folders holding one (a teacher's HF folder), are never leftovers.
+    const bool input = std::any_of(inputs.begin(), inputs.end(), [&](const auto& in) {
+      const std::string rel = io::output_input_relation(e.path().string(), in.second);
+      return rel == "is" || rel == "holds";
+    });
+    if (!input) out.push_back(name);
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -500,6 +580,29 @@ std::optional<int64_t> existing_export_step(const std::string& export_path) {
   const auto j = read_export_record(export_path);
   if (ec || j.is_null() || j["bytes"] != static_cast<int64_t>(size)) return std::nullopt;
   return j["step"].get<int64_t>();
+}
+
+void check_adapter_folder(const Config& c, bool overwrite) {
+  const std::string exp = resolved_export_path(c);
+  if (exp.empty() || c.train.method != TrainMethod::kLora) return;
+  const std::string ad = adapter_dir(exp);
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(ad, ec)) && !fs::is_directory(ad, ec)) {
+    throw ConfigError("config key train.method: lora writes its PEFT adapter to " + ad +
+                      ", which exists and is not a directory");
+  }
+  if (overwrite || !fs::is_directory(ad, ec) || fs::is_empty(ad, ec)) return;
+  // A folder with files is replaced only as the adapter of this run's own export beside it: an
+  // earlier export of this run (its record names this run), or one that moved with the run.
+  const auto j = read_export_record(exp);
+  const bool ours = existing_export_step(exp).has_value() &&
+                    (path_inside(exp, c.output.dir) ||
+                     (j.contains("run_dir") && j["run_dir"] == run_dir_key(c.output.dir)));
+  if (!ours) {
+    throw ConfigError("config key train.method: lora writes its PEFT adapter to " + ad +
+                      ", a folder with files that is not the adapter of this run's export " + exp +
+                      "; choose another output.export_path, or pass --overwrite to replace them");
+  }
 }
 
 std::string step_export_name(int64_t step) { return fmt::format("model-step{}.dat", step); }

@@ -103,7 +103,7 @@ class Trainer {
           "output.export_path=model.dat)");
     }
     check_input_files(cfg(), /*need_data=*/false);
-    check_output_paths(cfg());
+    check_output_paths(cfg(), plan_.options().overwrite);
     // An older checkpoint never replaces a newer export, nor a file of unknown step.
     check_export_not_newer(plan_.export_path(), ck.step, plan_.options().overwrite,
                            /*unknown_is_error=*/true, cfg().output.dir);
@@ -155,6 +155,7 @@ class Trainer {
       owned.insert(fs::path(exp).filename().string());
       owned.insert(fs::path(export_record_path(exp)).filename().string());
       owned.insert(fs::path(hf_export_dir(exp)).filename().string());
+      owned.insert(fs::path(adapter_dir(exp)).filename().string());
     }
     std::vector<std::string> removed, kept;
     for (const auto& name : run_dir_leftovers(cfg())) {
@@ -184,7 +185,8 @@ class Trainer {
       if (!plan_.length_from_data()) checkpointer_.check_schedule_unchanged(*resume);
     }
     check_input_files(cfg(), /*need_data=*/plan_.steps() > 0);
-    check_output_paths(cfg());  // every output, before anything is written
+    check_output_paths(cfg(),
+                       plan_.options().overwrite);  // every output, before anything is written
     // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
     if (!resume) check_fresh_output_dir();
     // The final export (step train.steps) never replaces a newer one, another run's, or (a fresh

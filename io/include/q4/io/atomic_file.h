@@ -3,7 +3,8 @@
 // fsyncs the directory, checking every step (short writes and EINTR are retried; ENOSPC, EIO and
 // a failed fsync/close throw naming the file). A writer destroyed or aborted before commit()
 // removes its temp file, so a failed write leaves `path` as it was and nothing behind; only a
-// kill -9 can leave a temp file, which remove_stale_temp_files() deletes at the next start.
+// kill -9 can leave a temp file, which the next AtomicFile of the same path deletes (as
+// remove_stale_temp_files() does for a whole run directory at the next start).
 // AppendFile is the checked counterpart for logs that grow line by line (metrics.jsonl).
 // AtomicFile refuses a target that exists and is not a regular file (a device, FIFO, socket,
 // directory, or a symbolic link to one): renaming over /dev/null as root would replace the
@@ -20,10 +21,11 @@ namespace q4::io {
 
 class AtomicFile {
  public:
-  // Creates the temp file (O_EXCL); throws on failure and when `path` exists as anything but a
-  // regular file (see non_regular_kind).
+  // Creates the temp file (O_EXCL) after removing the temp files of `path` whose writer is dead
+  // (not this process's); throws on failure and when `path` exists as anything but a regular
+  // file (see non_regular_kind).
   explicit AtomicFile(std::string path);
-  ~AtomicFile();                          // abort() unless committed
+  ~AtomicFile();  // abort() unless committed
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "q4/io/atomic_file.h"
@@ -66,15 +67,38 @@ std::string hf_export_dir(const std::string& dat_path);
 // train.method lora's PEFT adapter folder: next to the exported .dat, "<path minus .dat>-adapter".
 std::string adapter_dir(const std::string& dat_path);
 
-// Every output path, checked before anything is written (ConfigError naming the key): log.metrics
-// is a plain file name that is not reserved; the export is not a directory, its directory exists
-// and is writable, and it is neither reserved nor the metrics file; no output is an input
-// (the config file, model.weights, model.config, model.tokenizer, data.files); output.dir is a
-// writable directory or can be created; no output (config.yaml, eval.jsonl, init.dat,
-// report.html, the metrics file, the export and its HF folder) exists as anything but a regular
-// file (the HF folder: a directory), so nothing is ever renamed over a device or a FIFO; and
-// output.hf_export's folder passes check_hf_export_folder.
-void check_output_paths(const Config& c);
+// Every file or folder a run reads, as (config key, path) pairs, paths as configured: the config
+// file, model.config, model.tokenizer, model.weights (a .dat or an HF folder; model.init: file),
+// data.files, data.eval_files, and what the objective loads: distill.teacher and
+// distill.teacher_config (online distillation, or `writing_topk`: --write-teacher-topk),
+// distill.topk_file (offline distillation), preference.reference and
+// preference.reference_config (a reference-based loss). docs/reliability.md#inputs-and-outputs.
+std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
+                                                            bool writing_topk = false);
+
+// Every output path, checked before anything is written or loaded (ConfigError naming the key):
+// log.metrics is a plain file name that is not reserved; the export is not a directory, its
+// directory exists and is writable, and it is not reserved; no two outputs share a path (the
+// metrics file, the export, its record); no output (config.yaml, eval.jsonl, init.dat, the
+// reference file, report.html, the metrics file, the export, its record, its HF and adapter
+// folders) is, holds or lies inside an input (run_inputs; resolved, hard links included), and no
+// input lies in a checkpoint folder or temp file of output.dir, whatever `overwrite` says;
+// output.dir is a writable directory or can be created; no output file exists as anything but a
+// regular file (the folders: a directory), so nothing is ever renamed over a device or a FIFO;
+// output.hf_export's folder passes check_hf_export_folder and lora's adapter folder
+// check_adapter_folder (`overwrite`: --overwrite).
+void check_output_paths(const Config& c, bool overwrite = false);
+
+// train.method lora's adapter folder (adapter_dir of the export): a new path, an empty folder, or
+// the adapter of an earlier export of this run (the record beside the export names this run, or
+// the export lies in output.dir); another folder with files only with `overwrite`.
+void check_adapter_folder(const Config& c, bool overwrite);
+
+// --write-teacher-topk's output, distill.topk_file, before anything loads: set (with
+// distill.teacher); none of the inputs (run_inputs with writing_topk), whatever `overwrite`
+// says; a regular file or a new path in a writable directory; and not an existing file unless
+// `overwrite`.
+void check_topk_output(const Config& c, bool overwrite);
 
 // The export record: `<export>.json` beside the export, {"step", "bytes", "run_dir"}, written
 // after each export. It tells which step an existing export holds, so that an export never
@@ -102,15 +126,16 @@ std::string step_export_name(int64_t step);
 void check_probe_report_path(const std::string& path, bool overwrite);
 
 // With output.hf_export set: the folder is neither an input nor output.dir and holds none of
-// them (model.weights, model.config, model.tokenizer and the folder its files are copied from,
-// data files), and an existing non-empty folder is an earlier q4train export
+// them (run_inputs, output.dir and the folder model.tokenizer's files are copied from), and an
+// existing non-empty folder is an earlier q4train export
 // (model::check_hf_export_dir; q4train never replaces a foreign folder's files).
 void check_hf_export_folder(const Config& c);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a
-// killed writer (removed at start anyway), probe.json and the run's own inputs (e.g.
-// model.weights kept in output.dir). Names, sorted; empty when the directory is absent or empty.
+// killed writer (removed at start anyway), probe.json, and the run's own inputs and folders
+// holding one (run_inputs: model.weights or a teacher kept in output.dir), which --overwrite
+// therefore never removes. Names, sorted; empty when the directory is absent or empty.
 std::vector<std::string> run_dir_leftovers(const Config& c);
 
 // An exclusive advisory lock (flock) on <dir>/.lock, held until destruction (or the process

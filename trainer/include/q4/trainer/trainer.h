@@ -28,8 +28,9 @@ int run_training(const Config& config, const RunOptions& options, std::ostream& 
 // config.json parses, the data loads (formats, counts, truncation, tokens with the real
 // tokenizer, the batcher's packing), the run length resolves, the device is usable. Prints the
 // memory estimate (whole-run terms, each phase of a step, the peak phase) and the resolved
-// config. Returns kExitOk or throws ConfigError.
-int run_dry_run(const Config& config, std::ostream& out);
+// config. Output paths are checked as the run checks them (`overwrite`: --overwrite). Returns
+// kExitOk or throws ConfigError.
+int run_dry_run(const Config& config, std::ostream& out, bool overwrite = false);
 
 // The training set-up and step function with instrumentation: one step with every phase marked
 // (sync, time, memory), on the configured data or, without data.files, on synthetic random-token
