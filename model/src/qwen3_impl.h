@@ -15,6 +15,9 @@
 
 namespace q4::model {
 
+// The adapted linear's short name ("q_proj", ..., "lm_head") of an HF parameter name, or "".
+std::string linear_short_name(const std::string& name);
+
 struct LayerParams {
   Parameter* q_proj;
   Parameter* k_proj;

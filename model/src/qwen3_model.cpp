@@ -74,9 +74,6 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
   return grad_dtype ? *grad_dtype : default_grad_dtype(master_dtype, compute_dtype);
 }
 
-namespace {
-
-// The adapted linear's short name ("q_proj", ..., "lm_head") of an HF parameter name, or "".
 std::string linear_short_name(const std::string& name) {
   if (name == "lm_head.weight") return "lm_head";
   static const char* kLinears[] = {"q_proj", "k_proj", "v_proj", "o_proj",
@@ -89,8 +86,6 @@ std::string linear_short_name(const std::string& name) {
   }
   return "";
 }
-
-}  // namespace
 
 std::string lora_param_name(const std::string& linear, const char* part) {
   const std::string tail = ".weight";
@@ -119,8 +114,28 @@ void LoraSpec::validate() const {
                 "lora.targets: unknown linear '", t, "' (expected q_proj, k_proj, v_proj, o_proj, "
                 "gate_proj, up_proj, down_proj or lm_head)");
   }
-  TORCH_CHECK(merge_aware || std::find(targets.begin(), targets.end(), "lm_head") == targets.end(),
-              "lora.targets: lm_head takes a merge-aware adapter only (lora.merge_aware: true)");
+  // alpha / rank scales fp32 GEMMs: it must be a finite fp32 number.
+  TORCH_CHECK(std::isfinite(static_cast<float>(scale())), "lora.alpha: ", alpha, " / lora.rank ",
+              rank, " is not a finite fp32 number");
+}
+
+void LoraSpec::validate(const Qwen3Config& cfg) const {
+  validate();
+  if (!enabled()) return;
+  int64_t smallest = 0;
+  std::string which;
+  for (const ParamSpec& p : qwen3_parameters(cfg, /*include_lm_head=*/true)) {
+    if (p.kind != ParamKind::kQuantizedLinear || p.shape.size() != 2) continue;
+    const std::string s = linear_short_name(p.name);
+    if (s.empty() || std::find(targets.begin(), targets.end(), s) == targets.end()) continue;
+    const int64_t d = std::min(p.shape[0], p.shape[1]);
+    if (smallest == 0 || d < smallest) {
+      smallest = d;
+      which = s;
+    }
+  }
+  TORCH_CHECK(smallest == 0 || rank <= smallest, "lora.rank: expected at most ", smallest,
+              " (the smallest dimension of the adapted linears, ", which, "'s), got ", rank);
 }
 
 void ModelOptions::validate() const {
@@ -184,6 +199,7 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
   cfg.validate();
   opt.validate(cfg.num_hidden_layers);
   opt.trainable.validate(cfg.num_hidden_layers);
+  opt.lora.validate(cfg);
   const TrainableSpec& ts = opt.trainable;
   const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
@@ -343,8 +359,15 @@ bool Qwen3Model::Impl::any_trainable() const {
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
   if (p->lora_a != nullptr) {
-    // Merge-aware: fake_quant(W + s·B·A), straight through to A and B; plain: W itself.
+    // Merge-aware: fake_quant(W + s·B·A), straight through to A and B; plain: W itself (the
+    // linear adds s·(x·Aᵀ)·Bᵀ), but for lm_head, whose loss takes one weight: W + s·B·A in the
+    // compute dtype (a PEFT adapter's lm_head; the trainer trains merge-aware ones only).
     if (opt.lora.merge_aware) return tap_lora_merged(this, p, opt.compute_dtype, grad_dtype);
+    if (p == lm_head) {
+      const at::Tensor ba = at::mm(weight(p->lora_b), weight(p->lora_a));
+      return q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype)
+          .add(ba, opt.lora.scale());
+    }
     if (!opt.cache_adapted_weights) {
       return q4::quant::dequantize_nvfp4(p->qdata, p->scale, opt.compute_dtype);
     }

@@ -5,7 +5,8 @@
 #      every projection, merge-aware and plain (embeddings, norms and lm_head frozen), and prints
 #      tokens/s and peak memory of each (summarize_step_vs_peer.py per run); then both adapters
 #      again under a 6 GiB budget (guard.max_gpu_gb: recompute by budget);
-#   2. checks the plain adapter against peft: a few plain-LoRA steps with an export, the base's
+#   2. checks the plain adapter against peft: a few plain-LoRA steps that also train the norms
+#      (the default; the adapter carries them as modules_to_save) with an export, the base's
 #      BF16 Hugging Face export (q4dat export-hf --format bf16), and lora_peft_check.py comparing
 #      peft's logits with q4grad --adapter's.
 #   scripts/bench/lora.sh [OUT_DIR]      Env: BUILD (build-gpu), WORK (/tmp/q4bench), STEPS (8),
@@ -43,7 +44,9 @@ fi
 rm -rf "$work/peft"
 "$build/bin/q4train" --config scripts/bench/bench-4b.yaml --set "model.weights=$work/q4b.dat" \
   --set "data.files=[$work/bench.jsonl]" --set train.method=lora --set lora.rank=16 \
-  --set lora.merge_aware=false $frozen --set train.steps=3 --set optim.lr=1e-3 \
+  --set lora.merge_aware=false --set train.trainable.norms=true \
+  --set train.trainable.lm_head=false --set train.trainable.embeddings=false \
+  --set train.steps=3 --set optim.lr=1e-3 \
   --set "output.dir=$work/peft" --set "output.export_path=$work/peft/model.dat" \
   >"$out/peft-train.log" 2>&1
 [ -d "$work/base-bf16" ] || "$build/bin/q4dat" export-hf "$work/q4b.dat" "$work/base-bf16" \

@@ -13,6 +13,8 @@
       without the adapter (a control that must be much larger when the adapter has trained).
       Exit 1 when the relative difference exceeds --tol (1e-3: fp32 against fp32 with other
       kernels; q4grad fake-quantizes the frozen linears once more, which moves rare blocks).
+      The adapter's modules_to_save weights (norms trained beside the adapters) must each be
+      what peft put in its wrapper of that module (RESULT's modules_to_save counts them).
 """
 import json
 import os
@@ -51,6 +53,25 @@ def restore_raw_entries(model, dat):
     return n
 
 
+def check_modules_to_save(peft_model, adapter):
+    """Every non-LoRA tensor of the adapter is the active copy in peft's wrapper of its module."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    prefix = "base_model.model."
+    n = 0
+    for key, value in tensors.items():
+        if "lora_" in key:
+            continue
+        assert key.startswith(prefix) and key.endswith(".weight"), key
+        module = peft_model.base_model.model.get_submodule(key[len(prefix):-len(".weight")])
+        assert hasattr(module, "modules_to_save"), key + ": peft did not wrap its module"
+        active = module.modules_to_save["default"].weight.detach().float().cpu()
+        assert torch.equal(active, value.float()), key + ": peft's copy differs from the file"
+        n += 1
+    return n
+
+
 def main():
     if sys.argv[1] == "ids":
         out, vocab = sys.argv[2], int(sys.argv[3])
@@ -75,12 +96,14 @@ def main():
         plain = model(ids).logits.float().cpu()
         peft_model = PeftModel.from_pretrained(model, adapter).to(dev)
         adapted = peft_model(ids).logits.float().cpu()
+    saved = check_modules_to_save(peft_model, adapter)
     q4 = logits_of(q4_out)
     scale = q4.abs().max().item()
     rel = (adapted - q4).abs().max().item() / scale
     control = (plain - q4).abs().max().item() / scale
     print("RESULT " + json.dumps({"max_rel_diff": rel, "without_adapter_rel_diff": control,
-                                  "max_abs_logit": scale, "tol": tol}))
+                                  "max_abs_logit": scale, "tol": tol,
+                                  "modules_to_save": saved}))
     return 0 if rel <= tol and control > 10 * rel else 1
 
 

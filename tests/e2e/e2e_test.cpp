@@ -403,6 +403,18 @@ TEST(E2E, LoraResumeEqualsUninterruptedRunAndExportsTheAdapter) {
     fs::remove(dir / "cut" / "model.dat");
     fs::remove(dir / "cut" / "model.dat.json");
     q4::io::remove_tree(dir / "cut" / "model-adapter");
+    if (merge_aware) {
+      // Another alpha would continue other adapters: refused, naming the key and both values.
+      const auto changed =
+          run_q4train({"--resume", (dir / "cut" / "step_000004").string(), "--set",
+                       "output.dir=" + (dir / "cut").string(), "--set", "lora.alpha=8"},
+                      dir / "changed");
+      EXPECT_EQ(changed.code, 2);
+      EXPECT_NE(changed.err.find("config key lora.alpha is 32.0 in the checkpoint but 8.0 now"),
+                std::string::npos)
+          << changed.err;
+      EXPECT_FALSE(fs::exists(dir / "cut" / "step_000008"));
+    }
     const auto resumed = run_q4train({"--resume", (dir / "cut" / "step_000004").string(), "--set",
                                       "output.dir=" + (dir / "cut").string()},
                                      dir / "resumed");
@@ -517,6 +529,21 @@ TEST(E2E, BadConfigKeyExits2NamingIt) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("guard.max_gpu_gb"), std::string::npos) << r.err;
   // One line on stderr.
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+// lora.rank beyond the adapted linears' dimensions is refused as lora.rank, before anything is
+// sized from it (it was blamed on model.weights when the adapters could not be allocated).
+TEST(E2E, LoraRankBeyondTheLinearsIsRefusedAsLoraRank) {
+  const fs::path dir = work_root("e2e") / "lora-rank";
+  q4::io::remove_tree(dir);
+  const auto cfg = write_config(dir, 4, 0);
+  const auto r = run_q4train(
+      {"--config", cfg.string(), "--set", "train.method=lora", "--set", "lora.rank=1000000000"},
+      dir / "a");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("config key lora.rank: expected at most"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("model.weights"), std::string::npos) << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 

@@ -308,6 +308,72 @@ TEST_F(Eval, BadInputIsOneLineNamingIt) {
   EXPECT_FALSE(contains(d.err, "on_error")) << d.err;
 }
 
+// A plain LoRA run that trains the norms and lm_head beside its adapters: the PEFT adapter it
+// writes, on its base (init.dat), is the trained model: q4eval --adapter scores the trainer's
+// validation loss after the last step (without the norms and lm_head in the folder it scored
+// another model). q4eval names the adapter it applied, and refuses the adapter on the run's
+// merged export (it is in there already).
+TEST(EvalLora, AdapterOnItsBaseScoresAsTheTrainedModel) {
+  const fs::path dir = fresh_dir(work_root("eval") / "lora_adapter");
+  write_text(dir / "model.json", tiny_model_config(2));
+  write_text(dir / "data.tsv", kTrain);
+  write_text(dir / "eval.tsv", kEval);
+  std::ostringstream y;
+  y << "model:\n  config: model.json\n  tokenizer: " << kTokenizer
+    << "\n  init: random\n  init_seed: 3\n  device: cpu\n  loss_chunk_tokens: 4\n"
+    << "  master_dtype: fp32\n"
+    << "train:\n  method: lora\n  trainable: {layers: all, norms: true, lm_head: true}\n"
+    << "  steps: 6\n  batch_size: 4\n  seq_len: 48\n  seed: 5\n"
+    << "lora:\n  rank: 4\n  alpha: 8\n  merge_aware: false\n"
+    << "  targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]\n"
+    << "optim:\n  lr: 5.0e-2\n  state: fp32\n"
+    << "data:\n  files: [data.tsv]\n  eval_files: [eval.tsv]\n"
+    << "eval:\n  prompts: []\n  every: 3\n"
+    << "output:\n  dir: " << (dir / "out").string() << "\n";
+  write_text(dir / "config.yaml", y.str());
+  const Result t = run_captured(kQ4train + quoted({"--config", (dir / "config.yaml").string()}),
+                                dir / "train.out", dir / "train.err");
+  ASSERT_EQ(t.code, 0) << t.err;
+  const auto m = read_jsonl(dir / "out" / "metrics.jsonl");
+  ASSERT_FALSE(m.empty());
+  ASSERT_TRUE(m.back().contains("val_loss")) << m.back().dump();
+  const double val = m.back()["val_loss"].get<double>();
+  const fs::path adapter = dir / "out" / "model-adapter";
+  const auto base_args = [&](const std::string& model) {
+    return std::vector<std::string>{"--model",      model,
+                                    "--config",     (dir / "model.json").string(),
+                                    "--tokenizer",  kTokenizer,
+                                    "--data",       (dir / "eval.tsv").string(),
+                                    "--batch-size", "4",
+                                    "--seq-len",    "48",
+                                    "--json",       "--no-exact-match"};
+  };
+  auto args = base_args((dir / "out" / "init.dat").string());
+  args.insert(args.end(), {"--adapter", adapter.string()});
+  const Result r = run_q4eval(args, dir / "eval_adapter");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = last_json(r);
+  std::cout << std::setprecision(17) << "q4eval --adapter loss " << j["loss"].get<double>()
+            << ", trainer val_loss " << val << "\n";
+  EXPECT_NEAR(j["loss"].get<double>(), val, 1e-5 * val) << j.dump();
+  EXPECT_EQ(j["adapter"]["lora_pairs"], 14) << j.dump();
+  EXPECT_EQ(j["adapter"]["full_tensors"], 10) << j.dump();  // 8 layer norms, model.norm, lm_head
+  EXPECT_TRUE(contains(r.err, "q4eval: adapter " + adapter.string() + ": rank 4, alpha 8"))
+      << r.err;
+  // The base alone scores another loss: the test tells the models apart.
+  const Result b = run_q4eval(base_args((dir / "out" / "init.dat").string()), dir / "eval_base");
+  ASSERT_EQ(b.code, 0) << b.err;
+  EXPECT_GT(std::abs(last_json(b)["loss"].get<double>() - val), 1e-3 * val);
+  // The adapter on the run's merged export: refused, saying what to pass.
+  const Result merged = run_q4eval({"--model", (dir / "out").string(), "--data",
+                                    (dir / "eval.tsv").string(), "--adapter", adapter.string()},
+                                   dir / "eval_merged");
+  EXPECT_EQ(merged.code, 2);
+  EXPECT_TRUE(contains(merged.err, "merged export")) << merged.err;
+  EXPECT_TRUE(contains(merged.err, "without --adapter")) << merged.err;
+  EXPECT_EQ(std::count(merged.err.begin(), merged.err.end(), '\n'), 1) << merged.err;
+}
+
 // Python's len(re.split(r"\s+", s)), worked out by hand.
 TEST(EvalMetrics, CountWordsAsPythonSplits) {
   EXPECT_EQ(q4::eval::count_words(""), 1);

@@ -3,18 +3,27 @@
 // - merge-aware gradients of A and B are s·Bᵀ·dW and s·dW·Aᵀ (fp64) of the gradient dW of the
 //   merged, fake-quantized weight, taken from a full fine-tune of a model holding that weight;
 // - plain LoRA gradients are the dense formula's (x·(W + s·B·A)ᵀ in plain precision);
-// - the merge-aware export stores quantize(W + s·B·A): the trained forward weights, bit for bit.
-#include <gtest/gtest.h>
-
+// - the merge-aware export stores quantize(W + s·B·A): the trained forward weights, bit for bit;
+// - a PEFT adapter folder (with the norms and heads trained beside the adapters) on its base is
+//   the trained model, and a folder q4 would not apply in full is refused by name.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
+#include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
 #include "tiny_fixture.h"
 
@@ -395,6 +404,227 @@ TEST(Lora, PeftAdapterFolderRoundTrips) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("lora_A"), std::string::npos) << e.what();
   }
+}
+
+// A copy of adapter folder `src` as `dst` after `edit` changed its tensors (by key, in order) and
+// its adapter_config.json.
+using AdapterTensors = std::vector<std::pair<std::string, at::Tensor>>;
+void edit_adapter(const std::string& src, const std::string& dst,
+                  const std::function<void(AdapterTensors&, nlohmann::json&)>& edit) {
+  namespace fs = std::filesystem;
+  fs::remove_all(dst);
+  fs::create_directories(dst);
+  AdapterTensors tensors;
+  {
+    const SafetensorsFile f(src + "/adapter_model.safetensors");
+    for (const auto& t : f.tensors()) tensors.emplace_back(t.name, f.load(t));
+  }
+  std::ifstream in(src + "/adapter_config.json");
+  nlohmann::json cfg = nlohmann::json::parse(in);
+  edit(tensors, cfg);
+  std::vector<SafetensorsWriter::Decl> decls;
+  for (const auto& [name, t] : tensors) {
+    decls.push_back({name, t.scalar_type() == at::kHalf ? io::StDtype::kF16 : io::StDtype::kF32,
+                     t.sizes().vec()});
+  }
+  SafetensorsWriter w(dst + "/adapter_model.safetensors", decls);
+  for (const auto& kv : tensors) w.append(kv.second.contiguous());
+  w.commit();
+  std::ofstream(dst + "/adapter_config.json") << cfg.dump(2);
+}
+
+// Loads adapter `dir` onto the fixture's base model: the error's text, or "" when it loads.
+std::string adapter_error(const std::string& dir) {
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  try {
+    DatReader w(kWeights);
+    const auto cfg = Qwen3Config::from_json_file(kConfig);
+    Qwen3Model m = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(dir)));
+    m.load_adapter(dir);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// A plain LoRA run that also trains the norms and lm_head (the trainer's default trains the
+// norms): the PEFT folder carries them as modules_to_save under their full module paths, and
+// the adapter on the base computes the trained model's logits.
+TEST(Lora, PeftAdapterCarriesTheTensorsTrainedBesideIt) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = lora_options(false);
+  o.trainable.layers = {1};
+  o.trainable.norms = true;
+  o.trainable.lm_head = true;
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  perturb_b(m);
+  at::Generator gen = at::detail::createCPUGenerator(31);
+  int64_t trained = 0;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) {
+      if (!p.trainable) continue;
+      p.master.add_(at::randn(p.master.sizes(), gen, at::kFloat) * 0.1);
+      ++trained;
+    }
+  }
+  ASSERT_EQ(trained, 6);  // layer 1's four norms, model.norm, lm_head
+  const std::string dir = lora_temp_path("modules_to_save");
+  m.export_adapter(dir, "base");
+  const AdapterConfig ac = read_adapter_config(dir);
+  const std::vector<std::string> want = {"model.layers.1.input_layernorm",
+                                         "model.layers.1.self_attn.q_norm",
+                                         "model.layers.1.self_attn.k_norm",
+                                         "model.layers.1.post_attention_layernorm",
+                                         "model.norm",
+                                         "lm_head"};
+  auto got = ac.modules_to_save;
+  EXPECT_EQ(std::set<std::string>(got.begin(), got.end()),
+            std::set<std::string>(want.begin(), want.end()));
+  {
+    const SafetensorsFile f(dir + "/adapter_model.safetensors");
+    EXPECT_NE(f.find("base_model.model.model.norm.weight"), nullptr);
+    // lm_head as the forward computes with it: fake_quant(master).
+    const StTensor* head = f.find("base_model.model.lm_head.weight");
+    ASSERT_NE(head, nullptr);
+    const at::Tensor master = m.parameter("lm_head.weight").master;
+    EXPECT_TRUE(at::equal(f.load(*head), q4::quant::fake_quant_nvfp4_forward(master)));
+  }
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  const AdapterLoad applied = loaded.load_adapter(dir);
+  EXPECT_EQ(applied.lora_pairs, 7);
+  EXPECT_EQ(applied.full_tensors, 6);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  const at::Tensor trained_logits = m.forward(in);
+  EXPECT_LT(rel_err(loaded.forward(in), trained_logits), 1e-6);
+  // The LoRA pairs alone are another model (what the folder held before).
+  const std::string bare = lora_temp_path("bare");
+  edit_adapter(dir, bare, [](AdapterTensors& t, nlohmann::json& c) {
+    t.erase(
+        std::remove_if(t.begin(), t.end(),
+                       [](const auto& kv) { return kv.first.find("lora_") == std::string::npos; }),
+        t.end());
+    c["modules_to_save"] = nullptr;
+  });
+  Qwen3Model pairs = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(bare)));
+  EXPECT_EQ(pairs.load_adapter(bare).full_tensors, 0);
+  EXPECT_GT(rel_err(pairs.forward(in), trained_logits), 1e-3);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(bare);
+}
+
+// The lm_head adapter of a merge-aware run loads (as peft applies it: W + s·B·A unrounded, which
+// a model holding that merged weight in plain precision computes).
+TEST(Lora, LmHeadAdapterLoadsAsPeftAppliesIt) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = lora_options(true);
+  o.lora.targets = {"q_proj", "lm_head"};
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  perturb_b(m);
+  const std::string dir = lora_temp_path("lm_head");
+  m.export_adapter(dir, "base");
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(dir)));
+  EXPECT_EQ(loaded.load_adapter(dir).lora_pairs, 3);  // lm_head and two q_proj
+  Qwen3Model ref = merged_reference(m, cfg, w, /*fake_quant=*/false);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  EXPECT_LT(rel_err(loaded.forward(in), ref.forward(in)), 1e-5);
+  std::filesystem::remove_all(dir);
+}
+
+// What the loader would not apply in full is refused, naming the file and the key: tensors for
+// a layer the model lacks, a module outside target_modules, a weight outside modules_to_save;
+// non-finite values; rank_pattern / alpha_pattern; a lora_alpha whose scale overflows fp32.
+TEST(Lora, AdapterFolderThatWouldNotApplyIsRefusedByName) {
+  DatReader w(kWeights);
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions o = lora_options(false);
+  o.lora.targets = {"q_proj", "v_proj"};
+  o.trainable.norms = true;
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  perturb_b(m);
+  const std::string dir = lora_temp_path("good");
+  m.export_adapter(dir, "base");
+  ASSERT_EQ(adapter_error(dir), "");
+  const std::string bad = lora_temp_path("bad");
+  const auto refused = [&](const std::function<void(AdapterTensors&, nlohmann::json&)>& edit,
+                           const std::string& key, const std::string& what) {
+    edit_adapter(dir, bad, edit);
+    const std::string e = adapter_error(bad);
+    EXPECT_NE(e.find(key), std::string::npos) << e;
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+    EXPECT_NE(e.find(bad + "/adapter_"), std::string::npos) << e;  // the file
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  };
+  const auto a0 = [](AdapterTensors& t) -> at::Tensor& { return t.front().second; };
+  // A layer the model does not have.
+  refused(
+      [&](AdapterTensors& t, nlohmann::json&) {
+        t.emplace_back("base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight", a0(t));
+      },
+      "model.layers.5.self_attn.q_proj.lora_A.weight", "2 decoder layers");
+  // A module outside target_modules.
+  refused(
+      [&](AdapterTensors& t, nlohmann::json&) {
+        t.emplace_back("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight", a0(t));
+      },
+      "k_proj.lora_A", "target_modules");
+  // A weight of a module outside modules_to_save.
+  refused(
+      [&](AdapterTensors& t, nlohmann::json&) {
+        t.emplace_back("base_model.model.model.layers.0.mlp.up_proj.weight", a0(t));
+      },
+      "mlp.up_proj.weight", "modules_to_save");
+  // Non-LoRA tensors PEFT writes for other methods.
+  refused(
+      [&](AdapterTensors& t, nlohmann::json&) {
+        t.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+                       a0(t));
+      },
+      "lora_magnitude_vector", "not a LoRA A or B");
+  // Non-finite values, in an A and in a norm.
+  const std::string first = SafetensorsFile(dir + "/adapter_model.safetensors").tensors()[0].name;
+  refused([&](AdapterTensors& t, nlohmann::json&) { a0(t).view(-1).select(0, 0).fill_(NAN); },
+          first, "non-finite");
+  refused(
+      [&](AdapterTensors& t, nlohmann::json&) {
+        for (auto& [name, v] : t) {
+          if (name == "base_model.model.model.norm.weight") v.select(0, 0).fill_(INFINITY);
+        }
+      },
+      "base_model.model.model.norm.weight", "non-finite");
+  // Per-module rank and alpha: not applied, so refused.
+  refused(
+      [&](AdapterTensors&, nlohmann::json& c) {
+        c["alpha_pattern"] = {{"q_proj", 4}};
+      },
+      "alpha_pattern", "not apply");
+  refused(
+      [&](AdapterTensors&, nlohmann::json& c) {
+        c["rank_pattern"] = {{"v_proj", 2}};
+      },
+      "rank_pattern", "not apply");
+  refused([&](AdapterTensors&, nlohmann::json& c) { c["lora_alpha"] = 1e300; }, "lora_alpha",
+          "fp32");
+  // PEFT writes empty patterns: accepted.
+  edit_adapter(dir, bad, [](AdapterTensors&, nlohmann::json& c) {
+    c["alpha_pattern"] = nlohmann::json::object();
+    c["rank_pattern"] = nlohmann::json::object();
+  });
+  EXPECT_EQ(adapter_error(bad), "");
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(bad);
 }
 
 }  // namespace

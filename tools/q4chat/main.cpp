@@ -122,6 +122,8 @@ int main(int argc, char** argv) {
             "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
             paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter, cfg.num_hidden_layers, cfg.hidden_size, m.device,
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (!loaded.adapter_summary.empty())
+          std::cerr << "q4chat: " << loaded.adapter_summary << "\n";
       }
       return 0;
     });

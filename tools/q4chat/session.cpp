@@ -8,11 +8,13 @@
 #include <CLI/CLI.hpp>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 
 #include "q4/data/chat.h"
 #include "q4/io/bounded_read.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/config.h"
+#include "q4/trainer/run_dir.h"
 
 namespace fs = std::filesystem;
 
@@ -219,6 +221,11 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
     r.tokenizer = (p.parent_path() / "tokenizer.json").string();
     r.described = "weights file " + model;
   }
+  // q4train writes a PEFT adapter beside a LoRA run's export only: that export is merged.
+  if (!r.hf_folder) {
+    const fs::path beside = trainer::adapter_dir(r.weights);
+    if (fs::is_regular_file(beside / "adapter_config.json")) r.merged_adapter = beside.string();
+  }
   if (!config.empty()) r.config = config;
   if (!tokenizer.empty()) r.tokenizer = tokenizer;
   TORCH_CHECK(fs::exists(r.config), "--model ", model, ": model config ", r.config,
@@ -253,10 +260,34 @@ LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer
   TORCH_CHECK(tokenizer.vocab_size() <= r.config.vocab_size, "tokenizer ", paths.tokenizer, " has ",
               tokenizer.vocab_size(), " tokens but ", paths.config, " has vocab_size ",
               r.config.vocab_size);
-  const model::ModelOptions o =
-      adapter.empty() ? opt : model::with_adapter(opt, model::read_adapter_config(adapter));
-  r.model = std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(r.config, paths.weights, o));
-  if (!adapter.empty()) r.model->load_adapter(adapter);
+  if (adapter.empty()) {
+    r.model =
+        std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(r.config, paths.weights, opt));
+    return r;
+  }
+  const model::AdapterConfig ac = model::read_adapter_config(adapter);
+  if (!paths.merged_adapter.empty()) {
+    std::error_code ec;
+    const bool own = fs::equivalent(adapter, paths.merged_adapter, ec);
+    const std::string base = model::read_adapter_config(paths.merged_adapter).base_model;
+    TORCH_CHECK(!own && (base.empty() || ac.base_model != base), "--adapter ", adapter, ": ",
+                paths.weights, " is a LoRA run's merged export (its adapter ", paths.merged_adapter,
+                " is already in it); pass --model ", paths.weights,
+                " without --adapter, or apply the adapter to its base model",
+                ac.base_model.empty() ? std::string() : " (" + ac.base_model + ")");
+  }
+  r.model = std::make_unique<model::Qwen3Model>(
+      model::load_dat_or_hf(r.config, paths.weights, model::with_adapter(opt, ac)));
+  const model::AdapterLoad applied = r.model->load_adapter(adapter);
+  std::string targets;
+  for (const auto& t : ac.lora.targets) targets += (targets.empty() ? "" : ",") + t;
+  std::ostringstream line;
+  line << "adapter " << adapter << ": rank " << ac.lora.rank << ", alpha " << ac.lora.alpha
+       << ", targets " << targets << "; " << applied.lora_pairs << " LoRA pairs (plain), "
+       << applied.full_tensors << " full tensors replaced (modules_to_save)";
+  r.adapter_summary = line.str();
+  r.adapter_config = ac;
+  r.adapter_load = applied;
   return r;
 }
 

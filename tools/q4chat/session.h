@@ -109,6 +109,9 @@ struct ModelPaths {
   // A run directory's data.chat_template and data.enable_thinking (else auto and unset).
   data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
   std::optional<bool> enable_thinking;
+  // The weights are a LoRA run's merged export: the PEFT adapter q4train wrote beside it (its
+  // adapters are already in the weights; empty: not such an export).
+  std::string merged_adapter;
 };
 
 // The chat template to render with: --chat-template / --enable-thinking, else the run's, else
@@ -138,13 +141,20 @@ data::Tokenizer load_tokenizer(const ModelPaths& paths);
 struct LoadedModel {
   model::Qwen3Config config;
   std::unique_ptr<model::Qwen3Model> model;
+  // With an adapter, one line on what was applied: the folder, rank, alpha, targets, LoRA
+  // pairs and full tensors replaced (empty without one).
+  std::string adapter_summary;
+  model::AdapterConfig adapter_config;
+  model::AdapterLoad adapter_load;
 };
 
 // The config and weights of `paths` (a .dat or a Hugging Face folder, model::load_dat_or_hf)
 // with `opt`; `tokenizer`'s vocabulary must fit the config's vocab_size. NVFP4 linears hold
 // dequantize(q), as inference computes them.
 // With `adapter`, the PEFT LoRA adapter folder (model::read_adapter_config) on top: plain LoRA
-// on the NVFP4 linears it names.
+// on the NVFP4 linears it names and its modules_to_save weights in place of the base's. An
+// adapter on a LoRA run's merged export (paths.merged_adapter) is refused when it is that
+// run's adapter or one for the same base: the export holds its adapters already.
 LoadedModel load_model(const ModelPaths& paths, const data::Tokenizer& tokenizer,
                        const model::ModelOptions& opt, const std::string& adapter = "");
 

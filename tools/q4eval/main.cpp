@@ -116,7 +116,8 @@ struct Report {
   int64_t scored_examples = 0;
 };
 
-void print_report(const Args& a, const Inputs& in, const Report& r) {
+void print_report(const Args& a, const Inputs& in, const chat::LoadedModel& loaded,
+                  const Report& r) {
   const eval::Metrics m = eval::metrics(r.totals);
   const std::string truncation = data::to_string(in.config.data.truncation);
   const double em_rate =
@@ -141,6 +142,15 @@ void print_report(const Args& a, const Inputs& in, const Report& r) {
                         {"packing", r.batching.pack},
                         {"truncation", truncation},
                         {"device", a.m.device}};
+    if (!a.m.adapter.empty()) {
+      const auto& ac = loaded.adapter_config;
+      j["adapter"] = {{"path", a.m.adapter},
+                      {"rank", ac.lora.rank},
+                      {"alpha", ac.lora.alpha},
+                      {"targets", ac.lora.targets},
+                      {"lora_pairs", loaded.adapter_load.lora_pairs},
+                      {"full_tensors", loaded.adapter_load.full_tensors}};
+    }
     if (r.em.examples > 0) {
       j["exact_match"] = em_rate;
       j["exact_match_examples"] = r.em.examples;
@@ -176,6 +186,7 @@ int run(const Args& a) {
     std::cerr << fmt::format("q4eval: {}: {} ({} layers, hidden {}, {}), loaded in {:.1f} s\n",
                              in.paths.described, in.paths.weights, loaded.config.num_hidden_layers,
                              loaded.config.hidden_size, a.m.device, seconds_since(t0));
+    if (!loaded.adapter_summary.empty()) std::cerr << "q4eval: " << loaded.adapter_summary << "\n";
   }
   // The trainer's validation batching on the device evaluated on (shuffle off).
   trainer::Config on_device = in.config;
@@ -199,7 +210,7 @@ int run(const Args& a) {
   const double score_s = seconds_since(t1);
   // Exact match is reported when there are prompt/answer examples to generate for.
   if (!a.no_exact_match) r.em = eval::exact_match(*loaded.model, in.examples, *in.tokenizer);
-  print_report(a, in, r);
+  print_report(a, in, loaded, r);
   if (!a.quiet) {
     std::cerr << fmt::format("q4eval: scored in {:.1f} s, {:.1f} s in all\n", score_s,
                              seconds_since(t0));

@@ -158,6 +158,13 @@ void Checkpointer::write(int64_t step, int64_t tokens_seen, const std::string& d
   // The trained set: a resume that trains other tensors is refused (check_trainable_unchanged).
   st["trainable"] = nlohmann::json::array();
   for (const auto* p : *params_) st["trainable"].push_back(p->name);
+  // The adapters' definition: a resume that changes it is refused (check_lora_unchanged).
+  if (c.train.method == TrainMethod::kLora) {
+    st["lora"] = {{"rank", c.lora.rank},
+                  {"alpha", c.lora.alpha},
+                  {"targets", c.lora.targets},
+                  {"merge_aware", c.lora.merge_aware}};
+  }
   st["world_size"] = comm_ ? comm_->world_size() : 1;
   st["batch_size"] = c.train.batch_size;
   st["grad_accum"] = plan_.grad_accum();
@@ -254,6 +261,28 @@ void Checkpointer::check_trainable_unchanged(const CheckpointDir& ck,
       ck.path, what));
 }
 
+// A resume continues the checkpoint's adapters: A and B trained at one alpha/rank mean another
+// model at another (and a rank or target change reshapes or drops them), so every lora key the
+// checkpoint recorded must be unchanged. Checkpoints written before it was recorded are not
+// checked.
+void Checkpointer::check_lora_unchanged(const CheckpointDir& ck,
+                                        const nlohmann::json& state) const {
+  if (!state.contains("lora") || !state["lora"].is_object()) return;
+  const Config& c = plan_.config();
+  const auto& saved = state["lora"];
+  const nlohmann::json now = {{"rank", c.lora.rank},
+                              {"alpha", c.lora.alpha},
+                              {"targets", c.lora.targets},
+                              {"merge_aware", c.lora.merge_aware}};
+  for (const auto& [key, value] : now.items()) {
+    if (!saved.contains(key) || saved[key] == value) continue;
+    throw ConfigError(fmt::format(
+        "--resume {}: config key lora.{} is {} in the checkpoint but {} now; resume with the "
+        "checkpoint's lora settings (its config.yaml), or start a new run from its export",
+        ck.path, key, saved[key].dump(), value.dump()));
+  }
+}
+
 Checkpointer::Restored Checkpointer::restore(
     const CheckpointDir& ck, bool export_only,
     const std::function<void(int64_t)>& on_grad_accum_change) {
@@ -278,6 +307,7 @@ Checkpointer::Restored Checkpointer::restore(
     throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}", ck.path,
                                   r.step, plan_.steps()));
   }
+  check_lora_unchanged(ck, state);
   check_trainable_unchanged(ck, state);
   if (!export_only) {
     try {

@@ -91,8 +91,17 @@ void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& mod
   const Config& c = plan_.config();
   const std::string dir = adapter_dir(dat_path);
   model.export_adapter(dir, c.model.dir.empty() ? c.model.weights : c.model.dir);
-  out_ << fmt::format("adapter (PEFT) -> {}\n", dir);
-  if (!c.lora.merge_aware) {
+  int64_t full = 0;  // trained beside the adapters: in the folder as modules_to_save
+  for (const auto& p : model.parameters()) full += p.trainable ? 1 : 0;
+  out_ << fmt::format("adapter (PEFT) -> {} ({} LoRA pairs, {} full tensors as modules_to_save)\n",
+                      dir, model.adapters().size() / 2, full);
+  if (c.lora.merge_aware) {
+    out_ << fmt::format(
+        "merge-aware LoRA: the merged export is the trained model; the adapter on its base "
+        "(peft, or --adapter) computes W + B·A·alpha/rank unrounded, {:.1f}% of the adapters' "
+        "update (RMS) away from it\n",
+        100.0 * model.merged_requantization_error());
+  } else {
     out_ << fmt::format(
         "plain LoRA: the merged NVFP4 export is W + B·A·alpha/rank requantized (what the export "
         "check compares with); that rounding is {:.1f}% of the adapters' update (RMS), which "

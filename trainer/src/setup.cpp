@@ -135,6 +135,19 @@ model::Qwen3Config load_model_config(const Config& c) {
         "than the {} recomputed decoder layers (train.recompute_layers)",
         c.train.recompute_keep_attention, c.train.recompute_keep_mlp, recomputed));
   }
+  // lora.rank against the adapted linears' dimensions, before anything is sized from it.
+  if (c.train.method == TrainMethod::kLora) {
+    model::LoraSpec lora;
+    lora.rank = c.lora.rank;
+    lora.alpha = c.lora.alpha;
+    lora.targets = c.lora.targets;
+    lora.merge_aware = c.lora.merge_aware;
+    try {
+      lora.validate(mc);
+    } catch (const c10::Error& e) {
+      throw ConfigError("config key " + std::string(e.what_without_backtrace()));
+    }
+  }
   return mc;
 }
 

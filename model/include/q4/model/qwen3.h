@@ -60,6 +60,9 @@ struct LoraSpec {
   // targets, in a layer `trainable` selects (lm_head: always when named).
   bool adapts(const ParamSpec& p, const TrainableSpec& trainable, int64_t num_layers) const;
   void validate() const;  // errors naming the field
+  // validate() and rank against the model: at most the smallest dimension (in or out) of a
+  // linear in targets, the largest rank B·A can have (an error naming lora.rank).
+  void validate(const Qwen3Config& cfg) const;
 };
 // The adapter parameters' names of the linear `linear` ("model.layers.0.self_attn.q_proj.weight"):
 // part "lora_A" -> "model.layers.0.self_attn.q_proj.lora_A.weight" (PEFT's, without its prefix).
@@ -232,10 +235,19 @@ struct GenerateOptions {
 struct AdapterConfig {
   LoraSpec lora;                // rank, alpha, targets; merge_aware false (a PEFT adapter is plain)
   std::vector<int64_t> layers;  // layers_to_transform (empty: every layer)
+  // PEFT's modules_to_save: modules whose weights the adapter replaces whole; a module is
+  // listed when its path ends with the entry (PEFT's matching).
+  std::vector<std::string> modules_to_save;
+  std::string base_model;  // base_model_name_or_path ("" when absent)
 };
 // Reads `dir`/adapter_config.json; errors name the file and the key (LoRA only: no DoRA,
-// rsLoRA, bias, fan_in_fan_out or modules_to_save).
+// rsLoRA, bias, fan_in_fan_out, rank_pattern or alpha_pattern).
 AdapterConfig read_adapter_config(const std::string& dir);
+// What Qwen3Model::load_adapter applied.
+struct AdapterLoad {
+  int64_t lora_pairs = 0;    // adapted linears (an A and a B each)
+  int64_t full_tensors = 0;  // weights replaced whole (modules_to_save)
+};
 // `opt` with the adapter of `dir` in it (fp32 adapter masters), ready for Qwen3Model::load and
 // then load_adapter().
 ModelOptions with_adapter(ModelOptions opt, const AdapterConfig& adapter);
@@ -420,13 +432,20 @@ class Qwen3Model {
   // The LoRA adapters as a PEFT adapter folder `dir`: adapter_model.safetensors (A and B of
   // every adapted linear under PEFT's names, in the masters' dtype) and adapter_config.json
   // (r, lora_alpha, target_modules, layers_to_transform; `base_model` as
-  // base_model_name_or_path). peft loads it onto the dequantized base model. Each file is
-  // written atomically.
+  // base_model_name_or_path). Every other trained tensor (norms, embedding, lm_head) goes in
+  // as PEFT saves modules_to_save: its module path listed in modules_to_save, the weight the
+  // forward computes with (fake_quant(master) for an NVFP4 linear) under
+  // base_model.model.<name>; a tied lm_head is listed and saved too (peft unties it when it
+  // wraps the embedding). peft loads it onto the dequantized base model. Each file is written
+  // atomically.
   void export_adapter(const std::string& dir, const std::string& base_model = "") const;
-  // Sets every adapter's A and B from `dir`/adapter_model.safetensors (PEFT names, with or without
-  // the ".default" adapter name); a missing tensor or a shape that differs is an error naming the
-  // file and the tensor. The model was built with with_adapter(read_adapter_config(dir)).
-  void load_adapter(const std::string& dir);
+  // Sets every adapter's A and B and replaces every modules_to_save weight from
+  // `dir`/adapter_model.safetensors (PEFT names, with or without the ".default" adapter name).
+  // Errors name the file and the tensor: a missing A or B, a shape that differs, a non-float or
+  // non-finite tensor, and every tensor that would not be applied (a layer the model lacks, a
+  // linear outside target_modules or layers_to_transform, a weight outside modules_to_save).
+  // The model was built with with_adapter(read_adapter_config(dir)).
+  AdapterLoad load_adapter(const std::string& dir);
   // An adapted linear's merged weight W + (alpha/rank)·B·A, fp32 on the model's device: what a
   // merge-aware forward fake-quantizes and the export quantizes.
   at::Tensor merged_weight(const Parameter& adapted) const;

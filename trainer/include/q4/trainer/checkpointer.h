@@ -85,6 +85,7 @@ class Checkpointer {
   void write(int64_t step, int64_t tokens_seen, const std::string& dir);
   void check_schedule(const CheckpointDir& ck, const nlohmann::json& state) const;
   void check_trainable_unchanged(const CheckpointDir& ck, const nlohmann::json& state) const;
+  void check_lora_unchanged(const CheckpointDir& ck, const nlohmann::json& state) const;
   void restore_run_state(const CheckpointDir& ck, const nlohmann::json& state, Restored* r);
 
   RunPlan& plan_;
