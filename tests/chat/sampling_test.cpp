@@ -4,6 +4,7 @@
 #include "sampling.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -146,6 +147,33 @@ TEST(Decode, GreedyEqualsGenerateAndTheCacheGrows) {
     // Every token but the last sampled one is in the cache.
     EXPECT_EQ(cache.length, static_cast<int64_t>(prompt.size() + ref.size()) - 1);
   }
+}
+
+// An adapter on lm_head (as q4chat --adapter loads one: plain, no master, the weight built from
+// the codes and A, B): the decode goes through forward() and equals generate().
+TEST(Decode, AdaptedLmHeadEqualsGenerate) {
+  const auto cfg = model::Qwen3Config::from_json_file(Q4_FIXTURES_DIR "/qwen3_tiny.config.json");
+  model::ModelOptions opt;
+  opt.trainable = model::TrainableSpec::nothing();
+  opt.gradient_checkpointing = false;
+  opt.master_dtype = at::kFloat;
+  opt.lora.rank = 4;
+  opt.lora.targets = {"q_proj", "lm_head"};
+  opt.lora.merge_aware = false;
+  auto m = model::Qwen3Model::random_init(cfg, opt, /*seed=*/3, /*std=*/0.5);
+  at::Generator gen = at::detail::createCPUGenerator(11);
+  for (auto& p : m.adapters()) p.master.copy_(at::randn(p.master.sizes(), gen) * 0.5);
+  const std::vector<int64_t> prompt = {5, 17, 99, 200, 3, 42};
+  model::GenerateOptions g;
+  g.max_new_tokens = 12;
+  g.stop_ids = {};
+  SamplingOptions o;
+  o.temperature = 0;
+  Sampler s(o);
+  model::KvCache cache = m.make_cache(1, 64);
+  std::vector<int64_t> history;
+  EXPECT_EQ(decode(m, cache, prompt, s, history, g.max_new_tokens, {}).tokens,
+            m.generate(prompt, g));
 }
 
 TEST(Decode, ExtendingTheCacheEqualsAFreshPrefill) {

@@ -97,7 +97,9 @@ at::Tensor last_logits(model::Qwen3Model& model, model::KvCache& cache, const at
   in.input_ids = ids;
   const std::string lm_name = model.tied() ? "model.embed_tokens.weight" : "lm_head.weight";
   const model::Parameter& lm = model.parameter(lm_name);
-  if (lm.trainable) {  // the master is not the forward weight: let forward() build it
+  // A trained master or an adapted lm_head (no master: the file's codes and A, B) is not the
+  // forward weight: let forward() build it.
+  if (lm.trainable || lm.lora_a != nullptr) {
     at::Tensor logits = model.forward(in, &cache);  // (1, T, V)
     return logits.select(0, 0).select(0, logits.size(1) - 1);
   }

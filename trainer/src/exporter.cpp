@@ -53,7 +53,7 @@ void Exporter::write(int64_t step, model::Qwen3Model& model, const std::string& 
   }
   record_export_step(path, step, c.output.dir);
   out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);
-  if (c.train.method == TrainMethod::kLora) write_adapter(path, model);
+  if (c.train.method == TrainMethod::kLora) write_adapter(path, model, source_path);
   write_hf_folder(path);
   if (!c.output.verify_export) return;
   check(path, model);
@@ -87,10 +87,14 @@ void Exporter::check(const std::string& path, model::Qwen3Model& model) {
 
 // train.method lora: the adapters as a PEFT folder next to the merged .dat, and for plain
 // adapters how much their merge changed in requantization.
-void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& model) {
+void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& model,
+                             const std::string& source_path) {
   const Config& c = plan_.config();
   const std::string dir = adapter_dir(dat_path);
-  model.export_adapter(dir, c.model.dir.empty() ? c.model.weights : c.model.dir);
+  // The base: model.dir, else model.weights, else the random init's .dat the run started from.
+  std::string base = c.model.dir.empty() ? c.model.weights : c.model.dir;
+  if (base.empty()) base = source_path;
+  model.export_adapter(dir, base);
   int64_t full = 0;  // trained beside the adapters: in the folder as modules_to_save
   for (const auto& p : model.parameters()) full += p.trainable ? 1 : 0;
   out_ << fmt::format("adapter (PEFT) -> {} ({} LoRA pairs, {} full tensors as modules_to_save)\n",

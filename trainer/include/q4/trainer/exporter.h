@@ -27,7 +27,8 @@ class Exporter {
 
  private:
   void write_hf_folder(const std::string& dat_path);
-  void write_adapter(const std::string& dat_path, model::Qwen3Model& model);
+  void write_adapter(const std::string& dat_path, model::Qwen3Model& model,
+                     const std::string& source_path);
   void check(const std::string& path, model::Qwen3Model& model);
 
   const RunPlan& plan_;
