@@ -365,9 +365,10 @@ TEST(EvalLora, AdapterOnItsBaseScoresAsTheTrainedModel) {
   ASSERT_EQ(b.code, 0) << b.err;
   EXPECT_GT(std::abs(last_json(b)["loss"].get<double>() - val), 1e-3 * val);
   // The adapter on the run's merged export: refused, saying what to pass.
-  const Result merged = run_q4eval({"--model", (dir / "out").string(), "--data",
-                                    (dir / "eval.tsv").string(), "--adapter", adapter.string()},
-                                   dir / "eval_merged");
+  const Result merged =
+      run_q4eval({"--model", (dir / "out").string(), "--data", (dir / "eval.tsv").string(),
+                  "--adapter", adapter.string(), "--quiet"},
+                 dir / "eval_merged");
   EXPECT_EQ(merged.code, 2);
   EXPECT_TRUE(contains(merged.err, "merged export")) << merged.err;
   EXPECT_TRUE(contains(merged.err, "without --adapter")) << merged.err;
