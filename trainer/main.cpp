@@ -311,6 +311,13 @@ int main(int argc, char** argv) {
     return fail(kExitUsage, rank_tag() + e.what());
   } catch (const GuardStop& e) {
     return fail(kExitGuard, rank_tag() + e.what());
+  } catch (const c10::OutOfMemoryError& e) {
+    // The allocator's message, then where to find what fits (docs/gpu-guide.md).
+    fail(kExitRuntime, rank_tag() + e.what_without_backtrace());
+    std::cerr << "q4train: --dry-run with guard.max_gpu_gb set to the card's memory (GB) lists the "
+                 "placements that fit (docs/gpu-guide.md#reading-an-out-of-memory-error)"
+              << std::endl;
+    return kExitRuntime;
   } catch (const c10::Error& e) {
     return fail(kExitRuntime, rank_tag() + e.what_without_backtrace());
   } catch (const std::exception& e) {

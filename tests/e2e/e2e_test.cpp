@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -18,8 +19,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -227,6 +230,11 @@ TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantizationOrItself) {
   const Result ptq =
       run("ptq", {"model.fake_quant=false", "model.init=file", "model.weights=" + nvfp4_init});
   EXPECT_NE(ptq.out.find("plain precision"), std::string::npos) << ptq.out;
+  // The start summary says what the export will be.
+  EXPECT_TRUE(std::regex_search(ptq.out, std::regex("  export     .*model\\.dat: NVFP4, the \\d+ "
+                                                    "trained linears quantized after training")))
+      << ptq.out;
+  EXPECT_NE(ptq.out.find("output.export_dense: true writes"), std::string::npos) << ptq.out;
   // Equal, or off by the re-quantization the check expects of any trained NVFP4 tensor.
   EXPECT_TRUE(std::regex_search(ptq.out, std::regex("export check: \\d+/\\d+ tensors"))) << ptq.out;
   EXPECT_GT(pairs("ptq"), 0u);
@@ -237,9 +245,13 @@ TEST(E2E, PlainPrecisionTrainsAndExportsItsQuantizationOrItself) {
   ASSERT_TRUE(std::regex_search(dense.out, m, std::regex("export check: (\\d+)/(\\d+) tensors")))
       << dense.out;
   EXPECT_EQ(m[1].str(), m[2].str()) << "every tensor of a dense export is exact: " << dense.out;
+  EXPECT_NE(dense.out.find("model.dat: dense, the trained masters of the"), std::string::npos)
+      << dense.out;
   EXPECT_EQ(pairs("dense"), 1u);  // only the frozen lm_head stays the NVFP4 pair it was
   EXPECT_EQ(last_loss("dense"), last_loss("ptq"));  // the same training, another export
-  run("random", {"model.fake_quant=false"});
+  const Result random = run("random", {"model.fake_quant=false"});
+  EXPECT_NE(random.out.find("model.dat: dense, as the trained linears came"), std::string::npos)
+      << random.out;
   EXPECT_EQ(pairs("random"), 0u);
   // A straight-through run has no dense export.
   const Result refused =
@@ -312,6 +324,27 @@ TEST(E2E, DistillationOnlineAndFromATopkFile) {
   ASSERT_FALSE(rec.empty());
   EXPECT_TRUE(rec.front().contains("distill_divergence")) << rec.front().dump();
   EXPECT_TRUE(rec.front().contains("distill_ce")) << rec.front().dump();
+  // The teacher named by its run directory, as q4chat and q4eval take it: its export, the same
+  // run; a checkpoint of it is refused, naming the key.
+  const Result by_dir = run_in(
+      dir, "by_dir",
+      kQ4train + quoted(distill_args("by_dir", {"distill.teacher=" + (dir / "teacher").string()})));
+  ASSERT_EQ(by_dir.code, 0) << by_dir.out << by_dir.err;
+  EXPECT_NE(by_dir.out.find("teacher " + teacher), std::string::npos) << by_dir.out;
+  const auto rec_dir = read_jsonl(dir / "by_dir" / "metrics.jsonl");
+  ASSERT_EQ(rec_dir.size(), rec.size());
+  EXPECT_EQ(rec_dir.back()["loss"], rec.back()["loss"]);
+  std::string checkpoint;
+  for (const auto& e : fs::directory_iterator(dir / "teacher")) {
+    if (e.path().filename().string().rfind("step_", 0) == 0) checkpoint = e.path().string();
+  }
+  ASSERT_FALSE(checkpoint.empty());
+  const Result refused =
+      run_in(dir, "refused",
+             kQ4train + quoted(distill_args("refused", {"distill.teacher=" + checkpoint})));
+  EXPECT_EQ(refused.code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("distill.teacher"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("training checkpoint"), std::string::npos) << refused.err;
 
   const auto topk_args = distill_args(
       "write", {"distill.teacher=" + teacher, "distill.topk_file=" + topk, "distill.topk=8"});
@@ -574,6 +607,57 @@ TEST(E2E, DryRunLoadsNothing) {
   EXPECT_FALSE(fs::exists(dir / "run" / "init.dat"));
 }
 
+// configs/models/: every Qwen3 preset parses, has the published size (Qwen's model cards: total
+// parameters, the embedding counted once when tied) and dry-runs, on CUDA with a card's memory
+// as the budget too (the estimate and the placement line, then the refusal for want of a GPU).
+TEST(E2E, ModelPresetsParseAndDryRun) {
+  const fs::path dir = work_root("e2e") / "presets";
+  q4::io::remove_tree(dir);
+  const auto cfg = write_config(dir, 4, 0);
+  const std::map<std::string, double> published = {{"Qwen3-0.6B", 0.596e9},
+                                                   {"Qwen3-1.7B", 1.72e9},
+                                                   {"Qwen3-4B", 4.02e9},
+                                                   {"Qwen3-8B", 8.19e9},
+                                                   {"Qwen3-14B", 14.77e9},
+                                                   {"Qwen3-32B", 32.76e9},
+                                                   {"Qwen3-4B-Instruct-2507", 4.02e9},
+                                                   {"Qwen3-4B-Thinking-2507", 4.02e9}};
+  std::set<std::string> seen;
+  for (const auto& e : fs::directory_iterator(fs::path(kSource) / "configs" / "models")) {
+    const std::string file = e.path().filename().string();
+    const std::string name = file.substr(0, file.find(".config.json"));
+    if (name.rfind("Qwen3-", 0) != 0) continue;
+    seen.insert(name);
+    ASSERT_TRUE(published.count(name)) << file;
+    const auto mc = q4::model::Qwen3Config::from_json_file(e.path().string());
+    const double n = static_cast<double>(mc.num_parameters(!mc.tie_word_embeddings));
+    EXPECT_NEAR(n / published.at(name), 1.0, 0.01) << name << ": " << n;
+    EXPECT_EQ(mc.head_dim, 128) << name;
+    EXPECT_EQ(mc.vocab_size, 151936) << name;
+    EXPECT_EQ(mc.tie_word_embeddings, n < 5e9) << name;
+    const bool v2507 = name.find("2507") != std::string::npos;
+    EXPECT_EQ(mc.rope_theta, v2507 ? 5e6 : 1e6) << name;
+    EXPECT_EQ(mc.max_position_embeddings, v2507 ? 262144 : 40960) << name;
+    const auto cpu = run_q4train(
+        {"--config", cfg.string(), "--dry-run", "--set", "model.config=" + e.path().string(),
+         "--set", "output.dir=" + (dir / name).string()},
+        dir / (name + "_cpu"));
+    EXPECT_EQ(cpu.code, 0) << name << cpu.err;
+    EXPECT_NE(cpu.out.find(fmt::format("dry run: {} layers, hidden {}", mc.num_hidden_layers,
+                                       mc.hidden_size)),
+              std::string::npos)
+        << cpu.out;
+    const auto card = run_q4train(
+        {"--config", cfg.string(), "--dry-run", "--set", "model.config=" + e.path().string(),
+         "--set", "output.dir=" + (dir / name).string(), "--set", "model.device=cuda", "--set",
+         "guard.max_gpu_gb=80"},
+        dir / (name + "_cuda"));
+    EXPECT_NE(card.out.find("gradient checkpointing auto: "), std::string::npos) << card.out;
+    EXPECT_NE(card.out.find("usable of 74.5 GiB guard.max_gpu_gb"), std::string::npos) << card.out;
+  }
+  EXPECT_EQ(seen.size(), published.size());
+}
+
 TEST(E2E, SigintCheckpointsAndExits0) {
   const fs::path dir = work_root("e2e") / "sigint";
   q4::io::remove_tree(dir);
@@ -751,6 +835,15 @@ TEST(E2EUx, EvalFractionHoldsOutExamples) {
   ASSERT_EQ(a.code, 0) << a.err;
   EXPECT_TRUE(has(a.out, "validation: 2 examples (2 held out")) << a.out;
   EXPECT_TRUE(has(a.out, "  data       6 examples")) << a.out;
+  // One held-out example is one example.
+  const auto one =
+      run_q4train({"--config", cfg.string(), "--set", "data.eval_fraction=0.1", "--set",
+                   "eval.prompts=[]", "--set", "output.export_path=none", "--set",
+                   "output.dir=" + (dir / "one").string(), "--set", "train.steps=1"},
+                  dir / "one");
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_TRUE(has(one.out, "validation: 1 example (1 held out")) << one.out;
+  EXPECT_TRUE(has(one.out, "; validation 1 example\n")) << one.out;
   const auto b = run_once("b");
   ASSERT_EQ(b.code, 0) << b.err;
   const auto ma = read_jsonl(dir / "a" / "metrics.jsonl");

@@ -257,6 +257,25 @@ TEST(Safety, LastStepIsCheckpointedBeforeTheEndEvalByDefault) {
   EXPECT_EQ(q4::trainer::existing_export_step((dir / "run" / "model.dat").string()), 3);
 }
 
+// A stop signal during a validation ends it before its next batch and stops the run at that
+// step: checkpointed there, no further step, no validation loss over part of the examples.
+TEST(Safety, StopSignalDuringValidationCheckpointsThatStep) {
+  const fs::path dir = setup_dir("valsignal", 6, -1);
+  const Result r = run(dir,
+                       config_args(dir, {"data.eval_fraction=0.25", "eval.every=2",
+                                         "output.checkpoint_minutes=0", "log.every=1"}),
+                       "a", "Q4_FAULT=valsignal:0:2");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "validation after step 2 cut short by the stop signal")) << r.out;
+  EXPECT_TRUE(contains(r.out, "stopping after step 2")) << r.out;
+  EXPECT_TRUE(fs::exists(dir / "run" / "step_000002" / "DONE")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "run" / "step_000003")) << r.out;
+  for (const auto& rec : read_jsonl(dir / "run" / "metrics.jsonl")) {
+    EXPECT_LE(rec["step"].get<int64_t>(), 2) << rec.dump();
+    if (rec["step"] == 2) EXPECT_FALSE(rec.contains("val_loss")) << rec.dump();
+  }
+}
+
 // Item 7: the time cadence (output.checkpoint_minutes) checkpoints during the run.
 TEST(Safety, CheckpointsByTime) {
   const fs::path dir = setup_dir("minutes", 3, -1);

@@ -503,6 +503,117 @@ TEST(Estimate, FlopsPerToken) {
   EXPECT_DOUBLE_EQ(train_flops_per_token(mc, 24), expected);
 }
 
+// The FLOPs a run computes: with everything trained, llm.c's count; frozen linears lose their
+// weight-gradient GEMMs, layers below the lowest trained one their backward, and adapters add
+// their own (tiny fixture, by hand: H 64, q 64, kv 32, I 192, V 384, 2 layers, T 24).
+TEST(Estimate, FlopsPerTokenCountWhatTrains) {
+  const auto mc = tiny_model_config();
+  const double T = 24, q = 64, core = T * q;
+  const double layer = 64.0 * (2 * 64 + 2 * 32) + 3.0 * 64 * 192, head = 384.0 * 64;
+  const std::vector<std::string> base = {"train.seq_len=24", "train.batch_size=2",
+                                         "train.trainable.norms=false"};
+  auto with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), base.begin(), base.end());
+    return tiny_config("", sets);
+  };
+  Config full = with({"train.trainable.lm_head=true", "train.trainable.embeddings=true"});
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, full, true), train_flops_per_token(mc, 24));
+  // Projections of every layer train, lm_head frozen: no weight gradient for lm_head.
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, with({}), true),
+                   6 * 2 * layer + 4 * head + 12 * 2 * core);
+  // Only the last layer trains: the first runs forward only.
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, with({"train.trainable.layers=last:1"}), true),
+                   2 * layer + 6 * layer + 4 * head + 4 * core + 12 * core);
+  // Plain LoRA rank 4 on q_proj and down_proj: frozen linears forward and input gradient, the
+  // adapters 6 x r x (in + out) each.
+  const Config plain = with({"train.method=lora", "lora.rank=4", "lora.merge_aware=false",
+                             "lora.targets=[q_proj, down_proj]"});
+  const double adapters = 6 * 4 * ((64 + 64) + (192 + 64));
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, plain, true),
+                   4 * 2 * layer + 2 * adapters + 4 * head + 12 * 2 * core);
+  // Merge-aware: the merged weights' gradients are formed (6n), and the merge and the factors'
+  // gradients add 6 x n x r per micro-batch of 48 tokens.
+  Config merged = plain;
+  merged.lora.merge_aware = true;
+  const double n_adapted = 64.0 * 64 + 64.0 * 192;
+  EXPECT_DOUBLE_EQ(
+      train_flops_per_token(mc, merged, true),
+      4 * 2 * layer + 2 * (2 * n_adapted + 6 * n_adapted * 4 / 48) + 4 * head + 12 * 2 * core);
+  EXPECT_LT(train_flops_per_token(mc, plain, true), train_flops_per_token(mc, 24));
+}
+
+// What fits instead (advise_placements): an 8B model, one sequence of 128 tokens with 4-bit
+// moments on a 24 GB card does not fit; the advice never repeats what is set (the moments'
+// format, the batch, a sequence already at the floor), offloading the moments fits, each listed
+// estimate is the estimate of the config with those settings and fits, and no listed placement
+// contains another. With too little memory for anything: the smallest estimate.
+TEST(Estimate, AdviceListsPlacementsThatFitAndNothingAlreadySet) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(std::string(Q4_SOURCE_DIR) +
+                                                         "/configs/models/Qwen3-8B.config.json");
+  const Config c = tiny_config("", {"model.device=cuda", "train.batch_size=1", "train.seq_len=128",
+                                    "optim.state=4bit", "guard.max_gpu_gb=24"});
+  const PlacementAdvice a = advise_placements(mc, c, true, 0);
+  EXPECT_EQ(a.budget.source, "guard.max_gpu_gb");
+  EXPECT_FALSE(a.config_fits);
+  ASSERT_FALSE(a.fitting.empty()) << a.summary();
+  bool moments = false;
+  for (const Placement& p : a.fitting) {
+    for (const auto& s : p.settings) {
+      EXPECT_EQ(s.find("optim.state"), std::string::npos) << a.summary();
+      EXPECT_EQ(s.find("train.batch_size"), std::string::npos) << a.summary();
+      EXPECT_EQ(s.find("train.seq_len"), std::string::npos) << a.summary();
+    }
+    EXPECT_LE(p.estimate_bytes, a.budget.usable_bytes) << p.describe();
+    moments |= p.settings == std::vector<std::string>{"optim.offload=moments"};
+  }
+  EXPECT_TRUE(moments) << a.summary();
+  Config off = c;
+  off.optim.offload = Offload::kMoments;
+  const RecomputeChoice r = choose_recompute(mc, off, true, 0);
+  EXPECT_TRUE(r.fits);
+  for (const Placement& p : a.fitting) {
+    if (p.settings == std::vector<std::string>{"optim.offload=moments"}) {
+      EXPECT_EQ(p.estimate_bytes, r.estimate_bytes);
+      EXPECT_EQ(p.host_bytes, r.host_bytes);
+    }
+  }
+  // The OVER line of auto carries the advice instead of settings that are already made.
+  const std::string line = choose_recompute(mc, c, true, 0).describe();
+  EXPECT_NE(line.find("OVER"), std::string::npos) << line;
+  EXPECT_NE(line.find("optim.offload=moments"), std::string::npos) << line;
+  EXPECT_EQ(line.find("optim.state"), std::string::npos) << line;
+
+  // Recompute by hand off, int8 moments, 4 x 1024 tokens: every option applies; each listed
+  // placement is minimal (no other listed one is a subset of it).
+  const Config wide =
+      tiny_config("", {"model.device=cuda", "train.batch_size=4", "train.seq_len=1024",
+                       "train.gradient_checkpointing=false", "guard.max_gpu_gb=44"});
+  const PlacementAdvice w = advise_placements(mc, wide, true, 0);
+  EXPECT_FALSE(w.config_fits);
+  ASSERT_FALSE(w.fitting.empty()) << w.summary();
+  for (size_t i = 0; i < w.fitting.size(); ++i) {
+    for (size_t j = 0; j < w.fitting.size(); ++j) {
+      if (i == j) continue;
+      const auto& x = w.fitting[i].settings;
+      const auto& y = w.fitting[j].settings;
+      const bool subset = std::all_of(y.begin(), y.end(), [&](const std::string& s) {
+        return std::find(x.begin(), x.end(), s) != x.end();
+      });
+      EXPECT_FALSE(subset) << w.summary();
+    }
+  }
+  EXPECT_EQ(w.fitting[0].settings, std::vector<std::string>{"train.gradient_checkpointing=auto"})
+      << w.summary();
+
+  Config tiny_card = c;
+  tiny_card.guard.max_gpu_gb = 4;
+  const PlacementAdvice none = advise_placements(mc, tiny_card, true, 0);
+  EXPECT_TRUE(none.fitting.empty());
+  EXPECT_GT(none.smallest.estimate_bytes, none.budget.usable_bytes);
+  EXPECT_NE(none.summary().find("nothing fits"), std::string::npos) << none.summary();
+  EXPECT_NE(none.summary().find("optim.offload=all"), std::string::npos) << none.summary();
+}
+
 TEST(Probe, CpuReportHasEveryPhase) {
   const fs::path dir = fs::temp_directory_path() / ("q4_probe_test_" + std::to_string(::getpid()));
   const Config c = tiny_config(

@@ -95,6 +95,32 @@ TEST(Report, EmptyAndSinglePointSeries) {
   EXPECT_EQ(count(html, "<svg"), 0u);
 }
 
+// The preference report's long titles: the title, each legend line and the unit label each have
+// a row of their own above the plot area (on one row a right-aligned legend ran into the title).
+TEST(Report, LegendRowsBelowTheTitle) {
+  const std::string svg = render_svg_plot(
+      "Rewards (beta x log-probability gain over the reference)",
+      {{"chosen", {{1, 0.5}, {2, 1.0}}}, {"rejected", {{1, -0.5}, {2, -1.0}}}}, "reward");
+  const std::regex text("<text x=\"[0-9.]+\" y=\"([0-9.]+)\"[^>]*>([^<]*)</text>");
+  double title = -1, unit = -1;
+  std::vector<double> legend;
+  for (auto it = std::sregex_iterator(svg.begin(), svg.end(), text); it != std::sregex_iterator();
+       ++it) {
+    const double y = std::stod((*it)[1].str());
+    const std::string what = (*it)[2].str();
+    if (what.rfind("Rewards", 0) == 0) title = y;
+    if (what.find("(last ") != std::string::npos) legend.push_back(y);
+    if (what == "reward") unit = y;
+  }
+  ASSERT_GT(title, 0) << svg;
+  ASSERT_EQ(legend.size(), 2u) << svg;
+  ASSERT_GT(unit, 0) << svg;
+  // 14 px text: rows at least 14 apart.
+  EXPECT_GE(legend[0], title + 14) << svg;
+  EXPECT_GE(legend[1], legend[0] + 14) << svg;
+  EXPECT_GE(unit, legend[1] + 14) << svg;
+}
+
 TEST(Report, WriteRunReportReadsTheRunFiles) {
   const fs::path dir = fs::path(::testing::TempDir()) / ("q4_report_" + std::to_string(::getpid()));
   q4::io::remove_tree(dir);

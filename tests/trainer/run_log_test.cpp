@@ -99,10 +99,14 @@ TEST(RunLog, AnswersAndEndSummary) {
   a.stopped = true;
   log.log_answers({a}, 3, "step", 1500.0);
   log.close();
-  EXPECT_NE(out.str().find("eval[step step 3] two lines => ok\n"), std::string::npos) << out.str();
+  log.log_answers({a}, 4, "end", 10.0);
+  // A periodic answer names its step once; the others say when.
+  EXPECT_NE(out.str().find("eval[step 3] two lines => ok\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("eval[end step 4] two lines => ok\n"), std::string::npos) << out.str();
+  EXPECT_EQ(out.str().find("step step"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("eval took 1.5 s"), std::string::npos);
   const auto r = records(t.path / kEvalFile);
-  ASSERT_EQ(r.size(), 1u);
+  ASSERT_EQ(r.size(), 2u);
   EXPECT_EQ(r[0]["new_tokens"], 2);
   EXPECT_EQ(r[0]["when"], "step");
   ev.note_validation(1.25, 3);

@@ -171,29 +171,14 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
   TORCH_CHECK(fs::exists(p), "--model ", model, ": no such file or directory");
   ModelPaths r;
   if (fs::is_directory(p)) {
-    const std::string name =
-        p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
-    if (fs::exists(p / "optim.state") || name.rfind("step_", 0) == 0) {
-      TORCH_CHECK(false, "--model ", model,
-                  ": this is a training checkpoint (its masters live in optim.state), which "
-                  "q4chat and q4eval do not read; use the run's export instead (--model <run "
-                  "directory> or its model.dat), or let q4train finish and export");
-    }
-    if (fs::exists(p / "config.yaml")) {
-      const trainer::Config c = trainer::load_config((p / "config.yaml").string());
-      // The export beside config.yaml wins (the run directory may have been moved).
-      const fs::path beside = p / "model.dat";
-      std::string weights = fs::exists(beside) ? beside.string() : trainer::resolved_export_path(c);
-      TORCH_CHECK(!weights.empty() && fs::exists(weights), "--model ", model,
-                  ": run directory without an export (expected ", beside.string(),
-                  "); let the run finish, or pass the .dat with --model");
-      r.weights = weights;
-      r.config = c.model.config;
-      r.tokenizer = c.model.tokenizer;
-      r.system_prompt = c.data.system_prompt;
-      r.chat_template = c.data.chat_template;
-      if (c.data.enable_thinking != trainer::AutoBool::kAuto) {
-        r.enable_thinking = c.data.enable_thinking == trainer::AutoBool::kTrue;
+    if (const auto run = trainer::run_dir_model(model, "--model")) {
+      r.weights = run->weights;
+      r.config = run->config;
+      r.tokenizer = run->tokenizer;
+      r.system_prompt = run->system_prompt;
+      r.chat_template = run->chat_template;
+      if (run->enable_thinking != trainer::AutoBool::kAuto) {
+        r.enable_thinking = run->enable_thinking == trainer::AutoBool::kTrue;
       }
       r.described = "run directory " + model + " (config.yaml)";
     } else if (model::is_hf_folder(p.string())) {

@@ -743,10 +743,12 @@ std::vector<FieldRef> config_fields(Config& c) {
             "dtype (2 bytes an element) instead of dequantizing them in every forward; auto: when "
             "no decoder layer recomputes"),
       path("distill.teacher", &c.distill.teacher,
-           "train.objective distill: the teacher, a .dat or Hugging Face folder (frozen, compute "
-           "dtype, same device; dense linears stay dense)"),
+           "train.objective distill: the teacher, a .dat, Hugging Face folder or q4train run "
+           "directory (its export; frozen, compute dtype, same device; dense linears stay "
+           "dense)"),
       path("distill.teacher_config", &c.distill.teacher_config,
-           "the teacher's config.json (default: the folder's config.json, else model.config)"),
+           "the teacher's config.json (default: the folder's config.json, a run directory's "
+           "model.config, else model.config)"),
       field("distill.alpha", &c.distill.alpha,
             "loss = alpha x divergence + (1 - alpha) x cross-entropy on the labels",
             R::between(0, 1, false)),
@@ -779,10 +781,12 @@ std::vector<FieldRef> config_fields(Config& c) {
             "adds this x the chosen answer's mean cross-entropy per pair (TRL's rpo_alpha)",
             R::between(0, kMaxSftWeight, false), {"rpo_alpha"}),
       path("preference.reference", &c.preference.reference,
-           "the reference model, a .dat or Hugging Face folder (default: the starting model); "
+           "the reference model, a .dat, Hugging Face folder or q4train run directory (default: "
+           "the starting model); "
            "its log-probabilities are computed once before training"),
       path("preference.reference_config", &c.preference.reference_config,
-           "the reference's config.json (default: the folder's config.json, else model.config)"),
+           "the reference's config.json (default: the folder's config.json, a run directory's "
+           "model.config, else model.config)"),
       field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
             {"logging_steps", "log_interval"}),
       field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),

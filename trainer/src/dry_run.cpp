@@ -80,7 +80,8 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
       const auto n = val.size();
       const data::Batcher vb = as_input_error(truncation_keys(c, "data.eval_files"),
                                               [&] { return data::Batcher(std::move(val), bo); });
-      out << fmt::format("validation: {} examples, {} kept\n", n, vb.num_examples());
+      out << fmt::format("validation: {} example{}, {} kept\n", n, n == 1 ? "" : "s",
+                         vb.num_examples());
       report_truncation(c, vb.truncation_stats(), "validation ", out, out);
     }
     out << plan.resolve_length(batcher.batches_per_epoch(), 1);
@@ -98,11 +99,10 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.
   const bool separate_lm_head = c.model.init == InitKind::kFile ? true : !mc.tie_word_embeddings;
-  // gradient_checkpointing auto: the choice the run would make here (with guard.max_gpu_gb, or
-  // this machine's GPU's free memory); without either it is made at start.
-  std::string recompute_note;
-  if (c.train.gradient_checkpointing == Recompute::kAuto && device_is_cuda(c)) {
-    std::optional<int64_t> free_bytes;
+  // The device memory the run plans with: guard.max_gpu_gb, or this machine's GPU's free memory;
+  // without either, gradient_checkpointing auto decides at start and nothing says what fits.
+  std::optional<int64_t> free_bytes;
+  if (device_is_cuda(c)) {
     if (c.guard.max_gpu_gb > 0) {
       free_bytes = 0;
     } else {
@@ -113,10 +113,27 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
       } catch (const ConfigError&) {
       }
     }
+  }
+  // gradient_checkpointing auto: the choice the run would make here (with what fits instead
+  // when even its least is over the budget). Other settings: whether the estimate fits, and
+  // what would when it does not (advise_placements).
+  std::string recompute_note, fit_note;
+  if (c.train.gradient_checkpointing == Recompute::kAuto && device_is_cuda(c)) {
     recompute_note =
         free_bytes ? plan.resolve_recompute(mc, separate_lm_head, *free_bytes)
                    : "gradient checkpointing auto: decided at start from the GPU's free memory "
                      "(no usable GPU here); estimated below with every layer recomputed";
+  } else if (free_bytes) {
+    const PlacementAdvice a = advise_placements(mc, c, separate_lm_head, *free_bytes);
+    fit_note = fmt::format("memory: estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB {}{}",
+                           to_gib(a.config_bytes), a.config_fits ? "within" : "OVER",
+                           to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
+                           a.budget.source, a.config_fits ? "" : "; " + a.summary());
+  }
+  if (device_is_cuda(c) && !free_bytes) {
+    fit_note =
+        "memory: set guard.max_gpu_gb to the card's memory (GB) to see whether this fits and, "
+        "if not, which placements would";
   }
   const auto b = estimate_budget(mc, c, separate_lm_head);
   out << fmt::format(
@@ -131,6 +148,7 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   if (const auto lora = lora_summary(mc, c, separate_lm_head); !lora.empty()) out << lora << "\n";
   if (c.train.objective == ObjectiveKind::kPreference) out << preference_summary(c) << "\n";
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
+  if (!fit_note.empty()) out << fit_note << "\n";
   if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
     out << fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
   } else if (c.model.init == InitKind::kFile) {

@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "q4/optim/state_codec.h"
 #include "q4/trainer/distill.h"
@@ -173,20 +175,32 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   return b;
 }
 
-RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
-                                 bool separate_lm_head, int64_t free_bytes) {
+DeviceBudget device_budget(const Config& c, int64_t free_bytes) {
+  DeviceBudget d;
+  if (c.guard.max_gpu_gb > 0) {
+    d.budget_bytes = static_cast<int64_t>(c.guard.max_gpu_gb * 1e9);
+    d.source = "guard.max_gpu_gb";
+  } else {
+    d.budget_bytes = free_bytes;
+    d.source = "free device memory";
+  }
+  constexpr int64_t kContext = int64_t{1} << 30;
+  d.usable_bytes = static_cast<int64_t>(static_cast<double>(d.budget_bytes - kContext) / 1.08);
+  return d;
+}
+
+namespace {
+
+// choose_recompute without the advice (which itself chooses recompute for its placements).
+RecomputeChoice choose_recompute_only(const model::Qwen3Config& mc, const Config& c,
+                                      bool separate_lm_head, int64_t free_bytes) {
   RecomputeChoice r;
   r.layers = mc.num_hidden_layers;
   r.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
-  if (c.guard.max_gpu_gb > 0) {
-    r.budget_bytes = static_cast<int64_t>(c.guard.max_gpu_gb * 1e9);
-    r.budget_source = "guard.max_gpu_gb";
-  } else {
-    r.budget_bytes = free_bytes;
-    r.budget_source = "free device memory";
-  }
-  constexpr int64_t kContext = int64_t{1} << 30;
-  r.usable_bytes = static_cast<int64_t>(static_cast<double>(r.budget_bytes - kContext) / 1.08);
+  const DeviceBudget d = device_budget(c, free_bytes);
+  r.budget_bytes = d.budget_bytes;
+  r.budget_source = d.source;
+  r.usable_bytes = d.usable_bytes;
   const int64_t L = r.layers;
   Config trial = c;
   auto estimate = [&](int64_t n, bool offload, int64_t ka, int64_t km) {
@@ -268,6 +282,213 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
   return r;
 }
 
+// A placement candidate: its estimate at the least memory (auto: every layer recomputed, inputs
+// on the host, the least auto can reach) and whether that fits.
+struct Trial {
+  std::vector<size_t> choice;  // per dimension: 0 unchanged, k its k-th option
+  Config config;
+  int64_t least_bytes = 0;
+  bool fits = false;
+};
+
+}  // namespace
+
+RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
+                                 bool separate_lm_head, int64_t free_bytes) {
+  RecomputeChoice r = choose_recompute_only(mc, c, separate_lm_head, free_bytes);
+  if (!r.fits) r.advice = advise_placements(mc, c, separate_lm_head, free_bytes).summary();
+  return r;
+}
+
+PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
+                                  bool separate_lm_head, int64_t free_bytes) {
+  PlacementAdvice a;
+  a.budget = device_budget(c, free_bytes);
+  const bool cuda = device_is_cuda(c);
+  const int64_t L = mc.num_hidden_layers;
+  auto is_auto = [&](const Config& t) {
+    return cuda && t.train.gradient_checkpointing == Recompute::kAuto;
+  };
+  // The estimate as a run would make it, and the least memory a config can reach.
+  auto estimate = [&](const Config& t) -> std::pair<int64_t, int64_t> {
+    if (!is_auto(t)) {
+      const MemoryBudget b = estimate_budget(mc, t, separate_lm_head);
+      return {b.total_bytes(), b.host_bytes};
+    }
+    const RecomputeChoice r = choose_recompute_only(mc, t, separate_lm_head, free_bytes);
+    return {r.estimate_bytes, r.host_bytes};
+  };
+  auto least = [&](const Config& t) {
+    if (!is_auto(t)) return estimate_budget(mc, t, separate_lm_head).total_bytes();
+    Config every = t;
+    set_recompute_layers(every, L, L, /*offload_layer_inputs=*/true);
+    return estimate_budget(mc, every, separate_lm_head).total_bytes();
+  };
+  a.config_bytes = estimate(c).first;
+  a.config_fits = a.config_bytes <= a.budget.usable_bytes;
+
+  // The dimensions, each a list of options milder first; only what the config does not set.
+  struct Option {
+    std::vector<std::string> settings;
+    std::function<void(Config&)> apply;
+  };
+  std::vector<std::vector<Option>> dims;
+  if (cuda && c.train.gradient_checkpointing != Recompute::kAuto) {
+    dims.push_back({{{"train.gradient_checkpointing=auto"}, [](Config& t) {
+                       t.train.gradient_checkpointing = Recompute::kAuto;
+                       t.train.recompute_layers = -1;
+                       t.train.recompute_keep_attention = 0;
+                       t.train.recompute_keep_mlp = 0;
+                       t.train.offload_layer_inputs = false;
+                     }}});
+  }
+  std::vector<Option> states;
+  for (const auto mode : {optim::StateMode::kInt8, optim::StateMode::k4Bit}) {
+    const bool smaller =
+        c.optim.state == optim::StateMode::kFp32 ||
+        (c.optim.state == optim::StateMode::kInt8 && mode == optim::StateMode::k4Bit);
+    if (!smaller) continue;
+    states.push_back(
+        {{"optim.state=" + optim::to_string(mode)}, [mode](Config& t) { t.optim.state = mode; }});
+  }
+  if (!states.empty()) dims.push_back(states);
+  std::vector<Option> offloads;
+  for (const auto o : {Offload::kMoments, Offload::kAll}) {
+    if (!cuda || static_cast<int>(o) <= static_cast<int>(c.optim.offload)) continue;
+    offloads.push_back(
+        {{"optim.offload=" + to_string(o)}, [o](Config& t) { t.optim.offload = o; }});
+  }
+  if (!offloads.empty()) dims.push_back(offloads);
+  std::vector<Option> tokens;
+  const int64_t b1 = c.train.batch_size;
+  if (b1 > 1) {
+    tokens.push_back({{"train.batch_size=1"}, [](Config& t) { t.train.batch_size = 1; }});
+  }
+  for (int64_t s = c.train.seq_len / 2; s >= 128; s /= 2) {
+    Option o{{}, [s](Config& t) {
+               t.train.batch_size = 1;
+               t.train.seq_len = s;
+             }};
+    if (b1 > 1) o.settings.push_back("train.batch_size=1");
+    o.settings.push_back("train.seq_len=" + std::to_string(s));
+    tokens.push_back(o);
+  }
+  if (!tokens.empty()) dims.push_back(tokens);
+
+  // Every combination that the config rules accept.
+  std::vector<Trial> trials;
+  std::vector<size_t> choice(dims.size(), 0);
+  while (true) {
+    size_t d = 0;
+    while (d < dims.size() && choice[d] == dims[d].size()) choice[d++] = 0;
+    if (d == dims.size()) break;
+    ++choice[d];
+    Trial t{choice, c};
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (choice[i] > 0) dims[i][choice[i] - 1].apply(t.config);
+    }
+    try {
+      validate_config(t.config);
+    } catch (const ConfigError&) {
+      continue;
+    }
+    t.least_bytes = least(t.config);
+    t.fits = t.least_bytes <= a.budget.usable_bytes;
+    trials.push_back(std::move(t));
+  }
+  auto changed = [](const std::vector<size_t>& ch) {
+    uint32_t mask = 0;
+    for (size_t i = 0; i < ch.size(); ++i) mask |= ch[i] > 0 ? 1u << i : 0u;
+    return mask;
+  };
+  auto mildness = [](const std::vector<size_t>& ch) {
+    size_t n = 0;
+    for (size_t k : ch) n += k;
+    return n;
+  };
+  auto placement = [&](const Trial& t) {
+    Placement p;
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (t.choice[i] == 0) continue;
+      const auto& s = dims[i][t.choice[i] - 1].settings;
+      p.settings.insert(p.settings.end(), s.begin(), s.end());
+    }
+    std::tie(p.estimate_bytes, p.host_bytes) = estimate(t.config);
+    return p;
+  };
+  // Per set of changed dimensions, its mildest fitting combination; kept when no smaller set
+  // fits.
+  std::vector<uint32_t> fitting_masks;
+  for (const Trial& t : trials) {
+    if (t.fits) fitting_masks.push_back(changed(t.choice));
+  }
+  std::vector<uint32_t> masks = fitting_masks;
+  auto count = [](uint32_t m) {
+    int n = 0;
+    for (; m != 0; m &= m - 1) ++n;
+    return n;
+  };
+  std::sort(masks.begin(), masks.end(), [&](uint32_t x, uint32_t y) {
+    const int px = count(x), py = count(y);
+    if (px != py) return px < py;
+    // Lower dimensions first: recompute, the moments' format, offload, tokens.
+    for (uint32_t bit = 1; bit != 0; bit <<= 1) {
+      if ((x & bit) != (y & bit)) return (x & bit) != 0;
+    }
+    return false;
+  });
+  masks.erase(std::unique(masks.begin(), masks.end()), masks.end());
+  for (uint32_t m : masks) {
+    const bool smaller_fits = std::any_of(fitting_masks.begin(), fitting_masks.end(),
+                                          [m](uint32_t f) { return f != m && (f & m) == f; });
+    if (smaller_fits) continue;
+    const Trial* best = nullptr;
+    for (const Trial& t : trials) {
+      if (!t.fits || changed(t.choice) != m) continue;
+      if (best == nullptr || mildness(t.choice) < mildness(best->choice) ||
+          (mildness(t.choice) == mildness(best->choice) && t.least_bytes < best->least_bytes)) {
+        best = &t;
+      }
+    }
+    a.fitting.push_back(placement(*best));
+  }
+  if (a.fitting.empty() && !trials.empty()) {
+    const auto it = std::min_element(
+        trials.begin(), trials.end(),
+        [](const Trial& x, const Trial& y) { return x.least_bytes < y.least_bytes; });
+    a.smallest = placement(*it);
+    if (is_auto(it->config)) a.smallest.estimate_bytes = it->least_bytes;
+  }
+  if (a.fitting.empty() && trials.empty()) {
+    a.smallest.estimate_bytes = least(c);
+  }
+  return a;
+}
+
+std::string Placement::describe() const {
+  std::string s;
+  for (const auto& x : settings) s += (s.empty() ? "" : ", ") + x;
+  if (s.empty()) s = "the config as it is";
+  s += fmt::format(" (estimate {:.1f} GiB", to_gib(estimate_bytes));
+  if (host_bytes > 0) s += fmt::format(", {:.1f} GiB in pinned host memory", to_gib(host_bytes));
+  return s + ")";
+}
+
+std::string PlacementAdvice::summary() const {
+  const std::string usable =
+      fmt::format("{:.1f} GiB usable of {:.1f} GiB {}", to_gib(budget.usable_bytes),
+                  to_gib(budget.budget_bytes), budget.source);
+  if (fitting.empty()) {
+    return fmt::format(
+        "nothing fits the {}: the smallest estimate is {} (fewer trained parameters: "
+        "train.trainable.*, train.method lora, or a larger card)",
+        usable, smallest.describe());
+  }
+  std::string s = "fits the " + usable + " with: ";
+  for (size_t i = 0; i < fitting.size(); ++i) s += (i ? "; " : "") + fitting[i].describe();
+  return s;
+}
+
 std::string RecomputeChoice::describe() const {
   std::string what =
       recompute_layers == 0        ? std::string("no decoder layer recomputes")
@@ -303,8 +524,7 @@ std::string RecomputeChoice::describe() const {
       "gradient checkpointing auto: {} (estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB "
       "{}){}",
       what, to_gib(estimate_bytes), fits ? "within" : "OVER", to_gib(usable_bytes),
-      to_gib(budget_bytes), budget_source,
-      fits ? "" : "; lower train.batch_size or train.seq_len, or use optim.state 4bit");
+      to_gib(budget_bytes), budget_source, fits || advice.empty() ? "" : "; " + advice);
 }
 
 std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
@@ -389,6 +609,60 @@ double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len) {
       layer * mc.num_hidden_layers + static_cast<double>(mc.vocab_size) * mc.hidden_size;
   return 6.0 * matmul_params +
          12.0 * mc.num_hidden_layers * static_cast<double>(seq_len) * mc.q_dim();
+}
+
+double train_flops_per_token(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
+  const auto spec = trainable_spec(c);
+  const auto lora = model_options(c).lora;
+  const int64_t L = mc.num_hidden_layers;
+  const bool tied = !separate_lm_head;
+  const auto params = model::qwen3_parameters(mc, separate_lm_head);
+  auto trains = [&](const model::ParamSpec& p) { return spec.trains(p, L, tied); };
+  auto adapted = [&](const model::ParamSpec& p) {
+    return c.train.method == TrainMethod::kLora && lora.adapts(p, spec, L);
+  };
+  // The lowest layer whose backward runs (L: none; -1: the embedding trains, all of them).
+  int64_t reach = L;
+  bool below_head = false;  // something besides lm_head trains: its input gradient is needed
+  for (const auto& p : params) {
+    if (!trains(p) && !adapted(p)) continue;
+    if (p.group == model::ParamGroup::kEmbedding) reach = -1;
+    if (p.layer >= 0) reach = std::min(reach, p.layer);
+    below_head |= p.group != model::ParamGroup::kLmHead;
+  }
+  const double tokens = static_cast<double>(c.train.batch_size * c.train.seq_len);
+  double flops = 0;
+  auto linear = [&](const model::ParamSpec& p, bool backward, bool weight_trains) {
+    const double n = static_cast<double>(p.numel());
+    const double in = static_cast<double>(p.shape[1]), out = static_cast<double>(p.shape[0]);
+    const double r = static_cast<double>(lora.rank);
+    flops += 2 * n;
+    if (backward) flops += 2 * n;
+    if (adapted(p) && lora.merge_aware) {
+      flops += 2 * n + 6 * n * r / tokens;
+    } else if (adapted(p)) {
+      flops += 6 * r * (in + out);
+    } else if (weight_trains) {
+      flops += 2 * n;
+    }
+  };
+  for (const auto& p : params) {
+    if (p.kind == model::ParamKind::kQuantizedLinear && p.group != model::ParamGroup::kLmHead) {
+      linear(p, p.layer >= reach, trains(p));
+    } else if (p.group == model::ParamGroup::kLmHead) {
+      linear(p, below_head, trains(p));
+    } else if (p.group == model::ParamGroup::kEmbedding && tied) {
+      // The tied lm_head's GEMM uses the embedding's weight.
+      model::ParamSpec head = p;
+      head.group = model::ParamGroup::kLmHead;
+      linear(head, below_head, trains(p));
+    }
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const double core = static_cast<double>(c.train.seq_len) * static_cast<double>(mc.q_dim());
+    flops += 4 * core + (l >= reach ? 8 * core : 0);
+  }
+  return flops;
 }
 
 }  // namespace q4::trainer

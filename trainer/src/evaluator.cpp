@@ -13,6 +13,7 @@
 #include "q4/trainer/nvtx.h"
 #include "q4/trainer/options.h"
 #include "q4/trainer/setup.h"
+#include "q4/trainer/signals.h"
 
 namespace q4::trainer {
 
@@ -87,6 +88,7 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
   std::vector<std::pair<std::string, at::Tensor>> sums;  // the logged values, by name
   Validation v;
   for (int64_t i = 0; i < batches; ++i) {
+    if (stop_requested()) return std::nullopt;
     const data::Batch b = val_batcher_->next();
     TORCH_INTERNAL_ASSERT(b.epoch == 0, "validation: batches ran past one pass");
     MicroBatch mb;

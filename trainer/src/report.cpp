@@ -117,8 +117,10 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& p) {
 std::string render_svg_plot(const std::string& title, const std::vector<PlotSeries>& series,
                             const std::string& unit, bool log_y) {
   constexpr double kW = 520, kL = 70, kR = 15, kB = 40;
-  // Title and one legend line per series above the plot area.
-  const double top = 24 + 14.0 * static_cast<double>(std::max<size_t>(1, series.size()));
+  // The title on its own row (a long one spans the width), then one legend row per series, then
+  // the unit's row: nothing above the plot area shares a row.
+  constexpr double kTitleY = 18, kLegendY = 36, kRow = 14;
+  const double top = kLegendY + 8 + kRow * static_cast<double>(std::max<size_t>(1, series.size()));
   const double height = 230 + top;
   double x0 = std::numeric_limits<double>::infinity(), x1 = -x0, y0 = x0, y1 = -x0;
   for (const auto& s : series) {
@@ -134,8 +136,8 @@ std::string render_svg_plot(const std::string& title, const std::vector<PlotSeri
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" "
       "viewBox=\"0 0 {0} {1}\" role=\"img\" aria-label=\"{2}\">\n"
       "<rect width=\"{0}\" height=\"{1}\" fill=\"#fff\" stroke=\"#ccc\"/>\n"
-      "<text x=\"{3}\" y=\"18\" font-size=\"14\" font-weight=\"bold\">{2}</text>\n",
-      kW, height, escape(title), kL);
+      "<text x=\"{3}\" y=\"{4}\" font-size=\"14\" font-weight=\"bold\">{2}</text>\n",
+      kW, height, escape(title), kL, kTitleY);
   if (!std::isfinite(x0)) {
     o += fmt::format(
         "<text x=\"{}\" y=\"{}\" font-size=\"12\" fill=\"#888\">no data</text>\n</svg>\n", kL,
@@ -202,7 +204,7 @@ std::string render_svg_plot(const std::string& title, const std::vector<PlotSeri
     o += fmt::format(
         "<text x=\"{:.0f}\" y=\"{:.0f}\" font-size=\"12\" fill=\"{}\" text-anchor=\"end\">{} "
         "(last {})</text>\n",
-        kW - kR, 18 + 14.0 * static_cast<double>(i), color, escape(s.name), last);
+        kW - kR, kLegendY + kRow * static_cast<double>(i), color, escape(s.name), last);
   }
   o += "</svg>\n";
   return o;

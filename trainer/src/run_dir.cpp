@@ -749,4 +749,29 @@ void verify_checkpoint(const CheckpointDir& ck) {
   }
 }
 
+std::optional<RunDirModel> run_dir_model(const std::string& dir, const std::string& key) {
+  const fs::path p(dir);
+  if (!fs::is_directory(p)) return std::nullopt;
+  const std::string name =
+      p.filename().empty() ? p.parent_path().filename().string() : p.filename().string();
+  TORCH_CHECK(!fs::exists(p / "optim.state") && name.rfind("step_", 0) != 0, key, " ", dir,
+              ": this is a training checkpoint (its masters live in optim.state), not a model; use "
+              "the run's export instead (the run directory or its model.dat), or let q4train "
+              "finish and export");
+  if (!fs::exists(p / kConfigFile)) return std::nullopt;
+  const Config c = load_config((p / kConfigFile).string());
+  const fs::path beside = p / "model.dat";
+  RunDirModel m;
+  m.weights = fs::exists(beside) ? beside.string() : resolved_export_path(c);
+  TORCH_CHECK(!m.weights.empty() && fs::exists(m.weights), key, " ", dir,
+              ": run directory without an export (expected ", beside.string(),
+              "); let the run finish, or name its .dat");
+  m.config = c.model.config;
+  m.tokenizer = c.model.tokenizer;
+  m.system_prompt = c.data.system_prompt;
+  m.chat_template = c.data.chat_template;
+  m.enable_thinking = c.data.enable_thinking;
+  return m;
+}
+
 }  // namespace q4::trainer

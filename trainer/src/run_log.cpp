@@ -82,6 +82,26 @@ void RunLog::set_flops(double flops_per_token, std::optional<double> peak_flops)
   peak_flops_ = peak_flops;
 }
 
+std::string plain_export_note(const Config& c, const model::Qwen3Model& model) {
+  // Qwen3Model::export_to: a trained linear that came as an NVFP4 pair goes back as one (the
+  // quantization of its master) unless output.export_dense; dense ones stay dense.
+  int64_t pairs = 0;
+  for (const auto& p : model.parameters()) pairs += p.trainable && p.quantized;
+  const std::string path = resolved_export_path(c);
+  if (path.empty()) return "none (output.export_path: none)";
+  if (pairs == 0) return path + ": dense, as the trained linears came";
+  if (c.output.export_dense) {
+    return fmt::format(
+        "{}: dense, the trained masters of the {} NVFP4 linears as fp16 "
+        "(output.export_dense: true)",
+        path, pairs);
+  }
+  return fmt::format(
+      "{}: NVFP4, the {} trained linears quantized after training (plain precision "
+      "from an NVFP4 model; output.export_dense: true writes their masters dense)",
+      path, pairs);
+}
+
 void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t ranks,
                            int64_t start_step) {
   const Config& c = plan_.config();
@@ -113,7 +133,8 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
                         batcher->num_examples(), tokens, supervised, c.data.files.size(),
                         c.data.files.size() == 1 ? "" : "s");
     out_ << (evaluator.has_validation()
-                 ? fmt::format("; validation {} examples", evaluator.validation_examples())
+                 ? fmt::format("; validation {} example{}", evaluator.validation_examples(),
+                               evaluator.validation_examples() == 1 ? "" : "s")
                  : std::string())
          << "\n";
   }
@@ -152,6 +173,7 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   out_ << fmt::format("  lr         {} ({}, warmup {})\n", c.optim.lr,
                       to_string(c.optim.schedule.kind), c.optim.schedule.warmup_steps);
   out_ << fmt::format("  output     {} (full resolved config in {})\n", c.output.dir, kConfigFile);
+  if (!c.model.fake_quant) out_ << "  export     " << plain_export_note(c, *model) << "\n";
   out_ << fmt::format(
       "  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
       to_gib(budget.total_bytes()),
@@ -283,8 +305,11 @@ void RunLog::log_validation(const Validation& v, int64_t step, bool own_record) 
 void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, const char* tag,
                          double ms) {
   for (const auto& a : answers) {
-    out_ << fmt::format("eval[{} step {}] {} => {}{}\n", tag, step, one_line(a.prompt),
-                        one_line(a.answer), a.stopped ? "" : " [no stop token]");
+    // "eval[end step 60]", "eval[start step 0]"; periodic ones "eval[step 50]".
+    const std::string when = std::string(tag) == "step" ? fmt::format("step {}", step)
+                                                        : fmt::format("{} step {}", tag, step);
+    out_ << fmt::format("eval[{}] {} => {}{}\n", when, one_line(a.prompt), one_line(a.answer),
+                        a.stopped ? "" : " [no stop token]");
     eval_log_.write({{"step", step},
                      {"when", tag},
                      {"prompt", a.prompt},

@@ -168,8 +168,9 @@ void check_input_files(const Config& c, bool need_data) {
     if (c.train.objective == ObjectiveKind::kDistill) {
       if (!c.distill.topk_file.empty()) {
         require_file(c.distill.topk_file, "distill.topk_file");
-      } else if (!model::is_hf_folder(c.distill.teacher)) {
-        require_file(c.distill.teacher, "distill.teacher");
+      } else {
+        const FrozenModelSpec teacher = resolved_frozen_spec(teacher_spec(c));
+        if (!model::is_hf_folder(teacher.path)) require_file(teacher.path, "distill.teacher");
       }
     }
   }
@@ -350,14 +351,30 @@ FrozenModelSpec reference_spec(const Config& c) {
           c.model.fake_quant};
 }
 
-std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec) {
+FrozenModelSpec resolved_frozen_spec(const FrozenModelSpec& spec) {
+  FrozenModelSpec r = spec;
+  std::optional<RunDirModel> run;
+  try {
+    run = run_dir_model(spec.path, "config key " + spec.key + ":");
+  } catch (const c10::Error& e) {
+    throw ConfigError(e.what_without_backtrace());
+  }
+  if (!run) return r;
+  r.path = run->weights;
+  if (r.config_path.empty()) r.config_path = run->config;
+  return r;
+}
+
+std::string frozen_config_path(const Config& c, const FrozenModelSpec& frozen) {
+  const FrozenModelSpec spec = resolved_frozen_spec(frozen);
   if (!spec.config_path.empty()) return spec.config_path;
   return model::is_hf_folder(spec.path) ? (fs::path(spec.path) / "config.json").string()
                                         : c.model.config;
 }
 
-model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& spec,
+model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& frozen,
                                              int64_t vocab_size) {
+  const FrozenModelSpec spec = resolved_frozen_spec(frozen);
   if (!model::is_hf_folder(spec.path)) require_file(spec.path, spec.key);
   const std::string config_path = frozen_config_path(c, spec);
   require_file(config_path,
@@ -373,10 +390,11 @@ model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelS
   return cfg;
 }
 
-std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& frozen,
                                                      const model::ModelOptions& student,
                                                      int64_t vocab_size, std::ostream& out) {
   const auto t0 = Clock::now();
+  const FrozenModelSpec spec = resolved_frozen_spec(frozen);
   const model::Qwen3Config cfg = check_frozen_model_config(c, spec, vocab_size);
   model::ModelOptions opt;
   opt.device = student.device;
@@ -415,13 +433,26 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
     }
   }
   if (!load_weights_too) return;
-  // gradient_checkpointing auto plans with the memory that is free before the model loads.
+  // gradient_checkpointing auto plans with the memory that is free before the model loads; with
+  // recompute set by hand, an estimate over it is said before the load, with what would fit.
   const bool auto_recompute =
       c.train.gradient_checkpointing == Recompute::kAuto && plan_.device().is_cuda();
   int64_t free_before = 0;
-  if (auto_recompute) {
+  if (plan_.device().is_cuda()) {
     const auto snap = memory_snapshot(plan_.device());
     free_before = snap.device_total_bytes.value_or(0) - snap.device_used_bytes.value_or(0);
+  }
+  if (plan_.device().is_cuda() && !auto_recompute) {
+    // The shipped layout (a separate lm_head) for a file, as --dry-run assumes.
+    const bool separate = c.model.init == InitKind::kFile || !mc_.tie_word_embeddings;
+    const PlacementAdvice a = advise_placements(mc_, c, separate, free_before);
+    if (!a.config_fits) {
+      err_ << fmt::format(
+          "warning: memory estimate {:.1f} GiB is over the {:.1f} GiB usable of {:.1f} GiB {}: "
+          "this run will likely run out of memory; {}\n",
+          to_gib(a.config_bytes), to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
+          a.budget.source, a.summary());
+    }
   }
   {
     NvtxRange r("load");
@@ -500,11 +531,12 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
     return std::make_unique<data::Batcher>(std::move(val), bo);
   });
   // Preference runs count pairs (two sequences each).
-  const char* unit = group == 2 ? "pairs" : "examples";
+  const char* unit = group == 2 ? "pair" : "example";
   out_ << fmt::format(
-      "validation: {} {} ({} held out of data.files by "
+      "validation: {} {}{} ({} held out of data.files by "
       "data.eval_fraction {}, {} from data.eval_files)\n",
-      total / group, unit, held / group, c.data.eval_fraction, (total - held) / group);
+      total / group, unit, total / group == 1 ? "" : "s", held / group, c.data.eval_fraction,
+      (total - held) / group);
   report_truncation(c, val_batcher_->truncation_stats(), "validation ", out_, err_);
 }
 

@@ -286,7 +286,7 @@ class Trainer {
     checkpointer_.attach(setup_.optimizer(), sync_->params(), setup_.batcher(), setup_.schedule(),
                          comm_.get(), sync_.get());
     evaluator_.attach(model, setup_.tokenizer(), *objective_, setup_.take_validation_batcher());
-    log_.set_flops(train_flops_per_token(setup_.model_config(), cfg().train.seq_len),
+    log_.set_flops(train_flops_per_token(setup_.model_config(), cfg(), setup_.separate_lm_head()),
                    device_peak_flops(device_name(plan_.device())));
   }
 
@@ -319,7 +319,7 @@ class Trainer {
       log_.note_run_peak();  // the window before this step (load, eval, the previous step)
       reset_peak_memory(plan_.device());
       const double lr = setup_.schedule().lr_at(step);
-      const StepOutcome so = traced_step(step);
+      StepOutcome so = traced_step(step);
       const int64_t done = step + 1;
       const bool last = done == total;
       // The validation loss: every eval.every steps and after the last one.
@@ -336,7 +336,18 @@ class Trainer {
       check_nonfinite(so.res, done);
       const auto mem = memory_snapshot(plan_.device());
       std::optional<Validation> val;
-      if (val_due) val = evaluator_.validation_loss(done);
+      if (val_due) {
+        if (fault_at("valsignal", done)) request_stop(SIGINT);
+        val = evaluator_.validation_loss(done);
+        // A stop signal during the validation (which then ends early) stops the run here, not
+        // after another step; the ranks agree on it (val_due is the same on every rank).
+        const double stop = stop_requested() ? 1.0 : 0.0;
+        so.stop = so.stop || (comm_ ? comm_->allreduce_sum(stop) : stop) > 0;
+        if (!val && leader() && stop > 0) {
+          log_.end_bar_line();
+          out_ << "validation after step " << done << " cut short by the stop signal\n";
+        }
+      }
       log_.record_step(so, done, lr, step_ms, log_step, val, mem, setup_.batcher(), ranks());
       plan_.check_guard(fmt::format("at step {}", done));
       if (after_step(so, done, last)) return kExitOk;  // a stop signal
@@ -383,7 +394,10 @@ class Trainer {
   // Returns true when a stop signal ends the run here (checkpointed).
   bool after_step(const StepOutcome& so, int64_t done, bool last) {
     const auto& o = cfg().output;
-    if (cfg().eval.every > 0 && done % cfg().eval.every == 0 && !last) evaluate(done, "step");
+    // Stopping: straight to the checkpoint, without the answers to eval.prompts.
+    if (cfg().eval.every > 0 && done % cfg().eval.every == 0 && !last && !so.stop) {
+      evaluate(done, "step");
+    }
     if (o.export_every > 0 && done % o.export_every == 0 && !last) {
       exporter_.write_periodic(done, setup_.model(), setup_.source_path());
     }
@@ -486,14 +500,15 @@ class Trainer {
 
   // Failure-handling tests (docs/multi-gpu.md): Q4_FAULT=exit:R:S makes rank R exit with code 9
   // at the start of step S; Q4_FAULT=hang:R:S makes it hang there; Q4_FAULT=endeval:R:S makes the
-  // end-of-run eval after step S fail on rank R (an error, exit 1). Off unless set.
+  // end-of-run eval after step S fail on rank R (an error, exit 1); Q4_FAULT=valsignal:R:S sends
+  // rank R a stop signal as the validation after step S starts. Off unless set.
   bool fault_at(const char* kind_wanted, int64_t step) const {
     const char* spec = std::getenv("Q4_FAULT");
     if (spec == nullptr || *spec == '\0') return false;
-    char kind[8] = {0};
+    char kind[16] = {0};
     int rank = -1;
     long long at = -1;
-    if (std::sscanf(spec, "%7[a-z]:%d:%lld", kind, &rank, &at) != 3) return false;
+    if (std::sscanf(spec, "%15[a-z]:%d:%lld", kind, &rank, &at) != 3) return false;
     return rank == plan_.options().world.rank && at == step && std::string(kind) == kind_wanted;
   }
 

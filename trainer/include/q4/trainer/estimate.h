@@ -86,6 +86,47 @@ struct MemoryBudget {
 // Budget for one micro-batch of train.batch_size x train.seq_len tokens.
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
 
+// The device memory a CUDA run plans with: guard.max_gpu_gb when set, else `free_bytes` (the
+// device's free memory before the model loads); usable: less what the estimate does not count
+// (the CUDA context and library workspaces, 1 GiB, and the caching allocator's rounding and
+// fragmentation, 8%).
+struct DeviceBudget {
+  int64_t budget_bytes = 0;
+  int64_t usable_bytes = 0;  // the estimate must fit it
+  std::string source;        // "guard.max_gpu_gb" or "free device memory"
+};
+DeviceBudget device_budget(const Config& c, int64_t free_bytes);
+
+// A placement: settings changed from the config (as --set takes them) and the estimate with
+// them (with gradient_checkpointing auto: with the recompute auto would choose).
+struct Placement {
+  std::vector<std::string> settings;  // "optim.offload=moments", ...
+  int64_t estimate_bytes = 0;
+  int64_t host_bytes = 0;  // pinned host memory (offloaded state and layer inputs)
+  // "optim.offload=moments (estimate 20.1 GiB, 8.7 GiB in pinned host memory)".
+  std::string describe() const;
+};
+
+// What fits the device when the config does not (docs/gpu-guide.md#what-fits): the placements
+// that change only what the config does not already set (train.gradient_checkpointing auto,
+// optim.state int8 or 4bit, optim.offload moments or all, train.batch_size 1 and halved
+// train.seq_len down to 128), each combination checked with the estimate and the config rules;
+// listed are those whose every smaller set of changes does not fit, fewest changes first (then
+// recompute before the moments' format before offload before fewer tokens), the mildest value
+// of each. When none fits, `smallest` is the combination with the smallest estimate.
+struct PlacementAdvice {
+  DeviceBudget budget;
+  int64_t config_bytes = 0;  // the estimate as configured (auto: with its choice)
+  bool config_fits = true;
+  std::vector<Placement> fitting;
+  Placement smallest;  // set when `fitting` is empty
+  // One line: "fits with: A (estimate ...); B (...)" or "nothing fits: the smallest estimate,
+  // X GiB (with A), is over the Y GiB usable".
+  std::string summary() const;
+};
+PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
+                                  bool separate_lm_head, int64_t free_bytes);
+
 // train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): what to
 // recompute for the memory estimate to fit the usable budget. Nothing when that fits; else, from
 // every layer recomputed (their inputs offloaded to the host when only that fits), the choice
@@ -107,19 +148,18 @@ struct RecomputeChoice {
   bool offload_layer_inputs = false;  // every layer recomputes and keeps its input on the host
   int64_t host_bytes = 0;             // pinned host memory of the offloaded inputs
   int64_t mlp_chunk_tokens = 0;       // recomputed layers' MLP chunks (0: one pass)
-  int64_t estimate_bytes = 0;    // the estimate with that choice
-  int64_t budget_bytes = 0;      // guard.max_gpu_gb or the device's free memory
-  int64_t usable_bytes = 0;      // the budget less the margin; the estimate must fit it
-  bool fits = true;              // false: over the budget even with every layer recomputed
-  std::string budget_source;     // "guard.max_gpu_gb" or "free device memory"
+  int64_t estimate_bytes = 0;         // the estimate with that choice
+  int64_t budget_bytes = 0;           // guard.max_gpu_gb or the device's free memory
+  int64_t usable_bytes = 0;           // the budget less the margin; the estimate must fit it
+  bool fits = true;                   // false: over the budget even with every layer recomputed
+  std::string budget_source;          // "guard.max_gpu_gb" or "free device memory"
+  // When over the budget: advise_placements' summary, what would fit instead.
+  std::string advice;
   // "gradient checkpointing auto: the first 30 of 36 decoder layers recompute; of those, 30 keep
   // the attention block's activations (only the MLP recomputes) [...] (estimate ...)".
   std::string describe() const;
 };
-// The budget auto plans for: guard.max_gpu_gb when set, else `free_bytes` (the device's free
-// memory before the model loads); usable: less what the estimate does not count (the CUDA
-// context and library workspaces, 1 GiB, and the caching allocator's rounding and
-// fragmentation, 8%).
+// The budget auto plans for: device_budget(c, free_bytes).
 RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
                                  bool separate_lm_head, int64_t free_bytes);
 // Resolves auto in `c` (a CUDA run; the CPU's auto is no recompute) with choose_recompute and
@@ -127,8 +167,18 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
 std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
                               int64_t free_bytes);
 
-// Training FLOPs per token: 6 x (matmul parameters) + attention (12 x layers x seq_len x q_dim),
-// as llm.c counts them (recomputation by checkpointing is not counted).
+// Training FLOPs per token with every parameter trained: 6 x (matmul parameters) + attention
+// (12 x layers x seq_len x q_dim), as llm.c counts them (recomputation by checkpointing is not
+// counted).
 double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len);
+// The FLOPs per token the run of `c` computes (the MFU column; recompute not counted). Per linear
+// of n = out x in weights: 2n forward; where the backward runs (every layer from the lowest one
+// holding a trained parameter, the lowest counted whole; lm_head's input gradient when anything
+// below it trains) 2n for the input gradient, and 2n for the weight gradient only when the weight
+// trains or carries a merge-aware adapter (whose merged weight's gradient is formed; its merge and
+// the factors' gradients add 6 x n x rank per micro-batch of batch_size x seq_len tokens). A
+// plain adapter adds 6 x rank x (in + out); the attention core 4 x seq_len x q_dim forward and 8x
+// backward per layer.
+double train_flops_per_token(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
 
 }  // namespace q4::trainer

@@ -56,6 +56,8 @@ class Evaluator {
   int64_t validation_examples() const { return val_batcher_ ? val_batcher_->num_examples() : 0; }
   // One pass over the held-out examples (nullopt: none, or not rank 0); the summed loss stays
   // on the device until the end (one host read). Noted as the latest (and maybe best) value.
+  // A stop signal (signals.h) ends the pass before its next batch: nullopt, nothing noted (a
+  // loss over part of the examples would not compare with the others).
   std::optional<Validation> validation_loss(int64_t step);
   // A validation loss of `step` (from a resumed run's metrics file, or just measured).
   void note_validation(double loss, int64_t step);

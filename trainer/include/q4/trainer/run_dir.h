@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "q4/io/atomic_file.h"
+#include "q4/trainer/config.h"
 
 namespace q4::trainer {
 
@@ -166,5 +167,19 @@ void verify_checkpoint(const CheckpointDir& ck);
 // there is none: appended to every error about a damaged checkpoint.
 std::string previous_checkpoint_hint(const CheckpointDir& ck);
 std::string read_file(const std::string& path);  // ConfigError naming path when unreadable
+
+// A run directory as a model to load (q4chat/q4eval --model, distill.teacher,
+// preference.reference): its export (model.dat beside config.yaml, so that a moved run directory
+// still works, else the export path its config.yaml names) and the model.config, model.tokenizer,
+// data.system_prompt, data.chat_template and data.enable_thinking it trained with. nullopt when
+// `dir` is not a directory with config.yaml.
+// A training checkpoint (step_XXXXXX, or a folder with optim.state), whose masters are no export,
+// and a run without an export are refused (c10::Error naming `key` and `dir`).
+struct RunDirModel {
+  std::string weights, config, tokenizer, system_prompt;
+  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
+  AutoBool enable_thinking = AutoBool::kAuto;
+};
+std::optional<RunDirModel> run_dir_model(const std::string& dir, const std::string& key);
 
 }  // namespace q4::trainer

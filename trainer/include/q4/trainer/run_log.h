@@ -28,6 +28,11 @@ namespace q4::trainer {
 // it, e.g. build/bin/q4chat), or the bare name when it is not there.
 std::string tool_command(const std::string& name);
 
+// model.fake_quant: false: what the export will be, said at start (docs/model.md#plain-precision):
+// "<path>: NVFP4, the N trained linears quantized after training (...)" when they came as NVFP4
+// pairs and output.export_dense is off, else dense.
+std::string plain_export_note(const Config& c, const model::Qwen3Model& model);
+
 class RunLog {
  public:
   // `leader`: rank 0 (the other ranks' streams are null; files are rank 0's).

@@ -99,6 +99,10 @@ struct FrozenModelSpec {
 // preference.reference (loaded as model.weights is: a plain-precision run's dense linears dense).
 FrozenModelSpec teacher_spec(const Config& c);
 FrozenModelSpec reference_spec(const Config& c);
+// A run directory in spec.path (run_dir.h run_dir_model, as q4chat and q4eval take one) resolved
+// to its export, and an empty config_path to its model.config; other paths as they are.
+// ConfigError naming spec.key for a checkpoint or a run without an export.
+FrozenModelSpec resolved_frozen_spec(const FrozenModelSpec& spec);
 // The config.json a frozen model is read with (see FrozenModelSpec::config_path).
 std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec);
 // Its config.json, read and checked (the files exist; its vocabulary is `vocab_size`, the trained
