@@ -98,8 +98,8 @@ TEST(RunLog, AnswersAndEndSummary) {
   a.tokens = {1, 2};
   a.stopped = true;
   log.log_answers({a}, 3, "step", 1500.0);
-  log.close();
   log.log_answers({a}, 4, "end", 10.0);
+  log.close();
   // A periodic answer names its step once; the others say when.
   EXPECT_NE(out.str().find("eval[step 3] two lines => ok\n"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("eval[end step 4] two lines => ok\n"), std::string::npos) << out.str();

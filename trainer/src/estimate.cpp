@@ -304,6 +304,7 @@ PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
                                   bool separate_lm_head, int64_t free_bytes) {
   PlacementAdvice a;
   a.budget = device_budget(c, free_bytes);
+  a.lora = c.train.method == TrainMethod::kLora;
   const bool cuda = device_is_cuda(c);
   const int64_t L = mc.num_hidden_layers;
   auto is_auto = [&](const Config& t) {
@@ -481,8 +482,8 @@ std::string PlacementAdvice::summary() const {
   if (fitting.empty()) {
     return fmt::format(
         "nothing fits the {}: the smallest estimate is {} (fewer trained parameters: "
-        "train.trainable.*, train.method lora, or a larger card)",
-        usable, smallest.describe());
+        "train.trainable.*{}, or a larger card)",
+        usable, smallest.describe(), lora ? "" : ", train.method lora");
   }
   std::string s = "fits the " + usable + " with: ";
   for (size_t i = 0; i < fitting.size(); ++i) s += (i ? "; " : "") + fitting[i].describe();

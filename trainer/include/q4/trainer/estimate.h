@@ -120,6 +120,7 @@ struct PlacementAdvice {
   bool config_fits = true;
   std::vector<Placement> fitting;
   Placement smallest;  // set when `fitting` is empty
+  bool lora = false;   // train.method lora already (not suggested again)
   // One line: "fits with: A (estimate ...); B (...)" or "nothing fits: the smallest estimate,
   // X GiB (with A), is over the Y GiB usable".
   std::string summary() const;
