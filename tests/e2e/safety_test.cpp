@@ -272,7 +272,9 @@ TEST(Safety, StopSignalDuringValidationCheckpointsThatStep) {
   EXPECT_FALSE(fs::exists(dir / "run" / "step_000003")) << r.out;
   for (const auto& rec : read_jsonl(dir / "run" / "metrics.jsonl")) {
     EXPECT_LE(rec["step"].get<int64_t>(), 2) << rec.dump();
-    if (rec["step"] == 2) EXPECT_FALSE(rec.contains("val_loss")) << rec.dump();
+    if (rec["step"] == 2) {
+      EXPECT_FALSE(rec.contains("val_loss")) << rec.dump();
+    }
   }
 }
 
