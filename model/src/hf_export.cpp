@@ -16,6 +16,7 @@
 
 #include "hf_interop_impl.h"
 #include "q4/io/atomic_file.h"
+#include "q4/io/output_path.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
 #include "q4/model/safetensors.h"
@@ -131,23 +132,6 @@ void copy_file_atomic(const fs::path& from, const fs::path& to) {
   io::write_file_atomic(to.string(), data);
 }
 
-// `p` made absolute and normalized, symbolic links resolved where they exist.
-fs::path resolved(const std::string& p) {
-  std::error_code ec;
-  const fs::path c = fs::weakly_canonical(fs::absolute(p), ec);
-  return ec ? fs::absolute(p).lexically_normal() : c;
-}
-
-// Whether `inner` is `outer` or lies under it (both resolved).
-bool is_within(const fs::path& inner, const fs::path& outer) {
-  auto i = inner.begin();
-  for (auto o = outer.begin(); o != outer.end(); ++o, ++i) {
-    if (o->empty()) continue;  // trailing separator
-    if (i == inner.end() || *i != *o) return false;
-  }
-  return true;
-}
-
 bool has_q4train_metadata(const fs::path& file) {
   try {
     const SafetensorsFile f(file.string());
@@ -183,15 +167,15 @@ bool is_q4train_hf_export(const std::string& dir) {
 void check_hf_export_dir(const std::string& out_dir,
                          const std::vector<std::pair<std::string, std::string>>& inputs,
                          bool overwrite, const std::string& overwrite_hint) {
-  const fs::path out = resolved(out_dir);
+  const fs::path out(out_dir);
   std::error_code ec;
   TORCH_CHECK(!fs::exists(out, ec) || fs::is_directory(out, ec), out_dir,
               ": exists and is not a folder; the HF export needs a folder");
   for (const auto& [what, path] : inputs) {
     if (path.empty()) continue;
-    const fs::path in = resolved(path);
-    TORCH_CHECK(!is_within(in, out), out_dir, ": the HF export folder ", in == out ? "is" : "holds",
-                " the input ", what, " (", path,
+    const std::string relation = io::output_input_relation(out_dir, path);
+    TORCH_CHECK(relation != "is" && relation != "holds", out_dir, ": the HF export folder ",
+                relation, " the input ", what, " (", path,
                 "); exporting there would replace it, choose another folder");
   }
   if (overwrite || !fs::is_directory(out, ec) || fs::is_empty(out, ec)) return;

@@ -4,7 +4,6 @@
 #include <string>
 
 #include "q4/trainer/config.h"
-#include "q4/trainer/options.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
@@ -12,7 +11,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const q4::trainer::Config c = q4::trainer::parse_config(text, "fuzz.yaml", "/base");
     // What parses must print and parse back.
     (void)q4::trainer::parse_config(q4::trainer::config_to_yaml(c), "roundtrip.yaml", "/base");
-    (void)q4::trainer::batcher_options(c, 0);
     (void)q4::trainer::resolved_export_path(c);
   } catch (const q4::trainer::ConfigError&) {
   }
