@@ -134,7 +134,7 @@ if(Q4_SANITIZE)
   add_link_options(-fsanitize=address,undefined)
 endif()
 
-# Data-parallel process groups (trainer/src/distributed.cpp). Gloo (CPU): Debian's LibTorch 1.13
+# Data-parallel process groups (trainer/src/distributed/distributed.cpp). Gloo (CPU): Debian's LibTorch 1.13
 # uses the system libgloo (libgloo-dev); LibTorch wheels carry gloo inside libtorch_cpu and may
 # ship its headers. NCCL (CUDA): LibTorch wheels link the nvidia-nccl wheel; its headers and
 # library sit next to torch in site-packages.

@@ -2,10 +2,10 @@
 # CUDA kernels are enabled), public headers in DIR/include. Sources are globbed so that adding a
 # file needs no CMake edit.
 function(q4_add_library name dir)
-  file(GLOB _cpp CONFIGURE_DEPENDS ${dir}/src/*.cpp)
+  file(GLOB_RECURSE _cpp CONFIGURE_DEPENDS ${dir}/src/*.cpp)
   set(_srcs ${_cpp})
   if(Q4_WITH_CUDA)
-    file(GLOB _cu CONFIGURE_DEPENDS ${dir}/src/*.cu)
+    file(GLOB_RECURSE _cu CONFIGURE_DEPENDS ${dir}/src/*.cu)
     # Kernels compile alone: nvcc's time goes to code generation, not to headers.
     set_source_files_properties(${_cu} PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
     list(APPEND _srcs ${_cu})

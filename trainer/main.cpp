@@ -21,12 +21,12 @@
 #include <string>
 #include <vector>
 
-#include "q4/trainer/config.h"
-#include "q4/trainer/distill.h"
-#include "q4/trainer/distributed.h"
-#include "q4/trainer/profile.h"
-#include "q4/trainer/run_dir.h"
-#include "q4/trainer/trainer.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/distributed/distributed.h"
+#include "q4/trainer/runtime/profile.h"
+#include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/app/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;

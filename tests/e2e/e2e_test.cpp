@@ -38,8 +38,8 @@
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
 #include "q4/test/tiny_run.h"
-#include "q4/trainer/config.h"
-#include "q4/trainer/estimate.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/plan/estimate.h"
 
 namespace fs = std::filesystem;
 

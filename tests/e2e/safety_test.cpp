@@ -28,7 +28,7 @@
 #include "q4/test/process.h"
 #include "q4/test/temp_dir.h"
 #include "q4/test/tiny_run.h"
-#include "q4/trainer/run_dir.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 

@@ -1,7 +1,7 @@
 // Checkpointing without a model run: save and restore of an optimizer over small fake tensors,
 // retention (the newest output.keep kept), reshard (a checkpoint of two ranks' optimizer shards
 // continues on one rank with the same global batch) and the checks a resume makes.
-#include "q4/trainer/checkpointer.h"
+#include "q4/trainer/output/checkpointer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

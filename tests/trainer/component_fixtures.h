@@ -19,10 +19,10 @@
 #include "q4/model/qwen3_config.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
-#include "q4/trainer/grad_sync.h"
-#include "q4/trainer/objective.h"
-#include "q4/trainer/run_plan.h"
-#include "q4/trainer/step.h"
+#include "q4/trainer/distributed/grad_sync.h"
+#include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/step/step.h"
 
 namespace q4::trainer::testing {
 

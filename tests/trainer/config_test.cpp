@@ -2,7 +2,7 @@
 // and aliases), type, range and choice errors from the field table naming the key (and line),
 // typed enums, cross-field rules, path resolution, YAML round trip, the shipped recipes, and
 // configs/README.md matching the reference generated from the table.
-#include "q4/trainer/config.h"
+#include "q4/trainer/config/config.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,8 +13,8 @@
 #include <sstream>
 
 #include "q4/io/remove_tree.h"
-#include "q4/trainer/options.h"
-#include "q4/trainer/trainer.h"
+#include "q4/trainer/plan/options.h"
+#include "q4/trainer/app/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;

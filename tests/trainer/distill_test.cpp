@@ -2,7 +2,7 @@
 // top-K) and their gradients against autograd on the dense formulas, the chunked loss with a
 // term against the dense loss, and the objective through the real step against the full
 // logits of both models.
-#include "q4/trainer/distill.h"
+#include "q4/trainer/objectives/distill.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

@@ -3,7 +3,7 @@
 // budget's masters and moments follow from it, and the probe report has every phase with null
 // device fields on CPU. Also model::write_dat(): the random-init file loads back to exactly the
 // NVFP4 fake-quantized weights.
-#include "q4/trainer/estimate.h"
+#include "q4/trainer/plan/estimate.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -21,10 +21,10 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/quant/nvfp4.h"
-#include "q4/trainer/memory.h"
-#include "q4/trainer/probe.h"
-#include "q4/trainer/setup.h"
-#include "q4/trainer/trainer.h"
+#include "q4/trainer/runtime/memory.h"
+#include "q4/trainer/app/probe.h"
+#include "q4/trainer/plan/setup.h"
+#include "q4/trainer/app/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;

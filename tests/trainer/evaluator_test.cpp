@@ -1,6 +1,6 @@
 // The evaluator: the validation loss is one pass over the held-out batches through the run's
 // objective (the same value on every call), only on rank 0, and the best value is tracked.
-#include "q4/trainer/evaluator.h"
+#include "q4/trainer/output/evaluator.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "component_fixtures.h"
-#include "q4/trainer/setup.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4;
 using namespace q4::trainer;

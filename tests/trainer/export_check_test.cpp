@@ -1,6 +1,6 @@
 // The export check's words: a few re-quantized elements of a trained NVFP4 tensor are expected
 // and said to be; anything else that differs is a failure.
-#include "q4/trainer/export_check.h"
+#include "q4/trainer/rundir/export_check.h"
 
 #include <gtest/gtest.h>
 

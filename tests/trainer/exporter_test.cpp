@@ -1,7 +1,7 @@
 // The exporter: no file when export is off; the model of a step written with its export record
 // and checked against the trained model; an older step never replaces a newer export (an error
 // for the final export, a warning for a periodic one).
-#include "q4/trainer/exporter.h"
+#include "q4/trainer/output/exporter.h"
 
 #include <gtest/gtest.h>
 
@@ -9,8 +9,8 @@
 
 #include "component_fixtures.h"
 #include "q4/model/dat_file.h"
-#include "q4/trainer/run_dir.h"
-#include "q4/trainer/trainer.h"
+#include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/app/trainer.h"
 
 namespace fs = std::filesystem;
 using namespace q4;

@@ -2,7 +2,7 @@
 // in model order with its model index as the rounding stream, and nothing is communicated. With
 // two ranks (two threads over Gloo): steps whose master broadcasts overlap the next forward give
 // one process's losses and masters, and every reader of masters waits for the broadcasts.
-#include "q4/trainer/grad_sync.h"
+#include "q4/trainer/distributed/grad_sync.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

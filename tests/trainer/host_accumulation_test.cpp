@@ -4,7 +4,7 @@
 // every span is reused, some gradients too large for it, and the norm parts of the last
 // micro-batch equal to those of the reference sum. Sums handed over in the last micro-batch
 // (updates inside its backward) are the same bits.
-#include "q4/trainer/host_accumulation.h"
+#include "q4/trainer/step/host_accumulation.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,6 +1,6 @@
 // The step record: the log line keeps its fixed field order and units, metrics.jsonl carries
 // the same values (null where unknown), and a resumed run drops the lines after its checkpoint.
-#include "q4/trainer/metrics.h"
+#include "q4/trainer/runtime/metrics.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "q4/trainer/memory.h"
+#include "q4/trainer/runtime/memory.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;

@@ -1,7 +1,7 @@
 // The objective interface: supervised cross-entropy through the real step equals an fp64
 // reference of the token-weighted mean CE, and a second objective (a toy with its own units and
 // a logged value) plugs into the same step without any change to it.
-#include "q4/trainer/objective.h"
+#include "q4/trainer/objectives/objective.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

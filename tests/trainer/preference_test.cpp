@@ -4,7 +4,7 @@
 // without label smoothing), IPO and SimPO, in fp32 and fp64. Then the objective on the tiny
 // model against the same loss written out from each sequence's full logits (gradients by
 // autograd), and through the step.
-#include "q4/trainer/preference.h"
+#include "q4/trainer/objectives/preference.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -23,8 +23,8 @@
 #include "component_fixtures.h"
 #include "q4/io/dat_file.h"
 #include "q4/model/dat_file.h"
-#include "q4/trainer/run_dir.h"
-#include "q4/trainer/signals.h"
+#include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/signals.h"
 
 using namespace q4::trainer;
 

@@ -30,7 +30,7 @@
 #include "q4/data/dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/dat_file.h"
-#include "q4/trainer/distill.h"
+#include "q4/trainer/objectives/distill.h"
 
 using namespace q4;
 using namespace q4::trainer;

@@ -1,7 +1,7 @@
 // report.html from synthetic metrics/eval records: one SVG per available series, values and
 // answers present (escaped), validation loss plotted when records carry it, and a page that
 // needs nothing external (no URLs other than the SVG namespace, no scripts).
-#include "q4/trainer/report.h"
+#include "q4/trainer/report/report.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,6 +1,6 @@
 // Checkpoint directories: names, DONE markers, rotation (newest K complete kept, incomplete
 // removed), resume resolution and atomic writes.
-#include "q4/trainer/run_dir.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <fstream>
 
 #include "q4/io/remove_tree.h"
-#include "q4/trainer/config.h"
+#include "q4/trainer/config/config.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;

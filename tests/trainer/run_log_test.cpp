@@ -1,6 +1,6 @@
 // The run log: a step's metrics record and log line, the validation record before the first
 // step, eval answers in the eval log, and the end summary naming the files written.
-#include "q4/trainer/run_log.h"
+#include "q4/trainer/report/run_log.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "component_fixtures.h"
-#include "q4/trainer/run_dir.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 using namespace q4;

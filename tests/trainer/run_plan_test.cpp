@@ -1,11 +1,11 @@
 // The run plan: the config resolved once (steps from epochs, warmup from its ratio, clipped to
 // the run), the global batch rescaled by a reshard, the cadences and paths components ask for.
-#include "q4/trainer/run_plan.h"
+#include "q4/trainer/plan/run_plan.h"
 
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"
-#include "q4/trainer/estimate.h"
+#include "q4/trainer/plan/estimate.h"
 
 using namespace q4::trainer;
 using namespace q4::trainer::testing;

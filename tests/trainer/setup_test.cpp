@@ -1,6 +1,6 @@
 // Set-up helpers: the held-out split is deterministic and disjoint, the probe's synthetic
 // examples are fully supervised, the CPU batcher settings and the input files a run requires.
-#include "q4/trainer/setup.h"
+#include "q4/trainer/plan/setup.h"
 
 #include <gtest/gtest.h>
 

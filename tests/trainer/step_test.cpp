@@ -1,7 +1,7 @@
 // The one step function: a step of grad_accum micro-batches is the token-weighted mean of one
 // big batch (same loss, same update), in-backward updates give the buffered step's update, and
 // an instrumented step reports its phases in order.
-#include "q4/trainer/step.h"
+#include "q4/trainer/step/step.h"
 
 #include <gtest/gtest.h>
 #include <torch/cuda.h>

@@ -1,7 +1,7 @@
 // TensorBoard event files: CRC32C against the standard check value, the protobuf bytes of a
 // scalar event against a hand-derived encoding, and a file written by TfEventsWriter read back
 // by an independent parser here (record framing, both masked CRCs, Event/Summary decoding).
-#include "q4/trainer/tfevents.h"
+#include "q4/trainer/report/tfevents.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

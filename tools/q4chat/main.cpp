@@ -24,7 +24,7 @@
 #include "line_input.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
-#include "q4/trainer/config.h"
+#include "q4/trainer/config/config.h"
 #include "sampling.h"
 #include "session.h"
 

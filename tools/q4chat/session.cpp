@@ -13,8 +13,8 @@
 #include "q4/data/chat.h"
 #include "q4/io/bounded_read.h"
 #include "q4/model/hf_interop.h"
-#include "q4/trainer/config.h"
-#include "q4/trainer/run_dir.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 

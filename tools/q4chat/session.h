@@ -19,7 +19,7 @@
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
-#include "q4/trainer/config.h"
+#include "q4/trainer/config/config.h"
 #include "sampling.h"
 
 namespace CLI {

@@ -21,9 +21,9 @@
 #include "q4/data/dataset.h"
 #include "q4/io/bounded_read.h"
 #include "q4/io/enum_names.h"
-#include "q4/trainer/config.h"
-#include "q4/trainer/estimate.h"
-#include "q4/trainer/options.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/options.h"
 #include "session.h"
 
 namespace {

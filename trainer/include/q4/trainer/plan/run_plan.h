@@ -1,0 +1,128 @@
+// The run as configured, resolved once (docs/design.md#trainer-components): the config with its
+// run length known (train.epochs and optim.schedule.warmup_ratio turned into steps once the data
+// is batched), the command-line options, the device, and the values every component asks for
+// (steps, global batch, checkpoint cadence, export path, the memory guard). Components read
+// their settings from here; the loop owns the one RunPlan of a run.
+#pragma once
+
+#include <ATen/core/TensorBody.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "q4/model/qwen3_config.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/distributed/distributed.h"
+
+namespace q4::trainer {
+
+// The memory guard fired (exit code 3).
+class GuardStop : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Process exit codes.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitRuntime = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitGuard = 3;
+
+struct RunOptions {
+  std::optional<std::string> resume;  // --resume DIR (a checkpoint or a run directory)
+  std::string probe_report;           // --probe: report path (default <output.dir>/probe.json)
+  int probe_steps = 0;  // --probe-steps N: N more timed steady-state steps after the probe's one
+  std::string profile_trace;  // --profile-trace FILE: Kineto trace of the run's steps 3-4
+  // --overwrite: a fresh run in a non-empty output.dir removes the previous run's files there
+  // (checkpoints, metrics, logs, export) instead of refusing.
+  bool overwrite = false;
+  // --export-only (with --resume): export the checkpoint's model and exit; trains nothing.
+  bool export_only = false;
+  // --allow-schedule-change: resume even though the LR schedule (train.steps, optim.lr,
+  // optim.schedule.*) differs from the checkpoint's.
+  bool allow_schedule_change = false;
+  WorldInfo world;            // data-parallel rank and size (torchrun / --nproc); default: alone
+  std::chrono::milliseconds dist_timeout{std::chrono::minutes(10)};  // rendezvous, collectives
+};
+
+// model.device cuda/cuda:N without a usable CUDA device (a CPU-only build, no visible GPU, an
+// index past the device count): ConfigError naming the fix. Run, probe and export call it before
+// anything is written; --dry-run calls it after printing its estimate (so that a GPU run can be
+// estimated on any machine, and "ok" still means the run starts here).
+void check_device_available(const Config& config);
+
+// optim.schedule.warmup_steps longer than train.steps (> 0) is clipped to train.steps (a short
+// smoke run with `--set train.steps=3` just works). Returns the one-line note to print, or ""
+// when nothing changed.
+std::string clip_warmup_to_run(Config& config);
+
+// The run length from the data (docs/trainer.md#epochs), once the training batcher exists and
+// before anything reads train.steps for the schedule: train.epochs E > 0 becomes
+//   train.steps = max(1, ceil(E x micro_batches_per_epoch / (train.grad_accum x ranks)))
+// (micro_batches_per_epoch: the batcher's batches of epoch 0, packed rows included), then
+// optim.schedule.warmup_ratio r > 0 becomes warmup_steps = round(r x train.steps); both are
+// then 0 in `config`, which reads as the steps-based config it resolved to. Last, the warmup is
+// clipped to the run (clip_warmup_to_run). Returns the notes to print (one line each), or "".
+std::string resolve_run_length(Config& config, int64_t micro_batches_per_epoch, int64_t ranks);
+
+class RunPlan {
+ public:
+  // `probe`: the VRAM probe (training set-up and step, nothing written but the report).
+  RunPlan(const Config& config, const RunOptions& options, bool probe = false);
+
+  // The configuration as resolved so far (after resolve_length: the steps-based config).
+  const Config& config() const { return config_; }
+  const RunOptions& options() const { return options_; }
+  const at::Device& device() const { return device_; }
+  bool probe() const { return probe_; }
+  bool resuming() const { return options_.resume.has_value(); }
+
+  // The run length in optimizer steps (train.steps, or from train.epochs once resolved).
+  int64_t steps() const { return steps_; }
+  // Micro-batches accumulated per rank and step (rescaled by a resume on another world size).
+  int64_t grad_accum() const { return config_.train.grad_accum; }
+  // train.epochs as configured (config().train.epochs is 0 once resolved).
+  double epochs_configured() const { return epochs_; }
+  // train.epochs or warmup_ratio: the run length is known only once the data is batched.
+  bool length_from_data() const { return length_from_data_; }
+  // Checkpoints are on by default: every output.checkpoint_every steps and/or every
+  // output.checkpoint_minutes of training, and at the end of the run.
+  bool checkpoints_on() const;
+  // Where the model is exported ("" for none), output.export_path resolved against output.dir.
+  std::string export_path() const;
+  // <output.dir>/<log.metrics>, or "" when the metrics file is off.
+  std::string metrics_path() const;
+
+  // A run whose length is configured in steps: the warmup clipped to it (the note, or "").
+  std::string clip_warmup();
+  // A run whose length comes from the data: resolve_run_length on the plan (the notes, or "").
+  std::string resolve_length(int64_t micro_batches_per_epoch, int64_t ranks);
+  // train.gradient_checkpointing auto resolved (estimate.h resolve_recompute): its line.
+  std::string resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
+                                int64_t free_bytes);
+  // The config a run writes to its config.yaml: config() with the recompute settings as
+  // configured (auto stays auto, so a resume, maybe on another GPU, decides again).
+  Config config_to_save() const;
+  // A resume on another world size keeps the global batch with this many micro-batches a step.
+  void rescale_grad_accum(int64_t grad_accum);
+
+  // Checks the allocator's reserved memory and the device's used memory against
+  // guard.max_gpu_gb (GuardStop naming `where`); nothing on the CPU or with the guard off.
+  void check_guard(const std::string& where) const;
+
+ private:
+  Config config_;
+  TrainConfig configured_train_;  // train.* before resolve_recompute
+  RunOptions options_;
+  at::Device device_;
+  bool probe_ = false;
+  int64_t steps_ = 0;
+  double epochs_ = 0;
+  bool length_from_data_ = false;
+};
+
+}  // namespace q4::trainer

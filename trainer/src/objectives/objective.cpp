@@ -1,0 +1,48 @@
+// The objectives a step can train with; see objective.h for the contract.
+#include "q4/trainer/objectives/objective.h"
+
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/objectives/preference.h"
+
+namespace q4::trainer {
+
+ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const MicroBatch& micro) {
+  ObjectiveOutput out;
+  out.loss_sum = model.loss(micro.inputs).loss_sum;
+  return out;
+}
+
+std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& student,
+                                          const data::Batcher* train,
+                                          const data::Batcher* validation, bool leader,
+                                          std::ostream& out) {
+  switch (c.train.objective) {
+    case ObjectiveKind::kCrossEntropy:
+      return std::make_unique<SupervisedCrossEntropy>();
+    case ObjectiveKind::kDistill:
+      if (!c.distill.topk_file.empty()) {
+        TORCH_CHECK(train != nullptr, "offline distillation needs the training batcher");
+        auto teacher =
+            std::make_unique<TopkTeacher>(c.distill.topk_file, train->examples(),
+                                          student.config().vocab_size, c.distill.temperature);
+        out << "teacher: " << c.distill.topk_file << " (top " << teacher->k() << ", "
+            << teacher->ids().size(0) << " positions)\n";
+        return std::make_unique<OfflineDistillation>(c.distill, std::move(teacher), *train);
+      }
+      return std::make_unique<Distillation>(
+          c.distill, load_teacher(c, student.options(), student.config().vocab_size, out));
+    case ObjectiveKind::kPreference: {
+      TORCH_CHECK(train != nullptr, "preference tuning needs the training batcher");
+      out << preference_summary(c) << "\n";
+      ReferenceLogprobs ref;
+      if (c.preference.loss != PreferenceLossKind::kSimpo) {
+        ref = reference_logprobs(c, student, *train, validation, leader, out);
+      }
+      return std::make_unique<PreferenceObjective>(c.preference, std::move(ref));
+    }
+  }
+  throw ConfigError("config key train.objective: unknown value");
+}
+
+}  // namespace q4::trainer

@@ -1,0 +1,154 @@
+// The run as configured, resolved once: the one place that reads train.steps and turns
+// train.epochs / warmup_ratio into a steps-based schedule (docs/trainer.md#epochs).
+#include "q4/trainer/plan/run_plan.h"
+
+#include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <fmt/format.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/runtime/memory.h"
+#include "q4/trainer/rundir/run_dir.h"
+
+namespace fs = std::filesystem;
+
+namespace q4::trainer {
+
+RunPlan::RunPlan(const Config& config, const RunOptions& options, bool probe)
+    : config_(config),
+      configured_train_(config.train),
+      options_(options),
+      device_(config.model.device),
+      probe_(probe),
+      steps_(config.train.steps),
+      epochs_(config.train.epochs),
+      length_from_data_(config.train.epochs > 0 || config.optim.schedule.warmup_ratio > 0) {}
+
+bool RunPlan::checkpoints_on() const {
+  return config_.output.checkpoint_every > 0 || config_.output.checkpoint_minutes > 0;
+}
+
+std::string RunPlan::export_path() const { return resolved_export_path(config_); }
+
+std::string RunPlan::metrics_path() const {
+  if (config_.log.metrics.empty()) return "";
+  return (fs::path(config_.output.dir) / config_.log.metrics).string();
+}
+
+std::string RunPlan::clip_warmup() { return length_from_data_ ? "" : clip_warmup_to_run(config_); }
+
+std::string RunPlan::resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
+                                       int64_t free_bytes) {
+  configured_train_ = config_.train;
+  return trainer::resolve_recompute(config_, mc, separate_lm_head, free_bytes);
+}
+
+Config RunPlan::config_to_save() const {
+  Config c = config_;
+  c.train.gradient_checkpointing = configured_train_.gradient_checkpointing;
+  c.train.recompute_layers = configured_train_.recompute_layers;
+  c.train.offload_layer_inputs = configured_train_.offload_layer_inputs;
+  c.train.recompute_keep_attention = configured_train_.recompute_keep_attention;
+  c.train.recompute_keep_mlp = configured_train_.recompute_keep_mlp;
+  return c;
+}
+
+std::string RunPlan::resolve_length(int64_t micro_batches_per_epoch, int64_t ranks) {
+  std::string notes = resolve_run_length(config_, micro_batches_per_epoch, ranks);
+  steps_ = config_.train.steps;
+  return notes;
+}
+
+void RunPlan::rescale_grad_accum(int64_t grad_accum) { config_.train.grad_accum = grad_accum; }
+
+void RunPlan::check_guard(const std::string& where) const {
+  if (!(config_.guard.max_gpu_gb > 0) || !device_.is_cuda()) return;
+  const auto m = memory_snapshot(device_);
+  const double limit = config_.guard.max_gpu_gb * 1e9;
+  auto over = [&](const std::optional<int64_t>& v) { return v && static_cast<double>(*v) > limit; };
+  if (over(m.reserved_bytes) || over(m.device_used_bytes)) {
+    throw GuardStop(fmt::format(
+        "guard: GPU memory passed guard.max_gpu_gb = {:.2f} GB {} (allocator reserved {:.2f} GB, "
+        "device used {:.2f} GB); stopped without export",
+        config_.guard.max_gpu_gb, where, to_gb(m.reserved_bytes.value_or(0)),
+        to_gb(m.device_used_bytes.value_or(0))));
+  }
+}
+
+void check_device_available(const Config& c) {
+  if (!device_is_cuda(c)) return;
+  const std::string fix = "; or set model.device: cpu";
+  if (!at::hasCUDA()) {
+#if defined(Q4_WITH_CUDA) && Q4_WITH_CUDA
+    throw ConfigError("config key model.device: " + c.model.device +
+                      ", but no CUDA device is visible to this process (check nvidia-smi and "
+                      "CUDA_VISIBLE_DEVICES)" +
+                      fix);
+#else
+    throw ConfigError("config key model.device: " + c.model.device +
+                      ", but this q4train is a CPU-only build (LibTorch " + TORCH_VERSION +
+                      " without CUDA): build it against LibTorch 2.x with CUDA (README, GPU "
+                      "build)" +
+                      fix);
+#endif
+  }
+  const at::Device d(c.model.device);
+  if (d.has_index()) {
+    const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    const int n = static_cast<int>(impl.deviceCount());
+    if (d.index() >= n) {
+      throw ConfigError(fmt::format(
+          "config key model.device: {}, but this process sees {} CUDA device{} (cuda:0 to "
+          "cuda:{}){}",
+          c.model.device, n, n == 1 ? "" : "s", n - 1, fix));
+    }
+  }
+}
+
+std::string clip_warmup_to_run(Config& c) {
+  const int64_t steps = c.train.steps;
+  const int64_t warmup = c.optim.schedule.warmup_steps;
+  if (steps <= 0 || warmup <= steps) return "";
+  c.optim.schedule.warmup_steps = steps;
+  return fmt::format(
+      "note: optim.schedule.warmup_steps {} is longer than the run (train.steps {}); clipped to "
+      "{}",
+      warmup, steps, steps);
+}
+
+std::string resolve_run_length(Config& c, int64_t micro_batches_per_epoch, int64_t ranks) {
+  std::string notes;
+  const int64_t per_step = c.train.grad_accum * std::max<int64_t>(ranks, 1);
+  if (c.train.epochs > 0) {
+    // The batcher never lets a micro-batch cross an epoch's end, so an epoch is exactly
+    // micro_batches_per_epoch micro-batches (with packing, epoch 0's count: later epochs may
+    // differ by a few rows); the tolerance keeps 3 x 4 / 12 from rounding up to 2.
+    const double exact = c.train.epochs * static_cast<double>(micro_batches_per_epoch) /
+                         static_cast<double>(per_step);
+    const auto steps = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(exact - 1e-9)));
+    notes += fmt::format(
+        "train.epochs {} -> train.steps {} ({} micro-batch{} per epoch, {} per step: "
+        "train.grad_accum {} x {} rank{})\n",
+        c.train.epochs, steps, micro_batches_per_epoch, micro_batches_per_epoch == 1 ? "" : "es",
+        per_step, c.train.grad_accum, ranks, ranks == 1 ? "" : "s");
+    c.train.steps = steps;
+    c.train.epochs = 0;
+  }
+  if (c.optim.schedule.warmup_ratio > 0) {
+    const auto warmup = static_cast<int64_t>(
+        std::llround(c.optim.schedule.warmup_ratio * static_cast<double>(c.train.steps)));
+    notes += fmt::format("optim.schedule.warmup_ratio {} -> optim.schedule.warmup_steps {}\n",
+                         c.optim.schedule.warmup_ratio, warmup);
+    c.optim.schedule.warmup_steps = warmup;
+    c.optim.schedule.warmup_ratio = 0;
+  }
+  if (const std::string note = clip_warmup_to_run(c); !note.empty()) notes += note + "\n";
+  return notes;
+}
+
+}  // namespace q4::trainer
