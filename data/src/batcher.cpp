@@ -169,141 +169,172 @@ at::Tensor block_causal_mask(const at::Tensor& segment_ids) {
   return allowed.unsqueeze(1);                                   // [B, 1, T, T]
 }
 
-Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) : options_(options) {
-  TORCH_CHECK(options_.batch_size >= 1, "batch_size: expected >= 1, found ", options_.batch_size);
-  TORCH_CHECK(options_.max_seq_len >= 2, "max_seq_len: expected >= 2, found ",
-              options_.max_seq_len);
-  TORCH_CHECK(options_.pad_id >= 0, "pad_id: expected a valid token id >= 0, found ",
-              options_.pad_id);
-  TORCH_CHECK(options_.pack_window >= 1, "pack_window: expected >= 1, found ",
-              options_.pack_window);
-  TORCH_CHECK(options_.pad_multiple >= 1, "pad_multiple: expected >= 1, found ",
-              options_.pad_multiple);
-  const int64_t g = options_.group;
+namespace {
+
+// The options' own rules, and those a group size above 1 adds.
+void check_batcher_options(const BatcherOptions& o, size_t num_examples) {
+  TORCH_CHECK(o.batch_size >= 1, "batch_size: expected >= 1, found ", o.batch_size);
+  TORCH_CHECK(o.max_seq_len >= 2, "max_seq_len: expected >= 2, found ", o.max_seq_len);
+  TORCH_CHECK(o.pad_id >= 0, "pad_id: expected a valid token id >= 0, found ", o.pad_id);
+  TORCH_CHECK(o.pack_window >= 1, "pack_window: expected >= 1, found ", o.pack_window);
+  TORCH_CHECK(o.pad_multiple >= 1, "pad_multiple: expected >= 1, found ", o.pad_multiple);
+  const int64_t g = o.group;
   TORCH_CHECK(g >= 1, "group: expected >= 1, found ", g);
   if (g > 1) {
-    TORCH_CHECK(options_.batch_size % g == 0, "batch_size ", options_.batch_size,
+    TORCH_CHECK(o.batch_size % g == 0, "batch_size ", o.batch_size,
                 " must be a multiple of the group size ", g, " (whole pairs in every batch)");
-    TORCH_CHECK(!options_.pack, "packing would separate the examples of a group of ", g);
-    TORCH_CHECK(options_.truncation != Truncation::kSplit,
+    TORCH_CHECK(!o.pack, "packing would separate the examples of a group of ", g);
+    TORCH_CHECK(o.truncation != Truncation::kSplit,
                 "split truncation would separate the examples of a group of ", g);
-    TORCH_CHECK(static_cast<int64_t>(examples.size()) % g == 0, "found ", examples.size(),
+    TORCH_CHECK(static_cast<int64_t>(num_examples) % g == 0, "found ", num_examples,
                 " examples, not whole groups of ", g);
   }
-  const auto max_len = static_cast<size_t>(options_.max_seq_len);
-  // Split truncation first: kSplit splits every long example, kAuto the plain-text documents
-  // (never a group's: the check above keeps kSplit away from groups).
-  {
-    std::vector<Example> in = std::move(examples);
-    examples.clear();
-    examples.reserve(in.size());
-    for (Example& ex : in) {
-      const size_t len = ex.input_ids.size();
-      stats_.longest_tokens = std::max(stats_.longest_tokens, static_cast<int64_t>(len));
-      stats_.supervised_tokens_in += supervised_from(ex.labels, 1);
-      const bool split = options_.truncation == Truncation::kSplit ||
-                         (options_.truncation == Truncation::kAuto && ex.plain_text && g == 1);
-      if (split && len > max_len && ex.labels.size() == len) {  // a size mismatch: reported below
-        split_into_windows(std::move(ex), max_len, &examples, &stats_);
-      } else {
-        examples.push_back(std::move(ex));
-      }
-    }
-  }
-  stats_.examples_in = static_cast<int64_t>(examples.size());
-  std::vector<int64_t> supervised(examples.size(), 0);  // of each example as kept
-  for (size_t i = 0; i < examples.size(); ++i) {
-    Example& ex = examples[i];
-    TORCH_CHECK(ex.input_ids.size() == ex.labels.size(), "example ", i, " (line ", ex.source_line,
-                "): input_ids has ", ex.input_ids.size(), " tokens but labels has ",
-                ex.labels.size());
+}
+
+// Split truncation, first: kSplit splits every long example, kAuto the plain-text documents
+// (never a group's: check_batcher_options keeps kSplit away from groups). Also counts the
+// longest example and the supervised tokens that come in.
+std::vector<Example> split_long_examples(std::vector<Example> in, const BatcherOptions& o,
+                                         TruncationStats* stats) {
+  const auto max_len = static_cast<size_t>(o.max_seq_len);
+  std::vector<Example> examples;
+  examples.reserve(in.size());
+  for (Example& ex : in) {
     const size_t len = ex.input_ids.size();
-    bool keep = true;
-    if (len > max_len && options_.truncation == Truncation::kDrop) {
-      keep = false;
-      stats_.supervised_tokens_dropped += supervised_from(ex.labels, 1);
-    } else if (len > max_len) {
-      const auto first =
-          static_cast<size_t>(std::find_if(ex.labels.begin(), ex.labels.end(),
-                                           [](TokenId l) { return l != kIgnoreIndex; }) -
-                              ex.labels.begin());
-      // The window of max_len tokens that is kept. cut_left: the end (the answer and some of the
-      // prompt); cut_right: the start. When that window would lose every supervised token but
-      // the first (cut_left: the supervised part plus one context token is longer than the
-      // window; cut_right: the prompt fills it), the window starts half a window before the first
-      // supervised token instead: the end of the prompt, then as much of the answer as fits.
-      auto supervised_in = [&](size_t start) {
-        int64_t n = 0;
-        for (size_t k = start + 1; k < start + max_len; ++k) n += ex.labels[k] != kIgnoreIndex;
-        return n;
-      };
-      size_t start = options_.truncation == Truncation::kCutRight ? 0 : len - max_len;
-      const bool answer_fits = first < len && len - first + 1 <= max_len;
-      if ((options_.truncation != Truncation::kCutRight && !answer_fits) ||
-          supervised_in(start) == 0) {
-        start = first < len ? std::min(len - max_len, first - std::min(first, max_len / 2)) : 0;
-      }
-      // Position 0 of a row is never a target, so only labels at positions >= 1 count.
-      const int64_t before = supervised_from(ex.labels, 1);
-      ex.input_ids.erase(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start + max_len),
-                         ex.input_ids.end());
-      ex.labels.erase(ex.labels.begin() + static_cast<std::ptrdiff_t>(start + max_len),
-                      ex.labels.end());
-      ex.input_ids.erase(ex.input_ids.begin(),
-                         ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start));
-      ex.labels.erase(ex.labels.begin(), ex.labels.begin() + static_cast<std::ptrdiff_t>(start));
-      stats_.supervised_tokens_cut += before - supervised_from(ex.labels, 1);
-      ++stats_.truncated;
-      if (supervised_from(ex.labels, 1) == 0) --stats_.truncated;
-    }
-    supervised[i] = keep ? supervised_from(ex.labels, 1) : 0;
-    if (keep && supervised[i] == 0) {
-      keep = false;
-      ++stats_.dropped_unsupervised;
-    }
-    if (!keep) {
-      ++stats_.dropped;
-      ex.input_ids.clear();  // marks it dropped for its group (below)
-      continue;
-    }
-    for (TokenId id : ex.input_ids) {
-      TORCH_CHECK(id >= 0, "example ", i, " (line ", ex.source_line, "): negative token id ", id);
+    stats->longest_tokens = std::max(stats->longest_tokens, static_cast<int64_t>(len));
+    stats->supervised_tokens_in += supervised_from(ex.labels, 1);
+    const bool split = o.truncation == Truncation::kSplit ||
+                       (o.truncation == Truncation::kAuto && ex.plain_text && o.group == 1);
+    if (split && len > max_len && ex.labels.size() == len) {  // a size mismatch: reported later
+      split_into_windows(std::move(ex), max_len, &examples, stats);
+    } else {
+      examples.push_back(std::move(ex));
     }
   }
-  // Kept examples, a group only when all of its examples are kept.
+  return examples;
+}
+
+// Cuts an example longer than max_len to the window of max_len tokens that is kept. cut_left:
+// the end (the answer and some of the prompt); cut_right: the start. When that window would
+// lose every supervised token but the first (cut_left: the supervised part plus one context
+// token is longer than the window; cut_right: the prompt fills it), the window starts half a
+// window before the first supervised token instead: the end of the prompt, then as much of the
+// answer as fits.
+void cut_to_window(Example& ex, size_t max_len, Truncation truncation) {
+  const size_t len = ex.input_ids.size();
+  const auto first = static_cast<size_t>(std::find_if(ex.labels.begin(), ex.labels.end(),
+                                                      [](TokenId l) { return l != kIgnoreIndex; }) -
+                                         ex.labels.begin());
+  auto supervised_in = [&](size_t start) {
+    int64_t n = 0;
+    for (size_t k = start + 1; k < start + max_len; ++k) n += ex.labels[k] != kIgnoreIndex;
+    return n;
+  };
+  size_t start = truncation == Truncation::kCutRight ? 0 : len - max_len;
+  const bool answer_fits = first < len && len - first + 1 <= max_len;
+  if ((truncation != Truncation::kCutRight && !answer_fits) || supervised_in(start) == 0) {
+    start = first < len ? std::min(len - max_len, first - std::min(first, max_len / 2)) : 0;
+  }
+  ex.input_ids.erase(ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start + max_len),
+                     ex.input_ids.end());
+  ex.labels.erase(ex.labels.begin() + static_cast<std::ptrdiff_t>(start + max_len),
+                  ex.labels.end());
+  ex.input_ids.erase(ex.input_ids.begin(),
+                     ex.input_ids.begin() + static_cast<std::ptrdiff_t>(start));
+  ex.labels.erase(ex.labels.begin(), ex.labels.begin() + static_cast<std::ptrdiff_t>(start));
+}
+
+// Applies the truncation policy to example i; returns its supervised tokens as kept, 0 when it
+// is dropped (then its input_ids are cleared, which marks it dropped for its group).
+int64_t truncate_example(Example& ex, size_t i, const BatcherOptions& o, TruncationStats* stats) {
+  const auto max_len = static_cast<size_t>(o.max_seq_len);
+  TORCH_CHECK(ex.input_ids.size() == ex.labels.size(), "example ", i, " (line ", ex.source_line,
+              "): input_ids has ", ex.input_ids.size(), " tokens but labels has ",
+              ex.labels.size());
+  const size_t len = ex.input_ids.size();
+  bool keep = true;
+  if (len > max_len && o.truncation == Truncation::kDrop) {
+    keep = false;
+    stats->supervised_tokens_dropped += supervised_from(ex.labels, 1);
+  } else if (len > max_len) {
+    // Position 0 of a row is never a target, so only labels at positions >= 1 count.
+    const int64_t before = supervised_from(ex.labels, 1);
+    cut_to_window(ex, max_len, o.truncation);
+    stats->supervised_tokens_cut += before - supervised_from(ex.labels, 1);
+    ++stats->truncated;
+    if (supervised_from(ex.labels, 1) == 0) --stats->truncated;
+  }
+  const int64_t supervised = keep ? supervised_from(ex.labels, 1) : 0;
+  if (keep && supervised == 0) {
+    keep = false;
+    ++stats->dropped_unsupervised;
+  }
+  if (!keep) {
+    ++stats->dropped;
+    ex.input_ids.clear();
+    return supervised;
+  }
+  for (TokenId id : ex.input_ids) {
+    TORCH_CHECK(id >= 0, "example ", i, " (line ", ex.source_line, "): negative token id ", id);
+  }
+  return supervised;
+}
+
+// Moves the kept examples to `out`, a group only when all of its examples are kept; a group's
+// kept examples are counted dropped otherwise.
+void keep_whole_groups(std::vector<Example>& examples, const std::vector<int64_t>& supervised,
+                       int64_t g, std::vector<Example>* out, TruncationStats* stats) {
   for (size_t i = 0; i < examples.size(); i += static_cast<size_t>(g)) {
     const auto first = examples.begin() + static_cast<std::ptrdiff_t>(i);
     const auto last = first + g;
     const auto kept = std::count_if(first, last, [](const Example& e) { return !e.input_ids.empty(); });
     if (kept < g) {
-      stats_.dropped += kept;
+      stats->dropped += kept;
       for (size_t k = i; k < i + static_cast<size_t>(g); ++k) {
-        stats_.supervised_tokens_dropped += supervised[k];
+        stats->supervised_tokens_dropped += supervised[k];
       }
       continue;
     }
-    for (auto it = first; it != last; ++it) examples_.push_back(std::move(*it));
+    for (auto it = first; it != last; ++it) out->push_back(std::move(*it));
   }
+}
+
+// drop_last needs at least one full batch.
+void check_drop_last(const std::vector<Example>& examples, const BatcherOptions& o,
+                     const TruncationStats& stats) {
+  if (!o.drop_last) return;
+  if (o.pack) {
+    int64_t total = 0;
+    for (const auto& ex : examples) total += static_cast<int64_t>(ex.input_ids.size());
+    // Greedy rows hold <= max_seq_len tokens, so this many tokens always need batch_size rows.
+    TORCH_CHECK(total > (o.batch_size - 1) * o.max_seq_len,
+                "batcher: drop_last with packing needs more than (batch_size-1)*max_seq_len = ",
+                (o.batch_size - 1) * o.max_seq_len, " tokens, found ", total);
+  } else {
+    TORCH_CHECK(stats.kept >= o.batch_size,
+                "batcher: drop_last needs at least batch_size=", o.batch_size, " examples, found ",
+                stats.kept);
+  }
+}
+
+}  // namespace
+
+Batcher::Batcher(std::vector<Example> examples, const BatcherOptions& options) : options_(options) {
+  check_batcher_options(options_, examples.size());
+  examples = split_long_examples(std::move(examples), options_, &stats_);
+  stats_.examples_in = static_cast<int64_t>(examples.size());
+  std::vector<int64_t> supervised(examples.size(), 0);  // of each example as kept
+  for (size_t i = 0; i < examples.size(); ++i) {
+    supervised[i] = truncate_example(examples[i], i, options_, &stats_);
+  }
+  keep_whole_groups(examples, supervised, options_.group, &examples_, &stats_);
   stats_.kept = static_cast<int64_t>(examples_.size());
   TORCH_CHECK(!examples_.empty(), "no example left to train on after truncation to ",
               options_.max_seq_len, " tokens (", stats_.to_string(), ")",
               options_.truncation == Truncation::kDrop
                   ? "; the drop policy removes every example longer than that"
                   : "");
-  if (options_.drop_last) {
-    if (options_.pack) {
-      int64_t total = 0;
-      for (const auto& ex : examples_) total += static_cast<int64_t>(ex.input_ids.size());
-      // Greedy rows hold <= max_seq_len tokens, so this many tokens always need batch_size rows.
-      TORCH_CHECK(total > (options_.batch_size - 1) * options_.max_seq_len,
-                  "batcher: drop_last with packing needs more than (batch_size-1)*max_seq_len = ",
-                  (options_.batch_size - 1) * options_.max_seq_len, " tokens, found ", total);
-    } else {
-      TORCH_CHECK(stats_.kept >= options_.batch_size,
-                  "batcher: drop_last needs at least batch_size=", options_.batch_size,
-                  " examples, found ", stats_.kept);
-    }
-  }
+  check_drop_last(examples_, options_, stats_);
   state_.seed = options_.seed;
   state_.num_examples = stats_.kept;
   // Batches in epoch 0 (exact without packing).

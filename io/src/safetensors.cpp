@@ -81,28 +81,11 @@ int64_t StTensor::numel() const {
 // ---------------------------------------------------------------------------------------------
 // SafetensorsFile
 
-SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
-  fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-  TORCH_CHECK(fd_.get() >= 0, path_, ": cannot open: ", std::strerror(errno));
-  struct stat st {};
-  TORCH_CHECK(::fstat(fd_.get(), &st) == 0, path_, ": stat failed: ", std::strerror(errno));
-  TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
-  file_size_ = static_cast<uint64_t>(st.st_size);
-  TORCH_CHECK(file_size_ >= 8, path_, ": not a safetensors file: ", file_size_,
-              " bytes, shorter than the 8-byte header length");
-  uint8_t len_bytes[8];
-  read_range(0, 8, len_bytes);
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
-  TORCH_CHECK(n >= 2 && n <= kStMaxHeaderBytes, path_, ": header length ", n,
-              " outside [2, ", kStMaxHeaderBytes, "] (not a safetensors file, or corrupt)");
-  TORCH_CHECK(n <= file_size_ - 8, path_, ": header length ", n, " exceeds the file (",
-              file_size_, " bytes)");
-  data_offset_ = 8 + n;
-  std::string header(n, '\0');
-  read_range(8, n, header.data());
+namespace {
 
-  // Duplicate top-level names would be merged silently by the parser: count them here.
+// The header's JSON object. Duplicate top-level names would be merged silently by the parser:
+// they are counted here.
+json parse_header(const std::string& path, const std::string& header) {
   std::set<std::string> seen;
   std::string duplicate;
   json::parser_callback_t cb = [&](int depth, json::parse_event_t ev, json& parsed) {
@@ -116,87 +99,132 @@ SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
   try {
     j = json::parse(header, cb);
   } catch (const json::exception& e) {
-    TORCH_CHECK(false, path_, ": header is not valid JSON: ", e.what());
+    TORCH_CHECK(false, path, ": header is not valid JSON: ", e.what());
   }
-  TORCH_CHECK(duplicate.empty(), path_, ": tensor '", printable(duplicate),
+  TORCH_CHECK(duplicate.empty(), path, ": tensor '", printable(duplicate),
               "' appears twice in the header");
-  TORCH_CHECK(j.is_object(), path_, ": header is not a JSON object");
+  TORCH_CHECK(j.is_object(), path, ": header is not a JSON object");
+  return j;
+}
 
-  const uint64_t data_bytes = file_size_ - data_offset_;
-  struct Range {
-    uint64_t begin, end;
-    size_t i;
-  };
-  std::vector<Range> ranges;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& name = it.key();
-    const json& v = it.value();
-    if (name == "__metadata__") {
-      TORCH_CHECK(v.is_object(), path_, ": __metadata__ is not an object of strings");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        TORCH_CHECK(m.value().is_string(), path_, ": __metadata__ entry '", printable(m.key()),
-                    "' is not a string");
-        metadata_[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    const std::string where = path_ + ": tensor '" + printable(name) + "'";
-    TORCH_CHECK(!name.empty(), path_, ": a tensor has an empty name");
-    TORCH_CHECK(v.is_object(), where, ": header entry is not an object");
-    const auto dt = v.find("dtype");
-    TORCH_CHECK(dt != v.end() && dt->is_string(), where, ": missing or non-string dtype");
-    const auto dtype = st_dtype_from_name(dt->get<std::string>());
-    TORCH_CHECK(dtype.has_value(), where, ": unsupported dtype '",
-                printable(dt->get<std::string>()),
-                "' (expected BOOL, U8, I8, I16, I32, I64, F16, BF16, F32, F64, F8_E4M3 or "
-                "F8_E5M2)");
-    const auto sh = v.find("shape");
-    TORCH_CHECK(sh != v.end() && sh->is_array() && sh->size() <= 64, where,
-                ": shape must be an array of at most 64 non-negative integers");
-    StTensor t{name, *dtype, {}, 0, 0};
-    uint64_t nbytes = st_dtype_size(*dtype);
-    for (const json& d : *sh) {
-      TORCH_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t{INT64_MAX}, where,
-                  ": shape ", sh->dump(), " has an entry that is not a non-negative integer");
-      const uint64_t du = d.get<uint64_t>();
-      TORCH_CHECK(!__builtin_mul_overflow(nbytes, du, &nbytes), where, ": shape ", sh->dump(),
-                  " overflows 64-bit byte counts");
-      t.shape.push_back(static_cast<int64_t>(du));
-    }
-    const auto off = v.find("data_offsets");
-    TORCH_CHECK(off != v.end() && off->is_array() && off->size() == 2 &&
-                    (*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(),
-                where, ": data_offsets must be two non-negative integers");
-    const uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
-    TORCH_CHECK(b <= e && e <= data_bytes, where, ": data_offsets [", b, ", ", e,
-                "] outside the data section of ", data_bytes, " bytes");
-    TORCH_CHECK(e - b == nbytes, where, ": data_offsets [", b, ", ", e, "] hold ", e - b,
-                " bytes but ", st_dtype_name(*dtype), " ", shape_text(t.shape), " needs ",
-                nbytes);
-    t.offset = data_offset_ + b;
-    t.nbytes = nbytes;
-    ranges.push_back({b, e, tensors_.size()});
-    tensors_.push_back(std::move(t));
+void read_metadata(const std::string& path, const json& v,
+                   std::map<std::string, std::string>& metadata) {
+  TORCH_CHECK(v.is_object(), path, ": __metadata__ is not an object of strings");
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    TORCH_CHECK(m.value().is_string(), path, ": __metadata__ entry '", printable(m.key()),
+                "' is not a string");
+    metadata[m.key()] = m.value().get<std::string>();
   }
-  // The data section is covered exactly: no overlap, no gap, nothing after the last tensor.
-  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+}
+
+// A tensor's bytes [begin, end) in the data section, and its index in the header's order.
+struct DataRange {
+  uint64_t begin, end;
+  size_t i;
+};
+
+// The header entry of tensor `name`, checked against the data section (`data_bytes` bytes from
+// `data_offset`); r gets its data_offsets.
+StTensor parse_tensor_entry(const std::string& path, const std::string& name, const json& v,
+                            uint64_t data_offset, uint64_t data_bytes, DataRange& r) {
+  const std::string where = path + ": tensor '" + printable(name) + "'";
+  TORCH_CHECK(!name.empty(), path, ": a tensor has an empty name");
+  TORCH_CHECK(v.is_object(), where, ": header entry is not an object");
+  const auto dt = v.find("dtype");
+  TORCH_CHECK(dt != v.end() && dt->is_string(), where, ": missing or non-string dtype");
+  const auto dtype = st_dtype_from_name(dt->get<std::string>());
+  TORCH_CHECK(dtype.has_value(), where, ": unsupported dtype '", printable(dt->get<std::string>()),
+              "' (expected BOOL, U8, I8, I16, I32, I64, F16, BF16, F32, F64, F8_E4M3 or "
+              "F8_E5M2)");
+  const auto sh = v.find("shape");
+  TORCH_CHECK(sh != v.end() && sh->is_array() && sh->size() <= 64, where,
+              ": shape must be an array of at most 64 non-negative integers");
+  StTensor t{name, *dtype, {}, 0, 0};
+  uint64_t nbytes = st_dtype_size(*dtype);
+  for (const json& d : *sh) {
+    TORCH_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t{INT64_MAX}, where,
+                ": shape ", sh->dump(), " has an entry that is not a non-negative integer");
+    const uint64_t du = d.get<uint64_t>();
+    TORCH_CHECK(!__builtin_mul_overflow(nbytes, du, &nbytes), where, ": shape ", sh->dump(),
+                " overflows 64-bit byte counts");
+    t.shape.push_back(static_cast<int64_t>(du));
+  }
+  const auto off = v.find("data_offsets");
+  TORCH_CHECK(off != v.end() && off->is_array() && off->size() == 2 &&
+                  (*off)[0].is_number_unsigned() && (*off)[1].is_number_unsigned(),
+              where, ": data_offsets must be two non-negative integers");
+  const uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
+  TORCH_CHECK(b <= e && e <= data_bytes, where, ": data_offsets [", b, ", ", e,
+              "] outside the data section of ", data_bytes, " bytes");
+  TORCH_CHECK(e - b == nbytes, where, ": data_offsets [", b, ", ", e, "] hold ", e - b,
+              " bytes but ", st_dtype_name(*dtype), " ", shape_text(t.shape), " needs ", nbytes);
+  t.offset = data_offset + b;
+  t.nbytes = nbytes;
+  r.begin = b;
+  r.end = e;
+  return t;
+}
+
+// Sorts the ranges by offset and checks that they cover the data section exactly: no overlap,
+// no gap, nothing after the last tensor.
+void check_data_coverage(const std::string& path, std::vector<DataRange>& ranges,
+                         const std::vector<StTensor>& tensors, uint64_t data_bytes) {
+  std::sort(ranges.begin(), ranges.end(), [](const DataRange& a, const DataRange& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   uint64_t pos = 0;
-  for (const Range& r : ranges) {
-    const std::string& nm = tensors_[r.i].name;
-    TORCH_CHECK(r.begin >= pos, path_, ": tensor '", printable(nm), "': data_offsets [", r.begin,
+  for (const DataRange& r : ranges) {
+    const std::string& nm = tensors[r.i].name;
+    TORCH_CHECK(r.begin >= pos, path, ": tensor '", printable(nm), "': data_offsets [", r.begin,
                 ", ", r.end, "] overlap the previous tensor (ending at ", pos, ")");
-    TORCH_CHECK(r.begin == pos, path_, ": tensor '", printable(nm), "': data_offsets [",
-                r.begin, ", ", r.end, "] leave a gap of ", r.begin - pos, " bytes after offset ",
-                pos);
+    TORCH_CHECK(r.begin == pos, path, ": tensor '", printable(nm), "': data_offsets [", r.begin,
+                ", ", r.end, "] leave a gap of ", r.begin - pos, " bytes after offset ", pos);
     pos = r.end;
   }
-  TORCH_CHECK(pos == data_bytes, path_, ": the tensors cover ", pos, " data bytes but the file ",
+  TORCH_CHECK(pos == data_bytes, path, ": the tensors cover ", pos, " data bytes but the file ",
               "holds ", data_bytes, " (truncated or trailing bytes)");
+}
+
+}  // namespace
+
+SafetensorsFile::SafetensorsFile(std::string path) : path_(std::move(path)) {
+  fd_.reset(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+  TORCH_CHECK(fd_.get() >= 0, path_, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  TORCH_CHECK(::fstat(fd_.get(), &st) == 0, path_, ": stat failed: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), path_, ": not a regular file");
+  file_size_ = static_cast<uint64_t>(st.st_size);
+  TORCH_CHECK(file_size_ >= 8, path_, ": not a safetensors file: ", file_size_,
+              " bytes, shorter than the 8-byte header length");
+  uint8_t len_bytes[8];
+  read_range(0, 8, len_bytes);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  TORCH_CHECK(n >= 2 && n <= kStMaxHeaderBytes, path_, ": header length ", n, " outside [2, ",
+              kStMaxHeaderBytes, "] (not a safetensors file, or corrupt)");
+  TORCH_CHECK(n <= file_size_ - 8, path_, ": header length ", n, " exceeds the file (", file_size_,
+              " bytes)");
+  data_offset_ = 8 + n;
+  std::string header(n, '\0');
+  read_range(8, n, header.data());
+  const json j = parse_header(path_, header);
+
+  const uint64_t data_bytes = file_size_ - data_offset_;
+  std::vector<DataRange> ranges;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      read_metadata(path_, it.value(), metadata_);
+      continue;
+    }
+    DataRange r{0, 0, tensors_.size()};
+    StTensor t = parse_tensor_entry(path_, it.key(), it.value(), data_offset_, data_bytes, r);
+    ranges.push_back(r);
+    tensors_.push_back(std::move(t));
+  }
+  check_data_coverage(path_, ranges, tensors_, data_bytes);
   std::vector<StTensor> ordered;
   ordered.reserve(tensors_.size());
-  for (const Range& r : ranges) ordered.push_back(std::move(tensors_[r.i]));
+  for (const DataRange& r : ranges) ordered.push_back(std::move(tensors_[r.i]));
   tensors_ = std::move(ordered);
   for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
 }
