@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 
 namespace q4::data {
 namespace {
@@ -160,6 +161,16 @@ ToolCall tool_call_from_json(const ordered_json& c, const std::string& where) {
   return t;
 }
 
+// m[key]: its string, or nothing when the key is absent or null; any other value throws.
+std::optional<std::string> string_or_null(const ordered_json& m, const char* key,
+                                          const std::string& where) {
+  if (!m.contains(key) || m[key].is_null()) return std::nullopt;
+  if (!m[key].is_string()) {
+    throw ChatJsonError(where + "." + key + ": expected a string or null, found " + found(m[key]));
+  }
+  return m[key].get<std::string>();
+}
+
 }  // namespace
 
 std::string py_tojson(const ordered_json& v) {
@@ -179,12 +190,8 @@ Message message_from_json(const ordered_json& m, const std::string& where) {
     throw ChatJsonError(where + ".role: unknown role \"" + r +
                         "\" (expected system, user, assistant or tool)");
   }
-  if (m.contains("content") && !m["content"].is_null()) {
-    if (!m["content"].is_string()) {
-      throw ChatJsonError(where + ".content: expected a string or null, found " +
-                          found(m["content"]));
-    }
-    msg.content = m["content"].get<std::string>();
+  if (std::optional<std::string> content = string_or_null(m, "content", where)) {
+    msg.content = std::move(*content);
   } else {
     msg.content_is_string = false;
   }
@@ -194,13 +201,7 @@ Message message_from_json(const ordered_json& m, const std::string& where) {
                           "\")");
     }
   }
-  if (m.contains("reasoning_content") && !m["reasoning_content"].is_null()) {
-    if (!m["reasoning_content"].is_string()) {
-      throw ChatJsonError(where + ".reasoning_content: expected a string or null, found " +
-                          found(m["reasoning_content"]));
-    }
-    msg.reasoning_content = m["reasoning_content"].get<std::string>();
-  }
+  msg.reasoning_content = string_or_null(m, "reasoning_content", where);
   if (m.contains("tool_calls") && !m["tool_calls"].is_null()) {
     const ordered_json& calls = m["tool_calls"];
     if (!calls.is_array()) {

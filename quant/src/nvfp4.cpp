@@ -153,22 +153,36 @@ void for_row_chunks(int64_t rows, int64_t cols, Fn&& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += step) fn(r0, std::min(step, rows - r0));
 }
 
+// A chunk's cpu_chunk_keys: scale bits, decoded scales and element keys.
+struct ChunkKeys {
+  at::Tensor bits, s, key;
+};
+
+// Calls fn(r0, nr, keys) over the row chunks of x (rows, cols); a chunk with a NaN/Inf fails,
+// naming `fn_name` and the tensor.
+template <typename Fn>
+void for_key_chunks(const at::Tensor& x, const char* fn_name, const std::string& name, Fn&& fn) {
+  for_row_chunks(x.size(0), x.size(1), [&](int64_t r0, int64_t nr) {
+    const at::Tensor xc = x.narrow(0, r0, nr);
+    const at::Tensor xb = xc.to(at::kFloat).reshape({-1, kNvfp4BlockSize});  // (nb, 16)
+    ChunkKeys k;
+    if (!cpu_chunk_keys(xb, &k.bits, &k.s, &k.key)) fail_nonfinite(xc, fn_name, name);
+    fn(r0, nr, k);
+  });
+}
+
 Nvfp4Tensor quantize_cpu(const at::Tensor& x, const std::string& name) {
   const int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor qdata = at::empty({rows, cols / 2}, x.options().dtype(at::kByte));   // (r, c/2)
   at::Tensor scale = at::empty({rows, cols / kNvfp4BlockSize}, qdata.options());  // (r, c/16)
   const at::Tensor codes_of_key = const_tensor(key_tables().code.data(), kKeyCount);
-  for_row_chunks(rows, cols, [&](int64_t r0, int64_t nr) {
-    const at::Tensor xc = x.narrow(0, r0, nr);
-    const at::Tensor xb = xc.to(at::kFloat).reshape({-1, kNvfp4BlockSize});  // (nb, 16)
-    at::Tensor bits, s, key;
-    if (!cpu_chunk_keys(xb, &bits, &s, &key)) fail_nonfinite(xc, "quantize_nvfp4", name);
+  for_key_chunks(x, "quantize_nvfp4", name, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
     const at::Tensor codes =
-        at::index_select(codes_of_key, 0, key.reshape({-1})).view({-1, 2});  // (n/2, 2)
+        at::index_select(codes_of_key, 0, k.key.reshape({-1})).view({-1, 2});  // (n/2, 2)
     const at::Tensor packed =
         at::bitwise_or(codes.select(1, 0), at::bitwise_left_shift(codes.select(1, 1), 4));
     qdata.narrow(0, r0, nr).copy_(packed.view({nr, cols / 2}));
-    scale.narrow(0, r0, nr).copy_(bits.view({nr, cols / kNvfp4BlockSize}));
+    scale.narrow(0, r0, nr).copy_(k.bits.view({nr, cols / kNvfp4BlockSize}));
   });
   return {qdata, scale};
 }
@@ -177,17 +191,13 @@ at::Tensor fake_quant_cpu(const at::Tensor& w, const std::string& name) {
   const int64_t rows = w.size(0), cols = w.size(1);
   at::Tensor out = at::empty({rows, cols}, w.options());  // (r, c) in w's dtype
   const at::Tensor value_of_key = const_tensor(key_tables().value.data(), kKeyCount);
-  for_row_chunks(rows, cols, [&](int64_t r0, int64_t nr) {
-    const at::Tensor wc = w.narrow(0, r0, nr);
-    const at::Tensor xb = wc.to(at::kFloat).reshape({-1, kNvfp4BlockSize});  // (nb, 16)
-    at::Tensor bits, s, key;
-    if (!cpu_chunk_keys(xb, &bits, &s, &key)) fail_nonfinite(wc, "fake_quant_nvfp4", name);
+  for_key_chunks(w, "fake_quant_nvfp4", name, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
     const at::Tensor val =
-        at::index_select(value_of_key, 0, key.reshape({-1})).view({-1, kNvfp4BlockSize});
+        at::index_select(value_of_key, 0, k.key.reshape({-1})).view({-1, kNvfp4BlockSize});
     at::Tensor dst = out.narrow(0, r0, nr).view({-1, kNvfp4BlockSize});  // (nb, 16)
     // E2M1 value * E4M3 scale has <= 6 significant bits and lies in [2^-10, 2688]: exact in
     // fp32, fp16 and bf16, so the cast to w's dtype is exact too.
-    at::mul_out(dst, val, s);
+    at::mul_out(dst, val, k.s);
   });
   return out;
 }
