@@ -12,9 +12,9 @@
 #include <sstream>
 #include <tuple>
 
+#include "q4/io/pinned.h"
 #include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
-#include "q4/quant/pinned.h"
 #include "qwen3_impl.h"
 #include "stored_layers.h"
 
@@ -279,7 +279,7 @@ void Qwen3Model::Impl::offload_master(Parameter* p) {
   p->qdata = q.qdata;
   p->scale = q.scale;
   if (p->master.is_cuda()) {
-    at::Tensor host = q4::quant::pinned_empty(p->master.sizes(), p->master.scalar_type());
+    at::Tensor host = q4::io::pinned_empty(p->master.sizes(), p->master.scalar_type());
     host.copy_(p->master);
     p->master = host;
   }
@@ -907,7 +907,7 @@ void Qwen3Model::refresh_codes(const Parameter* only) {
     if (!p.trainable || !p.qdata.defined() || (only != nullptr && only != &p)) continue;
     const at::Tensor master = p.master.device() == p.qdata.device()
                                   ? p.master
-                                  : q4::quant::device_alias(p.master, p.qdata.device());
+                                  : q4::io::device_alias(p.master, p.qdata.device());
     q4::quant::quantize_nvfp4_into(master, {p.qdata, p.scale}, p.name);
   }
 }
@@ -916,9 +916,8 @@ void Qwen3Model::refresh_codes(const Parameter& p, const at::Tensor& master) {
   TORCH_INTERNAL_ASSERT(p.qdata.defined() && master.sizes() == p.master.sizes(),
                         "refresh_codes: ", p.name, " has no codes or another shape");
   at::NoGradGuard no_grad;
-  const at::Tensor values = master.device() == p.qdata.device()
-                                ? master
-                                : q4::quant::device_alias(master, p.qdata.device());
+  const at::Tensor values =
+      master.device() == p.qdata.device() ? master : q4::io::device_alias(master, p.qdata.device());
   q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name);
 }
 

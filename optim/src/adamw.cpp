@@ -1,7 +1,7 @@
 // PackedAdamW: registration, the step (global norm -> non-finite guard -> clip -> per-parameter
 // update), and the CPU chunk loop. The CPU update walks a parameter in chunks of chunk_rows rows
 // (rounded to whole moment blocks) using only the scratch arena; CUDA parameters go to one fused
-// kernel per mode (adamw_kernels.cu). The fp32 arithmetic order is the one in docs/optim.md and
+// kernel per mode (adamw_launch.cu). The fp32 arithmetic order is the one in docs/optim.md and
 // is shared with the kernels, so the two paths agree bit-for-bit when no clipping is involved.
 #include "q4/optim/adamw.h"
 
@@ -16,10 +16,12 @@
 
 #include "cpu_kernels.h"
 #include "cuda_launch.h"
+#include "grad_norm.h"
+#include "host_stager.h"
 #include "optim_math.h"
 #include "optim_state.h"
+#include "q4/io/pinned.h"
 #include "q4/optim/state_codec.h"
-#include "q4/quant/pinned.h"
 
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -27,10 +29,6 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
-
-#include <deque>
-
-#include "q4/quant/kernel_dtype.h"
 #endif
 
 namespace q4::optim {
@@ -139,7 +137,7 @@ void PackedAdamW::register_param(const std::string& name, const at::Tensor& mast
   ParamInfo& info = p.info;
   info.master_on_host = master.is_cpu() && device.is_cuda();
   // A master in pinned host memory is updated by the device's kernels through an alias.
-  p.flat = info.master_on_host ? quant::device_alias(master.detach().view({-1}), device)
+  p.flat = info.master_on_host ? io::device_alias(master.detach().view({-1}), device)
                                : master.detach().view({-1});
   info.name = name;
   info.shape = master.sizes().vec();
@@ -157,7 +155,7 @@ void PackedAdamW::register_param(const std::string& name, const at::Tensor& mast
     if (!info.moments_on_host) {
       return at::zeros({count}, at::TensorOptions().device(device).dtype(dtype));
     }
-    return quant::pinned_empty({count}, dtype).zero_();
+    return io::pinned_empty({count}, dtype).zero_();
   };
   if (info.mode == StateMode::kFp32) {
     p.m32 = zeros(n, at::kFloat);
@@ -253,155 +251,6 @@ void PackedAdamW::zero_grad(bool set_to_none) {
       g.zero_();
     }
   }
-}
-
-// ---------------------------------------------------------------- norm
-
-namespace detail {
-
-// Sum of squares of g in fp32 chunks of at most chunk_elems (CPU).
-double sumsq_cpu(const at::Tensor& g, int64_t chunk_elems, Scratch& s) {
-  const at::Tensor flat = g.reshape({-1});
-  const int64_t n = flat.numel();
-  double total = 0.0;
-  for (int64_t start = 0; start < n; start += chunk_elems) {
-    const int64_t len = std::min(chunk_elems, n - start);
-    at::Tensor buf = s.get(kSlotGrad, at::kFloat, len);
-    buf.copy_(flat.narrow(0, start, len));
-    total += at::dot(buf, buf).item<double>();
-  }
-  return total;
-}
-
-#if Q4_WITH_CUDA
-int cuda_dtype(at::ScalarType t) { return static_cast<int>(quant::cuda::dtype_of(t, "q4::optim")); }
-#endif
-
-// Squared global norm over grads (undefined entries skipped), combined in double. `parts`
-// (empty, or one per gradient): CUDA partial rows already taken (gradient_sumsq_parts), which
-// take the place of the launch for that gradient; the rows keep their order, so the sum is the
-// same bits either way.
-double global_sumsq(const std::vector<at::Tensor>& grads, int64_t chunk_elems, Scratch& s,
-                    const std::vector<at::Tensor>& parts) {
-  TORCH_CHECK(parts.empty() || parts.size() == grads.size(), "q4::optim: ", parts.size(),
-              " sumsq_parts for ", grads.size(), " gradients");
-  double total = 0.0;
-#if Q4_WITH_CUDA
-  std::vector<const at::Tensor*> on_cuda;
-  std::vector<const at::Tensor*> on_cuda_part;  // the precomputed row, or nullptr
-#endif
-  for (size_t k = 0; k < grads.size(); ++k) {
-    const at::Tensor& g = grads[k];
-    if (!g.defined() || g.numel() == 0) continue;
-    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
-                    g.scalar_type() == at::kBFloat16,
-                "q4::optim: gradient dtype must be fp32, fp16 or bf16, got ", g.scalar_type());
-    const bool has_part = !parts.empty() && parts[k].defined();
-    if (g.is_cuda() || has_part) {
-#if Q4_WITH_CUDA
-      on_cuda.push_back(&g);
-      on_cuda_part.push_back(has_part ? &parts[k] : nullptr);
-      continue;
-#else
-      TORCH_CHECK(false, "q4::optim: CUDA gradient but q4_optim was built without CUDA");
-#endif
-    }
-    TORCH_CHECK(!has_part, "q4::optim: sumsq_parts are for CUDA gradients only");
-    total += sumsq_cpu(g, chunk_elems, s);
-  }
-#if Q4_WITH_CUDA
-  if (!on_cuda.empty()) {
-    // (P, kSumsqPartials) fp32 partial sums, summed in double in a fixed order.
-    const at::Device dev = on_cuda_part.front() != nullptr ? on_cuda_part.front()->device()
-                                                           : on_cuda.front()->device();
-    at::Tensor partials = at::empty({static_cast<int64_t>(on_cuda.size()), cuda::kSumsqPartials},
-                                    at::TensorOptions().device(dev).dtype(at::kFloat));
-    // One multi-tensor launch per run of same-dtype gradients (a few hundred per-tensor launches
-    // would each pay a launch and a memory-pipeline ramp): raw pointers, one guard and stream.
-    // A precomputed row ends a run and is copied into its place.
-    float* rows = partials.data_ptr<float>();
-    c10::cuda::CUDAGuard guard(dev);
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous gradients, if any
-    std::vector<const void*> ptrs(on_cuda.size());
-    std::vector<int64_t> ns(on_cuda.size());
-    std::vector<int> dts(on_cuda.size());
-    for (size_t i = 0; i < on_cuda.size(); ++i) {
-      const at::Tensor& g = *on_cuda[i];
-      const at::Device gdev = on_cuda_part[i] != nullptr ? on_cuda_part[i]->device() : g.device();
-      TORCH_CHECK(gdev == dev, "q4::optim: gradients on several devices (", dev, " and ", gdev,
-                  ")");
-      if (on_cuda_part[i] != nullptr) {
-        const at::Tensor& part = *on_cuda_part[i];
-        TORCH_CHECK(part.device() == dev && part.scalar_type() == at::kFloat &&
-                        part.numel() == cuda::kSumsqPartials,
-                    "q4::optim: a sumsq_parts entry must be gradient_sumsq_parts of its gradient");
-        partials[static_cast<int64_t>(i)].copy_(part.reshape({-1}), /*non_blocking=*/true);
-        continue;
-      }
-      if (!g.is_contiguous()) keep.push_back(g.contiguous());
-      ptrs[i] = g.is_contiguous() ? g.data_ptr() : keep.back().data_ptr();
-      ns[i] = g.numel();
-      dts[i] = cuda_dtype(g.scalar_type());
-    }
-    for (size_t i = 0; i < on_cuda.size();) {
-      if (on_cuda_part[i] != nullptr) {
-        ++i;
-        continue;
-      }
-      size_t j = i + 1;
-      while (j < on_cuda.size() && on_cuda_part[j] == nullptr && dts[j] == dts[i]) ++j;
-      cuda::launch_sumsq_many(ptrs.data() + i, ns.data() + i, static_cast<int>(j - i), dts[i],
-                              rows + static_cast<int64_t>(i) * cuda::kSumsqPartials, stream);
-      i = j;
-    }
-    total += partials.to(at::kDouble).sum().item<double>();
-  }
-#endif
-  return total;
-}
-
-}  // namespace detail
-
-double global_grad_norm(const std::vector<at::Tensor>& grads, int64_t chunk_elems) {
-  TORCH_CHECK(chunk_elems >= 1, "global_grad_norm: chunk_elems must be >= 1, got ", chunk_elems);
-  c10::NoGradGuard no_grad;
-  detail::Scratch s;
-  return std::sqrt(detail::global_sumsq(grads, chunk_elems, s, {}));
-}
-
-at::Tensor gradient_sumsq_parts(const at::Tensor& grad) {
-  TORCH_CHECK(grad.defined() && grad.is_cuda() && grad.is_contiguous() &&
-                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
-                   grad.scalar_type() == at::kBFloat16),
-              "gradient_sumsq_parts: expected a contiguous fp32/fp16/bf16 CUDA tensor");
-#if Q4_WITH_CUDA
-  const c10::cuda::CUDAGuard guard(grad.device());
-  at::Tensor row = at::empty({cuda::kSumsqPartials}, grad.options().dtype(at::kFloat));
-  const void* ptr = grad.data_ptr();
-  const int64_t n = grad.numel();
-  cuda::launch_sumsq_many(&ptr, &n, 1, detail::cuda_dtype(grad.scalar_type()),
-                          row.data_ptr<float>(), at::cuda::getCurrentCUDAStream());
-  return row;
-#else
-  TORCH_CHECK(false, "gradient_sumsq_parts: q4_optim was built without CUDA");
-  return {};
-#endif
-}
-
-double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm) {
-  TORCH_CHECK(std::isfinite(max_norm) && max_norm > 0.0,
-              "clip_grad_norm_: max_norm must be a finite value > 0, got ", max_norm);
-  c10::NoGradGuard no_grad;
-  const double norm = global_grad_norm(grads);
-  if (!std::isfinite(norm)) return norm;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (const at::Tensor& g : grads) {
-      if (g.defined()) const_cast<at::Tensor&>(g).mul_(coef);
-    }
-  }
-  return norm;
 }
 
 // ---------------------------------------------------------------- step
@@ -567,176 +416,6 @@ class SmallStepBatch {
 };
 #endif
 
-#if Q4_WITH_CUDA
-// DMA staging of a CUDA parameter's state in pinned host memory (PackedAdamW::
-// set_master_updated_hook). The device copies live in one arena of kMaxStagedBytes, taken from
-// the caller's stream when a step begins (or the caller's own, set_staging_arena) and used as a
-// ring (a parameter whose copies would take over half of it is updated through its aliases
-// instead): a parameter's host tensors are copied in on `in_` (without waiting for the caller's
-// stream: the state was written back by the previous step, which ended waiting for `out_`),
-// updated by `launch` on the caller's stream once they are in, and the written ones copied back
-// on `out_`; a region is reused after its copy back (stream-ordered waits, no host wait).
-class HostStager {
- public:
-  bool applies(const ParamState& p, const at::Tensor& grad) const {
-    return p.info.master_on_host || p.info.moments_on_host || (grad.defined() && !grad.is_cuda());
-  }
-
-  // Before the step's first update: the arena (`given`, else one of kMaxStagedBytes), when a
-  // parameter of `ps` has state to stage.
-  void begin(const std::vector<ParamState>& ps, const at::Tensor& given) {
-    int dev = -1;
-    for (const ParamState& p : ps) {
-      if (p.info.device.is_cuda() && (p.info.master_on_host || p.info.moments_on_host)) {
-        dev = p.info.device.index();
-        break;
-      }
-    }
-    if (dev < 0) return;
-    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(dev);
-    in_ = at::cuda::getStreamFromPool(false, dev);
-    out_ = at::cuda::getStreamFromPool(false, dev);
-    // From the caller's pool; the copy streams start after what the caller's stream did so far,
-    // which is the last use of that memory.
-    arena_ = given.defined()
-                 ? given
-                 : at::empty({kMaxStagedBytes},
-                             at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
-    at::cuda::CUDAEvent ready;
-    ready.record(run);
-    ready.block(*in_);
-    ready.block(*out_);
-    head_ = 0;
-  }
-
-  void update(ParamState& p, const at::Tensor& grad, int64_t index,
-              const std::function<void(ParamState&, const at::Tensor&)>& launch,
-              const std::function<void(int64_t, const at::Tensor&)>& hook) {
-    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(p.info.device.index());
-    const bool grad_in = grad.defined() && !grad.is_cuda();
-    const int64_t bytes = staged_bytes(p, grad_in ? static_cast<int64_t>(grad.nbytes()) : 0);
-    if (!arena_.defined() || bytes > arena_.numel() / 2) {
-      // Too large to stage within the bound (the embedding, lm_head): updated in place through
-      // the device aliases, over PCIe.
-      launch(p, grad_in ? quant::device_alias(grad.contiguous(), p.info.device) : grad);
-      return;
-    }
-    Region r;
-    r.begin = place(bytes);
-    int64_t at = r.begin;
-    ParamState s = p;  // the same parameter, its host tensors replaced by device copies
-    std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (host, device copy)
-    std::vector<bool> written;                              // copied back after the update
-    const auto stage = [&](const at::Tensor& host, bool back) {
-      const int64_t n = static_cast<int64_t>(host.nbytes());
-      at::Tensor d = arena_.narrow(0, at, n).view(host.scalar_type()).view(host.sizes());
-      at += round_up(n);
-      copies.emplace_back(host, d);
-      written.push_back(back);
-      return d;
-    };
-    at::Tensor g = grad;
-    if (p.info.master_on_host) s.flat = stage(p.master.detach().view({-1}), true);
-    if (p.info.moments_on_host) {
-      if (p.info.mode == StateMode::kFp32) {
-        s.m32 = stage(p.m32, true);
-        s.v32 = stage(p.v32, true);
-      } else {
-        s.m.codes = stage(p.m.codes, true);
-        s.m.scales = stage(p.m.scales, true);
-        s.v.codes = stage(p.v.codes, true);
-        s.v.scales = stage(p.v.scales, true);
-      }
-    }
-    if (grad_in) g = stage(grad.contiguous(), false);
-    r.end = at;
-    {
-      const c10::cuda::CUDAStreamGuard on_in(*in_);
-      for (auto& [host, d] : copies) d.copy_(host, /*non_blocking=*/true);
-    }
-    at::cuda::CUDAEvent copied;
-    copied.record(*in_);
-    copied.block(run);
-    launch(s, g);
-    if (hook && p.info.master_on_host) hook(index, s.flat.view(p.master.sizes()));
-    at::cuda::CUDAEvent updated;
-    updated.record(run);
-    updated.block(*out_);
-    {
-      const c10::cuda::CUDAStreamGuard on_out(*out_);
-      for (size_t k = 0; k < copies.size(); ++k) {
-        if (written[k]) copies[k].first.copy_(copies[k].second, /*non_blocking=*/true);
-      }
-    }
-    // The region is free again once copied back, and once the update has read it (a gradient
-    // copied in is not copied back).
-    r.done.record(*out_);
-    live_.push_back(std::move(r));
-  }
-
-  // After the step's last update: the caller's stream waits for every copy back; the arena
-  // returns to its pool once both copy streams are done with it.
-  void finish() {
-    if (!arena_.defined()) return;
-    const c10::cuda::CUDAStream run = at::cuda::getCurrentCUDAStream(out_->device_index());
-    for (const c10::cuda::CUDAStream& st : {*in_, *out_}) {
-      at::cuda::CUDAEvent done;
-      done.record(st);
-      done.block(run);
-    }
-    arena_ = at::Tensor();
-    live_.clear();
-  }
-
- private:
-  struct Region {
-    int64_t begin = 0, end = 0;
-    at::cuda::CUDAEvent done;  // copied back on out_
-  };
-  static int64_t round_up(int64_t n) { return (n + 511) / 512 * 512; }
-  // Device bytes of a parameter's copies (each 512-byte aligned) plus `grad_bytes`.
-  static int64_t staged_bytes(const ParamState& p, int64_t grad_bytes) {
-    int64_t b = round_up(grad_bytes);
-    if (p.info.master_on_host) b += round_up(static_cast<int64_t>(p.flat.nbytes()));
-    if (p.info.moments_on_host) {
-      if (p.info.mode == StateMode::kFp32) {
-        b += 2 * round_up(static_cast<int64_t>(p.m32.nbytes()));
-      } else {
-        for (const PackedMoment* m : {&p.m, &p.v}) {
-          b += round_up(static_cast<int64_t>(m->codes.nbytes())) +
-               round_up(static_cast<int64_t>(m->scales.nbytes()));
-        }
-      }
-    }
-    return b;
-  }
-  // The next `bytes` of the ring; the copy-in stream waits for the regions it overwrites.
-  int64_t place(int64_t bytes) {
-    const int64_t size = arena_.numel();
-    TORCH_INTERNAL_ASSERT(bytes <= size, "HostStager: ", bytes, " bytes over an arena of ", size);
-    if (head_ + bytes > size) head_ = 0;
-    const int64_t b = head_, e = head_ + bytes;
-    for (auto it = live_.begin(); it != live_.end();) {
-      if (it->begin < e && b < it->end) {
-        it->done.block(*in_);
-        it = live_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    head_ = e;
-    return b;
-  }
-
-  std::optional<c10::cuda::CUDAStream> in_, out_;
-  at::Tensor arena_;  // (bytes) uint8 on the device
-  int64_t head_ = 0;
-  std::deque<Region> live_;
-};
-#else
-class HostStager {};
-#endif
-
 void wait_for_host_moments(const std::vector<ParamState>& ps) {
 #if Q4_WITH_CUDA
   for (const ParamState& p : ps) {
@@ -777,17 +456,17 @@ StepResult PackedAdamW::step(const StepArgs& args) {
   return step(grads, args);
 }
 
-StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArgs& args) {
-  Impl& d = *impl_;
-  const AdamWOptions& o = d.opt;
-  TORCH_CHECK(grads.size() == d.ps.size(), "PackedAdamW::step: expected ", d.ps.size(),
+double PackedAdamW::Impl::check_step(const std::vector<at::Tensor>& grads,
+                                     const StepArgs& args) const {
+  const AdamWOptions& o = opt;
+  TORCH_CHECK(grads.size() == ps.size(), "PackedAdamW::step: expected ", ps.size(),
               " gradients (one per registered parameter), got ", grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
     if (!g.defined()) continue;
-    const ParamInfo& info = d.infos[i];
-    TORCH_CHECK(g.numel() == d.ps[i].flat.numel(), "PackedAdamW::step: gradient of '", info.name,
-                "' has ", g.numel(), " elements, expected ", d.ps[i].flat.numel());
+    const ParamInfo& info = infos[i];
+    TORCH_CHECK(g.numel() == ps[i].flat.numel(), "PackedAdamW::step: gradient of '", info.name,
+                "' has ", g.numel(), " elements, expected ", ps[i].flat.numel());
     TORCH_CHECK(g.device() == info.device || (info.device.is_cuda() && g.is_pinned()),
                 "PackedAdamW::step: gradient of '", info.name, "' is on ", g.device(),
                 ", master on ", info.device, " (a CUDA master also takes pinned host memory)");
@@ -804,27 +483,108 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
               args.grad_scale);
   TORCH_CHECK(std::isfinite(args.max_grad_norm) && args.max_grad_norm >= 0.0,
               "PackedAdamW::step: max_grad_norm must be finite and >= 0, got ", args.max_grad_norm);
-  d.frozen = true;
-  if (!d.stager) d.stager = std::make_shared<detail::HostStager>();
-  c10::NoGradGuard no_grad;
+  return lr;
+}
 
+double PackedAdamW::Impl::step_grad_norm(const std::vector<at::Tensor>& grads,
+                                         const StepArgs& args) {
   // Chunk for the norm pass: the widest parameter's chunk, so the scratch bound is the same.
   int64_t norm_chunk = 1;
-  for (const auto& i : d.infos) norm_chunk = std::max(norm_chunk, o.chunk_rows * i.cols);
+  for (const auto& i : infos) norm_chunk = std::max(norm_chunk, opt.chunk_rows * i.cols);
   // A CUDA parameter's gradient in pinned host memory without its norm parts: taken on the
   // device (a copy in), as for any CUDA gradient.
   std::vector<at::Tensor> parts = args.sumsq_parts;
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
-    if (!g.defined() || g.is_cuda() || !d.infos[i].device.is_cuda()) continue;
+    if (!g.defined() || g.is_cuda() || !infos[i].device.is_cuda()) continue;
     if (parts.empty()) parts.resize(grads.size());
     if (!parts[i].defined()) {
-      parts[i] = gradient_sumsq_parts(g.contiguous().to(d.infos[i].device, /*non_blocking=*/true));
+      parts[i] = gradient_sumsq_parts(g.contiguous().to(infos[i].device, /*non_blocking=*/true));
     }
   }
-  double sumsq = detail::global_sumsq(grads, norm_chunk, d.scratch, parts);
+  double sumsq = detail::global_sumsq(grads, norm_chunk, scratch, parts);
   if (args.reduce_sumsq) sumsq = args.reduce_sumsq(sumsq);
-  const double norm = std::sqrt(sumsq) * std::fabs(args.grad_scale);
+  return std::sqrt(sumsq) * std::fabs(args.grad_scale);
+}
+
+void PackedAdamW::Impl::apply_updates(const std::vector<at::Tensor>& grads,
+                                      const detail::StepConsts& c, int64_t t) {
+  const AdamWOptions& o = opt;
+  const bool stochastic = o.rounding == MasterRounding::kStochastic;
+#if Q4_WITH_CUDA
+  // The parameters' kernels alternate between the caller's stream and a side stream of the same
+  // device, so that one launch's tail (its last CTAs) overlaps the next launch's start instead of
+  // leaving SMs idle; a few hundred launches per step made that ~10% of the step (H100,
+  // bench_optim). Each kernel touches only its own parameter, so the results do not depend on
+  // the order; the side stream starts after the caller's stream (event) and the caller's stream
+  // waits for it before step() returns.
+  std::optional<c10::cuda::CUDAStream> side;
+  std::optional<at::cuda::CUDAEvent> side_done;
+  int cuda_launches = 0;
+  stager->begin(ps, staging_arena);
+  detail::SmallStepBatch small;
+#endif
+  for (size_t i = 0; i < ps.size(); ++i) {
+    detail::ParamState& p = ps[i];
+    const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
+    const uint32_t key = detail::sr_stream_key(o.seed, t, p.info.stream_index);
+    if (p.info.device.is_cuda()) {
+#if Q4_WITH_CUDA
+      const c10::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream(p.info.device.index());
+      if (!side || side->device() != main.device()) {
+        if (side) {  // parameters on another device: join the previous side stream first
+          side_done->record(*side);
+          side_done->block(at::cuda::getCurrentCUDAStream(side->device_index()));
+        }
+        side = at::cuda::getStreamFromPool(false, main.device_index());
+        side_done.emplace();
+        at::cuda::CUDAEvent ready;
+        ready.record(main);
+        ready.block(*side);
+      }
+      const auto launch = [&](detail::ParamState& state, const at::Tensor& g) {
+        detail::step_param_cuda(state, g, c, decay, stochastic, key);
+      };
+      const auto update = [&] {
+        if (stager->applies(p, grads[i])) {
+          stager->update(p, grads[i], static_cast<int64_t>(i), launch, master_updated);
+        } else {
+          launch(p, grads[i]);
+        }
+      };
+      // Staged parameters run on the caller's stream, whose pool their copies come from.
+      const bool staged = stager->applies(p, grads[i]);
+      if (!staged && detail::SmallStepBatch::takes(p, grads[i])) {
+        small.add(p, grads[i], c, decay, stochastic, key);
+      } else if (!staged && cuda_launches++ % 2 == 1) {
+        c10::cuda::CUDAStreamGuard on_side(*side);
+        update();
+      } else {
+        update();
+      }
+#endif
+    } else {
+      detail::step_param_cpu(p, grads[i], c, decay, stochastic, key, o.chunk_rows, scratch);
+    }
+  }
+#if Q4_WITH_CUDA
+  small.flush();
+  stager->finish();
+  if (side) {
+    side_done->record(*side);
+    side_done->block(at::cuda::getCurrentCUDAStream(side->device_index()));
+  }
+#endif
+}
+
+StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArgs& args) {
+  Impl& d = *impl_;
+  const AdamWOptions& o = d.opt;
+  const double lr = d.check_step(grads, args);
+  d.frozen = true;
+  if (!d.stager) d.stager = std::make_shared<detail::HostStager>();
+  c10::NoGradGuard no_grad;
+  const double norm = d.step_grad_norm(grads, args);
 
   StepResult r;
   r.lr = lr;
@@ -847,72 +607,7 @@ StepResult PackedAdamW::step(const std::vector<at::Tensor>& grads, const StepArg
     coef = args.max_grad_norm / (norm + 1e-6);
   }
   const int64_t t = d.step + 1;
-  const detail::StepConsts c = detail::make_step_consts(o, args.grad_scale * coef, lr, t);
-  const bool stochastic = o.rounding == MasterRounding::kStochastic;
-#if Q4_WITH_CUDA
-  // The parameters' kernels alternate between the caller's stream and a side stream of the same
-  // device, so that one launch's tail (its last CTAs) overlaps the next launch's start instead of
-  // leaving SMs idle; a few hundred launches per step made that ~10% of the step (H100,
-  // bench_optim). Each kernel touches only its own parameter, so the results do not depend on
-  // the order; the side stream starts after the caller's stream (event) and the caller's stream
-  // waits for it before step() returns.
-  std::optional<c10::cuda::CUDAStream> side;
-  std::optional<at::cuda::CUDAEvent> side_done;
-  int cuda_launches = 0;
-  d.stager->begin(d.ps, d.staging_arena);
-  detail::SmallStepBatch small;
-#endif
-  for (size_t i = 0; i < d.ps.size(); ++i) {
-    detail::ParamState& p = d.ps[i];
-    const bool decay = p.info.weight_decay && o.weight_decay > 0.0;
-    const uint32_t key = detail::sr_stream_key(o.seed, t, p.info.stream_index);
-    if (p.info.device.is_cuda()) {
-#if Q4_WITH_CUDA
-      const c10::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream(p.info.device.index());
-      if (!side || side->device() != main.device()) {
-        if (side) {  // parameters on another device: join the previous side stream first
-          side_done->record(*side);
-          side_done->block(at::cuda::getCurrentCUDAStream(side->device_index()));
-        }
-        side = at::cuda::getStreamFromPool(false, main.device_index());
-        side_done.emplace();
-        at::cuda::CUDAEvent ready;
-        ready.record(main);
-        ready.block(*side);
-      }
-      const auto launch = [&](detail::ParamState& ps, const at::Tensor& g) {
-        detail::step_param_cuda(ps, g, c, decay, stochastic, key);
-      };
-      const auto update = [&] {
-        if (d.stager->applies(p, grads[i])) {
-          d.stager->update(p, grads[i], static_cast<int64_t>(i), launch, d.master_updated);
-        } else {
-          launch(p, grads[i]);
-        }
-      };
-      // Staged parameters run on the caller's stream, whose pool their copies come from.
-      const bool staged = d.stager->applies(p, grads[i]);
-      if (!staged && detail::SmallStepBatch::takes(p, grads[i])) {
-        small.add(p, grads[i], c, decay, stochastic, key);
-      } else if (!staged && cuda_launches++ % 2 == 1) {
-        c10::cuda::CUDAStreamGuard on_side(*side);
-        update();
-      } else {
-        update();
-      }
-#endif
-    } else {
-      detail::step_param_cpu(p, grads[i], c, decay, stochastic, key, o.chunk_rows, d.scratch);
-    }
-  }
-#if Q4_WITH_CUDA
-  small.flush();
-  d.stager->finish();
-  if (side) {
-    side_done->record(*side);
-    side_done->block(at::cuda::getCurrentCUDAStream(side->device_index()));
-  }
-#endif
+  d.apply_updates(grads, detail::make_step_consts(o, args.grad_scale * coef, lr, t), t);
   d.step = t;
   d.prev_norm = norm;  // what an in-backward step after this one clips with
   d.consecutive = 0;

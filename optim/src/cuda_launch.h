@@ -1,6 +1,6 @@
-// Host launchers of the optimizer's CUDA kernels (adamw_kernels.cu). Raw pointers, sizes and a
-// stream only: no torch types, so the .cu file includes no torch headers. The .cpp callers
-// validate dtypes, devices and sizes; each launcher checks the launch with check_cuda
+// Host launchers of the optimizer's CUDA kernels (adamw_*.cu, adamw_kernels.cuh). Raw pointers,
+// sizes and a stream only: no torch types, so the .cu files include no torch headers. The .cpp
+// callers validate dtypes, devices and sizes; each launcher checks the launch with check_cuda
 // (q4/quant/cuda_common.h), which throws std::runtime_error with the CUDA error string.
 #pragma once
 

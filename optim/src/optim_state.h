@@ -29,7 +29,8 @@ struct ParamState {
   PackedMoment v;  // packed second moment
 };
 
-class HostStager;  // adamw.cpp: DMA staging of state in pinned host memory (CUDA)
+struct StepConsts;  // adamw.cpp: one step's fp32 constants
+class HostStager;   // host_stager.h: DMA staging of state in pinned host memory (CUDA)
 
 // Waits for the device when a parameter's moments are in pinned host memory (offload_moments),
 // before the host reads or writes them (state file, decoded moments, the first step's rescale).
@@ -63,6 +64,14 @@ struct PackedAdamW::Impl {
   at::Tensor staging_arena;      // set_staging_arena(); undefined: one taken per step
   double host_sumsq = 0.0;       // CPU parameters' sum of squares
   int64_t host_nonfinite = 0;    // CPU parameters skipped
+
+  // The phases of PackedAdamW::step (adamw.cpp). check_step: the gradients against the
+  // registered parameters, and the arguments; returns the step's lr. step_grad_norm: the global
+  // norm of grad_scale * grads (sumsq_parts, reduce_sumsq). apply_updates: every parameter's
+  // update with the step's constants (Adam t), the CPU chunk loop or the CUDA kernels.
+  double check_step(const std::vector<at::Tensor>& grads, const StepArgs& args) const;
+  double step_grad_norm(const std::vector<at::Tensor>& grads, const StepArgs& args);
+  void apply_updates(const std::vector<at::Tensor>& grads, const detail::StepConsts& c, int64_t t);
 };
 
 }  // namespace q4::optim

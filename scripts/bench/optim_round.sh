@@ -67,7 +67,7 @@ if [ "${NSYS:-0}" = 1 ] && command -v nsys >/dev/null; then
   head -n 12 "$out/nsys-4bit-kern.csv" | cut -c1-200
 fi
 if [ "${SASS:-0}" = 1 ]; then
-  obj=$(find build-gpu -name 'adamw_kernels.cu.o' | head -n 1)
+  obj=$(find build-gpu -name 'adamw_block_kernels.cu.o' | head -n 1)
   cuobjdump -sass "$obj" >/tmp/optim.sass 2>&1
   python3 - "$out" <<'PY'
 import re, sys

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "../optim_test_util.h"
+#include "q4/io/pinned.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/state_codec.h"
-#include "q4/quant/pinned.h"
 
 #if Q4_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -43,6 +43,16 @@ const at::Device kCuda(at::kCUDA, 0);
 using test::bit_equal;
 using test::gen;
 
+// The tests' decayed step: lr 2e-3, weight decay 0.1, `mode`, rounding seed `seed`.
+AdamWOptions decayed_options(StateMode mode, uint64_t seed) {
+  AdamWOptions o;
+  o.lr = 2e-3;
+  o.weight_decay = 0.1;
+  o.state_mode = mode;
+  o.seed = seed;
+  return o;
+}
+
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
@@ -56,13 +66,9 @@ TEST(PackedAdamWCuda, MatchesCpuBitExactEveryModeAndDtype) {
       for (at::ScalarType mdt : {at::kHalf, at::kBFloat16, at::kFloat}) {
         for (MasterRounding rnd : {MasterRounding::kStochastic, MasterRounding::kNearest}) {
           if (mdt == at::kFloat && rnd == MasterRounding::kNearest) continue;
-          AdamWOptions o;
+          AdamWOptions o = decayed_options(mode, 99);
           o.cuda_exact_arithmetic = true;  // bit-exact against the CPU path
-          o.lr = 2e-3;
-          o.weight_decay = 0.1;
-          o.state_mode = mode;
           o.rounding = rnd;
-          o.seed = 99;
           o.chunk_rows = 5;
           // (37, 129): 4773 elements, partial last block in every mode; (7, 40): small (fp32).
           const at::Tensor w0 = (at::randn({37, 129}, gen(1)) * 0.05).to(mdt);
@@ -127,13 +133,9 @@ TEST(PackedAdamWCuda, BatchedSmallTensorsMatchCpuBitExact) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : {StateMode::kInt8, StateMode::k4Bit, StateMode::kNvfp4}) {
     for (MasterRounding rnd : {MasterRounding::kStochastic, MasterRounding::kNearest}) {
-      AdamWOptions o;
+      AdamWOptions o = decayed_options(mode, 17);
       o.cuda_exact_arithmetic = true;
-      o.lr = 2e-3;
-      o.weight_decay = 0.1;
-      o.state_mode = mode;
       o.rounding = rnd;
-      o.seed = 17;
       o.small_tensor_threshold = 64;  // every tensor here takes packed moments
       std::vector<std::vector<int64_t>> shapes;
       for (int k = 0; k < 21; ++k) shapes.push_back({16 + k, 129 + 8 * k});
@@ -200,11 +202,7 @@ TEST(PackedAdamWCuda, FastArithmeticTracksExact) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : {StateMode::kInt8, StateMode::k4Bit}) {
     for (at::ScalarType mdt : {at::kHalf, at::kBFloat16}) {
-      AdamWOptions o;
-      o.lr = 2e-3;
-      o.weight_decay = 0.1;
-      o.state_mode = mode;
-      o.seed = 11;
+      AdamWOptions o = decayed_options(mode, 11);
       AdamWOptions ox = o;
       ox.cuda_exact_arithmetic = true;
       // 512 x 1000: 512,000 elements, partial last moment block.
@@ -417,11 +415,7 @@ TEST(PackedAdamWCuda, OffloadedMomentsMatchResidentBitExact) {
   Q4_REQUIRE_CUDA();
 #if Q4_WITH_CUDA
   for (StateMode mode : kAllModes) {
-    AdamWOptions o;
-    o.lr = 2e-3;
-    o.weight_decay = 0.1;
-    o.state_mode = mode;
-    o.seed = 5;
+    AdamWOptions o = decayed_options(mode, 5);
     AdamWOptions off = o;
     off.offload_moments = true;
     const at::Tensor w0 = (at::randn({37, 129}, gen(1)) * 0.05).to(at::kHalf);
@@ -491,17 +485,13 @@ TEST(PackedAdamWCuda, OffloadedMomentsMatchResidentBitExact) {
 TEST(PackedAdamWCuda, HostMasterMatchesDeviceMasterBitExact) {
   Q4_REQUIRE_CUDA();
   for (StateMode mode : kAllModes) {
-    AdamWOptions o;
-    o.lr = 2e-3;
-    o.weight_decay = 0.1;
-    o.state_mode = mode;
-    o.seed = 9;
+    AdamWOptions o = decayed_options(mode, 9);
     const at::Tensor w0 = (at::randn({37, 129}, gen(3)) * 0.05).to(at::kHalf);
     for (bool in_backward : {false, true}) {
       const std::string what = to_string(mode) + (in_backward ? " in-backward" : " buffered");
       PackedAdamW a(o), b(o);
       at::Tensor wa = w0.to(kCuda);
-      at::Tensor wb = quant::pinned_empty(w0.sizes(), w0.scalar_type());
+      at::Tensor wb = io::pinned_empty(w0.sizes(), w0.scalar_type());
       wb.copy_(w0);
       a.add_param("w", wa);
       b.add_host_param("w", wb, at::Device(at::kCUDA));
@@ -531,7 +521,7 @@ TEST(PackedAdamWCuda, HostMasterMatchesDeviceMasterBitExact) {
                 read_bytes(dir + "q4_host_master_b.state"))
           << what;
       PackedAdamW c(o);
-      at::Tensor wc = quant::pinned_empty(w0.sizes(), w0.scalar_type());
+      at::Tensor wc = io::pinned_empty(w0.sizes(), w0.scalar_type());
       wc.copy_(w0);
       c.add_host_param("w", wc, kCuda);
       c.load(dir + "q4_host_master_b.state");

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 
+#include "q4/io/pinned.h"
 #include "q4/optim/adamw.h"
-#include "q4/quant/pinned.h"
 
 namespace q4::trainer {
 namespace {
@@ -89,7 +89,7 @@ HostGradientAccumulator::Buffer& HostGradientAccumulator::buffer(const void* key
   auto it = buffers_.find(key);
   if (it == buffers_.end()) {
     Buffer b;
-    b.pinned = quant::pinned_empty(grad.sizes(), dtype_);
+    b.pinned = io::pinned_empty(grad.sizes(), dtype_);
     it = buffers_.emplace(key, std::move(b)).first;
   }
   TORCH_CHECK(it->second.pinned.numel() == grad.numel(), "HostGradientAccumulator: a gradient of ",

@@ -136,7 +136,7 @@ class PackedAdamW {
   // a parameter the same way.
   void add_param(const std::string& name, const at::Tensor& master, bool weight_decay = true,
                  int64_t stream_index = -1);
-  // Registers a master in pinned host memory (quant/pinned.h) that the CUDA kernels of `device`
+  // Registers a master in pinned host memory (q4/io/pinned.h) that the CUDA kernels of `device`
   // update in place over PCIe, with its moments in pinned host memory too: nothing of the
   // parameter's optimizer state takes device memory. Gradients come on `device`. Results are
   // bit-identical to a master on the device; the host reads the master only after the device has

@@ -41,7 +41,7 @@ at::Tensor e4m3_decode(const at::Tensor& bits);
 Nvfp4Tensor quantize_nvfp4(const at::Tensor& x, const std::string& name = "tensor");
 // quantize_nvfp4(x) written into out.qdata / out.scale (allocated, same device as x), without
 // the NaN/Inf check's device->host sync on CUDA (a block with NaN/Inf gets a NaN scale, so it
-// dequantizes to NaN). x may be a device_alias (pinned.h) of host memory.
+// dequantizes to NaN). x may be a device_alias (q4/io/pinned.h) of host memory.
 void quantize_nvfp4_into(const at::Tensor& x, const Nvfp4Tensor& out,
                          const std::string& name = "tensor");
 // Returns (r, c) in `dtype` on the device of qdata.

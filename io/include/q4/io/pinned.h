@@ -8,7 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace q4::quant {
+namespace q4::io {
 
 // Uninitialised (sizes) tensor of `dtype` in pinned host memory, freed when the last tensor
 // sharing its storage goes. Without CUDA: plain host memory.
@@ -18,4 +18,4 @@ at::Tensor pinned_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 // `pinned`'s storage alive. CUDA builds only.
 at::Tensor device_alias(const at::Tensor& pinned, const at::Device& device);
 
-}  // namespace q4::quant
+}  // namespace q4::io

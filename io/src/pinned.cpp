@@ -1,5 +1,5 @@
 // Pinned host memory a GPU addresses directly; see pinned.h.
-#include "q4/quant/pinned.h"
+#include "q4/io/pinned.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -12,7 +12,7 @@
 #include "q4/quant/cuda_common.h"
 #endif
 
-namespace q4::quant {
+namespace q4::io {
 
 at::Tensor pinned_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 #if Q4_WITH_CUDA
@@ -22,11 +22,14 @@ at::Tensor pinned_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   void* ptr = nullptr;
   if (bytes > 0) {
     const cudaError_t e = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-    TORCH_CHECK(e == cudaSuccess, "cannot pin ", bytes, " bytes of host memory: ",
-                cudaGetErrorString(e));
+    TORCH_CHECK(e == cudaSuccess, "cannot pin ", bytes,
+                " bytes of host memory: ", cudaGetErrorString(e));
   }
   return at::from_blob(
-      ptr, sizes, [](void* p) { if (p != nullptr) cudaFreeHost(p); },
+      ptr, sizes,
+      [](void* p) {
+        if (p != nullptr) cudaFreeHost(p);
+      },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 #else
   return at::empty(sizes, at::TensorOptions().dtype(dtype));
@@ -57,4 +60,4 @@ at::Tensor device_alias(const at::Tensor& pinned, const at::Device& device) {
 #endif
 }
 
-}  // namespace q4::quant
+}  // namespace q4::io

@@ -1,43 +1,14 @@
-// Fused CUDA AdamW step: one kernel per moment mode reads gradient, master and the (packed)
-// moments once and writes master and moments once. Block-wise modes give each moment block to a
-// group of lanes, each lane owning E consecutive elements (int8: 32 lanes x 8, 4-bit: 16 x 8,
-// NVFP4: 4 x 4), so whole groups use 8/16-byte vector loads and stores: decode, update, group
-// absmax by shuffles, re-quantize, write. Kernels are persistent (grid-stride over groups; the
-// code maps are staged in shared memory once per CTA). Arithmetic is the CPU path's, op for op,
-// with explicit round-to-nearest intrinsics (no FMA contraction), so results are bit-identical
-// -- when StepParams::exact is set. By default the int8/4-bit kernels fuse multiply-adds with
-// host-folded constants and use the hardware square root and reciprocal (fewer instructions:
-// these kernels are issue-bound), everything else (codes, randomness, rounding rules) unchanged.
-#include <cuda_runtime.h>
-
+// The fused AdamW step with packed moments (int8, 4-bit, NVFP4) and the standalone moment codec.
+// They share the code tables in constant memory, which belong to one file (no separable
+// compilation): every kernel that reads them is here, and ensure_tables() fills them.
 #include <cstring>
 #include <limits>
 #include <mutex>
-#include <stdexcept>
-#include <string>
-#include <type_traits>
-#include <vector>
 
-#include "cuda_launch.h"
-#include "optim_math.h"
-#include "q4/quant/cuda_common.h"
+#include "adamw_kernels.cuh"
 
-namespace q4::optim::cuda {
+namespace q4::optim::cuda::impl {
 namespace {
-
-using detail::CodeMap;
-using detail::MapId;
-using quant::cuda::aligned16;
-using quant::cuda::check_cuda;
-using quant::cuda::dispatch_dtype;
-using quant::cuda::DType;
-using quant::cuda::group_max;
-using quant::cuda::load_vec;
-using quant::cuda::sm_count;
-using quant::cuda::store_vec;
-using quant::cuda::to_float;
-using quant::cuda::Vec;
-using quant::cuda::warp_sum;
 
 __constant__ float c_map_value[4][256];    // MapId -> decoded value per code
 __constant__ float c_map_mid[4][256];      // MapId -> midpoints (size - 1 used), +inf at 255
@@ -59,6 +30,8 @@ __constant__ uint8_t c_start[2][kStartBytes];
 // Offset of a map's rows in its mode's table.
 template <int MODE, int SLOT>
 constexpr int kStartOffset = (MODE == 1 && SLOT == 1) ? 2 * kInt8BucketsM : 0;
+
+}  // namespace
 
 // Copies the code tables to the current device once (constant memory is per device), after
 // checking on the host that every search needs at most the one comparison the kernels do.
@@ -128,153 +101,7 @@ void ensure_tables() {
   ready[dev] = true;
 }
 
-// Master write-back (docs/optim.md): saturate at the largest finite value, then round to nearest,
-// or stochastically with the element's bits h = sr_bits(key, index) (detail::sr_round_fp16/bf16:
-// for bf16 and fp16 from 2^-14 up an integer add and mask on the fp32 bits; the result is exact
-// in the target, so the conversion below does not round).
-template <typename M>
-__device__ __forceinline__ M write_master(float x, bool stochastic, uint32_t h) {
-  if constexpr (std::is_same<M, float>::value) {
-    return x;
-  } else if constexpr (std::is_same<M, __half>::value) {
-    x = fminf(fmaxf(x, -65504.0f), 65504.0f);
-    return __float2half_rn(stochastic ? detail::sr_round_fp16(x, h) : x);
-  } else {
-    x = fminf(fmaxf(x, -3.3895313892515355e38f), 3.3895313892515355e38f);
-    if (!stochastic) return __float2bfloat16_rn(x);
-    return __ushort_as_bfloat16(
-        static_cast<unsigned short>(__float_as_uint(detail::sr_round_bf16(x, h)) >> 16));
-  }
-}
-
-// kExact: the CPU path's operations, one rounding each. Otherwise (the block kernels' default,
-// AdamWOptions::cuda_exact_arithmetic off) fused multiply-adds, so the same formulas in fewer
-// instructions, a few fp32 ulp from the exact results.
-template <bool kExact = true>
-__device__ __forceinline__ void adam_moments(float g, float& m, float& v, const StepParams& p) {
-  if (kExact) {
-    m = __fadd_rn(__fmul_rn(m, p.beta1), __fmul_rn(g, p.one_minus_beta1));
-    v = __fadd_rn(__fmul_rn(v, p.beta2), __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
-  } else {
-    m = __fmaf_rn(m, p.beta1, __fmul_rn(g, p.one_minus_beta1));
-    v = __fmaf_rn(v, p.beta2, __fmul_rn(__fmul_rn(g, g), p.one_minus_beta2));
-  }
-}
-
-// Hardware approximations (MUFU, ~1 ulp), flushing subnormal inputs and results to zero (the
-// non-flushing forms cost three more instructions each for the rescaling).
-__device__ __forceinline__ float fast_sqrt(float x) {
-  float r;
-  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float fast_rcp(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
-// sqrt(v): correctly rounded (kExact), else the hardware approximation (a subnormal v, below
-// 1.2e-38, gives 0: the update then divides by eps, as for v = 0).
-template <bool kExact>
-__device__ __forceinline__ float adam_sqrt(float v) {
-  if (kExact) return __fsqrt_rn(v);
-  return fast_sqrt(v);
-}
-
-// sv = adam_sqrt(v). The fast variant multiplies by the hardware reciprocal of
-// den / step_size (~1 ulp; eps / step_size is a normal number, so nothing is flushed; with a
-// zero step size den is huge and its flushed reciprocal 0: no update).
-template <bool kExact = true>
-__device__ __forceinline__ float adam_master_sv(float w, float m, float sv, const StepParams& p) {
-  if (kExact) {
-    const float den = __fadd_rn(__fmul_rn(sv, p.inv_sqrt_bc2), p.eps);
-    const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
-    return __fsub_rn(__fmul_rn(w, p.decay), u);
-  }
-  // den / step_size (StepParams fast_den_a/b): the step size folded in, one multiply fewer.
-  const float den = __fmaf_rn(sv, p.fast_den_a, p.fast_den_b);
-  return __fmaf_rn(-m, fast_rcp(den), __fmul_rn(w, p.decay));
-}
-
-__device__ __forceinline__ float adam_master(float w, float m, float v, const StepParams& p) {
-  const float den = __fadd_rn(__fmul_rn(__fsqrt_rn(v), p.inv_sqrt_bc2), p.eps);
-  const float u = __fmul_rn(__fdiv_rn(m, den), p.step_size);
-  return __fsub_rn(__fmul_rn(w, p.decay), u);
-}
-
-constexpr int kThreads = 256;  // threads per CTA of every kernel here
-// The block kernels are register-bounded so that 4 (int8: 64 registers; unbounded it used 72) or
-// 5 (4-bit, NVFP4: 48) CTAs fit an SM; ptxas reports no spills with these bounds (6 spilled).
-
-// ---- vector access (Vec, load_vec, store_vec: q4/quant/cuda_common.h) ----
-// Loads elements [i0, i0 + E) as fp32: vector access when `vec`, else element by element with
-// the ones at or past n set to 0.
-template <typename T, int E>
-__device__ __forceinline__ void load_f32(const T* ptr, int64_t i0, int64_t n, bool vec,
-                                         float (&out)[E]) {
-  if (vec) {
-    T raw[E];
-    load_vec<T, E>(ptr + i0, raw);
-#pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = to_float(raw[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < E; ++e) out[e] = i0 + e < n ? to_float(ptr[i0 + e]) : 0.0f;
-  }
-}
-
-// ---- fp32 moments ----
-constexpr int kFp32Elems = 4;  // elements per thread
-
-template <typename G, typename M>
-__global__ void adamw_fp32_kernel(StepParams p) {
-  if (p.skip != nullptr && *p.skip != 0) return;  // non-finite gradient (in-backward step)
-  constexpr int E = kFp32Elems;
-  M* master = static_cast<M*>(p.master);
-  const int64_t groups = (p.n + E - 1) / E;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; gi < groups;
-       gi += stride) {
-    const int64_t i0 = gi * E;
-    const bool vec = p.vec_ok != 0 && i0 + E <= p.n;
-    float g[E], m[E], v[E], w[E];
-    if (p.grad != nullptr) {
-      load_f32<G, E>(static_cast<const G*>(p.grad), i0, p.n, vec, g);
-#pragma unroll
-      for (int e = 0; e < E; ++e) g[e] = __fmul_rn(g[e], p.grad_scale);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) g[e] = 0.0f;
-    }
-    load_f32<float, E>(p.m32, i0, p.n, vec, m);
-    load_f32<float, E>(p.v32, i0, p.n, vec, v);
-    load_f32<M, E>(master, i0, p.n, vec, w);
-    M out[E];
-    const bool sr = p.stochastic != 0;
-    const uint32_t range_key = detail::sr_range_key(p.sr_key, i0);  // i0: a multiple of E
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      adam_moments(g[e], m[e], v[e], p);
-      out[e] = write_master<M>(adam_master(w[e], m[e], v[e], p), sr,
-                               sr ? detail::sr_bits_in_range(range_key, i0 + e) : 0U);
-    }
-    if (vec) {
-      store_vec<float, E>(p.m32 + i0, m);
-      store_vec<float, E>(p.v32 + i0, v);
-      store_vec<M, E>(master + i0, out);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        if (i0 + e < p.n) {
-          p.m32[i0 + e] = m[e];
-          p.v32[i0 + e] = v[e];
-          master[i0 + e] = out[e];
-        }
-      }
-    }
-  }
-}
+namespace {
 
 // ---- block codecs (device) ----
 // kBlock elements per moment block, handled by kLanes lanes of kElems consecutive elements.
@@ -629,6 +456,8 @@ __device__ __forceinline__ void block_step(const StepParams& p, const SharedMaps
   }
 }
 
+// The block kernels are register-bounded so that 4 (int8: 64 registers; unbounded it used 72) or
+// 5 (4-bit, NVFP4: 48) CTAs fit an SM; ptxas reports no spills with these bounds (6 spilled).
 template <int MODE>
 constexpr int kBlockMinCtas = MODE == 3 ? 5 : 4;
 
@@ -743,109 +572,6 @@ __global__ void unpack_kernel(const uint8_t* codes, const void* scales, int64_t 
   }
 }
 
-// ---- sum of squares ----
-// One tensor's part of CTA `cta` of `ctas`: each thread sums the squares of its 16-byte vectors
-// (grid-stride over the tensor's CTAs, four in flight) and then, one element at a time, the
-// unaligned head and the tail, into fixed accumulators; the CTA reduces in a fixed tree and writes
-// row[cta]; CTA 0 zeroes the row past `ctas`. Deterministic for a given n, pointer alignment
-// and CTA count (a function of n): the single- and multi-tensor launches give the same bits.
-template <typename G>
-__device__ __forceinline__ void sumsq_body(const G* g, int64_t n, float* row, int cta, int ctas) {
-  constexpr int V = 16 / sizeof(G);  // elements per vector
-  __shared__ float red[256];
-  float acc[2] = {0.0f, 0.0f};
-  const int64_t tid = static_cast<int64_t>(cta) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(ctas) * blockDim.x;
-  // Elements before the first 16-byte boundary, then whole vectors, then the tail.
-  const int64_t mis = static_cast<int64_t>((reinterpret_cast<uintptr_t>(g) & 15) / sizeof(G));
-  const int64_t head = mis == 0 ? 0 : (V - mis < n ? V - mis : n);
-  const int64_t nvec = (n - head) / V;
-  const Vec<G, V>* vp = reinterpret_cast<const Vec<G, V>*>(g + head);
-  int64_t i = tid;
-  for (; i + 3 * stride < nvec; i += 4 * stride) {
-    Vec<G, V> r[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) r[k] = vp[i + k * stride];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float x = to_float(r[k].v[e]);
-        acc[k & 1] = __fadd_rn(acc[k & 1], __fmul_rn(x, x));
-      }
-    }
-  }
-  for (; i < nvec; i += stride) {
-    const Vec<G, V> r0 = vp[i];
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float x0 = to_float(r0.v[e]);
-      acc[0] = __fadd_rn(acc[0], __fmul_rn(x0, x0));
-    }
-  }
-  const int64_t rest = n - head - nvec * V;  // < V
-  if (tid < head) {
-    const float x = to_float(g[tid]);
-    acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
-  } else if (tid < head + rest) {
-    const float x = to_float(g[head + nvec * V + (tid - head)]);
-    acc[1] = __fadd_rn(acc[1], __fmul_rn(x, x));
-  }
-  red[threadIdx.x] = acc[0] + acc[1];
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (static_cast<int>(threadIdx.x) < s) red[threadIdx.x] += red[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) row[cta] = red[0];
-  if (cta == 0) {
-    for (int k = ctas + threadIdx.x; k < kSumsqPartials; k += blockDim.x) row[k] = 0.0f;
-  }
-}
-
-template <typename G>
-__global__ void sumsq_kernel(const G* g, int64_t n, float* partials) {
-  sumsq_body<G>(g, n, partials, blockIdx.x, gridDim.x);
-}
-
-// Several tensors in one launch (the buffered step's norm pass over a few hundred gradients
-// would otherwise pay a launch and a pipeline ramp per tensor): tensor k owns CTAs
-// [cta_start[k], cta_start[k + 1]) and writes partial row k, exactly as its own launch would.
-constexpr int kSumsqBatch = 32;
-struct SumsqBatch {
-  const void* ptr[kSumsqBatch];
-  int64_t n[kSumsqBatch];
-  int cta_start[kSumsqBatch + 1];
-  int count;
-};
-
-template <typename G>
-__global__ void sumsq_multi_kernel(SumsqBatch b, float* partials) {
-  int k = 0;
-  while (k + 1 < b.count && b.cta_start[k + 1] <= static_cast<int>(blockIdx.x)) ++k;
-  sumsq_body<G>(static_cast<const G*>(b.ptr[k]), b.n[k],
-                partials + static_cast<int64_t>(k) * kSumsqPartials,
-                static_cast<int>(blockIdx.x) - b.cta_start[k], b.cta_start[k + 1] - b.cta_start[k]);
-}
-
-// CTAs of the sum of squares: at least 4 vectors per thread where the tensor has them, at most
-// kSumsqPartials (small tensors -- norms, biases -- take one CTA instead of a full grid).
-int sumsq_grid(int64_t n, int dtype_bytes) {
-  const int64_t vecs = n * dtype_bytes / 16;
-  const int64_t per_cta = static_cast<int64_t>(kThreads) * 4;
-  const int64_t g = (vecs + per_cta - 1) / per_cta;
-  return static_cast<int>(g < 1 ? 1 : (g > kSumsqPartials ? kSumsqPartials : g));
-}
-
-constexpr int kCtasPerSm = 8;  // 8 x 256 threads = the 2048-thread limit of an SM (sm_80/90)
-
-// Persistent grid: enough CTAs for `threads` threads, at most kCtasPerSm per SM.
-int64_t persistent_grid(int64_t threads) {
-  const int64_t need = (threads + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sm_count()) * kCtasPerSm;
-  return need < 1 ? 1 : (need < cap ? need : cap);
-}
-
 // Block kernels: one wave of the CTAs that fit an SM at their register bound (kBlockMinCtas), so
 // no CTA waits for a second wave.
 template <int MODE>
@@ -895,164 +621,70 @@ void launch_block(const StepParams& p, cudaStream_t s) {
   }
 }
 
-template <typename G, typename M>
-void launch_typed(const StepParams& p, cudaStream_t s) {
-  switch (p.mode) {
-    case 0:
-      adamw_fp32_kernel<G, M>
-          <<<persistent_grid((p.n + kFp32Elems - 1) / kFp32Elems), kThreads, 0, s>>>(p);
-      break;
+// fn(std::integral_constant<int, MODE>{}, std::bool_constant<kExact>{}) with kExact =
+// (exact != 0).
+template <int MODE, typename Fn>
+void dispatch_exact(int exact, Fn&& fn) {
+  if (exact != 0) {
+    fn(std::integral_constant<int, MODE>{}, std::true_type{});
+  } else {
+    fn(std::integral_constant<int, MODE>{}, std::false_type{});
+  }
+}
+
+// dispatch_exact for a packed-moment mode: int8 (1) and 4-bit (2) with the arithmetic
+// StepParams::exact selects, NVFP4 (3, a comparison format) always with the exact one; any
+// other mode throws.
+template <typename Fn>
+void dispatch_block_mode(int mode, int exact, Fn&& fn) {
+  switch (mode) {
     case 1:
-      if (p.exact != 0) {
-        launch_block<1, true, G, M>(p, s);
-      } else {
-        launch_block<1, false, G, M>(p, s);
-      }
+      dispatch_exact<1>(exact, fn);
       break;
     case 2:
-      if (p.exact != 0) {
-        launch_block<2, true, G, M>(p, s);
-      } else {
-        launch_block<2, false, G, M>(p, s);
-      }
+      dispatch_exact<2>(exact, fn);
       break;
-    case 3:  // NVFP4 (a comparison format): always the exact arithmetic
-      launch_block<3, true, G, M>(p, s);
+    case 3:  // only the exact kernels are instantiated
+      fn(std::integral_constant<int, 3>{}, std::true_type{});
       break;
     default:
-      throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(p.mode));
+      throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(mode));
   }
-}
-
-// dispatch_dtype for the int dtype codes of StepParams and the sumsq launchers; a code that is
-// none of the three throws ("bad <what>").
-template <typename Fn>
-void dispatch_code(int dtype, const char* what, Fn&& fn) {
-  const bool known = dispatch_dtype(static_cast<DType>(dtype), false, [&](auto tag) {
-    fn(tag);
-    return true;
-  });
-  if (!known) throw std::runtime_error(std::string("q4::optim CUDA: bad ") + what);
-}
-
-template <typename G>
-void launch_grad(const StepParams& p, cudaStream_t s) {
-  dispatch_code(p.master_dtype, "master dtype",
-                [&](auto master) { launch_typed<G, decltype(master)>(p, s); });
 }
 
 }  // namespace
 
-void launch_adamw_step(const StepParams& params, cudaStream_t stream) {
-  if (params.n == 0) return;
-  ensure_tables();
-  StepParams p = params;
-  p.vec_ok = aligned16(p.grad) && aligned16(p.master) &&
-             (p.mode == 0 ? aligned16(p.m32) && aligned16(p.v32)
-                          : aligned16(p.m_codes) && aligned16(p.v_codes));
-  dispatch_code(p.grad_dtype, "grad dtype",
-                [&](auto grad) { launch_grad<decltype(grad)>(p, stream); });
-  check_cuda(cudaGetLastError(), "q4::optim CUDA: adamw step launch");
-}
-
-bool same_block_kind(const StepParams& a, const StepParams& b) {
-  return a.mode == b.mode && a.exact == b.exact && a.stochastic == b.stochastic &&
-         a.grad_dtype == b.grad_dtype && a.master_dtype == b.master_dtype;
-}
-
-void launch_adamw_steps(const StepParams* params, int count, cudaStream_t stream) {
-  if (count == 0) return;
-  ensure_tables();
-  std::vector<StepParams> ps(params, params + count);
-  for (StepParams& p : ps) {
-    if (p.mode == 0 || p.n == 0) {
-      throw std::runtime_error("q4::optim CUDA: launch_adamw_steps takes packed-moment tensors");
-    }
-    p.vec_ok =
-        aligned16(p.grad) && aligned16(p.master) && aligned16(p.m_codes) && aligned16(p.v_codes);
-  }
-  for (int first = 0; first < count;) {
-    int last = first + 1;
-    while (last < count && last - first < kStepBatch && same_block_kind(ps[first], ps[last]))
-      ++last;
-    const StepParams* run = ps.data() + first;
-    const int n = last - first;
-    dispatch_code(run->grad_dtype, "grad dtype", [&](auto grad) {
-      using G = decltype(grad);
-      dispatch_code(run->master_dtype, "master dtype", [&](auto master) {
-        using M = decltype(master);
-        switch (run->mode) {
-          case 1:
-            if (run->exact != 0) {
-              launch_block_many_sr<1, true, G, M>(run, n, stream);
-            } else {
-              launch_block_many_sr<1, false, G, M>(run, n, stream);
-            }
-            break;
-          case 2:
-            if (run->exact != 0) {
-              launch_block_many_sr<2, true, G, M>(run, n, stream);
-            } else {
-              launch_block_many_sr<2, false, G, M>(run, n, stream);
-            }
-            break;
-          case 3:
-            launch_block_many_sr<3, true, G, M>(run, n, stream);
-            break;
-          default:
-            throw std::runtime_error("q4::optim CUDA: bad state mode " + std::to_string(run->mode));
-        }
-      });
+void launch_block_step(const StepParams& p, cudaStream_t s) {
+  dispatch_step_dtypes(p, [&](auto grad, auto master) {
+    using G = decltype(grad);
+    using M = decltype(master);
+    dispatch_block_mode(p.mode, p.exact, [&](auto mode, auto exact) {
+      launch_block<decltype(mode)::value, decltype(exact)::value, G, M>(p, s);
     });
-    check_cuda(cudaGetLastError(), "q4::optim CUDA: adamw batched step launch");
-    first = last;
-  }
-}
-
-void launch_sumsq(const void* g, int dtype, int64_t n, float* partials, cudaStream_t stream) {
-  dispatch_code(dtype, "grad dtype", [&](auto tag) {
-    using G = decltype(tag);
-    sumsq_kernel<G>
-        <<<sumsq_grid(n, sizeof(G)), kThreads, 0, stream>>>(static_cast<const G*>(g), n, partials);
   });
-  check_cuda(cudaGetLastError(), "q4::optim CUDA: sumsq launch");
 }
 
-void launch_sumsq_many(const void* const* ptrs, const int64_t* ns, int count, int dtype,
-                       float* partials, cudaStream_t stream) {
-  const int bytes = dtype == kDtF32 ? 4 : 2;
-  for (int first = 0; first < count; first += kSumsqBatch) {
-    SumsqBatch b{};
-    b.count = count - first < kSumsqBatch ? count - first : kSumsqBatch;
-    int ctas = 0;
-    for (int k = 0; k < b.count; ++k) {
-      b.ptr[k] = ptrs[first + k];
-      b.n[k] = ns[first + k];
-      b.cta_start[k] = ctas;
-      ctas += sumsq_grid(ns[first + k], bytes);
-    }
-    b.cta_start[b.count] = ctas;
-    float* rows = partials + static_cast<int64_t>(first) * kSumsqPartials;
-    dispatch_code(dtype, "grad dtype", [&](auto tag) {
-      sumsq_multi_kernel<decltype(tag)><<<ctas, kThreads, 0, stream>>>(b, rows);
+void launch_block_steps(const StepParams* ps, int count, cudaStream_t s) {
+  dispatch_step_dtypes(ps[0], [&](auto grad, auto master) {
+    using G = decltype(grad);
+    using M = decltype(master);
+    dispatch_block_mode(ps[0].mode, ps[0].exact, [&](auto mode, auto exact) {
+      launch_block_many_sr<decltype(mode)::value, decltype(exact)::value, G, M>(ps, count, s);
     });
-    check_cuda(cudaGetLastError(), "q4::optim CUDA: sumsq launch");
-  }
+  });
 }
 
-namespace {
-__global__ void nonfinite_flag_kernel(const float* partials, int n, int32_t* flag) {
-  float s = 0.0f;
-  for (int i = threadIdx.x; i < n; i += 32) s += partials[i];
-  s = warp_sum(s);
-  if (threadIdx.x == 0) *flag = isfinite(s) ? 0 : 1;
-}
-}  // namespace
+}  // namespace q4::optim::cuda::impl
 
-void launch_nonfinite_flag(const float* partials, int n, int32_t* flag, cudaStream_t stream) {
-  nonfinite_flag_kernel<<<1, 32, 0, stream>>>(partials, n, flag);
-  check_cuda(cudaGetLastError(), "q4::optim CUDA: nonfinite flag launch");
-}
+namespace q4::optim::cuda {
+
+using impl::block_kernel_grid;
+using impl::ensure_tables;
+using impl::grid_for_elems;
+using impl::kThreads;
+using impl::pack_kernel;
+using impl::unpack_kernel;
+using quant::cuda::check_cuda;
 
 void launch_pack_moment(const float* x, int64_t n, int mode, int moment, uint32_t sr_key,
                         uint8_t* codes, void* scales, cudaStream_t stream) {
