@@ -14,6 +14,9 @@
 #                                 LibTorch, for CUDA_ARCH (default "native": the local GPU; e.g.
 #                                 CUDA_ARCH="90;120" for a list, CUDA_ARCH=default for the
 #                                 build's default, the cards users have)
+#   q4_gpu_build BUILD LOG "TARGET..." [CMAKE_ARGS...]
+#                                 q4_gpu_configure of the repository into BUILD, then builds the
+#                                 targets, output in LOG; prints LOG's last 60 lines on failure
 #   q4_clang                      installs clang with libFuzzer's runtime when missing
 # NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
 # machines do not support it.
@@ -51,6 +54,13 @@ q4_gpu_configure() {
   [ "${CUDA_ARCH:-native}" = default ] || arch=("-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}")
   cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     "-DCMAKE_PREFIX_PATH=$(q4_torch_prefix)" "${arch[@]}" "$@"
+}
+
+q4_gpu_build() {
+  local build=$1 log=$2 targets=$3; shift 3
+  { q4_gpu_configure "$root" "$build" "$@" >"$log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" --target $targets >>"$log" 2>&1; } ||
+    { tail -n 60 "$log"; return 1; }
 }
 
 # q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).

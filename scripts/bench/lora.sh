@@ -18,9 +18,7 @@ build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4bench}
 steps=${STEPS:-8}
 mkdir -p "$work"
-q4_gpu_configure . "$build" >"$work/build.log" 2>&1
-cmake --build "$build" -j "$(nproc)" --target q4train q4dat q4grad >>"$work/build.log" 2>&1 \
-  || { tail -n 60 "$work/build.log"; exit 1; }
+q4_gpu_build "$build" "$work/build.log" "q4train q4dat q4grad"
 export SKIP_BUILD=1 SKIP_PEER=1 SKIP_PROBE=1 STEPS=$steps BUILD=$build WORK=$work
 frozen="--set train.trainable.norms=false --set train.trainable.lm_head=false --set train.trainable.embeddings=false"
 if [ "${SKIP_RUNS:-0}" != 1 ]; then

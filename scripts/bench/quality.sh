@@ -26,9 +26,7 @@ mkdir -p "$work"
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   t0=$(date +%s)
-  q4_gpu_configure . "$build" -DQ4_BUILD_TESTS=OFF >"$work/build.log" 2>&1
-  cmake --build "$build" -j "$(nproc)" --target q4train q4dat q4eval >>"$work/build.log" 2>&1 \
-    || { tail -n 60 "$work/build.log"; exit 1; }
+  q4_gpu_build "$build" "$work/build.log" "q4train q4dat q4eval" -DQ4_BUILD_TESTS=OFF
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 bin=$build/bin

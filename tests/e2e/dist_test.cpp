@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "e2e_util.h"
 #include "q4/io/remove_tree.h"
 #include "q4/test/files.h"
 #include "q4/test/memorize_set.h"
@@ -76,6 +77,15 @@ TimedRun run(const std::vector<std::string>& args, const fs::path& log_prefix,
 constexpr int64_t kSteps = 8;
 constexpr const char* kTimeout = "--dist-timeout";
 
+// Two ranks of the base config in a fresh `dir`, the fault `fault` injected (Q4_FAULT), with
+// --dist-timeout `timeout` seconds.
+TimedRun run_with_fault(const fs::path& dir, const std::string& fault, const std::string& timeout) {
+  q4::io::remove_tree(dir);
+  const auto cfg = write_config(dir, kSteps, 1, 0);
+  return run({"--config", cfg.string(), "--nproc", "2", kTimeout, timeout}, dir / "log",
+             "Q4_FAULT=" + fault);
+}
+
 // Relative tolerance of a one-rank vs two-rank loss. The trained weights are the same: one rank
 // adds the two micro-batches' gradients, two ranks reduce the same two addends (commutative, so
 // bit-identical), and the stochastic-rounding stream of a parameter is its model index on every
@@ -125,9 +135,7 @@ fs::path two_rank_base() {
 // in `dir`, resumed from there with `extra` arguments.
 TimedRun resume_copy_at_step_4(const fs::path& base, const fs::path& dir,
                                const std::vector<std::string>& extra) {
-  q4::io::remove_tree(dir);
-  fs::create_directories(dir);
-  fs::copy(base / "run", dir / "run", fs::copy_options::recursive);
+  copy_run(base, dir);
   q4::io::remove_tree(dir / "run" / "step_000008");
   fs::remove(dir / "run" / "model.dat");
   std::vector<std::string> args = {"--resume", (dir / "run" / "step_000004").string(), "--set",
@@ -272,8 +280,10 @@ TEST(DataParallel, PreferenceOnTwoRanksTracksOneRank) {
     const fs::path cfg = write_config(dir / name, 4, accum, 0);
     write_text(dir / name / "pairs.jsonl", kTinyPairsJsonl);
     return std::vector<std::string>{
-        "--config", cfg.string(), "--set", "train.objective=preference", "--set",
-        "data.files=[" + (dir / name / "pairs.jsonl").string() + "]", "--set", "eval.prompts=[]"};
+        "--config", cfg.string(),
+        "--set",    "train.objective=preference",
+        "--set",    "data.files=[" + (dir / name / "pairs.jsonl").string() + "]",
+        "--set",    "eval.prompts=[]"};
   };
   auto two_args = pref("two", 1);
   two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
@@ -286,8 +296,8 @@ TEST(DataParallel, PreferenceOnTwoRanksTracksOneRank) {
   expect_same_curve(two, one, kRankTolerance, "preference: 2 ranks vs 1");
   ASSERT_FALSE(two.empty());
   ASSERT_TRUE(two.back().contains("rewards/margins"));
-  EXPECT_NEAR(two.back()["rewards/margins"].get<double>(), one.back()["rewards/margins"].get<double>(),
-              1e-5);
+  EXPECT_NEAR(two.back()["rewards/margins"].get<double>(),
+              one.back()["rewards/margins"].get<double>(), 1e-5);
   EXPECT_TRUE(fs::exists(dir / "two" / "run" / "reference_logprobs.dat"));
 }
 
@@ -298,14 +308,9 @@ TEST(DataParallel, TwoRankResumeEqualsTheUninterruptedRun) {
   const fs::path dir = work_root("dist") / "resume2";
   const TimedRun r = resume_copy_at_step_4(base, dir, {"--nproc", "2", kTimeout, "60"});
   ASSERT_EQ(r.code, 0) << r.err;
-  const auto want = read_jsonl(base / "run" / "metrics.jsonl");
-  const auto got = read_jsonl(dir / "run" / "metrics.jsonl");
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    // Same world size on CPU: bit-identical.
-    EXPECT_EQ(got[i]["loss"].get<double>(), want[i]["loss"].get<double>()) << "step " << i + 1;
-    EXPECT_EQ(got[i]["grad_norm"].get<double>(), want[i]["grad_norm"].get<double>());
-  }
+  // Same world size on CPU: bit-identical.
+  ASSERT_NO_FATAL_FAILURE(expect_same_steps(base / "run" / "metrics.jsonl",
+                                            dir / "run" / "metrics.jsonl", {"loss", "grad_norm"}));
   EXPECT_EQ(read_text(dir / "run" / "model.dat"), read_text(base / "run" / "model.dat"));
 }
 
@@ -362,11 +367,8 @@ TEST(DataParallel, OverlappedMasterBroadcastsReachEveryReader) {
            "output.dir=" + (resumed / "run").string(), "--nproc", "2", kTimeout, "60"},
           resumed / "log");
   ASSERT_EQ(r.code, 0) << r.err << r.out;
-  const auto got = read_jsonl(resumed / "run" / "metrics.jsonl");
-  ASSERT_EQ(got.size(), curve.size());
-  for (size_t i = 0; i < curve.size(); ++i) {
-    EXPECT_EQ(got[i]["loss"].get<double>(), curve[i]["loss"].get<double>()) << "step " << i + 1;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_same_steps(dir / "two" / "run" / "metrics.jsonl",
+                                            resumed / "run" / "metrics.jsonl", {"loss"}));
   EXPECT_TRUE(read_text(resumed / "run" / "model.dat") == exported)
       << "the resumed export differs from the uninterrupted run's";
 }
@@ -374,10 +376,7 @@ TEST(DataParallel, OverlappedMasterBroadcastsReachEveryReader) {
 TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
   const fs::path dir = work_root("dist") / "dead";
-  q4::io::remove_tree(dir);
-  const auto cfg = write_config(dir, kSteps, 1, 0);
-  const TimedRun r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "20"}, dir / "log",
-                         "Q4_FAULT=exit:1:3");
+  const TimedRun r = run_with_fault(dir, "exit:1:3", "20");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("rank 1 exited with code 9"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 60.0);
@@ -386,11 +385,7 @@ TEST(DataParallel, ADeadRankEndsTheJobWithAnError) {
 
 TEST(DataParallel, AHungRankTimesOutTheOthers) {
   if (!kCpuRanks) GTEST_SKIP() << "q4train was built without Gloo: no CPU ranks";
-  const fs::path dir = work_root("dist") / "hung";
-  q4::io::remove_tree(dir);
-  const auto cfg = write_config(dir, kSteps, 1, 0);
-  const TimedRun r = run({"--config", cfg.string(), "--nproc", "2", kTimeout, "5"}, dir / "log",
-                         "Q4_FAULT=hang:1:3");
+  const TimedRun r = run_with_fault(work_root("dist") / "hung", "hang:1:3", "5");
   EXPECT_NE(r.code, 0);
   // Rank 0 fails in a collective after the timeout, naming itself; the launcher then stops the
   // hung rank.
