@@ -23,6 +23,7 @@
 #include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
 #include "q4/test/files.h"
+#include "temp_dir.h"
 #include "tiny_fixture.h"
 
 namespace q4::model {
@@ -41,11 +42,7 @@ using q4::test::read_text;
 class HfInteropTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("q4_hf_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    q4::io::remove_tree(dir_);
-    fs::create_directories(dir_);
+    dir_ = q4::model::test::fresh_test_dir("q4_hf_");
     config_ = read_json(kConfig);
   }
   void TearDown() override { q4::io::remove_tree(dir_); }

@@ -25,18 +25,16 @@
 #include "q4/model/qwen3.h"
 #include "q4/model/safetensors.h"
 #include "q4/quant/nvfp4.h"
+#include "qwen3_check.h"
 #include "tiny_fixture.h"
 
 namespace q4::model {
 namespace {
 
+// fp32 with checkpointing (fp32_all), the base frozen, adapters of rank 4 on every projection.
 ModelOptions lora_options(bool merge_aware) {
-  ModelOptions o;
-  o.master_dtype = at::kFloat;
-  o.compute_dtype = at::kFloat;
-  o.grad_dtype = at::kFloat;
+  ModelOptions o = fp32_all(/*checkpointing=*/true);
   o.trainable = TrainableSpec::nothing();
-  o.gradient_checkpointing = true;
   o.lora.rank = 4;
   o.lora.alpha = 8.0;
   o.lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};

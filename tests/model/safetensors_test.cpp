@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/io/remove_tree.h"
+#include "temp_dir.h"
 
 namespace q4::io {
 namespace {
@@ -21,13 +22,7 @@ namespace fs = std::filesystem;
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           ("q4_st_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    q4::io::remove_tree(dir_);
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = q4::model::test::fresh_test_dir("q4_st_"); }
   void TearDown() override { q4::io::remove_tree(dir_); }
   std::string path(const std::string& n) const { return (dir_ / n).string(); }
 

@@ -300,6 +300,15 @@ double logged(const q4::trainer::ObjectiveOutput& o, const std::string& name) {
   return 0;
 }
 
+// The CPU run config of the preference objective in fp32 on the HF fixture model's shapes.
+Config preference_fixture_config(const std::string& dir) {
+  Config c = cpu_config(dir);
+  c.model.config = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
+  c.model.compute_dtype = DtypeOrAuto::kFp32;
+  c.train.objective = ObjectiveKind::kPreference;
+  return c;
+}
+
 }  // namespace
 
 // The objective on one micro-batch of 4 pairs against the loss written out in fp64 from each
@@ -420,10 +429,7 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
   const std::string ref_path = (tmp.path / "reference.dat").string();
   q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
   q4::data::Batcher train(pair_examples(V), pair_batches(4));
-  Config c = cpu_config(tmp.path.string());
-  c.model.config = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
-  c.model.compute_dtype = DtypeOrAuto::kFp32;
-  c.train.objective = ObjectiveKind::kPreference;
+  Config c = preference_fixture_config(tmp.path.string());
   c.preference.reference = ref_path;
   std::ostringstream out;
   const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, out);
@@ -460,10 +466,7 @@ TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
   const std::string ref_path = (tmp.path / "reference.dat").string();
   q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
   q4::data::Batcher train(pair_examples(V), pair_batches(4));
-  Config c = cpu_config(tmp.path.string());
-  c.model.config = std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json";
-  c.model.compute_dtype = DtypeOrAuto::kFp32;
-  c.train.objective = ObjectiveKind::kPreference;
+  Config c = preference_fixture_config(tmp.path.string());
   std::ostringstream out;
   const ReferenceLogprobs by_policy = reference_logprobs(c, policy, train, nullptr, true, out);
   const std::string file = (tmp.path / kReferenceFile).string();
