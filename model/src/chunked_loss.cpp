@@ -39,7 +39,8 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
   // (1 - w) * CE + w * term, whose parts go to `parts` (detached) when it is given.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,
-                            const LossTerm* term, std::pair<at::Tensor, at::Tensor>* parts) {
+                            const LossTerm* term, std::pair<at::Tensor, at::Tensor>* parts,
+                            bool fused) {
     const bool want_h = hidden.requires_grad(), want_w = weight.requires_grad();
     const bool want = want_h || want_w;
     const int64_t N = hidden.size(0);
@@ -62,7 +63,7 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
         term_total.add_(term->chunk(zt, y.ne(kIgnoreIndex), s, want));
       }
       at::Tensor pc;  // d(chunk's CE sum)/d(logits): the weight's dtype (fused) or fp32
-      if (fused_xent_applies(logits, y)) {
+      if (fused && fused_xent_applies(logits, y)) {
         // CUDA: one kernel reads the logits (upcast to fp32 per element), writes the per-row
         // CE and the gradient in place: no fp32 block.
         ce_total.add_(fused_softmax_xent_(logits, y, want).sum());
@@ -108,7 +109,7 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     const at::Tensor go = grads[0];  // () upstream gradient of the sum
     if (grad_h.defined()) grad_h.mul_(go);
     if (grad_w.defined()) grad_w.mul_(go);
-    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -186,25 +187,27 @@ void check_loss_args(const char* what, const at::Tensor& hidden, const at::Tenso
 std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hidden,
                                                             const at::Tensor& weight,
                                                             const at::Tensor& labels,
-                                                            int64_t chunk_tokens) {
+                                                            int64_t chunk_tokens,
+                                                            bool fused_kernels) {
   check_loss_args("chunked_cross_entropy_sum", hidden, weight, labels, chunk_tokens);
   at::Tensor count = labels.ne(kIgnoreIndex).sum();  // () int64
   at::Tensor sum = ChunkedCrossEntropy::apply(
       hidden, weight, labels, chunk_tokens, static_cast<const LossTerm*>(nullptr),
-      static_cast<std::pair<at::Tensor, at::Tensor>*>(nullptr));
+      static_cast<std::pair<at::Tensor, at::Tensor>*>(nullptr), fused_kernels);
   return {sum, count};
 }
 
 at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& weight,
                                   const at::Tensor& labels, int64_t chunk_tokens,
-                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum) {
+                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum,
+                                  bool fused_kernels) {
   check_loss_args("chunked_loss_with_term", hidden, weight, labels, chunk_tokens);
   TORCH_CHECK(term.chunk, "chunked_loss_with_term: the term has no chunk function");
   TORCH_CHECK(term.weight >= 0.0 && term.weight <= 1.0,
               "chunked_loss_with_term: the term's weight must be in [0, 1], got ", term.weight);
   std::pair<at::Tensor, at::Tensor> parts;
-  at::Tensor total =
-      ChunkedCrossEntropy::apply(hidden, weight, labels, chunk_tokens, &term, &parts);
+  at::Tensor total = ChunkedCrossEntropy::apply(hidden, weight, labels, chunk_tokens, &term, &parts,
+                                                fused_kernels);
   if (ce_sum != nullptr) *ce_sum = parts.first;
   if (term_sum != nullptr) *term_sum = parts.second;
   return total;

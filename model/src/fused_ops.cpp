@@ -26,9 +26,7 @@ using quant::cuda::dtype_of;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
@@ -186,10 +184,9 @@ at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 bool fused_xent_applies(const at::Tensor& logits, const at::Tensor& labels) {
 #if Q4_WITH_CUDA
-  return fused_cuda_kernels_enabled() && logits.is_cuda() && labels.is_cuda() &&
-         logits.dim() == 2 && logits.is_contiguous() && float_kind(logits.scalar_type()) &&
-         labels.scalar_type() == at::kLong && labels.is_contiguous() &&
-         labels.numel() == logits.size(0);
+  return logits.is_cuda() && labels.is_cuda() && logits.dim() == 2 && logits.is_contiguous() &&
+         float_kind(logits.scalar_type()) && labels.scalar_type() == at::kLong &&
+         labels.is_contiguous() && labels.numel() == logits.size(0);
 #else
   (void)logits;
   (void)labels;
@@ -215,13 +212,15 @@ at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, boo
 #endif
 }
 
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, bool fused) {
 #if Q4_WITH_CUDA
-  if (fused_cuda_kernels_enabled() && g.is_cuda() && u.is_cuda() &&
-      g.scalar_type() == u.scalar_type() && float_kind(g.scalar_type()) && g.sizes() == u.sizes() &&
-      g.is_contiguous() && u.is_contiguous() && aligned16(g) && aligned16(u)) {
+  if (fused && g.is_cuda() && u.is_cuda() && g.scalar_type() == u.scalar_type() &&
+      float_kind(g.scalar_type()) && g.sizes() == u.sizes() && g.is_contiguous() &&
+      u.is_contiguous() && aligned16(g) && aligned16(u)) {
     return SwigluFn::apply(g, u);
   }
+#else
+  (void)fused;
 #endif
   return at::silu(g) * u;
 }

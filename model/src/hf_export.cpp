@@ -191,28 +191,61 @@ std::optional<HfFormat> hf_format_from_name(const std::string& name) {
 
 const char* hf_format_name(HfFormat f) { return io::enum_name(f); }
 
-HfExportReport export_hf(const DatReader& src, const json& config, const std::string& out_dir,
-                         const HfExportOptions& opt) {
-  std::vector<std::pair<std::string, std::string>> inputs = opt.inputs;
-  inputs.emplace_back("weights", src.path());
-  inputs.emplace_back("tokenizer folder", opt.tokenizer_dir);
-  check_hf_export_dir(out_dir, inputs, opt.overwrite);
-  const Qwen3Config cfg = Qwen3Config::from_json(config, "config.json");
-  const bool has_lm_head = src.find("lm_head.weight") != nullptr ||
-                           src.find(std::string("lm_head.weight") + kDatQdataSuffix) != nullptr;
-  TORCH_CHECK(has_lm_head || cfg.tie_word_embeddings, src.path(),
-              ": no lm_head.weight(.qdata) entry, but the config has tie_word_embeddings false");
-  const bool ct = opt.format == HfFormat::kCompressedTensors;
-  const bool dense = opt.format == HfFormat::kBf16;
-  HfExportReport rep;
-  rep.tied = !has_lm_head;
+namespace {
 
-  // Plan every output tensor and check the inputs before anything is written.
-  std::vector<OutTensor> plan;
+// Every output tensor, planned (and the inputs checked) before anything is written.
+struct ExportPlan {
+  std::vector<OutTensor> tensors;
   std::vector<std::string> unquantized;  // modules left dense (exclude_modules / ignore)
   std::optional<DatNvfp4Pair> lm_head_pair;
   std::optional<ElemType> qdata_type;
   bool mixed_qdata = false;
+};
+
+// An NVFP4 pair: its bytes copied as the layout names them, or dequantized to BF16 (a dense
+// export, and lm_head, which vLLM loads unquantized).
+void plan_nvfp4(const DatReader& src, const ParamSpec& p, const DatNvfp4Pair& pair,
+                const std::string& where, HfFormat format, ExportPlan* plan, HfExportReport* rep) {
+  const bool ct = format == HfFormat::kCompressedTensors;
+  TORCH_CHECK(p.kind == ParamKind::kQuantizedLinear, where,
+              " is stored as NVFP4 but is not a linear weight");
+  TORCH_CHECK(std::vector<int64_t>({pair.rows, pair.cols}) == p.shape, where, ": NVFP4 shape [",
+              pair.rows, ", ", pair.cols, "], expected ", at::IntArrayRef(p.shape));
+  check_scales(src, pair);
+  const DatEntry& qe = src.entries()[pair.qdata_index];
+  const DatEntry& se = src.entries()[pair.scale_index];
+  if (format == HfFormat::kBf16 || p.group == ParamGroup::kLmHead) {
+    plan->tensors.push_back(
+        {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, pair});
+    if (format != HfFormat::kBf16) {
+      // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
+      plan->lm_head_pair = pair;
+      rep->lm_head_dequantized = true;
+    }
+    ++rep->raw;
+    return;
+  }
+  if (plan->qdata_type && *plan->qdata_type != qe.type) plan->mixed_qdata = true;
+  plan->qdata_type = qe.type;
+  const std::string m = module_of(p.name);
+  plan->tensors.push_back({{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, qe.shape},
+                           OutTensor::Src::kCopy,
+                           &qe});
+  plan->tensors.push_back(
+      {{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se});
+  if (ct) {
+    plan->tensors.push_back(
+        {{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
+  } else {
+    plan->tensors.push_back({{m + ".weight_scale_2", StDtype::kF32, {}}, OutTensor::Src::kOne});
+  }
+  ++rep->quantized;
+}
+
+ExportPlan plan_export(const DatReader& src, const Qwen3Config& cfg, bool has_lm_head,
+                       const HfExportOptions& opt, HfExportReport* rep) {
+  const bool dense = opt.format == HfFormat::kBf16;
+  ExportPlan plan;
   for (const ParamSpec& p : qwen3_parameters(cfg, has_lm_head)) {
     const std::string where = src.path() + ": parameter " + p.name;
     const auto pair = src.find_nvfp4(p.name);
@@ -221,43 +254,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     TORCH_CHECK(pair || raw, where, " is missing (expected ", p.name, " raw or ", p.name,
                 ".qdata/.scale, shape ", at::IntArrayRef(p.shape), ")");
     if (pair) {
-      TORCH_CHECK(p.kind == ParamKind::kQuantizedLinear, where,
-                  " is stored as NVFP4 but is not a linear weight");
-      TORCH_CHECK(std::vector<int64_t>({pair->rows, pair->cols}) == p.shape, where,
-                  ": NVFP4 shape [", pair->rows, ", ", pair->cols, "], expected ",
-                  at::IntArrayRef(p.shape));
-      check_scales(src, *pair);
-      const DatEntry& qe = src.entries()[pair->qdata_index];
-      const DatEntry& se = src.entries()[pair->scale_index];
-      if (dense) {
-        plan.push_back(
-            {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, *pair});
-        ++rep.raw;
-        continue;
-      }
-      if (p.group == ParamGroup::kLmHead) {
-        // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
-        plan.push_back(
-            {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, *pair});
-        lm_head_pair = pair;
-        rep.lm_head_dequantized = true;
-        ++rep.raw;
-        continue;
-      }
-      if (qdata_type && *qdata_type != qe.type) mixed_qdata = true;
-      qdata_type = qe.type;
-      const std::string m = module_of(p.name);
-      plan.push_back({{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, qe.shape},
-                      OutTensor::Src::kCopy,
-                      &qe});
-      plan.push_back(
-          {{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se});
-      if (ct) {
-        plan.push_back({{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
-      } else {
-        plan.push_back({{m + ".weight_scale_2", StDtype::kF32, {}}, OutTensor::Src::kOne});
-      }
-      ++rep.quantized;
+      plan_nvfp4(src, p, *pair, where, opt.format, &plan, rep);
       continue;
     }
     TORCH_CHECK(raw->type == ElemType::kFloat16 || raw->type == ElemType::kBFloat16 ||
@@ -267,33 +264,26 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     TORCH_CHECK(raw->shape == p.shape, where, ": shape ", at::IntArrayRef(raw->shape),
                 ", expected ", at::IntArrayRef(p.shape));
     const StDtype dt = opt.raw_bf16 || dense ? StDtype::kBF16 : st_dtype_of(raw->type);
-    plan.push_back({{p.name, dt, p.shape},
-                    dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert,
-                    raw});
+    plan.tensors.push_back(
+        {{p.name, dt, p.shape},
+         dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert,
+         raw});
     if (p.kind == ParamKind::kQuantizedLinear && p.group != ParamGroup::kLmHead) {
-      unquantized.push_back(module_of(p.name));
+      plan.unquantized.push_back(module_of(p.name));
     }
-    ++rep.raw;
+    ++rep->raw;
   }
+  return plan;
+}
 
-  // Shards: consecutive tensors, each shard below max_shard_bytes (a larger tensor alone).
-  std::vector<std::vector<size_t>> shards(1);
-  uint64_t shard_bytes = 0;
-  for (size_t i = 0; i < plan.size(); ++i) {
-    const uint64_t b = plan[i].bytes();
-    if (!shards.back().empty() && shard_bytes + b > opt.max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
-    }
-    shards.back().push_back(i);
-    shard_bytes += b;
-    rep.payload_bytes += b;
-  }
-
+// Creates `out_dir` and removes the files of an earlier export into it that this one does not
+// rewrite. Only the modelopt layout has an hf_quant_config.json; a loader reads one it finds
+// before config.json's quantization_config, so an earlier modelopt export's goes before any
+// shard (`drop_quant_config`).
+void prepare_out_dir(const std::string& out_dir, bool drop_quant_config) {
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   TORCH_CHECK(!ec, out_dir, ": cannot create the output folder: ", ec.message());
-  // Files of an earlier export into the same folder that this one does not rewrite.
   for (const auto& f : fs::directory_iterator(out_dir)) {
     const std::string n = f.path().filename().string();
     if (n.rfind("model", 0) == 0 && n.size() > 12 && n.substr(n.size() - 12) == ".safetensors") {
@@ -301,13 +291,28 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
     }
   }
   fs::remove(fs::path(out_dir) / kHfLmHeadScaleFile);
-  // Only the modelopt layout has an hf_quant_config.json; a loader reads one it finds before
-  // config.json's quantization_config, so an earlier modelopt export's goes before any shard.
-  if (ct || dense) fs::remove(fs::path(out_dir) / "hf_quant_config.json");
+  if (drop_quant_config) fs::remove(fs::path(out_dir) / "hf_quant_config.json");
+}
 
+// The shards (consecutive tensors, each shard below max_shard_bytes, a larger tensor alone),
+// the lm_head's scale sidecar and the index.
+void write_weights(const DatReader& src, const ExportPlan& plan, const std::string& out_dir,
+                   uint64_t max_shard_bytes, HfExportReport* rep) {
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t shard_bytes = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const uint64_t b = plan.tensors[i].bytes();
+    if (!shards.back().empty() && shard_bytes + b > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(i);
+    shard_bytes += b;
+    rep->payload_bytes += b;
+  }
   std::map<std::string, std::string> meta = {{"format", "pt"}, {kHfMetaSource, "q4train"}};
-  if (qdata_type && !mixed_qdata) {
-    meta[kHfMetaQdataElem] = std::to_string(static_cast<uint32_t>(*qdata_type));
+  if (plan.qdata_type && !plan.mixed_qdata) {
+    meta[kHfMetaQdataElem] = std::to_string(static_cast<uint32_t>(*plan.qdata_type));
   }
   json weight_map = json::object();
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -316,55 +321,56 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
                                                               s + 1, shards.size());
     std::vector<SafetensorsWriter::Decl> decls;
     for (size_t i : shards[s]) {
-      decls.push_back(plan[i].decl);
-      weight_map[plan[i].decl.name] = name;
+      decls.push_back(plan.tensors[i].decl);
+      weight_map[plan.tensors[i].decl.name] = name;
     }
     SafetensorsWriter w((fs::path(out_dir) / name).string(), decls, meta);
-    for (size_t i : shards[s]) write_tensor(src, plan[i], w);
+    for (size_t i : shards[s]) write_tensor(src, plan.tensors[i], w);
     w.commit();
-    rep.shards.push_back(name);
+    rep->shards.push_back(name);
   }
-  if (lm_head_pair) {
+  if (plan.lm_head_pair) {
     // Sidecar outside the index (vLLM and transformers load only indexed files): the block
     // scales that make the BF16 lm_head an exact NVFP4 pair again on import.
-    const DatEntry& se = src.entries()[lm_head_pair->scale_index];
+    const DatEntry& se = src.entries()[plan.lm_head_pair->scale_index];
     OutTensor t{{"lm_head.weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se};
     SafetensorsWriter w((fs::path(out_dir) / kHfLmHeadScaleFile).string(), {t.decl}, meta);
     write_tensor(src, t, w);
     w.commit();
   }
-  json index = {{"metadata", {{"total_size", rep.payload_bytes}}}, {"weight_map", weight_map}};
+  json index = {{"metadata", {{"total_size", rep->payload_bytes}}}, {"weight_map", weight_map}};
   io::write_file_atomic((fs::path(out_dir) / "model.safetensors.index.json").string(),
                         index.dump(2) + "\n");
+}
 
-  // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
-  std::vector<std::string> excluded = {"lm_head"};
-  excluded.insert(excluded.end(), unquantized.begin(), unquantized.end());
-  json qc;
-  if (dense) {
-    // No quantization: the folder is a plain BF16 model.
-  } else if (!ct) {
+// config.json's quantization_config for `format` (modelopt: hf_quant_config.json written too);
+// null for a dense export. `excluded`: lm_head and every linear the .dat stores unquantized.
+json quantization_config(HfFormat format, const std::vector<std::string>& excluded,
+                         const std::string& out_dir) {
+  if (format == HfFormat::kBf16) return json();  // no quantization: a plain BF16 model
+  if (format != HfFormat::kCompressedTensors) {
     const json q = {{"quant_algo", "W4A16_NVFP4"},
                     {"group_size", 16},
                     {"kv_cache_quant_algo", nullptr},
                     {"exclude_modules", excluded}};
     json hq = {{"producer", {{"name", "q4train"}, {"version", "1"}}}, {"quantization", q}};
     io::write_file_atomic((fs::path(out_dir) / "hf_quant_config.json").string(), hq.dump(2) + "\n");
-    qc = hq;
+    json qc = hq;
     qc["quant_method"] = "modelopt";
-  } else {
-    const json ignore = excluded;
-    json weights = {{"num_bits", 4},
-                    {"type", "float"},
-                    {"strategy", "tensor_group"},
-                    {"group_size", 16},
-                    {"symmetric", true},
-                    {"dynamic", false},
-                    {"actorder", nullptr},
-                    {"block_structure", nullptr},
-                    {"observer", "minmax"},
-                    {"observer_kwargs", json::object()}};
-    qc = {{"quant_method", "compressed-tensors"},
+    return qc;
+  }
+  const json ignore = excluded;
+  json weights = {{"num_bits", 4},
+                  {"type", "float"},
+                  {"strategy", "tensor_group"},
+                  {"group_size", 16},
+                  {"symmetric", true},
+                  {"dynamic", false},
+                  {"actorder", nullptr},
+                  {"block_structure", nullptr},
+                  {"observer", "minmax"},
+                  {"observer_kwargs", json::object()}};
+  return {{"quant_method", "compressed-tensors"},
           {"format", "nvfp4-pack-quantized"},
           {"quantization_status", "compressed"},
           {"global_compression_ratio", nullptr},
@@ -378,7 +384,49 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
               {"input_activations", nullptr},
               {"output_activations", nullptr},
               {"format", "nvfp4-pack-quantized"}}}}}};
+}
+
+// The tokenizer files found in `tokenizer_dir` (a folder, or a file in it), copied beside.
+void copy_tokenizer(const std::string& tokenizer_dir, const std::string& out_dir,
+                    HfExportReport* rep) {
+  std::error_code ec;
+  fs::path dir = tokenizer_dir;
+  if (fs::is_regular_file(dir, ec)) dir = dir.parent_path();
+  TORCH_CHECK(fs::is_directory(dir, ec), tokenizer_dir, ": tokenizer folder not found");
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                        "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                        "generation_config.json"}) {
+    if (!fs::is_regular_file(dir / f, ec)) continue;
+    copy_file_atomic(dir / f, fs::path(out_dir) / f);
+    rep->copied.push_back(f);
   }
+}
+
+}  // namespace
+
+HfExportReport export_hf(const DatReader& src, const json& config, const std::string& out_dir,
+                         const HfExportOptions& opt) {
+  std::vector<std::pair<std::string, std::string>> inputs = opt.inputs;
+  inputs.emplace_back("weights", src.path());
+  inputs.emplace_back("tokenizer folder", opt.tokenizer_dir);
+  check_hf_export_dir(out_dir, inputs, opt.overwrite);
+  const Qwen3Config cfg = Qwen3Config::from_json(config, "config.json");
+  const bool has_lm_head = src.find("lm_head.weight") != nullptr ||
+                           src.find(std::string("lm_head.weight") + kDatQdataSuffix) != nullptr;
+  TORCH_CHECK(has_lm_head || cfg.tie_word_embeddings, src.path(),
+              ": no lm_head.weight(.qdata) entry, but the config has tie_word_embeddings false");
+  const bool dense = opt.format == HfFormat::kBf16;
+  HfExportReport rep;
+  rep.tied = !has_lm_head;
+
+  const ExportPlan plan = plan_export(src, cfg, has_lm_head, opt, &rep);
+  prepare_out_dir(out_dir, opt.format == HfFormat::kCompressedTensors || dense);
+  write_weights(src, plan, out_dir, opt.max_shard_bytes, &rep);
+
+  // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
+  std::vector<std::string> excluded = {"lm_head"};
+  excluded.insert(excluded.end(), plan.unquantized.begin(), plan.unquantized.end());
+  const json qc = quantization_config(opt.format, excluded, out_dir);
   json out_cfg = config;
   out_cfg["tie_word_embeddings"] = rep.tied;
   out_cfg["torch_dtype"] = "bfloat16";
@@ -389,18 +437,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   }
   io::write_file_atomic((fs::path(out_dir) / "config.json").string(), out_cfg.dump(2) + "\n");
 
-  if (!opt.tokenizer_dir.empty()) {
-    fs::path dir = opt.tokenizer_dir;
-    if (fs::is_regular_file(dir, ec)) dir = dir.parent_path();
-    TORCH_CHECK(fs::is_directory(dir, ec), opt.tokenizer_dir, ": tokenizer folder not found");
-    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                          "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                          "generation_config.json"}) {
-      if (!fs::is_regular_file(dir / f, ec)) continue;
-      copy_file_atomic(dir / f, fs::path(out_dir) / f);
-      rep.copied.push_back(f);
-    }
-  }
+  if (!opt.tokenizer_dir.empty()) copy_tokenizer(opt.tokenizer_dir, out_dir, &rep);
   return rep;
 }
 

@@ -132,14 +132,8 @@ at::Tensor adapter_then_base(const at::Tensor& u, const at::Tensor& v, double s,
   return y.addmm_(x, w);
 }
 
-// The gradients of y = x·wᵀ + s·(x·aᵀ)·bᵀ from g = dy (tokens, out), x2 (tokens, in) and
-// xa = x2·aᵀ: dx = s·(g·b)·a + g·w (adapter_then_base), da = s·(g·b)ᵀ·x2, db = s·gᵀ·xa (those
-// wanted).
-// PlainLoraLinear's backward and the MLP checkpoint's hand-formed down projection share it, so
-// both give the same bits.
-struct PlainLoraGrads {
-  at::Tensor dx, da, db;
-};
+}  // namespace
+
 PlainLoraGrads plain_lora_grads(const at::Tensor& x2, const at::Tensor& xa, const at::Tensor& w,
                                 const at::Tensor& a, const at::Tensor& b, double s,
                                 const at::Tensor& g, bool want_dx, bool want_da, bool want_db) {
@@ -151,6 +145,8 @@ PlainLoraGrads plain_lora_grads(const at::Tensor& x2, const at::Tensor& xa, cons
   if (want_db) d.db = at::addmm(at::empty_like(b), g.t(), xa, 0.0, s);
   return d;
 }
+
+namespace {
 
 struct PlainLoraLinear : public torch::autograd::Function<PlainLoraLinear> {
   // x (..., in), w (out, in) the adapted linear's frozen weight, a (r, in), b (out, r) (the
@@ -290,149 +286,6 @@ struct EmbeddingTap : public torch::autograd::Function<EmbeddingTap> {
   }
 };
 
-// The tensors of `w` that are tap outputs in the graph (trainable weights, merge-aware
-// adapters' merged weights, plain adapters' A and B, the trainable norm), in a fixed order.
-std::vector<at::Tensor*> tapped_weights(MlpWeights* w) {
-  std::vector<at::Tensor*> out;
-  for (at::Tensor* t :
-       {&w->norm, &w->gate.w, &w->gate.lora_a, &w->gate.lora_b, &w->up.w, &w->up.lora_a,
-        &w->up.lora_b, &w->down.w, &w->down.lora_a, &w->down.lora_b}) {
-    if (t->defined() && t->requires_grad()) out.push_back(t);
-  }
-  return out;
-}
-
-// Adds `g` (any float dtype) into the fp32 sum `acc` (undefined: starts it).
-void add_fp32(at::Tensor* acc, const at::Tensor& g) {
-  if (!acc->defined()) {
-    *acc = g.scalar_type() == at::kFloat ? g : g.to(at::kFloat);
-  } else {
-    acc->add_(g);
-  }
-}
-
-// The backward of the MLP block out = hs + s·W_downᵀ (+ the down projection's plain adapter
-// term), s = swiglu(gate(y), up(y)), y = post_attention_layernorm(hs), recomputed from its input
-// hs (B, T, H): a node of the recomputed attention block's graph or a leaf. Appends to
-// roots/seeds what torch::autograd::backward must be given, from `g` (B, T, H) the gradient of
-// out: hs itself with its whole gradient, and the MLP weights' taps with theirs. The weights are
-// resolved once, so each tap begins one use and delivers one gradient. The down projection's
-// output is not needed for any gradient, so its forward GEMM is not recomputed: its backward is
-// done here (ds = g·W_down, dW_down = gᵀ·s).
-//
-// With ModelOptions::mlp_chunk_tokens below the token count the block runs over row chunks: each
-// chunk recomputes y, gate/up and s from its rows of hs with the weights' detached copies and is
-// back-propagated alone (torch::autograd::grad), its rows of hs's gradient written into one
-// (tokens, H) tensor and its weight gradients added into fp32 sums; then the taps get those
-// sums, cast to the compute dtype, in the same backward call as hs.
-void mlp_backward_roots(const Qwen3Model::Impl* im, int64_t layer, const at::Tensor& hs,
-                        const at::Tensor& g, std::vector<at::Tensor>* roots,
-                        std::vector<at::Tensor>* seeds) {
-  MlpWeights w;
-  {
-    at::AutoGradMode enable(true);
-    w = im->mlp_weights(layer);
-  }
-  const int64_t H = hs.size(-1), N = hs.numel() / H, I = w.down.w.size(1);
-  const int64_t chunk = im->opt.mlp_chunk_tokens;
-  if (chunk <= 0 || N <= chunk) {
-    at::Tensor s;
-    {
-      at::AutoGradMode enable(true);
-      s = im->mlp_hidden(hs, w);  // (B, T, I)
-    }
-    roots->push_back(hs);
-    seeds->push_back(g);
-    roots->push_back(s);
-    at::NoGradGuard no_grad;
-    const at::Tensor g2 = g.reshape({-1, H});
-    const at::Tensor s2 = s.detach().reshape({-1, I});
-    if (w.down.lora_a.defined()) {
-      // A plain adapter: PlainLoraLinear's gradients (mlp_output's down projection is one).
-      const at::Tensor &a = w.down.lora_a, &b = w.down.lora_b;
-      const at::Tensor xa = at::mm(s2, a.detach().t());
-      const PlainLoraGrads d =
-          plain_lora_grads(s2, xa, w.down.w, a.detach(), b.detach(), im->opt.lora.scale(), g2, true,
-                           a.requires_grad(), b.requires_grad());
-      seeds->push_back(d.dx.view(s.sizes()));
-      for (const auto& [tap, grad] : {std::make_pair(a, d.da), std::make_pair(b, d.db)}) {
-        if (!grad.defined()) continue;
-        roots->push_back(tap);
-        seeds->push_back(grad);
-      }
-    } else {
-      seeds->push_back(at::mm(g2, w.down.w).view(s.sizes()));
-    }
-    if (w.down.w.requires_grad()) {
-      roots->push_back(w.down.w);
-      seeds->push_back(at::mm(g2.t(), s2));
-    }
-    return;
-  }
-
-  // Chunked: the chunks compute with leaves detached from the taps (and with the frozen weights
-  // themselves), so no chunk enters the taps' graph.
-  MlpWeights leaf = w;
-  const std::vector<at::Tensor*> taps = tapped_weights(&w);
-  const std::vector<at::Tensor*> leaves = tapped_weights(&leaf);
-  for (at::Tensor* t : leaves) *t = t->detach().requires_grad_(true);
-  // Gradients of every leaf but the down projection's weight come from autograd::grad; that one
-  // is formed by hand from the chunk's s.
-  std::vector<at::Tensor> grad_inputs(1);  // [0]: the chunk's rows of hs
-  std::vector<size_t> grad_slot;           // index into taps of grad_inputs[1 + i]
-  size_t down_slot = taps.size();
-  for (size_t i = 0; i < leaves.size(); ++i) {
-    if (leaves[i] == &leaf.down.w) {
-      down_slot = i;
-    } else {
-      grad_inputs.push_back(*leaves[i]);
-      grad_slot.push_back(i);
-    }
-  }
-  const at::Tensor w_down = leaf.down.w.detach();  // (H, I)
-  const at::Tensor hs2 = hs.detach().reshape({N, H});
-  const at::Tensor g2 = g.reshape({N, H});
-  at::Tensor g_hs = at::empty_like(g2);       // (N, H) hs's gradient, chunk by chunk
-  std::vector<at::Tensor> sums(taps.size());  // fp32, each tap's shape
-  for (int64_t b = 0; b < N; b += chunk) {
-    const int64_t n = std::min(chunk, N - b);
-    const at::Tensor g_c = g2.narrow(0, b, n);  // (n, H)
-    grad_inputs[0] = hs2.narrow(0, b, n).detach().requires_grad_(true);
-    std::vector<at::Tensor> outs, out_grads;
-    {
-      at::AutoGradMode enable(true);
-      outs.push_back(im->mlp_hidden(grad_inputs[0], leaf));  // s_c (n, I)
-      if (leaf.down.lora_a.defined()) outs.push_back(im->plain_lora(outs[0], leaf.down));
-    }
-    at::NoGradGuard no_grad;
-    out_grads.push_back(at::mm(g_c, w_down));  // (n, I)
-    if (outs.size() > 1) out_grads.push_back(g_c);
-    if (down_slot < taps.size()) add_fp32(&sums[down_slot], at::mm(g_c.t(), outs[0].detach()));
-    const std::vector<at::Tensor> grads =
-        torch::autograd::grad(outs, grad_inputs, out_grads, /*retain_graph=*/false,
-                              /*create_graph=*/false, /*allow_unused=*/true);
-    // out = hs + ...: the residual's gradient plus the block's.
-    at::Tensor rows = g_hs.narrow(0, b, n);
-    if (grads[0].defined()) {
-      at::add_out(rows, g_c, grads[0]);
-    } else {
-      rows.copy_(g_c);
-    }
-    for (size_t i = 0; i < grad_slot.size(); ++i) {
-      if (grads[1 + i].defined()) add_fp32(&sums[grad_slot[i]], grads[1 + i]);
-    }
-  }
-  roots->push_back(hs);
-  seeds->push_back(g_hs.view(hs.sizes()));
-  for (size_t i = 0; i < taps.size(); ++i) {
-    // Every tap that began a use delivers it, zero when no chunk reached it.
-    roots->push_back(*taps[i]);
-    seeds->push_back(sums[i].defined() ? sums[i].to(taps[i]->scalar_type())
-                                       : at::zeros_like(*taps[i]));
-    sums[i] = at::Tensor();
-  }
-}
-
 // A checkpoint of a layer's input h with the RoPE tables and the mask: saved in the forward (in
 // pinned host memory with ModelOptions::offload_layer_inputs on CUDA: copied out on the compute
 // stream, ordered before any later reuse of h's memory, from the caching host allocator), and
@@ -511,7 +364,7 @@ variable_list layer_input_grad(const SavedLayerInput& in) {
 }
 
 // The whole layer: keeps h; the backward recomputes the attention block, then the MLP's
-// (mlp_backward_roots).
+// (Ffn::backward_roots).
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& trigger,
                             int64_t impl, int64_t layer, const at::Tensor& cos,
@@ -520,7 +373,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
     const at::Tensor hs =
         checkpointed_attention(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
-    return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
+    return im->ffn->forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -530,7 +383,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     // The autograd graph takes over at hs (and at the MLP weights' taps).
     const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(in.h);
     std::vector<at::Tensor> roots, seeds;
-    mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
+    im->ffn->backward_roots(*im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
     return layer_input_grad(in);
   }
@@ -556,7 +409,7 @@ struct AttentionCheckpoint : public torch::autograd::Function<AttentionCheckpoin
 };
 
 // The MLP block hs -> out: keeps hs (the attention block before it keeps its graph); the
-// backward recomputes it (mlp_backward_roots, chunked as the whole layer's).
+// backward recomputes it (Ffn::backward_roots, chunked as the whole layer's).
 struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hs, const at::Tensor& trigger,
                             int64_t impl, int64_t layer) {
@@ -564,7 +417,7 @@ struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
     ctx->save_for_backward({hs});
     ctx->saved_data["impl"] = impl;
     ctx->saved_data["layer"] = layer;
-    return im->mlp_forward_no_graph(hs, im->mlp_weights(layer), im->opt.mlp_chunk_tokens);
+    return im->ffn->forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -572,7 +425,7 @@ struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
     const at::Tensor hs = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(hs);
     std::vector<at::Tensor> roots, seeds;
-    mlp_backward_roots(im, layer, hs, g, &roots, &seeds);
+    im->ffn->backward_roots(*im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
     return {hs.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -587,12 +440,13 @@ at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType
                           static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
 }
 
-at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
-                           at::ScalarType compute_dtype, at::ScalarType grad_dtype) {
+at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
+                           at::ScalarType grad_dtype) {
   use_begins(p->lora_a);
   use_begins(p->lora_b);
   return LoraMergedTap::apply(impl->trigger, ptr_to_int(impl), ptr_to_int(p),
-                              static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
+                              static_cast<int64_t>(compute_dtype),
+                              static_cast<int64_t>(grad_dtype));
 }
 
 at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,

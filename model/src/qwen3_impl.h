@@ -1,5 +1,6 @@
 // Private state of Qwen3Model and the building blocks its .cpp files share: the parameter table,
-// per-layer parameter pointers, RoPE tables, attention masks and the decoder-layer forward.
+// per-layer parameter pointers, RoPE tables, attention masks, the decoder-layer forward and the
+// layer's two slots, the linear backend (linear_backend.h) and the FFN (ffn.h).
 // Parameters live in a vector that is sized once at construction, so the raw Parameter pointers
 // handed to autograd functions stay valid for the model's lifetime (Impl never moves).
 #pragma once
@@ -10,6 +11,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ffn.h"
+#include "q4/model/linear_backend.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_params.h"
 
@@ -25,11 +28,9 @@ struct LayerParams {
   Parameter* o_proj;
   Parameter* q_norm;
   Parameter* k_norm;
-  Parameter* gate_proj;
-  Parameter* up_proj;
-  Parameter* down_proj;
   Parameter* input_layernorm;
   Parameter* post_attention_layernorm;
+  std::vector<Parameter*> ffn;  // the FFN slot's tensors, in Ffn::param_specs order
 };
 
 // Attention mask for one forward. kNone: every query sees every key (decode of 1 token).
@@ -48,31 +49,6 @@ struct RopeTables {
   at::Tensor sin;  // (B, T, D) compute dtype
 };
 
-// The weights of one linear as its forward uses them, each resolved once (weight taps): w (out,
-// in) in the compute dtype, and for a plain LoRA adapter its A (r, in) and B (out, r), whose term
-// s·(x·Aᵀ)·Bᵀ is added to x·wᵀ.
-struct LinearWeights {
-  at::Tensor w;
-  at::Tensor lora_a, lora_b;  // undefined without a plain adapter
-};
-
-// The weights of a decoder layer's MLP block, out = hs + down(swiglu(gate(y), up(y))) with
-// y = post_attention_layernorm(hs).
-struct MlpWeights {
-  at::Tensor norm;     // (H) post_attention_layernorm
-  LinearWeights gate;  // (I, H)
-  LinearWeights up;    // (I, H)
-  LinearWeights down;  // (H, I)
-};
-
-// A decoder layer's output is hs + s·w_downᵀ: the parts before the down projection, so a
-// checkpoint's recompute can skip that GEMM (backward needs only its input and weight).
-struct LayerParts {
-  at::Tensor hs;  // (B, T, H) residual stream after attention
-  at::Tensor s;   // (B, T, I) SwiGLU output, the down projection's input
-  MlpWeights w;   // the MLP block's weights (taps when they train)
-};
-
 struct Qwen3Model::Impl {
   Qwen3Config cfg;
   ModelOptions opt;
@@ -85,12 +61,18 @@ struct Qwen3Model::Impl {
   Parameter* final_norm = nullptr;
   Parameter* lm_head = nullptr;  // == embed when tied
   std::vector<LayerParams> layers;
-  std::vector<Parameter> adapters;  // LoRA A, B per adapted linear; never resized after construction
+  std::vector<Parameter>
+      adapters;  // LoRA A, B per adapted linear; never resized after construction
   std::vector<std::vector<int64_t>> adapter_shapes;
-  at::Tensor trigger;   // () fp32 leaf with requires_grad when anything trains (graph anchor)
+  at::Tensor trigger;  // () fp32 leaf with requires_grad when anything trains (graph anchor)
   Qwen3Model::GradReadyHook grad_ready;  // in-backward updates (empty: keep Parameter::grad)
   Qwen3Model::MasterFence master_fence;  // masters in flight (empty: always current)
-  at::Tensor inv_freq;  // (D/2) fp32 on the device, HF formula
+  at::Tensor inv_freq;                   // (D/2) fp32 on the device, HF formula
+  // The slots, chosen once at construction: every linear of the decoder layers goes through
+  // linear_backend (ModelOptions::linear_backend, else the device's), every layer's FFN block
+  // through ffn (ffn_for(cfg)).
+  std::shared_ptr<const LinearBackend> linear_backend;
+  const Ffn* ffn = nullptr;
 
   // Parameter table (names, shapes, trainable flags) without masters.
   Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm_head);
@@ -103,15 +85,14 @@ struct Qwen3Model::Impl {
   void init_adapters();
   // An adapted linear's W + (alpha/rank)·B·A, fp32 on the device (no autograd).
   at::Tensor merged_weight(const Parameter* p) const;
-  // x·weight(p)ᵀ, plus the plain LoRA term when p has a plain adapter.
+  // The linear slot: x·weight(p)ᵀ, plus the plain LoRA term when p has a plain adapter.
   at::Tensor linear(const at::Tensor& x, Parameter* p) const;
   // The same from weights resolved before (linear_weights(p), or detached copies of them).
   at::Tensor linear(const at::Tensor& x, const LinearWeights& w) const;
-  // x through two or three linears that share it (q/k/v, gate/up): one plain_lora_linears when
-  // every one carries a plain adapter, else linear() each.
+  // x through two or three linears that share it (q/k/v, gate/up).
   std::vector<at::Tensor> linears(const at::Tensor& x,
                                   const std::vector<const LinearWeights*>& ws) const;
-  LinearWeights linear_weights(Parameter* p) const;  // weight(p), and A's and B's when plain
+  LinearWeights linear_weights(Parameter* p) const;  // resolved by the linear backend
   at::Tensor plain_lora(const at::Tensor& x, const LinearWeights& w) const;  // (s·x·Aᵀ)·Bᵀ
   // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
   // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
@@ -130,24 +111,13 @@ struct Qwen3Model::Impl {
   at::Tensor embed_lookup(const at::Tensor& ids) const;  // (B, T) -> (B, T, H)
 
   RopeTables rope(const at::Tensor& position_ids) const;  // position_ids (B, T) int64
-  // One decoder layer: h (B, T, H) -> (B, T, H). With a cache, writes K/V at cache->length.
+  // One decoder layer: h (B, T, H) -> (B, T, H), the attention block then the FFN's. With a
+  // cache, writes K/V at cache->length.
   at::Tensor layer_forward(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                            const AttnMask& mask, KvCache* cache) const;
-  // The same layer up to (not including) the down projection.
-  LayerParts layer_forward_parts(int64_t layer, const at::Tensor& h, const RopeTables& rope,
-                                 const AttnMask& mask, KvCache* cache) const;
   // The attention block: h (B, T, H) -> hs = h + o_proj(attention(input_layernorm(h))).
   at::Tensor attention_block(int64_t layer, const at::Tensor& h, const RopeTables& rope,
                              const AttnMask& mask, KvCache* cache) const;
-  MlpWeights mlp_weights(int64_t layer) const;  // resolved once, in the current grad mode
-  // s = swiglu(gate(y), up(y)), y = post_attention_layernorm(hs): (..., H) -> (..., I).
-  at::Tensor mlp_hidden(const at::Tensor& hs, const MlpWeights& w) const;
-  // out = hs + down(s) (+ the down projection's plain adapter term).
-  at::Tensor mlp_output(const at::Tensor& hs, const at::Tensor& s, const MlpWeights& w) const;
-  // The MLP block without a graph (a checkpoint's forward): over row chunks of `chunk_tokens`
-  // of the flattened tokens when there are more than that (0: one pass). hs (B, T, H).
-  at::Tensor mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
-                                  int64_t chunk_tokens) const;
   // The layer through its checkpoints (ModelOptions::layer_recompute: the whole layer, or one
   // block with the other keeping its graph) when a graph is being built; plain layer_forward
   // otherwise.
@@ -158,10 +128,12 @@ struct Qwen3Model::Impl {
 };
 
 // ---- ops (qwen3_ops.cpp) ----
+// `fused` (ModelOptions::fused_cuda_kernels): the fused CUDA kernel where the inputs allow it.
 // HF Qwen3RMSNorm: fp32 normalize, cast back to x's dtype, times weight.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool fused);
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope);  // x (B, heads, T, D)
-at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope);  // x (B, T, heads, D)
+// x (B, T, heads, D)
+at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope, bool fused);
 // q (B, NH, T, D), k/v (B, KVH, S, D) -> (B, NH, T, D). GQA by repeating KV heads.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttnMask& mask);
@@ -180,8 +152,9 @@ bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w);
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos);  // x (N, heads, D)
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// silu(g) * u: one fused kernel forward and backward on CUDA, the two ATen ops elsewhere.
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u);
+// silu(g) * u: with `fused`, one fused kernel forward and backward on CUDA; the two ATen ops
+// elsewhere.
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, bool fused);
 // Softmax cross-entropy of logit rows in one kernel (CUDA, 16/32-bit floats): returns the
 // per-row CE (fp32, 0 for labels outside [0, V)) and, with want_grad, overwrites `logits` with
 // d(sum CE)/d(logits) in its dtype. fused_xent_applies says whether the inputs allow it.
@@ -195,8 +168,18 @@ at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType
                       at::ScalarType grad_dtype);
 // Merge-aware LoRA: fake_quant(W + s·B·A) in the compute dtype; backward hands s·Bᵀ·dW and
 // s·dW·Aᵀ to A's and B's gradients (straight through the quantizer).
-at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p,
-                           at::ScalarType compute_dtype, at::ScalarType grad_dtype);
+at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
+                           at::ScalarType grad_dtype);
+// The gradients of y = x·wᵀ + s·(x·aᵀ)·bᵀ from g = dy (tokens, out), x2 (tokens, in) and
+// xa = x2·aᵀ: dx = s·(g·b)·a + g·w, da = s·(g·b)ᵀ·x2, db = s·gᵀ·xa (those wanted). The plain
+// adapter's backward and the FFN recompute's hand-formed last projection share it, so both give
+// the same bits.
+struct PlainLoraGrads {
+  at::Tensor dx, da, db;
+};
+PlainLoraGrads plain_lora_grads(const at::Tensor& x2, const at::Tensor& xa, const at::Tensor& w,
+                                const at::Tensor& a, const at::Tensor& b, double s,
+                                const at::Tensor& g, bool want_dx, bool want_da, bool want_db);
 // Plain LoRA: x·wᵀ + scale·(x·aᵀ)·bᵀ for a frozen w, with a and b from their taps.
 at::Tensor plain_lora_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
                              const at::Tensor& b, double scale);

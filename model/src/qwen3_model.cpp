@@ -29,168 +29,7 @@ std::string shape_str(at::IntArrayRef s) {
   return o.str();
 }
 
-bool is_float_dtype(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat;
-}
-
 }  // namespace
-
-// ---------------------------------------------------------------- options
-
-TrainableSpec TrainableSpec::everything() {
-  TrainableSpec s;
-  s.projections = s.lm_head = s.norms = s.embeddings = true;
-  return s;
-}
-
-TrainableSpec TrainableSpec::nothing() {
-  TrainableSpec s;
-  s.projections = false;
-  return s;
-}
-
-bool TrainableSpec::layer_selected(int64_t layer, int64_t num_layers) const {
-  if (!layers.empty()) return std::find(layers.begin(), layers.end(), layer) != layers.end();
-  if (last_n_layers >= 0) return layer >= num_layers - last_n_layers;
-  return true;
-}
-
-void TrainableSpec::validate(int64_t num_layers) const {
-  TORCH_CHECK(last_n_layers >= -1 && last_n_layers <= num_layers,
-              "trainable.last_n_layers: expected -1 (all) or 0..", num_layers, ", got ",
-              last_n_layers);
-  for (int64_t l : layers) {
-    TORCH_CHECK(l >= 0 && l < num_layers, "trainable.layers: layer index ", l, " is outside [0, ",
-                num_layers, ")");
-  }
-}
-
-at::ScalarType default_grad_dtype(at::ScalarType master_dtype, at::ScalarType compute_dtype) {
-  if (master_dtype == at::kFloat && compute_dtype == at::kFloat) return at::kFloat;
-  return at::kBFloat16;
-}
-
-at::ScalarType ModelOptions::resolved_grad_dtype() const {
-  return grad_dtype ? *grad_dtype : default_grad_dtype(master_dtype, compute_dtype);
-}
-
-std::string linear_short_name(const std::string& name) {
-  if (name == "lm_head.weight") return "lm_head";
-  static const char* kLinears[] = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                   "gate_proj", "up_proj", "down_proj"};
-  for (const char* l : kLinears) {
-    const std::string tail = std::string(".") + l + ".weight";
-    if (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0) {
-      return l;
-    }
-  }
-  return "";
-}
-
-std::string lora_param_name(const std::string& linear, const char* part) {
-  const std::string tail = ".weight";
-  TORCH_CHECK(linear.size() > tail.size() &&
-                  linear.compare(linear.size() - tail.size(), tail.size(), tail) == 0,
-              "lora_param_name: ", linear, " is not a weight");
-  return linear.substr(0, linear.size() - tail.size()) + "." + part + tail;
-}
-
-bool LoraSpec::adapts(const ParamSpec& p, const TrainableSpec& trainable,
-                      int64_t num_layers) const {
-  if (!enabled() || p.kind != ParamKind::kQuantizedLinear) return false;
-  const std::string s = linear_short_name(p.name);
-  if (s.empty() || std::find(targets.begin(), targets.end(), s) == targets.end()) return false;
-  return p.layer < 0 || trainable.layer_selected(p.layer, num_layers);
-}
-
-void LoraSpec::validate() const {
-  if (!enabled()) return;
-  TORCH_CHECK(rank > 0, "lora.rank: expected > 0, got ", rank);
-  TORCH_CHECK(alpha > 0 && std::isfinite(alpha), "lora.alpha: expected > 0, got ", alpha);
-  TORCH_CHECK(!targets.empty(), "lora.targets: expected at least one of q_proj, k_proj, v_proj, "
-              "o_proj, gate_proj, up_proj, down_proj, lm_head");
-  for (const auto& t : targets) {
-    TORCH_CHECK(!linear_short_name("x." + t + ".weight").empty() || t == "lm_head",
-                "lora.targets: unknown linear '", t, "' (expected q_proj, k_proj, v_proj, o_proj, "
-                "gate_proj, up_proj, down_proj or lm_head)");
-  }
-  // alpha / rank scales fp32 GEMMs: it must be a finite fp32 number.
-  TORCH_CHECK(std::isfinite(static_cast<float>(scale())), "lora.alpha: ", alpha, " / lora.rank ",
-              rank, " is not a finite fp32 number");
-}
-
-void LoraSpec::validate(const Qwen3Config& cfg) const {
-  validate();
-  if (!enabled()) return;
-  int64_t smallest = 0;
-  std::string which;
-  for (const ParamSpec& p : qwen3_parameters(cfg, /*include_lm_head=*/true)) {
-    if (p.kind != ParamKind::kQuantizedLinear || p.shape.size() != 2) continue;
-    const std::string s = linear_short_name(p.name);
-    if (s.empty() || std::find(targets.begin(), targets.end(), s) == targets.end()) continue;
-    const int64_t d = std::min(p.shape[0], p.shape[1]);
-    if (smallest == 0 || d < smallest) {
-      smallest = d;
-      which = s;
-    }
-  }
-  TORCH_CHECK(smallest == 0 || rank <= smallest, "lora.rank: expected at most ", smallest,
-              " (the smallest dimension of the adapted linears, ", which, "'s), got ", rank);
-}
-
-void ModelOptions::validate() const {
-  TORCH_CHECK(is_float_dtype(master_dtype),
-              "ModelOptions.master_dtype: expected fp16, bf16 or fp32, got ",
-              c10::toString(master_dtype));
-  TORCH_CHECK(is_float_dtype(compute_dtype),
-              "ModelOptions.compute_dtype: expected fp16, bf16 or fp32, got ",
-              c10::toString(compute_dtype));
-  TORCH_CHECK(is_float_dtype(resolved_grad_dtype()),
-              "ModelOptions.grad_dtype: expected fp16, bf16 or fp32, got ",
-              c10::toString(resolved_grad_dtype()));
-  TORCH_CHECK(loss_chunk_tokens > 0, "ModelOptions.loss_chunk_tokens: expected > 0, got ",
-              loss_chunk_tokens);
-  TORCH_CHECK(recompute_layers >= -1, "ModelOptions.recompute_layers: expected >= -1, got ",
-              recompute_layers);
-  TORCH_CHECK(mlp_chunk_tokens >= 0, "ModelOptions.mlp_chunk_tokens: expected >= 0, got ",
-              mlp_chunk_tokens);
-  TORCH_CHECK(recompute_keep_attention >= 0 && recompute_keep_mlp >= 0,
-              "ModelOptions.recompute_keep_attention / recompute_keep_mlp: expected >= 0, got ",
-              recompute_keep_attention, " / ", recompute_keep_mlp);
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
-              "ModelOptions.device: expected cpu or cuda, got ", device.str());
-  TORCH_CHECK(!offload_masters || fake_quant,
-              "ModelOptions.offload_masters needs fake_quant (plain precision computes with the "
-              "masters themselves)");
-  lora.validate();
-  TORCH_CHECK(!lora.enabled() || fake_quant,
-              "lora: adapters train on the NVFP4 weights, which plain precision (fake_quant off) "
-              "does not use");
-}
-
-void ModelOptions::validate(int64_t num_layers) const {
-  validate();
-  TORCH_CHECK(recompute_layers <= num_layers,
-              "ModelOptions.recompute_layers: expected at most the ", num_layers,
-              " decoder layers, got ", recompute_layers);
-  const int64_t recomputed =
-      gradient_checkpointing ? (recompute_layers < 0 ? num_layers : recompute_layers) : 0;
-  TORCH_CHECK(recompute_keep_attention + recompute_keep_mlp <= recomputed,
-              "ModelOptions.recompute_keep_attention + recompute_keep_mlp: expected at most the ",
-              recomputed, " recomputed decoder layers, got ", recompute_keep_attention, " + ",
-              recompute_keep_mlp);
-}
-
-LayerRecompute ModelOptions::layer_recompute(int64_t layer, int64_t num_layers) const {
-  if (!gradient_checkpointing) return LayerRecompute::kNone;
-  // Recomputed: [0, n); of those, the top recompute_keep_mlp keep their MLP block and the
-  // recompute_keep_attention below them their attention block.
-  const int64_t n = recompute_layers < 0 ? num_layers : std::min(recompute_layers, num_layers);
-  if (layer >= n) return LayerRecompute::kNone;
-  if (layer >= n - recompute_keep_mlp) return LayerRecompute::kAttention;
-  if (layer >= n - recompute_keep_mlp - recompute_keep_attention) return LayerRecompute::kMlp;
-  return LayerRecompute::kLayer;
-}
 
 // ---------------------------------------------------------------- Impl
 
@@ -200,6 +39,8 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
   opt.validate(cfg.num_hidden_layers);
   opt.trainable.validate(cfg.num_hidden_layers);
   opt.lora.validate(cfg);
+  linear_backend = opt.linear_backend ? opt.linear_backend : make_linear_backend(opt);
+  ffn = &ffn_for(cfg);
   const TrainableSpec& ts = opt.trainable;
   const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
@@ -248,9 +89,7 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
     lp.o_proj = find(pre + "self_attn.o_proj.weight");
     lp.q_norm = find(pre + "self_attn.q_norm.weight");
     lp.k_norm = find(pre + "self_attn.k_norm.weight");
-    lp.gate_proj = find(pre + "mlp.gate_proj.weight");
-    lp.up_proj = find(pre + "mlp.up_proj.weight");
-    lp.down_proj = find(pre + "mlp.down_proj.weight");
+    for (const FfnParamSpec& f : ffn->param_specs(cfg)) lp.ffn.push_back(find(pre + f.suffix));
     lp.input_layernorm = find(pre + "input_layernorm.weight");
     lp.post_attention_layernorm = find(pre + "post_attention_layernorm.weight");
   }
@@ -319,13 +158,7 @@ at::Tensor Qwen3Model::Impl::merged_weight(const Parameter* p) const {
 }
 
 LinearWeights Qwen3Model::Impl::linear_weights(Parameter* p) const {
-  LinearWeights w;
-  w.w = weight(p);
-  if (p->lora_a != nullptr && !opt.lora.merge_aware) {
-    w.lora_a = weight(p->lora_a);
-    w.lora_b = weight(p->lora_b);
-  }
-  return w;
+  return linear_backend->weights(*this, p);
 }
 
 at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
@@ -333,19 +166,12 @@ at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, Parameter* p) const {
 }
 
 at::Tensor Qwen3Model::Impl::linear(const at::Tensor& x, const LinearWeights& w) const {
-  if (!w.lora_a.defined()) return at::linear(x, w.w);
-  // Plain adapter: one autograd function with the adapter's term inside the GEMMs.
-  return plain_lora_linear(x, w.w, w.lora_a, w.lora_b, opt.lora.scale());
+  return linear_backend->apply(*this, x, w);
 }
 
 std::vector<at::Tensor> Qwen3Model::Impl::linears(
     const at::Tensor& x, const std::vector<const LinearWeights*>& ws) const {
-  const bool all_plain =
-      std::all_of(ws.begin(), ws.end(), [](const LinearWeights* w) { return w->lora_a.defined(); });
-  if (all_plain) return plain_lora_linears(x, ws, opt.lora.scale());
-  std::vector<at::Tensor> out;
-  for (const LinearWeights* w : ws) out.push_back(linear(x, *w));
-  return out;
+  return linear_backend->apply_group(*this, x, ws);
 }
 
 at::Tensor Qwen3Model::Impl::plain_lora(const at::Tensor& x, const LinearWeights& w) const {
@@ -397,18 +223,7 @@ RopeTables Qwen3Model::Impl::rope(const at::Tensor& position_ids) const {
 at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
                                            const RopeTables& rope_t, const AttnMask& mask,
                                            KvCache* cache) const {
-  LayerParts p = layer_forward_parts(layer, h, rope_t, mask, cache);
-  return mlp_output(p.hs, p.s, p.w);
-}
-
-LayerParts Qwen3Model::Impl::layer_forward_parts(int64_t layer, const at::Tensor& h,
-                                                 const RopeTables& rope_t, const AttnMask& mask,
-                                                 KvCache* cache) const {
-  LayerParts p;
-  p.hs = attention_block(layer, h, rope_t, mask, cache);
-  p.w = mlp_weights(layer);
-  p.s = mlp_hidden(p.hs, p.w);
-  return p;
+  return ffn->forward(*this, layer, attention_block(layer, h, rope_t, mask, cache));
 }
 
 at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
@@ -419,7 +234,7 @@ at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
   const int64_t NH = cfg.num_attention_heads, KVH = cfg.num_key_value_heads, D = cfg.head_dim;
   const double eps = cfg.rms_norm_eps;
 
-  at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps);  // (B, T, H)
+  at::Tensor x = rms_norm(h, weight(lp.input_layernorm), eps, opt.fused_cuda_kernels);  // (B, T, H)
   const LinearWeights wq = linear_weights(lp.q_proj), wk = linear_weights(lp.k_proj),
                       wv = linear_weights(lp.v_proj);
   const std::vector<at::Tensor> qkv = linears(x, {&wq, &wk, &wv});
@@ -427,19 +242,21 @@ at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
   if (mask.kind == AttnMask::Kind::kVarlen) {
     // Token-major layout throughout: no transposes, and the kernel takes (B*T, heads, D) views.
     TORCH_INTERNAL_ASSERT(cache == nullptr);
-    at::Tensor q = rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm),
-                            eps);  // (B, T, NH, D)
-    at::Tensor k = rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm),
-                            eps);  // (B, T, KVH, D)
+    at::Tensor q = rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm), eps,
+                            opt.fused_cuda_kernels);  // (B, T, NH, D)
+    at::Tensor k = rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm), eps,
+                            opt.fused_cuda_kernels);  // (B, T, KVH, D)
     at::Tensor v = qkv[2].view({B * T, KVH, D});
-    q = apply_rope_bthd(q, rope_t).view({B * T, NH, D});
-    k = apply_rope_bthd(k, rope_t).view({B * T, KVH, D});
+    q = apply_rope_bthd(q, rope_t, opt.fused_cuda_kernels).view({B * T, NH, D});
+    k = apply_rope_bthd(k, rope_t, opt.fused_cuda_kernels).view({B * T, KVH, D});
     a = attention_varlen(q, k, v, mask.allowed, mask.max_seqlen).view({B, T, NH * D});
   } else {
-    at::Tensor q = rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm), eps)
-                       .transpose(1, 2);  // (B, NH, T, D)
-    at::Tensor k = rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm), eps)
-                       .transpose(1, 2);  // (B, KVH, T, D)
+    at::Tensor q =
+        rms_norm(qkv[0].view({B, T, NH, D}), weight(lp.q_norm), eps, opt.fused_cuda_kernels)
+            .transpose(1, 2);  // (B, NH, T, D)
+    at::Tensor k =
+        rms_norm(qkv[1].view({B, T, KVH, D}), weight(lp.k_norm), eps, opt.fused_cuda_kernels)
+            .transpose(1, 2);  // (B, KVH, T, D)
     at::Tensor v = qkv[2].view({B, T, KVH, D}).transpose(1, 2);
     q = apply_rope(q, rope_t);
     k = apply_rope(k, rope_t);
@@ -456,43 +273,6 @@ at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
   return h + linear(a, lp.o_proj);  // (B, T, H)
 }
 
-MlpWeights Qwen3Model::Impl::mlp_weights(int64_t layer) const {
-  const LayerParams& lp = layers[layer];
-  MlpWeights w;
-  w.norm = weight(lp.post_attention_layernorm);
-  w.gate = linear_weights(lp.gate_proj);
-  w.up = linear_weights(lp.up_proj);
-  w.down = linear_weights(lp.down_proj);
-  return w;
-}
-
-at::Tensor Qwen3Model::Impl::mlp_hidden(const at::Tensor& hs, const MlpWeights& w) const {
-  at::Tensor y = rms_norm(hs, w.norm, cfg.rms_norm_eps);
-  const std::vector<at::Tensor> gate_up = linears(y, {&w.gate, &w.up});
-  return swiglu(gate_up[0], gate_up[1]);
-}
-
-at::Tensor Qwen3Model::Impl::mlp_output(const at::Tensor& hs, const at::Tensor& s,
-                                        const MlpWeights& w) const {
-  return hs + linear(s, w.down);
-}
-
-at::Tensor Qwen3Model::Impl::mlp_forward_no_graph(const at::Tensor& hs, const MlpWeights& w,
-                                                  int64_t chunk_tokens) const {
-  const int64_t H = hs.size(-1), N = hs.numel() / H;
-  if (chunk_tokens <= 0 || N <= chunk_tokens) return mlp_output(hs, mlp_hidden(hs, w), w);
-  // The MLP is token-wise: row chunks of the flattened tokens give the same rows, and only one
-  // chunk's (chunk, I) gate/up/SwiGLU tensors exist at a time.
-  const at::Tensor hs2 = hs.reshape({N, H});
-  at::Tensor out = at::empty_like(hs2);  // (N, H)
-  for (int64_t b = 0; b < N; b += chunk_tokens) {
-    const int64_t n = std::min(chunk_tokens, N - b);
-    const at::Tensor hs_c = hs2.narrow(0, b, n);
-    out.narrow(0, b, n).copy_(mlp_output(hs_c, mlp_hidden(hs_c, w), w));
-  }
-  return out.view(hs.sizes());
-}
-
 at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::Tensor& h,
                                                       const RopeTables& rope_t,
                                                       const AttnMask& mask, KvCache* cache) const {
@@ -505,9 +285,7 @@ at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::T
     case LayerRecompute::kLayer:
       return checkpoint_layer(this, layer, h, rope_t, mask);
     case LayerRecompute::kAttention: {
-      const at::Tensor hs = checkpoint_attention(this, layer, h, rope_t, mask);
-      const MlpWeights w = mlp_weights(layer);
-      return mlp_output(hs, mlp_hidden(hs, w), w);
+      return ffn->forward(*this, layer, checkpoint_attention(this, layer, h, rope_t, mask));
     }
     case LayerRecompute::kMlp:
       return checkpoint_mlp(this, layer, attention_block(layer, h, rope_t, mask, nullptr));
@@ -567,7 +345,7 @@ at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache
     h = layer_maybe_checkpointed(l, h, rope_t, mask, cache);
   }
   if (cache) cache->length += T;
-  return rms_norm(h, weight(final_norm), cfg.rms_norm_eps);
+  return rms_norm(h, weight(final_norm), cfg.rms_norm_eps, opt.fused_cuda_kernels);
 }
 
 // ---------------------------------------------------------------- Qwen3Model
@@ -693,9 +471,9 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
               stored_layers, " decoder layers but ", cfg.source, " has num_hidden_layers ",
               cfg.num_hidden_layers, "; the config and the weights must describe the same model");
   for (size_t i = 0; i < m.params.size(); ++i) {
-    TORCH_CHECK(m.params[i].master.defined() || m.params[i].qdata.defined(), path, ": missing parameter ", m.params[i].name,
-                " (expected ", m.params[i].name, " raw or ", m.params[i].name,
-                ".qdata/.scale, shape ", shape_str(m.shapes[i]), ")");
+    TORCH_CHECK(m.params[i].master.defined() || m.params[i].qdata.defined(), path,
+                ": missing parameter ", m.params[i].name, " (expected ", m.params[i].name,
+                " raw or ", m.params[i].name, ".qdata/.scale, shape ", shape_str(m.shapes[i]), ")");
   }
   m.init_adapters();
   return Qwen3Model(std::move(impl));
@@ -804,14 +582,15 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
   at::Tensor hs = h.reshape({B * T, H}).index_select(0, rows);  // (N, H)
   LossOutput out;
   if (term == nullptr) {
-    std::tie(out.loss_sum, out.num_tokens) = chunked_cross_entropy_sum(
-        hs, impl_->weight(impl_->lm_head), targets, impl_->opt.loss_chunk_tokens);
+    std::tie(out.loss_sum, out.num_tokens) =
+        chunked_cross_entropy_sum(hs, impl_->weight(impl_->lm_head), targets,
+                                  impl_->opt.loss_chunk_tokens, impl_->opt.fused_cuda_kernels);
     out.ce_sum = out.loss_sum.detach();
   } else {
     if (term->prepare) term->prepare(rows);
-    out.loss_sum =
-        chunked_loss_with_term(hs, impl_->weight(impl_->lm_head), targets,
-                               impl_->opt.loss_chunk_tokens, *term, &out.ce_sum, &out.term_sum);
+    out.loss_sum = chunked_loss_with_term(hs, impl_->weight(impl_->lm_head), targets,
+                                          impl_->opt.loss_chunk_tokens, *term, &out.ce_sum,
+                                          &out.term_sum, impl_->opt.fused_cuda_kernels);
     out.num_tokens = targets.ne(-100).sum();
   }
   const at::Tensor& sum = out.loss_sum;
@@ -830,9 +609,9 @@ Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in) {
   const at::Device dev = impl_->opt.device;
   const at::Tensor rows = out.positions.to(dev);
   const at::Tensor targets = next.index_select(0, out.positions).to(dev);
-  out.logprobs = chunked_token_logprobs(h.reshape({B * T, H}).index_select(0, rows),
-                                        impl_->weight(impl_->lm_head), targets,
-                                        impl_->opt.loss_chunk_tokens);
+  out.logprobs =
+      chunked_token_logprobs(h.reshape({B * T, H}).index_select(0, rows),
+                             impl_->weight(impl_->lm_head), targets, impl_->opt.loss_chunk_tokens);
   return out;
 }
 

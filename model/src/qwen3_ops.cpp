@@ -4,7 +4,6 @@
 // built on the device from padding/segment ids without host synchronization.
 #include <ATen/ATen.h>
 
-#include <atomic>
 #include <cmath>
 
 #include "q4/quant/torch_compat.h"
@@ -12,15 +11,8 @@
 
 namespace q4::model {
 
-namespace {
-std::atomic<bool> g_fused_ops{true};
-}  // namespace
-
-void set_fused_cuda_kernels(bool enabled) { g_fused_ops = enabled; }
-bool fused_cuda_kernels_enabled() { return g_fused_ops; }
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (g_fused_ops && fused_rms_norm_applies(x, weight)) return fused_rms_norm(x, weight, eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool fused) {
+  if (fused && fused_rms_norm_applies(x, weight)) return fused_rms_norm(x, weight, eps);
   return rms_norm_reference(x, weight, eps);
 }
 
@@ -45,8 +37,8 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   return x * cos + rotate_half(x) * sin;
 }
 
-at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope) {
-  if (g_fused_ops && x.dim() == 4) {
+at::Tensor apply_rope_bthd(const at::Tensor& x, const RopeTables& rope, bool fused) {
+  if (fused && x.dim() == 4) {
     const int64_t B = x.size(0), T = x.size(1), NH = x.size(2), D = x.size(3);
     const at::Tensor cos = rope.cos.reshape({B * T, D});
     const at::Tensor xf = x.reshape({B * T, NH, D});

@@ -2,6 +2,9 @@
 // sums over that table.
 #include "q4/model/qwen3_params.h"
 
+#include <iterator>
+
+#include "ffn.h"
 #include "q4/model/qwen3.h"
 
 namespace q4::model {
@@ -13,12 +16,13 @@ int64_t ParamSpec::numel() const {
 }
 
 std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& c, bool include_lm_head) {
-  const int64_t H = c.hidden_size, I = c.intermediate_size, D = c.head_dim;
+  const int64_t H = c.hidden_size, D = c.head_dim;
   const int64_t V = c.vocab_size, L = c.num_hidden_layers;
   using K = ParamKind;
   using G = ParamGroup;
+  const std::vector<FfnParamSpec> ffn = ffn_for(c).param_specs(c);  // the FFN slot's tensors
   std::vector<ParamSpec> out;
-  out.reserve(static_cast<size_t>(2 + 11 * L + 1));
+  out.reserve(static_cast<size_t>(2 + (8 + static_cast<int64_t>(ffn.size())) * L + 1));
   out.push_back({"model.embed_tokens.weight", {V, H}, K::kEmbedding, G::kEmbedding, -1});
   for (int64_t l = 0; l < L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -34,9 +38,7 @@ std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& c, bool include_lm_he
     lin("self_attn.o_proj.weight", H, c.q_dim());   // (H, heads*D)
     norm("self_attn.q_norm.weight", D);
     norm("self_attn.k_norm.weight", D);
-    lin("mlp.gate_proj.weight", I, H);  // (I, H)
-    lin("mlp.up_proj.weight", I, H);    // (I, H)
-    lin("mlp.down_proj.weight", H, I);  // (H, I)
+    for (const FfnParamSpec& f : ffn) out.push_back({p + f.suffix, f.shape, f.kind, f.group, l});
     norm("input_layernorm.weight", H);
     norm("post_attention_layernorm.weight", H);
   }
@@ -81,6 +83,22 @@ int64_t Qwen3Config::num_linear_parameters(bool include_lm_head) const {
     if (p.kind == ParamKind::kQuantizedLinear) n += p.numel();
   }
   return n;
+}
+
+std::vector<std::string> lora_projection_targets() {
+  std::vector<std::string> out(std::begin(kLoraTargets), std::end(kLoraTargets));
+  out.pop_back();  // lm_head
+  return out;
+}
+
+std::string lora_target_list(const char* last_sep) {
+  std::string out;
+  const size_t n = std::size(kLoraTargets);
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) out += i + 1 == n ? last_sep : ", ";
+    out += kLoraTargets[i];
+  }
+  return out;
 }
 
 }  // namespace q4::model

@@ -70,14 +70,13 @@ std::map<std::string, at::Tensor> run(at::ScalarType master, at::ScalarType comp
   o.grad_dtype = grad;
   o.device = at::Device(at::kCUDA, 0);
   o.trainable = TrainableSpec::everything();
+  o.fused_cuda_kernels = fused;
   Qwen3Model m = Qwen3Model::load(cfg, w, o);
   ModelInputs x = in;
   if (!varlen) x.cu_seqlens = at::Tensor();
   EXPECT_EQ(m.uses_varlen_attention(x), varlen && compute != at::kFloat);
-  set_fused_cuda_kernels(fused);
   LossOutput lo = m.loss(x);
   lo.loss_sum.backward();
-  set_fused_cuda_kernels(true);
   std::map<std::string, at::Tensor> g;
   for (const auto& p : m.parameters()) g[p.name] = p.grad.to(at::kFloat).cpu();
   g["loss_sum"] = lo.loss_sum.detach().to(at::kFloat).cpu().reshape({1});
@@ -148,14 +147,12 @@ TEST(VarlenFusedCuda, FusedCrossEntropyMatchesAten) {
       y = y.to(dev);
       std::map<bool, std::vector<at::Tensor>> got;
       for (bool fused : {false, true}) {
-        set_fused_cuda_kernels(fused);
         at::Tensor h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
-        auto [sum, count] = chunked_cross_entropy_sum(h, w, y, 16);
+        auto [sum, count] = chunked_cross_entropy_sum(h, w, y, 16, fused);
         (sum * 0.25).backward();
         got[fused] = {sum.detach().reshape({1}), h.grad(), w.grad()};
         EXPECT_EQ(count.item<int64_t>(), 35);
       }
-      set_fused_cuda_kernels(true);
       const std::string what = std::string(c10::toString(dt)) + " V=" + std::to_string(V);
       // Same fp32 math on the same logits; the sums are reduced in another order, and the
       // gradient (rounded to dt) may differ by one rounding of dt.

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -223,18 +224,15 @@ void validate_config(const Config& c) {
                         ", but only 0 is supported (a dropout mask would have to be replayed "
                         "by the recompute)");
     }
-    static const std::vector<std::string> kTargets = {
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"};
     if (c.lora.targets.empty()) {
-      throw ConfigError(
-          "config key lora.targets: empty (name at least one of q_proj, k_proj, "
-          "v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head)");
+      throw ConfigError("config key lora.targets: empty (name at least one of " +
+                        model::lora_target_list(", ") + ")");
     }
     for (const auto& t : c.lora.targets) {
-      if (std::find(kTargets.begin(), kTargets.end(), t) == kTargets.end()) {
-        throw ConfigError("config key lora.targets: unknown linear '" + t +
-                          "' (expected q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                          "down_proj or lm_head)");
+      if (std::find(std::begin(model::kLoraTargets), std::end(model::kLoraTargets), t) ==
+          std::end(model::kLoraTargets)) {
+        throw ConfigError("config key lora.targets: unknown linear '" + t + "' (expected " +
+                          model::lora_target_list(" or ") + ")");
       }
     }
     const bool head =

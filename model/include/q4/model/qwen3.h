@@ -21,6 +21,8 @@
 
 namespace q4::model {
 
+class LinearBackend;  // the linear slot (linear_backend.h)
+
 // Which parameter groups train. Frozen parameters get no gradient and must get no optimizer
 // state. With tied embeddings (no lm_head in the file) embed_tokens trains when either
 // `embeddings` or `lm_head` is set.
@@ -130,6 +132,13 @@ struct ModelOptions {
   // holds from its forward to its backward anyway. The codes never change, so neither does it.
   bool cache_adapted_weights = false;
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
+  // CUDA: the fused kernels for RMSNorm, RoPE, SwiGLU and the loss's softmax cross-entropy,
+  // where the layout allows them. false: the ATen reference ops everywhere (the tests compare
+  // the two). No effect on the CPU.
+  bool fused_cuda_kernels = true;
+  // The linear slot (linear_backend.h): how the decoder layers' linears compute. Null (default):
+  // make_linear_backend() for the device, chosen when the model is built.
+  std::shared_ptr<const LinearBackend> linear_backend;
 
   at::ScalarType resolved_grad_dtype() const;
   // Whether decoder layer `layer` recomputes anything in backward (checkpointed).
@@ -200,7 +209,7 @@ struct Parameter {
   at::Tensor grad;    // trainable: grad_dtype, master's shape; undefined until a backward
                       // reaches it and after zero_grad(). Frozen: always undefined.
   bool trainable = false;
-  bool quantized = false;    // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
+  bool quantized = false;  // NVFP4 linear (.weight.qdata/.scale): forward uses fake_quant(master)
   // ModelOptions::offload_masters, a trainable NVFP4 linear: quantize(master) on the model's
   // device, (rows, cols/2) and (rows, cols/16) uint8, what the forward dequantizes. The master is
   // then in pinned host memory on CUDA (read it there; kernels reach it through an alias).
@@ -484,27 +493,26 @@ class Qwen3Model {
 void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_lm_head,
                bool quantize_linears = true);
 
-// Fused CUDA kernels for RMSNorm and RoPE (default on). Off: the ATen reference ops everywhere
-// (tests compare the two; a process-wide switch, not per model).
-void set_fused_cuda_kernels(bool enabled);
-bool fused_cuda_kernels_enabled();
-
 // Mean CE of fp32(hidden @ weight^T) rows against `labels` (-100 ignored), computed over chunks
 // of `chunk_tokens` rows; each chunk's gradients are computed in the forward from the same
 // block, so no logits are saved for the backward.
 //   hidden (N, H), weight (V, H) same dtype, labels (N) int64. Returns {sum, count}: sum () fp32
-//   differentiable w.r.t. hidden and weight, count () int64.
+//   differentiable w.r.t. hidden and weight, count () int64. `fused_kernels`: on CUDA, the
+//   fused softmax cross-entropy kernel where the inputs allow it (ModelOptions::
+//   fused_cuda_kernels); false: the ATen ops.
 std::pair<at::Tensor, at::Tensor> chunked_cross_entropy_sum(const at::Tensor& hidden,
                                                             const at::Tensor& weight,
                                                             const at::Tensor& labels,
-                                                            int64_t chunk_tokens);
+                                                            int64_t chunk_tokens,
+                                                            bool fused_kernels = true);
 
 // The same with a LossTerm: rows are handed to term.chunk in the given order (`row_begin`
 // counts from 0; term.prepare is the caller's). Returns (1 - w) * CE sum + w * term sum,
 // differentiable w.r.t. hidden and weight, and sets `ce_sum` and `term_sum` (detached).
 at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& weight,
                                   const at::Tensor& labels, int64_t chunk_tokens,
-                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum);
+                                  const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum,
+                                  bool fused_kernels = true);
 
 // Log-probability of each row's label, log softmax(hidden · weightᵀ)[label], in chunks of
 // `chunk_tokens` rows: hidden (N, H), weight (V, H) same dtype, labels (N) int64 in [0, V).

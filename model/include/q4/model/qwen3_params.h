@@ -39,4 +39,14 @@ struct ParamSpec {
 // file stores one even when config.json says tied); false when lm_head is embed_tokens.
 std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& cfg, bool include_lm_head);
 
+// The linears a LoRA adapter can target, by short name, in parameter-table order: a decoder
+// layer's projections, then lm_head. The one list of them: LoraSpec and the trainer's
+// lora.targets check against it.
+inline constexpr const char* kLoraTargets[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
+                                               "gate_proj", "up_proj", "down_proj", "lm_head"};
+// kLoraTargets without lm_head: every decoder-layer projection (lora.targets' default).
+std::vector<std::string> lora_projection_targets();
+// kLoraTargets joined by ", ", the last one by `last_sep` (", " or " or "): for messages.
+std::string lora_target_list(const char* last_sep);
+
 }  // namespace q4::model

@@ -18,6 +18,7 @@
 
 #include "q4/data/dataset.h"
 #include "q4/io/enum_names.h"
+#include "q4/model/qwen3_params.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 
@@ -200,8 +201,8 @@ struct LoraConfig {
   int64_t rank = 16;
   double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
   double dropout = 0.0;  // on the adapter's input (plain adapters only)
-  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                      "gate_proj", "up_proj", "down_proj"};
+  // Short names from model::kLoraTargets; default: every decoder-layer projection.
+  std::vector<std::string> targets = model::lora_projection_targets();
   // true: the forward computes with fake_quant(W + B·A·alpha/rank), so the merged NVFP4 export
   // is what was trained; false: plain LoRA, x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/rank.
   bool merge_aware = true;
