@@ -210,6 +210,55 @@ ModelOptions with_adapter(ModelOptions opt, const AdapterConfig& adapter) {
   return opt;
 }
 
+namespace {
+
+// Why a LoRA tensor of linear `linear` has no adapter in model `m`.
+std::string why_not_adapted(Qwen3Model::Impl& m, const std::string& linear) {
+  const int64_t L = m.cfg.num_hidden_layers;
+  const std::string pre = "model.layers.";
+  if (linear.rfind(pre, 0) == 0) {
+    const int64_t layer = std::atoll(linear.c_str() + pre.size());
+    if (layer >= L) {
+      return "layer " + std::to_string(layer) + ", but the model has " + std::to_string(L) +
+             " decoder layers";
+    }
+  }
+  if (m.find(linear) == nullptr) return "no linear of the model is " + linear;
+  const std::string s = linear_short_name(linear);
+  const auto& t = m.opt.lora.targets;
+  if (s.empty() || std::find(t.begin(), t.end(), s) == t.end()) {
+    return "its module is not in target_modules";
+  }
+  return "its layer is not in layers_to_transform";
+}
+
+// Every modules_to_save entry is the end of some module of `m` (PEFT's matching).
+void check_modules_to_save(const Qwen3Model::Impl& m, const AdapterConfig& ac,
+                           const std::string& dir) {
+  for (const auto& e : ac.modules_to_save) {
+    bool any = false;
+    for (const Parameter& p : m.params) any = any || name_ends_with(peft_module_of(p.name), e);
+    any = any || (m.tied && name_ends_with("lm_head", e));
+    TORCH_CHECK(any, dir, "/adapter_config.json: modules_to_save names \"", e,
+                "\", which is the end of no module of the model");
+  }
+}
+
+// The values of tensor `t` of the adapter file `f` (at `path`), checked: a float tensor of
+// `shape`, every element finite.
+at::Tensor load_checked(const SafetensorsFile& f, const std::string& path, const StTensor& t,
+                        const std::vector<int64_t>& shape) {
+  TORCH_CHECK(t.shape == shape, path, ": ", t.name, " has shape ", at::IntArrayRef(t.shape),
+              ", the model's is ", at::IntArrayRef(shape));
+  at::Tensor v = f.load(t);
+  TORCH_CHECK(v.is_floating_point(), path, ": ", t.name, " is not a float tensor");
+  TORCH_CHECK(at::isfinite(v).all().item<bool>(), path, ": ", t.name,
+              " holds non-finite values (NaN or Inf)");
+  return v;
+}
+
+}  // namespace
+
 AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
   Impl& m = *impl_;
   TORCH_CHECK(!m.adapters.empty(), "load_adapter: the model was built without LoRA adapters");
@@ -220,51 +269,19 @@ AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
   at::NoGradGuard no_grad;
   std::map<std::string, Parameter*> adapters;
   for (Parameter& a : m.adapters) adapters[a.name] = &a;
-  const int64_t L = m.cfg.num_hidden_layers;
-  // Why a LoRA tensor of linear `linear` has no adapter in this model.
-  const auto why_not_adapted = [&](const std::string& linear) -> std::string {
-    const std::string pre = "model.layers.";
-    if (linear.rfind(pre, 0) == 0) {
-      const int64_t layer = std::atoll(linear.c_str() + pre.size());
-      if (layer >= L) {
-        return "layer " + std::to_string(layer) + ", but the model has " + std::to_string(L) +
-               " decoder layers";
-      }
-    }
-    if (m.find(linear) == nullptr) return "no linear of the model is " + linear;
-    const std::string s = linear_short_name(linear);
-    const auto& t = m.opt.lora.targets;
-    if (s.empty() || std::find(t.begin(), t.end(), s) == t.end()) {
-      return "its module is not in target_modules";
-    }
-    return "its layer is not in layers_to_transform";
-  };
+  check_modules_to_save(m, ac, dir);
   const auto in_modules_to_save = [&](const std::string& module) {
     for (const auto& e : ac.modules_to_save) {
       if (name_ends_with(module, e)) return true;
     }
     return false;
   };
-  for (const auto& e : ac.modules_to_save) {
-    bool any = false;
-    for (const Parameter& p : m.params) any = any || name_ends_with(peft_module_of(p.name), e);
-    any = any || (m.tied && name_ends_with("lm_head", e));
-    TORCH_CHECK(any, dir, "/adapter_config.json: modules_to_save names \"", e,
-                "\", which is the end of no module of the model");
-  }
-  // The values of a tensor, checked: a float tensor of `shape`, every element finite.
-  const auto load = [&](const StTensor& t, const std::vector<int64_t>& shape) {
-    TORCH_CHECK(t.shape == shape, path, ": ", t.name, " has shape ", at::IntArrayRef(t.shape),
-                ", the model's is ", at::IntArrayRef(shape));
-    at::Tensor v = f.load(t);
-    TORCH_CHECK(v.is_floating_point(), path, ": ", t.name, " is not a float tensor");
-    TORCH_CHECK(at::isfinite(v).all().item<bool>(), path, ": ", t.name,
-                " holds non-finite values (NaN or Inf)");
-    return v;
-  };
   AdapterLoad r;
   std::set<const Parameter*> applied;
   const StTensor* tied_head = nullptr;
+  const auto load = [&](const StTensor& t, const std::vector<int64_t>& shape) {
+    return load_checked(f, path, t, shape);
+  };
   for (const StTensor& t : f.tensors()) {
     TORCH_CHECK(t.name.rfind(kPeftPrefix, 0) == 0, path, ": tensor ", t.name,
                 " is not a PEFT key (base_model.model.<name>)");
@@ -280,7 +297,7 @@ AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
       name = lora_param_name(linear, part[6] == 'A' ? "lora_A" : "lora_B");
       const auto it = adapters.find(name);
       TORCH_CHECK(it != adapters.end(), path, ": tensor ", t.name,
-                  " is not applied: ", why_not_adapted(linear));
+                  " is not applied: ", why_not_adapted(m, linear));
       TORCH_CHECK(applied.insert(it->second).second, path, ": ", t.name, " is stored twice");
       Parameter& a = *it->second;
       a.master.copy_(load(t, a.master.sizes().vec()).to(a.master.scalar_type()));

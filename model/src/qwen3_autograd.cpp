@@ -473,21 +473,30 @@ at::Tensor tap_embedding(const Qwen3Model::Impl* impl, Parameter* p, const at::T
                              static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
 }
 
-at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
-                            const RopeTables& rope, const AttnMask& mask) {
-  // Function::apply rejects undefined tensor arguments: an empty bool stands in for "no mask".
+namespace {
+
+// A checkpoint of the layer input h: Function `Checkpoint` applied to h, the RoPE tables and the
+// mask. Function::apply rejects undefined tensor arguments: an empty bool stands in for "no
+// mask".
+template <class Checkpoint>
+at::Tensor apply_layer_checkpoint(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                                  const RopeTables& rope, const AttnMask& mask) {
   at::Tensor allowed =
       mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
-  return LayerCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
-                                static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
+  return Checkpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
+                           static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
+}
+
+}  // namespace
+
+at::Tensor checkpoint_layer(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
+                            const RopeTables& rope, const AttnMask& mask) {
+  return apply_layer_checkpoint<LayerCheckpoint>(impl, layer, h, rope, mask);
 }
 
 at::Tensor checkpoint_attention(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& h,
                                 const RopeTables& rope, const AttnMask& mask) {
-  at::Tensor allowed =
-      mask.allowed.defined() ? mask.allowed : at::empty({0}, h.options().dtype(at::kBool));
-  return AttentionCheckpoint::apply(h, impl->trigger, ptr_to_int(impl), layer, rope.cos, rope.sin,
-                                    static_cast<int64_t>(mask.kind), allowed, mask.max_seqlen);
+  return apply_layer_checkpoint<AttentionCheckpoint>(impl, layer, h, rope, mask);
 }
 
 at::Tensor checkpoint_mlp(const Qwen3Model::Impl* impl, int64_t layer, const at::Tensor& hs) {

@@ -105,26 +105,9 @@ class Fields {
   const std::string& src_;
 };
 
-}  // namespace
-
-Qwen3Config Qwen3Config::from_json_file(const std::string& path) {
-  // A config.json is a few KiB: 16 MiB bounds a mistaken /dev/zero or huge file, and a FIFO or a
-  // directory is refused before any read.
-  constexpr size_t kMaxConfigJsonBytes = size_t{16} << 20;
-  const std::string text = io::read_regular_file(path, kMaxConfigJsonBytes, "Qwen3 config.json");
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!j.is_discarded(), path, ": not valid JSON");
-  return from_json(j, path);
-}
-
-Qwen3Config Qwen3Config::from_json(const nlohmann::json& j, const std::string& source_name) {
-  const std::string& src = source_name;
-  TORCH_CHECK(j.is_object(), src, ": expected a JSON object at the top level, found ",
-              j.type_name());
-  Fields f(j, src);
-  Qwen3Config c;
-  c.source = src;
-
+// Architecture identity (present keys must say Qwen3), then the features this implementation
+// does not have: each is an error naming its key.
+void check_supported(const Fields& f, const std::string& src) {
   // Architecture identity: present keys must say Qwen3.
   if (const nlohmann::json* a = f.get("architectures"); a != nullptr && !a->is_null()) {
     TORCH_CHECK(a->is_array() && !a->empty(), src,
@@ -170,6 +153,66 @@ Qwen3Config Qwen3Config::from_json(const nlohmann::json& j, const std::string& s
   if (auto act = f.optional_string("hidden_act")) {
     TORCH_CHECK(*act == "silu", src, ": key 'hidden_act': expected \"silu\", found \"", *act, "\"");
   }
+}
+
+// RoPE base: top-level rope_theta (transformers 4.x) or rope_parameters (transformers 5.x).
+double read_rope_theta(const Fields& f, const std::string& src) {
+  double theta = 0.0;
+  const nlohmann::json* top_theta = f.get("rope_theta");
+  if (top_theta != nullptr && top_theta->is_null()) top_theta = nullptr;
+  const nlohmann::json* rp = f.get("rope_parameters");
+  if (rp != nullptr && !rp->is_null()) {
+    TORCH_CHECK(rp->is_object(), src, ": key 'rope_parameters': expected an object, found ",
+                dump_short(*rp));
+    auto rt = rp->find("rope_type");
+    TORCH_CHECK(rt == rp->end() || rt->is_null() || (rt->is_string() && *rt == "default"), src,
+                ": key 'rope_parameters.rope_type': only \"default\" RoPE is supported, found ",
+                rt == rp->end() ? std::string("?") : dump_short(*rt));
+    for (const auto& item : rp->items()) {
+      TORCH_CHECK(item.key() == "rope_type" || item.key() == "rope_theta", src,
+                  ": key 'rope_parameters.", item.key(),
+                  "': RoPE scaling parameters are not supported");
+    }
+    auto th = rp->find("rope_theta");
+    TORCH_CHECK(th != rp->end() || top_theta != nullptr, src,
+                ": missing required key 'rope_theta' (or 'rope_parameters.rope_theta')");
+    if (th != rp->end()) {
+      theta = f.to_positive_double("rope_parameters.rope_theta", *th);
+      if (top_theta != nullptr) {
+        const double t = f.to_positive_double("rope_theta", *top_theta);
+        TORCH_CHECK(t == theta, src, ": keys 'rope_theta' (", t,
+                    ") and 'rope_parameters.rope_theta' (", theta, ") disagree");
+      }
+    } else {
+      theta = f.to_positive_double("rope_theta", *top_theta);
+    }
+  } else {
+    theta = f.required_positive_double("rope_theta");
+  }
+  return theta;
+}
+
+}  // namespace
+
+Qwen3Config Qwen3Config::from_json_file(const std::string& path) {
+  // A config.json is a few KiB: 16 MiB bounds a mistaken /dev/zero or huge file, and a FIFO or a
+  // directory is refused before any read.
+  constexpr size_t kMaxConfigJsonBytes = size_t{16} << 20;
+  const std::string text = io::read_regular_file(path, kMaxConfigJsonBytes, "Qwen3 config.json");
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!j.is_discarded(), path, ": not valid JSON");
+  return from_json(j, path);
+}
+
+Qwen3Config Qwen3Config::from_json(const nlohmann::json& j, const std::string& source_name) {
+  const std::string& src = source_name;
+  TORCH_CHECK(j.is_object(), src, ": expected a JSON object at the top level, found ",
+              j.type_name());
+  Fields f(j, src);
+  Qwen3Config c;
+  c.source = src;
+
+  check_supported(f, src);
 
   c.vocab_size = f.required_int("vocab_size", 1, kMaxDim);
   c.hidden_size = f.required_int("hidden_size", 1, kMaxDim);
@@ -190,38 +233,7 @@ Qwen3Config Qwen3Config::from_json(const nlohmann::json& j, const std::string& s
   c.max_position_embeddings = f.required_int("max_position_embeddings", 1, INT64_MAX);
   c.tie_word_embeddings = f.optional_bool("tie_word_embeddings").value_or(false);
 
-  // RoPE base: top-level rope_theta (transformers 4.x) or rope_parameters (transformers 5.x).
-  const nlohmann::json* top_theta = f.get("rope_theta");
-  if (top_theta != nullptr && top_theta->is_null()) top_theta = nullptr;
-  const nlohmann::json* rp = f.get("rope_parameters");
-  if (rp != nullptr && !rp->is_null()) {
-    TORCH_CHECK(rp->is_object(), src, ": key 'rope_parameters': expected an object, found ",
-                dump_short(*rp));
-    auto rt = rp->find("rope_type");
-    TORCH_CHECK(rt == rp->end() || rt->is_null() || (rt->is_string() && *rt == "default"), src,
-                ": key 'rope_parameters.rope_type': only \"default\" RoPE is supported, found ",
-                rt == rp->end() ? std::string("?") : dump_short(*rt));
-    for (const auto& item : rp->items()) {
-      TORCH_CHECK(item.key() == "rope_type" || item.key() == "rope_theta", src,
-                  ": key 'rope_parameters.", item.key(),
-                  "': RoPE scaling parameters are not supported");
-    }
-    auto th = rp->find("rope_theta");
-    TORCH_CHECK(th != rp->end() || top_theta != nullptr, src,
-                ": missing required key 'rope_theta' (or 'rope_parameters.rope_theta')");
-    if (th != rp->end()) {
-      c.rope_theta = f.to_positive_double("rope_parameters.rope_theta", *th);
-      if (top_theta != nullptr) {
-        const double t = f.to_positive_double("rope_theta", *top_theta);
-        TORCH_CHECK(t == c.rope_theta, src, ": keys 'rope_theta' (", t,
-                    ") and 'rope_parameters.rope_theta' (", c.rope_theta, ") disagree");
-      }
-    } else {
-      c.rope_theta = f.to_positive_double("rope_theta", *top_theta);
-    }
-  } else {
-    c.rope_theta = f.required_positive_double("rope_theta");
-  }
+  c.rope_theta = read_rope_theta(f, src);
 
   std::vector<int64_t> bos = f.token_ids("bos_token_id");
   TORCH_CHECK(bos.size() <= 1, src, ": key 'bos_token_id': expected one id or null, found ",

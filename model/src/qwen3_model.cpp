@@ -359,6 +359,125 @@ const Qwen3Config& Qwen3Model::config() const { return impl_->cfg; }
 const ModelOptions& Qwen3Model::options() const { return impl_->opt; }
 bool Qwen3Model::tied() const { return impl_->tied; }
 
+namespace {
+
+// Qwen3Model::load's pass over the entries of `weights` into the parameters of `m`.
+class WeightLoader {
+ public:
+  WeightLoader(Qwen3Model::Impl& m, const DatReader& weights)
+      : m_(m), weights_(weights), path_(weights.path()), dev_(m.opt.device) {}
+
+  // One entry: a raw parameter, or one half of an NVFP4 pair. Entries that are not Qwen3
+  // parameters are ignored here (export copies them).
+  void entry(size_t i) {
+    const DatEntry& e = weights_.entries()[i];
+    KeyRef ref = classify_key(e.key);
+    Parameter* p = m_.find(ref.name);
+    if (p == nullptr) return;
+    const std::string where = path_ + ": entry " + std::to_string(i) + " '" + e.key + "'";
+    TORCH_CHECK(seen_.insert(e.key).second, where, ": duplicate key");
+    if (ref.part == KeyRef::Part::kRaw) {
+      raw(e, ref, p, where);
+    } else {
+      packed(e, ref, p, where);
+    }
+  }
+
+  // After every entry: no half pair left, every parameter loaded.
+  void check_complete() const {
+    for (const auto& kv : pending_) {
+      TORCH_CHECK(false, path_, ": ", kv.first, (kv.second.qdata.defined() ? ".scale" : ".qdata"),
+                  " is missing (its ", (kv.second.qdata.defined() ? ".qdata" : ".scale"),
+                  " is present)");
+    }
+  }
+
+ private:
+  void raw(const DatEntry& e, const KeyRef& ref, Parameter* p, const std::string& where) {
+    const auto& shape = m_.shape_of(p);
+    TORCH_CHECK(e.type == ElemType::kFloat16 || e.type == ElemType::kBFloat16 ||
+                    e.type == ElemType::kFloat32,
+                where, ": expected element type fp16, bf16 or fp32, got ", elem_type_name(e.type));
+    TORCH_CHECK(e.shape == shape, where, ": expected shape ", shape_str(shape), ", got ",
+                shape_str(e.shape));
+    TORCH_CHECK(!p->master.defined() && pending_.count(ref.name) == 0, where, ": parameter ",
+                ref.name, " is stored both raw and quantized");
+    TORCH_CHECK(p->lora_a == nullptr, where, ": ", ref.name,
+                " is stored unquantized; LoRA adapters (lora.targets) go on NVFP4 linears");
+    at::Tensor w = weights_.load(e);
+    check_finite_weight(w, e.type, where);
+    finish(p, w.to(dev_), false);
+  }
+
+  // A quantized parameter needs its qdata and scale; whichever comes first waits (on the host)
+  // for the other, so at most one linear's packed data is pending at a time in practice.
+  void packed(const DatEntry& e, const KeyRef& ref, Parameter* p, const std::string& where) {
+    const auto& shape = m_.shape_of(p);
+    TORCH_CHECK(shape.size() == 2 && shape[1] % q4::quant::kNvfp4BlockSize == 0, where,
+                ": parameter ", ref.name, " of shape ", shape_str(shape),
+                " cannot be stored as NVFP4");
+    TORCH_CHECK(!p->master.defined(), where, ": parameter ", ref.name,
+                " is stored both raw and quantized");
+    Pending& pd = pending_[ref.name];
+    if (ref.part == KeyRef::Part::kQData) {
+      TORCH_CHECK(e.type == ElemType::kUInt8 || e.type == ElemType::kE2M1Packed, where,
+                  ": expected element type uint8 or e2m1 (0 or 100), got ", elem_type_name(e.type));
+      const std::vector<int64_t> want{shape[0], shape[1] / 2};
+      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
+                  shape_str(e.shape));
+      pd.qdata = weights_.load(e);
+    } else {
+      TORCH_CHECK(e.type == ElemType::kE4M3Scale, where, ": expected element type e4m3 (101), got ",
+                  elem_type_name(e.type));
+      const std::vector<int64_t> want{shape[0], shape[1] / q4::quant::kNvfp4BlockSize};
+      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
+                  shape_str(e.shape));
+      pd.scale = weights_.load(e);
+      check_finite_weight(pd.scale, e.type, where);
+    }
+    if (!pd.qdata.defined() || !pd.scale.defined()) return;
+    if (p->lora_a != nullptr) {
+      // An adapted linear keeps the file's codes: its forward is built from W itself.
+      p->quantized = true;
+      p->qdata = pd.qdata.to(dev_).contiguous();
+      p->scale = pd.scale.to(dev_).contiguous();
+      pending_.erase(ref.name);
+      return;
+    }
+    // Dequantized values (<= 5 significant bits, |x| <= 2688) are exact in fp16/bf16/fp32.
+    const at::ScalarType dt = p->trainable ? m_.opt.master_dtype : m_.opt.compute_dtype;
+    at::Tensor w = q4::quant::dequantize_nvfp4(pd.qdata.to(dev_), pd.scale.to(dev_), dt);
+    pending_.erase(ref.name);
+    finish(p, w, true);
+  }
+
+  // w: on the device, master-ready values (dequantized or raw), any float dtype.
+  void finish(Parameter* p, const at::Tensor& w, bool quantized) {
+    p->quantized = quantized;
+    // A frozen linear computes with the file's own values, dequantize(file) (docs/design.md
+    // #training-numerics): quantizing them again would move the blocks whose largest value
+    // selects another scale (docs/design.md#nvfp4-arithmetic).
+    if (p->trainable) {
+      p->master = w.to(m_.opt.master_dtype).contiguous();
+      m_.offload_master(p);
+    } else {
+      p->master = w.to(m_.opt.compute_dtype).contiguous();
+    }
+  }
+
+  struct Pending {
+    at::Tensor qdata, scale;
+  };
+  Qwen3Model::Impl& m_;
+  const DatReader& weights_;
+  const std::string& path_;
+  const at::Device dev_;
+  std::unordered_map<std::string, Pending> pending_;
+  std::set<std::string> seen_;
+};
+
+}  // namespace
+
 Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, ModelOptions opt) {
   const bool has_lm_head =
       weights.find("lm_head.weight.qdata") != nullptr || weights.find("lm_head.weight") != nullptr;
@@ -367,31 +486,7 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
               " has tie_word_embeddings false");
   auto impl = std::make_unique<Impl>(cfg, opt, !has_lm_head);
   Impl& m = *impl;
-  const at::Device dev = m.opt.device;
   const auto& path = weights.path();
-
-  // A quantized parameter needs its qdata and scale; whichever comes first waits (on the host)
-  // for the other, so at most one linear's packed data is pending at a time in practice.
-  struct Pending {
-    at::Tensor qdata, scale;
-  };
-  std::unordered_map<std::string, Pending> pending;
-  std::set<std::string> seen;
-
-  auto finish = [&](Parameter* p, at::Tensor w, bool quantized) {
-    // w: on the device, master-ready values (dequantized or raw), any float dtype.
-    p->quantized = quantized;
-    // A frozen linear computes with the file's own values, dequantize(file) (docs/design.md
-    // #training-numerics): quantizing them again would move the blocks whose largest value
-    // selects another scale (docs/design.md#nvfp4-arithmetic).
-    if (p->trainable) {
-      p->master = w.to(m.opt.master_dtype).contiguous();
-      m.offload_master(p);
-    } else {
-      p->master = w.to(m.opt.compute_dtype).contiguous();
-    }
-  };
-
   const auto& entries = weights.entries();
   // The config and the weights describe the same number of decoder layers: extra layers in
   // the file would be dropped silently, missing ones are named below.
@@ -400,73 +495,9 @@ Qwen3Model Qwen3Model::load(const Qwen3Config& cfg, const DatReader& weights, Mo
   TORCH_CHECK(stored_layers <= cfg.num_hidden_layers, path, " stores ", stored_layers,
               " decoder layers but ", cfg.source, " has num_hidden_layers ", cfg.num_hidden_layers,
               "; the config and the weights must describe the same model");
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const DatEntry& e = entries[i];
-    KeyRef ref = classify_key(e.key);
-    Parameter* p = m.find(ref.name);
-    if (p == nullptr) continue;  // not a Qwen3 parameter: ignored here, copied by export
-    const auto& shape = m.shape_of(p);
-    const std::string where = path + ": entry " + std::to_string(i) + " '" + e.key + "'";
-    TORCH_CHECK(seen.insert(e.key).second, where, ": duplicate key");
-    if (ref.part == KeyRef::Part::kRaw) {
-      TORCH_CHECK(e.type == ElemType::kFloat16 || e.type == ElemType::kBFloat16 ||
-                      e.type == ElemType::kFloat32,
-                  where, ": expected element type fp16, bf16 or fp32, got ",
-                  elem_type_name(e.type));
-      TORCH_CHECK(e.shape == shape, where, ": expected shape ", shape_str(shape), ", got ",
-                  shape_str(e.shape));
-      TORCH_CHECK(!p->master.defined() && pending.count(ref.name) == 0, where, ": parameter ",
-                  ref.name, " is stored both raw and quantized");
-      TORCH_CHECK(p->lora_a == nullptr, where, ": ", ref.name,
-                  " is stored unquantized; LoRA adapters (lora.targets) go on NVFP4 linears");
-      at::Tensor raw = weights.load(e);
-      check_finite_weight(raw, e.type, where);
-      finish(p, raw.to(dev), false);
-      continue;
-    }
-    TORCH_CHECK(shape.size() == 2 && shape[1] % q4::quant::kNvfp4BlockSize == 0, where,
-                ": parameter ", ref.name, " of shape ", shape_str(shape),
-                " cannot be stored as NVFP4");
-    TORCH_CHECK(!p->master.defined(), where, ": parameter ", ref.name,
-                " is stored both raw and quantized");
-    Pending& pd = pending[ref.name];
-    if (ref.part == KeyRef::Part::kQData) {
-      TORCH_CHECK(e.type == ElemType::kUInt8 || e.type == ElemType::kE2M1Packed, where,
-                  ": expected element type uint8 or e2m1 (0 or 100), got ", elem_type_name(e.type));
-      const std::vector<int64_t> want{shape[0], shape[1] / 2};
-      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
-                  shape_str(e.shape));
-      pd.qdata = weights.load(e);
-    } else {
-      TORCH_CHECK(e.type == ElemType::kE4M3Scale, where, ": expected element type e4m3 (101), got ",
-                  elem_type_name(e.type));
-      const std::vector<int64_t> want{shape[0], shape[1] / q4::quant::kNvfp4BlockSize};
-      TORCH_CHECK(e.shape == want, where, ": expected shape ", shape_str(want), ", got ",
-                  shape_str(e.shape));
-      pd.scale = weights.load(e);
-      check_finite_weight(pd.scale, e.type, where);
-    }
-    if (pd.qdata.defined() && pd.scale.defined() && p->lora_a != nullptr) {
-      // An adapted linear keeps the file's codes: its forward is built from W itself.
-      p->quantized = true;
-      p->qdata = pd.qdata.to(dev).contiguous();
-      p->scale = pd.scale.to(dev).contiguous();
-      pending.erase(ref.name);
-      continue;
-    }
-    if (pd.qdata.defined() && pd.scale.defined()) {
-      // Dequantized values (<= 5 significant bits, |x| <= 2688) are exact in fp16/bf16/fp32.
-      const at::ScalarType dt = p->trainable ? m.opt.master_dtype : m.opt.compute_dtype;
-      at::Tensor w = q4::quant::dequantize_nvfp4(pd.qdata.to(dev), pd.scale.to(dev), dt);
-      pending.erase(ref.name);
-      finish(p, w, true);
-    }
-  }
-  for (const auto& kv : pending) {
-    TORCH_CHECK(false, path, ": ", kv.first, (kv.second.qdata.defined() ? ".scale" : ".qdata"),
-                " is missing (its ", (kv.second.qdata.defined() ? ".qdata" : ".scale"),
-                " is present)");
-  }
+  WeightLoader loader(m, weights);
+  for (size_t i = 0; i < entries.size(); ++i) loader.entry(i);
+  loader.check_complete();
   TORCH_CHECK(stored_layers == 0 || stored_layers == cfg.num_hidden_layers, path, " stores ",
               stored_layers, " decoder layers but ", cfg.source, " has num_hidden_layers ",
               cfg.num_hidden_layers, "; the config and the weights must describe the same model");

@@ -2,8 +2,6 @@
 // sums over that table.
 #include "q4/model/qwen3_params.h"
 
-#include <iterator>
-
 #include "ffn.h"
 #include "q4/model/qwen3.h"
 
@@ -83,22 +81,6 @@ int64_t Qwen3Config::num_linear_parameters(bool include_lm_head) const {
     if (p.kind == ParamKind::kQuantizedLinear) n += p.numel();
   }
   return n;
-}
-
-std::vector<std::string> lora_projection_targets() {
-  std::vector<std::string> out(std::begin(kLoraTargets), std::end(kLoraTargets));
-  out.pop_back();  // lm_head
-  return out;
-}
-
-std::string lora_target_list(const char* last_sep) {
-  std::string out;
-  const size_t n = std::size(kLoraTargets);
-  for (size_t i = 0; i < n; ++i) {
-    if (i > 0) out += i + 1 == n ? last_sep : ", ";
-    out += kLoraTargets[i];
-  }
-  return out;
 }
 
 }  // namespace q4::model

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -44,9 +45,20 @@ std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& cfg, bool include_lm_
 // lora.targets check against it.
 inline constexpr const char* kLoraTargets[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
                                                "gate_proj", "up_proj", "down_proj", "lm_head"};
+// Header-only, so that the trainer's config (and its fuzz target) need no model library.
 // kLoraTargets without lm_head: every decoder-layer projection (lora.targets' default).
-std::vector<std::string> lora_projection_targets();
+inline std::vector<std::string> lora_projection_targets() {
+  return std::vector<std::string>(std::begin(kLoraTargets), std::end(kLoraTargets) - 1);
+}
 // kLoraTargets joined by ", ", the last one by `last_sep` (", " or " or "): for messages.
-std::string lora_target_list(const char* last_sep);
+inline std::string lora_target_list(const char* last_sep) {
+  std::string out;
+  const size_t n = std::size(kLoraTargets);
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0) out += i + 1 == n ? last_sep : ", ";
+    out += kLoraTargets[i];
+  }
+  return out;
+}
 
 }  // namespace q4::model
