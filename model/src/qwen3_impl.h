@@ -146,6 +146,12 @@ bool varlen_attention_available(const at::Device& device, at::ScalarType compute
 // Mask for T new tokens after `past` cached ones, from the optional padding/segment inputs.
 AttnMask build_attention_mask(const ModelInputs& in, int64_t past, int64_t T,
                               const at::Device& device);
+// ---- generation (qwen3_generate.cpp) ----
+// Mask for T new tokens after `past` cached ones when the cache has key_valid (a left-padded
+// batch): causal, minus the invalid slots, plus each query's own slot (padded queries stay
+// finite). `in` must have no attention_mask/segment_ids.
+AttnMask cached_attention_mask(const ModelInputs& in, const KvCache& cache, int64_t past,
+                               int64_t T);
 
 // ---- fused CUDA ops (fused_ops.cpp); *_applies says whether the inputs allow them ----
 bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w);

@@ -336,6 +336,8 @@ at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache
     mask.kind = AttnMask::Kind::kVarlen;
     mask.allowed = in.cu_seqlens.to(dev, /*non_blocking=*/true);
     mask.max_seqlen = in.max_seqlen;
+  } else if (cache != nullptr && cache->key_valid.defined()) {
+    mask = cached_attention_mask(in, *cache, past, T);
   } else {
     mask = build_attention_mask(in, past, T, dev);
   }

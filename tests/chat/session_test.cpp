@@ -59,7 +59,7 @@ class SessionTest : public ::testing::Test {
 };
 
 TEST_F(SessionTest, FirstTurnIsTheChatTemplateAndTurnsExtendTheCache) {
-  SamplingOptions o;
+  model::SamplingParams o;
   o.temperature = 0;
   ChatSession s(*model_, *tok_, o, "Be brief.", /*max_new_tokens=*/6);
   std::string streamed;

@@ -24,8 +24,8 @@
 #include "line_input.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
+#include "q4/model/sampling.h"
 #include "q4/trainer/config/config.h"
-#include "sampling.h"
 #include "session.h"
 
 namespace {
@@ -65,127 +65,160 @@ bool is_command(const std::string& line) {
   return true;
 }
 
+// The command line of q4chat.
+struct ChatArgs {
+  q4::chat::ModelArgs m;
+  std::string prompt, seed = "0";
+  q4::model::SamplingParams so;
+  int64_t max_new = 512;
+  bool quiet = false;
+};
+
+void add_chat_options(CLI::App& app, ChatArgs& a) {
+  a.so.temperature = 0.7;
+  a.so.top_p = 0.8;
+  a.so.top_k = 20;
+  q4::chat::add_model_options(app, a.m);
+  app.add_option("--prompt", a.prompt, "one-shot: answer this and exit (default: interactive)");
+  app.add_option("--temperature", a.so.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--top-k", a.so.top_k, "0 = off")->capture_default_str();
+  app.add_option("--top-p", a.so.top_p, "1 = off")->capture_default_str();
+  app.add_option("--seed", a.seed, "sampling seed, 0..2^64-1")->capture_default_str();
+  app.add_option("--repetition-penalty", a.so.repetition_penalty, "1 = off")->capture_default_str();
+  app.add_option("--max-new-tokens", a.max_new, "tokens per reply at most")->capture_default_str();
+  app.add_flag("--quiet", a.quiet, "no load/speed lines on stderr");
+}
+
+// What a chat needs once the options are read: the tokenizer, the model and the template.
+struct ChatSetup {
+  std::unique_ptr<q4::data::Tokenizer> tok;
+  q4::chat::LoadedModel loaded;
+  q4::data::ChatOptions chat_opt;
+};
+
+// Checks the options and loads the tokenizer and model (every error here is the user's input).
+ChatSetup load_chat(ChatArgs& a) {
+  using namespace q4;
+  const auto t0 = std::chrono::steady_clock::now();
+  const model::ModelOptions opt = chat::inference_options(a.m.device);
+  ChatSetup s;
+  as_input([&] {
+    a.so.seed = parse_seed(a.seed);
+    a.so.validate("", /*cli=*/true);
+    TORCH_CHECK(a.max_new > 0, "--max-new-tokens: expected > 0, got ", a.max_new);
+    const chat::ModelPaths paths = chat::resolve_model_paths(a.m.model, a.m.config, a.m.tokenizer);
+    s.tok = std::make_unique<data::Tokenizer>(chat::load_tokenizer(paths));
+    // A run's system prompt is what its model was trained with; --system (even empty) wins.
+    if (!a.m.system_given() && !paths.system_prompt.empty()) {
+      a.m.system = paths.system_prompt;
+      if (!a.quiet) std::cerr << "q4chat: system prompt from the run's data.system_prompt\n";
+    }
+    s.chat_opt = chat::chat_options(a.m, paths);
+    if (!a.quiet) {
+      const auto& th = s.chat_opt.enable_thinking;
+      std::cerr << "q4chat: chat template " << io::enum_name(s.chat_opt.chat_template)
+                << (th ? *th ? ", enable_thinking true" : ", enable_thinking false" : "") << "\n";
+    }
+    check_text(*s.tok, a.prompt, "--prompt");
+    check_text(*s.tok, a.m.system, a.m.system_given() ? "--system" : "data.system_prompt");
+    s.loaded = chat::load_model(paths, *s.tok, opt, a.m.adapter);
+    const auto& cfg = s.loaded.config;
+    if (!a.quiet) {
+      std::cerr << fmt::format(
+          "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
+          paths.weights, a.m.adapter.empty() ? "" : " with adapter " + a.m.adapter,
+          cfg.num_hidden_layers, cfg.hidden_size, a.m.device,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (!s.loaded.adapter_summary.empty())
+        std::cerr << "q4chat: " << s.loaded.adapter_summary << "\n";
+    }
+    return 0;
+  });
+  return s;
+}
+
+// A session over the loaded model; replies stream to stdout, a speed line goes to stderr.
+class Chat {
+ public:
+  Chat(const ChatArgs& a, const ChatSetup& s) : a_(a), s_(s) { reset(); }
+  void reset() {
+    session_ = std::make_unique<q4::chat::ChatSession>(*s_.loaded.model, *s_.tok, a_.so,
+                                                       a_.m.system, a_.max_new, s_.chat_opt);
+  }
+  void turn(const std::string& text) {
+    const auto t = std::chrono::steady_clock::now();
+    const auto r =
+        session_->turn(text, [](const std::string& piece) { std::cout << piece << std::flush; });
+    std::cout << "\n";
+    if (a_.quiet) return;
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    std::cerr << fmt::format("[{} tokens, {:.1f} tok/s{}]\n", r.tokens.size(),
+                             sec > 0 ? static_cast<double>(r.tokens.size()) / sec : 0.0,
+                             r.stopped ? "" : ", no stop token");
+  }
+  const q4::data::Tokenizer& tokenizer() const { return *s_.tok; }
+
+ private:
+  const ChatArgs& a_;
+  const ChatSetup& s_;
+  std::unique_ptr<q4::chat::ChatSession> session_;
+};
+
+// Interactive turns on stdin until an empty line, /exit or EOF.
+int interactive(Chat& chat) {
+  const bool tty = ::isatty(0) != 0;
+  constexpr const char* kCommands = "/reset, /exit";
+  if (tty) {
+    std::setlocale(LC_CTYPE, "");  // libedit edits UTF-8 (CJK) lines by the terminal's locale
+    std::cerr << "q4chat: one message per line; /reset starts over, /exit or EOF ends\n";
+  }
+  q4::chat::LineInput input(std::cin, /*edit=*/tty);
+  std::string line;
+  while (true) {
+    try {
+      if (!input.next(tty ? "> " : "", line)) break;
+    } catch (const std::length_error& e) {
+      throw InputError(e.what());
+    }
+    if (line == "/exit" || line.empty()) break;
+    if (line == "/reset") {
+      chat.reset();
+      continue;
+    }
+    if (is_command(line)) {
+      std::cerr << "q4chat: unknown command " << line << "; commands: " << kCommands
+                << " (start a message with // to send text beginning with /)\n";
+      continue;
+    }
+    if (line.rfind("//", 0) == 0) line.erase(0, 1);
+    const std::string where = "stdin line " + std::to_string(input.line_number());
+    if (tty) {
+      // At a terminal a bad line is reported and the conversation goes on.
+      try {
+        check_text(chat.tokenizer(), line, where);
+      } catch (const InputError& e) {
+        std::cerr << "q4chat: error: " << e.what() << "\n";
+        continue;
+      }
+    } else {
+      check_text(chat.tokenizer(), line, where);
+    }
+    chat.turn(line);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"q4chat: chat with a Qwen3 model through the chat template"};
-  q4::chat::ModelArgs m;
-  std::string prompt, seed = "0";
-  q4::chat::SamplingOptions so;
-  so.temperature = 0.7;
-  so.top_p = 0.8;
-  so.top_k = 20;
-  int64_t max_new = 512;
-  bool quiet = false;
-  q4::chat::add_model_options(app, m);
-  app.add_option("--prompt", prompt, "one-shot: answer this and exit (default: interactive)");
-  app.add_option("--temperature", so.temperature, "0 = greedy")->capture_default_str();
-  app.add_option("--top-k", so.top_k, "0 = off")->capture_default_str();
-  app.add_option("--top-p", so.top_p, "1 = off")->capture_default_str();
-  app.add_option("--seed", seed, "sampling seed, 0..2^64-1")->capture_default_str();
-  app.add_option("--repetition-penalty", so.repetition_penalty, "1 = off")->capture_default_str();
-  app.add_option("--max-new-tokens", max_new, "tokens per reply at most")->capture_default_str();
-  app.add_flag("--quiet", quiet, "no load/speed lines on stderr");
+  ChatArgs args;
+  add_chat_options(app, args);
   return q4::tools::run_tool("q4chat", app, argc, argv, [&] {
-    using namespace q4;
-    const auto t0 = std::chrono::steady_clock::now();
-    const model::ModelOptions opt = chat::inference_options(m.device);
-    std::unique_ptr<data::Tokenizer> tok;
-    chat::LoadedModel loaded;
-    data::ChatOptions chat_opt;
-    as_input([&] {
-      so.seed = parse_seed(seed);
-      so.validate();
-      TORCH_CHECK(max_new > 0, "--max-new-tokens: expected > 0, got ", max_new);
-      const chat::ModelPaths paths = chat::resolve_model_paths(m.model, m.config, m.tokenizer);
-      tok = std::make_unique<data::Tokenizer>(chat::load_tokenizer(paths));
-      // A run's system prompt is what its model was trained with; --system (even empty) wins.
-      if (!m.system_given() && !paths.system_prompt.empty()) {
-        m.system = paths.system_prompt;
-        if (!quiet) std::cerr << "q4chat: system prompt from the run's data.system_prompt\n";
-      }
-      chat_opt = chat::chat_options(m, paths);
-      if (!quiet) {
-        std::cerr << "q4chat: chat template " << io::enum_name(chat_opt.chat_template)
-                  << (chat_opt.enable_thinking ? *chat_opt.enable_thinking
-                                                     ? ", enable_thinking true"
-                                                     : ", enable_thinking false"
-                                               : "")
-                  << "\n";
-      }
-      check_text(*tok, prompt, "--prompt");
-      check_text(*tok, m.system, m.system_given() ? "--system" : "data.system_prompt");
-      loaded = chat::load_model(paths, *tok, opt, m.adapter);
-      const auto& cfg = loaded.config;
-      if (!quiet) {
-        std::cerr << fmt::format(
-            "q4chat: {}: {}{} ({} layers, hidden {}, {}), loaded in {:.1f} s\n", paths.described,
-            paths.weights, m.adapter.empty() ? "" : " with adapter " + m.adapter, cfg.num_hidden_layers, cfg.hidden_size, m.device,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        if (!loaded.adapter_summary.empty())
-          std::cerr << "q4chat: " << loaded.adapter_summary << "\n";
-      }
-      return 0;
-    });
-    auto session =
-        std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new, chat_opt);
-    const auto print = [](const std::string& s) { std::cout << s << std::flush; };
-    const auto stats = [&](const chat::TurnResult& r, double s) {
-      if (quiet) return;
-      std::cerr << fmt::format("[{} tokens, {:.1f} tok/s{}]\n", r.tokens.size(),
-                               s > 0 ? static_cast<double>(r.tokens.size()) / s : 0.0,
-                               r.stopped ? "" : ", no stop token");
-    };
-    if (!prompt.empty()) {
-      const auto t = std::chrono::steady_clock::now();
-      const auto r = session->turn(prompt, print);
-      std::cout << "\n";
-      stats(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
-      return 0;
-    }
-    const bool tty = ::isatty(0) != 0;
-    constexpr const char* kCommands = "/reset, /exit";
-    if (tty) {
-      std::setlocale(LC_CTYPE, "");  // libedit edits UTF-8 (CJK) lines by the terminal's locale
-      std::cerr << "q4chat: one message per line; /reset starts over, /exit or EOF ends\n";
-    }
-    chat::LineInput input(std::cin, /*edit=*/tty);
-    std::string line;
-    while (true) {
-      try {
-        if (!input.next(tty ? "> " : "", line)) break;
-      } catch (const std::length_error& e) {
-        throw InputError(e.what());
-      }
-      if (line == "/exit" || line.empty()) break;
-      if (line == "/reset") {
-        session = std::make_unique<chat::ChatSession>(*loaded.model, *tok, so, m.system, max_new,
-                                                      chat_opt);
-        continue;
-      }
-      if (is_command(line)) {
-        std::cerr << "q4chat: unknown command " << line << "; commands: " << kCommands
-                  << " (start a message with // to send text beginning with /)\n";
-        continue;
-      }
-      if (line.rfind("//", 0) == 0) line.erase(0, 1);
-      const std::string where = "stdin line " + std::to_string(input.line_number());
-      if (tty) {
-        // At a terminal a bad line is reported and the conversation goes on.
-        try {
-          check_text(*tok, line, where);
-        } catch (const InputError& e) {
-          std::cerr << "q4chat: error: " << e.what() << "\n";
-          continue;
-        }
-      } else {
-        check_text(*tok, line, where);
-      }
-      const auto t = std::chrono::steady_clock::now();
-      const auto r = session->turn(line, print);
-      std::cout << "\n";
-      stats(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
-    }
+    const ChatSetup setup = load_chat(args);
+    Chat chat(args, setup);
+    if (args.prompt.empty()) return interactive(chat);
+    chat.turn(args.prompt);
     return 0;
   });
 }

@@ -97,7 +97,7 @@ std::string Utf8Stream::finish() {
 }
 
 ChatSession::ChatSession(model::Qwen3Model& model, const data::Tokenizer& tokenizer,
-                         const SamplingOptions& sampling, std::string system,
+                         const model::SamplingParams& sampling, std::string system,
                          int64_t max_new_tokens, const data::ChatOptions& chat)
     : model_(model),
       tok_(tokenizer),
@@ -155,11 +155,11 @@ TurnResult ChatSession::turn(const std::string& user,
     emit(stream.push(tok_.decode({static_cast<data::TokenId>(id)}, /*skip_special=*/true)));
     return true;
   };
-  const DecodeResult d =
-      decode(model_, cache_, ids, sampler_, history_, max_new_tokens_, {im_end, eot}, on_token);
+  const model::GenerationResult d = model::decode(model_, cache_, ids, sampler_, history_,
+                                                  max_new_tokens_, {im_end, eot}, on_token);
   emit(stream.finish());
   r.tokens = d.tokens;
-  r.stopped = d.stopped;
+  r.stopped = d.finish == model::FinishReason::kStop;
   last_reply_ = d.tokens;
   return r;
 }

@@ -19,8 +19,8 @@
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/model/sampling.h"
 #include "q4/trainer/config/config.h"
-#include "sampling.h"
 
 namespace CLI {
 class App;
@@ -56,7 +56,7 @@ class ChatSession {
   // reply's <think> block stays in the context, where a re-render by the qwen3 and 2507 Thinking
   // templates would drop it (docs/data.md "Chat templates").
   ChatSession(model::Qwen3Model& model, const data::Tokenizer& tokenizer,
-              const SamplingOptions& sampling, std::string system, int64_t max_new_tokens,
+              const model::SamplingParams& sampling, std::string system, int64_t max_new_tokens,
               const data::ChatOptions& chat = {});
   // One user turn: the reply is decoded and streamed to `on_text` piece by piece.
   TurnResult turn(const std::string& user,
@@ -68,7 +68,7 @@ class ChatSession {
  private:
   model::Qwen3Model& model_;
   const data::Tokenizer& tok_;
-  Sampler sampler_;
+  model::TokenSampler sampler_;
   std::string system_;
   int64_t max_new_tokens_;
   data::ChatOptions chat_;

@@ -215,109 +215,127 @@ void show_pairs(const q4::data::Tokenizer& tok, const q4::data::PreferenceDatase
   }
 }
 
+// The command line: the subcommands and every option they take.
+struct TokArgs {
+  std::string tokenizer_path;
+  bool skip_special = false, gen_prompt = false, preference = false;
+  std::string chat_template = "auto", enable_thinking;
+  std::string data_path, format = "auto", on_error = "fail", system_prompt;
+  std::string truncation = "auto", text_unit = "file";
+  int64_t seq_len = 256, show = 0;
+  CLI::App *enc = nullptr, *dec = nullptr, *chat = nullptr, *data = nullptr;
+};
+
+void add_data_command(CLI::App& app, TokArgs& a) {
+  a.data = app.add_subcommand("data", "load a dataset file and print its summary");
+  CLI::App* data = a.data;
+  data->add_option("--tokenizer", a.tokenizer_path, "HF tokenizer.json")->required();
+  data->add_option("--data", a.data_path, "TSV / JSONL / text file")->required();
+  data->add_option("--format", a.format, "auto | tsv | jsonl | text");
+  data->add_option("--on-error", a.on_error, "fail | skip");
+  data->add_option("--system", a.system_prompt, "system prompt");
+  data->add_option("--text-unit", a.text_unit,
+                   "a text file's examples: file | paragraph | line (data.text_unit)")
+      ->capture_default_str();
+  data->add_option("--seq-len", a.seq_len,
+                   "tokens per row truncation is counted for (train.seq_len)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, std::numeric_limits<int64_t>::max()));
+  data->add_option("--truncation", a.truncation,
+                   "auto | cut_left | cut_right | drop | split (data.truncation)")
+      ->capture_default_str();
+}
+
+void add_commands(CLI::App& app, TokArgs& a) {
+  app.require_subcommand(1);
+  auto add_tok = [&](CLI::App* sub) {
+    sub->add_option("--tokenizer", a.tokenizer_path, "HF tokenizer.json")->required();
+  };
+  auto add_template = [&](CLI::App* sub) {
+    sub->add_option("--chat-template", a.chat_template,
+                    "auto (the template beside --tokenizer, identified; qwen3-2507-instruct when "
+                    "there is none), qwen3, qwen3-2507-instruct or qwen3-2507-thinking")
+        ->check(CLI::IsMember(q4::io::enum_names<q4::data::ChatTemplate>()));
+    sub->add_option("--enable-thinking", a.enable_thinking,
+                    "true | false: HF's enable_thinking (default: unset, thinking on)")
+        ->check(CLI::IsMember({"true", "false"}));
+  };
+  a.enc = app.add_subcommand("encode", "JSON string per line -> JSON array of ids per line");
+  add_tok(a.enc);
+  a.dec = app.add_subcommand("decode", "JSON array of ids per line -> JSON string per line");
+  add_tok(a.dec);
+  a.dec->add_flag("--skip-special", a.skip_special, "drop special added tokens");
+  a.chat = app.add_subcommand("chat", "JSON conversation per line -> rendered, ids, mask");
+  add_tok(a.chat);
+  a.chat->add_flag("--add-generation-prompt", a.gen_prompt, "append <|im_start|>assistant\\n");
+  add_template(a.chat);
+  add_data_command(app, a);
+  add_template(a.data);
+  a.data
+      ->add_option("--show", a.show,
+                   "print the first N examples (pairs) as the model sees them (trained tokens "
+                   "marked)")
+      ->check(CLI::NonNegativeNumber);
+  a.data->add_flag("--preference", a.preference,
+                   "read TRL preference pairs {prompt, chosen, rejected} (train.objective "
+                   "preference)");
+}
+
+// The data subcommand: the dataset's summary, what truncation does to it, and --show.
+void run_data(const q4::data::Tokenizer& tok, const q4::data::ChatOptions& chat_opt,
+              const TokArgs& a) {
+  q4::data::DatasetOptions opt;
+  opt.format = q4::data::parse_data_format(a.format);
+  opt.on_error = q4::data::parse_on_error(a.on_error);
+  opt.system_prompt = a.system_prompt;
+  opt.text_unit = q4::data::parse_text_unit(a.text_unit);
+  const auto policy = q4::data::parse_truncation(a.truncation);
+  opt.skip_hint = "pass --on-error skip";
+  opt.preference_hint = "pass --preference to read preference pairs";
+  opt.chat = chat_opt;
+  // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
+  q4::io::check_regular_file(a.data_path, std::numeric_limits<size_t>::max(), "--data");
+  if (a.preference) {
+    const auto ds = q4::data::load_preference_dataset(a.data_path, tok, opt);
+    std::cout << ds.summary.to_string() << '\n';
+    std::vector<q4::data::Example> examples;
+    for (const auto& p : ds.pairs) {
+      examples.push_back(p.chosen);
+      examples.push_back(p.rejected);
+    }
+    if (!examples.empty()) print_truncation(std::move(examples), a.seq_len, policy, 2);
+    if (a.show > 0) show_pairs(tok, ds, a.show);
+  } else {
+    const auto ds = q4::data::load_dataset(a.data_path, tok, opt);
+    std::cout << ds.summary.to_string() << '\n';
+    if (!ds.examples.empty()) print_truncation(ds.examples, a.seq_len, policy, 1);
+    if (a.show > 0) show_examples(tok, ds, a.show);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"q4tok: Qwen3 tokenizer, chat template and dataset tool"};
-  app.require_subcommand(1);
-  std::string tokenizer_path;
-  auto add_tok = [&](CLI::App* sub) {
-    sub->add_option("--tokenizer", tokenizer_path, "HF tokenizer.json")->required();
-  };
-  auto* enc = app.add_subcommand("encode", "JSON string per line -> JSON array of ids per line");
-  add_tok(enc);
-  bool skip_special = false;
-  auto* dec = app.add_subcommand("decode", "JSON array of ids per line -> JSON string per line");
-  add_tok(dec);
-  dec->add_flag("--skip-special", skip_special, "drop special added tokens");
-  bool gen_prompt = false;
-  std::string chat_template = "auto", enable_thinking;
-  auto add_template = [&](CLI::App* sub) {
-    sub->add_option("--chat-template", chat_template,
-                    "auto (the template beside --tokenizer, identified; qwen3-2507-instruct when "
-                    "there is none), qwen3, qwen3-2507-instruct or qwen3-2507-thinking")
-        ->check(CLI::IsMember(q4::io::enum_names<q4::data::ChatTemplate>()));
-    sub->add_option("--enable-thinking", enable_thinking,
-                    "true | false: HF's enable_thinking (default: unset, thinking on)")
-        ->check(CLI::IsMember({"true", "false"}));
-  };
-  auto* chat = app.add_subcommand("chat", "JSON conversation per line -> rendered, ids, mask");
-  add_tok(chat);
-  chat->add_flag("--add-generation-prompt", gen_prompt, "append <|im_start|>assistant\\n");
-  add_template(chat);
-  std::string data_path, format = "auto", on_error = "fail", system_prompt;
-  std::string truncation = "auto", text_unit = "file";
-  int64_t seq_len = 256;
-  auto* data = app.add_subcommand("data", "load a dataset file and print its summary");
-  add_tok(data);
-  data->add_option("--data", data_path, "TSV / JSONL / text file")->required();
-  data->add_option("--format", format, "auto | tsv | jsonl | text");
-  data->add_option("--on-error", on_error, "fail | skip");
-  data->add_option("--system", system_prompt, "system prompt");
-  data->add_option("--text-unit", text_unit,
-                   "a text file's examples: file | paragraph | line (data.text_unit)")
-      ->capture_default_str();
-  data->add_option("--seq-len", seq_len, "tokens per row truncation is counted for (train.seq_len)")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{2}, std::numeric_limits<int64_t>::max()));
-  data->add_option("--truncation", truncation,
-                   "auto | cut_left | cut_right | drop | split (data.truncation)")
-      ->capture_default_str();
-  add_template(data);
-  int64_t show = 0;
-  data->add_option("--show", show,
-                   "print the first N examples (pairs) as the model sees them (trained tokens "
-                   "marked)")
-      ->check(CLI::NonNegativeNumber);
-  bool preference = false;
-  data->add_flag("--preference", preference,
-                 "read TRL preference pairs {prompt, chosen, rejected} (train.objective "
-                 "preference)");
+  TokArgs a;
+  add_commands(app, a);
   std::ios::sync_with_stdio(false);
   // Every library call reads the user's tokenizer or data: its errors are input errors.
   return q4::tools::run_tool(
       "q4tok", app, argc, argv,
       [&] {
         // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
-        q4::io::check_regular_file(tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
-        const auto tok = q4::data::Tokenizer::from_file(tokenizer_path);
+        q4::io::check_regular_file(a.tokenizer_path, kMaxTokenizerBytes, "--tokenizer");
+        const auto tok = q4::data::Tokenizer::from_file(a.tokenizer_path);
         q4::data::ChatOptions chat_opt;
         chat_opt.chat_template = q4::data::resolve_chat_template(
-            q4::io::parse_enum<q4::data::ChatTemplate>(chat_template, "--chat-template"),
-            q4::data::tokenizer_folder(tokenizer_path));
-        if (!enable_thinking.empty()) chat_opt.enable_thinking = enable_thinking == "true";
-        if (*enc) run_encode(tok);
-        if (*dec) run_decode(tok, skip_special);
-        if (*chat) run_chat(tok, gen_prompt, chat_opt);
-        if (*data) {
-          q4::data::DatasetOptions opt;
-          opt.format = q4::data::parse_data_format(format);
-          opt.on_error = q4::data::parse_on_error(on_error);
-          opt.system_prompt = system_prompt;
-          opt.text_unit = q4::data::parse_text_unit(text_unit);
-          const auto policy = q4::data::parse_truncation(truncation);
-          opt.skip_hint = "pass --on-error skip";
-          opt.preference_hint = "pass --preference to read preference pairs";
-          opt.chat = chat_opt;
-          // Any size, but a regular file: a FIFO or /dev/zero would block or never end.
-          q4::io::check_regular_file(data_path, std::numeric_limits<size_t>::max(), "--data");
-          if (preference) {
-            const auto ds = q4::data::load_preference_dataset(data_path, tok, opt);
-            std::cout << ds.summary.to_string() << '\n';
-            std::vector<q4::data::Example> examples;
-            for (const auto& p : ds.pairs) {
-              examples.push_back(p.chosen);
-              examples.push_back(p.rejected);
-            }
-            if (!examples.empty()) print_truncation(std::move(examples), seq_len, policy, 2);
-            if (show > 0) show_pairs(tok, ds, show);
-          } else {
-            const auto ds = q4::data::load_dataset(data_path, tok, opt);
-            std::cout << ds.summary.to_string() << '\n';
-            if (!ds.examples.empty()) print_truncation(ds.examples, seq_len, policy, 1);
-            if (show > 0) show_examples(tok, ds, show);
-          }
-        }
+            q4::io::parse_enum<q4::data::ChatTemplate>(a.chat_template, "--chat-template"),
+            q4::data::tokenizer_folder(a.tokenizer_path));
+        if (!a.enable_thinking.empty()) chat_opt.enable_thinking = a.enable_thinking == "true";
+        if (*a.enc) run_encode(tok);
+        if (*a.dec) run_decode(tok, a.skip_special);
+        if (*a.chat) run_chat(tok, a.gen_prompt, chat_opt);
+        if (*a.data) run_data(tok, chat_opt, a);
         return 0;
       },
       /*library_error_code=*/2);

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "q4/data/chat.h"
+#include "q4/model/sampling.h"
 #include "q4/trainer/runtime/nvtx.h"
 #include "q4/trainer/plan/options.h"
 #include "q4/trainer/plan/setup.h"
@@ -19,20 +20,28 @@ namespace q4::trainer {
 
 std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::Tokenizer& tok,
                                          const Config& c) {
-  std::vector<EvalAnswer> out;
-  model::GenerateOptions gen;
+  // Greedy, every prompt in one batch (docs/model.md#generation).
+  model::SamplingParams gen;
+  gen.temperature = 0;
   gen.max_new_tokens = c.eval.max_new_tokens;
   gen.stop_ids = {tok.im_end_id(), tok.endoftext_id()};
-  at::NoGradGuard no_grad;
+  std::vector<std::vector<int64_t>> prompts;
   for (const auto& prompt : c.eval.prompts) {
     std::vector<data::Message> msgs;
     if (!c.data.system_prompt.empty()) msgs.push_back({"system", c.data.system_prompt});
     msgs.push_back({"user", prompt});
     const auto ids =
         data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true, chat_options(c)).input_ids;
+    prompts.emplace_back(ids.begin(), ids.end());
+  }
+  std::vector<EvalAnswer> out;
+  if (prompts.empty()) return out;
+  at::NoGradGuard no_grad;
+  const std::vector<model::GenerationResult> results = model::generate(model, prompts, gen);
+  for (size_t i = 0; i < prompts.size(); ++i) {
     EvalAnswer a;
-    a.prompt = prompt;
-    a.tokens = model.generate(std::vector<int64_t>(ids.begin(), ids.end()), gen);
+    a.prompt = c.eval.prompts[i];
+    a.tokens = results[i].tokens;
     // The embedding may be larger than the tokenizer (151936 vs 151669 ids): an untrained model
     // can emit ids without text, shown as <id:N>.
     std::vector<data::TokenId> run;

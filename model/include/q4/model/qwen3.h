@@ -230,6 +230,9 @@ struct Parameter {
 struct KvCache {
   std::vector<at::Tensor> k;  // per layer (B, KVH, capacity, D)
   std::vector<at::Tensor> v;  // per layer (B, KVH, capacity, D)
+  // (B, capacity) bool on the model's device, optional: false marks a slot no query may attend
+  // (the left padding of a batch of prompts, sampling.h); undefined: every slot is valid.
+  at::Tensor key_valid;
   int64_t length = 0;
   int64_t capacity() const { return k.empty() ? 0 : k[0].size(2); }
 };
@@ -473,8 +476,12 @@ class Qwen3Model {
 
   // An empty cache for `batch` sequences of up to `capacity` tokens.
   KvCache make_cache(int64_t batch, int64_t capacity) const;
-  // Greedy decoding of one prompt with a KV cache (prefill in one pass). Returns the new tokens
-  // only, ending with the stop token when one was produced.
+  // Logits (B, V) of the last position after appending `in` (B, T) to `cache`, in the compute
+  // dtype (only that position goes through lm_head). The generation step of sampling.h.
+  at::Tensor next_token_logits(const ModelInputs& in, KvCache& cache);
+  // Greedy decoding of one prompt with a KV cache (prefill in one pass): q4::model::generate
+  // (sampling.h) with temperature 0. Returns the new tokens only, ending with the stop token
+  // when one was produced.
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt_ids,
                                 const GenerateOptions& gen = {});
 

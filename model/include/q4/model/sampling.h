@@ -1,0 +1,103 @@
+// Batched generation with a KV cache and token sampling (docs/model.md#generation). Prompts of
+// different lengths share one cache, left-padded: padded key slots are masked (KvCache::
+// key_valid) and each row's RoPE positions start at 0 at its first real token, so a row sees what
+// it would see alone. The logits processors follow HF transformers' order (repetition penalty,
+// temperature, top-k, top-p) on fp32 host rows with a seeded CPU generator, so a seed reproduces
+// a run on any device. Temperature 0 is greedy: the argmax on the device, as
+// Qwen3Model::generate() has always computed it.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "q4/model/qwen3.h"
+
+namespace q4::model {
+
+struct SamplingParams {
+  double temperature = 0;           // 0: greedy (argmax); > 0: softmax(logits / temperature)
+  int64_t top_k = 0;                // keep the k most likely tokens; 0: off
+  double top_p = 1.0;               // keep the smallest set with probability >= top_p; 1: off
+  double repetition_penalty = 1.0;  // > 1 discourages tokens already in the row (HF); 1: off
+  int64_t max_new_tokens = 128;     // per row
+  uint64_t seed = 0;                // the CPU generator's seed when none is passed (sampling only)
+  std::vector<int64_t> stop_ids = {151645, 151643};  // Qwen3 <|im_end|>, <|endoftext|>
+  bool want_logprobs = false;  // GenerationResult::logprobs (one log_softmax per token)
+  // Errors name the field as `prefix` + its name ("temperature", "top_k", "top_p",
+  // "repetition_penalty", "max_new_tokens"); `cli` spells it as an option ("--top-k").
+  void validate(const std::string& prefix = "", bool cli = false) const;
+};
+
+// HF RepetitionPenaltyLogitsProcessor: for every distinct id in `history`, a positive logit is
+// divided by `penalty`, a negative one multiplied. logits: (V) fp32, edited in place.
+void apply_repetition_penalty(at::Tensor& logits, const std::vector<int64_t>& history,
+                              double penalty);
+// Sets every logit outside the k largest of its row to -inf (ties at the k-th value are kept, as
+// HF). k <= 0 or k >= V: unchanged. logits: (V) or (B, V) fp32.
+at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
+// Nucleus filter per row: keeps the most likely tokens whose cumulative probability reaches
+// top_p (the token that crosses top_p is kept, at least one token always), -inf elsewhere.
+// top_p >= 1: unchanged. logits: (V) or (B, V) fp32 (already divided by the temperature).
+at::Tensor filter_top_p(const at::Tensor& logits, double top_p);
+
+// Picks the next token of each row from its logits. Sampling draws from one CPU generator (the
+// given one, else one seeded with params.seed): rows of a batch take consecutive draws, so a
+// batch of one draws what one row alone draws.
+class TokenSampler {
+ public:
+  explicit TokenSampler(const SamplingParams& params, at::Generator generator = {});
+  // logits (B, V), any float dtype and device; histories[b]: every token of row b so far (prompt
+  // and output) for the repetition penalty (may be empty when the penalty is off). Returns the
+  // B ids; with `logprobs`, also each id's log-probability under the unprocessed logits
+  // (log_softmax in fp32: the model's own distribution, as a trainer's token_logprobs computes).
+  std::vector<int64_t> next_batch(const at::Tensor& logits,
+                                  const std::vector<const std::vector<int64_t>*>& histories,
+                                  std::vector<float>* logprobs = nullptr);
+  // One row: logits (V).
+  int64_t next(const at::Tensor& logits, const std::vector<int64_t>& history);
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  SamplingParams params_;
+  at::Generator gen_;
+};
+
+// kStop: a stop id came; kLength: max_new_tokens reached; kCancelled: decode()'s on_token ended it.
+enum class FinishReason { kStop, kLength, kCancelled };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled"
+
+struct GenerationResult {
+  std::vector<int64_t> tokens;  // generated ids, the stop id included when one came
+  FinishReason finish = FinishReason::kLength;
+  std::vector<float> logprobs;  // per token (SamplingParams::want_logprobs), else empty
+};
+
+// Generates after each prompt (non-empty, ids in [0, vocab)) in one batch: one prefill, then one
+// forward of B tokens per step, until every row has stopped or reached max_new_tokens. A row
+// that stops (a stop id) gets no more tokens. `sampler` (optional) brings its generator and
+// params' sampling fields; without one a TokenSampler(params) is made. Inference only.
+std::vector<GenerationResult> generate(Qwen3Model& model,
+                                       const std::vector<std::vector<int64_t>>& prompts,
+                                       const SamplingParams& params,
+                                       TokenSampler* sampler = nullptr);
+
+// Continues one sequence on `cache` (multi-turn chat keeps its cache): appends `new_ids` (prefill
+// in one pass; the cache grows when needed), then samples up to `max_new_tokens` tokens, feeding
+// each back except the last one, which the caller feeds with its next input. `history` gets
+// new_ids and every sampled token appended. `on_token` (optional) sees each sampled id before
+// the stop check; returning false ends the decode.
+GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int64_t>& new_ids,
+                        TokenSampler& sampler, std::vector<int64_t>& history,
+                        int64_t max_new_tokens, const std::vector<int64_t>& stop_ids,
+                        const std::function<bool(int64_t)>& on_token = {});
+
+// Ensures `cache` can take `needed` tokens in total, copying the valid prefix into a larger
+// cache (at least doubling) when it cannot.
+void reserve_cache(const Qwen3Model& model, KvCache& cache, int64_t needed);
+
+}  // namespace q4::model

@@ -1,0 +1,301 @@
+// Token sampling, batched generation and the cached decode loop (see sampling.h). Sampled or
+// penalized logits come to the host in fp32 once per step ((B, V), which the stop check needs
+// anyway); the filters work on those rows. Greedy without a penalty stays on the device.
+#include "q4/model/sampling.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace q4::model {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+bool is_stop(const std::vector<int64_t>& stop_ids, int64_t tok) {
+  return std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end();
+}
+
+void check_ids(const std::vector<int64_t>& ids, int64_t V, const char* what) {
+  for (int64_t id : ids) {
+    TORCH_CHECK(id >= 0 && id < V, what, ": token id ", id, " is outside [0, ", V, ")");
+  }
+}
+
+}  // namespace
+
+void SamplingParams::validate(const std::string& prefix, bool cli) const {
+  const auto name = [&](std::string field) {
+    if (!cli) return prefix + field;
+    std::replace(field.begin(), field.end(), '_', '-');
+    return prefix + "--" + field;
+  };
+  TORCH_CHECK(std::isfinite(temperature) && temperature >= 0, name("temperature"),
+              ": expected a finite value >= 0, got ", temperature);
+  TORCH_CHECK(top_k >= 0, name("top_k"), ": expected >= 0 (0 = off), got ", top_k);
+  TORCH_CHECK(top_p > 0 && top_p <= 1, name("top_p"), ": expected a value in (0, 1], got ", top_p);
+  TORCH_CHECK(std::isfinite(repetition_penalty) && repetition_penalty > 0,
+              name("repetition_penalty"), ": expected a finite value > 0 (1 = off), got ",
+              repetition_penalty);
+  TORCH_CHECK(max_new_tokens >= 0, name("max_new_tokens"), ": expected >= 0, got ", max_new_tokens);
+}
+
+void apply_repetition_penalty(at::Tensor& logits, const std::vector<int64_t>& history,
+                              double penalty) {
+  if (penalty == 1.0 || history.empty()) return;
+  TORCH_CHECK(logits.dim() == 1, "repetition penalty: expected (V) logits, got ", logits.sizes());
+  std::vector<int64_t> ids(history);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const int64_t V = logits.size(0);
+  ids.erase(std::remove_if(ids.begin(), ids.end(), [V](int64_t i) { return i < 0 || i >= V; }),
+            ids.end());
+  if (ids.empty()) return;
+  at::Tensor idx = at::tensor(ids, at::kLong).to(logits.device());
+  at::Tensor s = logits.index_select(0, idx);
+  s = at::where(s < 0, s * penalty, s / penalty);
+  logits.index_copy_(0, idx, s);
+}
+
+at::Tensor filter_top_k(const at::Tensor& logits, int64_t k) {
+  const int64_t V = logits.size(-1);
+  if (k <= 0 || k >= V) return logits;
+  const at::Tensor kth = std::get<0>(logits.topk(k)).narrow(-1, k - 1, 1);  // (..., 1)
+  return logits.masked_fill(logits < kth, kNegInf);
+}
+
+at::Tensor filter_top_p(const at::Tensor& logits, double top_p) {
+  if (top_p >= 1.0) return logits;
+  auto sorted = logits.sort(/*dim=*/-1, /*descending=*/true);
+  const at::Tensor& vals = std::get<0>(sorted);  // (..., V) descending
+  const at::Tensor& idx = std::get<1>(sorted);   // (..., V)
+  const at::Tensor probs = vals.softmax(-1);
+  const at::Tensor before = probs.cumsum(-1) - probs;  // probability mass ranked above each token
+  at::Tensor remove_sorted = before >= top_p;
+  remove_sorted.select(-1, 0).fill_(false);  // at least one token
+  const at::Tensor remove = at::zeros_like(remove_sorted).scatter(-1, idx, remove_sorted);
+  return logits.masked_fill(remove, kNegInf);
+}
+
+TokenSampler::TokenSampler(const SamplingParams& params, at::Generator generator)
+    : params_(params),
+      gen_(generator.defined() ? std::move(generator)
+                               : at::make_generator<at::CPUGeneratorImpl>(params.seed)) {
+  params_.validate();
+}
+
+std::vector<int64_t> TokenSampler::next_batch(
+    const at::Tensor& logits, const std::vector<const std::vector<int64_t>*>& histories,
+    std::vector<float>* logprobs) {
+  TORCH_CHECK(logits.dim() == 2, "sampler: expected (B, V) logits, got ", logits.sizes());
+  const int64_t B = logits.size(0);
+  const bool penalize = params_.repetition_penalty != 1.0;
+  TORCH_CHECK(!penalize || static_cast<int64_t>(histories.size()) == B, "sampler: ", B,
+              " rows of logits but ", histories.size(), " histories");
+  at::Tensor ids;  // (B) int64
+  if (params_.temperature == 0 && !penalize) {
+    ids = logits.argmax(-1);  // on the device, in the logits' dtype
+  } else {
+    at::Tensor l = logits.to(at::kCPU, at::kFloat).clone();  // (B, V)
+    if (penalize) {
+      for (int64_t b = 0; b < B; ++b) {
+        at::Tensor row = l.select(0, b);
+        apply_repetition_penalty(row, *histories[b], params_.repetition_penalty);
+      }
+    }
+    if (params_.temperature == 0) {
+      ids = l.argmax(-1);
+    } else {
+      l = l / params_.temperature;
+      l = filter_top_k(l, params_.top_k);
+      l = filter_top_p(l, params_.top_p);
+      const at::Tensor probs = l.softmax(-1);
+      ids = at::multinomial(probs, 1, /*replacement=*/false, gen_).view({B});
+    }
+  }
+  if (logprobs != nullptr) {
+    const at::Tensor lp = logits.to(at::kFloat)
+                              .log_softmax(-1)
+                              .gather(1, ids.to(logits.device()).view({B, 1}));  // (B, 1)
+    const at::Tensor lp_host = lp.view({B}).cpu();
+    logprobs->assign(lp_host.data_ptr<float>(), lp_host.data_ptr<float>() + B);
+  }
+  const at::Tensor host = ids.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + B);
+}
+
+int64_t TokenSampler::next(const at::Tensor& logits, const std::vector<int64_t>& history) {
+  TORCH_CHECK(logits.dim() == 1, "sampler: expected (V) logits, got ", logits.sizes());
+  return next_batch(logits.unsqueeze(0), {&history}).at(0);
+}
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+  }
+  return "?";
+}
+
+namespace {
+
+// A batch of prompts left-padded to the longest: the prefill inputs, and the cache's valid slots
+// and each row's positions when some row is shorter.
+struct PaddedBatch {
+  int64_t longest = 0;
+  bool padded = false;
+  std::vector<int64_t> lengths;
+  ModelInputs prefill;  // input_ids (B, longest); position_ids when padded
+};
+
+PaddedBatch pad_left(const std::vector<std::vector<int64_t>>& prompts, const at::Device& dev) {
+  PaddedBatch pb;
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  for (const auto& p : prompts) {
+    pb.lengths.push_back(static_cast<int64_t>(p.size()));
+    pb.longest = std::max(pb.longest, pb.lengths.back());
+  }
+  std::vector<int64_t> ids(B * pb.longest, 0), pos(B * pb.longest, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t pad = pb.longest - pb.lengths[b];
+    pb.padded = pb.padded || pad > 0;
+    for (int64_t j = 0; j < pb.lengths[b]; ++j) {
+      ids[b * pb.longest + pad + j] = prompts[b][j];
+      pos[b * pb.longest + pad + j] = j;
+    }
+  }
+  pb.prefill.input_ids = at::tensor(ids, at::kLong).view({B, pb.longest}).to(dev);
+  if (pb.padded) pb.prefill.position_ids = at::tensor(pos, at::kLong).view({B, pb.longest}).to(dev);
+  return pb;
+}
+
+// Marks the left padding of `cache` invalid (slots [0, longest - length) of each row).
+void mask_padding(KvCache& cache, const PaddedBatch& pb, const at::Device& dev) {
+  const int64_t B = static_cast<int64_t>(pb.lengths.size());
+  at::Tensor valid = at::ones({B, cache.capacity()}, at::kBool);
+  for (int64_t b = 0; b < B; ++b) valid[b].narrow(0, 0, pb.longest - pb.lengths[b]).fill_(false);
+  cache.key_valid = valid.to(dev);
+}
+
+}  // namespace
+
+std::vector<GenerationResult> generate(Qwen3Model& model,
+                                       const std::vector<std::vector<int64_t>>& prompts,
+                                       const SamplingParams& params, TokenSampler* sampler) {
+  TORCH_CHECK(!prompts.empty(), "generate: no prompts");
+  TORCH_CHECK(params.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ",
+              params.max_new_tokens);
+  const int64_t V = model.config().vocab_size;
+  for (const auto& p : prompts) {
+    TORCH_CHECK(!p.empty(), "generate: the prompt is empty");
+    check_ids(p, V, "generate: prompt");
+  }
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  std::vector<GenerationResult> out(B);
+  if (params.max_new_tokens == 0) return out;
+  TokenSampler own(params);
+  TokenSampler& s = sampler != nullptr ? *sampler : own;
+  at::NoGradGuard no_grad;
+  const auto dev = model.options().device;
+  PaddedBatch pb = pad_left(prompts, dev);
+  KvCache cache = model.make_cache(B, pb.longest + params.max_new_tokens);
+  if (pb.padded) mask_padding(cache, pb, dev);
+  std::vector<std::vector<int64_t>> history(prompts);
+  std::vector<const std::vector<int64_t>*> rows;
+  for (const auto& h : history) rows.push_back(&h);
+  std::vector<bool> done(B, false);
+  std::vector<float> lp;
+  ModelInputs in = pb.prefill;
+  for (int64_t step = 0; step < params.max_new_tokens; ++step) {
+    const std::vector<int64_t> toks = s.next_batch(model.next_token_logits(in, cache), rows,
+                                                   params.want_logprobs ? &lp : nullptr);
+    int64_t running = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      if (done[b]) continue;
+      out[b].tokens.push_back(toks[b]);
+      if (params.want_logprobs) out[b].logprobs.push_back(lp[b]);
+      history[b].push_back(toks[b]);
+      if (is_stop(params.stop_ids, toks[b])) {
+        out[b].finish = FinishReason::kStop;
+        done[b] = true;
+      }
+      running += done[b] ? 0 : 1;
+    }
+    if (running == 0 || step + 1 == params.max_new_tokens) break;
+    // Stopped rows are fed too (the batch keeps its shape); nothing of theirs is kept.
+    in = ModelInputs();
+    in.input_ids = at::tensor(toks, at::kLong).view({B, 1}).to(dev);
+    if (pb.padded) {
+      std::vector<int64_t> pos(B);
+      for (int64_t b = 0; b < B; ++b) pos[b] = pb.lengths[b] + step;
+      in.position_ids = at::tensor(pos, at::kLong).view({B, 1}).to(dev);
+    }
+  }
+  return out;
+}
+
+void reserve_cache(const Qwen3Model& model, KvCache& cache, int64_t needed) {
+  if (needed <= cache.capacity()) return;
+  const int64_t batch = cache.k.empty() ? 1 : cache.k[0].size(0);
+  KvCache bigger = model.make_cache(batch, std::max(needed, 2 * cache.capacity()));
+  for (size_t l = 0; l < cache.k.size() && cache.length > 0; ++l) {
+    bigger.k[l].narrow(2, 0, cache.length).copy_(cache.k[l].narrow(2, 0, cache.length));
+    bigger.v[l].narrow(2, 0, cache.length).copy_(cache.v[l].narrow(2, 0, cache.length));
+  }
+  if (cache.key_valid.defined()) {
+    bigger.key_valid = at::ones({batch, bigger.capacity()}, cache.key_valid.options());
+    bigger.key_valid.narrow(1, 0, cache.capacity()).copy_(cache.key_valid);
+  }
+  bigger.length = cache.length;
+  cache = std::move(bigger);
+}
+
+GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int64_t>& new_ids,
+                        TokenSampler& sampler, std::vector<int64_t>& history,
+                        int64_t max_new_tokens, const std::vector<int64_t>& stop_ids,
+                        const std::function<bool(int64_t)>& on_token) {
+  TORCH_CHECK(!new_ids.empty(), "decode: no input tokens");
+  TORCH_CHECK(max_new_tokens >= 0, "decode: max_new_tokens must be >= 0, got ", max_new_tokens);
+  check_ids(new_ids, model.config().vocab_size, "decode");
+  GenerationResult r;
+  at::NoGradGuard no_grad;
+  const auto dev = model.options().device;
+  const int64_t n = static_cast<int64_t>(new_ids.size());
+  reserve_cache(model, cache, cache.length + n + max_new_tokens);
+  history.insert(history.end(), new_ids.begin(), new_ids.end());
+  ModelInputs in;
+  in.input_ids = at::tensor(new_ids, at::kLong).view({1, n}).to(dev);
+  if (max_new_tokens == 0) {  // prefill only: the cache holds every input token
+    model.hidden_states(in, &cache);
+    return r;
+  }
+  for (int64_t step = 0; step < max_new_tokens; ++step) {
+    const int64_t tok = sampler.next_batch(model.next_token_logits(in, cache), {&history}).at(0);
+    r.tokens.push_back(tok);
+    history.push_back(tok);
+    const bool go_on = !on_token || on_token(tok);
+    if (is_stop(stop_ids, tok)) {
+      r.finish = FinishReason::kStop;
+      break;
+    }
+    if (!go_on) {
+      r.finish = FinishReason::kCancelled;
+      break;
+    }
+    in.input_ids = at::tensor(std::vector<int64_t>{tok}, at::kLong).view({1, 1}).to(dev);
+  }
+  return r;
+}
+
+}  // namespace q4::model
