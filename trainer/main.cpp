@@ -21,12 +21,13 @@
 #include <string>
 #include <vector>
 
-#include "q4/trainer/config/config.h"
-#include "q4/trainer/objectives/distill.h"
-#include "q4/trainer/distributed/distributed.h"
-#include "q4/trainer/runtime/profile.h"
-#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/app/trainer.h"
+#include "q4/trainer/config/config.h"
+#include "q4/trainer/distributed/distributed.h"
+#include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/profile.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -223,7 +224,8 @@ Config resolve_config(Cli& o, const WorldInfo& world) {
     o.config_path =
         o.resume.empty() ? default_config_path() : saved_config_path_for_resume(o.resume);
   }
-  Config config = load_config(o.config_path, overrides);
+  // The objectives' rules after the config's own (their errors name the file too).
+  Config config = load_config(o.config_path, overrides, validate_objective_config);
   const bool prints = world.rank == 0 && o.nproc <= 1;
   if (!o.resume.empty()) {
     bool dir_set = false;

@@ -514,6 +514,11 @@ TEST(E2E, DryRunLoadsNothing) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("memory estimate"), std::string::npos);
   EXPECT_NE(r.out.find("moments"), std::string::npos);
+  // The run's plan, as a short block: the step, recompute and placements, the data.
+  EXPECT_NE(r.out.find("\nplan: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("; updates after the backward"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plan: recompute none; moments on the device"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plan: data rows in groups of 1"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(dir / "run" / "init.dat"));
 }
 

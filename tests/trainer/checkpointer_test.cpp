@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "component_fixtures.h"
+#include "q4/trainer/objectives/registry.h"
 
 namespace fs = std::filesystem;
 using namespace q4;
@@ -67,7 +68,7 @@ Config config_in(const fs::path& dir, int64_t keep = 2) {
 
 TEST(Checkpointer, SaveRestoreRoundTrip) {
   ComponentTempDir t;
-  RunPlan plan(config_in(t.path), RunOptions{});
+  RunPlan plan = resolve_plan(config_in(t.path), RunOptions{});
   std::ostringstream out;
   FakeState saved(1);
   saved.step(2);
@@ -81,7 +82,7 @@ TEST(Checkpointer, SaveRestoreRoundTrip) {
   EXPECT_TRUE(fs::exists(fs::path(latest->path) / kOptimStateFile));
 
   FakeState fresh(9);  // other masters: the checkpoint's come back
-  RunPlan plan2(config_in(t.path), RunOptions{});
+  RunPlan plan2 = resolve_plan(config_in(t.path), RunOptions{});
   Checkpointer ck2(plan2, out);
   ck2.attach(fresh.optimizer, fresh.params, nullptr, fresh.schedule);
   const auto r = ck2.restore(*latest, /*export_only=*/false);
@@ -95,7 +96,7 @@ TEST(Checkpointer, SaveRestoreRoundTrip) {
 
 TEST(Checkpointer, RetentionKeepsTheNewest) {
   ComponentTempDir t;
-  RunPlan plan(config_in(t.path, /*keep=*/2), RunOptions{});
+  RunPlan plan = resolve_plan(config_in(t.path, /*keep=*/2), RunOptions{});
   std::ostringstream out;
   FakeState s(1);
   Checkpointer ck(plan, out);
@@ -116,7 +117,7 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   FakeState rank0(1, {0}), rank1(1, {1});
   rank0.step(2);
   rank1.step(3);
-  RunPlan plan(config_in(t.path), RunOptions{});
+  RunPlan plan = resolve_plan(config_in(t.path), RunOptions{});
   Checkpointer writer(plan, out);
   writer.attach(rank0.optimizer, rank0.params, nullptr, rank0.schedule);
   writer.save(5, 0);
@@ -134,12 +135,14 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   EXPECT_EQ(optimizer_files(resolve_resume_dir(dir.string())).size(), 2u);
 
   FakeState one(9);
-  RunPlan resumed(config_in(t.path), RunOptions{});
+  RunPlan resumed = resolve_plan(config_in(t.path), RunOptions{});
   Checkpointer ck(resumed, out);
   ck.attach(one.optimizer, one.params, nullptr, one.schedule);
   int64_t told = 0;
-  const auto r =
-      ck.restore(resolve_resume_dir(dir.string()), false, [&](int64_t accum) { told = accum; });
+  const auto r = ck.restore(resolve_resume_dir(dir.string()), false, [&](int64_t accum) {
+    told = accum;
+    resumed = resumed.with_grad_accum(accum);
+  });
   EXPECT_EQ(r.step, 5);
   EXPECT_EQ(told, 2);  // the same global batch: 2 ranks x 1 = 1 rank x 2
   EXPECT_EQ(resumed.grad_accum(), 2);
@@ -160,7 +163,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   ComponentTempDir t;
   std::ostringstream out;
   FakeState s(1);
-  RunPlan plan(config_in(t.path), RunOptions{});
+  RunPlan plan = resolve_plan(config_in(t.path), RunOptions{});
   Checkpointer ck(plan, out);
   ck.attach(s.optimizer, s.params, nullptr, s.schedule);
   ck.save(2, 0);
@@ -168,7 +171,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   EXPECT_NO_THROW(ck.check_schedule_unchanged(saved));
   Config longer = config_in(t.path);
   longer.train.steps = 20;
-  RunPlan plan2(longer, RunOptions{});
+  RunPlan plan2 = resolve_plan(longer, RunOptions{});
   Checkpointer ck2(plan2, out);
   try {
     ck2.check_schedule_unchanged(saved);
@@ -178,7 +181,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   }
   RunOptions allow;
   allow.allow_schedule_change = true;
-  RunPlan plan3(longer, allow);
+  RunPlan plan3 = resolve_plan(longer, allow);
   EXPECT_NO_THROW(Checkpointer(plan3, out).check_schedule_unchanged(saved));
 
   const fs::path dir = t.path / checkpoint_dir_name(2);

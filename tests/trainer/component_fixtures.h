@@ -21,6 +21,7 @@
 #include "q4/optim/schedule.h"
 #include "q4/trainer/distributed/grad_sync.h"
 #include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/run_plan.h"
 #include "q4/trainer/step/step.h"
 
@@ -113,7 +114,7 @@ struct StepRig {
 
   StepRig(const Config& c, model::Qwen3Model& model, Objective& objective, bool in_backward = false,
           DistComm* comm = nullptr)
-      : plan(c, RunOptions{}),
+      : plan(resolve_plan(c, RunOptions{})),
         optimizer(optim::AdamWOptions{}),
         schedule([] {
           optim::LrScheduleOptions s;

@@ -13,8 +13,9 @@
 #include <sstream>
 
 #include "q4/io/remove_tree.h"
-#include "q4/trainer/plan/options.h"
 #include "q4/trainer/app/trainer.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/options.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -31,9 +32,13 @@ data:
   files: [train.tsv]
 )";
 
+// As q4train reads a config: the config's rules, then the objectives' (registry.h).
 Config parse(const std::string& text, const std::vector<Override>& ov = {}) {
-  return parse_config(text, "test.yaml", "/base", ov);
+  return parse_config(text, "test.yaml", "/base", ov, validate_objective_config);
 }
+
+// The run's warning about settings that do not apply, for the objective the config names.
+std::string ignored_of(const Config& c) { return ignored_settings_warning(c, objective_needs(c)); }
 
 // The ConfigError message of parsing `text`, or "" when it parses.
 std::string error_of(const std::string& text, const std::vector<Override>& ov = {}) {
@@ -175,8 +180,8 @@ TEST(Config, LoraKeys) {
   EXPECT_TRUE(contains(error_of(base, {parse_override("model.fake_quant=false")}), "train.method"));
   // PEFT's spellings point to ours.
   EXPECT_TRUE(contains(error_of(base + "lora: {r: 8}\n"), "did you mean lora.rank"));
-  EXPECT_TRUE(contains(error_of(base + "lora: {target_modules: [v_proj]}\n"),
-                       "did you mean lora.targets"));
+  EXPECT_TRUE(
+      contains(error_of(base + "lora: {target_modules: [v_proj]}\n"), "did you mean lora.targets"));
   const Config some = parse(base + "lora: {rank: 8, alpha: 16, targets: [v_proj]}\n");
   EXPECT_EQ(some.lora.rank, 8);
   EXPECT_EQ(some.lora.alpha, 16.0);
@@ -373,10 +378,10 @@ TEST(Config, DirectoryAsConfigIsAnError) {
 // batcher decides per example); data.text_unit reaches the loader, file by default.
 TEST(Config, TruncationAutoAndTextUnitReachTheLibrary) {
   EXPECT_EQ(parse(kMinimal).data.truncation, Truncation::kAuto);
-  EXPECT_EQ(batcher_options(parse(kMinimal), 0).truncation, Truncation::kAuto);
-  EXPECT_EQ(
-      batcher_options(parse(kMinimal, {parse_override("data.truncation=drop")}), 0).truncation,
-      Truncation::kDrop);
+  EXPECT_EQ(batcher_options(parse(kMinimal), 0, true, 1).truncation, Truncation::kAuto);
+  EXPECT_EQ(batcher_options(parse(kMinimal, {parse_override("data.truncation=drop")}), 0, true, 1)
+                .truncation,
+            Truncation::kDrop);
   EXPECT_NE(error_of(kMinimal, {parse_override("data.truncation=middle")}), "");
   EXPECT_EQ(dataset_options(parse(kMinimal)).text_unit, q4::data::TextUnit::kFile);
   EXPECT_EQ(
@@ -766,8 +771,8 @@ TEST(Config, RunLengthResolvesFromTheData) {
 // Settings that do not apply to the run are named in one warning line, with why; the defaults,
 // and settings that apply, are not (they used to be ignored without a word).
 TEST(Config, SettingsThatDoNotApplyAreNamed) {
-  EXPECT_EQ(ignored_settings_warning(parse(kMinimal)), "");
-  const std::string w = ignored_settings_warning(
+  EXPECT_EQ(ignored_of(parse(kMinimal)), "");
+  const std::string w = ignored_of(
       parse(std::string(kMinimal) + "lora: {rank: 8, alpha: 4}\npreference: {beta: 0.5}\n"));
   EXPECT_EQ(w,
             "warning: settings that do not apply to this run are ignored: lora.rank, lora.alpha "
@@ -778,14 +783,14 @@ TEST(Config, SettingsThatDoNotApplyAreNamed) {
                            "train: {method: lora, objective: preference}\n"
                            "lora: {rank: 8, cache_base_weights: true}\n"
                            "preference: {loss: ipo, label_smoothing: 0.1, beta: 0.5}\n";
-  EXPECT_EQ(ignored_settings_warning(parse(pref)),
+  EXPECT_EQ(ignored_of(parse(pref)),
             "warning: settings that do not apply to this run are ignored: lora.cache_base_weights "
             "(lora.merge_aware is true); preference.label_smoothing (preference.loss is ipo)");
-  EXPECT_TRUE(contains(
-      ignored_settings_warning(parse(std::string(kMinimal) + "preference: {simpo_gamma: 1.0}\n"
-                                                             "train: {objective: preference}\n")),
-      "preference.simpo_gamma (preference.loss is sigmoid)"));
-  EXPECT_EQ(ignored_settings_warning(parse(
+  EXPECT_TRUE(
+      contains(ignored_of(parse(std::string(kMinimal) + "preference: {simpo_gamma: 1.0}\n"
+                                                        "train: {objective: preference}\n")),
+               "preference.simpo_gamma (preference.loss is sigmoid)"));
+  EXPECT_EQ(ignored_of(parse(
                 std::string(kMinimal) +
                 "train: {method: lora}\nlora: {merge_aware: false, cache_base_weights: true}\n")),
             "");

@@ -13,6 +13,7 @@
 
 #include "component_fixtures.h"
 #include "q4/io/dat_file.h"
+#include "q4/trainer/objectives/registry.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -396,6 +397,7 @@ TEST(DistillConfig, MistakesNameTheKey) {
   const auto message = [](const Config& c) -> std::string {
     try {
       validate_config(c);
+      validate_objective_config(c);
     } catch (const ConfigError& e) {
       return e.what();
     }

@@ -21,10 +21,11 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/quant/nvfp4.h"
-#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/app/probe.h"
-#include "q4/trainer/plan/setup.h"
 #include "q4/trainer/app/trainer.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/memory.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -148,7 +149,8 @@ TEST(Estimate, DistillationAddsTheTeacher) {
                          parse_override("distill.teacher=/not/read/by/the/estimate.dat"),
                          parse_override("distill.teacher_config=" + teacher_config)});
   const auto mc = q4::model::Qwen3Config::from_json_file(sft.model.config);
-  const auto a = estimate_budget(mc, sft, true), b = estimate_budget(mc, kd, true);
+  const auto a = estimate_budget(mc, sft, true, objective_needs(sft)),
+             b = estimate_budget(mc, kd, true, objective_needs(kd));
   EXPECT_EQ(a.teacher_bytes, 0);
   EXPECT_EQ(b.teacher_bytes, mc.num_parameters(!mc.tie_word_embeddings) * 2);
   EXPECT_EQ(b.persistent_bytes(), a.persistent_bytes() + b.teacher_bytes);
@@ -159,7 +161,7 @@ TEST(Estimate, DistillationAddsTheTeacher) {
   const Config offline =
       load_config(path, {parse_override("train.objective=distill"),
                          parse_override("distill.topk_file=/not/read/by/the/estimate.dat")});
-  EXPECT_EQ(estimate_budget(mc, offline, true).teacher_bytes, 0);
+  EXPECT_EQ(estimate_budget(mc, offline, true, objective_needs(offline)).teacher_bytes, 0);
 }
 
 TEST(Estimate, LayerBackwardDominatesWithoutTheLmHead) {
@@ -270,21 +272,25 @@ TEST(Estimate, RecomputeByBudgetPicksTheFewestLayersThatFit) {
   EXPECT_EQ(r.budget_source, "guard.max_gpu_gb");
   EXPECT_GE(r.recompute_layers, L / 2);
   EXPECT_LT(r.recompute_layers, L);
-  // Resolving writes the choice into the config; the model options follow it.
-  const std::string line = resolve_recompute(g, mc, true, 0);
+  // Resolving makes a plan with the choice in its config; the model options follow it.
+  std::string line;
+  const RunPlan resolved = resolve_plan(g, RunOptions{}).with_recompute(mc, true, 0, &line);
   EXPECT_NE(line.find(fmt::format("the first {} of {} decoder layers", r.recompute_layers, L)),
             std::string::npos)
       << line;
-  EXPECT_EQ(g.train.gradient_checkpointing, Recompute::kTrue);
-  EXPECT_EQ(g.train.recompute_layers, r.recompute_layers);
-  EXPECT_EQ(g.train.recompute_keep_attention, r.keep_attention);
-  EXPECT_EQ(g.train.recompute_keep_mlp, r.keep_mlp);
-  const auto o = model_options(g);
+  const TrainConfig& gt = resolved.config().train;
+  EXPECT_EQ(gt.gradient_checkpointing, Recompute::kTrue);
+  EXPECT_EQ(gt.recompute_layers, r.recompute_layers);
+  EXPECT_EQ(gt.recompute_keep_attention, r.keep_attention);
+  EXPECT_EQ(gt.recompute_keep_mlp, r.keep_mlp);
+  const auto o = model_options(resolved.config(), resolved.recompute());
   EXPECT_TRUE(o.recomputes(r.recompute_layers - 1));
   EXPECT_FALSE(o.recomputes(r.recompute_layers));
   EXPECT_EQ(o.recompute_keep_attention, r.keep_attention);
   EXPECT_EQ(o.recompute_keep_mlp, r.keep_mlp);
-  EXPECT_EQ(resolve_recompute(g, mc, true, 0), "");  // resolved once
+  EXPECT_EQ(model_options(resolved.config()).recompute_layers, o.recompute_layers);
+  resolved.with_recompute(mc, true, 0, &line);
+  EXPECT_EQ(line, "");  // resolved once
   // None recomputed is written as false; auto on the CPU is no recompute.
   Config none = c;
   set_recompute_layers(none, 0, L);
@@ -442,19 +448,22 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([] { tiny_config("train: {recompute_layers: 1}\n"); })
-                .find("train.recompute_layers: set, but train.gradient_checkpointing is auto"),
+  EXPECT_NE(message([] {
+              tiny_config("train: {recompute_layers: 1}\n");
+            }).find("train.recompute_layers: set, but train.gradient_checkpointing is auto"),
             std::string::npos);
   EXPECT_NE(message([] {
               tiny_config("train: {gradient_checkpointing: false, offload_layer_inputs: true}\n");
             }).find("train.offload_layer_inputs: true, but train.gradient_checkpointing is false"),
             std::string::npos);
-  EXPECT_NE(message([] { tiny_config("train: {recompute_layers: -2}\n"); })
-                .find("train.recompute_layers"),
+  EXPECT_NE(message([] {
+              tiny_config("train: {recompute_layers: -2}\n");
+            }).find("train.recompute_layers"),
             std::string::npos);
   const Config c = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 3}\n");
-  EXPECT_NE(message([&] { load_model_config(c); })
-                .find("train.recompute_layers: 3 is more than the 2 decoder layers"),
+  EXPECT_NE(message([&] {
+              load_model_config(c);
+            }).find("train.recompute_layers: 3 is more than the 2 decoder layers"),
             std::string::npos);
   const Config ok = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 1}\n");
   EXPECT_NO_THROW(load_model_config(ok));

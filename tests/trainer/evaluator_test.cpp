@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "component_fixtures.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/setup.h"
 
 using namespace q4;
@@ -18,7 +19,7 @@ using namespace q4::trainer::testing;
 TEST(Evaluator, ValidationLossIsOnePassThroughTheObjective) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
-  const RunPlan plan(cpu_config("unused"), RunOptions{});
+  const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
   Evaluator ev(plan, /*leader=*/true);
   const int64_t V = model.config().vocab_size;
   ev.attach(model, nullptr, ce, random_batcher(5, 12, V, 2));
@@ -49,7 +50,7 @@ TEST(Evaluator, ValidationLossIsOnePassThroughTheObjective) {
 TEST(Evaluator, OnlyRankZeroEvaluates) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
-  const RunPlan plan(cpu_config("unused"), RunOptions{});
+  const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
   Evaluator ev(plan, /*leader=*/false);
   ev.attach(model, nullptr, ce, random_batcher(2, 8, model.config().vocab_size, 2));
   EXPECT_FALSE(ev.validation_loss(1).has_value());
@@ -61,7 +62,7 @@ TEST(Evaluator, OnlyRankZeroEvaluates) {
 }
 
 TEST(Evaluator, BestValidation) {
-  const RunPlan plan(cpu_config("unused"), RunOptions{});
+  const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
   Evaluator ev(plan, true);
   EXPECT_FALSE(ev.last_validation().has_value());
   ev.note_validation(2.0, 10);

@@ -9,8 +9,9 @@
 
 #include "component_fixtures.h"
 #include "q4/model/dat_file.h"
-#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/app/trainer.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 using namespace q4;
@@ -21,7 +22,7 @@ TEST(Exporter, OffWritesNothing) {
   ComponentTempDir t;
   Config c = cpu_config(t.path.string());
   c.output.export_path = "none";
-  const RunPlan plan(c, RunOptions{});
+  const RunPlan plan = resolve_plan(c, RunOptions{});
   std::ostringstream out, err;
   auto model = tiny_model();
   Exporter(plan, out, err).write(10, model, "unused.dat");
@@ -41,7 +42,7 @@ TEST(Exporter, WritesChecksAndNeverGoesBack) {
   o.grad_dtype = at::kFloat;
   auto model = model::Qwen3Model::load(cfg, model::DatReader(source), o);
   Config c = cpu_config(t.path.string());
-  const RunPlan plan(c, RunOptions{});
+  const RunPlan plan = resolve_plan(c, RunOptions{});
   std::ostringstream out, err;
   Exporter exporter(plan, out, err);
   exporter.write(4, model, source);

@@ -31,6 +31,7 @@
 #include "q4/data/tokenizer.h"
 #include "q4/model/dat_file.h"
 #include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/objectives/registry.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -115,7 +116,7 @@ void train(model::Qwen3Model& model, Objective& objective, data::Batcher& data, 
            double lr) {
   Config c = cpu_config("unused");
   c.train.max_grad_norm = 1.0;
-  RunPlan plan(c, RunOptions{});
+  RunPlan plan = resolve_plan(c, RunOptions{});
   optim::AdamWOptions ao;
   ao.lr = lr;
   optim::PackedAdamW optimizer(ao);

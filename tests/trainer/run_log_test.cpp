@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "component_fixtures.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
@@ -40,7 +41,7 @@ Config log_config(const fs::path& dir) {
 
 TEST(RunLog, StepRecordsAndLines) {
   ComponentTempDir t;
-  const RunPlan plan(log_config(t.path), RunOptions{});
+  const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
   std::ostringstream out, err;
   RunLog log(plan, out, err, /*leader=*/true);
   Evaluator ev(plan, true);
@@ -87,7 +88,7 @@ TEST(RunLog, StepRecordsAndLines) {
 
 TEST(RunLog, AnswersAndEndSummary) {
   ComponentTempDir t;
-  const RunPlan plan(log_config(t.path), RunOptions{});
+  const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
   std::ostringstream out, err;
   RunLog log(plan, out, err, true);
   Evaluator ev(plan, true);

@@ -39,7 +39,7 @@ TEST(Setup, SyntheticExamplesAndBatcherOptions) {
   }
   Config c = cpu_config("unused");
   c.train.seq_len = 32;
-  const auto bo = batcher_options(c, /*pad_id=*/5);
+  const auto bo = batcher_options(c, /*pad_id=*/5, /*pack=*/true, /*group=*/1);
   EXPECT_EQ(bo.batch_size, c.train.batch_size);
   EXPECT_EQ(bo.max_seq_len, 32);
   EXPECT_EQ(bo.pad_id, 5);
@@ -51,7 +51,7 @@ TEST(Setup, RequiredInputs) {
   Config c = cpu_config(t.path.string());
   c.model.config = (t.path / "missing.json").string();
   try {
-    check_input_files(c, false);
+    check_input_files(c, ObjectiveNeeds{}, false);
     ADD_FAILURE() << "expected a ConfigError";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("model.config"), std::string::npos) << e.what();

@@ -22,6 +22,7 @@
 #include "q4/io/bounded_read.h"
 #include "q4/io/enum_names.h"
 #include "q4/trainer/config/config.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/plan/options.h"
 #include "session.h"
@@ -192,7 +193,10 @@ int run(const Args& a) {
   trainer::Config on_device = in.config;
   on_device.model.device = a.m.device;
   Report r;
-  r.batching = trainer::batcher_options(on_device, in.tokenizer->endoftext_id());
+  const trainer::ObjectiveNeeds needs = trainer::objective_needs(on_device);
+  r.batching =
+      trainer::batcher_options(on_device, in.tokenizer->endoftext_id(),
+                               trainer::resolved_packing(on_device, needs), needs.group_size());
   r.batching.shuffle = false;
   auto batcher = as_input([&] { return data::Batcher(in.examples, r.batching); });
   const auto& ts = batcher.truncation_stats();

@@ -12,17 +12,18 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/model/dat_file.h"
-#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/app/probe.h"
+#include "q4/trainer/app/trainer.h"
 #include "q4/trainer/distributed/grad_sync.h"
+#include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/setup.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/metrics.h"
 #include "q4/trainer/runtime/nvtx.h"
-#include "q4/trainer/objectives/objective.h"
-#include "q4/trainer/app/probe.h"
-#include "q4/trainer/rundir/run_dir.h"
-#include "q4/trainer/plan/setup.h"
 #include "q4/trainer/step/step.h"
-#include "q4/trainer/app/trainer.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -110,7 +111,7 @@ void probe_export(RunSetup& setup, bool quantize_lm_head) {
 int run_probe(const Config& config, const RunOptions& options, std::ostream& out,
               std::ostream& err) {
   check_device_available(config);
-  RunPlan plan(config, options, /*probe=*/true);
+  RunPlan plan = resolve_plan(config, options, /*probe=*/true);
   const Config& c = plan.config();
   const at::Device& device = plan.device();
   std::vector<ProbePhase> phases;
@@ -134,7 +135,7 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     reset_peak_memory(device);
     t_prev = Clock::now();
   };
-  check_input_files(c, /*need_data=*/false);
+  check_input_files(c, plan.objective_needs(), /*need_data=*/false);
   for (const auto& f : c.data.files) require_file(f, "data.files");
   const std::string path = options.probe_report.empty()
                                ? (fs::path(c.output.dir) / kProbeFile).string()
@@ -156,7 +157,7 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
   const auto objective = make_objective(c, setup.model(), setup.batcher(), nullptr,
                                         /*leader=*/false, out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
-                 nullptr, in_backward_updates(c), setup.optimizer_index());
+                 nullptr, plan.step().in_backward, setup.optimizer_index());
   mark("optimizer_ready");
   const StepOutcome first = step.run(0, *setup.batcher(), [&](const char* phase) { mark(phase); });
   nlohmann::json steady = nullptr;
@@ -167,7 +168,8 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
   probe_export(setup, c.model.quantize_lm_head);
   mark("export_done");
 
-  const auto budget = estimate_budget(setup.model_config(), c, setup.separate_lm_head());
+  const auto budget =
+      estimate_budget(setup.model_config(), c, setup.separate_lm_head(), plan.objective_needs());
   nlohmann::json info = {{"config", c.source},
                          {"tokens", first.real_tokens},
                          {"slots", first.slots},

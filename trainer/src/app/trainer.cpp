@@ -26,21 +26,22 @@
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/quant/nvfp4.h"
-#include "q4/trainer/output/checkpointer.h"
 #include "q4/trainer/distributed/distributed.h"
-#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/distributed/grad_sync.h"
+#include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/output/checkpointer.h"
 #include "q4/trainer/output/evaluator.h"
 #include "q4/trainer/output/exporter.h"
-#include "q4/trainer/distributed/grad_sync.h"
+#include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/plan/setup.h"
+#include "q4/trainer/report/run_log.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/metrics.h"
 #include "q4/trainer/runtime/nvtx.h"
-#include "q4/trainer/objectives/objective.h"
 #include "q4/trainer/runtime/profile.h"
-#include "q4/trainer/rundir/run_dir.h"
-#include "q4/trainer/report/run_log.h"
-#include "q4/trainer/plan/run_plan.h"
-#include "q4/trainer/plan/setup.h"
 #include "q4/trainer/runtime/signals.h"
 #include "q4/trainer/step/step.h"
 
@@ -55,7 +56,7 @@ namespace {
 class Trainer {
  public:
   Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err)
-      : plan_(c, o),
+      : plan_(resolve_plan(c, o)),
         out_(out),
         err_(err),
         setup_(plan_, out, err),
@@ -69,8 +70,12 @@ class Trainer {
     check_device_available(cfg());  // before anything is written
     if (plan_.options().export_only) return export_only();
     // A run length from the data (train.epochs, warmup_ratio) is clipped once it is resolved.
-    if (const std::string note = plan_.clip_warmup(); !note.empty()) out_ << note << "\n";
-    if (const std::string w = ignored_settings_warning(cfg()); !w.empty()) err_ << w << "\n";
+    std::string note;
+    plan_ = plan_.with_warmup_clipped(&note);
+    if (!note.empty()) out_ << note << "\n";
+    if (const std::string w = ignored_settings_warning(cfg(), needs()); !w.empty()) {
+      err_ << w << "\n";
+    }
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
     setup();
     if (stop_requested()) {
@@ -86,6 +91,7 @@ class Trainer {
 
  private:
   const Config& cfg() const { return plan_.config(); }
+  const ObjectiveNeeds& needs() const { return plan_.objective_needs(); }
   bool leader() const { return !comm_ || comm_->rank() == 0; }
   int64_t ranks() const { return comm_ ? comm_->world_size() : plan_.options().world.world_size; }
 
@@ -102,8 +108,8 @@ class Trainer {
           "--export-only: output.export_path is none; set one (e.g. --set "
           "output.export_path=model.dat)");
     }
-    check_input_files(cfg(), /*need_data=*/false);
-    check_output_paths(cfg(), plan_.options().overwrite);
+    check_input_files(cfg(), needs(), /*need_data=*/false);
+    check_output_paths(cfg(), needs(), plan_.options().overwrite);
     // An older checkpoint never replaces a newer export, nor a file of unknown step.
     check_export_not_newer(plan_.export_path(), ck.step, plan_.options().overwrite,
                            /*unknown_is_error=*/true, cfg().output.dir);
@@ -133,7 +139,7 @@ class Trainer {
                         "--resume " +
                         cfg().output.dir);
     }
-    const auto left = run_dir_leftovers(cfg());
+    const auto left = run_dir_leftovers(cfg(), needs());
     if (left.empty() || plan_.options().overwrite) return;
     const bool ck = latest_checkpoint(cfg().output.dir).has_value();
     throw ConfigError("output.dir " + cfg().output.dir + " is not empty (" + join_names(left, 4) +
@@ -158,7 +164,7 @@ class Trainer {
       owned.insert(fs::path(adapter_dir(exp)).filename().string());
     }
     std::vector<std::string> removed, kept;
-    for (const auto& name : run_dir_leftovers(cfg())) {
+    for (const auto& name : run_dir_leftovers(cfg(), needs())) {
       if (!fs::is_symlink(dir / name) && (is_reserved_run_name(name) || owned.count(name))) {
         q4::io::remove_tree(dir / name);
         removed.push_back(name);
@@ -184,9 +190,9 @@ class Trainer {
       // setup_locked checks it then, before restoring anything.
       if (!plan_.length_from_data()) checkpointer_.check_schedule_unchanged(*resume);
     }
-    check_input_files(cfg(), /*need_data=*/plan_.steps() > 0);
-    check_output_paths(cfg(),
-                       plan_.options().overwrite);  // every output, before anything is written
+    check_input_files(cfg(), needs(), /*need_data=*/plan_.steps() > 0);
+    // Every output, before anything is written.
+    check_output_paths(cfg(), needs(), plan_.options().overwrite);
     // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
     if (!resume) check_fresh_output_dir();
     // The final export (step train.steps) never replaces a newer one, another run's, or (a fresh
@@ -281,7 +287,7 @@ class Trainer {
     setup_.make_optimizer(*sync_);
     step_ = std::make_unique<TrainStep>(
         plan_, model, setup_.optimizer(), setup_.schedule(), *objective_, *sync_, comm_.get(),
-        /*in_backward=*/!comm_ && in_backward_updates(cfg()), setup_.optimizer_index(),
+        /*in_backward=*/plan_.step().in_backward, setup_.optimizer_index(),
         [this] { return checkpointer_.time_due(); });
     checkpointer_.attach(setup_.optimizer(), sync_->params(), setup_.batcher(), setup_.schedule(),
                          comm_.get(), sync_.get());
@@ -292,9 +298,8 @@ class Trainer {
 
   void restore(const CheckpointDir& ck) {
     const auto r = checkpointer_.restore(ck, /*export_only=*/false, [this](int64_t accum) {
-      Config resumed = cfg();
-      resumed.train.grad_accum = accum;
-      if (step_->in_backward() && !in_backward_updates(resumed)) {
+      plan_ = plan_.with_grad_accum(accum);
+      if (step_->in_backward() && !plan_.step().in_backward) {
         // auto's choice for the checkpoint's grad_accum is buffered updates.
         step_->disable_in_backward();
         out_ << "resume: grad_accum " << accum

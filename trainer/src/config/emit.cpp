@@ -143,7 +143,7 @@ std::string md_default(const FieldRef& f) {
 
 }  // namespace
 
-std::string ignored_settings_warning(const Config& c_in) {
+std::string ignored_settings_warning(const Config& c_in, const ObjectiveNeeds& needs) {
   Config c = c_in, defaults;
   const auto fields = config_fields(c), base = config_fields(defaults);
   const bool lora = c.train.method == TrainMethod::kLora;
@@ -152,11 +152,12 @@ std::string ignored_settings_warning(const Config& c_in) {
   auto why = [&](const std::string& key) -> std::string {
     auto starts = [&](const char* prefix) { return key.rfind(prefix, 0) == 0; };
     if (starts("lora.") && !lora) return "train.method is " + to_string(c.train.method);
-    if (starts("distill.") && c.train.objective != ObjectiveKind::kDistill) {
-      return "train.objective is " + to_string(c.train.objective);
-    }
-    if (starts("preference.") && c.train.objective != ObjectiveKind::kPreference) {
-      return "train.objective is " + to_string(c.train.objective);
+    for (const char* section : {"distill", "preference"}) {
+      const bool applies =
+          std::find(needs.sections.begin(), needs.sections.end(), section) != needs.sections.end();
+      if (starts((std::string(section) + ".").c_str()) && !applies) {
+        return "train.objective is " + to_string(c.train.objective);
+      }
     }
     if (key == "preference.label_smoothing" && p.loss == PreferenceLossKind::kIpo) {
       return "preference.loss is ipo";

@@ -203,7 +203,8 @@ void resolve_paths(Config& c, std::vector<FieldRef>& fields,
 }  // namespace
 
 Config parse_config(const std::string& yaml_text, const std::string& source_name,
-                    const std::string& base_dir, const std::vector<Override>& overrides) {
+                    const std::string& base_dir, const std::vector<Override>& overrides,
+                    const ConfigRules& more_rules) {
   YAML::Node root = load_root(yaml_text, source_name);
   const bool empty_file = root.size() == 0;  // before the --set overrides are spliced in
   Config c;
@@ -258,6 +259,7 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
   // config.yaml that lost its contents reads "model.weights: required" otherwise).
   try {
     validate_config(c);
+    if (more_rules) more_rules(c);
   } catch (const ConfigError& e) {
     if (source_name == kFromSet) throw;
     throw ConfigError(std::string(e.what()) + " (config file " + source_name +
@@ -270,7 +272,8 @@ Config parse_config(const std::string& yaml_text, const std::string& source_name
 // generated ones (long eval.prompts lists) and bounds a mistaken huge or endless file.
 constexpr size_t kMaxConfigBytes = size_t{16} << 20;
 
-Config load_config(const std::string& path, const std::vector<Override>& overrides) {
+Config load_config(const std::string& path, const std::vector<Override>& overrides,
+                   const ConfigRules& more_rules) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     throw ConfigError("config file " + path + " is a directory; expected a YAML file");
@@ -289,7 +292,7 @@ Config load_config(const std::string& path, const std::vector<Override>& overrid
                       std::to_string(nul));
   }
   const std::string base = fs::absolute(fs::path(path)).parent_path().string();
-  return parse_config(text, path, base, overrides);
+  return parse_config(text, path, base, overrides, more_rules);
 }
 
 }  // namespace q4::trainer

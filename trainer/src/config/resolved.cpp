@@ -51,8 +51,8 @@ Dtype resolved_compute_dtype(const Config& c) {
   return device_is_cuda(c) ? Dtype::kBf16 : Dtype::kFp32;
 }
 
-bool resolved_packing(const Config& c) {
-  return c.data.packing && c.train.objective != ObjectiveKind::kPreference;
+bool resolved_packing(const Config& c, const ObjectiveNeeds& needs) {
+  return c.data.packing && needs.packing_allowed;
 }
 
 std::string resolved_export_path(const Config& c) {

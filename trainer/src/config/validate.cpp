@@ -27,9 +27,12 @@ namespace q4::trainer {
 using namespace config_detail;
 
 // ---------------------------------------------------------------------------------------------
-// Validation
+// Validation, one function per section, in the order the errors are looked for.
 
-void validate_config(const Config& c) {
+namespace {
+
+// The table's per-field ranges.
+void check_field_ranges(const Config& c) {
   // Per-field ranges from the table (parse_config has checked them with line numbers already;
   // this covers configs built or edited in code).
   Config copy = c;
@@ -40,7 +43,10 @@ void validate_config(const Config& c) {
       check_range(f, *(*p)->value, "");
     }
   }
+}
 
+// model.*: the files a run reads, the device and its compute dtype.
+void validate_model(const Config& c) {
   const auto& m = c.model;
   if (m.init == InitKind::kFile && m.weights.empty()) {
     throw ConfigError("config key model.weights: required when model.init is file");
@@ -70,7 +76,10 @@ void validate_config(const Config& c) {
         "config key model.compute_dtype: fp16 compute needs model.device cuda "
         "(CPU matmuls run in fp32 or bf16)");
   }
+}
 
+// train.*: the micro-batch's size and the trainable set.
+void validate_train(const Config& c) {
   const auto& t = c.train;
   // Tokens of one micro-batch: each field's own range still allows 4096 rows of 262,144 tokens.
   // 2^22 tokens is already about 20 GiB per activation tensor at Qwen3-4B's hidden size 2560
@@ -105,7 +114,10 @@ void validate_config(const Config& c) {
         "config key train.trainable: nothing is trainable (select layers with "
         "projections or norms, or lm_head, or embeddings)");
   }
+}
 
+// optim.*: weight decay and the warmup.
+void validate_optim(const Config& c) {
   const auto& o = c.optim;
   if (!(o.lr * o.weight_decay < 1)) {  // decoupled decay multiplies weights by 1 - lr * wd
     throw ConfigError(
@@ -120,7 +132,11 @@ void validate_config(const Config& c) {
   }
   // optim.schedule.warmup_steps > train.steps is not an error: the trainer clips it to the run
   // with a note (clip_warmup_to_run), so a smoke run with --set train.steps=3 just works.
+}
 
+// output.*: the export and its formats.
+void validate_output(const Config& c) {
+  const auto& m = c.model;
   const auto& out = c.output;
   if (out.dir.empty()) range_error("output.dir", "a directory", "an empty value");
   if (out.export_every > 0 && out.export_path == "none") {
@@ -140,53 +156,12 @@ void validate_config(const Config& c) {
   if (out.hf_export != HfExport::kNone && out.export_path == "none") {
     throw ConfigError("config key output.hf_export: set, but output.export_path is none");
   }
+}
 
-  const auto& d = c.distill;
-  if (c.train.objective == ObjectiveKind::kDistill) {
-    if (d.teacher.empty() && d.topk_file.empty()) {
-      throw ConfigError(
-          "config key distill.teacher: train.objective is distill, but neither distill.teacher "
-          "nor distill.topk_file is set");
-    }
-    if (!d.topk_file.empty() && d.divergence != Divergence::kForwardKl) {
-      throw ConfigError(
-          std::string("config key distill.divergence: ") + enum_name(d.divergence) +
-          " needs the teacher's whole distribution; distill.topk_file holds its top K (use "
-          "forward_kl, or distill.teacher without distill.topk_file)");
-    }
-  } else {
-    for (const auto& [key, set] :
-         {std::pair<const char*, bool>{"distill.teacher", !d.teacher.empty()},
-          {"distill.topk_file", !d.topk_file.empty()}}) {
-      if (set) {
-        throw ConfigError(std::string("config key ") + key + ": set, but train.objective is " +
-                          to_string(c.train.objective) + " (set it to distill)");
-      }
-    }
-  }
-
-  const auto& pref = c.preference;
-  if (c.train.objective == ObjectiveKind::kPreference) {
-    if (c.train.batch_size % 2 != 0) {
-      throw ConfigError("config key train.batch_size: " + std::to_string(c.train.batch_size) +
-                        " rows, but train.objective preference needs an even number (a pair's "
-                        "chosen and rejected answers share a micro-batch)");
-    }
-    if (c.data.truncation == Truncation::kSplit) {
-      throw ConfigError(
-          "config key data.truncation: split would cut an answer into windows "
-          "that are no longer a pair (use cut_left, cut_right or drop)");
-    }
-    if (!pref.reference.empty() && pref.loss == PreferenceLossKind::kSimpo) {
-      throw ConfigError(
-          "config key preference.reference: set, but preference.loss simpo uses "
-          "no reference");
-    }
-  } else if (!pref.reference.empty()) {
-    throw ConfigError("config key preference.reference: set, but train.objective is " +
-                      to_string(c.train.objective) + " (set it to preference)");
-  }
-
+// Recompute and offload: their companions need them on, and offload a GPU.
+void validate_recompute(const Config& c) {
+  const auto& m = c.model;
+  const bool cuda = device_is_cuda(c);
   if (c.train.recompute_layers >= 0 && c.train.gradient_checkpointing != Recompute::kTrue) {
     throw ConfigError(
         "config key train.recompute_layers: set, but train.gradient_checkpointing "
@@ -213,6 +188,10 @@ void validate_config(const Config& c) {
                       ", but model.device is " + m.device +
                       " (offload moves optimizer state from the GPU to the host)");
   }
+}
+
+// train.method lora: the adapters' settings.
+void validate_lora(const Config& c) {
   if (c.train.method == TrainMethod::kLora) {
     if (!c.model.fake_quant) {
       throw ConfigError(
@@ -248,6 +227,12 @@ void validate_config(const Config& c) {
           "lm_head (one or the other)");
     }
   }
+}
+
+// Offloaded masters, the memory guard and the metrics file name.
+void validate_placement_guard_log(const Config& c) {
+  const auto& m = c.model;
+  const bool cuda = device_is_cuda(c);
   if (c.optim.offload == Offload::kAll && !c.model.fake_quant) {
     throw ConfigError(
         "config key optim.offload: all, but model.fake_quant is false (the GPU "
@@ -261,6 +246,21 @@ void validate_config(const Config& c) {
   if (c.log.metrics.find('/') != std::string::npos) {
     range_error("log.metrics", "a file name inside output.dir", "'" + c.log.metrics + "'");
   }
+}
+
+}  // namespace
+
+// The per-objective rules live with the objectives (objectives/registry.h,
+// validate_objective_config).
+void validate_config(const Config& c) {
+  check_field_ranges(c);
+  validate_model(c);
+  validate_train(c);
+  validate_optim(c);
+  validate_output(c);
+  validate_recompute(c);
+  validate_lora(c);
+  validate_placement_guard_log(c);
 }
 
 }  // namespace q4::trainer

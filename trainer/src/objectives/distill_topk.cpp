@@ -11,9 +11,10 @@
 
 #include "q4/io/dat_file.h"
 #include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/options.h"
-#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/signals.h"
 
 namespace fs = std::filesystem;
@@ -238,7 +239,9 @@ ObjectiveOutput OfflineDistillation::evaluate(model::Qwen3Model& model, const Mi
 int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, std::ostream& err) {
   const auto t0 = std::chrono::steady_clock::now();
   const Config& cfg = c;
-  check_topk_output(cfg, overwrite);  // before anything loads
+  ObjectiveNeeds writer;
+  writer.inputs = teacher_inputs(cfg);
+  check_topk_output(cfg, writer, overwrite);  // before anything loads
   const std::string& path = cfg.distill.topk_file;
   check_device_available(cfg);
   // A stop signal ends the pass at the next batch; the file is written whole or not at all.
@@ -246,7 +249,7 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
       "\nq4train: stop signal received: stopping at the next batch; nothing is written (a third "
       "signal kills)\n");
   install_stop_handlers();
-  RunPlan plan(cfg, RunOptions{});
+  RunPlan plan = resolve_plan(cfg, RunOptions{});
   RunSetup setup(plan, out, err);
   setup.load_model(/*need_tokenizer=*/true, /*load_weights=*/false);
   setup.load_data(1);
@@ -266,7 +269,8 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
   at::Tensor ids = at::full({S, K}, -1, at::kInt);
   at::Tensor logprobs = at::empty({S, K}, at::kFloat);
   // Every training example once, in batches laid out like training's (no shuffling).
-  data::BatcherOptions bo = batcher_options(cfg, setup.tokenizer()->endoftext_id());
+  data::BatcherOptions bo = batcher_options(cfg, setup.tokenizer()->endoftext_id(),
+                                            plan.data().packing, plan.data().group_size);
   bo.shuffle = false;
   bo.drop_last = false;
   data::Batcher batcher(examples, bo);

@@ -19,8 +19,8 @@
 
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
-#include "q4/trainer/runtime/nvtx.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/nvtx.h"
 
 namespace fs = std::filesystem;
 
@@ -75,7 +75,7 @@ std::optional<int64_t> grad_accum_for_world(int64_t ck_world, int64_t ck_accum, 
       ck_world * ck_accum));
 }
 
-Checkpointer::Checkpointer(RunPlan& plan, std::ostream& out) : plan_(plan), out_(out) {}
+Checkpointer::Checkpointer(const RunPlan& plan, std::ostream& out) : plan_(plan), out_(out) {}
 
 void Checkpointer::attach(optim::PackedAdamW& optimizer,
                           const std::vector<model::Parameter*>& params, data::Batcher* batcher,
@@ -323,7 +323,6 @@ Checkpointer::Restored Checkpointer::restore(
             "resume: checkpoint of {} rank(s) x grad_accum {} continues on {} "
             "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
             ck_world, ck_accum, world, *accum, ck_world * ck_accum * ck_batch);
-        plan_.rescale_grad_accum(*accum);
         if (on_grad_accum_change) on_grad_accum_change(*accum);
       }
     } catch (const nlohmann::json::exception& e) {

@@ -9,9 +9,9 @@
 #include <tuple>
 
 #include "q4/optim/state_codec.h"
-#include "q4/trainer/step/host_accumulation.h"
-#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/memory.h"
+#include "q4/trainer/step/host_accumulation.h"
 
 namespace q4::trainer {
 
@@ -26,10 +26,10 @@ std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Con
     out.push_back({p.name, p.shape, spec.trains(p, mc.num_hidden_layers, !separate_lm_head),
                    p.kind == model::ParamKind::kQuantizedLinear});
     if (lora.adapts(p, spec, mc.num_hidden_layers)) {  // LoRA A (rank, in) and B (out, rank)
-      adapters.push_back({model::lora_param_name(p.name, "lora_A"), {lora.rank, p.shape[1]}, true,
-                          true});
-      adapters.push_back({model::lora_param_name(p.name, "lora_B"), {p.shape[0], lora.rank}, true,
-                          true});
+      adapters.push_back(
+          {model::lora_param_name(p.name, "lora_A"), {lora.rank, p.shape[1]}, true, true});
+      adapters.push_back(
+          {model::lora_param_name(p.name, "lora_B"), {p.shape[0], lora.rank}, true, true});
     }
   }
   out.insert(out.end(), adapters.begin(), adapters.end());
@@ -99,8 +99,14 @@ void add_teacher(const model::Qwen3Config& student, const Config& c, const model
 
 }  // namespace
 
-MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
-  const auto opt = model_options(c);
+MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
+                             const ObjectiveNeeds& needs) {
+  return estimate_budget(mc, c, separate_lm_head, needs, configured_recompute(c));
+}
+
+MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
+                             const ObjectiveNeeds& needs, const RecomputePlan& recompute) {
+  const auto opt = model_options(c, recompute);
   model::GradientLifetime life;
   life.applied_in_backward = in_backward_updates(c);
   life.accumulation_steps = c.train.grad_accum;
@@ -158,9 +164,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
     p.optimizer_bytes = scratch + (updating ? staging : 0);
     b.phases.push_back(p);
   }
-  if (c.train.objective == ObjectiveKind::kDistill && c.distill.topk_file.empty()) {
-    add_teacher(mc, c, opt, &b);
-  }
+  if (needs.teacher_forward) add_teacher(mc, c, opt, &b);
   for (size_t i = 0; i < b.phases.size(); ++i) {
     if (b.phases[i].total_bytes() > b.phases[b.peak_phase].total_bytes()) b.peak_phase = i;
   }
@@ -183,8 +187,8 @@ DeviceBudget device_budget(const Config& c, int64_t free_bytes) {
     d.budget_bytes = free_bytes;
     d.source = "free device memory";
   }
-  constexpr int64_t kContext = int64_t{1} << 30;
-  d.usable_bytes = static_cast<int64_t>(static_cast<double>(d.budget_bytes - kContext) / 1.08);
+  d.usable_bytes = static_cast<int64_t>(
+      static_cast<double>(d.budget_bytes - kCudaContextReserveBytes) / kAllocatorMargin);
   return d;
 }
 
@@ -192,7 +196,8 @@ namespace {
 
 // choose_recompute without the advice (which itself chooses recompute for its placements).
 RecomputeChoice choose_recompute_only(const model::Qwen3Config& mc, const Config& c,
-                                      bool separate_lm_head, int64_t free_bytes) {
+                                      bool separate_lm_head, int64_t free_bytes,
+                                      const ObjectiveNeeds& needs) {
   RecomputeChoice r;
   r.layers = mc.num_hidden_layers;
   r.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
@@ -201,10 +206,9 @@ RecomputeChoice choose_recompute_only(const model::Qwen3Config& mc, const Config
   r.budget_source = d.source;
   r.usable_bytes = d.usable_bytes;
   const int64_t L = r.layers;
-  Config trial = c;
   auto estimate = [&](int64_t n, bool offload, int64_t ka, int64_t km) {
-    set_recompute_layers(trial, n, L, offload, ka, km);
-    return estimate_budget(mc, trial, separate_lm_head);
+    return estimate_budget(mc, c, separate_lm_head, needs,
+                           RecomputePlan::first(n, L, offload, ka, km));
   };
   auto take = [&](int64_t n, bool offload, int64_t ka, int64_t km) {
     const MemoryBudget b = estimate(n, offload, ka, km);
@@ -290,49 +294,16 @@ struct Trial {
   bool fits = false;
 };
 
-}  // namespace
+// One option of a placement dimension: its settings (as --set takes them) and their edit.
+struct PlacementOption {
+  std::vector<std::string> settings;
+  std::function<void(Config&)> apply;
+};
+using PlacementDims = std::vector<std::vector<PlacementOption>>;
 
-RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
-                                 bool separate_lm_head, int64_t free_bytes) {
-  RecomputeChoice r = choose_recompute_only(mc, c, separate_lm_head, free_bytes);
-  if (!r.fits) r.advice = advise_placements(mc, c, separate_lm_head, free_bytes).summary();
-  return r;
-}
-
-PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
-                                  bool separate_lm_head, int64_t free_bytes) {
-  PlacementAdvice a;
-  a.budget = device_budget(c, free_bytes);
-  a.lora = c.train.method == TrainMethod::kLora;
-  const bool cuda = device_is_cuda(c);
-  const int64_t L = mc.num_hidden_layers;
-  auto is_auto = [&](const Config& t) {
-    return cuda && t.train.gradient_checkpointing == Recompute::kAuto;
-  };
-  // The estimate as a run would make it, and the least memory a config can reach.
-  auto estimate = [&](const Config& t) -> std::pair<int64_t, int64_t> {
-    if (!is_auto(t)) {
-      const MemoryBudget b = estimate_budget(mc, t, separate_lm_head);
-      return {b.total_bytes(), b.host_bytes};
-    }
-    const RecomputeChoice r = choose_recompute_only(mc, t, separate_lm_head, free_bytes);
-    return {r.estimate_bytes, r.host_bytes};
-  };
-  auto least = [&](const Config& t) {
-    if (!is_auto(t)) return estimate_budget(mc, t, separate_lm_head).total_bytes();
-    Config every = t;
-    set_recompute_layers(every, L, L, /*offload_layer_inputs=*/true);
-    return estimate_budget(mc, every, separate_lm_head).total_bytes();
-  };
-  a.config_bytes = estimate(c).first;
-  a.config_fits = a.config_bytes <= a.budget.usable_bytes;
-
-  // The dimensions, each a list of options milder first; only what the config does not set.
-  struct Option {
-    std::vector<std::string> settings;
-    std::function<void(Config&)> apply;
-  };
-  std::vector<std::vector<Option>> dims;
+// The dimensions, each a list of options milder first; only what the config does not set.
+PlacementDims placement_dimensions(const Config& c, bool cuda) {
+  PlacementDims dims;
   if (cuda && c.train.gradient_checkpointing != Recompute::kAuto) {
     dims.push_back({{{"train.gradient_checkpointing=auto"}, [](Config& t) {
                        t.train.gradient_checkpointing = Recompute::kAuto;
@@ -342,7 +313,7 @@ PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
                        t.train.offload_layer_inputs = false;
                      }}});
   }
-  std::vector<Option> states;
+  std::vector<PlacementOption> states;
   for (const auto mode : {optim::StateMode::kInt8, optim::StateMode::k4Bit}) {
     const bool smaller =
         c.optim.state == optim::StateMode::kFp32 ||
@@ -352,30 +323,37 @@ PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
         {{"optim.state=" + optim::to_string(mode)}, [mode](Config& t) { t.optim.state = mode; }});
   }
   if (!states.empty()) dims.push_back(states);
-  std::vector<Option> offloads;
+  std::vector<PlacementOption> offloads;
   for (const auto o : {Offload::kMoments, Offload::kAll}) {
     if (!cuda || static_cast<int>(o) <= static_cast<int>(c.optim.offload)) continue;
     offloads.push_back(
         {{"optim.offload=" + to_string(o)}, [o](Config& t) { t.optim.offload = o; }});
   }
   if (!offloads.empty()) dims.push_back(offloads);
-  std::vector<Option> tokens;
+  std::vector<PlacementOption> tokens;
   const int64_t b1 = c.train.batch_size;
   if (b1 > 1) {
     tokens.push_back({{"train.batch_size=1"}, [](Config& t) { t.train.batch_size = 1; }});
   }
   for (int64_t s = c.train.seq_len / 2; s >= 128; s /= 2) {
-    Option o{{}, [s](Config& t) {
-               t.train.batch_size = 1;
-               t.train.seq_len = s;
-             }};
+    PlacementOption o{{}, [s](Config& t) {
+                        t.train.batch_size = 1;
+                        t.train.seq_len = s;
+                      }};
     if (b1 > 1) o.settings.push_back("train.batch_size=1");
     o.settings.push_back("train.seq_len=" + std::to_string(s));
     tokens.push_back(o);
   }
   if (!tokens.empty()) dims.push_back(tokens);
+  return dims;
+}
 
-  // Every combination that the config rules accept.
+// Every combination of the dimensions' options that the config rules accept (a micro-batch
+// holds whole row groups of the objective: preference pairs), with its least estimate.
+std::vector<Trial> placement_trials(const Config& c, const ObjectiveNeeds& needs,
+                                    const PlacementDims& dims,
+                                    const std::function<int64_t(const Config&)>& least,
+                                    int64_t usable_bytes) {
   std::vector<Trial> trials;
   std::vector<size_t> choice(dims.size(), 0);
   while (true) {
@@ -392,35 +370,33 @@ PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
     } catch (const ConfigError&) {
       continue;
     }
+    if (t.config.train.batch_size % needs.group_size() != 0) continue;
     t.least_bytes = least(t.config);
-    t.fits = t.least_bytes <= a.budget.usable_bytes;
+    t.fits = t.least_bytes <= usable_bytes;
     trials.push_back(std::move(t));
   }
-  auto changed = [](const std::vector<size_t>& ch) {
-    uint32_t mask = 0;
-    for (size_t i = 0; i < ch.size(); ++i) mask |= ch[i] > 0 ? 1u << i : 0u;
-    return mask;
-  };
-  auto mildness = [](const std::vector<size_t>& ch) {
-    size_t n = 0;
-    for (size_t k : ch) n += k;
-    return n;
-  };
-  auto placement = [&](const Trial& t) {
-    Placement p;
-    for (size_t i = 0; i < dims.size(); ++i) {
-      if (t.choice[i] == 0) continue;
-      const auto& s = dims[i][t.choice[i] - 1].settings;
-      p.settings.insert(p.settings.end(), s.begin(), s.end());
-    }
-    std::tie(p.estimate_bytes, p.host_bytes) = estimate(t.config);
-    return p;
-  };
-  // Per set of changed dimensions, its mildest fitting combination; kept when no smaller set
-  // fits.
+  return trials;
+}
+
+uint32_t changed_dims(const std::vector<size_t>& ch) {
+  uint32_t mask = 0;
+  for (size_t i = 0; i < ch.size(); ++i) mask |= ch[i] > 0 ? 1u << i : 0u;
+  return mask;
+}
+
+size_t mildness(const std::vector<size_t>& ch) {
+  size_t n = 0;
+  for (size_t k : ch) n += k;
+  return n;
+}
+
+// Per set of changed dimensions, its mildest fitting trial, kept when no smaller set fits;
+// fewest changes first, then lower dimensions first (recompute, the moments' format, offload,
+// tokens).
+std::vector<const Trial*> mildest_fitting(const std::vector<Trial>& trials) {
   std::vector<uint32_t> fitting_masks;
   for (const Trial& t : trials) {
-    if (t.fits) fitting_masks.push_back(changed(t.choice));
+    if (t.fits) fitting_masks.push_back(changed_dims(t.choice));
   }
   std::vector<uint32_t> masks = fitting_masks;
   auto count = [](uint32_t m) {
@@ -431,27 +407,82 @@ PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
   std::sort(masks.begin(), masks.end(), [&](uint32_t x, uint32_t y) {
     const int px = count(x), py = count(y);
     if (px != py) return px < py;
-    // Lower dimensions first: recompute, the moments' format, offload, tokens.
     for (uint32_t bit = 1; bit != 0; bit <<= 1) {
       if ((x & bit) != (y & bit)) return (x & bit) != 0;
     }
     return false;
   });
   masks.erase(std::unique(masks.begin(), masks.end()), masks.end());
+  std::vector<const Trial*> out;
   for (uint32_t m : masks) {
     const bool smaller_fits = std::any_of(fitting_masks.begin(), fitting_masks.end(),
                                           [m](uint32_t f) { return f != m && (f & m) == f; });
     if (smaller_fits) continue;
     const Trial* best = nullptr;
     for (const Trial& t : trials) {
-      if (!t.fits || changed(t.choice) != m) continue;
+      if (!t.fits || changed_dims(t.choice) != m) continue;
       if (best == nullptr || mildness(t.choice) < mildness(best->choice) ||
           (mildness(t.choice) == mildness(best->choice) && t.least_bytes < best->least_bytes)) {
         best = &t;
       }
     }
-    a.fitting.push_back(placement(*best));
+    out.push_back(best);
   }
+  return out;
+}
+
+}  // namespace
+
+RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
+                                 bool separate_lm_head, int64_t free_bytes,
+                                 const ObjectiveNeeds& needs) {
+  RecomputeChoice r = choose_recompute_only(mc, c, separate_lm_head, free_bytes, needs);
+  if (!r.fits) r.advice = advise_placements(mc, c, separate_lm_head, free_bytes, needs).summary();
+  return r;
+}
+
+PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
+                                  bool separate_lm_head, int64_t free_bytes,
+                                  const ObjectiveNeeds& needs) {
+  PlacementAdvice a;
+  a.budget = device_budget(c, free_bytes);
+  a.lora = c.train.method == TrainMethod::kLora;
+  const bool cuda = device_is_cuda(c);
+  const int64_t L = mc.num_hidden_layers;
+  auto is_auto = [&](const Config& t) {
+    return cuda && t.train.gradient_checkpointing == Recompute::kAuto;
+  };
+  // The estimate as a run would make it, and the least memory a config can reach.
+  auto estimate = [&](const Config& t) -> std::pair<int64_t, int64_t> {
+    if (!is_auto(t)) {
+      const MemoryBudget b = estimate_budget(mc, t, separate_lm_head, needs);
+      return {b.total_bytes(), b.host_bytes};
+    }
+    const RecomputeChoice r = choose_recompute_only(mc, t, separate_lm_head, free_bytes, needs);
+    return {r.estimate_bytes, r.host_bytes};
+  };
+  auto least = [&](const Config& t) {
+    if (!is_auto(t)) return estimate_budget(mc, t, separate_lm_head, needs).total_bytes();
+    return estimate_budget(mc, t, separate_lm_head, needs,
+                           RecomputePlan::first(L, L, /*offload_layer_inputs=*/true))
+        .total_bytes();
+  };
+  a.config_bytes = estimate(c).first;
+  a.config_fits = a.config_bytes <= a.budget.usable_bytes;
+
+  const PlacementDims dims = placement_dimensions(c, cuda);
+  const std::vector<Trial> trials = placement_trials(c, needs, dims, least, a.budget.usable_bytes);
+  auto placement = [&](const Trial& t) {
+    Placement p;
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (t.choice[i] == 0) continue;
+      const auto& s = dims[i][t.choice[i] - 1].settings;
+      p.settings.insert(p.settings.end(), s.begin(), s.end());
+    }
+    std::tie(p.estimate_bytes, p.host_bytes) = estimate(t.config);
+    return p;
+  };
+  for (const Trial* t : mildest_fitting(trials)) a.fitting.push_back(placement(*t));
   if (a.fitting.empty() && !trials.empty()) {
     const auto it = std::min_element(
         trials.begin(), trials.end(),
@@ -491,10 +522,10 @@ std::string PlacementAdvice::summary() const {
 
 std::string RecomputeChoice::describe() const {
   std::string what =
-      recompute_layers == 0        ? std::string("no decoder layer recomputes")
-      : recompute_layers == layers ? fmt::format("all {} decoder layers recompute", layers)
-                                   : fmt::format("the first {} of {} decoder layers recompute",
-                                                 recompute_layers, layers);
+      recompute_layers == 0 ? std::string("no decoder layer recomputes")
+      : recompute_layers == layers
+          ? fmt::format("all {} decoder layers recompute", layers)
+          : fmt::format("the first {} of {} decoder layers recompute", recompute_layers, layers);
   if (offload_layer_inputs) {
     what += fmt::format(", their inputs in pinned host memory ({:.1f} GiB)", to_gib(host_bytes));
   }
@@ -503,9 +534,9 @@ std::string RecomputeChoice::describe() const {
   }
   auto keep = [](int64_t n) { return n == 1 ? "keeps" : "keep"; };
   if (keep_attention > 0 && keep_mlp > 0) {
-    what += fmt::format(
-        "; of those, {} {} the attention block's activations and {} the MLP block's",
-        keep_attention, keep(keep_attention), keep_mlp);
+    what +=
+        fmt::format("; of those, {} {} the attention block's activations and {} the MLP block's",
+                    keep_attention, keep(keep_attention), keep_mlp);
   } else if (keep_attention > 0) {
     what +=
         fmt::format("; of those, {} {} the attention block's activations (only the MLP recomputes)",
@@ -525,15 +556,6 @@ std::string RecomputeChoice::describe() const {
       "{}){}",
       what, to_gib(estimate_bytes), fits ? "within" : "OVER", to_gib(usable_bytes),
       to_gib(budget_bytes), budget_source, fits || advice.empty() ? "" : "; " + advice);
-}
-
-std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
-                              int64_t free_bytes) {
-  if (c.train.gradient_checkpointing != Recompute::kAuto) return "";
-  const RecomputeChoice r = choose_recompute(mc, c, separate_lm_head, free_bytes);
-  set_recompute_layers(c, r.recompute_layers, r.layers, r.offload_layer_inputs, r.keep_attention,
-                       r.keep_mlp);
-  return r.describe();
 }
 
 const std::string& MemoryBudget::peak_phase_name() const {

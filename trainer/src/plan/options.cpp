@@ -65,6 +65,10 @@ model::TrainableSpec trainable_spec(const Config& c) {
 }
 
 model::ModelOptions model_options(const Config& c) {
+  return model_options(c, configured_recompute(c));
+}
+
+model::ModelOptions model_options(const Config& c, const RecomputePlan& recompute) {
   model::ModelOptions o;
   o.master_dtype = to_scalar_type(c.model.master_dtype);
   o.compute_dtype = to_scalar_type(resolved_compute_dtype(c));
@@ -78,22 +82,13 @@ model::ModelOptions model_options(const Config& c) {
   }
   o.device = at::Device(c.model.device);
   o.trainable = trainable_spec(c);
-  // auto before it is resolved (RunSetup::load_model): every layer on CUDA, none on the CPU.
-  switch (c.train.gradient_checkpointing) {
-    case Recompute::kTrue:
-      o.gradient_checkpointing = true;
-      o.recompute_layers = c.train.recompute_layers;
-      o.recompute_keep_attention = c.train.recompute_keep_attention;
-      o.recompute_keep_mlp = c.train.recompute_keep_mlp;
-      break;
-    case Recompute::kFalse:
-      o.gradient_checkpointing = false;
-      break;
-    case Recompute::kAuto:
-      o.gradient_checkpointing = o.device.is_cuda();
-      break;
+  o.gradient_checkpointing = recompute.enabled;
+  if (recompute.enabled && !recompute.recompute_auto) {
+    o.recompute_layers = recompute.layers;
+    o.recompute_keep_attention = recompute.keep_attention;
+    o.recompute_keep_mlp = recompute.keep_mlp;
   }
-  o.offload_layer_inputs = o.gradient_checkpointing && c.train.offload_layer_inputs;
+  o.offload_layer_inputs = recompute.offload_layer_inputs;
   o.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   o.fake_quant = c.model.fake_quant;
   o.offload_masters = c.optim.offload == Offload::kAll;
@@ -163,18 +158,51 @@ data::DatasetOptions dataset_options(const Config& c) {
   return o;
 }
 
-data::BatcherOptions batcher_options(const Config& c, int64_t pad_id) {
+RecomputePlan configured_recompute(const Config& c) {
+  RecomputePlan r;
+  switch (c.train.gradient_checkpointing) {
+    case Recompute::kTrue:
+      r.enabled = true;
+      r.layers = c.train.recompute_layers;
+      r.keep_attention = c.train.recompute_keep_attention;
+      r.keep_mlp = c.train.recompute_keep_mlp;
+      break;
+    case Recompute::kFalse:
+      r.enabled = false;
+      break;
+    case Recompute::kAuto:
+      // Before it is resolved (RunPlan::with_recompute): every layer on CUDA, none on the CPU.
+      r.enabled = device_is_cuda(c);
+      r.recompute_auto = r.enabled;
+      break;
+  }
+  r.offload_layer_inputs = r.enabled && c.train.offload_layer_inputs;
+  return r;
+}
+
+RecomputePlan RecomputePlan::first(int64_t n, int64_t num_layers, bool offload_layer_inputs,
+                                   int64_t keep_attention, int64_t keep_mlp) {
+  RecomputePlan r;
+  r.enabled = n > 0;
+  r.layers = n > 0 && n < num_layers ? n : -1;
+  r.offload_layer_inputs = n > 0 && offload_layer_inputs;
+  r.keep_attention = n > 0 ? keep_attention : 0;
+  r.keep_mlp = n > 0 ? keep_mlp : 0;
+  return r;
+}
+
+data::BatcherOptions batcher_options(const Config& c, int64_t pad_id, bool pack, int64_t group) {
   data::BatcherOptions bo;
   bo.batch_size = c.train.batch_size;
   bo.max_seq_len = c.train.seq_len;
   bo.seed = static_cast<uint64_t>(c.train.seed);
   bo.shuffle = c.data.shuffle;
-  bo.pack = resolved_packing(c);
+  bo.pack = pack;
   bo.pack_window = c.data.pack_window;
   bo.truncation = c.data.truncation;
   bo.pad_id = pad_id;
   // A preference pair's chosen and rejected answers stay together (the objective pairs them).
-  if (c.train.objective == ObjectiveKind::kPreference) bo.group = 2;
+  bo.group = group;
   if (device_is_cuda(c)) {
     bo.fixed_len = bo.pack;
     bo.pad_multiple = 64;

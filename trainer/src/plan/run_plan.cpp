@@ -12,22 +12,45 @@
 #include <filesystem>
 
 #include "q4/trainer/plan/estimate.h"
-#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/memory.h"
 
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
 
-RunPlan::RunPlan(const Config& config, const RunOptions& options, bool probe)
+RunPlan::RunPlan(const Config& config, const RunOptions& options, const ObjectiveNeeds& needs,
+                 bool probe)
     : config_(config),
       configured_train_(config.train),
       options_(options),
+      needs_(needs),
       device_(config.model.device),
       probe_(probe),
       steps_(config.train.steps),
       epochs_(config.train.epochs),
-      length_from_data_(config.train.epochs > 0 || config.optim.schedule.warmup_ratio > 0) {}
+      length_from_data_(config.train.epochs > 0 || config.optim.schedule.warmup_ratio > 0) {
+  decide();
+}
+
+void RunPlan::decide() {
+  const Config& c = config_;
+  const bool cuda = device_.is_cuda();
+  step_.grad_accum = c.train.grad_accum;
+  step_.world = std::max<int64_t>(options_.world.world_size, 1);
+  // Several processes apply their updates after the gradient sync (the probe runs alone).
+  step_.in_backward = in_backward_updates(c) && (probe_ || !options_.world.distributed());
+  step_.host_accumulation = (probe_ || !options_.world.distributed()) && c.train.grad_accum > 1 &&
+                            c.optim.offload == Offload::kAll && cuda;
+  recompute_ = configured_recompute(c);
+  placement_.moments_on_host = cuda && c.optim.offload != Offload::kNone;
+  placement_.masters_on_host = cuda && c.optim.offload == Offload::kAll;
+  placement_.gradients_on_host = step_.host_accumulation;
+  data_.group_size = needs_.group_size();
+  data_.paired_records = needs_.paired_sequences;
+  data_.packing = resolved_packing(c, needs_);
+  data_.reference_pass = needs_.reference_pass;
+}
 
 bool RunPlan::checkpoints_on() const {
   return config_.output.checkpoint_every > 0 || config_.output.checkpoint_minutes > 0;
@@ -40,12 +63,24 @@ std::string RunPlan::metrics_path() const {
   return (fs::path(config_.output.dir) / config_.log.metrics).string();
 }
 
-std::string RunPlan::clip_warmup() { return length_from_data_ ? "" : clip_warmup_to_run(config_); }
+RunPlan RunPlan::with_warmup_clipped(std::string* note) const {
+  RunPlan p = *this;
+  *note = length_from_data_ ? "" : clip_warmup_to_run(p.config_);
+  return p;
+}
 
-std::string RunPlan::resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
-                                       int64_t free_bytes) {
-  configured_train_ = config_.train;
-  return trainer::resolve_recompute(config_, mc, separate_lm_head, free_bytes);
+RunPlan RunPlan::with_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
+                                int64_t free_bytes, std::string* line) const {
+  RunPlan p = *this;
+  p.configured_train_ = config_.train;
+  line->clear();
+  if (config_.train.gradient_checkpointing != Recompute::kAuto) return p;
+  const RecomputeChoice r = choose_recompute(mc, config_, separate_lm_head, free_bytes, needs_);
+  set_recompute_layers(p.config_, r.recompute_layers, r.layers, r.offload_layer_inputs,
+                       r.keep_attention, r.keep_mlp);
+  p.decide();
+  *line = r.describe();
+  return p;
 }
 
 Config RunPlan::config_to_save() const {
@@ -58,13 +93,47 @@ Config RunPlan::config_to_save() const {
   return c;
 }
 
-std::string RunPlan::resolve_length(int64_t micro_batches_per_epoch, int64_t ranks) {
-  std::string notes = resolve_run_length(config_, micro_batches_per_epoch, ranks);
-  steps_ = config_.train.steps;
-  return notes;
+RunPlan RunPlan::with_length(int64_t micro_batches_per_epoch, int64_t ranks,
+                             std::string* notes) const {
+  RunPlan p = *this;
+  *notes = resolve_run_length(p.config_, micro_batches_per_epoch, ranks);
+  p.steps_ = p.config_.train.steps;
+  return p;
 }
 
-void RunPlan::rescale_grad_accum(int64_t grad_accum) { config_.train.grad_accum = grad_accum; }
+RunPlan RunPlan::with_grad_accum(int64_t grad_accum) const {
+  RunPlan p = *this;
+  p.config_.train.grad_accum = grad_accum;
+  p.decide();
+  return p;
+}
+
+std::string RunPlan::describe() const {
+  const auto on_host = [](bool host) { return host ? "host" : "device"; };
+  std::string s = fmt::format(
+      "plan: {} step{} of {} micro-batch{} x {} rank{}; updates {}{}\n", steps_,
+      steps_ == 1 ? "" : "s", step_.grad_accum, step_.grad_accum == 1 ? "" : "es", step_.world,
+      step_.world == 1 ? "" : "s", step_.in_backward ? "in the backward" : "after the backward",
+      step_.host_accumulation ? ", gradients summed in pinned host memory" : "");
+  const RecomputePlan& r = recompute_;
+  std::string recompute = r.recompute_auto ? "auto (decided at start)"
+                          : !r.enabled     ? "none"
+                          : r.layers < 0   ? "every layer"
+                                           : fmt::format("the first {} layers", r.layers);
+  if (r.enabled && !r.recompute_auto && r.offload_layer_inputs) recompute += ", inputs on the host";
+  if (r.enabled && !r.recompute_auto && r.keep_attention + r.keep_mlp > 0) {
+    recompute += fmt::format(" (keeping attention {}, MLP {})", r.keep_attention, r.keep_mlp);
+  }
+  s +=
+      fmt::format("plan: recompute {}; moments on the {}, masters on the {}, gradients on the {}\n",
+                  recompute, on_host(placement_.moments_on_host),
+                  on_host(placement_.masters_on_host), on_host(placement_.gradients_on_host));
+  s += fmt::format(
+      "plan: data rows in groups of {}, packing {}{}\n", data_.group_size,
+      data_.packing ? "on" : "off",
+      data_.reference_pass ? ", reference log-probabilities before the first step" : "");
+  return s;
+}
 
 void RunPlan::check_guard(const std::string& where) const {
   if (!(config_.guard.max_gpu_gb > 0) || !device_.is_cuda()) return;

@@ -16,11 +16,11 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/options.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/metrics.h"
 #include "q4/trainer/runtime/nvtx.h"
-#include "q4/trainer/plan/options.h"
-#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -151,7 +151,7 @@ model::Qwen3Config load_model_config(const Config& c) {
 }
 
 // Files that the run needs before it loads anything.
-void check_input_files(const Config& c, bool need_data) {
+void check_input_files(const Config& c, const ObjectiveNeeds& needs, bool need_data) {
   require_file(c.model.config, "model.config");
   require_file(c.model.tokenizer, "model.tokenizer");
   if (c.model.init == InitKind::kFile && !model::is_hf_folder(c.model.weights)) {
@@ -164,13 +164,10 @@ void check_input_files(const Config& c, bool need_data) {
     for (const auto& f : c.data.files) require_file(f, "data.files");
     for (const auto& f : c.data.eval_files) require_file(f, "data.eval_files");
     // The teacher (or its top-K file) before anything is written or loaded.
-    if (c.train.objective == ObjectiveKind::kDistill) {
-      if (!c.distill.topk_file.empty()) {
-        require_file(c.distill.topk_file, "distill.topk_file");
-      } else {
-        const FrozenModelSpec teacher = resolved_frozen_spec(teacher_spec(c));
-        if (!model::is_hf_folder(teacher.path)) require_file(teacher.path, "distill.teacher");
-      }
+    for (const auto& [key, path] : needs.required_files) require_file(path, key);
+    if (needs.teacher_forward) {
+      const FrozenModelSpec teacher = resolved_frozen_spec(teacher_spec(c));
+      if (!model::is_hf_folder(teacher.path)) require_file(teacher.path, "distill.teacher");
     }
   }
 }
@@ -310,14 +307,14 @@ model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& mode
 
 // The examples of one data file: its records, or (train.objective preference) its pairs laid out
 // as chosen, rejected, chosen, ... (the batcher keeps each pair together). The summary is printed.
-std::vector<data::Example> load_examples(const Config& c, const std::string& file,
+std::vector<data::Example> load_examples(const Config& c, bool pairs, const std::string& file,
                                          const data::Tokenizer& tok, const std::string& key,
                                          const std::string& prefix, std::ostream& out,
                                          std::ostream& err) {
   const auto dopt = dataset_options(c);
   std::vector<data::Example> examples;
   data::LoadSummary summary;
-  if (c.train.objective == ObjectiveKind::kPreference) {
+  if (pairs) {
     auto ds = as_input_error(key, [&] { return data::load_preference_dataset(file, tok, dopt); });
     for (auto& p : ds.pairs) {
       examples.push_back(std::move(p.chosen));
@@ -434,8 +431,7 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   if (!load_weights_too) return;
   // gradient_checkpointing auto plans with the memory that is free before the model loads; with
   // recompute set by hand, an estimate over it is said before the load, with what would fit.
-  const bool auto_recompute =
-      c.train.gradient_checkpointing == Recompute::kAuto && plan_.device().is_cuda();
+  const bool auto_recompute = plan_.recompute().recompute_auto;
   int64_t free_before = 0;
   if (plan_.device().is_cuda()) {
     const auto snap = memory_snapshot(plan_.device());
@@ -444,7 +440,8 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   if (plan_.device().is_cuda() && !auto_recompute) {
     // The shipped layout (a separate lm_head) for a file, as --dry-run assumes.
     const bool separate = c.model.init == InitKind::kFile || !mc_.tie_word_embeddings;
-    const PlacementAdvice a = advise_placements(mc_, c, separate, free_before);
+    const PlacementAdvice a =
+        advise_placements(mc_, c, separate, free_before, plan_.objective_needs());
     if (!a.config_fits) {
       err_ << fmt::format(
           "warning: memory estimate {:.1f} GiB is over the {:.1f} GiB usable of {:.1f} GiB {}: "
@@ -461,8 +458,10 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   }
   separate_lm_head_ = !model_->tied();
   if (auto_recompute) {
-    log_ << plan_.resolve_recompute(mc_, separate_lm_head_, free_before) << "\n";
-    const auto o = model_options(plan_.config());
+    std::string line;
+    plan_ = plan_.with_recompute(mc_, separate_lm_head_, free_before, &line);
+    log_ << line << "\n";
+    const auto o = model_options(plan_.config(), plan_.recompute());
     model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs,
                           o.recompute_keep_attention, o.recompute_keep_mlp);
     model_->set_cache_adapted_weights(o.cache_adapted_weights);
@@ -488,7 +487,8 @@ void RunSetup::load_data(int64_t ranks) {
                                   mc_.vocab_size, static_cast<uint64_t>(c.train.seed));
   } else {
     for (const auto& f : c.data.files) {
-      for (auto& e : load_examples(c, f, *tok_, "data.files", "", log_, err_)) {
+      for (auto& e :
+           load_examples(c, plan_.data().paired_records, f, *tok_, "data.files", "", log_, err_)) {
         examples.push_back(std::move(e));
       }
     }
@@ -497,10 +497,16 @@ void RunSetup::load_data(int64_t ranks) {
     if (!probe) load_validation(&examples, pad_id);
   }
   batcher_ = as_input_error(truncation_keys(c, "data.files"), [&] {
-    return std::make_unique<data::Batcher>(std::move(examples), batcher_options(c, pad_id));
+    return std::make_unique<data::Batcher>(
+        std::move(examples),
+        batcher_options(c, pad_id, plan_.data().packing, plan_.data().group_size));
   });
   report_truncation(c, batcher_->truncation_stats(), "", log_, err_);
-  if (!probe) out_ << plan_.resolve_length(batcher_->batches_per_epoch(), ranks);
+  if (!probe) {
+    std::string notes;
+    plan_ = plan_.with_length(batcher_->batches_per_epoch(), ranks, &notes);
+    out_ << notes;
+  }
 }
 
 // Held-out examples for the validation loss: data.eval_fraction of the training examples
@@ -508,11 +514,12 @@ void RunSetup::load_data(int64_t ranks) {
 // shuffling.
 void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id) {
   const Config& c = plan_.config();
-  const int64_t group = c.train.objective == ObjectiveKind::kPreference ? 2 : 1;
+  const int64_t group = plan_.data().group_size;
   auto val = hold_out(train, c.data.eval_fraction, c.train.seed, group);
   const auto held = static_cast<int64_t>(val.size());
   for (const auto& f : c.data.eval_files) {
-    for (auto& e : load_examples(c, f, *tok_, "data.eval_files", "validation ", out_, err_)) {
+    for (auto& e : load_examples(c, plan_.data().paired_records, f, *tok_, "data.eval_files",
+                                 "validation ", out_, err_)) {
       val.push_back(std::move(e));
     }
   }
@@ -523,7 +530,7 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
     }
     return;
   }
-  auto bo = batcher_options(c, pad_id);
+  auto bo = batcher_options(c, pad_id, plan_.data().packing, plan_.data().group_size);
   bo.shuffle = false;
   const auto total = static_cast<int64_t>(val.size());
   val_batcher_ = as_input_error(truncation_keys(c, "data.eval_files"), [&] {

@@ -14,8 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "q4/trainer/plan/estimate.h"
-#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/signals.h"
 
 namespace fs = std::filesystem;
@@ -108,7 +108,7 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   const auto& mc = setup.model_config();
   auto* model = &setup.model();
   const auto* batcher = setup.batcher();
-  const auto budget = estimate_budget(mc, c, setup.separate_lm_head());
+  const auto budget = estimate_budget(mc, c, setup.separate_lm_head(), plan_.objective_needs());
   std::string model_src = c.model.init == InitKind::kRandom
                               ? fmt::format("random init (seed {})", c.model.init_seed)
                               : c.model.weights;
@@ -158,7 +158,7 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
         "  epoch      {} example{} in {} row{}{} and {} micro-batch{}: {:.2f} steps per epoch, "
         "about {:.1f} examples ({:.1f} rows) per step\n",
         examples, examples == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
-        resolved_packing(c) ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
+        plan_.data().packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
         static_cast<double>(bpe) / static_cast<double>(per_step),
         static_cast<double>(examples) * static_cast<double>(per_step) / static_cast<double>(bpe),
         static_cast<double>(rows) * static_cast<double>(per_step) / static_cast<double>(bpe));

@@ -196,9 +196,9 @@ void check_output_dir(const Config& c, const fs::path& dir) {
 
 // The run's inputs for the output checks: run_inputs() less <output.dir>/config.yaml, the run's
 // own copy (a fresh run refuses a config there in check_fresh_output_dir; a resume rewrites it).
-NamedPaths input_paths(const Config& c, const fs::path& dir) {
+NamedPaths input_paths(const Config& c, const ObjectiveNeeds& needs, const fs::path& dir) {
   NamedPaths inputs;
-  for (const auto& [key, path] : run_inputs(c)) {
+  for (const auto& [key, path] : run_inputs(c, needs)) {
     const fs::path p = canonical_or_self(path);
     if (key == "the config file" && p == dir / kConfigFile) continue;
     inputs.push_back({key, p});
@@ -312,7 +312,8 @@ void check_outputs_meet_no_input(const fs::path& dir, const NamedPaths& outputs,
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c, bool writing_topk) {
+std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
+                                                            const ObjectiveNeeds& needs) {
   std::vector<std::pair<std::string, std::string>> in;
   std::error_code ec;
   if (fs::is_regular_file(c.source, ec)) in.push_back({"the config file", c.source});
@@ -323,37 +324,21 @@ std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c, boo
   }
   for (const auto& f : c.data.files) in.push_back({"data.files", f});
   for (const auto& f : c.data.eval_files) in.push_back({"data.eval_files", f});
-  const bool distill = c.train.objective == ObjectiveKind::kDistill;
-  if (writing_topk || (distill && c.distill.topk_file.empty())) {
-    if (!c.distill.teacher.empty()) in.push_back({"distill.teacher", c.distill.teacher});
-    if (!c.distill.teacher_config.empty()) {
-      in.push_back({"distill.teacher_config", c.distill.teacher_config});
-    }
-  } else if (distill) {
-    in.push_back({"distill.topk_file", c.distill.topk_file});
-  }
-  if (c.train.objective == ObjectiveKind::kPreference &&
-      c.preference.loss != PreferenceLossKind::kSimpo && !c.preference.reference.empty()) {
-    in.push_back({"preference.reference", c.preference.reference});
-    if (!c.preference.reference_config.empty()) {
-      in.push_back({"preference.reference_config", c.preference.reference_config});
-    }
-  }
+  in.insert(in.end(), needs.inputs.begin(), needs.inputs.end());
   return in;
 }
 
-void check_output_paths(const Config& c, bool overwrite) {
+void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overwrite) {
   const fs::path dir = canonical_or_self(c.output.dir);
   check_output_dir(c, dir);
-  const NamedPaths inputs = input_paths(c, dir);
+  const NamedPaths inputs = input_paths(c, needs, dir);
   // Outputs the run writes, by key.
   NamedPaths outputs = {{"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
                         {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
   if (c.model.init == InitKind::kRandom) {
     outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
   }
-  if (c.train.objective == ObjectiveKind::kPreference &&
-      c.preference.loss != PreferenceLossKind::kSimpo) {
+  if (needs.reference_pass) {
     outputs.push_back({"output.dir (" + std::string(kReferenceFile) + ")", dir / kReferenceFile});
   }
   add_metrics_output(c, dir, &outputs);
@@ -397,15 +382,15 @@ void check_output_paths(const Config& c, bool overwrite) {
                           "; the HF folder must be a directory or a new path");
       }
     }
-    check_hf_export_folder(c);
+    check_hf_export_folder(c, needs);
     if (c.train.method == TrainMethod::kLora) check_adapter_folder(c, overwrite);
   }
 }
 
-void check_hf_export_folder(const Config& c) {
+void check_hf_export_folder(const Config& c, const ObjectiveNeeds& needs) {
   const std::string exp = resolved_export_path(c);
   if (c.output.hf_export == HfExport::kNone || exp.empty()) return;
-  std::vector<std::pair<std::string, std::string>> inputs = run_inputs(c);
+  std::vector<std::pair<std::string, std::string>> inputs = run_inputs(c, needs);
   inputs.push_back({"output.dir", c.output.dir});
   if (!c.model.tokenizer.empty()) {
     inputs.push_back({"the folder of model.tokenizer",
@@ -419,14 +404,14 @@ void check_hf_export_folder(const Config& c) {
   }
 }
 
-void check_topk_output(const Config& c, bool overwrite) {
+void check_topk_output(const Config& c, const ObjectiveNeeds& writer, bool overwrite) {
   const std::string& path = c.distill.topk_file;
   if (path.empty() || c.distill.teacher.empty()) {
     throw ConfigError(
         "--write-teacher-topk: set distill.teacher (the model to run) and distill.topk_file "
         "(the file to write)");
   }
-  for (const auto& [key, in] : run_inputs(c, /*writing_topk=*/true)) {
+  for (const auto& [key, in] : run_inputs(c, writer)) {
     const std::string rel = io::output_input_relation(path, in);
     if (!rel.empty()) throw input_conflict("distill.topk_file", path, rel, {key, fs::path(in)});
   }
@@ -441,11 +426,11 @@ void check_topk_output(const Config& c, bool overwrite) {
   }
 }
 
-std::vector<std::string> run_dir_leftovers(const Config& c) {
+std::vector<std::string> run_dir_leftovers(const Config& c, const ObjectiveNeeds& needs) {
   std::vector<std::string> out;
   std::error_code ec;
   if (!fs::is_directory(c.output.dir, ec)) return out;
-  const auto inputs = run_inputs(c);
+  const auto inputs = run_inputs(c, needs);
   for (const auto& e : fs::directory_iterator(c.output.dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name == kLockFile || name == kProbeFile || io::is_temp_file_name(name)) continue;

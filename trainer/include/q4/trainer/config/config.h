@@ -21,6 +21,7 @@
 #include "q4/model/qwen3_params.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
+#include "q4/trainer/config/objective_needs.h"
 
 namespace q4::trainer {
 
@@ -46,15 +47,19 @@ enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | 
 enum class AutoBool { kAuto, kTrue, kFalse };
 using InBackward = AutoBool;
 using Recompute = AutoBool;
-enum class Offload { kNone, kMoments, kAll };          // none | moments | all
+enum class Offload { kNone, kMoments, kAll };  // none | moments | all
 using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
 enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
-enum class ObjectiveKind { kCrossEntropy, kDistill, kPreference };  // cross_entropy | distill |
-                                                                  // preference
-enum class TrainMethod { kFull, kLora };               // full | lora
-enum class Divergence { kForwardKl, kReverseKl };      // forward_kl | reverse_kl
+enum class ObjectiveKind {
+  kCrossEntropy,
+  kDistill,
+  kPreference
+};                                                 // cross_entropy | distill |
+                                                   // preference
+enum class TrainMethod { kFull, kLora };           // full | lora
+enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
 enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
 
@@ -142,7 +147,7 @@ struct TrainConfig {
   // Recomputed layers run their MLP over row chunks of this many tokens (docs/trainer.md#
   // recompute-by-memory-budget); 0: never; auto: resolved_mlp_chunk_tokens().
   IntOrAuto mlp_chunk_tokens;
-  int64_t steps = 100;            // optimizer steps (resolved from epochs when that is set)
+  int64_t steps = 100;  // optimizer steps (resolved from epochs when that is set)
   // Passes over the training data instead of steps (0: steps decides). The trainer resolves it
   // to steps once the data is loaded (resolve_run_length in trainer.cpp, docs/trainer.md#epochs).
   double epochs = 0.0;
@@ -199,7 +204,7 @@ struct PreferenceConfig {
 // train.method: lora (docs/trainer.md#lora-adapters).
 struct LoraConfig {
   int64_t rank = 16;
-  double alpha = 32.0;  // the adapter's update is scaled by alpha / rank
+  double alpha = 32.0;   // the adapter's update is scaled by alpha / rank
   double dropout = 0.0;  // on the adapter's input (plain adapters only)
   // Short names from model::kLoraTargets; default: every decoder-layer projection.
   std::vector<std::string> targets = model::lora_projection_targets();
@@ -254,7 +259,7 @@ struct DataConfig {
   // parse_config resolves auto, so the saved config.yaml names the template the run used.
   data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
   AutoBool enable_thinking = AutoBool::kAuto;  // HF's enable_thinking; auto: unset (thinking on)
-  bool shuffle = true;                                // reshuffle each epoch (seeded by train.seed)
+  bool shuffle = true;                         // reshuffle each epoch (seeded by train.seed)
   bool packing = true;        // pack several examples into one seq_len row (best fit)
   int64_t pack_window = 256;  // packing: examples considered for each row
   data::OnError on_error = data::OnError::kFail;     // malformed lines
@@ -320,8 +325,8 @@ using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
                  IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
-                 data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*, Truncation*,
-                 ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
+                 data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
+                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
                  PreferenceLossKind*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
@@ -365,16 +370,23 @@ struct Override {
 };
 Override parse_override(const std::string& text);  // "a.b=c"; ConfigError when malformed
 
-// Parses YAML text (source_name for messages), applies overrides, reads and validates. Relative
-// input paths in the text resolve against `base_dir`, those from overrides against the CWD.
+// Cross-field rules a layer above adds to validate_config (the objectives' rules,
+// objectives/registry.h validate_objective_config).
+using ConfigRules = std::function<void(const Config&)>;
+
+// Parses YAML text (source_name for messages), applies overrides, reads and validates
+// (validate_config, then `more_rules`; their errors name the file). Relative input paths in the
+// text resolve against `base_dir`, those from overrides against the CWD.
 Config parse_config(const std::string& yaml_text, const std::string& source_name,
-                    const std::string& base_dir, const std::vector<Override>& overrides = {});
+                    const std::string& base_dir, const std::vector<Override>& overrides = {},
+                    const ConfigRules& more_rules = nullptr);
 // Reads `path` and calls parse_config with its directory as base_dir.
-Config load_config(const std::string& path, const std::vector<Override>& overrides = {});
+Config load_config(const std::string& path, const std::vector<Override>& overrides = {},
+                   const ConfigRules& more_rules = nullptr);
 
 // The table's per-field ranges again (parse_config has checked them with line numbers; this
-// covers configs built or edited in code) and the cross-field rules; ConfigError naming the key.
-// parse_config calls it.
+// covers configs built or edited in code) and the cross-field rules but the objectives' own
+// (validate_objective_config); ConfigError naming the key. parse_config calls it.
 void validate_config(const Config& c);
 
 // Settings that differ from their defaults but do not apply to this run (lora.* without
@@ -382,8 +394,9 @@ void validate_config(const Config& c);
 // setting under ipo, simpo_gamma without simpo, lora.cache_base_weights with merge-aware
 // adapters): one warning line listing the keys and why, or "" when there are none. A setting
 // that would change what the run computes if it applied (distill.teacher, preference.reference)
-// is refused by validate_config instead.
-std::string ignored_settings_warning(const Config& c);
+// is refused by validate_objective_config instead. `needs`: the run's objective's (its
+// sections' settings apply).
+std::string ignored_settings_warning(const Config& c, const ObjectiveNeeds& needs);
 
 // The resolved config as YAML (every field, defaults included; train.steps is left out while
 // train.epochs sets the run length); parse_config(to_yaml(c)) == c.
@@ -405,9 +418,9 @@ std::string splice_config_reference(const std::string& readme);
 // Derived settings.
 Dtype resolved_compute_dtype(const Config& c);      // auto resolved: bf16 on cuda, fp32 on cpu
 std::string resolved_export_path(const Config& c);  // "" when export is disabled
-// data.packing as the run applies it: preference pairs are never packed (each answer is a row;
-// on CUDA the rows lie end to end, so there is no padding to save).
-bool resolved_packing(const Config& c);
+// data.packing as the run applies it: only where the objective allows packing (preference pairs
+// are never packed).
+bool resolved_packing(const Config& c, const ObjectiveNeeds& needs);
 bool device_is_cuda(const Config& c);
 // Whether the run applies optimizer updates inside the backward (optim.in_backward resolved).
 bool in_backward_updates(const Config& c);

@@ -17,14 +17,9 @@
 
 #include "q4/data/dataset.h"
 #include "q4/model/qwen3.h"
+#include "q4/trainer/config/objective_needs.h"
 
 namespace q4::trainer {
-
-// What a micro-batch must carry for an objective.
-struct ObjectiveNeeds {
-  bool labels = true;               // next-token labels, -100 where not supervised
-  bool paired_sequences = false;  // chosen/rejected rows side by side (preference objectives)
-};
 
 // One micro-batch as an objective sees it. Fields an objective does not need stay empty.
 struct MicroBatch {

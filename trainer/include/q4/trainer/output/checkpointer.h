@@ -19,8 +19,8 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/trainer/distributed/grad_sync.h"
-#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace q4::trainer {
 
@@ -45,7 +45,7 @@ std::optional<int64_t> grad_accum_for_world(int64_t ck_world, int64_t ck_accum, 
 
 class Checkpointer {
  public:
-  Checkpointer(RunPlan& plan, std::ostream& out);
+  Checkpointer(const RunPlan& plan, std::ostream& out);
 
   // What a checkpoint holds, borrowed: the optimizer (owned masters and moments), the trained
   // parameters' names, the training batcher (null: none), the schedule. `comm`: null for one
@@ -64,7 +64,8 @@ class Checkpointer {
     int64_t tokens_seen = 0;
   };
   // `export_only`: load the masters only (no step or world checks). `on_grad_accum_change`:
-  // called when a resume on another world size changes grad_accum (its new value).
+  // called when a resume on another world size changes grad_accum (its new value); the plan's
+  // owner makes the plan with it (RunPlan::with_grad_accum).
   Restored restore(const CheckpointDir& ck, bool export_only,
                    const std::function<void(int64_t)>& on_grad_accum_change = nullptr);
 
@@ -88,7 +89,7 @@ class Checkpointer {
   void check_lora_unchanged(const CheckpointDir& ck, const nlohmann::json& state) const;
   void restore_run_state(const CheckpointDir& ck, const nlohmann::json& state, Restored* r);
 
-  RunPlan& plan_;
+  const RunPlan& plan_;
   std::ostream& out_;
   optim::PackedAdamW* optimizer_ = nullptr;
   const std::vector<model::Parameter*>* params_ = nullptr;

@@ -66,8 +66,8 @@ struct MemoryBudget {
   int64_t trainable_elements = 0;
   // Pinned host memory (offloaded masters, moments, gradients and layer inputs), not device memory.
   int64_t host_bytes = 0;
-  bool moments_on_host = false;  // optim.offload: moments or all (moments_bytes is then 0)
-  bool masters_on_host = false;  // optim.offload: all (masters_bytes holds the linears' codes)
+  bool moments_on_host = false;     // optim.offload: moments or all (moments_bytes is then 0)
+  bool masters_on_host = false;     // optim.offload: all (masters_bytes holds the linears' codes)
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
   int64_t persistent_bytes() const {
@@ -83,13 +83,23 @@ struct MemoryBudget {
   std::string to_table() const;  // whole-run rows, a row per phase, the peak phase and total
 };
 
-// Budget for one micro-batch of train.batch_size x train.seq_len tokens.
-MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
+// Budget for one micro-batch of train.batch_size x train.seq_len tokens, with the recompute as
+// configured or `recompute`. `needs`: the objective's (a teacher's forward counts).
+MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
+                             const ObjectiveNeeds& needs = {});
+MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
+                             const ObjectiveNeeds& needs, const RecomputePlan& recompute);
+
+// What the estimate does not count, taken off the device budget before the estimate is compared
+// with it: the CUDA context and the libraries' workspaces (cuBLAS, cuDNN), about 1 GiB ...
+inline constexpr int64_t kCudaContextReserveBytes = int64_t{1} << 30;
+// ... and, on what is left, the caching allocator's block rounding and fragmentation, about 8%
+// of what is allocated: usable = (budget - reserve) / margin.
+inline constexpr double kAllocatorMargin = 1.08;
 
 // The device memory a CUDA run plans with: guard.max_gpu_gb when set, else `free_bytes` (the
 // device's free memory before the model loads); usable: less what the estimate does not count
-// (the CUDA context and library workspaces, 1 GiB, and the caching allocator's rounding and
-// fragmentation, 8%).
+// (kCudaContextReserveBytes, kAllocatorMargin).
 struct DeviceBudget {
   int64_t budget_bytes = 0;
   int64_t usable_bytes = 0;  // the estimate must fit it
@@ -126,7 +136,8 @@ struct PlacementAdvice {
   std::string summary() const;
 };
 PlacementAdvice advise_placements(const model::Qwen3Config& mc, const Config& c,
-                                  bool separate_lm_head, int64_t free_bytes);
+                                  bool separate_lm_head, int64_t free_bytes,
+                                  const ObjectiveNeeds& needs = {});
 
 // train.gradient_checkpointing: auto (docs/trainer.md#recompute-by-memory-budget): what to
 // recompute for the memory estimate to fit the usable budget. Nothing when that fits; else, from
@@ -160,13 +171,10 @@ struct RecomputeChoice {
   // the attention block's activations (only the MLP recomputes) [...] (estimate ...)".
   std::string describe() const;
 };
-// The budget auto plans for: device_budget(c, free_bytes).
+// The budget auto plans for: device_budget(c, free_bytes). RunPlan::with_recompute applies it.
 RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
-                                 bool separate_lm_head, int64_t free_bytes);
-// Resolves auto in `c` (a CUDA run; the CPU's auto is no recompute) with choose_recompute and
-// returns its description; returns "" and changes nothing when `c` is not auto.
-std::string resolve_recompute(Config& c, const model::Qwen3Config& mc, bool separate_lm_head,
-                              int64_t free_bytes);
+                                 bool separate_lm_head, int64_t free_bytes,
+                                 const ObjectiveNeeds& needs = {});
 
 // Training FLOPs per token with every parameter trained: 6 x (matmul parameters) + attention
 // (12 x layers x seq_len x q_dim), as llm.c counts them (recomputation by checkpointing is not

@@ -18,8 +18,32 @@ namespace q4::trainer {
 at::ScalarType to_scalar_type(Dtype d);
 model::HfFormat to_model(HfExport e);  // never kNone
 
+// Which decoder layers recompute in backward (train.gradient_checkpointing resolved; auto stays
+// unresolved until the memory is known: recompute_auto).
+struct RecomputePlan {
+  bool recompute_auto = false;  // auto, not resolved yet (CUDA: decided once the model loads)
+  bool enabled = false;         // some layer recomputes
+  int64_t layers = -1;          // the first N recompute; -1 every one
+  bool offload_layer_inputs = false;
+  int64_t keep_attention = 0;
+  int64_t keep_mlp = 0;
+
+  // The first `n` of `num_layers` decoder layers recompute (0: none; num_layers or more: every
+  // one), their inputs offloaded or not, `keep_attention` and `keep_mlp` of them keeping one
+  // block's activations (what set_recompute_layers writes into a config).
+  static RecomputePlan first(int64_t n, int64_t num_layers, bool offload_layer_inputs = false,
+                             int64_t keep_attention = 0, int64_t keep_mlp = 0);
+};
+
+// train.gradient_checkpointing and its companions as configured (auto: recompute_auto on CUDA,
+// where the run decides once the model loads; the CPU recomputes nothing).
+RecomputePlan configured_recompute(const Config& c);
+
 model::TrainableSpec trainable_spec(const Config& c);
-model::ModelOptions model_options(const Config& c);  // device, dtypes, trainable, checkpointing
+// Device, dtypes, trainable, checkpointing: the recompute as configured (configured_recompute),
+// or `recompute` (a plan's, or a choice the estimate tries).
+model::ModelOptions model_options(const Config& c);
+model::ModelOptions model_options(const Config& c, const RecomputePlan& recompute);
 optim::AdamWOptions adamw_options(const Config& c);
 // The LR schedule over a run of `steps` optimizer steps (the run plan's resolved length).
 optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps);
@@ -31,6 +55,7 @@ data::ChatOptions chat_options(const Config& c);
 // end to end in one row (the varlen attention separates the examples) and shapes are kept
 // stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a
 // multiple of 64, so the allocator and the kernels see a handful of shapes.
-data::BatcherOptions batcher_options(const Config& c, int64_t pad_id);
+// `group` rows stay together (2: a preference pair), packed when `pack` (DataPlan).
+data::BatcherOptions batcher_options(const Config& c, int64_t pad_id, bool pack, int64_t group);
 
 }  // namespace q4::trainer

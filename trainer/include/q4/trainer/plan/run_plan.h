@@ -16,7 +16,9 @@
 
 #include "q4/model/qwen3_config.h"
 #include "q4/trainer/config/config.h"
+#include "q4/trainer/config/objective_needs.h"
 #include "q4/trainer/distributed/distributed.h"
+#include "q4/trainer/plan/options.h"
 
 namespace q4::trainer {
 
@@ -45,7 +47,7 @@ struct RunOptions {
   // --allow-schedule-change: resume even though the LR schedule (train.steps, optim.lr,
   // optim.schedule.*) differs from the checkpoint's.
   bool allow_schedule_change = false;
-  WorldInfo world;            // data-parallel rank and size (torchrun / --nproc); default: alone
+  WorldInfo world;  // data-parallel rank and size (torchrun / --nproc); default: alone
   std::chrono::milliseconds dist_timeout{std::chrono::minutes(10)};  // rendezvous, collectives
 };
 
@@ -69,22 +71,63 @@ std::string clip_warmup_to_run(Config& config);
 // clipped to the run (clip_warmup_to_run). Returns the notes to print (one line each), or "".
 std::string resolve_run_length(Config& config, int64_t micro_batches_per_epoch, int64_t ranks);
 
+// How a step updates the weights (docs/optim.md, "In-backward updates"), decided once.
+struct StepPlan {
+  // Optimizer updates run inside the backward, each parameter's as its gradient completes
+  // (optim.in_backward resolved; one process, or the probe); else after it (buffered).
+  bool in_backward = false;
+  // The summed gradients of offloaded masters (optim.offload: all) add up in pinned host memory
+  // over a step's micro-batches (one process on CUDA, grad_accum > 1).
+  bool host_accumulation = false;
+  int64_t grad_accum = 1;  // micro-batches per rank and step
+  int64_t world = 1;       // data-parallel ranks
+};
+
+// What lives in host memory instead of the GPU (optim.offload, docs/optim.md).
+struct PlacementPlan {
+  bool moments_on_host = false;    // optim.offload moments or all, on CUDA
+  bool masters_on_host = false;    // optim.offload all, on CUDA (the GPU keeps NVFP4 codes)
+  bool gradients_on_host = false;  // StepPlan::host_accumulation
+};
+
+// How the data is laid out for the objective (ObjectiveNeeds resolved against data.*).
+struct DataPlan {
+  int64_t group_size = 1;       // rows kept together (2: preference pairs)
+  bool paired_records = false;  // data files hold preference records
+  bool packing = true;          // data.packing as applied (resolved_packing)
+  bool reference_pass = false;  // reference log-probabilities computed before the first step
+};
+
+// The run, resolved (docs/design.md#trainer-components). A plan never changes: each stage that
+// learns something (the warmup against the run, the run length once the data is batched, the
+// recompute once the free memory is known, the grad_accum of a resume on another world size)
+// makes a new plan from the previous one with `with_*`, and the run's owner keeps the newest.
 class RunPlan {
  public:
   // `probe`: the VRAM probe (training set-up and step, nothing written but the report).
-  RunPlan(const Config& config, const RunOptions& options, bool probe = false);
+  // `needs`: the objective's (objectives/registry.h objective_needs; resolve_plan there makes a
+  // plan from a config).
+  RunPlan(const Config& config, const RunOptions& options, const ObjectiveNeeds& needs,
+          bool probe = false);
 
-  // The configuration as resolved so far (after resolve_length: the steps-based config).
+  // The configuration as resolved so far (after with_length: the steps-based config; after
+  // with_recompute: the recompute chosen).
   const Config& config() const { return config_; }
   const RunOptions& options() const { return options_; }
   const at::Device& device() const { return device_; }
   bool probe() const { return probe_; }
   bool resuming() const { return options_.resume.has_value(); }
+  const ObjectiveNeeds& objective_needs() const { return needs_; }
+
+  const StepPlan& step() const { return step_; }
+  const RecomputePlan& recompute() const { return recompute_; }
+  const PlacementPlan& placement() const { return placement_; }
+  const DataPlan& data() const { return data_; }
 
   // The run length in optimizer steps (train.steps, or from train.epochs once resolved).
   int64_t steps() const { return steps_; }
   // Micro-batches accumulated per rank and step (rescaled by a resume on another world size).
-  int64_t grad_accum() const { return config_.train.grad_accum; }
+  int64_t grad_accum() const { return step_.grad_accum; }
   // train.epochs as configured (config().train.epochs is 0 once resolved).
   double epochs_configured() const { return epochs_; }
   // train.epochs or warmup_ratio: the run length is known only once the data is batched.
@@ -96,33 +139,46 @@ class RunPlan {
   std::string export_path() const;
   // <output.dir>/<log.metrics>, or "" when the metrics file is off.
   std::string metrics_path() const;
-
-  // A run whose length is configured in steps: the warmup clipped to it (the note, or "").
-  std::string clip_warmup();
-  // A run whose length comes from the data: resolve_run_length on the plan (the notes, or "").
-  std::string resolve_length(int64_t micro_batches_per_epoch, int64_t ranks);
-  // train.gradient_checkpointing auto resolved (estimate.h resolve_recompute): its line.
-  std::string resolve_recompute(const model::Qwen3Config& mc, bool separate_lm_head,
-                                int64_t free_bytes);
   // The config a run writes to its config.yaml: config() with the recompute settings as
   // configured (auto stays auto, so a resume, maybe on another GPU, decides again).
   Config config_to_save() const;
-  // A resume on another world size keeps the global batch with this many micro-batches a step.
-  void rescale_grad_accum(int64_t grad_accum);
+  // The plan as --dry-run prints it: a few lines, each starting "plan: ".
+  std::string describe() const;
+
+  // A run whose length is configured in steps: the warmup clipped to it (`note`: the note, or
+  // ""). A run whose length comes from the data is unchanged (with_length clips).
+  RunPlan with_warmup_clipped(std::string* note) const;
+  // A run whose length comes from the data: resolve_run_length (`notes`: its notes, or "").
+  RunPlan with_length(int64_t micro_batches_per_epoch, int64_t ranks, std::string* notes) const;
+  // train.gradient_checkpointing auto resolved (estimate.h choose_recompute) against
+  // `free_bytes`; `line`: its line, or "" when the recompute was not auto.
+  RunPlan with_recompute(const model::Qwen3Config& mc, bool separate_lm_head, int64_t free_bytes,
+                         std::string* line) const;
+  // A resume on another world size keeps the global batch with this many micro-batches a step
+  // (the step plan decided again: auto's in-backward updates need grad_accum 1).
+  RunPlan with_grad_accum(int64_t grad_accum) const;
 
   // Checks the allocator's reserved memory and the device's used memory against
   // guard.max_gpu_gb (GuardStop naming `where`); nothing on the CPU or with the guard off.
   void check_guard(const std::string& where) const;
 
  private:
+  // The plan structs from config_ (after any stage).
+  void decide();
+
   Config config_;
-  TrainConfig configured_train_;  // train.* before resolve_recompute
+  TrainConfig configured_train_;  // train.* before with_recompute
   RunOptions options_;
+  ObjectiveNeeds needs_;
   at::Device device_;
   bool probe_ = false;
   int64_t steps_ = 0;
   double epochs_ = 0;
   bool length_from_data_ = false;
+  StepPlan step_;
+  RecomputePlan recompute_;
+  PlacementPlan placement_;
+  DataPlan data_;
 };
 
 }  // namespace q4::trainer

@@ -46,8 +46,9 @@ auto as_input_error(const std::string& what, F&& fn) -> decltype(fn()) {
 void require_file(const std::string& path, const std::string& key);
 // model.config parsed, and train.trainable.layers checked against its layer count.
 model::Qwen3Config load_model_config(const Config& c);
-// Files that the run needs before it loads anything.
-void check_input_files(const Config& c, bool need_data);
+// Files that the run needs before it loads anything; with `need_data`, the objective's too
+// (`needs`: its required files, and an online teacher's weights).
+void check_input_files(const Config& c, const ObjectiveNeeds& needs, bool need_data);
 // on_error: skip: a warning on stderr naming every reported line and its reason.
 void report_skipped_lines(const data::LoadSummary& s, std::ostream& err);
 // No example at all: say so (naming each file's format rule), rather than blaming seq_len.
@@ -69,10 +70,10 @@ void report_truncation(const Config& c, const data::TruncationStats& stats, cons
 // same split (resume relies on it).
 std::vector<data::Example> hold_out(std::vector<data::Example>* train, double fraction,
                                     int64_t seed, int64_t group = 1);
-// The examples of one data file (`key` names it in errors): its records, or (train.objective
-// preference) its pairs laid out as chosen, rejected, chosen, ... Its summary goes to `out`
-// after `prefix`, skipped lines to `err`.
-std::vector<data::Example> load_examples(const Config& c, const std::string& file,
+// The examples of one data file (`key` names it in errors): its records, or (`pairs`:
+// DataPlan::paired_records) its preference pairs laid out as chosen, rejected, chosen, ... Its
+// summary goes to `out` after `prefix`, skipped lines to `err`.
+std::vector<data::Example> load_examples(const Config& c, bool pairs, const std::string& file,
                                          const data::Tokenizer& tok, const std::string& key,
                                          const std::string& prefix, std::ostream& out,
                                          std::ostream& err);

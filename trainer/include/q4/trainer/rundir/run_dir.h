@@ -70,12 +70,12 @@ std::string adapter_dir(const std::string& dat_path);
 
 // Every file or folder a run reads, as (config key, path) pairs, paths as configured: the config
 // file, model.config, model.tokenizer, model.weights (a .dat or an HF folder; model.init: file),
-// data.files, data.eval_files, and what the objective loads: distill.teacher and
-// distill.teacher_config (online distillation, or `writing_topk`: --write-teacher-topk),
-// distill.topk_file (offline distillation), preference.reference and
-// preference.reference_config (a reference-based loss). docs/reliability.md#inputs-and-outputs.
+// data.files, data.eval_files, and what the objective loads (`needs.inputs`: distill.teacher and
+// distill.teacher_config for online distillation and --write-teacher-topk, distill.topk_file
+// offline, preference.reference and preference.reference_config for a reference-based loss).
+// docs/reliability.md#inputs-and-outputs.
 std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
-                                                            bool writing_topk = false);
+                                                            const ObjectiveNeeds& needs);
 
 // Every output path, checked before anything is written or loaded (ConfigError naming the key):
 // log.metrics is a plain file name that is not reserved; the export is not a directory, its
@@ -87,8 +87,9 @@ std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
 // output.dir is a writable directory or can be created; no output file exists as anything but a
 // regular file (the folders: a directory), so nothing is ever renamed over a device or a FIFO;
 // output.hf_export's folder passes check_hf_export_folder and lora's adapter folder
-// check_adapter_folder (`overwrite`: --overwrite).
-void check_output_paths(const Config& c, bool overwrite = false);
+// check_adapter_folder (`overwrite`: --overwrite). `needs`: the objective's inputs, and its
+// reference file when it has a reference pass.
+void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overwrite = false);
 
 // train.method lora's adapter folder (adapter_dir of the export): a new path, an empty folder, or
 // the adapter of an earlier export of this run (the record beside the export names this run, or
@@ -96,10 +97,10 @@ void check_output_paths(const Config& c, bool overwrite = false);
 void check_adapter_folder(const Config& c, bool overwrite);
 
 // --write-teacher-topk's output, distill.topk_file, before anything loads: set (with
-// distill.teacher); none of the inputs (run_inputs with writing_topk), whatever `overwrite`
-// says; a regular file or a new path in a writable directory; and not an existing file unless
-// `overwrite`.
-void check_topk_output(const Config& c, bool overwrite);
+// distill.teacher); none of the inputs (run_inputs with `writer`: the teacher's files), whatever
+// `overwrite` says; a regular file or a new path in a writable directory; and not an existing
+// file unless `overwrite`.
+void check_topk_output(const Config& c, const ObjectiveNeeds& writer, bool overwrite);
 
 // The export record: `<export>.json` beside the export, {"step", "bytes", "run_dir"}, written
 // after each export. It tells which step an existing export holds, so that an export never
@@ -130,14 +131,14 @@ void check_probe_report_path(const std::string& path, bool overwrite);
 // them (run_inputs, output.dir and the folder model.tokenizer's files are copied from), and an
 // existing non-empty folder is an earlier q4train export
 // (model::check_hf_export_dir; q4train never replaces a foreign folder's files).
-void check_hf_export_folder(const Config& c);
+void check_hf_export_folder(const Config& c, const ObjectiveNeeds& needs);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a
 // killed writer (removed at start anyway), probe.json, and the run's own inputs and folders
 // holding one (run_inputs: model.weights or a teacher kept in output.dir), which --overwrite
 // therefore never removes. Names, sorted; empty when the directory is absent or empty.
-std::vector<std::string> run_dir_leftovers(const Config& c);
+std::vector<std::string> run_dir_leftovers(const Config& c, const ObjectiveNeeds& needs);
 
 // An exclusive advisory lock (flock) on <dir>/.lock, held until destruction (or the process
 // ends). A second run on the same directory fails at once with a ConfigError naming the
