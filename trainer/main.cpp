@@ -27,6 +27,7 @@
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/fault.h"
 #include "q4/trainer/runtime/profile.h"
 
 namespace fs = std::filesystem;
@@ -287,6 +288,8 @@ int run(Cli& o, int argc, char** argv) {
   if (o.write_teacher_topk) {
     return run_write_teacher_topk(config, o.overwrite, std::cout, std::cerr);
   }
+  // The failure-handling tests' fault (runtime/fault.h): read once, here.
+  install_fault_plan(FaultPlan::parse(std::getenv("Q4_FAULT")));
   return run_training(config, options, std::cout, std::cerr);
 }
 

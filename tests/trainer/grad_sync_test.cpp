@@ -277,3 +277,61 @@ TEST(GradSync, EveryOtherReaderOfMastersWaitsForTheBroadcasts) {
     all_current("wait_masters()");
   });
 }
+
+// Gradients reduced in buckets (one flat tensor per bucket) sum to the same bits as one reduce
+// per gradient, whether they come from the backward one by one (grad_accum 1) or all at the end
+// of the step, with fewer collectives; each rank's gradients differ (seeded by rank), some
+// parameters get none on one rank (zeros), and the bucket size splits the tiny model's tensors
+// into several buckets per owner.
+TEST(GradSync, BucketedReducesEqualOneReducePerGradient) {
+  if (!kGloo) GTEST_SKIP() << "q4_trainer was built without Gloo: no CPU ranks";
+  struct RankResult {
+    std::vector<at::Tensor> per_tensor, bucketed;
+    int64_t per_tensor_reduces = 0, bucketed_reduces = 0;
+  };
+  RankResult res[2];
+  on_two_ranks([&](DistComm& comm) {
+    RankResult& out = res[comm.rank()];
+    auto m = bf16_model();
+    const auto params = m.trainable_parameters();
+    at::Generator gen = at::detail::createCPUGenerator(100 + static_cast<uint64_t>(comm.rank()));
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const bool none = comm.rank() == 1 && i % 5 == 2;  // never reached the loss here
+      grads.push_back(none ? at::Tensor()
+                           : at::randn(params[i]->master.sizes(), gen).to(at::kBFloat16));
+    }
+    const auto reduce = [&](int64_t bucket_bytes, bool from_backward, int64_t* launched) {
+      GradSync sync(&comm, m, params, bucket_bytes);
+      optim::PackedAdamW optimizer{optim::AdamWOptions{}};
+      sync.add_owned_params(optimizer);
+      sync.begin_step();
+      for (size_t k = 0; k < params.size(); ++k) {
+        const size_t i = params.size() - 1 - k;  // the backward's order
+        params[i]->grad = grads[i].defined() ? grads[i].clone() : at::Tensor();
+        if (from_backward) {
+          sync.on_gradient(*params[i]);
+          params[i]->grad = at::Tensor();  // freed by the model after the hook
+        }
+      }
+      std::vector<at::Tensor> got = sync.finish_step(optimizer.num_params());
+      *launched = sync.reduces_launched();
+      for (auto& g : got) g = g.clone();
+      return got;
+    };
+    for (const bool from_backward : {true, false}) {
+      out.per_tensor = reduce(/*bucket_bytes=*/0, from_backward, &out.per_tensor_reduces);
+      out.bucketed = reduce(/*bucket_bytes=*/16384, from_backward, &out.bucketed_reduces);
+      SCOPED_TRACE(from_backward ? "from the backward" : "after the step");
+      EXPECT_EQ(out.per_tensor_reduces, static_cast<int64_t>(params.size()));
+      EXPECT_LT(out.bucketed_reduces, out.per_tensor_reduces);
+      EXPECT_GT(out.bucketed_reduces, 2) << "several buckets per owner";
+      ASSERT_EQ(out.per_tensor.size(), out.bucketed.size());
+      for (size_t i = 0; i < out.per_tensor.size(); ++i) {
+        EXPECT_TRUE(at::equal(out.per_tensor[i], out.bucketed[i])) << "owned tensor " << i;
+      }
+    }
+  });
+  EXPECT_FALSE(res[0].bucketed.empty());
+  EXPECT_FALSE(res[1].bucketed.empty());
+}

@@ -55,17 +55,25 @@ TEST(RunLog, StepRecordsAndLines) {
   so.slots = 24;
   so.res.applied = true;
   so.res.grad_norm = 1.25;
-  const MemorySnapshot mem;
+  // Step `done` of 100 ms at lr 1e-3, one rank, no batcher.
+  const auto rec = [](int64_t done, bool log_step, std::optional<Validation> val) {
+    StepRecord r;
+    r.done = done;
+    r.lr = 1e-3;
+    r.step_ms = 100.0;
+    r.log_step = log_step;
+    r.val = std::move(val);
+    return r;
+  };
   // The objective's values are written on logged steps, never over the log's own keys.
   so.logged = {{"kl", at::full({}, 0.5)}, {"loss", at::full({}, 99.0)}};
-  log.record_step(so, 1, 1e-3, 100.0, /*log_step=*/true, std::nullopt, mem, nullptr, 1);
+  log.record_step(so, rec(1, /*log_step=*/true, std::nullopt));
   log.add_tokens(so.real_tokens);
   so.loss = 2.0;
-  log.record_step(so, 2, 1e-3, 100.0, /*log_step=*/false, Validation{1.5, 40, 1.0}, mem, nullptr,
-                  1);
+  log.record_step(so, rec(2, /*log_step=*/false, Validation{1.5, 40, 1.0}));
   log.add_tokens(so.real_tokens);
   EXPECT_EQ(out.str().find("time: about"), std::string::npos);
-  log.record_step(so, 3, 1e-3, 100.0, /*log_step=*/false, std::nullopt, mem, nullptr, 1);
+  log.record_step(so, rec(3, /*log_step=*/false, std::nullopt));
   log.close();
   const auto r = records(t.path / "metrics.jsonl");
   ASSERT_EQ(r.size(), 4u);

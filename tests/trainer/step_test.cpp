@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cmath>
+#include <map>
+
 #include "component_fixtures.h"
 #include "q4/quant/nvfp4.h"
 
@@ -117,7 +120,8 @@ TEST(TrainStep, OffloadedMastersTrainAsResidentOnes) {
       for (auto* p : offloaded.trainable_parameters()) with_codes += p->qdata.defined() ? 1 : 0;
       ASSERT_GT(with_codes, 0);
       for (auto* p : resident.trainable_parameters()) ASSERT_FALSE(p->qdata.defined());
-      const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
+      const std::string what =
+          "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
       expect_offload_matches(cpu_config("unused", accum), resident, offloaded, in_backward, what);
       for (auto* p : offloaded.trainable_parameters()) {
         if (!p->qdata.defined()) continue;
@@ -149,7 +153,8 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
   // accum 3: a first (copied out), a middle (added) and a last micro-batch (added, norm parts).
   for (const int64_t accum : {1, 2, 3}) {
     for (const bool in_backward : {false, true}) {
-      const std::string what = "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
+      const std::string what =
+          "accum " + std::to_string(accum) + (in_backward ? " in-backward" : "");
       auto resident = cuda_model(false), offloaded = cuda_model(true);
       for (auto* p : offloaded.trainable_parameters()) {
         if (p->quantized) {
@@ -176,4 +181,113 @@ TEST(TrainStep, PhasesInOrder) {
   EXPECT_FALSE(so.stop);
   EXPECT_FALSE(so.checkpoint_due);
   EXPECT_EQ(so.slots, 4 * 12);
+}
+
+namespace {
+
+// A gradient path that records what the step asks of it and updates nothing.
+class RecordingPath final : public GradientPath {
+ public:
+  explicit RecordingPath(model::Qwen3Model& model) : GradientPath(model) {}
+  void begin_step(const optim::StepArgs& args, int64_t micro_batches) override {
+    calls.push_back("begin_step " + std::to_string(micro_batches));
+    lr = args.lr;
+    install_hook();
+  }
+  void begin_micro_batch(int64_t i, bool last) override {
+    calls.push_back("begin_micro_batch " + std::to_string(i) + (last ? " last" : ""));
+  }
+  void on_gradient(model::Parameter& p) override {
+    ASSERT_TRUE(p.grad.defined()) << p.name;
+    ++gradients[p.name];
+  }
+  void end_micro_batch() override { calls.push_back("end_micro_batch"); }
+  void finish_backward() override {
+    GradientPath::finish_backward();
+    calls.push_back("finish_backward");
+  }
+  optim::StepResult finish_step(optim::StepArgs /*args*/) override {
+    calls.push_back("finish_step");
+    model_.zero_grad();
+    optim::StepResult r;
+    r.applied = true;
+    r.grad_norm = 42.0;
+    return r;
+  }
+
+  std::vector<std::string> calls;
+  std::map<std::string, int> gradients;
+  double lr = 0.0;
+};
+
+// Batches handed out from a list, counted.
+class ListSource final : public BatchSource {
+ public:
+  explicit ListSource(std::vector<data::Batch> batches) : batches_(std::move(batches)) {}
+  data::Batch next() override { return batches_.at(taken++); }
+  size_t taken = 0;
+
+ private:
+  std::vector<data::Batch> batches_;
+};
+
+}  // namespace
+
+// TrainStep reaches the gradients and the update only through its gradient path: a path that
+// updates nothing leaves the masters as they were, sees every trainable parameter's gradient once
+// per micro-batch from the hook it installed, and its result is the step's.
+TEST(TrainStep, UsesOnlyItsGradientPath) {
+  auto model = tiny_model();
+  SupervisedCrossEntropy ce;
+  const Config c = cpu_config("unused", /*grad_accum=*/2);
+  const RunPlan plan(c, RunOptions{});
+  optim::LrScheduleOptions so;
+  so.kind = optim::LrScheduleKind::kConstant;
+  so.peak_lr = 1e-3;
+  so.total_steps = 10;
+  const optim::LrSchedule schedule(so);
+  RecordingPath* path = nullptr;
+  TrainStep step(plan, model, schedule, ce, /*comm=*/nullptr, /*in_backward=*/false, [&](bool) {
+    auto p = std::make_unique<RecordingPath>(model);
+    path = p.get();
+    return p;
+  });
+  const auto before = masters(model);
+  auto batcher = random_batcher(4, 12, model.config().vocab_size, 2);
+  const StepOutcome o = step.run(0, *batcher);
+  ASSERT_NE(path, nullptr);
+  EXPECT_EQ(path->calls,
+            (std::vector<std::string>{"begin_step 2", "begin_micro_batch 0", "end_micro_batch",
+                                      "begin_micro_batch 1 last", "end_micro_batch",
+                                      "finish_backward", "finish_step"}));
+  EXPECT_DOUBLE_EQ(path->lr, 1e-3);
+  EXPECT_EQ(o.res.grad_norm, 42.0);
+  EXPECT_TRUE(std::isfinite(o.loss));
+  for (auto* p : model.trainable_parameters()) EXPECT_EQ(path->gradients[p->name], 2) << p->name;
+  const auto after = masters(model);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i], after[i])) << i;
+}
+
+// A step draws its micro-batches from any batch source: the batcher's batches handed out from a
+// list give the batcher's step, bit for bit, and exactly grad_accum of them are drawn.
+TEST(TrainStep, DrawsFromAnyBatchSource) {
+  auto m1 = tiny_model(), m2 = tiny_model();
+  SupervisedCrossEntropy ce;
+  const Config c = cpu_config("unused", /*grad_accum=*/2);
+  StepRig r1(c, m1, ce), r2(c, m2, ce);
+  const int64_t V = m1.config().vocab_size;
+  auto b1 = random_batcher(8, 12, V, 2);
+  auto b2 = random_batcher(8, 12, V, 2);
+  std::vector<data::Batch> list;
+  for (int i = 0; i < 4; ++i) list.push_back(b2->next());
+  ListSource source(std::move(list));
+  for (int64_t s = 0; s < 2; ++s) {
+    const StepOutcome a = r1.step->run(s, *b1);
+    const StepOutcome b = r2.step->run(s, source);
+    EXPECT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.res.grad_norm, b.res.grad_norm) << "step " << s;
+    EXPECT_EQ(source.taken, static_cast<size_t>(2 * (s + 1)));
+  }
+  const auto x = masters(m1), y = masters(m2);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << i;
 }

@@ -38,6 +38,7 @@
 #include "q4/trainer/plan/setup.h"
 #include "q4/trainer/report/run_log.h"
 #include "q4/trainer/rundir/run_dir.h"
+#include "q4/trainer/runtime/fault.h"
 #include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/metrics.h"
 #include "q4/trainer/runtime/nvtx.h"
@@ -323,37 +324,40 @@ class Trainer {
       const auto t0 = Clock::now();
       log_.note_run_peak();  // the window before this step (load, eval, the previous step)
       reset_peak_memory(plan_.device());
-      const double lr = setup_.schedule().lr_at(step);
+      StepRecord rec;
+      rec.lr = setup_.schedule().lr_at(step);
       StepOutcome so = traced_step(step);
       const int64_t done = step + 1;
       const bool last = done == total;
+      rec.done = done;
       // The validation loss: every eval.every steps and after the last one.
       const bool val_due = evaluator_.has_validation() &&
                            ((cfg().eval.every > 0 && done % cfg().eval.every == 0) || last);
-      const bool log_step = done % cfg().log.every == 0 || last || step == start_step_ || val_due;
+      rec.log_step = done % cfg().log.every == 0 || last || step == start_step_ || val_due;
       // Logging steps wait for the optimizer too (exact timing and memory there); other steps
       // return as soon as the loss is on the host, the optimizer kernels still running. Only the
       // compute stream is waited for: the master broadcasts on the communication stream overlap
       // the next step, whose time includes any wait for them.
-      if (log_step) synchronize_stream(plan_.device());
-      const double step_ms = ms_since(t0);
+      if (rec.log_step) synchronize_stream(plan_.device());
+      rec.step_ms = ms_since(t0);
       log_.add_tokens(so.real_tokens);
       check_nonfinite(so.res, done);
-      const auto mem = memory_snapshot(plan_.device());
-      std::optional<Validation> val;
+      rec.mem = memory_snapshot(plan_.device());
       if (val_due) {
-        if (fault_at("valsignal", done)) request_stop(SIGINT);
-        val = evaluator_.validation_loss(done);
+        if (fault_at(FaultPlan::Kind::kValSignal, done)) request_stop(SIGINT);
+        rec.val = evaluator_.validation_loss(done);
         // A stop signal during the validation (which then ends early) stops the run here, not
         // after another step; the ranks agree on it (val_due is the same on every rank).
         const double stop = stop_requested() ? 1.0 : 0.0;
         so.stop = so.stop || (comm_ ? comm_->allreduce_sum(stop) : stop) > 0;
-        if (!val && leader() && stop > 0) {
+        if (!rec.val && leader() && stop > 0) {
           log_.end_bar_line();
           out_ << "validation after step " << done << " cut short by the stop signal\n";
         }
       }
-      log_.record_step(so, done, lr, step_ms, log_step, val, mem, setup_.batcher(), ranks());
+      rec.batcher = setup_.batcher();
+      rec.world = ranks();
+      log_.record_step(so, rec);
       plan_.check_guard(fmt::format("at step {}", done));
       if (after_step(so, done, last)) return kExitOk;  // a stop signal
     }
@@ -462,7 +466,7 @@ class Trainer {
     if (plan_.checkpoints_on() && checkpointer_.last_step() != total && total > start_step_) {
       save_checkpoint(total);
     }
-    if (fault_at("endeval", total)) {
+    if (fault_at(FaultPlan::Kind::kEndEval, total)) {
       throw std::runtime_error("Q4_FAULT: the end-of-run eval fails (test fault)");
     }
     if (cfg().eval.at_end) evaluate(total, "end");
@@ -503,27 +507,18 @@ class Trainer {
     log_.close();
   }
 
-  // Failure-handling tests (docs/multi-gpu.md): Q4_FAULT=exit:R:S makes rank R exit with code 9
-  // at the start of step S; Q4_FAULT=hang:R:S makes it hang there; Q4_FAULT=endeval:R:S makes the
-  // end-of-run eval after step S fail on rank R (an error, exit 1); Q4_FAULT=valsignal:R:S sends
-  // rank R a stop signal as the validation after step S starts. Off unless set.
-  bool fault_at(const char* kind_wanted, int64_t step) const {
-    const char* spec = std::getenv("Q4_FAULT");
-    if (spec == nullptr || *spec == '\0') return false;
-    char kind[16] = {0};
-    int rank = -1;
-    long long at = -1;
-    if (std::sscanf(spec, "%15[a-z]:%d:%lld", kind, &rank, &at) != 3) return false;
-    return rank == plan_.options().world.rank && at == step && std::string(kind) == kind_wanted;
+  // The test fault of kind `k` on this rank at `step` (runtime/fault.h).
+  bool fault_at(FaultPlan::Kind k, int64_t step) const {
+    return fault_.at(k, plan_.options().world.rank, step);
   }
 
   void inject_fault(int64_t step) const {
-    if (fault_at("exit", step)) {
+    if (fault_at(FaultPlan::Kind::kExit, step)) {
       std::fprintf(stderr, "q4train: Q4_FAULT: rank %d exits at step %lld\n",
                    plan_.options().world.rank, static_cast<long long>(step));
       std::_Exit(9);
     }
-    if (fault_at("hang", step)) {
+    if (fault_at(FaultPlan::Kind::kHang, step)) {
       std::fprintf(stderr, "q4train: Q4_FAULT: rank %d hangs at step %lld\n",
                    plan_.options().world.rank, static_cast<long long>(step));
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -560,7 +555,8 @@ class Trainer {
   Evaluator evaluator_;
   Exporter exporter_;
   RunLog log_;
-  std::unique_ptr<RunDirLock> lock_;  // output.dir, for the whole run
+  const FaultPlan fault_ = installed_fault_plan();  // read once, at construction
+  std::unique_ptr<RunDirLock> lock_;                // output.dir, for the whole run
   Clock::time_point run_start_ = Clock::now();
   int64_t start_step_ = 0;
   int64_t consecutive_nonfinite_ = 0;

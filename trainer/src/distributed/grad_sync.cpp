@@ -10,8 +10,9 @@
 
 namespace q4::trainer {
 
-GradSync::GradSync(DistComm* comm, model::Qwen3Model& model, std::vector<model::Parameter*> params)
-    : comm_(comm), model_(model), params_(std::move(params)) {
+GradSync::GradSync(DistComm* comm, model::Qwen3Model& model, std::vector<model::Parameter*> params,
+                   int64_t bucket_bytes)
+    : comm_(comm), model_(model), params_(std::move(params)), bucket_bytes_(bucket_bytes) {
   std::vector<int64_t> numels;
   for (auto* p : params_) numels.push_back(p->master.numel());
   owner_ = assign_owners(numels, comm_ ? comm_->world_size() : 1);
@@ -74,24 +75,21 @@ std::string GradSync::ownership_summary(int64_t owned_tensors) const {
       total > 0 ? 100.0 * static_cast<double>(mine) / total : 0.0);
 }
 
-void GradSync::begin_step(int64_t grad_accum) {
+void GradSync::begin_step() {
   const size_t n = params_.size();
   grad_ready_.assign(n, 0);
   ready_grads_.assign(n, at::Tensor());
   owned_grads_.assign(n, at::Tensor());
   reduce_works_.clear();
   next_launch_ = 0;
-  if (grad_accum == 1) {
-    model_.set_grad_ready_hook([this](model::Parameter& p) {
-      const size_t i = global_index_.at(&p);
-      ready_grads_[i] = p.grad;
-      grad_ready_[i] = 1;
-      launch_ready_reductions();
-    });
-    model_.begin_grad_step();
-  } else {
-    model_.set_grad_ready_hook(nullptr);
-  }
+  buckets_.assign(static_cast<size_t>(comm_ ? comm_->world_size() : 1), Bucket{});
+}
+
+void GradSync::on_gradient(model::Parameter& p) {
+  const size_t i = global_index_.at(&p);
+  ready_grads_[i] = p.grad;
+  grad_ready_[i] = 1;
+  launch_ready_reductions();
 }
 
 void GradSync::launch_ready_reductions() {
@@ -105,15 +103,63 @@ void GradSync::launch_ready_reductions() {
       g = at::zeros(params_[i]->master.sizes(),
                     params_[i]->master.options().dtype(model_.options().resolved_grad_dtype()));
     }
-    reduce_works_.push_back(comm_->reduce_sum(g, owner_[i]));
-    if (local_index_[i] >= 0) owned_grads_[i] = g;
+    add_to_bucket(i, std::move(g));
     ++next_launch_;
   }
+  // Every gradient is in: the buckets not yet full go too, in owner order.
+  for (size_t r = 0; r < buckets_.size(); ++r) launch_bucket(static_cast<int>(r));
   // Retire finished reduces so that a non-owner's gradients are freed during the backward
   // (a collective holds its tensors until retired): ZeRO-2's memory, not a full buffer.
   while (!reduce_works_.empty() && reduce_works_.front().done()) {
     reduce_works_.front().wait();
     reduce_works_.pop_front();
+  }
+}
+
+void GradSync::add_to_bucket(size_t i, at::Tensor g) {
+  // The bucket's size counts the gradient as every rank has it (the parameter's elements in the
+  // gradient dtype), so every rank launches the same reduces in the same order.
+  const int owner = owner_[i];
+  Bucket& b = buckets_[static_cast<size_t>(owner)];
+  const int64_t bytes =
+      params_[i]->master.numel() *
+      static_cast<int64_t>(c10::elementSize(model_.options().resolved_grad_dtype()));
+  if (!b.params.empty() && b.bytes + bytes > bucket_bytes_) launch_bucket(owner);
+  b.params.push_back(i);
+  b.grads.push_back(std::move(g));
+  b.bytes += bytes;
+  if (b.bytes >= bucket_bytes_) launch_bucket(owner);
+}
+
+void GradSync::launch_bucket(int owner) {
+  Bucket b = std::move(buckets_[static_cast<size_t>(owner)]);
+  buckets_[static_cast<size_t>(owner)] = Bucket{};
+  if (b.params.empty()) return;
+  ++reduces_launched_;
+  if (b.params.size() == 1) {  // reduced where it is
+    reduce_works_.push_back(comm_->reduce_sum(b.grads[0], owner));
+    if (local_index_[b.params[0]] >= 0) owned_grads_[b.params[0]] = b.grads[0];
+    return;
+  }
+  // One flat tensor, reduced at once: the same element-wise sums as one reduce per gradient.
+  // The owner's gradients are views of it; a non-owner's are freed here.
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& g : b.grads) {
+    TORCH_CHECK(g.scalar_type() == b.grads[0].scalar_type(), "GradSync: a bucket of ",
+                b.grads[0].scalar_type(), " gradients gets a ", g.scalar_type(), " one");
+    parts.push_back(g.reshape({-1}));
+  }
+  const at::Tensor flat = at::cat(parts);
+  b.grads.clear();
+  parts.clear();
+  reduce_works_.push_back(comm_->reduce_sum(flat, owner));
+  if (owner != comm_->rank()) return;
+  int64_t offset = 0;
+  for (const size_t i : b.params) {
+    const at::Tensor& master = params_[i]->master;
+    owned_grads_[i] = flat.narrow(0, offset, master.numel()).view(master.sizes());
+    offset += master.numel();
   }
 }
 

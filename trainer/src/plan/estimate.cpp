@@ -9,9 +9,9 @@
 #include <tuple>
 
 #include "q4/optim/state_codec.h"
+#include "q4/optim/host_accumulation.h"
 #include "q4/trainer/plan/setup.h"
 #include "q4/trainer/runtime/memory.h"
-#include "q4/trainer/step/host_accumulation.h"
 
 namespace q4::trainer {
 
@@ -110,7 +110,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   model::GradientLifetime life;
   life.applied_in_backward = in_backward_updates(c);
   life.accumulation_steps = c.train.grad_accum;
-  life.host_staging_bytes = kHostAccumulationRingBytes;
+  life.host_staging_bytes = optim::kHostAccumulationRingBytes;
   const auto m =
       model::estimate_memory(mc, opt, c.train.batch_size, c.train.seq_len, separate_lm_head, life);
   MemoryBudget b;

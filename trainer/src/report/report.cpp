@@ -210,7 +210,11 @@ std::string render_svg_plot(const std::string& title, const std::vector<PlotSeri
   return o;
 }
 
-std::string render_report_html(const ReportInput& in) {
+namespace {
+
+// The report's figures: loss (with validation), preference rewards, lr, gradient norm,
+// throughput, MFU and memory, each where its metrics exist.
+std::string report_plots(const ReportInput& in) {
   const auto& m = in.metrics;
   std::string body;
   auto plot = [&](const std::string& title, std::vector<PlotSeries> s, const std::string& unit,
@@ -253,7 +257,12 @@ std::string render_report_html(const ReportInput& in) {
         {"GPU peak", series_of(m, "gpu_peak_bytes", kGiB)},
         {"process RSS", series_of(m, "rss_bytes", kGiB)}},
        "GiB");
+  return body;
+}
 
+// The summary lines: the last step's values, a live page's reload, the validation loss.
+std::string report_summary(const ReportInput& in) {
+  const auto& m = in.metrics;
   // Step records carry "loss"; a validation record before the first step (step 0) does not.
   std::vector<const nlohmann::json*> steps;
   for (const auto& r : m) {
@@ -285,25 +294,33 @@ std::string render_report_html(const ReportInput& in) {
         "<p class=\"summary\">validation loss {} at step {} (best {} at step {})</p>\n",
         num(val.back().second), num(val.back().first), num(best->second), num(best->first));
   }
+  return summary;
+}
 
-  std::string evals;
-  if (!in.evals.empty()) {
-    evals =
-        "<h2>Eval answers</h2>\n<table>\n<tr><th>step</th><th>when</th><th>prompt</th>"
-        "<th>answer</th></tr>\n";
-    for (const auto& e : in.evals) {
-      auto s = [&](const char* k) {
-        if (!e.contains(k)) return std::string();
-        return e[k].is_string() ? e[k].get<std::string>() : e[k].dump();
-      };
-      const bool stopped = !e.contains("stopped") || e["stopped"] == true;
-      evals += fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}{}</td></tr>\n",
-                           escape(s("step")), escape(s("when")), escape(s("prompt")),
-                           escape(s("answer")),
-                           stopped ? "" : " <span class=\"nostop\">[no stop token]</span>");
-    }
-    evals += "</table>\n";
+// The table of answers to eval.prompts ("" when none).
+std::string report_evals(const ReportInput& in) {
+  if (in.evals.empty()) return "";
+  std::string evals =
+      "<h2>Eval answers</h2>\n<table>\n<tr><th>step</th><th>when</th><th>prompt</th>"
+      "<th>answer</th></tr>\n";
+  for (const auto& e : in.evals) {
+    auto s = [&](const char* k) {
+      if (!e.contains(k)) return std::string();
+      return e[k].is_string() ? e[k].get<std::string>() : e[k].dump();
+    };
+    const bool stopped = !e.contains("stopped") || e["stopped"] == true;
+    evals +=
+        fmt::format("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}{}</td></tr>\n", escape(s("step")),
+                    escape(s("when")), escape(s("prompt")), escape(s("answer")),
+                    stopped ? "" : " <span class=\"nostop\">[no stop token]</span>");
   }
+  return evals + "</table>\n";
+}
+
+}  // namespace
+
+std::string render_report_html(const ReportInput& in) {
+  const std::string body = report_plots(in), summary = report_summary(in), evals = report_evals(in);
   return fmt::format(
       "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n{4}"
       "<title>q4train report: {0}</title>\n<style>\n"

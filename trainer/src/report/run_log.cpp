@@ -189,9 +189,12 @@ void RunLog::start_steps(int64_t start_step) {
   window_tokens_ = 0;
 }
 
-void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double step_ms,
-                         bool log_step, const std::optional<Validation>& val,
-                         const MemorySnapshot& mem, const data::Batcher* batcher, int64_t world) {
+void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
+  const int64_t done = r.done;
+  const double step_ms = r.step_ms;
+  const bool log_step = r.log_step;
+  const std::optional<Validation>& val = r.val;
+  const data::Batcher* batcher = r.batcher;
   const int64_t total = plan_.steps();
   const bool last = done == total;
   session_ms_ += step_ms;
@@ -216,16 +219,16 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
   }
   m.loss = so.loss;
   m.grad_norm = so.res.grad_norm;
-  m.lr = lr;
+  m.lr = r.lr;
   m.step_ms = step_ms;
   m.tokens = so.real_tokens;
   m.slots = so.slots;
   m.tokens_per_s = step_ms > 0 ? so.real_tokens / (step_ms / 1000.0) : 0.0;
   // Per GPU: the step's tokens are the global batch's.
-  if (peak_flops_) m.mfu = m.tokens_per_s * flops_per_token_ / (*peak_flops_ * world);
-  m.gpu_reserved_bytes = mem.reserved_bytes;
-  m.gpu_peak_bytes = mem.peak_allocated_bytes;
-  m.rss_bytes = mem.rss_bytes;
+  if (peak_flops_) m.mfu = m.tokens_per_s * flops_per_token_ / (*peak_flops_ * r.world);
+  m.gpu_reserved_bytes = r.mem.reserved_bytes;
+  m.gpu_peak_bytes = r.mem.peak_allocated_bytes;
+  m.rss_bytes = r.mem.rss_bytes;
   m.eta_s = (session_ms_ / session_steps_) * static_cast<double>(total - done) / 1000.0;
   m.skipped = !so.res.applied;
   if (log_step) {
@@ -269,23 +272,26 @@ void RunLog::record_step(const StepOutcome& so, int64_t done, double lr, double 
     }
     update_report(/*live=*/true, kReportMinIntervalS);
   }
-  // The run-time estimate, once: from the steps after the first (which warms up caches).
-  if (session_steps_ == std::min<int64_t>(3, total - start_step_) && !last) {
-    const double per_ms =
-        session_steps_ > 1 ? (session_ms_ - first_step_ms_) / (session_steps_ - 1) : session_ms_;
-    if (bar_) err_ << "\r\033[K";
-    out_ << fmt::format(
-        "time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
-        format_duration(per_ms * static_cast<double>(total - done) / 1000.0), total - done,
-        per_ms / 1000.0,
-        plan_.config().eval.every > 0 || has_validation_ ? ", evaluations not included" : "");
-  }
+  if (!last) print_time_estimate(done, total);
   if (bar_) {
     err_ << "\r"
          << format_progress_bar(done, total, 30, window_tokens_ > 0 ? window_mean : so.loss,
                                 m.eta_s)
          << std::flush;
   }
+}
+
+void RunLog::print_time_estimate(int64_t done, int64_t total) {
+  // Once: from the steps after the first (which warms up caches).
+  if (session_steps_ != std::min<int64_t>(3, total - start_step_)) return;
+  const double per_ms =
+      session_steps_ > 1 ? (session_ms_ - first_step_ms_) / (session_steps_ - 1) : session_ms_;
+  if (bar_) err_ << "\r\033[K";
+  out_ << fmt::format(
+      "time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
+      format_duration(per_ms * static_cast<double>(total - done) / 1000.0), total - done,
+      per_ms / 1000.0,
+      plan_.config().eval.every > 0 || has_validation_ ? ", evaluations not included" : "");
 }
 
 void RunLog::log_validation(const Validation& v, int64_t step, bool own_record) {

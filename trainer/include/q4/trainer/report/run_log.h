@@ -14,13 +14,13 @@
 #include <vector>
 
 #include "q4/trainer/output/evaluator.h"
-#include "q4/trainer/runtime/memory.h"
-#include "q4/trainer/runtime/metrics.h"
-#include "q4/trainer/report/report.h"
 #include "q4/trainer/plan/run_plan.h"
 #include "q4/trainer/plan/setup.h"
-#include "q4/trainer/step/step.h"
+#include "q4/trainer/report/report.h"
 #include "q4/trainer/report/tfevents.h"
+#include "q4/trainer/runtime/memory.h"
+#include "q4/trainer/runtime/metrics.h"
+#include "q4/trainer/step/step.h"
 
 namespace q4::trainer {
 
@@ -32,6 +32,18 @@ std::string tool_command(const std::string& name);
 // "<path>: NVFP4, the N trained linears quantized after training (...)" when they came as NVFP4
 // pairs and output.export_dense is off, else dense.
 std::string plain_export_note(const Config& c, const model::Qwen3Model& model);
+
+// What the loop knows of a step besides its outcome, for the run log.
+struct StepRecord {
+  int64_t done = 0;               // the step's 1-based number
+  double lr = 0.0;                // its learning rate
+  double step_ms = 0.0;           // its wall time
+  bool log_step = false;          // a log line (and the objective's values read on the host)
+  std::optional<Validation> val;  // the validation after it, when one ran
+  MemorySnapshot mem;
+  const data::Batcher* batcher = nullptr;  // the epoch position (null: not shown)
+  int64_t world = 1;                       // ranks (MFU is per GPU)
+};
 
 class RunLog {
  public:
@@ -52,9 +64,7 @@ class RunLog {
   void start_steps(int64_t start_step);
   // After step `done` (1-based) of the loop: the metrics record, TensorBoard scalars, the log
   // line (`log_step`), the time estimate after the first steps and the progress bar.
-  void record_step(const StepOutcome& so, int64_t done, double lr, double step_ms, bool log_step,
-                   const std::optional<Validation>& val, const MemorySnapshot& mem,
-                   const data::Batcher* batcher, int64_t world);
+  void record_step(const StepOutcome& so, const StepRecord& r);
   // The validation loss as a TensorBoard scalar and, before the first step, its own metrics
   // record (later ones ride in the step's record).
   void log_validation(const Validation& v, int64_t step, bool own_record);
@@ -82,11 +92,13 @@ class RunLog {
   void print_stopped(int64_t done);
 
  private:
+  // The run-time estimate after step `done` of `total`, once the first steps are timed.
+  void print_time_estimate(int64_t done, int64_t total);
   const RunPlan& plan_;
   std::ostream& out_;
   std::ostream& err_;
   bool leader_;
-  bool bar_ = false;  // a progress bar on stderr (log.progress, or auto on a terminal)
+  bool bar_ = false;             // a progress bar on stderr (log.progress, or auto on a terminal)
   bool has_validation_ = false;  // held-out examples (the time estimate leaves evals out)
   JsonlWriter metrics_;
   JsonlWriter eval_log_;

@@ -4,7 +4,7 @@
 // every span is reused, some gradients too large for it, and the norm parts of the last
 // micro-batch equal to those of the reference sum. Sums handed over in the last micro-batch
 // (updates inside its backward) are the same bits.
-#include "q4/trainer/step/host_accumulation.h"
+#include "q4/optim/host_accumulation.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -17,7 +17,7 @@
 
 #include "q4/optim/adamw.h"
 
-using q4::trainer::HostGradientAccumulator;
+using q4::optim::HostGradientAccumulator;
 
 namespace {
 
@@ -99,7 +99,8 @@ void run_steps(const at::Device& device, int64_t ring_bytes, bool apply_last) {
       const auto it = ref.find(i);
       if (apply_last && in_last(i)) {
         ASSERT_EQ(applied.count(i), 1u) << "step " << step << " key " << i;
-        EXPECT_TRUE(at::equal(applied[i].cpu(), it->second.cpu())) << "step " << step << " key " << i;
+        EXPECT_TRUE(at::equal(applied[i].cpu(), it->second.cpu()))
+            << "step " << step << " key " << i;
         EXPECT_FALSE(acc.take_sumsq_parts(key(i)).defined());
         continue;
       }

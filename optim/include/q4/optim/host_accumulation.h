@@ -31,7 +31,7 @@
 #include <unordered_set>
 #include <vector>
 
-namespace q4::trainer {
+namespace q4::optim {
 
 // Device memory of the ring (counted by the memory estimate: GradientLifetime).
 inline constexpr int64_t kHostAccumulationRingBytes = int64_t{512} << 20;
@@ -135,4 +135,4 @@ class HostGradientAccumulator {
   std::vector<Span> released_;
 };
 
-}  // namespace q4::trainer
+}  // namespace q4::optim

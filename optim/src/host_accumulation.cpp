@@ -1,5 +1,5 @@
 // Gradients summed in pinned host memory; see host_accumulation.h.
-#include "q4/trainer/step/host_accumulation.h"
+#include "q4/optim/host_accumulation.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -11,20 +11,20 @@
 #include "q4/io/pinned.h"
 #include "q4/optim/adamw.h"
 
-namespace q4::trainer {
+namespace q4::optim {
 namespace {
 
-constexpr int64_t kAlign = 512;  // span alignment in the ring (any dtype's vector loads)
+constexpr int64_t kSpanAlign = 512;  // span alignment in the ring (any dtype's vector loads)
 
-int64_t round_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+int64_t round_to_span(int64_t n) { return (n + kSpanAlign - 1) / kSpanAlign * kSpanAlign; }
 
-std::unique_ptr<c10::Event> record_on(const c10::Stream& s) {
+std::unique_ptr<c10::Event> record_event_on(const c10::Stream& s) {
   auto e = std::make_unique<c10::Event>(s.device_type());
   e->record(s);
   return e;
 }
 
-c10::Stream current_stream(const at::Tensor& t) {
+c10::Stream compute_stream_of(const at::Tensor& t) {
   const c10::impl::VirtualGuardImpl impl(t.device().type());
   return impl.getStream(t.device());
 }
@@ -34,7 +34,7 @@ c10::Stream current_stream(const at::Tensor& t) {
 HostGradientAccumulator::HostGradientAccumulator(at::ScalarType dtype, const at::Device& device,
                                                  int64_t ring_bytes)
     : dtype_(dtype), ring_bytes_(ring_bytes) {
-  TORCH_CHECK(ring_bytes_ >= 8 * kAlign, "HostGradientAccumulator: ring of ", ring_bytes_,
+  TORCH_CHECK(ring_bytes_ >= 8 * kSpanAlign, "HostGradientAccumulator: ring of ", ring_bytes_,
               " bytes");
   if (!device.is_cuda()) return;
   const c10::impl::VirtualGuardImpl impl(device.type());
@@ -43,7 +43,7 @@ HostGradientAccumulator::HostGradientAccumulator(at::ScalarType dtype, const at:
   // From the compute stream's pool; the copy streams start after what it did so far, which is
   // the last use of that memory.
   ring_ = at::empty({ring_bytes_}, at::TensorOptions().dtype(at::kByte).device(device));
-  const auto ready = record_on(impl.getStream(device));
+  const auto ready = record_event_on(impl.getStream(device));
   ready->block(*in_);
   ready->block(*out_);
 }
@@ -54,7 +54,7 @@ std::vector<HostGradientAccumulator::Piece> HostGradientAccumulator::pieces_of(
     const void* key, int64_t numel) const {
   const auto size = static_cast<int64_t>(c10::elementSize(dtype_));
   if (numel * size <= ring_bytes_ / 2) return {Piece{key, 0, numel}};
-  const int64_t slice = ring_bytes_ / 4 / kAlign * kAlign / size;
+  const int64_t slice = ring_bytes_ / 4 / kSpanAlign * kSpanAlign / size;
   std::vector<Piece> out;
   for (int64_t at = 0; at < numel; at += slice) {
     out.push_back(Piece{key, at, std::min(slice, numel - at)});
@@ -104,7 +104,7 @@ at::Tensor HostGradientAccumulator::ring_view(int64_t at, const at::Tensor& like
 }
 
 int64_t HostGradientAccumulator::place(int64_t bytes, const c10::Stream& writer) {
-  bytes = round_up(bytes);
+  bytes = round_to_span(bytes);
   const int64_t b = head_ + bytes > ring_bytes_ ? 0 : head_;
   const int64_t e = b + bytes;
   for (const Span& s : fetched_) {
@@ -157,7 +157,8 @@ void HostGradientAccumulator::prefetch() {
       ring_view(at, host).copy_(host, /*non_blocking=*/true);
     }
     fetched_.push_back(Span{static_cast<int64_t>(next_fetch_), at,
-                            at + round_up(static_cast<int64_t>(host.nbytes())), record_on(*in_)});
+                            at + round_to_span(static_cast<int64_t>(host.nbytes())),
+                            record_event_on(*in_)});
   }
 }
 
@@ -184,7 +185,7 @@ HostGradientAccumulator::Span HostGradientAccumulator::fetch(const Piece& piece,
     const c10::StreamGuard on_in(*in_);
     ring_view(at, host).copy_(host, /*non_blocking=*/true);
   }
-  return Span{-1, at, at + round_up(bytes), record_on(*in_)};
+  return Span{-1, at, at + round_to_span(bytes), record_event_on(*in_)};
 }
 
 void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const Apply& apply) {
@@ -217,8 +218,9 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const
     consumed_.insert(key);
     return;
   }
-  TORCH_CHECK(!apply || last_, "HostGradientAccumulator: a sum applied before the last micro-batch");
-  const c10::Stream compute = current_stream(g);
+  TORCH_CHECK(!apply || last_,
+              "HostGradientAccumulator: a sum applied before the last micro-batch");
+  const c10::Stream compute = compute_stream_of(g);
   for (const Piece& pc : pieces) {
     const at::Tensor gs = g.narrow(0, pc.offset, pc.numel);
     Span s;
@@ -226,7 +228,7 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const
       // Copied into the ring on the compute stream (device bandwidth), so the gradient's memory
       // is the compute stream's alone and free once this returns.
       const int64_t at = place_now(static_cast<int64_t>(gs.nbytes()), compute);
-      s = Span{-1, at, at + round_up(static_cast<int64_t>(gs.nbytes())), nullptr};
+      s = Span{-1, at, at + round_to_span(static_cast<int64_t>(gs.nbytes())), nullptr};
       ring_view(at, gs).copy_(gs);
     } else {
       s = fetch(pc, b);
@@ -237,19 +239,19 @@ void HostGradientAccumulator::add(const void* key, const at::Tensor& grad, const
       sum.add_(gs);
       if (apply) {  // one piece here: the sum is used where it is, not written out
         apply(sum.view(grad.sizes()));
-        s.event = record_on(compute);
+        s.event = record_event_on(compute);
         release(std::move(s));
         prefetch();
         continue;
       }
-      if (last_) sumsq_parts_[key] = optim::gradient_sumsq_parts(sum);  // one piece here
+      if (last_) sumsq_parts_[key] = gradient_sumsq_parts(sum);  // one piece here
     }
-    record_on(compute)->block(*out_);
+    record_event_on(compute)->block(*out_);
     {
       const c10::StreamGuard on_out(*out_);
       host.narrow(0, pc.offset, pc.numel).copy_(ring_view(s.begin, gs), /*non_blocking=*/true);
     }
-    s.event = record_on(*out_);
+    s.event = record_event_on(*out_);
     release(std::move(s));
     prefetch();
   }
@@ -262,13 +264,13 @@ void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Te
   // The buffer comes in through the ring, slice by slice as any other, and is added into the
   // gradient itself (the same sums: addition commutes), which is this micro-batch's own and is
   // freed after: the whole sum takes no device memory of its own.
-  const c10::Stream compute = current_stream(g);
+  const c10::Stream compute = compute_stream_of(g);
   for (const Piece& pc : pieces_of(key, g.numel())) {
     Span s = fetch(pc, b);
     s.event->block(compute);
     const at::Tensor gs = g.narrow(0, pc.offset, pc.numel);
     gs.add_(ring_view(s.begin, gs));
-    s.event = record_on(compute);
+    s.event = record_event_on(compute);
     release(std::move(s));
     prefetch();
   }
@@ -276,8 +278,8 @@ void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Te
     apply(g.view(b.pinned.sizes()));
     return;
   }
-  sumsq_parts_[key] = optim::gradient_sumsq_parts(g);
-  record_on(compute)->block(*out_);
+  sumsq_parts_[key] = gradient_sumsq_parts(g);
+  record_event_on(compute)->block(*out_);
   {
     const c10::StreamGuard on_out(*out_);
     b.pinned.view({-1}).copy_(g, /*non_blocking=*/true);
@@ -285,7 +287,7 @@ void HostGradientAccumulator::add_whole(const void* key, Buffer& b, const at::Te
   b.written->record(*out_);
   // The compute stream goes on once the sum is out, so the gradient's memory is free in its
   // order.
-  record_on(*out_)->block(compute);
+  record_event_on(*out_)->block(compute);
 }
 
 void HostGradientAccumulator::finish() {
@@ -293,7 +295,7 @@ void HostGradientAccumulator::finish() {
   release_fetched();
   const c10::impl::VirtualGuardImpl impl(in_->device_type());
   const c10::Stream compute = impl.getStream(in_->device());
-  for (const c10::Stream& s : {*in_, *out_}) record_on(s)->block(compute);
+  for (const c10::Stream& s : {*in_, *out_}) record_event_on(s)->block(compute);
 }
 
 std::vector<const void*> HostGradientAccumulator::unapplied() const {
@@ -318,4 +320,4 @@ at::Tensor HostGradientAccumulator::take_sumsq_parts(const void* key) {
   return part;
 }
 
-}  // namespace q4::trainer
+}  // namespace q4::optim
