@@ -85,7 +85,7 @@ TEST(Checkpointer, SaveRestoreRoundTrip) {
   RunPlan plan2 = resolve_plan(config_in(t.path), RunOptions{});
   Checkpointer ck2(plan2, out);
   ck2.attach(fresh.optimizer, fresh.params, nullptr, fresh.schedule);
-  const auto r = ck2.restore(*latest, /*export_only=*/false);
+  const auto r = ck2.restore(*latest, Checkpointer::RestoreFor::kResume);
   EXPECT_EQ(r.step, 3);
   EXPECT_EQ(r.tokens_seen, 123);
   for (size_t i = 0; i < 2; ++i) {
@@ -139,10 +139,11 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   Checkpointer ck(resumed, out);
   ck.attach(one.optimizer, one.params, nullptr, one.schedule);
   int64_t told = 0;
-  const auto r = ck.restore(resolve_resume_dir(dir.string()), false, [&](int64_t accum) {
-    told = accum;
-    resumed = resumed.with_grad_accum(accum);
-  });
+  const auto r = ck.restore(resolve_resume_dir(dir.string()), Checkpointer::RestoreFor::kResume,
+                            [&](int64_t accum) {
+                              told = accum;
+                              resumed = resumed.with_grad_accum(accum);
+                            });
   EXPECT_EQ(r.step, 5);
   EXPECT_EQ(told, 2);  // the same global batch: 2 ranks x 1 = 1 rank x 2
   EXPECT_EQ(resumed.grad_accum(), 2);

@@ -46,7 +46,7 @@ TEST(RunLog, StepRecordsAndLines) {
   RunLog log(plan, out, err, /*leader=*/true);
   Evaluator ev(plan, true);
   log.open(/*resume=*/false, /*start_step=*/0, ev);
-  log.log_validation(Validation{2.5, 40, 1.0}, 0, /*own_record=*/true);
+  log.log_validation_at_start(Validation{2.5, 40, 1.0});
   log.start_steps(0);
   StepOutcome so;
   so.loss = 3.0;

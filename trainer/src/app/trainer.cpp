@@ -118,7 +118,7 @@ class Trainer {
     lock_ = std::make_unique<RunDirLock>(cfg().output.dir);
     setup_.load_model(/*need_tokenizer=*/false);
     build_components();
-    start_step_ = checkpointer_.restore(ck, /*export_only=*/true).step;
+    start_step_ = checkpointer_.restore(ck, Checkpointer::RestoreFor::kExportOnly).step;
     setup_.model().refresh_codes();
     exporter_.write(start_step_, setup_.model(), setup_.source_path());
     out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
@@ -298,15 +298,16 @@ class Trainer {
   }
 
   void restore(const CheckpointDir& ck) {
-    const auto r = checkpointer_.restore(ck, /*export_only=*/false, [this](int64_t accum) {
-      plan_ = plan_.with_grad_accum(accum);
-      if (step_->in_backward() && !plan_.step().in_backward) {
-        // auto's choice for the checkpoint's grad_accum is buffered updates.
-        step_->disable_in_backward();
-        out_ << "resume: grad_accum " << accum
-             << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
-      }
-    });
+    const auto r =
+        checkpointer_.restore(ck, Checkpointer::RestoreFor::kResume, [this](int64_t accum) {
+          plan_ = plan_.with_grad_accum(accum);
+          if (step_->in_backward() && !plan_.step().in_backward) {
+            // auto's choice for the checkpoint's grad_accum is buffered updates.
+            step_->disable_in_backward();
+            out_ << "resume: grad_accum " << accum
+                 << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
+          }
+        });
     setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
     start_step_ = r.step;
     log_.set_tokens_seen(r.tokens_seen);
@@ -418,7 +419,7 @@ class Trainer {
          << done << "\n";
     if (checkpointer_.last_step() != done) save_checkpoint(done);
     sync_->wait_masters();  // no broadcast outlives the run
-    log_.update_report(/*live=*/false);
+    log_.update_report(RunLog::ReportPage::kFinal);
     log_.print_stopped(done);
     if (comm_) comm_->barrier();
     return true;
@@ -429,7 +430,7 @@ class Trainer {
       out_ << fmt::format("validation loss at step 0: {:.4f} ({} {}, {:.1f} s){}\n", v->loss,
                           v->tokens, objective_->units_name(), v->ms / 1000.0,
                           v->values.empty() ? "" : "; " + v->values_line());
-      log_.log_validation(*v, 0, /*own_record=*/true);
+      log_.log_validation_at_start(*v);
     }
   }
 
@@ -473,7 +474,7 @@ class Trainer {
     finish(total);
     log_.note_run_peak();
     log_.print_run_peak();
-    log_.update_report(/*live=*/false);  // after the last eval
+    log_.update_report(RunLog::ReportPage::kFinal);  // after the last eval
     if (leader()) log_.print_end_summary(total, evaluator_);
     if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
     return kExitOk;

@@ -284,8 +284,9 @@ void Checkpointer::check_lora_unchanged(const CheckpointDir& ck,
 }
 
 Checkpointer::Restored Checkpointer::restore(
-    const CheckpointDir& ck, bool export_only,
+    const CheckpointDir& ck, RestoreFor what,
     const std::function<void(int64_t)>& on_grad_accum_change) {
+  const bool export_only = what == RestoreFor::kExportOnly;
   const fs::path dir(ck.path);
   verify_checkpoint(ck);  // CRC32C of every file, naming the damaged one
   const std::string state_path = (dir / kTrainStateFile).string();

@@ -262,7 +262,7 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
       for (const auto& kv : val->values) train_only.erase("eval_" + kv.first);
     }
     tb_.add_metrics(train_only, m.step);  // TensorBoard scalars
-    if (val) log_validation(*val, done, /*own_record=*/false);
+    if (val) log_validation(*val, done);
   }
   if (log_step) {
     if (bar_) err_ << "\r\033[K";
@@ -270,7 +270,7 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
     if (val && !val->values.empty()) {
       out_ << fmt::format("step {} validation: {}\n", m.step, val->values_line());
     }
-    update_report(/*live=*/true, kReportMinIntervalS);
+    update_report(ReportPage::kLive, kReportMinIntervalS);
   }
   if (!last) print_time_estimate(done, total);
   if (bar_) {
@@ -294,12 +294,16 @@ void RunLog::print_time_estimate(int64_t done, int64_t total) {
       plan_.config().eval.every > 0 || has_validation_ ? ", evaluations not included" : "");
 }
 
-void RunLog::log_validation(const Validation& v, int64_t step, bool own_record) {
-  if (own_record && metrics_.is_open()) {
-    nlohmann::json record = {{"step", step}, {"val_loss", v.loss}, {"val_tokens", v.tokens}};
+void RunLog::log_validation_at_start(const Validation& v) {
+  if (metrics_.is_open()) {
+    nlohmann::json record = {{"step", 0}, {"val_loss", v.loss}, {"val_tokens", v.tokens}};
     for (const auto& [name, value] : v.values) record["eval_" + name] = value;
     metrics_.write(record);
   }
+  log_validation(v, 0);
+}
+
+void RunLog::log_validation(const Validation& v, int64_t step) {
   if (tb_.is_open() && std::isfinite(v.loss)) tb_.add_scalar("val/loss", v.loss, step);
   if (tb_.is_open()) {
     for (const auto& [name, value] : v.values) {
@@ -327,15 +331,15 @@ void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, c
   for (size_t i = 0; i < answers.size(); ++i) {
     tb_.add_text("eval/" + std::to_string(i), answers[i].prompt + " => " + answers[i].answer, step);
   }
-  update_report(/*live=*/true);
+  update_report(ReportPage::kLive);
   out_ << fmt::format("eval took {:.1f} s\n", ms / 1000.0);
 }
 
-void RunLog::update_report(bool live, double min_interval_s) {
+void RunLog::update_report(ReportPage page, double min_interval_s) {
   const Config& c = plan_.config();
   if (!c.log.report || !leader_) return;
   if (!report_) report_ = std::make_unique<ReportWriter>(c.output.dir, c.log.metrics);
-  report_->write(live, min_interval_s);
+  report_->write(page == ReportPage::kLive, min_interval_s);
 }
 
 void RunLog::end_bar_line() {

@@ -69,11 +69,10 @@ class LocalPath : public GradientPath {
   }
 
  protected:
-  // The host ring, created with the first step that uses it (held for the run); with in-backward
-  // updates its memory is shared with the optimizer's staging arena.
-  void make_ring(bool share_staging) {
+  // The host ring, created with the first step that uses it (held for the run); `staging` bytes
+  // of its memory are the optimizer's staging arena (in-backward updates) for the run.
+  void make_ring(int64_t staging) {
     if (!host_ring_ || ring_) return;
-    const int64_t staging = share_staging ? optim::kSharedStagingBytes : 0;
     ring_ = std::make_unique<optim::HostGradientAccumulator>(
         model_.options().resolved_grad_dtype(), device_,
         optim::kHostAccumulationRingBytes - staging);
@@ -156,7 +155,7 @@ class HostRingPath final : public LocalPath {
  public:
   using LocalPath::LocalPath;
   void begin_step(const optim::StepArgs& /*args*/, int64_t /*micro_batches*/) override {
-    make_ring(/*share_staging=*/false);
+    make_ring(/*staging=*/0);
     install_hook();
   }
   void on_gradient(model::Parameter& p) override { sum_on(p); }
@@ -172,7 +171,7 @@ class InBackwardPath final : public LocalPath {
   bool in_backward() const override { return true; }
   void begin_step(const optim::StepArgs& args, int64_t /*micro_batches*/) override {
     args_ = args;
-    make_ring(/*share_staging=*/true);
+    make_ring(optim::kSharedStagingBytes);
     install_hook();
   }
   void begin_micro_batch(int64_t i, bool last) override {
@@ -234,7 +233,7 @@ class DataParallelPath final : public GradientPath {
                    model::Qwen3Model& model)
       : GradientPath(model), sync_(sync), comm_(comm), optimizer_(optimizer) {}
   void begin_step(const optim::StepArgs& /*args*/, int64_t micro_batches) override {
-    sync_.begin_step(micro_batches);
+    sync_.begin_step();
     if (micro_batches == 1) install_hook();
   }
   void on_gradient(model::Parameter& p) override { sync_.on_gradient(p); }

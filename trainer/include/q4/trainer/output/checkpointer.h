@@ -63,10 +63,11 @@ class Checkpointer {
     int64_t step = 0;
     int64_t tokens_seen = 0;
   };
-  // `export_only`: load the masters only (no step or world checks). `on_grad_accum_change`:
-  // called when a resume on another world size changes grad_accum (its new value); the plan's
-  // owner makes the plan with it (RunPlan::with_grad_accum).
-  Restored restore(const CheckpointDir& ck, bool export_only,
+  // kResume: the whole training state; kExportOnly: the masters only (no step or world checks).
+  enum class RestoreFor { kResume, kExportOnly };
+  // `on_grad_accum_change`: called when a resume on another world size changes grad_accum (its
+  // new value); the plan's owner makes the plan with it (RunPlan::with_grad_accum).
+  Restored restore(const CheckpointDir& ck, RestoreFor what,
                    const std::function<void(int64_t)>& on_grad_accum_change = nullptr);
 
   // The LR schedule is a function of (kind, lr, warmup, steps, min_lr_ratio): resuming with any

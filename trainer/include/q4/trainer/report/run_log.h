@@ -65,17 +65,19 @@ class RunLog {
   // After step `done` (1-based) of the loop: the metrics record, TensorBoard scalars, the log
   // line (`log_step`), the time estimate after the first steps and the progress bar.
   void record_step(const StepOutcome& so, const StepRecord& r);
-  // The validation loss as a TensorBoard scalar and, before the first step, its own metrics
-  // record (later ones ride in the step's record).
-  void log_validation(const Validation& v, int64_t step, bool own_record);
+  // The validation loss as TensorBoard scalars (its metrics ride in the step's record).
+  void log_validation(const Validation& v, int64_t step);
+  // The validation loss before the first step: its own metrics record and TensorBoard scalars.
+  void log_validation_at_start(const Validation& v);
   // The answers to eval.prompts: console, eval log, TensorBoard text, report.
   void log_answers(const std::vector<EvalAnswer>& answers, int64_t step, const char* tag,
                    double ms);
   // report.html (log.report, rank 0): on the log cadence at most every kReportMinIntervalS (an
   // atomic rewrite per log line would cost more than fast steps), at evals and at the end;
-  // `live` pages reload themselves.
+  // A live page reloads itself; the final one does not.
   static constexpr double kReportMinIntervalS = 2.0;
-  void update_report(bool live, double min_interval_s = 0);
+  enum class ReportPage { kLive, kFinal };
+  void update_report(ReportPage page, double min_interval_s = 0);
 
   // The progress bar's line ends before other output (no-op without a bar).
   void end_bar_line();
