@@ -4,6 +4,7 @@
 // one process's losses and masters, and every reader of masters waits for the broadcasts.
 #include "q4/trainer/distributed/grad_sync.h"
 
+#include <ATen/core/grad_mode.h>
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>

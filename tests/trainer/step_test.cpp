@@ -10,6 +10,7 @@
 #include <map>
 
 #include "component_fixtures.h"
+#include "q4/trainer/objectives/registry.h"
 #include "q4/quant/nvfp4.h"
 
 using namespace q4;
@@ -240,7 +241,7 @@ TEST(TrainStep, UsesOnlyItsGradientPath) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
   const Config c = cpu_config("unused", /*grad_accum=*/2);
-  const RunPlan plan(c, RunOptions{});
+  const RunPlan plan = resolve_plan(c, RunOptions{});
   optim::LrScheduleOptions so;
   so.kind = optim::LrScheduleKind::kConstant;
   so.peak_lr = 1e-3;
