@@ -2,8 +2,8 @@
 // hs -> hs + ffn(post_attention_layernorm(hs)) after the attention block. The model, its
 // checkpoints, the parameter table and the memory estimate reach the block only through `Ffn`:
 // its parameters, its forward with and without a graph, the backward of its recompute, and its
-// sizes. One implementation today, the dense SwiGLU MLP (DenseSwiGluFfn, ffn_swiglu.cpp); a
-// mixture of experts plugs in beside it. Virtual calls are per layer, never per element.
+// sizes. Two implementations: the dense SwiGLU MLP (ffn_swiglu.cpp) and the mixture of experts
+// (ffn_moe.cpp). Virtual calls are per layer, never per element.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -72,7 +72,17 @@ class Ffn {
   virtual FfnCosts costs(const Qwen3Config& cfg, const ModelOptions& opt) const = 0;
 };
 
-// The FFN of `cfg`'s layers (stateless; one instance per kind for the process).
-const Ffn& ffn_for(const Qwen3Config& cfg);
+// Whether `name` ends with `tail`.
+inline bool name_has_tail(const std::string& name, const char* tail) {
+  const std::string t(tail);
+  return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
+}
+
+// The FFN of decoder layer `layer` of `cfg` (stateless; one instance per kind for the
+// process): the mixture of experts where cfg.is_moe_layer(layer), else the dense SwiGLU MLP.
+const Ffn& ffn_for(const Qwen3Config& cfg, int64_t layer);
+// The two kinds, for ffn_for.
+const Ffn& dense_swiglu_ffn();
+const Ffn& moe_ffn();
 
 }  // namespace q4::model

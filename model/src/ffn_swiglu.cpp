@@ -46,11 +46,6 @@ void add_fp32(at::Tensor* acc, const at::Tensor& g) {
   }
 }
 
-bool name_has_tail(const std::string& s, const char* tail) {
-  const std::string t(tail);
-  return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
-}
-
 class DenseSwiGluFfn final : public Ffn {
  public:
   const char* name() const override { return "dense SwiGLU"; }
@@ -279,10 +274,13 @@ class DenseSwiGluFfn final : public Ffn {
 
 }  // namespace
 
-const Ffn& ffn_for(const Qwen3Config& cfg) {
-  (void)cfg;  // one kind of FFN today
+const Ffn& dense_swiglu_ffn() {
   static const DenseSwiGluFfn dense;
   return dense;
+}
+
+const Ffn& ffn_for(const Qwen3Config& cfg, int64_t layer) {
+  return cfg.is_moe_layer(layer) ? moe_ffn() : dense_swiglu_ffn();
 }
 
 }  // namespace q4::model

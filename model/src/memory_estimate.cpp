@@ -81,7 +81,17 @@ LayerActivations layer_activations(const Qwen3Config& cfg, const ModelOptions& o
     // compute, the input itself and the fp32 product).
     a.attn_per_token += 4 * (H + QD + KVD) + (cs == 4 ? 0 : cs * (H + QD + KVD));
   }
-  a.ffn = ffn_for(cfg).costs(cfg, opt);
+  // Every layer is budgeted as the largest FFN among its kinds (an MoE model's dense layers
+  // are smaller than its expert layers).
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    const FfnCosts c = ffn_for(cfg, l).costs(cfg, opt);
+    a.ffn.graph_per_token = std::max(a.ffn.graph_per_token, c.graph_per_token);
+    a.ffn.forward_per_row = std::max(a.ffn.forward_per_row, c.forward_per_row);
+    a.ffn.chunk_per_row = std::max(a.ffn.chunk_per_row, c.chunk_per_row);
+    a.ffn.inner_per_token = std::max(a.ffn.inner_per_token, c.inner_per_token);
+    a.ffn.recompute_macs_per_token =
+        std::max(a.ffn.recompute_macs_per_token, c.recompute_macs_per_token);
+  }
   return a;
 }
 
@@ -168,7 +178,6 @@ void tally_trained(const ParamSpec& p, const Ffn& ffn, const StepTerms& t, Memor
 
 ParamTally tally_parameters(const Qwen3Config& cfg, const ModelOptions& opt, bool include_lm_head,
                             const StepTerms& t, MemoryEstimate* est) {
-  const Ffn& ffn = ffn_for(cfg);
   const size_t L = static_cast<size_t>(t.L);
   ParamTally tally;
   for (auto* v : {&tally.layer_elems, &tally.layer_largest, &tally.attn_weight_elems,
@@ -176,6 +185,7 @@ ParamTally tally_parameters(const Qwen3Config& cfg, const ModelOptions& opt, boo
     v->assign(L, 0);
   }
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
+    const Ffn& ffn = ffn_for(cfg, std::max<int64_t>(p.layer, 0));
     if (p.layer >= 0 && saves_compute_weight(p, opt, t.L, t.tied)) {
       (ffn.owns(p) ? tally.ffn_weight_elems : tally.attn_weight_elems)[p.layer] += p.numel();
     }
@@ -514,7 +524,7 @@ LayerKeepCosts layer_keep_costs(const Qwen3Config& cfg, const ModelOptions& opt,
   const int64_t QD = cfg.q_dim(), KVD = cfg.kv_dim();
   const int64_t tokens = batch * seq_len;
   const LayerActivations acts = layer_activations(cfg, opt);
-  const Ffn& ffn = ffn_for(cfg);
+  const Ffn& ffn = ffn_for(cfg, layer);
   int64_t attn_weights = 0, ffn_weights = 0;
   for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
     if (p.layer != layer || !saves_compute_weight(p, opt, L, !include_lm_head)) continue;

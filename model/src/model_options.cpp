@@ -29,6 +29,7 @@ TrainableSpec TrainableSpec::everything() {
 TrainableSpec TrainableSpec::nothing() {
   TrainableSpec s;
   s.projections = false;
+  s.router = false;
   return s;
 }
 
@@ -59,6 +60,8 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
 
 std::string linear_short_name(const std::string& name) {
   if (name == "lm_head.weight") return "lm_head";
+  // An MoE layer's stacked experts are no adapter target (docs/model.md#mixture-of-experts).
+  if (name.find(".mlp.experts.") != std::string::npos) return "";
   for (size_t i = 0; i + 1 < std::size(kLoraTargets); ++i) {  // the projections (not lm_head)
     const char* l = kLoraTargets[i];
     const std::string tail = std::string(".") + l + ".weight";

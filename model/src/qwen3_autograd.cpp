@@ -373,7 +373,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
     const at::Tensor hs =
         checkpointed_attention(ctx, im, h, layer, cos, sin, mask_kind, allowed, max_seqlen);
-    return im->ffn->forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
+    return im->ffn_of(layer).forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -383,7 +383,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     // The autograd graph takes over at hs (and at the MLP weights' taps).
     const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(in.h);
     std::vector<at::Tensor> roots, seeds;
-    im->ffn->backward_roots(*im, layer, hs, g, &roots, &seeds);
+    im->ffn_of(layer).backward_roots(*im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
     return layer_input_grad(in);
   }
@@ -417,7 +417,7 @@ struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
     ctx->save_for_backward({hs});
     ctx->saved_data["impl"] = impl;
     ctx->saved_data["layer"] = layer;
-    return im->ffn->forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
+    return im->ffn_of(layer).forward_no_graph(*im, layer, hs, im->opt.mlp_chunk_tokens);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());
@@ -425,7 +425,7 @@ struct MlpCheckpoint : public torch::autograd::Function<MlpCheckpoint> {
     const at::Tensor hs = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     const at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(hs);
     std::vector<at::Tensor> roots, seeds;
-    im->ffn->backward_roots(*im, layer, hs, g, &roots, &seeds);
+    im->ffn_of(layer).backward_roots(*im, layer, hs, g, &roots, &seeds);
     torch::autograd::backward(roots, seeds);
     return {hs.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

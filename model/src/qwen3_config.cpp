@@ -20,6 +20,8 @@ namespace {
 // layer, at most 2^12 layers) while being far above any real model.
 constexpr int64_t kMaxDim = int64_t{1} << 24;
 constexpr int64_t kMaxLayers = int64_t{1} << 12;
+// Experts per MoE layer: far above any release (128 in Qwen3-30B-A3B and 235B-A22B).
+constexpr int64_t kMaxExperts = int64_t{1} << 12;
 
 std::string dump_short(const nlohmann::json& v) {
   std::string s = v.dump();
@@ -111,15 +113,21 @@ void check_supported(const Fields& f, const std::string& src) {
   // Architecture identity: present keys must say Qwen3.
   if (const nlohmann::json* a = f.get("architectures"); a != nullptr && !a->is_null()) {
     TORCH_CHECK(a->is_array() && !a->empty(), src,
-                ": key 'architectures': expected [\"Qwen3ForCausalLM\"], found ", dump_short(*a));
+                ": key 'architectures': expected [\"Qwen3ForCausalLM\"] or "
+                "[\"Qwen3MoeForCausalLM\"], found ",
+                dump_short(*a));
     for (const auto& e : *a) {
-      TORCH_CHECK(e.is_string() && e.get<std::string>() == "Qwen3ForCausalLM", src,
-                  ": key 'architectures': only Qwen3ForCausalLM is supported, found ",
+      const bool known = e.is_string() && (e.get<std::string>() == "Qwen3ForCausalLM" ||
+                                           e.get<std::string>() == "Qwen3MoeForCausalLM");
+      TORCH_CHECK(known, src,
+                  ": key 'architectures': only Qwen3ForCausalLM and Qwen3MoeForCausalLM are "
+                  "supported, found ",
                   dump_short(*a));
     }
   }
   if (auto mt = f.optional_string("model_type")) {
-    TORCH_CHECK(*mt == "qwen3", src, ": key 'model_type': expected \"qwen3\", found \"", *mt, "\"");
+    TORCH_CHECK(*mt == "qwen3" || *mt == "qwen3_moe", src,
+                ": key 'model_type': expected \"qwen3\" or \"qwen3_moe\", found \"", *mt, "\"");
   }
 
   // Features this implementation does not have.
@@ -192,6 +200,65 @@ double read_rope_theta(const Fields& f, const std::string& src) {
   return theta;
 }
 
+// Whether the config describes Qwen3MoeForCausalLM (its model_type or architectures say so).
+bool says_moe(const Fields& f) {
+  if (auto mt = f.optional_string("model_type")) return *mt == "qwen3_moe";
+  const nlohmann::json* a = f.get("architectures");
+  return a != nullptr && a->is_array() && !a->empty() && (*a)[0] == "Qwen3MoeForCausalLM";
+}
+
+// The mixture-of-experts keys (HF Qwen3MoeConfig's defaults where absent), and the routings of
+// other MoE generations this FFN does not implement, each refused naming its key.
+MoeConfig read_moe(const Fields& f, const std::string& src, int64_t num_layers) {
+  for (const char* key : {"shared_expert_intermediate_size", "n_shared_experts",
+                          "num_shared_experts", "moe_shared_expert_intermediate_size"}) {
+    if (const nlohmann::json* v = f.get(key); v != nullptr && !v->is_null()) {
+      TORCH_CHECK(v->is_number() && v->get<double>() == 0.0, src, ": key '", key,
+                  "': shared experts are not supported (Qwen3-MoE routes every token to its "
+                  "top-k experts only), found ",
+                  dump_short(*v));
+    }
+  }
+  if (auto sf = f.optional_string("scoring_func")) {
+    TORCH_CHECK(*sf == "softmax", src,
+                ": key 'scoring_func': only softmax routing is supported, "
+                "found \"",
+                *sf, "\"");
+  }
+  if (auto tm = f.optional_string("topk_method")) {
+    TORCH_CHECK(*tm == "greedy", src,
+                ": key 'topk_method': only plain top-k routing is supported, "
+                "found \"",
+                *tm, "\"");
+  }
+  MoeConfig m;
+  const auto opt_int = [&](const char* key, int64_t dflt, int64_t lo, int64_t hi) {
+    const nlohmann::json* v = f.get(key);
+    return v == nullptr || v->is_null() ? dflt : f.to_int(key, *v, lo, hi);
+  };
+  m.num_experts = opt_int("num_experts", 128, 1, kMaxExperts);
+  m.num_experts_per_tok = opt_int("num_experts_per_tok", 8, 1, kMaxExperts);
+  m.moe_intermediate_size = opt_int("moe_intermediate_size", 768, 1, kMaxDim);
+  m.decoder_sparse_step = opt_int("decoder_sparse_step", 1, 1, kMaxLayers);
+  m.norm_topk_prob = f.optional_bool("norm_topk_prob").value_or(false);
+  m.output_router_logits = f.optional_bool("output_router_logits").value_or(false);
+  if (const nlohmann::json* v = f.get("router_aux_loss_coef"); v != nullptr && !v->is_null()) {
+    TORCH_CHECK(v->is_number() && std::isfinite(v->get<double>()) && v->get<double>() >= 0.0, src,
+                ": key 'router_aux_loss_coef': expected a finite number >= 0, found ",
+                dump_short(*v));
+    m.router_aux_loss_coef = v->get<double>();
+  }
+  if (const nlohmann::json* v = f.get("mlp_only_layers"); v != nullptr && !v->is_null()) {
+    TORCH_CHECK(v->is_array(), src,
+                ": key 'mlp_only_layers': expected a list of layer indices, "
+                "found ",
+                dump_short(*v));
+    for (const auto& e : *v)
+      m.mlp_only_layers.push_back(f.to_int("mlp_only_layers", e, 0, num_layers - 1));
+  }
+  return m;
+}
+
 }  // namespace
 
 Qwen3Config Qwen3Config::from_json_file(const std::string& path) {
@@ -241,6 +308,7 @@ Qwen3Config Qwen3Config::from_json(const nlohmann::json& j, const std::string& s
   if (!bos.empty()) c.bos_token_id = bos[0];
   c.eos_token_ids = f.token_ids("eos_token_id");
   if (!c.eos_token_ids.empty()) c.eos_token_id = c.eos_token_ids[0];
+  if (says_moe(f)) c.moe = read_moe(f, src, c.num_hidden_layers);
 
   c.validate();
   return c;
@@ -271,6 +339,25 @@ void Qwen3Config::validate() const {
               ": key 'rms_norm_eps': expected a finite positive number, found ", rms_norm_eps);
   TORCH_CHECK(std::isfinite(rope_theta) && rope_theta > 0.0, src,
               ": key 'rope_theta': expected a finite positive number, found ", rope_theta);
+  if (is_moe()) {
+    in_range("num_experts", moe.num_experts, kMaxExperts);
+    in_range("moe_intermediate_size", moe.moe_intermediate_size, kMaxDim);
+    in_range("decoder_sparse_step", moe.decoder_sparse_step, kMaxLayers);
+    TORCH_CHECK(moe.num_experts_per_tok >= 1 && moe.num_experts_per_tok <= moe.num_experts, src,
+                ": key 'num_experts_per_tok': expected an integer in [1, num_experts = ",
+                moe.num_experts, "], found ", moe.num_experts_per_tok);
+    TORCH_CHECK(moe.num_experts * moe.moe_intermediate_size <= kMaxDim * 64, src,
+                ": keys 'num_experts' x 'moe_intermediate_size' = ",
+                moe.num_experts * moe.moe_intermediate_size, " exceeds ", kMaxDim * 64);
+    for (int64_t l : moe.mlp_only_layers) {
+      TORCH_CHECK(l >= 0 && l < num_hidden_layers, src,
+                  ": key 'mlp_only_layers': expected layer indices in [0, ", num_hidden_layers,
+                  "), found ", l);
+    }
+    TORCH_CHECK(std::isfinite(moe.router_aux_loss_coef) && moe.router_aux_loss_coef >= 0.0, src,
+                ": key 'router_aux_loss_coef': expected a finite number >= 0, found ",
+                moe.router_aux_loss_coef);
+  }
   for (int64_t id : eos_token_ids) {
     TORCH_CHECK(id >= 0, src, ": key 'eos_token_id': expected non-negative ids, found ", id);
   }
@@ -280,10 +367,29 @@ void Qwen3Config::validate() const {
   }
 }
 
+bool Qwen3Config::is_moe_layer(int64_t layer) const {
+  if (!is_moe()) return false;
+  for (int64_t l : moe.mlp_only_layers) {
+    if (l == layer) return false;
+  }
+  return (layer + 1) % moe.decoder_sparse_step == 0;
+}
+
 nlohmann::json Qwen3Config::to_json() const {
   nlohmann::json j;
-  j["architectures"] = nlohmann::json::array({"Qwen3ForCausalLM"});
-  j["model_type"] = "qwen3";
+  j["architectures"] =
+      nlohmann::json::array({is_moe() ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"});
+  j["model_type"] = is_moe() ? "qwen3_moe" : "qwen3";
+  if (is_moe()) {
+    j["num_experts"] = moe.num_experts;
+    j["num_experts_per_tok"] = moe.num_experts_per_tok;
+    j["moe_intermediate_size"] = moe.moe_intermediate_size;
+    j["norm_topk_prob"] = moe.norm_topk_prob;
+    j["decoder_sparse_step"] = moe.decoder_sparse_step;
+    j["mlp_only_layers"] = moe.mlp_only_layers;
+    j["router_aux_loss_coef"] = moe.router_aux_loss_coef;
+    j["output_router_logits"] = moe.output_router_logits;
+  }
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;

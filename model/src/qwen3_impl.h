@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ffn.h"
+#include "moe_routing.h"
 #include "q4/model/linear_backend.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_params.h"
@@ -30,7 +31,8 @@ struct LayerParams {
   Parameter* k_norm;
   Parameter* input_layernorm;
   Parameter* post_attention_layernorm;
-  std::vector<Parameter*> ffn;  // the FFN slot's tensors, in Ffn::param_specs order
+  std::vector<Parameter*> ffn;    // the FFN slot's tensors, in Ffn::param_specs order
+  const Ffn* ffn_slot = nullptr;  // the layer's FFN (ffn_for(cfg, layer))
 };
 
 // Attention mask for one forward. kNone: every query sees every key (decode of 1 token).
@@ -69,14 +71,20 @@ struct Qwen3Model::Impl {
   Qwen3Model::MasterFence master_fence;  // masters in flight (empty: always current)
   at::Tensor inv_freq;                   // (D/2) fp32 on the device, HF formula
   // The slots, chosen once at construction: every linear of the decoder layers goes through
-  // linear_backend (ModelOptions::linear_backend, else the device's), every layer's FFN block
-  // through ffn (ffn_for(cfg)).
+  // linear_backend (ModelOptions::linear_backend, else the device's), each layer's FFN block
+  // through its LayerParams::ffn_slot (ffn_for(cfg, layer)).
   std::shared_ptr<const LinearBackend> linear_backend;
-  const Ffn* ffn = nullptr;
+  // What the mixture-of-experts routers of the current forward recorded (moe_routing.h).
+  mutable RouterRecord router;
 
   // Parameter table (names, shapes, trainable flags) without masters.
   Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm_head);
 
+  const Ffn& ffn_of(int64_t layer) const { return *layers[layer].ffn_slot; }
+  // The load-balancing loss's weight in loss(): ModelOptions', else the config's.
+  double router_aux_loss_coef() const {
+    return opt.router_aux_loss_coef.value_or(cfg.moe.router_aux_loss_coef);
+  }
   Parameter* find(const std::string& name);
   const std::vector<int64_t>& shape_of(const Parameter* p) const;
   bool any_trainable() const;
@@ -168,6 +176,14 @@ bool fused_xent_applies(const at::Tensor& logits, const at::Tensor& labels);
 at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, bool want_grad);
 // The ATen reference of rms_norm() (the path on CPU and where the fused op does not apply).
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// ---- mixture-of-experts routing (moe_routing.cpp) ----
+// After the last decoder layer: h itself, and impl->router.aux set to the forward's
+// load-balancing loss (with a graph: through the aux gate, whose backward gives the routers'
+// taps d loss / d aux).
+at::Tensor router_aux_gate(const Qwen3Model::Impl* impl, const at::Tensor& h);
+// A router's logits (N, E) into the graph through the tap that adds the aux loss's gradient.
+at::Tensor router_tap(const Qwen3Model::Impl* impl, const at::Tensor& logits);
 
 // ---- autograd functions (qwen3_autograd.cpp) ----
 at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,

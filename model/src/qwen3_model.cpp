@@ -40,7 +40,6 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
   opt.trainable.validate(cfg.num_hidden_layers);
   opt.lora.validate(cfg);
   linear_backend = opt.linear_backend ? opt.linear_backend : make_linear_backend(opt);
-  ffn = &ffn_for(cfg);
   const TrainableSpec& ts = opt.trainable;
   const int64_t D = cfg.head_dim;
   const int64_t L = cfg.num_hidden_layers;
@@ -89,9 +88,18 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
     lp.o_proj = find(pre + "self_attn.o_proj.weight");
     lp.q_norm = find(pre + "self_attn.q_norm.weight");
     lp.k_norm = find(pre + "self_attn.k_norm.weight");
-    for (const FfnParamSpec& f : ffn->param_specs(cfg)) lp.ffn.push_back(find(pre + f.suffix));
+    lp.ffn_slot = &ffn_for(cfg, l);
+    for (const FfnParamSpec& f : lp.ffn_slot->param_specs(cfg)) {
+      lp.ffn.push_back(find(pre + f.suffix));
+    }
     lp.input_layernorm = find(pre + "input_layernorm.weight");
     lp.post_attention_layernorm = find(pre + "post_attention_layernorm.weight");
+  }
+
+  router.num_experts = cfg.moe.num_experts;
+  router.recorded.assign(static_cast<size_t>(L), 0);
+  for (int64_t l = 0; l < L; ++l) {
+    if (cfg.is_moe_layer(l)) router.moe_layers.push_back(l);
   }
 
   trigger = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
@@ -223,7 +231,7 @@ RopeTables Qwen3Model::Impl::rope(const at::Tensor& position_ids) const {
 at::Tensor Qwen3Model::Impl::layer_forward(int64_t layer, const at::Tensor& h,
                                            const RopeTables& rope_t, const AttnMask& mask,
                                            KvCache* cache) const {
-  return ffn->forward(*this, layer, attention_block(layer, h, rope_t, mask, cache));
+  return ffn_of(layer).forward(*this, layer, attention_block(layer, h, rope_t, mask, cache));
 }
 
 at::Tensor Qwen3Model::Impl::attention_block(int64_t layer, const at::Tensor& h,
@@ -285,7 +293,8 @@ at::Tensor Qwen3Model::Impl::layer_maybe_checkpointed(int64_t layer, const at::T
     case LayerRecompute::kLayer:
       return checkpoint_layer(this, layer, h, rope_t, mask);
     case LayerRecompute::kAttention: {
-      return ffn->forward(*this, layer, checkpoint_attention(this, layer, h, rope_t, mask));
+      return ffn_of(layer).forward(*this, layer,
+                                   checkpoint_attention(this, layer, h, rope_t, mask));
     }
     case LayerRecompute::kMlp:
       return checkpoint_mlp(this, layer, attention_block(layer, h, rope_t, mask, nullptr));
@@ -342,10 +351,20 @@ at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache
     mask = build_attention_mask(in, past, T, dev);
   }
 
+  if (cfg.is_moe()) {
+    // The rows the load-balancing loss counts: HF's attention_mask (packing's padding too).
+    at::Tensor valid = in.attention_mask;
+    if (in.segment_ids.defined()) {
+      const at::Tensor seg = in.segment_ids.ne(0);
+      valid = valid.defined() ? valid.ne(0).logical_and(seg) : seg;
+    }
+    router.begin(valid, B * T, dev);
+  }
   at::Tensor h = embed_lookup(ids);  // (B, T, H)
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
     h = layer_maybe_checkpointed(l, h, rope_t, mask, cache);
   }
+  if (cfg.is_moe()) h = router_aux_gate(this, h);
   if (cache) cache->length += T;
   return rms_norm(h, weight(final_norm), cfg.rms_norm_eps, opt.fused_cuda_kernels);
 }
@@ -517,13 +536,14 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
   auto impl = std::make_unique<Impl>(cfg, opt, cfg.tie_word_embeddings);
   Impl& m = *impl;
   at::Generator gen = at::detail::createCPUGenerator(seed);
+  const std::vector<ParamSpec> specs = qwen3_parameters(cfg, !m.tied);  // m.params' order
   for (size_t i = 0; i < m.params.size(); ++i) {
     Parameter& p = m.params[i];
-    const bool is_norm = m.shapes[i].size() == 1;
+    const bool is_norm = specs[i].group == ParamGroup::kNorm;
     at::Tensor w =
         is_norm ? at::ones(m.shapes[i], at::kFloat)
                 : at::normal(0.0, std, m.shapes[i], gen, at::TensorOptions().dtype(at::kFloat));
-    p.quantized = !is_norm && &p != m.embed;
+    p.quantized = specs[i].kind == ParamKind::kQuantizedLinear;
     w = w.to(m.opt.device);
     if (p.lora_a != nullptr) {
       const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(w, p.name);
@@ -626,9 +646,16 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
                                           &out.term_sum, impl_->opt.fused_cuda_kernels);
     out.num_tokens = targets.ne(-100).sum();
   }
-  const at::Tensor& sum = out.loss_sum;
   const at::Tensor& count = out.num_tokens;
-  out.loss = sum / count.clamp_min(1).to(at::kFloat);
+  const double coef = impl_->router_aux_loss_coef();
+  if (impl_->router.aux.defined()) {
+    // HF's loss: mean CE + coef · aux; as a sum, coef · aux once per supervised token.
+    out.aux_loss = impl_->router.aux.detach();
+    if (coef > 0) {
+      out.loss_sum = out.loss_sum + impl_->router.aux * count.clamp_min(1).to(at::kFloat) * coef;
+    }
+  }
+  out.loss = out.loss_sum / count.clamp_min(1).to(at::kFloat);
   return out;
 }
 

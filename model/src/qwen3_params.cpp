@@ -18,9 +18,8 @@ std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& c, bool include_lm_he
   const int64_t V = c.vocab_size, L = c.num_hidden_layers;
   using K = ParamKind;
   using G = ParamGroup;
-  const std::vector<FfnParamSpec> ffn = ffn_for(c).param_specs(c);  // the FFN slot's tensors
   std::vector<ParamSpec> out;
-  out.reserve(static_cast<size_t>(2 + (8 + static_cast<int64_t>(ffn.size())) * L + 1));
+  out.reserve(static_cast<size_t>(2 + 12 * L + 1));
   out.push_back({"model.embed_tokens.weight", {V, H}, K::kEmbedding, G::kEmbedding, -1});
   for (int64_t l = 0; l < L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
@@ -36,7 +35,9 @@ std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& c, bool include_lm_he
     lin("self_attn.o_proj.weight", H, c.q_dim());   // (H, heads*D)
     norm("self_attn.q_norm.weight", D);
     norm("self_attn.k_norm.weight", D);
-    for (const FfnParamSpec& f : ffn) out.push_back({p + f.suffix, f.shape, f.kind, f.group, l});
+    for (const FfnParamSpec& f : ffn_for(c, l).param_specs(c)) {  // the FFN slot's tensors
+      out.push_back({p + f.suffix, f.shape, f.kind, f.group, l});
+    }
     norm("input_layernorm.weight", H);
     norm("post_attention_layernorm.weight", H);
   }
@@ -55,17 +56,17 @@ bool TrainableSpec::trains(const ParamSpec& p, int64_t num_layers, bool tied) co
       return lm_head;
     case ParamGroup::kProjection:
       return projections && layer_selected(p.layer, num_layers);
+    case ParamGroup::kRouter:
+      return router && layer_selected(p.layer, num_layers);
     case ParamGroup::kNorm:
       return norms && (p.layer < 0 || layer_selected(p.layer, num_layers));
   }
   return false;
 }
 
-int64_t Qwen3Config::layer_num_parameters() const {
+int64_t Qwen3Config::layer_num_parameters(int64_t layer) const {
   int64_t n = 0;
-  Qwen3Config one = *this;
-  one.num_hidden_layers = 1;
-  for (const ParamSpec& p : qwen3_parameters(one, false)) n += p.layer == 0 ? p.numel() : 0;
+  for (const ParamSpec& p : qwen3_parameters(*this, false)) n += p.layer == layer ? p.numel() : 0;
   return n;
 }
 

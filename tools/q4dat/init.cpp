@@ -137,7 +137,11 @@ int run_init(const InitOptions& o) {
         init.dense_fp16(p.name, p.shape[0], p.shape[1]);  // (V, H)
         break;
       case q4::model::ParamKind::kRaw:
-        init.ones_fp16(p.name, p.shape[0]);
+        if (p.group == q4::model::ParamGroup::kRouter) {
+          init.dense_fp16(p.name, p.shape[0], p.shape[1]);  // (E, H) ~ N(0, std)
+        } else {
+          init.ones_fp16(p.name, p.shape[0]);  // an RMSNorm weight
+        }
         break;
       case q4::model::ParamKind::kQuantizedLinear: {
         // A tied lm_head stored separately is the quantized (fp16-rounded) embedding.

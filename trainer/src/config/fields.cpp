@@ -244,6 +244,9 @@ std::vector<FieldRef> config_fields(Config& c) {
             "decoder layers that train: all, none, last:N or a list of indices"),
       field("train.trainable.projections", &c.train.trainable.projections,
             "q/k/v/o/gate/up/down linears of the selected layers train (fake-quantized, STE)"),
+      field("train.trainable.router", &c.train.trainable.router,
+            "mixture-of-experts models: the routers (mlp.gate) of the selected layers train "
+            "(full fine-tuning only)"),
       field("train.trainable.norms", &c.train.trainable.norms,
             "RMSNorm weights of the selected layers and the final norm train"),
       field("train.trainable.lm_head", &c.train.trainable.lm_head, "the output projection trains"),

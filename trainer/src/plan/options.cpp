@@ -43,6 +43,7 @@ model::TrainableSpec trainable_spec(const Config& c) {
   const auto& t = c.train.trainable;
   model::TrainableSpec s;
   s.projections = t.projections && c.train.method == TrainMethod::kFull;  // lora: adapters train
+  s.router = t.router && c.train.method == TrainMethod::kFull;
   s.norms = t.norms;
   s.lm_head = t.lm_head;
   s.embeddings = t.embeddings;
@@ -53,6 +54,7 @@ model::TrainableSpec trainable_spec(const Config& c) {
     case LayerSelection::Kind::kNone:
       s.last_n_layers = 0;
       s.projections = false;
+      s.router = false;
       break;
     case LayerSelection::Kind::kLast:
       s.last_n_layers = t.layers.last_n;

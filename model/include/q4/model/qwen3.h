@@ -27,7 +27,8 @@ class LinearBackend;  // the linear slot (linear_backend.h)
 // state. With tied embeddings (no lm_head in the file) embed_tokens trains when either
 // `embeddings` or `lm_head` is set.
 struct TrainableSpec {
-  bool projections = true;      // q/k/v/o/gate/up/down of the selected layers
+  bool projections = true;      // q/k/v/o/gate/up/down (and MoE experts) of the selected layers
+  bool router = true;           // the MoE router (mlp.gate.weight) of the selected layers
   int64_t last_n_layers = -1;   // >= 0: only the last N layers are selected; -1: every layer
   std::vector<int64_t> layers;  // non-empty: exactly these layers (overrides last_n_layers)
   bool lm_head = false;         // lm_head.weight (or embed_tokens when tied)
@@ -132,10 +133,17 @@ struct ModelOptions {
   // holds from its forward to its backward anyway. The codes never change, so neither does it.
   bool cache_adapted_weights = false;
   int64_t loss_chunk_tokens = 512;  // rows of logits computed at once in loss()
+  // Mixture-of-experts models: the weight of the routers' load-balancing loss in loss()
+  // (LossOutput::aux_loss); nullopt: the config's router_aux_loss_coef. 0 leaves it out.
+  std::optional<double> router_aux_loss_coef;
   // CUDA: the fused kernels for RMSNorm, RoPE, SwiGLU and the loss's softmax cross-entropy,
   // where the layout allows them. false: the ATen reference ops everywhere (the tests compare
   // the two). No effect on the CPU.
   bool fused_cuda_kernels = true;
+  // Mixture-of-experts layers on CUDA with bf16 compute: each expert projection of all experts
+  // in one grouped GEMM (at::_grouped_mm, LibTorch >= 2.9) instead of one GEMM per expert.
+  // false: the per-expert GEMMs everywhere (the tests compare the two).
+  bool moe_grouped_gemm = true;
   // The linear slot (linear_backend.h): how the decoder layers' linears compute. Null (default):
   // make_linear_backend() for the device, chosen when the model is built.
   std::shared_ptr<const LinearBackend> linear_backend;
@@ -183,6 +191,27 @@ struct LossOutput {
   at::Tensor num_tokens;  // () int64: supervised positions (labels[:, 1:] != -100), on device
   at::Tensor ce_sum;      // () fp32, detached: the summed CE
   at::Tensor term_sum;    // () fp32, detached: the LossTerm's sum (undefined without one)
+  // Mixture-of-experts models: () fp32, detached, the routers' load-balancing loss (HF's
+  // load_balancing_loss_func over the forward's valid rows); loss and loss_sum include it times
+  // ModelOptions::router_aux_loss_coef (loss_sum once per supervised token). Undefined: dense.
+  at::Tensor aux_loss;
+};
+
+// How the routers of a mixture-of-experts model's last forward spread its valid tokens
+// (Qwen3Model::router_stats; docs/model.md#mixture-of-experts). Loads are tokens routed to an
+// expert over the mean per expert (1: perfectly balanced).
+struct RouterStats {
+  double aux_loss = 0;  // the load-balancing loss, without its coefficient
+  struct Layer {
+    int64_t layer = 0;
+    double max_load = 0, min_load = 0;  // the busiest and the idlest expert
+    double entropy = 0;                 // mean routing entropy per token, nats
+  };
+  std::vector<Layer> layers;   // the MoE layers, ascending
+  int64_t dropped_tokens = 0;  // routes not computed: 0 (every route is computed)
+  double max_load() const;     // over layers
+  double min_load() const;
+  double mean_entropy() const;
 };
 
 // A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
@@ -413,6 +442,8 @@ class Qwen3Model {
   void set_grad_ready_hook(GradReadyHook hook);
   void begin_grad_step();
   int64_t num_trainable_elements() const;  // total elements of trainable masters
+  // The routing of the last forward (empty for a dense model); one device sync.
+  RouterStats router_stats() const;
   // ModelOptions::offload_masters: the master of `p` (nullptr: of every trainable parameter) has
   // changed (an optimizer update, a restore): re-derives its device codes, in the current
   // stream's order. Parameters without codes are skipped.

@@ -1,7 +1,9 @@
-// Qwen3 architecture hyper-parameters, read from a Hugging Face config.json. Reading validates
-// once: anything this code cannot honour (other architectures, RoPE scaling, sliding-window
-// attention, attention biases, activations other than SiLU, missing or ill-typed fields) is
-// rejected with a c10::Error that names the file and the key. Unknown extra keys are ignored.
+// Qwen3 architecture hyper-parameters, read from a Hugging Face config.json: Qwen3ForCausalLM
+// (dense) or Qwen3MoeForCausalLM (mixture of experts, docs/model.md#mixture-of-experts). Reading
+// validates once: anything this code cannot honour (other architectures, RoPE scaling,
+// sliding-window attention, attention biases, activations other than SiLU, shared experts or
+// routings other than softmax top-k, missing or ill-typed fields) is rejected with a c10::Error
+// that names the file and the key. Unknown extra keys are ignored.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +13,22 @@
 #include <vector>
 
 namespace q4::model {
+
+// The mixture-of-experts FFN of Qwen3MoeForCausalLM (HF Qwen3MoeConfig's keys and defaults).
+// A layer is sparse when num_experts > 0, it is not in mlp_only_layers and
+// (layer + 1) % decoder_sparse_step == 0; the other layers have the dense SwiGLU MLP of
+// intermediate_size. Routing: softmax over the router's logits, the top num_experts_per_tok
+// experts (renormalised when norm_topk_prob), every token kept (no capacity).
+struct MoeConfig {
+  int64_t num_experts = 0;              // E; 0: a dense model
+  int64_t num_experts_per_tok = 8;      // k, routed experts per token
+  int64_t moe_intermediate_size = 768;  // each expert's SwiGLU width
+  bool norm_topk_prob = false;          // renormalise the k routing weights to sum to 1
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;  // layers with the dense MLP
+  double router_aux_loss_coef = 0.001;   // the load-balancing loss's weight in HF's loss
+  bool output_router_logits = false;     // HF adds the aux loss only when set (kept for export)
+};
 
 struct Qwen3Config {
   int64_t vocab_size = 0;               // V: rows of embed_tokens and lm_head
@@ -27,6 +45,7 @@ struct Qwen3Config {
   std::optional<int64_t> bos_token_id;  // null/absent -> nullopt
   std::optional<int64_t> eos_token_id;  // first eos id (config may hold a list)
   std::vector<int64_t> eos_token_ids;   // all eos ids
+  MoeConfig moe;                        // num_experts 0: dense (Qwen3ForCausalLM)
   std::string source = "<json>";        // file name (or label) the values came from
 
   // Parses and validates config.json; errors name `path` and the offending key.
@@ -44,8 +63,12 @@ struct Qwen3Config {
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }   // q_proj out, o_proj in
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }  // k_proj / v_proj out
-  // Parameters of one decoder layer (4 attention + 3 MLP linears, 2 RMSNorms, q_norm, k_norm).
-  int64_t layer_num_parameters() const;
+  bool is_moe() const { return moe.num_experts > 0; }
+  // Whether decoder layer `layer` has the mixture-of-experts FFN (HF Qwen3MoeDecoderLayer).
+  bool is_moe_layer(int64_t layer) const;
+  // Parameters of decoder layer `layer` (4 attention linears, q_norm, k_norm, 2 RMSNorms, and its
+  // FFN: 3 MLP linears, or the router and every expert's 3 linears).
+  int64_t layer_num_parameters(int64_t layer = 0) const;
   // Parameters of the whole model: embed_tokens + layers + final norm, plus a separate
   // vocab x hidden lm_head when `include_lm_head` is true (pass !tie_word_embeddings to count
   // the model as HF instantiates it, true to count the shipped file, which stores lm_head).

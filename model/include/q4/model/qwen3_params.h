@@ -1,6 +1,11 @@
-// The Qwen3 parameter table: every tensor of Qwen3ForCausalLM (HF name, shape, kind) in the
-// order of the shipped NVFP4 .dat (embed, per layer q/k/v/o, q_norm, k_norm, gate/up/down,
-// input/post-attention norms, final norm, lm_head). Defined once here and iterated by the model,
+// The Qwen3 parameter table: every tensor of Qwen3ForCausalLM or Qwen3MoeForCausalLM (HF name,
+// shape, kind) in the order of the shipped NVFP4 .dat (embed, per layer q/k/v/o, q_norm, k_norm,
+// the FFN's tensors, input/post-attention norms, final norm, lm_head). A mixture-of-experts
+// layer's FFN is its router, mlp.gate.weight (E, H), kept in 16/32 bits as releases ship it, and
+// each projection of its E experts stacked into one NVFP4 matrix, expert e's rows at
+// [e·out, (e+1)·out): mlp.experts.gate_proj.weight (E·I, H), .up_proj (E·I, H), .down_proj
+// (E·H, I). NVFP4 scales are per row block, so stacking changes no bit; the HF import/export
+// map it to and from the per-expert tensors checkpoints store (mlp.experts.<e>.gate_proj.weight). Defined once here and iterated by the model,
 // the memory estimates, `q4dat init`, and the Hugging Face import/export, so the list cannot
 // drift between them (llm.c's ParameterTensors).
 #pragma once
@@ -17,12 +22,13 @@ namespace q4::model {
 enum class ParamKind {
   kQuantizedLinear,  // 2-D linear weight, stored as an NVFP4 pair in the .dat (lm_head included)
   kEmbedding,        // model.embed_tokens.weight, raw
-  kRaw,              // RMSNorm weights, raw 1-D
+  kRaw,              // stored unquantized: RMSNorm weights (1-D), an MoE router (2-D)
 };
 
 enum class ParamGroup {
   kEmbedding,   // model.embed_tokens.weight
-  kProjection,  // q/k/v/o/gate/up/down of a layer
+  kProjection,  // q/k/v/o/gate/up/down of a layer, and an MoE layer's stacked experts
+  kRouter,      // an MoE layer's router (mlp.gate.weight)
   kNorm,        // input/post-attention/q/k norms of a layer, or model.norm
   kLmHead,      // lm_head.weight
 };

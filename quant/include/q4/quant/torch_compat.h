@@ -13,6 +13,13 @@
 #define Q4_HAS_FLOAT8 0
 #endif
 
+// at::_grouped_mm (bf16 grouped GEMM with offsets, differentiable; CUTLASS on sm_90 and newer).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define Q4_HAS_GROUPED_MM 1
+#else
+#define Q4_HAS_GROUPED_MM 0
+#endif
+
 // at::_flash_attention_forward with cumulative sequence lengths (variable-length batches) and
 // a differentiable output (its backward is at::_flash_attention_backward). CUDA tensors only.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)

@@ -119,7 +119,9 @@ struct ModelConfig {
 
 struct TrainableConfig {
   LayerSelection layers;    // decoder layers whose projections (and norms) train
-  bool projections = true;  // q/k/v/o/gate/up/down of the selected layers (NVFP4, STE)
+  bool projections = true;  // q/k/v/o/gate/up/down of the selected layers (NVFP4, STE), and
+                            // a mixture-of-experts layer's experts
+  bool router = true;       // a mixture-of-experts layer's router (16/32-bit, not quantized)
   bool norms = true;        // RMSNorm weights of the selected layers and the final norm
   bool lm_head = false;     // the output projection (vocab x hidden)
   bool embeddings = false;  // embed_tokens (vocab x hidden)
