@@ -1,5 +1,7 @@
 // bench_optim: time of one PackedAdamW step on a Qwen3-4B-shaped parameter set (36 layers of
-// q/k/v/o/gate/up/down + embed + lm_head = 4.41e9 parameters; fp16 masters, bf16 gradients) in
+// q/k/v/o/gate/up/down + embed + lm_head = 4.41e9 parameters; fp16 masters, bf16 gradients), or
+// with --model 30b-a3b a Qwen3-30B-A3B-shaped one (48 layers of q/k/v/o, the router and the
+// three stacked expert matrices of 128 experts + embed + lm_head = 30.5e9 parameters), in
 // each moment mode, against the HBM floor (bytes the step actually touches / 3.35 TB/s) and the
 // step's peak extra device memory (CUDA allocator: peak during the step minus allocated before).
 // --layers/--scale shrink the set for smoke tests on CPU. Every line names the device.
@@ -26,7 +28,8 @@ namespace {
 
 struct Args {
   std::string modes = "fp32,int8,4bit,nvfp4";
-  int64_t layers = 36;
+  std::string model = "4b";  // 4b or 30b-a3b
+  int64_t layers = -1;        // -1: the model's
   int64_t scale = 1;  // every dimension divided by this (rounded up to a multiple of 16)
   int steps = 5;
   int warmup = 2;
@@ -39,7 +42,8 @@ struct Args {
 
 void usage() {
   std::printf(
-      "usage: bench_optim [--modes fp32,int8,4bit,nvfp4] [--layers N] [--scale S] [--steps K]\n"
+      "usage: bench_optim [--modes fp32,int8,4bit,nvfp4] [--model 4b|30b-a3b] [--layers N]\n"
+      "                   [--scale S] [--steps K]\n"
       "                   [--warmup W] [--chunk-rows R] [--device auto|cuda|cpu]\n"
       "                   [--hbm-tbps 3.35] [--rounding stochastic|nearest]\n"
       "                   [--arithmetic fast|exact|both]  (CUDA int8/4bit kernels)\n");
@@ -58,6 +62,8 @@ Args parse(int argc, char** argv) {
     };
     if (k == "--modes") {
       a.modes = val();
+    } else if (k == "--model") {
+      a.model = val();
     } else if (k == "--layers") {
       a.layers = std::stoll(val());
     } else if (k == "--scale") {
@@ -89,6 +95,11 @@ Args parse(int argc, char** argv) {
       std::exit(2);
     }
   }
+  if (a.model != "4b" && a.model != "30b-a3b") {
+    std::fprintf(stderr, "bench_optim: --model must be 4b or 30b-a3b\n");
+    std::exit(2);
+  }
+  if (a.layers < 0) a.layers = a.model == "4b" ? 36 : 48;
   if (a.layers < 0 || a.scale < 1 || a.steps < 1 || a.warmup < 0) {
     std::fprintf(stderr, "bench_optim: --layers >= 0, --scale >= 1, --steps >= 1 required\n");
     std::exit(2);
@@ -116,6 +127,28 @@ std::vector<Shape> qwen3_4b_shapes(int64_t layers, int64_t scale) {
     s.push_back({p + "down_proj", d(2560), d(9728)});
   }
   s.push_back({"lm_head", d(151936), d(2560)});
+  return s;
+}
+
+// Qwen3-30B-A3B: attention of 32/4 heads of 128, the router (128, 2048) and 128 experts of 768
+// stacked per projection, as the model's parameter table holds them.
+std::vector<Shape> qwen3_30b_a3b_shapes(int64_t layers, int64_t scale) {
+  auto d = [&](int64_t x) { return std::max<int64_t>(16, ((x / scale + 15) / 16) * 16); };
+  const int64_t E = 128;
+  std::vector<Shape> s;
+  s.push_back({"embed_tokens", d(151936), d(2048)});
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    s.push_back({p + "q_proj", d(4096), d(2048)});
+    s.push_back({p + "k_proj", d(512), d(2048)});
+    s.push_back({p + "v_proj", d(512), d(2048)});
+    s.push_back({p + "o_proj", d(2048), d(4096)});
+    s.push_back({p + "router", E, d(2048)});
+    s.push_back({p + "experts.gate_proj", E * d(768), d(2048)});
+    s.push_back({p + "experts.up_proj", E * d(768), d(2048)});
+    s.push_back({p + "experts.down_proj", E * d(2048), d(768)});
+  }
+  s.push_back({"lm_head", d(151936), d(2048)});
   return s;
 }
 
@@ -266,7 +299,9 @@ int main(int argc, char** argv) {
     const std::optional<Device> dev = pick_device(args);
     if (!dev) return args.device == "auto" || args.device == "cpu" || args.device == "cuda" ? 1 : 2;
     const Device& d = *dev;
-    const std::vector<Shape> shapes = qwen3_4b_shapes(args.layers, args.scale);
+    const std::vector<Shape> shapes = args.model == "4b"
+                                          ? qwen3_4b_shapes(args.layers, args.scale)
+                                          : qwen3_30b_a3b_shapes(args.layers, args.scale);
     std::vector<at::Tensor> masters, grads;
     int64_t total = 0;
     {
@@ -281,9 +316,9 @@ int main(int argc, char** argv) {
     }
     d.sync();
     std::printf(
-        "[%s] bench_optim: %zu tensors, %.4g parameters (layers %lld, scale 1/%lld), fp16 "
+        "[%s] bench_optim: %s, %zu tensors, %.4g parameters (layers %lld, scale 1/%lld), fp16 "
         "masters, bf16 grads, %d timed steps after %d warm-up\n",
-        d.name.c_str(), shapes.size(), static_cast<double>(total),
+        d.name.c_str(), args.model.c_str(), shapes.size(), static_cast<double>(total),
         static_cast<long long>(args.layers), static_cast<long long>(args.scale), args.steps,
         args.warmup);
     const double copy_tbps = copy_bandwidth_tbps(d, total);
