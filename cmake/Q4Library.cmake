@@ -35,6 +35,7 @@ endfunction()
 # each link: LABELS (unit or e2e; the former label cpu reads as unit) on a suite's cases, cuda
 # added on its CUDA cases, and each SLOW case registered alone with label slow.
 set(Q4_TEST_SUITES_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/Q4TestSuites.cmake)
+set(Q4_TEST_COSTS ${PROJECT_SOURCE_DIR}/tests/ctest_costs.txt)
 function(q4_add_test name)
   cmake_parse_arguments(T "" "" "LABELS;SOURCES;LINK;SLOW" ${ARGN})
   add_executable(${name} ${T_SOURCES})
@@ -44,7 +45,9 @@ function(q4_add_test name)
     Q4_FIXTURES_DIR="${PROJECT_SOURCE_DIR}/tests/fixtures"
     Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     Q4_BIN_DIR="${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
-  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  # LINK_DEPENDS: a change of the costs relinks, which rewrites the ctest file.
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests
+    LINK_DEPENDS ${Q4_TEST_COSTS})
   list(TRANSFORM T_LABELS REPLACE "^cpu$" "unit")
   list(JOIN T_LABELS "," _labels)
   list(JOIN T_SLOW "," _slow)
@@ -52,7 +55,7 @@ function(q4_add_test name)
   add_custom_command(TARGET ${name} POST_BUILD
     COMMAND ${CMAKE_COMMAND} -D EXE=$<TARGET_FILE:${name}> -D OUT=${_tests}
       -D WORKDIR=${CMAKE_CURRENT_BINARY_DIR} -D LABELS=${_labels} -D SLOW=${_slow}
-      -P ${Q4_TEST_SUITES_SCRIPT}
+      -D COSTS=${Q4_TEST_COSTS} -P ${Q4_TEST_SUITES_SCRIPT}
     BYPRODUCTS ${_tests} VERBATIM)
   set(_include ${CMAKE_CURRENT_BINARY_DIR}/${name}_include.cmake)
   file(WRITE ${_include} "if(EXISTS \"${_tests}\")\n  include(\"${_tests}\")\nelse()\n"

@@ -7,7 +7,11 @@
 #   <Suite>.*/cuda     value-parameterised cases on the CUDA backend, labels LABELS + cuda (they
 #                      skip without a GPU); a suite whose name holds "Cuda" is all CUDA;
 #   <Suite>.<Case>     each case named in SLOW, alone, label slow (+ cuda for a CUDA case).
-# Inputs (-D): EXE, OUT (the ctest file written), WORKDIR, LABELS and SLOW (comma-separated).
+# Each test's COST is its time from COSTS (lines "<seconds> <ctest name>", tests/ctest_costs.txt;
+# 1 for a test not listed): ctest -j starts the longest tests first, so that no core waits at the
+# end for a long test that started last. (ctest's own record of the last run's times cannot serve:
+# CMake before 3.26 reads a name only up to its first space.)
+# Inputs (-D): EXE, OUT (the ctest file written), WORKDIR, LABELS, SLOW (comma-separated), COSTS.
 cmake_minimum_required(VERSION 3.22)
 execute_process(COMMAND "${EXE}" --gtest_list_tests OUTPUT_VARIABLE _out RESULT_VARIABLE _rc
   TIMEOUT 120)
@@ -32,11 +36,23 @@ endforeach()
 
 set(_script "")
 get_filename_component(_bin "${EXE}" NAME)
+if(COSTS)
+  file(STRINGS "${COSTS}" _cost_lines REGEX "^[0-9]+ ")
+endif()
 macro(_q4_add name filter labels skip)
   set(_n "${name} (${_bin})")
+  set(_cost 1)
+  foreach(_c IN LISTS _cost_lines)
+    string(FIND "${_c}" " " _sp)
+    math(EXPR _sp "${_sp} + 1")
+    string(SUBSTRING "${_c}" ${_sp} -1 _cname)
+    if(_cname STREQUAL _n)
+      string(REGEX MATCH "^[0-9]+" _cost "${_c}")
+    endif()
+  endforeach()
   string(APPEND _script "add_test([==[${_n}]==] \"${EXE}\" [==[--gtest_filter=${filter}]==])\n"
     "set_tests_properties([==[${_n}]==] PROPERTIES WORKING_DIRECTORY \"${WORKDIR}\" "
-    "LABELS \"${labels}\"")
+    "LABELS \"${labels}\" COST ${_cost}")
   if(${skip})
     string(APPEND _script " SKIP_REGULAR_EXPRESSION \"\\\\[  SKIPPED \\\\]\"")
   endif()
