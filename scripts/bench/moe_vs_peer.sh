@@ -8,7 +8,8 @@
 # fused AdamW) in its modes. Prints one line per run.
 #   scripts/bench/moe_vs_peer.sh [OUT_DIR]
 # Env: LAYERS (8), STEPS (12), PEER (../shared/bench/peer_hf_moe_step.py), PEER_MODES
-# ("plain ste"), SKIP_BUILD=1, SKIP_PEER=1, BUILD (build-gpu), EXTRA_SET (more --set for q4train).
+# ("plain ste"), SKIP_BUILD=1, SKIP_PEER=1, BUILD (build-gpu), EXTRA_SET (more --set for q4train),
+# PROFILE=1 (a Kineto trace of the first run and its kernel table, kernels.md).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
 out=$(mkdir -p "${1:-${OUT:-$root/runs/bench-moe}}" && cd "${1:-${OUT:-$root/runs/bench-moe}}" && pwd)
@@ -49,8 +50,10 @@ PY
 }
 rm -rf "$work/train"
 "$bin/q4train" "${common[@]}" --set "train.steps=$steps" --set "output.dir=$work/train" \
-  >"$out/train.log" 2>&1 || { tail -n 30 "$out/train.log"; exit 1; }
+  ${PROFILE:+--profile-trace "$work/trace.json"} >"$out/train.log" 2>&1 \
+  || { tail -n 30 "$out/train.log"; exit 1; }
 summary "$out/train.log" "accum 1" | tee "$out/summary.txt"
+[ -z "${PROFILE:-}" ] || python3 scripts/bench/kernel_table.py "$work/trace.json" 30 >"$out/kernels.md"
 rm -rf "$work/train8"
 "$bin/q4train" "${common[@]}" --set "train.steps=4" --set train.grad_accum=8 \
   --set "output.dir=$work/train8" >"$out/train8.log" 2>&1 || { tail -n 30 "$out/train8.log"; exit 1; }
