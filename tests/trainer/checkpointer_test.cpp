@@ -72,7 +72,7 @@ TEST(Checkpointer, SaveRestoreRoundTrip) {
   std::ostringstream out;
   FakeState saved(1);
   saved.step(2);
-  Checkpointer ck(plan, out);
+  Checkpointer ck(plan.checkpoint_plan(), out);
   ck.attach(saved.optimizer, saved.params, nullptr, saved.schedule);
   ck.save(3, /*tokens_seen=*/123);
   EXPECT_EQ(ck.last_step(), 3);
@@ -83,7 +83,7 @@ TEST(Checkpointer, SaveRestoreRoundTrip) {
 
   FakeState fresh(9);  // other masters: the checkpoint's come back
   RunPlan plan2 = resolve_plan(config_in(t.path), RunOptions{});
-  Checkpointer ck2(plan2, out);
+  Checkpointer ck2(plan2.checkpoint_plan(), out);
   ck2.attach(fresh.optimizer, fresh.params, nullptr, fresh.schedule);
   const auto r = ck2.restore(*latest, Checkpointer::RestoreFor::kResume);
   EXPECT_EQ(r.step, 3);
@@ -99,7 +99,7 @@ TEST(Checkpointer, RetentionKeepsTheNewest) {
   RunPlan plan = resolve_plan(config_in(t.path, /*keep=*/2), RunOptions{});
   std::ostringstream out;
   FakeState s(1);
-  Checkpointer ck(plan, out);
+  Checkpointer ck(plan.checkpoint_plan(), out);
   ck.attach(s.optimizer, s.params, nullptr, s.schedule);
   for (int64_t step = 1; step <= 4; ++step) ck.save(step, 0);
   const auto all = list_checkpoints(t.path.string());
@@ -118,7 +118,7 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   rank0.step(2);
   rank1.step(3);
   RunPlan plan = resolve_plan(config_in(t.path), RunOptions{});
-  Checkpointer writer(plan, out);
+  Checkpointer writer(plan.checkpoint_plan(), out);
   writer.attach(rank0.optimizer, rank0.params, nullptr, rank0.schedule);
   writer.save(5, 0);
   const fs::path dir = t.path / checkpoint_dir_name(5);
@@ -136,7 +136,7 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
 
   FakeState one(9);
   RunPlan resumed = resolve_plan(config_in(t.path), RunOptions{});
-  Checkpointer ck(resumed, out);
+  Checkpointer ck(resumed.checkpoint_plan(), out);
   ck.attach(one.optimizer, one.params, nullptr, one.schedule);
   int64_t told = 0;
   const auto r = ck.restore(resolve_resume_dir(dir.string()), Checkpointer::RestoreFor::kResume,
@@ -150,6 +150,12 @@ TEST(Checkpointer, ReshardsTwoRanksOntoOne) {
   EXPECT_TRUE(one.storage[0].master.equal(rank0.storage[0].master));
   EXPECT_TRUE(one.storage[1].master.equal(rank1.storage[1].master));
   EXPECT_NE(out.str().find("continues on 1 rank(s) with grad_accum 2"), std::string::npos);
+  // Its checkpoints from then on record the resume's grad_accum, not the plan slice's.
+  ck.save(6, 0);
+  const auto after =
+      nlohmann::json::parse(std::ifstream(t.path / checkpoint_dir_name(6) / kTrainStateFile));
+  EXPECT_EQ(after["grad_accum"], 2);
+  EXPECT_EQ(after["world_size"], 1);
 }
 
 TEST(Checkpointer, GradAccumForWorld) {
@@ -165,7 +171,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   std::ostringstream out;
   FakeState s(1);
   RunPlan plan = resolve_plan(config_in(t.path), RunOptions{});
-  Checkpointer ck(plan, out);
+  Checkpointer ck(plan.checkpoint_plan(), out);
   ck.attach(s.optimizer, s.params, nullptr, s.schedule);
   ck.save(2, 0);
   const auto saved = resolve_resume_dir((t.path / checkpoint_dir_name(2)).string());
@@ -173,7 +179,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   Config longer = config_in(t.path);
   longer.train.steps = 20;
   RunPlan plan2 = resolve_plan(longer, RunOptions{});
-  Checkpointer ck2(plan2, out);
+  Checkpointer ck2(plan2.checkpoint_plan(), out);
   try {
     ck2.check_schedule_unchanged(saved);
     ADD_FAILURE() << "expected a ConfigError";
@@ -183,7 +189,7 @@ TEST(Checkpointer, IncompleteShardsAndScheduleChanges) {
   RunOptions allow;
   allow.allow_schedule_change = true;
   RunPlan plan3 = resolve_plan(longer, allow);
-  EXPECT_NO_THROW(Checkpointer(plan3, out).check_schedule_unchanged(saved));
+  EXPECT_NO_THROW(Checkpointer(plan3.checkpoint_plan(), out).check_schedule_unchanged(saved));
 
   const fs::path dir = t.path / checkpoint_dir_name(2);
   fs::rename(dir / kOptimStateFile, dir / shard_file_name(0, 2));

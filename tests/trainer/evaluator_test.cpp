@@ -20,7 +20,7 @@ TEST(Evaluator, ValidationLossIsOnePassThroughTheObjective) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
   const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
-  Evaluator ev(plan, /*leader=*/true);
+  Evaluator ev(plan.eval_plan(), /*leader=*/true);
   const int64_t V = model.config().vocab_size;
   ev.attach(model, nullptr, ce, random_batcher(5, 12, V, 2));
   ASSERT_TRUE(ev.has_validation());
@@ -51,11 +51,11 @@ TEST(Evaluator, OnlyRankZeroEvaluates) {
   auto model = tiny_model();
   SupervisedCrossEntropy ce;
   const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
-  Evaluator ev(plan, /*leader=*/false);
+  Evaluator ev(plan.eval_plan(), /*leader=*/false);
   ev.attach(model, nullptr, ce, random_batcher(2, 8, model.config().vocab_size, 2));
   EXPECT_FALSE(ev.validation_loss(1).has_value());
   EXPECT_TRUE(ev.answer_prompts().empty());
-  Evaluator none(plan, /*leader=*/true);
+  Evaluator none(plan.eval_plan(), /*leader=*/true);
   none.attach(model, nullptr, ce, nullptr);
   EXPECT_FALSE(none.has_validation());
   EXPECT_FALSE(none.validation_loss(1).has_value());
@@ -63,7 +63,7 @@ TEST(Evaluator, OnlyRankZeroEvaluates) {
 
 TEST(Evaluator, BestValidation) {
   const RunPlan plan = resolve_plan(cpu_config("unused"), RunOptions{});
-  Evaluator ev(plan, true);
+  Evaluator ev(plan.eval_plan(), true);
   EXPECT_FALSE(ev.last_validation().has_value());
   ev.note_validation(2.0, 10);
   ev.note_validation(std::nan(""), 20);  // a non-finite loss is never the best

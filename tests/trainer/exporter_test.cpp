@@ -25,7 +25,7 @@ TEST(Exporter, OffWritesNothing) {
   const RunPlan plan = resolve_plan(c, RunOptions{});
   std::ostringstream out, err;
   auto model = tiny_model();
-  Exporter(plan, out, err).write(10, model, "unused.dat");
+  Exporter(plan.export_plan(), out, err).write(10, model, "unused.dat");
   EXPECT_TRUE(fs::is_empty(t.path));
   EXPECT_EQ(out.str(), "");
 }
@@ -44,7 +44,7 @@ TEST(Exporter, WritesChecksAndNeverGoesBack) {
   Config c = cpu_config(t.path.string());
   const RunPlan plan = resolve_plan(c, RunOptions{});
   std::ostringstream out, err;
-  Exporter exporter(plan, out, err);
+  Exporter exporter(plan.export_plan(), out, err);
   exporter.write(4, model, source);
   const std::string path = plan.export_path();
   EXPECT_TRUE(fs::exists(path));

@@ -43,8 +43,8 @@ TEST(RunLog, StepRecordsAndLines) {
   ComponentTempDir t;
   const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
   std::ostringstream out, err;
-  RunLog log(plan, out, err, /*leader=*/true);
-  Evaluator ev(plan, true);
+  RunLog log(plan.report_plan(), out, err, /*leader=*/true);
+  Evaluator ev(plan.eval_plan(), true);
   log.open(/*resume=*/false, /*start_step=*/0, ev);
   log.log_validation_at_start(Validation{2.5, 40, 1.0});
   log.start_steps(0);
@@ -98,8 +98,8 @@ TEST(RunLog, AnswersAndEndSummary) {
   ComponentTempDir t;
   const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
   std::ostringstream out, err;
-  RunLog log(plan, out, err, true);
-  Evaluator ev(plan, true);
+  RunLog log(plan.report_plan(), out, err, true);
+  Evaluator ev(plan.eval_plan(), true);
   log.open(false, 0, ev);
   EvalAnswer a;
   a.prompt = "two\nlines";

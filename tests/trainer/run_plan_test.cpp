@@ -10,6 +10,7 @@
 #include "component_fixtures.h"
 #include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4::trainer;
 using namespace q4::trainer::testing;
@@ -120,6 +121,38 @@ TEST(RunPlan, RecomputeResolvesButIsSavedAsConfigured) {
   EXPECT_EQ(tight_saved.train.recompute_keep_mlp, 0);
 }
 
+// The components' slices are made from the plan as resolved: the run length and warmup from the
+// data, a reshard's grad_accum, the paths and cadences as the plan gives them.
+TEST(RunPlan, SlicesFollowTheStages) {
+  Config c = cpu_config("runs/x", /*grad_accum=*/2);
+  c.train.epochs = 3;
+  c.train.max_grad_norm = 0.5;
+  c.optim.schedule.warmup_ratio = 0.1;
+  c.log.metrics = "m.jsonl";
+  c.eval.prompts = {"hi"};
+  std::string notes;
+  const RunPlan plan =
+      resolve_plan(c, RunOptions{}).with_length(/*micro_batches_per_epoch=*/10, 1, &notes);
+  const CheckpointPlan k = plan.checkpoint_plan();
+  EXPECT_EQ(k.steps, 15);
+  EXPECT_EQ(k.schedule.warmup_steps, 2);
+  EXPECT_EQ(k.grad_accum, 2);
+  EXPECT_EQ(plan.with_grad_accum(4).checkpoint_plan().grad_accum, 4);
+  EXPECT_EQ(plan.with_grad_accum(4).report_plan().grad_accum, 4);
+  const ReportPlan r = plan.report_plan();
+  EXPECT_EQ(r.steps, 15);
+  EXPECT_DOUBLE_EQ(r.epochs_configured, 3);
+  EXPECT_EQ(r.schedule.warmup_steps, 2);
+  EXPECT_EQ(r.metrics_path, "runs/x/m.jsonl");
+  EXPECT_EQ(r.export_path, "runs/x/model.dat");
+  const ExportPlan e = plan.export_plan();
+  EXPECT_EQ(e.steps, 15);
+  EXPECT_EQ(e.path, plan.export_path());
+  EXPECT_EQ(plan.eval_plan().prompts, std::vector<std::string>{"hi"});
+  EXPECT_TRUE(plan.loop_plan().has_prompts);
+  EXPECT_DOUBLE_EQ(plan.step().max_grad_norm, 0.5);
+}
+
 // A plan never changes: every stage is a const member making a new plan.
 static_assert(std::is_same_v<decltype(&RunPlan::with_length),
                              RunPlan (RunPlan::*)(int64_t, int64_t, std::string*) const>);
@@ -127,6 +160,11 @@ static_assert(std::is_same_v<decltype(&RunPlan::with_warmup_clipped),
                              RunPlan (RunPlan::*)(std::string*) const>);
 static_assert(
     std::is_same_v<decltype(&RunPlan::with_grad_accum), RunPlan (RunPlan::*)(int64_t) const>);
+// Set-up's loads are stages too: they take the plan so far and return the next one.
+static_assert(std::is_same_v<decltype(&RunSetup::load_model),
+                             RunPlan (RunSetup::*)(const RunPlan&, bool, bool)>);
+static_assert(
+    std::is_same_v<decltype(&RunSetup::load_data), RunPlan (RunSetup::*)(const RunPlan&, int64_t)>);
 
 // How the step updates, decided once: optim.in_backward auto is on CUDA with grad_accum 1 (or
 // masters on the host), one process (the probe runs alone); a reshard to grad_accum 2 decides

@@ -9,6 +9,7 @@
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/app/trainer.h"
 #include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/dry_run_stages.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/plan/setup.h"
 #include "q4/trainer/rundir/run_dir.h"
@@ -17,117 +18,6 @@
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
-
-namespace {
-
-// The data as the run reads it: the real tokenizer, every file, the validation split, the
-// truncation policy and the batcher's packing (which sizes an epoch); no weights. Returns the
-// plan with the run length resolved.
-RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ostream& out) {
-  const Config& c = plan.config();
-  const DataPlan& dp = plan.data();
-  const auto tok = as_input_error("model.tokenizer",
-                                  [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
-  if (tok.vocab_size() > mc.vocab_size) {
-    throw ConfigError(
-        fmt::format("model.tokenizer {} has {} tokens but model.config {} has vocab_size {}",
-                    c.model.tokenizer, tok.vocab_size(), c.model.config, mc.vocab_size));
-  }
-  std::vector<data::Example> examples;
-  for (const auto& f : c.data.files) {
-    for (auto& e : load_examples(c, dp.paired_records, f, tok, "data.files", "", out, out)) {
-      examples.push_back(std::move(e));
-    }
-  }
-  if (examples.empty()) throw ConfigError(no_examples_message(c));
-  auto val = hold_out(&examples, c.data.eval_fraction, c.train.seed, dp.group_size);
-  for (const auto& f : c.data.eval_files) {
-    for (auto& e :
-         load_examples(c, dp.paired_records, f, tok, "data.eval_files", "validation ", out, out)) {
-      val.push_back(std::move(e));
-    }
-  }
-  const auto options = batcher_options(c, tok.endoftext_id(), dp.packing, dp.group_size);
-  const data::Batcher batcher = as_input_error(truncation_keys(c, "data.files"), [&] {
-    return data::Batcher(std::move(examples), options);
-  });
-  const auto& ts = batcher.truncation_stats();
-  out << fmt::format("truncation to train.seq_len {} ({}): {}\n", c.train.seq_len,
-                     describe(c.data.truncation), ts.to_string());
-  const std::string warn = data::truncation_warning(ts, c.train.seq_len, c.data.truncation,
-                                                    "train.seq_len", "data.truncation");
-  if (!warn.empty()) out << "warning: " << warn << "\n";
-  if (!val.empty()) {
-    auto bo = options;
-    bo.shuffle = false;
-    const auto n = val.size();
-    const data::Batcher vb = as_input_error(truncation_keys(c, "data.eval_files"),
-                                            [&] { return data::Batcher(std::move(val), bo); });
-    out << fmt::format("validation: {} example{}, {} kept\n", n, n == 1 ? "" : "s",
-                       vb.num_examples());
-    report_truncation(c, vb.truncation_stats(), "validation ", out, out);
-  }
-  std::string notes;
-  const RunPlan resolved = plan.with_length(batcher.batches_per_epoch(), 1, &notes);
-  out << notes;
-  const int64_t steps = resolved.steps(), accum = resolved.grad_accum();
-  const int64_t bpe = batcher.batches_per_epoch();
-  out << fmt::format(
-      "data: {} examples in {} row{}{} and {} micro-batch{} per epoch; {} step{} of {} "
-      "micro-batch{} = {:.2f} epochs\n",
-      batcher.num_examples(), batcher.rows_per_epoch(), batcher.rows_per_epoch() == 1 ? "" : "s",
-      dp.packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es", steps, steps == 1 ? "" : "s", accum,
-      accum == 1 ? "" : "es", static_cast<double>(steps * accum) / static_cast<double>(bpe));
-  return resolved;
-}
-
-// The device memory the run plans with: guard.max_gpu_gb (0 here: the budget is the guard's),
-// or this machine's GPU's free memory; none without either (or on the CPU).
-std::optional<int64_t> planned_free_bytes(const Config& c) {
-  if (!device_is_cuda(c)) return std::nullopt;
-  if (c.guard.max_gpu_gb > 0) return 0;
-  try {
-    check_device_available(c);
-    const auto snap = memory_snapshot(at::Device(c.model.device));
-    return snap.device_total_bytes.value_or(0) - snap.device_used_bytes.value_or(0);
-  } catch (const ConfigError&) {
-  }
-  return std::nullopt;
-}
-
-// gradient_checkpointing auto: the choice the run would make here (with what fits instead when
-// even its least is over the budget): `recompute_note`, and the plan with it. Other settings:
-// whether the estimate fits, and what would when it does not (advise_placements): `fit_note`.
-RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool separate_lm_head,
-                    std::string* recompute_note, std::string* fit_note) {
-  const Config& c = plan.config();
-  const std::optional<int64_t> free_bytes = planned_free_bytes(c);
-  RunPlan resolved = plan;
-  if (plan.recompute().recompute_auto) {
-    if (free_bytes) {
-      resolved = plan.with_recompute(mc, separate_lm_head, *free_bytes, recompute_note);
-    } else {
-      *recompute_note =
-          "gradient checkpointing auto: decided at start from the GPU's free memory (no usable "
-          "GPU here); estimated below with every layer recomputed";
-    }
-  } else if (free_bytes) {
-    const PlacementAdvice a =
-        advise_placements(mc, c, separate_lm_head, *free_bytes, plan.objective_needs());
-    *fit_note = fmt::format("memory: estimate {:.1f} GiB {} {:.1f} GiB usable of {:.1f} GiB {}{}",
-                            to_gib(a.config_bytes), a.config_fits ? "within" : "OVER",
-                            to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
-                            a.budget.source, a.config_fits ? "" : "; " + a.summary());
-  }
-  if (device_is_cuda(c) && !free_bytes) {
-    *fit_note =
-        "memory: set guard.max_gpu_gb to the card's memory (GB) to see whether this fits and, "
-        "if not, which placements would";
-  }
-  return resolved;
-}
-
-}  // namespace
 
 int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   std::string note;

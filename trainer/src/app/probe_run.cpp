@@ -112,7 +112,7 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
               std::ostream& err) {
   check_device_available(config);
   RunPlan plan = resolve_plan(config, options, /*probe=*/true);
-  const Config& c = plan.config();
+  const ProbePlan pp = plan.probe_plan();
   const at::Device& device = plan.device();
   std::vector<ProbePhase> phases;
   const auto t_start = Clock::now();
@@ -135,26 +135,26 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     reset_peak_memory(device);
     t_prev = Clock::now();
   };
-  check_input_files(c, plan.objective_needs(), /*need_data=*/false);
-  for (const auto& f : c.data.files) require_file(f, "data.files");
+  plan.check_inputs(/*need_data=*/false);
+  for (const auto& f : pp.data_files) require_file(f, "data.files");
   const std::string path = options.probe_report.empty()
-                               ? (fs::path(c.output.dir) / kProbeFile).string()
+                               ? (fs::path(pp.output_dir) / kProbeFile).string()
                                : options.probe_report;
   check_probe_report_path(path, options.overwrite);  // before anything loads
   reset_peak_memory(device);
   mark("start");
-  RunSetup setup(plan, out, err);
-  setup.load_model(/*need_tokenizer=*/!c.data.files.empty());
+  RunSetup setup(out, err, /*probe=*/true);
+  plan = setup.load_model(plan, /*need_tokenizer=*/!pp.data_files.empty());
   mark("model_loaded");
   // The moments exist before the first forward, as in a training run from its second step on:
   // otherwise the backward's peak would miss them.
   GradSync sync(nullptr, setup.model(), setup.model().trainable_parameters());
   {
     NvtxRange r("optimizer_setup");
-    setup.make_optimizer(sync);
+    setup.make_optimizer(plan, sync);
   }
-  setup.load_data(1);
-  const auto objective = make_objective(c, setup.model(), setup.batcher(), nullptr,
+  plan = setup.load_data(plan, 1);
+  const auto objective = make_objective(plan.config(), setup.model(), setup.batcher(), nullptr,
                                         /*leader=*/false, out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
                  nullptr, plan.step().in_backward, setup.optimizer_index());
@@ -165,32 +165,20 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     steady = steady_state(step, *setup.batcher(), device, options.probe_steps, err);
     t_prev = Clock::now();
   }
-  probe_export(setup, c.model.quantize_lm_head);
+  probe_export(setup, pp.quantize_lm_head);
   mark("export_done");
 
-  const auto budget =
-      estimate_budget(setup.model_config(), c, setup.separate_lm_head(), plan.objective_needs());
-  nlohmann::json info = {{"config", c.source},
-                         {"tokens", first.real_tokens},
-                         {"slots", first.slots},
-                         {"batch_size", c.train.batch_size},
-                         {"seq_len", c.train.seq_len},
-                         {"grad_accum", c.train.grad_accum},
-                         {"master_dtype", to_string(c.model.master_dtype)},
-                         {"compute_dtype", to_string(resolved_compute_dtype(c))},
-                         {"gradient_checkpointing", to_string(c.train.gradient_checkpointing)},
-                         {"recompute_layers", c.train.recompute_layers},
-                         {"recompute_keep_attention", c.train.recompute_keep_attention},
-                         {"recompute_keep_mlp", c.train.recompute_keep_mlp},
-                         {"mlp_chunk_tokens", resolved_mlp_chunk_tokens(c)},
-                         {"optim_state", to_string(c.optim.state)},
-                         {"in_backward", step.in_backward()},
-                         {"data", c.data.files.empty() ? "synthetic" : "files"},
-                         {"loss", first.loss},
-                         {"grad_norm", first.res.grad_norm},
-                         {"step_applied", first.res.applied},
-                         {"trainable_elements", setup.model().num_trainable_elements()},
-                         {"steady", steady}};
+  const auto budget = plan.memory_estimate(setup.model_config(), setup.separate_lm_head());
+  // The settings as resolved (the recompute chosen at load), then what the probe measured.
+  nlohmann::json info = plan.probe_settings();
+  info["tokens"] = first.real_tokens;
+  info["slots"] = first.slots;
+  info["in_backward"] = step.in_backward();
+  info["loss"] = first.loss;
+  info["grad_norm"] = first.res.grad_norm;
+  info["step_applied"] = first.res.applied;
+  info["trainable_elements"] = setup.model().num_trainable_elements();
+  info["steady"] = steady;
   const auto report = probe_report_json(device_name(device), phases, budget.to_json(), info);
   if (!fs::path(path).parent_path().empty()) fs::create_directories(fs::path(path).parent_path());
   write_file_atomic(path, report.dump(2) + "\n");

@@ -19,6 +19,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -58,23 +59,21 @@ class Trainer {
  public:
   Trainer(const Config& c, const RunOptions& o, std::ostream& out, std::ostream& err)
       : plan_(resolve_plan(c, o)),
+        loop_(plan_.loop_plan()),
         out_(out),
         err_(err),
-        setup_(plan_, out, err),
-        checkpointer_(plan_, out),
-        evaluator_(plan_, o.world.rank == 0),
-        exporter_(plan_, out, err),
-        log_(plan_, out, err, o.world.rank == 0) {}
+        setup_(out, err),
+        evaluator_(plan_.eval_plan(), o.world.rank == 0) {}
 
   int run() {
     run_start_ = Clock::now();
-    check_device_available(cfg());  // before anything is written
+    plan_.check_device();  // before anything is written
     if (plan_.options().export_only) return export_only();
     // A run length from the data (train.epochs, warmup_ratio) is clipped once it is resolved.
     std::string note;
     plan_ = plan_.with_warmup_clipped(&note);
     if (!note.empty()) out_ << note << "\n";
-    if (const std::string w = ignored_settings_warning(cfg(), needs()); !w.empty()) {
+    if (const std::string w = plan_.ignored_settings_warning(); !w.empty()) {
       err_ << w << "\n";
     }
     install_stop_handlers();  // before set-up: a signal there ends the run cleanly, too
@@ -86,13 +85,15 @@ class Trainer {
       out_ << "signal " << stop_signal() << " during set-up: stopped before the first step\n";
       return kExitOk;
     }
-    if (leader()) log_.print_summary(setup_, evaluator_, ranks(), start_step_);
+    if (leader()) {
+      log_->print_summary(setup_, evaluator_,
+                          plan_.memory_estimate(setup_.model_config(), setup_.separate_lm_head()),
+                          ranks(), start_step_);
+    }
     return loop();
   }
 
  private:
-  const Config& cfg() const { return plan_.config(); }
-  const ObjectiveNeeds& needs() const { return plan_.objective_needs(); }
   bool leader() const { return !comm_ || comm_->rank() == 0; }
   int64_t ranks() const { return comm_ ? comm_->world_size() : plan_.options().world.world_size; }
 
@@ -109,18 +110,18 @@ class Trainer {
           "--export-only: output.export_path is none; set one (e.g. --set "
           "output.export_path=model.dat)");
     }
-    check_input_files(cfg(), needs(), /*need_data=*/false);
-    check_output_paths(cfg(), needs(), plan_.options().overwrite);
+    plan_.check_inputs(/*need_data=*/false);
+    plan_.check_outputs();
     // An older checkpoint never replaces a newer export, nor a file of unknown step.
     check_export_not_newer(plan_.export_path(), ck.step, plan_.options().overwrite,
-                           /*unknown_is_error=*/true, cfg().output.dir);
-    fs::create_directories(cfg().output.dir);
-    lock_ = std::make_unique<RunDirLock>(cfg().output.dir);
-    setup_.load_model(/*need_tokenizer=*/false);
+                           /*unknown_is_error=*/true, loop_.output_dir);
+    fs::create_directories(loop_.output_dir);
+    lock_ = std::make_unique<RunDirLock>(loop_.output_dir);
+    plan_ = setup_.load_model(plan_, /*need_tokenizer=*/false);
     build_components();
-    start_step_ = checkpointer_.restore(ck, Checkpointer::RestoreFor::kExportOnly).step;
+    start_step_ = checkpointer_->restore(ck, Checkpointer::RestoreFor::kExportOnly).step;
     setup_.model().refresh_codes();
-    exporter_.write(start_step_, setup_.model(), setup_.source_path());
+    exporter_->write(start_step_, setup_.model(), setup_.source_path());
     out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
                         format_duration(ms_since(run_start_) / 1000.0));
     return kExitOk;
@@ -132,32 +133,34 @@ class Trainer {
   // config there and would replace the user's.
   void check_fresh_output_dir() {
     std::error_code ec;
-    const fs::path saved = fs::path(cfg().output.dir) / kConfigFile;
-    if (fs::is_regular_file(cfg().source, ec) && fs::equivalent(cfg().source, saved, ec)) {
-      throw ConfigError("the config file " + cfg().source + " is " + saved.string() +
+    const std::string& dir = loop_.output_dir;
+    const std::string& source = loop_.config_source;
+    const fs::path saved = fs::path(dir) / kConfigFile;
+    if (fs::is_regular_file(source, ec) && fs::equivalent(source, saved, ec)) {
+      throw ConfigError("the config file " + source + " is " + saved.string() +
                         ", where a run writes its resolved config; move the config out of "
                         "output.dir (or choose another output.dir), or continue that run with "
                         "--resume " +
-                        cfg().output.dir);
+                        dir);
     }
-    const auto left = run_dir_leftovers(cfg(), needs());
+    const auto left = plan_.run_dir_leftovers();
     if (left.empty() || plan_.options().overwrite) return;
-    const bool ck = latest_checkpoint(cfg().output.dir).has_value();
-    throw ConfigError("output.dir " + cfg().output.dir + " is not empty (" + join_names(left, 4) +
-                      "); pass --overwrite to replace the previous run's files" +
-                      (ck ? ", --resume " + cfg().output.dir + " to continue its newest checkpoint"
-                          : std::string()) +
-                      ", or choose another output.dir");
+    const bool ck = latest_checkpoint(dir).has_value();
+    throw ConfigError(
+        "output.dir " + dir + " is not empty (" + join_names(left, 4) +
+        "); pass --overwrite to replace the previous run's files" +
+        (ck ? ", --resume " + dir + " to continue its newest checkpoint" : std::string()) +
+        ", or choose another output.dir");
   }
 
   // --overwrite: the previous run's files in output.dir go (checkpoints, config, metrics, eval
   // log, report, event files, init/import files, the export and its HF folder); the user's other
   // files, symbolic links (q4train never makes one: the user's) and this run's inputs stay.
   void remove_previous_run() {
-    const fs::path dir(cfg().output.dir);
+    const fs::path dir(loop_.output_dir);
     const std::string exp = plan_.export_path();
     std::set<std::string> owned;
-    if (!cfg().log.metrics.empty()) owned.insert(cfg().log.metrics);
+    if (!loop_.metrics.empty()) owned.insert(loop_.metrics);
     if (!exp.empty() && fs::absolute(exp).parent_path() == fs::absolute(dir)) {
       owned.insert(fs::path(exp).filename().string());
       owned.insert(fs::path(export_record_path(exp)).filename().string());
@@ -165,7 +168,7 @@ class Trainer {
       owned.insert(fs::path(adapter_dir(exp)).filename().string());
     }
     std::vector<std::string> removed, kept;
-    for (const auto& name : run_dir_leftovers(cfg(), needs())) {
+    for (const auto& name : plan_.run_dir_leftovers()) {
       if (!fs::is_symlink(dir / name) && (is_reserved_run_name(name) || owned.count(name))) {
         q4::io::remove_tree(dir / name);
         removed.push_back(name);
@@ -189,11 +192,13 @@ class Trainer {
       // by restore() with the checksums.
       // With train.epochs or a warmup_ratio the schedule is known only once the data is loaded:
       // setup_locked checks it then, before restoring anything.
-      if (!plan_.length_from_data()) checkpointer_.check_schedule_unchanged(*resume);
+      if (!plan_.length_from_data()) {
+        Checkpointer(plan_.checkpoint_plan(), out_).check_schedule_unchanged(*resume);
+      }
     }
-    check_input_files(cfg(), needs(), /*need_data=*/plan_.steps() > 0);
+    plan_.check_inputs(/*need_data=*/plan_.steps() > 0);
     // Every output, before anything is written.
-    check_output_paths(cfg(), needs(), plan_.options().overwrite);
+    plan_.check_outputs();
     // Every rank sees the directory before the rendezvous, so before rank 0 writes to it.
     if (!resume) check_fresh_output_dir();
     // The final export (step train.steps) never replaces a newer one, another run's, or (a fresh
@@ -202,12 +207,12 @@ class Trainer {
     {
       const std::string exp = plan_.export_path();
       check_export_not_newer(exp, plan_.steps(), plan_.options().overwrite,
-                             /*unknown_is_error=*/!resume || !path_inside(exp, cfg().output.dir),
-                             cfg().output.dir);
+                             /*unknown_is_error=*/!resume || !path_inside(exp, loop_.output_dir),
+                             loop_.output_dir);
     }
     // Every rank checked its inputs first.
     if (plan_.options().world.distributed()) connect_ranks();
-    const fs::path dir(cfg().output.dir);
+    const fs::path dir(loop_.output_dir);
     setup_dir_existed_ = fs::is_directory(dir, ec);
     if (setup_dir_existed_ && leader()) {
       for (const auto& e : fs::directory_iterator(dir)) {
@@ -217,7 +222,7 @@ class Trainer {
     // Rank 0 owns the run directory; the other ranks write only their optimizer shards.
     if (leader()) {
       fs::create_directories(dir);
-      lock_ = std::make_unique<RunDirLock>(cfg().output.dir);  // held until the run ends
+      lock_ = std::make_unique<RunDirLock>(loop_.output_dir);  // held until the run ends
     }
     try {
       setup_locked(resume);
@@ -235,7 +240,7 @@ class Trainer {
     if (!leader()) return;
     lock_.reset();
     std::error_code ec;
-    const fs::path dir(cfg().output.dir);
+    const fs::path dir(loop_.output_dir);
     std::vector<fs::path> created;
     for (const auto& e : fs::directory_iterator(dir, ec)) {
       if (!setup_dir_before_.count(e.path().filename().string())) created.push_back(e.path());
@@ -245,34 +250,39 @@ class Trainer {
   }
   void setup_locked(const std::optional<CheckpointDir>& resume) {
     if (leader()) {
-      for (const auto& p : clean_stale_files(cfg())) out_ << "removed stale " << p << "\n";
+      for (const auto& p : plan_.clean_stale_files()) out_ << "removed stale " << p << "\n";
       if (!resume && plan_.options().overwrite) remove_previous_run();
       // A fresh random-init run draws a fresh init; with model.init: file, init.dat may be the
       // user's weights and is never touched.
-      if (!resume && cfg().model.init == InitKind::kRandom) {
-        fs::remove(fs::path(cfg().output.dir) / kInitFile);
-      }
+      if (!resume && loop_.random_init) fs::remove(fs::path(loop_.output_dir) / kInitFile);
       // A resume writes its config once the checkpoint is restored: a refused resume (another
       // trainable set, schedule or world) leaves the run's config.yaml as it was.
-      if (!resume)
-        write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
-                          config_to_yaml(plan_.config_to_save()));
+      if (!resume) write_saved_config();
     }
     // A random init is written by rank 0 and then loaded by the others.
     if (!leader()) comm_->barrier();
-    setup_.load_model(/*need_tokenizer=*/true);
+    plan_ = setup_.load_model(plan_, /*need_tokenizer=*/true);
     if (comm_ && leader()) comm_->barrier();
-    if (plan_.steps() > 0) setup_.load_data(ranks());
+    if (plan_.steps() > 0) plan_ = setup_.load_data(plan_, ranks());
     build_components();
-    if (resume && plan_.length_from_data()) checkpointer_.check_schedule_unchanged(*resume);
+    if (resume && plan_.length_from_data()) checkpointer_->check_schedule_unchanged(*resume);
+    int64_t tokens_seen = 0;
     if (resume) {
-      restore(*resume);
-      if (leader()) {
-        write_file_atomic((fs::path(cfg().output.dir) / kConfigFile).string(),
-                          config_to_yaml(plan_.config_to_save()));
-      }
+      tokens_seen = restore(*resume);
+      if (leader()) write_saved_config();
     }
-    if (leader()) log_.open(resume.has_value(), start_step_, evaluator_);
+    // The plan is final here (the run length, the recompute, a resume's grad_accum).
+    log_.emplace(plan_.report_plan(), out_, err_, plan_.options().world.rank == 0, run_start_);
+    log_->set_flops(plan_.flops_per_token(setup_.model_config(), setup_.separate_lm_head()),
+                    device_peak_flops(device_name(plan_.device())));
+    log_->set_tokens_seen(tokens_seen);
+    if (leader()) log_->open(resume.has_value(), start_step_, evaluator_);
+  }
+
+  // The resolved config into <output.dir>/config.yaml (the run's record; a resume reads it).
+  void write_saved_config() const {
+    write_file_atomic((fs::path(loop_.output_dir) / kConfigFile).string(),
+                      config_to_yaml(plan_.config_to_save()));
   }
 
   // The optimizer over this rank's parameters (ZeRO-2 owners), the step, and what the
@@ -281,25 +291,26 @@ class Trainer {
     model::Qwen3Model& model = setup_.model();
     // Without data (--export-only, zero steps) nothing trains: no teacher to load.
     // Before restore(): the preference reference is the starting model.
-    objective_ = setup_.batcher() ? make_objective(cfg(), model, setup_.batcher(),
+    objective_ = setup_.batcher() ? make_objective(plan_.config(), model, setup_.batcher(),
                                                    setup_.validation_batcher(), leader(), out_)
                                   : std::make_unique<SupervisedCrossEntropy>();
     sync_ = std::make_unique<GradSync>(comm_.get(), model, model.trainable_parameters());
-    setup_.make_optimizer(*sync_);
+    setup_.make_optimizer(plan_, *sync_);
+    checkpointer_.emplace(plan_.checkpoint_plan(), out_);
+    exporter_.emplace(plan_.export_plan(), out_, err_);
     step_ = std::make_unique<TrainStep>(
         plan_, model, setup_.optimizer(), setup_.schedule(), *objective_, *sync_, comm_.get(),
         /*in_backward=*/plan_.step().in_backward, setup_.optimizer_index(),
-        [this] { return checkpointer_.time_due(); });
-    checkpointer_.attach(setup_.optimizer(), sync_->params(), setup_.batcher(), setup_.schedule(),
-                         comm_.get(), sync_.get());
+        [this] { return checkpointer_->time_due(); });
+    checkpointer_->attach(setup_.optimizer(), sync_->params(), setup_.batcher(), setup_.schedule(),
+                          comm_.get(), sync_.get());
     evaluator_.attach(model, setup_.tokenizer(), *objective_, setup_.take_validation_batcher());
-    log_.set_flops(train_flops_per_token(setup_.model_config(), cfg(), setup_.separate_lm_head()),
-                   device_peak_flops(device_name(plan_.device())));
   }
 
-  void restore(const CheckpointDir& ck) {
+  // Returns the tokens seen before the checkpoint.
+  int64_t restore(const CheckpointDir& ck) {
     const auto r =
-        checkpointer_.restore(ck, Checkpointer::RestoreFor::kResume, [this](int64_t accum) {
+        checkpointer_->restore(ck, Checkpointer::RestoreFor::kResume, [this](int64_t accum) {
           plan_ = plan_.with_grad_accum(accum);
           if (step_->in_backward() && !plan_.step().in_backward) {
             // auto's choice for the checkpoint's grad_accum is buffered updates.
@@ -310,20 +321,20 @@ class Trainer {
         });
     setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
     start_step_ = r.step;
-    log_.set_tokens_seen(r.tokens_seen);
+    return r.tokens_seen;
   }
 
   // The training loop (docs/design.md#trainer-components).
   int loop() {
     const int64_t total = plan_.steps();
-    if (start_step_ == 0 && cfg().eval.at_start && total > 0) validate_at_start();
-    if (cfg().eval.at_start && start_step_ == 0) evaluate(0, "start");
-    log_.start_steps(start_step_);
-    checkpointer_.start_clock();  // checkpoint_minutes count training time
+    if (start_step_ == 0 && loop_.eval_at_start && total > 0) validate_at_start();
+    if (loop_.eval_at_start && start_step_ == 0) evaluate(0, "start");
+    log_->start_steps(start_step_);
+    checkpointer_->start_clock();  // checkpoint_minutes count training time
     for (int64_t step = start_step_; step < total; ++step) {
       inject_fault(step + 1);
       const auto t0 = Clock::now();
-      log_.note_run_peak();  // the window before this step (load, eval, the previous step)
+      log_->note_run_peak();  // the window before this step (load, eval, the previous step)
       reset_peak_memory(plan_.device());
       StepRecord rec;
       rec.lr = setup_.schedule().lr_at(step);
@@ -333,15 +344,15 @@ class Trainer {
       rec.done = done;
       // The validation loss: every eval.every steps and after the last one.
       const bool val_due = evaluator_.has_validation() &&
-                           ((cfg().eval.every > 0 && done % cfg().eval.every == 0) || last);
-      rec.log_step = done % cfg().log.every == 0 || last || step == start_step_ || val_due;
+                           ((loop_.eval_every > 0 && done % loop_.eval_every == 0) || last);
+      rec.log_step = done % loop_.log_every == 0 || last || step == start_step_ || val_due;
       // Logging steps wait for the optimizer too (exact timing and memory there); other steps
       // return as soon as the loss is on the host, the optimizer kernels still running. Only the
       // compute stream is waited for: the master broadcasts on the communication stream overlap
       // the next step, whose time includes any wait for them.
       if (rec.log_step) synchronize_stream(plan_.device());
       rec.step_ms = ms_since(t0);
-      log_.add_tokens(so.real_tokens);
+      log_->add_tokens(so.real_tokens);
       check_nonfinite(so.res, done);
       rec.mem = memory_snapshot(plan_.device());
       if (val_due) {
@@ -352,13 +363,13 @@ class Trainer {
         const double stop = stop_requested() ? 1.0 : 0.0;
         so.stop = so.stop || (comm_ ? comm_->allreduce_sum(stop) : stop) > 0;
         if (!rec.val && leader() && stop > 0) {
-          log_.end_bar_line();
+          log_->end_bar_line();
           out_ << "validation after step " << done << " cut short by the stop signal\n";
         }
       }
       rec.batcher = setup_.batcher();
       rec.world = ranks();
-      log_.record_step(so, rec);
+      log_->record_step(so, rec);
       plan_.check_guard(fmt::format("at step {}", done));
       if (after_step(so, done, last)) return kExitOk;  // a stop signal
     }
@@ -393,34 +404,34 @@ class Trainer {
     err_ << fmt::format(
         "warning: step {} has non-finite gradients (norm {}); update skipped ({} in a row)\n", done,
         res.grad_norm, consecutive_nonfinite_);
-    if (consecutive_nonfinite_ > cfg().train.max_nonfinite_steps) {
+    if (consecutive_nonfinite_ > loop_.max_nonfinite_steps) {
       TORCH_CHECK(false, "training diverged: ", consecutive_nonfinite_,
                   " consecutive steps with non-finite gradients (train.max_nonfinite_steps = ",
-                  cfg().train.max_nonfinite_steps, ")");
+                  loop_.max_nonfinite_steps, ")");
     }
   }
 
   // The eval, export and checkpoint cadences after step `done`, then the stop-signal check.
   // Returns true when a stop signal ends the run here (checkpointed).
   bool after_step(const StepOutcome& so, int64_t done, bool last) {
-    const auto& o = cfg().output;
+    const LoopPlan& o = loop_;
     // Stopping: straight to the checkpoint, without the answers to eval.prompts.
-    if (cfg().eval.every > 0 && done % cfg().eval.every == 0 && !last && !so.stop) {
+    if (o.eval_every > 0 && done % o.eval_every == 0 && !last && !so.stop) {
       evaluate(done, "step");
     }
     if (o.export_every > 0 && done % o.export_every == 0 && !last) {
-      exporter_.write_periodic(done, setup_.model(), setup_.source_path());
+      exporter_->write_periodic(done, setup_.model(), setup_.source_path());
     }
     const bool step_due = o.checkpoint_every > 0 && done % o.checkpoint_every == 0;
     if (step_due || (so.checkpoint_due && !last)) save_checkpoint(done);
     if (!so.stop || last) return false;
-    log_.end_bar_line();
+    log_->end_bar_line();
     out_ << "signal " << (stop_requested() ? stop_signal() : SIGTERM) << ": stopping after step "
          << done << "\n";
-    if (checkpointer_.last_step() != done) save_checkpoint(done);
+    if (checkpointer_->last_step() != done) save_checkpoint(done);
     sync_->wait_masters();  // no broadcast outlives the run
-    log_.update_report(RunLog::ReportPage::kFinal);
-    log_.print_stopped(done);
+    log_->update_report(RunLog::ReportPage::kFinal);
+    log_->print_stopped(done);
     if (comm_) comm_->barrier();
     return true;
   }
@@ -430,19 +441,19 @@ class Trainer {
       out_ << fmt::format("validation loss at step 0: {:.4f} ({} {}, {:.1f} s){}\n", v->loss,
                           v->tokens, objective_->units_name(), v->ms / 1000.0,
                           v->values.empty() ? "" : "; " + v->values_line());
-      log_.log_validation_at_start(*v);
+      log_->log_validation_at_start(*v);
     }
   }
 
   void evaluate(int64_t step, const char* tag) {
-    if (cfg().eval.prompts.empty() || !leader()) return;
+    if (!loop_.has_prompts || !leader()) return;
     NvtxRange r("eval");
     const auto t0 = Clock::now();
     const auto answers = evaluator_.answer_prompts();
-    log_.log_answers(answers, step, tag, ms_since(t0));
+    log_->log_answers(answers, step, tag, ms_since(t0));
   }
 
-  void save_checkpoint(int64_t step) { checkpointer_.save(step, log_.tokens_seen()); }
+  void save_checkpoint(int64_t step) { checkpointer_->save(step, log_->tokens_seen()); }
 
   // After the last step: the final checkpoint before anything at the end that can fail (eval,
   // export, report), the end-of-run eval, the export, the report and the summary.
@@ -450,7 +461,7 @@ class Trainer {
     // The last step's broadcasts, before anything reads a master (the checkpoint and export wait
     // for them too; this also covers a run with neither).
     sync_->wait_masters();
-    if (total > start_step_) log_.end_bar_line();
+    if (total > start_step_) log_->end_bar_line();
     // A run shorter than train.max_nonfinite_steps whose every step was skipped trained nothing:
     // an error, not a finished run (its export would be the starting model).
     if (total > start_step_ && consecutive_nonfinite_ == total - start_step_) {
@@ -464,18 +475,18 @@ class Trainer {
                             v->values.empty() ? "" : "; " + v->values_line());
       }
     }
-    if (plan_.checkpoints_on() && checkpointer_.last_step() != total && total > start_step_) {
+    if (plan_.checkpoints_on() && checkpointer_->last_step() != total && total > start_step_) {
       save_checkpoint(total);
     }
     if (fault_at(FaultPlan::Kind::kEndEval, total)) {
       throw std::runtime_error("Q4_FAULT: the end-of-run eval fails (test fault)");
     }
-    if (cfg().eval.at_end) evaluate(total, "end");
+    if (loop_.eval_at_end) evaluate(total, "end");
     finish(total);
-    log_.note_run_peak();
-    log_.print_run_peak();
-    log_.update_report(RunLog::ReportPage::kFinal);  // after the last eval
-    if (leader()) log_.print_end_summary(total, evaluator_);
+    log_->note_run_peak();
+    log_->print_run_peak();
+    log_->update_report(RunLog::ReportPage::kFinal);  // after the last eval
+    if (leader()) log_->print_end_summary(total, evaluator_);
     if (comm_) comm_->barrier();  // no rank leaves while rank 0 still exports
     return kExitOk;
   }
@@ -485,27 +496,27 @@ class Trainer {
   // a failing eval.
   void finish(int64_t total) {
     const bool trained = total > start_step_;
-    if (plan_.checkpoints_on() && checkpointer_.last_step() != total && trained) {
+    if (plan_.checkpoints_on() && checkpointer_->last_step() != total && trained) {
       save_checkpoint(total);
     }
     // Rank 0 exports; every rank learns whether it failed (the checkpoint is a collective).
     std::exception_ptr failure;
     if (leader()) {
       try {
-        exporter_.write_periodic(total, setup_.model(), setup_.source_path());
+        exporter_->write_periodic(total, setup_.model(), setup_.source_path());
       } catch (...) {
         failure = std::current_exception();
       }
     }
     bool failed = failure != nullptr;
     if (comm_) failed = comm_->allreduce_sum(failed ? 1.0 : 0.0) > 0.0;
-    if (failed && checkpointer_.last_step() != total && trained) {
+    if (failed && checkpointer_->last_step() != total && trained) {
       err_ << "export failed; writing a checkpoint of step " << total << " first\n";
       save_checkpoint(total);
     }
     if (failure) std::rethrow_exception(failure);
     if (failed) throw std::runtime_error("the export on rank 0 failed (its output says why)");
-    log_.close();
+    log_->close();
   }
 
   // The test fault of kind `k` on this rank at `step` (runtime/fault.h).
@@ -530,7 +541,7 @@ class Trainer {
   // every rank before any collective).
   void connect_ranks() {
     const WorldInfo& w = plan_.options().world;
-    if (cfg().optim.in_backward == InBackward::kTrue) {
+    if (loop_.in_backward_forced) {
       throw ConfigError(
           "optim.in_backward: true does not apply with several ranks (each "
           "parameter is updated by its owner after the gradient reduction); use "
@@ -544,7 +555,10 @@ class Trainer {
         ms_since(t0) / 1000.0);
   }
 
+  // The run's plan: resolved in stages during set-up (the warmup against the run, the recompute,
+  // the run length, a resume's grad_accum), each a new value kept here; final once set-up ends.
   RunPlan plan_;
+  const LoopPlan loop_;  // the cadences and the run directory (no stage changes them)
   std::ostream& out_;
   std::ostream& err_;
   std::unique_ptr<DistComm> comm_;  // data parallel (null with one process)
@@ -552,10 +566,12 @@ class Trainer {
   std::unique_ptr<Objective> objective_;
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<TrainStep> step_;
-  Checkpointer checkpointer_;
+  // Made once the plan stages they depend on are done: the checkpointer and exporter with the
+  // run length (build_components), the run log once the plan is final (setup_locked).
+  std::optional<Checkpointer> checkpointer_;
   Evaluator evaluator_;
-  Exporter exporter_;
-  RunLog log_;
+  std::optional<Exporter> exporter_;
+  std::optional<RunLog> log_;
   const FaultPlan fault_ = installed_fault_plan();  // read once, at construction
   std::unique_ptr<RunDirLock> lock_;                // output.dir, for the whole run
   Clock::time_point run_start_ = Clock::now();

@@ -250,9 +250,9 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
       "signal kills)\n");
   install_stop_handlers();
   RunPlan plan = resolve_plan(cfg, RunOptions{});
-  RunSetup setup(plan, out, err);
-  setup.load_model(/*need_tokenizer=*/true, /*load_weights=*/false);
-  setup.load_data(1);
+  RunSetup setup(out, err);
+  plan = setup.load_model(plan, /*need_tokenizer=*/true, /*load_weights=*/false);
+  plan = setup.load_data(plan, 1);
   const auto& examples = setup.batcher()->examples();
   const int64_t V = setup.model_config().vocab_size;
   const int64_t K = cfg.distill.topk;

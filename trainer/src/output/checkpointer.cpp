@@ -25,6 +25,15 @@
 namespace fs = std::filesystem;
 
 namespace q4::trainer {
+namespace {
+
+// The adapters' definition as a checkpoint records it (check_lora_unchanged compares it).
+nlohmann::json lora_json(const LoraConfig& l) {
+  return {
+      {"rank", l.rank}, {"alpha", l.alpha}, {"targets", l.targets}, {"merge_aware", l.merge_aware}};
+}
+
+}  // namespace
 
 std::string shard_file_name(int rank, int world) {
   return fmt::format("optim-{:05d}-of-{:05d}.state", rank, world);
@@ -75,7 +84,8 @@ std::optional<int64_t> grad_accum_for_world(int64_t ck_world, int64_t ck_accum, 
       ck_world * ck_accum));
 }
 
-Checkpointer::Checkpointer(const RunPlan& plan, std::ostream& out) : plan_(plan), out_(out) {}
+Checkpointer::Checkpointer(CheckpointPlan plan, std::ostream& out)
+    : plan_(std::move(plan)), grad_accum_(plan_.grad_accum), out_(out) {}
 
 void Checkpointer::attach(optim::PackedAdamW& optimizer,
                           const std::vector<model::Parameter*>& params, data::Batcher* batcher,
@@ -91,7 +101,7 @@ void Checkpointer::attach(optim::PackedAdamW& optimizer,
 bool Checkpointer::leader() const { return !comm_ || comm_->rank() == 0; }
 
 bool Checkpointer::time_due() const {
-  const double minutes = plan_.config().output.checkpoint_minutes;
+  const double minutes = plan_.checkpoint_minutes;
   if (minutes <= 0 || !leader()) return false;
   const auto ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - last_time_);
@@ -99,7 +109,7 @@ bool Checkpointer::time_due() const {
 }
 
 void Checkpointer::save(int64_t step, int64_t tokens_seen) {
-  const fs::path dir = fs::path(plan_.config().output.dir) / checkpoint_dir_name(step);
+  const fs::path dir = fs::path(plan_.output_dir) / checkpoint_dir_name(step);
   try {
     write(step, tokens_seen, dir.string());
   } catch (...) {
@@ -117,7 +127,6 @@ void Checkpointer::write(int64_t step, int64_t tokens_seen, const std::string& d
   // The optimizer's masters bypass the model's accessors (and their master fence): every
   // broadcast in flight is waited for here, so a checkpoint sees one settled state.
   if (sync_) sync_->wait_masters();
-  const Config& c = plan_.config();
   const fs::path dir(dir_name);
   if (leader()) {
     q4::io::remove_tree(dir);
@@ -154,26 +163,21 @@ void Checkpointer::write(int64_t step, int64_t tokens_seen, const std::string& d
   if (std::isfinite(optimizer_->previous_grad_norm())) {
     st["previous_grad_norm"] = optimizer_->previous_grad_norm();
   }
-  st["seed"] = c.train.seed;
+  st["seed"] = plan_.seed;
   // The trained set: a resume that trains other tensors is refused (check_trainable_unchanged).
   st["trainable"] = nlohmann::json::array();
   for (const auto* p : *params_) st["trainable"].push_back(p->name);
   // The adapters' definition: a resume that changes it is refused (check_lora_unchanged).
-  if (c.train.method == TrainMethod::kLora) {
-    st["lora"] = {{"rank", c.lora.rank},
-                  {"alpha", c.lora.alpha},
-                  {"targets", c.lora.targets},
-                  {"merge_aware", c.lora.merge_aware}};
-  }
+  if (plan_.lora) st["lora"] = lora_json(plan_.lora_config);
   st["world_size"] = comm_ ? comm_->world_size() : 1;
-  st["batch_size"] = c.train.batch_size;
-  st["grad_accum"] = plan_.grad_accum();
-  st["schedule"] = {{"kind", to_string(c.optim.schedule.kind)},
-                    {"peak_lr", c.optim.lr},
-                    {"warmup_steps", c.optim.schedule.warmup_steps},
-                    {"total_steps", plan_.steps()},
-                    {"min_lr_ratio", c.optim.schedule.min_lr_ratio},
-                    {"next_lr", step < plan_.steps() ? schedule_->lr_at(step) : 0.0}};
+  st["batch_size"] = plan_.batch_size;
+  st["grad_accum"] = grad_accum_;
+  st["schedule"] = {{"kind", to_string(plan_.schedule.kind)},
+                    {"peak_lr", plan_.lr},
+                    {"warmup_steps", plan_.schedule.warmup_steps},
+                    {"total_steps", plan_.steps},
+                    {"min_lr_ratio", plan_.schedule.min_lr_ratio},
+                    {"next_lr", step < plan_.steps ? schedule_->lr_at(step) : 0.0}};
   if (batcher_) st["batcher"] = nlohmann::json::parse(batcher_->state().to_json());
   write_file_atomic((dir / kTrainStateFile).string(), st.dump(2) + "\n");
   files.push_back(kRngFile);
@@ -182,7 +186,7 @@ void Checkpointer::write(int64_t step, int64_t tokens_seen, const std::string& d
   mark_checkpoint_done(dir.string(), step);
   last_step_ = step;
   last_time_ = std::chrono::steady_clock::now();
-  const auto removed = rotate_checkpoints(c.output.dir, c.output.keep);
+  const auto removed = rotate_checkpoints(plan_.output_dir, plan_.keep);
   out_ << "checkpoint " << dir.string() << (removed.empty() ? "" : " (rotated ")
        << (removed.empty() ? "" : std::to_string(removed.size()) + " old)") << "\n";
 }
@@ -199,7 +203,6 @@ void Checkpointer::check_schedule_unchanged(const CheckpointDir& ck) const {
 
 void Checkpointer::check_schedule(const CheckpointDir& ck, const nlohmann::json& state) const {
   if (!state.contains("schedule") || !state["schedule"].is_object()) return;
-  const Config& c = plan_.config();
   const auto& s = state["schedule"];
   std::vector<std::string> changed;
   auto number = [&](const char* saved, const char* key, const nlohmann::json& now) {
@@ -207,19 +210,19 @@ void Checkpointer::check_schedule(const CheckpointDir& ck, const nlohmann::json&
       changed.push_back(fmt::format("{} {} -> {}", key, s[saved].dump(), now.dump()));
     }
   };
-  const std::string kind = to_string(c.optim.schedule.kind);
+  const std::string kind = to_string(plan_.schedule.kind);
   if (s.contains("kind") && s["kind"].is_string() && s["kind"] != kind) {
     changed.push_back(
         fmt::format("optim.schedule.kind {} -> {}", s["kind"].get<std::string>(), kind));
   }
-  number("peak_lr", "optim.lr", c.optim.lr);
-  number("warmup_steps", "optim.schedule.warmup_steps", c.optim.schedule.warmup_steps);
-  number("total_steps", "train.steps", plan_.steps());
-  number("min_lr_ratio", "optim.schedule.min_lr_ratio", c.optim.schedule.min_lr_ratio);
+  number("peak_lr", "optim.lr", plan_.lr);
+  number("warmup_steps", "optim.schedule.warmup_steps", plan_.schedule.warmup_steps);
+  number("total_steps", "train.steps", plan_.steps);
+  number("min_lr_ratio", "optim.schedule.min_lr_ratio", plan_.schedule.min_lr_ratio);
   if (changed.empty()) return;
   std::string list;
   for (const auto& x : changed) list += (list.empty() ? "" : ", ") + x;
-  if (plan_.options().allow_schedule_change) {
+  if (plan_.allow_schedule_change) {
     out_ << "note: the LR schedule changed since " << ck.path << " (" << list
          << "); continuing with the new one (--allow-schedule-change)\n";
     return;
@@ -268,12 +271,8 @@ void Checkpointer::check_trainable_unchanged(const CheckpointDir& ck,
 void Checkpointer::check_lora_unchanged(const CheckpointDir& ck,
                                         const nlohmann::json& state) const {
   if (!state.contains("lora") || !state["lora"].is_object()) return;
-  const Config& c = plan_.config();
   const auto& saved = state["lora"];
-  const nlohmann::json now = {{"rank", c.lora.rank},
-                              {"alpha", c.lora.alpha},
-                              {"targets", c.lora.targets},
-                              {"merge_aware", c.lora.merge_aware}};
+  const nlohmann::json now = lora_json(plan_.lora_config);
   for (const auto& [key, value] : now.items()) {
     if (!saved.contains(key) || saved[key] == value) continue;
     throw ConfigError(fmt::format(
@@ -304,26 +303,26 @@ Checkpointer::Restored Checkpointer::restore(
   }
   Restored r;
   r.step = state.at("step").get<int64_t>();
-  if (!export_only && r.step > plan_.steps()) {
+  if (!export_only && r.step > plan_.steps) {
     throw ConfigError(fmt::format("--resume {}: checkpoint step {} is past train.steps {}", ck.path,
-                                  r.step, plan_.steps()));
+                                  r.step, plan_.steps));
   }
   check_lora_unchanged(ck, state);
   check_trainable_unchanged(ck, state);
   if (!export_only) {
     try {
-      const Config& c = plan_.config();
       const int64_t world = comm_ ? comm_->world_size() : 1;
       const int64_t ck_world = state.value("world_size", int64_t{1});
-      const int64_t ck_accum = state.value("grad_accum", plan_.grad_accum());
-      const int64_t ck_batch = state.value("batch_size", c.train.batch_size);
+      const int64_t ck_accum = state.value("grad_accum", grad_accum_);
+      const int64_t ck_batch = state.value("batch_size", plan_.batch_size);
       const auto accum =
-          grad_accum_for_world(ck_world, ck_accum, ck_batch, world, c.train.batch_size, ck.path);
-      if (accum && *accum != plan_.grad_accum()) {
+          grad_accum_for_world(ck_world, ck_accum, ck_batch, world, plan_.batch_size, ck.path);
+      if (accum && *accum != grad_accum_) {
         out_ << fmt::format(
             "resume: checkpoint of {} rank(s) x grad_accum {} continues on {} "
             "rank(s) with grad_accum {} (same global batch of {} sequences)\n",
             ck_world, ck_accum, world, *accum, ck_world * ck_accum * ck_batch);
+        grad_accum_ = *accum;
         if (on_grad_accum_change) on_grad_accum_change(*accum);
       }
     } catch (const nlohmann::json::exception& e) {

@@ -11,27 +11,29 @@
 
 #include "q4/data/chat.h"
 #include "q4/model/sampling.h"
-#include "q4/trainer/runtime/nvtx.h"
 #include "q4/trainer/plan/options.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/nvtx.h"
 #include "q4/trainer/runtime/signals.h"
 
 namespace q4::trainer {
 
 std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::Tokenizer& tok,
-                                         const Config& c) {
+                                         const EvalPlan& plan) {
   // Greedy, every prompt in one batch (docs/model.md#generation).
   model::SamplingParams gen;
   gen.temperature = 0;
-  gen.max_new_tokens = c.eval.max_new_tokens;
+  gen.max_new_tokens = plan.max_new_tokens;
   gen.stop_ids = {tok.im_end_id(), tok.endoftext_id()};
   std::vector<std::vector<int64_t>> prompts;
-  for (const auto& prompt : c.eval.prompts) {
+  for (const auto& prompt : plan.prompts) {
     std::vector<data::Message> msgs;
-    if (!c.data.system_prompt.empty()) msgs.push_back({"system", c.data.system_prompt});
+    if (!plan.system_prompt.empty()) msgs.push_back({"system", plan.system_prompt});
     msgs.push_back({"user", prompt});
     const auto ids =
-        data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true, chat_options(c)).input_ids;
+        data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true,
+                            chat_options(plan.chat_template, plan.enable_thinking, plan.tokenizer))
+            .input_ids;
     prompts.emplace_back(ids.begin(), ids.end());
   }
   std::vector<EvalAnswer> out;
@@ -40,7 +42,7 @@ std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::T
   const std::vector<model::GenerationResult> results = model::generate(model, prompts, gen);
   for (size_t i = 0; i < prompts.size(); ++i) {
     EvalAnswer a;
-    a.prompt = c.eval.prompts[i];
+    a.prompt = plan.prompts[i];
     a.tokens = results[i].tokens;
     // The embedding may be larger than the tokenizer (151936 vs 151669 ids): an untrained model
     // can emit ids without text, shown as <id:N>.
@@ -75,7 +77,7 @@ std::string Validation::values_line() const {
   return s;
 }
 
-Evaluator::Evaluator(const RunPlan& plan, bool leader) : plan_(plan), leader_(leader) {}
+Evaluator::Evaluator(EvalPlan plan, bool leader) : plan_(std::move(plan)), leader_(leader) {}
 
 void Evaluator::attach(model::Qwen3Model& model, const data::Tokenizer* tok, Objective& objective,
                        std::unique_ptr<data::Batcher> validation) {
@@ -101,14 +103,15 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
     const data::Batch b = val_batcher_->next();
     TORCH_INTERNAL_ASSERT(b.epoch == 0, "validation: batches ran past one pass");
     MicroBatch mb;
-    mb.inputs = to_inputs(b, *model_, plan_.device());
+    mb.inputs = to_inputs(b, *model_, plan_.device);
     mb.batch = &b;
     const ObjectiveOutput o = objective_->evaluate(*model_, mb);
     const at::Tensor s = o.loss_sum.to(at::kDouble);
     sum = sum.defined() ? sum + s : s;
     for (const auto& [name, value] : o.logged) {
       const at::Tensor x = value.detach().to(at::kDouble);
-      auto it = std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == name; });
+      auto it =
+          std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == name; });
       if (it == sums.end()) {
         sums.emplace_back(name, x);
       } else {
@@ -137,8 +140,8 @@ void Evaluator::note_validation(double loss, int64_t step) {
 }
 
 std::vector<EvalAnswer> Evaluator::answer_prompts() {
-  if (plan_.config().eval.prompts.empty() || !leader_) return {};
-  return generate_answers(*model_, *tok_, plan_.config());
+  if (plan_.prompts.empty() || !leader_) return {};
+  return generate_answers(*model_, *tok_, plan_);
 }
 
 }  // namespace q4::trainer

@@ -14,21 +14,21 @@
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/rundir/export_check.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/metrics.h"
 #include "q4/trainer/runtime/nvtx.h"
-#include "q4/trainer/rundir/run_dir.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace q4::trainer {
 
-Exporter::Exporter(const RunPlan& plan, std::ostream& out, std::ostream& err)
-    : plan_(plan), out_(out), err_(err) {}
+Exporter::Exporter(ExportPlan plan, std::ostream& out, std::ostream& err)
+    : plan_(std::move(plan)), out_(out), err_(err) {}
 
 void Exporter::write_periodic(int64_t step, model::Qwen3Model& model,
                               const std::string& source_path) {
-  if (step == plan_.steps()) return write(step, model, source_path);
+  if (step == plan_.steps) return write(step, model, source_path);
   try {
     write(step, model, source_path);
   } catch (const std::exception& e) {
@@ -39,25 +39,23 @@ void Exporter::write_periodic(int64_t step, model::Qwen3Model& model,
 }
 
 void Exporter::write(int64_t step, model::Qwen3Model& model, const std::string& source_path) {
-  const Config& c = plan_.config();
-  const std::string path = plan_.export_path();
+  const std::string& path = plan_.path;
   if (path.empty()) return;
   // Never over a newer export (a periodic export of a resumed older checkpoint, say).
-  check_export_not_newer(path, step, plan_.options().overwrite, /*unknown_is_error=*/false,
-                         c.output.dir);
+  check_export_not_newer(path, step, plan_.overwrite, /*unknown_is_error=*/false, plan_.output_dir);
   NvtxRange r("export");
   const auto t0 = Clock::now();
   {
     model::DatReader source(source_path);
-    model.export_to(source, path, c.output.export_dense);
+    model.export_to(source, path, plan_.export_dense);
   }
-  record_export_step(path, step, c.output.dir);
+  record_export_step(path, step, plan_.output_dir);
   out_ << fmt::format("export step {} -> {} ({:.1f} s)\n", step, path, ms_since(t0) / 1000.0);
-  if (c.train.method == TrainMethod::kLora) write_adapter(path, model, source_path);
+  if (plan_.lora) write_adapter(path, model, source_path);
   write_hf_folder(path);
-  if (!c.output.verify_export) return;
+  if (!plan_.verify_export) return;
   check(path, model);
-  plan_.check_guard("after the export check");
+  plan_.guard.check("after the export check");
 }
 
 // Reads the export back as inference would load it and compares, tensor by tensor, the weights
@@ -89,17 +87,16 @@ void Exporter::check(const std::string& path, model::Qwen3Model& model) {
 // adapters how much their merge changed in requantization.
 void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& model,
                              const std::string& source_path) {
-  const Config& c = plan_.config();
   const std::string dir = adapter_dir(dat_path);
   // The base: model.dir, else model.weights, else the random init's .dat the run started from.
-  std::string base = c.model.dir.empty() ? c.model.weights : c.model.dir;
+  std::string base = plan_.model_dir.empty() ? plan_.model_weights : plan_.model_dir;
   if (base.empty()) base = source_path;
   model.export_adapter(dir, base);
   int64_t full = 0;  // trained beside the adapters: in the folder as modules_to_save
   for (const auto& p : model.parameters()) full += p.trainable ? 1 : 0;
   out_ << fmt::format("adapter (PEFT) -> {} ({} LoRA pairs, {} full tensors as modules_to_save)\n",
                       dir, model.adapters().size() / 2, full);
-  if (c.lora.merge_aware) {
+  if (plan_.lora_merge_aware) {
     out_ << fmt::format(
         "merge-aware LoRA: the merged export is the trained model; the adapter on its base "
         "(peft, or --adapter) computes W + B·A·alpha/rank unrounded, {:.1f}% of the adapters' "
@@ -116,18 +113,17 @@ void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& mod
 
 // output.hf_export: the exported .dat also as a Hugging Face folder next to it.
 void Exporter::write_hf_folder(const std::string& dat_path) {
-  const Config& c = plan_.config();
-  if (c.output.hf_export == HfExport::kNone) return;
+  if (plan_.hf_export == HfExport::kNone) return;
   const auto t0 = Clock::now();
   const std::string dir = hf_export_dir(dat_path);
   model::HfExportOptions o;
-  o.format = to_model(c.output.hf_export);
-  o.tokenizer_dir = fs::path(c.model.tokenizer).parent_path().string();
-  std::ifstream in(c.model.config);
+  o.format = to_model(plan_.hf_export);
+  o.tokenizer_dir = fs::path(plan_.tokenizer).parent_path().string();
+  std::ifstream in(plan_.model_config);
   const auto config = nlohmann::json::parse(in);
   const auto rep = model::export_hf(model::DatReader(dat_path), config, dir, o);
   out_ << fmt::format("hf export ({}) -> {} ({} shard(s), {:.1f} s); serve with: vllm serve {}\n",
-                      to_string(c.output.hf_export), dir, rep.shards.size(), ms_since(t0) / 1000.0,
+                      to_string(plan_.hf_export), dir, rep.shards.size(), ms_since(t0) / 1000.0,
                       dir);
 }
 

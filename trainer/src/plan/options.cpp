@@ -139,12 +139,14 @@ optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps) {
 }
 
 data::ChatOptions chat_options(const Config& c) {
+  return chat_options(c.data.chat_template, c.data.enable_thinking, c.model.tokenizer);
+}
+
+data::ChatOptions chat_options(data::ChatTemplate chat_template, AutoBool enable_thinking,
+                               const std::string& tokenizer) {
   data::ChatOptions o;
-  o.chat_template =
-      data::resolve_chat_template(c.data.chat_template, data::tokenizer_folder(c.model.tokenizer));
-  if (c.data.enable_thinking != AutoBool::kAuto) {
-    o.enable_thinking = c.data.enable_thinking == AutoBool::kTrue;
-  }
+  o.chat_template = data::resolve_chat_template(chat_template, data::tokenizer_folder(tokenizer));
+  if (enable_thinking != AutoBool::kAuto) o.enable_thinking = enable_thinking == AutoBool::kTrue;
   return o;
 }
 

@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/setup.h"
 #include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
 
@@ -38,6 +40,7 @@ void RunPlan::decide() {
   const bool cuda = device_.is_cuda();
   step_.grad_accum = c.train.grad_accum;
   step_.world = std::max<int64_t>(options_.world.world_size, 1);
+  step_.max_grad_norm = c.train.max_grad_norm;
   // Several processes apply their updates after the gradient sync (the probe runs alone).
   step_.in_backward = in_backward_updates(c) && (probe_ || !options_.world.distributed());
   step_.host_accumulation = (probe_ || !options_.world.distributed()) && c.train.grad_accum > 1 &&
@@ -135,18 +138,172 @@ std::string RunPlan::describe() const {
   return s;
 }
 
-void RunPlan::check_guard(const std::string& where) const {
-  if (!(config_.guard.max_gpu_gb > 0) || !device_.is_cuda()) return;
-  const auto m = memory_snapshot(device_);
-  const double limit = config_.guard.max_gpu_gb * 1e9;
+LoopPlan RunPlan::loop_plan() const {
+  const Config& c = config_;
+  LoopPlan l;
+  l.output_dir = c.output.dir;
+  l.config_source = c.source;
+  l.metrics = c.log.metrics;
+  l.random_init = c.model.init == InitKind::kRandom;
+  l.log_every = c.log.every;
+  l.eval_every = c.eval.every;
+  l.eval_at_start = c.eval.at_start;
+  l.eval_at_end = c.eval.at_end;
+  l.has_prompts = !c.eval.prompts.empty();
+  l.max_nonfinite_steps = c.train.max_nonfinite_steps;
+  l.export_every = c.output.export_every;
+  l.checkpoint_every = c.output.checkpoint_every;
+  l.in_backward_forced = c.optim.in_backward == InBackward::kTrue;
+  return l;
+}
+
+ProbePlan RunPlan::probe_plan() const {
+  return ProbePlan{config_.data.files, config_.output.dir, config_.model.quantize_lm_head};
+}
+
+nlohmann::json RunPlan::probe_settings() const {
+  const Config& c = config_;
+  return {{"config", c.source},
+          {"batch_size", c.train.batch_size},
+          {"seq_len", c.train.seq_len},
+          {"grad_accum", c.train.grad_accum},
+          {"master_dtype", to_string(c.model.master_dtype)},
+          {"compute_dtype", to_string(resolved_compute_dtype(c))},
+          {"gradient_checkpointing", to_string(c.train.gradient_checkpointing)},
+          {"recompute_layers", c.train.recompute_layers},
+          {"recompute_keep_attention", c.train.recompute_keep_attention},
+          {"recompute_keep_mlp", c.train.recompute_keep_mlp},
+          {"mlp_chunk_tokens", resolved_mlp_chunk_tokens(c)},
+          {"optim_state", to_string(c.optim.state)},
+          {"data", c.data.files.empty() ? "synthetic" : "files"}};
+}
+
+void RunPlan::check_device() const { check_device_available(config_); }
+
+std::string RunPlan::ignored_settings_warning() const {
+  return trainer::ignored_settings_warning(config_, needs_);
+}
+
+void RunPlan::check_inputs(bool need_data) const { check_input_files(config_, needs_, need_data); }
+
+void RunPlan::check_outputs() const { check_output_paths(config_, needs_, options_.overwrite); }
+
+std::vector<std::string> RunPlan::run_dir_leftovers() const {
+  return trainer::run_dir_leftovers(config_, needs_);
+}
+
+std::vector<std::string> RunPlan::clean_stale_files() const {
+  return trainer::clean_stale_files(config_);
+}
+
+MemoryBudget RunPlan::memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const {
+  return estimate_budget(mc, config_, separate_lm_head, needs_);
+}
+
+double RunPlan::flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const {
+  return train_flops_per_token(mc, config_, separate_lm_head);
+}
+
+void MemoryGuard::check(const std::string& where) const {
+  if (!(max_gpu_gb > 0) || !device.is_cuda()) return;
+  const auto m = memory_snapshot(device);
+  const double limit = max_gpu_gb * 1e9;
   auto over = [&](const std::optional<int64_t>& v) { return v && static_cast<double>(*v) > limit; };
   if (over(m.reserved_bytes) || over(m.device_used_bytes)) {
     throw GuardStop(fmt::format(
         "guard: GPU memory passed guard.max_gpu_gb = {:.2f} GB {} (allocator reserved {:.2f} GB, "
         "device used {:.2f} GB); stopped without export",
-        config_.guard.max_gpu_gb, where, to_gb(m.reserved_bytes.value_or(0)),
+        max_gpu_gb, where, to_gb(m.reserved_bytes.value_or(0)),
         to_gb(m.device_used_bytes.value_or(0))));
   }
+}
+
+MemoryGuard RunPlan::guard() const { return MemoryGuard{config_.guard.max_gpu_gb, device_}; }
+
+EvalPlan RunPlan::eval_plan() const {
+  const Config& c = config_;
+  EvalPlan e;
+  e.device = device_;
+  e.prompts = c.eval.prompts;
+  e.max_new_tokens = c.eval.max_new_tokens;
+  e.system_prompt = c.data.system_prompt;
+  e.chat_template = c.data.chat_template;
+  e.enable_thinking = c.data.enable_thinking;
+  e.tokenizer = c.model.tokenizer;
+  return e;
+}
+
+ExportPlan RunPlan::export_plan() const {
+  const Config& c = config_;
+  ExportPlan e;
+  e.path = export_path();
+  e.output_dir = c.output.dir;
+  e.steps = steps_;
+  e.overwrite = options_.overwrite;
+  e.export_dense = c.output.export_dense;
+  e.verify_export = c.output.verify_export;
+  e.hf_export = c.output.hf_export;
+  e.lora = c.train.method == TrainMethod::kLora;
+  e.lora_merge_aware = c.lora.merge_aware;
+  e.model_dir = c.model.dir;
+  e.model_weights = c.model.weights;
+  e.model_config = c.model.config;
+  e.tokenizer = c.model.tokenizer;
+  e.guard = guard();
+  return e;
+}
+
+CheckpointPlan RunPlan::checkpoint_plan() const {
+  const Config& c = config_;
+  CheckpointPlan k;
+  k.output_dir = c.output.dir;
+  k.keep = c.output.keep;
+  k.checkpoint_minutes = c.output.checkpoint_minutes;
+  k.seed = c.train.seed;
+  k.lora = c.train.method == TrainMethod::kLora;
+  k.lora_config = c.lora;
+  k.batch_size = c.train.batch_size;
+  k.grad_accum = step_.grad_accum;
+  k.steps = steps_;
+  k.lr = c.optim.lr;
+  k.schedule = c.optim.schedule;
+  k.allow_schedule_change = options_.allow_schedule_change;
+  return k;
+}
+
+ReportPlan RunPlan::report_plan() const {
+  const Config& c = config_;
+  ReportPlan r;
+  r.device = device_;
+  r.progress = c.log.progress;
+  r.output_dir = c.output.dir;
+  r.metrics = c.log.metrics;
+  r.metrics_path = metrics_path();
+  r.export_path = export_path();
+  r.tensorboard = c.log.tensorboard;
+  r.report = c.log.report;
+  r.hf_export = c.output.hf_export;
+  r.export_dense = c.output.export_dense;
+  r.model_config = c.model.config;
+  r.tokenizer = c.model.tokenizer;
+  r.init = c.model.init;
+  r.init_seed = c.model.init_seed;
+  r.weights = c.model.weights;
+  r.device_name = c.model.device;
+  r.master_dtype = c.model.master_dtype;
+  r.compute_dtype = resolved_compute_dtype(c);
+  r.fake_quant = c.model.fake_quant;
+  r.data_files = static_cast<int64_t>(c.data.files.size());
+  r.steps = steps_;
+  r.epochs_configured = epochs_;
+  r.grad_accum = step_.grad_accum;
+  r.batch_size = c.train.batch_size;
+  r.seq_len = c.train.seq_len;
+  r.packing = data_.packing;
+  r.lr = c.optim.lr;
+  r.schedule = c.optim.schedule;
+  r.eval_every = c.eval.every;
+  return r;
 }
 
 void check_device_available(const Config& c) {

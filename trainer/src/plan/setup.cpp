@@ -410,13 +410,13 @@ std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const Froz
   return m;
 }
 
-RunSetup::RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err)
-    : plan_(plan), out_(out), err_(err), log_(plan.probe() ? err : out) {}
+RunSetup::RunSetup(std::ostream& out, std::ostream& err, bool probe)
+    : out_(out), err_(err), log_(probe ? err : out) {}
 
 RunSetup::~RunSetup() = default;
 
-void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
-  const Config& c = plan_.config();
+RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load_weights_too) {
+  const Config& c = plan.config();
   const auto t0 = Clock::now();
   mc_ = load_model_config(c);
   if (need_tokenizer) {
@@ -428,20 +428,20 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
                       c.model.tokenizer, tok_->vocab_size(), c.model.config, mc_.vocab_size));
     }
   }
-  if (!load_weights_too) return;
+  if (!load_weights_too) return plan;
   // gradient_checkpointing auto plans with the memory that is free before the model loads; with
   // recompute set by hand, an estimate over it is said before the load, with what would fit.
-  const bool auto_recompute = plan_.recompute().recompute_auto;
+  const bool auto_recompute = plan.recompute().recompute_auto;
   int64_t free_before = 0;
-  if (plan_.device().is_cuda()) {
-    const auto snap = memory_snapshot(plan_.device());
+  if (plan.device().is_cuda()) {
+    const auto snap = memory_snapshot(plan.device());
     free_before = snap.device_total_bytes.value_or(0) - snap.device_used_bytes.value_or(0);
   }
-  if (plan_.device().is_cuda() && !auto_recompute) {
+  if (plan.device().is_cuda() && !auto_recompute) {
     // The shipped layout (a separate lm_head) for a file, as --dry-run assumes.
     const bool separate = c.model.init == InitKind::kFile || !mc_.tie_word_embeddings;
     const PlacementAdvice a =
-        advise_placements(mc_, c, separate, free_before, plan_.objective_needs());
+        advise_placements(mc_, c, separate, free_before, plan.objective_needs());
     if (!a.config_fits) {
       err_ << fmt::format(
           "warning: memory estimate {:.1f} GiB is over the {:.1f} GiB usable of {:.1f} GiB {}: "
@@ -452,16 +452,17 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
   }
   {
     NvtxRange r("load");
-    auto lm = load_weights(c, mc_, out_, /*in_memory=*/plan_.probe());
+    auto lm = load_weights(c, mc_, out_, /*in_memory=*/plan.probe());
     model_ = std::move(lm.model);
     source_path_ = lm.source_path;
   }
   separate_lm_head_ = !model_->tied();
+  std::string line;
+  const RunPlan resolved =
+      auto_recompute ? plan.with_recompute(mc_, separate_lm_head_, free_before, &line) : plan;
   if (auto_recompute) {
-    std::string line;
-    plan_ = plan_.with_recompute(mc_, separate_lm_head_, free_before, &line);
     log_ << line << "\n";
-    const auto o = model_options(plan_.config(), plan_.recompute());
+    const auto o = model_options(resolved.config(), resolved.recompute());
     model_->set_recompute(o.gradient_checkpointing, o.recompute_layers, o.offload_layer_inputs,
                           o.recompute_keep_attention, o.recompute_keep_mlp);
     model_->set_cache_adapted_weights(o.cache_adapted_weights);
@@ -471,15 +472,16 @@ void RunSetup::load_model(bool need_tokenizer, bool load_weights_too) {
       "tensors, loaded in {:.1f} s\n",
       mc_.num_hidden_layers, mc_.hidden_size, mc_.vocab_size, model_->num_trainable_elements(),
       model_->trainable_parameters().size(), ms_since(t0) / 1000.0);
-  if (const auto lora = lora_summary(mc_, plan_.config(), separate_lm_head_); !lora.empty()) {
+  if (const auto lora = lora_summary(mc_, resolved.config(), separate_lm_head_); !lora.empty()) {
     log_ << lora << "\n";
   }
-  plan_.check_guard("after loading the model");
+  resolved.check_guard("after loading the model");
+  return resolved;
 }
 
-void RunSetup::load_data(int64_t ranks) {
-  const Config& c = plan_.config();
-  const bool probe = plan_.probe();
+RunPlan RunSetup::load_data(const RunPlan& plan, int64_t ranks) {
+  const Config& c = plan.config();
+  const bool probe = plan.probe();
   std::vector<data::Example> examples;
   int64_t pad_id = 0;
   if (c.data.files.empty() && probe) {
@@ -488,37 +490,38 @@ void RunSetup::load_data(int64_t ranks) {
   } else {
     for (const auto& f : c.data.files) {
       for (auto& e :
-           load_examples(c, plan_.data().paired_records, f, *tok_, "data.files", "", log_, err_)) {
+           load_examples(c, plan.data().paired_records, f, *tok_, "data.files", "", log_, err_)) {
         examples.push_back(std::move(e));
       }
     }
     if (examples.empty()) throw ConfigError(no_examples_message(c));
     pad_id = tok_->endoftext_id();
-    if (!probe) load_validation(&examples, pad_id);
+    if (!probe) load_validation(plan, &examples, pad_id);
   }
   batcher_ = as_input_error(truncation_keys(c, "data.files"), [&] {
     return std::make_unique<data::Batcher>(
         std::move(examples),
-        batcher_options(c, pad_id, plan_.data().packing, plan_.data().group_size));
+        batcher_options(c, pad_id, plan.data().packing, plan.data().group_size));
   });
   report_truncation(c, batcher_->truncation_stats(), "", log_, err_);
-  if (!probe) {
-    std::string notes;
-    plan_ = plan_.with_length(batcher_->batches_per_epoch(), ranks, &notes);
-    out_ << notes;
-  }
+  if (probe) return plan;
+  std::string notes;
+  RunPlan resolved = plan.with_length(batcher_->batches_per_epoch(), ranks, &notes);
+  out_ << notes;
+  return resolved;
 }
 
 // Held-out examples for the validation loss: data.eval_fraction of the training examples
 // (never trained on) and every example of data.eval_files, batched like training without
 // shuffling.
-void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id) {
-  const Config& c = plan_.config();
-  const int64_t group = plan_.data().group_size;
+void RunSetup::load_validation(const RunPlan& plan, std::vector<data::Example>* train,
+                               int64_t pad_id) {
+  const Config& c = plan.config();
+  const int64_t group = plan.data().group_size;
   auto val = hold_out(train, c.data.eval_fraction, c.train.seed, group);
   const auto held = static_cast<int64_t>(val.size());
   for (const auto& f : c.data.eval_files) {
-    for (auto& e : load_examples(c, plan_.data().paired_records, f, *tok_, "data.eval_files",
+    for (auto& e : load_examples(c, plan.data().paired_records, f, *tok_, "data.eval_files",
                                  "validation ", out_, err_)) {
       val.push_back(std::move(e));
     }
@@ -530,7 +533,7 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
     }
     return;
   }
-  auto bo = batcher_options(c, pad_id, plan_.data().packing, plan_.data().group_size);
+  auto bo = batcher_options(c, pad_id, plan.data().packing, plan.data().group_size);
   bo.shuffle = false;
   const auto total = static_cast<int64_t>(val.size());
   val_batcher_ = as_input_error(truncation_keys(c, "data.eval_files"), [&] {
@@ -546,12 +549,11 @@ void RunSetup::load_validation(std::vector<data::Example>* train, int64_t pad_id
   report_truncation(c, val_batcher_->truncation_stats(), "validation ", out_, err_);
 }
 
-void RunSetup::make_optimizer(GradSync& sync) {
-  optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan_.config()));
+void RunSetup::make_optimizer(const RunPlan& plan, GradSync& sync) {
+  optimizer_ = std::make_unique<optim::PackedAdamW>(adamw_options(plan.config()));
   optimizer_index_ = sync.add_owned_params(*optimizer_);
   out_ << sync.ownership_summary(optimizer_->num_params());
-  schedule_ =
-      std::make_unique<optim::LrSchedule>(lr_schedule_options(plan_.config(), plan_.steps()));
+  schedule_ = std::make_unique<optim::LrSchedule>(lr_schedule_options(plan.config(), plan.steps()));
 }
 
 }  // namespace q4::trainer

@@ -45,9 +45,10 @@ std::string tool_command(const std::string& name) {
   return rel.has_parent_path() ? rel.string() : "./" + rel.string();
 }
 
-RunLog::RunLog(const RunPlan& plan, std::ostream& out, std::ostream& err, bool leader)
-    : plan_(plan), out_(out), err_(err), leader_(leader) {
-  const auto progress = plan.config().log.progress;
+RunLog::RunLog(ReportPlan plan, std::ostream& out, std::ostream& err, bool leader,
+               Clock::time_point run_start)
+    : plan_(std::move(plan)), out_(out), err_(err), leader_(leader), run_start_(run_start) {
+  const auto progress = plan_.progress;
   bar_ = progress == ProgressStyle::kBar ||
          (progress == ProgressStyle::kAuto && ::isatty(STDERR_FILENO) && ::isatty(1));
 }
@@ -55,8 +56,7 @@ RunLog::RunLog(const RunPlan& plan, std::ostream& out, std::ostream& err, bool l
 RunLog::~RunLog() = default;
 
 void RunLog::open(bool resume, int64_t start_step, Evaluator& evaluator) {
-  const Config& c = plan_.config();
-  const std::string metrics_path = plan_.metrics_path();
+  const std::string& metrics_path = plan_.metrics_path;
   if (!metrics_path.empty()) {
     metrics_.open(metrics_path, start_step);
     // A resumed run's best validation loss so far, from the kept records.
@@ -73,8 +73,8 @@ void RunLog::open(bool resume, int64_t start_step, Evaluator& evaluator) {
     }
   }
   has_validation_ = evaluator.has_validation();
-  eval_log_.open((fs::path(c.output.dir) / kEvalFile).string(), start_step);
-  if (c.log.tensorboard) tb_.open(c.output.dir);  // TensorBoard scalars and eval text
+  eval_log_.open((fs::path(plan_.output_dir) / kEvalFile).string(), start_step);
+  if (plan_.tensorboard) tb_.open(plan_.output_dir);  // TensorBoard scalars and eval text
 }
 
 void RunLog::set_flops(double flops_per_token, std::optional<double> peak_flops) {
@@ -82,15 +82,15 @@ void RunLog::set_flops(double flops_per_token, std::optional<double> peak_flops)
   peak_flops_ = peak_flops;
 }
 
-std::string plain_export_note(const Config& c, const model::Qwen3Model& model) {
+std::string plain_export_note(const std::string& path, bool export_dense,
+                              const model::Qwen3Model& model) {
   // Qwen3Model::export_to: a trained linear that came as an NVFP4 pair goes back as one (the
   // quantization of its master) unless output.export_dense; dense ones stay dense.
   int64_t pairs = 0;
   for (const auto& p : model.parameters()) pairs += p.trainable && p.quantized;
-  const std::string path = resolved_export_path(c);
   if (path.empty()) return "none (output.export_path: none)";
   if (pairs == 0) return path + ": dense, as the trained linears came";
-  if (c.output.export_dense) {
+  if (export_dense) {
     return fmt::format(
         "{}: dense, the trained masters of the {} NVFP4 linears as fp16 "
         "(output.export_dense: true)",
@@ -102,27 +102,25 @@ std::string plain_export_note(const Config& c, const model::Qwen3Model& model) {
       path, pairs);
 }
 
-void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t ranks,
-                           int64_t start_step) {
-  const Config& c = plan_.config();
+void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, const MemoryBudget& budget,
+                           int64_t ranks, int64_t start_step) {
+  const ReportPlan& c = plan_;
   const auto& mc = setup.model_config();
   auto* model = &setup.model();
   const auto* batcher = setup.batcher();
-  const auto budget = estimate_budget(mc, c, setup.separate_lm_head(), plan_.objective_needs());
-  std::string model_src = c.model.init == InitKind::kRandom
-                              ? fmt::format("random init (seed {})", c.model.init_seed)
-                              : c.model.weights;
+  std::string model_src =
+      c.init == InitKind::kRandom ? fmt::format("random init (seed {})", c.init_seed) : c.weights;
   const auto trainable = static_cast<double>(model->num_trainable_elements());
   out_ << fmt::format(
       "run summary:\n  model      Qwen3, {} layers, hidden {}, vocab {}; {}; {}, masters {}, "
       "compute {}\n  trainable  {} parameters in {} tensors{}\n",
-      mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, model_src, c.model.device,
-      to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)),
+      mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, model_src, c.device_name,
+      to_string(c.master_dtype), to_string(c.compute_dtype),
       trainable >= 1e9   ? fmt::format("{:.2f}B", trainable / 1e9)
       : trainable >= 1e6 ? fmt::format("{:.2f}M", trainable / 1e6)
                          : fmt::format("{:.0f}", trainable),
       model->trainable_parameters().size(),
-      c.model.fake_quant ? "" : "; plain precision (model.fake_quant: false, no NVFP4 quantizer)");
+      c.fake_quant ? "" : "; plain precision (model.fake_quant: false, no NVFP4 quantizer)");
   if (batcher) {
     int64_t tokens = 0, supervised = 0;
     for (const auto& e : batcher->examples()) {
@@ -130,8 +128,8 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
       for (auto l : e.labels) supervised += l != data::kIgnoreIndex;
     }
     out_ << fmt::format("  data       {} examples, {} tokens ({} supervised) from {} file{}",
-                        batcher->num_examples(), tokens, supervised, c.data.files.size(),
-                        c.data.files.size() == 1 ? "" : "s");
+                        batcher->num_examples(), tokens, supervised, c.data_files,
+                        c.data_files == 1 ? "" : "s");
     out_ << (evaluator.has_validation()
                  ? fmt::format("; validation {} example{}", evaluator.validation_examples(),
                                evaluator.validation_examples() == 1 ? "" : "s")
@@ -141,15 +139,15 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
   // A step is grad_accum x ranks micro-batches of up to batch_size rows each; a row is one
   // example, or (packing) several. A micro-batch never crosses an epoch's end, so with less
   // data than batch_size rows every micro-batch is a whole epoch, short of rows.
-  const int64_t per_step = c.train.grad_accum * ranks;
+  const int64_t per_step = c.grad_accum * ranks;
   out_ << fmt::format(
       "  steps      {}{}{}, each {} micro-batch{} ({} accumulated x {} rank{}) of up to {} "
       "rows x {} tokens\n",
-      plan_.steps(), start_step > 0 ? fmt::format(" (resuming at {})", start_step) : std::string(),
-      plan_.epochs_configured() > 0 ? fmt::format(" (train.epochs {})", plan_.epochs_configured())
-                                    : std::string(),
-      per_step, per_step == 1 ? "" : "es", c.train.grad_accum, ranks, ranks == 1 ? "" : "s",
-      c.train.batch_size, c.train.seq_len);
+      c.steps, start_step > 0 ? fmt::format(" (resuming at {})", start_step) : std::string(),
+      c.epochs_configured > 0 ? fmt::format(" (train.epochs {})", c.epochs_configured)
+                              : std::string(),
+      per_step, per_step == 1 ? "" : "es", c.grad_accum, ranks, ranks == 1 ? "" : "s", c.batch_size,
+      c.seq_len);
   if (batcher) {
     const auto bpe = batcher->batches_per_epoch();
     const auto rows = batcher->rows_per_epoch();
@@ -158,27 +156,27 @@ void RunLog::print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t 
         "  epoch      {} example{} in {} row{}{} and {} micro-batch{}: {:.2f} steps per epoch, "
         "about {:.1f} examples ({:.1f} rows) per step\n",
         examples, examples == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
-        plan_.data().packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
+        c.packing ? " (packed)" : "", bpe, bpe == 1 ? "" : "es",
         static_cast<double>(bpe) / static_cast<double>(per_step),
         static_cast<double>(examples) * static_cast<double>(per_step) / static_cast<double>(bpe),
         static_cast<double>(rows) * static_cast<double>(per_step) / static_cast<double>(bpe));
-    if (rows < c.train.batch_size) {
+    if (rows < c.batch_size) {
       out_ << fmt::format(
           "  note       train.batch_size {} is larger than the data: one epoch is {} row{}, so "
           "every micro-batch is a whole epoch of {} row{}, not {}\n",
-          c.train.batch_size, rows, rows == 1 ? "" : "s", rows, rows == 1 ? "" : "s",
-          c.train.batch_size);
+          c.batch_size, rows, rows == 1 ? "" : "s", rows, rows == 1 ? "" : "s", c.batch_size);
     }
   }
-  out_ << fmt::format("  lr         {} ({}, warmup {})\n", c.optim.lr,
-                      to_string(c.optim.schedule.kind), c.optim.schedule.warmup_steps);
-  out_ << fmt::format("  output     {} (full resolved config in {})\n", c.output.dir, kConfigFile);
-  if (!c.model.fake_quant) out_ << "  export     " << plain_export_note(c, *model) << "\n";
-  out_ << fmt::format(
-      "  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
-      to_gib(budget.total_bytes()),
-      plan_.device().is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch",
-      budget.peak_phase_name());
+  out_ << fmt::format("  lr         {} ({}, warmup {})\n", c.lr, to_string(c.schedule.kind),
+                      c.schedule.warmup_steps);
+  out_ << fmt::format("  output     {} (full resolved config in {})\n", c.output_dir, kConfigFile);
+  if (!c.fake_quant) {
+    out_ << "  export     " << plain_export_note(c.export_path, c.export_dense, *model) << "\n";
+  }
+  out_ << fmt::format("  memory     about {:.2f} GiB estimated ({}; peak phase: {})\n",
+                      to_gib(budget.total_bytes()),
+                      c.device.is_cuda() ? "device, one micro-batch" : "tensors, one micro-batch",
+                      budget.peak_phase_name());
   out_ << "  time       estimated after the first steps\n" << std::flush;
 }
 void RunLog::start_steps(int64_t start_step) {
@@ -195,7 +193,7 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
   const bool log_step = r.log_step;
   const std::optional<Validation>& val = r.val;
   const data::Batcher* batcher = r.batcher;
-  const int64_t total = plan_.steps();
+  const int64_t total = plan_.steps;
   const bool last = done == total;
   session_ms_ += step_ms;
   if (session_steps_ == 0) first_step_ms_ = step_ms;
@@ -287,11 +285,10 @@ void RunLog::print_time_estimate(int64_t done, int64_t total) {
   const double per_ms =
       session_steps_ > 1 ? (session_ms_ - first_step_ms_) / (session_steps_ - 1) : session_ms_;
   if (bar_) err_ << "\r\033[K";
-  out_ << fmt::format(
-      "time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
-      format_duration(per_ms * static_cast<double>(total - done) / 1000.0), total - done,
-      per_ms / 1000.0,
-      plan_.config().eval.every > 0 || has_validation_ ? ", evaluations not included" : "");
+  out_ << fmt::format("time: about {} for the remaining {} steps ({:.2f} s/step{})\n",
+                      format_duration(per_ms * static_cast<double>(total - done) / 1000.0),
+                      total - done, per_ms / 1000.0,
+                      plan_.eval_every > 0 || has_validation_ ? ", evaluations not included" : "");
 }
 
 void RunLog::log_validation_at_start(const Validation& v) {
@@ -336,9 +333,8 @@ void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, c
 }
 
 void RunLog::update_report(ReportPage page, double min_interval_s) {
-  const Config& c = plan_.config();
-  if (!c.log.report || !leader_) return;
-  if (!report_) report_ = std::make_unique<ReportWriter>(c.output.dir, c.log.metrics);
+  if (!plan_.report || !leader_) return;
+  if (!report_) report_ = std::make_unique<ReportWriter>(plan_.output_dir, plan_.metrics);
   report_->write(page == ReportPage::kLive, min_interval_s);
 }
 
@@ -347,7 +343,7 @@ void RunLog::end_bar_line() {
 }
 
 void RunLog::note_run_peak() {
-  const auto m = memory_snapshot(plan_.device());
+  const auto m = memory_snapshot(plan_.device);
   if (m.peak_allocated_bytes) run_peak_bytes_ = std::max(run_peak_bytes_, *m.peak_allocated_bytes);
 }
 
@@ -366,19 +362,19 @@ void RunLog::close() {
 
 void RunLog::print_stopped(int64_t done) {
   if (!leader_) return;
-  const Config& c = plan_.config();
   const std::string q4train = tool_command("q4train");
-  const std::string ck = (fs::path(c.output.dir) / checkpoint_dir_name(done)).string();
+  const std::string& dir = plan_.output_dir;
+  const std::string ck = (fs::path(dir) / checkpoint_dir_name(done)).string();
   out_ << fmt::format(
               "stopped at step {} of {} (checkpoint {}); resume with: {} --resume {}   "
               "(or export this step: {} --resume {} --export-only --set "
               "output.export_path={})\n",
-              done, plan_.steps(), ck, q4train, c.output.dir, q4train, ck, step_export_name(done))
+              done, plan_.steps, ck, q4train, dir, q4train, ck, step_export_name(done))
        << std::flush;
 }
 
 void RunLog::print_end_summary(int64_t total, const Evaluator& evaluator) {
-  const Config& c = plan_.config();
+  const ReportPlan& c = plan_;
   out_ << fmt::format("done: {} steps in {}, {} tokens", total,
                       format_duration(ms_since(run_start_) / 1000.0), tokens_seen_);
   if (last_loss_) {
@@ -390,46 +386,46 @@ void RunLog::print_end_summary(int64_t total, const Evaluator& evaluator) {
                         evaluator.best_validation(), evaluator.best_validation_step());
   }
   out_ << "\n";
-  const fs::path dir(c.output.dir);
-  const std::string exp = plan_.export_path();
+  const fs::path dir(c.output_dir);
+  const std::string& exp = c.export_path;
   std::vector<std::pair<std::string, std::string>> files;
   auto add = [&](const char* what, const std::string& path) {
     std::error_code ec;
     if (!path.empty() && fs::exists(path, ec)) files.emplace_back(what, path);
   };
   add("export", exp);
-  if (c.output.hf_export != HfExport::kNone && !exp.empty()) {
+  if (c.hf_export != HfExport::kNone && !exp.empty()) {
     add("hf export", hf_export_dir(exp));
   }
-  if (!c.log.metrics.empty()) add("metrics", (dir / c.log.metrics).string());
+  if (!c.metrics.empty()) add("metrics", (dir / c.metrics).string());
   add("eval", (dir / kEvalFile).string());
-  if (c.log.report) add("report", (dir / "report.html").string());
+  if (c.report) add("report", (dir / "report.html").string());
   if (tb_.is_open() || !tb_.path().empty()) add("tensorboard", tb_.path());
   add("config", (dir / kConfigFile).string());
-  const auto ck = latest_checkpoint(c.output.dir);
+  const auto ck = latest_checkpoint(c.output_dir);
   if (ck) add("checkpoint", ck->path);
   out_ << "files:\n";
   for (const auto& [what, path] : files) out_ << fmt::format("  {:<12}{}\n", what, path);
   out_ << "next:\n";
   if (!exp.empty() && fs::exists(exp)) {
     out_ << fmt::format("  chat         {} --model {}\n", tool_command("q4chat"),
-                        exp == (dir / "model.dat").string() ? c.output.dir : exp);
+                        exp == (dir / "model.dat").string() ? c.output_dir : exp);
   }
   if (ck) {
     // A new file named by the step: never the run's model (docs/trainer.md#export).
     out_ << fmt::format("  export       {} --resume {} --export-only --set output.export_path={}\n",
                         tool_command("q4train"), ck->path, step_export_name(ck->step));
   }
-  if (!exp.empty() && c.output.hf_export != HfExport::kNone) {
+  if (!exp.empty() && c.hf_export != HfExport::kNone) {
     out_ << fmt::format("  serve        vllm serve {}   (docs/interop.md)\n", hf_export_dir(exp));
   } else if (!exp.empty()) {
     out_ << fmt::format(
         "  serve        {} export-hf {} {} --config {} --tokenizer-dir {} --format modelopt, "
         "then vllm serve {} (docs/interop.md)\n",
-        tool_command("q4dat"), exp, hf_export_dir(exp), c.model.config,
-        fs::path(c.model.tokenizer).parent_path().string(), hf_export_dir(exp));
+        tool_command("q4dat"), exp, hf_export_dir(exp), c.model_config,
+        fs::path(c.tokenizer).parent_path().string(), hf_export_dir(exp));
   }
-  out_ << fmt::format("  tensorboard  tensorboard --logdir {}\n", c.output.dir) << std::flush;
+  out_ << fmt::format("  tensorboard  tensorboard --logdir {}\n", c.output_dir) << std::flush;
 }
 
 }  // namespace q4::trainer

@@ -109,7 +109,7 @@ StepOutcome TrainStep::run(int64_t step, BatchSource& source, const PhaseHook& m
   const double denom = static_cast<double>(std::max<int64_t>(o.units, 1));
   optim::StepArgs args;
   args.lr = schedule_.lr_at(step);
-  args.max_grad_norm = plan_.config().train.max_grad_norm;
+  args.max_grad_norm = plan_.step().max_grad_norm;
   if (!path_) path_ = make_path_(in_backward_);
   GradientPath& path = *path_;
   path.begin_step(args, static_cast<int64_t>(micro.size()));

@@ -19,7 +19,7 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/trainer/distributed/grad_sync.h"
-#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/plan/component_plans.h"
 #include "q4/trainer/rundir/run_dir.h"
 
 namespace q4::trainer {
@@ -45,7 +45,9 @@ std::optional<int64_t> grad_accum_for_world(int64_t ck_world, int64_t ck_accum, 
 
 class Checkpointer {
  public:
-  Checkpointer(const RunPlan& plan, std::ostream& out);
+  // `plan`: the plan's slice once the run length is known (a resume's grad_accum may still
+  // change in restore()).
+  Checkpointer(CheckpointPlan plan, std::ostream& out);
 
   // What a checkpoint holds, borrowed: the optimizer (owned masters and moments), the trained
   // parameters' names, the training batcher (null: none), the schedule. `comm`: null for one
@@ -66,7 +68,8 @@ class Checkpointer {
   // kResume: the whole training state; kExportOnly: the masters only (no step or world checks).
   enum class RestoreFor { kResume, kExportOnly };
   // `on_grad_accum_change`: called when a resume on another world size changes grad_accum (its
-  // new value); the plan's owner makes the plan with it (RunPlan::with_grad_accum).
+  // new value); the plan's owner makes the plan with it (RunPlan::with_grad_accum), and the
+  // checkpoints written from then on record it.
   Restored restore(const CheckpointDir& ck, RestoreFor what,
                    const std::function<void(int64_t)>& on_grad_accum_change = nullptr);
 
@@ -90,7 +93,8 @@ class Checkpointer {
   void check_lora_unchanged(const CheckpointDir& ck, const nlohmann::json& state) const;
   void restore_run_state(const CheckpointDir& ck, const nlohmann::json& state, Restored* r);
 
-  const RunPlan& plan_;
+  const CheckpointPlan plan_;
+  int64_t grad_accum_;  // plan_.grad_accum, or a resume's on another world size
   std::ostream& out_;
   optim::PackedAdamW* optimizer_ = nullptr;
   const std::vector<model::Parameter*>* params_ = nullptr;

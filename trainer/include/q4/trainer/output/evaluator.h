@@ -16,7 +16,7 @@
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/trainer/objectives/objective.h"
-#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/plan/component_plans.h"
 
 namespace q4::trainer {
 
@@ -37,15 +37,16 @@ struct Validation {
   std::string values_line() const;  // "rewards/accuracies 0.9500, ..." ("" without values)
 };
 
-// The model's answers to `prompts` (system prompt data.system_prompt), at most max_new_tokens
-// each, stopping at <|im_end|> or <|endoftext|>. Ids past the tokenizer show as <id:N>.
+// The model's answers to `plan.prompts` (system prompt data.system_prompt), at most
+// max_new_tokens each, stopping at <|im_end|> or <|endoftext|>. Ids past the tokenizer show as
+// <id:N>.
 std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::Tokenizer& tok,
-                                         const Config& c);
+                                         const EvalPlan& plan);
 
 class Evaluator {
  public:
   // `leader`: rank 0 (the other ranks evaluate nothing).
-  Evaluator(const RunPlan& plan, bool leader);
+  Evaluator(EvalPlan plan, bool leader);
 
   // The model, tokenizer and objective (borrowed) and the held-out batcher (owned; null: no
   // validation).
@@ -69,7 +70,7 @@ class Evaluator {
   std::vector<EvalAnswer> answer_prompts();
 
  private:
-  const RunPlan& plan_;
+  const EvalPlan plan_;
   bool leader_;
   model::Qwen3Model* model_ = nullptr;
   const data::Tokenizer* tok_ = nullptr;

@@ -10,13 +10,13 @@
 #include <string>
 
 #include "q4/model/qwen3.h"
-#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/plan/component_plans.h"
 
 namespace q4::trainer {
 
 class Exporter {
  public:
-  Exporter(const RunPlan& plan, std::ostream& out, std::ostream& err);
+  Exporter(ExportPlan plan, std::ostream& out, std::ostream& err);
 
   // The model of `step` to output.export_path (nothing when export is off); `source_path`: the
   // .dat the untrained tensors come from. Errors (a failed write or check) propagate.
@@ -31,7 +31,7 @@ class Exporter {
                      const std::string& source_path);
   void check(const std::string& path, model::Qwen3Model& model);
 
-  const RunPlan& plan_;
+  const ExportPlan plan_;
   std::ostream& out_;
   std::ostream& err_;
 };

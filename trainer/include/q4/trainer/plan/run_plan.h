@@ -10,17 +10,22 @@
 
 #include <chrono>
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "q4/model/qwen3_config.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/config/objective_needs.h"
 #include "q4/trainer/distributed/distributed.h"
+#include "q4/trainer/plan/component_plans.h"
 #include "q4/trainer/plan/options.h"
 
 namespace q4::trainer {
+
+struct MemoryBudget;  // plan/estimate.h
 
 // The memory guard fired (exit code 3).
 class GuardStop : public std::runtime_error {
@@ -79,8 +84,9 @@ struct StepPlan {
   // The summed gradients of offloaded masters (optim.offload: all) add up in pinned host memory
   // over a step's micro-batches (one process on CUDA, grad_accum > 1).
   bool host_accumulation = false;
-  int64_t grad_accum = 1;  // micro-batches per rank and step
-  int64_t world = 1;       // data-parallel ranks
+  int64_t grad_accum = 1;      // micro-batches per rank and step
+  int64_t world = 1;           // data-parallel ranks
+  double max_grad_norm = 1.0;  // train.max_grad_norm (0: no clipping)
 };
 
 // What lives in host memory instead of the GPU (optim.offload, docs/optim.md).
@@ -145,6 +151,23 @@ class RunPlan {
   // The plan as --dry-run prints it: a few lines, each starting "plan: ".
   std::string describe() const;
 
+  // The components' slices (component_plans.h), from the plan as resolved so far: a component
+  // takes its slice when it is made, after the stages it depends on.
+  MemoryGuard guard() const;
+  EvalPlan eval_plan() const;
+  ExportPlan export_plan() const;
+  CheckpointPlan checkpoint_plan() const;
+  ReportPlan report_plan() const;
+  LoopPlan loop_plan() const;
+  ProbePlan probe_plan() const;
+  // The settings a probe report records (the config file, the micro-batch, dtypes, the recompute
+  // as resolved, the optimizer state, the data's kind): a JSON object.
+  nlohmann::json probe_settings() const;
+  // The memory estimate of one micro-batch of the loaded model (estimate.h estimate_budget).
+  MemoryBudget memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const;
+  // Model FLOPs per trained token (estimate.h train_flops_per_token).
+  double flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const;
+
   // A run whose length is configured in steps: the warmup clipped to it (`note`: the note, or
   // ""). A run whose length comes from the data is unchanged (with_length clips).
   RunPlan with_warmup_clipped(std::string* note) const;
@@ -158,9 +181,22 @@ class RunPlan {
   // (the step plan decided again: auto's in-backward updates need grad_accum 1).
   RunPlan with_grad_accum(int64_t grad_accum) const;
 
-  // Checks the allocator's reserved memory and the device's used memory against
+  // The run's checks before anything is written, over the resolved config: the device
+  // (check_device_available), the settings the objective ignores (a warning, or ""), the input
+  // files (setup.h check_input_files; `need_data`: the data too) and every output path
+  // (run_dir.h check_output_paths with --overwrite).
+  void check_device() const;
+  std::string ignored_settings_warning() const;
+  void check_inputs(bool need_data) const;
+  void check_outputs() const;
+  // output.dir's entries of a previous run or the user (run_dir.h run_dir_leftovers), and the
+  // stale temporary files removed there (run_dir.h clean_stale_files).
+  std::vector<std::string> run_dir_leftovers() const;
+  std::vector<std::string> clean_stale_files() const;
+
+  // guard().check(where): the allocator's reserved memory and the device's used memory against
   // guard.max_gpu_gb (GuardStop naming `where`); nothing on the CPU or with the guard off.
-  void check_guard(const std::string& where) const;
+  void check_guard(const std::string& where) const { guard().check(where); }
 
  private:
   // The plan structs from config_ (after any stage).

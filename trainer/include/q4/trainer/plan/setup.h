@@ -116,21 +116,27 @@ std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const Froz
                                                      const model::ModelOptions& student,
                                                      int64_t vocab_size, std::ostream& out);
 
-// The model, data and optimizer of a run, owned here; the other components borrow them.
+// The model, data and optimizer of a run, owned here; the other components borrow them. The
+// loads are stages of the plan's resolution: each takes the plan so far and returns the plan
+// with what it learned (the recompute, the run length); the caller keeps the newest.
 class RunSetup {
  public:
   // What set-up loaded goes to `out` (the probe's model and data lines: `err`).
-  RunSetup(RunPlan& plan, std::ostream& out, std::ostream& err);
+  RunSetup(std::ostream& out, std::ostream& err, bool probe = false);
   ~RunSetup();
 
   // model.config, the tokenizer (training; the probe only with data files) and, with
   // `load_weights`, the model (without: what load_data needs, for tools that read a run's data).
-  void load_model(bool need_tokenizer, bool load_weights = true);
+  // Returns `plan` with train.gradient_checkpointing auto resolved (RunPlan::with_recompute).
+  [[nodiscard]] RunPlan load_model(const RunPlan& plan, bool need_tokenizer,
+                                   bool load_weights = true);
   // The batcher over data.files (and, for training, the validation batcher), or (the probe
-  // without files) over synthetic sequences; then the run length from the data.
-  void load_data(int64_t ranks);
-  // The optimizer over the parameters `sync` gives this rank, and the LR schedule.
-  void make_optimizer(GradSync& sync);
+  // without files) over synthetic sequences. Returns `plan` with the run length from the data
+  // (RunPlan::with_length; the probe's plan unchanged).
+  [[nodiscard]] RunPlan load_data(const RunPlan& plan, int64_t ranks);
+  // The optimizer over the parameters `sync` gives this rank, and the LR schedule over `plan`'s
+  // run length.
+  void make_optimizer(const RunPlan& plan, GradSync& sync);
 
   const model::Qwen3Config& model_config() const { return mc_; }
   model::Qwen3Model& model() { return *model_; }
@@ -152,9 +158,8 @@ class RunSetup {
   }
 
  private:
-  void load_validation(std::vector<data::Example>* train, int64_t pad_id);
+  void load_validation(const RunPlan& plan, std::vector<data::Example>* train, int64_t pad_id);
 
-  RunPlan& plan_;
   std::ostream& out_;
   std::ostream& err_;
   std::ostream& log_;  // out_, or err_ for the probe

@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "q4/trainer/output/evaluator.h"
-#include "q4/trainer/plan/run_plan.h"
+#include "q4/trainer/plan/component_plans.h"
+#include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/plan/setup.h"
 #include "q4/trainer/report/report.h"
 #include "q4/trainer/report/tfevents.h"
@@ -31,7 +32,9 @@ std::string tool_command(const std::string& name);
 // model.fake_quant: false: what the export will be, said at start (docs/model.md#plain-precision):
 // "<path>: NVFP4, the N trained linears quantized after training (...)" when they came as NVFP4
 // pairs and output.export_dense is off, else dense.
-std::string plain_export_note(const Config& c, const model::Qwen3Model& model);
+// `path`: the export (ExportPlan::path), `export_dense`: output.export_dense.
+std::string plain_export_note(const std::string& path, bool export_dense,
+                              const model::Qwen3Model& model);
 
 // What the loop knows of a step besides its outcome, for the run log.
 struct StepRecord {
@@ -47,16 +50,20 @@ struct StepRecord {
 
 class RunLog {
  public:
-  // `leader`: rank 0 (the other ranks' streams are null; files are rank 0's).
-  RunLog(const RunPlan& plan, std::ostream& out, std::ostream& err, bool leader);
+  // `plan`: the plan's slice once resolved (the run length, a resume's grad_accum); `leader`:
+  // rank 0 (the other ranks' streams are null; files are rank 0's); `run_start`: when the run
+  // started (the end summary's wall time).
+  RunLog(ReportPlan plan, std::ostream& out, std::ostream& err, bool leader,
+         std::chrono::steady_clock::time_point run_start = std::chrono::steady_clock::now());
   ~RunLog();
 
   // The metrics file, eval log and TensorBoard writer; a resumed run's best validation loss so
   // far comes from its kept metrics records (into `evaluator`).
   void open(bool resume, int64_t start_step, Evaluator& evaluator);
-  // The short start-up summary (the full resolved config is <output.dir>/config.yaml).
-  void print_summary(RunSetup& setup, const Evaluator& evaluator, int64_t ranks,
-                     int64_t start_step);
+  // The short start-up summary (the full resolved config is <output.dir>/config.yaml);
+  // `budget`: the memory estimate of the run (RunPlan::memory_estimate).
+  void print_summary(RunSetup& setup, const Evaluator& evaluator, const MemoryBudget& budget,
+                     int64_t ranks, int64_t start_step);
   // Model FLOPs per token and the device's peak (the MFU column).
   void set_flops(double flops_per_token, std::optional<double> peak_flops);
 
@@ -96,7 +103,7 @@ class RunLog {
  private:
   // The run-time estimate after step `done` of `total`, once the first steps are timed.
   void print_time_estimate(int64_t done, int64_t total);
-  const RunPlan& plan_;
+  const ReportPlan plan_;
   std::ostream& out_;
   std::ostream& err_;
   bool leader_;
@@ -106,7 +113,7 @@ class RunLog {
   JsonlWriter eval_log_;
   std::unique_ptr<ReportWriter> report_;
   TfEventsWriter tb_;
-  std::chrono::steady_clock::time_point run_start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point run_start_;
   int64_t tokens_seen_ = 0;
   double flops_per_token_ = 0;
   std::optional<double> peak_flops_;

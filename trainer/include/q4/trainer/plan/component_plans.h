@@ -1,0 +1,135 @@
+// The slices of a resolved plan that the run's components take (docs/design.md#trainer-layers):
+// plain values, made by RunPlan (plan/run_plan.h) from the resolved config, so that no component
+// outside the plan layer reads the raw Config. A component takes its slice once, when it is made,
+// after the plan stages it depends on (the run length, the recompute, a resume's grad_accum).
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "q4/data/chat.h"
+#include "q4/trainer/config/config.h"
+
+namespace q4::trainer {
+
+// guard.max_gpu_gb on the run's device.
+struct MemoryGuard {
+  double max_gpu_gb = 0;  // 0: off
+  c10::Device device{c10::kCPU};
+  // The allocator's reserved memory and the device's used memory against max_gpu_gb (GuardStop,
+  // run_plan.h, naming `where`); nothing on the CPU or with the guard off.
+  void check(const std::string& where) const;
+};
+
+// What the evaluator needs (output/evaluator.h): the answers to eval.prompts.
+struct EvalPlan {
+  c10::Device device{c10::kCPU};
+  std::vector<std::string> prompts;  // eval.prompts
+  int64_t max_new_tokens = 32;       // eval.max_new_tokens
+  std::string system_prompt;         // data.system_prompt
+  // The chat template as configured, resolved when the prompts are rendered (options.h
+  // chat_options).
+  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;  // data.chat_template
+  AutoBool enable_thinking = AutoBool::kAuto;                    // data.enable_thinking
+  std::string tokenizer;                                         // model.tokenizer
+};
+
+// What the exporter needs (output/exporter.h).
+struct ExportPlan {
+  std::string path;        // output.export_path resolved ("" for none)
+  std::string output_dir;  // output.dir
+  int64_t steps = 0;       // the run length: the final export
+  bool overwrite = false;  // --overwrite
+  bool export_dense = false;
+  bool verify_export = true;
+  HfExport hf_export = HfExport::kNone;
+  bool lora = false;  // train.method lora: the adapter folder too
+  bool lora_merge_aware = true;
+  std::string model_dir;      // model.dir
+  std::string model_weights;  // model.weights
+  std::string model_config;   // model.config
+  std::string tokenizer;      // model.tokenizer
+  MemoryGuard guard;
+};
+
+// What the checkpointer needs (output/checkpointer.h), the LR schedule's terms included.
+struct CheckpointPlan {
+  std::string output_dir;              // output.dir
+  int64_t keep = 2;                    // output.keep
+  double checkpoint_minutes = 0;       // output.checkpoint_minutes
+  int64_t seed = 0;                    // train.seed
+  bool lora = false;                   // train.method lora
+  LoraConfig lora_config;              // lora.*
+  int64_t batch_size = 1;              // train.batch_size
+  int64_t grad_accum = 1;              // as resolved
+  int64_t steps = 0;                   // the run length
+  double lr = 0;                       // optim.lr
+  ScheduleConfig schedule;             // optim.schedule.* (warmup resolved to steps)
+  bool allow_schedule_change = false;  // --allow-schedule-change
+};
+
+// What the run log needs (report/run_log.h): the summary's settings and the files it writes.
+struct ReportPlan {
+  c10::Device device{c10::kCPU};
+  ProgressStyle progress = ProgressStyle::kAuto;  // log.progress
+  std::string output_dir;                         // output.dir
+  std::string metrics;                            // log.metrics (a name in output.dir)
+  std::string metrics_path;                       // its path ("" when off)
+  std::string export_path;                        // ExportPlan::path
+  bool tensorboard = true;                        // log.tensorboard
+  bool report = true;                             // log.report
+  HfExport hf_export = HfExport::kNone;
+  bool export_dense = false;
+  std::string model_config;  // model.config
+  std::string tokenizer;     // model.tokenizer
+  // The summary's model line.
+  InitKind init = InitKind::kFile;
+  int64_t init_seed = 0;
+  std::string weights;      // model.weights
+  std::string device_name;  // model.device as configured
+  Dtype master_dtype = Dtype::kFp16;
+  Dtype compute_dtype = Dtype::kFp32;  // resolved
+  bool fake_quant = true;
+  int64_t data_files = 0;  // data.files
+  // The run's shape.
+  int64_t steps = 0;
+  double epochs_configured = 0;
+  int64_t grad_accum = 1;
+  int64_t batch_size = 1;
+  int64_t seq_len = 0;
+  bool packing = true;
+  double lr = 0;
+  ScheduleConfig schedule;
+  int64_t eval_every = 0;  // eval.every
+};
+
+// What the run loop needs (app/trainer.cpp): the cadences and the run directory. None of it
+// changes in the plan's stages.
+struct LoopPlan {
+  std::string output_dir;           // output.dir
+  std::string config_source;        // the config file (Config::source)
+  std::string metrics;              // log.metrics (a name in output.dir, "" for none)
+  bool random_init = false;         // model.init random: init.dat is the run's
+  int64_t log_every = 1;            // log.every
+  int64_t eval_every = 0;           // eval.every
+  bool eval_at_start = true;        // eval.at_start
+  bool eval_at_end = true;          // eval.at_end
+  bool has_prompts = false;         // eval.prompts given
+  int64_t max_nonfinite_steps = 0;  // train.max_nonfinite_steps
+  int64_t export_every = 0;         // output.export_every
+  int64_t checkpoint_every = 0;     // output.checkpoint_every
+  bool in_backward_forced = false;  // optim.in_backward: true
+};
+
+// What the VRAM probe needs (app/probe_run.cpp) besides the settings its report records
+// (RunPlan::probe_settings).
+struct ProbePlan {
+  std::vector<std::string> data_files;  // data.files (none: synthetic sequences)
+  std::string output_dir;               // output.dir (the report's default folder)
+  bool quantize_lm_head = true;         // model.quantize_lm_head (the export it times)
+};
+
+}  // namespace q4::trainer

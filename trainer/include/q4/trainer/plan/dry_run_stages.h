@@ -1,0 +1,26 @@
+// --dry-run's resolution stages (app/dry_run.cpp): the run length from the data as the run reads
+// it, and the memory plan, without loading weights (docs/design.md#trainer-components).
+#pragma once
+
+#include <iosfwd>
+#include <string>
+
+#include "q4/model/qwen3_config.h"
+#include "q4/trainer/plan/run_plan.h"
+
+namespace q4::trainer {
+
+// The data as the run reads it: the real tokenizer, every file, the validation split, the
+// truncation policy and the batcher's packing (which sizes an epoch); no weights. What it read is
+// said on `out`. Returns the plan with the run length resolved.
+RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ostream& out);
+
+// gradient_checkpointing auto: the choice the run would make here (with what fits instead when
+// even its least is over the budget): `recompute_note`, and the plan with it. Other settings:
+// whether the estimate fits, and what would when it does not (advise_placements): `fit_note`.
+// The device memory it plans with: guard.max_gpu_gb, or this machine's GPU's free memory; none
+// without either (or on the CPU).
+RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool separate_lm_head,
+                    std::string* recompute_note, std::string* fit_note);
+
+}  // namespace q4::trainer
