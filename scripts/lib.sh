@@ -6,6 +6,8 @@
 #   q4_die MSG...                 the same, then exit 1
 #   q4_phase NAME CMD...          runs CMD, then prints "NAME ok in Ns" (or FAILED) with its time
 #   q4_out                        $OUT (default gpu-out/), created; logs and results go there
+#   q4_out_dir DIR NAME           a benchmark's folder: DIR, else $OUT, else runs/NAME; created,
+#                                 its absolute path printed
 #   q4_gpu_env                    the GPU machine's environment: carried .debs/*.deb unpacked
 #                                 into / (PCRE2, utf8proc), CUDA's bin on PATH
 #   q4_torch_prefix               CMAKE_PREFIX_PATH of python3's LibTorch (the GPU build's)
@@ -17,6 +19,8 @@
 #   q4_gpu_build BUILD LOG "TARGET..." [CMAKE_ARGS...]
 #                                 q4_gpu_configure of the repository into BUILD, then builds the
 #                                 targets, output in LOG; prints LOG's last 60 lines on failure
+#   q4_timed_build BUILD LOG "TARGET..." [CMAKE_ARGS...]
+#                                 q4_gpu_build and "build: N s", or nothing with SKIP_BUILD=1
 #   q4_clang                      installs clang with libFuzzer's runtime when missing
 # NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
 # machines do not support it.
@@ -40,6 +44,11 @@ q4_phase() {
 
 q4_out() { mkdir -p "${OUT:-$root/gpu-out}" && (cd "${OUT:-$root/gpu-out}" && pwd); }
 
+q4_out_dir() {
+  local dir=${1:-${OUT:-$root/runs/$2}}
+  mkdir -p "$dir" && (cd "$dir" && pwd)
+}
+
 q4_gpu_env() {
   local f
   for f in "$root"/.debs/*.deb; do [ -e "$f" ] && dpkg -x "$f" /; done
@@ -61,6 +70,14 @@ q4_gpu_build() {
   { q4_gpu_configure "$root" "$build" "$@" >"$log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" --target $targets >>"$log" 2>&1; } ||
     { tail -n 60 "$log"; return 1; }
+}
+
+q4_timed_build() {
+  [ "${SKIP_BUILD:-0}" != 1 ] || return 0
+  local t0
+  t0=$(date +%s)
+  q4_gpu_build "$@"
+  echo "build: $(( $(date +%s) - t0 )) s"
 }
 
 # q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).

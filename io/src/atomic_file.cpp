@@ -56,15 +56,7 @@ long temp_pid(const std::string& name) {
   return std::stol(pid);
 }
 
-std::string kind_of_mode(mode_t m) {
-  if (S_ISREG(m)) return "";
-  if (S_ISDIR(m)) return "a directory";
-  if (S_ISCHR(m)) return "a character device";
-  if (S_ISBLK(m)) return "a block device";
-  if (S_ISFIFO(m)) return "a FIFO";
-  if (S_ISSOCK(m)) return "a socket";
-  return "not a regular file";
-}
+std::string kind_of_mode(mode_t m) { return S_ISREG(m) ? "" : non_regular_mode_name(m); }
 
 void check_regular_target(const std::string& path) {
   const std::string kind = non_regular_kind(path);

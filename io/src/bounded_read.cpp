@@ -10,16 +10,13 @@
 #include <cerrno>
 #include <cstring>
 
+#include "posix_common.h"
+
 namespace q4::io {
 namespace {
 
 const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
+  return S_ISFIFO(mode) ? "a FIFO (named pipe)" : non_regular_mode_name(mode);
 }
 
 }  // namespace

@@ -10,7 +10,7 @@
 # Env: as step_vs_peer.sh (BUILD, SKIP_BUILD, STEPS, WORK).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/distill-step}}" && cd "${1:-${OUT:-$root/runs/distill-step}}" && pwd)
+out=$(q4_out_dir "${1:-}" distill-step)
 work=${WORK:-/tmp/q4bench}
 export SKIP_PEER=1 SKIP_PROBE=1 WORK=$work
 # step_vs_peer.sh's closing peer summary has no peer to read here: its exit status is not ours.

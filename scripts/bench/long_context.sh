@@ -8,17 +8,13 @@
 # Env: SEQ (131072), STEPS (3), BUILD (build-gpu), SKIP_BUILD=1, STATE (int8), EXTRA_SET.
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/long}}" && cd "${1:-${OUT:-$root/runs/long}}" && pwd)
+out=$(q4_out_dir "${1:-}" long)
 build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4long}
 seq=${SEQ:-131072}
 mkdir -p "$work"
 
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  t0=$(date +%s)
-  q4_gpu_build "$build" "$work/build.log" "q4train q4dat" -DQ4_BUILD_TESTS=OFF
-  echo "build: $(( $(date +%s) - t0 )) s"
-fi
+q4_timed_build "$build" "$work/build.log" "q4train q4dat" -DQ4_BUILD_TESTS=OFF
 bin=$build/bin
 [ -f "$work/q4b.dat" ] || "$bin/q4dat" init --config tests/fixtures/qwen3_4b.config.json \
   --out "$work/q4b.dat" --seed 0

@@ -13,7 +13,7 @@
 #   SKIP_RUNS=1 (only the peft check), SKIP_PEFT=1 (only the runs)
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/lora-bench}}" && cd "${1:-${OUT:-$root/runs/lora-bench}}" && pwd)
+out=$(q4_out_dir "${1:-}" lora-bench)
 build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4bench}
 steps=${STEPS:-8}

@@ -11,7 +11,7 @@
 # Env: as step_vs_peer.sh (BUILD, SKIP_BUILD, STEPS, WORK).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/preference-step}}" && cd "${1:-${OUT:-$root/runs/preference-step}}" && pwd)
+out=$(q4_out_dir "${1:-}" preference-step)
 work=${WORK:-/tmp/q4bench}
 mkdir -p "$work"
 export SKIP_PEER=1 SKIP_PROBE=1 WORK=$work

@@ -19,16 +19,12 @@
 # STEPS (fine-tune steps, default the config's).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/quality}}" && cd "${1:-${OUT:-$root/runs/quality}}" && pwd)
+out=$(q4_out_dir "${1:-}" quality)
 build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4quality}
 mkdir -p "$work"
 
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  t0=$(date +%s)
-  q4_gpu_build "$build" "$work/build.log" "q4train q4dat q4eval" -DQ4_BUILD_TESTS=OFF
-  echo "build: $(( $(date +%s) - t0 )) s"
-fi
+q4_timed_build "$build" "$work/build.log" "q4train q4dat q4eval" -DQ4_BUILD_TESTS=OFF
 bin=$build/bin
 tools/fetch_tokenizer.sh
 tools/fetch_datasets.sh

@@ -11,7 +11,7 @@
 # ("ste compile plain plain-nockpt"), EXTRA_SET (more --set arguments for q4train).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
-out=$(mkdir -p "${1:-${OUT:-$root/runs/bench}}" && cd "${1:-${OUT:-$root/runs/bench}}" && pwd)
+out=$(q4_out_dir "${1:-}" bench)
 build=${BUILD:-$root/build-gpu}
 work=${WORK:-/tmp/q4bench}
 peer=${PEER:-$root/../shared/bench/peer_hf_step.py}

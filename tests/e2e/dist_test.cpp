@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -108,6 +109,25 @@ void expect_same_curve(const std::vector<nlohmann::json>& got,
     const double ga = got[i]["grad_norm"].get<double>(), gb = want[i]["grad_norm"].get<double>();
     EXPECT_LE(std::fabs(ga - gb), 1e-12 * std::fabs(gb)) << what << " step " << i + 1;
   }
+}
+
+// The loss curves of a run on two ranks (grad_accum 1) and of the same run on one rank with
+// grad_accum 2 (the same global batch). `args(name, accum)` writes the run's files under
+// dir/<name> and returns its arguments; both runs must succeed.
+using ArgsOf = std::function<std::vector<std::string>(const std::string& name, int64_t accum)>;
+struct RankCurves {
+  std::vector<nlohmann::json> two, one;
+};
+void run_on_two_ranks_and_one(const fs::path& dir, const std::string& two_name,
+                              const std::string& one_name, const ArgsOf& args, RankCurves* out) {
+  auto two_args = args(two_name, 1);
+  two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
+  const TimedRun r2 = run(two_args, dir / two_name / "log");
+  ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
+  const TimedRun r1 = run(args(one_name, 2), dir / one_name / "log");
+  ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
+  out->two = read_jsonl(dir / two_name / "run" / "metrics.jsonl");
+  out->one = read_jsonl(dir / one_name / "run" / "metrics.jsonl");
 }
 
 // The two-rank base run (8 steps, checkpoint every 4), shared by the tests below. ctest runs each
@@ -232,17 +252,14 @@ TEST(DataParallel, DistillationOnTwoRanksTracksOneRank) {
   ASSERT_EQ(written.code, 0) << written.err << written.out;
   for (const bool offline : {false, true}) {
     const std::string mode = offline ? "offline" : "online";
-    auto two_args = distill(config(mode + "2", 1), offline);
-    two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
-    const TimedRun r2 = run(two_args, dir / (mode + "2") / "log");
-    ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
-    const TimedRun r1 = run(distill(config(mode + "1", 2), offline), dir / (mode + "1") / "log");
-    ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
-    const auto got = read_jsonl(dir / (mode + "2") / "run" / "metrics.jsonl");
-    expect_same_curve(got, read_jsonl(dir / (mode + "1") / "run" / "metrics.jsonl"), kRankTolerance,
-                      mode + ": 2 ranks vs 1");
-    ASSERT_FALSE(got.empty());
-    EXPECT_TRUE(got.front().contains("distill_divergence")) << got.front().dump();
+    const auto args = [&](const std::string& name, int64_t accum) {
+      return distill(config(name, accum), offline);
+    };
+    RankCurves c;
+    ASSERT_NO_FATAL_FAILURE(run_on_two_ranks_and_one(dir, mode + "2", mode + "1", args, &c));
+    expect_same_curve(c.two, c.one, kRankTolerance, mode + ": 2 ranks vs 1");
+    ASSERT_FALSE(c.two.empty());
+    EXPECT_TRUE(c.two.front().contains("distill_divergence")) << c.two.front().dump();
   }
 }
 
@@ -257,15 +274,9 @@ TEST(DataParallel, LoraOnTwoRanksTracksOneRank) {
                                     "--set",    "train.method=lora",
                                     "--set",    "lora.rank=4"};
   };
-  auto two_args = lora("two", 1);
-  two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
-  const TimedRun r2 = run(two_args, dir / "two" / "log");
-  ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
-  const TimedRun r1 = run(lora("one", 2), dir / "one" / "log");
-  ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
-  expect_same_curve(read_jsonl(dir / "two" / "run" / "metrics.jsonl"),
-                    read_jsonl(dir / "one" / "run" / "metrics.jsonl"), kRankTolerance,
-                    "lora: 2 ranks vs 1");
+  RankCurves c;
+  ASSERT_NO_FATAL_FAILURE(run_on_two_ranks_and_one(dir, "two", "one", lora, &c));
+  expect_same_curve(c.two, c.one, kRankTolerance, "lora: 2 ranks vs 1");
   EXPECT_TRUE(fs::exists(dir / "two" / "run" / "model-adapter" / "adapter_model.safetensors"));
 }
 
@@ -285,14 +296,10 @@ TEST(DataParallel, PreferenceOnTwoRanksTracksOneRank) {
         "--set",    "data.files=[" + (dir / name / "pairs.jsonl").string() + "]",
         "--set",    "eval.prompts=[]"};
   };
-  auto two_args = pref("two", 1);
-  two_args.insert(two_args.end(), {"--nproc", "2", kTimeout, "60"});
-  const TimedRun r2 = run(two_args, dir / "two" / "log");
-  ASSERT_EQ(r2.code, 0) << r2.err << r2.out;
-  const TimedRun r1 = run(pref("one", 2), dir / "one" / "log");
-  ASSERT_EQ(r1.code, 0) << r1.err << r1.out;
-  const auto two = read_jsonl(dir / "two" / "run" / "metrics.jsonl");
-  const auto one = read_jsonl(dir / "one" / "run" / "metrics.jsonl");
+  RankCurves c;
+  ASSERT_NO_FATAL_FAILURE(run_on_two_ranks_and_one(dir, "two", "one", pref, &c));
+  const auto& two = c.two;
+  const auto& one = c.one;
   expect_same_curve(two, one, kRankTolerance, "preference: 2 ranks vs 1");
   ASSERT_FALSE(two.empty());
   ASSERT_TRUE(two.back().contains("rewards/margins"));

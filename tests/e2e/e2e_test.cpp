@@ -583,16 +583,8 @@ TEST(E2E, SigintCheckpointsAndExits0) {
       out);
   ASSERT_GE(pid, 0);
   // Wait until a few steps are logged, then interrupt.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (read_text(out).find(" 3/100000 ") == std::string::npos &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ::kill(pid, SIGINT);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status)) << read_text(out);
-  EXPECT_EQ(WEXITSTATUS(status), 0) << read_text(out);
+  wait_for_text(out, " 3/100000 ", 120, /*poll_ms=*/100);
+  EXPECT_EQ(signal_and_wait(pid, SIGINT), 0) << read_text(out);
   int64_t ckpts = 0;
   for (const auto& e : fs::directory_iterator(dir / "run")) {
     const auto name = e.path().filename().string();

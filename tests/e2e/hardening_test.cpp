@@ -34,10 +34,7 @@ using namespace q4::test;
 
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  TinyRun t;
-  t.steps = steps;
-  t.output_extra = "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n  keep: 5\n";
-  return t.write_fresh("hard", name);
+  return write_checkpointing_run("hard", name, steps, checkpoint_every);
 }
 
 // q4train with `args`, optionally under a shell prefix (e.g. a ulimit).
@@ -235,32 +232,22 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
     const pid_t pid = spawn_logged(
         kQ4train, {"--config", (dir / "config.yaml").string(), "--set", "log.every=1"}, out);
     ASSERT_GE(pid, 0);
-    const std::string wait_for = variant == 0 ? ", run directory " : " 2/100000 ";
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (!contains(read_text(out), wait_for) && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    wait_for_text(out, variant == 0 ? ", run directory " : " 2/100000 ", 120);
+    int code = -1;
     if (variant == 0) {
       // main prints its one line just before set-up starts (loading the tokenizer alone takes
       // about a second), so this lands in set-up.
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      ::kill(pid, SIGHUP);
+      code = signal_and_wait(pid, SIGHUP);
     } else {
       // A second SIGINT sent before the handler ran for the first would merge with it (standard
       // signals are not queued): send it once the first one is acknowledged.
       ::kill(pid, SIGINT);
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      while (!contains(read_text(out), "stop signal received") &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-      ::kill(pid, SIGINT);
+      wait_for_text(out, "stop signal received", 60, /*poll_ms=*/5);
+      code = signal_and_wait(pid, SIGINT);
     }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
     const std::string log = read_text(out);
-    ASSERT_TRUE(WIFEXITED(status)) << "variant " << variant << ":\n" << log;
-    EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+    EXPECT_EQ(code, 0) << "variant " << variant << ":\n" << log;
     EXPECT_TRUE(contains(log, "stop signal received")) << log;
     if (variant == 1) {
       EXPECT_TRUE(contains(log, "already stopping")) << log;
@@ -325,16 +312,10 @@ TEST(Hardening, WriteTeacherTopkStopsOnASignal) {
   const std::string out = (dir / "w.out").string();
   const pid_t pid = spawn_logged(kQ4train, args, out);
   ASSERT_GE(pid, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!contains(read_text(out), "teacher ") && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  ::kill(pid, SIGINT);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+  wait_for_text(out, "teacher ", 120);
+  const int code = signal_and_wait(pid, SIGINT);
   const std::string log = read_text(out);
-  ASSERT_TRUE(WIFEXITED(status)) << log;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+  EXPECT_EQ(code, 0) << log;
   EXPECT_TRUE(contains(log, "nothing written")) << log;
   EXPECT_FALSE(fs::exists(topk)) << log;
   EXPECT_TRUE(temp_files(dir).empty()) << log;

@@ -39,12 +39,8 @@ using namespace q4::test;
 // A fresh directory with model.json, data.tsv and config.yaml (random init, run in dir/run);
 // checkpoint_every < 0 leaves the key out (the default cadence).
 fs::path setup_dir(const std::string& name, int64_t steps, int64_t checkpoint_every) {
-  TinyRun t;
-  t.steps = steps;
-  t.output_extra = "  keep: 5\n  verify_export: false\n";
-  if (checkpoint_every >= 0)
-    t.output_extra += "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n";
-  return t.write_fresh("safety", name);
+  return write_checkpointing_run("safety", name, steps, checkpoint_every,
+                                 "  verify_export: false\n");
 }
 
 Result run(const fs::path& dir, const std::vector<std::string>& args, const std::string& tag,
@@ -347,19 +343,12 @@ TEST(Safety, StopDuringSetUpLeavesNothingThatBlocksTheSameCommand) {
   const pid_t pid = spawn_logged(
       kQ4train, {"--config", (dir / "config.yaml").string(), "--set", "train.steps=100000"}, out);
   ASSERT_GE(pid, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!contains(read_text(out), ", run directory ") &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  wait_for_text(out, ", run directory ", 120);
   // main prints that line just before set-up (loading the tokenizer alone takes about a second).
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  ::kill(pid, SIGINT);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
+  const int code = signal_and_wait(pid, SIGINT);
   const std::string log = read_text(out);
-  ASSERT_TRUE(WIFEXITED(status)) << log;
-  EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+  EXPECT_EQ(code, 0) << log;
   ASSERT_TRUE(contains(log, "during set-up")) << "the signal missed set-up:\n" << log;
   const Result r = run(dir, config_args(dir, {"train.steps=1"}), "b");
   EXPECT_EQ(r.code, 0) << r.err;

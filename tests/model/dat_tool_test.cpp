@@ -22,6 +22,7 @@
 #include "q4/io/dat_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/quant/nvfp4.h"
+#include "qwen3_check.h"
 #include "temp_dir.h"
 #include "tiny_fixture.h"
 
@@ -482,14 +483,7 @@ TEST_F(DatToolTest, InitWritesTheShippedLayout) {
   ASSERT_EQ(r.code, 0) << r.err;
   const DatReader fixture(kFixtures + "/qwen3_tiny.weights.dat");
   const DatReader m(path("m.dat"));
-  ASSERT_EQ(m.entries().size(), fixture.entries().size());
-  for (size_t i = 0; i < m.entries().size(); ++i) {
-    const DatEntry& a = m.entries()[i];
-    const DatEntry& b = fixture.entries()[i];
-    EXPECT_EQ(a.key, b.key);
-    EXPECT_EQ(a.type, b.type) << a.key;
-    EXPECT_EQ(a.shape, b.shape) << a.key;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_same_entry_layout(m, fixture));
   EXPECT_EQ(m.file_size_bytes(), fixture.file_size_bytes());
   EXPECT_TRUE(at::equal(m.load("model.layers.1.self_attn.k_norm.weight"),
                         at::ones({16}, at::TensorOptions().dtype(at::kHalf))));

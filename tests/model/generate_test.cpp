@@ -35,6 +35,18 @@ SamplingParams greedy(int64_t n, std::vector<int64_t> stop_ids = {}) {
   return p;
 }
 
+// Sampling with every filter on (temperature 1, top-k 50, top-p 0.95, repetition penalty 1.2)
+// from seed 11, up to 16 tokens.
+SamplingParams seeded_sampling() {
+  SamplingParams p = greedy(16);
+  p.temperature = 1.0;
+  p.top_k = 50;
+  p.top_p = 0.95;
+  p.repetition_penalty = 1.2;
+  p.seed = 11;
+  return p;
+}
+
 // The greedy loop Qwen3Model::generate() ran before it went through the batched generate: batch
 // 1, prefill, argmax of the last position's logits on the device, fed back.
 std::vector<int64_t> reference_greedy(Qwen3Model& m, const std::vector<int64_t>& prompt, int64_t n,
@@ -196,12 +208,7 @@ TEST(Generate, TopK1AndTinyTopPEqualGreedy) {
 
 TEST(Generate, SeededSamplingIsReproducible) {
   auto m = tiny_model();
-  SamplingParams p = greedy(16);
-  p.temperature = 1.0;
-  p.top_k = 50;
-  p.top_p = 0.95;
-  p.repetition_penalty = 1.2;
-  p.seed = 11;
+  SamplingParams p = seeded_sampling();
   const auto a = generate(m, kPrompts, p);
   const auto b = generate(m, kPrompts, p);
   p.seed = 12;
@@ -294,12 +301,7 @@ TEST(Decode, ExtendingTheCacheEqualsAFreshPrefill) {
 // decode() and a batch of one draw the same tokens from the same seed.
 TEST(Decode, SeededDecodeEqualsGenerateOfOne) {
   auto m = tiny_model();
-  SamplingParams p = greedy(16);
-  p.temperature = 1.0;
-  p.top_k = 50;
-  p.top_p = 0.95;
-  p.repetition_penalty = 1.2;
-  p.seed = 11;
+  SamplingParams p = seeded_sampling();
   TokenSampler s(p);
   KvCache cache = m.make_cache(1, 32);
   std::vector<int64_t> history;

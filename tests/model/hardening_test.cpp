@@ -12,6 +12,7 @@
 #include <functional>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
@@ -28,14 +29,16 @@ q4::test::Result run_tool(const std::string& dir, const std::string& cmd_line) {
   return q4::test::run_captured(cmd_line, "/dev/null", dir + "/stderr");
 }
 
-// Copies the tiny fixture, replacing `key` by `replace(tensor)`.
+// Copies the tiny fixture, with `edit` applied to a copy of the tensor `key`.
 void copy_with(const std::string& dst, const std::string& key,
-               const std::function<at::Tensor(at::Tensor)>& replace) {
+               const std::function<void(at::Tensor&)>& edit) {
   DatReader r(kWeights);
   DatWriter w(dst, r.entries().size());
   for (const auto& e : r.entries()) {
     if (e.key == key) {
-      w.add(e.key, replace(r.load(e)), e.type);
+      at::Tensor t = r.load(e).clone();
+      edit(t);
+      w.add(e.key, t, e.type);
     } else {
       w.copy_from(r, e);
     }
@@ -53,41 +56,31 @@ std::string load_error(const std::string& path) {
   return "<no error>";
 }
 
+// Expects each of `parts` in `msg`.
+void expect_contains_all(const std::string& msg, const std::vector<std::string>& parts) {
+  for (const auto& part : parts) {
+    EXPECT_NE(msg.find(part), std::string::npos) << part << " in " << msg;
+  }
+}
+
 TEST(ModelHardening, NanInRawWeightsIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string nan_norm = tmp.path("nan_norm.dat"), inf_embed = tmp.path("inf_embed.dat");
-  copy_with(nan_norm, "model.norm.weight", [](at::Tensor t) {
-    t = t.clone();
-    t[3] = NAN;
-    return t;
-  });
-  copy_with(inf_embed, "model.embed_tokens.weight", [](at::Tensor t) {
-    t = t.clone();
-    t[5][2] = INFINITY;
-    return t;
-  });
-  std::string msg = load_error(nan_norm);
-  EXPECT_NE(msg.find(nan_norm), std::string::npos) << msg;
-  EXPECT_NE(msg.find("'model.norm.weight'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("non-finite"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[3]"), std::string::npos) << msg;
-  msg = load_error(inf_embed);
-  EXPECT_NE(msg.find("'model.embed_tokens.weight'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[5, 2]"), std::string::npos) << msg;
+  copy_with(nan_norm, "model.norm.weight", [](at::Tensor& t) { t[3] = NAN; });
+  copy_with(inf_embed, "model.embed_tokens.weight", [](at::Tensor& t) { t[5][2] = INFINITY; });
+  expect_contains_all(load_error(nan_norm), {nan_norm, "'model.norm.weight'", "non-finite", "[3]"});
+  expect_contains_all(load_error(inf_embed), {"'model.embed_tokens.weight'", "[5, 2]"});
 }
 
 TEST(ModelHardening, NanBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan_scale.dat");
   const std::string key = "model.layers.0.mlp.down_proj.weight.scale";
-  copy_with(path, key, [](at::Tensor t) {
-    t = t.clone();
+  copy_with(path, key, [](at::Tensor& t) {
     t[1][0] = 0x7F;  // E4M3FN NaN
-    return t;
   });
   const std::string msg = load_error(path);
-  EXPECT_NE(msg.find("'" + key + "'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("NaN"), std::string::npos) << msg;
+  expect_contains_all(msg, {"'" + key + "'", "NaN"});
   EXPECT_EQ(msg.find("tensor 'tensor'"), std::string::npos) << msg;
 }
 
@@ -97,16 +90,9 @@ TEST(ModelHardening, NegativeBlockScaleIsALoadErrorNamingTheEntry) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("neg_scale.dat");
   const std::string key = "model.layers.1.self_attn.o_proj.weight.scale";
-  copy_with(path, key, [](at::Tensor t) {
-    t = t.clone();
-    t[2][1] = static_cast<uint8_t>(t[2][1].item<uint8_t>() | 0x80);
-    return t;
-  });
-  const std::string msg = load_error(path);
-  EXPECT_NE(msg.find(path), std::string::npos) << msg;
-  EXPECT_NE(msg.find("'" + key + "'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("negative"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[2, 1]"), std::string::npos) << msg;
+  copy_with(path, key,
+            [](at::Tensor& t) { t[2][1] = static_cast<uint8_t>(t[2][1].item<uint8_t>() | 0x80); });
+  expect_contains_all(load_error(path), {path, "'" + key + "'", "negative", "[2, 1]"});
 }
 
 // config.json and the file disagree on the layer count: an error naming both and both counts
@@ -133,11 +119,7 @@ TEST(ModelHardening, LayerCountMismatchIsALoadError) {
 TEST(ModelHardening, Q4genWithNanWeightsExits2) {
   test::ScopedTempDir tmp("q4_hard_");
   const std::string path = tmp.path("nan.dat");
-  copy_with(path, "model.norm.weight", [](at::Tensor t) {
-    t = t.clone();
-    t[0] = NAN;
-    return t;
-  });
+  copy_with(path, "model.norm.weight", [](at::Tensor& t) { t[0] = NAN; });
   const q4::test::Result r =
       run_tool(tmp.dir(), std::string(Q4_BIN_DIR) + "/q4gen --config " + kConfig + " --weights " +
                               path + " --prompt-ids 1,2,3");

@@ -43,13 +43,7 @@ ModelOptions lora_options(bool merge_aware) {
   return o;
 }
 
-ModelInputs lora_inputs(const Qwen3Config& cfg) {
-  at::Generator gen = at::detail::createCPUGenerator(17);
-  ModelInputs in;
-  in.input_ids = at::randint(0, cfg.vocab_size, {2, 9}, gen, at::kLong);
-  in.labels = in.input_ids.clone();
-  return in;
-}
+ModelInputs lora_inputs(const Qwen3Config& cfg) { return random_inputs(cfg, 2, 9, /*seed=*/17); }
 
 // B of every adapter drawn away from zero (as after some training), the same in every call.
 void perturb_b(Qwen3Model& m) {

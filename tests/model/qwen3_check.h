@@ -1,6 +1,7 @@
 // Checks the Qwen3 model tests share (qwen3_*_test.cpp, cuda/qwen3_cuda_test.cpp): the fp32
 // options, the fixture's inputs, a loss + backward returning the gradients, an elementwise
-// closeness check (EXPECT_CLOSE) and the fixture's tolerances per backend.
+// closeness check (EXPECT_CLOSE), the fixture's tolerances per backend, and a .dat's layout
+// against another's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -90,6 +91,18 @@ inline const std::map<q4::test::Backend, FixtureTolerances> kFixtureFp32 = {
     {q4::test::Backend::kCpu, {{1e-4, 1e-5}, {1e-4, 1e-5}, {1e-3, 1e-5}}},
     {q4::test::Backend::kCuda, {{1e-4, 1e-5}, {1e-4, 1e-5}, {1e-3, 1e-5}}},
 };
+
+// `got` holds the entries of `want` in the same order, with the same keys, types and shapes.
+inline void expect_same_entry_layout(const DatReader& got, const DatReader& want) {
+  ASSERT_EQ(got.entries().size(), want.entries().size());
+  for (size_t i = 0; i < got.entries().size(); ++i) {
+    const io::DatEntry& a = got.entries()[i];
+    const io::DatEntry& b = want.entries()[i];
+    EXPECT_EQ(a.key, b.key);
+    EXPECT_EQ(a.type, b.type) << a.key;
+    EXPECT_EQ(a.shape, b.shape) << a.key;
+  }
+}
 
 inline void check_against_fixture(
     Qwen3Model& m, const DatReader& expected,

@@ -60,13 +60,7 @@ ModelOptions full_fp32() {
   return o;
 }
 
-ModelInputs inputs(const Qwen3Config& cfg) {
-  at::Generator gen = at::detail::createCPUGenerator(11);
-  ModelInputs in;
-  in.input_ids = at::randint(0, cfg.vocab_size, {2, 7}, gen, at::kLong);
-  in.labels = in.input_ids.clone();
-  return in;
-}
+ModelInputs inputs(const Qwen3Config& cfg) { return random_inputs(cfg, 2, 7, /*seed=*/11); }
 
 std::map<std::string, at::Tensor> loss_and_grads(Qwen3Model& m, const ModelInputs& in) {
   LossOutput lo = m.loss(in);

@@ -1,11 +1,14 @@
 // The tiny Qwen3 fixture the model tests share (tests/fixtures/qwen3_tiny.*: config, weights and
-// the HF transformers outputs they are checked against, fake-quantized and plain), and a relative
-// error for comparing outputs.
+// the HF transformers outputs they are checked against, fake-quantized and plain), seeded random
+// inputs, and a relative error for comparing outputs.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <string>
+
+#include "q4/model/qwen3.h"
+#include "q4/model/qwen3_config.h"
 
 namespace q4::model {
 
@@ -18,6 +21,16 @@ inline const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
 inline const std::string kPlainExpected = kFixtures + "/qwen3_tiny.plain_expected.dat";
 // The plain model at positions past 131,072 with the 2507 RoPE (make_far_positions_fixture.py).
 inline const std::string kFarPositions = kFixtures + "/qwen3_tiny.far_positions.dat";
+
+// (batch, len) random token ids below the vocabulary from `seed`, each its own label.
+inline ModelInputs random_inputs(const Qwen3Config& cfg, int64_t batch, int64_t len,
+                                 uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  ModelInputs in;
+  in.input_ids = at::randint(0, cfg.vocab_size, {batch, len}, gen, at::kLong);
+  in.labels = in.input_ids.clone();
+  return in;
+}
 
 // ||a - e|| / ||e|| in fp32 on the host.
 inline double rel_err(const at::Tensor& a, const at::Tensor& e) {

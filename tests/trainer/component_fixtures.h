@@ -39,17 +39,29 @@ struct ComponentTempDir {
   ~ComponentTempDir() { q4::io::remove_tree(path); }
 };
 
-inline model::Qwen3Model tiny_model(uint64_t seed = 7, bool offload_masters = false) {
+// The tiny Qwen3 with random weights of standard deviation `init_std` under the options `o`.
+inline model::Qwen3Model tiny_model_with(const model::ModelOptions& o, uint64_t seed,
+                                         double init_std) {
   const auto cfg =
       model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
+  return model::Qwen3Model::random_init(cfg, o, seed, init_std);
+}
+
+// fp32 masters, compute and gradients, everything trainable, no checkpointing.
+inline model::ModelOptions tiny_fp32_options() {
   model::ModelOptions o;
   o.master_dtype = at::kFloat;
   o.compute_dtype = at::kFloat;
   o.grad_dtype = at::kFloat;
   o.trainable = model::TrainableSpec::everything();
   o.gradient_checkpointing = false;
+  return o;
+}
+
+inline model::Qwen3Model tiny_model(uint64_t seed = 7, bool offload_masters = false) {
+  model::ModelOptions o = tiny_fp32_options();
   o.offload_masters = offload_masters;
-  return model::Qwen3Model::random_init(cfg, o, seed, 0.02);
+  return tiny_model_with(o, seed, 0.02);
 }
 
 // `count` examples of `len` random tokens below `vocab`; the second half of each is supervised.

@@ -155,14 +155,10 @@ TEST(ChunkedLossWithTerm, MatchesTheDenseLossAndItsGradients) {
 }
 
 model::Qwen3Model frozen_tiny(uint64_t seed) {
-  const auto cfg =
-      model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
-  model::ModelOptions o;
-  o.master_dtype = at::kFloat;
-  o.compute_dtype = at::kFloat;
+  model::ModelOptions o = tiny_fp32_options();
+  o.grad_dtype.reset();
   o.trainable = model::TrainableSpec::nothing();
-  o.gradient_checkpointing = false;
-  return model::Qwen3Model::random_init(cfg, o, seed, 0.05);
+  return tiny_model_with(o, seed, 0.05);
 }
 
 struct Fp64Parts {

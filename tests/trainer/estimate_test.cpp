@@ -448,18 +448,24 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([] {
-              tiny_config("train: {recompute_layers: 1}\n");
-            }).find("train.recompute_layers: set, but train.gradient_checkpointing is auto"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              tiny_config("train: {gradient_checkpointing: false, offload_layer_inputs: true}\n");
-            }).find("train.offload_layer_inputs: true, but train.gradient_checkpointing is false"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              tiny_config("train: {recompute_layers: -2}\n");
-            }).find("train.recompute_layers"),
-            std::string::npos);
+  // Each train: section refused as it is read, and a part of its message; kept blocks need
+  // gradient_checkpointing true.
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"{recompute_layers: 1}",
+       "train.recompute_layers: set, but train.gradient_checkpointing is auto"},
+      {"{gradient_checkpointing: false, offload_layer_inputs: true}",
+       "train.offload_layer_inputs: true, but train.gradient_checkpointing is false"},
+      {"{recompute_layers: -2}", "train.recompute_layers"},
+      {"{recompute_keep_mlp: 1}",
+       "train.recompute_keep_mlp: set, but train.gradient_checkpointing is auto"},
+      {"{gradient_checkpointing: false, recompute_keep_attention: 1}",
+       "train.recompute_keep_attention: set, but train.gradient_checkpointing is false"},
+      {"{recompute_keep_attention: -1}", "train.recompute_keep_attention"},
+  };
+  for (const auto& [train, part] : refused) {
+    const std::string m = message([&] { tiny_config("train: " + train + "\n"); });
+    EXPECT_NE(m.find(part), std::string::npos) << train << ": " << m;
+  }
   const Config c = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 3}\n");
   EXPECT_NE(message([&] {
               load_model_config(c);
@@ -469,21 +475,7 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
   EXPECT_NO_THROW(load_model_config(ok));
   EXPECT_TRUE(model_options(ok).recomputes(0));
   EXPECT_FALSE(model_options(ok).recomputes(1));
-  // Kept blocks: with gradient_checkpointing true, at most the recomputed layers.
-  EXPECT_NE(message([] {
-              tiny_config("train: {recompute_keep_mlp: 1}\n");
-            }).find("train.recompute_keep_mlp: set, but train.gradient_checkpointing is auto"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              tiny_config("train: {gradient_checkpointing: false, recompute_keep_attention: 1}\n");
-            })
-                .find("train.recompute_keep_attention: set, but train.gradient_checkpointing is "
-                      "false"),
-            std::string::npos);
-  EXPECT_NE(message([] {
-              tiny_config("train: {recompute_keep_attention: -1}\n");
-            }).find("train.recompute_keep_attention"),
-            std::string::npos);
+  // Kept blocks: at most the recomputed layers.
   const Config many = tiny_config(
       "train: {gradient_checkpointing: true, recompute_layers: 1, recompute_keep_attention: 1, "
       "recompute_keep_mlp: 1}\n");

@@ -110,14 +110,11 @@ void on_two_ranks(const std::function<void(DistComm&)>& body) {
 // (a layer's recompute in the backward reads its masters again). Every call gives the same
 // masters.
 model::Qwen3Model bf16_model() {
-  const auto cfg =
-      model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_tiny.config.json");
-  model::ModelOptions o;
+  model::ModelOptions o = tiny_fp32_options();
   o.master_dtype = at::kBFloat16;
-  o.compute_dtype = at::kFloat;
-  o.trainable = model::TrainableSpec::everything();
+  o.grad_dtype.reset();  // the default for bf16 masters
   o.gradient_checkpointing = true;
-  return model::Qwen3Model::random_init(cfg, o, /*seed=*/7, 0.02);
+  return tiny_model_with(o, /*seed=*/7, 0.02);
 }
 
 std::vector<at::Tensor> trainable_masters(model::Qwen3Model& m) {

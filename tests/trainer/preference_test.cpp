@@ -309,6 +309,22 @@ Config preference_fixture_config(const std::string& dir) {
   return c;
 }
 
+// `other` written to `path` as a .dat (lm_head not quantized); returns the path.
+std::string write_reference(const q4::model::Qwen3Model& other, const std::filesystem::path& path) {
+  q4::model::write_dat(other, path.string(), /*quantize_lm_head=*/false);
+  return path.string();
+}
+
+// The tests of preference.reference: the policy (seed 7), another model (seed 11) written to
+// <tmp>/reference.dat, the preference pairs in batches of 4 and the fixture's config.
+struct SeparateReference {
+  q4::trainer::testing::ComponentTempDir tmp;
+  q4::model::Qwen3Model policy = tiny_model(7);
+  std::string ref_path = write_reference(tiny_model(11), tmp.path / "reference.dat");
+  q4::data::Batcher train{pair_examples(policy.config().vocab_size), pair_batches(4)};
+  Config c = preference_fixture_config(tmp.path.string());
+};
+
 }  // namespace
 
 // The objective on one micro-batch of 4 pairs against the loss written out in fp64 from each
@@ -423,35 +439,29 @@ TEST(PreferenceObjective, ThroughTheStepTheFirstLossIsLog2) {
 // (its NVFP4 linears dequantized, the values a fake-quantized forward of its masters uses), the
 // scores go to output.dir, and a second call reads them back instead of loading the model again.
 TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
-  q4::trainer::testing::ComponentTempDir tmp;
-  auto policy = tiny_model(7), other = tiny_model(11);
-  const int64_t V = policy.config().vocab_size;
-  const std::string ref_path = (tmp.path / "reference.dat").string();
-  q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
-  q4::data::Batcher train(pair_examples(V), pair_batches(4));
-  Config c = preference_fixture_config(tmp.path.string());
-  c.preference.reference = ref_path;
+  SeparateReference f;
+  f.c.preference.reference = f.ref_path;
   std::ostringstream out;
-  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, out);
-  EXPECT_NE(out.str().find("reference " + ref_path), std::string::npos) << out.str();
+  const ReferenceLogprobs r = reference_logprobs(f.c, f.policy, f.train, nullptr, true, out);
+  EXPECT_NE(out.str().find("reference " + f.ref_path), std::string::npos) << out.str();
   // The same file loaded frozen here scores the same sums bit for bit.
   q4::model::ModelOptions o;
   o.master_dtype = o.compute_dtype = at::kFloat;
   o.trainable = q4::model::TrainableSpec::nothing();
-  q4::model::DatReader reader(ref_path);
-  auto loaded = q4::model::Qwen3Model::load(policy.config(), reader, o);
+  q4::model::DatReader reader(f.ref_path);
+  auto loaded = q4::model::Qwen3Model::load(f.policy.config(), reader, o);
   std::ostringstream sink;
-  const auto want = sequence_logprobs_of(loaded, train.examples(), pair_batches(4), sink, "t");
-  const auto mine = sequence_logprobs_of(policy, train.examples(), pair_batches(4), sink, "t");
+  const auto want = sequence_logprobs_of(loaded, f.train.examples(), pair_batches(4), sink, "t");
+  const auto mine = sequence_logprobs_of(f.policy, f.train.examples(), pair_batches(4), sink, "t");
   EXPECT_EQ(r.train, want);
   double far = 0;
   for (size_t i = 0; i < want.size(); ++i) far = std::max(far, std::fabs(r.train[i] - mine[i]));
   EXPECT_GT(far, 0.1) << "the reference scored like the policy";
   EXPECT_TRUE(r.validation.empty());
   // Read back, not recomputed (the reference file is gone: loading it would fail).
-  std::filesystem::remove(ref_path);
+  std::filesystem::remove(f.ref_path);
   std::ostringstream again;
-  const ReferenceLogprobs r2 = reference_logprobs(c, policy, train, nullptr, true, again);
+  const ReferenceLogprobs r2 = reference_logprobs(f.c, f.policy, f.train, nullptr, true, again);
   EXPECT_NE(again.str().find("read from"), std::string::npos) << again.str();
   EXPECT_EQ(r2.train, r.train);
 }
@@ -460,34 +470,29 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
 // another preference.reference is refused (it used to read the stale scores while logging the
 // new model), a damaged file is refused naming it, a file without a checksum is scored again.
 TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
-  q4::trainer::testing::ComponentTempDir tmp;
-  auto policy = tiny_model(7), other = tiny_model(11);
-  const int64_t V = policy.config().vocab_size;
-  const std::string ref_path = (tmp.path / "reference.dat").string();
-  q4::model::write_dat(other, ref_path, /*quantize_lm_head=*/false);
-  q4::data::Batcher train(pair_examples(V), pair_batches(4));
-  Config c = preference_fixture_config(tmp.path.string());
+  SeparateReference f;
   std::ostringstream out;
-  const ReferenceLogprobs by_policy = reference_logprobs(c, policy, train, nullptr, true, out);
-  const std::string file = (tmp.path / kReferenceFile).string();
+  const ReferenceLogprobs by_policy =
+      reference_logprobs(f.c, f.policy, f.train, nullptr, true, out);
+  const std::string file = (f.tmp.path / kReferenceFile).string();
   auto error_of = [&](const Config& cc) -> std::string {
     std::ostringstream sink;
     try {
-      reference_logprobs(cc, policy, train, nullptr, true, sink);
+      reference_logprobs(cc, f.policy, f.train, nullptr, true, sink);
     } catch (const ConfigError& e) {
       return e.what();
     }
     return "no error: " + sink.str();
   };
   // Another reference on resume: refused, naming the key, both models and the file.
-  Config changed = c;
-  changed.preference.reference = ref_path;
+  Config changed = f.c;
+  changed.preference.reference = f.ref_path;
   const std::string m = error_of(changed);
-  EXPECT_NE(m.find("config key preference.reference: " + ref_path), std::string::npos) << m;
+  EXPECT_NE(m.find("config key preference.reference: " + f.ref_path), std::string::npos) << m;
   EXPECT_NE(m.find("the starting model"), std::string::npos) << m;
   EXPECT_NE(m.find(file), std::string::npos) << m;
   // The same reference reads back.
-  EXPECT_EQ(error_of(c).rfind("no error", 0), 0u);
+  EXPECT_EQ(error_of(f.c).rfind("no error", 0), 0u);
 
   // Rewrites the file's entries with `edit` applied to reference.train; `keep_checksum` false
   // leaves out the checksum (and model) entries, as an older q4train wrote the file.
@@ -503,15 +508,15 @@ TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
     w.commit();
   };
   rewrite([](at::Tensor& t) { t.fill_(std::nan("")); }, /*keep_checksum=*/true);
-  const std::string d = error_of(c);
+  const std::string d = error_of(f.c);
   EXPECT_NE(d.find(file + " is damaged (checksum mismatch)"), std::string::npos) << d;
   // Without a checksum (all NaN, as in an older file): computed again, finite, written anew.
   rewrite([](at::Tensor& t) { t.fill_(std::nan("")); }, /*keep_checksum=*/false);
   std::ostringstream again;
-  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, again);
+  const ReferenceLogprobs r = reference_logprobs(f.c, f.policy, f.train, nullptr, true, again);
   EXPECT_NE(again.str().find("has no checksum"), std::string::npos) << again.str();
   EXPECT_EQ(r.train, by_policy.train);
-  EXPECT_EQ(error_of(c).rfind("no error", 0), 0u);
+  EXPECT_EQ(error_of(f.c).rfind("no error", 0), 0u);
 }
 
 // A stop signal during the reference pass ends it at the next batch and writes nothing (it used

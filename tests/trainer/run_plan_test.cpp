@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <type_traits>
 
 #include "component_fixtures.h"
@@ -238,33 +239,47 @@ TEST(RunPlan, ObjectiveRulesErrWithOneLineNamingTheKeys) {
     ASSERT_FALSE(m.empty());
     for (const auto& k : keys) EXPECT_NE(m.find(k), std::string::npos) << m << " / " << k;
   };
-  const Config base = cpu_config("runs/x");
-  Config d = base;
-  d.train.objective = ObjectiveKind::kDistill;
-  check(d, {"distill.teacher", "distill.topk_file", "train.objective"});
-  d.distill.topk_file = "t.dat";
-  d.distill.divergence = Divergence::kReverseKl;
-  check(d, {"distill.divergence", "distill.topk_file"});
-  Config t = base;
-  t.distill.teacher = "t.dat";
-  check(t, {"distill.teacher", "train.objective"});
-  t = base;
-  t.distill.topk_file = "t.dat";
-  check(t, {"distill.topk_file", "train.objective"});
-  Config p = base;
-  p.train.objective = ObjectiveKind::kPreference;
-  p.train.batch_size = 3;
-  check(p, {"train.batch_size", "train.objective"});
-  p.train.batch_size = 2;
-  p.data.truncation = Truncation::kSplit;
-  check(p, {"data.truncation"});
-  p.data.truncation = Truncation::kAuto;
-  p.preference.reference = "r.dat";
-  p.preference.loss = PreferenceLossKind::kSimpo;
-  check(p, {"preference.reference", "preference.loss"});
-  Config r = base;
-  r.preference.reference = "r.dat";
-  check(r, {"preference.reference", "train.objective"});
+  // Each case: its changes to a CPU config, and the keys the error names.
+  struct Case {
+    std::function<void(Config&)> edit;
+    std::vector<std::string> keys;
+  };
+  const std::vector<Case> cases = {
+      {[](Config& c) { c.train.objective = ObjectiveKind::kDistill; },
+       {"distill.teacher", "distill.topk_file", "train.objective"}},
+      {[](Config& c) {
+         c.train.objective = ObjectiveKind::kDistill;
+         c.distill.topk_file = "t.dat";
+         c.distill.divergence = Divergence::kReverseKl;
+       },
+       {"distill.divergence", "distill.topk_file"}},
+      {[](Config& c) { c.distill.teacher = "t.dat"; }, {"distill.teacher", "train.objective"}},
+      {[](Config& c) { c.distill.topk_file = "t.dat"; }, {"distill.topk_file", "train.objective"}},
+      {[](Config& c) {
+         c.train.objective = ObjectiveKind::kPreference;
+         c.train.batch_size = 3;
+       },
+       {"train.batch_size", "train.objective"}},
+      {[](Config& c) {
+         c.train.objective = ObjectiveKind::kPreference;
+         c.data.truncation = Truncation::kSplit;
+       },
+       {"data.truncation"}},
+      {[](Config& c) {
+         c.train.objective = ObjectiveKind::kPreference;
+         c.preference.reference = "r.dat";
+         c.preference.loss = PreferenceLossKind::kSimpo;
+       },
+       {"preference.reference", "preference.loss"}},
+      {[](Config& c) { c.preference.reference = "r.dat"; },
+       {"preference.reference", "train.objective"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE("case " + std::to_string(i));
+    Config c = cpu_config("runs/x");
+    cases[i].edit(c);
+    check(c, cases[i].keys);
+  }
 }
 
 // --dry-run prints the plan as a short block.

@@ -32,6 +32,15 @@ void expect_close(const std::vector<at::Tensor>& a, const std::vector<at::Tensor
   }
 }
 
+// Two batchers of the same `count` random examples of 12 tokens in batches of 2: one for each rig
+// of a side-by-side comparison.
+struct SameData {
+  std::unique_ptr<data::Batcher> a, b;
+};
+SameData same_data(int64_t count, int64_t vocab) {
+  return {random_batcher(count, 12, vocab, 2), random_batcher(count, 12, vocab, 2)};
+}
+
 // Three steps of `resident` and `offloaded` (optim.offload: all) with config `c`, one rig each
 // on the same data: losses and gradient norms must be equal, then the masters, bit for bit.
 void expect_offload_matches(const Config& c, model::Qwen3Model& resident,
@@ -39,9 +48,7 @@ void expect_offload_matches(const Config& c, model::Qwen3Model& resident,
                             const std::string& what) {
   SupervisedCrossEntropy ce;
   StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
-  const int64_t V = resident.config().vocab_size;
-  auto b1 = random_batcher(8, 12, V, 2);
-  auto b2 = random_batcher(8, 12, V, 2);
+  auto [b1, b2] = same_data(8, resident.config().vocab_size);
   for (int64_t step = 0; step < 3; ++step) {
     const StepOutcome s1 = r1.step->run(step, *b1);
     const StepOutcome s2 = r2.step->run(step, *b2);
@@ -89,9 +96,7 @@ TEST(TrainStep, InBackwardUpdatesEqualBufferedOnes) {
     const Config c = cpu_config("unused", accum);
     StepRig buffered(c, m1, ce), in_backward(c, m2, ce, /*in_backward=*/true);
     EXPECT_TRUE(in_backward.step->in_backward());
-    const int64_t V = m1.config().vocab_size;
-    auto b1 = random_batcher(12, 12, V, 2);
-    auto b2 = random_batcher(12, 12, V, 2);
+    auto [b1, b2] = same_data(12, m1.config().vocab_size);
     for (int64_t step = 0; step < 2; ++step) {
       const StepOutcome s1 = buffered.step->run(step, *b1);
       const StepOutcome s2 = in_backward.step->run(step, *b2);
@@ -276,9 +281,7 @@ TEST(TrainStep, DrawsFromAnyBatchSource) {
   SupervisedCrossEntropy ce;
   const Config c = cpu_config("unused", /*grad_accum=*/2);
   StepRig r1(c, m1, ce), r2(c, m2, ce);
-  const int64_t V = m1.config().vocab_size;
-  auto b1 = random_batcher(8, 12, V, 2);
-  auto b2 = random_batcher(8, 12, V, 2);
+  auto [b1, b2] = same_data(8, m1.config().vocab_size);
   std::vector<data::Batch> list;
   for (int i = 0; i < 4; ++i) list.push_back(b2->next());
   ListSource source(std::move(list));

@@ -2,12 +2,15 @@
 #include "q4/test/process.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 
 #include "q4/test/files.h"
 
@@ -59,6 +62,22 @@ pid_t spawn_logged(const std::string& exe, const std::vector<std::string>& args,
   argv.push_back(nullptr);
   ::execv(exe.c_str(), argv.data());
   ::_exit(127);
+}
+
+bool wait_for_text(const fs::path& log, const std::string& text, int seconds, int poll_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (read_text(log).find(text) == std::string::npos) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+  }
+  return true;
+}
+
+int signal_and_wait(pid_t pid, int sig) {
+  ::kill(pid, sig);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return exit_code(status);
 }
 
 }  // namespace q4::test

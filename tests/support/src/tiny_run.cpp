@@ -51,6 +51,17 @@ fs::path TinyRun::write_fresh(const std::string& group, const std::string& name)
   return dir;
 }
 
+fs::path write_checkpointing_run(const std::string& group, const std::string& name, int64_t steps,
+                                 int64_t checkpoint_every, const std::string& output_extra) {
+  TinyRun t;
+  t.steps = steps;
+  t.output_extra = "  keep: 5\n" + output_extra;
+  if (checkpoint_every >= 0) {
+    t.output_extra += "  checkpoint_every: " + std::to_string(checkpoint_every) + "\n";
+  }
+  return t.write_fresh(group, name);
+}
+
 std::vector<std::string> config_args(const fs::path& dir, const std::vector<std::string>& sets) {
   std::vector<std::string> a = {"--config", (dir / "config.yaml").string()};
   for (const auto& s : sets) {

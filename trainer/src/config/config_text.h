@@ -107,22 +107,24 @@ inline int64_t read_int(const std::string& key, const YAML::Node& n, const std::
   return v;
 }
 
-inline double read_double(const std::string& key, const YAML::Node& n, const std::string& src) {
-  if (!n.IsScalar()) type_error(key, n, src, "a number");
+// A scalar converted by yaml-cpp to T; anything else is a type error expecting `expected`.
+template <typename T>
+T read_scalar_as(const std::string& key, const YAML::Node& n, const std::string& src,
+                 const std::string& expected) {
+  if (!n.IsScalar()) type_error(key, n, src, expected);
   try {
-    return n.as<double>();
+    return n.as<T>();
   } catch (const YAML::Exception&) {
-    type_error(key, n, src, "a number");
+    type_error(key, n, src, expected);
   }
 }
 
+inline double read_double(const std::string& key, const YAML::Node& n, const std::string& src) {
+  return read_scalar_as<double>(key, n, src, "a number");
+}
+
 inline bool read_bool(const std::string& key, const YAML::Node& n, const std::string& src) {
-  if (!n.IsScalar()) type_error(key, n, src, "true or false");
-  try {
-    return n.as<bool>();
-  } catch (const YAML::Exception&) {
-    type_error(key, n, src, "true or false");
-  }
+  return read_scalar_as<bool>(key, n, src, "true or false");
 }
 
 inline std::vector<std::string> read_string_list(const std::string& key, const YAML::Node& n,

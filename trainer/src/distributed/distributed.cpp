@@ -196,6 +196,19 @@ struct DistComm::Impl {
                                " failed: " + e.what_without_backtrace());
     }
   }
+  // The collective `start(v)` on the one-tensor list v of `t` as the backend carries it (widen);
+  // a widened result is copied back into `t` once the collective is done.
+  template <class Start>
+  DistWork run_widened(const char* what, const at::Tensor& t, Start&& start) {
+    return guarded(what, [&] {
+      const bool wide = widen(t);
+      const at::Tensor x = wide ? t.to(at::kFloat) : t;
+      std::vector<at::Tensor> v{x};
+      std::function<void()> after;
+      if (wide) after = [t, x] { t.copy_(x); };
+      return wrap(start(v), what, std::move(after));
+    });
+  }
 };
 
 DistComm::DistComm() : impl_(std::make_unique<Impl>()) {}
@@ -289,29 +302,19 @@ int DistComm::world_size() const { return impl_->world.world_size; }
 const std::string& DistComm::backend() const { return impl_->backend; }
 
 DistWork DistComm::reduce_sum(const at::Tensor& t, int root) {
-  return impl_->guarded("reduce", [&] {
-    const bool wide = impl_->widen(t);
-    const at::Tensor x = wide ? t.to(at::kFloat) : t;
-    std::vector<at::Tensor> v{x};
+  return impl_->run_widened("reduce", t, [&](std::vector<at::Tensor>& v) {
     c10d::ReduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
     o.rootRank = root;
-    std::function<void()> after;
-    if (wide) after = [t, x] { t.copy_(x); };
-    return impl_->wrap(impl_->pg->reduce(v, o), "reduce", std::move(after));
+    return impl_->pg->reduce(v, o);
   });
 }
 
 DistWork DistComm::broadcast(const at::Tensor& t, int root) {
-  return impl_->guarded("broadcast", [&] {
-    const bool wide = impl_->widen(t);
-    const at::Tensor x = wide ? t.to(at::kFloat) : t;
-    std::vector<at::Tensor> v{x};
+  return impl_->run_widened("broadcast", t, [&](std::vector<at::Tensor>& v) {
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    std::function<void()> after;
-    if (wide) after = [t, x] { t.copy_(x); };
-    return impl_->wrap(impl_->pg->broadcast(v, o), "broadcast", std::move(after));
+    return impl_->pg->broadcast(v, o);
   });
 }
 

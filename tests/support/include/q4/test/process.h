@@ -39,4 +39,13 @@ Result run_piped(const std::string& cmd);
 pid_t spawn_logged(const std::string& exe, const std::vector<std::string>& args,
                    const std::filesystem::path& log);
 
+// Waits until the file `log` holds `text`, reading it every `poll_ms` milliseconds, for at most
+// `seconds`; returns whether it does.
+bool wait_for_text(const std::filesystem::path& log, const std::string& text, int seconds,
+                   int poll_ms = 20);
+
+// Sends the signal `sig` to the child `pid` and waits for it to end; returns its exit code (-1
+// when it did not exit normally).
+int signal_and_wait(pid_t pid, int sig);
+
 }  // namespace q4::test

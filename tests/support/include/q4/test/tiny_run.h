@@ -60,6 +60,13 @@ struct TinyRun {
   std::filesystem::path write_fresh(const std::string& group, const std::string& name) const;
 };
 
+// write_fresh(group, name) of a TinyRun of `steps` steps that keeps 5 checkpoints, one every
+// `checkpoint_every` steps (< 0 leaves the key out: the default cadence), with the lines
+// `output_extra` added to output:.
+std::filesystem::path write_checkpointing_run(const std::string& group, const std::string& name,
+                                              int64_t steps, int64_t checkpoint_every,
+                                              const std::string& output_extra = "");
+
 // {"--config", dir/config.yaml} followed by "--set", s for each of `sets`.
 std::vector<std::string> config_args(const std::filesystem::path& dir,
                                      const std::vector<std::string>& sets = {});
