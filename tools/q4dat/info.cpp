@@ -50,13 +50,49 @@ std::string moe_summary(const q4::model::Qwen3Config& c) {
                      c.moe.num_experts_per_tok, n, c.num_hidden_layers, layers);
 }
 
+// The same facts for --json, on an MoE config only (else null).
+nlohmann::json moe_json(const std::optional<q4::model::Qwen3Config>& c) {
+  if (!c || !c->is_moe()) return nullptr;
+  nlohmann::json sparse = nlohmann::json::array();
+  for (int64_t l = 0; l < c->num_hidden_layers; ++l) {
+    if (c->is_moe_layer(l)) sparse.push_back(l);
+  }
+  return {{"num_experts", c->moe.num_experts},
+          {"num_experts_per_tok", c->moe.num_experts_per_tok},
+          {"sparse_layers", std::move(sparse)}};
+}
+
+// "[rows, cols]", or "[E experts x rows/E, cols]" for a stacked expert matrix.
+std::string pair_shape(const Nvfp4Pair& p, const DatReader& r,
+                       const std::optional<q4::model::Qwen3Config>& cfg) {
+  const int64_t e = stacked_experts(p.name, r, cfg);
+  return e > 0 && p.rows % e == 0 ? fmt::format("[{} experts x {}, {}]", e, p.rows / e, p.cols)
+                                  : fmt::format("[{}, {}]", p.rows, p.cols);
+}
+
+// One object per entry: index, key, type, type code, shape, offset, bytes.
+nlohmann::json entries_json(const std::vector<DatEntry>& es) {
+  nlohmann::json entries = nlohmann::json::array();
+  for (size_t i = 0; i < es.size(); ++i) {
+    const DatEntry& e = es[i];
+    entries.push_back({{"index", i},
+                       {"key", e.key},
+                       {"type", q4::io::elem_type_name(e.type)},
+                       {"type_code", static_cast<uint32_t>(e.type)},
+                       {"shape", e.shape},
+                       {"offset", e.offset},
+                       {"bytes", e.nbytes}});
+  }
+  return entries;
+}
+
 }  // namespace
 
 int run_info(const InfoOptions& o) {
-  std::optional<q4::model::Qwen3Config> cfg;
-  if (!o.config.empty()) {
-    cfg = as_input([&] { return q4::model::Qwen3Config::from_json_file(o.config); });
-  }
+  const auto cfg = as_input([&]() -> std::optional<q4::model::Qwen3Config> {
+    if (o.config.empty()) return std::nullopt;
+    return q4::model::Qwen3Config::from_json_file(o.config);
+  });
   const auto r = as_input([&] { return std::make_unique<DatReader>(o.file); });
   const auto& es = r->entries();
   const std::vector<Nvfp4Pair> pairs = find_nvfp4_pairs(*r, /*strict=*/false);
@@ -88,18 +124,7 @@ int run_info(const InfoOptions& o) {
     j["file"] = o.file;
     j["file_size_bytes"] = r->file_size_bytes();
     j["num_entries"] = es.size();
-    nlohmann::json entries = nlohmann::json::array();
-    for (size_t i = 0; i < es.size(); ++i) {
-      const DatEntry& e = es[i];
-      entries.push_back({{"index", i},
-                         {"key", e.key},
-                         {"type", q4::io::elem_type_name(e.type)},
-                         {"type_code", static_cast<uint32_t>(e.type)},
-                         {"shape", e.shape},
-                         {"offset", e.offset},
-                         {"bytes", e.nbytes}});
-    }
-    j["entries"] = std::move(entries);
+    j["entries"] = entries_json(es);
     nlohmann::json jp = nlohmann::json::array();
     for (const Nvfp4Pair& p : pairs) {
       const uint64_t b = es[p.qdata_index].nbytes + es[p.scale_index].nbytes;
@@ -112,15 +137,7 @@ int run_info(const InfoOptions& o) {
       if (const int64_t e = stacked_experts(p.name, *r, cfg)) jp.back()["experts"] = e;
     }
     j["nvfp4"] = std::move(jp);
-    if (cfg && cfg->is_moe()) {
-      nlohmann::json sparse = nlohmann::json::array();
-      for (int64_t l = 0; l < cfg->num_hidden_layers; ++l) {
-        if (cfg->is_moe_layer(l)) sparse.push_back(l);
-      }
-      j["moe"] = {{"num_experts", cfg->moe.num_experts},
-                  {"num_experts_per_tok", cfg->moe.num_experts_per_tok},
-                  {"sparse_layers", std::move(sparse)}};
-    }
+    if (cfg && cfg->is_moe()) j["moe"] = moe_json(cfg);
     nlohmann::json bt = nlohmann::json::object();
     for (const auto& [name, t] : by_type) bt[name] = {{"entries", t.entries}, {"bytes", t.bytes}};
     j["totals"] = {{"payload_bytes", payload},
@@ -159,11 +176,7 @@ int run_info(const InfoOptions& o) {
                nvfp4_params, nvfp4_bytes, bits(nvfp4_bytes, nvfp4_params));
     for (const Nvfp4Pair& p : pairs) {
       const uint64_t b = es[p.qdata_index].nbytes + es[p.scale_index].nbytes;
-      const int64_t e = stacked_experts(p.name, *r, cfg);
-      const std::string shape = e > 0 && p.rows % e == 0
-                                    ? fmt::format("[{} experts x {}, {}]", e, p.rows / e, p.cols)
-                                    : fmt::format("[{}, {}]", p.rows, p.cols);
-      fmt::print("  {:<{}}  {}  {:.3f} bits/param\n", p.name, key_w, shape,
+      fmt::print("  {:<{}}  {}  {:.3f} bits/param\n", p.name, key_w, pair_shape(p, *r, cfg),
                  bits(b, static_cast<uint64_t>(p.rows * p.cols)));
     }
   }
