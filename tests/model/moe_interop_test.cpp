@@ -159,6 +159,20 @@ TEST_F(MoeInteropTest, DenseImportOfTransformersFolderIsTheFixture) {
     ASSERT_EQ(a.nbytes(), b.nbytes()) << e.key;
     EXPECT_EQ(std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()), 0) << e.key;
   }
+  // Exported again (its fp32 kept: ModelOpt layout, dense experts listed as excluded), every
+  // tensor is transformers' own, per expert.
+  export_hf(got, read_json(kMoeConfig), path("again"), {});
+  const SafetensorsModel a(path("again")), t(kMoeHf);
+  EXPECT_EQ(a.names(), t.names());
+  for (const std::string& n : t.names()) {
+    const auto x = a.at(n), y = t.at(n);
+    EXPECT_EQ(x.tensor->dtype, StDtype::kF32) << n;
+    EXPECT_TRUE(at::equal(x.file->load(*x.tensor), y.file->load(*y.tensor))) << n;
+  }
+  const json ex = read_json(fs::path(path("again")) / "hf_quant_config.json");
+  const json& mods = ex["quantization"]["exclude_modules"];
+  EXPECT_NE(std::find(mods.begin(), mods.end(), "model.layers.2.mlp.experts.7.down_proj"),
+            mods.end());
   // The quantizing import: each stacked pair is the reference quantization of the stacked weights.
   const HfImportReport rep = import_hf(kMoeHf, path("q.dat"));
   EXPECT_TRUE(rep.ignored.empty());
