@@ -34,6 +34,8 @@ struct OutTensor {
   enum class Src { kCopy, kConvert, kDequant, kOne } src;
   const DatEntry* entry = nullptr;  // kCopy / kConvert: the .dat entry
   DatNvfp4Pair pair{};              // kDequant: the pair
+  // The rows written (of the entry or pair): one expert of a stacked expert matrix; -1: all.
+  int64_t row0 = 0, rows = -1;
   uint64_t bytes() const { return SafetensorsWriter::tensor_bytes(decl); }
 };
 
@@ -58,24 +60,32 @@ void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w
       return;
     }
     case OutTensor::Src::kCopy: {
+      const DatEntry& e = *t.entry;
+      uint64_t begin = e.offset, nbytes = e.nbytes;
+      if (t.rows >= 0) {  // whole rows of a row-major entry
+        const uint64_t row_bytes = e.nbytes / static_cast<uint64_t>(e.shape[0]);
+        begin += static_cast<uint64_t>(t.row0) * row_bytes;
+        nbytes = static_cast<uint64_t>(t.rows) * row_bytes;
+      }
       std::vector<uint8_t> buf;
       const uint64_t chunk = uint64_t{64} << 20;
-      for (uint64_t off = 0; off < t.entry->nbytes; off += chunk) {
-        const uint64_t n = std::min(chunk, t.entry->nbytes - off);
+      for (uint64_t off = 0; off < nbytes; off += chunk) {
+        const uint64_t n = std::min(chunk, nbytes - off);
         buf.resize(n);
-        src.read_range(t.entry->offset + off, n, buf.data());
+        src.read_range(begin + off, n, buf.data());
         w.append(buf.data(), n);
       }
       return;
     }
     case OutTensor::Src::kConvert: {  // raw float -> another float type, row chunks
       const DatEntry& e = *t.entry;
-      const int64_t rows = e.shape.empty() ? 1 : e.shape[0];
-      const int64_t cols = rows ? e.numel() / std::max<int64_t>(rows, 1) : 0;
+      const int64_t all = e.shape.empty() ? 1 : e.shape[0];
+      const int64_t cols = all ? e.numel() / std::max<int64_t>(all, 1) : 0;
       const int64_t step = std::max<int64_t>(1, kHfChunkElems / std::max<int64_t>(cols, 1));
       const uint64_t row_bytes = static_cast<uint64_t>(cols) * elem_size_bytes(e.type);
-      for (int64_t r0 = 0; r0 < rows; r0 += step) {
-        const int64_t n = std::min(step, rows - r0);
+      const int64_t end = t.rows >= 0 ? t.row0 + t.rows : all;
+      for (int64_t r0 = t.row0; r0 < end; r0 += step) {
+        const int64_t n = std::min(step, end - r0);
         at::Tensor x = at::empty({n, cols}, at::TensorOptions().dtype(elem_scalar_type(e.type)));
         src.read_range(e.offset + static_cast<uint64_t>(r0) * row_bytes, x.nbytes(), x.data_ptr());
         w.append(x.to(st_storage_scalar_type(t.decl.dtype)).contiguous());
@@ -87,8 +97,9 @@ void write_tensor(const DatReader& src, const OutTensor& t, SafetensorsWriter& w
       const DatEntry& q = src.entries()[p.qdata_index];
       const DatEntry& s = src.entries()[p.scale_index];
       const int64_t step = std::max<int64_t>(1, kHfChunkElems / p.cols);
-      for (int64_t r0 = 0; r0 < p.rows; r0 += step) {
-        const int64_t n = std::min(step, p.rows - r0);
+      const int64_t end = t.rows >= 0 ? t.row0 + t.rows : p.rows;
+      for (int64_t r0 = t.row0; r0 < end; r0 += step) {
+        const int64_t n = std::min(step, end - r0);
         at::Tensor qd = at::empty({n, p.cols / 2}, at::TensorOptions().dtype(at::kByte));
         at::Tensor sc = at::empty({n, p.cols / 16}, at::TensorOptions().dtype(at::kByte));
         src.read_range(q.offset + static_cast<uint64_t>(r0 * p.cols / 2), qd.nbytes(),
@@ -197,15 +208,18 @@ namespace {
 struct ExportPlan {
   std::vector<OutTensor> tensors;
   std::vector<std::string> unquantized;  // modules left dense (exclude_modules / ignore)
+  std::vector<std::string> routers;      // MoE routers (mlp.gate), never quantized
   std::optional<DatNvfp4Pair> lm_head_pair;
   std::optional<ElemType> qdata_type;
   bool mixed_qdata = false;
 };
 
 // An NVFP4 pair: its bytes copied as the layout names them, or dequantized to BF16 (a dense
-// export, and lm_head, which vLLM loads unquantized).
+// export, and lm_head, which vLLM loads unquantized). A stacked expert matrix (`experts` > 0)
+// leaves as its experts' tensors (mlp.experts.<e>.<proj>.*), each a row range of the pair.
 void plan_nvfp4(const DatReader& src, const ParamSpec& p, const DatNvfp4Pair& pair,
-                const std::string& where, HfFormat format, ExportPlan* plan, HfExportReport* rep) {
+                const std::string& where, HfFormat format, int64_t experts, ExportPlan* plan,
+                HfExportReport* rep) {
   const bool ct = format == HfFormat::kCompressedTensors;
   TORCH_CHECK(p.kind == ParamKind::kQuantizedLinear, where,
               " is stored as NVFP4 but is not a linear weight");
@@ -214,9 +228,16 @@ void plan_nvfp4(const DatReader& src, const ParamSpec& p, const DatNvfp4Pair& pa
   check_scales(src, pair);
   const DatEntry& qe = src.entries()[pair.qdata_index];
   const DatEntry& se = src.entries()[pair.scale_index];
+  const int64_t parts = std::max<int64_t>(experts, 1), rows = pair.rows / parts;
+  const auto name_of = [&](int64_t e) { return experts ? expert_tensor_name(p.name, e) : p.name; };
   if (format == HfFormat::kBf16 || p.group == ParamGroup::kLmHead) {
-    plan->tensors.push_back(
-        {{p.name, StDtype::kBF16, p.shape}, OutTensor::Src::kDequant, nullptr, pair});
+    for (int64_t e = 0; e < parts; ++e) {
+      OutTensor t{
+          {name_of(e), StDtype::kBF16, {rows, pair.cols}}, OutTensor::Src::kDequant, nullptr, pair};
+      t.row0 = e * rows;
+      t.rows = rows;
+      plan->tensors.push_back(t);
+    }
     if (format != HfFormat::kBf16) {
       // vLLM loads no quantized lm_head: dequantized (exactly) to BF16.
       plan->lm_head_pair = pair;
@@ -227,17 +248,23 @@ void plan_nvfp4(const DatReader& src, const ParamSpec& p, const DatNvfp4Pair& pa
   }
   if (plan->qdata_type && *plan->qdata_type != qe.type) plan->mixed_qdata = true;
   plan->qdata_type = qe.type;
-  const std::string m = module_of(p.name);
-  plan->tensors.push_back({{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, qe.shape},
-                           OutTensor::Src::kCopy,
-                           &qe});
-  plan->tensors.push_back(
-      {{m + ".weight_scale", StDtype::kF8E4M3, se.shape}, OutTensor::Src::kCopy, &se});
-  if (ct) {
-    plan->tensors.push_back(
-        {{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
-  } else {
-    plan->tensors.push_back({{m + ".weight_scale_2", StDtype::kF32, {}}, OutTensor::Src::kOne});
+  for (int64_t e = 0; e < parts; ++e) {
+    const std::string m = module_of(name_of(e));
+    OutTensor q{{ct ? m + ".weight_packed" : m + ".weight", StDtype::kU8, {rows, qe.shape[1]}},
+                OutTensor::Src::kCopy,
+                &qe};
+    OutTensor sc{
+        {m + ".weight_scale", StDtype::kF8E4M3, {rows, se.shape[1]}}, OutTensor::Src::kCopy, &se};
+    q.row0 = sc.row0 = e * rows;
+    q.rows = sc.rows = rows;
+    plan->tensors.push_back(q);
+    plan->tensors.push_back(sc);
+    if (ct) {
+      plan->tensors.push_back(
+          {{m + ".weight_global_scale", StDtype::kF32, {1}}, OutTensor::Src::kOne});
+    } else {
+      plan->tensors.push_back({{m + ".weight_scale_2", StDtype::kF32, {}}, OutTensor::Src::kOne});
+    }
   }
   ++rep->quantized;
 }
@@ -253,8 +280,9 @@ ExportPlan plan_export(const DatReader& src, const Qwen3Config& cfg, bool has_lm
     TORCH_CHECK(!(pair && raw), where, " is stored both raw and as an NVFP4 pair");
     TORCH_CHECK(pair || raw, where, " is missing (expected ", p.name, " raw or ", p.name,
                 ".qdata/.scale, shape ", at::IntArrayRef(p.shape), ")");
+    const int64_t experts = stacked_experts(cfg, p);
     if (pair) {
-      plan_nvfp4(src, p, *pair, where, opt.format, &plan, rep);
+      plan_nvfp4(src, p, *pair, where, opt.format, experts, &plan, rep);
       continue;
     }
     TORCH_CHECK(raw->type == ElemType::kFloat16 || raw->type == ElemType::kBFloat16 ||
@@ -264,13 +292,24 @@ ExportPlan plan_export(const DatReader& src, const Qwen3Config& cfg, bool has_lm
     TORCH_CHECK(raw->shape == p.shape, where, ": shape ", at::IntArrayRef(raw->shape),
                 ", expected ", at::IntArrayRef(p.shape));
     const StDtype dt = opt.raw_bf16 || dense ? StDtype::kBF16 : st_dtype_of(raw->type);
-    plan.tensors.push_back(
-        {{p.name, dt, p.shape},
-         dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert,
-         raw});
-    if (p.kind == ParamKind::kQuantizedLinear && p.group != ParamGroup::kLmHead) {
-      plan.unquantized.push_back(module_of(p.name));
+    const auto how =
+        dt == st_dtype_of(raw->type) ? OutTensor::Src::kCopy : OutTensor::Src::kConvert;
+    if (experts == 0) {
+      plan.tensors.push_back({{p.name, dt, p.shape}, how, raw});
     }
+    for (int64_t e = 0; e < experts; ++e) {  // a dense stacked expert matrix: its experts' rows
+      const int64_t rows = p.shape[0] / experts;
+      OutTensor t{{expert_tensor_name(p.name, e), dt, {rows, p.shape[1]}}, how, raw};
+      t.row0 = e * rows;
+      t.rows = rows;
+      plan.tensors.push_back(t);
+    }
+    if (p.kind == ParamKind::kQuantizedLinear && p.group != ParamGroup::kLmHead) {
+      for (int64_t e = 0; e < std::max<int64_t>(experts, 1); ++e) {
+        plan.unquantized.push_back(module_of(experts ? expert_tensor_name(p.name, e) : p.name));
+      }
+    }
+    if (p.group == ParamGroup::kRouter) plan.routers.push_back(module_of(p.name));
     ++rep->raw;
   }
   return plan;
@@ -344,22 +383,27 @@ void write_weights(const DatReader& src, const ExportPlan& plan, const std::stri
 }
 
 // config.json's quantization_config for `format` (modelopt: hf_quant_config.json written too);
-// null for a dense export. `excluded`: lm_head and every linear the .dat stores unquantized.
+// null for a dense export. `excluded`: lm_head and every linear the .dat stores unquantized;
+// `routers`: the MoE routers, excluded too (ModelOpt by module name, compressed-tensors by the
+// pattern "re:.*mlp.gate$", as the NVFP4 releases of Qwen3-MoE list them).
 json quantization_config(HfFormat format, const std::vector<std::string>& excluded,
-                         const std::string& out_dir) {
+                         const std::vector<std::string>& routers, const std::string& out_dir) {
   if (format == HfFormat::kBf16) return json();  // no quantization: a plain BF16 model
   if (format != HfFormat::kCompressedTensors) {
+    json exclude = excluded;
+    for (const std::string& r : routers) exclude.push_back(r);
     const json q = {{"quant_algo", "W4A16_NVFP4"},
                     {"group_size", 16},
                     {"kv_cache_quant_algo", nullptr},
-                    {"exclude_modules", excluded}};
+                    {"exclude_modules", exclude}};
     json hq = {{"producer", {{"name", "q4train"}, {"version", "1"}}}, {"quantization", q}};
     io::write_file_atomic((fs::path(out_dir) / "hf_quant_config.json").string(), hq.dump(2) + "\n");
     json qc = hq;
     qc["quant_method"] = "modelopt";
     return qc;
   }
-  const json ignore = excluded;
+  json ignore = excluded;
+  if (!routers.empty()) ignore.push_back("re:.*mlp.gate$");
   json weights = {{"num_bits", 4},
                   {"type", "float"},
                   {"strategy", "tensor_group"},
@@ -426,7 +470,7 @@ HfExportReport export_hf(const DatReader& src, const json& config, const std::st
   // Quantization settings: lm_head and every linear the .dat stores unquantized stay dense.
   std::vector<std::string> excluded = {"lm_head"};
   excluded.insert(excluded.end(), plan.unquantized.begin(), plan.unquantized.end());
-  const json qc = quantization_config(opt.format, excluded, out_dir);
+  const json qc = quantization_config(opt.format, excluded, plan.routers, out_dir);
   json out_cfg = config;
   out_cfg["tie_word_embeddings"] = rep.tied;
   out_cfg["torch_dtype"] = "bfloat16";

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -68,23 +69,65 @@ struct Importer {
   ElemType qdata_type = ElemType::kUInt8;
   std::set<std::string> used;
 
-  std::optional<SafetensorsModel::Ref> take(const std::string& name) {
+  using Ref = SafetensorsModel::Ref;
+  // An NVFP4 linear of the folder: codes, block scales, global scale (compressed-tensors stores
+  // its reciprocal).
+  struct Nvfp4Src {
+    Ref q, s, g;
+    bool ct;
+  };
+  // A linear as the folder stores it: NVFP4 tensors, or a dense weight; neither: missing.
+  struct Stored {
+    std::optional<Nvfp4Src> nvfp4;
+    std::optional<Ref> weight;
+    const Ref& first() const { return nvfp4 ? nvfp4->q : *weight; }
+  };
+
+  std::optional<Ref> take(const std::string& name) {
     auto r = st.find(name);
     if (r) used.insert(name);
     return r;
   }
 
-  void raw(const ParamSpec& p, const SafetensorsModel::Ref& r) {
+  // The tensors of linear `name` (ModelOpt weight/weight_scale/weight_scale_2, compressed-tensors
+  // weight_packed/weight_scale/weight_global_scale, or a dense weight), taken.
+  Stored take_linear(const std::string& name) {
+    const std::string m = module_of(name);
+    auto packed = take(m + ".weight_packed");
+    auto weight = take(name);
+    auto scale = take(m + ".weight_scale");
+    if (!packed && !(weight && weight->tensor->dtype == StDtype::kU8))
+      return {std::nullopt, weight};
+    const bool ct = packed.has_value();
+    TORCH_CHECK(scale.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ", m,
+                ".weight_scale");
+    const std::string gname = m + (ct ? ".weight_global_scale" : ".weight_scale_2");
+    auto g = take(gname);
+    TORCH_CHECK(g.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ", gname);
+    take(m + ".input_scale");  // W4A4 activation scale: not used by weight-only training
+    take(m + ".input_global_scale");
+    return {Nvfp4Src{ct ? *packed : *weight, *scale, *g, ct}, std::nullopt};
+  }
+
+  void check_float(const Ref& r, const std::vector<int64_t>& shape) const {
     const StTensor& t = *r.tensor;
     TORCH_CHECK(is_float(t.dtype), where(r), ": expected F16, BF16 or F32, got ",
                 st_dtype_name(t.dtype));
-    TORCH_CHECK(t.shape == p.shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
-                at::IntArrayRef(p.shape));
-    // The shipped layout keeps raw tensors in fp16; a q4train export, or a dense import, keeps
-    // the folder's types.
-    const ElemType out = from_q4train || keep_dense ? elem_of(t.dtype) : ElemType::kFloat16;
-    const int64_t rows = p.shape[0], cols = p.numel() / std::max<int64_t>(rows, 1);
-    w.begin_streamed(p.name, out, p.shape);
+    TORCH_CHECK(t.shape == shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
+                at::IntArrayRef(shape));
+  }
+
+  // The shipped layout keeps raw tensors in fp16; a q4train export, or a dense import, keeps the
+  // folder's types.
+  ElemType raw_type(const StTensor& t) const {
+    return from_q4train || keep_dense ? elem_of(t.dtype) : ElemType::kFloat16;
+  }
+
+  // The rows of float tensor `r`, as `out`, appended to the open entry.
+  void append_raw(const Ref& r, ElemType out) {
+    const StTensor& t = *r.tensor;
+    const int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const int64_t cols = t.numel() / std::max<int64_t>(rows, 1);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
       const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
       at::Tensor x = r.file->load_rows(t, r0, n);
@@ -93,28 +136,36 @@ struct Importer {
                   at::isfinite(x).all().item<bool>() ? " overflow fp16" : " hold NaN or Inf");
       w.append(y.contiguous());
     }
+  }
+
+  void raw(const ParamSpec& p, const Ref& r) {
+    check_float(r, p.shape);
+    const ElemType out = raw_type(*r.tensor);
+    w.begin_streamed(p.name, out, p.shape);
+    append_raw(r, out);
     ++rep.raw;
   }
 
-  // Dense float (rows, cols) -> NVFP4 pair with the reference rules.
-  void quantize(const std::string& name, const SafetensorsModel::Ref& r,
-                const std::vector<int64_t>& shape) {
+  // Dense float rows -> NVFP4 with the reference rules, appended to the open pair.
+  void append_quantized(const Ref& r) {
     const StTensor& t = *r.tensor;
-    TORCH_CHECK(is_float(t.dtype), where(r), ": expected F16, BF16 or F32, got ",
-                st_dtype_name(t.dtype));
-    TORCH_CHECK(t.shape == shape, where(r), ": shape ", at::IntArrayRef(t.shape), ", expected ",
-                at::IntArrayRef(shape));
-    const int64_t rows = shape[0], cols = shape[1];
-    w.begin_nvfp4(name, rows, cols, qdata_type);
+    const int64_t rows = t.shape[0], cols = t.shape[1];
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
       const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
       w.append_nvfp4(q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r)));
     }
   }
 
+  // Dense float (rows, cols) -> NVFP4 pair with the reference rules.
+  void quantize(const std::string& name, const Ref& r, const std::vector<int64_t>& shape) {
+    check_float(r, shape);
+    w.begin_nvfp4(name, shape[0], shape[1], qdata_type);
+    append_quantized(r);
+  }
+
   // BF16 lm_head of a q4train export with its sidecar scales: the exact original pair, if the
   // values are still code x scale (else nullopt and the caller quantizes).
-  bool restore(const std::string& name, const SafetensorsModel::Ref& r, const StTensor& sc,
+  bool restore(const std::string& name, const Ref& r, const StTensor& sc,
                const SafetensorsFile& side, const std::vector<int64_t>& shape) {
     const StTensor& t = *r.tensor;
     if (t.shape != shape || sc.shape != std::vector<int64_t>{shape[0], shape[1] / 16} ||
@@ -135,10 +186,10 @@ struct Importer {
     return true;
   }
 
-  // NVFP4 source: copy when the global scale is 1, else fold it into the block scales.
-  void nvfp4(const std::string& name, const SafetensorsModel::Ref& q,
-             const SafetensorsModel::Ref& s, const SafetensorsModel::Ref& g, bool reciprocal,
-             const std::vector<int64_t>& shape) {
+  // Checks an NVFP4 source of dense shape `shape`; returns the multiplier its global scale puts
+  // on every block (dequant = code * block scale * multiplier).
+  float nvfp4_mult(const Nvfp4Src& src, const std::vector<int64_t>& shape) const {
+    const Ref &q = src.q, &s = src.s, &g = src.g;
     const int64_t rows = shape[0], cols = shape[1];
     TORCH_CHECK(q.tensor->dtype == StDtype::kU8 &&
                     q.tensor->shape == (std::vector<int64_t>{rows, cols / 2}),
@@ -154,9 +205,14 @@ struct Importer {
     const float gv = g.file->load(*g.tensor).reshape({}).item<float>();
     TORCH_CHECK(std::isfinite(gv) && gv > 0, where(g), ": global scale ", gv,
                 " is not finite and positive");
-    const float mult = reciprocal ? 1.0f / gv : gv;  // dequant = code * block scale * mult
-    const int64_t step = rows_per_chunk(cols);
-    w.begin_nvfp4(name, rows, cols, qdata_type);
+    return src.ct ? 1.0f / gv : gv;
+  }
+
+  // The rows of an NVFP4 source appended to the open pair: copied when the multiplier is 1, else
+  // the multiplier folded into each E4M3 block scale (RNE), the blocks it changed counted.
+  void append_nvfp4(const Nvfp4Src& src, float mult) {
+    const Ref &q = src.q, &s = src.s;
+    const int64_t rows = q.tensor->shape[0], step = rows_per_chunk(q.tensor->shape[1] * 2);
     for (int64_t r0 = 0; r0 < rows; r0 += step) {
       const int64_t n = std::min(step, rows - r0);
       at::Tensor sb = s.file->load_rows(*s.tensor, r0, n);  // (n, cols/16) uint8
@@ -171,6 +227,13 @@ struct Importer {
       }
       w.append_nvfp4({q.file->load_rows(*q.tensor, r0, n), sb});
     }
+  }
+
+  // NVFP4 source: copy when the global scale is 1, else fold it into the block scales.
+  void nvfp4(const std::string& name, const Nvfp4Src& src, const std::vector<int64_t>& shape) {
+    const float mult = nvfp4_mult(src, shape);
+    w.begin_nvfp4(name, shape[0], shape[1], qdata_type);
+    append_nvfp4(src, mult);
     ++(mult == 1.0f ? rep.copied_nvfp4 : rep.folded_nvfp4);
   }
 
@@ -194,22 +257,12 @@ struct Importer {
       ++rep.quantized;
       return;
     }
-    auto packed = take(m + ".weight_packed");
-    auto weight = take(p.name);
-    auto scale = take(m + ".weight_scale");
-    if (packed || (weight && weight->tensor->dtype == StDtype::kU8)) {
-      const bool ct = packed.has_value();
-      TORCH_CHECK(scale.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
-                  m, ".weight_scale");
-      const std::string gname = m + (ct ? ".weight_global_scale" : ".weight_scale_2");
-      auto g = take(gname);
-      TORCH_CHECK(g.has_value(), where(ct ? *packed : *weight), ": NVFP4 weight without its ",
-                  gname);
-      take(m + ".input_scale");  // W4A4 activation scale: not used by weight-only training
-      take(m + ".input_global_scale");
-      nvfp4(p.name, ct ? *packed : *weight, *scale, *g, ct, p.shape);
+    const Stored s = take_linear(p.name);
+    if (s.nvfp4) {
+      nvfp4(p.name, *s.nvfp4, p.shape);
       return;
     }
+    const auto& weight = s.weight;
     TORCH_CHECK(weight.has_value(), dir.string(), ": missing tensor '", p.name, "' (shape ",
                 at::IntArrayRef(p.shape), ")");
     if (keep_dense) {
@@ -233,16 +286,95 @@ struct Importer {
     quantize(p.name, *weight, p.shape);
     ++rep.quantized;
   }
+
+  // A stacked expert matrix (qwen3_params.h) from the folder's per-expert tensors
+  // mlp.experts.<e>.<proj>.weight, expert by expert into one entry, every expert checked before
+  // anything is written. The experts of one matrix share one form (all NVFP4 or all dense).
+  void experts(const ParamSpec& p, int64_t num_experts) {
+    const std::vector<int64_t> shape = {p.shape[0] / num_experts, p.shape[1]};
+    std::vector<Stored> src;
+    std::vector<float> mult;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const std::string n = expert_tensor_name(p.name, e);
+      Stored s = take_linear(n);
+      TORCH_CHECK(s.nvfp4 || s.weight, dir.string(), ": missing tensor '", n, "' (expert ", e,
+                  " of ", num_experts, ", shape ", at::IntArrayRef(shape), ")");
+      TORCH_CHECK(e == 0 || s.nvfp4.has_value() == src[0].nvfp4.has_value(), where(s.first()),
+                  s.nvfp4 ? ": NVFP4" : ": dense", " but expert 0 is ",
+                  src[0].nvfp4 ? "NVFP4" : "dense", "; the experts of one layer share one form");
+      if (s.nvfp4) {
+        mult.push_back(nvfp4_mult(*s.nvfp4, shape));
+      } else {
+        check_float(*s.weight, shape);
+        TORCH_CHECK(
+            e == 0 || !keep_dense || s.weight->tensor->dtype == src[0].weight->tensor->dtype,
+            where(*s.weight), ": ", st_dtype_name(s.weight->tensor->dtype), " but expert 0 is ",
+            st_dtype_name(src[0].weight->tensor->dtype),
+            "; a dense import keeps one element type per stacked matrix");
+      }
+      src.push_back(std::move(s));
+    }
+    if (src[0].nvfp4) {
+      w.begin_nvfp4(p.name, p.shape[0], p.shape[1], qdata_type);
+      for (int64_t e = 0; e < num_experts; ++e) append_nvfp4(*src[e].nvfp4, mult[e]);
+      const bool folded = std::any_of(mult.begin(), mult.end(), [](float m) { return m != 1.0f; });
+      ++(folded ? rep.folded_nvfp4 : rep.copied_nvfp4);
+    } else if (keep_dense) {
+      const ElemType out = raw_type(*src[0].weight->tensor);
+      w.begin_streamed(p.name, out, p.shape);
+      for (const Stored& s : src) append_raw(*s.weight, out);
+      ++rep.raw;
+    } else {
+      w.begin_nvfp4(p.name, p.shape[0], p.shape[1], qdata_type);
+      for (const Stored& s : src) append_quantized(*s.weight);
+      ++rep.quantized;
+    }
+  }
 };
 
 // Whether the folder stores linear `p` as dense floats (not an NVFP4 pair); a missing lm_head of
-// a tied checkpoint comes from the (dense) embedding.
-bool stored_dense(const SafetensorsModel& st, const ParamSpec& p) {
-  const std::string m = module_of(p.name);
+// a tied checkpoint comes from the (dense) embedding. A stacked expert matrix is stored as its
+// experts: expert 0 says (experts() refuses mixed forms).
+bool stored_dense(const SafetensorsModel& st, const Qwen3Config& cfg, const ParamSpec& p) {
+  const std::string name = stacked_experts(cfg, p) ? expert_tensor_name(p.name, 0) : p.name;
+  const std::string m = module_of(name);
   if (st.find(m + ".weight_packed")) return false;
-  const auto w = st.find(p.name);
+  const auto w = st.find(name);
   if (w) return is_float(w->tensor->dtype);
   return p.group == ParamGroup::kLmHead;
+}
+
+// The number `s` starts with when digits (at most 9) and a '.' follow each other there, else -1.
+int64_t leading_index(const std::string& s) {
+  size_t n = 0;
+  while (n < s.size() && n < 10 && std::isdigit(static_cast<unsigned char>(s[n]))) ++n;
+  if (n == 0 || n > 9 || n >= s.size() || s[n] != '.') return -1;
+  return std::stoll(s.substr(0, n));
+}
+
+// Every per-expert tensor of the folder belongs to a sparse layer and an expert below
+// num_experts, and none is in another expert layout (transformers' fused 3-D in-memory tensors
+// mlp.experts.gate_up_proj / down_proj): refused naming the tensor, before anything is written.
+void check_expert_tensors(const SafetensorsModel& st, const Qwen3Config& cfg,
+                          const std::string& cfg_name) {
+  static const std::string kPrefix = "model.layers.", kExperts = ".mlp.experts.";
+  for (const std::string& n : st.names()) {
+    const size_t at = n.find(kExperts);
+    if (n.compare(0, kPrefix.size(), kPrefix) != 0 || at == std::string::npos) continue;
+    const std::string where_n = where(st.at(n));
+    const int64_t layer = leading_index(n.substr(kPrefix.size()));
+    const std::string rest = n.substr(at + kExperts.size());
+    const int64_t e = leading_index(rest);
+    if (layer < 0) continue;  // not a decoder layer's tensor: reported as ignored
+    TORCH_CHECK(e >= 0, where_n,
+                ": not a per-expert tensor (expected mlp.experts.<e>.<proj>.weight); fused or "
+                "stacked expert tensors are not imported, save the model with per-expert tensors");
+    TORCH_CHECK(cfg.is_moe_layer(layer), where_n, ": layer ", layer, " is dense in ", cfg_name,
+                " (mlp_only_layers, decoder_sparse_step or num_experts), but the folder stores "
+                "experts for it");
+    TORCH_CHECK(e < cfg.moe.num_experts, where_n, ": expert ", e, ", but ", cfg_name,
+                " has num_experts ", cfg.moe.num_experts);
+  }
 }
 
 json read_json(const fs::path& p) {
@@ -339,6 +471,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
   TORCH_CHECK(stored_layers == cfg.num_hidden_layers, hf_dir, " stores ", stored_layers,
               " decoder layers but ", cfg_name, " has num_hidden_layers ", cfg.num_hidden_layers,
               "; the config and the weights must describe the same model");
+  check_expert_tensors(st, cfg, cfg_name);
   const std::vector<ParamSpec> specs = qwen3_parameters(cfg, /*include_lm_head=*/true);
   // A q4train export without the lm_head sidecar came from a .dat that stored lm_head raw: it
   // comes back raw in its exported type, not quantized (4-bit would change the model's outputs).
@@ -349,7 +482,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
   for (const ParamSpec& p : specs) {
     const bool pair = p.kind == ParamKind::kQuantizedLinear &&
                       !(p.group == ParamGroup::kLmHead && lm_head_raw) &&
-                      !(opt.keep_dense && stored_dense(st, p));
+                      !(opt.keep_dense && stored_dense(st, cfg, p));
     count += pair ? 2 : 1;
   }
   DatWriter w(out_dat, count);
@@ -368,6 +501,10 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
       im.raw(p, *r);
       continue;
     }
+    if (const int64_t experts = stacked_experts(cfg, p)) {
+      im.experts(p, experts);
+      continue;
+    }
     im.linear(p, cfg.tie_word_embeddings, lm_head_raw);
   }
   for (const std::string& n : st.names()) {
@@ -377,8 +514,8 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
   return rep;
 }
 
-Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path,
-                          const ModelOptions& opt, const HfImportOptions& import) {
+Qwen3Model load_dat_or_hf(const Qwen3Config& cfg, const std::string& path, const ModelOptions& opt,
+                          const HfImportOptions& import) {
   if (!is_hf_folder(path)) return Qwen3Model::load(cfg, DatReader(path), opt);
   static std::atomic<int64_t> seq{0};
   struct TempDat {

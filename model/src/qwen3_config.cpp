@@ -236,7 +236,14 @@ MoeConfig read_moe(const Fields& f, const std::string& src, int64_t num_layers) 
     const nlohmann::json* v = f.get(key);
     return v == nullptr || v->is_null() ? dflt : f.to_int(key, *v, lo, hi);
   };
-  m.num_experts = opt_int("num_experts", 128, 1, kMaxExperts);
+  // transformers 5 saves the expert count as num_local_experts (num_experts is its alias).
+  m.num_experts =
+      opt_int("num_experts", opt_int("num_local_experts", 128, 1, kMaxExperts), 1, kMaxExperts);
+  if (const nlohmann::json* v = f.get("num_local_experts"); v != nullptr && !v->is_null()) {
+    TORCH_CHECK(f.to_int("num_local_experts", *v, 1, kMaxExperts) == m.num_experts, src,
+                ": keys 'num_experts' (", m.num_experts, ") and 'num_local_experts' (",
+                dump_short(*v), ") disagree; they name the same count");
+  }
   m.num_experts_per_tok = opt_int("num_experts_per_tok", 8, 1, kMaxExperts);
   m.moe_intermediate_size = opt_int("moe_intermediate_size", 768, 1, kMaxDim);
   m.decoder_sparse_step = opt_int("decoder_sparse_step", 1, 1, kMaxLayers);

@@ -25,6 +25,8 @@ int main(int argc, char** argv) {
       app.add_subcommand("info", "List entries (type, shape, bytes), totals, NVFP4 bits");
   c_info->add_option("FILE", info.file, ".dat file")->required();
   c_info->add_flag("--json", info.json, "Machine-readable output");
+  c_info->add_option("--config", info.config,
+                     "Qwen3 config.json: MoE summary (experts, top-k, sparse layers)");
 
   QuantizeOptions quant;
   auto* c_quant = app.add_subcommand(

@@ -14,6 +14,7 @@ namespace q4::tools {
 
 struct InfoOptions {
   std::string file;
+  std::string config;  // optional config.json: the MoE summary and expert counts
   bool json = false;
 };
 int run_info(const InfoOptions& o);
