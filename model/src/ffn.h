@@ -78,6 +78,11 @@ inline bool name_has_tail(const std::string& name, const char* tail) {
   return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
 }
 
+// The FFN block's own parameters, the same for every kind: the layer's post-attention norm and
+// everything under "mlp." (Ffn::owns, Ffn::parameters).
+bool ffn_block_owns(const ParamSpec& p);
+std::vector<Parameter*> ffn_block_parameters(const Qwen3Model::Impl& m, int64_t layer);
+
 // The FFN of decoder layer `layer` of `cfg` (stateless; one instance per kind for the
 // process): the mixture of experts where cfg.is_moe_layer(layer), else the dense SwiGLU MLP.
 const Ffn& ffn_for(const Qwen3Config& cfg, int64_t layer);

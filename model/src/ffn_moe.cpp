@@ -52,16 +52,10 @@ class MoeFfn final : public Ffn {
             experts("mlp.experts.up_proj.weight", E * I, H),     // (E·I, H)
             experts("mlp.experts.down_proj.weight", E * H, I)};  // (E·H, I)
   }
-  bool owns(const ParamSpec& p) const override {
-    return p.name.find(".mlp.") != std::string::npos ||
-           name_has_tail(p.name, ".post_attention_layernorm.weight");
-  }
+  bool owns(const ParamSpec& p) const override { return ffn_block_owns(p); }
   bool hand_formed_grad(const ParamSpec&) const override { return false; }
   std::vector<Parameter*> parameters(const Qwen3Model::Impl& m, int64_t layer) const override {
-    const LayerParams& lp = m.layers[layer];
-    std::vector<Parameter*> out{lp.post_attention_layernorm};
-    out.insert(out.end(), lp.ffn.begin(), lp.ffn.end());
-    return out;
+    return ffn_block_parameters(m, layer);
   }
 
   at::Tensor forward(const Qwen3Model::Impl& m, int64_t layer,

@@ -59,18 +59,12 @@ class DenseSwiGluFfn final : public Ffn {
             lin("mlp.up_proj.weight", I, H),     // (I, H)
             lin("mlp.down_proj.weight", H, I)};  // (H, I)
   }
-  bool owns(const ParamSpec& p) const override {
-    return p.name.find(".mlp.") != std::string::npos ||
-           name_has_tail(p.name, ".post_attention_layernorm.weight");
-  }
+  bool owns(const ParamSpec& p) const override { return ffn_block_owns(p); }
   bool hand_formed_grad(const ParamSpec& p) const override {
     return name_has_tail(p.name, ".mlp.down_proj.weight");
   }
   std::vector<Parameter*> parameters(const Qwen3Model::Impl& m, int64_t layer) const override {
-    const LayerParams& lp = m.layers[layer];
-    std::vector<Parameter*> out{lp.post_attention_layernorm};
-    out.insert(out.end(), lp.ffn.begin(), lp.ffn.end());
-    return out;
+    return ffn_block_parameters(m, layer);
   }
 
   at::Tensor forward(const Qwen3Model::Impl& m, int64_t layer,
@@ -273,6 +267,18 @@ class DenseSwiGluFfn final : public Ffn {
 };
 
 }  // namespace
+
+bool ffn_block_owns(const ParamSpec& p) {
+  return p.name.find(".mlp.") != std::string::npos ||
+         name_has_tail(p.name, ".post_attention_layernorm.weight");
+}
+
+std::vector<Parameter*> ffn_block_parameters(const Qwen3Model::Impl& m, int64_t layer) {
+  const LayerParams& lp = m.layers[layer];
+  std::vector<Parameter*> out{lp.post_attention_layernorm};
+  out.insert(out.end(), lp.ffn.begin(), lp.ffn.end());
+  return out;
+}
 
 const Ffn& dense_swiglu_ffn() {
   static const DenseSwiGluFfn dense;

@@ -16,18 +16,13 @@
 #include "q4/model/weights_check.h"
 #include "q4/quant/nvfp4.h"
 #include "qwen3_impl.h"
+#include "shape_text.h"
 #include "stored_layers.h"
 
 namespace q4::model {
 namespace {
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
+std::string shape_str(at::IntArrayRef s) { return bracketed(s); }
 
 }  // namespace
 

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <sstream>
+#include "shape_text.h"
 
 namespace q4::model {
 namespace {
@@ -15,11 +15,7 @@ std::string index_str(int64_t flat, at::IntArrayRef sizes) {
     idx[d] = sizes[d] > 0 ? flat % sizes[d] : 0;
     flat = sizes[d] > 0 ? flat / sizes[d] : 0;
   }
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < idx.size(); ++i) s << (i ? ", " : "") << idx[i];
-  s << "]";
-  return s.str();
+  return bracketed(idx);
 }
 
 }  // namespace

@@ -29,8 +29,8 @@ namespace {
 struct Args {
   std::string modes = "fp32,int8,4bit,nvfp4";
   std::string model = "4b";  // 4b or 30b-a3b
-  int64_t layers = -1;        // -1: the model's
-  int64_t scale = 1;  // every dimension divided by this (rounded up to a multiple of 16)
+  int64_t layers = -1;       // -1: the model's
+  int64_t scale = 1;         // every dimension divided by this (rounded up to a multiple of 16)
   int steps = 5;
   int warmup = 2;
   int64_t chunk_rows = 1024;
@@ -112,43 +112,33 @@ struct Shape {
   int64_t rows, cols;
 };
 
-std::vector<Shape> qwen3_4b_shapes(int64_t layers, int64_t scale) {
-  auto d = [&](int64_t x) { return std::max<int64_t>(16, ((x / scale + 15) / 16) * 16); };
-  std::vector<Shape> s;
-  s.push_back({"embed_tokens", d(151936), d(2560)});
-  for (int64_t l = 0; l < layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    s.push_back({p + "q_proj", d(4096), d(2560)});
-    s.push_back({p + "k_proj", d(1024), d(2560)});
-    s.push_back({p + "v_proj", d(1024), d(2560)});
-    s.push_back({p + "o_proj", d(2560), d(4096)});
-    s.push_back({p + "gate_proj", d(9728), d(2560)});
-    s.push_back({p + "up_proj", d(9728), d(2560)});
-    s.push_back({p + "down_proj", d(2560), d(9728)});
-  }
-  s.push_back({"lm_head", d(151936), d(2560)});
-  return s;
-}
+// The shapes of a Qwen3 model's linears as its parameter table holds them: attention, then the
+// dense MLP or (experts > 0) the router and the three stacked expert matrices.
+struct ModelShapes {
+  int64_t hidden, q_dim, kv_dim, ffn, experts;
+};
+constexpr ModelShapes kQwen3_4b{2560, 4096, 1024, 9728, 0};
+// Qwen3-30B-A3B: attention of 32/4 heads of 128, 128 experts of 768.
+constexpr ModelShapes kQwen3_30b_a3b{2048, 4096, 512, 768, 128};
 
-// Qwen3-30B-A3B: attention of 32/4 heads of 128, the router (128, 2048) and 128 experts of 768
-// stacked per projection, as the model's parameter table holds them.
-std::vector<Shape> qwen3_30b_a3b_shapes(int64_t layers, int64_t scale) {
+std::vector<Shape> model_shapes(const ModelShapes& m, int64_t layers, int64_t scale) {
   auto d = [&](int64_t x) { return std::max<int64_t>(16, ((x / scale + 15) / 16) * 16); };
-  const int64_t E = 128;
+  const int64_t H = d(m.hidden), F = d(m.ffn), E = std::max<int64_t>(m.experts, 1);
   std::vector<Shape> s;
-  s.push_back({"embed_tokens", d(151936), d(2048)});
+  s.push_back({"embed_tokens", d(151936), H});
   for (int64_t l = 0; l < layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    s.push_back({p + "q_proj", d(4096), d(2048)});
-    s.push_back({p + "k_proj", d(512), d(2048)});
-    s.push_back({p + "v_proj", d(512), d(2048)});
-    s.push_back({p + "o_proj", d(2048), d(4096)});
-    s.push_back({p + "router", E, d(2048)});
-    s.push_back({p + "experts.gate_proj", E * d(768), d(2048)});
-    s.push_back({p + "experts.up_proj", E * d(768), d(2048)});
-    s.push_back({p + "experts.down_proj", E * d(2048), d(768)});
+    s.push_back({p + "q_proj", d(m.q_dim), H});
+    s.push_back({p + "k_proj", d(m.kv_dim), H});
+    s.push_back({p + "v_proj", d(m.kv_dim), H});
+    s.push_back({p + "o_proj", H, d(m.q_dim)});
+    const std::string ffn = p + (m.experts > 0 ? "experts." : "");
+    if (m.experts > 0) s.push_back({p + "router", E, H});
+    s.push_back({ffn + "gate_proj", E * F, H});
+    s.push_back({ffn + "up_proj", E * F, H});
+    s.push_back({ffn + "down_proj", E * H, F});
   }
-  s.push_back({"lm_head", d(151936), d(2048)});
+  s.push_back({"lm_head", d(151936), H});
   return s;
 }
 
@@ -299,9 +289,8 @@ int main(int argc, char** argv) {
     const std::optional<Device> dev = pick_device(args);
     if (!dev) return args.device == "auto" || args.device == "cpu" || args.device == "cuda" ? 1 : 2;
     const Device& d = *dev;
-    const std::vector<Shape> shapes = args.model == "4b"
-                                          ? qwen3_4b_shapes(args.layers, args.scale)
-                                          : qwen3_30b_a3b_shapes(args.layers, args.scale);
+    const std::vector<Shape> shapes =
+        model_shapes(args.model == "4b" ? kQwen3_4b : kQwen3_30b_a3b, args.layers, args.scale);
     std::vector<at::Tensor> masters, grads;
     int64_t total = 0;
     {

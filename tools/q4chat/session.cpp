@@ -174,11 +174,11 @@ ModelPaths resolve_model_paths(const std::string& model, const std::string& conf
     if (const auto run = trainer::run_dir_model(model, "--model")) {
       r.weights = run->weights;
       r.config = run->config;
-      r.tokenizer = run->tokenizer;
-      r.system_prompt = run->system_prompt;
-      r.chat_template = run->chat_template;
-      if (run->enable_thinking != trainer::AutoBool::kAuto) {
-        r.enable_thinking = run->enable_thinking == trainer::AutoBool::kTrue;
+      r.tokenizer = run->chat.tokenizer;
+      r.system_prompt = run->chat.system_prompt;
+      r.chat_template = run->chat.chat_template;
+      if (run->chat.enable_thinking != trainer::AutoBool::kAuto) {
+        r.enable_thinking = run->chat.enable_thinking == trainer::AutoBool::kTrue;
       }
       r.described = "run directory " + model + " (config.yaml)";
     } else if (model::is_hf_folder(p.string())) {

@@ -28,11 +28,10 @@ std::vector<EvalAnswer> generate_answers(model::Qwen3Model& model, const data::T
   std::vector<std::vector<int64_t>> prompts;
   for (const auto& prompt : plan.prompts) {
     std::vector<data::Message> msgs;
-    if (!plan.system_prompt.empty()) msgs.push_back({"system", plan.system_prompt});
+    if (!plan.chat.system_prompt.empty()) msgs.push_back({"system", plan.chat.system_prompt});
     msgs.push_back({"user", prompt});
     const auto ids =
-        data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true,
-                            chat_options(plan.chat_template, plan.enable_thinking, plan.tokenizer))
+        data::tokenize_chat(tok, msgs, /*add_generation_prompt=*/true, chat_options(plan.chat))
             .input_ids;
     prompts.emplace_back(ids.begin(), ids.end());
   }

@@ -138,15 +138,15 @@ optim::LrScheduleOptions lr_schedule_options(const Config& c, int64_t steps) {
   return s;
 }
 
-data::ChatOptions chat_options(const Config& c) {
-  return chat_options(c.data.chat_template, c.data.enable_thinking, c.model.tokenizer);
-}
+data::ChatOptions chat_options(const Config& c) { return chat_options(chat_settings(c)); }
 
-data::ChatOptions chat_options(data::ChatTemplate chat_template, AutoBool enable_thinking,
-                               const std::string& tokenizer) {
+data::ChatOptions chat_options(const ChatSettings& chat) {
   data::ChatOptions o;
-  o.chat_template = data::resolve_chat_template(chat_template, data::tokenizer_folder(tokenizer));
-  if (enable_thinking != AutoBool::kAuto) o.enable_thinking = enable_thinking == AutoBool::kTrue;
+  o.chat_template =
+      data::resolve_chat_template(chat.chat_template, data::tokenizer_folder(chat.tokenizer));
+  if (chat.enable_thinking != AutoBool::kAuto) {
+    o.enable_thinking = chat.enable_thinking == AutoBool::kTrue;
+  }
   return o;
 }
 

@@ -226,10 +226,7 @@ EvalPlan RunPlan::eval_plan() const {
   e.device = device_;
   e.prompts = c.eval.prompts;
   e.max_new_tokens = c.eval.max_new_tokens;
-  e.system_prompt = c.data.system_prompt;
-  e.chat_template = c.data.chat_template;
-  e.enable_thinking = c.data.enable_thinking;
-  e.tokenizer = c.model.tokenizer;
+  e.chat = chat_settings(c);
   return e;
 }
 

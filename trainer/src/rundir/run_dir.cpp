@@ -752,10 +752,7 @@ std::optional<RunDirModel> run_dir_model(const std::string& dir, const std::stri
               ": run directory without an export (expected ", beside.string(),
               "); let the run finish, or name its .dat");
   m.config = c.model.config;
-  m.tokenizer = c.model.tokenizer;
-  m.system_prompt = c.data.system_prompt;
-  m.chat_template = c.data.chat_template;
-  m.enable_thinking = c.data.enable_thinking;
+  m.chat = chat_settings(c);
   return m;
 }
 

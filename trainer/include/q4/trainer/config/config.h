@@ -322,6 +322,18 @@ struct Config {
   std::string source;  // where the config came from (file path), for messages
 };
 
+// How a model's prompts are rendered: model.tokenizer (whose folder resolves an auto template),
+// data.system_prompt, data.chat_template and data.enable_thinking. The evaluator's, and a run
+// directory's when another tool loads it.
+struct ChatSettings {
+  std::string tokenizer, system_prompt;
+  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
+  AutoBool enable_thinking = AutoBool::kAuto;
+};
+inline ChatSettings chat_settings(const Config& c) {
+  return {c.model.tokenizer, c.data.system_prompt, c.data.chat_template, c.data.enable_thinking};
+}
+
 // One field of the config tree, as seen by parser, printer and docs.
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,

@@ -29,12 +29,9 @@ struct EvalPlan {
   c10::Device device{c10::kCPU};
   std::vector<std::string> prompts;  // eval.prompts
   int64_t max_new_tokens = 32;       // eval.max_new_tokens
-  std::string system_prompt;         // data.system_prompt
   // The chat template as configured, resolved when the prompts are rendered (options.h
   // chat_options).
-  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;  // data.chat_template
-  AutoBool enable_thinking = AutoBool::kAuto;                    // data.enable_thinking
-  std::string tokenizer;                                         // model.tokenizer
+  ChatSettings chat;
 };
 
 // What the exporter needs (output/exporter.h).

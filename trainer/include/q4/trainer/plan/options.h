@@ -52,9 +52,8 @@ data::DatasetOptions dataset_options(const Config& c);
 // data.chat_template and data.enable_thinking; auto (a Config that parse_config did not resolve)
 // resolved from the folder of model.tokenizer.
 data::ChatOptions chat_options(const Config& c);
-// The same from its three settings (data.chat_template, data.enable_thinking, model.tokenizer).
-data::ChatOptions chat_options(data::ChatTemplate chat_template, AutoBool enable_thinking,
-                               const std::string& tokenizer);
+// The same from a model's chat settings.
+data::ChatOptions chat_options(const ChatSettings& chat);
 // Batcher settings of a run (training and the probe alike). On CUDA the batch's rows are laid
 // end to end in one row (the varlen attention separates the examples) and shapes are kept
 // stable: packed batches are always batch_size * seq_len long, unpacked ones are padded to a

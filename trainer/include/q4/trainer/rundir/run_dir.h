@@ -177,9 +177,8 @@ std::string read_file(const std::string& path);  // ConfigError naming path when
 // A training checkpoint (step_XXXXXX, or a folder with optim.state), whose masters are no export,
 // and a run without an export are refused (c10::Error naming `key` and `dir`).
 struct RunDirModel {
-  std::string weights, config, tokenizer, system_prompt;
-  data::ChatTemplate chat_template = data::ChatTemplate::kAuto;
-  AutoBool enable_thinking = AutoBool::kAuto;
+  std::string weights, config;
+  ChatSettings chat;
 };
 std::optional<RunDirModel> run_dir_model(const std::string& dir, const std::string& key);
 
