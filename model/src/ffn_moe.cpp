@@ -11,6 +11,7 @@
 // (docs/model.md#mixture-of-experts).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <string>
 #include <tuple>
@@ -22,6 +23,48 @@
 
 namespace q4::model {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The N·k routes of N rows, sorted by expert: sorted route i is route order[i] = (row
+// order[i] / k, slot order[i] % k), and inverse is order's inverse permutation. Both directions
+// of both functions below are gathers and fixed-order sums: no scatter-add, so no atomic float
+// adds on CUDA (deterministic, and at gather bandwidth).
+//
+// y (N, H) -> (N·k, H): sorted route i reads row order[i] / k. Backward: each row's k routes'
+// gradients, gathered into route order and summed.
+struct GatherRoutes : public torch::autograd::Function<GatherRoutes> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& order,
+                            const at::Tensor& inverse, int64_t k) {
+    ctx->save_for_backward({inverse});
+    ctx->saved_data["k"] = k;
+    return y.index_select(0, at::div(order, k, "trunc"));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor inverse = ctx->get_saved_variables()[0];
+    const int64_t k = ctx->saved_data["k"].toInt(), H = grads[0].size(1);
+    const at::Tensor g = grads[0].index_select(0, inverse).view({-1, k, H}).sum(1);
+    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// x (N·k, H) in sorted route order -> (N, H): each row's k routes summed in slot order.
+// Backward: sorted route i gets its row's gradient, a gather.
+struct CombineRoutes : public torch::autograd::Function<CombineRoutes> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& order,
+                            const at::Tensor& inverse, int64_t k) {
+    ctx->save_for_backward({order});
+    ctx->saved_data["k"] = k;
+    return x.index_select(0, inverse).view({-1, k, x.size(1)}).sum(1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor order = ctx->get_saved_variables()[0];
+    const int64_t k = ctx->saved_data["k"].toInt();
+    return {grads[0].index_select(0, at::div(order, k, "trunc")), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
 
 // A layer's MoE weights in the compute dtype, each resolved once (taps when they train).
 struct MoeWeights {
@@ -142,9 +185,9 @@ class MoeFfn final : public Ffn {
 
   // Σ_k weight_k · expert_k(y) for each row: the N·k routes sorted by expert (stable, so each
   // expert's rows stay in token order), one SwiGLU MLP per expert over its rows, weighted, put
-  // back in route order and summed over each row's k routes. (N, H) in the compute dtype. Every
-  // gather has one source per destination and the k routes are summed by a reduction, so the
-  // backward has no atomic float adds: the results are deterministic on every device.
+  // back in route order and summed over each row's k routes (GatherRoutes, CombineRoutes: no
+  // atomic float adds either way, so the results are deterministic on every device). (N, H) in
+  // the compute dtype.
   static at::Tensor experts(const Qwen3Model::Impl& m, const at::Tensor& y, const Routing& r,
                             const MoeWeights& w) {
     const int64_t E = m.cfg.moe.num_experts, I = m.cfg.moe.moe_intermediate_size;
@@ -154,19 +197,16 @@ class MoeFfn final : public Ffn {
         std::get<1>(at::sort(route_expert, /*stable=*/true, 0, /*descending=*/false));
     const at::Tensor per_expert = at::zeros({E}, route_expert.options())
                                       .index_add_(0, route_expert, at::ones_like(route_expert));
-    // Route i of the sorted order reads row order[i] / k of y.
-    const at::Tensor xs =
-        y.unsqueeze(1).expand({N, k, H}).reshape({N * k, H}).index_select(0, order);
+    const at::Tensor inverse =
+        at::empty_like(order).scatter_(0, order, at::arange(N * k, order.options()));
+    const at::Tensor xs = GatherRoutes::apply(y, order, inverse, k);  // (N·k, H)
     const at::Tensor gate = w.gate.view({E, I, H}), up = w.up.view({E, I, H});
     const at::Tensor down = w.down.view({E, H, I});
     const at::Tensor out = grouped_applies(m, y)
                                ? grouped(m, xs, per_expert, gate, up, down)
                                : per_expert_gemms(m, xs, per_expert, gate, up, down);
     const at::Tensor weighted = out * r.weights.reshape({-1}).index_select(0, order).unsqueeze(1);
-    // The inverse permutation of order: route i's row in `weighted`.
-    const at::Tensor inverse =
-        at::empty_like(order).scatter_(0, order, at::arange(N * k, order.options()));
-    return weighted.index_select(0, inverse).view({N, k, H}).sum(1);
+    return CombineRoutes::apply(weighted, order, inverse, k);
   }
 
   static bool grouped_applies(const Qwen3Model::Impl& m, const at::Tensor& y) {

@@ -9,7 +9,8 @@
 #   scripts/bench/moe_vs_peer.sh [OUT_DIR]
 # Env: LAYERS (8), STEPS (12), PEER (../shared/bench/peer_hf_moe_step.py), PEER_MODES
 # ("plain ste"), SKIP_BUILD=1, SKIP_PEER=1, BUILD (build-gpu), EXTRA_SET (more --set for q4train),
-# PROFILE=1 (a Kineto trace of the first run and its kernel table, kernels.md).
+# PROFILE=1 (a Kineto trace of the first run and its kernel table, kernels.md), SKIP_ACCUM=1 (no
+# grad_accum 8 run), SKIP_OPTIM=1 (no bench_optim).
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
 out=$(mkdir -p "${1:-${OUT:-$root/runs/bench-moe}}" && cd "${1:-${OUT:-$root/runs/bench-moe}}" && pwd)
@@ -54,13 +55,17 @@ rm -rf "$work/train"
   || { tail -n 30 "$out/train.log"; exit 1; }
 summary "$out/train.log" "accum 1" | tee "$out/summary.txt"
 [ -z "${PROFILE:-}" ] || python3 scripts/bench/kernel_table.py "$work/trace.json" 30 >"$out/kernels.md"
+if [ "${SKIP_ACCUM:-0}" != 1 ]; then
 rm -rf "$work/train8"
 "$bin/q4train" "${common[@]}" --set "train.steps=4" --set train.grad_accum=8 \
   --set "output.dir=$work/train8" >"$out/train8.log" 2>&1 || { tail -n 30 "$out/train8.log"; exit 1; }
 summary "$out/train8.log" "accum 8" | tee -a "$out/summary.txt"
-"$bin/bench_optim" --model 30b-a3b --layers "$layers" --modes int8 --steps 3 --warmup 1 \
-  >"$out/optim.txt" 2>&1 || true
-grep -E "baseline|int8" "$out/optim.txt" | tee -a "$out/summary.txt"
+fi
+if [ "${SKIP_OPTIM:-0}" != 1 ]; then
+  "$bin/bench_optim" --model 30b-a3b --layers "$layers" --modes int8 --steps 3 --warmup 1 \
+    >"$out/optim.txt" 2>&1 || true
+  grep -E "baseline|int8" "$out/optim.txt" | tee -a "$out/summary.txt"
+fi
 if [ "${SKIP_PEER:-0}" != 1 ]; then
   for mode in ${PEER_MODES:-plain ste}; do
     (cd /tmp && LAYERS=$layers MODE=$mode EXPERTS=grouped_mm CKPT=0 timeout 300 python3 "$peer" 2>&1 \
