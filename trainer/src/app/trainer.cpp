@@ -329,10 +329,10 @@ class Trainer {
   // are not adapted (docs/trainer.md#--dry-run says the same).
   void print_moe_summary() {
     const auto& mc = setup_.model_config();
-    if (const auto moe = moe_summary(mc, cfg(), setup_.separate_lm_head()); !moe.empty()) {
+    if (const auto moe = moe_summary(mc, plan_.config(), setup_.separate_lm_head()); !moe.empty()) {
       out_ << "  experts    " << moe << "\n";
     }
-    if (const auto note = moe_lora_note(mc, cfg()); !note.empty()) {
+    if (const auto note = moe_lora_note(mc, plan_.config()); !note.empty()) {
       out_ << "  note       " << note << "\n";
     }
   }
