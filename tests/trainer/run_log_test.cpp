@@ -102,8 +102,8 @@ TEST(RunLog, RouterMetricsOverTheLogWindow) {
   ComponentTempDir t;
   const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
   std::ostringstream out, err;
-  RunLog log(plan, out, err, /*leader=*/true);
-  Evaluator ev(plan, true);
+  RunLog log(plan.report_plan(), out, err, /*leader=*/true);
+  Evaluator ev(plan.eval_plan(), true);
   log.open(/*resume=*/false, /*start_step=*/0, ev);
   log.start_steps(0);
   StepOutcome so;
