@@ -13,6 +13,16 @@ int64_t ParamSpec::numel() const {
   return n;
 }
 
+bool is_expert_stack(const ParamSpec& p) {
+  return p.group == ParamGroup::kProjection && p.layer >= 0 &&
+         p.name.find(".mlp.experts.") != std::string::npos;
+}
+
+int64_t active_elements(const ParamSpec& p, const Qwen3Config& cfg) {
+  if (!is_expert_stack(p)) return p.numel();
+  return p.numel() / cfg.moe.num_experts * cfg.moe.num_experts_per_tok;
+}
+
 std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& c, bool include_lm_head) {
   const int64_t H = c.hidden_size, D = c.head_dim;
   const int64_t V = c.vocab_size, L = c.num_hidden_layers;
@@ -80,6 +90,22 @@ int64_t Qwen3Config::num_linear_parameters(bool include_lm_head) const {
   int64_t n = 0;
   for (const ParamSpec& p : qwen3_parameters(*this, include_lm_head)) {
     if (p.kind == ParamKind::kQuantizedLinear) n += p.numel();
+  }
+  return n;
+}
+
+int64_t Qwen3Config::num_active_parameters(bool include_lm_head) const {
+  int64_t n = 0;
+  for (const ParamSpec& p : qwen3_parameters(*this, include_lm_head))
+    n += active_elements(p, *this);
+  return n;
+}
+
+int64_t Qwen3Config::layer_active_linear_parameters(int64_t layer) const {
+  int64_t n = 0;
+  for (const ParamSpec& p : qwen3_parameters(*this, false)) {
+    const bool matmul = p.kind == ParamKind::kQuantizedLinear || p.group == ParamGroup::kRouter;
+    if (p.layer == layer && matmul) n += active_elements(p, *this);
   }
   return n;
 }

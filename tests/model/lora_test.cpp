@@ -512,6 +512,48 @@ TEST(Lora, PeftAdapterCarriesTheTensorsTrainedBesideIt) {
   std::filesystem::remove_all(bare);
 }
 
+// A mixture-of-experts model (the tiny MoE fixture: layers 0 and 2 sparse, layer 1 dense): the
+// stacked experts are no adapter target, so gate/up/down_proj adapt only the dense layer's MLP;
+// the routers stay frozen and are no modules_to_save; the PEFT folder loads back onto the base
+// as the trained model (docs/model.md#mixture-of-experts).
+TEST(Lora, MixtureOfExpertsAdaptsOnlyTheDenseMlps) {
+  const auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_moe_tiny.config.json");
+  // An NVFP4 base (the fixture's weights are dense): a random init written as a .dat.
+  const std::string base = lora_temp_path("moe_base.dat");
+  write_dat(Qwen3Model::random_init(cfg, fp32_all(), 5), base, /*quantize_lm_head=*/false);
+  DatReader w(base);
+  ModelOptions o = lora_options(false);
+  o.trainable.norms = true;
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  // q/k/v/o of 3 layers and gate/up/down of layer 1: an A and a B each.
+  ASSERT_EQ(m.adapters().size(), 2u * (3 * 4 + 3));
+  for (const Parameter& p : m.adapters()) {
+    EXPECT_EQ(p.name.find(".experts."), std::string::npos) << p.name;
+  }
+  for (const Parameter& p : m.parameters()) {
+    if (p.name.find(".mlp.") != std::string::npos) EXPECT_FALSE(p.trainable) << p.name;
+  }
+  perturb_b(m);
+  const std::string dir = lora_temp_path("moe");
+  m.export_adapter(dir, "base");
+  const AdapterConfig ac = read_adapter_config(dir);
+  EXPECT_FALSE(ac.modules_to_save.empty());  // the norms
+  for (const auto& e : ac.modules_to_save) {
+    EXPECT_EQ(e.find("mlp"), std::string::npos) << e;
+  }
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  const AdapterLoad applied = loaded.load_adapter(dir);
+  EXPECT_EQ(applied.lora_pairs, 15);
+  at::NoGradGuard no_grad;
+  const auto in = lora_inputs(cfg);
+  EXPECT_LT(rel_err(loaded.forward(in), m.forward(in)), 1e-6);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(base);
+}
+
 // The lm_head adapter of a merge-aware run loads (as peft applies it: W + s·B·A unrounded, which
 // a model holding that merged weight in plain precision computes).
 TEST(Lora, LmHeadAdapterLoadsAsPeftAppliesIt) {

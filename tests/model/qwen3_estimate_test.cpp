@@ -234,6 +234,47 @@ TEST(Qwen3Model, MemoryEstimateOfKeptBlocks) {
   EXPECT_THROW(behind_loss(L, 1, false), c10::Error);  // more kept blocks than layers
 }
 
+// Qwen3-30B-A3B shapes (docs/model.md#mixture-of-experts): the stacked experts are 3·E·I·H
+// elements per layer, counted as masters when they train and as compute-dtype frozen weights when
+// they do not; every token's k routes hold 3·(H + I) compute-dtype values each in the layer's
+// graph, so the activations grow with k; the active parameters are k of E experts.
+TEST(Qwen3Model, MemoryEstimateOfMixtureOfExperts) {
+  auto cfg = Qwen3Config::from_json_file(kFixtures + "/qwen3_30b_a3b.config.json");
+  const int64_t L = 48, H = 2048, I = 768, E = 128, V = 151936;
+  const int64_t experts = L * 3 * E * I * H;
+  const int64_t attention = L * H * (2 * 4096 + 2 * 512);
+  const int64_t routers = L * E * H;
+  const int64_t norms = L * (2 * H + 2 * 128) + H;
+  EXPECT_EQ(cfg.num_parameters(true), experts + attention + routers + norms + 2 * V * H);
+  EXPECT_EQ(cfg.num_active_parameters(true),
+            experts / E * 8 + attention + routers + norms + 2 * V * H);
+  EXPECT_NEAR(static_cast<double>(cfg.num_parameters(true)), 30.5e9, 0.05e9);
+  EXPECT_NEAR(static_cast<double>(cfg.num_active_parameters(true)), 3.3e9, 0.06e9);
+  EXPECT_EQ(cfg.layer_active_linear_parameters(0),
+            H * (2 * 4096 + 2 * 512) + E * H + 8 * 3 * I * H);
+
+  ModelOptions o = cuda_bf16_everything();
+  o.gradient_checkpointing = false;
+  const MemoryEstimate all = estimate_memory(cfg, o, 1, 256, true);
+  EXPECT_EQ(all.master_bytes, 2 * cfg.num_parameters(true));  // fp16 masters, experts included
+  o.trainable.projections = false;                            // experts and attention frozen
+  const MemoryEstimate frozen = estimate_memory(cfg, o, 1, 256, true);
+  EXPECT_EQ(all.master_bytes - frozen.master_bytes, 2 * (experts + attention));
+  EXPECT_EQ(frozen.frozen_bytes - all.frozen_bytes, 2 * (experts + attention));  // bf16
+
+  // The routes: k = 8 against k = 4, every layer's graph kept for 256 tokens.
+  o.trainable.projections = true;
+  Qwen3Config k4 = cfg;
+  k4.moe.num_experts_per_tok = 4;
+  const MemoryEstimate four = estimate_memory(k4, o, 1, 256, true);
+  const int64_t per_route = 2 * 3 * (H + I) + 16;  // bf16 x/gate/up/product/out/weighted + ids
+  EXPECT_EQ(all.phase(MemoryPhaseKind::kForward)->activation_bytes -
+                four.phase(MemoryPhaseKind::kForward)->activation_bytes,
+            L * 256 * 4 * per_route);
+  // A layer's backward holds its experts' fake-quantized stacks (bf16) while it runs.
+  EXPECT_GE(all.phase(MemoryPhaseKind::kLayerBackward)->activation_bytes, 2 * experts / L);
+}
+
 TEST(Qwen3Model, RandomInitAndMemoryEstimate) {
   auto cfg = Qwen3Config::from_json_file(kConfig);
   cfg.tie_word_embeddings = true;

@@ -543,6 +543,68 @@ TEST(Estimate, FlopsPerTokenCountWhatTrains) {
   EXPECT_LT(train_flops_per_token(mc, plain, true), train_flops_per_token(mc, 24));
 }
 
+// A mixture-of-experts model (tests/fixtures/qwen3_moe_tiny: 3 layers, layer 1 dense; H 64, q 64,
+// kv 32, I 192, experts 8 of width 32, top 2, V 384) computes with its routers and the k routed
+// experts of each sparse layer, not with all E: by hand, the MFU's count of active parameters.
+TEST(Estimate, FlopsPerTokenCountActiveExperts) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_moe_tiny.config.json");
+  const double T = 24, core = T * 64, attn = 64.0 * (2 * 64 + 2 * 32), head = 384.0 * 64;
+  const double router = 8.0 * 64, routed = 2 * 3.0 * 64 * 32, dense = 3.0 * 64 * 192;
+  const double moe_layer = attn + router + routed, dense_layer = attn + dense;
+  EXPECT_EQ(mc.layer_active_linear_parameters(0), static_cast<int64_t>(moe_layer));
+  EXPECT_EQ(mc.layer_active_linear_parameters(1), static_cast<int64_t>(dense_layer));
+  const double all = 6.0 * (2 * moe_layer + dense_layer + head) + 12.0 * 3 * core;
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, 24), all);
+  const std::vector<std::string> base = {
+      "model.config=" + kFixtures + "/qwen3_moe_tiny.config.json",
+      "model.init=random",
+      "train.seq_len=24",
+      "train.batch_size=2",
+      "train.trainable.norms=false",
+      "train.trainable.lm_head=true",
+      "train.trainable.embeddings=true"};
+  auto with = [&](std::vector<std::string> sets) {
+    sets.insert(sets.end(), base.begin(), base.end());
+    return tiny_config("", sets);
+  };
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, with({}), true), all);
+  // Frozen routers: their weight gradients (2 x E x H each) are not formed.
+  EXPECT_DOUBLE_EQ(train_flops_per_token(mc, with({"train.trainable.router=false"}), true),
+                   all - 2 * 2 * router);
+}
+
+// The dry run's line on a mixture-of-experts model, and LoRA's note that the experts are no
+// adapter target when lora.targets names an MLP projection.
+TEST(Estimate, MoeSummaryAndLoraNote) {
+  const auto mc = q4::model::Qwen3Config::from_json_file(kFixtures + "/qwen3_moe_tiny.config.json");
+  const std::string moe_config = "model.config=" + kFixtures + "/qwen3_moe_tiny.config.json";
+  const Config full = tiny_config("", {moe_config, "model.init=random"});
+  const std::string line = moe_summary(mc, full, true);
+  EXPECT_NE(line.find("2 of 3 layers sparse, 8 experts of width 32, top 2 (renormalised)"),
+            std::string::npos)
+      << line;
+  EXPECT_NE(line.find(fmt::format("{} parameters, {} active per token", mc.num_parameters(true),
+                                  mc.num_active_parameters(true))),
+            std::string::npos)
+      << line;
+  EXPECT_NE(line.find("routers train"), std::string::npos) << line;
+  EXPECT_NE(line.find("coefficient 0.02"), std::string::npos) << line;
+  EXPECT_EQ(moe_summary(tiny_model_config(), full, true), "");
+  EXPECT_EQ(moe_lora_note(mc, full), "");
+  const Config lora = tiny_config(
+      "", {moe_config, "model.init=random", "train.method=lora", "lora.targets=[q_proj, up_proj]"});
+  EXPECT_NE(moe_summary(mc, lora, true).find("routers frozen"), std::string::npos);
+  const std::string note = moe_lora_note(mc, lora);
+  EXPECT_NE(note.find("lora.targets up_proj: the experts of the 2 mixture-of-experts layers are "
+                      "not adapted"),
+            std::string::npos)
+      << note;
+  EXPECT_NE(note.find("only the 1 dense layers' MLPs"), std::string::npos) << note;
+  const Config attention_only = tiny_config(
+      "", {moe_config, "model.init=random", "train.method=lora", "lora.targets=[q_proj]"});
+  EXPECT_EQ(moe_lora_note(mc, attention_only), "");
+}
+
 // What fits instead (advise_placements): an 8B model, one sequence of 128 tokens with 4-bit
 // moments on a 24 GB card does not fit; the advice never repeats what is set (the moments'
 // format, the batch, a sequence already at the floor), offloading the moments fits, each listed

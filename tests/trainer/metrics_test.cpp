@@ -44,6 +44,24 @@ TEST(Metrics, LogLineFixedFormat) {
             "| mfu 45.7% | mem 40.00 GiB | eta 1m23s | skipped (non-finite)");
 }
 
+// Mixture-of-experts models: the routers after the losses in the line, moe_* keys in the record;
+// none of them for a dense model.
+TEST(Metrics, RouterFieldsInLineAndRecord) {
+  StepMetrics m = sample();
+  EXPECT_FALSE(metrics_to_json(m).contains("moe_aux_loss"));
+  m.loss_avg = 3.9;
+  m.router = StepMetrics::Router{8.0123, 1.934, 0.271, 2.05, 0};
+  EXPECT_EQ(format_log_line(m),
+            "step  12/200 | loss 3.4521 (avg 3.9000) | aux 8.012 load 1.93/0.27 | gnorm 1.234e+00 "
+            "| lr 1.00e-03 | 123.4 ms | 33182 tok/s | mfu - | mem rss 3.00 GiB | eta 1m23s");
+  const auto j = metrics_to_json(m);
+  EXPECT_DOUBLE_EQ(j["moe_aux_loss"].get<double>(), 8.0123);
+  EXPECT_DOUBLE_EQ(j["moe_max_load"].get<double>(), 1.934);
+  EXPECT_DOUBLE_EQ(j["moe_min_load"].get<double>(), 0.271);
+  EXPECT_DOUBLE_EQ(j["moe_router_entropy"].get<double>(), 2.05);
+  EXPECT_EQ(j["moe_dropped_tokens"], 0);
+}
+
 TEST(Metrics, JsonHasSameFieldsAndNulls) {
   StepMetrics m = sample();
   auto j = metrics_to_json(m);

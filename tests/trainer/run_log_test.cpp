@@ -94,6 +94,51 @@ TEST(RunLog, StepRecordsAndLines) {
   EXPECT_EQ(err.str(), "");  // no progress bar with log.progress: line
 }
 
+// A mixture-of-experts run: the load-balancing loss (the objective's moe_aux_loss, each step's
+// mean over its units) is averaged over the log window weighted by the steps' units, like the
+// loss; the loads, entropy and dropped tokens come from the log step's RouterStats. Steps that
+// are not logged carry none of them.
+TEST(RunLog, RouterMetricsOverTheLogWindow) {
+  ComponentTempDir t;
+  const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
+  std::ostringstream out, err;
+  RunLog log(plan.report_plan(), out, err, /*leader=*/true);
+  Evaluator ev(plan.eval_plan(), true);
+  log.open(/*resume=*/false, /*start_step=*/0, ev);
+  log.start_steps(0);
+  StepOutcome so;
+  so.loss = 3.0;
+  so.res.applied = true;
+  StepRecord r;
+  r.lr = 1e-3;
+  r.step_ms = 100.0;
+  // Step 1: 10 units at aux 2.0, not logged; step 2: 30 units at aux 4.0, logged.
+  so.units = so.supervised = 10;
+  so.logged = {{"moe_aux_loss", at::full({}, 2.0, at::kDouble)}};
+  r.done = 1;
+  log.record_step(so, r);
+  so.units = so.supervised = 30;
+  so.logged = {{"moe_aux_loss", at::full({}, 4.0, at::kDouble)}};
+  r.done = 2;
+  r.log_step = true;
+  q4::model::RouterStats rs;
+  rs.aux_loss = 9.0;  // the last forward's: not the window's mean
+  rs.layers = {{0, 1.5, 0.5, 2.0}, {1, 1.9, 0.25, 1.0}};
+  r.router = rs;
+  log.record_step(so, r);
+  log.close();
+  const auto recs = records(t.path / "metrics.jsonl");
+  ASSERT_EQ(recs.size(), 2u);
+  EXPECT_FALSE(recs[0].contains("moe_aux_loss"));
+  EXPECT_FALSE(recs[0].contains("moe_max_load"));
+  EXPECT_DOUBLE_EQ(recs[1]["moe_aux_loss"].get<double>(), (2.0 * 10 + 4.0 * 30) / 40);
+  EXPECT_DOUBLE_EQ(recs[1]["moe_max_load"].get<double>(), 1.9);
+  EXPECT_DOUBLE_EQ(recs[1]["moe_min_load"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(recs[1]["moe_router_entropy"].get<double>(), 1.5);
+  EXPECT_EQ(recs[1]["moe_dropped_tokens"], 0);
+  EXPECT_NE(out.str().find("| aux 3.500 load 1.90/0.25 |"), std::string::npos) << out.str();
+}
+
 TEST(RunLog, AnswersAndEndSummary) {
   ComponentTempDir t;
   const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});

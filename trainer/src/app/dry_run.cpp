@@ -53,7 +53,9 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
                      c.train.batch_size, c.train.seq_len, plan.grad_accum(), plan.steps(),
                      to_string(c.optim.state));
   if (!recompute_note.empty()) out << recompute_note << "\n";
+  if (const auto moe = moe_summary(mc, c, separate_lm_head); !moe.empty()) out << moe << "\n";
   if (const auto lora = lora_summary(mc, c, separate_lm_head); !lora.empty()) out << lora << "\n";
+  if (const auto note = moe_lora_note(mc, c); !note.empty()) out << "note: " << note << "\n";
   if (const auto summary = objective_summary(c); !summary.empty()) out << summary << "\n";
   out << "memory estimate (device, one micro-batch):\n" << b.to_table();
   if (!fit_note.empty()) out << fit_note << "\n";

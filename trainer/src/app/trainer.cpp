@@ -89,6 +89,7 @@ class Trainer {
       log_->print_summary(setup_, evaluator_,
                           plan_.memory_estimate(setup_.model_config(), setup_.separate_lm_head()),
                           ranks(), start_step_);
+      print_moe_summary();
     }
     return loop();
   }
@@ -324,6 +325,18 @@ class Trainer {
     return r.tokens_seen;
   }
 
+  // Mixture-of-experts models, after the start summary: the experts and, with LoRA, that they
+  // are not adapted (docs/trainer.md#--dry-run says the same).
+  void print_moe_summary() {
+    const auto& mc = setup_.model_config();
+    if (const auto moe = moe_summary(mc, plan_.config(), setup_.separate_lm_head()); !moe.empty()) {
+      out_ << "  experts    " << moe << "\n";
+    }
+    if (const auto note = moe_lora_note(mc, plan_.config()); !note.empty()) {
+      out_ << "  note       " << note << "\n";
+    }
+  }
+
   // The training loop (docs/design.md#trainer-components).
   int loop() {
     const int64_t total = plan_.steps();
@@ -352,6 +365,11 @@ class Trainer {
       // the next step, whose time includes any wait for them.
       if (rec.log_step) synchronize_stream(plan_.device());
       rec.step_ms = ms_since(t0);
+      // Mixture of experts: the routing of the step's last forward, before a validation runs
+      // another (one device sync, log steps only).
+      if (rec.log_step && leader() && setup_.model_config().is_moe()) {
+        rec.router = setup_.model().router_stats();
+      }
       log_->add_tokens(so.real_tokens);
       check_nonfinite(so.res, done);
       rec.mem = memory_snapshot(plan_.device());

@@ -245,8 +245,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("train.trainable.projections", &c.train.trainable.projections,
             "q/k/v/o/gate/up/down linears of the selected layers train (fake-quantized, STE)"),
       field("train.trainable.router", &c.train.trainable.router,
-            "mixture-of-experts models: the routers (mlp.gate) of the selected layers train "
-            "(full fine-tuning only)"),
+            "mixture-of-experts models: the routers (mlp.gate, 16/32-bit, never quantized) of "
+            "the selected layers train, pulled by the loss and the load-balancing loss (full "
+            "fine-tuning only: LoRA freezes them)"),
       field("train.trainable.norms", &c.train.trainable.norms,
             "RMSNorm weights of the selected layers and the final norm train"),
       field("train.trainable.lm_head", &c.train.trainable.lm_head, "the output projection trains"),
@@ -413,7 +414,8 @@ std::vector<FieldRef> config_fields(Config& c) {
             R::at_least(0), {"lora_dropout"}),
       field("lora.targets", &c.lora.targets,
             "adapted linears: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
-            "(in the train.trainable.layers), lm_head",
+            "(in the train.trainable.layers; a mixture-of-experts layer's experts are no "
+            "target), lm_head",
             {}, {"target_modules"}),
       field("lora.merge_aware", &c.lora.merge_aware,
             "true: train through the quantization of the merged weight (the merged NVFP4 export "

@@ -105,6 +105,7 @@ ObjectiveOutput distillation_output(model::Qwen3Model& model, const MicroBatch& 
   ObjectiveOutput out;
   out.loss_sum = lo.loss_sum;
   out.logged = {{"distill_ce", lo.ce_sum}, {"distill_divergence", lo.term_sum}};
+  log_router_aux_loss(lo, &out);
   return out;
 }
 

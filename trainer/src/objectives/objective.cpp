@@ -1,15 +1,24 @@
 // The objectives a step can train with; see objective.h for the contract.
 #include "q4/trainer/objectives/objective.h"
 
+#include <ATen/ATen.h>
+
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/preference.h"
 
 namespace q4::trainer {
 
+void log_router_aux_loss(const model::LossOutput& lo, ObjectiveOutput* out) {
+  if (!lo.aux_loss.defined()) return;
+  out->logged.emplace_back(kRouterAuxLossName, lo.aux_loss * lo.num_tokens.to(at::kFloat));
+}
+
 ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const MicroBatch& micro) {
+  const model::LossOutput lo = model.loss(micro.inputs);
   ObjectiveOutput out;
-  out.loss_sum = model.loss(micro.inputs).loss_sum;
+  out.loss_sum = lo.loss_sum;
+  log_router_aux_loss(lo, &out);
   return out;
 }
 

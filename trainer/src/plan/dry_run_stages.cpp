@@ -87,6 +87,33 @@ RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ost
   return resolved;
 }
 
+namespace {
+
+// Cards a CUDA run is commonly planned for (GB as sold: A100/H100 80 GB, H200 141 GB).
+constexpr double kCommonCardsGb[] = {80.0, 141.0};
+
+// No GPU here and no guard.max_gpu_gb: whether the estimate fits each common card, and what
+// would when it does not (advise_placements with the card's memory as the budget).
+std::string common_cards_note(const RunPlan& plan, const model::Qwen3Config& mc,
+                              bool separate_lm_head) {
+  std::string s =
+      "memory: no GPU here and guard.max_gpu_gb unset (set it to the card's GB to plan for "
+      "yours); on common cards:";
+  for (const double gb : kCommonCardsGb) {
+    Config card = plan.config();
+    card.guard.max_gpu_gb = gb;
+    const PlacementAdvice a =
+        advise_placements(mc, card, separate_lm_head, 0, plan.objective_needs());
+    s += fmt::format("\n  {:.0f} GB: estimate {:.1f} GiB, {}", gb, to_gib(a.config_bytes),
+                     a.config_fits
+                         ? fmt::format("fits ({:.1f} GiB usable)", to_gib(a.budget.usable_bytes))
+                         : "over; " + a.summary());
+  }
+  return s;
+}
+
+}  // namespace
+
 RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool separate_lm_head,
                     std::string* recompute_note, std::string* fit_note) {
   const Config& c = plan.config();
@@ -108,11 +135,7 @@ RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool sepa
                             to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
                             a.budget.source, a.config_fits ? "" : "; " + a.summary());
   }
-  if (device_is_cuda(c) && !free_bytes) {
-    *fit_note =
-        "memory: set guard.max_gpu_gb to the card's memory (GB) to see whether this fits and, "
-        "if not, which placements would";
-  }
+  if (device_is_cuda(c) && !free_bytes) *fit_note = common_cards_note(plan, mc, separate_lm_head);
   return resolved;
 }
 

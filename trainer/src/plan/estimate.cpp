@@ -67,6 +67,56 @@ std::string lora_summary(const model::Qwen3Config& mc, const Config& c, bool sep
 
 namespace {
 
+// "30.53B", "3.35B", "12.4M", "900".
+std::string count_text(int64_t n) {
+  const double x = static_cast<double>(n);
+  if (x >= 1e9) return fmt::format("{:.2f}B", x / 1e9);
+  if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);
+  return fmt::format("{}", n);
+}
+
+}  // namespace
+
+std::string moe_summary(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head) {
+  if (!mc.is_moe()) return "";
+  const auto& moe = mc.moe;
+  int64_t sparse = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) sparse += mc.is_moe_layer(l);
+  const bool routers_train = trainable_spec(c).router && sparse > 0;
+  const auto coef = model_options(c).router_aux_loss_coef.value_or(moe.router_aux_loss_coef);
+  return fmt::format(
+      "mixture of experts: {} of {} layers sparse, {} experts of width {}, top {}{}; {} "
+      "parameters, {} active per token; routers {} (train.trainable.router{}), load-balancing "
+      "loss coefficient {:g} (config.json router_aux_loss_coef){}",
+      sparse, mc.num_hidden_layers, moe.num_experts, moe.moe_intermediate_size,
+      moe.num_experts_per_tok, moe.norm_topk_prob ? " (renormalised)" : "",
+      count_text(mc.num_parameters(separate_lm_head)),
+      count_text(mc.num_active_parameters(separate_lm_head)), routers_train ? "train" : "frozen",
+      c.train.method == TrainMethod::kLora ? "; train.method lora freezes them" : "", coef,
+      coef == 0 ? ", not added" : "");
+}
+
+std::string moe_lora_note(const model::Qwen3Config& mc, const Config& c) {
+  if (!mc.is_moe() || c.train.method != TrainMethod::kLora) return "";
+  std::string mlp;
+  for (const auto& t : c.lora.targets) {
+    if (t == "gate_proj" || t == "up_proj" || t == "down_proj")
+      mlp += (mlp.empty() ? "" : ", ") + t;
+  }
+  if (mlp.empty()) return "";
+  int64_t sparse = 0;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) sparse += mc.is_moe_layer(l);
+  const int64_t dense = mc.num_hidden_layers - sparse;
+  return fmt::format(
+      "lora.targets {}: the experts of the {} mixture-of-experts layers are not adapted (stacked "
+      "NVFP4 experts are no adapter target; they stay frozen, as do the routers); {}",
+      mlp, sparse,
+      dense > 0 ? fmt::format("these targets adapt only the {} dense layers' MLPs", dense)
+                : std::string("these targets adapt nothing here (no layer has a dense MLP)"));
+}
+
+namespace {
+
 // Online distillation (docs/trainer.md#distillation): the teacher's weights for the whole run;
 // in the loss forward, one teacher layer's forward transients (no autograd: the widest is the
 // MLP's (tokens, I) gate/up/product) besides its final hidden states, and per logits chunk the
@@ -624,11 +674,12 @@ std::string MemoryBudget::to_table() const {
 }
 
 double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len) {
-  const double layer =
-      static_cast<double>(mc.hidden_size) * (2.0 * mc.q_dim() + 2.0 * mc.kv_dim()) +
-      3.0 * mc.hidden_size * mc.intermediate_size;
-  const double matmul_params =
-      layer * mc.num_hidden_layers + static_cast<double>(mc.vocab_size) * mc.hidden_size;
+  // The weights each token multiplies with, layer by layer (a mixture-of-experts layer: its
+  // router and k of its E experts).
+  double matmul_params = static_cast<double>(mc.vocab_size) * mc.hidden_size;
+  for (int64_t l = 0; l < mc.num_hidden_layers; ++l) {
+    matmul_params += static_cast<double>(mc.layer_active_linear_parameters(l));
+  }
   return 6.0 * matmul_params +
          12.0 * mc.num_hidden_layers * static_cast<double>(seq_len) * mc.q_dim();
 }
@@ -655,7 +706,8 @@ double train_flops_per_token(const model::Qwen3Config& mc, const Config& c, bool
   const double tokens = static_cast<double>(c.train.batch_size * c.train.seq_len);
   double flops = 0;
   auto linear = [&](const model::ParamSpec& p, bool backward, bool weight_trains) {
-    const double n = static_cast<double>(p.numel());
+    // A token computes with k of a stacked expert projection's E experts.
+    const double n = static_cast<double>(model::active_elements(p, mc));
     const double in = static_cast<double>(p.shape[1]), out = static_cast<double>(p.shape[0]);
     const double r = static_cast<double>(lora.rank);
     flops += 2 * n;
@@ -669,7 +721,9 @@ double train_flops_per_token(const model::Qwen3Config& mc, const Config& c, bool
     }
   };
   for (const auto& p : params) {
-    if (p.kind == model::ParamKind::kQuantizedLinear && p.group != model::ParamGroup::kLmHead) {
+    const bool layer_matmul =
+        p.kind == model::ParamKind::kQuantizedLinear || p.group == model::ParamGroup::kRouter;
+    if (layer_matmul && p.group != model::ParamGroup::kLmHead) {
       linear(p, p.layer >= reach, trains(p));
     } else if (p.group == model::ParamGroup::kLmHead) {
       linear(p, below_head, trains(p));

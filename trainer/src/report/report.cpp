@@ -212,8 +212,9 @@ std::string render_svg_plot(const std::string& title, const std::vector<PlotSeri
 
 namespace {
 
-// The report's figures: loss (with validation), preference rewards, lr, gradient norm,
-// throughput, MFU and memory, each where its metrics exist.
+// The report's figures: loss (with validation), preference rewards, the routers of a
+// mixture-of-experts model, lr, gradient norm, throughput, MFU and memory, each where its
+// metrics exist.
 std::string report_plots(const ReportInput& in) {
   const auto& m = in.metrics;
   std::string body;
@@ -247,6 +248,16 @@ std::string report_plots(const ReportInput& in) {
           {"held-out pairs", series_of(m, "eval_rewards/accuracies")}},
          "");
   }
+  // Mixture-of-experts models: the routers (docs/trainer.md#logs).
+  plot("Router load-balancing loss (no coefficient)",
+       {{"train", series_of(m, "moe_aux_loss")}, {"validation", series_of(m, "eval_moe_aux_loss")}},
+       "");
+  plot("Expert load (tokens over the mean per expert, over the MoE layers)",
+       {{"busiest expert", series_of(m, "moe_max_load")},
+        {"idlest expert", series_of(m, "moe_min_load")}},
+       "");
+  plot("Routing entropy (mean per token)", {{"entropy", series_of(m, "moe_router_entropy")}},
+       "nats");
   plot("Learning rate", {{"lr", series_of(m, "lr")}}, "");
   plot("Gradient norm (before clipping)", {{"grad norm", series_of(m, "grad_norm")}}, "");
   plot("Throughput", {{"tokens/s", series_of(m, "tokens_per_s")}}, "tok/s");

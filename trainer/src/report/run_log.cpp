@@ -1,6 +1,7 @@
 // Console, metrics, TensorBoard and report of a run; see run_log.h.
 #include "q4/trainer/report/run_log.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "q4/trainer/objectives/objective.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
@@ -185,6 +187,23 @@ void RunLog::start_steps(int64_t start_step) {
   session_steps_ = 0;
   window_loss_sum_ = 0;
   window_tokens_ = 0;
+  window_aux_sum_ = at::Tensor();
+  window_aux_units_ = 0;
+}
+
+// The routers' metrics of a logged step: the window's mean load-balancing loss (an objective
+// that logs none, preference tuning, whose log-probabilities leave the loss out: the last
+// forward's) and the last forward's loads and entropy (docs/trainer.md#logs).
+StepMetrics::Router RunLog::router_metrics(const model::RouterStats& rs) const {
+  StepMetrics::Router out;
+  out.aux_loss = window_aux_units_ > 0
+                     ? window_aux_sum_.item<double>() / static_cast<double>(window_aux_units_)
+                     : rs.aux_loss;
+  out.max_load = rs.max_load();
+  out.min_load = rs.min_load();
+  out.entropy = rs.mean_entropy();
+  out.dropped_tokens = rs.dropped_tokens;
+  return out;
 }
 
 void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
@@ -201,6 +220,13 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
   if (std::isfinite(so.loss) && so.supervised > 0) {
     window_loss_sum_ += so.loss * static_cast<double>(so.supervised);
     window_tokens_ += so.supervised;
+  }
+  // The routers' load-balancing loss joins its window like the loss (device tensors: no sync).
+  for (const auto& [name, value] : so.logged) {
+    if (name != kRouterAuxLossName || so.units <= 0) continue;
+    const at::Tensor w = value * static_cast<double>(so.units);
+    window_aux_sum_ = window_aux_sum_.defined() ? window_aux_sum_ + w : w;
+    window_aux_units_ += so.units;
   }
   const double window_mean = window_tokens_ > 0
                                  ? window_loss_sum_ / static_cast<double>(window_tokens_)
@@ -234,6 +260,9 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
     last_loss_avg_ = window_mean;
     window_loss_sum_ = 0;
     window_tokens_ = 0;
+    if (r.router) m.router = router_metrics(*r.router);
+    window_aux_sum_ = at::Tensor();
+    window_aux_units_ = 0;
   }
   last_loss_ = so.loss;
   if (val) {

@@ -27,13 +27,16 @@ std::string format_duration(double seconds) {
 std::string format_log_line(const StepMetrics& m) {
   const int width = static_cast<int>(std::to_string(m.total_steps).size());
   std::string line = fmt::format(
-      "step {:>{}}/{}{} | loss {:.4f}{}{} | gnorm {:.3e} | lr {:.2e} | "
+      "step {:>{}}/{}{} | loss {:.4f}{}{}{} | gnorm {:.3e} | lr {:.2e} | "
       "{:.1f} ms | {:.0f} tok/s | mfu ",
       m.step, width, m.total_steps,
       m.epoch ? fmt::format(" | epoch {:.2f}", *m.epoch) : std::string(), m.loss,
       m.loss_avg ? fmt::format(" (avg {:.4f})", *m.loss_avg) : std::string(),
-      m.val_loss ? fmt::format(" | val {:.4f}", *m.val_loss) : std::string(), m.grad_norm, m.lr,
-      m.step_ms, m.tokens_per_s);
+      m.val_loss ? fmt::format(" | val {:.4f}", *m.val_loss) : std::string(),
+      m.router ? fmt::format(" | aux {:.3f} load {:.2f}/{:.2f}", m.router->aux_loss,
+                             m.router->max_load, m.router->min_load)
+               : std::string(),
+      m.grad_norm, m.lr, m.step_ms, m.tokens_per_s);
   line += m.mfu ? fmt::format("{:.1f}%", *m.mfu * 100.0) : "-";
   line += " | mem ";
   line += m.gpu_reserved_bytes
@@ -70,6 +73,13 @@ nlohmann::json metrics_to_json(const StepMetrics& m) {
   if (m.val_loss) {
     j["val_loss"] = finite(*m.val_loss);
     j["val_tokens"] = m.val_tokens;
+  }
+  if (m.router) {
+    j["moe_aux_loss"] = finite(m.router->aux_loss);
+    j["moe_max_load"] = finite(m.router->max_load);
+    j["moe_min_load"] = finite(m.router->min_load);
+    j["moe_router_entropy"] = finite(m.router->entropy);
+    j["moe_dropped_tokens"] = m.router->dropped_tokens;
   }
   return j;
 }

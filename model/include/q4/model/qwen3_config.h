@@ -76,6 +76,13 @@ struct Qwen3Config {
   // Parameters held in the 7 linears of every layer (what the NVFP4 file quantizes), plus
   // lm_head when `include_lm_head`.
   int64_t num_linear_parameters(bool include_lm_head) const;
+  // Parameters one token's forward uses (active_elements summed): num_parameters with each
+  // mixture-of-experts layer's experts counted k of E (Qwen3-30B-A3B: 3.3e9 of 30.5e9).
+  int64_t num_active_parameters(bool include_lm_head) const;
+  // The weights of the matrix products one token runs in decoder layer `layer`: the attention
+  // projections and the FFN's (dense: gate/up/down; mixture of experts: the router's E x H and
+  // k experts' three projections). Multiply-accumulates per token of the layer's linears.
+  int64_t layer_active_linear_parameters(int64_t layer) const;
 };
 
 }  // namespace q4::model

@@ -5,9 +5,9 @@
 // each projection of its E experts stacked into one NVFP4 matrix, expert e's rows at
 // [e·out, (e+1)·out): mlp.experts.gate_proj.weight (E·I, H), .up_proj (E·I, H), .down_proj
 // (E·H, I). NVFP4 scales are per row block, so stacking changes no bit; the HF import/export
-// map it to and from the per-expert tensors checkpoints store (mlp.experts.<e>.gate_proj.weight). Defined once here and iterated by the model,
-// the memory estimates, `q4dat init`, and the Hugging Face import/export, so the list cannot
-// drift between them (llm.c's ParameterTensors).
+// map it to and from the per-expert tensors checkpoints store (mlp.experts.<e>.gate_proj.weight).
+// Defined once here and iterated by the model, the memory estimates, `q4dat init`, and the Hugging
+// Face import/export, so the list cannot drift between them (llm.c's ParameterTensors).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +41,13 @@ struct ParamSpec {
   int64_t layer = -1;  // decoder layer index; -1 for embed, final norm and lm_head
   int64_t numel() const;
 };
+
+// Whether `p` is a mixture-of-experts layer's stacked expert projection
+// (mlp.experts.{gate,up,down}_proj.weight: E experts' blocks, of which a token uses k).
+bool is_expert_stack(const ParamSpec& p);
+// Elements of `p` that one token's forward multiplies with: k / E of a stacked expert
+// projection (its k routed experts' blocks), all of any other parameter.
+int64_t active_elements(const ParamSpec& p, const Qwen3Config& cfg);
 
 // Every parameter in .dat / HF order. `include_lm_head`: a separate lm_head.weight (the shipped
 // file stores one even when config.json says tied); false when lm_head is embed_tokens.

@@ -37,6 +37,13 @@ struct ObjectiveOutput {
   std::vector<std::pair<std::string, at::Tensor>> logged;
 };
 
+// Mixture-of-experts models: the routers' load-balancing loss (model::LossOutput::aux_loss, no
+// coefficient) as a logged value of the objectives that train through model::Qwen3Model::loss,
+// weighted by the micro-batch's supervised tokens (so the step's value is their mean). Nothing
+// for a dense model.
+inline constexpr const char* kRouterAuxLossName = "moe_aux_loss";
+void log_router_aux_loss(const model::LossOutput& lo, ObjectiveOutput* out);
+
 class Objective {
  public:
   virtual ~Objective() = default;

@@ -19,7 +19,7 @@ RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ost
 // even its least is over the budget): `recompute_note`, and the plan with it. Other settings:
 // whether the estimate fits, and what would when it does not (advise_placements): `fit_note`.
 // The device memory it plans with: guard.max_gpu_gb, or this machine's GPU's free memory; none
-// without either (or on the CPU).
+// without either (or on the CPU): a CUDA run then gets the fit on common cards (80, 141 GB).
 RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool separate_lm_head,
                     std::string* recompute_note, std::string* fit_note);
 

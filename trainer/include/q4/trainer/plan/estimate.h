@@ -34,6 +34,17 @@ struct ParamShape {
 // rank 16, alpha 32 on q_proj, ...: 252 adapter tensors, 33.0M elements (0.82% of the model's
 // 4.02B), plus 0.0M other trainable elements"; empty for full fine-tuning.
 std::string lora_summary(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
+// Mixture-of-experts models (docs/model.md#mixture-of-experts): one line with the experts, top-k,
+// the sparse layers, the parameters in all and active per token, whether the routers train and
+// the load-balancing loss's coefficient, e.g. "mixture of experts: 48 of 48 layers sparse, 128
+// experts of width 768, top 8 (renormalised); 30.53B parameters, 3.35B active per token; routers
+// train (train.trainable.router), load-balancing loss coefficient 0.001 (config.json)"; empty for
+// a dense model.
+std::string moe_summary(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head);
+// train.method lora on a mixture-of-experts model whose lora.targets name gate_proj, up_proj or
+// down_proj: those adapt only the dense layers' MLPs, never the stacked experts; one line saying
+// so (empty otherwise).
+std::string moe_lora_note(const model::Qwen3Config& mc, const Config& c);
 std::vector<ParamShape> parameter_shapes(const model::Qwen3Config& mc, const Config& c,
                                          bool separate_lm_head);
 
@@ -176,12 +187,14 @@ RecomputeChoice choose_recompute(const model::Qwen3Config& mc, const Config& c,
                                  bool separate_lm_head, int64_t free_bytes,
                                  const ObjectiveNeeds& needs = {});
 
-// Training FLOPs per token with every parameter trained: 6 x (matmul parameters) + attention
-// (12 x layers x seq_len x q_dim), as llm.c counts them (recomputation by checkpointing is not
-// counted).
+// Training FLOPs per token with every parameter trained: 6 x (matmul parameters: each layer's
+// Qwen3Config::layer_active_linear_parameters, a mixture-of-experts layer's router and k routed
+// experts, and the lm_head) + attention (12 x layers x seq_len x q_dim), as llm.c counts them
+// (recomputation by checkpointing is not counted).
 double train_flops_per_token(const model::Qwen3Config& mc, int64_t seq_len);
 // The FLOPs per token the run of `c` computes (the MFU column; recompute not counted). Per linear
-// of n = out x in weights: 2n forward; where the backward runs (every layer from the lowest one
+// of n = out x in weights (a stacked expert projection: the k of E experts a token uses; an MoE
+// router counts as a linear): 2n forward; where the backward runs (every layer from the lowest one
 // holding a trained parameter, the lowest counted whole; lm_head's input gradient when anything
 // below it trains) 2n for the input gradient, and 2n for the weight gradient only when the weight
 // trains or carries a merge-aware adapter (whose merged weight's gradient is formed; its merge and

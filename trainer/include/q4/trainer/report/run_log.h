@@ -46,6 +46,9 @@ struct StepRecord {
   MemorySnapshot mem;
   const data::Batcher* batcher = nullptr;  // the epoch position (null: not shown)
   int64_t world = 1;                       // ranks (MFU is per GPU)
+  // Mixture-of-experts models, logged steps: the routing of the step's last forward
+  // (model::Qwen3Model::router_stats, read before any validation forward).
+  std::optional<model::RouterStats> router;
 };
 
 class RunLog {
@@ -103,6 +106,7 @@ class RunLog {
  private:
   // The run-time estimate after step `done` of `total`, once the first steps are timed.
   void print_time_estimate(int64_t done, int64_t total);
+  StepMetrics::Router router_metrics(const model::RouterStats& rs) const;
   const ReportPlan plan_;
   std::ostream& out_;
   std::ostream& err_;
@@ -125,6 +129,10 @@ class RunLog {
   double window_loss_sum_ = 0;  // supervised-token-weighted losses since the last log line
   int64_t window_tokens_ = 0;
   std::optional<double> last_loss_, last_loss_avg_;
+  // The routers' load-balancing loss since the last log line (objective value
+  // kRouterAuxLossName): its unit-weighted sum, a device tensor read on log steps only.
+  at::Tensor window_aux_sum_;
+  int64_t window_aux_units_ = 0;
 };
 
 }  // namespace q4::trainer

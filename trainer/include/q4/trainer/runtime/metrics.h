@@ -41,12 +41,23 @@ struct StepMetrics {
   // example (no grad), and its supervised-token count.
   std::optional<double> val_loss;
   int64_t val_tokens = 0;
+  // Mixture-of-experts models, logged steps: the routers (docs/trainer.md#logs). The loads and
+  // the entropy are the step's last forward's (model::RouterStats).
+  struct Router {
+    double aux_loss = 0;         // load-balancing loss (no coefficient), mean over the log window
+    double max_load = 0;         // busiest expert over the MoE layers: its tokens / the mean
+    double min_load = 0;         // idlest expert
+    double entropy = 0;          // mean routing entropy per token over the MoE layers, nats
+    int64_t dropped_tokens = 0;  // routes not computed (dropless routing: 0)
+  };
+  std::optional<Router> router;
 };
 
 // "step   12/200 | loss 3.4521 (avg 3.9012) | gnorm 1.234e+00 | lr 1.00e-03 | 123.4 ms |
 //  1234 tok/s | mfu 12.3% | mem 12.3 GiB | eta 1m23s" (one line; "(avg ...)" when loss_avg is
 //  set, "| val 2.1234" after the loss when val_loss is, "| epoch 1.50" after the step when
-//  epoch is).
+//  epoch is, "| aux 8.012 load 1.93/0.27" after the losses when router is: the load-balancing
+//  loss and the busiest/idlest expert's load).
 std::string format_log_line(const StepMetrics& m);
 nlohmann::json metrics_to_json(const StepMetrics& m);
 std::string format_duration(double seconds);  // "45s", "3m07s", "2h05m"
