@@ -37,15 +37,22 @@ Config log_config(const fs::path& dir) {
   return c;
 }
 
+// A leader RunLog of log_config's plan in a temporary run directory, opened for a fresh run.
+struct OpenLog {
+  ComponentTempDir t;
+  RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
+  std::ostringstream out, err;
+  RunLog log{plan.report_plan(), out, err, /*leader=*/true};
+  Evaluator ev{plan.eval_plan(), true};
+  OpenLog() { log.open(/*resume=*/false, /*start_step=*/0, ev); }
+};
+
 }  // namespace
 
 TEST(RunLog, StepRecordsAndLines) {
-  ComponentTempDir t;
-  const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
-  std::ostringstream out, err;
-  RunLog log(plan.report_plan(), out, err, /*leader=*/true);
-  Evaluator ev(plan.eval_plan(), true);
-  log.open(/*resume=*/false, /*start_step=*/0, ev);
+  OpenLog o;
+  RunLog& log = o.log;
+  std::ostringstream &out = o.out, &err = o.err;
   log.log_validation_at_start(Validation{2.5, 40, 1.0});
   log.start_steps(0);
   StepOutcome so;
@@ -75,7 +82,7 @@ TEST(RunLog, StepRecordsAndLines) {
   EXPECT_EQ(out.str().find("time: about"), std::string::npos);
   log.record_step(so, rec(3, /*log_step=*/false, std::nullopt));
   log.close();
-  const auto r = records(t.path / "metrics.jsonl");
+  const auto r = records(o.t.path / "metrics.jsonl");
   ASSERT_EQ(r.size(), 4u);
   EXPECT_EQ(r[0]["step"], 0);
   EXPECT_DOUBLE_EQ(r[0]["val_loss"].get<double>(), 2.5);
@@ -99,12 +106,9 @@ TEST(RunLog, StepRecordsAndLines) {
 // loss; the loads, entropy and dropped tokens come from the log step's RouterStats. Steps that
 // are not logged carry none of them.
 TEST(RunLog, RouterMetricsOverTheLogWindow) {
-  ComponentTempDir t;
-  const RunPlan plan = resolve_plan(log_config(t.path), RunOptions{});
-  std::ostringstream out, err;
-  RunLog log(plan.report_plan(), out, err, /*leader=*/true);
-  Evaluator ev(plan.eval_plan(), true);
-  log.open(/*resume=*/false, /*start_step=*/0, ev);
+  OpenLog o;
+  RunLog& log = o.log;
+  std::ostringstream& out = o.out;
   log.start_steps(0);
   StepOutcome so;
   so.loss = 3.0;
@@ -127,7 +131,7 @@ TEST(RunLog, RouterMetricsOverTheLogWindow) {
   r.router = rs;
   log.record_step(so, r);
   log.close();
-  const auto recs = records(t.path / "metrics.jsonl");
+  const auto recs = records(o.t.path / "metrics.jsonl");
   ASSERT_EQ(recs.size(), 2u);
   EXPECT_FALSE(recs[0].contains("moe_aux_loss"));
   EXPECT_FALSE(recs[0].contains("moe_max_load"));
