@@ -91,12 +91,11 @@ TEST(MoeDemo, DryRunSaysTheExperts) {
   const fs::path dir = fresh_dir(work_root("e2e") / "moe_dry");
   const Result r = moe_demo(dir, {"--dry-run"});
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_TRUE(contains(r.out,
-                       "mixture of experts: 2 of 2 layers sparse, 8 experts of width 64, top 2 "
-                       "(renormalised);"))
-      << r.out;
-  EXPECT_TRUE(contains(r.out, "routers train (train.trainable.router)")) << r.out;
-  EXPECT_TRUE(contains(r.out, "load-balancing loss coefficient 0.001")) << r.out;
+  for (const char* line :
+       {"mixture of experts: 2 of 2 layers sparse, 8 experts of width 64, top 2 (renormalised);",
+        "routers train (train.trainable.router)", "load-balancing loss coefficient 0.001"}) {
+    EXPECT_TRUE(contains(r.out, line)) << line << "\n" << r.out;
+  }
   // LoRA on the MLP projections: the experts are said not to be adapted.
   const Result lora = moe_demo(dir, {"--dry-run", "--set", "train.method=lora", "--set",
                                      "lora.targets=[q_proj, gate_proj]"});

@@ -45,6 +45,15 @@ ModelOptions lora_options(bool merge_aware) {
 
 ModelInputs lora_inputs(const Qwen3Config& cfg) { return random_inputs(cfg, 2, 9, /*seed=*/17); }
 
+// The fixture's base model for inference with adapter `ac` in it (ready for load_adapter).
+Qwen3Model inference_with_adapter(const Qwen3Config& cfg, const DatReader& w,
+                                  const AdapterConfig& ac) {
+  ModelOptions inference;
+  inference.trainable = TrainableSpec::nothing();
+  inference.gradient_checkpointing = false;
+  return Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+}
+
 // B of every adapter drawn away from zero (as after some training), the same in every call.
 void perturb_b(Qwen3Model& m) {
   at::Generator gen = at::detail::createCPUGenerator(29);
@@ -52,6 +61,16 @@ void perturb_b(Qwen3Model& m) {
     if (p.name.find("lora_B") == std::string::npos) continue;
     p.master.copy_(at::randn(p.master.sizes(), gen, at::kFloat) * 0.05);
   }
+}
+
+// The fixture's model with `o` and adapters on `targets`, their B perturbed so that the adapters
+// change the forward.
+Qwen3Model perturbed_lora_model(const Qwen3Config& cfg, const DatReader& w, ModelOptions o,
+                                std::vector<std::string> targets) {
+  o.lora.targets = std::move(targets);
+  Qwen3Model m = Qwen3Model::load(cfg, w, o);
+  perturb_b(m);
+  return m;
 }
 
 // The reference of an adapted model `m`: the base model with every adapted linear trained in
@@ -334,10 +353,12 @@ TEST(Lora, MergeAwareExportHoldsTheTrainedWeights) {
   for (auto& p : m.parameters()) {
     if (p.lora_a == nullptr) continue;
     EXPECT_TRUE(at::equal(wd.load(p.name + ".qdata"), exported.load(p.name + ".qdata"))) << p.name;
-    EXPECT_TRUE(at::equal(m.merged_weight(p), [&] {
-      at::Tensor x = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
-      return x.add_(at::mm(p.lora_b->master, p.lora_a->master), s);
-    }())) << p.name;
+    EXPECT_TRUE(at::equal(m.merged_weight(p),
+                          [&] {
+                            at::Tensor x = quant::dequantize_nvfp4(p.qdata, p.scale, at::kFloat);
+                            return x.add_(at::mm(p.lora_b->master, p.lora_a->master), s);
+                          }()))
+        << p.name;
   }
   std::remove(written.c_str());
   // Anything the export check reports is an adapted linear (re-quantized blocks on reload).
@@ -374,10 +395,7 @@ TEST(Lora, PeftAdapterFolderRoundTrips) {
   EXPECT_FALSE(ac.lora.merge_aware);
   EXPECT_EQ(ac.layers, std::vector<int64_t>{1});
   EXPECT_EQ(ac.lora.targets.size(), 7u);
-  ModelOptions inference;
-  inference.trainable = TrainableSpec::nothing();
-  inference.gradient_checkpointing = false;
-  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  Qwen3Model loaded = inference_with_adapter(cfg, w, ac);
   ASSERT_EQ(loaded.adapters().size(), 14u);
   loaded.load_adapter(dir);
   at::NoGradGuard no_grad;
@@ -427,13 +445,10 @@ void edit_adapter(const std::string& src, const std::string& dst,
 
 // Loads adapter `dir` onto the fixture's base model: the error's text, or "" when it loads.
 std::string adapter_error(const std::string& dir) {
-  ModelOptions inference;
-  inference.trainable = TrainableSpec::nothing();
-  inference.gradient_checkpointing = false;
   try {
     DatReader w(kWeights);
     const auto cfg = Qwen3Config::from_json_file(kConfig);
-    Qwen3Model m = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(dir)));
+    Qwen3Model m = inference_with_adapter(cfg, w, read_adapter_config(dir));
     m.load_adapter(dir);
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
@@ -485,10 +500,7 @@ TEST(Lora, PeftAdapterCarriesTheTensorsTrainedBesideIt) {
     const at::Tensor master = m.parameter("lm_head.weight").master;
     EXPECT_TRUE(at::equal(f.load(*head), q4::quant::fake_quant_nvfp4_forward(master)));
   }
-  ModelOptions inference;
-  inference.trainable = TrainableSpec::nothing();
-  inference.gradient_checkpointing = false;
-  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  Qwen3Model loaded = inference_with_adapter(cfg, w, ac);
   const AdapterLoad applied = loaded.load_adapter(dir);
   EXPECT_EQ(applied.lora_pairs, 7);
   EXPECT_EQ(applied.full_tensors, 6);
@@ -541,10 +553,7 @@ TEST(Lora, MixtureOfExpertsAdaptsOnlyTheDenseMlps) {
   for (const auto& e : ac.modules_to_save) {
     EXPECT_EQ(e.find("mlp"), std::string::npos) << e;
   }
-  ModelOptions inference;
-  inference.trainable = TrainableSpec::nothing();
-  inference.gradient_checkpointing = false;
-  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  Qwen3Model loaded = inference_with_adapter(cfg, w, ac);
   const AdapterLoad applied = loaded.load_adapter(dir);
   EXPECT_EQ(applied.lora_pairs, 15);
   at::NoGradGuard no_grad;
@@ -560,15 +569,10 @@ TEST(Lora, LmHeadAdapterLoadsAsPeftAppliesIt) {
   DatReader w(kWeights);
   const auto cfg = Qwen3Config::from_json_file(kConfig);
   ModelOptions o = lora_options(true);
-  o.lora.targets = {"q_proj", "lm_head"};
-  Qwen3Model m = Qwen3Model::load(cfg, w, o);
-  perturb_b(m);
+  Qwen3Model m = perturbed_lora_model(cfg, w, o, {"q_proj", "lm_head"});
   const std::string dir = lora_temp_path("lm_head");
   m.export_adapter(dir, "base");
-  ModelOptions inference;
-  inference.trainable = TrainableSpec::nothing();
-  inference.gradient_checkpointing = false;
-  Qwen3Model loaded = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(dir)));
+  Qwen3Model loaded = inference_with_adapter(cfg, w, read_adapter_config(dir));
   EXPECT_EQ(loaded.load_adapter(dir).lora_pairs, 3);  // lm_head and two q_proj
   Qwen3Model ref = merged_reference(m, cfg, w, /*fake_quant=*/false);
   at::NoGradGuard no_grad;
@@ -584,10 +588,8 @@ TEST(Lora, AdapterFolderThatWouldNotApplyIsRefusedByName) {
   DatReader w(kWeights);
   const auto cfg = Qwen3Config::from_json_file(kConfig);
   ModelOptions o = lora_options(false);
-  o.lora.targets = {"q_proj", "v_proj"};
   o.trainable.norms = true;
-  Qwen3Model m = Qwen3Model::load(cfg, w, o);
-  perturb_b(m);
+  Qwen3Model m = perturbed_lora_model(cfg, w, o, {"q_proj", "v_proj"});
   const std::string dir = lora_temp_path("good");
   m.export_adapter(dir, "base");
   ASSERT_EQ(adapter_error(dir), "");
