@@ -280,17 +280,7 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
   if (val) {
     for (const auto& [name, value] : val->values) record["eval_" + name] = value;
   }
-  if (metrics_.is_open()) metrics_.write(record);
-  if (tb_.is_open()) {
-    auto train_only = record;  // the validation values go to val/<name>
-    train_only.erase("val_loss");
-    train_only.erase("val_tokens");
-    if (val) {
-      for (const auto& kv : val->values) train_only.erase("eval_" + kv.first);
-    }
-    tb_.add_metrics(train_only, m.step);  // TensorBoard scalars
-    if (val) log_validation(*val, done);
-  }
+  write_record(record, val, done);
   if (log_step) {
     if (bar_) err_ << "\r\033[K";
     out_ << format_log_line(m) << std::endl;
@@ -306,6 +296,20 @@ void RunLog::record_step(const StepOutcome& so, const StepRecord& r) {
                                 m.eta_s)
          << std::flush;
   }
+}
+
+void RunLog::write_record(const nlohmann::json& record, const std::optional<Validation>& val,
+                          int64_t step) {
+  if (metrics_.is_open()) metrics_.write(record);
+  if (!tb_.is_open()) return;
+  auto train_only = record;  // the validation values go to val/<name>
+  train_only.erase("val_loss");
+  train_only.erase("val_tokens");
+  if (val) {
+    for (const auto& kv : val->values) train_only.erase("eval_" + kv.first);
+  }
+  tb_.add_metrics(train_only, step);  // TensorBoard scalars
+  if (val) log_validation(*val, step);
 }
 
 void RunLog::print_time_estimate(int64_t done, int64_t total) {

@@ -106,6 +106,9 @@ class RunLog {
  private:
   // The run-time estimate after step `done` of `total`, once the first steps are timed.
   void print_time_estimate(int64_t done, int64_t total);
+  // A step's metrics.jsonl record, and its TensorBoard scalars (validation values under val/).
+  void write_record(const nlohmann::json& record, const std::optional<Validation>& val,
+                    int64_t step);
   StepMetrics::Router router_metrics(const model::RouterStats& rs) const;
   const ReportPlan plan_;
   std::ostream& out_;
