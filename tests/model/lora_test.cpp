@@ -45,13 +45,18 @@ ModelOptions lora_options(bool merge_aware) {
 
 ModelInputs lora_inputs(const Qwen3Config& cfg) { return random_inputs(cfg, 2, 9, /*seed=*/17); }
 
-// The fixture's base model for inference with adapter `ac` in it (ready for load_adapter).
-Qwen3Model inference_with_adapter(const Qwen3Config& cfg, const DatReader& w,
-                                  const AdapterConfig& ac) {
+// Inference: nothing trains, no checkpointing.
+ModelOptions inference_options() {
   ModelOptions inference;
   inference.trainable = TrainableSpec::nothing();
   inference.gradient_checkpointing = false;
-  return Qwen3Model::load(cfg, w, with_adapter(inference, ac));
+  return inference;
+}
+
+// The fixture's base model for inference with adapter `ac` in it (ready for load_adapter).
+Qwen3Model inference_with_adapter(const Qwen3Config& cfg, const DatReader& w,
+                                  const AdapterConfig& ac) {
+  return Qwen3Model::load(cfg, w, with_adapter(inference_options(), ac));
 }
 
 // B of every adapter drawn away from zero (as after some training), the same in every call.
@@ -402,10 +407,9 @@ TEST(Lora, PeftAdapterFolderRoundTrips) {
   const auto in = lora_inputs(cfg);
   EXPECT_TRUE(at::equal(m.forward(in), loaded.forward(in)));
   // Without the adapter the logits differ (B is not zero).
-  inference.lora = LoraSpec{};
-  EXPECT_FALSE(at::equal(m.forward(in), Qwen3Model::load(cfg, w, inference).forward(in)));
+  EXPECT_FALSE(at::equal(m.forward(in), Qwen3Model::load(cfg, w, inference_options()).forward(in)));
   // A wrong rank: the shape mismatch names the tensor.
-  ModelOptions wrong = with_adapter(inference, ac);
+  ModelOptions wrong = with_adapter(inference_options(), ac);
   wrong.lora.rank = 2;
   Qwen3Model other = Qwen3Model::load(cfg, w, wrong);
   try {
@@ -517,7 +521,7 @@ TEST(Lora, PeftAdapterCarriesTheTensorsTrainedBesideIt) {
         t.end());
     c["modules_to_save"] = nullptr;
   });
-  Qwen3Model pairs = Qwen3Model::load(cfg, w, with_adapter(inference, read_adapter_config(bare)));
+  Qwen3Model pairs = inference_with_adapter(cfg, w, read_adapter_config(bare));
   EXPECT_EQ(pairs.load_adapter(bare).full_tensors, 0);
   EXPECT_GT(rel_err(pairs.forward(in), trained_logits), 1e-3);
   std::filesystem::remove_all(dir);
