@@ -45,9 +45,10 @@ function(q4_add_test name)
     Q4_FIXTURES_DIR="${PROJECT_SOURCE_DIR}/tests/fixtures"
     Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     Q4_BIN_DIR="${CMAKE_RUNTIME_OUTPUT_DIRECTORY}")
-  # LINK_DEPENDS: a change of the costs relinks, which rewrites the ctest file.
+  # LINK_DEPENDS: a change of the costs or of the registering script relinks, which rewrites the
+  # ctest file.
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests
-    LINK_DEPENDS ${Q4_TEST_COSTS})
+    LINK_DEPENDS "${Q4_TEST_COSTS};${Q4_TEST_SUITES_SCRIPT}")
   list(TRANSFORM T_LABELS REPLACE "^cpu$" "unit")
   list(JOIN T_LABELS "," _labels)
   list(JOIN T_SLOW "," _slow)

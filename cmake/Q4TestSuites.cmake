@@ -39,6 +39,11 @@ get_filename_component(_bin "${EXE}" NAME)
 if(COSTS)
   file(STRINGS "${COSTS}" _cost_lines REGEX "^[0-9]+ ")
 endif()
+# One intra-op thread per test process (LibTorch's OpenMP pool and OpenBLAS): ctest -j N runs N
+# tests at once, so their default N threads each would oversubscribe the cores (a busy OpenMP
+# pool spins; the demo run costs three times the CPU that way). A test that wants threads sets
+# them itself.
+set(_env "OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
 macro(_q4_add name filter labels skip)
   set(_n "${name} (${_bin})")
   set(_cost 1)
@@ -52,7 +57,7 @@ macro(_q4_add name filter labels skip)
   endforeach()
   string(APPEND _script "add_test([==[${_n}]==] \"${EXE}\" [==[--gtest_filter=${filter}]==])\n"
     "set_tests_properties([==[${_n}]==] PROPERTIES WORKING_DIRECTORY \"${WORKDIR}\" "
-    "LABELS \"${labels}\" COST ${_cost}")
+    "LABELS \"${labels}\" COST ${_cost} ENVIRONMENT \"${_env}\"")
   if(${skip})
     string(APPEND _script " SKIP_REGULAR_EXPRESSION \"\\\\[  SKIPPED \\\\]\"")
   endif()
