@@ -176,7 +176,7 @@ class MoeFfn final : public Ffn {
     r.chosen = std::get<1>(at::sort(probs.detach(), /*stable=*/true, 1, /*descending=*/true))
                    .narrow(1, 0, k)
                    .contiguous();  // (N, k)
-    m.router.record(layer, probs.detach(), r.chosen);
+    m.router.record(layer, logits.detach(), probs.detach(), r.chosen);
     at::Tensor p = probs.gather(1, r.chosen);  // (N, k) fp32
     if (m.cfg.moe.norm_topk_prob) p = p / p.sum(1, /*keepdim=*/true);
     r.weights = p.to(y.scalar_type());

@@ -143,6 +143,13 @@ void ModelOptions::validate() const {
               recompute_keep_attention, " / ", recompute_keep_mlp);
   TORCH_CHECK(device.is_cpu() || device.is_cuda(),
               "ModelOptions.device: expected cpu or cuda, got ", device.str());
+  const auto coef_ok = [](double c) { return std::isfinite(c) && c >= 0; };
+  TORCH_CHECK(!router_aux_loss_coef || coef_ok(*router_aux_loss_coef),
+              "ModelOptions.router_aux_loss_coef: expected a finite number >= 0, got ",
+              router_aux_loss_coef.value_or(0));
+  TORCH_CHECK(coef_ok(router_z_loss_coef),
+              "ModelOptions.router_z_loss_coef: expected a finite number >= 0, got ",
+              router_z_loss_coef);
   TORCH_CHECK(!offload_masters || fake_quant,
               "ModelOptions.offload_masters needs fake_quant (plain precision computes with the "
               "masters themselves)");

@@ -11,7 +11,8 @@
 
 namespace q4::model {
 
-void RouterRecord::begin(const at::Tensor& valid_bt, int64_t rows, const at::Device& device) {
+void RouterRecord::begin(const at::Tensor& valid_bt, int64_t rows, const at::Device& device,
+                         bool with_z) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   valid = valid_bt.defined() ? valid_bt.reshape({rows}).to(device).ne(0).to(at::kFloat)
                              : at::ones({rows}, f32);
@@ -21,11 +22,16 @@ void RouterRecord::begin(const at::Tensor& valid_bt, int64_t rows, const at::Dev
   counts.assign(L, at::Tensor());
   prob_sums.assign(L, at::Tensor());
   entropy_sums.assign(L, at::Tensor());
+  z_loss = with_z;
+  z_sums.assign(L, at::Tensor());
   aux = at::Tensor();
   aux_grad = at::Tensor();
+  z = at::Tensor();
+  z_grad = at::Tensor();
 }
 
-void RouterRecord::record(int64_t layer, const at::Tensor& probs, const at::Tensor& chosen) {
+void RouterRecord::record(int64_t layer, const at::Tensor& logits, const at::Tensor& probs,
+                          const at::Tensor& chosen) {
   const size_t l = static_cast<size_t>(layer);
   if (recorded[l]) return;  // a recompute routes the same rows the same way
   recorded[l] = 1;
@@ -36,6 +42,7 @@ void RouterRecord::record(int64_t layer, const at::Tensor& probs, const at::Tens
                   .index_add_(0, chosen.reshape({-1}), v.expand({v.size(0), k}).reshape({-1}));
   prob_sums[l] = (probs * v).sum(0);
   entropy_sums[l] = (-(probs * probs.clamp_min(1e-30).log()).sum(1) * valid).sum();
+  if (z_loss) z_sums[l] = (at::logsumexp(logits.to(at::kFloat), 1).square() * valid).sum();
 }
 
 at::Tensor RouterRecord::total_counts() const {
@@ -67,6 +74,19 @@ at::Tensor RouterRecord::aux_logit_grad(const at::Tensor& logits) const {
   return p * (g - pg) * valid.unsqueeze(1) * aux_grad;
 }
 
+at::Tensor RouterRecord::z_value() const {
+  at::Tensor t;
+  for (int64_t l : moe_layers) t = t.defined() ? t + z_sums[l] : z_sums[l];
+  return t / pooled_rows().clamp_min(1);
+}
+
+at::Tensor RouterRecord::z_logit_grad(const at::Tensor& logits) const {
+  const at::Tensor x = logits.to(at::kFloat);
+  const at::Tensor lse = at::logsumexp(x, 1, /*keepdim=*/true);  // (N, 1)
+  const at::Tensor scale = valid.unsqueeze(1) * (2.0 * z_grad / pooled_rows().clamp_min(1));
+  return at::softmax(x, 1) * lse * scale;
+}
+
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -80,12 +100,16 @@ struct RouterAuxGate : public torch::autograd::Function<RouterAuxGate> {
                                int64_t impl) {
     ctx->saved_data["impl"] = impl;
     const auto* im = reinterpret_cast<const Qwen3Model::Impl*>(static_cast<intptr_t>(impl));
-    return {h.view_as(h), im->router.aux_value()};
+    const RouterRecord& r = im->router;
+    return {h.view_as(h), r.aux_value(),
+            r.z_loss ? r.z_value() : at::zeros({}, r.valid_rows.options())};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = reinterpret_cast<const Qwen3Model::Impl*>(
         static_cast<intptr_t>(ctx->saved_data["impl"].toInt()));
     im->router.aux_grad = grads[1].defined() ? grads[1].to(at::kFloat) : at::Tensor();
+    im->router.z_grad =
+        grads[2].defined() && im->router.z_loss ? grads[2].to(at::kFloat) : at::Tensor();
     return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
@@ -102,8 +126,11 @@ struct RouterTap : public torch::autograd::Function<RouterTap> {
         static_cast<intptr_t>(ctx->saved_data["impl"].toInt()));
     const at::Tensor logits = ctx->get_saved_variables()[0];
     at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(logits);
-    if (im->router.aux_grad.defined()) {
-      g = (g.to(at::kFloat) + im->router.aux_logit_grad(logits)).to(logits.scalar_type());
+    const RouterRecord& r = im->router;
+    if (r.aux_grad.defined() || r.z_grad.defined()) {
+      at::Tensor add = r.aux_grad.defined() ? r.aux_logit_grad(logits) : at::Tensor();
+      if (r.z_grad.defined()) add = add.defined() ? add + r.z_logit_grad(logits) : r.z_logit_grad(logits);
+      g = (g.to(at::kFloat) + add).to(logits.scalar_type());
     }
     return {g, at::Tensor()};
   }
@@ -113,13 +140,16 @@ struct RouterTap : public torch::autograd::Function<RouterTap> {
 
 at::Tensor router_aux_gate(const Qwen3Model::Impl* impl, const at::Tensor& h) {
   const bool graph = at::GradMode::is_enabled() && h.requires_grad();
+  RouterRecord& r = impl->router;
   if (!graph) {
-    impl->router.aux = impl->router.aux_value();
+    r.aux = r.aux_value();
+    r.z = r.z_loss ? r.z_value() : at::Tensor();
     return h;
   }
   const variable_list out = RouterAuxGate::apply(
       h, impl->trigger, static_cast<int64_t>(reinterpret_cast<intptr_t>(impl)));
-  impl->router.aux = out[1];
+  r.aux = out[1];
+  r.z = r.z_loss ? out[2] : at::Tensor();
   return out[0];
 }
 

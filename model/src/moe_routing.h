@@ -11,6 +11,10 @@
 // the last layer forms aux and, in backward, receives d loss / d aux before any layer's backward
 // runs (every layer's gradient flows through it), and each router's tap adds
 // d loss / d aux · p ⊙ (g − p·g), g = E · F / M², to its logits' gradient.
+//
+// The optional router z-loss (ST-MoE) pools the same M rows: z = (1/M) Σ_rows lse(logits)², whose
+// gradient is local to each row, d z / d logits = 2 · lse · softmax(logits) / M; it rides the
+// same gate (its d loss / d z) and taps.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -29,13 +33,20 @@ struct RouterRecord {
   std::vector<at::Tensor> counts;        // per decoder layer (E) fp32: top-k choices, valid rows
   std::vector<at::Tensor> prob_sums;     // per decoder layer (E) fp32: Σ softmax, valid rows
   std::vector<at::Tensor> entropy_sums;  // per decoder layer () fp32: Σ routing entropy (nats)
+  bool z_loss = false;                   // this forward computes the z-loss
+  std::vector<at::Tensor> z_sums;        // per decoder layer () fp32: Σ lse(logits)², valid rows
   at::Tensor aux;       // () fp32, the forward's load-balancing loss (differentiable with a graph)
   at::Tensor aux_grad;  // () fp32, d loss / d aux from the aux gate's backward (undefined: none)
+  at::Tensor z;         // () fp32, the forward's z-loss (undefined unless z_loss)
+  at::Tensor z_grad;    // () fp32, d loss / d z from the gate's backward (undefined: none)
 
-  // A forward of B x T tokens begins: `valid` (B, T) or undefined (every row counts).
-  void begin(const at::Tensor& valid_bt, int64_t rows, const at::Device& device);
-  // Layer `layer`'s routing, once per forward: probs (N, E) fp32 softmax, chosen (N, k) int64.
-  void record(int64_t layer, const at::Tensor& probs, const at::Tensor& chosen);
+  // A forward of B x T tokens begins: `valid` (B, T) or undefined (every row counts); with_z:
+  // the z-loss is computed too.
+  void begin(const at::Tensor& valid_bt, int64_t rows, const at::Device& device, bool with_z);
+  // Layer `layer`'s routing, once per forward: logits (N, E) and their probs (N, E) fp32
+  // softmax (both without a graph), chosen (N, k) int64.
+  void record(int64_t layer, const at::Tensor& logits, const at::Tensor& probs,
+              const at::Tensor& chosen);
   // Σ_l counts and Σ_l prob_sums over the MoE layers, and M (valid rows x MoE layers).
   at::Tensor total_counts() const;
   at::Tensor total_prob_sums() const;
@@ -44,6 +55,10 @@ struct RouterRecord {
   at::Tensor aux_value() const;
   // d loss / d logits added by the aux loss, for one layer's router logits (N, E), fp32.
   at::Tensor aux_logit_grad(const at::Tensor& logits) const;
+  // z = (1/M) Σ_l z_sums, () fp32.
+  at::Tensor z_value() const;
+  // d loss / d logits added by the z-loss, for one layer's router logits (N, E), fp32.
+  at::Tensor z_logit_grad(const at::Tensor& logits) const;
 };
 
 }  // namespace q4::model

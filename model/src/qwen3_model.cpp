@@ -353,7 +353,7 @@ at::Tensor Qwen3Model::Impl::hidden_states(const ModelInputs& in, KvCache* cache
       const at::Tensor seg = in.segment_ids.ne(0);
       valid = valid.defined() ? valid.ne(0).logical_and(seg) : seg;
     }
-    router.begin(valid, B * T, dev);
+    router.begin(valid, B * T, dev, opt.router_z_loss_coef > 0);
   }
   at::Tensor h = embed_lookup(ids);  // (B, T, H)
   for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -649,6 +649,11 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
     if (coef > 0) {
       out.loss_sum = out.loss_sum + impl_->router.aux * count.clamp_min(1).to(at::kFloat) * coef;
     }
+  }
+  if (impl_->router.z.defined()) {
+    out.z_loss = impl_->router.z.detach();
+    out.loss_sum = out.loss_sum + impl_->router.z * count.clamp_min(1).to(at::kFloat) *
+                                      impl_->opt.router_z_loss_coef;
   }
   out.loss = out.loss_sum / count.clamp_min(1).to(at::kFloat);
   return out;

@@ -6,7 +6,9 @@
 //   padded row): logits, CE, the load-balancing loss, the total loss and every gradient, with
 //   and without checkpointing;
 // - routing ties go to the lower expert, every route is computed, and the router statistics
-//   count what was routed.
+//   count what was routed;
+// - the optional router z-loss: its value (log E squared for a router of zeros) and its gradient
+//   at the routers against finite differences of the value.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -218,6 +220,77 @@ TEST(Moe, TiesGoToTheLowerExpertAndEveryRouteIsComputed) {
     EXPECT_NEAR(l.entropy, std::log(8.0), 1e-6);
   }
   EXPECT_EQ(s.dropped_tokens, 0);
+}
+
+// A router of zeros: every router logit is 0, so lse = log E on every row and the z-loss is
+// (log 8)² exactly; the loss adds it times its coefficient, and coefficient 0 leaves it out.
+TEST(Moe, RouterZLossOfAZeroRouterIsLogESquared) {
+  const Qwen3Config cfg = Qwen3Config::from_json(tiny_moe_json(), "moe.json");
+  ModelInputs in;
+  in.input_ids = at::randint(0, 384, {2, 10}, at::kLong);
+  in.labels = in.input_ids.clone();
+  std::vector<double> losses;
+  for (double coef : {0.0, 0.5}) {
+    ModelOptions o = fp32_all(false);
+    o.fake_quant = false;
+    o.router_z_loss_coef = coef;
+    Qwen3Model m = Qwen3Model::random_init(cfg, o, 3);
+    at::NoGradGuard ng;
+    for (const char* r : {"model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"}) {
+      m.parameter(r).master.zero_();
+    }
+    const LossOutput lo = m.loss(in);
+    EXPECT_EQ(lo.z_loss.defined(), coef > 0);
+    if (coef > 0) EXPECT_NEAR(lo.z_loss.item<double>(), std::pow(std::log(8.0), 2), 1e-5);
+    losses.push_back(lo.loss.item<double>());
+  }
+  EXPECT_NEAR(losses[1] - losses[0], 0.5 * std::pow(std::log(8.0), 2), 1e-4);
+}
+
+// d z / d router weights, as the backward injects it (the difference of the router gradients
+// with and without the z term, over its coefficient), against central differences of z itself,
+// with and without checkpointing (a recompute must not count a layer twice).
+TEST(Moe, RouterZLossGradientMatchesFiniteDifferences) {
+  const Qwen3Config cfg = Qwen3Config::from_json_file(kMoeConfig);
+  const DatReader w(kMoeWeights), e(kMoeExpected);
+  const ModelInputs in = moe_inputs(e);
+  const char* router = "model.layers.2.mlp.gate.weight";
+  constexpr double kCoef = 2.0;
+  for (bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "checkpointing on" : "checkpointing off");
+    std::vector<at::Tensor> grads;
+    for (double coef : {0.0, kCoef}) {
+      ModelOptions o = fp32_all(checkpointing);
+      o.router_z_loss_coef = coef;
+      Qwen3Model m = Qwen3Model::load(cfg, w, o);
+      m.zero_grad();
+      m.loss(in).loss.backward();
+      grads.push_back(m.parameter(router).grad.clone());
+    }
+    const at::Tensor dz = (grads[1] - grads[0]) / kCoef;  // (E, H)
+    ModelOptions o = fp32_all(checkpointing);
+    o.router_z_loss_coef = 1.0;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    at::NoGradGuard ng;
+    at::Tensor wr = m.parameter(router).master;
+    const at::Tensor w0 = wr.clone();
+    // Directional derivatives (a fp32 z resolves differences of ~1e-7 of ~4: single entries are
+    // too small a signal): along the gradient itself and along a fixed random direction.
+    at::manual_seed(7);
+    const at::Tensor rnd = at::randn(wr.sizes(), at::kFloat);
+    for (const at::Tensor& d0 : {dz, rnd}) {
+      const at::Tensor d = d0 / d0.norm();
+      const double h = 1e-2;
+      wr.copy_(w0 + h * d);
+      const double up = m.loss(in).z_loss.item<double>();
+      wr.copy_(w0 - h * d);
+      const double down = m.loss(in).z_loss.item<double>();
+      wr.copy_(w0);
+      const double fd = (up - down) / (2 * h);
+      const double want = (dz * d).sum().item<double>();
+      EXPECT_NEAR(want, fd, 2e-2 * std::abs(want) + 2e-5);
+    }
+  }
 }
 
 }  // namespace

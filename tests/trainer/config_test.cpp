@@ -444,7 +444,8 @@ TEST(Config, TableIsConsistent) {
     EXPECT_FALSE(f.doc.empty()) << f.key;
     const bool numeric = std::holds_alternative<int64_t*>(f.ptr) ||
                          std::holds_alternative<double*>(f.ptr) ||
-                         std::holds_alternative<IntOrAuto*>(f.ptr);
+                         std::holds_alternative<IntOrAuto*>(f.ptr) ||
+                         std::holds_alternative<FloatOrAuto*>(f.ptr);
     if (!numeric) {
       EXPECT_TRUE(f.range.empty()) << f.key << ": a range on a non-numeric field";
     }

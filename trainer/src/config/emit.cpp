@@ -80,6 +80,8 @@ std::string config_to_yaml(const Config& c_in) {
             } else {
               out << "auto";
             }
+          } else if constexpr (std::is_same_v<T, FloatOrAuto>) {
+            out << (ptr->value ? fmt_float(*ptr->value) : std::string("auto"));
           } else {
             out << *ptr;
           }
@@ -132,7 +134,7 @@ std::string md_default(const FieldRef& f) {
           return "`[" + join(*p, ", ") + "]`";
         } else if constexpr (std::is_same_v<T, LayerSelection>) {
           return "`" + p->to_string() + "`";
-        } else if constexpr (std::is_same_v<T, IntOrAuto>) {
+        } else if constexpr (std::is_same_v<T, IntOrAuto> || std::is_same_v<T, FloatOrAuto>) {
           return "`" + p->to_string() + "`";
         } else {
           return "`" + std::string(enum_name(*p)) + "`";

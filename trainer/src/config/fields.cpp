@@ -87,6 +87,7 @@ std::string FieldRef::type_name() const {
         }
         if constexpr (std::is_same_v<T, LayerSelection>) return "layers";
         if constexpr (std::is_same_v<T, IntOrAuto>) return "int or auto";
+        if constexpr (std::is_same_v<T, FloatOrAuto>) return "float or auto";
         if constexpr (std::is_enum_v<T>) return "enum";
         return "";
       },
@@ -94,6 +95,7 @@ std::string FieldRef::type_name() const {
 }
 
 std::string IntOrAuto::to_string() const { return value ? std::to_string(*value) : "auto"; }
+std::string FloatOrAuto::to_string() const { return value ? fmt_float(*value) : "auto"; }
 
 // ---------------------------------------------------------------------------------------------
 // LayerSelection
@@ -306,6 +308,14 @@ std::vector<FieldRef> config_fields(Config& c) {
             R::at_least(0), {"grad_clip", "clip_grad_norm", "gradient_clipping"}),
       field("train.max_nonfinite_steps", &c.train.max_nonfinite_steps,
             "consecutive non-finite steps skipped before the run fails", R::at_least(0)),
+      field("train.router_aux_loss_coef", &c.train.router_aux_loss_coef,
+            "mixture-of-experts models: the weight of the routers' load-balancing loss in the "
+            "loss (auto: config.json's router_aux_loss_coef; 0 leaves it out)",
+            R::between(0, 1e3, false)),
+      field("train.router_z_loss_coef", &c.train.router_z_loss_coef,
+            "mixture-of-experts models: the weight of the router z-loss, the mean over tokens and "
+            "MoE layers of logsumexp(router logits)^2 (ST-MoE; 0: off)",
+            R::between(0, 1e3, false)),
       field("optim.lr", &c.optim.lr, "peak learning rate", R::above(0), {"learning_rate"}),
       field("optim.beta1", &c.optim.beta1, "AdamW first-moment decay", R::between(0, 1, true),
             {"adam_beta1"}),

@@ -126,6 +126,13 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
             check_range(f, v, where(cur, src));
             ptr->value = v;
           }
+        } else if constexpr (std::is_same_v<T, FloatOrAuto>) {
+          if (cur.IsScalar() && trim(cur.Scalar()) == "auto") {
+            ptr->value.reset();
+          } else {
+            ptr->value = read_double(f.key, cur, src);
+            check_range(f, *ptr->value, where(cur, src));
+          }
         } else {
           static_assert(std::is_enum_v<T>);
           if (!cur.IsScalar()) type_error(f.key, cur, src, "one of " + join(f.choices(), ", "));

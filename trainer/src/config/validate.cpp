@@ -42,6 +42,9 @@ void check_field_ranges(const Config& c) {
     if (const auto* p = std::get_if<IntOrAuto*>(&f.ptr); p && (*p)->value) {
       check_range(f, *(*p)->value, "");
     }
+    if (const auto* p = std::get_if<FloatOrAuto*>(&f.ptr); p && (*p)->value) {
+      check_range(f, *(*p)->value, "");
+    }
   }
 }
 

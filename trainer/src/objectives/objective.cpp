@@ -12,6 +12,9 @@ namespace q4::trainer {
 void log_router_aux_loss(const model::LossOutput& lo, ObjectiveOutput* out) {
   if (!lo.aux_loss.defined()) return;
   out->logged.emplace_back(kRouterAuxLossName, lo.aux_loss * lo.num_tokens.to(at::kFloat));
+  if (lo.z_loss.defined()) {
+    out->logged.emplace_back(kRouterZLossName, lo.z_loss * lo.num_tokens.to(at::kFloat));
+  }
 }
 
 ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const MicroBatch& micro) {

@@ -84,16 +84,22 @@ std::string moe_summary(const model::Qwen3Config& mc, const Config& c, bool sepa
   for (int64_t l = 0; l < mc.num_hidden_layers; ++l) sparse += mc.is_moe_layer(l);
   const bool routers_train = trainable_spec(c).router && sparse > 0;
   const auto coef = model_options(c).router_aux_loss_coef.value_or(moe.router_aux_loss_coef);
+  const char* coef_source = c.train.router_aux_loss_coef.is_auto()
+                                ? "config.json router_aux_loss_coef"
+                                : "train.router_aux_loss_coef";
+  const std::string z = c.train.router_z_loss_coef > 0
+                            ? fmt::format("; router z-loss coefficient {:g}", c.train.router_z_loss_coef)
+                            : "";
   return fmt::format(
       "mixture of experts: {} of {} layers sparse, {} experts of width {}, top {}{}; {} "
       "parameters, {} active per token; routers {} (train.trainable.router{}), load-balancing "
-      "loss coefficient {:g} (config.json router_aux_loss_coef){}",
+      "loss coefficient {:g} ({}){}{}",
       sparse, mc.num_hidden_layers, moe.num_experts, moe.moe_intermediate_size,
       moe.num_experts_per_tok, moe.norm_topk_prob ? " (renormalised)" : "",
       count_text(mc.num_parameters(separate_lm_head)),
       count_text(mc.num_active_parameters(separate_lm_head)), routers_train ? "train" : "frozen",
       c.train.method == TrainMethod::kLora ? "; train.method lora freezes them" : "", coef,
-      coef == 0 ? ", not added" : "");
+      coef_source, coef == 0 ? ", not added" : "", z);
 }
 
 std::string moe_lora_note(const model::Qwen3Config& mc, const Config& c) {

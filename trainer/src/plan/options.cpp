@@ -94,6 +94,8 @@ model::ModelOptions model_options(const Config& c, const RecomputePlan& recomput
   o.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   o.fake_quant = c.model.fake_quant;
   o.offload_masters = c.optim.offload == Offload::kAll;
+  o.router_aux_loss_coef = c.train.router_aux_loss_coef.value;
+  o.router_z_loss_coef = c.train.router_z_loss_coef;
   if (c.train.method == TrainMethod::kLora) {
     o.lora.rank = c.lora.rank;
     o.lora.alpha = c.lora.alpha;

@@ -136,6 +136,10 @@ struct ModelOptions {
   // Mixture-of-experts models: the weight of the routers' load-balancing loss in loss()
   // (LossOutput::aux_loss); nullopt: the config's router_aux_loss_coef. 0 leaves it out.
   std::optional<double> router_aux_loss_coef;
+  // Mixture-of-experts models: the weight of the router z-loss in loss() (LossOutput::z_loss):
+  // the mean over the valid rows of every MoE layer of logsumexp(router logits)², ST-MoE's
+  // penalty on large router logits. 0 (the default, as HF): not computed.
+  double router_z_loss_coef = 0.0;
   // CUDA: the fused kernels for RMSNorm, RoPE, SwiGLU and the loss's softmax cross-entropy,
   // where the layout allows them. false: the ATen reference ops everywhere (the tests compare
   // the two). No effect on the CPU.
@@ -195,6 +199,9 @@ struct LossOutput {
   // load_balancing_loss_func over the forward's valid rows); loss and loss_sum include it times
   // ModelOptions::router_aux_loss_coef (loss_sum once per supervised token). Undefined: dense.
   at::Tensor aux_loss;
+  // () fp32, detached: the router z-loss, included like aux_loss with
+  // ModelOptions::router_z_loss_coef. Undefined: dense, or that coefficient is 0.
+  at::Tensor z_loss;
 };
 
 // How the routers of a mixture-of-experts model's last forward spread its valid tokens

@@ -100,6 +100,14 @@ struct IntOrAuto {
   std::string to_string() const;  // "auto" or the integer
 };
 
+// A number setting with a default from elsewhere (e.g. the model's config.json): `auto`, or a
+// value within the field's range.
+struct FloatOrAuto {
+  std::optional<double> value;  // nullopt: auto
+  bool is_auto() const { return !value.has_value(); }
+  std::string to_string() const;  // "auto" or the number
+};
+
 struct ModelConfig {
   std::string dir;                  // HF model directory holding config.json (and tokenizer.json)
   std::string config;               // config.json path; default <dir>/config.json
@@ -159,6 +167,10 @@ struct TrainConfig {
   int64_t seed = 1234;              // data order, dropout-free sampling, stochastic rounding
   double max_grad_norm = 1.0;       // global L2 clipping threshold; 0 disables clipping
   int64_t max_nonfinite_steps = 5;  // consecutive non-finite steps skipped before failing
+  // Mixture-of-experts models: the load-balancing loss's weight (auto: config.json's
+  // router_aux_loss_coef) and the router z-loss's (0: off); docs/model.md#mixture-of-experts.
+  FloatOrAuto router_aux_loss_coef;
+  double router_z_loss_coef = 0.0;
 };
 
 // train.objective: distill (docs/trainer.md#distillation). The teacher is frozen and computes in
@@ -337,7 +349,7 @@ inline ChatSettings chat_settings(const Config& c) {
 // One field of the config tree, as seen by parser, printer and docs.
 using FieldPtr =
     std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
-                 IntOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
+                 IntOrAuto*, FloatOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
                  data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,

@@ -39,9 +39,11 @@ struct ObjectiveOutput {
 
 // Mixture-of-experts models: the routers' load-balancing loss (model::LossOutput::aux_loss, no
 // coefficient) as a logged value of the objectives that train through model::Qwen3Model::loss,
-// weighted by the micro-batch's supervised tokens (so the step's value is their mean). Nothing
+// weighted by the micro-batch's supervised tokens (so the step's value is their mean), and the
+// router z-loss (LossOutput::z_loss) the same way when train.router_z_loss_coef is on. Nothing
 // for a dense model.
 inline constexpr const char* kRouterAuxLossName = "moe_aux_loss";
+inline constexpr const char* kRouterZLossName = "moe_z_loss";
 void log_router_aux_loss(const model::LossOutput& lo, ObjectiveOutput* out);
 
 class Objective {
