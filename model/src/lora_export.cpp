@@ -56,9 +56,9 @@ std::string experts_module_of(const std::string& name) {
   return at == std::string::npos ? "" : name.substr(0, at + std::strlen(kExperts) - 1);
 }
 
-// q4 B (E·out, r) blocks -> peft lora_B (out, r·E).
+// q4 B (E·out, r) blocks (or (E, out, r)) -> peft lora_B (out, r·E).
 at::Tensor peft_b_of(const at::Tensor& b, int64_t E) {
-  const int64_t r = b.size(1);
+  const int64_t r = b.size(-1);
   return b.reshape({E, -1, r}).permute({1, 2, 0}).reshape({-1, r * E}).contiguous();
 }
 
