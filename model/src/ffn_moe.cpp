@@ -8,7 +8,9 @@
 // straight-through fake-quantized like every other. The experts' weights are stacked
 // (qwen3_params.h) and computed over the rows routed to each expert: one grouped GEMM for all
 // experts on CUDA (ModelOptions::moe_grouped_gemm), one GEMM per expert elsewhere
-// (docs/model.md#mixture-of-experts).
+// (docs/model.md#mixture-of-experts). LoRA on the experts (docs/model.md#lora-on-experts):
+// merge-aware, the stacked weights are the merged, fake-quantized ones (Impl::weight); plain,
+// each expert's projections add s·(x·A_eᵀ)·B_eᵀ, gate and up from one shared A_e.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -73,6 +75,13 @@ struct MoeWeights {
   at::Tensor gate;    // (E·I, H) every expert's gate_proj
   at::Tensor up;      // (E·I, H)
   at::Tensor down;    // (E·H, I)
+  // Plain LoRA on the experts (undefined otherwise), expert e's block of each in rows e·(rows/E):
+  at::Tensor gate_up_a;     // (E·r, H) shared by gate and up
+  at::Tensor gate_b, up_b;  // (E·I, r)
+  at::Tensor down_a;        // (E·r, I)
+  at::Tensor down_b;        // (E·H, r)
+  double scale = 0;         // alpha / rank
+  bool plain_lora() const { return gate_up_a.defined(); }
 };
 
 // The routing of N rows: each row's k experts and their weights.
@@ -152,8 +161,17 @@ class MoeFfn final : public Ffn {
  private:
   static MoeWeights weights(const Qwen3Model::Impl& m, int64_t layer) {
     const LayerParams& lp = m.layers[layer];
-    return {m.weight(lp.post_attention_layernorm), m.weight(lp.ffn[0]), m.weight(lp.ffn[1]),
-            m.weight(lp.ffn[2]), m.weight(lp.ffn[3])};
+    MoeWeights w{m.weight(lp.post_attention_layernorm), m.weight(lp.ffn[0]), m.weight(lp.ffn[1]),
+                 m.weight(lp.ffn[2]), m.weight(lp.ffn[3])};
+    if (lp.ffn[1]->lora_a != nullptr && !m.opt.lora.merge_aware) {
+      w.gate_up_a = m.weight(lp.ffn[1]->lora_a);
+      w.gate_b = m.weight(lp.ffn[1]->lora_b);
+      w.up_b = m.weight(lp.ffn[2]->lora_b);
+      w.down_a = m.weight(lp.ffn[3]->lora_a);
+      w.down_b = m.weight(lp.ffn[3]->lora_b);
+      w.scale = m.opt.lora.scale();
+    }
+    return w;
   }
 
   static at::Tensor block(const Qwen3Model::Impl& m, int64_t layer, const at::Tensor& hs,
@@ -202,19 +220,44 @@ class MoeFfn final : public Ffn {
     const at::Tensor xs = GatherRoutes::apply(y, order, inverse, k);  // (N·k, H)
     const at::Tensor gate = w.gate.view({E, I, H}), up = w.up.view({E, I, H});
     const at::Tensor down = w.down.view({E, H, I});
-    const at::Tensor out = grouped_applies(m, y)
-                               ? grouped(m, xs, per_expert, gate, up, down)
-                               : per_expert_gemms(m, xs, per_expert, gate, up, down);
+    const ExpertLora lora = expert_lora(w, E);
+    const at::Tensor out = grouped_applies(m, y, w)
+                               ? grouped(m, xs, per_expert, gate, up, down, lora)
+                               : per_expert_gemms(m, xs, per_expert, gate, up, down, lora);
     const at::Tensor weighted = out * r.weights.reshape({-1}).index_select(0, order).unsqueeze(1);
     return CombineRoutes::apply(weighted, order, inverse, k);
   }
 
-  static bool grouped_applies(const Qwen3Model::Impl& m, const at::Tensor& y) {
+  // Plain expert adapters as (E, rows, cols) stacks (undefined without them).
+  struct ExpertLora {
+    at::Tensor a_gu, b_g, b_u;  // (E, r, H), (E, I, r), (E, I, r)
+    at::Tensor a_d, b_d;        // (E, r, I), (E, H, r)
+    double s = 0;
+  };
+  static ExpertLora expert_lora(const MoeWeights& w, int64_t E) {
+    ExpertLora l;
+    if (!w.plain_lora()) return l;
+    const int64_t r = w.gate_b.size(1);
+    l.a_gu = w.gate_up_a.view({E, r, -1});
+    l.b_g = w.gate_b.view({E, -1, r});
+    l.b_u = w.up_b.view({E, -1, r});
+    l.a_d = w.down_a.view({E, r, -1});
+    l.b_d = w.down_b.view({E, -1, r});
+    l.s = w.scale;
+    return l;
+  }
+
+  // The grouped GEMMs need 16-byte aligned rows: a plain adapter's rank-r operands in bf16
+  // take r % 8 == 0 (else the per-expert GEMMs run).
+  static bool grouped_applies(const Qwen3Model::Impl& m, const at::Tensor& y,
+                              const MoeWeights& w) {
 #if Q4_HAS_GROUPED_MM
-    return m.opt.moe_grouped_gemm && y.is_cuda() && y.scalar_type() == at::kBFloat16;
+    return m.opt.moe_grouped_gemm && y.is_cuda() && y.scalar_type() == at::kBFloat16 &&
+           (!w.plain_lora() || w.gate_b.size(1) % 8 == 0);
 #else
     (void)m;
     (void)y;
+    (void)w;
     return false;
 #endif
   }
@@ -223,7 +266,8 @@ class MoeFfn final : public Ffn {
   // row counts (read on the host: a device sync on CUDA).
   static at::Tensor per_expert_gemms(const Qwen3Model::Impl& m, const at::Tensor& xs,
                                      const at::Tensor& per_expert, const at::Tensor& gate,
-                                     const at::Tensor& up, const at::Tensor& down) {
+                                     const at::Tensor& up, const at::Tensor& down,
+                                     const ExpertLora& l) {
     const at::Tensor counts = per_expert.cpu();
     const int64_t* n = counts.data_ptr<int64_t>();
     const std::vector<at::Tensor> gs = gate.unbind(0), us = up.unbind(0), ds = down.unbind(0);
@@ -231,9 +275,16 @@ class MoeFfn final : public Ffn {
     for (int64_t e = 0, begin = 0; e < gate.size(0); begin += n[e], ++e) {
       if (n[e] == 0) continue;
       const at::Tensor x = xs.narrow(0, begin, n[e]);
-      const at::Tensor s =
-          swiglu(at::mm(x, gs[e].t()), at::mm(x, us[e].t()), m.opt.fused_cuda_kernels);
-      outs.push_back(at::mm(s, ds[e].t()));  // (n_e, H)
+      at::Tensor g = at::mm(x, gs[e].t()), u = at::mm(x, us[e].t());
+      if (l.a_gu.defined()) {
+        const at::Tensor xa = at::mm(x, l.a_gu[e].t());  // (n_e, r)
+        g = g + at::mm(xa, l.b_g[e].t()) * l.s;
+        u = u + at::mm(xa, l.b_u[e].t()) * l.s;
+      }
+      const at::Tensor s = swiglu(g, u, m.opt.fused_cuda_kernels);
+      at::Tensor o = at::mm(s, ds[e].t());  // (n_e, H)
+      if (l.a_d.defined()) o = o + at::mm(at::mm(s, l.a_d[e].t()), l.b_d[e].t()) * l.s;
+      outs.push_back(o);
     }
     return at::cat(outs);
   }
@@ -243,13 +294,23 @@ class MoeFfn final : public Ffn {
   // (E, in, out) operands.
   static at::Tensor grouped(const Qwen3Model::Impl& m, const at::Tensor& xs,
                             const at::Tensor& per_expert, const at::Tensor& gate,
-                            const at::Tensor& up, const at::Tensor& down) {
+                            const at::Tensor& up, const at::Tensor& down,
+                            const ExpertLora& l) {
 #if Q4_HAS_GROUPED_MM
     const at::Tensor offs = at::cumsum(per_expert, 0).to(at::kInt);
-    const at::Tensor s =
-        swiglu(at::_grouped_mm(xs, gate.transpose(1, 2), offs),
-               at::_grouped_mm(xs, up.transpose(1, 2), offs), m.opt.fused_cuda_kernels);
-    return at::_grouped_mm(s, down.transpose(1, 2), offs);
+    const auto gmm = [&](const at::Tensor& x, const at::Tensor& w) {
+      return at::_grouped_mm(x, w.transpose(1, 2), offs);
+    };
+    at::Tensor g = gmm(xs, gate), u = gmm(xs, up);
+    if (l.a_gu.defined()) {
+      const at::Tensor xa = gmm(xs, l.a_gu);  // (N·k, r)
+      g = g + gmm(xa, l.b_g) * l.s;
+      u = u + gmm(xa, l.b_u) * l.s;
+    }
+    const at::Tensor s = swiglu(g, u, m.opt.fused_cuda_kernels);
+    at::Tensor o = gmm(s, down);
+    if (l.a_d.defined()) o = o + gmm(gmm(s, l.a_d), l.b_d) * l.s;
+    return o;
 #else
     (void)m;
     (void)xs;
@@ -257,6 +318,7 @@ class MoeFfn final : public Ffn {
     (void)gate;
     (void)up;
     (void)down;
+    (void)l;
     TORCH_CHECK(false, "grouped GEMM: needs LibTorch 2.9 or newer");
 #endif
   }

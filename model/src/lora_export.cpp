@@ -42,6 +42,40 @@ std::string peft_module_of(const std::string& weight) {
   return weight.substr(0, weight.size() - std::string(".weight").size());
 }
 
+// An MoE layer's expert adapters in peft's layout (docs/model.md#lora-on-experts), for
+// transformers' fused Qwen3MoeExperts parameters gate_up_proj (E, 2I, H) and down_proj (E, H, I)
+// targeted with target_parameters. peft nests one ParamWrapper per parameter on the experts
+// module, down_proj's outside gate_up_proj's, so gate_up_proj's tensors sit under "base_layer.".
+// lora_A (E·r, in): expert e's rows e·r..e·r+r-1, as q4 stores A. lora_B (out, r·E): expert e's
+// rank j is column j·E + e; q4 stores B as (E·out, r) blocks, gate_up's out = [gate; up].
+constexpr const char* kExperts = ".mlp.experts.";
+
+// The module path "model.layers.N.mlp.experts" of a stacked expert tensor's name, or "".
+std::string experts_module_of(const std::string& name) {
+  const size_t at = name.find(kExperts);
+  return at == std::string::npos ? "" : name.substr(0, at + std::strlen(kExperts) - 1);
+}
+
+// q4 B (E·out, r) blocks (or (E, out, r)) -> peft lora_B (out, r·E).
+at::Tensor peft_b_of(const at::Tensor& b, int64_t E) {
+  const int64_t r = b.size(-1);
+  return b.reshape({E, -1, r}).permute({1, 2, 0}).reshape({-1, r * E}).contiguous();
+}
+
+// peft lora_B (out, r·E) -> q4 B (E, out, r).
+at::Tensor q4_b_of(const at::Tensor& b, int64_t E) {
+  return b.reshape({b.size(0), -1, E}).permute({2, 0, 1});
+}
+
+// The peft key (without base_model.model.) of adapter `a` of `m`.
+std::string peft_adapter_key(const std::string& a) {
+  const std::string module = experts_module_of(a);
+  if (module.empty()) return a;
+  const bool down = a.find(".down_proj.") != std::string::npos;
+  const char* part = a.find(".lora_A.") != std::string::npos ? "lora_A" : "lora_B";
+  return module + (down ? "." : ".base_layer.") + part + ".weight";
+}
+
 }  // namespace
 
 void Qwen3Model::export_adapter(const std::string& dir, const std::string& base_model) const {
@@ -59,15 +93,34 @@ void Qwen3Model::export_adapter(const std::string& dir, const std::string& base_
   };
   std::set<std::string> modules;
   std::set<int64_t> layers;
-  std::vector<std::string> saved;  // modules_to_save, HF order
-  for (const Parameter& p : m.params) {
+  std::vector<std::string> saved;       // modules_to_save, HF order
+  std::vector<std::string> parameters;  // target_parameters, HF order
+  const int64_t E = m.cfg.moe.num_experts;
+  const auto cpu = [](const Parameter* a) { return a->master.detach().cpu().contiguous(); };
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    const Parameter& p = m.params[i];
     if (p.lora_a == nullptr) continue;
-    for (const Parameter* a : {p.lora_a, p.lora_b})
-      add(a->name, a->master.detach().cpu().contiguous());
-    const std::string base = peft_module_of(p.name);
-    modules.insert(base.substr(base.rfind('.') + 1));
     const std::string pre = "model.layers.";
     if (p.name.rfind(pre, 0) == 0) layers.insert(std::stoll(p.name.substr(pre.size())));
+    const std::string experts = experts_module_of(p.name);
+    if (experts.empty()) {
+      for (const Parameter* a : {p.lora_a, p.lora_b}) add(a->name, cpu(a));
+      const std::string base = peft_module_of(p.name);
+      modules.insert(base.substr(base.rfind('.') + 1));
+    } else if (name_ends_with(p.name, ".gate_proj.weight")) {
+      // gate and up (the next parameter) share A; their Bs stack as gate_up_proj's rows.
+      const Parameter& up = m.params[i + 1];
+      TORCH_INTERNAL_ASSERT(up.lora_a == p.lora_a);
+      const int64_t r = p.lora_b->master.size(1);
+      const at::Tensor b = at::cat({cpu(p.lora_b).view({E, -1, r}), cpu(up.lora_b).view({E, -1, r})}, 1);
+      add(experts + ".base_layer.lora_A.weight", cpu(p.lora_a));
+      add(experts + ".base_layer.lora_B.weight", peft_b_of(b, E));
+      parameters.push_back(experts + ".gate_up_proj");
+    } else if (name_ends_with(p.name, ".down_proj.weight")) {
+      add(experts + ".lora_A.weight", cpu(p.lora_a));
+      add(experts + ".lora_B.weight", peft_b_of(cpu(p.lora_b), E));
+      parameters.push_back(experts + ".down_proj");
+    }
   }
   // Every other trained tensor, as the forward computes with it (docs/trainer.md#lora-adapters):
   // without them the adapter on its base is not the trained model.
@@ -109,6 +162,8 @@ void Qwen3Model::export_adapter(const std::string& dir, const std::string& base_
   // Full module paths: peft matches an entry against the end of a module's path, so a short
   // name ("norm") would also take modules that did not train.
   cfg["modules_to_save"] = saved.empty() ? nlohmann::json(nullptr) : nlohmann::json(saved);
+  // Expert adapters: full parameter paths (peft matches them exactly, whatever the layers).
+  if (!parameters.empty()) cfg["target_parameters"] = parameters;
   // Adapters on only some layers: PEFT's layers_to_transform names them.
   const int64_t L = m.cfg.num_hidden_layers;
   if (!layers.empty() && static_cast<int64_t>(layers.size()) < L) {
@@ -120,6 +175,36 @@ void Qwen3Model::export_adapter(const std::string& dir, const std::string& base_
   f.write(cfg.dump(2) + "\n");
   f.commit();
 }
+
+namespace {
+
+// peft's target_parameters: q4 applies the fused experts' pair, gate_up_proj and down_proj
+// (each entry the parameter's path or its end), as the target "experts"; the layers are
+// layers_to_transform's, and load_adapter names any expert tensor missing or left over.
+void read_target_parameters(const nlohmann::json& j, const std::string& path,
+                            std::vector<std::string>* targets) {
+  if (!j.contains("target_parameters") || j.at("target_parameters").is_null()) return;
+  const auto& tp = j.at("target_parameters");
+  TORCH_CHECK(tp.is_array(), path, ": \"target_parameters\" must be a list of parameter names");
+  bool gate_up = false, down = false;
+  for (const auto& x : tp) {
+    const std::string v = x.is_string() ? x.get<std::string>() : "";
+    const bool g = v == "mlp.experts.gate_up_proj" || name_ends_with(v, ".mlp.experts.gate_up_proj");
+    const bool d = v == "mlp.experts.down_proj" || name_ends_with(v, ".mlp.experts.down_proj");
+    TORCH_CHECK(g || d, path, ": \"target_parameters\" holds ", x.dump(),
+                ", which q4 does not apply (only mlp.experts.gate_up_proj and "
+                "mlp.experts.down_proj)");
+    gate_up = gate_up || g;
+    down = down || d;
+  }
+  if (tp.empty()) return;
+  TORCH_CHECK(gate_up && down, path,
+              ": \"target_parameters\" must name both mlp.experts.gate_up_proj and "
+              "mlp.experts.down_proj (q4 adapts an expert's three projections together)");
+  targets->push_back("experts");
+}
+
+}  // namespace
 
 AdapterConfig read_adapter_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "adapter_config.json").string();
@@ -142,7 +227,7 @@ AdapterConfig read_adapter_config(const std::string& dir) {
   // Keys that change what the adapter computes, which q4 does not apply: refused when set
   // rather than dropped.
   for (const char* key : {"rank_pattern", "alpha_pattern", "exclude_modules", "layer_replication",
-                          "trainable_token_indices", "target_parameters"}) {
+                          "trainable_token_indices"}) {
     if (!j.contains(key)) continue;
     const auto& v = j.at(key);
     TORCH_CHECK(v.is_null() || ((v.is_object() || v.is_array() || v.is_string()) && v.empty()),
@@ -176,11 +261,14 @@ AdapterConfig read_adapter_config(const std::string& dir) {
               ": \"lora_alpha\" ", j.at("lora_alpha").dump(), " / \"r\" ", a.lora.rank,
               " must be a positive finite fp32 number");
   const auto& t = need("target_modules");
-  TORCH_CHECK(t.is_array() && !t.empty(), path, ": \"target_modules\" must be a list of names");
+  TORCH_CHECK(t.is_array(), path, ": \"target_modules\" must be a list of names");
   for (const auto& m : t) {
     TORCH_CHECK(m.is_string(), path, ": \"target_modules\" holds ", m.dump());
     a.lora.targets.push_back(m.get<std::string>());
   }
+  read_target_parameters(j, path, &a.lora.targets);
+  TORCH_CHECK(!a.lora.targets.empty(), path,
+              ": \"target_modules\" and \"target_parameters\" name nothing to adapt");
   a.lora.merge_aware = false;
   if (j.contains("layers_to_transform") && !j.at("layers_to_transform").is_null()) {
     const auto& l = j.at("layers_to_transform");
@@ -257,6 +345,49 @@ at::Tensor load_checked(const SafetensorsFile& f, const std::string& path, const
   return v;
 }
 
+// Tensor `t` (`name` without the PEFT prefix) of an MoE layer's expert adapters, in peft's
+// layout, into q4's A and B (experts_module_of's note).
+void load_expert_tensor(const SafetensorsFile& f, const std::string& path, const StTensor& t,
+                        const std::string& name, int64_t E,
+                        const std::map<std::string, Parameter*>& adapters,
+                        std::set<const Parameter*>* applied) {
+  const std::string module = experts_module_of(name);
+  std::string rest = name.substr(module.size() + 1);
+  const bool gate_up = rest.rfind("base_layer.", 0) == 0;
+  if (gate_up) rest = rest.substr(std::strlen("base_layer."));
+  const bool is_a = rest.rfind("lora_A.", 0) == 0;
+  TORCH_CHECK((is_a || rest.rfind("lora_B.", 0) == 0) &&
+                  (rest.substr(7) == "weight" || rest.substr(7) == "default.weight"),
+              path, ": tensor ", t.name, " is not a LoRA A or B weight of the experts");
+  const std::string proj = module + (gate_up ? ".gate_up_proj" : ".down_proj");
+  const auto get = [&](const std::string& adapter) {
+    const auto it = adapters.find(adapter);
+    TORCH_CHECK(it != adapters.end(), path, ": tensor ", t.name, " is not applied: ", module,
+                " has no expert adapters (not an MoE layer, or outside layers_to_transform)");
+    TORCH_CHECK(applied->insert(it->second).second, path, ": ", t.name, " is stored twice");
+    return it->second;
+  };
+  if (is_a) {
+    Parameter* a = get(proj + ".lora_A.weight");
+    a->master.copy_(load_checked(f, path, t, a->master.sizes().vec()).to(a->master.scalar_type()));
+    return;
+  }
+  const std::vector<std::string> bs =
+      gate_up ? std::vector<std::string>{module + ".gate_proj.lora_B.weight",
+                                         module + ".up_proj.lora_B.weight"}
+              : std::vector<std::string>{module + ".down_proj.lora_B.weight"};
+  std::vector<Parameter*> ps;
+  for (const auto& b : bs) ps.push_back(get(b));
+  const int64_t out = ps[0]->master.size(0) / E, r = ps[0]->master.size(1);
+  const at::Tensor v = q4_b_of(
+      load_checked(f, path, t, {out * static_cast<int64_t>(ps.size()), r * E}), E);  // (E, o, r)
+  for (size_t i = 0; i < ps.size(); ++i) {
+    ps[i]->master.copy_(v.narrow(1, static_cast<int64_t>(i) * out, out)
+                            .reshape({E * out, r})
+                            .to(ps[i]->master.device(), ps[i]->master.scalar_type()));
+  }
+}
+
 }  // namespace
 
 AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
@@ -286,6 +417,10 @@ AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
     TORCH_CHECK(t.name.rfind(kPeftPrefix, 0) == 0, path, ": tensor ", t.name,
                 " is not a PEFT key (base_model.model.<name>)");
     std::string name = t.name.substr(std::string(kPeftPrefix).size());
+    if (!experts_module_of(name).empty() && name.find("lora_") != std::string::npos) {
+      load_expert_tensor(f, path, t, name, m.cfg.moe.num_experts, adapters, &applied);
+      continue;
+    }
     for (const char* part : {".lora_A.", ".lora_B."}) {
       const size_t at = name.find(part);
       if (at == std::string::npos) continue;
@@ -324,7 +459,7 @@ AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
     ++r.full_tensors;
   }
   for (const Parameter& a : m.adapters) {
-    const std::string key = kPeftPrefix + a.name;
+    const std::string key = kPeftPrefix + peft_adapter_key(a.name);
     TORCH_CHECK(applied.count(&a) != 0, path, ": no tensor ", key);
   }
   if (tied_head != nullptr) {
@@ -334,7 +469,7 @@ AdapterLoad Qwen3Model::load_adapter(const std::string& dir) {
                 tied_head->name, " differs from ", kPeftPrefix,
                 "model.embed_tokens.weight, but the model ties lm_head to the embedding");
   }
-  r.lora_pairs = static_cast<int64_t>(m.adapters.size() / 2);
+  for (const Parameter& p : m.params) r.lora_pairs += p.lora_a != nullptr ? 1 : 0;
   return r;
 }
 
@@ -351,7 +486,8 @@ double Qwen3Model::merged_requantization_error() const {
     const at::Tensor merged = m.merged_weight(&p);
     const at::Tensor fq = q4::quant::fake_quant_nvfp4_forward_unchecked(merged, at::kFloat, p.name);
     err += (fq - merged).pow(2).sum().item<double>();
-    const at::Tensor ba = at::mm(p.lora_b->master.to(at::kFloat), p.lora_a->master.to(at::kFloat));
+    const at::Tensor ba =
+        lora_delta(p.lora_b->master.to(at::kFloat), p.lora_a->master.to(at::kFloat));
     upd += ba.mul_(m.opt.lora.scale()).pow(2).sum().item<double>();
   }
   return upd > 0.0 ? std::sqrt(err / upd) : 0.0;

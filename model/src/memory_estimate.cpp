@@ -126,13 +126,23 @@ struct StepTerms {
   int64_t boundary = 0;  // a layer input/output
 };
 
+// The elements of p's adapter: r·(out + in) for a dense linear; a stacked expert projection's
+// per-expert blocks, A (E·r, in) and B (E·out_e, r), its up_proj's B only (A is gate_proj's).
+int64_t adapter_elements(const ParamSpec& p, const ModelOptions& opt, int64_t experts) {
+  const int64_t r = opt.lora.rank;
+  if (p.name.find(".mlp.experts.") == std::string::npos) return r * (p.shape[0] + p.shape[1]);
+  const int64_t b = r * p.shape[0];  // E·out_e·r
+  if (name_has_tail(p.name, ".up_proj.weight")) return b;
+  return b + experts * r * p.shape[1];
+}
+
 // A LoRA-adapted linear: frozen as NVFP4 codes; the adapter's A and B train. The forward's
 // weight (merged and fake-quantized, or dequantized) is a compute-dtype tensor like a trained
 // linear's tap.
 void tally_adapted(const ParamSpec& p, const ModelOptions& opt, const Ffn& ffn, const StepTerms& t,
-                   MemoryEstimate* est, ParamTally* tally) {
+                   int64_t experts, MemoryEstimate* est, ParamTally* tally) {
   const int64_t n = p.numel();
-  const int64_t a = opt.lora.rank * (p.shape[0] + p.shape[1]);
+  const int64_t a = adapter_elements(p, opt, experts);
   est->frozen_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize + (caches_weight(opt) ? n * t.cs : 0);
   est->master_bytes += a * t.ms;
   est->grad_buffer_bytes += a * t.gs;
@@ -190,7 +200,7 @@ ParamTally tally_parameters(const Qwen3Config& cfg, const ModelOptions& opt, boo
       (ffn.owns(p) ? tally.ffn_weight_elems : tally.attn_weight_elems)[p.layer] += p.numel();
     }
     if (opt.lora.adapts(p, opt.trainable, t.L)) {
-      tally_adapted(p, opt, ffn, t, est, &tally);
+      tally_adapted(p, opt, ffn, t, cfg.moe.num_experts, est, &tally);
     } else if (!opt.trainable.trains(p, t.L, t.tied)) {
       est->frozen_bytes += p.numel() * t.cs;
     } else {

@@ -60,9 +60,19 @@ at::ScalarType ModelOptions::resolved_grad_dtype() const {
 
 std::string linear_short_name(const std::string& name) {
   if (name == "lm_head.weight") return "lm_head";
-  // An MoE layer's stacked experts are no adapter target (docs/model.md#mixture-of-experts).
-  if (name.find(".mlp.experts.") != std::string::npos) return "";
-  for (size_t i = 0; i + 1 < std::size(kLoraTargets); ++i) {  // the projections (not lm_head)
+  // An MoE layer's three stacked expert projections: the one target "experts"
+  // (docs/model.md#lora-on-experts).
+  if (name.find(".mlp.experts.") != std::string::npos) {
+    for (const char* e : {"gate_proj", "up_proj", "down_proj"}) {
+      const std::string tail = std::string(".mlp.experts.") + e + ".weight";
+      if (name.size() > tail.size() &&
+          name.compare(name.size() - tail.size(), tail.size(), tail) == 0) {
+        return "experts";
+      }
+    }
+    return "";
+  }
+  for (size_t i = 0; i < kLoraProjectionTargets; ++i) {
     const char* l = kLoraTargets[i];
     const std::string tail = std::string(".") + l + ".weight";
     if (name.size() > tail.size() &&
@@ -95,7 +105,8 @@ void LoraSpec::validate() const {
   TORCH_CHECK(alpha > 0 && std::isfinite(alpha), "lora.alpha: expected > 0, got ", alpha);
   TORCH_CHECK(!targets.empty(), "lora.targets: expected at least one of ", lora_target_list(", "));
   for (const auto& t : targets) {
-    TORCH_CHECK(!linear_short_name("x." + t + ".weight").empty() || t == "lm_head",
+    TORCH_CHECK(std::find(std::begin(kLoraTargets), std::end(kLoraTargets), t) !=
+                    std::end(kLoraTargets),
                 "lora.targets: unknown linear '", t, "' (expected ", lora_target_list(" or "), ")");
   }
   // alpha / rank scales fp32 GEMMs: it must be a finite fp32 number.
@@ -112,12 +123,17 @@ void LoraSpec::validate(const Qwen3Config& cfg) const {
     if (p.kind != ParamKind::kQuantizedLinear || p.shape.size() != 2) continue;
     const std::string s = linear_short_name(p.name);
     if (s.empty() || std::find(targets.begin(), targets.end(), s) == targets.end()) continue;
-    const int64_t d = std::min(p.shape[0], p.shape[1]);
+    // A stacked expert projection: each expert's (out, in) block has its own adapter.
+    const int64_t out = s == "experts" ? p.shape[0] / cfg.moe.num_experts : p.shape[0];
+    const int64_t d = std::min(out, p.shape[1]);
     if (smallest == 0 || d < smallest) {
       smallest = d;
       which = s;
     }
   }
+  TORCH_CHECK(std::find(targets.begin(), targets.end(), "experts") == targets.end() || cfg.is_moe(),
+              "lora.targets: experts names the experts of a mixture-of-experts model, but the model "
+              "is dense");
   TORCH_CHECK(smallest == 0 || rank <= smallest, "lora.rank: expected at most ", smallest,
               " (the smallest dimension of the adapted linears, ", which, "'s), got ", rank);
 }

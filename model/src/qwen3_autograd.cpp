@@ -110,10 +110,9 @@ struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
       const double s = im->opt.lora.scale();
       const at::Tensor a = p->lora_a->master.to(at::kFloat);
       const at::Tensor b = p->lora_b->master.to(at::kFloat);
-      const at::Tensor ga = at::mm(b.t(), dw).mul_(s);
-      const at::Tensor gb = at::mm(dw, a.t()).mul_(s);
-      accumulate(p->lora_a, ga, gd);
-      accumulate(p->lora_b, gb, gd);
+      const auto g = lora_delta_grads(b, a, dw, s);
+      accumulate(p->lora_a, g.first, gd);
+      accumulate(p->lora_b, g.second, gd);
     }
     use_done(im, p->lora_a);
     use_done(im, p->lora_b);
@@ -438,6 +437,22 @@ at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType
   use_begins(p);
   return WeightTap::apply(p->master, impl->trigger, ptr_to_int(impl), ptr_to_int(p),
                           static_cast<int64_t>(compute_dtype), static_cast<int64_t>(grad_dtype));
+}
+
+at::Tensor lora_delta(const at::Tensor& b, const at::Tensor& a) {
+  const int64_t r = b.size(1), experts = a.size(0) / r;
+  if (experts == 1) return at::mm(b, a);
+  return at::bmm(b.view({experts, -1, r}), a.view({experts, r, a.size(1)})).view({-1, a.size(1)});
+}
+
+std::pair<at::Tensor, at::Tensor> lora_delta_grads(const at::Tensor& b, const at::Tensor& a,
+                                                   const at::Tensor& dw, double s) {
+  const int64_t r = b.size(1), experts = a.size(0) / r;
+  if (experts == 1) return {at::mm(b.t(), dw).mul_(s), at::mm(dw, a.t()).mul_(s)};
+  const at::Tensor be = b.view({experts, -1, r}), ae = a.view({experts, r, a.size(1)});
+  const at::Tensor de = dw.view({experts, -1, dw.size(1)});
+  return {at::bmm(be.transpose(1, 2), de).mul_(s).view(a.sizes()),
+          at::bmm(de, ae.transpose(1, 2)).mul_(s).view(b.sizes())};
 }
 
 at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,

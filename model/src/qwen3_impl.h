@@ -9,6 +9,7 @@
 
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ffn.h"
@@ -90,6 +91,7 @@ struct Qwen3Model::Impl {
   bool any_trainable() const;
   // LoRA: whether parameter `s` gets an adapter; A and B's initial draw (after loading).
   bool adapted(const ParamSpec& s) const;
+  void make_adapters(const std::vector<ParamSpec>& specs);  // construction: A and B entries
   void init_adapters();
   // An adapted linear's W + (alpha/rank)·B·A, fp32 on the device (no autograd).
   at::Tensor merged_weight(const Parameter* p) const;
@@ -188,6 +190,15 @@ at::Tensor router_tap(const Qwen3Model::Impl* impl, const at::Tensor& logits);
 // ---- autograd functions (qwen3_autograd.cpp) ----
 at::Tensor tap_weight(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,
                       at::ScalarType grad_dtype);
+// An adapter's update B·A, fp32 (no autograd): b (out, r) and a (r, in) of a dense linear give
+// (out, in); a stacked expert projection's per-expert adapters, b (E·out, r) and a (E·r, in) with
+// expert e's rows in block e, give (E·out, in) with block e = b_e·a_e
+// (docs/model.md#lora-on-experts). E = a.size(0) / b.size(1).
+at::Tensor lora_delta(const at::Tensor& b, const at::Tensor& a);
+// The gradients of A and B from dW, the gradient of W + s·B·A, block by block as lora_delta
+// forms it: dA = s·Bᵀ·dW, dB = s·dW·Aᵀ (each expert's blocks alone).
+std::pair<at::Tensor, at::Tensor> lora_delta_grads(const at::Tensor& b, const at::Tensor& a,
+                                                   const at::Tensor& dw, double s);
 // Merge-aware LoRA: fake_quant(W + s·B·A) in the compute dtype; backward hands s·Bᵀ·dW and
 // s·dW·Aᵀ to A's and B's gradients (straight through the quantizer).
 at::Tensor tap_lora_merged(const Qwen3Model::Impl* impl, Parameter* p, at::ScalarType compute_dtype,

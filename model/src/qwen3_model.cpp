@@ -49,27 +49,7 @@ Qwen3Model::Impl::Impl(const Qwen3Config& c, const ModelOptions& o, bool tied_lm
     shapes[i] = specs[i].shape;
     index[specs[i].name] = i;
   }
-  if (opt.lora.enabled()) {
-    // Sized once: base parameters point into it.
-    int64_t n = 0;
-    for (const ParamSpec& s : specs) n += adapted(s) ? 2 : 0;
-    adapters.reserve(static_cast<size_t>(n));
-    for (size_t i = 0; i < specs.size(); ++i) {
-      if (!adapted(specs[i])) continue;
-      const int64_t out = specs[i].shape[0], in = specs[i].shape[1], r = opt.lora.rank;
-      params[i].trainable = false;  // the adapter trains instead
-      for (const char* part : {"lora_A", "lora_B"}) {
-        Parameter a;
-        a.name = lora_param_name(specs[i].name, part);
-        a.trainable = true;
-        adapters.push_back(std::move(a));
-        adapter_shapes.push_back(part[5] == 'A' ? std::vector<int64_t>{r, in}
-                                                : std::vector<int64_t>{out, r});
-      }
-      params[i].lora_a = &adapters[adapters.size() - 2];
-      params[i].lora_b = &adapters[adapters.size() - 1];
-    }
-  }
+  if (opt.lora.enabled()) make_adapters(specs);
   embed = find("model.embed_tokens.weight");
   final_norm = find("model.norm.weight");
   lm_head = tied ? embed : find("lm_head.weight");
@@ -135,6 +115,62 @@ bool Qwen3Model::Impl::adapted(const ParamSpec& s) const {
   return opt.lora.adapts(s, opt.trainable, cfg.num_hidden_layers);
 }
 
+namespace {
+
+// A stacked expert projection's kind: 'g' gate_proj, 'u' up_proj, 'd' down_proj, 0 another.
+char expert_projection(const std::string& name) {
+  for (const char* e : {"gate_proj", "up_proj", "down_proj"}) {
+    const std::string tail = std::string(".mlp.experts.") + e + ".weight";
+    if (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+      return e[0];
+  }
+  return 0;
+}
+
+}  // namespace
+
+void Qwen3Model::Impl::make_adapters(const std::vector<ParamSpec>& specs) {
+  // Sized once: base parameters point into it. A dense linear has an A and a B; a stacked
+  // expert projection has per-expert blocks (docs/model.md#lora-on-experts), and an MoE layer's
+  // up_proj shares its gate_proj's A (peft's fused gate_up_proj adapter), so has a B only.
+  const int64_t r = opt.lora.rank, E = cfg.moe.num_experts;
+  int64_t n = 0;
+  for (const ParamSpec& s : specs) {
+    if (adapted(s)) n += expert_projection(s.name) == 'u' ? 1 : 2;
+  }
+  adapters.reserve(static_cast<size_t>(n));
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    Parameter a;
+    a.name = name;
+    a.trainable = true;
+    adapters.push_back(std::move(a));
+    adapter_shapes.push_back(std::move(shape));
+    return &adapters.back();
+  };
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!adapted(specs[i])) continue;
+    const std::string& name = specs[i].name;
+    const int64_t out = specs[i].shape[0], in = specs[i].shape[1];
+    params[i].trainable = false;  // the adapter trains instead
+    const char kind = expert_projection(name);
+    if (kind == 0) {
+      params[i].lora_a = add(lora_param_name(name, "lora_A"), {r, in});
+      params[i].lora_b = add(lora_param_name(name, "lora_B"), {out, r});
+      continue;
+    }
+    if (kind == 'u') {
+      TORCH_INTERNAL_ASSERT(i > 0 && expert_projection(specs[i - 1].name) == 'g' &&
+                            params[i - 1].lora_a != nullptr);
+      params[i].lora_a = params[i - 1].lora_a;
+    } else {
+      const std::string base = name.substr(0, name.rfind(".mlp.experts.") + 13);
+      params[i].lora_a = add(base + (kind == 'g' ? "gate_up_proj" : "down_proj") + ".lora_A.weight",
+                             {E * r, in});
+    }
+    params[i].lora_b = add(lora_param_name(name, "lora_B"), {out, r});
+  }
+}
+
 void Qwen3Model::Impl::init_adapters() {
   // PEFT's default: A ~ kaiming_uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
   // the adapted model starts as the base model.
@@ -142,7 +178,7 @@ void Qwen3Model::Impl::init_adapters() {
   for (size_t i = 0; i < adapters.size(); ++i) {
     const auto& shape = adapter_shapes[i];
     at::Tensor w = at::zeros(shape, at::kFloat);
-    if (i % 2 == 0) {
+    if (adapters[i].name.find(".lora_A.") != std::string::npos) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(shape[1]));
       w.uniform_(-bound, bound, gen);
     }
@@ -156,7 +192,8 @@ at::Tensor Qwen3Model::Impl::merged_weight(const Parameter* p) const {
   fence(p->lora_b);
   at::NoGradGuard no_grad;
   at::Tensor w = q4::quant::dequantize_nvfp4(p->qdata, p->scale, at::kFloat);
-  const at::Tensor ba = at::mm(p->lora_b->master.to(at::kFloat), p->lora_a->master.to(at::kFloat));
+  const at::Tensor ba =
+      lora_delta(p->lora_b->master.to(at::kFloat), p->lora_a->master.to(at::kFloat));
   return w.add_(ba, opt.lora.scale());
 }
 

@@ -529,7 +529,8 @@ TEST(Lora, PeftAdapterCarriesTheTensorsTrainedBesideIt) {
 }
 
 // A mixture-of-experts model (the tiny MoE fixture: layers 0 and 2 sparse, layer 1 dense): the
-// stacked experts are no adapter target, so gate/up/down_proj adapt only the dense layer's MLP;
+// targets gate/up/down_proj name the dense MLPs only (the stacked experts take the target
+// `experts`, moe_lora_test.cpp), so they adapt only the dense layer's MLP;
 // the routers stay frozen and are no modules_to_save; the PEFT folder loads back onto the base
 // as the trained model (docs/model.md#mixture-of-experts).
 TEST(Lora, MixtureOfExpertsAdaptsOnlyTheDenseMlps) {

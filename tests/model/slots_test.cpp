@@ -135,9 +135,9 @@ TEST(ModelSlots, FfnCostsAreTheDenseMlpsClosedForms) {
 
 TEST(ModelSlots, LoraTargetsAreOneTable) {
   EXPECT_EQ(lora_target_list(" or "),
-            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or lm_head");
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, experts or lm_head");
   const std::vector<std::string> projections = lora_projection_targets();
-  ASSERT_EQ(projections.size(), std::size(kLoraTargets) - 1);
+  ASSERT_EQ(projections.size(), std::size(kLoraTargets) - 2);
   EXPECT_EQ(projections.back(), "down_proj");
   // Every table entry is a name LoraSpec accepts, and nothing else is.
   LoraSpec s;
@@ -153,7 +153,7 @@ TEST(ModelSlots, LoraTargetsAreOneTable) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find(
                   "lora.targets: unknown linear 'embed_tokens' (expected q_proj, k_proj, v_proj, "
-                  "o_proj, gate_proj, up_proj, down_proj or lm_head)"),
+                  "o_proj, gate_proj, up_proj, down_proj, experts or lm_head)"),
               std::string::npos)
         << e.what();
   }

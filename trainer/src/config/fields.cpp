@@ -423,9 +423,9 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("lora.dropout", &c.lora.dropout, "dropout on the adapter's input (only 0 is supported)",
             R::at_least(0), {"lora_dropout"}),
       field("lora.targets", &c.lora.targets,
-            "adapted linears: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
-            "(in the train.trainable.layers; a mixture-of-experts layer's experts are no "
-            "target), lm_head",
+            "adapted linears: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+            "experts (a mixture-of-experts layer's experts, one adapter each; all in the "
+            "train.trainable.layers), lm_head",
             {}, {"target_modules"}),
       field("lora.merge_aware", &c.lora.merge_aware,
             "true: train through the quantization of the merged weight (the merged NVFP4 export "

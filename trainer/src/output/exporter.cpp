@@ -93,9 +93,13 @@ void Exporter::write_adapter(const std::string& dat_path, model::Qwen3Model& mod
   if (base.empty()) base = source_path;
   model.export_adapter(dir, base);
   int64_t full = 0;  // trained beside the adapters: in the folder as modules_to_save
-  for (const auto& p : model.parameters()) full += p.trainable ? 1 : 0;
+  int64_t adapted = 0;  // a stacked expert projection counts once
+  for (const auto& p : model.parameters()) {
+    full += p.trainable ? 1 : 0;
+    adapted += p.lora_a != nullptr ? 1 : 0;
+  }
   out_ << fmt::format("adapter (PEFT) -> {} ({} LoRA pairs, {} full tensors as modules_to_save)\n",
-                      dir, model.adapters().size() / 2, full);
+                      dir, adapted, full);
   if (plan_.lora_merge_aware) {
     out_ << fmt::format(
         "merge-aware LoRA: the merged export is the trained model; the adapter on its base "

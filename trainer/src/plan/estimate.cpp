@@ -105,7 +105,9 @@ std::string moe_summary(const model::Qwen3Config& mc, const Config& c, bool sepa
 std::string moe_lora_note(const model::Qwen3Config& mc, const Config& c) {
   if (!mc.is_moe() || c.train.method != TrainMethod::kLora) return "";
   std::string mlp;
-  for (const auto& t : c.lora.targets) {
+  const auto& ts = c.lora.targets;
+  if (std::find(ts.begin(), ts.end(), "experts") != ts.end()) return "";
+  for (const auto& t : ts) {
     if (t == "gate_proj" || t == "up_proj" || t == "down_proj")
       mlp += (mlp.empty() ? "" : ", ") + t;
   }
@@ -114,8 +116,8 @@ std::string moe_lora_note(const model::Qwen3Config& mc, const Config& c) {
   for (int64_t l = 0; l < mc.num_hidden_layers; ++l) sparse += mc.is_moe_layer(l);
   const int64_t dense = mc.num_hidden_layers - sparse;
   return fmt::format(
-      "lora.targets {}: the experts of the {} mixture-of-experts layers are not adapted (stacked "
-      "NVFP4 experts are no adapter target; they stay frozen, as do the routers); {}",
+      "lora.targets {}: the experts of the {} mixture-of-experts layers are not adapted (the "
+      "target experts adapts them; the routers stay frozen); {}",
       mlp, sparse,
       dense > 0 ? fmt::format("these targets adapt only the {} dense layers' MLPs", dense)
                 : std::string("these targets adapt nothing here (no layer has a dense MLP)"));

@@ -293,7 +293,7 @@ struct AdapterConfig {
 AdapterConfig read_adapter_config(const std::string& dir);
 // What Qwen3Model::load_adapter applied.
 struct AdapterLoad {
-  int64_t lora_pairs = 0;    // adapted linears (an A and a B each)
+  int64_t lora_pairs = 0;    // adapted linears (a stacked expert projection counts once)
   int64_t full_tensors = 0;  // weights replaced whole (modules_to_save)
 };
 // `opt` with the adapter of `dir` in it (fp32 adapter masters), ready for Qwen3Model::load and

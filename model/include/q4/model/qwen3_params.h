@@ -54,14 +54,20 @@ int64_t active_elements(const ParamSpec& p, const Qwen3Config& cfg);
 std::vector<ParamSpec> qwen3_parameters(const Qwen3Config& cfg, bool include_lm_head);
 
 // The linears a LoRA adapter can target, by short name, in parameter-table order: a decoder
-// layer's projections, then lm_head. The one list of them: LoraSpec and the trainer's
-// lora.targets check against it.
-inline constexpr const char* kLoraTargets[] = {"q_proj",    "k_proj",  "v_proj",    "o_proj",
-                                               "gate_proj", "up_proj", "down_proj", "lm_head"};
+// layer's projections, a mixture-of-experts layer's stacked experts (one adapter per expert on
+// each of its three projections, docs/model.md#lora-on-experts), then lm_head. The one list of
+// them: LoraSpec and the trainer's lora.targets check against it.
+inline constexpr const char* kLoraTargets[] = {"q_proj",    "k_proj",  "v_proj",
+                                               "o_proj",    "gate_proj", "up_proj",
+                                               "down_proj", "experts", "lm_head"};
+// How many of kLoraTargets are the dense projections (the first ones).
+inline constexpr size_t kLoraProjectionTargets = 7;
 // Header-only, so that the trainer's config (and its fuzz target) need no model library.
-// kLoraTargets without lm_head: every decoder-layer projection (lora.targets' default).
+// The dense projections of kLoraTargets: every decoder-layer projection but the experts
+// (lora.targets' default).
 inline std::vector<std::string> lora_projection_targets() {
-  return std::vector<std::string>(std::begin(kLoraTargets), std::end(kLoraTargets) - 1);
+  return std::vector<std::string>(std::begin(kLoraTargets),
+                                  std::begin(kLoraTargets) + kLoraProjectionTargets);
 }
 // kLoraTargets joined by ", ", the last one by `last_sep` (", " or " or "): for messages.
 inline std::string lora_target_list(const char* last_sep) {
