@@ -12,9 +12,9 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <map>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -60,7 +60,8 @@ RewardFunctionConfig fn(RewardKind kind, const std::string& name) {
 }
 
 // Scores `completions` against one record with a config holding only `f`.
-std::vector<double> score_one(const RewardFunctionConfig& f, const std::vector<std::string>& completions,
+std::vector<double> score_one(const RewardFunctionConfig& f,
+                              const std::vector<std::string>& completions,
                               const json& record = json::object(), int64_t tokens = -1) {
   RewardConfig rc;
   rc.functions = {f};
@@ -110,9 +111,10 @@ TEST(Rewards, ExactMatchNormalisesAndExtracts) {
   EXPECT_EQ(score_one(f, {"New  York", "new  york", " New  York"}, rec), (V{1, 0, 0}));
   f.normalize = true;
   f.extract = "<answer>(.*?)</answer>";
-  EXPECT_EQ(score_one(f, {"think... <answer> new york </answer> bye", "new york", "<answer>x</answer>"},
-                      rec),
-            (V{1, 0, 0}));
+  EXPECT_EQ(
+      score_one(f, {"think... <answer> new york </answer> bye", "new york", "<answer>x</answer>"},
+                rec),
+      (V{1, 0, 0}));
   // A number field compares as its JSON text.
   f.extract = "";
   EXPECT_EQ(score_one(f, {"42", "42.0"}, json{{"answer", 42}}), (V{1, 0}));
@@ -134,8 +136,9 @@ TEST(Rewards, LastNumberReadsGsm8kAnswers) {
   auto f = fn(RewardKind::kLastNumber, "gsm8k");
   f.field = "answer";
   const json gsm = {{"answer", "She pays 2 * 617 = 1234.\n#### 1,234"}};
-  EXPECT_EQ(score_one(f, {"The answer is 1234.", "It is 1,234", "1234 or 5", "none", "1234.0"}, gsm),
-            (V{1, 1, 0, 0, 1}));
+  EXPECT_EQ(
+      score_one(f, {"The answer is 1234.", "It is 1,234", "1234 or 5", "none", "1234.0"}, gsm),
+      (V{1, 1, 0, 0, 1}));
   EXPECT_EQ(score_one(f, {"-3", "3"}, json{{"answer", -3}}), (V{1, 0}));
   f.extract = "#### (.*)";
   EXPECT_EQ(score_one(f, {"1234 ... #### 1234", "1234 ... #### 12", "1234"}, gsm), (V{1, 0, 0}));
@@ -180,7 +183,8 @@ TEST(Rewards, WeightsTotalAndMetrics) {
   Rewards r = make_rewards(rc);
   const json rec = {{"answer", "4"}};
   std::vector<RewardInput> batch;
-  for (const char* c : {"4", "<answer>4", "5", "<answer>5"}) batch.push_back({"Q", c, &rec});
+  for (const char* c : {"4", "<answer>4", "5", "<answer>5"})
+    batch.push_back({"Q", c, &rec, -1, ""});
   const RewardScores s = r.score(batch);
   EXPECT_EQ(s.names, (std::vector<std::string>{"acc", "tag"}));
   EXPECT_EQ(s.per_function[0], (V{1, 0, 0, 0}));  // "<answer>4" is not "4" without extract
@@ -229,7 +233,8 @@ TEST(RewardsConfig, ErrorsNameTheKey) {
     return config_error("reward:\n  functions:\n" + entries);
   };
   std::string m = err("    - {kind: regex, pattern: 'a(b'}\n");
-  EXPECT_TRUE(contains(m, "config key reward.functions[0].pattern: invalid regular expression 'a(b'"))
+  EXPECT_TRUE(
+      contains(m, "config key reward.functions[0].pattern: invalid regular expression 'a(b'"))
       << m;
   m = err("    - {kind: json}\n    - {kind: exact_match, field: a, extract: 'x+'}\n");
   EXPECT_TRUE(contains(m, "reward.functions[1].extract") && contains(m, "no capture group")) << m;
@@ -244,7 +249,8 @@ TEST(RewardsConfig, ErrorsNameTheKey) {
               contains(m, "did you mean pattern?"))
       << m;
   m = err("    - {kind: json, pattern: x}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].pattern (test.yaml line 10): does not apply to kind json"))
+  EXPECT_TRUE(
+      contains(m, "reward.functions[0].pattern (test.yaml line 10): does not apply to kind json"))
       << m;
   m = err("    - {kind: jsn}\n");
   EXPECT_TRUE(contains(m, "reward.functions[0].kind") && contains(m, "exact_match, last_number"))
@@ -285,8 +291,9 @@ TEST(RewardsConfig, MissingFieldNamesLineAndKey) {
             "data/train.jsonl:7: reward.functions[1] ('gsm8k', last_number) needs the field "
             "'answer', which this record lacks (its keys: prompt, solution)");
   m = msg({{"answer", json::array({4})}});
-  EXPECT_TRUE(contains(m, "data/train.jsonl:7") && contains(m, "expected a string or a number, "
-                                                               "found array"))
+  EXPECT_TRUE(contains(m, "data/train.jsonl:7") && contains(m,
+                                                            "expected a string or a number, "
+                                                            "found array"))
       << m;
   m = msg({{"answer", "four"}});
   EXPECT_TRUE(contains(m, "data/train.jsonl:7") && contains(m, "holds no number")) << m;
@@ -323,22 +330,23 @@ for line in sys.stdin:
   EXPECT_EQ(r.names(), (std::vector<std::string>{"exact", "command"}));
   const json rec = {{"answer", 4}};
   std::vector<RewardInput> batch;
-  for (const char* c : {"4", " 4\n", "5", "four"}) batch.push_back({"What is 2+2?", c, &rec});
+  for (const char* c : {"4", " 4\n", "5", "four"})
+    batch.push_back({"What is 2+2?", c, &rec, -1, ""});
   RewardScores s = r.score(batch);
   EXPECT_EQ(s.per_function[1], (V{1, 1, 0, 0}));
   EXPECT_EQ(s.total, (V{1.5, 1.5, 0, 0}));
   // The same process answers the next batch: its counter went on from 4.
   const json counted = {{"answer", 4}, {"count", true}};
-  s = r.score({{"What is 2+2?", "4", &counted}, {"What is 2+2?", "3", &counted}});
+  s = r.score({{"What is 2+2?", "4", &counted, -1, ""}, {"What is 2+2?", "3", &counted, -1, ""}});
   EXPECT_EQ(s.per_function[1], (V{501, 600}));
 }
 
 // Requests and answers past the pipes' 64 KiB buffers: written while answers are read.
 TEST(RewardCommand, PipelinesABatchLargerThanThePipes) {
   if (access(kPython, X_OK) != 0) GTEST_SKIP() << kPython << " is missing";
-  RewardCommand cmd({kPython, "-c",
-                     "import sys\nfor l in sys.stdin: print('%.30f' % len(l), flush=True)\n"},
-                    "", 20);
+  RewardCommand cmd(
+      {kPython, "-c", "import sys\nfor l in sys.stdin: print('%.30f' % len(l), flush=True)\n"}, "",
+      20);
   std::vector<std::string> requests;
   for (int i = 0; i < 4000; ++i) requests.push_back(std::string(100 + i % 7, 'x'));
   const auto got = cmd.score(requests, {});
@@ -350,10 +358,12 @@ TEST(RewardCommand, TimeoutStopsTheCommandNamingTheRequest) {
   const auto t0 = std::chrono::steady_clock::now();
   RewardCommand cmd({"sh", "-c", "read l; echo 1; exec sleep 30"}, "", 0.3);
   const pid_t pid = cmd.pid();
-  const std::string m =
-      reward_error([&] { cmd.score({"{}", "{}", "{}"}, {"a.jsonl:1", "a.jsonl:2", "a.jsonl:3"}); });
-  EXPECT_TRUE(contains(m, "reward.command 'sh -c read l; echo 1; exec sleep 30' gave no answer "
-                          "to request 2 of 3 (a.jsonl:2) within 0.3 s"))
+  const std::string m = reward_error([&] {
+    cmd.score({"{}", "{}", "{}"}, {"a.jsonl:1", "a.jsonl:2", "a.jsonl:3"});
+  });
+  EXPECT_TRUE(contains(m,
+                       "reward.command 'sh -c read l; echo 1; exec sleep 30' gave no answer "
+                       "to request 2 of 3 (a.jsonl:2) within 0.3 s"))
       << m;
   EXPECT_TRUE(reaped(pid));  // killed and reaped, not a zombie
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
@@ -364,8 +374,9 @@ TEST(RewardCommand, TimeoutStopsTheCommandNamingTheRequest) {
 TEST(RewardCommand, GarbageAndNanAreErrorsNamingTheRequest) {
   RewardCommand garbage({"sh", "-c", "while read l; do echo 0.5; echo yes; done"}, "", 5);
   std::string m = reward_error([&] { garbage.score({"{}", "{}"}, {"t.jsonl:4", "t.jsonl:5"}); });
-  EXPECT_TRUE(contains(m, "answered 'yes', not a number to request 2 of 2 (t.jsonl:5); expected "
-                          "one finite number a line"))
+  EXPECT_TRUE(contains(m,
+                       "answered 'yes', not a number to request 2 of 2 (t.jsonl:5); expected "
+                       "one finite number a line"))
       << m;
   RewardCommand nan({"sh", "-c", "while read l; do echo nan; done"}, "", 5);
   m = reward_error([&] { nan.score({"{}"}, {"t.jsonl:3"}); });
@@ -388,12 +399,12 @@ TEST(RewardCommand, CrashAndExitAreErrorsWithTheStatus) {
   RewardCommand crash({"sh", "-c", "ulimit -c 0; read l; echo 1; read l; kill -SEGV $$"}, "", 5);
   const pid_t pid = crash.pid();
   std::string m = reward_error([&] { crash.score({"{}", "{}", "{}"}, {}); });
-  EXPECT_TRUE(contains(m, "was killed by signal 11") && contains(m, "after answering 1 of 3"))
-      << m;
+  EXPECT_TRUE(contains(m, "was killed by signal 11") && contains(m, "after answering 1 of 3")) << m;
   EXPECT_TRUE(reaped(pid));
-  RewardCommand quits({"sh", "-c", "exit 3"}, "", 5);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // it is gone before we write
-  // Writing to its closed stdin raises SIGPIPE, which must not end this process.
+  // It closes its input and exits a little later: the write meets a closed pipe, whose SIGPIPE
+  // must not end this process, and the error waits for the exit status.
+  RewardCommand quits({"sh", "-c", "exec 0<&-; sleep 0.2; exit 3"}, "", 5);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const std::vector<std::string> big(2000, std::string(200, 'x'));
   m = reward_error([&] { quits.score(big, {}); });
   EXPECT_TRUE(contains(m, "exited with status 3 after answering 0 of 2000")) << m;

@@ -351,8 +351,7 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
 
 // reward.functions (reward_entries.cpp): a list of mappings, each key checked against
 // reward_function_fields and reward_key_applies; names default to the kind.
-std::vector<RewardFunctionConfig> read_reward_functions(const std::string& key,
-                                                        const YAML::Node& n,
+std::vector<RewardFunctionConfig> read_reward_functions(const std::string& key, const YAML::Node& n,
                                                         const std::string& src);
 // reward.*: the entries' ranges, names, required keys and regexes, the command.
 void validate_reward(const Config& c);

@@ -13,9 +13,11 @@
 #include <string>
 #include <vector>
 
+// config_text.h uses config.h's types: kept after it.
+// clang-format off
 #include "q4/trainer/config/config.h"
-
 #include "config/config_text.h"
+// clang-format on
 
 namespace q4::trainer {
 using namespace config_detail;
@@ -32,9 +34,8 @@ std::string reward_entry_key(const std::string& list_key, size_t i, const std::s
 void check_reward_regex(const std::string& pattern, const std::string& key, bool needs_group) {
   int err = 0;
   PCRE2_SIZE offset = 0;
-  pcre2_code* code =
-      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                    PCRE2_UTF | PCRE2_MATCH_INVALID_UTF, &err, &offset, nullptr);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                   PCRE2_UTF | PCRE2_MATCH_INVALID_UTF, &err, &offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(err, msg, sizeof msg);

@@ -2,14 +2,13 @@
 // read answers, one deadline), the answer parser and the stop (docs/trainer.md#rewards).
 #include "q4/trainer/rewards/reward_command.h"
 
+#include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cctype>
@@ -30,7 +29,7 @@ namespace q4::trainer {
 
 namespace {
 
-std::string errno_text(int e) { return std::strerror(e); }
+std::string reward_errno_text(int e) { return std::strerror(e); }
 
 // write() to a pipe whose reader is gone raises SIGPIPE, which ends a process that does not
 // ignore it (q4train does; a test binary or another caller may not): SIGPIPE is blocked in this
@@ -77,18 +76,19 @@ std::string parse_answer(const std::string& line_in, double* value) {
   return "";
 }
 
-std::string exit_text(int status) {
+std::string reward_exit_text(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
     const char* name = strsignal(sig);
-    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (") + name + ")" : "");
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (") + name + ")" : "");
   }
   return "stopped (status " + std::to_string(status) + ")";
 }
 
 // Waits for `pid` up to `ms`; true (and the status) when it ended.
-bool wait_for(pid_t pid, int ms, int* status) {
+bool wait_for_exit(pid_t pid, int ms, int* status) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
   while (true) {
     const pid_t r = waitpid(pid, status, WNOHANG);
@@ -106,13 +106,13 @@ RewardCommand::RewardCommand(std::vector<std::string> argv, std::string dir, dou
   for (size_t i = 0; i < argv.size(); ++i) display_ += (i ? " " : "") + argv[i];
   int to_child[2], from_child[2];
   if (pipe2(to_child, O_CLOEXEC) != 0) {
-    throw RewardError("reward.command '" + display_ + "': pipe: " + errno_text(errno));
+    throw RewardError("reward.command '" + display_ + "': pipe: " + reward_errno_text(errno));
   }
   if (pipe2(from_child, O_CLOEXEC) != 0) {
     const int e = errno;
     ::close(to_child[0]);
     ::close(to_child[1]);
-    throw RewardError("reward.command '" + display_ + "': pipe: " + errno_text(e));
+    throw RewardError("reward.command '" + display_ + "': pipe: " + reward_errno_text(e));
   }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -130,8 +130,8 @@ RewardCommand::RewardCommand(std::vector<std::string> argv, std::string dir, dou
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setsigdefault(&attr, &defaults);
   posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF |
-                                      POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETPGROUP);
   std::vector<char*> cargv;
   for (auto& a : argv) cargv.push_back(a.data());
   cargv.push_back(nullptr);
@@ -148,7 +148,7 @@ RewardCommand::RewardCommand(std::vector<std::string> argv, std::string dir, dou
     ::close(out_fd_);
     in_fd_ = out_fd_ = -1;
     throw ConfigError("config key reward.command: cannot start '" + display_ + "'" +
-                      (dir.empty() ? "" : " in " + dir) + ": " + errno_text(rc));
+                      (dir.empty() ? "" : " in " + dir) + ": " + reward_errno_text(rc));
   }
   fcntl(in_fd_, F_SETFL, fcntl(in_fd_, F_GETFL) | O_NONBLOCK);
   fcntl(out_fd_, F_SETFL, fcntl(out_fd_, F_GETFL) | O_NONBLOCK);
@@ -159,7 +159,7 @@ RewardCommand::~RewardCommand() {
   in_fd_ = -1;
   if (pid_ > 0) {
     int status = 0;
-    if (!wait_for(pid_, kExitGraceMs, &status)) kill_and_reap();
+    if (!wait_for_exit(pid_, kExitGraceMs, &status)) kill_and_reap();
     pid_ = -1;
   }
   if (out_fd_ >= 0) ::close(out_fd_);
@@ -185,8 +185,8 @@ void RewardCommand::fail(const std::string& what) {
 void RewardCommand::fail_exited(size_t answered, size_t total) {
   int status = 0;
   std::string how = "closed its output";
-  if (wait_for(pid_, kExitGraceMs, &status)) {
-    how = exit_text(status);
+  if (wait_for_exit(pid_, kExitGraceMs, &status)) {
+    how = reward_exit_text(status);
     pid_ = -1;
   }
   fail(how + " after answering " + std::to_string(answered) + " of " + std::to_string(total) +
@@ -221,7 +221,7 @@ void RewardCommand::write_some(const std::string& out, size_t* written, size_t a
   }
   if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
   if (errno == EPIPE) fail_exited(answered, total);
-  fail("cannot be written to: " + errno_text(errno));
+  fail("cannot be written to: " + reward_errno_text(errno));
 }
 
 std::vector<double> RewardCommand::score(const std::vector<std::string>& requests,
@@ -252,7 +252,7 @@ std::vector<double> RewardCommand::score(const std::vector<std::string>& request
     pollfd fds[2] = {{out_fd_, POLLIN, 0}, {in_fd_, POLLOUT, 0}};
     const nfds_t nfds = written < out.size() ? 2 : 1;
     const int r = ::poll(fds, nfds, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
-    if (r < 0 && errno != EINTR) fail("cannot be polled: " + errno_text(errno));
+    if (r < 0 && errno != EINTR) fail("cannot be polled: " + reward_errno_text(errno));
     if (r <= 0) continue;
     if (nfds == 2 && (fds[1].revents & (POLLOUT | POLLERR | POLLHUP))) {
       write_some(out, &written, answers.size(), total);
@@ -260,7 +260,7 @@ std::vector<double> RewardCommand::score(const std::vector<std::string>& request
     if (!(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;
     const ssize_t n = ::read(out_fd_, buf, sizeof buf);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (n < 0) fail("cannot be read from: " + errno_text(errno));
+    if (n < 0) fail("cannot be read from: " + reward_errno_text(errno));
     if (n == 0) fail_exited(answers.size(), total);
     pending_.append(buf, static_cast<size_t>(n));
     size_t nl;

@@ -18,9 +18,9 @@
 
 namespace q4::trainer {
 
-using json = nlohmann::json;
-
 namespace rewards_detail {
+
+using json = nlohmann::json;
 
 // A compiled pattern and its first-match search (the match data is per call: cheap next to
 // generation, and a Rewards may be used from another thread than the one that made it).
@@ -105,6 +105,7 @@ class RewardPattern {
 
 namespace {
 
+using rewards_detail::json;
 using rewards_detail::RewardPattern;
 
 // A number as GSM8K answers write it: an optional minus, digits with optional thousands commas,
@@ -122,11 +123,11 @@ const json* record_field(const json* fields, const std::string& name) {
   return it == fields->end() ? nullptr : &*it;
 }
 
-std::string shorten(const std::string& s, size_t n = 60) {
+std::string shorten_reward_text(const std::string& s, size_t n = 60) {
   return s.size() <= n ? s : s.substr(0, n) + "...";
 }
 
-std::string json_type_name(const json& v) { return v.type_name(); }
+std::string reward_json_type(const json& v) { return v.type_name(); }
 
 // The answer of an exact_match or last_number field: its string, or a number's JSON text.
 std::string field_text(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
@@ -168,7 +169,7 @@ struct Rewards::Verifier {
       case RewardKind::kLastNumber: {
         double got = 0, want = 0;
         if (!checked_text(in.completion, &text) || !last_number(text, &got)) return 0.0;
-        const json& v = *record_field(in.fields, c.field);
+        const nlohmann::json& v = *record_field(in.fields, c.field);
         if (v.is_number()) {
           want = v.get<double>();
         } else {
@@ -180,7 +181,7 @@ struct Rewards::Verifier {
         return double(pattern->search(in.completion));
       case RewardKind::kJson: {
         if (!checked_text(in.completion, &text)) return 0.0;
-        return double(json::accept(text));
+        return double(nlohmann::json::accept(text));
       }
       case RewardKind::kLength: {
         TORCH_CHECK(in.completion_tokens >= 0, label,
@@ -232,9 +233,12 @@ Rewards make_rewards(const RewardConfig& config) {
     v->config = f;
     v->label = function_label(f, i);
     const std::string key = "reward.functions[" + std::to_string(i) + "]";
-    if (!f.extract.empty()) v->extract = std::make_unique<RewardPattern>(f.extract, key + ".extract");
-    if (!f.pattern.empty()) v->pattern = std::make_unique<RewardPattern>(f.pattern, key + ".pattern");
-    TORCH_CHECK(f.kind != RewardKind::kRegex || v->pattern, key, ".pattern: required by kind regex");
+    if (!f.extract.empty())
+      v->extract = std::make_unique<RewardPattern>(f.extract, key + ".extract");
+    if (!f.pattern.empty())
+      v->pattern = std::make_unique<RewardPattern>(f.pattern, key + ".pattern");
+    TORCH_CHECK(f.kind != RewardKind::kRegex || v->pattern, key,
+                ".pattern: required by kind regex");
     r.names_.push_back(f.name);
     r.verifiers_.push_back(std::move(v));
   }
@@ -249,30 +253,32 @@ Rewards make_rewards(const RewardConfig& config) {
 void check_reward_example(const RewardConfig& config, const nlohmann::json& fields,
                           const std::string& where) {
   if (!fields.is_object()) {
-    throw ConfigError(where + ": expected a JSON object record (the rewards read its fields), "
-                      "found " + json_type_name(fields));
+    throw ConfigError(where +
+                      ": expected a JSON object record (the rewards read its fields), "
+                      "found " +
+                      reward_json_type(fields));
   }
   for (size_t i = 0; i < config.functions.size(); ++i) {
     const auto& f = config.functions[i];
     if (f.kind != RewardKind::kExactMatch && f.kind != RewardKind::kLastNumber) continue;
-    const json* v = record_field(&fields, f.field);
+    const nlohmann::json* v = record_field(&fields, f.field);
     if (v == nullptr) {
       std::string keys;
       for (const auto& kv : fields.items()) keys += (keys.empty() ? "" : ", ") + kv.key();
       throw ConfigError(where + ": " + function_label(f, i) + " needs the field '" + f.field +
-                        "', which this record lacks (its keys: " +
-                        (keys.empty() ? "none" : keys) + ")");
+                        "', which this record lacks (its keys: " + (keys.empty() ? "none" : keys) +
+                        ")");
     }
     if (!v->is_string() && !v->is_number()) {
       throw ConfigError(where + ": " + function_label(f, i) + " reads the field '" + f.field +
                         "' as its answer: expected a string or a number, found " +
-                        json_type_name(*v));
+                        reward_json_type(*v));
     }
     double unused = 0;
     if (f.kind == RewardKind::kLastNumber && v->is_string() &&
         !last_number(v->get<std::string>(), &unused)) {
       throw ConfigError(where + ": " + function_label(f, i) + ": the field '" + f.field +
-                        "' holds no number ('" + shorten(v->get<std::string>()) + "')");
+                        "' holds no number ('" + shorten_reward_text(v->get<std::string>()) + "')");
     }
   }
 }
@@ -282,7 +288,7 @@ void Rewards::check_example(const nlohmann::json& fields, const std::string& whe
 }
 
 RewardScores Rewards::score(const std::vector<RewardInput>& batch) {
-  static const json kNoFields = json::object();
+  static const nlohmann::json kNoFields = nlohmann::json::object();
   const size_t n = batch.size();
   for (const auto& in : batch) check_example(in.fields ? *in.fields : kNoFields, in.where);
   RewardScores s;
@@ -296,11 +302,12 @@ RewardScores Rewards::score(const std::vector<RewardInput>& batch) {
   if (command_) {
     std::vector<std::string> requests, labels;
     for (const auto& in : batch) {
-      json req = in.fields && in.fields->is_object() ? *in.fields : json::object();
+      nlohmann::json req =
+          in.fields && in.fields->is_object() ? *in.fields : nlohmann::json::object();
       req["prompt"] = in.prompt;
       req["completion"] = in.completion;
       // A completion cut inside a UTF-8 character is sent with U+FFFD in its place.
-      requests.push_back(req.dump(-1, ' ', false, json::error_handler_t::replace));
+      requests.push_back(req.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
       labels.push_back(in.where);
     }
     s.weights.push_back(config_.command_weight);
@@ -312,8 +319,10 @@ RewardScores Rewards::score(const std::vector<RewardInput>& batch) {
   }
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(s.total[i])) {
-      throw RewardError("the total reward of " + (batch[i].where.empty() ? "completion " +
-                        std::to_string(i + 1) : batch[i].where) + " is not finite");
+      throw RewardError(
+          "the total reward of " +
+          (batch[i].where.empty() ? "completion " + std::to_string(i + 1) : batch[i].where) +
+          " is not finite");
     }
   }
   return s;
@@ -322,7 +331,7 @@ RewardScores Rewards::score(const std::vector<RewardInput>& batch) {
 namespace {
 
 // Mean and standard deviation (n - 1 in the denominator; 0 below two values) of v[b, e).
-std::pair<double, double> mean_std(const std::vector<double>& v, size_t b, size_t e) {
+std::pair<double, double> reward_mean_std(const std::vector<double>& v, size_t b, size_t e) {
   const size_t n = e - b;
   if (n == 0) return {0.0, 0.0};
   double sum = 0;
@@ -342,15 +351,15 @@ std::vector<std::pair<std::string, double>> reward_metrics(const RewardScores& s
   TORCH_CHECK(group_size >= 1 && n % size_t(group_size) == 0, "reward_metrics: ", n,
               " completions do not split into groups of ", group_size);
   std::vector<std::pair<std::string, double>> out;
-  out.emplace_back("reward", mean_std(scores.total, 0, n).first);
+  out.emplace_back("reward", reward_mean_std(scores.total, 0, n).first);
   double group_std = 0;
   const size_t groups = n / size_t(group_size);
   for (size_t g = 0; g < groups; ++g) {
-    group_std += mean_std(scores.total, g * group_size, (g + 1) * group_size).second;
+    group_std += reward_mean_std(scores.total, g * group_size, (g + 1) * group_size).second;
   }
   out.emplace_back("reward_std", groups ? group_std / double(groups) : 0.0);
   for (size_t f = 0; f < scores.names.size(); ++f) {
-    const auto [mean, std] = mean_std(scores.per_function[f], 0, n);
+    const auto [mean, std] = reward_mean_std(scores.per_function[f], 0, n);
     out.emplace_back("rewards/" + scores.names[f] + "/mean", mean);
     out.emplace_back("rewards/" + scores.names[f] + "/std", std);
   }

@@ -228,8 +228,8 @@ struct LoraConfig {
 struct RewardFunctionConfig {
   std::string name;  // unique among the functions; parse_config defaults it to the kind
   RewardKind kind = RewardKind::kExactMatch;
-  double weight = 1.0;  // the total reward is the sum of weight x reward
-  std::string field;    // exact_match, last_number: the example's field holding the answer
+  double weight = 1.0;    // the total reward is the sum of weight x reward
+  std::string field;      // exact_match, last_number: the example's field holding the answer
   bool normalize = true;  // exact_match: trim, ASCII case-fold, collapse whitespace runs
   // exact_match, last_number, json: a PCRE2 regex whose first capture group is the text checked
   // (its first match); no match: reward 0. Empty: the whole completion.

@@ -46,9 +46,9 @@ class RewardCommand {
 
   std::string display_;
   double timeout_s_ = 0;
-  pid_t pid_ = -1;   // -1 once reaped
-  int in_fd_ = -1;   // its stdin (we write)
-  int out_fd_ = -1;  // its stdout (we read)
+  pid_t pid_ = -1;       // -1 once reaped
+  int in_fd_ = -1;       // its stdin (we write)
+  int out_fd_ = -1;      // its stdout (we read)
   std::string pending_;  // bytes read past the last complete line
   std::string failure_;  // the first error; repeated by every later call
 };
