@@ -4,7 +4,7 @@
 # Prints each include that runs upward and exits 1 when there is one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-layers=(config runtime distributed rundir plan objectives step output report app)
+layers=(config runtime rewards distributed rundir plan objectives step output report app)
 rank() { local i; for i in "${!layers[@]}"; do [ "${layers[$i]}" = "$1" ] && { echo "$i"; return; }; done; echo -1; }
 bad=0
 while IFS= read -r file; do

@@ -345,4 +345,19 @@ void check_range(const FieldRef& f, T v, const std::string& where_text) {
                     expected_range(f.range, kFloat) + ", found " + found);
 }
 
+// One field's value from its YAML node, type- and range-checked against its table row
+// (parse.cpp).
+void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src);
+
+// reward.functions (reward_entries.cpp): a list of mappings, each key checked against
+// reward_function_fields and reward_key_applies; names default to the kind.
+std::vector<RewardFunctionConfig> read_reward_functions(const std::string& key, const YAML::Node& n,
+                                                        const std::string& src);
+// reward.*: the entries' ranges, names, required keys and regexes, the command.
+void validate_reward(const Config& c);
+// One field's value as YAML, as read_field reads it back (emit.cpp).
+void emit_value(YAML::Emitter& out, const FieldPtr& field);
+// One reward.functions entry as a YAML mapping: the keys that apply to its kind.
+void emit_reward_functions(YAML::Emitter& out, const std::vector<RewardFunctionConfig>& v);
+
 }  // namespace q4::trainer::config_detail

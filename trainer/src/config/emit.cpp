@@ -29,6 +29,46 @@ using namespace config_detail;
 // ---------------------------------------------------------------------------------------------
 // Printing
 
+// One field's value, as parse_config reads it back.
+void config_detail::emit_value(YAML::Emitter& out, const FieldPtr& field) {
+  std::visit(
+      [&](auto* ptr) {
+        using T = std::remove_pointer_t<decltype(ptr)>;
+        if constexpr (std::is_same_v<T, std::string>) {
+          out << YAML::DoubleQuoted << *ptr;
+        } else if constexpr (std::is_enum_v<T>) {
+          out << YAML::DoubleQuoted << enum_name(*ptr);
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          out << YAML::BeginSeq;
+          for (const auto& s : *ptr) out << YAML::DoubleQuoted << s;
+          out << YAML::EndSeq;
+        } else if constexpr (std::is_same_v<T, LayerSelection>) {
+          if (ptr->kind == LayerSelection::Kind::kList) {
+            out << YAML::Flow << YAML::BeginSeq;
+            for (int64_t i : ptr->layers) out << i;
+            out << YAML::EndSeq;
+          } else {
+            out << ptr->to_string();
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<RewardFunctionConfig>>) {
+          emit_reward_functions(out, *ptr);
+        } else if constexpr (std::is_same_v<T, double>) {
+          out << fmt_float(*ptr);
+        } else if constexpr (std::is_same_v<T, IntOrAuto>) {
+          if (ptr->value) {
+            out << *ptr->value;
+          } else {
+            out << "auto";
+          }
+        } else if constexpr (std::is_same_v<T, FloatOrAuto>) {
+          out << (ptr->value ? fmt_float(*ptr->value) : std::string("auto"));
+        } else {
+          out << *ptr;
+        }
+      },
+      field);
+}
+
 std::string config_to_yaml(const Config& c_in) {
   Config c = c_in;
   auto fields = config_fields(c);
@@ -53,40 +93,7 @@ std::string config_to_yaml(const Config& c_in) {
       open.push_back(parts[open.size()]);
     }
     out << YAML::Key << leaf << YAML::Value;
-    std::visit(
-        [&](auto* ptr) {
-          using T = std::remove_pointer_t<decltype(ptr)>;
-          if constexpr (std::is_same_v<T, std::string>) {
-            out << YAML::DoubleQuoted << *ptr;
-          } else if constexpr (std::is_enum_v<T>) {
-            out << YAML::DoubleQuoted << enum_name(*ptr);
-          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
-            out << YAML::BeginSeq;
-            for (const auto& s : *ptr) out << YAML::DoubleQuoted << s;
-            out << YAML::EndSeq;
-          } else if constexpr (std::is_same_v<T, LayerSelection>) {
-            if (ptr->kind == LayerSelection::Kind::kList) {
-              out << YAML::Flow << YAML::BeginSeq;
-              for (int64_t i : ptr->layers) out << i;
-              out << YAML::EndSeq;
-            } else {
-              out << ptr->to_string();
-            }
-          } else if constexpr (std::is_same_v<T, double>) {
-            out << fmt_float(*ptr);
-          } else if constexpr (std::is_same_v<T, IntOrAuto>) {
-            if (ptr->value) {
-              out << *ptr->value;
-            } else {
-              out << "auto";
-            }
-          } else if constexpr (std::is_same_v<T, FloatOrAuto>) {
-            out << (ptr->value ? fmt_float(*ptr->value) : std::string("auto"));
-          } else {
-            out << *ptr;
-          }
-        },
-        f.ptr);
+    emit_value(out, f.ptr);
     out << YAML::Comment(f.doc);
   }
   while (!open.empty()) {
@@ -136,11 +143,23 @@ std::string md_default(const FieldRef& f) {
           return "`" + p->to_string() + "`";
         } else if constexpr (std::is_same_v<T, IntOrAuto> || std::is_same_v<T, FloatOrAuto>) {
           return "`" + p->to_string() + "`";
+        } else if constexpr (std::is_same_v<T, std::vector<RewardFunctionConfig>>) {
+          return p->empty() ? "`[]`" : "`[" + std::to_string(p->size()) + " entries]`";
         } else {
           return "`" + std::string(enum_name(*p)) + "`";
         }
       },
       f.ptr);
+}
+
+// One row of the reference: key, type, default, allowed values, doc.
+std::string md_row(const FieldRef& f, const std::string& key, const std::string& default_text) {
+  std::string allowed;
+  const auto choices = f.choices();
+  for (size_t i = 0; i < choices.size(); ++i) allowed += (i ? ", `" : "`") + choices[i] + "`";
+  if (!f.range.empty()) allowed = "`" + f.range.to_string() + "`";
+  return "| `" + key + "` | " + f.type_name() + " | " + default_text + " | " + allowed + " | " +
+         md_cell(f.doc) + " |\n";
 }
 
 }  // namespace
@@ -198,12 +217,14 @@ std::string config_reference_markdown() {
          << "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
       section = sec;
     }
-    std::string allowed;
-    const auto choices = f.choices();
-    for (size_t i = 0; i < choices.size(); ++i) allowed += (i ? ", `" : "`") + choices[i] + "`";
-    if (!f.range.empty()) allowed = "`" + f.range.to_string() + "`";
-    os << "| `" << f.key << "` | " << f.type_name() << " | " << md_default(f) << " | " << allowed
-       << " | " << md_cell(f.doc) << " |\n";
+    os << md_row(f, f.key, md_default(f));
+    if (std::holds_alternative<std::vector<RewardFunctionConfig>*>(f.ptr)) {
+      RewardFunctionConfig entry;  // the keys of one entry, under the list's key
+      for (const auto& sub : reward_function_fields(entry)) {
+        os << md_row(sub, f.key + "[]." + sub.key,
+                     sub.key == "kind" ? "required" : md_default(sub));
+      }
+    }
   }
   return os.str();
 }

@@ -41,6 +41,7 @@ std::string to_string(ObjectiveKind v) { return enum_name(v); }
 std::string to_string(TrainMethod v) { return enum_name(v); }
 std::string to_string(Divergence v) { return enum_name(v); }
 std::string to_string(PreferenceLossKind v) { return enum_name(v); }
+std::string to_string(RewardKind v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Range, FieldRef
@@ -88,6 +89,9 @@ std::string FieldRef::type_name() const {
         if constexpr (std::is_same_v<T, LayerSelection>) return "layers";
         if constexpr (std::is_same_v<T, IntOrAuto>) return "int or auto";
         if constexpr (std::is_same_v<T, FloatOrAuto>) return "float or auto";
+        if constexpr (std::is_same_v<T, std::vector<RewardFunctionConfig>>) {
+          return "list of reward functions";
+        }
         if constexpr (std::is_enum_v<T>) return "enum";
         return "";
       },
@@ -479,6 +483,20 @@ std::vector<FieldRef> config_fields(Config& c) {
       path("preference.reference_config", &c.preference.reference_config,
            "the reference's config.json (default: the folder's config.json, a run directory's "
            "model.config, else model.config)"),
+      field("reward.functions", &c.reward.functions,
+            "built-in verifiers, each a mapping {name, kind, weight, ...}: exact_match, "
+            "last_number, regex, json, length (keys: reward.functions[].*)"),
+      field("reward.command", &c.reward.command,
+            "a long-lived verifier program (argv): one JSON request a line on stdin, one number a "
+            "line on stdout (docs/trainer.md#rewards)"),
+      field("reward.command_weight", &c.reward.command_weight,
+            "the command's reward enters the total times this weight"),
+      // A day: any one batch that takes longer is a hung verifier, not a slow one.
+      field("reward.command_timeout_s", &c.reward.command_timeout_s,
+            "the longest wait, in seconds, for the answers to one batch's requests",
+            Range{0.0, 86400.0, true, false}),
+      path("reward.command_dir", &c.reward.command_dir,
+           "the command's working directory (default: the config file's directory)"),
       field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
             {"logging_steps", "log_interval"}),
       field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),
@@ -489,6 +507,55 @@ std::vector<FieldRef> config_fields(Config& c) {
       field("log.report", &c.log.report,
             "write output.dir/report.html (SVG plots, eval answers) at each eval and at the end"),
   };
+}
+
+std::vector<FieldRef> reward_function_fields(RewardFunctionConfig& f) {
+  auto field = [](std::string key, FieldPtr ptr, std::string doc, Range range = {}) {
+    FieldRef r;
+    r.key = std::move(key);
+    r.ptr = ptr;
+    r.doc = std::move(doc);
+    r.range = range;
+    return r;
+  };
+  return {
+      field("name", &f.name,
+            "unique name, logged as rewards/<name>/mean (default: the kind); letters, digits, "
+            "_ . -"),
+      field("kind", &f.kind, "the verifier (required)"),
+      field("weight", &f.weight, "the total reward is the sum of weight x reward"),
+      field("field", &f.field,
+            "exact_match, last_number: the example's field holding the reference answer"),
+      field("normalize", &f.normalize,
+            "exact_match: compare trimmed, ASCII case-folded, whitespace runs as one space"),
+      field("extract", &f.extract,
+            "exact_match, last_number, json: PCRE2 regex whose first group (first match) is the "
+            "text checked; no match scores 0"),
+      field("pattern", &f.pattern, "regex: PCRE2 regex; 1 when the completion matches, else 0"),
+      field("target_tokens", &f.target_tokens, "length: completion tokens free of penalty",
+            Range::at_least(0)),
+      // Above 1 a single token past the target already takes the whole penalty.
+      field("penalty_per_token", &f.penalty_per_token,
+            "length: reward -min(1, penalty_per_token x tokens beyond target_tokens)",
+            Range{0.0, 1.0, true, false}),
+  };
+}
+
+bool reward_key_applies(RewardKind kind, const std::string& leaf) {
+  if (leaf == "name" || leaf == "kind" || leaf == "weight") return true;
+  switch (kind) {
+    case RewardKind::kExactMatch:
+      return leaf == "field" || leaf == "normalize" || leaf == "extract";
+    case RewardKind::kLastNumber:
+      return leaf == "field" || leaf == "extract";
+    case RewardKind::kJson:
+      return leaf == "extract";
+    case RewardKind::kRegex:
+      return leaf == "pattern";
+    case RewardKind::kLength:
+      return leaf == "target_tokens" || leaf == "penalty_per_token";
+  }
+  return false;
 }
 
 std::vector<std::string> config_keys() {

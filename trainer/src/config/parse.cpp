@@ -96,8 +96,10 @@ YAML::Node load_root(const std::string& yaml_text, const std::string& source_nam
   return root;
 }
 
+}  // namespace
+
 // One field's value from its YAML node, type- and range-checked against its table row.
-void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src) {
+void config_detail::read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src) {
   std::visit(
       [&](auto* ptr) {
         using T = std::remove_pointer_t<decltype(ptr)>;
@@ -115,6 +117,8 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
           *ptr = read_string_list(f.key, cur, src);
         } else if constexpr (std::is_same_v<T, LayerSelection>) {
           *ptr = read_layers(f.key, cur, src);
+        } else if constexpr (std::is_same_v<T, std::vector<RewardFunctionConfig>>) {
+          *ptr = read_reward_functions(f.key, cur, src);
         } else if constexpr (std::is_same_v<T, IntOrAuto>) {
           if (cur.IsScalar() && trim(cur.Scalar()) == "auto") {
             ptr->value.reset();
@@ -146,6 +150,8 @@ void read_field(const FieldRef& f, const YAML::Node& cur, const std::string& src
       },
       f.ptr);
 }
+
+namespace {
 
 // train.epochs and train.steps both set the run length: exactly one of them. A --set of one
 // overrides the other from the file (a smoke run: --set train.steps=3). Likewise
@@ -205,6 +211,9 @@ void resolve_paths(Config& c, std::vector<FieldRef>& fields,
     }
   }
   if (!c.output.dir.empty()) c.output.dir = resolve_path(c.output.dir, fs::current_path().string());
+  if (!c.reward.command.empty() && c.reward.command_dir.empty()) {
+    c.reward.command_dir = resolve_path(base_dir, fs::current_path().string());
+  }
 }
 
 }  // namespace

@@ -264,6 +264,7 @@ void validate_config(const Config& c) {
   validate_recompute(c);
   validate_lora(c);
   validate_placement_guard_log(c);
+  validate_reward(c);
 }
 
 }  // namespace q4::trainer

@@ -36,7 +36,7 @@ void distill_rules(const Config& c) {
   }
   if (!d.topk_file.empty() && d.divergence != Divergence::kForwardKl) {
     throw ConfigError(
-        std::string("config key distill.divergence: ") + enum_name(d.divergence) +
+        std::string("config key distill.divergence: ") + io::enum_name(d.divergence) +
         " needs the teacher's whole distribution; distill.topk_file holds its top K (use "
         "forward_kl, or distill.teacher without distill.topk_file)");
   }

@@ -62,6 +62,9 @@ enum class TrainMethod { kFull, kLora };           // full | lora
 enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
 enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | simpo
+// A built-in verifier of reward.functions (docs/trainer.md#rewards).
+// exact_match | last_number | regex | json | length
+enum class RewardKind { kExactMatch, kLastNumber, kRegex, kJson, kLength };
 
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
@@ -78,6 +81,7 @@ std::string to_string(ObjectiveKind v);
 std::string to_string(TrainMethod v);
 std::string to_string(Divergence v);
 std::string to_string(PreferenceLossKind v);
+std::string to_string(RewardKind v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
 struct LayerSelection {
@@ -231,6 +235,36 @@ struct LoraConfig {
   AutoBool cache_base_weights = AutoBool::kAuto;
 };
 
+// reward.functions entries and reward.command (docs/trainer.md#rewards): verifiable rewards,
+// each scored per completion and summed with its weight.
+struct RewardFunctionConfig {
+  std::string name;  // unique among the functions; parse_config defaults it to the kind
+  RewardKind kind = RewardKind::kExactMatch;
+  double weight = 1.0;    // the total reward is the sum of weight x reward
+  std::string field;      // exact_match, last_number: the example's field holding the answer
+  bool normalize = true;  // exact_match: trim, ASCII case-fold, collapse whitespace runs
+  // exact_match, last_number, json: a PCRE2 regex whose first capture group is the text checked
+  // (its first match); no match: reward 0. Empty: the whole completion.
+  std::string extract;
+  std::string pattern;        // regex: reward 1 when the completion matches, else 0
+  int64_t target_tokens = 0;  // length: completion tokens free of penalty
+  // length: reward -min(1, penalty_per_token x tokens beyond target_tokens)
+  double penalty_per_token = 0.001;
+};
+
+struct RewardConfig {
+  std::vector<RewardFunctionConfig> functions;
+  // A long-lived verifier: argv (argv[0] searched in PATH unless it holds a '/'), one JSON
+  // request a line on its stdin, one number a line on its stdout. Empty: none.
+  std::vector<std::string> command;
+  double command_weight = 1.0;
+  double command_timeout_s = 60.0;  // the longest wait for one batch's answers
+  std::string command_dir;          // its working directory; parse_config: the config's dir
+};
+
+// Whether the reward.functions entry key `leaf` ("field", "pattern", ...) applies to `kind`.
+bool reward_key_applies(RewardKind kind, const std::string& leaf);
+
 struct ScheduleConfig {
   optim::LrScheduleKind kind = optim::LrScheduleKind::kConstant;  // after warmup
   int64_t warmup_steps = 0;                                       // linear warmup from 0 to lr
@@ -331,6 +365,7 @@ struct Config {
   DistillConfig distill;
   PreferenceConfig preference;
   LoraConfig lora;
+  RewardConfig reward;
   std::string source;  // where the config came from (file path), for messages
 };
 
@@ -353,7 +388,7 @@ using FieldPtr =
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
                  data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
-                 PreferenceLossKind*>;
+                 PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -388,6 +423,8 @@ struct FieldRef {
 std::vector<FieldRef> config_fields(Config& c);
 // The dotted key of every field (e.g. for docs checks and did-you-mean).
 std::vector<std::string> config_keys();
+// The keys of one reward.functions entry, keyed by their leaf name ("kind", "weight", ...).
+std::vector<FieldRef> reward_function_fields(RewardFunctionConfig& f);
 
 // A `--set key.path=value` edit; the value is parsed as YAML (so `[a, b]` is a list).
 struct Override {
@@ -507,3 +544,7 @@ Q4_ENUM_NAMES(q4::trainer::PreferenceLossKind,
               {"sigmoid", q4::trainer::PreferenceLossKind::kSigmoid},
               {"ipo", q4::trainer::PreferenceLossKind::kIpo},
               {"simpo", q4::trainer::PreferenceLossKind::kSimpo});
+Q4_ENUM_NAMES(q4::trainer::RewardKind, {"exact_match", q4::trainer::RewardKind::kExactMatch},
+              {"last_number", q4::trainer::RewardKind::kLastNumber},
+              {"regex", q4::trainer::RewardKind::kRegex}, {"json", q4::trainer::RewardKind::kJson},
+              {"length", q4::trainer::RewardKind::kLength});
