@@ -41,15 +41,16 @@ std::vector<Message> prompt_messages(const ordered_json& p, const DatasetOptions
     }
     if (msgs.empty()) throw BadPrompt{"\"prompt\": an empty list of messages"};
     if (msgs.back().role == "assistant") {
-      throw BadPrompt{"\"prompt\": ends with an assistant message (the completion is the next "
-                      "assistant turn)"};
+      throw BadPrompt{
+          "\"prompt\": ends with an assistant message (the completion is the next "
+          "assistant turn)"};
     }
   } else {
     throw BadPrompt{std::string("\"prompt\": expected a string or a list of messages, found ") +
                     p.type_name()};
   }
-  const bool has_system = std::any_of(msgs.begin(), msgs.end(),
-                                      [](const Message& m) { return m.role == "system"; });
+  const bool has_system =
+      std::any_of(msgs.begin(), msgs.end(), [](const Message& m) { return m.role == "system"; });
   if (!has_system && !opt.system_prompt.empty()) {
     msgs.insert(msgs.begin(), Message{"system", opt.system_prompt});
   }

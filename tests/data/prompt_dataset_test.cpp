@@ -57,13 +57,15 @@ TEST(PromptData, SystemPromptTemplateAndJsonArray) {
   o.system_prompt = "You are terse.";
   o.chat.chat_template = ChatTemplate::kQwen3;
   o.chat.enable_thinking = false;
-  const std::string content = "[\n  {\"prompt\": \"Hi\"},\n  {\"prompt\": \"Bye\", \"x\": null}\n]\n";
+  const std::string content =
+      "[\n  {\"prompt\": \"Hi\"},\n  {\"prompt\": \"Bye\", \"x\": null}\n]\n";
   const PromptDataset d = load_prompt_dataset_from_string(content, "p.json", tok(), o);
   ASSERT_EQ(d.prompts.size(), 2u);
   EXPECT_TRUE(d.summary.json_array);
   EXPECT_EQ(d.prompts[1].source_line, 3);
-  EXPECT_EQ(d.prompts[0].prompt_text,
-            render_chat({Message{"system", "You are terse."}, Message{"user", "Hi"}}, true, o.chat));
+  EXPECT_EQ(
+      d.prompts[0].prompt_text,
+      render_chat({Message{"system", "You are terse."}, Message{"user", "Hi"}}, true, o.chat));
   // The hybrid template's generation prompt with thinking off: an empty think block.
   EXPECT_NE(d.prompts[0].prompt_text.find("<think>\n\n</think>"), std::string::npos);
   EXPECT_TRUE(d.prompts[1].fields.contains("x"));

@@ -62,9 +62,9 @@ double max_difference(const Rollouts& r, const at::Tensor& train) {
     const auto& lp = r.results[i].logprobs;
     EXPECT_EQ(lp.size(), r.completions[i].size());
     for (size_t j = 0; j < lp.size(); ++j) {
-      d = std::max(d, std::abs(static_cast<double>(lp[j]) -
-                               train[static_cast<int64_t>(i)][static_cast<int64_t>(j)]
-                                   .item<double>()));
+      d = std::max(
+          d, std::abs(static_cast<double>(lp[j]) -
+                      train[static_cast<int64_t>(i)][static_cast<int64_t>(j)].item<double>()));
     }
   }
   return d;
@@ -139,9 +139,9 @@ TEST(Rollout, GroupsArePromptMajorAndSampled) {
   EXPECT_GT(distinct, 0);
   // Row p * 4 + g continues prompt p: its first log-probability is the one the training
   // forward gives that token after prompt p.
-  const at::Tensor train = completion_logprobs(
-      m, {prompts[0], prompts[0], prompts[1], prompts[1]},
-      {out[0].tokens, out[3].tokens, out[4].tokens, out[7].tokens}, 1.0);
+  const at::Tensor train =
+      completion_logprobs(m, {prompts[0], prompts[0], prompts[1], prompts[1]},
+                          {out[0].tokens, out[3].tokens, out[4].tokens, out[7].tokens}, 1.0);
   EXPECT_NEAR(train[1][0].item<double>(), out[3].logprobs[0], 2e-5);
   EXPECT_NEAR(train[2][0].item<double>(), out[4].logprobs[0], 2e-5);
   EXPECT_THROW(sample_completions(m, prompts, 1, p), c10::Error);  // a group of one

@@ -182,7 +182,9 @@ TEST_P(GrpoLossCases, LossAndLogitGradientsMatchADirectFp64Computation) {
   } else {
     EXPECT_EQ(d.clip_ratio, 0.0);
   }
-  if (c.beta != 0) EXPECT_NEAR(logged(out, "kl"), d.kl, 1e-6 * (1 + d.kl));
+  if (c.beta != 0) {
+    EXPECT_NEAR(logged(out, "kl"), d.kl, 1e-6 * (1 + d.kl));
+  }
   EXPECT_EQ(logged(out, "tokens"), 14.0);
 }
 
@@ -191,8 +193,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{GrpoLossType::kGrpo, false, 0}, Case{GrpoLossType::kGrpo, true, 0},
                       Case{GrpoLossType::kGrpo, true, 0.04}, Case{GrpoLossType::kDapo, false, 0},
                       Case{GrpoLossType::kDapo, true, 0}, Case{GrpoLossType::kDapo, false, 0.1},
-                      Case{GrpoLossType::kDapo, true, 0.1},
-                      Case{GrpoLossType::kDrGrpo, false, 0},
+                      Case{GrpoLossType::kDapo, true, 0.1}, Case{GrpoLossType::kDrGrpo, false, 0},
                       Case{GrpoLossType::kDrGrpo, true, 0},
                       Case{GrpoLossType::kDrGrpo, true, 0.1}));
 
@@ -213,7 +214,8 @@ TEST(Grpo, MicroBatchSumsGiveTheWholeBatchsMean) {
       return grpo_loss(t, o);
     };
     const auto whole = part(0, f.B), a = part(0, 2), b = part(2, 2);
-    const double split = (a.loss_sum + b.loss_sum).item<double>() / (a.units + b.units).item<double>();
+    const double split =
+        (a.loss_sum + b.loss_sum).item<double>() / (a.units + b.units).item<double>();
     EXPECT_NEAR(split, (whole.loss_sum / whole.units).item<double>(), 1e-6) << to_string(type);
     EXPECT_NEAR(direct(f, o).loss, split, 1e-5);
   }
@@ -260,9 +262,9 @@ TEST(Grpo, GroupAdvantagesFollowScaleRewards) {
 
 TEST(Grpo, CompletionMaskAndRolloutStats) {
   const at::Tensor m = completion_mask({3, 5, 2}, {false, true, false}, 5, true);
-  EXPECT_TRUE(m.equal(at::tensor({1.f, 1.f, 1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f,
-                                  0.f, 0.f})
-                          .view({3, 5})));
+  EXPECT_TRUE(m.equal(
+      at::tensor({1.f, 1.f, 1.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f, 0.f, 0.f})
+          .view({3, 5})));
   EXPECT_EQ(completion_mask({3, 5, 2}, {false, true, false}, 5, false).sum().item<float>(), 10.0f);
   const at::Tensor rewards = at::tensor({1.0, 0.0, 1.0, 1.0});
   const GroupAdvantages a = group_advantages(rewards, 2, ScaleRewards::kGroup);
@@ -299,8 +301,8 @@ constexpr const char* kModel =
     "model: {config: /x/config.json, tokenizer: /x/tokenizer.json, init: random}\n";
 
 TEST(Grpo, ConfigKeysDefaultsAndErrors) {
-  const Config d = parse_config(std::string(kModel) + "train: {objective: grpo}\n", "grpo.yaml",
-                                "/tmp", {}, validate_objective_config);
+  const Config d = parse_config(std::string(kModel) + "train: {objective: grpo, seq_len: 1024}\n",
+                                "grpo.yaml", "/tmp", {}, validate_objective_config);
   EXPECT_EQ(d.grpo.num_generations, 8);
   EXPECT_EQ(d.grpo.max_completion_length, 256);
   EXPECT_EQ(d.grpo.loss_type, GrpoLossType::kDapo);
@@ -308,9 +310,10 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
   EXPECT_EQ(d.grpo.top_k, 0);
   EXPECT_EQ(grpo_loss_options(d.grpo).epsilon_high, 0.2);  // 0 means epsilon
   // TRL's booleans for scale_rewards, printed back as the names.
-  for (const auto& [text, want] : {std::pair<const char*, ScaleRewards>{"true", ScaleRewards::kGroup},
-                                   {"false", ScaleRewards::kNone},
-                                   {"batch", ScaleRewards::kBatch}}) {
+  for (const auto& [text, want] :
+       {std::pair<const char*, ScaleRewards>{"true", ScaleRewards::kGroup},
+        {"false", ScaleRewards::kNone},
+        {"batch", ScaleRewards::kBatch}}) {
     const Config c = parse_config(std::string(kModel) + "grpo: {scale_rewards: " + text + "}\n",
                                   "grpo.yaml", "/tmp");
     EXPECT_EQ(c.grpo.scale_rewards, want) << text;
@@ -318,12 +321,13 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
     EXPECT_EQ(back.grpo.scale_rewards, want) << text;
   }
   const std::string one =
-      config_error(std::string(kModel) + "train: {objective: grpo}\ngrpo: {num_generations: 1}\n");
+      config_error(std::string(kModel) +
+                   "train: {objective: grpo, seq_len: 1024}\ngrpo: {num_generations: 1}\n");
   EXPECT_NE(one.find("config key grpo.num_generations"), std::string::npos) << one;
   EXPECT_EQ(one.find('\n'), std::string::npos) << one;
-  const std::string longer = config_error(
-      std::string(kModel) +
-      "train: {objective: grpo, seq_len: 128}\ngrpo: {max_completion_length: 128}\n");
+  const std::string longer =
+      config_error(std::string(kModel) +
+                   "train: {objective: grpo, seq_len: 128}\ngrpo: {max_completion_length: 128}\n");
   EXPECT_NE(longer.find("grpo.max_completion_length"), std::string::npos) << longer;
   EXPECT_NE(longer.find("train.seq_len"), std::string::npos) << longer;
   // grpo.* under another objective is named by the ignored-settings warning.
@@ -337,7 +341,7 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
   EXPECT_NE(std::find(sections.begin(), sections.end(), "reward"), sections.end());
   // A prompt too long for its completion: one line naming the keys and the place.
   try {
-    check_grpo_prompt_length(250, d, "prompts.jsonl:3");
+    check_grpo_prompt_length(800, d, "prompts.jsonl:3");
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
     const std::string m = e.what();
@@ -347,7 +351,8 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
 }
 
 TEST(Grpo, ARunIsRefusedUntilTheLoopExistsButTheDryRunResolves) {
-  Config c = parse_config(std::string(kModel) + "train: {objective: grpo}\n", "grpo.yaml", "/tmp");
+  Config c = parse_config(std::string(kModel) + "train: {objective: grpo, seq_len: 1024}\n",
+                          "grpo.yaml", "/tmp");
   try {
     resolve_plan(c, RunOptions{});
     ADD_FAILURE() << "no error";

@@ -22,10 +22,18 @@ GroupAdvantages group_advantages(const at::Tensor& rewards, int64_t group_size,
               "group_advantages: expected (groups x ", group_size, ") rewards, got ",
               rewards.sizes());
   const at::Tensor r = rewards.to(at::kFloat);
-  const at::Tensor grouped = r.view({-1, group_size});                            // (P, G)
-  const at::Tensor mean = grouped.mean(1).repeat_interleave(group_size);          // (N)
-  at::Tensor std = grouped.std(1, /*unbiased=*/true).repeat_interleave(group_size);  // (N)
-  if (scale == ScaleRewards::kBatch) std = r.std(/*unbiased=*/true).expand_as(r).contiguous();
+  const at::Tensor grouped = r.view({-1, group_size});                  // (P, G)
+  const at::Tensor group_mean = grouped.mean(1, /*keepdim=*/true);      // (P, 1)
+  const at::Tensor mean = group_mean.expand_as(grouped).reshape({-1});  // (N)
+  // Unbiased (n - 1), as torch.std in TRL.
+  at::Tensor std = ((grouped - group_mean).pow(2).sum(1, /*keepdim=*/true) / (group_size - 1))
+                       .sqrt()
+                       .expand_as(grouped)
+                       .reshape({-1});  // (N)
+  if (scale == ScaleRewards::kBatch) {
+    const int64_t n = r.size(0);
+    std = ((r - r.mean()).pow(2).sum() / (n - 1)).sqrt().expand_as(r).contiguous();
+  }
   GroupAdvantages out;
   out.advantages = r - mean;
   if (scale != ScaleRewards::kNone) out.advantages = out.advantages / (std + kGrpoStdEpsilon);
@@ -66,10 +74,10 @@ GrpoLossOutput grpo_loss(const GrpoTokens& t, const GrpoLossOptions& o) {
   o.validate();
   TORCH_CHECK(t.logps.dim() == 2, "grpo_loss: expected (B, L) logps, got ", t.logps.sizes());
   const int64_t B = t.logps.size(0);
-  TORCH_CHECK(t.mask.sizes() == t.logps.sizes(), "grpo_loss: mask ", t.mask.sizes(),
-              " and logps ", t.logps.sizes(), " differ");
-  TORCH_CHECK(t.advantages.dim() == 1 && t.advantages.size(0) == B,
-              "grpo_loss: expected (", B, ") advantages, got ", t.advantages.sizes());
+  TORCH_CHECK(t.mask.sizes() == t.logps.sizes(), "grpo_loss: mask ", t.mask.sizes(), " and logps ",
+              t.logps.sizes(), " differ");
+  TORCH_CHECK(t.advantages.dim() == 1 && t.advantages.size(0) == B, "grpo_loss: expected (", B,
+              ") advantages, got ", t.advantages.sizes());
   TORCH_CHECK(o.beta == 0 || t.ref_logps.defined(), "grpo_loss: grpo.beta ", o.beta,
               " needs the reference's log-probabilities");
   const at::Tensor mask = t.mask.to(at::kFloat);
@@ -90,7 +98,7 @@ GrpoLossOutput grpo_loss(const GrpoTokens& t, const GrpoLossOptions& o) {
   switch (o.loss_type) {
     case GrpoLossType::kGrpo:
       out.loss_sum = (summed.sum(1) / mask.sum(1).clamp_min(1)).sum();
-      out.units = at::full({}, static_cast<double>(B), mask.options());
+      out.units = at::scalar_tensor(static_cast<double>(B), mask.options());
       break;
     case GrpoLossType::kDapo:
       out.loss_sum = summed.sum();
@@ -98,7 +106,8 @@ GrpoLossOutput grpo_loss(const GrpoTokens& t, const GrpoLossOptions& o) {
       break;
     case GrpoLossType::kDrGrpo:
       out.loss_sum = summed.sum();
-      out.units = at::full({}, static_cast<double>(B * o.max_completion_length), mask.options());
+      out.units =
+          at::scalar_tensor(static_cast<double>(B * o.max_completion_length), mask.options());
       break;
   }
   const at::Tensor r = ratio.detach();
@@ -157,14 +166,17 @@ std::vector<std::pair<std::string, double>> grpo_rollout_stats(
   const at::Tensor zero_std = (g.amax(1) == g.amin(1)).to(at::kDouble);
   s.emplace_back("frac_reward_zero_std", zero_std.mean().item<double>());
   if (per_function.defined()) {
-    TORCH_CHECK(per_function.dim() == 2 && per_function.size(1) == static_cast<int64_t>(names.size()),
-                "grpo_rollout_stats: expected (N, ", names.size(), ") rewards per function, got ",
-                per_function.sizes());
+    TORCH_CHECK(
+        per_function.dim() == 2 && per_function.size(1) == static_cast<int64_t>(names.size()),
+        "grpo_rollout_stats: expected (N, ", names.size(), ") rewards per function, got ",
+        per_function.sizes());
     const at::Tensor f = per_function.to(at::kDouble).cpu();
     for (size_t k = 0; k < names.size(); ++k) {
       const at::Tensor col = f.select(1, static_cast<int64_t>(k));
       s.emplace_back("rewards/" + names[k] + "/mean", col.mean().item<double>());
-      s.emplace_back("rewards/" + names[k] + "/std", col.std(true).item<double>());
+      const double var = (col - col.mean()).pow(2).sum().item<double>() /
+                         std::max<double>(1.0, static_cast<double>(col.size(0) - 1));
+      s.emplace_back("rewards/" + names[k] + "/std", std::sqrt(var));
     }
   }
   return s;
@@ -199,9 +211,9 @@ void check_grpo_prompts(const Config& c, std::ostream& out) {
                                   [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
   const data::DatasetOptions options = dataset_options(c);
   int64_t prompts = 0;
-  for (const auto& [key, files] : {std::pair<const char*, const std::vector<std::string>*>{
-                                       "data.files", &c.data.files},
-                                   {"data.eval_files", &c.data.eval_files}}) {
+  for (const auto& [key, files] :
+       {std::pair<const char*, const std::vector<std::string>*>{"data.files", &c.data.files},
+        {"data.eval_files", &c.data.eval_files}}) {
     for (const auto& f : *files) {
       const data::PromptDataset d =
           as_input_error(key, [&] { return data::load_prompt_dataset(f, tok, options); });

@@ -36,9 +36,9 @@ GroupAdvantages group_advantages(const at::Tensor& rewards, int64_t group_size, 
 
 struct GrpoLossOptions {
   GrpoLossType loss_type = GrpoLossType::kDapo;
-  double epsilon_low = 0.2;   // ratio clipped below at 1 - epsilon_low
-  double epsilon_high = 0.2;  // and above at 1 + epsilon_high
-  double beta = 0.0;          // KL coefficient; 0: ref_logps unused
+  double epsilon_low = 0.2;             // ratio clipped below at 1 - epsilon_low
+  double epsilon_high = 0.2;            // and above at 1 + epsilon_high
+  double beta = 0.0;                    // KL coefficient; 0: ref_logps unused
   int64_t max_completion_length = 256;  // dr_grpo's normalizer
   void validate() const;                // errors name the field
 };
