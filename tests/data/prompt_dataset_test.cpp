@@ -13,11 +13,11 @@
 namespace q4::data {
 namespace {
 
-const Tokenizer& tok() { return test::qwen3_tokenizer(); }
+const Tokenizer& prompt_tok() { return test::qwen3_tokenizer(); }
 
-std::string error_of(const std::string& content, const DatasetOptions& o = {}) {
+std::string prompt_error_of(const std::string& content, const DatasetOptions& o = {}) {
   try {
-    load_prompt_dataset_from_string(content, "prompts.jsonl", tok(), o);
+    load_prompt_dataset_from_string(content, "prompts.jsonl", prompt_tok(), o);
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
@@ -30,7 +30,7 @@ TEST(PromptData, StringAndConversationalPromptsWithTheirFields) {
       "\n\n"
       R"({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}], "solution": ["2", "3"]})"
       "\n";
-  const PromptDataset d = load_prompt_dataset_from_string(content, "p.jsonl", tok());
+  const PromptDataset d = load_prompt_dataset_from_string(content, "p.jsonl", prompt_tok());
   ASSERT_EQ(d.prompts.size(), 2u);
   EXPECT_EQ(d.summary.examples, 2);
   EXPECT_EQ(d.summary.ignored, 1);
@@ -40,7 +40,7 @@ TEST(PromptData, StringAndConversationalPromptsWithTheirFields) {
   const std::string want_a = render_chat({Message{"user", "What is 2+3?"}}, true);
   EXPECT_EQ(a.prompt_text, want_a);
   EXPECT_EQ(a.prompt_text.substr(a.prompt_text.size() - 22), "<|im_start|>assistant\n");
-  EXPECT_EQ(a.prompt_ids, tok().encode(want_a));
+  EXPECT_EQ(a.prompt_ids, prompt_tok().encode(want_a));
   EXPECT_EQ(a.prompt, "What is 2+3?");
   EXPECT_EQ(a.fields.dump(), R"({"answer":"5","level":1})");  // order kept, prompt left out
   const PromptRecord& b = d.prompts[1];
@@ -59,7 +59,7 @@ TEST(PromptData, SystemPromptTemplateAndJsonArray) {
   o.chat.enable_thinking = false;
   const std::string content =
       "[\n  {\"prompt\": \"Hi\"},\n  {\"prompt\": \"Bye\", \"x\": null}\n]\n";
-  const PromptDataset d = load_prompt_dataset_from_string(content, "p.json", tok(), o);
+  const PromptDataset d = load_prompt_dataset_from_string(content, "p.json", prompt_tok(), o);
   ASSERT_EQ(d.prompts.size(), 2u);
   EXPECT_TRUE(d.summary.json_array);
   EXPECT_EQ(d.prompts[1].source_line, 3);
@@ -82,7 +82,7 @@ TEST(PromptData, BadRecordsAreOneLineErrorsNamingFileAndLine) {
            {"{\"prompt\": [{\"role\": \"wizard\", \"content\": \"q\"}]}\n", "prompts.jsonl:1: "},
            {"{\"prompt\": \"a\"\n", "bad JSON"},
        }) {
-    const std::string m = error_of(content);
+    const std::string m = prompt_error_of(content);
     EXPECT_NE(m.find(what), std::string::npos) << m;
     EXPECT_NE(m.find("prompts.jsonl:"), std::string::npos) << m;
     EXPECT_EQ(m.find('\n'), std::string::npos) << m;
@@ -90,7 +90,7 @@ TEST(PromptData, BadRecordsAreOneLineErrorsNamingFileAndLine) {
   DatasetOptions skip;
   skip.on_error = OnError::kSkip;
   const PromptDataset d = load_prompt_dataset_from_string(
-      "{\"prompt\": \"ok\"}\n{\"q\": 1}\n{\"prompt\": \"fine\"}\n", "p.jsonl", tok(), skip);
+      "{\"prompt\": \"ok\"}\n{\"q\": 1}\n{\"prompt\": \"fine\"}\n", "p.jsonl", prompt_tok(), skip);
   EXPECT_EQ(d.prompts.size(), 2u);
   EXPECT_EQ(d.summary.skipped, 1);
   ASSERT_EQ(d.summary.first_skipped.size(), 1u);

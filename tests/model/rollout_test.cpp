@@ -72,11 +72,12 @@ double max_difference(const Rollouts& r, const at::Tensor& train) {
 
 // CPU fp32: the cached decode (a left-padded batch, one token per step, attention over the cache)
 // and the training forward (whole rows, right-padded) compute each completion token's hidden
-// state with different shapes, so their fp32 sums are rounded differently; the lm_head, the
-// temperature and the log-softmax are the same ops. Measured on this machine: differences of a
-// few 1e-7 (printed below); the bound, 2e-5 in nats (a ratio within 1 +- 2e-5), is far below
-// any change of the policy that clipping at 0.2 acts on, and far below what a wrong position
-// (a log-probability of another token, off by ~1) or a missing temperature (off by ~0.3) gives.
+// state with other shapes, so their fp32 sums round differently (not bit for bit); the lm_head,
+// the temperature and the log-softmax are the same ops. Measured on the 2-core development
+// machine: 8.6e-6 (T 1) and 1.1e-5 (T 0.7) at most, in nats, on this random model (init std
+// 0.5: large activations and logits, so fp32 rounding is large in absolute terms). The bound,
+// 1e-4 (a ratio within 1 +- 1e-4), is far below what clipping at 0.2 acts on, and far below a
+// wrong position (another token's log-probability, off by ~1) or a missing temperature.
 TEST(Rollout, SampledLogprobsEqualTheTrainingForward) {
   at::NoGradGuard no_grad;
   Qwen3Model m = rollout_model();
@@ -87,7 +88,7 @@ TEST(Rollout, SampledLogprobsEqualTheTrainingForward) {
     const double d = max_difference(r, train);
     std::cout << "[ measured ] temperature " << temperature
               << ": max |rollout - training forward| log-probability " << d << "\n";
-    EXPECT_LT(d, 2e-5) << "temperature " << temperature;
+    EXPECT_LT(d, 1e-4) << "temperature " << temperature;
     // Past each completion's end the training tensor holds 0.
     for (size_t i = 0; i < r.results.size(); ++i) {
       for (int64_t j = static_cast<int64_t>(r.completions[i].size()); j < train.size(1); ++j) {
@@ -116,7 +117,7 @@ TEST(Rollout, LogprobsAreTheTemperatureScaledPolicy) {
     const int64_t P = static_cast<int64_t>(r.prompts[i].size());
     for (size_t j = 0; j < r.completions[i].size(); ++j) {
       const at::Tensor lp = (logits[P - 1 + static_cast<int64_t>(j)] / T).log_softmax(0);
-      EXPECT_NEAR(r.results[i].logprobs[j], lp[r.completions[i][j]].item<double>(), 2e-5)
+      EXPECT_NEAR(r.results[i].logprobs[j], lp[r.completions[i][j]].item<double>(), 1e-4)
           << "completion " << i << " token " << j;
     }
   }
@@ -142,8 +143,8 @@ TEST(Rollout, GroupsArePromptMajorAndSampled) {
   const at::Tensor train =
       completion_logprobs(m, {prompts[0], prompts[0], prompts[1], prompts[1]},
                           {out[0].tokens, out[3].tokens, out[4].tokens, out[7].tokens}, 1.0);
-  EXPECT_NEAR(train[1][0].item<double>(), out[3].logprobs[0], 2e-5);
-  EXPECT_NEAR(train[2][0].item<double>(), out[4].logprobs[0], 2e-5);
+  EXPECT_NEAR(train[1][0].item<double>(), out[3].logprobs[0], 1e-4);
+  EXPECT_NEAR(train[2][0].item<double>(), out[4].logprobs[0], 1e-4);
   EXPECT_THROW(sample_completions(m, prompts, 1, p), c10::Error);  // a group of one
 }
 
