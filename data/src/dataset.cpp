@@ -12,9 +12,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "json_records.h"
 #include "q4/data/chat_json.h"
 #include "q4/io/utf8.h"
-#include "json_records.h"
 
 namespace q4::data {
 namespace {

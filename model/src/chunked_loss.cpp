@@ -115,16 +115,18 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
   }
 };
 
-// Per-row log-probability of the label. Forward: chunk logits, log p = picked - logsumexp;
-// nothing saved but the inputs. Backward: each chunk's logits again, d(log p_r)/d(logits_r) =
-// onehot(label_r) - softmax_r scaled by the row's upstream gradient, then the two GEMMs.
 // fp32 logits / temperature of rows of hidden: the scaling is the sampler's (TokenSampler with
 // SamplingParams::logprobs_at_temperature), op for op, so that the two agree.
-at::Tensor logits_at_temperature(const at::Tensor& h, const at::Tensor& weight, double temperature) {
+at::Tensor logits_at_temperature(const at::Tensor& h, const at::Tensor& weight,
+                                 double temperature) {
   at::Tensor logits = at::matmul(h, weight.t()).to(at::kFloat);
   return temperature == 1.0 ? logits : logits / temperature;
 }
 
+// Per-row log-probability of the label at a temperature T. Forward: chunk logits / T, log p =
+// picked - logsumexp; nothing saved but the inputs. Backward: each chunk's logits again,
+// d(log p_r)/d(logits_r) = (onehot(label_r) - softmax_r) / T scaled by the row's upstream
+// gradient, then the two GEMMs.
 struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogprobs> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
                             const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,

@@ -333,8 +333,9 @@ std::vector<GenerationResult> sample_completions(Qwen3Model& model,
 at::Tensor completion_logprobs(Qwen3Model& model, const std::vector<std::vector<int64_t>>& prompts,
                                const std::vector<std::vector<int64_t>>& completions,
                                double temperature, int64_t max_len) {
-  TORCH_CHECK(prompts.size() == completions.size() && !prompts.empty(), "completion_logprobs: ",
-              prompts.size(), " prompts for ", completions.size(), " completions");
+  TORCH_CHECK(prompts.size() == completions.size() && !prompts.empty(),
+              "completion_logprobs: ", prompts.size(), " prompts for ", completions.size(),
+              " completions");
   const int64_t B = static_cast<int64_t>(prompts.size());
   int64_t T = 1, L = max_len;
   for (int64_t b = 0; b < B; ++b) {

@@ -226,8 +226,7 @@ TEST(Sampling, TemperatureTopKTopPDrawFromTheExactDistribution) {
       if (want[v] == 0) {
         EXPECT_EQ(count[v], 0.0) << where;
       } else {
-        EXPECT_NEAR(count[v], n * want[v], 5 * std::sqrt(n * want[v] * (1 - want[v])) + 1)
-            << where;
+        EXPECT_NEAR(count[v], n * want[v], 5 * std::sqrt(n * want[v] * (1 - want[v])) + 1) << where;
       }
     }
   }

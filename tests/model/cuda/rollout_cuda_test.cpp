@@ -46,9 +46,9 @@ TEST(RolloutCuda, SampledLogprobsNearTheTrainingForwardInBf16) {
   double d = 0;
   for (size_t i = 0; i < out.size(); ++i) {
     for (size_t j = 0; j < out[i].logprobs.size(); ++j) {
-      d = std::max(d, std::abs(out[i].logprobs[j] - train[static_cast<int64_t>(i)]
-                                                        [static_cast<int64_t>(j)]
-                                                            .item<double>()));
+      d = std::max(
+          d, std::abs(out[i].logprobs[j] -
+                      train[static_cast<int64_t>(i)][static_cast<int64_t>(j)].item<double>()));
     }
   }
   std::cout << "[ measured ] bf16: max |rollout - training forward| log-probability " << d << "\n";

@@ -23,7 +23,7 @@ namespace q4::trainer {
 int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   std::string note;
   RunPlan plan = resolve_plan(config, RunOptions{}, /*probe=*/false, /*dry_run=*/true)
-                      .with_warmup_clipped(&note);
+                     .with_warmup_clipped(&note);
   const Config& c = plan.config();
   const ObjectiveNeeds& needs = plan.objective_needs();
   if (!note.empty()) out << note << "\n";

@@ -108,12 +108,11 @@ void grpo_rules(const Config& c) {
   const auto& g = c.grpo;
   // A completion needs at least one prompt token before it in its row.
   if (g.max_completion_length >= c.train.seq_len) {
-    throw ConfigError("config key grpo.max_completion_length: " +
-                      std::to_string(g.max_completion_length) +
-                      " tokens leave no room for a prompt in train.seq_len " +
-                      std::to_string(c.train.seq_len) +
-                      " (prompt + completion must fit: raise train.seq_len or lower "
-                      "grpo.max_completion_length)");
+    throw ConfigError(
+        "config key grpo.max_completion_length: " + std::to_string(g.max_completion_length) +
+        " tokens leave no room for a prompt in train.seq_len " + std::to_string(c.train.seq_len) +
+        " (prompt + completion must fit: raise train.seq_len or lower "
+        "grpo.max_completion_length)");
   }
 }
 

@@ -220,12 +220,12 @@ struct GrpoConfig {
   double temperature = 1.0;             // sampling and loss: softmax(logits / temperature)
   double top_p = 1.0;                   // nucleus sampling; 1: off
   int64_t top_k = 0;                    // keep the k most likely tokens; 0: off
-  double beta = 0.0;  // KL coefficient to the reference (the starting model); 0: no reference
-  double epsilon = 0.2;       // clip range below 1: ratio >= 1 - epsilon
+  double beta = 0.0;     // KL coefficient to the reference (the starting model); 0: no reference
+  double epsilon = 0.2;  // clip range below 1: ratio >= 1 - epsilon
   double epsilon_high = 0.0;  // clip range above 1 (DAPO's clip-higher); 0: epsilon
   GrpoLossType loss_type = GrpoLossType::kDapo;
   ScaleRewards scale_rewards = ScaleRewards::kGroup;
-  int64_t num_iterations = 1;  // updates per generation batch (TRL's mu)
+  int64_t num_iterations = 1;               // updates per generation batch (TRL's mu)
   bool mask_truncated_completions = false;  // completions without an end token do not train
 };
 
