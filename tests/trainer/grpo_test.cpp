@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -141,6 +142,10 @@ struct Case {
   bool clipping;
   double beta;
 };
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << to_string(c.type) << (c.clipping ? " clipping" : " no clipping") << " beta " << c.beta;
+}
 
 class GrpoLossCases : public ::testing::TestWithParam<Case> {};
 
