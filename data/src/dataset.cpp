@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "json_records.h"
 #include "q4/data/chat_json.h"
 #include "q4/io/utf8.h"
 
@@ -366,6 +367,11 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
       "{\"text\"}"};
 }
 
+}  // namespace
+
+// The JSON-array reading that the prompt loader shares (json_records.h).
+namespace json_records {
+
 // Line ends ("\n", "\r\n" or a lone "\r", as the line reader splits) in content[0, end).
 int64_t count_line_ends(const std::string& content, size_t end) {
   int64_t n = 0;
@@ -375,12 +381,6 @@ int64_t count_line_ends(const std::string& content, size_t end) {
   }
   return n;
 }
-
-// A record of a JSON-array file: the text of one top-level element and its first line.
-struct ArrayRecord {
-  std::string text;
-  int64_t line = 0;
-};
 
 // The top-level elements of `content` (a JSON array starting at byte `pos`), each with the
 // 1-based line where it starts; invalid JSON throws "<name>:<line>: ..." naming the line of the
@@ -433,6 +433,14 @@ std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos
   }
   return out;
 }
+
+}  // namespace json_records
+
+namespace {
+
+using json_records::ArrayRecord;
+using json_records::count_line_ends;
+using json_records::split_json_array;
 
 DataFormat resolve_format(DataFormat f, const std::string& name) {
   if (f != DataFormat::kAuto) return f;

@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cmath>
+
 #include "q4/model/qwen3.h"
 #include "qwen3_impl.h"
 
@@ -113,20 +115,31 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
   }
 };
 
-// Per-row log-probability of the label. Forward: chunk logits, log p = picked - logsumexp;
-// nothing saved but the inputs. Backward: each chunk's logits again, d(log p_r)/d(logits_r) =
-// onehot(label_r) - softmax_r scaled by the row's upstream gradient, then the two GEMMs.
+// fp32 logits / temperature of rows of hidden: the scaling is the sampler's (TokenSampler with
+// SamplingParams::logprobs_at_temperature), op for op, so that the two agree.
+at::Tensor logits_at_temperature(const at::Tensor& h, const at::Tensor& weight,
+                                 double temperature) {
+  at::Tensor logits = at::matmul(h, weight.t()).to(at::kFloat);
+  return temperature == 1.0 ? logits : logits / temperature;
+}
+
+// Per-row log-probability of the label at a temperature T. Forward: chunk logits / T, log p =
+// picked - logsumexp; nothing saved but the inputs. Backward: each chunk's logits again,
+// d(log p_r)/d(logits_r) = (onehot(label_r) - softmax_r) / T scaled by the row's upstream
+// gradient, then the two GEMMs.
 struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogprobs> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
-                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk) {
+                            const at::Tensor& weight, const at::Tensor& labels, int64_t chunk,
+                            double temperature) {
     ctx->save_for_backward({hidden, weight, labels});
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["temperature"] = temperature;
     const int64_t N = hidden.size(0);
     at::Tensor out = at::empty({N}, hidden.options().dtype(at::kFloat));
     at::NoGradGuard no_grad;
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
-      const at::Tensor logits = at::matmul(hidden.narrow(0, s, n), weight.t()).to(at::kFloat);
+      const at::Tensor logits = logits_at_temperature(hidden.narrow(0, s, n), weight, temperature);
       const at::Tensor y = labels.narrow(0, s, n).unsqueeze(1);
       out.narrow(0, s, n).copy_(logits.gather(1, y).squeeze(1) - at::logsumexp(logits, 1));
     }
@@ -139,6 +152,7 @@ struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogpr
     const at::Tensor& weight = saved[1];
     const at::Tensor& labels = saved[2];
     const int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const double temperature = ctx->saved_data["temperature"].toDouble();
     const at::Tensor go = grads[0].to(at::kFloat);  // (N)
     const bool want_h = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
     const int64_t N = hidden.size(0);
@@ -148,11 +162,12 @@ struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogpr
     for (int64_t s = 0; s < N; s += chunk) {
       const int64_t n = std::min(chunk, N - s);
       const at::Tensor h = hidden.narrow(0, s, n);
-      at::Tensor p = at::matmul(h, weight.t()).to(at::kFloat).softmax(1);  // (n, V)
+      at::Tensor p = logits_at_temperature(h, weight, temperature).softmax(1);  // (n, V)
       const at::Tensor g = go.narrow(0, s, n).unsqueeze(1);
-      // g (onehot - p) = -(g p) + g at the label.
+      // g (onehot - p) = -(g p) + g at the label; d(logits / T) / d logits = 1 / T.
       p.mul_(g).neg_();
       p.scatter_add_(1, labels.narrow(0, s, n).unsqueeze(1), g);
+      if (temperature != 1.0) p.div_(temperature);
       const at::Tensor pc = p.to(hidden.scalar_type());
       if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
       if (want_w) {
@@ -163,7 +178,7 @@ struct ChunkedTokenLogprobs : public torch::autograd::Function<ChunkedTokenLogpr
         }
       }
     }
-    return {grad_h, grad_w, at::Tensor(), at::Tensor()};
+    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -214,14 +229,17 @@ at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& we
 }
 
 at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
-                                  const at::Tensor& labels, int64_t chunk_tokens) {
+                                  const at::Tensor& labels, int64_t chunk_tokens,
+                                  double temperature) {
   check_loss_args("chunked_token_logprobs", hidden, weight, labels, chunk_tokens);
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0,
+              "chunked_token_logprobs: temperature must be finite and > 0, got ", temperature);
   if (labels.numel() > 0 && labels.is_cpu()) {  // no device sync for a check
     const auto lo = labels.min().item<int64_t>(), hi = labels.max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < weight.size(0), "chunked_token_logprobs: labels must be in [0, ",
                 weight.size(0), "), got [", lo, ", ", hi, "]");
   }
-  return ChunkedTokenLogprobs::apply(hidden, weight, labels, chunk_tokens);
+  return ChunkedTokenLogprobs::apply(hidden, weight, labels, chunk_tokens, temperature);
 }
 
 }  // namespace q4::model

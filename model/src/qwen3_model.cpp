@@ -696,7 +696,7 @@ LossOutput Qwen3Model::loss(const ModelInputs& in, const LossTerm* term) {
   return out;
 }
 
-Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in) {
+Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in, double temperature) {
   check_labels(in);
   at::Tensor h = impl_->hidden_states(in, nullptr);  // (B, T, H)
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2);
@@ -706,9 +706,9 @@ Qwen3Model::TokenLogprobs Qwen3Model::token_logprobs(const ModelInputs& in) {
   const at::Device dev = impl_->opt.device;
   const at::Tensor rows = out.positions.to(dev);
   const at::Tensor targets = next.index_select(0, out.positions).to(dev);
-  out.logprobs =
-      chunked_token_logprobs(h.reshape({B * T, H}).index_select(0, rows),
-                             impl_->weight(impl_->lm_head), targets, impl_->opt.loss_chunk_tokens);
+  out.logprobs = chunked_token_logprobs(h.reshape({B * T, H}).index_select(0, rows),
+                                        impl_->weight(impl_->lm_head), targets,
+                                        impl_->opt.loss_chunk_tokens, temperature);
   return out;
 }
 

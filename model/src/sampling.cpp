@@ -121,10 +121,17 @@ std::vector<int64_t> TokenSampler::next_batch(
     }
   }
   if (logprobs != nullptr) {
-    const at::Tensor lp = logits.to(at::kFloat)
-                              .log_softmax(-1)
-                              .gather(1, ids.to(logits.device()).view({B, 1}));  // (B, 1)
-    const at::Tensor lp_host = lp.view({B}).cpu();
+    const at::Tensor y = ids.to(logits.device()).view({B, 1});
+    at::Tensor lp;  // (B, 1)
+    if (params_.logprobs_at_temperature && params_.temperature > 0) {
+      // Op for op as chunked_token_logprobs (chunked_loss.cpp) computes it in training.
+      at::Tensor l = logits.to(at::kFloat);
+      if (params_.temperature != 1.0) l = l / params_.temperature;
+      lp = l.gather(1, y).squeeze(1) - at::logsumexp(l, 1);
+    } else {
+      lp = logits.to(at::kFloat).log_softmax(-1).gather(1, y);
+    }
+    const at::Tensor lp_host = lp.reshape({B}).cpu();
     logprobs->assign(lp_host.data_ptr<float>(), lp_host.data_ptr<float>() + B);
   }
   const at::Tensor host = ids.to(at::kCPU, at::kLong).contiguous();
@@ -296,6 +303,68 @@ GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int
     in.input_ids = at::tensor(std::vector<int64_t>{tok}, at::kLong).view({1, 1}).to(dev);
   }
   return r;
+}
+
+std::vector<GenerationResult> sample_completions(Qwen3Model& model,
+                                                 const std::vector<std::vector<int64_t>>& prompts,
+                                                 int64_t num_generations,
+                                                 const SamplingParams& params,
+                                                 TokenSampler* sampler) {
+  TORCH_CHECK(num_generations >= 2, "grpo.num_generations: expected >= 2 (a group), got ",
+              num_generations);
+  TORCH_CHECK(params.temperature > 0, "grpo.temperature: rollouts sample, expected > 0, got ",
+              params.temperature);
+  std::vector<std::vector<int64_t>> rows;
+  rows.reserve(prompts.size() * num_generations);
+  for (const auto& p : prompts) {
+    for (int64_t g = 0; g < num_generations; ++g) rows.push_back(p);
+  }
+  SamplingParams p = params;
+  p.want_logprobs = true;
+  p.logprobs_at_temperature = true;
+  if (sampler == nullptr) return generate(model, rows, p);
+  TORCH_CHECK(sampler->params().logprobs_at_temperature &&
+                  sampler->params().temperature == params.temperature,
+              "sample_completions: the sampler's params must have logprobs_at_temperature and "
+              "the rollout's temperature");
+  return generate(model, rows, p, sampler);
+}
+
+at::Tensor completion_logprobs(Qwen3Model& model, const std::vector<std::vector<int64_t>>& prompts,
+                               const std::vector<std::vector<int64_t>>& completions,
+                               double temperature, int64_t max_len) {
+  TORCH_CHECK(prompts.size() == completions.size() && !prompts.empty(),
+              "completion_logprobs: ", prompts.size(), " prompts for ", completions.size(),
+              " completions");
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  int64_t T = 1, L = max_len;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(!prompts[b].empty(), "completion_logprobs: completion ", b, "'s prompt is empty");
+    T = std::max<int64_t>(T, prompts[b].size() + completions[b].size());
+    L = std::max<int64_t>(L, completions[b].size());
+  }
+  // Right-padded rows, the completion's tokens labelled (HF shift: position t predicts t + 1).
+  std::vector<int64_t> ids(B * T, 0), labels(B * T, -100), mask(B * T, 0), dest;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t P = static_cast<int64_t>(prompts[b].size());
+    const int64_t C = static_cast<int64_t>(completions[b].size());
+    for (int64_t t = 0; t < P + C; ++t) {
+      ids[b * T + t] = t < P ? prompts[b][t] : completions[b][t - P];
+      mask[b * T + t] = 1;
+      if (t >= P) labels[b * T + t] = ids[b * T + t];
+    }
+    for (int64_t j = 0; j < C; ++j) dest.push_back(b * L + j);  // in ascending position order
+  }
+  check_ids(ids, model.config().vocab_size, "completion_logprobs");
+  ModelInputs in;
+  in.input_ids = at::tensor(ids, at::kLong).view({B, T});
+  in.labels = at::tensor(labels, at::kLong).view({B, T});
+  in.attention_mask = at::tensor(mask, at::kLong).view({B, T});
+  const Qwen3Model::TokenLogprobs tl = model.token_logprobs(in, temperature);
+  const at::Tensor lp = tl.logprobs;  // (N) in (row, position) order
+  TORCH_INTERNAL_ASSERT(lp.size(0) == static_cast<int64_t>(dest.size()));
+  const at::Tensor index = at::tensor(dest, at::kLong).to(lp.device());
+  return at::zeros({B * L}, lp.options()).index_add(0, index, lp).view({B, L});
 }
 
 }  // namespace q4::model

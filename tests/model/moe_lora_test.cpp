@@ -25,7 +25,7 @@
 #include "tiny_fixture.h"
 
 namespace q4::model {
-namespace {
+namespace moe_lora_test {
 
 constexpr int64_t kRank = 4;
 constexpr double kScale = 8.0 / 4.0;  // alpha / rank
@@ -276,5 +276,5 @@ TEST(MoeLora, PeftExportIsPeftsLayoutAndRoundTrips) {
   std::filesystem::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace moe_lora_test
 }  // namespace q4::model

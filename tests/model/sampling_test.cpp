@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -166,6 +167,87 @@ TEST(Sampling, LogprobsAreTheUnprocessedDistributions) {
   ASSERT_EQ(lp.size(), 2u);
   for (int b = 0; b < 2; ++b) {
     EXPECT_NEAR(lp[b], std::log(t[b] == 0 ? 0.5 : 0.25), 1e-6);  // fp32 log_softmax
+  }
+}
+
+// The exact distribution each setting draws from, in fp64: softmax(l / T), the top k kept, then
+// the smallest most-likely set whose mass (among the kept) reaches top_p, renormalized.
+std::vector<double> exact_probabilities(const std::vector<double>& l, double T, int64_t k,
+                                        double top_p) {
+  const size_t V = l.size();
+  std::vector<size_t> order(V);
+  for (size_t i = 0; i < V; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return l[a] > l[b]; });
+  const size_t kept_k = k > 0 && static_cast<size_t>(k) < V ? static_cast<size_t>(k) : V;
+  std::vector<double> p(V, 0.0);
+  double z = 0;
+  for (size_t r = 0; r < kept_k; ++r) z += std::exp(l[order[r]] / T);
+  double before = 0, kept_mass = 0;
+  for (size_t r = 0; r < kept_k; ++r) {
+    const double q = std::exp(l[order[r]] / T) / z;
+    if (r > 0 && before >= top_p) break;
+    p[order[r]] = q;
+    kept_mass += q;
+    before += q;
+  }
+  for (double& x : p) x /= kept_mass;
+  return p;
+}
+
+// Frequencies of 24,000 draws (48 rows x 500 calls) against the exact probabilities for
+// temperature, top-k, top-p and all three together: each within 5 binomial sigmas (at most
+// 5 sqrt(n p (1 - p)) <= 5 * 77), and a token the filters remove never drawn.
+TEST(Sampling, TemperatureTopKTopPDrawFromTheExactDistribution) {
+  const std::vector<double> l = {2.0, 1.5, 1.2, 0.3, -0.4, 0.9, -1.0, 0.0};
+  struct Setting {
+    double T;
+    int64_t k;
+    double top_p;
+  };
+  for (const Setting& st : {Setting{0.7, 0, 1.0}, Setting{1.6, 0, 1.0}, Setting{1.0, 3, 1.0},
+                            Setting{1.0, 0, 0.6}, Setting{1.3, 5, 0.75}}) {
+    SamplingParams p = sampled(st.T, 17);
+    p.top_k = st.k;
+    p.top_p = st.top_p;
+    TokenSampler s(p);
+    std::vector<float> lf(l.begin(), l.end());
+    const at::Tensor logits = at::tensor(lf).repeat({48, 1});
+    const std::vector<double> want = exact_probabilities(l, st.T, st.k, st.top_p);
+    std::vector<double> count(l.size(), 0.0);
+    const int calls = 500;
+    for (int i = 0; i < calls; ++i) {
+      for (int64_t t : s.next_batch(logits, {})) count[t] += 1;
+    }
+    const double n = 48.0 * calls;
+    for (size_t v = 0; v < l.size(); ++v) {
+      const std::string where = "T " + std::to_string(st.T) + " k " + std::to_string(st.k) +
+                                " top_p " + std::to_string(st.top_p) + " token " +
+                                std::to_string(v);
+      if (want[v] == 0) {
+        EXPECT_EQ(count[v], 0.0) << where;
+      } else {
+        EXPECT_NEAR(count[v], n * want[v], 5 * std::sqrt(n * want[v] * (1 - want[v])) + 1) << where;
+      }
+    }
+  }
+}
+
+// logprobs_at_temperature: log softmax(logits / T) before top-k / top-p (TRL's GRPO policy), in
+// fp64 from the same logits.
+TEST(Sampling, LogprobsAtTemperatureAreTheScaledDistribution) {
+  const std::vector<double> l = {1.0, 0.2, -0.5, 2.2};
+  std::vector<float> lf(l.begin(), l.end());
+  SamplingParams p = sampled(0.6, 5);
+  p.top_k = 2;
+  p.logprobs_at_temperature = true;
+  TokenSampler s(p);
+  std::vector<float> lp;
+  const auto t = s.next_batch(at::tensor(lf).repeat({3, 1}), {}, &lp);
+  double z = 0;
+  for (double x : l) z += std::exp(x / 0.6);
+  for (int b = 0; b < 3; ++b) {
+    EXPECT_TRUE(t[b] == 0 || t[b] == 3);  // top-k 2 still filters the draw
+    EXPECT_NEAR(lp[b], l[t[b]] / 0.6 - std::log(z), 1e-6);
   }
 }
 

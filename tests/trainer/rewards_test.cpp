@@ -28,7 +28,7 @@ using namespace q4::trainer;
 using json = nlohmann::json;
 using q4::test::contains;
 
-namespace {
+namespace rewards_test {
 
 const char* kModel = R"(
 model:
@@ -43,7 +43,7 @@ Config parse_reward(const std::string& reward_yaml) {
   return parse_config(std::string(kModel) + reward_yaml, "test.yaml", "/base");
 }
 
-std::string config_error(const std::string& reward_yaml) {
+std::string reward_config_error(const std::string& reward_yaml) {
   try {
     parse_reward(reward_yaml);
   } catch (const ConfigError& e) {
@@ -100,7 +100,8 @@ bool reaped(pid_t pid) {
 
 const char* kPython = "/usr/bin/python3";
 
-}  // namespace
+}  // namespace rewards_test
+using namespace rewards_test;  // NOLINT: the suite's helpers (a named namespace: unity builds)
 
 TEST(Rewards, ExactMatchNormalisesAndExtracts) {
   auto f = fn(RewardKind::kExactMatch, "exact");
@@ -230,7 +231,7 @@ reward:
 
 TEST(RewardsConfig, ErrorsNameTheKey) {
   auto err = [](const std::string& entries) {
-    return config_error("reward:\n  functions:\n" + entries);
+    return reward_config_error("reward:\n  functions:\n" + entries);
   };
   std::string m = err("    - {kind: regex, pattern: 'a(b'}\n");
   EXPECT_TRUE(
@@ -265,9 +266,9 @@ TEST(RewardsConfig, ErrorsNameTheKey) {
   EXPECT_TRUE(contains(m, "reward.functions[0].weight")) << m;
   m = err("    - just_a_string\n");
   EXPECT_TRUE(contains(m, "reward.functions[0]") && contains(m, "expected a mapping")) << m;
-  m = config_error("reward:\n  functions: [{kind: json, name: command}]\n  command: [x]\n");
+  m = reward_config_error("reward:\n  functions: [{kind: json, name: command}]\n  command: [x]\n");
   EXPECT_TRUE(contains(m, "'command' names two rewards")) << m;
-  m = config_error("reward:\n  command_timeout_s: 0\n");
+  m = reward_config_error("reward:\n  command_timeout_s: 0\n");
   EXPECT_TRUE(contains(m, "reward.command_timeout_s")) << m;
 }
 

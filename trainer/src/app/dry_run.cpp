@@ -8,6 +8,7 @@
 
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/app/trainer.h"
+#include "q4/trainer/objectives/grpo.h"
 #include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/dry_run_stages.h"
 #include "q4/trainer/plan/estimate.h"
@@ -21,7 +22,8 @@ namespace q4::trainer {
 
 int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   std::string note;
-  RunPlan plan = resolve_plan(config, RunOptions{}).with_warmup_clipped(&note);
+  RunPlan plan = resolve_plan(config, RunOptions{}, /*probe=*/false, /*dry_run=*/true)
+                     .with_warmup_clipped(&note);
   const Config& c = plan.config();
   const ObjectiveNeeds& needs = plan.objective_needs();
   if (!note.empty()) out << note << "\n";
@@ -36,7 +38,11 @@ int run_dry_run(const Config& config, std::ostream& out, bool overwrite) {
   // The frozen models the run loads (a teacher only without distill.topk_file), their files and
   // vocabularies checked as the run checks them before loading them.
   if (plan.steps() > 0) check_objective_models(c, mc.vocab_size);
-  if (plan.steps() > 0) plan = dry_run_data(plan, mc, out);
+  if (plan.steps() > 0 && needs.prompt_records) {
+    check_grpo_prompts(c, out);  // prompts are sampled from, not batched
+  } else if (plan.steps() > 0) {
+    plan = dry_run_data(plan, mc, out);
+  }
   // The shipped NVFP4 files store lm_head separately even when config.json says tied; a random
   // init follows config.json. Checking the weights file would mean indexing it; assume the
   // shipped layout for files.

@@ -173,7 +173,7 @@ std::string ignored_settings_warning(const Config& c_in, const ObjectiveNeeds& n
   auto why = [&](const std::string& key) -> std::string {
     auto starts = [&](const char* prefix) { return key.rfind(prefix, 0) == 0; };
     if (starts("lora.") && !lora) return "train.method is " + to_string(c.train.method);
-    for (const char* section : {"distill", "preference"}) {
+    for (const char* section : {"distill", "preference", "grpo", "reward"}) {
       const bool applies =
           std::find(needs.sections.begin(), needs.sections.end(), section) != needs.sections.end();
       if (starts((std::string(section) + ".").c_str()) && !applies) {

@@ -42,6 +42,8 @@ std::string to_string(TrainMethod v) { return enum_name(v); }
 std::string to_string(Divergence v) { return enum_name(v); }
 std::string to_string(PreferenceLossKind v) { return enum_name(v); }
 std::string to_string(RewardKind v) { return enum_name(v); }
+std::string to_string(GrpoLossType v) { return enum_name(v); }
+std::string to_string(ScaleRewards v) { return enum_name(v); }
 
 // ---------------------------------------------------------------------------------------------
 // Range, FieldRef
@@ -241,8 +243,8 @@ std::vector<FieldRef> config_fields(Config& c) {
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
       field("train.objective", &c.train.objective,
             "what training minimizes: cross_entropy on the labels, distill (a teacher's "
-            "distribution, distill.*) or preference (chosen over rejected answers, preference.*)",
-            {}, {"loss_type"}),
+            "distribution, distill.*), preference (chosen over rejected answers, preference.*) "
+            "or grpo (sampled completions scored by rewards, grpo.* and reward.*)"),
       field("train.method", &c.train.method,
             "full: the selected weights train; lora: low-rank adapters on the NVFP4 linears "
             "(lora.*), which stay frozen"),
@@ -325,7 +327,7 @@ std::vector<FieldRef> config_fields(Config& c) {
             {"adam_beta1"}),
       field("optim.beta2", &c.optim.beta2, "AdamW second-moment decay", R::between(0, 1, true),
             {"adam_beta2"}),
-      field("optim.eps", &c.optim.eps, "AdamW epsilon", R::above(0), {"adam_epsilon", "epsilon"}),
+      field("optim.eps", &c.optim.eps, "AdamW epsilon", R::above(0), {"adam_epsilon"}),
       field("optim.weight_decay", &c.optim.weight_decay, "decoupled weight decay", R::at_least(0)),
       field("optim.state", &c.optim.state, "moment storage format", {},
             {"optim_bits", "state_dtype", "moment_dtype"}),
@@ -497,6 +499,43 @@ std::vector<FieldRef> config_fields(Config& c) {
             Range{0.0, 86400.0, true, false}),
       path("reward.command_dir", &c.reward.command_dir,
            "the command's working directory (default: the config file's directory)"),
+      // TRL's GRPOConfig names (docs/trainer.md#grpo).
+      field("grpo.num_generations", &c.grpo.num_generations,
+            "train.objective grpo: completions sampled per prompt, the group whose rewards set "
+            "each completion's advantage",
+            R::between(2, 4096, false)),
+      field("grpo.max_completion_length", &c.grpo.max_completion_length,
+            "tokens sampled per completion at most; prompt + completion must fit train.seq_len",
+            R::at_least(1)),
+      // Bounded as distill.temperature: logits / T stays finite in fp32.
+      field("grpo.temperature", &c.grpo.temperature,
+            "sampling and loss: softmax(logits / temperature), as TRL",
+            R::between(kMinGrpoTemperature, kMaxGrpoTemperature, false)),
+      field("grpo.top_p", &c.grpo.top_p, "nucleus sampling (1: off)", Range{0.0, 1.0, true, false}),
+      field("grpo.top_k", &c.grpo.top_k, "sample from the k most likely tokens (0: off)",
+            R::at_least(0)),
+      field("grpo.beta", &c.grpo.beta,
+            "KL coefficient to the reference (the starting model, k3 estimator); 0: no reference "
+            "model is kept",
+            R::between(0, kMaxPreferenceBeta, false)),
+      field("grpo.epsilon", &c.grpo.epsilon,
+            "clipping: the ratio pi / pi_old is clipped below at 1 - epsilon",
+            R::between(0, 1, false)),
+      field("grpo.epsilon_high", &c.grpo.epsilon_high,
+            "clipping above at 1 + epsilon_high (DAPO's clip-higher; 0: epsilon)",
+            R::between(0, 100, false)),
+      field("grpo.loss_type", &c.grpo.loss_type,
+            "grpo: mean over each completion's tokens, then over completions; dr_grpo: sum / "
+            "(completions x max_completion_length); dapo: sum / tokens of the batch"),
+      field("grpo.scale_rewards", &c.grpo.scale_rewards,
+            "advantages divided by the reward std of the group, of the batch, or not at all "
+            "(TRL's true = group, false = none)"),
+      field("grpo.num_iterations", &c.grpo.num_iterations,
+            "updates per generation batch (TRL's mu); the ratio to the sampling policy matters "
+            "from the second",
+            R::between(1, 1024, false)),
+      field("grpo.mask_truncated_completions", &c.grpo.mask_truncated_completions,
+            "completions that reach max_completion_length without an end token do not train"),
       field("log.every", &c.log.every, "log line every N steps", R::at_least(1),
             {"logging_steps", "log_interval"}),
       field("log.metrics", &c.log.metrics, "metrics file inside output.dir (empty disables)"),

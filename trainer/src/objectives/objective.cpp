@@ -53,6 +53,9 @@ std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& st
       }
       return std::make_unique<PreferenceObjective>(c.preference, std::move(ref));
     }
+    case ObjectiveKind::kGrpo:  // resolve_plan refuses it before anything loads
+      throw ConfigError(
+          "config key train.objective: grpo's rollout training loop is not built yet");
   }
   throw ConfigError("config key train.objective: unknown value");
 }

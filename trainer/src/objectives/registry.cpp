@@ -4,12 +4,14 @@
 #include <array>
 
 #include "q4/io/enum_names.h"
+#include "q4/trainer/objectives/grpo.h"
 #include "q4/trainer/objectives/preference.h"
 #include "q4/trainer/plan/setup.h"
 
 namespace q4::trainer {
 namespace {
 
+using io::enum_name;
 using NamedFiles = std::vector<std::pair<std::string, std::string>>;
 
 // One objective: its kind, the config section of its own settings ("" for none), its rules when
@@ -102,13 +104,32 @@ void preference_needs(const Config& c, ObjectiveNeeds* n) {
   }
 }
 
+void grpo_rules(const Config& c) {
+  const auto& g = c.grpo;
+  // A completion needs at least one prompt token before it in its row.
+  if (g.max_completion_length >= c.train.seq_len) {
+    throw ConfigError(
+        "config key grpo.max_completion_length: " + std::to_string(g.max_completion_length) +
+        " tokens leave no room for a prompt in train.seq_len " + std::to_string(c.train.seq_len) +
+        " (prompt + completion must fit: raise train.seq_len or lower "
+        "grpo.max_completion_length)");
+  }
+}
+
+void grpo_needs(const Config&, ObjectiveNeeds* n) {
+  // The rewards' settings apply too (the reward: section, read by the rollout loop).
+  n->sections.push_back("reward");
+  n->prompt_records = true;
+}
+
 // In the order their rules run.
-const std::array<ObjectiveEntry, 3> kObjectives = {{
+const std::array<ObjectiveEntry, 4> kObjectives = {{
     {ObjectiveKind::kCrossEntropy, "", no_rules, no_rules, no_needs, no_summary},
     {ObjectiveKind::kDistill, "distill", distill_rules, distill_rules_when_inactive, distill_needs,
      no_summary},
     {ObjectiveKind::kPreference, "preference", preference_rules, preference_rules_when_inactive,
      preference_needs, preference_summary},
+    {ObjectiveKind::kGrpo, "grpo", grpo_rules, no_rules, grpo_needs, grpo_summary},
 }};
 
 const ObjectiveEntry& entry(ObjectiveKind kind) {
@@ -134,8 +155,13 @@ ObjectiveNeeds objective_needs(const Config& c) {
   return n;
 }
 
-RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe) {
+RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe, bool dry_run) {
   validate_objective_config(c);
+  if (c.train.objective == ObjectiveKind::kGrpo && !dry_run) {
+    throw ConfigError(
+        "config key train.objective: grpo's rollout training loop is not built yet (its loss, "
+        "sampler and prompt data are; --dry-run checks a grpo config)");
+  }
   return RunPlan(c, options, objective_needs(c), probe);
 }
 

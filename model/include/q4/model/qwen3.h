@@ -429,7 +429,8 @@ class Qwen3Model {
     at::Tensor positions;
     at::Tensor logprobs;
   };
-  TokenLogprobs token_logprobs(const ModelInputs& in);
+  // `temperature`: log softmax(logits / temperature) (GRPO's policy, as TRL; 1: the model's).
+  TokenLogprobs token_logprobs(const ModelInputs& in, double temperature = 1.0);
 
   // Every parameter in HF order (embed, layers..., norm, lm_head when untied). These three
   // accessors call the master fence (below) for every master before they return.
@@ -559,12 +560,14 @@ at::Tensor chunked_loss_with_term(const at::Tensor& hidden, const at::Tensor& we
                                   const LossTerm& term, at::Tensor* ce_sum, at::Tensor* term_sum,
                                   bool fused_kernels = true);
 
-// Log-probability of each row's label, log softmax(hidden · weightᵀ)[label], in chunks of
+// Log-probability of each row's label, log softmax(hidden · weightᵀ / temperature)[label] (the
+// fp32 logits divided by the temperature, as the sampler divides them), in chunks of
 // `chunk_tokens` rows: hidden (N, H), weight (V, H) same dtype, labels (N) int64 in [0, V).
 // Returns (N) fp32, differentiable w.r.t. hidden and weight: the backward recomputes each chunk's
 // logits (one more lm_head GEMM than the cross-entropy, whose upstream gradient is a scalar;
 // here every row has its own), so no logits are saved.
 at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& weight,
-                                  const at::Tensor& labels, int64_t chunk_tokens);
+                                  const at::Tensor& labels, int64_t chunk_tokens,
+                                  double temperature = 1.0);
 
 }  // namespace q4::model

@@ -28,6 +28,10 @@ struct SamplingParams {
   uint64_t seed = 0;                // the CPU generator's seed when none is passed (sampling only)
   std::vector<int64_t> stop_ids = {151645, 151643};  // Qwen3 <|im_end|>, <|endoftext|>
   bool want_logprobs = false;  // GenerationResult::logprobs (one log_softmax per token)
+  // The logprobs under logits / temperature (temperature > 0), before top-k and top-p: GRPO's
+  // policy as TRL defines it, computed op for op as Qwen3Model::token_logprobs(in, temperature)
+  // computes it from the same logits. false: the unprocessed logits (temperature 1).
+  bool logprobs_at_temperature = false;
   // Errors name the field as `prefix` + its name ("temperature", "top_k", "top_p",
   // "repetition_penalty", "max_new_tokens"); `cli` spells it as an option ("--top-k").
   void validate(const std::string& prefix = "", bool cli = false) const;
@@ -99,5 +103,28 @@ GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int
 // Ensures `cache` can take `needed` tokens in total, copying the valid prefix into a larger
 // cache (at least doubling) when it cannot.
 void reserve_cache(const Qwen3Model& model, KvCache& cache, int64_t needed);
+
+// ---------------------------------------------------------------- rollouts (GRPO)
+//
+// `num_generations` completions of each prompt, sampled in one batch with the KV cache through
+// the model's own forward (the weights training computes with), prompt-major: completion g of
+// prompt p is at p * num_generations + g. Each token's log-probability is recorded under
+// logits / params.temperature before top-k / top-p (logprobs_at_temperature): the old policy's
+// log-probability of GRPO's ratio. params.temperature must be > 0; params.max_new_tokens is the
+// completion's length limit; a completion without a stop id is truncated (FinishReason::kLength).
+std::vector<GenerationResult> sample_completions(Qwen3Model& model,
+                                                 const std::vector<std::vector<int64_t>>& prompts,
+                                                 int64_t num_generations,
+                                                 const SamplingParams& params,
+                                                 TokenSampler* sampler = nullptr);
+
+// The same log-probabilities from the training forward: one row per completion, its prompt then
+// its tokens (right-padded, attention-masked), through Qwen3Model::token_logprobs(in,
+// temperature). prompts[i] is completion i's prompt. Returns (B, L) fp32 on the model's device,
+// L the longest completion (or `max_len` when larger), 0 past each completion's end;
+// differentiable when grad mode is on (the trainer's policy log-probabilities).
+at::Tensor completion_logprobs(Qwen3Model& model, const std::vector<std::vector<int64_t>>& prompts,
+                               const std::vector<std::vector<int64_t>>& completions,
+                               double temperature, int64_t max_len = 0);
 
 }  // namespace q4::model

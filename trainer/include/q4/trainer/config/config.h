@@ -55,9 +55,10 @@ enum class HfExport { kNone, kModelOpt, kCompressedTensors, kBf16 };
 enum class ObjectiveKind {
   kCrossEntropy,
   kDistill,
-  kPreference
+  kPreference,
+  kGrpo
 };                                                 // cross_entropy | distill |
-                                                   // preference
+                                                   // preference | grpo
 enum class TrainMethod { kFull, kLora };           // full | lora
 enum class Divergence { kForwardKl, kReverseKl };  // forward_kl | reverse_kl
 // The preference losses (preference.h): DPO's sigmoid, IPO, and the reference-free SimPO.
@@ -65,6 +66,10 @@ enum class PreferenceLossKind { kSigmoid, kIpo, kSimpo };  // sigmoid | ipo | si
 // A built-in verifier of reward.functions (docs/trainer.md#rewards).
 // exact_match | last_number | regex | json | length
 enum class RewardKind { kExactMatch, kLastNumber, kRegex, kJson, kLength };
+// GRPO's aggregation of per-token losses (objectives/grpo.h), TRL's loss_type.
+enum class GrpoLossType { kGrpo, kDrGrpo, kDapo };  // grpo | dr_grpo | dapo
+// What a group's advantages are divided by (TRL's scale_rewards; true = group, false = none).
+enum class ScaleRewards { kGroup, kBatch, kNone };  // group | batch | none
 
 std::string to_string(InitKind v);
 std::string to_string(Dtype v);
@@ -82,6 +87,8 @@ std::string to_string(TrainMethod v);
 std::string to_string(Divergence v);
 std::string to_string(PreferenceLossKind v);
 std::string to_string(RewardKind v);
+std::string to_string(GrpoLossType v);
+std::string to_string(ScaleRewards v);
 
 // Which decoder layers a trainable group covers: every layer, none, the last N, or a list.
 struct LayerSelection {
@@ -217,6 +224,25 @@ struct PreferenceConfig {
   // The reference model, a .dat or Hugging Face folder; empty: the starting model itself.
   std::string reference;
   std::string reference_config;  // its config.json (default: the folder's, else model.config)
+};
+
+// train.objective: grpo (docs/trainer.md#grpo). The keys are TRL's GRPOConfig names; data.files
+// hold TRL prompt records (data/prompt_dataset.h), the rewards are the reward: section's.
+// grpo.temperature: logits / T in sampling and in the loss (TRL), bounded as distill.temperature.
+inline constexpr double kMinGrpoTemperature = 0.01, kMaxGrpoTemperature = 100.0;
+struct GrpoConfig {
+  int64_t num_generations = 8;          // completions per prompt (the group), >= 2
+  int64_t max_completion_length = 256;  // tokens sampled per completion at most
+  double temperature = 1.0;             // sampling and loss: softmax(logits / temperature)
+  double top_p = 1.0;                   // nucleus sampling; 1: off
+  int64_t top_k = 0;                    // keep the k most likely tokens; 0: off
+  double beta = 0.0;     // KL coefficient to the reference (the starting model); 0: no reference
+  double epsilon = 0.2;  // clip range below 1: ratio >= 1 - epsilon
+  double epsilon_high = 0.0;  // clip range above 1 (DAPO's clip-higher); 0: epsilon
+  GrpoLossType loss_type = GrpoLossType::kDapo;
+  ScaleRewards scale_rewards = ScaleRewards::kGroup;
+  int64_t num_iterations = 1;               // updates per generation batch (TRL's mu)
+  bool mask_truncated_completions = false;  // completions without an end token do not train
 };
 
 // train.method: lora (docs/trainer.md#lora-adapters).
@@ -364,6 +390,7 @@ struct Config {
   LogConfig log;
   DistillConfig distill;
   PreferenceConfig preference;
+  GrpoConfig grpo;
   LoraConfig lora;
   RewardConfig reward;
   std::string source;  // where the config came from (file path), for messages
@@ -388,7 +415,8 @@ using FieldPtr =
                  optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
                  data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
-                 PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*>;
+                 PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*,
+                 GrpoLossType*, ScaleRewards*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -535,7 +563,8 @@ Q4_ENUM_NAMES(q4::trainer::HfExport, {"none", q4::trainer::HfExport::kNone},
 Q4_ENUM_NAMES(q4::trainer::ObjectiveKind,
               {"cross_entropy", q4::trainer::ObjectiveKind::kCrossEntropy},
               {"distill", q4::trainer::ObjectiveKind::kDistill},
-              {"preference", q4::trainer::ObjectiveKind::kPreference});
+              {"preference", q4::trainer::ObjectiveKind::kPreference},
+              {"grpo", q4::trainer::ObjectiveKind::kGrpo});
 Q4_ENUM_NAMES(q4::trainer::TrainMethod, {"full", q4::trainer::TrainMethod::kFull},
               {"lora", q4::trainer::TrainMethod::kLora});
 Q4_ENUM_NAMES(q4::trainer::Divergence, {"forward_kl", q4::trainer::Divergence::kForwardKl},
@@ -548,3 +577,12 @@ Q4_ENUM_NAMES(q4::trainer::RewardKind, {"exact_match", q4::trainer::RewardKind::
               {"last_number", q4::trainer::RewardKind::kLastNumber},
               {"regex", q4::trainer::RewardKind::kRegex}, {"json", q4::trainer::RewardKind::kJson},
               {"length", q4::trainer::RewardKind::kLength});
+Q4_ENUM_NAMES(q4::trainer::GrpoLossType, {"grpo", q4::trainer::GrpoLossType::kGrpo},
+              {"dr_grpo", q4::trainer::GrpoLossType::kDrGrpo},
+              {"dapo", q4::trainer::GrpoLossType::kDapo});
+// TRL also takes the booleans: true is group, false is none (printed back as group / none).
+Q4_ENUM_NAMES(q4::trainer::ScaleRewards, {"group", q4::trainer::ScaleRewards::kGroup},
+              {"batch", q4::trainer::ScaleRewards::kBatch},
+              {"none", q4::trainer::ScaleRewards::kNone},
+              {"true", q4::trainer::ScaleRewards::kGroup},
+              {"false", q4::trainer::ScaleRewards::kNone});

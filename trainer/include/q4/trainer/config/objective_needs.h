@@ -21,6 +21,9 @@ struct ObjectiveNeeds {
   // A teacher model runs a forward next to the student in every step (online distillation):
   // its weights and transients count in the memory estimate.
   bool teacher_forward = false;
+  // The data are prompts to sample from (TRL's prompt-only format, data/prompt_dataset.h), not
+  // examples to batch (GRPO).
+  bool prompt_records = false;
   // The config sections whose settings apply to this objective ("distill", "preference").
   std::vector<std::string> sections;
   // Files and folders the objective reads, as (config key, path), paths as configured.

@@ -29,7 +29,9 @@ ObjectiveNeeds objective_needs(const Config& c);
 // The run's plan from its config: the objective's rules checked (validate_objective_config)
 // and its needs resolved here,
 // the rest by the plan (run_plan.h). Run, probe, --dry-run and the tools start from it.
-RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe = false);
+// train.objective grpo is refused unless `dry_run` (its rollout loop is not built yet).
+RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe = false,
+                     bool dry_run = false);
 
 // The teacher's files (distill.teacher, distill.teacher_config), as (config key, path): what
 // --write-teacher-topk reads.
