@@ -1,6 +1,6 @@
-// Token sampling, batched generation and the cached decode loop (see sampling.h). Sampled or
-// penalized logits come to the host in fp32 once per step ((B, V), which the stop check needs
-// anyway); the filters work on those rows. Greedy without a penalty stays on the device.
+// Token sampling, batched generation and the cached decode loop (see sampling.h). Filters and
+// the draw run on the logits' device (one uniform per row comes from the host generator);
+// only with a repetition penalty do the rows come to the host in fp32.
 #include "q4/model/sampling.h"
 
 #include <ATen/ATen.h>
@@ -102,6 +102,8 @@ std::vector<int64_t> TokenSampler::next_batch(
   at::Tensor ids;  // (B) int64
   if (params_.temperature == 0 && !penalize) {
     ids = logits.argmax(-1);  // on the device, in the logits' dtype
+  } else if (!penalize) {
+    ids = draw(logits.to(at::kFloat));  // on the logits' device
   } else {
     at::Tensor l = logits.to(at::kCPU, at::kFloat).clone();  // (B, V)
     if (penalize) {
@@ -113,11 +115,7 @@ std::vector<int64_t> TokenSampler::next_batch(
     if (params_.temperature == 0) {
       ids = l.argmax(-1);
     } else {
-      l = l / params_.temperature;
-      l = filter_top_k(l, params_.top_k);
-      l = filter_top_p(l, params_.top_p);
-      const at::Tensor probs = l.softmax(-1);
-      ids = at::multinomial(probs, 1, /*replacement=*/false, gen_).view({B});
+      ids = draw(l);
     }
   }
   if (logprobs != nullptr) {
@@ -136,6 +134,26 @@ std::vector<int64_t> TokenSampler::next_batch(
   }
   const at::Tensor host = ids.to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + B);
+}
+
+at::Tensor TokenSampler::draw(const at::Tensor& logits) {
+  const int64_t B = logits.size(0);
+  at::Tensor l = logits / params_.temperature;
+  l = filter_top_k(l, params_.top_k);
+  l = filter_top_p(l, params_.top_p);
+  const at::Tensor probs = l.softmax(-1);        // (B, V) fp32
+  const at::Tensor cdf = probs.cumsum(-1);       // (B, V)
+  // One uniform per row from the host generator, on any device: u · total falls in the
+  // interval of exactly one token of positive probability (`right`: past the flat runs of the
+  // filtered ones).
+  const at::Tensor u = at::rand({B, 1}, gen_, at::kFloat).to(logits.device());
+  const at::Tensor target = u * cdf.narrow(1, cdf.size(1) - 1, 1);
+  at::Tensor ids = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)
+                       .clamp_max(cdf.size(1) - 1)
+                       .view({B});
+  // u · total may round up to the total itself: that row takes its most likely token instead.
+  const at::Tensor zero = probs.gather(1, ids.view({B, 1})).view({B}).eq(0);
+  return at::where(zero, probs.argmax(-1), ids);
 }
 
 int64_t TokenSampler::next(const at::Tensor& logits, const std::vector<int64_t>& history) {

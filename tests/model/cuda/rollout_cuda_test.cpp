@@ -19,6 +19,30 @@
 namespace q4::model {
 namespace {
 
+// The sampler's filters and draw run on the logits' device with the host generator's uniforms:
+// the same fp32 logits and seed give the same tokens on CUDA as on the CPU (a token may differ
+// only where u · total falls within the two devices' cumulative-sum rounding of a boundary).
+TEST(RolloutCuda, DeviceSamplingDrawsWhatTheCpuDraws) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(3);
+  const at::Tensor logits = at::randn({64, 5000}, at::kFloat) * 3;
+  SamplingParams p;
+  p.temperature = 0.8;
+  p.top_k = 200;
+  p.top_p = 0.9;
+  p.seed = 11;
+  TokenSampler cpu(p), gpu(p);
+  int64_t same = 0, total = 0;
+  for (int i = 0; i < 10; ++i) {
+    const auto a = cpu.next_batch(logits, {});
+    const auto b = gpu.next_batch(logits.cuda(), {});
+    for (size_t r = 0; r < a.size(); ++r) same += a[r] == b[r];
+    total += static_cast<int64_t>(a.size());
+  }
+  std::cout << "device sampling: " << same << " of " << total << " tokens as on the CPU\n";
+  EXPECT_GE(same, total - 2);
+}
+
 TEST(RolloutCuda, SampledLogprobsNearTheTrainingForwardInBf16) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   at::NoGradGuard no_grad;

@@ -2,9 +2,10 @@
 // different lengths share one cache, left-padded: padded key slots are masked (KvCache::
 // key_valid) and each row's RoPE positions start at 0 at its first real token, so a row sees what
 // it would see alone. The logits processors follow HF transformers' order (repetition penalty,
-// temperature, top-k, top-p) on fp32 host rows with a seeded CPU generator, so a seed reproduces
-// a run on any device. Temperature 0 is greedy: the argmax on the device, as
-// Qwen3Model::generate() has always computed it.
+// temperature, top-k, top-p) in fp32 on the logits' device (on the host only with a repetition
+// penalty), and each row's draw is by inverse CDF from one uniform of a seeded CPU generator, so
+// a seed reproduces a run on any device up to the logits' rounding. Temperature 0 is greedy: the
+// argmax on the device, as Qwen3Model::generate() has always computed it.
 #pragma once
 
 #include <ATen/core/Generator.h>
@@ -67,6 +68,10 @@ class TokenSampler {
   const SamplingParams& params() const { return params_; }
 
  private:
+  // Temperature, top-k, top-p, then one draw per row by inverse CDF (fp32 (B, V) logits on any
+  // device): the B sampled ids on that device.
+  at::Tensor draw(const at::Tensor& logits);
+
   SamplingParams params_;
   at::Generator gen_;
 };
