@@ -88,6 +88,10 @@ struct Qwen3Model::Impl {
   }
   Parameter* find(const std::string& name);
   const std::vector<int64_t>& shape_of(const Parameter* p) const;
+  // Qwen3Model::InferenceWeights: active, its byte budget and what it keeps.
+  bool inference_weights = false;
+  int64_t inference_budget = 0;
+  int64_t inference_bytes = 0;
   bool any_trainable() const;
   // LoRA: whether parameter `s` gets an adapter; A and B's initial draw (after loading).
   bool adapted(const ParamSpec& s) const;
@@ -117,7 +121,9 @@ struct Qwen3Model::Impl {
   // Weight as the forward uses it, compute dtype: frozen -> master; trainable -> a
   // straight-through tap (fake-quantized when quantized) that accumulates into p->grad, after
   // the master fence for p. Every forward reads trainable masters through these two.
+  // Inside a Qwen3Model::InferenceWeights scope without autograd: the kept forward weight.
   at::Tensor weight(Parameter* p) const;
+  at::Tensor forward_weight(Parameter* p) const;  // weight() without the inference scope
   at::Tensor embed_lookup(const at::Tensor& ids) const;  // (B, T) -> (B, T, H)
 
   RopeTables rope(const at::Tensor& position_ids) const;  // position_ids (B, T) int64

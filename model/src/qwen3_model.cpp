@@ -224,6 +224,21 @@ bool Qwen3Model::Impl::any_trainable() const {
 }
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
+  if (inference_weights && !at::GradMode::is_enabled() && (p->trainable || p->lora_a != nullptr)) {
+    if (p->inference_weight.defined()) return p->inference_weight;
+    at::Tensor w = forward_weight(p);
+    const int64_t bytes = static_cast<int64_t>(w.numel() * w.element_size());
+    if (inference_bytes + bytes <= inference_budget) {
+      auto* self = const_cast<Impl*>(this);
+      self->inference_bytes += bytes;
+      p->inference_weight = w;
+    }
+    return w;
+  }
+  return forward_weight(p);
+}
+
+at::Tensor Qwen3Model::Impl::forward_weight(Parameter* p) const {
   if (p->lora_a != nullptr) {
     // Merge-aware: fake_quant(W + s·B·A), straight through to A and B; plain: W itself (the
     // linear adds s·(x·Aᵀ)·Bᵀ), but for lm_head, whose loss takes one weight: W + s·B·A in the
@@ -810,6 +825,25 @@ int64_t Qwen3Model::num_trainable_elements() const {
   for (const auto& p : impl_->adapters) n += p.master.numel();
   return n;
 }
+
+Qwen3Model::InferenceWeights::InferenceWeights(Qwen3Model& model, int64_t max_bytes)
+    : model_(model) {
+  Impl& m = *model_.impl_;
+  TORCH_CHECK(!m.inference_weights, "InferenceWeights: a scope is already active");
+  m.inference_weights = true;
+  m.inference_budget = std::max<int64_t>(max_bytes, 0);
+  m.inference_bytes = 0;
+}
+
+Qwen3Model::InferenceWeights::~InferenceWeights() {
+  Impl& m = *model_.impl_;
+  for (Parameter& p : m.params) p.inference_weight = at::Tensor();
+  for (Parameter& p : m.adapters) p.inference_weight = at::Tensor();
+  m.inference_weights = false;
+  m.inference_bytes = 0;
+}
+
+int64_t Qwen3Model::InferenceWeights::bytes() const { return model_.impl_->inference_bytes; }
 
 KvCache Qwen3Model::make_cache(int64_t batch, int64_t capacity) const {
   TORCH_CHECK(batch > 0 && capacity > 0, "KV cache: batch and capacity must be positive, got ",

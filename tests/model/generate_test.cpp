@@ -310,5 +310,46 @@ TEST(Decode, SeededDecodeEqualsGenerateOfOne) {
   EXPECT_EQ(r.tokens, generate(m, {{1, 2, 3}}, p)[0].tokens);
 }
 
+
+// A trainable (fake-quantized) model generates the same tokens and log-probabilities inside an
+// InferenceWeights scope, which keeps each linear's forward weight (up to its budget) and drops
+// them when it ends; a budget of 0 keeps nothing.
+TEST(Generate, InferenceWeightsKeepTheForwardWeightsAndChangeNothing) {
+  const auto cfg = Qwen3Config::from_json_file(kConfig);
+  ModelOptions opt;
+  opt.trainable = TrainableSpec::everything();
+  opt.gradient_checkpointing = false;
+  Qwen3Model m = Qwen3Model::random_init(cfg, opt, /*seed=*/3, /*std=*/0.5);
+  SamplingParams p = seeded_sampling();
+  p.want_logprobs = true;
+  const std::vector<std::vector<int64_t>> prompts = {{5, 9, 2}, {7}};
+  const auto plain = generate(m, prompts, p);
+  int64_t all = 0;
+  {
+    Qwen3Model::InferenceWeights kept(m, int64_t{1} << 40);
+    const auto cached = generate(m, prompts, p);
+    for (size_t b = 0; b < prompts.size(); ++b) {
+      EXPECT_EQ(cached[b].tokens, plain[b].tokens);
+      EXPECT_EQ(cached[b].logprobs, plain[b].logprobs);
+    }
+    all = kept.bytes();
+    EXPECT_GT(all, 0);
+    EXPECT_TRUE(m.parameter("model.layers.0.self_attn.q_proj.weight").inference_weight.defined());
+  }
+  EXPECT_FALSE(m.parameter("model.layers.0.self_attn.q_proj.weight").inference_weight.defined());
+  {
+    Qwen3Model::InferenceWeights some(m, all / 2);
+    const auto cached = generate(m, prompts, p);
+    EXPECT_EQ(cached[0].tokens, plain[0].tokens);
+    EXPECT_GT(some.bytes(), 0);
+    EXPECT_LE(some.bytes(), all / 2);
+  }
+  {
+    Qwen3Model::InferenceWeights none(m, 0);
+    generate(m, prompts, p);
+    EXPECT_EQ(none.bytes(), 0);
+  }
+}
+
 }  // namespace
 }  // namespace q4::model

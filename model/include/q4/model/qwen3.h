@@ -258,6 +258,10 @@ struct Parameter {
   // ModelOptions::cache_adapted_weights: dequantize(qdata, scale) in the compute dtype, made by
   // the first forward that needs it.
   at::Tensor dequantized;
+  // Qwen3Model::InferenceWeights: the forward weight (fake_quant(master), a merged adapter's
+  // weight, ...) in the compute dtype, made by the first forward without autograd that needs it
+  // and dropped when the scope ends.
+  at::Tensor inference_weight;
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -512,6 +516,24 @@ class Qwen3Model {
   // model in memory, device temporaries of ~100 MB at the default.
   std::vector<std::string> compare_forward_weights(const DatReader& exported,
                                                    int64_t chunk_elems = int64_t{1} << 24) const;
+
+  // A scope in which forwards without autograd (generation, rollouts) compute each linear's
+  // forward weight once and keep it (Parameter::inference_weight), instead of fake-quantizing
+  // its master (or merging its adapter) again in every forward: a decode step then reads the
+  // weights once. At most `max_bytes` are kept (the linears first met keep theirs; the rest are
+  // computed per forward as outside the scope). The masters must not change inside the scope;
+  // the kept weights are dropped when it ends.
+  class InferenceWeights {
+   public:
+    InferenceWeights(Qwen3Model& model, int64_t max_bytes);
+    ~InferenceWeights();
+    InferenceWeights(const InferenceWeights&) = delete;
+    InferenceWeights& operator=(const InferenceWeights&) = delete;
+    int64_t bytes() const;  // kept so far
+
+   private:
+    Qwen3Model& model_;
+  };
 
   // An empty cache for `batch` sequences of up to `capacity` tokens.
   KvCache make_cache(int64_t batch, int64_t capacity) const;
