@@ -80,6 +80,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_INTERNAL_ASSERT(mask.kind != AttnMask::Kind::kVarlen, "varlen mask in attention()");
   const int64_t nh = q.size(1);
   const int64_t kvh = k.size(1);
+  // One query position (a decode step) with grouped key/value heads: the query heads that share
+  // a key/value head become its query rows, (B, KVH, NH/KVH, D), so the cache is read as it is
+  // instead of repeated NH/KVH times (a mask of one row per batch broadcasts over those rows).
+  const bool one_row_mask =
+      mask.kind == AttnMask::Kind::kNone ||
+      (mask.kind == AttnMask::Kind::kExplicit && mask.allowed.size(-2) == 1 &&
+       (mask.allowed.dim() < 4 || mask.allowed.size(1) == 1));
+  if (kvh != nh && q.size(2) == 1 && one_row_mask) {
+    const int64_t B = q.size(0), D = q.size(3);
+    return attention(q.reshape({B, kvh, nh / kvh, D}), k, v, mask).reshape({B, nh, 1, D});
+  }
   at::Tensor kk = k;
   at::Tensor vv = v;
   if (kvh != nh) {
