@@ -4,10 +4,12 @@ scripts/interop/peft_moe_check.sh runs it on the GPU machine (torch, transformer
 safetensors; no network).
 
   peft_moe_check.py make-base HF_DIR
-      a tiny Qwen3MoeForCausalLM (2 layers of 8 experts, top 2, hidden 64, the Qwen3 vocabulary)
-      with seeded random weights, saved with save_pretrained (fp32). A checkpoint that holds
-      transformers' fused in-memory experts (mlp.experts.gate_up_proj) is rewritten with
-      per-expert tensors, the layout q4dat import-hf reads; the script says which it found.
+      a tiny Qwen3MoeForCausalLM (2 layers of 8 experts of width 96, top 2, hidden 64, the Qwen3
+      vocabulary: with the script's rank 16, H, I and r·E are 64, 96 and 128, so every expert
+      adapter tensor's shape tells in from out) with seeded random weights, saved with
+      save_pretrained (fp32). A checkpoint that holds transformers' fused in-memory experts
+      (mlp.experts.gate_up_proj) is rewritten with per-expert tensors, the layout q4dat
+      import-hf reads; the script says which it found.
   peft_moe_check.py ids OUT_IDS.dat VOCAB
       fixed token ids (input_ids, labels: int64 [2, 48]) for q4grad --inputs.
   peft_moe_check.py compare BASE_HF_DIR ADAPTER_DIR IDS.dat Q4GRAD_OUT.dat --base-dat BASE.dat
@@ -43,7 +45,7 @@ from lora_peft_check import ids_of, logits_of, restore_raw_entries  # noqa: E402
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
     "vocab_size": 151936, "hidden_size": 64, "intermediate_size": 192,
-    "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2,
     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
     "router_aux_loss_coef": 0.001, "output_router_logits": False, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-06,

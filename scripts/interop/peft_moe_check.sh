@@ -15,7 +15,7 @@
 # Needs assets/qwen3/tokenizer.json (the demo's tokenizer) and, to build, .debs/ as gpu_check.sh.
 # Env: Q4_BUILD (build; q4train, q4dat and q4grad are built there with q4_gpu_build when one is
 # missing), WORK (/tmp/q4peftmoe), STEPS (6), MODES ("plain merge"), DEVICE (cuda when nvidia-smi
-# sees a GPU, else cpu; on cuda the runs compute in bf16: rank 8 takes the grouped GEMMs).
+# sees a GPU, else cpu; on cuda the runs compute in bf16: rank 16 takes the grouped GEMMs).
 # Prints one RESULT line per mode; exit 1 when a mode's check fails.
 set -euo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -63,15 +63,16 @@ for mode in ${MODES:-plain merge}; do
   # 2. Training: adapters on q_proj and the experts, the norms trained beside them.
   if ! "$bin/q4train" --config configs/demo-moe.yaml --set model.init=file \
       --set "model.weights=$work/base.dat" --set "model.config=$work/hf/config.json" \
-      "${dev_set[@]}" --set train.method=lora --set lora.rank=8 --set lora.alpha=16 \
+      "${dev_set[@]}" --set train.method=lora --set lora.rank=16 --set lora.alpha=32 \
       --set "lora.targets=[q_proj, experts]" --set "lora.merge_aware=$merge" \
       --set train.trainable.norms=true --set train.trainable.lm_head=false \
       --set train.trainable.embeddings=false --set "train.steps=$steps" --set log.every=1 \
+      --set optim.schedule.warmup_steps=1 \
       --set "eval.prompts=[]" --set "output.dir=$run" >"$out/train-$mode.log" 2>&1; then
     tail -n 30 "$out/train-$mode.log"
     q4_die "q4train ($mode) failed: $out/train-$mode.log"
   fi
-  grep -E "^step|adapter|LoRA|lora" "$out/train-$mode.log" | tail -n 12
+  grep -E "^step|adapter|LoRA|export check" "$out/train-$mode.log" | tail -n 12 || true
   [ -f "$run/model-adapter/adapter_config.json" ] || q4_die "no $run/model-adapter"
   # 3. q4's logits: the adapter on the base (fp32), and the merged export.
   "$bin/q4grad" --config "$work/hf/config.json" --weights "$work/base.dat" \
