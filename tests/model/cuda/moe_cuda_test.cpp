@@ -109,14 +109,16 @@ TEST(MoeCuda, Bf16GroupedMatchesPerExpert) {
 // base, bf16 compute and gradients: the grouped path's logits, loss and the gradient of every
 // adapter A and B against the per-expert path's. Both paths multiply the same bf16 operands with
 // fp32 accumulation and round each GEMM output to bf16 once; only the kernels' summation order
-// differs, which moves an output by at most one bf16 rounding (2^-9 relative) where the fp32 sums
-// straddle a rounding boundary. About ten such roundings chain from a logit back to an adapter's
-// gradient (gate/up with their rank-8 terms, SwiGLU, down, the loss, and the same backward), so a
-// norm-wise relative difference stays far below 10 · 2^-9 ≈ 2e-2: the bounds are 1e-2 for the
-// logits and 2e-2 for each gradient (the per-expert fp32 run's difference from the bf16 one is
-// printed beside it for scale). The routers are the same dense GEMMs in both, but their inputs in
-// layer 2 carry those roundings: a route flipped at a near tie would move its token by far more
-// (the cases' GEMMs are deterministic, so such a flip fails every run alike, not now and then).
+// differs, which moves an output by one bf16 rounding (2^-9 relative) only where the two fp32 sums
+// straddle a rounding boundary: a few elements. bf16 against fp32 (the per-expert path in fp32,
+// run too) rounds every element of every GEMM. So the grouped path adds no error of its own when
+// its difference from the per-expert path is well below bf16's own against fp32: the logits' and
+// each gradient's norm-wise relative difference must be under half of that (on the CPU bf16
+// against fp32 is 1e-2 for the logits, 2e-2 for layer 0's gradients and 1e-1 for layer 2's), and
+// under 1e-2 (logits) and 5e-2 (gradients, the bound of Bf16GroupedMatchesPerExpert). The routers
+// are the same dense GEMMs in both, but their inputs in layer 2 carry those roundings: a route
+// flipped at a near tie would move its token by far more (the GEMMs are deterministic, so such a
+// flip fails every run alike, not now and then).
 TEST(MoeCuda, Bf16PlainExpertAdaptersGroupedMatchPerExpert) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   if (!Q4_HAS_GROUPED_MM) GTEST_SKIP() << "LibTorch without grouped GEMMs: one path only";
@@ -180,14 +182,15 @@ TEST(MoeCuda, Bf16PlainExpertAdaptersGroupedMatchPerExpert) {
               "fp32 %.2e), loss %.6f vs %.6f\n",
               logits_err, rel_err(per.logits, ref.logits), grp.loss, per.loss);
   EXPECT_LT(logits_err, 1e-2);
+  EXPECT_LT(logits_err, 0.5 * rel_err(per.logits, ref.logits));
   EXPECT_NEAR(grp.loss, per.loss, 2e-3 * std::abs(per.loss));
   for (const auto& [name, g] : per.grads) {
     ASSERT_EQ(grp.grads.count(name), 1u) << name;
     EXPECT_GT(g.abs().max().item<double>(), 0.0) << name << ": no gradient reached it";
-    const double err = rel_err(grp.grads.at(name), g);
-    std::printf("  %-52s rel err %.2e (bf16 vs fp32 %.2e)\n", name.c_str(), err,
-                rel_err(g, ref.grads.at(name)));
-    EXPECT_LT(err, 2e-2) << name;
+    const double err = rel_err(grp.grads.at(name), g), bf16 = rel_err(g, ref.grads.at(name));
+    std::printf("  %-53s rel err %.2e (bf16 vs fp32 %.2e)\n", name.c_str(), err, bf16);
+    EXPECT_LT(err, 5e-2) << name;
+    EXPECT_LT(err, 0.5 * bf16) << name;
   }
   std::remove(base.c_str());
 }
