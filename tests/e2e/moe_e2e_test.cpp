@@ -119,19 +119,18 @@ TEST(MoeDemo, LoraOnTheExpertsTrainsAndExportsItsPeftFolder) {
   const fs::path adapter = dir / "run" / "model-adapter";
   const auto ac = nlohmann::json::parse(read_text(adapter / "adapter_config.json"));
   EXPECT_EQ(ac.at("target_modules"), nlohmann::json({"q_proj"})) << ac.dump();
-  EXPECT_EQ(ac.at("target_parameters"),
-            nlohmann::json({"model.layers.0.mlp.experts.gate_up_proj",
-                            "model.layers.0.mlp.experts.down_proj",
-                            "model.layers.1.mlp.experts.gate_up_proj",
-                            "model.layers.1.mlp.experts.down_proj"}))
+  EXPECT_EQ(ac.at("target_parameters"), nlohmann::json({"model.layers.0.mlp.experts.gate_up_proj",
+                                                        "model.layers.0.mlp.experts.down_proj",
+                                                        "model.layers.1.mlp.experts.gate_up_proj",
+                                                        "model.layers.1.mlp.experts.down_proj"}))
       << ac.dump();
   const q4::model::SafetensorsFile st((adapter / "adapter_model.safetensors").string());
   const std::string pre = "base_model.model.model.layers.1.mlp.experts.";
   const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
-      {"base_layer.lora_A.weight", {8 * 4, 64}},  // (E·r, H)
+      {"base_layer.lora_A.weight", {8 * 4, 64}},      // (E·r, H)
       {"base_layer.lora_B.weight", {2 * 64, 4 * 8}},  // (2I, r·E)
-      {"lora_A.weight", {8 * 4, 64}},  // (E·r, I)
-      {"lora_B.weight", {64, 4 * 8}}};  // (H, r·E)
+      {"lora_A.weight", {8 * 4, 64}},                 // (E·r, I)
+      {"lora_B.weight", {64, 4 * 8}}};                // (H, r·E)
   for (const auto& [name, shape] : shapes) {
     const q4::model::StTensor* t = st.find(pre + name);
     ASSERT_NE(t, nullptr) << pre + name;

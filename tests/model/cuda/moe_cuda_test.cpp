@@ -178,9 +178,10 @@ TEST(MoeCuda, Bf16PlainExpertAdaptersGroupedMatchPerExpert) {
   ASSERT_EQ(per.grads.size(), 2u * 5);  // layers 0 and 2: gate/up A, gate B, up B, down A, B
   ASSERT_EQ(grp.grads.size(), per.grads.size());
   const double logits_err = rel_err(grp.logits, per.logits);
-  std::printf("plain expert adapters, bf16 grouped vs per-expert: logits rel err %.2e (bf16 vs "
-              "fp32 %.2e), loss %.6f vs %.6f\n",
-              logits_err, rel_err(per.logits, ref.logits), grp.loss, per.loss);
+  std::printf(
+      "plain expert adapters, bf16 grouped vs per-expert: logits rel err %.2e (bf16 vs "
+      "fp32 %.2e), loss %.6f vs %.6f\n",
+      logits_err, rel_err(per.logits, ref.logits), grp.loss, per.loss);
   EXPECT_LT(logits_err, 1e-2);
   EXPECT_LT(logits_err, 0.5 * rel_err(per.logits, ref.logits));
   EXPECT_NEAR(grp.loss, per.loss, 2e-3 * std::abs(per.loss));
