@@ -78,14 +78,19 @@ inline q4::trainer::Config load_cfg(const fs::path& dir) {
 }
 
 // Mean supervised cross-entropy of a frozen model loaded from `weights` over `data_file` (default:
-// the training file), all examples in one batch.
+// the training file), all examples in one batch; with `adapter`, that PEFT folder applied to it
+// (Qwen3Model::load_adapter).
 inline double dataset_loss(const q4::trainer::Config& c, const std::string& weights,
-                           const std::string& data_file = "") {
+                           const std::string& data_file = "", const std::string& adapter = "") {
   const auto mc = q4::model::Qwen3Config::from_json_file(c.model.config);
   auto opt = q4::trainer::model_options(c);
   opt.trainable = q4::model::TrainableSpec::nothing();
+  if (!adapter.empty()) {
+    opt = q4::model::with_adapter(opt, q4::model::read_adapter_config(adapter));
+  }
   q4::model::DatReader reader(weights);
   auto model = q4::model::Qwen3Model::load(mc, reader, opt);
+  if (!adapter.empty()) model.load_adapter(adapter);
   const auto tok = q4::data::Tokenizer::from_file(c.model.tokenizer);
   auto ds = q4::data::load_dataset(data_file.empty() ? c.data.files[0] : data_file, tok);
   q4::data::BatcherOptions bo;

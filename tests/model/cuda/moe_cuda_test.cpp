@@ -1,6 +1,7 @@
 // CUDA only: the tiny mixture-of-experts fixture (make_moe_fixture.py) on the GPU, in fp32
 // against HF's outputs with the fixture's tolerances, and in the training configuration (fp16
-// masters, bf16 compute and gradients) with grouped and per-expert GEMMs. Skips without a GPU.
+// masters, bf16 compute and gradients) with grouped and per-expert GEMMs, and plain expert
+// adapters (docs/model.md#lora-on-experts) through both. Skips without a GPU.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
+#include "q4/quant/torch_compat.h"
 
 namespace q4::model {
 namespace {
@@ -101,6 +103,97 @@ TEST(MoeCuda, Bf16GroupedMatchesPerExpert) {
               loss[1] - loss[0], worst);
   EXPECT_LT(std::abs(loss[1] - loss[0]), 1e-2 * std::abs(loss[0]));
   EXPECT_LT(worst, 5e-2);
+}
+
+// Plain expert adapters (rank 8: bf16 rows of 16 bytes, so the grouped GEMMs apply) on an NVFP4
+// base, bf16 compute and gradients: the grouped path's logits, loss and the gradient of every
+// adapter A and B against the per-expert path's. Both paths multiply the same bf16 operands with
+// fp32 accumulation and round each GEMM output to bf16 once; only the kernels' summation order
+// differs, which moves an output by one bf16 rounding (2^-9 relative) only where the two fp32 sums
+// straddle a rounding boundary: a few elements. bf16 against fp32 (the per-expert path in fp32,
+// run too) rounds every element of every GEMM. So the grouped path adds no error of its own when
+// its difference from the per-expert path is well below bf16's own against fp32: the logits' and
+// each gradient's norm-wise relative difference must be under half of that (on the CPU bf16
+// against fp32 is 1e-2 for the logits, 2e-2 for layer 0's gradients and 1e-1 for layer 2's), and
+// under 1e-2 (logits) and 5e-2 (gradients, the bound of Bf16GroupedMatchesPerExpert). The routers
+// are the same dense GEMMs in both, but their inputs in layer 2 carry those roundings: a route
+// flipped at a near tie would move its token by far more (the GEMMs are deterministic, so such a
+// flip fails every run alike, not now and then).
+TEST(MoeCuda, Bf16PlainExpertAdaptersGroupedMatchPerExpert) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  if (!Q4_HAS_GROUPED_MM) GTEST_SKIP() << "LibTorch without grouped GEMMs: one path only";
+  const Qwen3Config cfg = Qwen3Config::from_json_file(kMoeConfig);
+  const std::string base = temp_path("moe_lora_base.dat");
+  write_dat(Qwen3Model::random_init(cfg, fp32_all(), 5), base, /*quantize_lm_head=*/false);
+  const DatReader w(base);
+  ModelInputs in;
+  {
+    at::Generator gen = at::detail::createCPUGenerator(17);
+    in.input_ids = at::randint(0, cfg.vocab_size, {2, 32}, gen, at::kLong);
+    in.labels = in.input_ids.clone();
+  }
+  struct Run {
+    at::Tensor logits;
+    double loss = 0;
+    std::map<std::string, at::Tensor> grads;  // adapter name -> fp32 gradient on the host
+  };
+  const auto run = [&](bool grouped, at::ScalarType compute) {
+    ModelOptions o = fp32_all(true);
+    o.device = at::Device(at::kCUDA, 0);
+    o.compute_dtype = compute;
+    o.grad_dtype = compute;
+    o.trainable = TrainableSpec::nothing();
+    o.moe_grouped_gemm = grouped;
+    o.lora.rank = 8;
+    o.lora.alpha = 16.0;
+    o.lora.targets = {"experts"};
+    o.lora.merge_aware = false;
+    o.lora.seed = 3;
+    Qwen3Model m = Qwen3Model::load(cfg, w, o);
+    {  // B away from zero (as after training), the same values in every run
+      at::Generator gen = at::detail::createCPUGenerator(29);
+      at::NoGradGuard no_grad;
+      for (auto& p : m.adapters()) {
+        if (p.name.find("lora_B") == std::string::npos) continue;
+        p.master.copy_(at::randn(p.master.sizes(), gen, at::kFloat) * 0.05);
+      }
+    }
+    Run r;
+    {
+      at::NoGradGuard no_grad;
+      r.logits = m.forward(in).to(at::kFloat).cpu();
+    }
+    m.zero_grad();
+    const LossOutput lo = m.loss(in);
+    lo.loss.backward();
+    r.loss = lo.loss.item<double>();
+    for (const auto& p : m.adapters()) {
+      EXPECT_TRUE(p.grad.defined()) << p.name;
+      if (p.grad.defined()) r.grads[p.name] = p.grad.to(at::kFloat).cpu();
+    }
+    return r;
+  };
+  const Run per = run(false, at::kBFloat16), grp = run(true, at::kBFloat16);
+  const Run ref = run(false, at::kFloat);
+  ASSERT_EQ(per.grads.size(), 2u * 5);  // layers 0 and 2: gate/up A, gate B, up B, down A, B
+  ASSERT_EQ(grp.grads.size(), per.grads.size());
+  const double logits_err = rel_err(grp.logits, per.logits);
+  std::printf(
+      "plain expert adapters, bf16 grouped vs per-expert: logits rel err %.2e (bf16 vs "
+      "fp32 %.2e), loss %.6f vs %.6f\n",
+      logits_err, rel_err(per.logits, ref.logits), grp.loss, per.loss);
+  EXPECT_LT(logits_err, 1e-2);
+  EXPECT_LT(logits_err, 0.5 * rel_err(per.logits, ref.logits));
+  EXPECT_NEAR(grp.loss, per.loss, 2e-3 * std::abs(per.loss));
+  for (const auto& [name, g] : per.grads) {
+    ASSERT_EQ(grp.grads.count(name), 1u) << name;
+    EXPECT_GT(g.abs().max().item<double>(), 0.0) << name << ": no gradient reached it";
+    const double err = rel_err(grp.grads.at(name), g), bf16 = rel_err(g, ref.grads.at(name));
+    std::printf("  %-53s rel err %.2e (bf16 vs fp32 %.2e)\n", name.c_str(), err, bf16);
+    EXPECT_LT(err, 5e-2) << name;
+    EXPECT_LT(err, 0.5 * bf16) << name;
+  }
+  std::remove(base.c_str());
 }
 
 }  // namespace
