@@ -66,9 +66,9 @@ struct Importer {
   HfImportReport& rep;
   bool from_q4train = false;
   bool keep_dense = false;  // HfImportOptions::keep_dense
-  q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;  // HfImportOptions::block_rule
   ElemType qdata_type = ElemType::kUInt8;
   std::set<std::string> used;
+  q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;  // HfImportOptions::block_rule
 
   using Ref = SafetensorsModel::Ref;
   // An NVFP4 linear of the folder: codes, block scales, global scale (compressed-tensors stores
