@@ -153,8 +153,7 @@ struct Importer {
     const int64_t rows = t.shape[0], cols = t.shape[1];
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
       const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
-      w.append_nvfp4(
-          q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r), block_rule));
+      w.append_nvfp4(q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r), block_rule));
     }
   }
 

@@ -98,9 +98,9 @@ struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
     ctx->saved_data["grad_dtype"] = grad_dtype;
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
     auto* p = int_to_ptr<Parameter>(param);
-    return q4::quant::fake_quant_nvfp4_forward_unchecked(
-        im->merged_weight(p), static_cast<at::ScalarType>(compute_dtype), p->name,
-        im->opt.block_rule);
+    return q4::quant::fake_quant_nvfp4_forward_unchecked(im->merged_weight(p),
+                                                         static_cast<at::ScalarType>(compute_dtype),
+                                                         p->name, im->opt.block_rule);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());

@@ -93,8 +93,8 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
         const at::Tensor master = m.device_master(p);
         unchanged = m.opt.block_rule == q4::quant::BlockRule::kMax6
                         ? at::equal(deq, master)
-                        : at::equal(deq, q4::quant::fake_quant_nvfp4_forward(
-                                             master, p->name, m.opt.block_rule));
+                        : at::equal(deq, q4::quant::fake_quant_nvfp4_forward(master, p->name,
+                                                                             m.opt.block_rule));
       }
       std::optional<q4::quant::Nvfp4Tensor> packed;
       if (!unchanged && p->qdata.defined()) {

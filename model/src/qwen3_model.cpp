@@ -585,8 +585,8 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
       p.master = w.to(m.opt.master_dtype);
       m.offload_master(&p);
     } else if (p.quantized && m.opt.fake_quant) {
-      p.master = q4::quant::fake_quant_nvfp4_forward(w, p.name, m.opt.block_rule)
-                     .to(m.opt.compute_dtype);
+      p.master =
+          q4::quant::fake_quant_nvfp4_forward(w, p.name, m.opt.block_rule).to(m.opt.compute_dtype);
     } else {
       p.master = w.to(m.opt.compute_dtype);
     }

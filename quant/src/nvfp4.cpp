@@ -147,7 +147,7 @@ at::Tensor block_sq_err(const at::Tensor& xb, const at::Tensor& s) {
   at::Tensor q = at::index_select(value_of_key, 0, element_keys(xb, s).reshape({-1}));
   q = q.view(xb.sizes()).mul_(s);  // dequantized values, exact in fp32
   const at::Tensor diff = xb.to(at::kDouble) - q.to(at::kDouble);  // exact
-  at::Tensor e = diff * diff;                                        // (nb, w), w = 16 ... 1
+  at::Tensor e = diff * diff;                                      // (nb, w), w = 16 ... 1
   for (int64_t w = kNvfp4BlockSize; w > 1; w /= 2) {
     const at::Tensor pairs = e.view({-1, w / 2, 2});
     e = pairs.select(2, 0) + pairs.select(2, 1);
@@ -232,15 +232,15 @@ at::Tensor fake_quant_cpu(const at::Tensor& w, const std::string& name, BlockRul
   const int64_t rows = w.size(0), cols = w.size(1);
   at::Tensor out = at::empty({rows, cols}, w.options());  // (r, c) in w's dtype
   const at::Tensor value_of_key = const_tensor(key_tables().value.data(), kKeyCount);
-  for_key_chunks(w, "fake_quant_nvfp4", name, rule,
-                 [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
-    const at::Tensor val =
-        at::index_select(value_of_key, 0, k.key.reshape({-1})).view({-1, kNvfp4BlockSize});
-    at::Tensor dst = out.narrow(0, r0, nr).view({-1, kNvfp4BlockSize});  // (nb, 16)
-    // E2M1 value * E4M3 scale has <= 6 significant bits and lies in [2^-10, 2688]: exact in
-    // fp32, fp16 and bf16, so the cast to w's dtype is exact too.
-    at::mul_out(dst, val, k.s);
-  });
+  for_key_chunks(
+      w, "fake_quant_nvfp4", name, rule, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
+        const at::Tensor val =
+            at::index_select(value_of_key, 0, k.key.reshape({-1})).view({-1, kNvfp4BlockSize});
+        at::Tensor dst = out.narrow(0, r0, nr).view({-1, kNvfp4BlockSize});  // (nb, 16)
+        // E2M1 value * E4M3 scale has <= 6 significant bits and lies in [2^-10, 2688]: exact in
+        // fp32, fp16 and bf16, so the cast to w's dtype is exact too.
+        at::mul_out(dst, val, k.s);
+      });
   return out;
 }
 
@@ -428,8 +428,7 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
 
 }  // namespace
 
-at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name,
-                                    BlockRule rule) {
+at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name, BlockRule rule) {
   return fake_quant_dispatch(w, name, /*check=*/true, rule);
 }
 

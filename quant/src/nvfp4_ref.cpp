@@ -1,6 +1,6 @@
-// Scalar reference of the NVFP4 codec (docs/design.md#nvfp4-arithmetic): the readable definition that
-// the vectorized CPU path and the CUDA kernels must reproduce bit-exactly. E4M3 encoding here is
-// a brute-force nearest search over all finite codes (ties to the even code), deliberately
+// Scalar reference of the NVFP4 codec (docs/design.md#nvfp4-arithmetic): the readable definition
+// that the vectorized CPU path and the CUDA kernels must reproduce bit-exactly. E4M3 encoding here
+// is a brute-force nearest search over all finite codes (ties to the even code), deliberately
 // independent of the bit tricks used by the fast paths. The 4-over-6 block rule (BlockRule) is
 // written out here as well. Per-element loops: small inputs only.
 #include <ATen/ATen.h>
@@ -32,7 +32,8 @@ void check_float_matrix_ref(const at::Tensor& x, const char* fn) {
 // Decoded E4M3 scale of a block with amax `amax` whose amax maps to `target` (6 or 4):
 // E4M3(clamp(amax / target, 2^-16, 448)).
 float block_scale_ref(float amax, float target, uint8_t* bits) {
-  *bits = e4m3_encode_ref(std::min(std::max(amax / target, 1.52587890625e-05f /* 2^-16 */), 448.0f));
+  *bits =
+      e4m3_encode_ref(std::min(std::max(amax / target, 1.52587890625e-05f /* 2^-16 */), 448.0f));
   return e4m3_decode_ref(*bits);
 }
 

@@ -53,8 +53,8 @@ TEST(FourOverSixModel, ExportReloadsToTheTrainingForward) {
       Qwen3Model re = Qwen3Model::load(cfg, DatReader(out), frozen);
       at::NoGradGuard ng;
       const at::Tensor back = re.forward(in);
-      EXPECT_TRUE(at::equal(back, trained)) << "reloaded logits differ by "
-                                            << (back - trained).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(back, trained))
+          << "reloaded logits differ by " << (back - trained).abs().max().item<double>();
       // The same masters under max6: the file's own values are max6's fixed points with zero
       // error, which 4-over-6 keeps (ties go to max6); moved masters compute differently.
       ModelOptions o6 = fp32_all();

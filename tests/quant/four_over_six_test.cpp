@@ -4,8 +4,8 @@
 // adversarial blocks; its error never above max6's; fake-quant = dequantize(quantize) under both
 // rules and every dtype; the fast CPU path and the CUDA kernels equal to the scalar reference bit
 // for bit (the CUDA case skips without a GPU); max6 passed explicitly equals the golden fixture.
-#include <gtest/gtest.h>
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -30,8 +30,8 @@ struct Choice {
 double candidate_err(const float* x, float target, uint8_t* bits) {
   double amax = 0.0;
   for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
-  const float sf = std::min(std::max(static_cast<float>(amax) / target, 1.52587890625e-05f),
-                            448.0f);
+  const float sf =
+      std::min(std::max(static_cast<float>(amax) / target, 1.52587890625e-05f), 448.0f);
   *bits = e4m3_encode_ref(sf);
   const double s = e4m3_decode_ref(*bits);
   double err = 0.0;
@@ -75,8 +75,8 @@ at::Tensor test_blocks() {
   adv[6] = at::linspace(-1e5, 1e5, 256);        // both scales clamp at 448
   adv[7] = at::linspace(-1e-6, 1e-6, 256);      // both scales at the 2^-16 floor
   // E2M1 thresholds under scale 1: 0.25, 0.75, ... 5, with amax 6.
-  const float ties[16] = {6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -5, -3.5, -2.5, -1.75, -1.25,
-                          -0.75, -0.25, 4};
+  const float ties[16] = {6,  0.25, 0.75, 1.25,  1.75,  2.5,   3.5,   5,
+                          -5, -3.5, -2.5, -1.75, -1.25, -0.75, -0.25, 4};
   for (int j = 0; j < 256; ++j) adv[8][j] = ties[j % 16];
   adv[9] = at::full({256}, 7.0f);  // constant blocks
   adv[10] = at::arange(256, at::kFloat) - 128;
@@ -186,8 +186,8 @@ TEST(FourOverSix, Max6ExplicitEqualsGolden) {
     const Nvfp4Tensor q = quantize_nvfp4(in, "x", BlockRule::kMax6);
     EXPECT_TRUE(bit_equal(q.qdata, golden.at(k + "weight.qdata"))) << c;
     EXPECT_TRUE(bit_equal(q.scale, golden.at(k + "weight.scale"))) << c;
-    EXPECT_TRUE(bit_equal(quantize_nvfp4_ref(in, BlockRule::kMax6).scale,
-                          golden.at(k + "weight.scale")))
+    EXPECT_TRUE(
+        bit_equal(quantize_nvfp4_ref(in, BlockRule::kMax6).scale, golden.at(k + "weight.scale")))
         << c;
   }
 }
@@ -205,8 +205,8 @@ TEST(FourOverSixCuda, MatchesCpu) {
     x_cpu = (dt == at::kHalf ? x_cpu.clamp(-6e4, 6e4) : x_cpu).to(dt);
     for (const bool aligned : {true, false}) {
       const at::Tensor base = x_cpu.view({-1}).to(cuda);
-      const at::Tensor flat = aligned ? base : at::cat({base.narrow(0, 0, 1), base}).narrow(0, 1,
-                                                                                           base.numel());
+      const at::Tensor flat =
+          aligned ? base : at::cat({base.narrow(0, 0, 1), base}).narrow(0, 1, base.numel());
       const at::Tensor x = flat.view(x_cpu.sizes());
       const Nvfp4Tensor cpu = quantize_nvfp4(x_cpu, "x", r);
       const Nvfp4Tensor gpu = quantize_nvfp4(x, "x", r);
@@ -220,8 +220,8 @@ TEST(FourOverSixCuda, MatchesCpu) {
       EXPECT_TRUE(bit_equal(into.scale, cpu.scale));
       if (dt != at::kFloat) {
         const at::ScalarType other = dt == at::kHalf ? at::kBFloat16 : at::kHalf;
-        EXPECT_TRUE(bit_equal(fake_quant_nvfp4_forward_unchecked(x, other, "x", r),
-                              fq_cpu.to(other)));
+        EXPECT_TRUE(
+            bit_equal(fake_quant_nvfp4_forward_unchecked(x, other, "x", r), fq_cpu.to(other)));
       }
     }
   }

@@ -36,10 +36,11 @@ class ConfigError : public std::runtime_error {
 // enum in config.cpp, listing the choices in the order the docs show them). A setting that a
 // library defines is that library's enum: optim::StateMode (optim.state: fp32 | int8 | 4bit |
 // nvfp4), optim::MasterRounding (stochastic | nearest), optim::LrScheduleKind (constant | linear
-// | cosine), quant::BlockRule (quant.block_rule: max6 | 4over6), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip),
-// data::TextUnit (file | paragraph | line), data::Truncation (auto | cut_left | cut_right | drop
-// | split); their to_string is the library's. The enums below are the config's own: settings with
-// no library counterpart, or with an `auto`/`none` the trainer resolves first.
+// | cosine), quant::BlockRule (quant.block_rule: max6 | 4over6), data::DataFormat (auto | tsv |
+// jsonl | text), data::OnError (fail | skip), data::TextUnit (file | paragraph | line),
+// data::Truncation (auto | cut_left | cut_right | drop | split); their to_string is the library's.
+// The enums below are the config's own: settings with no library counterpart, or with an
+// `auto`/`none` the trainer resolves first.
 enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
