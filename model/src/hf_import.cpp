@@ -68,6 +68,7 @@ struct Importer {
   bool keep_dense = false;  // HfImportOptions::keep_dense
   ElemType qdata_type = ElemType::kUInt8;
   std::set<std::string> used;
+  q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;  // HfImportOptions::block_rule
 
   using Ref = SafetensorsModel::Ref;
   // An NVFP4 linear of the folder: codes, block scales, global scale (compressed-tensors stores
@@ -152,7 +153,7 @@ struct Importer {
     const int64_t rows = t.shape[0], cols = t.shape[1];
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk(cols)) {
       const int64_t n = std::min(rows_per_chunk(cols), rows - r0);
-      w.append_nvfp4(q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r)));
+      w.append_nvfp4(q4::quant::quantize_nvfp4(r.file->load_rows(t, r0, n), where(r), block_rule));
     }
   }
 
@@ -489,6 +490,7 @@ HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
   Importer im{dir, st, w, rep, false, false, ElemType::kUInt8, {}};
   im.from_q4train = from_q4train;
   im.keep_dense = opt.keep_dense;
+  im.block_rule = opt.block_rule;
   if (from_q4train && meta.count(kHfMetaQdataElem) && meta.at(kHfMetaQdataElem) == "100") {
     im.qdata_type = ElemType::kE2M1Packed;
   }

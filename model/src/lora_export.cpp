@@ -128,7 +128,9 @@ void Qwen3Model::export_adapter(const std::string& dir, const std::string& base_
     if (!p.trainable) continue;
     at::NoGradGuard no_grad;
     at::Tensor w = p.master.detach();
-    if (p.quantized && m.opt.fake_quant) w = q4::quant::fake_quant_nvfp4_forward(w, p.name);
+    if (p.quantized && m.opt.fake_quant) {
+      w = q4::quant::fake_quant_nvfp4_forward(w, p.name, m.opt.block_rule);
+    }
     w = w.cpu().contiguous();
     add(p.name, w);
     saved.push_back(peft_module_of(p.name));
@@ -484,7 +486,8 @@ double Qwen3Model::merged_requantization_error() const {
   for (const Parameter& p : m.params) {
     if (p.lora_a == nullptr) continue;
     const at::Tensor merged = m.merged_weight(&p);
-    const at::Tensor fq = q4::quant::fake_quant_nvfp4_forward_unchecked(merged, at::kFloat, p.name);
+    const at::Tensor fq =
+        q4::quant::fake_quant_nvfp4_forward_unchecked(merged, at::kFloat, p.name, m.opt.block_rule);
     err += (fq - merged).pow(2).sum().item<double>();
     const at::Tensor ba =
         lora_delta(p.lora_b->master.to(at::kFloat), p.lora_a->master.to(at::kFloat));

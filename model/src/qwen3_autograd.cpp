@@ -73,7 +73,8 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     if (p->quantized && int_to_ptr<const Qwen3Model::Impl>(impl)->opt.fake_quant) {
       // Unchecked: no per-weight device->host sync on CUDA (the trainer's non-finite guard
       // catches NaN/Inf through the loss and gradients); on CPU it still raises.
-      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p->name);
+      return q4::quant::fake_quant_nvfp4_forward_unchecked(
+          master, cd, p->name, int_to_ptr<const Qwen3Model::Impl>(impl)->opt.block_rule);
     }
     return master.to(cd, /*non_blocking=*/false, /*copy=*/true);
   }
@@ -97,8 +98,9 @@ struct LoraMergedTap : public torch::autograd::Function<LoraMergedTap> {
     ctx->saved_data["grad_dtype"] = grad_dtype;
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(impl);
     auto* p = int_to_ptr<Parameter>(param);
-    return q4::quant::fake_quant_nvfp4_forward_unchecked(
-        im->merged_weight(p), static_cast<at::ScalarType>(compute_dtype), p->name);
+    return q4::quant::fake_quant_nvfp4_forward_unchecked(im->merged_weight(p),
+                                                         static_cast<at::ScalarType>(compute_dtype),
+                                                         p->name, im->opt.block_rule);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* im = int_to_ptr<const Qwen3Model::Impl>(ctx->saved_data["impl"].toInt());

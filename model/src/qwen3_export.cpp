@@ -71,7 +71,8 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
     if (it == decided.end() && p->lora_a != nullptr) {
       // An adapted linear: its merged weight W + s·B·A, quantized (what a merge-aware forward
       // computes with, bit for bit).
-      const q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(m.merged_weight(p), p->name);
+      const q4::quant::Nvfp4Tensor t =
+          q4::quant::quantize_nvfp4(m.merged_weight(p), p->name, m.opt.block_rule);
       it = decided.emplace(ref.name, q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(),
                                                             t.scale.cpu().contiguous()})
                .first;
@@ -87,13 +88,19 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
                                                            p->master.scalar_type());
         TORCH_CHECK(deq.sizes() == p->master.sizes(), where, ": dequantized shape ", deq.sizes(),
                     " differs from the model's ", p->master.sizes());
-        unchanged = at::equal(deq, m.device_master(p));
+        // Under 4-over-6 a file's max6 codes need not be what the rule makes of their own
+        // values: the source is kept only where it decodes to the forward's weight.
+        const at::Tensor master = m.device_master(p);
+        unchanged = m.opt.block_rule == q4::quant::BlockRule::kMax6
+                        ? at::equal(deq, master)
+                        : at::equal(deq, q4::quant::fake_quant_nvfp4_forward(master, p->name,
+                                                                             m.opt.block_rule));
       }
       std::optional<q4::quant::Nvfp4Tensor> packed;
       if (!unchanged && p->qdata.defined()) {
         packed = q4::quant::Nvfp4Tensor{p->qdata.cpu().contiguous(), p->scale.cpu().contiguous()};
       } else if (!unchanged) {
-        q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(p->master, p->name);
+        q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(p->master, p->name, m.opt.block_rule);
         packed = q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(), t.scale.cpu().contiguous()};
       }
       it = decided.emplace(ref.name, std::move(packed)).first;
@@ -125,7 +132,8 @@ void write_dat(const Qwen3Model& model, const std::string& path, bool quantize_l
   for (const auto& p : params) {
     if (quantized(p)) {
       const auto q = q4::quant::quantize_nvfp4(
-          p.lora_a != nullptr ? model.merged_weight(p) : p.master.to(at::kFloat), p.name);
+          p.lora_a != nullptr ? model.merged_weight(p) : p.master.to(at::kFloat), p.name,
+          model.options().block_rule);
       w.add_nvfp4(p.name, {q.qdata.cpu(), q.scale.cpu()}, ElemType::kE2M1Packed);
     } else {
       w.add(p.name, p.master.to(at::kCPU, at::kHalf).contiguous(), ElemType::kFloat16);

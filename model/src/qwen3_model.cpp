@@ -97,7 +97,7 @@ const std::vector<int64_t>& Qwen3Model::Impl::shape_of(const Parameter* p) const
 void Qwen3Model::Impl::offload_master(Parameter* p) {
   if (!opt.offload_masters || !p->trainable || !p->quantized) return;
   // Codes from the device master while it is there (one pass), then the master moves out.
-  const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(p->master, p->name);
+  const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(p->master, p->name, opt.block_rule);
   p->qdata = q.qdata;
   p->scale = q.scale;
   if (p->master.is_cuda()) {
@@ -593,14 +593,15 @@ Qwen3Model Qwen3Model::random_init(const Qwen3Config& cfg, ModelOptions opt, uin
     p.quantized = specs[i].kind == ParamKind::kQuantizedLinear;
     w = w.to(m.opt.device);
     if (p.lora_a != nullptr) {
-      const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(w, p.name);
+      const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(w, p.name, m.opt.block_rule);
       p.qdata = q.qdata;
       p.scale = q.scale;
     } else if (p.trainable) {
       p.master = w.to(m.opt.master_dtype);
       m.offload_master(&p);
     } else if (p.quantized && m.opt.fake_quant) {
-      p.master = q4::quant::fake_quant_nvfp4_forward(w, p.name).to(m.opt.compute_dtype);
+      p.master =
+          q4::quant::fake_quant_nvfp4_forward(w, p.name, m.opt.block_rule).to(m.opt.compute_dtype);
     } else {
       p.master = w.to(m.opt.compute_dtype);
     }
@@ -799,7 +800,7 @@ void Qwen3Model::refresh_codes(const Parameter* only) {
     const at::Tensor master = p.master.device() == p.qdata.device()
                                   ? p.master
                                   : q4::io::device_alias(p.master, p.qdata.device());
-    q4::quant::quantize_nvfp4_into(master, {p.qdata, p.scale}, p.name);
+    q4::quant::quantize_nvfp4_into(master, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
   }
 }
 
@@ -809,7 +810,7 @@ void Qwen3Model::refresh_codes(const Parameter& p, const at::Tensor& master) {
   at::NoGradGuard no_grad;
   const at::Tensor values =
       master.device() == p.qdata.device() ? master : q4::io::device_alias(master, p.qdata.device());
-  q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name);
+  q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
 }
 
 void Qwen3Model::begin_grad_step() {

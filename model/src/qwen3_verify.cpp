@@ -33,7 +33,7 @@ std::vector<std::string> Qwen3Model::compare_forward_weights(const DatReader& ex
   // the NVFP4 export of such a model is its post-training quantization.
   auto forward_weight = [&](const Parameter& p, const at::Tensor& master) {
     if (p.quantized && (p.trainable || p.lora_a != nullptr || !m.opt.fake_quant)) {
-      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name);
+      return q4::quant::fake_quant_nvfp4_forward_unchecked(master, cd, p.name, m.opt.block_rule);
     }
     if (!p.trainable) return master;
     return master.to(cd);

@@ -2,7 +2,8 @@
 // autograd function. The CPU path walks row chunks (temporaries stay O(kCpuChunkElems)) and
 // uses a handful of ATen passes per chunk: block amax -> scales (E4M3 RNE by int32 bit
 // manipulation), one exact fp32 division, an int32 key from the bits of the quotient, one
-// table gather that yields the E2M1 code or value, one multiply. CUDA tensors go to the fused
+// table gather that yields the E2M1 code or value, one multiply (4-over-6: the same passes once
+// more per candidate scale, and the blocks' fp64 squared errors). CUDA tensors go to the fused
 // kernels (nvfp4_kernels.cu).
 #include "q4/quant/nvfp4.h"
 
@@ -121,9 +122,55 @@ void check_input(const at::Tensor& x, const char* fn, const std::string& name) {
               "be NVFP4-encoded");
 }
 
+// E2M1 keys (nb, 16) int32 (see key_tables) of xb (nb, 16) fp32 under the decoded block scales
+// s (nb, 1) fp32.
+at::Tensor element_keys(const at::Tensor& xb, const at::Tensor& s) {
+  at::Tensor d = xb / (s + 1e-12);  // (nb, 16) exact fp32 division
+  d.add_(0.0);                      // -0.0 -> +0.0 (IEEE), everything else unchanged
+  return at::bitwise_right_shift(d.view(at::kInt), kKeyShift).add_(1024);
+}
+
+// E4M3 bits (nb, 1) uint8 of scale_input(amax) for block amaxes a (nb, 1) fp32 (contiguous), with
+// the shared scalar codec: one value per 16 elements.
+at::Tensor encode_scales(const at::Tensor& a, float (*scale_input)(float)) {
+  at::Tensor bits = at::empty(a.sizes(), a.options().dtype(at::kByte));
+  const float* ap = a.data_ptr<float>();
+  uint8_t* bp = bits.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < a.numel(); ++i) bp[i] = numerics::e4m3_encode(scale_input(ap[i]));
+  return bits;
+}
+
+// Squared error (nb, 1) fp64 of each block of xb (nb, 16) fp32 under its decoded scale s (nb, 1):
+// numerics::nvfp4_sq_err per element, summed in numerics::pairwise_sum's order (adjacent pairs).
+at::Tensor block_sq_err(const at::Tensor& xb, const at::Tensor& s) {
+  const at::Tensor value_of_key = const_tensor(key_tables().value.data(), kKeyCount);
+  at::Tensor q = at::index_select(value_of_key, 0, element_keys(xb, s).reshape({-1}));
+  q = q.view(xb.sizes()).mul_(s);  // dequantized values, exact in fp32
+  const at::Tensor diff = xb.to(at::kDouble) - q.to(at::kDouble);  // exact
+  at::Tensor e = diff * diff;                                      // (nb, w), w = 16 ... 1
+  for (int64_t w = kNvfp4BlockSize; w > 1; w /= 2) {
+    const at::Tensor pairs = e.view({-1, w / 2, 2});
+    e = pairs.select(2, 0) + pairs.select(2, 1);
+  }
+  return e;
+}
+
+// 4-over-6 (docs/design.md#nvfp4-arithmetic): where the scale from amax / 4 gives a block a
+// smaller squared error than its amax / 6 scale, it replaces that one in bits (nb, 1) uint8 and
+// s (nb, 1) fp32. a: block amaxes (nb, 1) fp32, contiguous.
+void choose_four_over_six(const at::Tensor& xb, const at::Tensor& a, at::Tensor* bits,
+                          at::Tensor* s) {
+  const at::Tensor bits4 = encode_scales(a, numerics::nvfp4_scale_input_over4);
+  const at::Tensor s4 = e4m3_decode(bits4);
+  const at::Tensor use4 = at::lt(block_sq_err(xb, s4), block_sq_err(xb, *s));  // ties: max6
+  *bits = at::where(use4, bits4, *bits);
+  *s = at::where(use4, s4, *s);
+}
+
 // One CPU chunk: xb (nb, 16) fp32 -> scale bits (nb, 1) uint8, scale (nb, 1) fp32, and the
 // E2M1 key (nb, 16) int32 of every element (see key_tables). Returns false on NaN/Inf.
-bool cpu_chunk_keys(const at::Tensor& xb, at::Tensor* bits, at::Tensor* s, at::Tensor* key) {
+bool cpu_chunk_keys(const at::Tensor& xb, BlockRule rule, at::Tensor* bits, at::Tensor* s,
+                    at::Tensor* key) {
   // Block amax as a tree of elementwise maxima over column halves (16 -> 8 -> 4 -> 2 -> 1):
   // ATen's reductions over a 16-wide inner dim are several times slower. NaN propagates.
   at::Tensor amax = at::abs(xb);  // (nb, 16), then (nb, 8) ... (nb, 1)
@@ -131,18 +178,11 @@ bool cpu_chunk_keys(const at::Tensor& xb, at::Tensor* bits, at::Tensor* s, at::T
     amax = at::maximum(amax.narrow(1, 0, w), amax.narrow(1, w, w));
   }
   if (!at::isfinite(amax).all().item<bool>()) return false;
-  // Scales with the shared scalar codec: one value per 16 elements.
   const at::Tensor a = amax.contiguous();  // (nb, 1)
-  *bits = at::empty(a.sizes(), a.options().dtype(at::kByte));
-  const float* ap = a.data_ptr<float>();
-  uint8_t* bp = bits->data_ptr<uint8_t>();
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    bp[i] = numerics::e4m3_encode(numerics::nvfp4_scale_input(ap[i]));
-  }
+  *bits = encode_scales(a, numerics::nvfp4_scale_input);
   *s = e4m3_decode(*bits);
-  at::Tensor d = xb / (*s + 1e-12);  // (nb, 16) exact fp32 division
-  d.add_(0.0);                       // -0.0 -> +0.0 (IEEE), everything else unchanged
-  *key = at::bitwise_right_shift(d.view(at::kInt), kKeyShift).add_(1024);
+  if (rule == BlockRule::kFourOverSix) choose_four_over_six(xb, a, bits, s);
+  *key = element_keys(xb, *s);
   return true;
 }
 
@@ -158,25 +198,26 @@ struct ChunkKeys {
   at::Tensor bits, s, key;
 };
 
-// Calls fn(r0, nr, keys) over the row chunks of x (rows, cols); a chunk with a NaN/Inf fails,
-// naming `fn_name` and the tensor.
+// Calls fn(r0, nr, keys) over the row chunks of x (rows, cols), scales chosen by `rule`; a chunk
+// with a NaN/Inf fails, naming `fn_name` and the tensor.
 template <typename Fn>
-void for_key_chunks(const at::Tensor& x, const char* fn_name, const std::string& name, Fn&& fn) {
+void for_key_chunks(const at::Tensor& x, const char* fn_name, const std::string& name,
+                    BlockRule rule, Fn&& fn) {
   for_row_chunks(x.size(0), x.size(1), [&](int64_t r0, int64_t nr) {
     const at::Tensor xc = x.narrow(0, r0, nr);
     const at::Tensor xb = xc.to(at::kFloat).reshape({-1, kNvfp4BlockSize});  // (nb, 16)
     ChunkKeys k;
-    if (!cpu_chunk_keys(xb, &k.bits, &k.s, &k.key)) fail_nonfinite(xc, fn_name, name);
+    if (!cpu_chunk_keys(xb, rule, &k.bits, &k.s, &k.key)) fail_nonfinite(xc, fn_name, name);
     fn(r0, nr, k);
   });
 }
 
-Nvfp4Tensor quantize_cpu(const at::Tensor& x, const std::string& name) {
+Nvfp4Tensor quantize_cpu(const at::Tensor& x, const std::string& name, BlockRule rule) {
   const int64_t rows = x.size(0), cols = x.size(1);
   at::Tensor qdata = at::empty({rows, cols / 2}, x.options().dtype(at::kByte));   // (r, c/2)
   at::Tensor scale = at::empty({rows, cols / kNvfp4BlockSize}, qdata.options());  // (r, c/16)
   const at::Tensor codes_of_key = const_tensor(key_tables().code.data(), kKeyCount);
-  for_key_chunks(x, "quantize_nvfp4", name, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
+  for_key_chunks(x, "quantize_nvfp4", name, rule, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
     const at::Tensor codes =
         at::index_select(codes_of_key, 0, k.key.reshape({-1})).view({-1, 2});  // (n/2, 2)
     const at::Tensor packed =
@@ -187,18 +228,19 @@ Nvfp4Tensor quantize_cpu(const at::Tensor& x, const std::string& name) {
   return {qdata, scale};
 }
 
-at::Tensor fake_quant_cpu(const at::Tensor& w, const std::string& name) {
+at::Tensor fake_quant_cpu(const at::Tensor& w, const std::string& name, BlockRule rule) {
   const int64_t rows = w.size(0), cols = w.size(1);
   at::Tensor out = at::empty({rows, cols}, w.options());  // (r, c) in w's dtype
   const at::Tensor value_of_key = const_tensor(key_tables().value.data(), kKeyCount);
-  for_key_chunks(w, "fake_quant_nvfp4", name, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
-    const at::Tensor val =
-        at::index_select(value_of_key, 0, k.key.reshape({-1})).view({-1, kNvfp4BlockSize});
-    at::Tensor dst = out.narrow(0, r0, nr).view({-1, kNvfp4BlockSize});  // (nb, 16)
-    // E2M1 value * E4M3 scale has <= 6 significant bits and lies in [2^-10, 2688]: exact in
-    // fp32, fp16 and bf16, so the cast to w's dtype is exact too.
-    at::mul_out(dst, val, k.s);
-  });
+  for_key_chunks(
+      w, "fake_quant_nvfp4", name, rule, [&](int64_t r0, int64_t nr, const ChunkKeys& k) {
+        const at::Tensor val =
+            at::index_select(value_of_key, 0, k.key.reshape({-1})).view({-1, kNvfp4BlockSize});
+        at::Tensor dst = out.narrow(0, r0, nr).view({-1, kNvfp4BlockSize});  // (nb, 16)
+        // E2M1 value * E4M3 scale has <= 6 significant bits and lies in [2^-10, 2688]: exact in
+        // fp32, fp16 and bf16, so the cast to w's dtype is exact too.
+        at::mul_out(dst, val, k.s);
+      });
   return out;
 }
 
@@ -251,7 +293,7 @@ at::Tensor e4m3_decode(const at::Tensor& bits) {
   return at::index_select(table, 0, bits.reshape({-1}).to(at::kInt)).view(bits.sizes());
 }
 
-Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name) {
+Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name, BlockRule rule) {
   check_input(x_in, "quantize_nvfp4", name);
   const at::Tensor x = x_in.contiguous();
   if (x.is_cuda()) {
@@ -264,7 +306,7 @@ Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name) {
     cuda::check_cuda(
         cuda::launch_quantize_nvfp4(x.data_ptr(), cuda::dtype_of(x.scalar_type(), "nvfp4"),
                                     x.numel() / kNvfp4BlockSize, qdata.data_ptr<uint8_t>(),
-                                    scale.data_ptr<uint8_t>(), flag.data_ptr<int32_t>(),
+                                    scale.data_ptr<uint8_t>(), flag.data_ptr<int32_t>(), rule,
                                     at::cuda::getCurrentCUDAStream()),
         "quantize_nvfp4");
     check_flag(flag, x, "quantize_nvfp4", name);
@@ -273,11 +315,11 @@ Nvfp4Tensor quantize_nvfp4(const at::Tensor& x_in, const std::string& name) {
     fail_no_cuda("quantize_nvfp4");
 #endif
   }
-  return quantize_cpu(x, name);
+  return quantize_cpu(x, name, rule);
 }
 
-void quantize_nvfp4_into(const at::Tensor& x_in, const Nvfp4Tensor& out,
-                         const std::string& name) {
+void quantize_nvfp4_into(const at::Tensor& x_in, const Nvfp4Tensor& out, const std::string& name,
+                         BlockRule rule) {
   check_input(x_in, "quantize_nvfp4_into", name);
   const int64_t rows = x_in.size(0), cols = x_in.size(1);
   const auto want = [&](const at::Tensor& t, int64_t c, const char* what) {
@@ -296,7 +338,7 @@ void quantize_nvfp4_into(const at::Tensor& x_in, const Nvfp4Tensor& out,
     cuda::check_cuda(
         cuda::launch_quantize_nvfp4(x.data_ptr(), cuda::dtype_of(x.scalar_type(), "nvfp4"),
                                     x.numel() / kNvfp4BlockSize, out.qdata.data_ptr<uint8_t>(),
-                                    out.scale.data_ptr<uint8_t>(), nullptr,
+                                    out.scale.data_ptr<uint8_t>(), nullptr, rule,
                                     at::cuda::getCurrentCUDAStream()),
         "quantize_nvfp4_into");
     return;
@@ -304,7 +346,7 @@ void quantize_nvfp4_into(const at::Tensor& x_in, const Nvfp4Tensor& out,
     fail_no_cuda("quantize_nvfp4_into");
 #endif
   }
-  const Nvfp4Tensor q = quantize_cpu(x, name);
+  const Nvfp4Tensor q = quantize_cpu(x, name, rule);
   out.qdata.copy_(q.qdata);
   out.scale.copy_(q.scale);
 }
@@ -356,6 +398,7 @@ namespace {
 // out_dtype: the result's dtype (nullopt: w's). On CUDA an fp16 <-> bf16 change happens in the
 // kernel's store (the fake-quantized values are exact in both); otherwise a cast follows.
 at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, bool check,
+                               BlockRule rule,
                                std::optional<at::ScalarType> out_dtype = std::nullopt) {
   check_input(w_in, "fake_quant_nvfp4", name);
   const at::Tensor w = w_in.contiguous();
@@ -371,7 +414,7 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
         cuda::launch_fake_quant_nvfp4_cast(
             w.data_ptr(), cuda::dtype_of(w.scalar_type(), "nvfp4"), out.data_ptr(),
             cuda::dtype_of(out.scalar_type(), "nvfp4"), w.numel() / kNvfp4BlockSize,
-            check ? flag.data_ptr<int32_t>() : nullptr, at::cuda::getCurrentCUDAStream()),
+            check ? flag.data_ptr<int32_t>() : nullptr, rule, at::cuda::getCurrentCUDAStream()),
         "fake_quant_nvfp4");
     if (check) check_flag(flag, w, "fake_quant_nvfp4", name);
     return direct ? out : out.to(want);
@@ -379,20 +422,20 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
     fail_no_cuda("fake_quant_nvfp4");
 #endif
   }
-  at::Tensor out = fake_quant_cpu(w, name);
+  at::Tensor out = fake_quant_cpu(w, name, rule);
   return out.scalar_type() == want ? out : out.to(want);
 }
 
 }  // namespace
 
-at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name) {
-  return fake_quant_dispatch(w, name, /*check=*/true);
+at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name, BlockRule rule) {
+  return fake_quant_dispatch(w, name, /*check=*/true, rule);
 }
 
 at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w,
                                               std::optional<at::ScalarType> out_dtype,
-                                              const std::string& name) {
-  return fake_quant_dispatch(w, name, /*check=*/false, out_dtype);
+                                              const std::string& name, BlockRule rule) {
+  return fake_quant_dispatch(w, name, /*check=*/false, rule, out_dtype);
 }
 
 namespace {
@@ -400,20 +443,21 @@ namespace {
 // Straight-through estimator: forward quantizes, backward passes the gradient unchanged.
 struct FakeQuantNvfp4Fn : public torch::autograd::Function<FakeQuantNvfp4Fn> {
   static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& w,
-                            bool check_finite) {
-    return check_finite ? fake_quant_nvfp4_forward(w, "weight")
-                        : fake_quant_nvfp4_forward_unchecked(w);
+                            bool check_finite, int64_t rule) {
+    const auto r = static_cast<BlockRule>(rule);
+    return check_finite ? fake_quant_nvfp4_forward(w, "weight", r)
+                        : fake_quant_nvfp4_forward_unchecked(w, std::nullopt, "tensor", r);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
                                                  torch::autograd::variable_list grad_out) {
-    return {grad_out[0], at::Tensor()};
+    return {grad_out[0], at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor fake_quant_nvfp4(const at::Tensor& w, bool check_finite) {
-  return FakeQuantNvfp4Fn::apply(w, check_finite);
+at::Tensor fake_quant_nvfp4(const at::Tensor& w, bool check_finite, BlockRule rule) {
+  return FakeQuantNvfp4Fn::apply(w, check_finite, static_cast<int64_t>(rule));
 }
 
 }  // namespace q4::quant

@@ -8,14 +8,17 @@
 
 #include <cstdint>
 
+#include "q4/quant/block_rule.h"
 #include "q4/quant/cuda_common.h"
 
 namespace q4::quant::cuda {
 
 // x: (n_blocks*16) of `kind` -> qdata (n_blocks*8) uint8, scale (n_blocks) uint8 E4M3 bits.
-// *nonfinite_flag (device int32, zeroed by the caller) is set to 1 if x has a NaN/Inf.
+// *nonfinite_flag (device int32, zeroed by the caller) is set to 1 if x has a NaN/Inf. `rule`
+// picks each block's scale (block_rule.h), as in every launcher that quantizes.
 cudaError_t launch_quantize_nvfp4(const void* x, DType kind, int64_t n_blocks, uint8_t* qdata,
-                                  uint8_t* scale, int32_t* nonfinite_flag, cudaStream_t stream);
+                                  uint8_t* scale, int32_t* nonfinite_flag, BlockRule rule,
+                                  cudaStream_t stream);
 
 // qdata (n_blocks*8), scale (n_blocks) -> out (n_blocks*16) of `kind`.
 cudaError_t launch_dequantize_nvfp4(const uint8_t* qdata, const uint8_t* scale, int64_t n_blocks,
@@ -24,12 +27,12 @@ cudaError_t launch_dequantize_nvfp4(const uint8_t* qdata, const uint8_t* scale, 
 // Fused dequantize(quantize(w)): w and out (n_blocks*16) of `kind`; one read, one write.
 // A block with NaN/Inf comes out all NaN; nonfinite_flag may be null (no check).
 cudaError_t launch_fake_quant_nvfp4(const void* w, void* out, DType kind, int64_t n_blocks,
-                                    int32_t* nonfinite_flag, cudaStream_t stream);
+                                    int32_t* nonfinite_flag, BlockRule rule, cudaStream_t stream);
 
 // The same with the output in `out_kind`: the pairs (k, k), (fp16, bf16) and (bf16, fp16)
 // (equal widths); other pairs return cudaErrorInvalidValue.
 cudaError_t launch_fake_quant_nvfp4_cast(const void* w, DType kind, void* out, DType out_kind,
-                                         int64_t n_blocks, int32_t* nonfinite_flag,
+                                         int64_t n_blocks, int32_t* nonfinite_flag, BlockRule rule,
                                          cudaStream_t stream);
 
 }  // namespace q4::quant::cuda

@@ -3,7 +3,8 @@
 // 2 lanes x 8 fp16/bf16: one 16-byte load each), reduces amax with shuffles and applies the exact
 // fp32 numerics (docs/design.md#nvfp4-arithmetic) with explicitly rounded ops (__fdiv_rn,
 // __fadd_rn, __fmul_rn), so the results are bit-identical to the CPU path and the scalar
-// reference. No torch headers here.
+// reference. 4-over-6 (kFour: a template flag, so the max6 kernels are unchanged) sums each
+// candidate scale's fp64 squared errors in the shared pairwise order. No torch headers here.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -66,12 +67,29 @@ __device__ __forceinline__ float e2m1_decode_dev(uint32_t code) {
   return numerics::e2m1_decode(code);
 }
 
+// 4-over-6's block error under the decoded scale s: this lane's elements summed pairwise
+// (numerics::pairwise_sum), then the lanes at shuffle distance 1, 2, ...: the adjacent-pairs
+// tree over the 16 elements that the CPU path and the reference use, equal in every lane.
+template <int kVec, int kLanes>
+__device__ __forceinline__ double block_sq_err(const float (&v)[kVec], float s) {
+  double e[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) e[i] = numerics::nvfp4_sq_err(v[i], s);
+  double sum = numerics::pairwise_sum(e);
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) {
+    sum = __dadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+  }
+  return sum;
+}
+
 // A lane's kVec values of its 16-element block as fp32 into v (zeros for a lane past the last
 // block, valid == false) and the block's scale from the lane group's amax: E4M3 bits and decoded
 // value. Every thread of the grid takes part in the shuffles, so a lane group never straddles a
 // partially active warp. A block with a NaN/Inf sets *flag (when given) and gets scale NaN, so a
-// fake-quant output block is NaN rather than a silently encoded value.
-template <typename T, bool kAligned>
+// fake-quant output block is NaN rather than a silently encoded value. kFour: the scale by
+// 4-over-6 (amax -> 4 where that block error is smaller; ties keep amax -> 6).
+template <typename T, bool kAligned, bool kFour>
 __device__ __forceinline__ void read_lane_block(const T* __restrict__ p, bool valid, int32_t* flag,
                                                 float (&v)[Layout<T>::kVec], uint32_t* sbits,
                                                 float* s) {
@@ -92,13 +110,22 @@ __device__ __forceinline__ void read_lane_block(const T* __restrict__ p, bool va
   amax = group_max<L::kLanes>(amax);
   bad = group_or<L::kLanes>(bad);
   *sbits = e4m3_encode_dev(numerics::nvfp4_scale_input(amax));
-  *s = bad ? __uint_as_float(0x7FC00000u) : e4m3_decode_pos(*sbits);
+  *s = e4m3_decode_pos(*sbits);
+  if constexpr (kFour) {
+    const uint32_t bits4 = e4m3_encode_dev(numerics::nvfp4_scale_input_over4(amax));
+    const float s4 = e4m3_decode_pos(bits4);
+    if (block_sq_err<L::kVec, L::kLanes>(v, s4) < block_sq_err<L::kVec, L::kLanes>(v, *s)) {
+      *sbits = bits4;
+      *s = s4;
+    }
+  }
+  if (bad) *s = __uint_as_float(0x7FC00000u);
   if (bad && flag != nullptr) *flag = 1;
 }
 
 // U: output element type, same width as T (one 16-byte vector in, one out), e.g. fp16 masters
 // to a bf16 compute weight in one pass (the fake-quantized values are exact in both).
-template <typename T, typename U, bool kAligned>
+template <typename T, typename U, bool kAligned, bool kFour>
 __global__ void fake_quant_kernel(const T* __restrict__ w, U* __restrict__ out, int64_t n_blocks,
                                   int32_t* flag) {
   static_assert(sizeof(T) == sizeof(U), "fake_quant_kernel: in and out of one width");
@@ -110,7 +137,7 @@ __global__ void fake_quant_kernel(const T* __restrict__ w, U* __restrict__ out, 
   float v[L::kVec];
   uint32_t sbits;
   float s;
-  read_lane_block<T, kAligned>(w + base, valid, flag, v, &sbits, &s);
+  read_lane_block<T, kAligned, kFour>(w + base, valid, flag, v, &sbits, &s);
   const float denom = __fadd_rn(s, 1e-12f);
 #pragma unroll
   for (int i = 0; i < L::kVec; ++i) {
@@ -119,7 +146,7 @@ __global__ void fake_quant_kernel(const T* __restrict__ w, U* __restrict__ out, 
   if (valid) store_lane<U, kAligned>(out + base, v);
 }
 
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, bool kFour>
 __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ qdata,
                                 uint8_t* __restrict__ scale, int64_t n_blocks, int32_t* flag) {
   using L = Layout<T>;
@@ -130,7 +157,8 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ q
   float v[L::kVec];
   uint32_t sbits;
   float s;
-  read_lane_block<T, kAligned>(x + blk * kBlock + lane * L::kVec, valid, flag, v, &sbits, &s);
+  read_lane_block<T, kAligned, kFour>(x + blk * kBlock + lane * L::kVec, valid, flag, v, &sbits,
+                                      &s);
   const float denom = __fadd_rn(s, 1e-12f);
   uint32_t packed = 0;  // element 2j in the low nibble of byte j
 #pragma unroll
@@ -174,30 +202,39 @@ unsigned grid_for(int64_t n_blocks) {
   return static_cast<unsigned>((threads + kThreadsPerCta - 1) / kThreadsPerCta);
 }
 
-template <typename T, typename U>
+template <typename T, typename U, bool kFour>
 cudaError_t fake_quant_typed(const void* w, void* out, int64_t n_blocks, int32_t* flag,
                              cudaStream_t stream) {
   const T* wp = static_cast<const T*>(w);
   U* op = static_cast<U*>(out);
   if (aligned16(w) && aligned16(out)) {
-    fake_quant_kernel<T, U, true>
+    fake_quant_kernel<T, U, true, kFour>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(wp, op, n_blocks, flag);
   } else {
-    fake_quant_kernel<T, U, false>
+    fake_quant_kernel<T, U, false, kFour>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(wp, op, n_blocks, flag);
   }
   return cudaGetLastError();
 }
 
-template <typename T>
+// The fake-quant kernel for rule (block_rule.h): one instantiation per rule.
+template <typename T, typename U>
+cudaError_t fake_quant_rule(const void* w, void* out, int64_t n_blocks, int32_t* flag,
+                            BlockRule rule, cudaStream_t stream) {
+  return rule == BlockRule::kFourOverSix
+             ? fake_quant_typed<T, U, true>(w, out, n_blocks, flag, stream)
+             : fake_quant_typed<T, U, false>(w, out, n_blocks, flag, stream);
+}
+
+template <typename T, bool kFour>
 cudaError_t quantize_typed(const void* x, int64_t n_blocks, uint8_t* qdata, uint8_t* scale,
                            int32_t* flag, cudaStream_t stream) {
   const T* xp = static_cast<const T*>(x);
   if (aligned16(x)) {
-    quantize_kernel<T, true>
+    quantize_kernel<T, true, kFour>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(xp, qdata, scale, n_blocks, flag);
   } else {
-    quantize_kernel<T, false>
+    quantize_kernel<T, false, kFour>
         <<<grid_for<T>(n_blocks), kThreadsPerCta, 0, stream>>>(xp, qdata, scale, n_blocks, flag);
   }
   return cudaGetLastError();
@@ -220,10 +257,14 @@ cudaError_t dequantize_typed(const uint8_t* qdata, const uint8_t* scale, int64_t
 }  // namespace
 
 cudaError_t launch_quantize_nvfp4(const void* x, DType kind, int64_t n_blocks, uint8_t* qdata,
-                                  uint8_t* scale, int32_t* nonfinite_flag, cudaStream_t stream) {
+                                  uint8_t* scale, int32_t* nonfinite_flag, BlockRule rule,
+                                  cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
   return dispatch_dtype(kind, cudaErrorInvalidValue, [&](auto tag) {
-    return quantize_typed<decltype(tag)>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
+    using T = decltype(tag);
+    return rule == BlockRule::kFourOverSix
+               ? quantize_typed<T, true>(x, n_blocks, qdata, scale, nonfinite_flag, stream)
+               : quantize_typed<T, false>(x, n_blocks, qdata, scale, nonfinite_flag, stream);
   });
 }
 
@@ -236,26 +277,26 @@ cudaError_t launch_dequantize_nvfp4(const uint8_t* qdata, const uint8_t* scale, 
 }
 
 cudaError_t launch_fake_quant_nvfp4(const void* w, void* out, DType kind, int64_t n_blocks,
-                                    int32_t* nonfinite_flag, cudaStream_t stream) {
+                                    int32_t* nonfinite_flag, BlockRule rule, cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
   return dispatch_dtype(kind, cudaErrorInvalidValue, [&](auto tag) {
     using T = decltype(tag);
-    return fake_quant_typed<T, T>(w, out, n_blocks, nonfinite_flag, stream);
+    return fake_quant_rule<T, T>(w, out, n_blocks, nonfinite_flag, rule, stream);
   });
 }
 
 cudaError_t launch_fake_quant_nvfp4_cast(const void* w, DType kind, void* out, DType out_kind,
-                                         int64_t n_blocks, int32_t* nonfinite_flag,
+                                         int64_t n_blocks, int32_t* nonfinite_flag, BlockRule rule,
                                          cudaStream_t stream) {
   if (n_blocks == 0) return cudaSuccess;
   if (kind == out_kind) {
-    return launch_fake_quant_nvfp4(w, out, kind, n_blocks, nonfinite_flag, stream);
+    return launch_fake_quant_nvfp4(w, out, kind, n_blocks, nonfinite_flag, rule, stream);
   }
   if (kind == DType::kF16 && out_kind == DType::kBF16) {
-    return fake_quant_typed<__half, __nv_bfloat16>(w, out, n_blocks, nonfinite_flag, stream);
+    return fake_quant_rule<__half, __nv_bfloat16>(w, out, n_blocks, nonfinite_flag, rule, stream);
   }
   if (kind == DType::kBF16 && out_kind == DType::kF16) {
-    return fake_quant_typed<__nv_bfloat16, __half>(w, out, n_blocks, nonfinite_flag, stream);
+    return fake_quant_rule<__nv_bfloat16, __half>(w, out, n_blocks, nonfinite_flag, rule, stream);
   }
   return cudaErrorInvalidValue;
 }

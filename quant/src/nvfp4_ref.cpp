@@ -1,7 +1,8 @@
-// Scalar reference of the NVFP4 codec (docs/design.md#nvfp4-arithmetic): the readable definition that
-// the vectorized CPU path and the CUDA kernels must reproduce bit-exactly. E4M3 encoding here is
-// a brute-force nearest search over all finite codes (ties to the even code), deliberately
-// independent of the bit tricks used by the fast paths. Per-element loops: small inputs only.
+// Scalar reference of the NVFP4 codec (docs/design.md#nvfp4-arithmetic): the readable definition
+// that the vectorized CPU path and the CUDA kernels must reproduce bit-exactly. E4M3 encoding here
+// is a brute-force nearest search over all finite codes (ties to the even code), deliberately
+// independent of the bit tricks used by the fast paths. The 4-over-6 block rule (BlockRule) is
+// written out here as well. Per-element loops: small inputs only.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -26,6 +27,31 @@ void check_float_matrix_ref(const at::Tensor& x, const char* fn) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
                   x.scalar_type() == at::kBFloat16,
               fn, ": expected dtype float32, float16 or bfloat16, found ", x.scalar_type());
+}
+
+// Decoded E4M3 scale of a block with amax `amax` whose amax maps to `target` (6 or 4):
+// E4M3(clamp(amax / target, 2^-16, 448)).
+float block_scale_ref(float amax, float target, uint8_t* bits) {
+  *bits =
+      e4m3_encode_ref(std::min(std::max(amax / target, 1.52587890625e-05f /* 2^-16 */), 448.0f));
+  return e4m3_decode_ref(*bits);
+}
+
+// A block's squared error under the decoded scale s: sum over its 16 elements of
+// (x - E2M1(clamp(x / (s + 1e-12), -6, 6)) * s)^2, each term in fp64, summed as a pairwise tree
+// of adjacent elements ((e0 + e1) + (e2 + e3)) + ..., the one order every path uses.
+double block_sq_err_ref(const float* blk, float s) {
+  double e[kNvfp4BlockSize];
+  for (int64_t i = 0; i < kNvfp4BlockSize; ++i) {
+    const float d = std::min(std::max(blk[i] / (s + 1e-12f), -6.0f), 6.0f);
+    const float q = e2m1_decode_ref(e2m1_encode_ref(d)) * s;
+    const double diff = static_cast<double>(blk[i]) - static_cast<double>(q);
+    e[i] = diff * diff;
+  }
+  for (int64_t w = kNvfp4BlockSize; w > 1; w /= 2) {
+    for (int64_t i = 0; i < w / 2; ++i) e[i] = e[2 * i] + e[2 * i + 1];
+  }
+  return e[0];
 }
 
 }  // namespace
@@ -76,7 +102,7 @@ uint8_t e2m1_encode_ref(float d) {
   return code;
 }
 
-Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x_in) {
+Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x_in, BlockRule rule) {
   check_float_matrix_ref(x_in, "quantize_nvfp4_ref");
   const at::Tensor x = x_in.to(at::kCPU, at::kFloat).contiguous();  // (r, c)
   const int64_t rows = x.size(0), cols = x.size(1), nb = cols / kNvfp4BlockSize;
@@ -94,9 +120,17 @@ Nvfp4Tensor quantize_nvfp4_ref(const at::Tensor& x_in) {
                     r, ", ", b * kNvfp4BlockSize + i, "]");
         amax = std::max(amax, std::fabs(blk[i]));
       }
-      const float sf = std::min(std::max(amax / 6.0f, 1.52587890625e-05f /* 2^-16 */), 448.0f);
-      const uint8_t sbits = e4m3_encode_ref(sf);
-      const float s = e4m3_decode_ref(sbits);
+      uint8_t sbits = 0;
+      float s = block_scale_ref(amax, 6.0f, &sbits);
+      if (rule == BlockRule::kFourOverSix) {
+        // 4-over-6: amax -> 4 instead where that scale's error is smaller (ties keep amax -> 6).
+        uint8_t bits4 = 0;
+        const float s4 = block_scale_ref(amax, 4.0f, &bits4);
+        if (block_sq_err_ref(blk, s4) < block_sq_err_ref(blk, s)) {
+          sbits = bits4;
+          s = s4;
+        }
+      }
       sp[r * nb + b] = sbits;
       uint8_t* q = qp + r * (cols / 2) + b * (kNvfp4BlockSize / 2);
       for (int64_t i = 0; i < kNvfp4BlockSize; i += 2) {

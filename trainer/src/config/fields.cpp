@@ -241,6 +241,11 @@ std::vector<FieldRef> config_fields(Config& c) {
             Range{0.0, 1.0, true, false}, {"initializer_range"}),
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
+      field("quant.block_rule", &c.quant.block_rule,
+            "each 16-value block's NVFP4 scale: max6 maps its largest magnitude to 6 (the "
+            "standard); 4over6 also tries 4 and keeps the scale with the lower squared error "
+            "(the file format is unchanged); used by the fake quantizer, the codes of offloaded "
+            "masters, merge-aware adapters and the export alike"),
       field("train.objective", &c.train.objective,
             "what training minimizes: cross_entropy on the labels, distill (a teacher's "
             "distribution, distill.*), preference (chosen over rejected answers, preference.*) "

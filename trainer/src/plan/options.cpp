@@ -93,6 +93,7 @@ model::ModelOptions model_options(const Config& c, const RecomputePlan& recomput
   o.offload_layer_inputs = recompute.offload_layer_inputs;
   o.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   o.fake_quant = c.model.fake_quant;
+  o.block_rule = c.quant.block_rule;
   o.offload_masters = c.optim.offload == Offload::kAll;
   o.router_aux_loss_coef = c.train.router_aux_loss_coef.value;
   o.router_z_loss_coef = c.train.router_z_loss_coef;

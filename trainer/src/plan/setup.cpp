@@ -84,6 +84,7 @@ LoadedModel load_weights(const Config& c, const model::Qwen3Config& mc, std::ost
     const auto t0 = Clock::now();
     model::HfImportOptions import_opt;
     import_opt.keep_dense = !c.model.fake_quant;
+    import_opt.block_rule = c.quant.block_rule;
     const auto rep = as_input_error("model.weights", [&] {
       return model::import_hf(c.model.weights, lm.source_path, import_opt);
     });
@@ -397,11 +398,13 @@ std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const Froz
   opt.compute_dtype = student.compute_dtype;
   opt.master_dtype = student.compute_dtype;
   opt.fake_quant = spec.fake_quant;
+  opt.block_rule = student.block_rule;
   opt.trainable = model::TrainableSpec::nothing();
   opt.gradient_checkpointing = false;
   opt.loss_chunk_tokens = student.loss_chunk_tokens;
   model::HfImportOptions import;
   import.keep_dense = spec.keep_dense;
+  import.block_rule = student.block_rule;
   auto m = as_input_error(spec.key, [&] {
     return std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(cfg, spec.path, opt, import));
   });

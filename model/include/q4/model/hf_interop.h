@@ -104,6 +104,8 @@ struct HfImportOptions {
   // quantization), and so do the embedding and norms: what plain-precision training from a
   // full-precision folder needs. NVFP4 linears of the folder are still copied as pairs.
   bool keep_dense = false;
+  // The block rule of the float linears' quantization (ModelOptions::block_rule).
+  q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;
 };
 HfImportReport import_hf(const std::string& hf_dir, const std::string& out_dat,
                          const HfImportOptions& opt = {});

@@ -15,9 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "q4/io/enum_names.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3_config.h"
 #include "q4/model/qwen3_params.h"
+#include "q4/quant/block_rule.h"
 
 namespace q4::model {
 
@@ -117,6 +119,11 @@ struct ModelOptions {
   // plain precision, every weight computes as its master (a model trained this way is a
   // full-precision model; its NVFP4 export is the export quantizer's rounding of it, a PTQ).
   bool fake_quant = true;
+  // How every scale derived from values picks its E4M3 byte (q4/quant/block_rule.h): the fake
+  // quantizer of the forward, the codes of offloaded masters, merge-aware adapters and the
+  // export's quantization all use this one rule, so the exported codes are what the forward
+  // computed with. Files and dequantization do not depend on it.
+  q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;
   // Each trainable NVFP4 linear computes from NVFP4 codes kept on the device, quantize(master)
   // (Parameter::qdata/scale), dequantized by its forward: the weights fake_quant(master) gives,
   // bit for bit. On CUDA its master then lives in pinned host memory, where the optimizer updates
@@ -593,3 +600,7 @@ at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& we
                                   double temperature = 1.0);
 
 }  // namespace q4::model
+
+// ModelOptions::block_rule's spellings (quant.block_rule in the config; quant/ is below q4_io).
+Q4_ENUM_NAMES(q4::quant::BlockRule, {"max6", q4::quant::BlockRule::kMax6},
+              {"4over6", q4::quant::BlockRule::kFourOverSix});

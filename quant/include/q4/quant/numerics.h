@@ -107,6 +107,15 @@ Q4_HD float nvfp4_scale_input(float amax) {
 #endif
 }
 
+// 4-over-6's second candidate (docs/design.md#nvfp4-arithmetic): clamp(amax / 4, 2^-16, 448).
+Q4_HD float nvfp4_scale_input_over4(float amax) {
+#if defined(__CUDA_ARCH__)
+  return fminf(fmaxf(__fdiv_rn(amax, 4.0f), kNvfp4ScaleMin), kE4m3Max);
+#else
+  return std::fmin(std::fmax(amax / 4.0f, kNvfp4ScaleMin), kE4m3Max);
+#endif
+}
+
 // ---- E2M1 ----
 // Code of d: magnitude = number of thresholds <= |d| (so |d| >= 5, also unclamped, is code 7),
 // bit 3 set when d < 0 (tiny negatives become code 8, -0; -0.0 itself is code 0).
@@ -124,6 +133,43 @@ Q4_HD float e2m1_decode(uint32_t code) {
   const uint32_t c = code & 7u;
   const float mag = c <= 4u ? 0.5f * static_cast<float>(c) : (c == 7u ? 6.0f : float(c) - 2.0f);
   return (code & 8u) ? -mag : mag;
+}
+
+// ---- 4-over-6 block error ----
+// (x - q)^2 in fp64, q = e2m1_decode(e2m1_encode(x / (s + 1e-12))) * s the element's dequantized
+// value under the decoded block scale s. x - q is exact in fp64 (both fp32, within 2^30 of each
+// other unless the scale is clamped); the square rounds once.
+Q4_HD double nvfp4_sq_err(float x, float s) {
+#if defined(__CUDA_ARCH__)
+  const float q = __fmul_rn(e2m1_decode(e2m1_encode(__fdiv_rn(x, __fadd_rn(s, 1e-12f)))), s);
+  const double e = __dsub_rn(static_cast<double>(x), static_cast<double>(q));
+  return __dmul_rn(e, e);
+#else
+  const float q = e2m1_decode(e2m1_encode(x / (s + 1e-12f))) * s;
+  const double e = static_cast<double>(x) - static_cast<double>(q);
+  return e * e;
+#endif
+}
+
+Q4_HD double add_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Sum of e[0..N-1] (N a power of 2) as a pairwise tree of adjacent elements: (e0 + e1),
+// (e2 + e3), ..., then adjacent pairs of those. The block error's one summation order: a CUDA
+// lane sums its consecutive elements this way and the lanes of a block combine with shuffles
+// at distance 1, 2, ..., which continues the same tree. Overwrites e.
+template <int N>
+Q4_HD double pairwise_sum(double (&e)[N]) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "pairwise_sum: N must be a power of 2");
+  for (int w = N; w > 1; w /= 2) {
+    for (int i = 0; i < w / 2; ++i) e[i] = add_rn(e[2 * i], e[2 * i + 1]);
+  }
+  return e[0];
 }
 
 }  // namespace q4::numerics

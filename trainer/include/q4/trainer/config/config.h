@@ -18,6 +18,7 @@
 
 #include "q4/data/dataset.h"
 #include "q4/io/enum_names.h"
+#include "q4/model/qwen3.h"
 #include "q4/model/qwen3_params.h"
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
@@ -35,10 +36,11 @@ class ConfigError : public std::runtime_error {
 // enum in config.cpp, listing the choices in the order the docs show them). A setting that a
 // library defines is that library's enum: optim::StateMode (optim.state: fp32 | int8 | 4bit |
 // nvfp4), optim::MasterRounding (stochastic | nearest), optim::LrScheduleKind (constant | linear
-// | cosine), data::DataFormat (auto | tsv | jsonl | text), data::OnError (fail | skip),
-// data::TextUnit (file | paragraph | line), data::Truncation (auto | cut_left | cut_right | drop
-// | split); their to_string is the library's. The enums below are the config's own: settings with
-// no library counterpart, or with an `auto`/`none` the trainer resolves first.
+// | cosine), quant::BlockRule (quant.block_rule: max6 | 4over6), data::DataFormat (auto | tsv |
+// jsonl | text), data::OnError (fail | skip), data::TextUnit (file | paragraph | line),
+// data::Truncation (auto | cut_left | cut_right | drop | split); their to_string is the library's.
+// The enums below are the config's own: settings with no library counterpart, or with an
+// `auto`/`none` the trainer resolves first.
 enum class InitKind { kFile, kRandom };                 // file | random
 enum class Dtype { kFp16, kBf16, kFp32 };               // fp16 | bf16 | fp32
 enum class DtypeOrAuto { kAuto, kFp32, kBf16, kFp16 };  // auto | fp32 | bf16 | fp16
@@ -134,6 +136,13 @@ struct ModelConfig {
   DtypeOrAuto grad_dtype = DtypeOrAuto::kAuto;     // gradient storage
   double init_std = 0.02;                          // random init: std of linears and embeddings
   int64_t loss_chunk_tokens = 512;  // logits rows computed at once by the chunked loss
+};
+
+// The NVFP4 quantizer (docs/design.md#nvfp4-arithmetic).
+struct QuantConfig {
+  // Each 16-value block's scale: its amax to 6 (max6), or to 6 or 4, the lower squared error
+  // (4over6); the forward, the codes kept for offloaded masters and the export all use it.
+  quant::BlockRule block_rule = quant::BlockRule::kMax6;
 };
 
 struct TrainableConfig {
@@ -381,6 +390,7 @@ struct LogConfig {
 
 struct Config {
   ModelConfig model;
+  QuantConfig quant;
   TrainConfig train;
   OptimConfig optim;
   DataConfig data;
@@ -416,7 +426,7 @@ using FieldPtr =
                  data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
                  PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*,
-                 GrpoLossType*, ScaleRewards*>;
+                 GrpoLossType*, ScaleRewards*, quant::BlockRule*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
