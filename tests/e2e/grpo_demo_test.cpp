@@ -27,9 +27,10 @@ namespace {
 
 using namespace q4::test;
 
-int grpo_demo_run(const std::string& args, const fs::path& log) {
-  return exit_code(
-      std::system((kBin + "/q4train " + args + " >" + log.string() + " 2>&1").c_str()));
+// q4train with `args`, its output in `log`; `env`: assignments before it ("Q4_FAULT=...").
+int grpo_demo_run(const std::string& args, const fs::path& log, const std::string& env = "") {
+  return exit_code(std::system(
+      (env + " " + kBin + "/q4train " + args + " >" + log.string() + " 2>&1").c_str()));
 }
 
 std::vector<nlohmann::json> grpo_demo_records(const fs::path& path) {
@@ -86,5 +87,42 @@ TEST(Demo, GrpoDemoRaisesTheReward) {
     if (e.at("when").get<std::string>().rfind("rollout", 0) == 0) ++samples;
   }
   EXPECT_GT(samples, 0);
+  q4::io::remove_tree(dir);
+}
+
+// A resume continues the same prompts and samples: 8 steps in one run against a run killed at
+// the start of step 6 (Q4_FAULT) and resumed from its step-4 checkpoint; every step's reward and
+// loss are identical on the CPU.
+TEST(Demo, GrpoResumeContinuesTheSameRollouts) {
+  const fs::path dir = fresh_dir(fs::temp_directory_path() /
+                                 ("q4_grpo_resume_" + std::to_string(::getuid()) + "_" +
+                                  std::to_string(::getpid())));
+  const fs::path sft = dir / "sft";
+  ASSERT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo-sft.yaml --set output.dir=" +
+                              sft.string() + " --set train.steps=20",
+                          dir / "sft.log"),
+            0)
+      << read_text(dir / "sft.log");
+  const std::string common = "--config " + kSource + "/configs/demo-grpo.yaml --set model.weights=" +
+                             (sft / "model.dat").string() +
+                             " --set train.steps=8 --set output.checkpoint_every=4";
+  ASSERT_EQ(grpo_demo_run(common + " --set output.dir=" + (dir / "a").string(), dir / "a.log"), 0)
+      << read_text(dir / "a.log");
+  EXPECT_EQ(grpo_demo_run(common + " --set output.dir=" + (dir / "b").string(), dir / "b.log",
+                          "Q4_FAULT=exit:0:6"),
+            9)
+      << read_text(dir / "b.log");
+  ASSERT_EQ(grpo_demo_run("--resume " + (dir / "b").string(), dir / "b2.log"), 0)
+      << read_text(dir / "b2.log");
+  const auto a = grpo_demo_records(dir / "a" / "metrics.jsonl");
+  const auto b = grpo_demo_records(dir / "b" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].at("step"), b[i].at("step"));
+    EXPECT_EQ(a[i].at("reward"), b[i].at("reward")) << "step " << i + 1;
+    EXPECT_EQ(a[i].at("loss"), b[i].at("loss")) << "step " << i + 1;
+    EXPECT_EQ(a[i].at("completions/mean_length"), b[i].at("completions/mean_length"));
+  }
   q4::io::remove_tree(dir);
 }

@@ -306,7 +306,8 @@ constexpr const char* kModel =
     "model: {config: /x/config.json, tokenizer: /x/tokenizer.json, init: random}\n";
 
 TEST(Grpo, ConfigKeysDefaultsAndErrors) {
-  const Config d = parse_config(std::string(kModel) + "train: {objective: grpo, seq_len: 1024}\n",
+  const Config d = parse_config(
+      std::string(kModel) + "train: {objective: grpo, seq_len: 1024, batch_size: 8}\n",
                                 "grpo.yaml", "/tmp", {}, validate_objective_config);
   EXPECT_EQ(d.grpo.num_generations, 8);
   EXPECT_EQ(d.grpo.max_completion_length, 256);
