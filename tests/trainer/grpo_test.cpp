@@ -308,7 +308,7 @@ constexpr const char* kModel =
 TEST(Grpo, ConfigKeysDefaultsAndErrors) {
   const Config d = parse_config(
       std::string(kModel) + "train: {objective: grpo, seq_len: 1024, batch_size: 8}\n",
-                                "grpo.yaml", "/tmp", {}, validate_objective_config);
+      "grpo.yaml", "/tmp", {}, validate_objective_config);
   EXPECT_EQ(d.grpo.num_generations, 8);
   EXPECT_EQ(d.grpo.max_completion_length, 256);
   EXPECT_EQ(d.grpo.loss_type, GrpoLossType::kDapo);
