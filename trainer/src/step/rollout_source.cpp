@@ -111,7 +111,9 @@ void RolloutSource::generate() {
     lengths[i] = static_cast<int64_t>(results[i].tokens.size());
     truncated[i] = results[i].finish != model::FinishReason::kStop;
     const std::vector<data::TokenId> ids(results[i].tokens.begin(), results[i].tokens.end());
-    texts[i] = tok_.decode(ids, /*skip_special=*/true);
+    // Invalid UTF-8 (a completion may end inside a character) as U+FFFD, as HF tokenizers
+    // decode: the rewards, the command's JSON and the logs get valid text.
+    texts[i] = tok_.decode_lossy(ids, /*skip_special=*/true);
     inputs[i].prompt = prompt_as_given(prompts_[p]);
     inputs[i].completion = texts[i];
     inputs[i].fields = &fields_[p];
