@@ -125,7 +125,8 @@ class GrpoObjective final : public Objective {
 
 // --dry-run: reads data.files and data.eval_files as prompt records with the run's tokenizer,
 // prints each file's load summary and checks every prompt's length
-// (check_grpo_prompt_length); ConfigError naming the file and line.
+// (check_grpo_prompt_length) and its record against the rewards (check_reward_example);
+// ConfigError naming the file and line.
 void check_grpo_prompts(const Config& c, std::ostream& out);
 
 }  // namespace q4::trainer
