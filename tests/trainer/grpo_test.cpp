@@ -306,8 +306,9 @@ constexpr const char* kModel =
     "model: {config: /x/config.json, tokenizer: /x/tokenizer.json, init: random}\n";
 
 TEST(Grpo, ConfigKeysDefaultsAndErrors) {
-  const Config d = parse_config(std::string(kModel) + "train: {objective: grpo, seq_len: 1024}\n",
-                                "grpo.yaml", "/tmp", {}, validate_objective_config);
+  const Config d = parse_config(
+      std::string(kModel) + "train: {objective: grpo, seq_len: 1024, batch_size: 8}\n",
+      "grpo.yaml", "/tmp", {}, validate_objective_config);
   EXPECT_EQ(d.grpo.num_generations, 8);
   EXPECT_EQ(d.grpo.max_completion_length, 256);
   EXPECT_EQ(d.grpo.loss_type, GrpoLossType::kDapo);
@@ -355,17 +356,39 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
   }
 }
 
-TEST(Grpo, ARunIsRefusedUntilTheLoopExistsButTheDryRunResolves) {
-  Config c = parse_config(std::string(kModel) + "train: {objective: grpo, seq_len: 1024}\n",
+TEST(Grpo, ARunResolvesWholeGroupsPerStepInOneProcess) {
+  const std::string model = kModel;
+  Config c = parse_config(model + "train: {objective: grpo, seq_len: 1024, batch_size: 8}\n",
                           "grpo.yaml", "/tmp");
-  try {
-    resolve_plan(c, RunOptions{});
-    ADD_FAILURE() << "no error";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("train.objective"), std::string::npos);
-  }
+  EXPECT_NO_THROW(resolve_plan(c, RunOptions{}));
   EXPECT_NO_THROW(resolve_plan(c, RunOptions{}, false, /*dry_run=*/true));
   EXPECT_NE(objective_summary(c).find("grpo: 8 completions"), std::string::npos);
+  auto refused = [](const Config& cfg, const RunOptions& o, bool probe, const char* want) {
+    try {
+      resolve_plan(cfg, o, probe);
+      ADD_FAILURE() << "no error for " << want;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  Config odd = parse_config(
+      model + "train: {objective: grpo, seq_len: 1024, batch_size: 6, grad_accum: 2}\n",
+      "grpo.yaml", "/tmp");
+  refused(odd, RunOptions{}, false, "train.batch_size, train.grad_accum: 6 x 2 = 12 rows");
+  refused(c, RunOptions{}, /*probe=*/true, "--probe");
+  RunOptions dp;
+  dp.world.world_size = 2;
+  refused(c, dp, false, "--nproc");
+}
+
+TEST(Grpo, CompletionRowsScatterTokensInCompletionOrder) {
+  const at::Tensor v = at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.0f});
+  const at::Tensor rows = completion_rows(v, {2, 0, 3}, 4);
+  const at::Tensor want = at::tensor({1.0f, 2.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 3.0f, 4.0f,
+                                      5.0f, 0.0f})
+                              .view({3, 4});
+  EXPECT_TRUE(at::equal(rows, want)) << rows;
+  EXPECT_THROW(completion_rows(v, {2, 2}, 4), c10::Error);  // 5 values for 4 tokens
 }
 
 }  // namespace grpo_test

@@ -38,6 +38,7 @@
 #include "q4/trainer/plan/run_plan.h"
 #include "q4/trainer/plan/setup.h"
 #include "q4/trainer/report/run_log.h"
+#include "q4/trainer/rewards/rewards.h"
 #include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/fault.h"
 #include "q4/trainer/runtime/memory.h"
@@ -45,6 +46,7 @@
 #include "q4/trainer/runtime/nvtx.h"
 #include "q4/trainer/runtime/profile.h"
 #include "q4/trainer/runtime/signals.h"
+#include "q4/trainer/step/rollout_source.h"
 #include "q4/trainer/step/step.h"
 
 namespace fs = std::filesystem;
@@ -305,6 +307,14 @@ class Trainer {
         [this] { return checkpointer_->time_due(); });
     checkpointer_->attach(setup_.optimizer(), sync_->params(), setup_.batcher(), setup_.schedule(),
                           comm_.get(), sync_.get());
+    if (plan_.data().prompt_records && setup_.batcher()) {
+      // GRPO: the rollouts are the step's batches; the batcher orders the prompts (its state,
+      // checkpointed, is the position in that order and seeds the sampler).
+      rewards_.emplace(make_rewards(plan_.config().reward));
+      rollouts_ = std::make_unique<RolloutSource>(
+          plan_.config(), model, plan_.device(), *setup_.tokenizer(), setup_.prompts(),
+          setup_.prompt_origins(), *setup_.batcher(), *rewards_);
+    }
     evaluator_.attach(model, setup_.tokenizer(), *objective_, setup_.take_validation_batcher());
   }
 
@@ -322,6 +332,13 @@ class Trainer {
         });
     setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
     start_step_ = r.step;
+    const int64_t iterations = plan_.config().grpo.num_iterations;
+    if (rollouts_ && start_step_ % iterations != 0) {
+      throw ConfigError(fmt::format(
+          "--resume {}: step {} is inside a generation batch of grpo.num_iterations {} (its "
+          "rollouts are not in the checkpoint); resume from a checkpoint at a multiple of {}",
+          ck.path, start_step_, iterations, iterations));
+    }
     return r.tokens_seen;
   }
 
@@ -351,7 +368,7 @@ class Trainer {
       reset_peak_memory(plan_.device());
       StepRecord rec;
       rec.lr = setup_.schedule().lr_at(step);
-      StepOutcome so = traced_step(step);
+      StepOutcome so = rollout_step(step);
       const int64_t done = step + 1;
       const bool last = done == total;
       rec.done = done;
@@ -388,10 +405,33 @@ class Trainer {
       rec.batcher = setup_.batcher();
       rec.world = ranks();
       log_->record_step(so, rec);
+      if (rollouts_ && rec.log_step && leader()) log_->log_rollouts(rollouts_->samples(), done);
       plan_.check_guard(fmt::format("at step {}", done));
       if (after_step(so, done, last)) return kExitOk;  // a stop signal
     }
     return end_of_run(total);
+  }
+
+  // The step; GRPO's rollout logs join its logged values. A reward that cannot be computed
+  // (RewardError) ends the run with a checkpoint of the steps done, if any were trained.
+  StepOutcome rollout_step(int64_t step) {
+    if (!rollouts_) return traced_step(step);
+    StepOutcome so;
+    try {
+      so = traced_step(step);
+    } catch (const RewardError&) {
+      if (step > 0 && checkpointer_->last_step() != step) {
+        log_->end_bar_line();
+        err_ << "a reward could not be computed; writing a checkpoint of step " << step << "\n";
+        save_checkpoint(step);
+      }
+      throw;
+    }
+    const auto opt = at::TensorOptions().dtype(at::kDouble);
+    for (const auto& [name, value] : rollouts_->stats()) {
+      so.logged.emplace_back(name, at::scalar_tensor(value, opt));
+    }
+    return so;
   }
 
   // The step, traced with Kineto for steps 3-4 of this session (--profile-trace).
@@ -401,7 +441,7 @@ class Trainer {
     const bool trace_last =
         !trace.empty() && (step == start_step_ + 3 || (trace_first && step + 1 == plan_.steps()));
     if (trace_first) profiler_start(plan_.device().is_cuda());
-    StepOutcome so = step_->run(step, *setup_.batcher());
+    StepOutcome so = rollouts_ ? step_->run(step, *rollouts_) : step_->run(step, *setup_.batcher());
     if (trace_last) {
       synchronize_device(plan_.device());
       profiler_stop_and_save(trace);
@@ -584,6 +624,8 @@ class Trainer {
   std::unique_ptr<Objective> objective_;
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<TrainStep> step_;
+  std::optional<Rewards> rewards_;            // GRPO: the reward: section's functions
+  std::unique_ptr<RolloutSource> rollouts_;  // GRPO: the step's batch source
   // Made once the plan stages they depend on are done: the checkpointer and exporter with the
   // run length (build_components), the run log once the plan is final (setup_locked).
   std::optional<Checkpointer> checkpointer_;

@@ -10,6 +10,7 @@
 #include <ostream>
 
 #include "q4/data/prompt_dataset.h"
+#include "q4/trainer/rewards/rewards.h"
 #include "q4/trainer/plan/options.h"
 #include "q4/trainer/plan/setup.h"
 
@@ -219,8 +220,10 @@ void check_grpo_prompts(const Config& c, std::ostream& out) {
           as_input_error(key, [&] { return data::load_prompt_dataset(f, tok, options); });
       out << d.summary.to_string() << "\n";
       for (const auto& r : d.prompts) {
-        check_grpo_prompt_length(static_cast<int64_t>(r.prompt_ids.size()), c,
-                                 f + ":" + std::to_string(r.source_line));
+        const std::string where = f + ":" + std::to_string(r.source_line);
+        check_grpo_prompt_length(static_cast<int64_t>(r.prompt_ids.size()), c, where);
+        // Every field a verifier reads, as the run checks it before its first step.
+        check_reward_example(c.reward, nlohmann::json::parse(r.fields.dump()), where);
       }
       prompts += static_cast<int64_t>(d.prompts.size());
     }

@@ -5,7 +5,9 @@
 
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/objectives/distill.h"
+#include "q4/trainer/objectives/grpo.h"
 #include "q4/trainer/objectives/preference.h"
+#include "q4/trainer/plan/setup.h"
 
 namespace q4::trainer {
 
@@ -53,9 +55,15 @@ std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& st
       }
       return std::make_unique<PreferenceObjective>(c.preference, std::move(ref));
     }
-    case ObjectiveKind::kGrpo:  // resolve_plan refuses it before anything loads
-      throw ConfigError(
-          "config key train.objective: grpo's rollout training loop is not built yet");
+    case ObjectiveKind::kGrpo: {
+      out << grpo_summary(c) << "\n";
+      std::unique_ptr<model::Qwen3Model> reference;
+      if (c.grpo.beta > 0) {
+        reference = load_frozen_model(c, starting_model_spec(c), student.options(),
+                                      student.config().vocab_size, out);
+      }
+      return std::make_unique<GrpoObjective>(c.grpo, std::move(reference));
+    }
   }
   throw ConfigError("config key train.objective: unknown value");
 }

@@ -114,12 +114,29 @@ void grpo_rules(const Config& c) {
         " (prompt + completion must fit: raise train.seq_len or lower "
         "grpo.max_completion_length)");
   }
+  // Each generation batch is whole groups: rows per step = prompts per step x num_generations.
+  const int64_t rows = c.train.batch_size * c.train.grad_accum;
+  if (rows % g.num_generations != 0) {
+    throw ConfigError(
+        "config keys train.batch_size, train.grad_accum: " + std::to_string(c.train.batch_size) +
+        " x " + std::to_string(c.train.grad_accum) + " = " + std::to_string(rows) +
+        " rows per step are not a multiple of grpo.num_generations " +
+        std::to_string(g.num_generations) + " (each step trains whole groups)");
+  }
+  if (c.data.eval_fraction > 0 || !c.data.eval_files.empty()) {
+    throw ConfigError(
+        std::string("config key ") +
+        (c.data.eval_files.empty() ? "data.eval_fraction" : "data.eval_files") +
+        ": train.objective grpo has no validation loss (its data are prompts); the rewards are "
+        "logged every step, and eval.prompts are answered");
+  }
 }
 
 void grpo_needs(const Config&, ObjectiveNeeds* n) {
   // The rewards' settings apply too (the reward: section, read by the rollout loop).
   n->sections.push_back("reward");
   n->prompt_records = true;
+  n->packing_allowed = false;  // one prompt + completion per row
 }
 
 // In the order their rules run.
@@ -157,10 +174,18 @@ ObjectiveNeeds objective_needs(const Config& c) {
 
 RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe, bool dry_run) {
   validate_objective_config(c);
-  if (c.train.objective == ObjectiveKind::kGrpo && !dry_run) {
+  (void)dry_run;
+  if (c.train.objective == ObjectiveKind::kGrpo && probe) {
     throw ConfigError(
-        "config key train.objective: grpo's rollout training loop is not built yet (its loss, "
-        "sampler and prompt data are; --dry-run checks a grpo config)");
+        "--probe: train.objective grpo is not probed (its steps sample rollouts); --dry-run "
+        "estimates its memory");
+  }
+  if (c.train.objective == ObjectiveKind::kGrpo && options.world.distributed()) {
+    // The step draws every rank's micro-batches on every rank (their units are the loss's
+    // denominator), which for rollouts would sample every rank's completions on each.
+    throw ConfigError(
+        "--nproc: train.objective grpo runs in one process (data-parallel rollouts are not "
+        "built); run without --nproc");
   }
   return RunPlan(c, options, objective_needs(c), probe);
 }

@@ -53,6 +53,7 @@ void RunPlan::decide() {
   data_.paired_records = needs_.paired_sequences;
   data_.packing = resolved_packing(c, needs_);
   data_.reference_pass = needs_.reference_pass;
+  data_.prompt_records = needs_.prompt_records;
 }
 
 bool RunPlan::checkpoints_on() const {

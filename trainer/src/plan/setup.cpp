@@ -15,6 +15,7 @@
 #include "q4/io/atomic_file.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/hf_interop.h"
+#include "q4/data/prompt_dataset.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/plan/options.h"
 #include "q4/trainer/rundir/run_dir.h"
@@ -338,6 +339,17 @@ FrozenModelSpec teacher_spec(const Config& c) {
           "teacher",         /*keep_dense=*/true,      /*fake_quant=*/true};
 }
 
+FrozenModelSpec starting_model_spec(const Config& c) {
+  std::string path = c.model.weights;
+  if (c.model.init == InitKind::kRandom) {
+    path = (fs::path(c.output.dir) / kInitFile).string();
+  } else if (model::is_hf_folder(c.model.weights)) {
+    path = (fs::path(c.output.dir) / kHfImportFile).string();
+  }
+  return {path,        c.model.config, "model.weights", "model.config", "reference",
+          /*keep_dense=*/!c.model.fake_quant, c.model.fake_quant};
+}
+
 FrozenModelSpec reference_spec(const Config& c) {
   return {c.preference.reference,
           c.preference.reference_config,
@@ -485,6 +497,7 @@ RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load
 RunPlan RunSetup::load_data(const RunPlan& plan, int64_t ranks) {
   const Config& c = plan.config();
   const bool probe = plan.probe();
+  if (plan.data().prompt_records && !probe) return load_prompts(plan);
   std::vector<data::Example> examples;
   int64_t pad_id = 0;
   if (c.data.files.empty() && probe) {
@@ -510,6 +523,62 @@ RunPlan RunSetup::load_data(const RunPlan& plan, int64_t ranks) {
   if (probe) return plan;
   std::string notes;
   RunPlan resolved = plan.with_length(batcher_->batches_per_epoch(), ranks, &notes);
+  out_ << notes;
+  return resolved;
+}
+
+// The prompts of data.files and their order (docs/trainer.md#grpo): each prompt is one example
+// of a batcher whose batch is one generation batch's prompts (train.batch_size x
+// train.grad_accum / grpo.num_generations of them), shuffled per epoch with train.seed; its
+// state (checkpointed like any batcher's) is the position in the prompt order. The labels are
+// the prompt's ids only so that the batcher keeps every prompt; nothing trains on them.
+RunPlan RunSetup::load_prompts(const RunPlan& plan) {
+  const Config& c = plan.config();
+  const auto dopt = dataset_options(c);
+  std::vector<data::Example> examples;
+  for (const auto& f : c.data.files) {
+    auto ds = as_input_error("data.files", [&] { return data::load_prompt_dataset(f, *tok_, dopt); });
+    log_ << ds.summary.to_string() << "\n";
+    report_skipped_lines(ds.summary, err_);
+    for (auto& r : ds.prompts) {
+      data::Example e;
+      e.input_ids = r.prompt_ids;
+      e.labels = r.prompt_ids;
+      e.source_line = r.source_line;
+      examples.push_back(std::move(e));
+      prompt_origins_.push_back(f + ":" + std::to_string(r.source_line));
+      prompts_.push_back(std::move(r));
+    }
+  }
+  if (prompts_.empty()) throw ConfigError("config key data.files: no prompts (train.objective grpo)");
+  const int64_t per_step = c.train.batch_size * c.train.grad_accum / c.grpo.num_generations;
+  if (static_cast<int64_t>(prompts_.size()) < per_step) {
+    throw ConfigError(fmt::format(
+        "config key data.files: {} prompts, fewer than the {} of one generation batch "
+        "(train.batch_size {} x train.grad_accum {} / grpo.num_generations {})",
+        prompts_.size(), per_step, c.train.batch_size, c.train.grad_accum,
+        c.grpo.num_generations));
+  }
+  data::BatcherOptions bo;
+  bo.batch_size = per_step;
+  bo.max_seq_len = c.train.seq_len;
+  bo.seed = static_cast<uint64_t>(c.train.seed);
+  bo.shuffle = c.data.shuffle;
+  bo.drop_last = true;  // every generation batch has its full count of prompts
+  bo.truncation = data::Truncation::kDrop;
+  batcher_ = as_input_error("data.files", [&] {
+    return std::make_unique<data::Batcher>(std::move(examples), bo);
+  });
+  if (batcher_->num_examples() != static_cast<int64_t>(prompts_.size())) {
+    throw ConfigError(fmt::format(
+        "config key train.seq_len: {} of {} prompts are longer than train.seq_len {}",
+        static_cast<int64_t>(prompts_.size()) - batcher_->num_examples(), prompts_.size(),
+        c.train.seq_len));
+  }
+  // Each generation batch serves grpo.num_iterations steps of train.grad_accum micro-batches.
+  std::string notes;
+  RunPlan resolved = plan.with_length(
+      batcher_->batches_per_epoch() * c.train.grad_accum * c.grpo.num_iterations, 1, &notes);
   out_ << notes;
   return resolved;
 }

@@ -365,6 +365,20 @@ void RunLog::log_answers(const std::vector<EvalAnswer>& answers, int64_t step, c
   out_ << fmt::format("eval took {:.1f} s\n", ms / 1000.0);
 }
 
+void RunLog::log_rollouts(const std::vector<RolloutSample>& samples, int64_t step) {
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const RolloutSample& s = samples[i];
+    eval_log_.write({{"step", step},
+                     {"when", fmt::format("rollout, reward {:.4g}", s.reward)},
+                     {"prompt", s.prompt},
+                     {"answer", s.completion},
+                     {"reward", s.reward},
+                     {"stopped", !s.truncated}});
+    tb_.add_text("rollouts/" + std::to_string(i),
+                 fmt::format("{} => {} (reward {:.4g})", s.prompt, s.completion, s.reward), step);
+  }
+}
+
 void RunLog::update_report(ReportPage page, double min_interval_s) {
   if (!plan_.report || !leader_) return;
   if (!report_) report_ = std::make_unique<ReportWriter>(plan_.output_dir, plan_.metrics);

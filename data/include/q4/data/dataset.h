@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -278,6 +279,16 @@ struct BatcherState {
 //                    tokens: boundaries of every example, and of each row's padding tail as a
 //                    segment of its own (padding attends only to padding), so the last entry is
 //                    B*T. max_seqlen is the longest of these segments (host int: no sync).
+// Rollout rows (GRPO, docs/trainer.md#grpo) that a batch of sampled completions carries: one
+// entry per example of the batch (example_indices order), each example a prompt followed by one
+// sampled completion whose tokens (and only they) are labelled. L = the longest completion.
+struct RolloutRows {
+  std::vector<int64_t> completion_lengths;  // [E] completion tokens (a stop id included)
+  at::Tensor advantages;                    // fp32 [E]
+  at::Tensor mask;                          // fp32 [E, L]: 1 where a completion token trains
+  at::Tensor old_logprobs;  // fp32 [E, L] the old policy's; undefined: the ratio is 1
+};
+
 struct Batch {
   at::Tensor input_ids;           // int64 [B, T]
   at::Tensor labels;              // int64 [B, T], kIgnoreIndex where not supervised
@@ -291,6 +302,8 @@ struct Batch {
   int64_t supervised_tokens = 0;  // count of labels[:, 1:] != -100 (what the loss averages)
   int64_t slots() const { return input_ids.defined() ? input_ids.numel() : 0; }  // B * T
   std::vector<int64_t> example_indices;  // indices into the (post-truncation) example list
+  // Rollouts only (null from a Batcher): the rows' advantages, masks and old log-probabilities.
+  std::shared_ptr<const RolloutRows> rollout;
 };
 
 // bool [B, 1, T, T]: true where attention is allowed (block-diagonal causal, padding rows and

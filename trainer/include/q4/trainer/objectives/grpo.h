@@ -6,18 +6,21 @@
 //   grpo     units = completions, a completion's term is the mean over its tokens
 //   dapo     units = completion tokens of the batch
 //   dr_grpo  units = completions x max_completion_length
-// The rollout loop that samples, scores and calls these is not built yet.
+// GrpoObjective feeds the loss from the training forward; the rollout loop that samples and
+// scores the completions is step/rollout_source.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <iosfwd>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "q4/trainer/config/config.h"
+#include "q4/trainer/objectives/objective.h"
 
 namespace q4::trainer {
 
@@ -90,9 +93,40 @@ void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std:
 // One line for --dry-run and the start.
 std::string grpo_summary(const Config& c);
 
+// (E, L) fp32 of per-token values given in completion order (each example's completion tokens
+// consecutive, as Qwen3Model::token_logprobs returns them for rollout rows), zero past each
+// completion's end. Differentiable in `values`.
+at::Tensor completion_rows(const at::Tensor& values, const std::vector<int64_t>& lengths,
+                           int64_t max_len);
+
+// train.objective grpo (docs/trainer.md#grpo): the loss of a micro-batch of rollout rows
+// (data::Batch::rollout): the policy's log-probabilities of the completion tokens at
+// grpo.temperature from the training forward (Qwen3Model::token_logprobs), the rows' advantages
+// and old log-probabilities, and with grpo.beta > 0 the reference's (a frozen copy of the
+// starting model) into grpo_loss. Units per loss_type (the file comment). Logs clip_ratio,
+// clip_ratio/low_mean, clip_ratio/high_mean and kl (beta > 0), each weighted by the micro-batch's
+// units so that the step's value is their mean over the step.
+class GrpoObjective final : public Objective {
+ public:
+  // `reference`: the frozen starting model when beta > 0 (null otherwise).
+  GrpoObjective(const GrpoConfig& c, std::unique_ptr<model::Qwen3Model> reference);
+  ~GrpoObjective() override;
+  std::string name() const override { return "grpo"; }
+  ObjectiveNeeds needs() const override;
+  int64_t units(const data::Batch& batch) const override;
+  std::string units_name() const override;
+  ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
+
+ private:
+  GrpoLossOptions loss_;
+  double temperature_;
+  std::unique_ptr<model::Qwen3Model> reference_;
+};
+
 // --dry-run: reads data.files and data.eval_files as prompt records with the run's tokenizer,
 // prints each file's load summary and checks every prompt's length
-// (check_grpo_prompt_length); ConfigError naming the file and line.
+// (check_grpo_prompt_length) and its record against the rewards (check_reward_example);
+// ConfigError naming the file and line.
 void check_grpo_prompts(const Config& c, std::ostream& out);
 
 }  // namespace q4::trainer

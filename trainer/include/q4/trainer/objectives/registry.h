@@ -29,7 +29,7 @@ ObjectiveNeeds objective_needs(const Config& c);
 // The run's plan from its config: the objective's rules checked (validate_objective_config)
 // and its needs resolved here,
 // the rest by the plan (run_plan.h). Run, probe, --dry-run and the tools start from it.
-// train.objective grpo is refused unless `dry_run` (its rollout loop is not built yet).
+// train.objective grpo is refused with several processes and for the probe.
 RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe = false,
                      bool dry_run = false);
 

@@ -102,6 +102,7 @@ struct DataPlan {
   bool paired_records = false;  // data files hold preference records
   bool packing = true;          // data.packing as applied (resolved_packing)
   bool reference_pass = false;  // reference log-probabilities computed before the first step
+  bool prompt_records = false;  // data files hold prompts to sample from (GRPO)
 };
 
 // The run, resolved (docs/design.md#trainer-components). A plan never changes: each stage that

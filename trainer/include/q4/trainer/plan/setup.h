@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "q4/data/dataset.h"
+#include "q4/data/prompt_dataset.h"
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -99,6 +100,10 @@ struct FrozenModelSpec {
 // The run's frozen models: distill.teacher (dense linears dense, fake-quantized NVFP4 linears) and
 // preference.reference (loaded as model.weights is: a plain-precision run's dense linears dense).
 FrozenModelSpec teacher_spec(const Config& c);
+// The run's starting weights as a frozen model (GRPO's reference with grpo.beta > 0): the random
+// init's init.dat, the imported Hugging Face folder's file, or model.weights, loaded as
+// model.weights is.
+FrozenModelSpec starting_model_spec(const Config& c);
 FrozenModelSpec reference_spec(const Config& c);
 // A run directory in spec.path (run_dir.h run_dir_model, as q4chat and q4eval take one) resolved
 // to its export, and an empty config_path to its model.config; other paths as they are.
@@ -150,6 +155,11 @@ class RunSetup {
   // The validation batcher (null without held-out examples); the evaluator takes it.
   std::unique_ptr<data::Batcher> take_validation_batcher() { return std::move(val_batcher_); }
   const data::Batcher* validation_batcher() const { return val_batcher_.get(); }
+  // GRPO (DataPlan::prompt_records): the prompts of data.files, each one example of batcher()
+  // (which then only orders them: one batch per generation batch), and where each came from
+  // ("file:line"), for messages and the rewards.
+  const std::vector<data::PromptRecord>& prompts() const { return prompts_; }
+  const std::vector<std::string>& prompt_origins() const { return prompt_origins_; }
   optim::PackedAdamW& optimizer() { return *optimizer_; }
   const optim::LrSchedule& schedule() const { return *schedule_; }
   // Optimizer index per owned parameter (in-backward updates).
@@ -159,6 +169,8 @@ class RunSetup {
 
  private:
   void load_validation(const RunPlan& plan, std::vector<data::Example>* train, int64_t pad_id);
+  // GRPO: the prompts and the batcher that orders them.
+  RunPlan load_prompts(const RunPlan& plan);
 
   std::ostream& out_;
   std::ostream& err_;
@@ -170,6 +182,8 @@ class RunSetup {
   bool separate_lm_head_ = true;
   std::unique_ptr<data::Batcher> batcher_;
   std::unique_ptr<data::Batcher> val_batcher_;
+  std::vector<data::PromptRecord> prompts_;
+  std::vector<std::string> prompt_origins_;
   std::unique_ptr<optim::PackedAdamW> optimizer_;
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::unordered_map<const model::Parameter*, int64_t> optimizer_index_;

@@ -21,6 +21,7 @@
 #include "q4/trainer/report/tfevents.h"
 #include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/metrics.h"
+#include "q4/trainer/step/rollout_source.h"
 #include "q4/trainer/step/step.h"
 
 namespace q4::trainer {
@@ -82,6 +83,9 @@ class RunLog {
   // The answers to eval.prompts: console, eval log, TensorBoard text, report.
   void log_answers(const std::vector<EvalAnswer>& answers, int64_t step, const char* tag,
                    double ms);
+  // GRPO: a few sampled completions of step `step` with their rewards: the eval log (so
+  // report.html's table shows them, "when" rollout and the reward) and TensorBoard text.
+  void log_rollouts(const std::vector<RolloutSample>& samples, int64_t step);
   // report.html (log.report, rank 0): on the log cadence at most every kReportMinIntervalS (an
   // atomic rewrite per log line would cost more than fast steps), at evals and at the end;
   // A live page reloads itself; the final one does not.

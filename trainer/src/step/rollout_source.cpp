@@ -1,0 +1,205 @@
+// GRPO's rollouts as a batch source; see rollout_source.h.
+#include "q4/trainer/step/rollout_source.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "q4/model/sampling.h"
+#include "q4/trainer/objectives/grpo.h"
+#include "q4/trainer/plan/options.h"
+#include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/nvtx.h"
+
+namespace q4::trainer {
+namespace rollout_detail {
+
+// splitmix64: the sampler's seed of generation batch `index` (any seed, any index: distinct).
+uint64_t generation_seed(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (index + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+std::string prompt_as_given(const data::PromptRecord& r) {
+  return r.prompt.is_string() ? r.prompt.get<std::string>() : r.prompt.dump();
+}
+
+}  // namespace rollout_detail
+
+using rollout_detail::generation_seed;
+using rollout_detail::prompt_as_given;
+
+RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at::Device& device,
+                             const data::Tokenizer& tokenizer,
+                             const std::vector<data::PromptRecord>& prompts,
+                             const std::vector<std::string>& origins, data::Batcher& order,
+                             Rewards& rewards)
+    : c_(c),
+      model_(model),
+      device_(device),
+      tok_(tokenizer),
+      prompts_(prompts),
+      origins_(origins),
+      order_(order),
+      rewards_(rewards) {
+  TORCH_CHECK(origins.size() == prompts.size() &&
+                  order.num_examples() == static_cast<int64_t>(prompts.size()),
+              "RolloutSource: the prompt order must hold every prompt once");
+  fields_.reserve(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    check_grpo_prompt_length(static_cast<int64_t>(prompts[i].prompt_ids.size()), c, origins[i]);
+    fields_.push_back(nlohmann::json::parse(prompts[i].fields.dump()));
+    rewards.check_example(fields_.back(), origins[i]);
+  }
+}
+
+int64_t RolloutSource::generations() const { return order_.state().batches; }
+
+bool RolloutSource::at_generation_boundary() const {
+  return micro_.empty() ||
+         (next_micro_ == micro_.size() && passes_ + 1 >= c_.grpo.num_iterations);
+}
+
+data::Batch RolloutSource::next() {
+  if (next_micro_ == micro_.size()) {
+    ++passes_;
+    next_micro_ = 0;
+    if (micro_.empty() || passes_ >= c_.grpo.num_iterations) generate();
+  }
+  return micro_[next_micro_++];
+}
+
+void RolloutSource::generate() {
+  NvtxRange range("rollout");
+  const auto& g = c_.grpo;
+  const int64_t G = g.num_generations;
+  const data::BatcherState before = order_.state();
+  const data::Batch pb = order_.next();
+  const std::vector<int64_t>& picked = pb.example_indices;
+  std::vector<std::vector<int64_t>> prompt_ids;
+  for (const int64_t p : picked) {
+    const auto& ids = prompts_[static_cast<size_t>(p)].prompt_ids;
+    prompt_ids.emplace_back(ids.begin(), ids.end());
+  }
+  model::SamplingParams sp;
+  sp.temperature = g.temperature;
+  sp.top_k = g.top_k;
+  sp.top_p = g.top_p;
+  sp.max_new_tokens = g.max_completion_length;
+  sp.seed = generation_seed(static_cast<uint64_t>(c_.train.seed),
+                            static_cast<uint64_t>(before.batches));
+  sp.stop_ids = {tok_.im_end_id(), tok_.endoftext_id()};
+  std::vector<model::GenerationResult> results;
+  {
+    at::NoGradGuard no_grad;
+    results = model::sample_completions(model_, prompt_ids, G, sp);
+  }
+  const auto N = static_cast<int64_t>(results.size());
+  std::vector<int64_t> prompt_of_row(N), lengths(N);
+  std::vector<std::vector<int64_t>> completions(N);
+  std::vector<bool> truncated(N);
+  std::vector<std::string> texts(N);
+  std::vector<RewardInput> inputs(N);
+  for (int64_t i = 0; i < N; ++i) {
+    const auto p = static_cast<size_t>(picked[static_cast<size_t>(i / G)]);
+    prompt_of_row[i] = static_cast<int64_t>(p);
+    completions[i] = results[i].tokens;
+    lengths[i] = static_cast<int64_t>(results[i].tokens.size());
+    truncated[i] = results[i].finish != model::FinishReason::kStop;
+    const std::vector<data::TokenId> ids(results[i].tokens.begin(), results[i].tokens.end());
+    // Invalid UTF-8 (a completion may end inside a character) as U+FFFD, as HF tokenizers
+    // decode: the rewards, the command's JSON and the logs get valid text.
+    texts[i] = tok_.decode_lossy(ids, /*skip_special=*/true);
+    inputs[i].prompt = prompt_as_given(prompts_[p]);
+    inputs[i].completion = texts[i];
+    inputs[i].fields = &fields_[p];
+    inputs[i].completion_tokens = lengths[i];
+    inputs[i].where = origins_[p];
+  }
+  RewardScores scores;
+  try {
+    scores = rewards_.score(inputs);
+  } catch (...) {
+    order_.restore(before);  // a checkpoint then resumes with this generation batch
+    throw;
+  }
+  const at::Tensor total = at::tensor(scores.total, at::kDouble).to(at::kFloat);
+  const GroupAdvantages adv = group_advantages(total, G, g.scale_rewards);
+  const auto F = static_cast<int64_t>(scores.names.size());
+  at::Tensor per_function = at::zeros({N, std::max<int64_t>(F, 1)}, at::kDouble);
+  for (int64_t f = 0; f < F; ++f) {
+    per_function.select(1, f).copy_(at::tensor(scores.per_function[f], at::kDouble));
+  }
+  stats_ = grpo_rollout_stats(lengths, truncated, total, adv, G,
+                              F > 0 ? per_function : at::Tensor(), scores.names);
+  samples_.clear();
+  for (int64_t k = 0; k < std::min<int64_t>(kSamples, N / G); ++k) {
+    const int64_t i = k * G;
+    samples_.push_back({inputs[i].prompt, texts[i], scores.total[i], truncated[i]});
+  }
+  build_micro_batches(prompt_of_row, completions, truncated, adv.advantages);
+  next_micro_ = 0;
+  passes_ = 0;
+}
+
+void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_row,
+                                        const std::vector<std::vector<int64_t>>& completions,
+                                        const std::vector<bool>& truncated,
+                                        const at::Tensor& advantages) {
+  const auto& g = c_.grpo;
+  const int64_t rows = c_.train.batch_size;
+  const auto N = static_cast<int64_t>(completions.size());
+  TORCH_CHECK(N % rows == 0, "rollouts: ", N, " completions for micro-batches of ", rows);
+  micro_.clear();
+  // The batcher lays the rows out as training batches them (padding, the CUDA varlen layout);
+  // without shuffling or packing its rows are the examples in order.
+  data::BatcherOptions bo = batcher_options(c_, tok_.endoftext_id(), /*pack=*/false, 1);
+  bo.batch_size = rows;
+  bo.shuffle = false;
+  bo.truncation = data::Truncation::kDrop;
+  for (int64_t start = 0; start < N; start += rows) {
+    std::vector<data::Example> examples;
+    auto rr = std::make_shared<data::RolloutRows>();
+    std::vector<bool> trunc;
+    int64_t L = 1, tokens = 0;
+    for (int64_t i = start; i < start + rows; ++i) {
+      const auto& prompt = prompts_[static_cast<size_t>(prompt_of_row[i])].prompt_ids;
+      data::Example e;
+      e.input_ids.assign(prompt.begin(), prompt.end());
+      e.labels.assign(prompt.size(), data::kIgnoreIndex);
+      for (const int64_t t : completions[i]) {
+        e.input_ids.push_back(static_cast<data::TokenId>(t));
+        e.labels.push_back(static_cast<data::TokenId>(t));
+      }
+      examples.push_back(std::move(e));
+      const auto len = static_cast<int64_t>(completions[i].size());
+      rr->completion_lengths.push_back(len);
+      trunc.push_back(truncated[i]);
+      L = std::max(L, len);
+      tokens += len;
+    }
+    data::Batcher batcher(std::move(examples), bo);
+    TORCH_CHECK(batcher.num_examples() == rows, "rollouts: a prompt + completion row is longer "
+                "than train.seq_len");
+    data::Batch b = batcher.next();
+    TORCH_CHECK(b.supervised_tokens == tokens, "rollouts: ", b.supervised_tokens,
+                " labelled tokens for ", tokens, " completion tokens");
+    rr->advantages = advantages.narrow(0, start, rows).contiguous();
+    rr->mask = completion_mask(rr->completion_lengths, trunc, L, g.mask_truncated_completions);
+    if (g.num_iterations > 1) {
+      // The old policy of the later passes: the training forward before the first update, so
+      // the first pass's ratio is exactly 1 and the later ones are pi / pi_old.
+      at::NoGradGuard no_grad;
+      const at::Tensor lp = model_.token_logprobs(to_inputs(b, model_, device_), g.temperature).logprobs;
+      rr->old_logprobs = completion_rows(lp, rr->completion_lengths, L).cpu();
+    }
+    b.rollout = std::move(rr);
+    micro_.push_back(std::move(b));
+  }
+}
+
+}  // namespace q4::trainer
