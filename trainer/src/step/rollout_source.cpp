@@ -11,6 +11,7 @@
 #include "q4/trainer/objectives/grpo.h"
 #include "q4/trainer/plan/options.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/runtime/memory.h"
 #include "q4/trainer/runtime/nvtx.h"
 
 namespace q4::trainer {
@@ -28,9 +29,22 @@ std::string prompt_as_given(const data::PromptRecord& r) {
   return r.prompt.is_string() ? r.prompt.get<std::string>() : r.prompt.dump();
 }
 
+// What a rollout may keep of the linears' forward weights (Qwen3Model::InferenceWeights): half
+// the device memory free now (the KV cache and the logits need the rest); 2 GiB on the CPU.
+int64_t inference_weight_budget_for(const c10::Device& device) {
+  if (!device.is_cuda()) return int64_t{2} << 30;
+  const MemorySnapshot m = memory_snapshot(device);
+  if (!m.device_total_bytes || !m.device_used_bytes) return 0;
+  const int64_t cached_free = m.reserved_bytes && m.allocated_bytes
+                                  ? *m.reserved_bytes - *m.allocated_bytes
+                                  : 0;
+  return std::max<int64_t>(0, (*m.device_total_bytes - *m.device_used_bytes + cached_free) / 2);
+}
+
 }  // namespace rollout_detail
 
 using rollout_detail::generation_seed;
+using rollout_detail::inference_weight_budget_for;
 using rollout_detail::prompt_as_given;
 
 RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at::Device& device,
@@ -96,6 +110,7 @@ void RolloutSource::generate() {
   std::vector<model::GenerationResult> results;
   {
     at::NoGradGuard no_grad;
+    model::Qwen3Model::InferenceWeights keep(model_, inference_weight_budget_for(device_));
     results = model::sample_completions(model_, prompt_ids, G, sp);
   }
   const auto N = static_cast<int64_t>(results.size());
