@@ -434,6 +434,32 @@ std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos
   return out;
 }
 
+void for_each_record(const std::string& content, const std::string& name, LoadSummary* summary,
+                     const std::function<void(const std::string&, int64_t)>& take) {
+  size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
+  const size_t first = content.find_first_not_of(" \t\r\n", pos);
+  if (first != std::string::npos && content[first] == '[') {
+    summary->json_array = true;
+    summary->lines = count_line_ends(content, content.size()) +
+                     ((content.back() == '\n' || content.back() == '\r') ? 0 : 1);
+    for (const ArrayRecord& r : split_json_array(content, first, name)) take(r.text, r.line);
+    return;
+  }
+  int64_t line_no = 0;
+  while (pos < content.size()) {
+    size_t nl = content.find_first_of("\r\n", pos);
+    if (nl == std::string::npos) nl = content.size();
+    const std::string line = content.substr(pos, nl - pos);
+    pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
+    summary->lines = ++line_no;
+    if (is_blank(line)) {
+      ++summary->ignored;
+      continue;
+    }
+    take(line, line_no);
+  }
+}
+
 }  // namespace json_records
 
 namespace {
@@ -690,28 +716,7 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
       skip_or_fail(&ds.summary, options, name, line, bad.reason, "records");
     }
   };
-  size_t pos = content.rfind(kUtf8Bom, 0) == 0 ? sizeof(kUtf8Bom) - 1 : 0;
-  const size_t first = content.find_first_not_of(" \t\r\n", pos);
-  if (first != std::string::npos && content[first] == '[') {
-    ds.summary.json_array = true;
-    ds.summary.lines = count_line_ends(content, content.size()) +
-                       ((content.back() == '\n' || content.back() == '\r') ? 0 : 1);
-    for (const ArrayRecord& r : split_json_array(content, first, name)) take(r.text, r.line);
-  } else {
-    int64_t line_no = 0;
-    while (pos < content.size()) {
-      size_t nl = content.find_first_of("\r\n", pos);
-      if (nl == std::string::npos) nl = content.size();
-      const std::string line = content.substr(pos, nl - pos);
-      pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
-      ds.summary.lines = ++line_no;
-      if (is_blank(line)) {
-        ++ds.summary.ignored;
-        continue;
-      }
-      take(line, line_no);
-    }
-  }
+  json_records::for_each_record(content, name, &ds.summary, take);
   ds.summary.examples = static_cast<int64_t>(ds.pairs.size());
   return ds;
 }

@@ -4,8 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "q4/data/dataset.h"
 
 namespace q4::data::json_records {
 
@@ -23,5 +26,11 @@ int64_t count_line_ends(const std::string& content, size_t end);
 // error. Elements are re-parsed one by one, so a bad record is an error (or a skip) of its own.
 std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos,
                                           const std::string& name);
+
+// Calls take(text, line) for each record of a whole file's `content`: the elements of a JSON
+// array, else one JSON object a line (a UTF-8 BOM skipped; blank lines counted in
+// summary->ignored). Sets summary->json_array and summary->lines.
+void for_each_record(const std::string& content, const std::string& name, LoadSummary* summary,
+                     const std::function<void(const std::string&, int64_t)>& take);
 
 }  // namespace q4::data::json_records

@@ -124,29 +124,7 @@ PromptDataset load_prompt_dataset_from_string(const std::string& content, const 
       }
     }
   };
-  static constexpr char kBom[] = "\xEF\xBB\xBF";
-  size_t pos = content.rfind(kBom, 0) == 0 ? sizeof(kBom) - 1 : 0;
-  const size_t first = content.find_first_not_of(" \t\r\n", pos);
-  if (first != std::string::npos && content[first] == '[') {
-    ds.summary.json_array = true;
-    ds.summary.lines = json_records::count_line_ends(content, content.size()) +
-                       ((content.back() == '\n' || content.back() == '\r') ? 0 : 1);
-    for (const auto& r : json_records::split_json_array(content, first, name)) take(r.text, r.line);
-  } else {
-    int64_t line_no = 0;
-    while (pos < content.size()) {
-      size_t nl = content.find_first_of("\r\n", pos);
-      if (nl == std::string::npos) nl = content.size();
-      const std::string line = content.substr(pos, nl - pos);
-      pos = nl + (content.compare(nl, 2, "\r\n") == 0 ? 2 : 1);
-      ds.summary.lines = ++line_no;
-      if (blank(line)) {
-        ++ds.summary.ignored;
-        continue;
-      }
-      take(line, line_no);
-    }
-  }
+  json_records::for_each_record(content, name, &ds.summary, take);
   ds.summary.examples = static_cast<int64_t>(ds.prompts.size());
   return ds;
 }
