@@ -30,6 +30,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::dist_test {
+
 namespace {
 
 using namespace q4::test;
@@ -417,3 +420,5 @@ TEST(DataParallel, ABadConfigFailsBeforeAnyRankStarts) {
   EXPECT_LT(r.seconds, 30.0);
   EXPECT_FALSE(fs::exists(dir / "run"));
 }
+
+}  // namespace q4::test::dist_test

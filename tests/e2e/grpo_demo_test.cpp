@@ -23,6 +23,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::grpo_demo_test {
+
 namespace {
 
 using namespace q4::test;
@@ -126,3 +129,5 @@ TEST(Demo, GrpoResumeContinuesTheSameRollouts) {
   }
   q4::io::remove_tree(dir);
 }
+
+}  // namespace q4::test::grpo_demo_test

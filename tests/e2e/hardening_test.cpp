@@ -28,6 +28,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::hardening_test {
+
 namespace {
 
 using namespace q4::test;
@@ -341,3 +344,5 @@ TEST(Hardening, DryRunChecksTheTeachersVocabulary) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::hardening_test
