@@ -261,7 +261,9 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
       EXPECT_TRUE(done) << log;
     }
     // A fresh run stopped in set-up removes what it created, the run directory included.
-    if (fs::exists(dir / "run")) EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
+    if (fs::exists(dir / "run")) {
+      EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
+    }
   }
 }
 
