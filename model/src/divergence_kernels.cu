@@ -1,5 +1,6 @@
 // Fused distillation loss over logit rows (launchers in divergence_kernels.h; the rule in
-// docs/model.md#the-loss). One CTA per row, fp32 arithmetic on the logits read in their dtype:
+// docs/model.md#fused-divergence). One CTA per row, fp32 arithmetic on the logits read in their
+// dtype:
 //   pass 1: online (max, sums) over the student's row: sum exp(x - m) for the cross-entropy,
 //           sum exp((x - m) / T) for its distribution at T (and, top-K, the same over the tokens
 //           outside the K), and over the teacher's row sum exp((y - m_t) / T);
@@ -238,8 +239,8 @@ struct TopkRow {
 
 // The top-K part of the KL and the tail (topk_divergence_chunk's rule): q_k = exp(lq_k),
 // q_r = max(1 - sum q_k, 0), log s_r = max(log(tail / st), -80).
-__device__ TopkRow topk_row(const float* x_ids, const float* lq, int K, const RowStat& s,
-                            float lss, float inv_t, bool tail, float* sh) {
+__device__ TopkRow topk_row(const float* x_ids, const float* lq, int K, const RowStat& s, float lss,
+                            float inv_t, bool tail, float* sh) {
   float part = 0.f, mass = 0.f;
   for (int k = threadIdx.x; k < K; k += kThreads) {
     const float q = expf(lq[k]);
@@ -265,9 +266,9 @@ __device__ TopkRow topk_row(const float* x_ids, const float* lq, int K, const Ro
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     topk_distill_xent_kernel(T* __restrict__ logits, const int64_t* __restrict__ ids,
-                             const float* __restrict__ logprobs,
-                             const int64_t* __restrict__ labels, float* __restrict__ ce_rows,
-                             float* __restrict__ term_rows, LossArgs a, int K) {
+                             const float* __restrict__ logprobs, const int64_t* __restrict__ labels,
+                             float* __restrict__ ce_rows, float* __restrict__ term_rows, LossArgs a,
+                             int K) {
   extern __shared__ uint32_t smem[];
   __shared__ RowStat sh_stat[kWarps];
   __shared__ float sh_sum[kWarps];
@@ -364,8 +365,7 @@ size_t topk_distill_smem_bytes(int64_t V, int64_t K) {
 cudaError_t launch_topk_distill_xent(void* logits, const int64_t* ids, const float* logprobs,
                                      const int64_t* labels, float* ce_rows, float* term_rows,
                                      int64_t rows, int64_t V, int64_t K, double temperature,
-                                     double weight, bool want_grad, DType dt,
-                                     cudaStream_t stream) {
+                                     double weight, bool want_grad, DType dt, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const LossArgs a = loss_args(V, temperature, weight, want_grad);
   const size_t smem = topk_distill_smem_bytes(V, K);

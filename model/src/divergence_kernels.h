@@ -1,7 +1,7 @@
 // Host launchers of the fused distillation loss kernels (divergence_kernels.cu): per logit row,
 // the cross-entropy, a divergence from the teacher and the gradient of their mix written over
-// the row, in one kernel (docs/model.md#the-loss). Raw pointers, sizes and a stream, no torch
-// types; each returns the launch status, which fused_divergence.cpp checks with check_cuda.
+// the row, in one kernel (docs/model.md#fused-divergence). Raw pointers, sizes and a stream, no
+// torch types; each returns the launch status, which fused_divergence.cpp checks with check_cuda.
 // All tensors contiguous; labels outside [0, V) mark rows that give 0 and a zero gradient.
 #pragma once
 
@@ -34,7 +34,6 @@ size_t topk_distill_smem_bytes(int64_t V, int64_t K);
 cudaError_t launch_topk_distill_xent(void* logits, const int64_t* ids, const float* logprobs,
                                      const int64_t* labels, float* ce_rows, float* term_rows,
                                      int64_t rows, int64_t V, int64_t K, double temperature,
-                                     double weight, bool want_grad, DType dt,
-                                     cudaStream_t stream);
+                                     double weight, bool want_grad, DType dt, cudaStream_t stream);
 
 }  // namespace q4::model::cuda

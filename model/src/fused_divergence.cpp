@@ -23,10 +23,10 @@ using quant::cuda::dtype_of;
 void check_rows(const char* what, const at::Tensor& logits, const at::Tensor& labels,
                 const at::Tensor& other, int64_t other_cols, double temperature, double weight) {
   TORCH_CHECK(fused_distill_applies(logits, labels), what,
-              ": expected contiguous CUDA logits (n, V) and int64 labels (n), got ",
-              logits.sizes(), " and ", labels.sizes());
-  TORCH_CHECK(other.dim() == 2 && other.size(0) == logits.size(0) &&
-                  other.size(1) == other_cols && other.device() == logits.device(),
+              ": expected contiguous CUDA logits (n, V) and int64 labels (n), got ", logits.sizes(),
+              " and ", labels.sizes());
+  TORCH_CHECK(other.dim() == 2 && other.size(0) == logits.size(0) && other.size(1) == other_cols &&
+                  other.device() == logits.device(),
               what, ": expected (", logits.size(0), ", ", other_cols, ") on ", logits.device(),
               ", got ", other.sizes(), " on ", other.device());
   TORCH_CHECK(temperature > 0 && weight >= 0 && weight <= 1, what,
@@ -65,12 +65,12 @@ LossRows fused_distill_xent_(at::Tensor& logits, const at::Tensor& labels,
   const at::Tensor teacher = teacher_logits.to(logits.scalar_type()).contiguous();
   c10::cuda::CUDAGuard guard(logits.device());
   LossRows out = empty_rows(logits);
-  check_cuda(cuda::launch_distill_xent(
-                 logits.data_ptr(), teacher.data_ptr(), labels.data_ptr<int64_t>(),
-                 out.ce.data_ptr<float>(), out.term.data_ptr<float>(), logits.size(0),
-                 logits.size(1), reverse, temperature, weight, want_grad,
-                 dtype_of(logits.scalar_type(), "fused distillation loss"),
-                 at::cuda::getCurrentCUDAStream()),
+  check_cuda(cuda::launch_distill_xent(logits.data_ptr(), teacher.data_ptr(),
+                                       labels.data_ptr<int64_t>(), out.ce.data_ptr<float>(),
+                                       out.term.data_ptr<float>(), logits.size(0), logits.size(1),
+                                       reverse, temperature, weight, want_grad,
+                                       dtype_of(logits.scalar_type(), "fused distillation loss"),
+                                       at::cuda::getCurrentCUDAStream()),
              "fused distillation loss");
   return out;
 #else
@@ -84,8 +84,8 @@ LossRows fused_distill_xent_(at::Tensor& logits, const at::Tensor& labels,
 bool fused_topk_distill_applies(const at::Tensor& logits, const at::Tensor& labels,
                                 const at::Tensor& ids) {
 #if Q4_WITH_CUDA
-  return fused_distill_applies(logits, labels) && ids.dim() == 2 &&
-         ids.size(0) == logits.size(0) && ids.size(1) >= 1 && ids.size(1) <= logits.size(1) &&
+  return fused_distill_applies(logits, labels) && ids.dim() == 2 && ids.size(0) == logits.size(0) &&
+         ids.size(1) >= 1 && ids.size(1) <= logits.size(1) &&
          cuda::topk_distill_smem_bytes(logits.size(1), ids.size(1)) <= cuda::kTopkSmemLimit;
 #else
   (void)logits, (void)labels, (void)ids;

@@ -80,8 +80,9 @@ struct Case {
 };
 
 std::string name(const Case& c) {
-  return std::string(c.dtype == at::kFloat ? "fp32" : "bf16") + (c.reverse ? " reverse" : " forward") +
-         " T=" + std::to_string(c.t) + " V=" + std::to_string(c.V);
+  return std::string(c.dtype == at::kFloat ? "fp32" : "bf16") +
+         (c.reverse ? " reverse" : " forward") + " T=" + std::to_string(c.t) +
+         " V=" + std::to_string(c.V);
 }
 
 TEST(DistillFusedCuda, MatchesFp64AndTheUnfusedPath) {
@@ -119,7 +120,8 @@ TEST(DistillFusedCuda, MatchesFp64AndTheUnfusedPath) {
     EXPECT_NEAR(got.term.sum().item<double>(), unfused, 2e-5 * std::abs(unfused) + 1e-4);
     const at::Tensor valid = y.ne(-100).to(at::kFloat).unsqueeze(1);
     const at::Tensor zf = z.to(at::kFloat);
-    const at::Tensor gce = (zf.softmax(1) - at::one_hot(y.clamp_min(0), c.V).to(at::kFloat)) * valid;
+    const at::Tensor gce =
+        (zf.softmax(1) - at::one_hot(y.clamp_min(0), c.V).to(at::kFloat)) * valid;
     const double gtol_unfused = c.dtype == at::kFloat ? 1e-5 : 4e-3;
     EXPECT_LE(max_diff(g, gce * (1 - w) + zt * w), gtol_unfused) << "gradient vs unfused";
   }
@@ -132,11 +134,12 @@ TEST(DistillFusedCuda, InfiniteMasks) {
   const int64_t V = 512;
   for (const bool reverse : {false, true}) {
     for (const at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
-      SCOPED_TRACE(std::string(reverse ? "reverse" : "forward") + (dt == at::kFloat ? " fp32" : " bf16"));
+      SCOPED_TRACE(std::string(reverse ? "reverse" : "forward") +
+                   (dt == at::kFloat ? " fp32" : " bf16"));
       Rows r = make_rows(V, 50);
       at::Tensor& masked = reverse ? r.z : r.t;
       masked.narrow(1, V - 100, 100).fill_(-kInf);  // a padded vocabulary's tail
-      r.z.narrow(1, V - 100, 100).fill_(-kInf);      // both models mask it (forward KL finite)
+      r.z.narrow(1, V - 100, 100).fill_(-kInf);     // both models mask it (forward KL finite)
       r.labels.clamp_max_(V - 101);
       const auto dev = at::TensorOptions().device(at::kCUDA).dtype(dt);
       const at::Tensor z = r.z.to(dev), t = r.t.to(dev), y = r.labels.cuda();
@@ -177,9 +180,8 @@ TEST(DistillFusedCuda, TopkMatchesTheUnfusedPath) {
           const at::Tensor zf = z.to(at::kFloat);
           const at::Tensor lsm = zf.log_softmax(1);
           const at::Tensor valid = y.ne(-100).to(at::kFloat);
-          const double ce = (-lsm.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1) * valid)
-                                .sum()
-                                .item<double>();
+          const double ce =
+              (-lsm.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1) * valid).sum().item<double>();
           EXPECT_NEAR(got.ce.sum().item<double>(), ce, 2e-5 * ce);
           const at::Tensor gce =
               (lsm.exp() - at::one_hot(y.clamp_min(0), V).to(at::kFloat)) * valid.unsqueeze(1);
@@ -213,7 +215,8 @@ TEST(DistillFusedCuda, ChunkedLossWithTheFusedForm) {
     };
     const auto run = [&](const model::LossTerm& tm, at::Tensor* parts) {
       at::Tensor h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
-      const at::Tensor loss = model::chunked_loss_with_term(h, w, labels, 5, tm, &parts[0], &parts[1]);
+      const at::Tensor loss =
+          model::chunked_loss_with_term(h, w, labels, 5, tm, &parts[0], &parts[1]);
       loss.mul(1.5).backward();
       parts[2] = h.grad();
       parts[3] = w.grad();
@@ -224,8 +227,8 @@ TEST(DistillFusedCuda, ChunkedLossWithTheFusedForm) {
     int calls = 0;
     term.fused = [&](at::Tensor& z, const at::Tensor& y, int64_t row_begin, bool want_grad) {
       ++calls;
-      return model::fused_distill_xent_(z, y, teacher.narrow(0, row_begin, z.size(0)), reverse,
-                                        2.0, 0.6, want_grad);
+      return model::fused_distill_xent_(z, y, teacher.narrow(0, row_begin, z.size(0)), reverse, 2.0,
+                                        0.6, want_grad);
     };
     const at::Tensor fused = run(term, b);
     EXPECT_EQ(calls, 3);

@@ -1,6 +1,6 @@
 // The distillation loss of one chunk of logit rows in one CUDA kernel (divergence_kernels.cu;
-// docs/model.md#the-loss): per row the student's cross-entropy, its divergence from the teacher
-// at temperature T (scaled by T^2) and the gradient of (1 - w) * CE + w * divergence with
+// docs/model.md#fused-divergence): per row the student's cross-entropy, its divergence from the
+// teacher at temperature T (scaled by T^2) and the gradient of (1 - w) * CE + w * divergence with
 // respect to the student's logits, written over them. No softmax or log-softmax is materialised:
 // a first sweep gathers each row's max and sums of exponentials online, a second one (reverse
 // KL: a third) forms the value and the gradient. The trainer's ATen divergences

@@ -229,7 +229,7 @@ struct RouterStats {
 };
 
 // A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
-// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#the-loss).
+// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#loss).
 // loss() gathers the supervised rows (flat positions of the (B, T) inputs, ascending; on CUDA
 // padded at the end with unsupervised copies) and calls `prepare` once with those positions
 // (int64 (N), on the model's device). Then for each chunk of rows [row_begin, row_begin + n)
