@@ -20,14 +20,14 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
-struct Run {
+struct LossRun {
   at::Tensor loss, ce, term, grad_h, grad_w;
 };
 
-Run run(const at::Tensor& h0, const at::Tensor& w0, const at::Tensor& labels,
-        const model::LossTerm& term) {
+LossRun run(const at::Tensor& h0, const at::Tensor& w0, const at::Tensor& labels,
+            const model::LossTerm& term) {
   at::Tensor h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
-  Run r;
+  LossRun r;
   r.loss = model::chunked_loss_with_term(h, w, labels, 3, term, &r.ce, &r.term);
   r.loss.mul(2.5).backward();  // the upstream gradient scales both
   r.grad_h = h.grad();
@@ -51,7 +51,7 @@ TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
     ++chunks;
     return divergence_chunk(z, teacher.narrow(0, row_begin, z.size(0)), v, opt, want_grad);
   };
-  const Run generic = run(h0, w0, labels, term);
+  const LossRun generic = run(h0, w0, labels, term);
   EXPECT_EQ(chunks, 4);
   // Declining: the generic path, bit for bit.
   term.fused = [&](at::Tensor&, const at::Tensor&, int64_t, bool) {
@@ -59,7 +59,7 @@ TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
     return model::LossRows{};
   };
   chunks = 0;
-  const Run declined = run(h0, w0, labels, term);
+  const LossRun declined = run(h0, w0, labels, term);
   EXPECT_EQ(fused_calls, 4);
   EXPECT_EQ(chunks, 4);
   EXPECT_TRUE(declined.loss.equal(generic.loss));
@@ -83,7 +83,7 @@ TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
     return r;
   };
   chunks = fused_calls = 0;
-  const Run fused = run(h0, w0, labels, term);
+  const LossRun fused = run(h0, w0, labels, term);
   EXPECT_EQ(fused_calls, 4);
   EXPECT_EQ(chunks, 0) << "the term's chunk ran beside its fused form";
   EXPECT_NEAR(fused.loss.item<double>(), generic.loss.item<double>(),
