@@ -91,6 +91,12 @@ TokenSampler::TokenSampler(const SamplingParams& params, at::Generator generator
   params_.validate();
 }
 
+TokenSampler::TokenSampler(const SamplingParams& params, std::vector<at::Generator> row_generators)
+    : params_(params), row_gens_(std::move(row_generators)) {
+  params_.validate();
+  TORCH_CHECK(!row_gens_.empty(), "sampler: no row generators");
+}
+
 std::vector<int64_t> TokenSampler::next_batch(
     const at::Tensor& logits, const std::vector<const std::vector<int64_t>*>& histories,
     std::vector<float>* logprobs) {
@@ -146,7 +152,17 @@ at::Tensor TokenSampler::draw(const at::Tensor& logits) {
   // One uniform per row from the host generator, on any device: u · total falls in the
   // interval of exactly one token of positive probability (`right`: past the flat runs of the
   // filtered ones).
-  const at::Tensor u = at::rand({B, 1}, gen_, at::kFloat).to(logits.device());
+  at::Tensor u;
+  if (row_gens_.empty()) {
+    u = at::rand({B, 1}, gen_, at::kFloat);
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(row_gens_.size()) == B, "sampler: ", B,
+                " rows of logits for ", row_gens_.size(), " row generators");
+    u = at::empty({B, 1}, at::kFloat);
+    float* up = u.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) up[b] = at::rand({1}, row_gens_[b], at::kFloat).item<float>();
+  }
+  u = u.to(logits.device());
   const at::Tensor target = u * cdf.narrow(1, cdf.size(1) - 1, 1);
   at::Tensor ids = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)
                        .clamp_max(cdf.size(1) - 1)

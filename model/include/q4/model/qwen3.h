@@ -384,6 +384,37 @@ MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, 
                                int64_t seq_len, bool include_lm_head,
                                const GradientLifetime& grads = {});
 
+// GRPO rollouts (docs/trainer.md#grpo, "Memory"): what sampling one generation batch holds
+// besides the persistent weights, as sample_completions allocates it.
+struct RolloutShape {
+  int64_t rows = 0;               // completions sampled together (prompts x num_generations)
+  int64_t prompt_tokens = 0;      // the longest prompt
+  int64_t completion_tokens = 0;  // max_new_tokens (grpo.max_completion_length)
+  int64_t top_k = 0;              // 0: off
+  double top_p = 1.0;             // 1: off
+};
+struct RolloutMemory {
+  // k and v of every layer: (rows, kv heads, prompt + completion tokens, head_dim), compute dtype.
+  int64_t kv_cache_bytes = 0;
+  // The prefill's widest transient: one layer's forward without a graph over rows x prompt tokens
+  // (the attention's q/k/v and norm output, or the FFN's no-graph forward) beside the layer's
+  // input and output hidden states.
+  int64_t prefill_bytes = 0;
+  // The last position's (rows, V) logits in the compute dtype and the sampler's fp32 (rows, V)
+  // blocks: the fp32 copy over the temperature, probabilities, CDF, the log-probabilities' copy;
+  // top_p adds its sort (values, int64 indices) and cumulative sum, top_k its filtered copy.
+  int64_t sampling_bytes = 0;
+  // Qwen3Model::InferenceWeights: every trained or adapted linear's forward weight (lm_head
+  // included) in the compute dtype, kept for the rollout. The rollout keeps at most half the
+  // device memory free when it starts (the linears met first), so this is the most it holds.
+  int64_t weights_bytes = 0;
+  int64_t total_bytes() const {
+    return kv_cache_bytes + prefill_bytes + sampling_bytes + weights_bytes;
+  }
+};
+RolloutMemory estimate_rollout_memory(const Qwen3Config& cfg, const ModelOptions& opt,
+                                      const RolloutShape& shape, bool include_lm_head);
+
 // Keeping one block's activations in a recomputed decoder layer (LayerRecompute::kMlp keeps the
 // attention block's, kAttention the MLP block's) instead of recomputing the whole layer: the
 // device bytes held from the layer's forward to its backward (as estimate_memory counts them)
