@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "q4/model/sampling.h"
 #include "q4/trainer/objectives/grpo.h"
@@ -183,6 +184,7 @@ void RolloutSource::generate() {
       sp, row_generators(static_cast<uint64_t>(c_.train.seed),
                          static_cast<uint64_t>(before.batches), rank * share * G, share * G));
   std::vector<model::GenerationResult> results;
+  const auto t0 = std::chrono::steady_clock::now();
   {
     at::NoGradGuard no_grad;
     model::Qwen3Model::InferenceWeights keep(model_, inference_weight_budget_for(device_));
@@ -209,7 +211,9 @@ void RolloutSource::generate() {
     inputs[i].completion_tokens = static_cast<int64_t>(results[i].tokens.size());
     inputs[i].where = origins_[p];
   }
+  const auto t1 = std::chrono::steady_clock::now();  // the completions are host vectors: synced
   const RewardScores scores = score(inputs, before);
+  const auto t2 = std::chrono::steady_clock::now();
   // Per row: total, length, truncated, each function's reward; every rank's rows (data parallel),
   // so the advantages and the logs are the whole generation batch's, as in one process.
   const auto F = static_cast<int64_t>(scores.names.size());
@@ -235,6 +239,9 @@ void RolloutSource::generate() {
   stats_ = grpo_rollout_stats(lengths, trunc_all, total, adv, G,
                               F > 0 ? rows.narrow(1, 3, F).contiguous() : at::Tensor(),
                               scores.names);
+  // This rank's seconds in the sampler and in the rewards (the rest of a step is training).
+  stats_.emplace_back("time/generate_s", std::chrono::duration<double>(t1 - t0).count());
+  stats_.emplace_back("time/score_s", std::chrono::duration<double>(t2 - t1).count());
   samples_.clear();
   for (int64_t k = 0; k < std::min<int64_t>(kSamples, N / G); ++k) {
     const int64_t i = k * G;
