@@ -838,8 +838,7 @@ void Qwen3Model::refresh_forward_weights(const Parameter& p, const at::Tensor& m
   } else {
     // In place: the graph that used the previous values is done with them (the version counter
     // that the aliases share makes a later read by a saved-tensor unpack an error).
-    q4::quant::fake_quant_nvfp4_forward_into(values, p.kept_weight, p.name,
-                                             impl_->opt.block_rule);
+    q4::quant::fake_quant_nvfp4_forward_into(values, p.kept_weight, p.name, impl_->opt.block_rule);
   }
 }
 

@@ -30,7 +30,8 @@ std::vector<at::Tensor> masters(model::Qwen3Model& m) {
 // The tiny dense or mixture-of-experts model with `o`, then the forward weights of `mode`.
 model::Qwen3Model tiny(const model::ModelOptions& o, bool moe, ForwardWeights mode) {
   const auto cfg = model::Qwen3Config::from_json_file(
-      std::string(Q4_FIXTURES_DIR) + (moe ? "/qwen3_moe_tiny.config.json" : "/qwen3_tiny.config.json"));
+      std::string(Q4_FIXTURES_DIR) +
+      (moe ? "/qwen3_moe_tiny.config.json" : "/qwen3_tiny.config.json"));
   auto m = model::Qwen3Model::random_init(cfg, o, /*seed=*/11, 0.02);
   m.set_forward_weights(mode);
   return m;
@@ -50,8 +51,8 @@ void expect_kept_current(model::Qwen3Model& m, ForwardWeights mode, const std::s
           << what << " " << p->name;
     }
     if (p->kept_weight.defined()) {
-      const at::Tensor want = quant::fake_quant_nvfp4_forward(p->master, p->name)
-                                  .to(m.options().compute_dtype);
+      const at::Tensor want =
+          quant::fake_quant_nvfp4_forward(p->master, p->name).to(m.options().compute_dtype);
       EXPECT_TRUE(at::equal(want, p->kept_weight)) << what << " " << p->name;
     }
   }
@@ -104,8 +105,8 @@ TEST(ForwardWeights, ModesTrainBitIdenticallyToTheSweep) {
       for (const ForwardWeights mode : {ForwardWeights::kCodes, ForwardWeights::kKept}) {
         for (const int64_t accum : {2, 1}) {
           for (const bool in_backward : {false, true}) {
-            const std::string what = describe(mode, moe, accum, in_backward) +
-                                     (chunk > 0 ? " mlp chunks" : "");
+            const std::string what =
+                describe(mode, moe, accum, in_backward) + (chunk > 0 ? " mlp chunks" : "");
             expect_mode_matches(cpu_config("unused", accum), o, moe, in_backward, mode, what);
           }
         }
@@ -169,8 +170,8 @@ TEST(ForwardWeights, AdaptedLinearsKeepTheirCodes) {
 // recompute (every layer's graph holds its weights until its backward) kept costs less at the
 // peak than it keeps.
 TEST(ForwardWeights, EstimateCountsTheKeptBytes) {
-  const auto mc = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
-                                                     "/qwen3_4b.config.json");
+  const auto mc =
+      model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_4b.config.json");
   model::ModelOptions o;
   o.device = at::Device(at::kCUDA, 0);
   o.master_dtype = at::kHalf;
@@ -204,8 +205,8 @@ TEST(ForwardWeights, EstimateCountsTheKeptBytes) {
 // auto: kept when it fits the budget, codes when only that does, else the sweep; the CPU and
 // optim.offload all decide nothing here; the saved config keeps auto.
 TEST(ForwardWeights, AutoTakesTheFastestThatFits) {
-  const auto mc = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
-                                                     "/qwen3_4b.config.json");
+  const auto mc =
+      model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) + "/qwen3_4b.config.json");
   Config c = cpu_config("runs/x");
   c.train.batch_size = 4;
   c.train.seq_len = 1024;

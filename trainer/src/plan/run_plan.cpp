@@ -89,7 +89,7 @@ RunPlan RunPlan::with_recompute(const model::Qwen3Config& mc, bool separate_lm_h
 }
 
 RunPlan RunPlan::with_forward_weights(const model::Qwen3Config& mc, bool separate_lm_head,
-                                     int64_t free_bytes, std::string* line) const {
+                                      int64_t free_bytes, std::string* line) const {
   RunPlan p = *this;
   line->clear();
   const Config& c = config_;

@@ -138,8 +138,8 @@ struct ModelOptions {
   // (Parameter::qdata/scale), dequantized by its forward: the weights fake_quant(master) gives,
   // bit for bit. On CUDA its master then lives in pinned host memory, where the optimizer updates
   // it (PackedAdamW::add_host_param), so the GPU holds 0.56 bytes per such parameter instead of
-  // 2 (docs/design.md#training-numerics). After a master changes, refresh_forward_weights(). On the CPU
-  // masters stay where they are (the same forward; tests). Needs fake_quant.
+  // 2 (docs/design.md#training-numerics). After a master changes, refresh_forward_weights(). On the
+  // CPU masters stay where they are (the same forward; tests). Needs fake_quant.
   bool offload_masters = false;
   // How trained NVFP4 linears whose masters stay on the device get their forward weight. kCodes
   // and kKept need fake_quant; offload_masters computes from codes whatever this says (kKept is

@@ -147,7 +147,8 @@ class RunPlan {
   // <output.dir>/<log.metrics>, or "" when the metrics file is off.
   std::string metrics_path() const;
   // The config a run writes to its config.yaml: config() with the recompute settings and
-  // model.forward_weights as configured (auto stays auto, so a resume, maybe on another GPU, decides again).
+  // model.forward_weights as configured (auto stays auto, so a resume, maybe on another GPU,
+  // decides again).
   Config config_to_save() const;
   // The plan as --dry-run prints it: a few lines, each starting "plan: ".
   std::string describe() const;
