@@ -427,13 +427,15 @@ inline ChatSettings chat_settings(const Config& c) {
 }
 
 // One field of the config tree, as seen by parser, printer and docs.
-using FieldPtr = std::variant<
-    std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*, IntOrAuto*,
-    FloatOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, ForwardWeightsOrAuto*, optim::StateMode*,
-    optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*, data::DataFormat*,
-    data::OnError*, data::TextUnit*, data::ChatTemplate*, Truncation*, ProgressStyle*, HfExport*,
-    ObjectiveKind*, TrainMethod*, Divergence*, PreferenceLossKind*, RewardKind*,
-    std::vector<RewardFunctionConfig>*, GrpoLossType*, ScaleRewards*, quant::BlockRule*>;
+using FieldPtr =
+    std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, LayerSelection*,
+                 IntOrAuto*, FloatOrAuto*, InitKind*, Dtype*, DtypeOrAuto*, optim::StateMode*,
+                 optim::MasterRounding*, AutoBool*, Offload*, optim::LrScheduleKind*,
+                 data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
+                 Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
+                 PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*,
+                 GrpoLossType*, ScaleRewards*, quant::BlockRule*,
+                 ForwardWeightsOrAuto*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
