@@ -836,9 +836,11 @@ void Qwen3Model::refresh_forward_weights(const Parameter& p, const at::Tensor& m
   if (p.qdata.defined()) {
     q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
   } else {
-    // In place: the graph that used the previous values is done with them (the version counter
-    // that the aliases share makes a later read by a saved-tensor unpack an error).
+    // In place: the graph that used the previous values is done with them. The version bump
+    // (the CUDA kernel writes through a raw pointer) makes a saved-tensor unpack of an alias
+    // that a graph still holds an error instead of a read of the new values.
     q4::quant::fake_quant_nvfp4_forward_into(values, p.kept_weight, p.name, impl_->opt.block_rule);
+    p.kept_weight.unsafeGetTensorImpl()->bump_version();
   }
 }
 
