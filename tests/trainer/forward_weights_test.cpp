@@ -143,6 +143,18 @@ TEST(ForwardWeights, RefreshFollowsMastersWrittenFromElsewhere) {
   }
 }
 
+// A kept weight rewritten while a graph still saves it (what an update before the parameter's
+// last use would do) fails that graph's backward instead of using the new values.
+TEST(ForwardWeights, ARefreshUnderALiveGraphFailsItsBackward) {
+  auto m = tiny(tiny_fp32_options(), false, ForwardWeights::kKept);
+  auto batcher = random_batcher(2, 12, m.config().vocab_size, 2);
+  const data::Batch b = batcher->next();
+  m.begin_grad_step();
+  const model::LossOutput out = m.loss(host_inputs(b));
+  m.refresh_forward_weights();
+  EXPECT_THROW(out.loss_sum.backward(), c10::Error);
+}
+
 // Adapters: the adapted linears keep the file's codes whatever the mode; the linears that train
 // beside them keep their forward weight.
 TEST(ForwardWeights, AdaptedLinearsKeepTheirCodes) {
