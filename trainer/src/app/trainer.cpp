@@ -123,7 +123,7 @@ class Trainer {
     plan_ = setup_.load_model(plan_, /*need_tokenizer=*/false);
     build_components();
     start_step_ = checkpointer_->restore(ck, Checkpointer::RestoreFor::kExportOnly).step;
-    setup_.model().refresh_codes();
+    setup_.model().refresh_forward_weights();
     exporter_->write(start_step_, setup_.model(), setup_.source_path());
     out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
                         format_duration(ms_since(run_start_) / 1000.0));
@@ -338,7 +338,7 @@ class Trainer {
                  << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
           }
         });
-    setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
+    setup_.model().refresh_forward_weights();  // from the restored masters
     start_step_ = r.step;
     const int64_t iterations = plan_.config().grpo.num_iterations;
     if (rollouts_ && start_step_ % iterations != 0) {

@@ -135,6 +135,11 @@ RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool sepa
                             to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
                             a.budget.source, a.config_fits ? "" : "; " + a.summary());
   }
+  if (free_bytes) {
+    std::string line;
+    resolved = resolved.with_forward_weights(mc, separate_lm_head, *free_bytes, &line);
+    if (!line.empty()) *recompute_note += (recompute_note->empty() ? "" : "\n") + line;
+  }
   if (device_is_cuda(c) && !free_bytes) *fit_note = common_cards_note(plan, mc, separate_lm_head);
   return resolved;
 }

@@ -201,6 +201,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   b.masters_bytes = m.master_bytes;
   b.host_bytes = m.host_bytes;
   b.frozen_bytes = m.frozen_bytes;
+  b.forward_weights_bytes = m.forward_weight_bytes;
   const auto mode = c.optim.state;
   const auto ao = adamw_options(c);
   int64_t scratch_elems = 0;  // the CPU step's chunk: chunk_rows rows of the widest tensor
@@ -664,6 +665,7 @@ nlohmann::json MemoryBudget::to_json() const {
   }
   return {{"masters_bytes", masters_bytes},
           {"frozen_bytes", frozen_bytes},
+          {"forward_weights_bytes", forward_weights_bytes},
           {"teacher_bytes", teacher_bytes},
           {"reference_bytes", reference_bytes},
           {"gradients_bytes", gradients_bytes},
@@ -693,6 +695,10 @@ std::string MemoryBudget::to_table() const {
                         "(optim.offload: all)"
                       : "whole run");
   row("frozen", frozen_bytes, "whole run");
+  if (forward_weights_bytes > 0) {
+    row("forward weights", forward_weights_bytes,
+        "whole run; the trained NVFP4 linears' (model.forward_weights)");
+  }
   row("moments", moments_bytes,
       moments_on_host ? "whole run; in pinned host memory (optim.offload)" : "whole run");
   if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");

@@ -95,6 +95,20 @@ model::ModelOptions model_options(const Config& c, const RecomputePlan& recomput
   o.fake_quant = c.model.fake_quant;
   o.block_rule = c.quant.block_rule;
   o.offload_masters = c.optim.offload == Offload::kAll;
+  // auto until RunPlan::with_forward_weights writes its choice into the config: sweep.
+  switch (c.model.forward_weights) {
+    case ForwardWeightsOrAuto::kAuto:
+    case ForwardWeightsOrAuto::kSweep:
+      o.forward_weights = model::ForwardWeights::kSweep;
+      break;
+    case ForwardWeightsOrAuto::kCodes:
+      o.forward_weights = model::ForwardWeights::kCodes;
+      break;
+    case ForwardWeightsOrAuto::kKept:
+      o.forward_weights = model::ForwardWeights::kKept;
+      break;
+  }
+  if (o.offload_masters) o.forward_weights = model::ForwardWeights::kCodes;
   o.router_aux_loss_coef = c.train.router_aux_loss_coef.value;
   o.router_z_loss_coef = c.train.router_z_loss_coef;
   if (c.train.method == TrainMethod::kLora) {

@@ -473,7 +473,7 @@ RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load
   }
   separate_lm_head_ = !model_->tied();
   std::string line;
-  const RunPlan resolved =
+  RunPlan resolved =
       auto_recompute ? plan.with_recompute(mc_, separate_lm_head_, free_before, &line) : plan;
   if (auto_recompute) {
     log_ << line << "\n";
@@ -482,6 +482,9 @@ RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load
                           o.recompute_keep_attention, o.recompute_keep_mlp);
     model_->set_cache_adapted_weights(o.cache_adapted_weights);
   }
+  resolved = resolved.with_forward_weights(mc_, separate_lm_head_, free_before, &line);
+  if (!line.empty()) log_ << line << "\n";
+  model_->set_forward_weights(model_options(resolved.config()).forward_weights);
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
       "tensors, loaded in {:.1f} s\n",

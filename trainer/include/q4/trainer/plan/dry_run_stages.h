@@ -16,7 +16,8 @@ namespace q4::trainer {
 RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ostream& out);
 
 // gradient_checkpointing auto: the choice the run would make here (with what fits instead when
-// even its least is over the budget): `recompute_note`, and the plan with it. Other settings:
+// even its least is over the budget) and model.forward_weights auto's after it:
+// `recompute_note`, and the plan with them. Other settings:
 // whether the estimate fits, and what would when it does not (advise_placements): `fit_note`.
 // The device memory it plans with: guard.max_gpu_gb, or this machine's GPU's free memory; none
 // without either (or on the CPU): a CUDA run then gets the fit on common cards (80, 141 GB).

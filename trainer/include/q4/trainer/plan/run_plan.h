@@ -146,8 +146,9 @@ class RunPlan {
   std::string export_path() const;
   // <output.dir>/<log.metrics>, or "" when the metrics file is off.
   std::string metrics_path() const;
-  // The config a run writes to its config.yaml: config() with the recompute settings as
-  // configured (auto stays auto, so a resume, maybe on another GPU, decides again).
+  // The config a run writes to its config.yaml: config() with the recompute settings and
+  // model.forward_weights as configured (auto stays auto, so a resume, maybe on another GPU,
+  // decides again).
   Config config_to_save() const;
   // The plan as --dry-run prints it: a few lines, each starting "plan: ".
   std::string describe() const;
@@ -178,6 +179,12 @@ class RunPlan {
   // `free_bytes`; `line`: its line, or "" when the recompute was not auto.
   RunPlan with_recompute(const model::Qwen3Config& mc, bool separate_lm_head, int64_t free_bytes,
                          std::string* line) const;
+  // model.forward_weights auto resolved on CUDA against `free_bytes` (after with_recompute, with
+  // the recompute chosen): kept, else codes, else sweep, the first whose estimate fits
+  // device_budget's usable bytes; `line`: its line, or "" when nothing was decided here (a
+  // setting, the CPU: sweep, optim.offload all: codes).
+  RunPlan with_forward_weights(const model::Qwen3Config& mc, bool separate_lm_head,
+                               int64_t free_bytes, std::string* line) const;
   // A resume on another world size keeps the global batch with this many micro-batches a step
   // (the step plan decided again: auto's in-backward updates need grad_accum 1).
   RunPlan with_grad_accum(int64_t grad_accum) const;
@@ -205,6 +212,7 @@ class RunPlan {
 
   Config config_;
   TrainConfig configured_train_;  // train.* before with_recompute
+  ForwardWeightsOrAuto configured_forward_weights_;  // before with_forward_weights
   RunOptions options_;
   ObjectiveNeeds needs_;
   at::Device device_;
