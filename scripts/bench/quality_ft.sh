@@ -60,20 +60,24 @@ data_pre=() data_ft=()
 d=$work/corpus
 mkdir -p "$d"
 if [ "$smoke" = 1 ]; then
-  xz -dc "$corpus/pretrain_train.jsonl.xz" | awk 'NR % 8 == 1' | head -c 400000 >"$d/pre.jsonl"
-  xz -dc "$corpus/pretrain_heldout.jsonl.xz" | head -n 3 >"$d/pre_held.jsonl"
-  xz -dc "$corpus/task_train.jsonl.xz" | awk 'NR % 40 == 1' >"$d/task.jsonl"
-  xz -dc "$corpus/task_cls_heldout.jsonl.xz" | head -n 24 >"$d/cls.jsonl"
-  xz -dc "$corpus/task_subject_heldout.jsonl.xz" | head -n 24 >"$d/subj.jsonl"
+  subset() {  # subset NAME AWK_PROGRAM OUT: whole lines of assets/corpus/NAME.jsonl.xz
+    xz -dc "$corpus/$1.jsonl.xz" >"$d/full.tmp" && awk "$2" "$d/full.tmp" >"$d/$3"
+  }
+  subset pretrain_train 'NR % 8 == 1 { n += length($0); if (n > 400000) exit; print }' pre.jsonl
+  subset pretrain_heldout 'NR == 30' pre_held.jsonl
+  subset task_train 'NR % 40 == 1' task.jsonl
+  subset task_cls_heldout 'NR <= 6' cls.jsonl
+  subset task_subject_heldout 'NR <= 6' subj.jsonl
+  rm -f "$d/full.tmp"
   tiny=(--set "model.config=$model_cfg" --set model.device=cpu --set model.compute_dtype=fp32
         --set model.loss_chunk_tokens=64)
   data_pre=("${tiny[@]}" --set "data.files=[$d/pre.jsonl]" --set "data.eval_files=[$d/pre_held.jsonl]"
-            --set train.steps="${PRETRAIN_STEPS:-20}" --set train.batch_size=4 --set train.seq_len=128
-            --set optim.lr=3e-3 --set optim.schedule.warmup_steps=2 --set eval.every=10 --set log.every=5)
+            --set train.steps="${PRETRAIN_STEPS:-4}" --set train.batch_size=2 --set train.seq_len=64
+            --set optim.lr=3e-3 --set optim.schedule.warmup_steps=2 --set eval.every=4 --set log.every=2)
   data_ft=("${tiny[@]}" --set "data.files=[$d/task.jsonl]"
-           --set "data.eval_files=[$d/cls.jsonl,$d/subj.jsonl]" --set train.steps="${STEPS:-6}"
+           --set "data.eval_files=[$d/cls.jsonl,$d/subj.jsonl]" --set train.steps="${STEPS:-2}"
            --set train.batch_size=2 --set train.seq_len=256 --set optim.schedule.warmup_steps=1
-           --set eval.every=3 --set log.every=3)
+           --set eval.every=2 --set log.every=1)
   held_cls=$d/cls.jsonl held_subj=$d/subj.jsonl held_pre=$d/pre_held.jsonl
 else
   for f in pretrain_train pretrain_heldout task_train task_cls_heldout task_subject_heldout; do
