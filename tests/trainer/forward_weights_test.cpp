@@ -4,6 +4,7 @@
 // and masters over steps with several micro-batches, recompute, buffered and in-backward
 // updates, dense and mixture-of-experts layers; a refresh that came late (or never) would leave
 // a step computing with the previous step's weights.
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 

@@ -2,6 +2,7 @@
 #include "q4/trainer/distributed/grad_sync.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <stdexcept>
