@@ -17,7 +17,6 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 
 #include "normalize.h"
@@ -799,10 +798,24 @@ Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string
 Tokenizer Tokenizer::from_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), path, ": cannot open tokenizer file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  // One read of the size the file reports (a pipe reports none: then doubling chunks), into the
+  // string that is parsed: the bytes are copied once.
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.clear();
+  in.seekg(0, std::ios::beg);
+  in.clear();
+  std::string text(size > 0 ? static_cast<size_t>(size) + 1 : size_t{1} << 16, '\0');
+  size_t n = 0;
+  while (true) {
+    in.read(&text[n], static_cast<std::streamsize>(text.size() - n));
+    n += static_cast<size_t>(in.gcount());
+    if (n < text.size()) break;  // end of file (or an error, checked below)
+    text.resize(2 * text.size());
+  }
   TORCH_CHECK(!in.bad(), path, ": read error");
-  return from_json_string(ss.str(), path);
+  text.resize(n);
+  return from_json_string(text, path);
 }
 
 std::vector<TokenId> Tokenizer::encode(std::string_view text) const {

@@ -59,7 +59,9 @@ class StreamingHandler {
     if (mode_ != kDom || skip_ > 0) return enter_nested(Json::value_t::object);
     if (stack_.size() == 1 && stack_[0]->is_object() && root_key_is_model_) {
       model_open_ = true;  // root.model: a repeated key replaces what an earlier one streamed
-      *out_ = StreamedModel();
+      out_->text.clear();
+      out_->vocab.clear();
+      out_->merges.clear();
     } else if (stack_.size() == 2 && model_open_ && model_key_ == kVocab) {
       place(Json::object());  // the DOM keeps an empty object
       out_->vocab.clear();
@@ -183,6 +185,9 @@ class StreamingHandler {
 
 Json parse(const std::string& text, StreamedModel* streamed) {
   *streamed = StreamedModel();
+  // The streamed strings are shorter than their JSON spelling: no reallocation, and the pages of
+  // the reserve that are never written cost nothing.
+  streamed->text.reserve(text.size());
   StreamingHandler handler(streamed);
   Json::sax_parse(text, &handler);
   return handler.take_root();
