@@ -20,8 +20,8 @@
 #include <unordered_map>
 
 #include "normalize.h"
-#include "tokenizer_json.h"
 #include "q4/io/utf8.h"
+#include "tokenizer_json.h"
 
 namespace q4::data {
 namespace {
@@ -441,8 +441,8 @@ std::vector<std::pair<AddedToken, bool>> Tokenizer::Impl::read_added_tokens(
       }
       AddedToken t;
       t.content = a["content"].get<std::string>();
-      TORCH_CHECK(!t.content.empty() && io::utf8::find_invalid(t.content) == std::string::npos, where,
-                  ": content must be non-empty valid UTF-8");
+      TORCH_CHECK(!t.content.empty() && io::utf8::find_invalid(t.content) == std::string::npos,
+                  where, ": content must be non-empty valid UTF-8");
       const int64_t id64 = a["id"].get<int64_t>();
       TORCH_CHECK(id64 >= 0 && id64 < (int64_t{1} << 30), where, ": id ", id64, " out of range");
       t.id = static_cast<TokenId>(id64);
