@@ -417,7 +417,7 @@ bool Tokenizer::Impl::add_vocab_member(std::string_view token, const tokenizer_j
   TORCH_CHECK(inserted, src, ": model.vocab: token \"", token,
               "\" duplicates another token's bytes");
   id_bytes[id] = *bytes;
-  id_string[id] = std::string(token);
+  id_string[id].assign(token.data(), token.size());
   id_kind[id] = kVocab;
   return true;
 }
