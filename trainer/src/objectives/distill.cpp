@@ -146,9 +146,10 @@ ObjectiveOutput Distillation::evaluate(model::Qwen3Model& model, const MicroBatc
   return SupervisedCrossEntropy().compute(model, micro);
 }
 
-std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
+std::unique_ptr<model::Qwen3Model> load_teacher(const FrozenModelSpec& teacher,
+                                                const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out) {
-  return load_frozen_model(c, teacher_spec(c), student, vocab_size, out);
+  return load_frozen_model(teacher, student, vocab_size, out);
 }
 
 }  // namespace q4::trainer

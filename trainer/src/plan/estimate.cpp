@@ -135,7 +135,8 @@ void add_teacher(const model::Qwen3Config& student, const Config& c, const model
   FrozenModelSpec spec;
   spec.path = c.distill.teacher;
   spec.config_path = c.distill.teacher_config;
-  const std::string path = frozen_config_path(c, spec);
+  spec.default_config = c.model.config;
+  const std::string path = frozen_config_path(spec);
   require_file(path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
                                                       : "distill.teacher_config");
   const auto t = as_input_error("distill.teacher_config",

@@ -232,4 +232,22 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id, bool pack,
   return bo;
 }
 
+RunPaths run_paths(const Config& c) {
+  RunPaths p;
+  p.output_dir = c.output.dir;
+  p.export_path = resolved_export_path(c);
+  p.metrics = c.log.metrics;
+  p.report = c.log.report;
+  p.hf_export = c.output.hf_export != HfExport::kNone;
+  p.lora = c.train.method == TrainMethod::kLora;
+  p.random_init = c.model.init == InitKind::kRandom;
+  p.config_source = c.source;
+  p.model_config = c.model.config;
+  p.tokenizer = c.model.tokenizer;
+  p.weights = c.model.weights;
+  p.data_files = c.data.files;
+  p.eval_files = c.data.eval_files;
+  return p;
+}
+
 }  // namespace q4::trainer

@@ -196,6 +196,14 @@ ProbePlan RunPlan::probe_plan() const {
   return ProbePlan{config_.data.files, config_.output.dir, config_.model.quantize_lm_head};
 }
 
+ObjectivePlan RunPlan::objective_plan() const { return trainer::objective_plan(config_); }
+
+PromptCheckPlan RunPlan::prompt_check_plan() const { return trainer::prompt_check_plan(config_); }
+
+data::BatcherOptions RunPlan::batcher_options(int64_t pad_id) const {
+  return trainer::batcher_options(config_, pad_id, data_.packing, data_.group_size);
+}
+
 nlohmann::json RunPlan::probe_settings() const {
   const Config& c = config_;
   return {{"config", c.source},
@@ -222,18 +230,28 @@ std::string RunPlan::ignored_settings_warning() const {
 
 void RunPlan::check_inputs(bool need_data) const { check_input_files(config_, needs_, need_data); }
 
-void RunPlan::check_outputs() const { check_output_paths(config_, needs_, options_.overwrite); }
+void RunPlan::check_outputs() const {
+  check_output_paths(run_paths(config_), needs_, options_.overwrite);
+}
 
 std::vector<std::string> RunPlan::run_dir_leftovers() const {
-  return trainer::run_dir_leftovers(config_, needs_);
+  return trainer::run_dir_leftovers(run_paths(config_), needs_);
 }
 
 std::vector<std::string> RunPlan::clean_stale_files() const {
-  return trainer::clean_stale_files(config_);
+  return trainer::clean_stale_files(run_paths(config_));
 }
 
 MemoryBudget RunPlan::memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const {
   return estimate_budget(mc, config_, separate_lm_head, needs_);
+}
+
+std::string RunPlan::moe_summary(const model::Qwen3Config& mc, bool separate_lm_head) const {
+  return trainer::moe_summary(mc, config_, separate_lm_head);
+}
+
+std::string RunPlan::moe_lora_note(const model::Qwen3Config& mc) const {
+  return trainer::moe_lora_note(mc, config_);
 }
 
 double RunPlan::flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const {

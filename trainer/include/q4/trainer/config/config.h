@@ -541,6 +541,11 @@ bool in_backward_updates(const Config& c);
 void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
                           bool offload_layer_inputs = false, int64_t keep_attention = 0,
                           int64_t keep_mlp = 0);
+// `--resume DIR` writes into DIR's run directory (docs/trainer.md#resume): sets output.dir to
+// `run_dir` and moves an absolute output.export_path that lay inside the old output.dir along
+// with it (a relative one follows by itself). Returns a one-line note when output.dir changed,
+// "" otherwise. Not called when the user set output.dir explicitly with --set.
+std::string point_config_at_run_dir(Config& c, const std::string& run_dir);
 // train.mlp_chunk_tokens with auto resolved: chunks of kAutoMlpChunkTokens when a micro-batch
 // (train.batch_size x train.seq_len) has more than kAutoMlpChunkAboveTokens tokens, else 0.
 int64_t resolved_mlp_chunk_tokens(const Config& c);

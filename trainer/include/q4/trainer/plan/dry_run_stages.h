@@ -24,4 +24,20 @@ RunPlan dry_run_data(const RunPlan& plan, const model::Qwen3Config& mc, std::ost
 RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool separate_lm_head,
                     std::string* recompute_note, std::string* fit_note);
 
+// The model as --dry-run sees it without its weights: model.config read, train.trainable checked
+// against its layers, and whether lm_head is stored apart from the embedding (the shipped NVFP4
+// files store it separately even when config.json says tied; a random init follows config.json).
+struct DryRunModel {
+  model::Qwen3Config config;
+  bool separate_lm_head = true;
+};
+DryRunModel dry_run_model(const RunPlan& plan);
+
+// --dry-run's report of the resolved plan: the model and the run's shape (with `recompute_note`,
+// the experts and LoRA lines), one line each.
+std::string dry_run_model_lines(const RunPlan& plan, const DryRunModel& model,
+                                const std::string& recompute_note);
+// Its last lines: the weights file, a non-empty output.dir, and the resolved config whole (YAML).
+std::string dry_run_files_and_config(const RunPlan& plan);
+
 }  // namespace q4::trainer

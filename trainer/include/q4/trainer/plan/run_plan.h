@@ -118,7 +118,9 @@ class RunPlan {
           bool probe = false);
 
   // The configuration as resolved so far (after with_length: the steps-based config; after
-  // with_recompute: the recompute chosen).
+  // with_recompute: the recompute chosen). The resolver's (plan/, the objective registry): the
+  // components take their slices (component_plans.h); outside plan/ only RolloutSource reads it,
+  // until it takes its slice (docs/design.md#trainer-layers).
   const Config& config() const { return config_; }
   const RunOptions& options() const { return options_; }
   const at::Device& device() const { return device_; }
@@ -162,6 +164,11 @@ class RunPlan {
   ReportPlan report_plan() const;
   LoopPlan loop_plan() const;
   ProbePlan probe_plan() const;
+  ObjectivePlan objective_plan() const;
+  PromptCheckPlan prompt_check_plan() const;
+  // The training batcher's settings (options.h batcher_options, as the data plan lays the rows
+  // out), `pad_id` the tokenizer's padding.
+  data::BatcherOptions batcher_options(int64_t pad_id) const;
   // The settings a probe report records (the config file, the micro-batch, dtypes, the recompute
   // as resolved, the optimizer state, the data's kind): a JSON object.
   nlohmann::json probe_settings() const;
@@ -169,6 +176,10 @@ class RunPlan {
   MemoryBudget memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const;
   // Model FLOPs per trained token (estimate.h train_flops_per_token).
   double flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const;
+  // The loaded model's experts line and LoRA-on-experts note (estimate.h moe_summary,
+  // moe_lora_note; "" for none).
+  std::string moe_summary(const model::Qwen3Config& mc, bool separate_lm_head) const;
+  std::string moe_lora_note(const model::Qwen3Config& mc) const;
 
   // A run whose length is configured in steps: the warmup clipped to it (`note`: the note, or
   // ""). A run whose length comes from the data is unchanged (with_length clips).
