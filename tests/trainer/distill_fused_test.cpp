@@ -12,9 +12,6 @@
 using namespace q4;
 using namespace q4::trainer;
 
-// In a namespace of its own: the test binaries are unity builds.
-namespace q4::test::distill_fused_test {
-
 namespace {
 
 at::Generator gen(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
@@ -100,5 +97,3 @@ TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
 }
 
 }  // namespace
-
-}  // namespace q4::test::distill_fused_test

@@ -18,9 +18,6 @@
 using namespace q4;
 using namespace q4::trainer;
 
-// In a namespace of its own: the test binaries are unity builds.
-namespace q4::test::distill_fused_cuda_test {
-
 namespace {
 
 #define SKIP_WITHOUT_CUDA() \
@@ -272,5 +269,3 @@ TEST(DistillFusedCuda, ChunkedLossWithTheFusedForm) {
 }
 
 }  // namespace
-
-}  // namespace q4::test::distill_fused_cuda_test
