@@ -837,7 +837,14 @@ std::string Tokenizer::decode(const std::vector<TokenId>& ids, bool skip_special
 }
 
 std::string Tokenizer::decode_lossy(const std::vector<TokenId>& ids, bool skip_special) const {
-  return io::utf8::repair(decode(ids, skip_special));
+  // An id with no token (a model's padded embedding rows past the vocabulary, which a sampler
+  // can draw) decodes to nothing, as Hugging Face tokenizers' decode skips it.
+  std::vector<TokenId> known;
+  known.reserve(ids.size());
+  for (const TokenId id : ids) {
+    if (id >= 0 && id < vocab_size() && impl_->id_kind[id] != Impl::kAbsent) known.push_back(id);
+  }
+  return io::utf8::repair(decode(known, skip_special));
 }
 
 std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {

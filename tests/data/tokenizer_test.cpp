@@ -122,6 +122,13 @@ TEST(Tokenizer, DecodeAcrossSplitCharacters) {
     EXPECT_EQ(tok.decode(a) + tok.decode(b), text);
   }
   EXPECT_EQ(tok.decode_lossy(ids), text);
+  // Ids past the vocabulary (a model's padded embedding rows: Qwen3's 151936 > 151669) are an
+  // error for decode and are skipped by decode_lossy, as HF decodes them.
+  std::vector<TokenId> padded(ids.begin(), ids.end());
+  padded.insert(padded.begin() + 1, static_cast<TokenId>(tok.vocab_size()));
+  padded.push_back(static_cast<TokenId>(tok.vocab_size() + 50));
+  EXPECT_THROW(tok.decode(padded), c10::Error);
+  EXPECT_EQ(tok.decode_lossy(padded), text);
 }
 
 TEST(Tokenizer, InvalidUtf8IsAnErrorNamingTheOffset) {
