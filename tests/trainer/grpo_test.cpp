@@ -378,9 +378,10 @@ TEST(Grpo, ARunResolvesWholeGroupsPerStepInOneProcess) {
       "grpo.yaml", "/tmp");
   refused(odd, RunOptions{}, false, "train.batch_size, train.grad_accum: 6 x 2 = 12 rows");
   refused(c, RunOptions{}, /*probe=*/true, "--probe");
+  // Data parallel: each rank samples and scores its share of the generation batch's prompts.
   RunOptions dp;
   dp.world.world_size = 2;
-  refused(c, dp, false, "--nproc");
+  EXPECT_NO_THROW(resolve_plan(c, dp));
 }
 
 TEST(Grpo, CompletionRowsScatterTokensInCompletionOrder) {
