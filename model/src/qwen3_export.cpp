@@ -13,6 +13,48 @@
 
 namespace q4::model {
 
+namespace {
+
+// The NVFP4 pair export_to writes for the quantized parameter `p` (source entry `name`), on the
+// host: nullopt when the source's pair is kept (copied byte-exactly), else the new packed data.
+// An adapted linear: its merged weight W + s·B·A, quantized (what a merge-aware forward computes
+// with, bit for bit). Otherwise the source is kept where it decodes to the forward's weight; a
+// changed one is the model's packed data, or its master quantized.
+std::optional<q4::quant::Nvfp4Tensor> exported_pair(const Qwen3Model::Impl& m, const Parameter& p,
+                                                    const DatReader& source,
+                                                    const std::string& name,
+                                                    const std::string& where) {
+  auto on_host = [](const q4::quant::Nvfp4Tensor& t) {
+    return q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(), t.scale.cpu().contiguous()};
+  };
+  if (p.lora_a != nullptr) {
+    return on_host(q4::quant::quantize_nvfp4(m.merged_weight(&p), p.name, m.opt.block_rule));
+  }
+  bool unchanged = false;
+  {
+    // The source's dequantized weight lives only for the comparison (the export runs next to
+    // the masters and moments, so its temporaries count toward the run's peak).
+    const q4::quant::Nvfp4Tensor src = source.load_nvfp4(*source.find_nvfp4(name));
+    const at::Device dev = m.opt.device;
+    const at::Tensor deq =
+        q4::quant::dequantize_nvfp4(src.qdata.to(dev), src.scale.to(dev), p.master.scalar_type());
+    TORCH_CHECK(deq.sizes() == p.master.sizes(), where, ": dequantized shape ", deq.sizes(),
+                " differs from the model's ", p.master.sizes());
+    // Under 4-over-6 a file's max6 codes need not be what the rule makes of their own values:
+    // the source is kept only where it decodes to the forward's weight.
+    const at::Tensor master = m.device_master(&p);
+    unchanged =
+        m.opt.block_rule == q4::quant::BlockRule::kMax6
+            ? at::equal(deq, master)
+            : at::equal(deq, q4::quant::fake_quant_nvfp4_forward(master, p.name, m.opt.block_rule));
+  }
+  if (unchanged) return std::nullopt;
+  if (p.qdata.defined()) return on_host({p.qdata, p.scale});
+  return on_host(q4::quant::quantize_nvfp4(p.master, p.name, m.opt.block_rule));
+}
+
+}  // namespace
+
 void Qwen3Model::export_to(const DatReader& source, const std::string& path,
                            bool dense_linears) const {
   Impl& m = *impl_;
@@ -68,42 +110,8 @@ void Qwen3Model::export_to(const DatReader& source, const std::string& path,
       continue;
     }
     auto it = decided.find(ref.name);
-    if (it == decided.end() && p->lora_a != nullptr) {
-      // An adapted linear: its merged weight W + s·B·A, quantized (what a merge-aware forward
-      // computes with, bit for bit).
-      const q4::quant::Nvfp4Tensor t =
-          q4::quant::quantize_nvfp4(m.merged_weight(p), p->name, m.opt.block_rule);
-      it = decided.emplace(ref.name, q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(),
-                                                            t.scale.cpu().contiguous()})
-               .first;
-    }
     if (it == decided.end()) {
-      bool unchanged = false;
-      {
-        // The source's dequantized weight lives only for the comparison (the export runs next
-        // to the masters and moments, so its temporaries count toward the run's peak).
-        const q4::quant::Nvfp4Tensor src = source.load_nvfp4(*source.find_nvfp4(ref.name));
-        const at::Device dev = m.opt.device;
-        const at::Tensor deq = q4::quant::dequantize_nvfp4(src.qdata.to(dev), src.scale.to(dev),
-                                                           p->master.scalar_type());
-        TORCH_CHECK(deq.sizes() == p->master.sizes(), where, ": dequantized shape ", deq.sizes(),
-                    " differs from the model's ", p->master.sizes());
-        // Under 4-over-6 a file's max6 codes need not be what the rule makes of their own
-        // values: the source is kept only where it decodes to the forward's weight.
-        const at::Tensor master = m.device_master(p);
-        unchanged = m.opt.block_rule == q4::quant::BlockRule::kMax6
-                        ? at::equal(deq, master)
-                        : at::equal(deq, q4::quant::fake_quant_nvfp4_forward(master, p->name,
-                                                                             m.opt.block_rule));
-      }
-      std::optional<q4::quant::Nvfp4Tensor> packed;
-      if (!unchanged && p->qdata.defined()) {
-        packed = q4::quant::Nvfp4Tensor{p->qdata.cpu().contiguous(), p->scale.cpu().contiguous()};
-      } else if (!unchanged) {
-        q4::quant::Nvfp4Tensor t = q4::quant::quantize_nvfp4(p->master, p->name, m.opt.block_rule);
-        packed = q4::quant::Nvfp4Tensor{t.qdata.cpu().contiguous(), t.scale.cpu().contiguous()};
-      }
-      it = decided.emplace(ref.name, std::move(packed)).first;
+      it = decided.emplace(ref.name, exported_pair(m, *p, source, ref.name, where)).first;
     }
     if (!it->second) {
       out.copy_from(source, e);

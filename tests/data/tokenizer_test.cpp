@@ -227,15 +227,15 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
     std::function<void(json&)> edit;
     const char* expect;  // substring of the error
   };
+  // The edit that replaces the section `key` by {"type": type}.
+  const auto typed = [](const char* key, const char* type) {
+    return [key, type](json& t) { t[key] = {{"type", type}}; };
+  };
   const std::vector<Case> cases = {
       {"model type", [](json& t) { t["model"]["type"] = "WordPiece"; }, "model.type"},
       {"dropout", [](json& t) { t["model"]["dropout"] = 0.1; }, "model.dropout"},
       {"byte_fallback", [](json& t) { t["model"]["byte_fallback"] = true; }, "byte_fallback"},
-      {"normalizer",
-       [](json& t) {
-         t["normalizer"] = {{"type", "NFKC"}};
-       },
-       "normalizer"},
+      {"normalizer", typed("normalizer", "NFKC"), "normalizer"},
       {"lowercase in sequence",
        [](json& t) {
          t["normalizer"] = {{"type", "Sequence"},
@@ -248,24 +248,12 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
        "invert"},
       {"bad regex",
        [](json& t) { t["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(("; }, "regex"},
-      {"metaspace",
-       [](json& t) {
-         t["pre_tokenizer"] = {{"type", "Metaspace"}};
-       },
-       "ByteLevel"},
+      {"metaspace", typed("pre_tokenizer", "Metaspace"), "ByteLevel"},
       {"prefix space",
        [](json& t) { t["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true; },
        "add_prefix_space"},
-      {"decoder",
-       [](json& t) {
-         t["decoder"] = {{"type", "WordPiece"}};
-       },
-       "decoder"},
-      {"post processor",
-       [](json& t) {
-         t["post_processor"] = {{"type", "TemplateProcessing"}};
-       },
-       "post_processor"},
+      {"decoder", typed("decoder", "WordPiece"), "decoder"},
+      {"post processor", typed("post_processor", "TemplateProcessing"), "post_processor"},
       {"lstrip", [](json& t) { t["added_tokens"][0]["lstrip"] = true; }, "lstrip"},
       {"model type not a string", [](json& t) { t["model"]["type"] = json::array({"H e"}); },
        "tokenizer.json structure"},

@@ -19,13 +19,7 @@
 namespace q4::model {
 namespace {
 
-Qwen3Model tiny_model() {
-  const auto cfg = Qwen3Config::from_json_file(kConfig);
-  ModelOptions opt;
-  opt.trainable = TrainableSpec::nothing();
-  opt.gradient_checkpointing = false;
-  return Qwen3Model::random_init(cfg, opt, /*seed=*/3, /*std=*/0.5);
-}
+Qwen3Model tiny_model() { return tiny_random_model(/*seed=*/3); }
 
 SamplingParams greedy(int64_t n, std::vector<int64_t> stop_ids = {}) {
   SamplingParams p;
@@ -263,15 +257,12 @@ TEST(Decode, GreedyEqualsGenerateAndTheCacheGrows) {
 // An adapter on lm_head (as q4chat --adapter loads one: plain, no master, the weight built from
 // the codes and A, B): decode equals generate.
 TEST(Decode, AdaptedLmHeadEqualsGenerate) {
-  const auto cfg = Qwen3Config::from_json_file(kConfig);
-  ModelOptions opt;
-  opt.trainable = TrainableSpec::nothing();
-  opt.gradient_checkpointing = false;
+  ModelOptions opt = inference_options();
   opt.master_dtype = at::kFloat;
   opt.lora.rank = 4;
   opt.lora.targets = {"q_proj", "lm_head"};
   opt.lora.merge_aware = false;
-  auto m = Qwen3Model::random_init(cfg, opt, /*seed=*/3, /*std=*/0.5);
+  auto m = tiny_random_model(/*seed=*/3, opt);
   at::Generator gen = at::detail::createCPUGenerator(11);
   for (auto& p : m.adapters()) p.master.copy_(at::randn(p.master.sizes(), gen) * 0.5);
   const std::vector<int64_t> prompt = kPrompts[0];
@@ -310,16 +301,13 @@ TEST(Decode, SeededDecodeEqualsGenerateOfOne) {
   EXPECT_EQ(r.tokens, generate(m, {{1, 2, 3}}, p)[0].tokens);
 }
 
-
 // A trainable (fake-quantized) model generates the same tokens and log-probabilities inside an
 // InferenceWeights scope, which keeps each linear's forward weight (up to its budget) and drops
 // them when it ends; a budget of 0 keeps nothing.
 TEST(Generate, InferenceWeightsKeepTheForwardWeightsAndChangeNothing) {
-  const auto cfg = Qwen3Config::from_json_file(kConfig);
-  ModelOptions opt;
+  ModelOptions opt = inference_options();
   opt.trainable = TrainableSpec::everything();
-  opt.gradient_checkpointing = false;
-  Qwen3Model m = Qwen3Model::random_init(cfg, opt, /*seed=*/3, /*std=*/0.5);
+  Qwen3Model m = tiny_random_model(/*seed=*/3, opt);
   SamplingParams p = seeded_sampling();
   p.want_logprobs = true;
   const std::vector<std::vector<int64_t>> prompts = {{5, 9, 2}, {7}};

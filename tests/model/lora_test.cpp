@@ -609,31 +609,22 @@ TEST(Lora, AdapterFolderThatWouldNotApplyIsRefusedByName) {
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   };
   const auto a0 = [](AdapterTensors& t) -> at::Tensor& { return t.front().second; };
+  // The edit that adds the first tensor again under `name`.
+  const auto adding = [a0](const std::string& name) {
+    return [a0, name](AdapterTensors& t, nlohmann::json&) { t.emplace_back(name, a0(t)); };
+  };
   // A layer the model does not have.
-  refused(
-      [&](AdapterTensors& t, nlohmann::json&) {
-        t.emplace_back("base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight", a0(t));
-      },
-      "model.layers.5.self_attn.q_proj.lora_A.weight", "2 decoder layers");
+  refused(adding("base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight"),
+          "model.layers.5.self_attn.q_proj.lora_A.weight", "2 decoder layers");
   // A module outside target_modules.
-  refused(
-      [&](AdapterTensors& t, nlohmann::json&) {
-        t.emplace_back("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight", a0(t));
-      },
-      "k_proj.lora_A", "target_modules");
+  refused(adding("base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"), "k_proj.lora_A",
+          "target_modules");
   // A weight of a module outside modules_to_save.
-  refused(
-      [&](AdapterTensors& t, nlohmann::json&) {
-        t.emplace_back("base_model.model.model.layers.0.mlp.up_proj.weight", a0(t));
-      },
-      "mlp.up_proj.weight", "modules_to_save");
+  refused(adding("base_model.model.model.layers.0.mlp.up_proj.weight"), "mlp.up_proj.weight",
+          "modules_to_save");
   // Non-LoRA tensors PEFT writes for other methods.
-  refused(
-      [&](AdapterTensors& t, nlohmann::json&) {
-        t.emplace_back("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector",
-                       a0(t));
-      },
-      "lora_magnitude_vector", "not a LoRA A or B");
+  refused(adding("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"),
+          "lora_magnitude_vector", "not a LoRA A or B");
   // Non-finite values, in an A and in a norm.
   const std::string first = SafetensorsFile(dir + "/adapter_model.safetensors").tensors()[0].name;
   refused([&](AdapterTensors& t, nlohmann::json&) { a0(t).view(-1).select(0, 0).fill_(NAN); },

@@ -130,6 +130,11 @@ std::string line_of(const std::string& text, const std::string& word) {
 
 using Edit = std::vector<std::pair<std::string, at::Tensor>>;
 Edit keep(const std::string& n, const at::Tensor& t) { return {{n, t}}; }
+// The edit that drops the tensor `name` and keeps the others.
+auto dropping(const std::string& name) {
+  return
+      [name](const std::string& n, const at::Tensor& t) { return n == name ? Edit{} : keep(n, t); };
+}
 
 TEST(MoeConfig, ReadsTransformersNumLocalExperts) {
   // transformers 5 saves the expert count as num_local_experts (the fixture folder does).
@@ -304,10 +309,7 @@ TEST_F(MoeInteropTest, ModeloptGlobalScaleFoldsPerExpert) {
 
 TEST_F(MoeInteropTest, MissingExpertIsRefusedNamingIt) {
   const std::string bad = "model.layers.0.mlp.experts.5.up_proj.weight";
-  const std::string err =
-      import_error(edited_folder("missing", [&](const std::string& n, const at::Tensor& t) {
-        return n == bad ? Edit{} : keep(n, t);
-      }));
+  const std::string err = import_error(edited_folder("missing", dropping(bad)));
   EXPECT_NE(err.find("missing tensor '" + bad + "' (expert 5 of 8"), std::string::npos) << err;
 }
 
@@ -342,10 +344,7 @@ TEST_F(MoeInteropTest, FusedExpertLayoutIsRefusedNamingIt) {
 
 TEST_F(MoeInteropTest, MissingRouterIsRefusedNamingIt) {
   const std::string bad = "model.layers.2.mlp.gate.weight";
-  const std::string err =
-      import_error(edited_folder("router", [&](const std::string& n, const at::Tensor& t) {
-        return n == bad ? Edit{} : keep(n, t);
-      }));
+  const std::string err = import_error(edited_folder("router", dropping(bad)));
   EXPECT_NE(err.find("missing tensor '" + bad + "' (shape [8, 64])"), std::string::npos) << err;
 }
 

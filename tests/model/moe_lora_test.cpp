@@ -4,7 +4,8 @@
 // - the merged weight of expert e is W_e + s·B_e·A_e, gate and up sharing A_e;
 // - plain: the forward and the gradients of A and B are those of x·(W_e + s·B_e·A_e)ᵀ (a model
 //   training those merged weights in plain precision), per expert;
-// - merge-aware: the loss is the merged model's bit for bit and dA, dB are s·B_eᵀ·dW_e, s·dW_e·A_eᵀ;
+// - merge-aware: the loss is the merged model's bit for bit and dA, dB are s·B_eᵀ·dW_e,
+// s·dW_e·A_eᵀ;
 // - the PEFT export is peft's layout (lora_A (E·r, in) expert-major, lora_B (out, r·E) with
 //   expert e's rank j in column j·E + e, gate_up under base_layer.) and loads back.
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -131,9 +133,8 @@ TEST(MoeLora, MergedWeightIsEachExpertsUpdate) {
     const at::Tensor merged = m.merged_weight(*p);
     const at::Tensor base = q4::quant::dequantize_nvfp4(p->qdata, p->scale, at::kFloat);
     for (int64_t e = 0; e < E; ++e) {
-      const at::Tensor want =
-          block(base, E, e) +
-          kScale * at::mm(block(p->lora_b->master, E, e), block(p->lora_a->master, E, e));
+      const at::Tensor want = block(base, E, e) + kScale * at::mm(block(p->lora_b->master, E, e),
+                                                                  block(p->lora_a->master, E, e));
       EXPECT_TRUE(at::allclose(block(merged, E, e), want, 1e-6, 1e-7)) << p->name << " " << e;
     }
   }
@@ -164,10 +165,25 @@ void expect_expert_grads(Qwen3Model& m, Qwen3Model& ref, double rtol) {
     ASSERT_TRUE(kv.first->grad.defined()) << kv.first->name;
     const double scale = kv.second.abs().max().item<double>();
     EXPECT_GT(scale, 0.0) << kv.first->name;
-    EXPECT_LE((kv.first->grad.to(at::kDouble) - kv.second).abs().max().item<double>(),
-              rtol * scale)
+    EXPECT_LE((kv.first->grad.to(at::kDouble) - kv.second).abs().max().item<double>(), rtol * scale)
         << kv.first->name;
   }
+}
+
+// `m` against its merged reference on one batch, after perturb_b: the losses within
+// `loss_rtol` (relative; 0: equal) and every expert adapter's gradient within `grad_rtol`.
+void expect_merged_reference(Qwen3Model& m, const DatReader& w, bool fake_quant, double loss_rtol,
+                             double grad_rtol) {
+  perturb_b(m);
+  const auto in = random_inputs(moe_config(), 2, 9, /*seed=*/17);
+  LossOutput lo = m.loss(in);
+  lo.loss.backward();
+  Qwen3Model ref = merged_reference(m, w, fake_quant);
+  LossOutput lr = ref.loss(in);
+  lr.loss.backward();
+  const double want = lr.loss.item<double>();
+  EXPECT_NEAR(lo.loss.item<double>(), want, loss_rtol * std::abs(want));
+  expect_expert_grads(m, ref, grad_rtol);
 }
 
 TEST(MoeLora, PlainForwardAndGradientsArePerExpertFormulas) {
@@ -177,17 +193,9 @@ TEST(MoeLora, PlainForwardAndGradientsArePerExpertFormulas) {
     ModelOptions o = expert_lora(false);
     o.gradient_checkpointing = checkpointing;
     Qwen3Model m = Qwen3Model::load(cfg, w, o);
-    perturb_b(m);
-    const auto in = random_inputs(cfg, 2, 9, /*seed=*/17);
-    LossOutput lo = m.loss(in);
-    lo.loss.backward();
-    // Plain precision from the merged weights: x·(W_e + s·B_e·A_e)ᵀ is the plain formula.
-    Qwen3Model ref = merged_reference(m, w, /*fake_quant=*/false);
-    LossOutput lr = ref.loss(in);
-    lr.loss.backward();
-    // fp32 sums in another order (the adapter's rank-r term beside W's GEMM): 1e-5 relative.
-    EXPECT_NEAR(lo.loss.item<double>(), lr.loss.item<double>(), 1e-5 * lr.loss.item<double>());
-    expect_expert_grads(m, ref, 2e-3);
+    // Plain precision from the merged weights: x·(W_e + s·B_e·A_e)ᵀ is the plain formula; fp32
+    // sums in another order (the adapter's rank-r term beside W's GEMM): 1e-5 relative.
+    expect_merged_reference(m, w, /*fake_quant=*/false, /*loss_rtol=*/1e-5, /*grad_rtol=*/2e-3);
   }
 }
 
@@ -195,16 +203,9 @@ TEST(MoeLora, MergeAwareGradientsAreTheMergedWeightsThroughTheAdapter) {
   const auto cfg = moe_config();
   DatReader w(moe_base());
   Qwen3Model m = Qwen3Model::load(cfg, w, expert_lora(true));
-  perturb_b(m);
-  const auto in = random_inputs(cfg, 2, 9, /*seed=*/17);
-  LossOutput lo = m.loss(in);
-  lo.loss.backward();
-  Qwen3Model ref = merged_reference(m, w, /*fake_quant=*/true);
-  LossOutput lr = ref.loss(in);
-  lr.loss.backward();
-  EXPECT_EQ(lo.loss.item<double>(), lr.loss.item<double>());
-  // The STE gradient is dW of fake_quant(merged) in both; only bmm vs mm rounding differs.
-  expect_expert_grads(m, ref, 1e-5);
+  // Equal losses; the STE gradient is dW of fake_quant(merged) in both, only bmm vs mm rounding
+  // differs.
+  expect_merged_reference(m, w, /*fake_quant=*/true, /*loss_rtol=*/0.0, /*grad_rtol=*/1e-5);
 }
 
 TEST(MoeLora, PeftExportIsPeftsLayoutAndRoundTrips) {
@@ -217,11 +218,10 @@ TEST(MoeLora, PeftExportIsPeftsLayoutAndRoundTrips) {
   std::ifstream cf(dir + "/adapter_config.json");
   const auto j = nlohmann::json::parse(cf);
   EXPECT_EQ(j.at("target_modules"), nlohmann::json({"q_proj"}));
-  EXPECT_EQ(j.at("target_parameters"),
-            nlohmann::json({"model.layers.0.mlp.experts.gate_up_proj",
-                            "model.layers.0.mlp.experts.down_proj",
-                            "model.layers.2.mlp.experts.gate_up_proj",
-                            "model.layers.2.mlp.experts.down_proj"}));
+  EXPECT_EQ(j.at("target_parameters"), nlohmann::json({"model.layers.0.mlp.experts.gate_up_proj",
+                                                       "model.layers.0.mlp.experts.down_proj",
+                                                       "model.layers.2.mlp.experts.gate_up_proj",
+                                                       "model.layers.2.mlp.experts.down_proj"}));
   const int64_t E = cfg.moe.num_experts, I = cfg.moe.moe_intermediate_size, H = cfg.hidden_size;
   const SafetensorsFile f(dir + "/adapter_model.safetensors");
   const std::string pre = "base_model.model.model.layers.2.mlp.experts.";
@@ -242,7 +242,8 @@ TEST(MoeLora, PeftExportIsPeftsLayoutAndRoundTrips) {
     const at::Tensor ag = block(gate.lora_a->master, E, e);
     EXPECT_TRUE(at::allclose(delta.narrow(0, 0, I), at::mm(block(gate.lora_b->master, E, e), ag)));
     EXPECT_TRUE(at::allclose(delta.narrow(0, I, I), at::mm(block(up.lora_b->master, E, e), ag)));
-    EXPECT_TRUE(at::equal(bd.view({H, kRank, E}).select(2, e), block(down.lora_b->master, E, e).to(at::kFloat)));
+    EXPECT_TRUE(at::equal(bd.view({H, kRank, E}).select(2, e),
+                          block(down.lora_b->master, E, e).to(at::kFloat)));
   }
   // Back in q4: the same adapters and the same forward.
   ModelOptions inference;

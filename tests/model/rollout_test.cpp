@@ -18,13 +18,7 @@
 namespace q4::model {
 namespace rollout_test {
 
-Qwen3Model rollout_model() {
-  const auto cfg = Qwen3Config::from_json_file(kConfig);
-  ModelOptions opt;
-  opt.trainable = TrainableSpec::nothing();
-  opt.gradient_checkpointing = false;
-  return Qwen3Model::random_init(cfg, opt, /*seed=*/5, /*std=*/0.5);
-}
+Qwen3Model rollout_model() { return tiny_random_model(/*seed=*/5); }
 
 SamplingParams rollout_params(double temperature) {
   SamplingParams p;

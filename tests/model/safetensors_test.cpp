@@ -89,41 +89,50 @@ TEST_F(SafetensorsTest, EveryDtypeHasItsSize) {
   EXPECT_FALSE(st_dtype_from_name("F4").has_value());
 }
 
+// A header's entry for tensor `name`, its fields as JSON text (so a case can hold values no
+// writer makes): "name":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}.
+std::string entry(const std::string& name, const std::string& dtype, const std::string& shape,
+                  const std::string& offsets) {
+  return "\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape +
+         ",\"data_offsets\":" + offsets + "}";
+}
+
+// The header of one tensor "w".
+std::string one_w(const std::string& dtype, const std::string& shape, const std::string& offsets) {
+  return "{" + entry("w", dtype, shape, offsets) + "}";
+}
+
 TEST_F(SafetensorsTest, HostileHeadersAreOneLineErrors) {
   struct Case {
     std::string header, data;
     int64_t len;
     std::string needle;
   };
-  const std::string ok = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string ok = one_w("F32", "[2]", "[0,8]");
   const std::string d8(8, '\0');
   const std::vector<Case> cases = {
       {ok, d8, 1000, "exceeds the file"},
       {ok, d8, 200'000'000, "outside [2, 100000000]"},
       {"{\"w\":", d8, -1, "not valid JSON"},
       {"[1,2]", d8, -1, "not a JSON object"},
-      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-       d8, -1, "tensor 'w' appears twice"},
-      {R"({"w":{"dtype":"F4","shape":[2],"data_offsets":[0,8]}})", d8, -1,
-       "tensor 'w': unsupported dtype 'F4'"},
-      {R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", d8, -1,
-       "tensor 'w': shape [-2]"},
-      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,12]}})", d8, -1,
+      {"{" + entry("w", "F32", "[2]", "[0,8]") + "," + entry("w", "F32", "[2]", "[0,8]") + "}", d8,
+       -1, "tensor 'w' appears twice"},
+      {one_w("F4", "[2]", "[0,8]"), d8, -1, "tensor 'w': unsupported dtype 'F4'"},
+      {one_w("F32", "[-2]", "[0,8]"), d8, -1, "tensor 'w': shape [-2]"},
+      {one_w("F32", "[2]", "[0,12]"), d8, -1,
        "tensor 'w': data_offsets [0, 12] outside the data section of 8 bytes"},
-      {R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", d8, -1,
+      {one_w("F32", "[3]", "[0,8]"), d8, -1,
        "tensor 'w': data_offsets [0, 8] hold 8 bytes but F32 [3] needs 12"},
-      {R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", d8, -1,
+      {one_w("F32", "[1]", "[4,8]"), d8, -1,
        "tensor 'w': data_offsets [4, 8] leave a gap of 4 bytes"},
-      {R"({"v":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-       d8, -1, "tensor 'w': data_offsets [4, 8] overlap"},
-      {R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", d8, -1,
-       "cover 4 data bytes but the file holds 8"},
-      {R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", d8, -1,
-       "tensor 'w': shape"},
+      {"{" + entry("v", "F32", "[2]", "[0,8]") + "," + entry("w", "F32", "[1]", "[4,8]") + "}", d8,
+       -1, "tensor 'w': data_offsets [4, 8] overlap"},
+      {one_w("F32", "[1]", "[0,4]"), d8, -1, "cover 4 data bytes but the file holds 8"},
+      {one_w("F32", "[4294967296,4294967296]", "[0,8]"), d8, -1, "tensor 'w': shape"},
       {R"({"w":{"dtype":"F32","shape":[2]}})", d8, -1, "tensor 'w': data_offsets must be"},
-      {R"({"__metadata__":{"k":1},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", d8, -1,
+      {R"({"__metadata__":{"k":1},)" + entry("w", "F32", "[2]", "[0,8]") + "}", d8, -1,
        "__metadata__ entry 'k' is not a string"},
-      {R"({"w\n":{"dtype":"F32","shape":[2],"data_offsets":[0,9]}})", d8, -1, "tensor 'w\\x0A'"},
+      {"{" + entry(R"(w\n)", "F32", "[2]", "[0,9]") + "}", d8, -1, "tensor 'w\\x0A'"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string p = write_raw("c" + std::to_string(i) + ".safetensors", cases[i].header,

@@ -22,6 +22,20 @@ inline const std::string kPlainExpected = kFixtures + "/qwen3_tiny.plain_expecte
 // The plain model at positions past 131,072 with the 2507 RoPE (make_far_positions_fixture.py).
 inline const std::string kFarPositions = kFixtures + "/qwen3_tiny.far_positions.dat";
 
+// A model that only generates: nothing trainable, no checkpointing.
+inline ModelOptions inference_options() {
+  ModelOptions opt;
+  opt.trainable = TrainableSpec::nothing();
+  opt.gradient_checkpointing = false;
+  return opt;
+}
+
+// The tiny config with normal(0, std) weights drawn from `seed` (Qwen3Model::random_init).
+inline Qwen3Model tiny_random_model(uint64_t seed, const ModelOptions& opt = inference_options(),
+                                    double std = 0.5) {
+  return Qwen3Model::random_init(Qwen3Config::from_json_file(kConfig), opt, seed, std);
+}
+
 // (batch, len) random token ids below the vocabulary from `seed`, each its own label.
 inline ModelInputs random_inputs(const Qwen3Config& cfg, int64_t batch, int64_t len,
                                  uint64_t seed) {

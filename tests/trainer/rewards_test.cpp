@@ -17,6 +17,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "q4/test/files.h"
 #include "q4/test/temp_dir.h"
@@ -230,43 +232,34 @@ reward:
 }
 
 TEST(RewardsConfig, ErrorsNameTheKey) {
-  auto err = [](const std::string& entries) {
-    return reward_config_error("reward:\n  functions:\n" + entries);
+  // reward.functions entries, and the parts their error must hold.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"    - {kind: regex, pattern: 'a(b'}\n",
+       {"config key reward.functions[0].pattern: invalid regular expression 'a(b'"}},
+      {"    - {kind: json}\n    - {kind: exact_match, field: a, extract: 'x+'}\n",
+       {"reward.functions[1].extract", "no capture group"}},
+      {"    - {kind: exact_match}\n", {"reward.functions[0].field: required by kind exact_match"}},
+      {"    - {kind: regex}\n", {"reward.functions[0].pattern: required"}},
+      {"    - {field: a}\n", {"reward.functions[0].kind", "required"}},
+      {"    - {kind: json, patern: x}\n",
+       {"unknown config key reward.functions[0].patern (test.yaml line 10)",
+        "did you mean pattern?"}},
+      {"    - {kind: json, pattern: x}\n",
+       {"reward.functions[0].pattern (test.yaml line 10): does not apply to kind json"}},
+      {"    - {kind: jsn}\n", {"reward.functions[0].kind", "exact_match, last_number"}},
+      {"    - {kind: json}\n    - {kind: json}\n",
+       {"reward.functions[1].name: 'json' names two rewards"}},
+      {"    - {kind: json, name: 'a b'}\n", {"reward.functions[0].name"}},
+      {"    - {kind: length, penalty_per_token: 0}\n", {"reward.functions[0].penalty_per_token"}},
+      {"    - {kind: json, weight: .nan}\n", {"reward.functions[0].weight"}},
+      {"    - just_a_string\n", {"reward.functions[0]", "expected a mapping"}},
   };
-  std::string m = err("    - {kind: regex, pattern: 'a(b'}\n");
-  EXPECT_TRUE(
-      contains(m, "config key reward.functions[0].pattern: invalid regular expression 'a(b'"))
-      << m;
-  m = err("    - {kind: json}\n    - {kind: exact_match, field: a, extract: 'x+'}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[1].extract") && contains(m, "no capture group")) << m;
-  m = err("    - {kind: exact_match}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].field: required by kind exact_match")) << m;
-  m = err("    - {kind: regex}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].pattern: required")) << m;
-  m = err("    - {field: a}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].kind") && contains(m, "required")) << m;
-  m = err("    - {kind: json, patern: x}\n");
-  EXPECT_TRUE(contains(m, "unknown config key reward.functions[0].patern (test.yaml line 10)") &&
-              contains(m, "did you mean pattern?"))
-      << m;
-  m = err("    - {kind: json, pattern: x}\n");
-  EXPECT_TRUE(
-      contains(m, "reward.functions[0].pattern (test.yaml line 10): does not apply to kind json"))
-      << m;
-  m = err("    - {kind: jsn}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].kind") && contains(m, "exact_match, last_number"))
-      << m;
-  m = err("    - {kind: json}\n    - {kind: json}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[1].name: 'json' names two rewards")) << m;
-  m = err("    - {kind: json, name: 'a b'}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].name")) << m;
-  m = err("    - {kind: length, penalty_per_token: 0}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].penalty_per_token")) << m;
-  m = err("    - {kind: json, weight: .nan}\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0].weight")) << m;
-  m = err("    - just_a_string\n");
-  EXPECT_TRUE(contains(m, "reward.functions[0]") && contains(m, "expected a mapping")) << m;
-  m = reward_config_error("reward:\n  functions: [{kind: json, name: command}]\n  command: [x]\n");
+  for (const auto& [entries, parts] : cases) {
+    const std::string m = reward_config_error("reward:\n  functions:\n" + entries);
+    for (const std::string& part : parts) EXPECT_TRUE(contains(m, part)) << entries << m;
+  }
+  std::string m =
+      reward_config_error("reward:\n  functions: [{kind: json, name: command}]\n  command: [x]\n");
   EXPECT_TRUE(contains(m, "'command' names two rewards")) << m;
   m = reward_config_error("reward:\n  command_timeout_s: 0\n");
   EXPECT_TRUE(contains(m, "reward.command_timeout_s")) << m;

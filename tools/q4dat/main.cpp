@@ -15,6 +15,21 @@
 #include "common.h"
 #include "q4dat.h"
 
+namespace {
+
+// A sub-command that writes the .dat OUT from its input: the input positional, OUT and
+// --overwrite (an existing OUT is refused without it: check_output_file).
+CLI::App* add_writer(CLI::App& app, const char* name, const char* about, const char* in_name,
+                     std::string& in, const char* in_help, std::string& out, bool& overwrite) {
+  CLI::App* c = app.add_subcommand(name, about);
+  c->add_option(in_name, in, in_help)->required();
+  c->add_option("OUT", out, "output .dat")->required();
+  c->add_flag("--overwrite", overwrite, "replace OUT if it exists");
+  return c;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace q4::tools;
   CLI::App app{"q4dat: inspect and transform .dat tensor files"};
@@ -29,25 +44,21 @@ int main(int argc, char** argv) {
                      "Qwen3 config.json: MoE summary (experts, top-k, sparse layers)");
 
   QuantizeOptions quant;
-  auto* c_quant = app.add_subcommand(
-      "quantize", "Replace each 2-D float entry whose key matches by KEY.qdata + KEY.scale");
-  c_quant->add_option("IN", quant.in, "input .dat")->required();
-  c_quant->add_option("OUT", quant.out, "output .dat")->required();
+  auto* c_quant = add_writer(
+      app, "quantize", "Replace each 2-D float entry whose key matches by KEY.qdata + KEY.scale",
+      "IN", quant.in, "input .dat", quant.out, quant.overwrite);
   c_quant->add_option("--match", quant.match, "ECMAScript regex searched in each key")->required();
   c_quant->add_option("--qdata-elem", quant.qdata_elem, "element type of .qdata: 0 or 100")
       ->check(CLI::IsMember({0, 100}))
       ->capture_default_str();
-  c_quant->add_flag("--overwrite", quant.overwrite, "replace OUT if it exists");
 
   DequantizeOptions deq;
-  auto* c_deq = app.add_subcommand(
-      "dequantize", "Replace each X.qdata + X.scale pair by a dense X at the .qdata position");
-  c_deq->add_option("IN", deq.in, "input .dat")->required();
-  c_deq->add_option("OUT", deq.out, "output .dat")->required();
+  auto* c_deq = add_writer(
+      app, "dequantize", "Replace each X.qdata + X.scale pair by a dense X at the .qdata position",
+      "IN", deq.in, "input .dat", deq.out, deq.overwrite);
   c_deq->add_option("--dtype", deq.dtype, "dtype of the dense entries")
       ->check(CLI::IsMember({"fp32", "fp16", "bf16"}))
       ->capture_default_str();
-  c_deq->add_flag("--overwrite", deq.overwrite, "replace OUT if it exists");
 
   DiffOptions diff;
   auto* c_diff = app.add_subcommand(
@@ -95,11 +106,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   ImportHfOptions imp;
-  auto* c_imp = app.add_subcommand(
-      "import-hf", "Write a .dat in the shipped Qwen3 layout from a Hugging Face folder");
-  c_imp->add_option("HF_DIR", imp.in_dir, "folder with config.json and *.safetensors")->required();
-  c_imp->add_option("OUT", imp.out, "output .dat")->required();
-  c_imp->add_flag("--overwrite", imp.overwrite, "replace OUT if it exists");
+  auto* c_imp = add_writer(
+      app, "import-hf", "Write a .dat in the shipped Qwen3 layout from a Hugging Face folder",
+      "HF_DIR", imp.in_dir, "folder with config.json and *.safetensors", imp.out, imp.overwrite);
   c_imp->add_flag("--dense", imp.dense,
                   "keep dense linears dense, in the folder's types (for plain-precision training)");
 

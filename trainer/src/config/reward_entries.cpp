@@ -2,8 +2,6 @@
 // small field table (reward_function_fields), printed back with the keys its kind uses, and
 // validated (names, required keys, PCRE2 regexes compiled here so a bad one is a config error
 // naming its key). docs/trainer.md#rewards.
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -18,20 +16,12 @@
 #include "q4/trainer/config/config.h"
 #include "config/config_text.h"
 // clang-format on
+#include "config/reward_regex.h"
 
 namespace q4::trainer {
 using namespace config_detail;
 
-namespace {
-
-// The entry's key for messages: "reward.functions[2].pattern".
-std::string reward_entry_key(const std::string& list_key, size_t i, const std::string& leaf) {
-  return list_key + "[" + std::to_string(i) + "]" + (leaf.empty() ? "" : "." + leaf);
-}
-
-// Checks that `pattern` compiles as the rewards layer compiles it (PCRE2_UTF |
-// PCRE2_MATCH_INVALID_UTF) and, for an extraction, has a capture group.
-void check_reward_regex(const std::string& pattern, const std::string& key, bool needs_group) {
+pcre2_code* compile_reward_regex(const std::string& pattern, const std::string& key) {
   int err = 0;
   PCRE2_SIZE offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
@@ -43,6 +33,20 @@ void check_reward_regex(const std::string& pattern, const std::string& key, bool
                       "' at offset " + std::to_string(offset) + ": " +
                       reinterpret_cast<const char*>(msg));
   }
+  return code;
+}
+
+namespace {
+
+// The entry's key for messages: "reward.functions[2].pattern".
+std::string reward_entry_key(const std::string& list_key, size_t i, const std::string& leaf) {
+  return list_key + "[" + std::to_string(i) + "]" + (leaf.empty() ? "" : "." + leaf);
+}
+
+// Checks that `pattern` compiles as the rewards layer compiles it and, for an extraction, has a
+// capture group.
+void check_reward_regex(const std::string& pattern, const std::string& key, bool needs_group) {
+  pcre2_code* code = compile_reward_regex(pattern, key);
   uint32_t groups = 0;
   pcre2_pattern_info(code, PCRE2_INFO_CAPTURECOUNT, &groups);
   pcre2_code_free(code);

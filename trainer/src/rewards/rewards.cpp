@@ -1,12 +1,10 @@
 // The built-in verifiers of reward.functions, the command's requests, the weighted total and the
 // logged values (docs/trainer.md#rewards). Regexes are PCRE2 with UTF and invalid-UTF matching
-// (a completion cut inside a character still matches byte for byte), compiled once here as
-// config validation compiled them (config/reward_entries.cpp).
+// (a completion cut inside a character still matches byte for byte), compiled once here through
+// the compilation config validation uses (config/reward_regex.h).
 #include "q4/trainer/rewards/rewards.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
 #include <c10/util/Exception.h>
-#include <pcre2.h>
 
 #include <algorithm>
 #include <cctype>
@@ -14,6 +12,7 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
+#include "config/reward_regex.h"
 #include "q4/trainer/rewards/reward_command.h"
 
 namespace q4::trainer {
@@ -26,18 +25,8 @@ using json = nlohmann::json;
 // generation, and a Rewards may be used from another thread than the one that made it).
 class RewardPattern {
  public:
-  RewardPattern(const std::string& pattern, const std::string& key) {
-    int err = 0;
-    PCRE2_SIZE offset = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                          PCRE2_UTF | PCRE2_MATCH_INVALID_UTF, &err, &offset, nullptr);
-    if (code_ == nullptr) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      throw ConfigError("config key " + key + ": invalid regular expression '" + pattern +
-                        "' at offset " + std::to_string(offset) + ": " +
-                        reinterpret_cast<const char*>(msg));
-    }
+  RewardPattern(const std::string& pattern, const std::string& key)
+      : code_(compile_reward_regex(pattern, key)) {
     pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // an optimization; the interpreter otherwise
     key_ = key;
   }
