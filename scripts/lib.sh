@@ -22,6 +22,9 @@
 #   q4_timed_build BUILD LOG "TARGET..." [CMAKE_ARGS...]
 #                                 q4_gpu_build and "build: N s", or nothing with SKIP_BUILD=1
 #   q4_clang                      installs clang with libFuzzer's runtime when missing
+#   q4_train_run BIN WORK NAME CONFIG [--set ...]
+#                                 one q4train run (BIN/q4train) into WORK/NAME, its log WORK/NAME.log;
+#                                 on failure the log's tail and exit 1
 # NVLink multicast (NVLS) stays off in every NCCL/symmetric-memory user: the lent multi-GPU
 # machines do not support it.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -89,4 +92,11 @@ q4_clang() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang \
       libclang-rt-14-dev >/dev/null
   fi
+}
+
+q4_train_run() {
+  local bin=$1 work=$2 name=$3 config=$4; shift 4
+  rm -rf "${work:?}/$name"
+  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$work/$name.log" 2>&1 \
+    || { tail -n 30 "$work/$name.log"; q4_die "$name: q4train failed"; }
 }

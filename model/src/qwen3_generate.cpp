@@ -1,7 +1,10 @@
 // The model side of generation: the last position's logits after a cached forward (only that
-// position goes through lm_head), the attention mask of a left-padded cache, and greedy
-// generate() of one prompt, which the batched generate (sampling.cpp) now runs.
+// position goes through lm_head), the attention mask of a left-padded cache, the KV cache, the
+// forward weights kept for a rollout (InferenceWeights), and greedy generate() of one prompt,
+// which the batched generate (sampling.cpp) now runs.
 #include <ATen/ATen.h>
+
+#include <algorithm>
 
 #include "q4/model/sampling.h"
 #include "qwen3_impl.h"
@@ -39,6 +42,38 @@ std::vector<int64_t> Qwen3Model::generate(const std::vector<int64_t>& prompt_ids
   p.max_new_tokens = gen.max_new_tokens;
   p.stop_ids = gen.stop_ids;
   return q4::model::generate(*this, {prompt_ids}, p).at(0).tokens;
+}
+
+Qwen3Model::InferenceWeights::InferenceWeights(Qwen3Model& model, int64_t max_bytes)
+    : model_(model) {
+  Impl& m = *model_.impl_;
+  TORCH_CHECK(!m.inference_weights, "InferenceWeights: a scope is already active");
+  m.inference_weights = true;
+  m.inference_budget = std::max<int64_t>(max_bytes, 0);
+  m.inference_bytes = 0;
+}
+
+Qwen3Model::InferenceWeights::~InferenceWeights() {
+  Impl& m = *model_.impl_;
+  for (Parameter& p : m.params) p.inference_weight = at::Tensor();
+  for (Parameter& p : m.adapters) p.inference_weight = at::Tensor();
+  m.inference_weights = false;
+  m.inference_bytes = 0;
+}
+
+int64_t Qwen3Model::InferenceWeights::bytes() const { return model_.impl_->inference_bytes; }
+
+KvCache Qwen3Model::make_cache(int64_t batch, int64_t capacity) const {
+  TORCH_CHECK(batch > 0 && capacity > 0, "KV cache: batch and capacity must be positive, got ",
+              batch, " and ", capacity);
+  const auto& c = impl_->cfg;
+  KvCache kv;
+  auto o = at::TensorOptions().dtype(impl_->opt.compute_dtype).device(impl_->opt.device);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    kv.k.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
+    kv.v.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
+  }
+  return kv;
 }
 
 }  // namespace q4::model

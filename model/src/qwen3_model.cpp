@@ -872,36 +872,4 @@ int64_t Qwen3Model::num_trainable_elements() const {
   return n;
 }
 
-Qwen3Model::InferenceWeights::InferenceWeights(Qwen3Model& model, int64_t max_bytes)
-    : model_(model) {
-  Impl& m = *model_.impl_;
-  TORCH_CHECK(!m.inference_weights, "InferenceWeights: a scope is already active");
-  m.inference_weights = true;
-  m.inference_budget = std::max<int64_t>(max_bytes, 0);
-  m.inference_bytes = 0;
-}
-
-Qwen3Model::InferenceWeights::~InferenceWeights() {
-  Impl& m = *model_.impl_;
-  for (Parameter& p : m.params) p.inference_weight = at::Tensor();
-  for (Parameter& p : m.adapters) p.inference_weight = at::Tensor();
-  m.inference_weights = false;
-  m.inference_bytes = 0;
-}
-
-int64_t Qwen3Model::InferenceWeights::bytes() const { return model_.impl_->inference_bytes; }
-
-KvCache Qwen3Model::make_cache(int64_t batch, int64_t capacity) const {
-  TORCH_CHECK(batch > 0 && capacity > 0, "KV cache: batch and capacity must be positive, got ",
-              batch, " and ", capacity);
-  const auto& c = impl_->cfg;
-  KvCache kv;
-  auto o = at::TensorOptions().dtype(impl_->opt.compute_dtype).device(impl_->opt.device);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    kv.k.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
-    kv.v.push_back(at::zeros({batch, c.num_key_value_heads, capacity, c.head_dim}, o));
-  }
-  return kv;
-}
-
 }  // namespace q4::model

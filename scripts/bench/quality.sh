@@ -35,11 +35,8 @@ heldout=(assets/datasets/sotu_heldout.jsonl assets/datasets/moby_dick_heldout.js
 # run NAME CONFIG [--set ...]: one q4train run into $work/NAME (its log beside it), its
 # metrics.jsonl copied to $out/NAME-metrics.jsonl.
 run() {
-  local name=$1 config=$2; shift 2
-  rm -rf "${work:?}/$name"
-  local t0=$SECONDS
-  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$work/$name.log" 2>&1 \
-    || { tail -n 30 "$work/$name.log"; q4_die "$name: q4train failed"; }
+  local name=$1 t0=$SECONDS
+  q4_train_run "$bin" "$work" "$@"
   grep -E "^done:|^peak GPU" "$work/$name.log"
   echo "$name: $((SECONDS - t0)) s, $(grep -c '"step"' "$work/$name/metrics.jsonl") logged steps"
   cp "$work/$name/metrics.jsonl" "$out/$name-metrics.jsonl"

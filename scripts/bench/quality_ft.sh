@@ -91,11 +91,8 @@ fi
 
 # run NAME CONFIG [--set ...]: one q4train run into $work/NAME (its log beside it).
 run() {
-  local name=$1 config=$2; shift 2
-  rm -rf "${work:?}/$name"
-  local t0=$SECONDS
-  "$bin/q4train" --config "$config" --set "output.dir=$work/$name" "$@" >"$work/$name.log" 2>&1 \
-    || { tail -n 30 "$work/$name.log"; q4_die "$name: q4train failed"; }
+  local name=$1 t0=$SECONDS
+  q4_train_run "$bin" "$work" "$@"
   echo "$name: $((SECONDS - t0)) s, $(grep -E '^done:' "$work/$name.log" | head -c 160)"
 }
 

@@ -48,19 +48,27 @@ std::vector<nlohmann::json> grpo_demo_records(const fs::path& path) {
   return out;
 }
 
-}  // namespace
-
-TEST(Demo, GrpoDemoRaisesTheReward) {
-  const fs::path dir = fresh_dir(fs::temp_directory_path() /
-                                 ("q4_grpo_demo_" + std::to_string(::getuid()) + "_" +
-                                  std::to_string(::getpid())));
-  const auto t0 = std::chrono::steady_clock::now();
-  const fs::path sft = dir / "sft", grpo = dir / "grpo";
-  ASSERT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo-sft.yaml --set output.dir=" +
-                              sft.string(),
+// A fresh folder (temp/q4_<tag>_<uid>_<pid>) with the demo's first stage trained into its sft/
+// (`extra`: more arguments), whose model.dat the second stage starts from.
+fs::path grpo_sft_stage(const std::string& tag, const std::string& extra) {
+  const fs::path dir = fresh_dir(fs::temp_directory_path() / ("q4_" + tag + "_" +
+                                                              std::to_string(::getuid()) + "_" +
+                                                              std::to_string(::getpid())));
+  EXPECT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo-sft.yaml --set output.dir=" +
+                              (dir / "sft").string() + " " + extra,
                           dir / "sft.log"),
             0)
       << read_text(dir / "sft.log");
+  return dir;
+}
+
+}  // namespace
+
+TEST(Demo, GrpoDemoRaisesTheReward) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const fs::path dir = grpo_sft_stage("grpo_demo", "");
+  ASSERT_FALSE(HasFailure());
+  const fs::path sft = dir / "sft", grpo = dir / "grpo";
   ASSERT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo.yaml --set output.dir=" +
                               grpo.string() + " --set model.weights=" +
                               (sft / "model.dat").string(),
@@ -99,15 +107,9 @@ TEST(Demo, GrpoDemoRaisesTheReward) {
 // the start of step 6 (Q4_FAULT) and resumed from its step-4 checkpoint; every step's reward and
 // loss are identical on the CPU.
 TEST(Demo, GrpoResumeContinuesTheSameRollouts) {
-  const fs::path dir = fresh_dir(fs::temp_directory_path() /
-                                 ("q4_grpo_resume_" + std::to_string(::getuid()) + "_" +
-                                  std::to_string(::getpid())));
+  const fs::path dir = grpo_sft_stage("grpo_resume", "--set train.steps=20");
+  ASSERT_FALSE(HasFailure());
   const fs::path sft = dir / "sft";
-  ASSERT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo-sft.yaml --set output.dir=" +
-                              sft.string() + " --set train.steps=20",
-                          dir / "sft.log"),
-            0)
-      << read_text(dir / "sft.log");
   const std::string common = "--config " + kSource + "/configs/demo-grpo.yaml --set model.weights=" +
                              (sft / "model.dat").string() +
                              " --set train.steps=8 --set output.checkpoint_every=4";
@@ -139,15 +141,9 @@ TEST(Demo, GrpoResumeContinuesTheSameRollouts) {
 // (sampled before any update, ~0.25) to >= 0.8 over the last 5 steps.
 TEST(DemoCuda, GrpoVariantsRaiseTheReward) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
-  const fs::path dir = fresh_dir(fs::temp_directory_path() /
-                                 ("q4_grpo_cuda_" + std::to_string(::getuid()) + "_" +
-                                  std::to_string(::getpid())));
+  const fs::path dir = grpo_sft_stage("grpo_cuda", "--set model.device=cuda");
+  ASSERT_FALSE(HasFailure());
   const fs::path sft = dir / "sft";
-  ASSERT_EQ(grpo_demo_run("--config " + kSource + "/configs/demo-grpo-sft.yaml --set output.dir=" +
-                              sft.string() + " --set model.device=cuda",
-                          dir / "sft.log"),
-            0)
-      << read_text(dir / "sft.log");
   const std::vector<std::pair<std::string, std::string>> variants = {
       {"full", ""},
       {"offload", "--set optim.offload=all"},

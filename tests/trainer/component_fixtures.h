@@ -91,6 +91,18 @@ inline std::unique_ptr<data::Batcher> random_batcher(int64_t count, int64_t len,
   return std::make_unique<data::Batcher>(random_examples(count, len, vocab, seed), bo);
 }
 
+// The CUDA tests' model options: fp16 masters, bf16 compute, everything trainable, every layer
+// recomputed.
+inline model::ModelOptions cuda_recompute_options() {
+  model::ModelOptions o;
+  o.master_dtype = at::kHalf;
+  o.compute_dtype = at::kBFloat16;
+  o.device = at::Device(at::kCUDA, 0);
+  o.trainable = model::TrainableSpec::everything();
+  o.gradient_checkpointing = true;
+  return o;
+}
+
 // A host batch as the model's inputs (CPU tests: no staging).
 inline model::ModelInputs host_inputs(const data::Batch& b) {
   model::ModelInputs in;
@@ -141,5 +153,18 @@ struct StepRig {
                                        in_backward, index);
   }
 };
+
+// Three steps of two rigs, each on its own copy of the same data: every step applied, with
+// bit-identical losses and gradient norms (`what` names the case in failures).
+inline void expect_equal_steps(StepRig& r1, StepRig& r2, data::Batcher& b1, data::Batcher& b2,
+                               const std::string& what) {
+  for (int64_t step = 0; step < 3; ++step) {
+    const StepOutcome s1 = r1.step->run(step, b1);
+    const StepOutcome s2 = r2.step->run(step, b2);
+    ASSERT_TRUE(s1.res.applied && s2.res.applied) << what;
+    EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
+    EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
+  }
+}
 
 }  // namespace q4::trainer::testing

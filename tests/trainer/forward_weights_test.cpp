@@ -70,13 +70,7 @@ void expect_mode_matches(const Config& c, const model::ModelOptions& o, bool moe
   StepRig r1(c, sweep, ce, in_backward), r2(c, kept, ce, in_backward);
   const int64_t V = sweep.config().vocab_size;
   auto b1 = random_batcher(12, 12, V, 2), b2 = random_batcher(12, 12, V, 2);
-  for (int64_t step = 0; step < 3; ++step) {
-    const StepOutcome s1 = r1.step->run(step, *b1);
-    const StepOutcome s2 = r2.step->run(step, *b2);
-    ASSERT_TRUE(s1.res.applied && s2.res.applied) << what;
-    EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
-    EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_equal_steps(r1, r2, *b1, *b2, what));
   if (torch::cuda::is_available()) torch::cuda::synchronize();
   const auto a = masters(sweep), b = masters(kept);
   ASSERT_EQ(a.size(), b.size());
@@ -264,12 +258,7 @@ TEST(ForwardWeights, AutoTakesTheFastestThatFits) {
 // buffered (the refresh on the update's side stream) and in-backward updates: bit for bit.
 TEST(ForwardWeightsCuda, ModesTrainBitIdenticallyToTheSweep) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU";
-  model::ModelOptions o;
-  o.master_dtype = at::kHalf;
-  o.compute_dtype = at::kBFloat16;
-  o.device = at::Device(at::kCUDA, 0);
-  o.trainable = model::TrainableSpec::everything();
-  o.gradient_checkpointing = true;
+  model::ModelOptions o = cuda_recompute_options();
   Config c0 = cpu_config("unused");
   c0.model.device = "cuda";
   for (const bool moe : {false, true}) {

@@ -49,13 +49,7 @@ void expect_offload_matches(const Config& c, model::Qwen3Model& resident,
   SupervisedCrossEntropy ce;
   StepRig r1(c, resident, ce, in_backward), r2(c, offloaded, ce, in_backward);
   auto [b1, b2] = same_data(8, resident.config().vocab_size);
-  for (int64_t step = 0; step < 3; ++step) {
-    const StepOutcome s1 = r1.step->run(step, *b1);
-    const StepOutcome s2 = r2.step->run(step, *b2);
-    ASSERT_TRUE(s1.res.applied && s2.res.applied) << what;
-    EXPECT_EQ(s1.loss, s2.loss) << what << " step " << step;
-    EXPECT_EQ(s1.res.grad_norm, s2.res.grad_norm) << what << " step " << step;
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_equal_steps(r1, r2, *b1, *b2, what));
   // Offloaded masters are written by kernels in flight: read them after the device is done.
   if (torch::cuda::is_available()) torch::cuda::synchronize();
   const auto a = masters(resident), b = masters(offloaded);
@@ -147,12 +141,7 @@ TEST(TrainStepCuda, OffloadedMastersTrainAsResidentOnes) {
   const auto cuda_model = [](bool offload) {
     const auto cfg = model::Qwen3Config::from_json_file(std::string(Q4_FIXTURES_DIR) +
                                                         "/qwen3_tiny.config.json");
-    model::ModelOptions o;
-    o.master_dtype = at::kHalf;
-    o.compute_dtype = at::kBFloat16;
-    o.device = at::Device(at::kCUDA, 0);
-    o.trainable = model::TrainableSpec::everything();
-    o.gradient_checkpointing = true;
+    model::ModelOptions o = cuda_recompute_options();
     o.offload_masters = offload;
     return model::Qwen3Model::random_init(cfg, o, 11, 0.02);
   };
