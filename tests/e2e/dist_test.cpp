@@ -347,7 +347,7 @@ TEST(DataParallel, GrpoOnTwoRanksTracksOneRank) {
               loss_type +
               "\nreward:\n  functions:\n    - {name: e, kind: regex, pattern: 'e'}\n"
               "    - {name: digit, kind: regex, pattern: '[0-9]', weight: 0.5}\n";
-      return config_args(t.write(dir / name));
+      return std::vector<std::string>{"--config", t.write(dir / name).string()};
     }, &c);
     ASSERT_EQ(c.two.size(), 3u) << loss_type;
     ASSERT_EQ(c.one.size(), 3u) << loss_type;
