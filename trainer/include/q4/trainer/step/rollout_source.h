@@ -63,9 +63,11 @@ class RolloutSource final : public BatchSource {
 
  private:
   void generate();
-  // The micro-batches of `rows` completions (prompt index, tokens) with their advantages.
+  // The micro-batches of `rows` completions (prompt index, tokens, per-token sampling entropies)
+  // with their advantages.
   void build_micro_batches(const std::vector<int64_t>& prompt_of_row,
                            const std::vector<std::vector<int64_t>>& completions,
+                           const std::vector<std::vector<float>>& entropies,
                            const std::vector<bool>& truncated, const at::Tensor& advantages);
 
   const Config& c_;
