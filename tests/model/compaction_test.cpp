@@ -142,8 +142,9 @@ TEST(Compaction, MixtureOfExpertsCompactedEqualsUncompacted) {
 // Through the model's batched forward the compacted steps' GEMMs have fewer rows, which BLAS
 // rounds differently in the last bits: the same tokens on this seeded case (a token can differ
 // only where u · total falls within ~1e-6 of a boundary) and log-probabilities and entropies
-// within 1e-5 (fp32 logits of magnitude ~10 on this init: a few ulps; a wrong row or position
-// is off by ~1).
+// within 1e-4 nats (measured 7.6e-6 on the 2-core development machine: fp32 rounding of the
+// large logits of this init, as rollout_test.cpp bounds the decode against the training
+// forward; a wrong row or position is off by ~1).
 TEST(Compaction, BatchedForwardAgreesToRounding) {
   at::NoGradGuard no_grad;
   Qwen3Model m = model_of(kConfig, 7);
@@ -160,7 +161,7 @@ TEST(Compaction, BatchedForwardAgreesToRounding) {
     }
   }
   std::cout << "[ measured ] batched forward: max |compacted - uncompacted| " << d << "\n";
-  EXPECT_LT(d, 1e-5);
+  EXPECT_LT(d, 1e-4);
 }
 
 // A step that holds rows {1, 3} of a batch of 4 draws what the whole batch's rows 1 and 3 draw,
