@@ -568,3 +568,43 @@ LayerKeepCosts layer_keep_costs(const Qwen3Config& cfg, const ModelOptions& opt,
 }
 
 }  // namespace q4::model
+
+namespace q4::model {
+
+RolloutMemory estimate_rollout_memory(const Qwen3Config& cfg, const ModelOptions& opt,
+                                      const RolloutShape& shape, bool include_lm_head) {
+  const int64_t cs = static_cast<int64_t>(c10::elementSize(opt.compute_dtype));
+  const int64_t R = shape.rows, P = shape.prompt_tokens;
+  const int64_t H = cfg.hidden_size, QD = cfg.q_dim(), KVD = cfg.kv_dim();
+  const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
+  RolloutMemory m;
+  m.kv_cache_bytes = 2 * L * R * cfg.num_key_value_heads * (P + shape.completion_tokens) *
+                     cfg.head_dim * cs;
+  const int64_t tokens = R * P;
+  const int64_t attn = tokens * cs * (H + 2 * QD + 2 * KVD);
+  const int64_t ffn = tokens * layer_activations(cfg, opt).ffn.forward_per_row;
+  m.prefill_bytes = 2 * tokens * H * cs + std::max(attn, ffn);
+  int64_t per_element = cs + 4 * 4;
+  if (shape.top_p < 1.0) per_element += 4 + 8 + 4;
+  if (shape.top_k > 0 && shape.top_k < V) per_element += 4;
+  m.sampling_bytes = R * V * per_element;
+  const bool tied = !include_lm_head;
+  // Qwen3Model::Impl::weight: the linears (a tied lm_head is the embedding) and, plain, the
+  // adapters' A and B.
+  for (const ParamSpec& p : qwen3_parameters(cfg, include_lm_head)) {
+    const bool linear = p.group == ParamGroup::kProjection || p.group == ParamGroup::kLmHead ||
+                        (tied && p.group == ParamGroup::kEmbedding);
+    if (!linear) continue;
+    if (opt.lora.adapts(p, opt.trainable, L)) {
+      m.weights_bytes += (p.numel() + (opt.lora.merge_aware
+                                           ? 0
+                                           : adapter_elements(p, opt, cfg.moe.num_experts))) *
+                         cs;
+    } else if (opt.trainable.trains(p, L, tied)) {
+      m.weights_bytes += p.numel() * cs;
+    }
+  }
+  return m;
+}
+
+}  // namespace q4::model

@@ -91,6 +91,12 @@ TokenSampler::TokenSampler(const SamplingParams& params, at::Generator generator
   params_.validate();
 }
 
+TokenSampler::TokenSampler(const SamplingParams& params, std::vector<at::Generator> row_generators)
+    : params_(params), row_gens_(std::move(row_generators)) {
+  params_.validate();
+  TORCH_CHECK(!row_gens_.empty(), "sampler: no row generators");
+}
+
 std::vector<int64_t> TokenSampler::next_batch(
     const at::Tensor& logits, const std::vector<const std::vector<int64_t>*>& histories,
     std::vector<float>* logprobs, std::vector<float>* entropy, const SampledRows* rows) {
@@ -159,14 +165,28 @@ at::Tensor TokenSampler::draw(const at::Tensor& logits, const SampledRows* rows)
   const at::Tensor cdf = probs.cumsum(-1);       // (B, V)
   // One uniform per row from the host generator, on any device: u · total falls in the
   // interval of exactly one token of positive probability (`right`: past the flat runs of the
-  // filtered ones). A part of a batch draws the whole batch's uniforms and takes its rows'.
-  at::Tensor u = at::rand({rows == nullptr ? B : rows->batch_rows, 1}, gen_, at::kFloat);
+  // filtered ones). A part of a batch (SampledRows) draws the whole batch's uniforms and takes
+  // its rows'; with row generators each row draws from its own.
   if (rows != nullptr) {
     for (const int64_t r : rows->rows) {
       TORCH_CHECK(r >= 0 && r < rows->batch_rows, "sampler: row ", r, " outside a batch of ",
                   rows->batch_rows);
     }
-    u = u.index_select(0, at::tensor(rows->rows, at::kLong));
+  }
+  const int64_t batch_rows = rows == nullptr ? B : rows->batch_rows;
+  at::Tensor u;
+  if (row_gens_.empty()) {
+    u = at::rand({batch_rows, 1}, gen_, at::kFloat);
+    if (rows != nullptr) u = u.index_select(0, at::tensor(rows->rows, at::kLong));
+  } else {
+    TORCH_CHECK(static_cast<int64_t>(row_gens_.size()) == batch_rows, "sampler: ", batch_rows,
+                " rows for ", row_gens_.size(), " row generators");
+    u = at::empty({B, 1}, at::kFloat);
+    float* up = u.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t r = rows == nullptr ? b : rows->rows[b];
+      up[b] = at::rand({1}, row_gens_[r], at::kFloat).item<float>();
+    }
   }
   const at::Tensor target = u.to(logits.device()) * cdf.narrow(1, cdf.size(1) - 1, 1);
   at::Tensor ids = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)

@@ -24,6 +24,9 @@
 #include "q4/test/tiny_run.h"
 
 namespace fs = std::filesystem;
+
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::crash_test {
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -126,3 +129,5 @@ TEST(CrashTest, KillNineThenResumeIsBitIdentical) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::crash_test

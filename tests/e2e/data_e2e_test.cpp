@@ -22,6 +22,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::data_e2e_test {
+
 namespace {
 
 using namespace q4::test;
@@ -257,3 +260,5 @@ TEST(DataE2E, EmptyJsonArrayIsNamedAsSuch) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::data_e2e_test

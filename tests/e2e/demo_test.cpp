@@ -28,6 +28,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::demo_test {
+
 namespace {
 
 using namespace q4::test;
@@ -182,3 +185,5 @@ TEST(Demo, PreferenceDemoFlipsTheHeldOutPairs) {
   EXPECT_EQ(chat.out.rfind("Sure!", 0), 0u) << chat.out;
   q4::io::remove_tree(dir);
 }
+
+}  // namespace q4::test::demo_test

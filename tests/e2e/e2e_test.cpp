@@ -42,6 +42,9 @@
 #include "shrunk_demo.h"
 
 namespace fs = std::filesystem;
+
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::e2e_test {
 using namespace q4::test;
 
 TEST(E2E, VersionAndHelp) {
@@ -635,3 +638,5 @@ TEST(E2E, InBackwardUpdatesTrackTheBufferedRun) {
 
 // ------------------------------------------------------------------------------------------
 // Training signals, runs that explain themselves, fewer traps.
+
+}  // namespace q4::test::e2e_test

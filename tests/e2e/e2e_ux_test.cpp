@@ -19,6 +19,9 @@
 #include "shrunk_demo.h"
 
 namespace fs = std::filesystem;
+
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::e2e_ux_test {
 using namespace q4::test;
 
 namespace {
@@ -260,3 +263,5 @@ TEST(E2EUx, ResumeRefusesAChangedSchedule) {
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(read_jsonl(dir / "run" / "metrics.jsonl").size(), 41u);
 }
+
+}  // namespace q4::test::e2e_ux_test

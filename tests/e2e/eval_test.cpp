@@ -31,6 +31,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::eval_test {
+
 namespace {
 
 using namespace q4::test;
@@ -477,3 +480,5 @@ TEST(EvalMetrics, AnswerCaseOfPairsAndText) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::eval_test

@@ -28,6 +28,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::hardening_test {
+
 namespace {
 
 using namespace q4::test;
@@ -258,7 +261,9 @@ TEST(Hardening, SignalsDuringSetUpAndTwiceStopCleanly) {
       EXPECT_TRUE(done) << log;
     }
     // A fresh run stopped in set-up removes what it created, the run directory included.
-    if (fs::exists(dir / "run")) EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
+    if (fs::exists(dir / "run")) {
+      EXPECT_TRUE(temp_files(dir / "run").empty()) << log;
+    }
   }
 }
 
@@ -341,3 +346,5 @@ TEST(Hardening, DryRunChecksTheTeachersVocabulary) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::hardening_test

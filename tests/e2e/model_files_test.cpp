@@ -32,6 +32,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::model_files_test {
+
 namespace {
 
 using namespace q4::test;
@@ -332,3 +335,5 @@ TEST(ModelFiles, NprocReportsATruncatedWeightsFileOnce) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::model_files_test

@@ -29,6 +29,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::moe_e2e_test {
+
 namespace {
 
 using namespace q4::test;
@@ -184,3 +187,5 @@ TEST(MoeDemo, DryRunSaysTheExperts) {
   }
   q4::io::remove_tree(dir);
 }
+
+}  // namespace q4::test::moe_e2e_test

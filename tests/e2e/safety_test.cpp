@@ -32,6 +32,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::safety_test {
+
 namespace {
 
 using namespace q4::test;
@@ -705,3 +708,5 @@ TEST(Safety, AdapterFolderIsNeverAnotherRunsOrAUsersFolder) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::safety_test

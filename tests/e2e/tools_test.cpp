@@ -30,6 +30,9 @@
 
 namespace fs = std::filesystem;
 
+// Each file's helpers and tests in a namespace of their own: test_e2e is a unity build.
+namespace q4::test::tools_test {
+
 namespace {
 
 using namespace q4::test;
@@ -266,3 +269,5 @@ TEST_F(Tools, ReportIsLiveDuringTheRun) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::tools_test

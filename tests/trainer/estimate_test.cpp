@@ -164,6 +164,66 @@ TEST(Estimate, DistillationAddsTheTeacher) {
   EXPECT_EQ(estimate_budget(mc, offline, true, objective_needs(offline)).teacher_bytes, 0);
 }
 
+// GRPO (docs/trainer.md#grpo, "Memory"): a rollout phase before the training phases (which are
+// the supervised run's), each term against its direct formula for the 4B shapes, and the
+// reference model with grpo.beta > 0; the peak is the larger phase, not the sum.
+TEST(Estimate, GrpoCountsTheRolloutAndTheReference) {
+  const std::string path = std::string(Q4_SOURCE_DIR) + "/scripts/bench/bench-4b.yaml";
+  const std::vector<std::string> common = {"train.batch_size=8", "train.grad_accum=2",
+                                           "data.packing=false"};
+  auto load = [&](std::vector<std::string> sets) {
+    std::vector<Override> ov;
+    for (const auto& s : common) ov.push_back(parse_override(s));
+    for (const auto& s : sets) ov.push_back(parse_override(s));
+    return load_config(path, ov);
+  };
+  const Config sft = load({});
+  const std::vector<std::string> grpo = {"train.objective=grpo", "grpo.num_generations=4",
+                                         "grpo.max_completion_length=256", "grpo.top_p=0.9"};
+  std::vector<std::string> with_beta = grpo;
+  with_beta.push_back("grpo.beta=0.04");
+  const Config g = load(grpo), gb = load(with_beta);
+  const auto mc = q4::model::Qwen3Config::from_json_file(sft.model.config);
+  const auto a = estimate_budget(mc, sft, true, objective_needs(sft));
+  const auto b = estimate_budget(mc, g, true, objective_needs(g));
+  const auto c = estimate_budget(mc, gb, true, objective_needs(gb));
+  ASSERT_EQ(b.phases.size(), a.phases.size() + 1);
+  for (size_t i = 0; i < a.phases.size(); ++i) {
+    EXPECT_EQ(b.phases[i + 1].name, a.phases[i].name);
+    EXPECT_EQ(b.phases[i + 1].total_bytes(), a.phases[i].total_bytes()) << a.phases[i].name;
+  }
+  const BudgetPhase& r = b.phases[0];
+  EXPECT_EQ(r.name, "rollout");
+  // This rank's rows: batch_size x grad_accum; prompt + completion = seq_len; bf16.
+  const int64_t R = 16, T = 1024, P = 1024 - 256, cs = 2;
+  const int64_t H = mc.hidden_size, I = mc.intermediate_size, V = mc.vocab_size;
+  const int64_t L = mc.num_hidden_layers, KVH = mc.num_key_value_heads, D = mc.head_dim;
+  const int64_t QD = mc.num_attention_heads * D, KVD = KVH * D;
+  EXPECT_EQ(r.kv_cache_bytes, 2 * L * R * KVH * T * D * cs);
+  EXPECT_EQ(r.weights_bytes, (L * (H * QD + 2 * H * KVD + QD * H + 3 * H * I) + V * H) * cs);
+  EXPECT_EQ(r.logits_bytes, R * V * (cs + 16 + 16));  // top_p: sort values, indices, cumsum
+  EXPECT_EQ(r.activations_bytes,
+            2 * R * P * H * cs + std::max(R * P * cs * (H + 2 * QD + 2 * KVD),
+                                          R * P * cs * (2 * H + 3 * I)));
+  EXPECT_EQ(r.gradients_bytes, 0);
+  EXPECT_EQ(b.reference_bytes, 0);
+  EXPECT_EQ(b.persistent_bytes(), a.persistent_bytes());
+  int64_t peak = 0;
+  for (const auto& p : b.phases) peak = std::max(peak, p.total_bytes());
+  EXPECT_EQ(b.total_bytes(), b.persistent_bytes() + peak);
+  EXPECT_LT(b.total_bytes(), a.total_bytes() + r.total_bytes());  // the larger, not the sum
+  // grpo.beta > 0: the reference model, whole run, in the compute dtype.
+  EXPECT_EQ(c.reference_bytes, mc.num_parameters(true) * cs);
+  EXPECT_EQ(c.persistent_bytes(), b.persistent_bytes() + c.reference_bytes);
+  const std::string table = c.to_table();
+  for (const char* w : {"rollout", "kv cache", "weights", "reference"}) {
+    EXPECT_NE(table.find(w), std::string::npos) << w << "\n" << table;
+  }
+  EXPECT_EQ(a.to_table().find("kv cache"), std::string::npos);
+  EXPECT_EQ(c.to_json()["reference_bytes"].get<int64_t>(), c.reference_bytes);
+  EXPECT_EQ(c.to_json()["phases"][0]["kv_cache_bytes"].get<int64_t>(), r.kv_cache_bytes);
+}
+
 TEST(Estimate, LayerBackwardDominatesWithoutTheLmHead) {
   // Frozen lm_head and embedding, one 8192-token sequence: the loss phases hold only a logits
   // block, while a recomputed layer's graph grows with the tokens.

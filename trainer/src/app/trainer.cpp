@@ -313,7 +313,7 @@ class Trainer {
       rewards_.emplace(make_rewards(plan_.config().reward));
       rollouts_ = std::make_unique<RolloutSource>(
           plan_.config(), model, plan_.device(), *setup_.tokenizer(), setup_.prompts(),
-          setup_.prompt_origins(), *setup_.batcher(), *rewards_);
+          setup_.prompt_origins(), *setup_.batcher(), *rewards_, comm_.get());
     }
     evaluator_.attach(model, setup_.tokenizer(), *objective_, setup_.take_validation_batcher());
   }
@@ -321,7 +321,15 @@ class Trainer {
   // Returns the tokens seen before the checkpoint.
   int64_t restore(const CheckpointDir& ck) {
     const auto r =
-        checkpointer_->restore(ck, Checkpointer::RestoreFor::kResume, [this](int64_t accum) {
+        checkpointer_->restore(ck, Checkpointer::RestoreFor::kResume, [this, &ck](int64_t accum) {
+          if (rollouts_) {
+            // Its prompt order batches one generation batch of every rank's prompts, sized by
+            // the ranks and grad_accum this run was started with.
+            throw ConfigError(fmt::format(
+                "--resume {}: train.objective grpo resumes on the number of ranks its checkpoint "
+                "was written with (here grad_accum would become {})",
+                ck.path, accum));
+          }
           plan_ = plan_.with_grad_accum(accum);
           if (step_->in_backward() && !plan_.step().in_backward) {
             // auto's choice for the checkpoint's grad_accum is buffered updates.

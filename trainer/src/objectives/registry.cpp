@@ -177,15 +177,9 @@ RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe, boo
   (void)dry_run;
   if (c.train.objective == ObjectiveKind::kGrpo && probe) {
     throw ConfigError(
-        "--probe: train.objective grpo is not probed (its steps sample rollouts); --dry-run "
-        "estimates its memory");
-  }
-  if (c.train.objective == ObjectiveKind::kGrpo && options.world.distributed()) {
-    // The step draws every rank's micro-batches on every rank (their units are the loss's
-    // denominator), which for rollouts would sample every rank's completions on each.
-    throw ConfigError(
-        "--nproc: train.objective grpo runs in one process (data-parallel rollouts are not "
-        "built); run without --nproc");
+        "--probe: train.objective grpo is not probed (a probe measures steps of fixed synthetic "
+        "batches, and a grpo step's batches are sampled rollouts); --dry-run estimates its "
+        "memory, rollouts included");
   }
   return RunPlan(c, options, objective_needs(c), probe);
 }

@@ -155,6 +155,32 @@ void add_teacher(const model::Qwen3Config& student, const Config& c, const model
   }
 }
 
+// GRPO (docs/trainer.md#grpo, "Memory"): the rollout phase, before the step's training phases
+// (nothing of those is alive then: no gradients between steps), with the optimizer's CPU arena
+// (`scratch`, kept for the run); and the reference model with grpo.beta > 0.
+void add_rollout(const model::Qwen3Config& mc, const Config& c, const model::ModelOptions& opt,
+                 bool separate_lm_head, int64_t scratch, MemoryBudget* b) {
+  model::RolloutShape shape;
+  shape.rows = c.train.batch_size * c.train.grad_accum;  // this rank's share
+  shape.completion_tokens = c.grpo.max_completion_length;
+  shape.prompt_tokens = c.train.seq_len - c.grpo.max_completion_length;  // the longest allowed
+  shape.top_k = c.grpo.top_k;
+  shape.top_p = c.grpo.top_p;
+  const model::RolloutMemory r = model::estimate_rollout_memory(mc, opt, shape, separate_lm_head);
+  BudgetPhase p;
+  p.name = "rollout";
+  p.activations_bytes = r.prefill_bytes;
+  p.logits_bytes = r.sampling_bytes;
+  p.optimizer_bytes = scratch;
+  p.kv_cache_bytes = r.kv_cache_bytes;
+  p.weights_bytes = r.weights_bytes;
+  b->phases.insert(b->phases.begin(), p);
+  if (c.grpo.beta > 0) {
+    const int64_t cs = opt.compute_dtype == at::kFloat ? 4 : 2;
+    b->reference_bytes = mc.num_parameters(/*include_lm_head=*/separate_lm_head) * cs;
+  }
+}
+
 }  // namespace
 
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
@@ -223,6 +249,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
     b.phases.push_back(p);
   }
   if (needs.teacher_forward) add_teacher(mc, c, opt, &b);
+  if (needs.prompt_records) add_rollout(mc, c, opt, separate_lm_head, scratch, &b);
   for (size_t i = 0; i < b.phases.size(); ++i) {
     if (b.phases[i].total_bytes() > b.phases[b.peak_phase].total_bytes()) b.peak_phase = i;
   }
@@ -232,6 +259,8 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
     b.activations_bytes = peak.activations_bytes;
     b.logits_bytes = peak.logits_bytes;
     b.optimizer_bytes = peak.optimizer_bytes;
+    b.kv_cache_bytes = peak.kv_cache_bytes;
+    b.weights_bytes = peak.weights_bytes;
   }
   return b;
 }
@@ -629,16 +658,21 @@ nlohmann::json MemoryBudget::to_json() const {
                   {"activations_bytes", p.activations_bytes},
                   {"logits_bytes", p.logits_bytes},
                   {"optimizer_bytes", p.optimizer_bytes},
+                  {"kv_cache_bytes", p.kv_cache_bytes},
+                  {"weights_bytes", p.weights_bytes},
                   {"total_bytes", persistent_bytes() + p.total_bytes()}});
   }
   return {{"masters_bytes", masters_bytes},
           {"frozen_bytes", frozen_bytes},
           {"teacher_bytes", teacher_bytes},
+          {"reference_bytes", reference_bytes},
           {"gradients_bytes", gradients_bytes},
           {"moments_bytes", moments_bytes},
           {"activations_bytes", activations_bytes},
           {"logits_bytes", logits_bytes},
           {"optimizer_bytes", optimizer_bytes},
+          {"kv_cache_bytes", kv_cache_bytes},
+          {"weights_bytes", weights_bytes},
           {"persistent_bytes", persistent_bytes()},
           {"total_bytes", total_bytes()},
           {"peak_phase", peak_phase_name()},
@@ -662,14 +696,30 @@ std::string MemoryBudget::to_table() const {
   row("moments", moments_bytes,
       moments_on_host ? "whole run; in pinned host memory (optim.offload)" : "whole run");
   if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");
-  s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} {:>9}  (GiB; total = whole run + phase)\n",
-                   "phase", "gradients", "activations", "logits", "optimizer", "total");
+  if (reference_bytes > 0) row("reference", reference_bytes, "whole run (grpo.beta > 0)");
+  // GRPO's rollout phase adds two columns: its KV cache and the forward weights it keeps.
+  const bool rollout = std::any_of(phases.begin(), phases.end(), [](const BudgetPhase& p) {
+    return p.kv_cache_bytes > 0 || p.weights_bytes > 0;
+  });
+  s += fmt::format("  {:<20} {:>9} {:>11} {:>9} {:>9} ", "phase", "gradients", "activations",
+                   "logits", "optimizer");
+  if (rollout) s += fmt::format("{:>9} {:>9} ", "kv cache", "weights");
+  s += fmt::format("{:>9}  (GiB; total = whole run + phase)\n", "total");
   for (size_t i = 0; i < phases.size(); ++i) {
     const BudgetPhase& p = phases[i];
-    s += fmt::format("  {:<20} {:>9.3f} {:>11.3f} {:>9.3f} {:>9.3f} {:>9.3f}{}\n", p.name,
-                     to_gib(p.gradients_bytes), to_gib(p.activations_bytes), to_gib(p.logits_bytes),
-                     to_gib(p.optimizer_bytes), to_gib(persistent_bytes() + p.total_bytes()),
+    s += fmt::format("  {:<20} {:>9.3f} {:>11.3f} {:>9.3f} {:>9.3f} ", p.name,
+                     to_gib(p.gradients_bytes), to_gib(p.activations_bytes),
+                     to_gib(p.logits_bytes), to_gib(p.optimizer_bytes));
+    if (rollout) {
+      s += fmt::format("{:>9.3f} {:>9.3f} ", to_gib(p.kv_cache_bytes), to_gib(p.weights_bytes));
+    }
+    s += fmt::format("{:>9.3f}{}\n", to_gib(persistent_bytes() + p.total_bytes()),
                      i == peak_phase ? "  <- peak" : "");
+  }
+  if (rollout) {
+    s += "  rollout: the generation batch's KV cache (prompt + completion tokens of each row), its "
+         "prefill (activations) and sampler (logits), and the trained linears' forward weights "
+         "(kept within half the device memory free when it starts)\n";
   }
   s += fmt::format("  peak phase: {}\n", peak_phase_name());
   row("total", total_bytes(), "whole run + the peak phase");

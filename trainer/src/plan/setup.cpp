@@ -529,7 +529,8 @@ RunPlan RunSetup::load_data(const RunPlan& plan, int64_t ranks) {
 
 // The prompts of data.files and their order (docs/trainer.md#grpo): each prompt is one example
 // of a batcher whose batch is one generation batch's prompts (train.batch_size x
-// train.grad_accum / grpo.num_generations of them), shuffled per epoch with train.seed; its
+// train.grad_accum / grpo.num_generations of them per rank, every rank's together: each rank
+// samples its share, RolloutSource), shuffled per epoch with train.seed; its
 // state (checkpointed like any batcher's) is the position in the prompt order. The labels are
 // the prompt's ids only so that the batcher keeps every prompt; nothing trains on them.
 RunPlan RunSetup::load_prompts(const RunPlan& plan) {
@@ -551,13 +552,15 @@ RunPlan RunSetup::load_prompts(const RunPlan& plan) {
     }
   }
   if (prompts_.empty()) throw ConfigError("config key data.files: no prompts (train.objective grpo)");
-  const int64_t per_step = c.train.batch_size * c.train.grad_accum / c.grpo.num_generations;
+  const int64_t ranks = plan.options().world.world_size;
+  const int64_t per_step =
+      c.train.batch_size * c.train.grad_accum / c.grpo.num_generations * ranks;
   if (static_cast<int64_t>(prompts_.size()) < per_step) {
     throw ConfigError(fmt::format(
         "config key data.files: {} prompts, fewer than the {} of one generation batch "
-        "(train.batch_size {} x train.grad_accum {} / grpo.num_generations {})",
+        "(train.batch_size {} x train.grad_accum {} / grpo.num_generations {}{})",
         prompts_.size(), per_step, c.train.batch_size, c.train.grad_accum,
-        c.grpo.num_generations));
+        c.grpo.num_generations, ranks > 1 ? fmt::format(" x {} ranks", ranks) : ""));
   }
   data::BatcherOptions bo;
   bo.batch_size = per_step;

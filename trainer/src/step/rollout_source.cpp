@@ -2,10 +2,12 @@
 #include "q4/trainer/step/rollout_source.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "q4/model/sampling.h"
 #include "q4/trainer/objectives/grpo.h"
@@ -25,6 +27,9 @@ uint64_t generation_seed(uint64_t seed, uint64_t index) {
   return z ^ (z >> 31);
 }
 
+// The longest reward error message shared between ranks, in bytes.
+constexpr int64_t kErrorBytes = 1024;
+
 std::string prompt_as_given(const data::PromptRecord& r) {
   return r.prompt.is_string() ? r.prompt.get<std::string>() : r.prompt.dump();
 }
@@ -41,9 +46,69 @@ int64_t inference_weight_budget_for(const c10::Device& device) {
   return std::max<int64_t>(0, (*m.device_total_bytes - *m.device_used_bytes + cached_free) / 2);
 }
 
+// The sampler's generators of rows [first, first + n) of generation batch `index`: row i's seed
+// mixes the batch's seed with i, so a row draws the same in any batch and on any rank.
+std::vector<at::Generator> row_generators(uint64_t seed, uint64_t index, int64_t first,
+                                          int64_t n) {
+  const uint64_t batch = generation_seed(seed, index);
+  std::vector<at::Generator> gens;
+  gens.reserve(static_cast<size_t>(n));
+  for (int64_t i = first; i < first + n; ++i) {
+    gens.push_back(at::make_generator<at::CPUGeneratorImpl>(
+        generation_seed(batch, static_cast<uint64_t>(i))));
+  }
+  return gens;
+}
+
+// Every rank's rows of `mine` (R, C) double, rank r's at rows [r R, (r + 1) R): each rank's in
+// its place, zeros elsewhere, summed over the ranks (x + 0 is exact). On the host.
+at::Tensor gather_rows(DistComm* comm, const at::Tensor& mine, const at::Device& device) {
+  if (comm == nullptr) return mine;
+  const int64_t R = mine.size(0);
+  at::Tensor all = at::zeros({R * comm->world_size(), mine.size(1)},
+                             at::TensorOptions().dtype(at::kDouble).device(device));
+  all.narrow(0, R * comm->rank(), R).copy_(mine);
+  comm->allreduce_sum(all);
+  return all.cpu();
+}
+
+// The first failing rank's error on every rank ("" when no rank's `mine` is set): which ranks
+// failed (one allreduce), then, only when one did, that rank's message (one broadcast).
+std::string first_error(DistComm& comm, const std::string& mine, const at::Device& device) {
+  const auto opt = at::TensorOptions().dtype(at::kDouble).device(device);
+  at::Tensor failed = at::zeros({comm.world_size()}, opt);
+  if (!mine.empty()) failed[comm.rank()].fill_(1.0);
+  comm.allreduce_sum(failed);
+  const at::Tensor h = failed.cpu();
+  int root = -1;
+  for (int r = 0; r < comm.world_size() && root < 0; ++r) {
+    if (h.data_ptr<double>()[r] > 0) root = r;
+  }
+  if (root < 0) return "";
+  if (root == comm.rank()) {
+    at::Tensor text = at::zeros({kErrorBytes}, at::kInt);
+    for (size_t i = 0; i < std::min<size_t>(mine.size(), kErrorBytes); ++i) {
+      text.data_ptr<int32_t>()[i] = static_cast<unsigned char>(mine[i]);
+    }
+    comm.broadcast(text.to(device), root).wait();
+    return mine;
+  }
+  const at::Tensor text = at::zeros({kErrorBytes}, at::TensorOptions().dtype(at::kInt).device(device));
+  comm.broadcast(text, root).wait();
+  const at::Tensor th = text.cpu();
+  std::string msg;
+  for (int64_t i = 0; i < kErrorBytes && th.data_ptr<int32_t>()[i] != 0; ++i) {
+    msg.push_back(static_cast<char>(th.data_ptr<int32_t>()[i]));
+  }
+  return msg + " (on rank " + std::to_string(root) + ")";
+}
+
 }  // namespace rollout_detail
 
+using rollout_detail::first_error;
+using rollout_detail::gather_rows;
 using rollout_detail::generation_seed;
+using rollout_detail::row_generators;
 using rollout_detail::inference_weight_budget_for;
 using rollout_detail::prompt_as_given;
 
@@ -51,7 +116,7 @@ RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at
                              const data::Tokenizer& tokenizer,
                              const std::vector<data::PromptRecord>& prompts,
                              const std::vector<std::string>& origins, data::Batcher& order,
-                             Rewards& rewards)
+                             Rewards& rewards, DistComm* comm)
     : c_(c),
       model_(model),
       device_(device),
@@ -59,7 +124,8 @@ RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at
       prompts_(prompts),
       origins_(origins),
       order_(order),
-      rewards_(rewards) {
+      rewards_(rewards),
+      comm_(comm) {
   TORCH_CHECK(origins.size() == prompts.size() &&
                   order.num_examples() == static_cast<int64_t>(prompts.size()),
               "RolloutSource: the prompt order must hold every prompt once");
@@ -91,9 +157,16 @@ void RolloutSource::generate() {
   NvtxRange range("rollout");
   const auto& g = c_.grpo;
   const int64_t G = g.num_generations;
+  const int world = comm_ ? comm_->world_size() : 1;
+  const int rank = comm_ ? comm_->rank() : 0;
   const data::BatcherState before = order_.state();
   const data::Batch pb = order_.next();
-  const std::vector<int64_t>& picked = pb.example_indices;
+  // This rank's share of the generation batch's prompts: the rank-th of `world` equal parts.
+  const auto all = static_cast<int64_t>(pb.example_indices.size());
+  TORCH_CHECK(all % world == 0, "rollouts: ", all, " prompts for ", world, " ranks");
+  const int64_t share = all / world;
+  const std::vector<int64_t> picked(pb.example_indices.begin() + rank * share,
+                                    pb.example_indices.begin() + (rank + 1) * share);
   std::vector<std::vector<int64_t>> prompt_ids;
   for (const int64_t p : picked) {
     const auto& ids = prompts_[static_cast<size_t>(p)].prompt_ids;
@@ -104,17 +177,21 @@ void RolloutSource::generate() {
   sp.top_k = g.top_k;
   sp.top_p = g.top_p;
   sp.max_new_tokens = g.max_completion_length;
-  sp.seed = generation_seed(static_cast<uint64_t>(c_.train.seed),
-                            static_cast<uint64_t>(before.batches));
+  sp.want_logprobs = true;
+  sp.logprobs_at_temperature = true;
   sp.stop_ids = {tok_.im_end_id(), tok_.endoftext_id()};
+  model::TokenSampler sampler(
+      sp, row_generators(static_cast<uint64_t>(c_.train.seed),
+                         static_cast<uint64_t>(before.batches), rank * share * G, share * G));
   std::vector<model::GenerationResult> results;
+  const auto t0 = std::chrono::steady_clock::now();
   {
     at::NoGradGuard no_grad;
     model::Qwen3Model::InferenceWeights keep(model_, inference_weight_budget_for(device_));
-    results = model::sample_completions(model_, prompt_ids, G, sp);
+    results = model::sample_completions(model_, prompt_ids, G, sp, &sampler);
   }
   const auto N = static_cast<int64_t>(results.size());
-  std::vector<int64_t> prompt_of_row(N), lengths(N);
+  std::vector<int64_t> prompt_of_row(N);
   std::vector<std::vector<int64_t>> completions(N);
   std::vector<std::vector<float>> entropies(N);
   std::vector<bool> truncated(N);
@@ -125,7 +202,6 @@ void RolloutSource::generate() {
     prompt_of_row[i] = static_cast<int64_t>(p);
     completions[i] = results[i].tokens;
     entropies[i] = results[i].entropy;
-    lengths[i] = static_cast<int64_t>(results[i].tokens.size());
     truncated[i] = results[i].finish != model::FinishReason::kStop;
     const std::vector<data::TokenId> ids(results[i].tokens.begin(), results[i].tokens.end());
     // Invalid UTF-8 (a completion may end inside a character) as U+FFFD, as HF tokenizers
@@ -134,33 +210,70 @@ void RolloutSource::generate() {
     inputs[i].prompt = prompt_as_given(prompts_[p]);
     inputs[i].completion = texts[i];
     inputs[i].fields = &fields_[p];
-    inputs[i].completion_tokens = lengths[i];
+    inputs[i].completion_tokens = static_cast<int64_t>(results[i].tokens.size());
     inputs[i].where = origins_[p];
   }
-  RewardScores scores;
-  try {
-    scores = rewards_.score(inputs);
-  } catch (...) {
-    order_.restore(before);  // a checkpoint then resumes with this generation batch
-    throw;
-  }
-  const at::Tensor total = at::tensor(scores.total, at::kDouble).to(at::kFloat);
-  const GroupAdvantages adv = group_advantages(total, G, g.scale_rewards);
+  const auto t1 = std::chrono::steady_clock::now();  // the completions are host vectors: synced
+  const RewardScores scores = score(inputs, before);
+  const auto t2 = std::chrono::steady_clock::now();
+  // Per row: total, length, truncated, each function's reward; every rank's rows (data parallel),
+  // so the advantages and the logs are the whole generation batch's, as in one process.
   const auto F = static_cast<int64_t>(scores.names.size());
-  at::Tensor per_function = at::zeros({N, std::max<int64_t>(F, 1)}, at::kDouble);
-  for (int64_t f = 0; f < F; ++f) {
-    per_function.select(1, f).copy_(at::tensor(scores.per_function[f], at::kDouble));
+  at::Tensor mine = at::zeros({N, 3 + F}, at::kDouble);
+  auto m = mine.accessor<double, 2>();
+  for (int64_t i = 0; i < N; ++i) {
+    m[i][0] = scores.total[i];
+    m[i][1] = static_cast<double>(completions[i].size());
+    m[i][2] = truncated[i] ? 1.0 : 0.0;
+    for (int64_t f = 0; f < F; ++f) m[i][3 + f] = scores.per_function[f][i];
   }
-  stats_ = grpo_rollout_stats(lengths, truncated, total, adv, G,
-                              F > 0 ? per_function : at::Tensor(), scores.names);
+  const at::Tensor rows = gather_rows(comm_, mine, device_);
+  const int64_t NA = rows.size(0);
+  std::vector<int64_t> lengths(NA);
+  std::vector<bool> trunc_all(NA);
+  const auto a = rows.accessor<double, 2>();
+  for (int64_t i = 0; i < NA; ++i) {
+    lengths[i] = static_cast<int64_t>(a[i][1]);
+    trunc_all[i] = a[i][2] > 0;
+  }
+  const at::Tensor total = rows.select(1, 0).to(at::kFloat).contiguous();
+  const GroupAdvantages adv = group_advantages(total, G, g.scale_rewards);
+  stats_ = grpo_rollout_stats(lengths, trunc_all, total, adv, G,
+                              F > 0 ? rows.narrow(1, 3, F).contiguous() : at::Tensor(),
+                              scores.names);
+  // This rank's seconds in the sampler and in the rewards (the rest of a step is training).
+  stats_.emplace_back("time/generate_s", std::chrono::duration<double>(t1 - t0).count());
+  stats_.emplace_back("time/score_s", std::chrono::duration<double>(t2 - t1).count());
   samples_.clear();
   for (int64_t k = 0; k < std::min<int64_t>(kSamples, N / G); ++k) {
     const int64_t i = k * G;
     samples_.push_back({inputs[i].prompt, texts[i], scores.total[i], truncated[i]});
   }
-  build_micro_batches(prompt_of_row, completions, entropies, truncated, adv.advantages);
+  build_micro_batches(prompt_of_row, completions, entropies, truncated,
+                      adv.advantages.narrow(0, rank * N, N));
   next_micro_ = 0;
   passes_ = 0;
+}
+
+RewardScores RolloutSource::score(const std::vector<RewardInput>& inputs,
+                                  const data::BatcherState& before) {
+  RewardScores scores;
+  std::string error;
+  try {
+    scores = rewards_.score(inputs);
+  } catch (const RewardError& e) {
+    error = e.what();
+  } catch (...) {
+    order_.restore(before);
+    throw;
+  }
+  // Data parallel: every rank stops on any rank's reward error (and takes its checkpoint).
+  if (comm_) error = first_error(*comm_, error, device_);
+  if (!error.empty()) {
+    order_.restore(before);  // a checkpoint then resumes with this generation batch
+    throw RewardError(error);
+  }
+  return scores;
 }
 
 void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_row,

@@ -129,11 +129,13 @@ StepOutcome TrainStep::run(int64_t step, BatchSource& source, const PhaseHook& m
 std::vector<data::Batch> TrainStep::draw(BatchSource& source, StepOutcome* o) {
   // Data parallel: the global batch is world x grad_accum micro-batches in the order one
   // process would take them; rank r trains micro-batches [r * accum, (r + 1) * accum). Every
-  // rank draws them all, so the unit counts (the loss denominator) are global.
+  // rank draws them all, so the unit counts (the loss denominator) are global. A per-rank
+  // source yields this rank's only: its counts are summed over the ranks (one allreduce).
   NvtxRange r("data");
   const int64_t accum = plan_.grad_accum();
-  const int64_t ranks = comm_ ? comm_->world_size() : 1;
-  const int64_t mine = comm_ ? comm_->rank() : 0;
+  const bool per_rank = source.per_rank();
+  const int64_t ranks = comm_ && !per_rank ? comm_->world_size() : 1;
+  const int64_t mine = comm_ && !per_rank ? comm_->rank() : 0;
   std::vector<data::Batch> micro;
   for (int64_t i = 0; i < accum * ranks; ++i) {
     data::Batch b = source.next();
@@ -142,6 +144,20 @@ std::vector<data::Batch> TrainStep::draw(BatchSource& source, StepOutcome* o) {
     o->real_tokens += b.real_tokens;
     o->slots += b.slots();
     if (i / accum == mine) micro.push_back(std::move(b));
+  }
+  if (comm_ && per_rank) {
+    // Counts below 2^53 add exactly in double.
+    at::Tensor n = at::tensor({static_cast<double>(o->supervised), static_cast<double>(o->units),
+                               static_cast<double>(o->real_tokens), static_cast<double>(o->slots)},
+                              at::kDouble)
+                       .to(plan_.device());
+    comm_->allreduce_sum(n);
+    const at::Tensor h = n.cpu();
+    const double* v = h.data_ptr<double>();
+    o->supervised = static_cast<int64_t>(v[0]);
+    o->units = static_cast<int64_t>(v[1]);
+    o->real_tokens = static_cast<int64_t>(v[2]);
+    o->slots = static_cast<int64_t>(v[3]);
   }
   return micro;
 }

@@ -229,19 +229,35 @@ struct RouterStats {
 };
 
 // A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
-// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#the-loss).
+// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#loss).
 // loss() gathers the supervised rows (flat positions of the (B, T) inputs, ascending; on CUDA
 // padded at the end with unsupervised copies) and calls `prepare` once with those positions
 // (int64 (N), on the model's device). Then for each chunk of rows [row_begin, row_begin + n)
 // `chunk` gets the student's fp32 logits (n, V), which it may overwrite, and `valid` (n) bool,
 // false on padded rows; it returns the chunk's term summed over valid rows, () fp32, and when
 // `want_grad` leaves d(term)/d(logits) in `logits` (0 on invalid rows). Called with autograd off.
+// A chunk's per-row values from LossTerm::fused: CE and term, (n) fp32 each, 0 on unsupervised
+// rows. Undefined: the term's fused form does not apply to the chunk.
+struct LossRows {
+  at::Tensor ce, term;
+};
+
 struct LossTerm {
   double weight = 1.0;  // w: loss_sum = (1 - w) * CE + w * term
   std::function<void(const at::Tensor& rows)> prepare;
   std::function<at::Tensor(at::Tensor& logits, const at::Tensor& valid, int64_t row_begin,
                            bool want_grad)>
       chunk;
+  // Optional: the term and the CE in one pass (a fused CUDA kernel, q4/model/fused_divergence.h),
+  // tried first for each chunk when the loss runs its fused kernels. It gets the chunk's logits
+  // (n, V) as the lm_head GEMM left them (compute dtype) and labels (n) (-100: unsupervised);
+  // it returns the chunk's LossRows and, when want_grad, leaves
+  // d((1 - weight) * CE + weight * term)/d(logits) in `logits`; `chunk` is then not called. It
+  // returns undefined LossRows without touching `logits` where it does not apply (the chunk then
+  // takes `chunk` and the CE's own path).
+  std::function<LossRows(at::Tensor& logits, const at::Tensor& labels, int64_t row_begin,
+                         bool want_grad)>
+      fused;
 };
 
 struct Parameter {
@@ -367,6 +383,37 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(const Qwen3Config& cfg, const ModelOptions& opt, int64_t batch,
                                int64_t seq_len, bool include_lm_head,
                                const GradientLifetime& grads = {});
+
+// GRPO rollouts (docs/trainer.md#grpo, "Memory"): what sampling one generation batch holds
+// besides the persistent weights, as sample_completions allocates it.
+struct RolloutShape {
+  int64_t rows = 0;               // completions sampled together (prompts x num_generations)
+  int64_t prompt_tokens = 0;      // the longest prompt
+  int64_t completion_tokens = 0;  // max_new_tokens (grpo.max_completion_length)
+  int64_t top_k = 0;              // 0: off
+  double top_p = 1.0;             // 1: off
+};
+struct RolloutMemory {
+  // k and v of every layer: (rows, kv heads, prompt + completion tokens, head_dim), compute dtype.
+  int64_t kv_cache_bytes = 0;
+  // The prefill's widest transient: one layer's forward without a graph over rows x prompt tokens
+  // (the attention's q/k/v and norm output, or the FFN's no-graph forward) beside the layer's
+  // input and output hidden states.
+  int64_t prefill_bytes = 0;
+  // The last position's (rows, V) logits in the compute dtype and the sampler's fp32 (rows, V)
+  // blocks: the fp32 copy over the temperature, probabilities, CDF, the log-probabilities' copy;
+  // top_p adds its sort (values, int64 indices) and cumulative sum, top_k its filtered copy.
+  int64_t sampling_bytes = 0;
+  // Qwen3Model::InferenceWeights: every trained or adapted linear's forward weight (lm_head
+  // included) in the compute dtype, kept for the rollout. The rollout keeps at most half the
+  // device memory free when it starts (the linears met first), so this is the most it holds.
+  int64_t weights_bytes = 0;
+  int64_t total_bytes() const {
+    return kv_cache_bytes + prefill_bytes + sampling_bytes + weights_bytes;
+  }
+};
+RolloutMemory estimate_rollout_memory(const Qwen3Config& cfg, const ModelOptions& opt,
+                                      const RolloutShape& shape, bool include_lm_head);
 
 // Keeping one block's activations in a recomputed decoder layer (LayerRecompute::kMlp keeps the
 // attention block's, kAttention the MLP block's) instead of recomputing the whole layer: the

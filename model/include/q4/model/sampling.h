@@ -78,6 +78,11 @@ struct SampledRows {
 class TokenSampler {
  public:
   explicit TokenSampler(const SamplingParams& params, at::Generator generator = {});
+  // One generator per row instead (rollouts): row b's draws come from row_generators[b] alone,
+  // so a row samples the same tokens in any batch (another rank's share, another batch size).
+  // Every next_batch() then takes row_generators.size() rows, or SampledRows of that many (a
+  // row left out of a step draws nothing in it).
+  TokenSampler(const SamplingParams& params, std::vector<at::Generator> row_generators);
   // logits (B, V), any float dtype and device; histories[b]: every token of row b so far (prompt
   // and output) for the repetition penalty (may be empty when the penalty is off). Returns the
   // B ids; with `logprobs`, also each id's log-probability under the unprocessed logits
@@ -105,6 +110,7 @@ class TokenSampler {
 
   SamplingParams params_;
   at::Generator gen_;
+  std::vector<at::Generator> row_gens_;  // per row, when given
 };
 
 // kStop: a stop id came; kLength: max_new_tokens reached; kCancelled: decode()'s on_token ended it.

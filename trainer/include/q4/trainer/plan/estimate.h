@@ -55,8 +55,14 @@ struct BudgetPhase {
   int64_t activations_bytes = 0;
   int64_t logits_bytes = 0;
   int64_t optimizer_bytes = 0;  // the optimizer's scratch (CPU chunk arena; none on CUDA)
+  // GRPO's rollout phase (model::estimate_rollout_memory): the generation batch's KV cache and
+  // the linears' forward weights kept while it samples (its prefill transient is in
+  // activations_bytes, the sampler's (rows, V) blocks in logits_bytes).
+  int64_t kv_cache_bytes = 0;
+  int64_t weights_bytes = 0;
   int64_t total_bytes() const {
-    return gradients_bytes + activations_bytes + logits_bytes + optimizer_bytes;
+    return gradients_bytes + activations_bytes + logits_bytes + optimizer_bytes + kv_cache_bytes +
+           weights_bytes;
   }
 };
 
@@ -69,11 +75,16 @@ struct MemoryBudget {
   // train.objective distill with a teacher model: its weights in the compute dtype (whole run);
   // its forward's transients and the divergence's fp32 blocks are in the loss forward phase.
   int64_t teacher_bytes = 0;
+  // train.objective grpo with grpo.beta > 0: the reference model (the starting weights, frozen)
+  // in the compute dtype (whole run).
+  int64_t reference_bytes = 0;
   // The peak phase's terms (phases[peak_phase]).
   int64_t gradients_bytes = 0;    // gradients alive
   int64_t activations_bytes = 0;  // saved activations, layer graph and working tensors
   int64_t logits_bytes = 0;       // lm_head compute weight, one logits block, hidden rows
   int64_t optimizer_bytes = 0;    // optimizer scratch
+  int64_t kv_cache_bytes = 0;     // GRPO rollout: the KV cache
+  int64_t weights_bytes = 0;      // GRPO rollout: the linears' forward weights kept
   int64_t trainable_elements = 0;
   // Pinned host memory (offloaded masters, moments, gradients and layer inputs), not device memory.
   int64_t host_bytes = 0;
@@ -82,11 +93,11 @@ struct MemoryBudget {
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
   int64_t persistent_bytes() const {
-    return masters_bytes + frozen_bytes + moments_bytes + teacher_bytes;
+    return masters_bytes + frozen_bytes + moments_bytes + teacher_bytes + reference_bytes;
   }
   int64_t total_bytes() const {
     return persistent_bytes() + gradients_bytes + activations_bytes + logits_bytes +
-           optimizer_bytes;
+           optimizer_bytes + kv_cache_bytes + weights_bytes;
   }
   const std::string& peak_phase_name() const;
   // Every field above; "total_bytes" is the phase-aware total, "peak_phase" its phase's name.
@@ -95,7 +106,12 @@ struct MemoryBudget {
 };
 
 // Budget for one micro-batch of train.batch_size x train.seq_len tokens, with the recompute as
-// configured or `recompute`. `needs`: the objective's (a teacher's forward counts).
+// configured or `recompute`. `needs`: the objective's (a teacher's forward counts; prompt
+// records: GRPO, whose step starts with a rollout phase before the training phases: the KV cache
+// of this rank's generation batch, train.batch_size x train.grad_accum rows of train.seq_len
+// tokens (the longest prompt allowed + grpo.max_completion_length), and with grpo.beta > 0 the
+// reference model). The rollout holds nothing of the training phases (no gradients between
+// steps), so the peak is the larger of the two, not their sum.
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,
                              const ObjectiveNeeds& needs = {});
 MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool separate_lm_head,

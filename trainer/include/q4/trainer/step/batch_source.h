@@ -13,6 +13,9 @@ class BatchSource {
   // The next micro-batch (a data-parallel step draws every rank's, in the order one process
   // would take them).
   virtual data::Batch next() = 0;
+  // Whether next() yields only this rank's micro-batches (GRPO's rollouts, sampled per rank):
+  // a data-parallel step then draws grad_accum of them and sums the counts over the ranks.
+  virtual bool per_rank() const { return false; }
 };
 
 // The run's batcher as a batch source.

@@ -5,9 +5,13 @@
 // them with the rewards, computes the group advantages and lays the prompt + completion rows out
 // as the run's micro-batches (train.batch_size rows each, labels on the completion tokens only,
 // the rows' advantages, masks and, with num_iterations > 1, old log-probabilities in
-// data::Batch::rollout). The sampler's generator is seeded from train.seed and the generation
-// batch's index in the prompt order, so a resume (which restores the prompt order) continues the
-// same sequence.
+// data::Batch::rollout). Each completion's sampler draws come from its own generator, seeded from
+// train.seed, the generation batch's index in the prompt order and the completion's row in the
+// generation batch, so a resume (which restores the prompt order) continues the same sequence
+// and any rank layout samples the same completions. Data parallel: every rank takes the same
+// generation batch from the prompt order and samples and scores its share of the prompts (rank
+// r the r-th of world equal parts, whole groups); the rewards are gathered so that every rank
+// computes the advantages and the logs over the whole generation batch, as one process does.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -23,6 +27,7 @@
 #include "q4/data/tokenizer.h"
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config/config.h"
+#include "q4/trainer/distributed/distributed.h"
 #include "q4/trainer/rewards/rewards.h"
 #include "q4/trainer/step/batch_source.h"
 
@@ -41,18 +46,24 @@ class RolloutSource final : public BatchSource {
   // Checks every prompt before anything samples: its length against train.seq_len
   // (check_grpo_prompt_length) and its record against the rewards (check_reward_example);
   // ConfigError naming its file:line. `order`'s examples are the prompts (RunSetup::prompts), one
-  // batch per generation batch. Borrows everything.
+  // batch per generation batch (with `comm`, every rank's prompts). Borrows everything; `comm`
+  // (data parallel) may be null.
   RolloutSource(const Config& c, model::Qwen3Model& model, const at::Device& device,
                 const data::Tokenizer& tokenizer, const std::vector<data::PromptRecord>& prompts,
-                const std::vector<std::string>& origins, data::Batcher& order, Rewards& rewards);
+                const std::vector<std::string>& origins, data::Batcher& order, Rewards& rewards,
+                DistComm* comm = nullptr);
 
   // The next micro-batch; a new generation batch when the current one has served
   // grpo.num_iterations passes. RewardError: a reward could not be computed (the prompt order is
-  // then as it was before the generation batch, so a checkpoint resumes with it).
+  // then as it was before the generation batch, so a checkpoint resumes with it); data parallel:
+  // on every rank, with the first failing rank's message.
   data::Batch next() override;
+  // Data parallel: this rank's micro-batches only (its share of the generation batch).
+  bool per_rank() const override { return comm_ != nullptr; }
 
-  // The newest generation batch's TRL logs (grpo_rollout_stats) and a few of its completions
-  // (the first completion of each of its first `kSamples` prompts).
+  // The newest generation batch's TRL logs (grpo_rollout_stats, over every rank's completions)
+  // and a few of its completions (the first completion of each of this rank's first `kSamples`
+  // prompts).
   static constexpr int64_t kSamples = 3;
   const std::vector<std::pair<std::string, double>>& stats() const { return stats_; }
   const std::vector<RolloutSample>& samples() const { return samples_; }
@@ -63,6 +74,8 @@ class RolloutSource final : public BatchSource {
 
  private:
   void generate();
+  // Scores `inputs`; RewardError on every rank when any rank's rewards fail (the order restored).
+  RewardScores score(const std::vector<RewardInput>& inputs, const data::BatcherState& before);
   // The micro-batches of `rows` completions (prompt index, tokens, per-token sampling entropies)
   // with their advantages.
   void build_micro_batches(const std::vector<int64_t>& prompt_of_row,
@@ -79,6 +92,7 @@ class RolloutSource final : public BatchSource {
   std::vector<nlohmann::json> fields_;  // each prompt's record fields, for the rewards
   data::Batcher& order_;
   Rewards& rewards_;
+  DistComm* comm_;
   std::vector<data::Batch> micro_;  // the current generation batch's micro-batches
   size_t next_micro_ = 0;           // the next one to serve
   int64_t passes_ = 0;              // passes over micro_ served (grpo.num_iterations per batch)

@@ -84,7 +84,8 @@ class TrainStep {
 
  private:
   // The step's micro-batches: every rank draws the global batch's, keeps its own and counts
-  // them all into `o`.
+  // them all into `o`; from a per-rank source (BatchSource::per_rank) it draws its own and the
+  // counts are summed over the ranks.
   std::vector<data::Batch> draw(BatchSource& source, StepOutcome* o);
   // Forward and backward of this rank's micro-batches through `path`; returns the summed loss.
   at::Tensor forward_backward(GradientPath& path, const std::vector<data::Batch>& micro,
