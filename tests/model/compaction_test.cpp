@@ -9,6 +9,7 @@
 // keys, values and padding mask; and the recorded entropy equals an fp64 entropy of the full
 // logits / T of each prompt + completion.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
@@ -98,18 +99,30 @@ struct Pair {
   std::vector<GenerationResult> off, on;
 };
 
-Pair both_ways(Qwen3Model& m, const SamplingParams& p, const StepLogits& step) {
+// One generator per row, as the GRPO rollouts sample (TokenSampler's row generators).
+TokenSampler row_sampler(const SamplingParams& p) {
+  std::vector<at::Generator> gens;
+  for (size_t r = 0; r < kPrompts.size(); ++r) gens.push_back(at::detail::createCPUGenerator(40 + r));
+  return TokenSampler(p, std::move(gens));
+}
+
+Pair both_ways(Qwen3Model& m, const SamplingParams& p, const StepLogits& step,
+               bool row_generators = false) {
   SamplingParams off = p, on = p;
   off.compact_finished = false;
   on.compact_finished = true;
-  Pair r{generate(m, kPrompts, off, nullptr, step), generate(m, kPrompts, on, nullptr, step)};
+  Pair r;
+  for (const SamplingParams* q : {&off, &on}) {
+    TokenSampler own = row_generators ? row_sampler(*q) : TokenSampler(*q);
+    (q == &off ? r.off : r.on) = generate(m, kPrompts, *q, &own, step);
+  }
   EXPECT_EQ(r.off.size(), r.on.size());
   return r;
 }
 
 void expect_compaction_changes_nothing(Qwen3Model& m, const SamplingParams& p,
-                                       const std::string& what) {
-  const Pair r = both_ways(m, p, row_by_row(m));
+                                       const std::string& what, bool row_generators = false) {
+  const Pair r = both_ways(m, p, row_by_row(m), row_generators);
   ASSERT_TRUE(compacts(r.off, p.max_new_tokens)) << what << ": the rows stop too close together";
   for (size_t i = 0; i < r.off.size(); ++i) {
     const auto &a = r.off[i], &b = r.on[i];
@@ -131,6 +144,8 @@ TEST(Compaction, CompactedEqualsUncompactedBitForBit) {
   expect_compaction_changes_nothing(m, params_with(1.0, 40, 0.95, 1.0), "sampled");
   expect_compaction_changes_nothing(m, params_with(0.7, 0, 1.0, 1.3), "penalty");
   expect_compaction_changes_nothing(m, params_with(0.0, 0, 1.0, 1.0), "greedy");
+  expect_compaction_changes_nothing(m, params_with(1.0, 40, 0.95, 1.0), "row generators",
+                                    /*row_generators=*/true);
 }
 
 TEST(Compaction, MixtureOfExpertsCompactedEqualsUncompacted) {
@@ -183,6 +198,22 @@ TEST(Compaction, SampledRowsTakeTheirOwnUniforms) {
     ASSERT_EQ(some.size(), 2u);
     EXPECT_EQ(some[0], all[1]) << "step " << step;
     EXPECT_EQ(some[1], all[3]) << "step " << step;
+  }
+  // With one generator per row, a row left out of a step draws nothing: row 3 draws next what
+  // it would have drawn in the skipped step.
+  std::vector<at::Generator> ga, gb;
+  for (int r = 0; r < 4; ++r) {
+    ga.push_back(at::detail::createCPUGenerator(60 + r));
+    gb.push_back(at::detail::createCPUGenerator(60 + r));
+  }
+  TokenSampler per_row(p, std::move(ga)), per_row_part(p, std::move(gb));
+  SampledRows only3;
+  only3.batch_rows = 4;
+  only3.rows = {3};
+  for (int step = 0; step < 20; ++step) {
+    const auto all = per_row.next_batch(logits, {});
+    const auto some = per_row_part.next_batch(logits.narrow(0, 3, 1), {}, nullptr, nullptr, &only3);
+    EXPECT_EQ(some.at(0), all[3]) << "step " << step;
   }
   SampledRows bad;
   bad.batch_rows = 2;

@@ -428,16 +428,16 @@ TEST(Grpo, EntropyIsLoggedAsTheMaskedMean) {
 // logged `entropy` is their masked mean times the micro-batch's units (the step divides by the
 // units), and nothing is logged without them.
 TEST(Grpo, ObjectiveLogsTheRolloutsEntropy) {
-  model::Qwen3Model m = q4::trainer::testing::tiny_model();
+  q4::model::Qwen3Model m = q4::trainer::testing::tiny_model();
   // Two rows: prompt {5, 6, 7} + completion {8, 9}; prompt {10} + completion {11, 12, 13} + pad.
   const at::Tensor ids = at::tensor({5, 6, 7, 8, 9, 10, 11, 12, 13, 0}, at::kLong).view({2, 5});
   const at::Tensor labels =
       at::tensor({-100, -100, -100, 8, 9, -100, 11, 12, 13, -100}, at::kLong).view({2, 5});
-  data::Batch b;
+  q4::data::Batch b;
   b.input_ids = ids;
   b.labels = labels;
   b.attention_mask = at::tensor({1, 1, 1, 1, 1, 1, 1, 1, 1, 0}, at::kLong).view({2, 5});
-  auto rr = std::make_shared<data::RolloutRows>();
+  auto rr = std::make_shared<q4::data::RolloutRows>();
   rr->completion_lengths = {2, 3};
   rr->advantages = at::tensor({0.5f, -0.5f});
   rr->mask = completion_mask(rr->completion_lengths, {false, false}, 3, false);
@@ -458,7 +458,7 @@ TEST(Grpo, ObjectiveLogsTheRolloutsEntropy) {
     return std::nan("");
   };
   EXPECT_NEAR(value(objective.compute(m, micro), "entropy"), 15.0, 1e-5);  // 5 x mean 3
-  auto without = std::make_shared<data::RolloutRows>(*rr);
+  auto without = std::make_shared<q4::data::RolloutRows>(*rr);
   without->entropy = at::Tensor();
   b.rollout = without;
   EXPECT_TRUE(std::isnan(value(objective.compute(m, micro), "entropy")));
