@@ -279,7 +279,7 @@ int run(Cli& o, int argc, char** argv) {
   const Config config = resolve_config(o, world);
   if (o.nproc > 1) {
     // The config was read and checked above: a bad one fails here, before any rank starts.
-    check_inputs_before_launch(config);
+    check_inputs_before_launch(config.model);
     return launch_local_ranks(o.nproc, rank_args(argc, argv), std::chrono::seconds(5));
   }
   if (o.dry_run) return run_dry_run(config, std::cout, o.overwrite);

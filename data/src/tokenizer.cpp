@@ -17,11 +17,11 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 
 #include "normalize.h"
 #include "q4/io/utf8.h"
+#include "tokenizer_json.h"
 
 namespace q4::data {
 namespace {
@@ -53,7 +53,7 @@ ByteLevelInverse codepoint_to_byte_table() {
 
 // Decodes a byte-level vocabulary string to raw bytes; false when a character is outside the
 // 256-character alphabet.
-bool byte_level_to_bytes(const std::string& token, const ByteLevelInverse& inv, std::string* out) {
+bool byte_level_to_bytes(std::string_view token, const ByteLevelInverse& inv, std::string* out) {
   out->clear();
   const auto* p = reinterpret_cast<const uint8_t*>(token.data());
   size_t i = 0;
@@ -286,12 +286,15 @@ struct Tokenizer::Impl {
   mutable std::mutex cache_mu;
   mutable std::unordered_map<std::string, std::vector<TokenId>> cache;
 
-  void load(const json& root);  // every section of tokenizer.json, checked
-  using VocabEntries = std::vector<std::pair<TokenId, std::pair<std::string, std::string>>>;
-  VocabEntries load_vocab(const json& model, const ByteLevelInverse& c2b);
+  // Every section of tokenizer.json, checked: the DOM and the streamed vocab and merges.
+  void load(const json& root, const tokenizer_json::StreamedModel& streamed);
+  void load_vocab(const json& model, const tokenizer_json::StreamedModel& streamed,
+                  const ByteLevelInverse& c2b);
+  bool add_vocab_member(std::string_view token, const tokenizer_json::VocabMember& m,
+                        const ByteLevelInverse& c2b, bool checked, std::string* bytes);
   std::vector<std::pair<AddedToken, bool>> read_added_tokens(const json& root) const;
-  void index_ids(VocabEntries entries, const std::vector<std::pair<AddedToken, bool>>& added);
-  void load_merges(const json& merges_json, const ByteLevelInverse& c2b);
+  void index_ids(const std::vector<std::pair<AddedToken, bool>>& added);
+  void load_merges(const tokenizer_json::StreamedModel& streamed, const ByteLevelInverse& c2b);
   void load_normalizer(const json& root);
   void load_pre_tokenizer(const json& root);
   void bpe(std::string_view piece, std::vector<TokenId>* out) const;
@@ -305,7 +308,7 @@ struct Tokenizer::Impl {
   }
 };
 
-void Tokenizer::Impl::load(const json& root) {
+void Tokenizer::Impl::load(const json& root, const tokenizer_json::StreamedModel& streamed) {
   const std::string& src = source;
   TORCH_CHECK(root.is_object(), src, ": expected a JSON object at the top level, found ",
               json_type_of(root));
@@ -313,9 +316,9 @@ void Tokenizer::Impl::load(const json& root) {
               ": missing object \"model\"");
   const json& model = root["model"];
   const ByteLevelInverse c2b = codepoint_to_byte_table();
-  VocabEntries entries = load_vocab(model, c2b);
-  index_ids(std::move(entries), read_added_tokens(root));
-  load_merges(model["merges"], c2b);
+  load_vocab(model, streamed, c2b);
+  index_ids(read_added_tokens(root));
+  load_merges(streamed, c2b);
   load_normalizer(root);
   load_pre_tokenizer(root);
   // Decoder and post-processor: byte-level only (encode never inserts special tokens).
@@ -327,10 +330,10 @@ void Tokenizer::Impl::load(const json& root) {
               ": post_processor: only null or ByteLevel is supported, found ", post.dump());
 }
 
-// model: a byte-level BPE with the options this encoder implements; the vocabulary (every one
-// of the 256 bytes has a token) as (id, (bytes, token string)) entries.
-Tokenizer::Impl::VocabEntries Tokenizer::Impl::load_vocab(const json& model,
-                                                          const ByteLevelInverse& c2b) {
+// model: a byte-level BPE with the options this encoder implements; its vocabulary (every one of
+// the 256 bytes has a token) fills `vocab` and the per-id tables.
+void Tokenizer::Impl::load_vocab(const json& model, const tokenizer_json::StreamedModel& streamed,
+                                 const ByteLevelInverse& c2b) {
   const std::string& src = source;
   const std::string mtype = model.value("type", std::string("BPE"));
   TORCH_CHECK(mtype == "BPE", src, ": model.type: only \"BPE\" is supported, found \"", mtype,
@@ -351,25 +354,39 @@ Tokenizer::Impl::VocabEntries Tokenizer::Impl::load_vocab(const json& model,
   TORCH_CHECK(model.contains("merges") && model["merges"].is_array(), src,
               ": model.merges: expected an array");
 
-  const json& jv = model["vocab"];
-  vocab.reserve(jv.size() * 2);
-  VocabEntries entries;
-  entries.reserve(jv.size());
+  // Members are added in file order. When one is an error or repeats a token or an id, the
+  // vocabulary is rebuilt in the order a DOM object (std::map) iterates, the last of a repeated
+  // key winning: which error is reported and which token a shared id decodes to stay as they
+  // are for the DOM (a later token in that order takes the id).
+  const auto& members = streamed.vocab;
+  TokenId max_id = -1;
+  for (const auto& m : members) {
+    if (m.is_integer() && m.id >= 0 && m.id < (int64_t{1} << 30)) {
+      max_id = std::max(max_id, static_cast<TokenId>(m.id));
+    }
+  }
+  auto reset = [&] {
+    vocab.clear();
+    vocab.reserve(members.size());
+    id_bytes.assign(max_id + 1, std::string());
+    id_string.assign(max_id + 1, std::string());
+    id_kind.assign(max_id + 1, kAbsent);
+  };
+  auto token = [&](size_t k) { return streamed.view(members[k].offset, members[k].size); };
+  reset();
   std::string bytes;
-  for (auto it = jv.begin(); it != jv.end(); ++it) {
-    TORCH_CHECK(it.value().is_number_integer(), src, ": model.vocab[\"", it.key(),
-                "\"]: expected an integer id, found ", json_type_of(it.value()));
-    const int64_t id64 = it.value().get<int64_t>();
-    TORCH_CHECK(id64 >= 0 && id64 < (int64_t{1} << 30), src, ": model.vocab[\"", it.key(),
-                "\"]: id ", id64, " out of range");
-    TORCH_CHECK(byte_level_to_bytes(it.key(), c2b, &bytes), src, ": model.vocab: token \"",
-                it.key(),
-                "\" has characters outside the byte-level alphabet (only byte-level BPE "
-                "vocabularies are supported)");
-    const auto id = static_cast<TokenId>(id64);
-    TORCH_CHECK(vocab.emplace(bytes, id).second, src, ": model.vocab: token \"", it.key(),
-                "\" duplicates another token's bytes");
-    entries.push_back({id, {bytes, it.key()}});
+  size_t k = 0;
+  while (k < members.size() && add_vocab_member(token(k), members[k], c2b, false, &bytes)) ++k;
+  if (k < members.size()) {
+    std::vector<size_t> order(members.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return token(x) < token(y); });
+    reset();
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (i + 1 < order.size() && token(order[i]) == token(order[i + 1])) continue;
+      add_vocab_member(token(order[i]), members[order[i]], c2b, true, &bytes);
+    }
   }
   for (int b = 0; b < 256; ++b) {
     auto it = vocab.find(std::string(1, static_cast<char>(b)));
@@ -377,7 +394,32 @@ Tokenizer::Impl::VocabEntries Tokenizer::Impl::load_vocab(const json& model,
                 " has no token (byte-level BPE needs all 256 bytes)");
     byte_ids[b] = it->second;
   }
-  return entries;
+}
+
+// Adds one model.vocab member to `vocab` and the per-id tables. Checked: a bad member is an
+// error and a repeated id goes to this token; unchecked: either returns false, changing nothing.
+bool Tokenizer::Impl::add_vocab_member(std::string_view token, const tokenizer_json::VocabMember& m,
+                                       const ByteLevelInverse& c2b, bool checked,
+                                       std::string* bytes) {
+  const std::string& src = source;
+  const bool in_range = m.is_integer() && m.id >= 0 && m.id < (int64_t{1} << 30);
+  const bool ok = in_range && byte_level_to_bytes(token, c2b, bytes);
+  if (!checked && (!ok || id_kind[m.id] != kAbsent)) return false;
+  TORCH_CHECK(m.is_integer(), src, ": model.vocab[\"", token, "\"]: expected an integer id, found ",
+              tokenizer_json::type_name(m.type));
+  TORCH_CHECK(in_range, src, ": model.vocab[\"", token, "\"]: id ", m.id, " out of range");
+  TORCH_CHECK(ok, src, ": model.vocab: token \"", token,
+              "\" has characters outside the byte-level alphabet (only byte-level BPE "
+              "vocabularies are supported)");
+  const auto id = static_cast<TokenId>(m.id);
+  const bool inserted = vocab.emplace(*bytes, id).second;
+  if (!checked && !inserted) return false;
+  TORCH_CHECK(inserted, src, ": model.vocab: token \"", token,
+              "\" duplicates another token's bytes");
+  id_bytes[id] = *bytes;
+  id_string[id].assign(token.data(), token.size());
+  id_kind[id] = kVocab;
+  return true;
 }
 
 // added_tokens: (token, normalized) in file order.
@@ -399,8 +441,8 @@ std::vector<std::pair<AddedToken, bool>> Tokenizer::Impl::read_added_tokens(
       }
       AddedToken t;
       t.content = a["content"].get<std::string>();
-      TORCH_CHECK(!t.content.empty() && io::utf8::find_invalid(t.content) == std::string::npos, where,
-                  ": content must be non-empty valid UTF-8");
+      TORCH_CHECK(!t.content.empty() && io::utf8::find_invalid(t.content) == std::string::npos,
+                  where, ": content must be non-empty valid UTF-8");
       const int64_t id64 = a["id"].get<int64_t>();
       TORCH_CHECK(id64 >= 0 && id64 < (int64_t{1} << 30), where, ": id ", id64, " out of range");
       t.id = static_cast<TokenId>(id64);
@@ -412,19 +454,12 @@ std::vector<std::pair<AddedToken, bool>> Tokenizer::Impl::read_added_tokens(
 }
 
 // The per-id tables (bytes, token string, kind), the added-token matchers and the ChatML ids.
-void Tokenizer::Impl::index_ids(VocabEntries entries,
-                                const std::vector<std::pair<AddedToken, bool>>& added) {
-  TokenId max_id = -1;
-  for (const auto& e : entries) max_id = std::max(max_id, e.first);
+void Tokenizer::Impl::index_ids(const std::vector<std::pair<AddedToken, bool>>& added) {
+  TokenId max_id = static_cast<TokenId>(id_kind.size()) - 1;
   for (const auto& a : added) max_id = std::max(max_id, a.first.id);
-  id_bytes.assign(max_id + 1, std::string());
-  id_string.assign(max_id + 1, std::string());
-  id_kind.assign(max_id + 1, kAbsent);
-  for (auto& e : entries) {
-    id_bytes[e.first] = std::move(e.second.first);
-    id_string[e.first] = std::move(e.second.second);
-    id_kind[e.first] = kVocab;
-  }
+  id_bytes.resize(max_id + 1);
+  id_string.resize(max_id + 1);
+  id_kind.resize(max_id + 1, kAbsent);
   for (const auto& [t, normalized] : added) {
     id_bytes[t.id] = t.content;
     id_string[t.id] = t.content;
@@ -443,29 +478,34 @@ void Tokenizer::Impl::index_ids(VocabEntries entries,
 }
 
 // model.merges: "left right" strings or [left, right] pairs, ranked by position.
-void Tokenizer::Impl::load_merges(const json& jm, const ByteLevelInverse& c2b) {
+void Tokenizer::Impl::load_merges(const tokenizer_json::StreamedModel& streamed,
+                                  const ByteLevelInverse& c2b) {
+  using tokenizer_json::MergeElement;
   const std::string& src = source;
-  merges.reserve(jm.size());
-  std::string left_s, right_s, lb, rb;
-  for (size_t r = 0; r < jm.size(); ++r) {
-    const json& m = jm[r];
-    if (m.is_string()) {
-      const std::string& s = m.get_ref<const std::string&>();
+  const std::vector<MergeElement>& elements = streamed.merges;
+  merges.reserve(elements.size());
+  std::string lb, rb, cat;
+  for (size_t r = 0; r < elements.size(); ++r) {
+    const MergeElement& m = elements[r];
+    std::string_view left_s, right_s;
+    if (m.form == MergeElement::kString) {
+      const std::string_view s = streamed.view(m.offset, m.size_a);
       const size_t sp = s.find(' ');
       TORCH_CHECK(sp != std::string::npos && s.find(' ', sp + 1) == std::string::npos, src,
                   ": model.merges[", r, "]: expected \"left right\", found \"", s, "\"");
       left_s = s.substr(0, sp);
       right_s = s.substr(sp + 1);
     } else {
-      TORCH_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string(), src,
-                  ": model.merges[", r, "]: expected \"left right\" or [\"left\", \"right\"]");
-      left_s = m[0].get<std::string>();
-      right_s = m[1].get<std::string>();
+      TORCH_CHECK(m.form == MergeElement::kPair, src, ": model.merges[", r,
+                  "]: expected \"left right\" or [\"left\", \"right\"]");
+      left_s = streamed.view(m.offset, m.size_a);
+      right_s = streamed.view(m.offset + m.size_a, m.size_b);
     }
     const bool ok = byte_level_to_bytes(left_s, c2b, &lb) && byte_level_to_bytes(right_s, c2b, &rb);
+    cat.assign(lb).append(rb);
     auto li = ok ? vocab.find(lb) : vocab.end();
     auto ri = ok ? vocab.find(rb) : vocab.end();
-    auto mi = ok ? vocab.find(lb + rb) : vocab.end();
+    auto mi = ok ? vocab.find(cat) : vocab.end();
     TORCH_CHECK(li != vocab.end() && ri != vocab.end() && mi != vocab.end(), src, ": model.merges[",
                 r, "]: \"", left_s, "\", \"", right_s,
                 "\" or their concatenation is not in the vocabulary");
@@ -736,16 +776,17 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string& source_name) {
+  tokenizer_json::StreamedModel streamed;
   json root;
   try {
-    root = json::parse(text);
+    root = tokenizer_json::parse(text, &streamed);
   } catch (const json::exception& e) {
     TORCH_CHECK(false, source_name, ": not valid JSON: ", e.what());
   }
   auto impl = std::make_unique<Impl>();
   impl->source = source_name;
   try {
-    impl->load(root);
+    impl->load(root, streamed);
   } catch (const json::exception& e) {
     // A field of the wrong JSON type (a list where a string belongs, ...): the checks in load()
     // name the fields they know; anything they do not reach is still an input error.
@@ -757,10 +798,24 @@ Tokenizer Tokenizer::from_json_string(const std::string& text, const std::string
 Tokenizer Tokenizer::from_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), path, ": cannot open tokenizer file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  // One read of the size the file reports (a pipe reports none: then doubling chunks), into the
+  // string that is parsed: the bytes are copied once.
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.clear();
+  in.seekg(0, std::ios::beg);
+  in.clear();
+  std::string text(size > 0 ? static_cast<size_t>(size) + 1 : size_t{1} << 16, '\0');
+  size_t n = 0;
+  while (true) {
+    in.read(&text[n], static_cast<std::streamsize>(text.size() - n));
+    n += static_cast<size_t>(in.gcount());
+    if (n < text.size()) break;  // end of file (or an error, checked below)
+    text.resize(2 * text.size());
+  }
   TORCH_CHECK(!in.bad(), path, ": read error");
-  return from_json_string(ss.str(), path);
+  text.resize(n);
+  return from_json_string(text, path);
 }
 
 std::vector<TokenId> Tokenizer::encode(std::string_view text) const {
@@ -782,7 +837,14 @@ std::string Tokenizer::decode(const std::vector<TokenId>& ids, bool skip_special
 }
 
 std::string Tokenizer::decode_lossy(const std::vector<TokenId>& ids, bool skip_special) const {
-  return io::utf8::repair(decode(ids, skip_special));
+  // An id with no token (a model's padded embedding rows past the vocabulary, which a sampler
+  // can draw) decodes to nothing, as Hugging Face tokenizers' decode skips it.
+  std::vector<TokenId> known;
+  known.reserve(ids.size());
+  for (const TokenId id : ids) {
+    if (id >= 0 && id < vocab_size() && impl_->id_kind[id] != Impl::kAbsent) known.push_back(id);
+  }
+  return io::utf8::repair(decode(known, skip_special));
 }
 
 std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {
@@ -791,7 +853,7 @@ std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {
   // Vocabulary tokens are looked up by their byte-level spelling (e.g. "Ġthe").
   static const ByteLevelInverse c2b = codepoint_to_byte_table();
   std::string bytes;
-  if (!byte_level_to_bytes(std::string(token), c2b, &bytes)) return std::nullopt;
+  if (!byte_level_to_bytes(token, c2b, &bytes)) return std::nullopt;
   auto it = impl_->vocab.find(bytes);
   if (it == impl_->vocab.end()) return std::nullopt;
   return it->second;

@@ -1,5 +1,6 @@
 // LoRA adapters as a PEFT adapter folder; see Qwen3Model::export_adapter.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>

@@ -35,13 +35,22 @@ bool caches_weight(const ModelOptions& opt) {
   return opt.cache_adapted_weights && !opt.lora.merge_aware;
 }
 
+// Whether trained NVFP4 linears keep their compute-dtype forward weight for the run
+// (ForwardWeights::kKept; offloaded masters compute from codes). Their taps then hand the
+// graphs aliases of it, which save nothing more.
+bool keeps_forward_weight(const ModelOptions& opt) {
+  return opt.fake_quant && !opt.offload_masters && opt.forward_weights == ForwardWeights::kKept;
+}
+
 // Whether linear parameter `p` reaches a layer's graph as a compute-dtype weight that its linear
-// saves beyond what the model stores: a trainable NVFP4 linear's tap output, an adapted linear's
-// dequantized or merged weight. Frozen weights are saved as the stored tensors themselves.
+// saves beyond what the model stores: a trainable NVFP4 linear's tap output (unless kept), an
+// adapted linear's dequantized or merged weight. Frozen weights are saved as the stored tensors
+// themselves.
 bool saves_compute_weight(const ParamSpec& p, const ModelOptions& opt, int64_t num_layers,
                           bool tied) {
   if (opt.lora.adapts(p, opt.trainable, num_layers)) return !caches_weight(opt);
-  return p.kind == ParamKind::kQuantizedLinear && opt.trainable.trains(p, num_layers, tied);
+  return p.kind == ParamKind::kQuantizedLinear && opt.trainable.trains(p, num_layers, tied) &&
+         !keeps_forward_weight(opt);
 }
 
 // Bytes per token that one decoder layer's graph saves besides its input, by block, as this
@@ -110,6 +119,7 @@ struct ParamTally {
   int64_t embed_elems = 0;
   int64_t resident_grad_bytes = 0;  // gradients of parameters whose master is on the device
   bool lm_trains = false;
+  bool lm_kept = false;  // a trained NVFP4 lm_head whose forward weight is kept (no tap copy)
 };
 
 // The step's settings that the phases share.
@@ -118,6 +128,9 @@ struct StepTerms {
   int64_t L = 0, tokens = 0;
   bool cuda = false, in_backward = false, tied = false;
   bool offload = false;  // trainable NVFP4 linears: codes on the device, masters on the host
+  // Trained NVFP4 linears with device masters keep their forward weight: as codes, or kept in
+  // the compute dtype (ModelOptions::forward_weights).
+  bool codes = false, kept = false;
   // Gradients of earlier micro-batches stay in the buffer through every phase of later ones
   // (with in-backward updates too: the last micro-batch's backward applies the sums); with
   // offloaded masters, those of the offloaded linears add up in pinned host memory instead
@@ -165,12 +178,15 @@ void tally_trained(const ParamSpec& p, const Ffn& ffn, const StepTerms& t, Memor
                    ParamTally* tally) {
   const int64_t n = p.numel();
   est->grad_buffer_bytes += n * t.gs;
-  if (t.offload && p.kind == ParamKind::kQuantizedLinear) {
+  const bool nvfp4 = p.kind == ParamKind::kQuantizedLinear;
+  if (t.offload && nvfp4) {
     est->master_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize;  // codes + E4M3 scales
     est->host_bytes += n * t.ms + (t.host_accum ? n * t.gs : 0);  // master (+ gradient buffer)
   } else {
     est->master_bytes += n * t.ms;
     tally->resident_grad_bytes += n * t.gs;
+    if (nvfp4 && t.codes) est->forward_weight_bytes += n / 2 + n / q4::quant::kNvfp4BlockSize;
+    if (nvfp4 && t.kept) est->forward_weight_bytes += n * t.cs;
   }
   if (p.layer >= 0) {
     tally->layer_elems[p.layer] += n;
@@ -183,6 +199,7 @@ void tally_trained(const ParamSpec& p, const Ffn& ffn, const StepTerms& t, Memor
   } else {
     tally->head_elems += n;
     tally->lm_trains = tally->lm_trains || p.group == ParamGroup::kLmHead;
+    tally->lm_kept = tally->lm_kept || (p.group == ParamGroup::kLmHead && nvfp4 && t.kept);
   }
 }
 
@@ -387,7 +404,7 @@ void add_loss_phases(const Qwen3Config& cfg, const ModelOptions& opt, const Step
   const int64_t rows = t.tokens;
   const int64_t chunk = std::min(opt.loss_chunk_tokens, rows);
   const int64_t logits_block = t.cuda ? chunk * V * cs : chunk * V * (cs == 4 ? 4 : 4 + cs);
-  const int64_t lm_weight = tally.lm_trains ? V * H * cs : 0;
+  const int64_t lm_weight = tally.lm_trains && !tally.lm_kept ? V * H * cs : 0;
   const int64_t lm_elems = tally.lm_trains ? V * H : 0;
   // Loss forward: the chunked cross-entropy computes its gradients here, from the logits block
   // that gives the loss: the final norm's saved input and its output (alive in loss()), the
@@ -449,6 +466,8 @@ StepTerms step_terms(const Qwen3Config& cfg, const ModelOptions& opt, int64_t ba
   t.in_backward = grads.applied_in_backward;
   t.cuda = opt.device.is_cuda();
   t.offload = t.cuda && opt.offload_masters;
+  t.codes = !t.offload && opt.fake_quant && opt.computes_from_codes();
+  t.kept = keeps_forward_weight(opt);
   t.carried = grads.accumulation_steps > 1;
   t.host_accum = t.carried && t.offload;
   t.buffer_carried = t.carried && !t.host_accum;
@@ -601,7 +620,10 @@ RolloutMemory estimate_rollout_memory(const Qwen3Config& cfg, const ModelOptions
                                            : adapter_elements(p, opt, cfg.moe.num_experts))) *
                          cs;
     } else if (opt.trainable.trains(p, L, tied)) {
-      m.weights_bytes += p.numel() * cs;
+      // A kept forward weight (ModelOptions::forward_weights) is the rollout's weight already.
+      const bool kept = opt.forward_weights == ForwardWeights::kKept &&
+                        p.kind == ParamKind::kQuantizedLinear;
+      if (!kept) m.weights_bytes += p.numel() * cs;
     }
   }
   return m;

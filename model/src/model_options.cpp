@@ -169,6 +169,11 @@ void ModelOptions::validate() const {
   TORCH_CHECK(!offload_masters || fake_quant,
               "ModelOptions.offload_masters needs fake_quant (plain precision computes with the "
               "masters themselves)");
+  TORCH_CHECK(forward_weights == ForwardWeights::kSweep || fake_quant,
+              "ModelOptions.forward_weights ", io::enum_name(forward_weights),
+              " needs fake_quant (plain precision computes with the masters themselves)");
+  TORCH_CHECK(!offload_masters || forward_weights != ForwardWeights::kKept,
+              "ModelOptions.forward_weights kept: offloaded masters compute from codes");
   lora.validate();
   TORCH_CHECK(!lora.enabled() || fake_quant,
               "lora: adapters train on the NVFP4 weights, which plain precision (fake_quant off) "

@@ -65,9 +65,15 @@ struct WeightTap : public torch::autograd::Function<WeightTap> {
     ctx->saved_data["grad_dtype"] = grad_dtype;
     auto* p = int_to_ptr<Parameter>(param);
     const auto cd = static_cast<at::ScalarType>(compute_dtype);
+    if (p->kept_weight.defined() && p->kept_weight.scalar_type() == cd) {
+      // ForwardWeights::kKept: fake_quant(master) as of the last refresh. A fresh alias per use,
+      // so that each use's autograd history is its own; it shares the kept tensor's version
+      // counter, so a refresh while a graph still saves it fails that graph's backward loudly.
+      return p->kept_weight.detach();
+    }
     if (p->qdata.defined()) {
-      // Offloaded master: its codes are quantize(master), so this is fake_quant(master) bit for
-      // bit (dequantized values are exact in every float dtype).
+      // Codes (offloaded master, ForwardWeights::kCodes): quantize(master), so this is
+      // fake_quant(master) bit for bit (dequantized values are exact in every float dtype).
       return q4::quant::dequantize_nvfp4(p->qdata, p->scale, cd);
     }
     if (p->quantized && int_to_ptr<const Qwen3Model::Impl>(impl)->opt.fake_quant) {

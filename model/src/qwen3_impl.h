@@ -108,9 +108,13 @@ struct Qwen3Model::Impl {
                                   const std::vector<const LinearWeights*>& ws) const;
   LinearWeights linear_weights(Parameter* p) const;  // resolved by the linear backend
   at::Tensor plain_lora(const at::Tensor& x, const LinearWeights& w) const;  // (s·x·Aᵀ)·Bᵀ
-  // ModelOptions::offload_masters, a trainable NVFP4 linear just given its master: derives its
-  // codes and (CUDA) moves the master to pinned host memory. No-op otherwise.
+  // A trainable NVFP4 linear just given its master: with ModelOptions::offload_masters derives
+  // its codes and (CUDA) moves the master to pinned host memory; else makes the forward weight
+  // that ModelOptions::forward_weights keeps (keep_forward_weight). No-op for other parameters.
   void offload_master(Parameter* p);
+  // p's codes or kept weight as ModelOptions::forward_weights says (none: kSweep), from its
+  // device master.
+  void keep_forward_weight(Parameter* p, ForwardWeights mode);
   // p's master on the model's device: itself, or a device copy of an offloaded one.
   at::Tensor device_master(const Parameter* p) const;
   // Before a read of trainable master `p`, or of every master (nullptr): the master fence.

@@ -94,8 +94,29 @@ const std::vector<int64_t>& Qwen3Model::Impl::shape_of(const Parameter* p) const
   return shapes[static_cast<size_t>(p - params.data())];
 }
 
+void Qwen3Model::Impl::keep_forward_weight(Parameter* p, ForwardWeights mode) {
+  if (!p->trainable || !p->quantized || p->lora_a != nullptr) return;
+  p->kept_weight = at::Tensor();
+  p->qdata = at::Tensor();
+  p->scale = at::Tensor();
+  if (!opt.fake_quant) return;
+  if (mode == ForwardWeights::kCodes) {
+    const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(p->master, p->name, opt.block_rule);
+    p->qdata = q.qdata;
+    p->scale = q.scale;
+  } else if (mode == ForwardWeights::kKept) {
+    p->kept_weight = q4::quant::fake_quant_nvfp4_forward(p->master, p->name, opt.block_rule)
+                         .to(opt.compute_dtype)
+                         .contiguous();
+  }
+}
+
 void Qwen3Model::Impl::offload_master(Parameter* p) {
-  if (!opt.offload_masters || !p->trainable || !p->quantized) return;
+  if (!p->trainable || !p->quantized) return;
+  if (!opt.offload_masters) {
+    keep_forward_weight(p, opt.forward_weights);
+    return;
+  }
   // Codes from the device master while it is there (one pass), then the master moves out.
   const q4::quant::Nvfp4Tensor q = q4::quant::quantize_nvfp4(p->master, p->name, opt.block_rule);
   p->qdata = q.qdata;
@@ -224,7 +245,9 @@ bool Qwen3Model::Impl::any_trainable() const {
 }
 
 at::Tensor Qwen3Model::Impl::weight(Parameter* p) const {
-  if (inference_weights && !at::GradMode::is_enabled() && (p->trainable || p->lora_a != nullptr)) {
+  // A kept forward weight is that weight already (no copy to keep).
+  if (inference_weights && !at::GradMode::is_enabled() && !p->kept_weight.defined() &&
+      (p->trainable || p->lora_a != nullptr)) {
     if (p->inference_weight.defined()) return p->inference_weight;
     at::Tensor w = forward_weight(p);
     const int64_t bytes = static_cast<int64_t>(w.numel() * w.element_size());
@@ -793,24 +816,46 @@ void Qwen3Model::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = s
 
 void Qwen3Model::set_master_fence(MasterFence fence) { impl_->master_fence = std::move(fence); }
 
-void Qwen3Model::refresh_codes(const Parameter* only) {
-  at::NoGradGuard no_grad;
-  for (auto& p : impl_->params) {
-    if (!p.trainable || !p.qdata.defined() || (only != nullptr && only != &p)) continue;
-    const at::Tensor master = p.master.device() == p.qdata.device()
-                                  ? p.master
-                                  : q4::io::device_alias(p.master, p.qdata.device());
-    q4::quant::quantize_nvfp4_into(master, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
+void Qwen3Model::refresh_forward_weights(const Parameter* only) {
+  if (only != nullptr) {
+    if (keeps_forward_weight(*only)) refresh_forward_weights(*only, only->master);
+    return;
+  }
+  for (const auto& p : impl_->params) {
+    if (keeps_forward_weight(p)) refresh_forward_weights(p, p.master);
   }
 }
 
-void Qwen3Model::refresh_codes(const Parameter& p, const at::Tensor& master) {
-  TORCH_INTERNAL_ASSERT(p.qdata.defined() && master.sizes() == p.master.sizes(),
-                        "refresh_codes: ", p.name, " has no codes or another shape");
+void Qwen3Model::refresh_forward_weights(const Parameter& p, const at::Tensor& master) {
+  TORCH_INTERNAL_ASSERT(keeps_forward_weight(p) && master.sizes() == p.master.sizes(),
+                        "refresh_forward_weights: ", p.name,
+                        " keeps no forward weight or has another shape");
   at::NoGradGuard no_grad;
-  const at::Tensor values =
-      master.device() == p.qdata.device() ? master : q4::io::device_alias(master, p.qdata.device());
-  q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
+  const at::Device dev = p.qdata.defined() ? p.qdata.device() : p.kept_weight.device();
+  const at::Tensor values = master.device() == dev ? master : q4::io::device_alias(master, dev);
+  if (p.qdata.defined()) {
+    q4::quant::quantize_nvfp4_into(values, {p.qdata, p.scale}, p.name, impl_->opt.block_rule);
+  } else {
+    // In place: the graph that used the previous values is done with them. The version bump
+    // (the CUDA kernel writes through a raw pointer) makes a saved-tensor unpack of an alias
+    // that a graph still holds an error instead of a read of the new values.
+    q4::quant::fake_quant_nvfp4_forward_into(values, p.kept_weight, p.name, impl_->opt.block_rule);
+    p.kept_weight.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void Qwen3Model::set_forward_weights(ForwardWeights mode) {
+  ModelOptions o = impl_->opt;
+  o.forward_weights = mode;
+  o.validate();
+  impl_->opt = o;
+  if (o.offload_masters) return;  // codes whatever the mode (validate: not kept)
+  at::NoGradGuard no_grad;
+  for (auto& p : impl_->params) {
+    if (p.lora_a != nullptr || !p.trainable || !p.quantized) continue;
+    impl_->fence(&p);
+    impl_->keep_forward_weight(&p, mode);
+  }
 }
 
 void Qwen3Model::begin_grad_step() {

@@ -550,6 +550,7 @@ void PackedAdamW::Impl::apply_updates(const std::vector<at::Tensor>& grads,
           stager->update(p, grads[i], static_cast<int64_t>(i), launch, master_updated);
         } else {
           launch(p, grads[i]);
+          if (master_updated) master_updated(static_cast<int64_t>(i), p.master);
         }
       };
       // Staged parameters run on the caller's stream, whose pool their copies come from.
@@ -565,6 +566,7 @@ void PackedAdamW::Impl::apply_updates(const std::vector<at::Tensor>& grads,
 #endif
     } else {
       detail::step_param_cpu(p, grads[i], c, decay, stochastic, key, o.chunk_rows, scratch);
+      if (master_updated) master_updated(static_cast<int64_t>(i), p.master);
     }
   }
 #if Q4_WITH_CUDA
@@ -754,6 +756,7 @@ void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
       d.stager->update(p, g, index, launch, d.master_updated);
     } else {
       launch(p, g);
+      if (d.master_updated) d.master_updated(index, p.master);
     }
 #endif
     return;
@@ -769,6 +772,7 @@ void PackedAdamW::step_param(int64_t index, const at::Tensor& grad) {
     d.host_sumsq += ss;
   }
   detail::step_param_cpu(p, grad, c, decay, stochastic, key, o.chunk_rows, d.scratch);
+  if (d.master_updated) d.master_updated(index, p.master);
 }
 
 StepResult PackedAdamW::end_step() {

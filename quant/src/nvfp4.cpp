@@ -397,9 +397,12 @@ namespace {
 
 // out_dtype: the result's dtype (nullopt: w's). On CUDA an fp16 <-> bf16 change happens in the
 // kernel's store (the fake-quantized values are exact in both); otherwise a cast follows.
+// `into` (optional): a contiguous tensor of w's shape and device in the result's dtype, written
+// and returned instead of a fresh one.
 at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, bool check,
                                BlockRule rule,
-                               std::optional<at::ScalarType> out_dtype = std::nullopt) {
+                               std::optional<at::ScalarType> out_dtype = std::nullopt,
+                               const at::Tensor& into = at::Tensor()) {
   check_input(w_in, "fake_quant_nvfp4", name);
   const at::Tensor w = w_in.contiguous();
   const at::ScalarType want = out_dtype ? *out_dtype : w.scalar_type();
@@ -408,7 +411,9 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
     const bool direct = want == w.scalar_type() || (w.element_size() == 2 &&
                                                    (want == at::kHalf || want == at::kBFloat16));
     const c10::cuda::CUDAGuard guard(w.device());
-    at::Tensor out = at::empty(w.sizes(), w.options().dtype(direct ? want : w.scalar_type()));
+    at::Tensor out = direct && into.defined()
+                         ? into
+                         : at::empty(w.sizes(), w.options().dtype(direct ? want : w.scalar_type()));
     at::Tensor flag = check ? at::zeros({1}, w.options().dtype(at::kInt)) : at::Tensor();
     cuda::check_cuda(
         cuda::launch_fake_quant_nvfp4_cast(
@@ -417,12 +422,14 @@ at::Tensor fake_quant_dispatch(const at::Tensor& w_in, const std::string& name, 
             check ? flag.data_ptr<int32_t>() : nullptr, rule, at::cuda::getCurrentCUDAStream()),
         "fake_quant_nvfp4");
     if (check) check_flag(flag, w, "fake_quant_nvfp4", name);
-    return direct ? out : out.to(want);
+    if (direct) return out;
+    return into.defined() ? into.copy_(out) : out.to(want);
 #else
     fail_no_cuda("fake_quant_nvfp4");
 #endif
   }
   at::Tensor out = fake_quant_cpu(w, name, rule);
+  if (into.defined()) return into.copy_(out);
   return out.scalar_type() == want ? out : out.to(want);
 }
 
@@ -436,6 +443,15 @@ at::Tensor fake_quant_nvfp4_forward_unchecked(const at::Tensor& w,
                                               std::optional<at::ScalarType> out_dtype,
                                               const std::string& name, BlockRule rule) {
   return fake_quant_dispatch(w, name, /*check=*/false, rule, out_dtype);
+}
+
+void fake_quant_nvfp4_forward_into(const at::Tensor& w, const at::Tensor& out,
+                                   const std::string& name, BlockRule rule) {
+  TORCH_CHECK(out.sizes() == w.sizes() && out.device() == w.device() && out.is_contiguous() &&
+                  is_supported_float(out.scalar_type()),
+              "fake_quant_nvfp4_forward_into: ", name,
+              ": out must be a contiguous float tensor of the input's shape and device");
+  fake_quant_dispatch(w, name, /*check=*/false, rule, out.scalar_type(), out);
 }
 
 namespace {

@@ -122,6 +122,13 @@ TEST(Tokenizer, DecodeAcrossSplitCharacters) {
     EXPECT_EQ(tok.decode(a) + tok.decode(b), text);
   }
   EXPECT_EQ(tok.decode_lossy(ids), text);
+  // Ids past the vocabulary (a model's padded embedding rows: Qwen3's 151936 > 151669) are an
+  // error for decode and are skipped by decode_lossy, as HF decodes them.
+  std::vector<TokenId> padded(ids.begin(), ids.end());
+  padded.insert(padded.begin() + 1, static_cast<TokenId>(tok.vocab_size()));
+  padded.push_back(static_cast<TokenId>(tok.vocab_size() + 50));
+  EXPECT_THROW(tok.decode(padded), c10::Error);
+  EXPECT_EQ(tok.decode_lossy(padded), text);
 }
 
 TEST(Tokenizer, InvalidUtf8IsAnErrorNamingTheOffset) {
@@ -260,10 +267,13 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
        },
        "post_processor"},
       {"lstrip", [](json& t) { t["added_tokens"][0]["lstrip"] = true; }, "lstrip"},
-      {"model type not a string",
-       [](json& t) { t["model"]["type"] = json::array({"H e"}); }, "tokenizer.json structure"},
+      {"model type not a string", [](json& t) { t["model"]["type"] = json::array({"H e"}); },
+       "tokenizer.json structure"},
       {"post processor type not a string",
-       [](json& t) { t["post_processor"] = {{"type", 3}}; }, "tokenizer.json structure"},
+       [](json& t) {
+         t["post_processor"] = {{"type", 3}};
+       },
+       "tokenizer.json structure"},
       {"merge not in vocab", [](json& t) { t["model"]["merges"].push_back("q z"); },
        "model.merges[6]"},
       {"missing byte", [](json& t) { t["model"]["vocab"].erase("A"); }, "byte 0x41"},
@@ -275,6 +285,73 @@ TEST(Tokenizer, RejectsUnsupportedFeatures) {
     EXPECT_NE(msg.find(c.expect), std::string::npos) << c.what << ": " << msg;
     EXPECT_NE(msg.find("tiny.json"), std::string::npos) << c.what << ": " << msg;
   }
+}
+
+// model.vocab and model.merges are streamed, not read from a DOM: a repeated key, a shared id and
+// several bad members must still resolve as a DOM object (std::map, last key wins) resolves them.
+std::string with_vocab_prefix(const std::string& members) {
+  std::string text = tiny_tokenizer(false).dump();
+  const size_t at = text.find("\"vocab\":{");
+  text.insert(at + 9, members);
+  return text;
+}
+
+TEST(Tokenizer, StreamedVocabResolvesAsTheDom) {
+  // "ll" is 256 further on: the later member wins and 299 names nothing.
+  auto tok = Tokenizer::from_json_string(with_vocab_prefix("\"ll\":299,"), "tiny");
+  EXPECT_EQ(tok.token_to_id("ll"), std::optional<TokenId>(256));
+  EXPECT_THROW(tok.id_to_token(299), c10::Error);
+  EXPECT_EQ(tok.encode("hello"), (std::vector<TokenId>{259}));
+  // Two tokens with id 256: the later in key order ("zz" > "ll") is what 256 decodes to.
+  tok = Tokenizer::from_json_string(with_vocab_prefix("\"zz\":256,"), "tiny");
+  EXPECT_EQ(tok.id_to_token(256), "zz");
+  EXPECT_EQ(tok.decode({256}), "zz");
+  EXPECT_EQ(tok.token_to_id("ll"), std::optional<TokenId>(256));
+  EXPECT_EQ(tok.token_to_id("zz"), std::optional<TokenId>(256));
+  // Two bad members: the first in key order is reported.
+  std::string msg = error_of(
+      [] { Tokenizer::from_json_string(with_vocab_prefix("\"zz\":\"x\",\"ab\":-1,"), "t.json"); });
+  EXPECT_NE(msg.find("t.json: model.vocab[\"ab\"]: id -1 out of range"), std::string::npos) << msg;
+  msg = error_of(
+      [] { Tokenizer::from_json_string(with_vocab_prefix("\"ab\":{\"id\":[1]},"), "t.json"); });
+  EXPECT_NE(msg.find("t.json: model.vocab[\"ab\"]: expected an integer id, found object"),
+            std::string::npos)
+      << msg;
+  // A repeated "model" replaces the first, streamed members included.
+  const std::string tiny = tiny_tokenizer(false).dump();
+  tok = Tokenizer::from_json_string(
+      "{\"model\":{\"vocab\":{\"q\":1},\"merges\":[\"q q\"]}," + tiny.substr(1), "tiny");
+  EXPECT_EQ(tok.encode("hello world"), (std::vector<TokenId>{259, 260, 261, 'l', 'd'}));
+}
+
+TEST(Tokenizer, StreamedMergeFormsAreChecked) {
+  const std::vector<json> bad = {json(5),
+                                 json::array({"l", "l", "l"}),
+                                 json::array({"l"}),
+                                 json::array({json::array({"l"}), "l"}),
+                                 json::array({"l", 1}),
+                                 json::object({{"l", "l"}}),
+                                 json(nullptr)};
+  for (const json& b : bad) {
+    json t = tiny_tokenizer(false);
+    t["model"]["merges"].push_back(b);
+    const std::string msg = error_of([&] { Tokenizer::from_json_string(t.dump(), "t.json"); });
+    EXPECT_NE(msg.find("t.json: model.merges[6]: expected \"left right\" or [\"left\", \"right\"]"),
+              std::string::npos)
+        << b.dump() << ": " << msg;
+  }
+  json t = tiny_tokenizer(false);
+  t["model"]["merges"] = json::object();
+  EXPECT_NE(error_of([&] {
+              Tokenizer::from_json_string(t.dump(), "t.json");
+            }).find("t.json: model.merges: expected an array"),
+            std::string::npos);
+  t["model"]["merges"] = json::array();
+  t["model"]["vocab"] = json::array();
+  EXPECT_NE(error_of([&] {
+              Tokenizer::from_json_string(t.dump(), "t.json");
+            }).find("t.json: model.vocab: expected an object {token: id}"),
+            std::string::npos);
 }
 
 // A number out of double range made nlohmann throw out_of_range, which escaped as a

@@ -151,7 +151,7 @@ TEST(DemoCuda, GrpoVariantsRaiseTheReward) {
   const std::vector<std::pair<std::string, std::string>> variants = {
       {"full", ""},
       {"offload", "--set optim.offload=all"},
-      {"lora", "--set train.method=lora --set lora.merge_aware=false --set optim.lr=2.0e-2"},
+      {"lora", "--set train.method=lora --set lora.merge_aware=false"},
       {"lora_merge_aware", "--set train.method=lora --set optim.lr=2.0e-2"},
       {"beta", "--set grpo.beta=0.04"},
   };

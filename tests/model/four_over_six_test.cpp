@@ -38,7 +38,7 @@ TEST(FourOverSixModel, ExportReloadsToTheTrainingForward) {
         for (Parameter* p : m.trainable_parameters()) {
           p->master.add_(at::randn(p->master.sizes(), gen) * 2e-3);
         }
-        m.refresh_codes();
+        m.refresh_forward_weights();
       }
       at::Tensor trained;
       {

@@ -203,6 +203,48 @@ TEST(GradSync, TwoRankStepsWithOverlappedBroadcastsEqualOneProcess) {
   }
 }
 
+// model.forward_weights kept and codes on two ranks: each rank refreshes a master's forward
+// weight once its broadcast is waited for (before the forward's first use), so the losses and
+// masters are those of one process fake-quantizing its masters in every forward.
+TEST(GradSync, KeptForwardWeightsFollowTheBroadcasts) {
+  if (!kGloo) GTEST_SKIP() << "q4_trainer was built without Gloo: no CPU ranks";
+  constexpr int kSteps = 3;
+  auto one = bf16_model();
+  const int64_t V = one.config().vocab_size;
+  std::vector<StepOutcome> want;
+  {
+    SupervisedCrossEntropy ce;
+    StepRig rig(cpu_config("unused", /*grad_accum=*/2), one, ce);
+    auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
+    for (int s = 0; s < kSteps; ++s) want.push_back(rig.step->run(s, *batcher));
+  }
+  const auto want_masters = trainable_masters(one);
+  for (const auto mode : {model::ForwardWeights::kKept, model::ForwardWeights::kCodes}) {
+    std::vector<StepOutcome> got[2];
+    std::vector<at::Tensor> got_masters[2];
+    on_two_ranks([&](DistComm& comm) {
+      auto m = bf16_model();
+      m.set_forward_weights(mode);
+      SupervisedCrossEntropy ce;
+      StepRig rig(cpu_config("unused", /*grad_accum=*/1), m, ce, /*in_backward=*/false, &comm);
+      auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
+      for (int s = 0; s < kSteps; ++s) got[comm.rank()].push_back(rig.step->run(s, *batcher));
+      got_masters[comm.rank()] = trainable_masters(m);
+    });
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE(std::string(io::enum_name(mode)) + " rank " + std::to_string(r));
+      ASSERT_EQ(got[r].size(), want.size());
+      for (size_t s = 0; s < want.size(); ++s) {
+        EXPECT_NEAR(got[r][s].loss, want[s].loss, 1e-6 * want[s].loss) << "step " << s + 1;
+      }
+      ASSERT_EQ(got_masters[r].size(), want_masters.size());
+      for (size_t i = 0; i < want_masters.size(); ++i) {
+        EXPECT_TRUE(at::equal(got_masters[r][i], want_masters[i])) << "tensor " << i;
+      }
+    }
+  }
+}
+
 // Every reader of masters other than the forward waits for all broadcasts in flight first: the
 // export, the export check, the parameter accessors and wait_masters() itself. Each round, every
 // owner changes its masters (the optimizer's part), every rank applies the same change to a

@@ -16,6 +16,7 @@
 
 #include "q4/trainer/objectives/registry.h"
 #include "component_fixtures.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4::trainer;
 
@@ -348,7 +349,8 @@ TEST(Grpo, ConfigKeysDefaultsAndErrors) {
   EXPECT_NE(std::find(sections.begin(), sections.end(), "reward"), sections.end());
   // A prompt too long for its completion: one line naming the keys and the place.
   try {
-    check_grpo_prompt_length(800, d, "prompts.jsonl:3");
+    check_grpo_prompt_length(800, d.grpo.max_completion_length, d.train.seq_len,
+                             "prompts.jsonl:3");
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
     const std::string m = e.what();
@@ -363,7 +365,7 @@ TEST(Grpo, ARunResolvesWholeGroupsPerStepInOneProcess) {
                           "grpo.yaml", "/tmp");
   EXPECT_NO_THROW(resolve_plan(c, RunOptions{}));
   EXPECT_NO_THROW(resolve_plan(c, RunOptions{}, false, /*dry_run=*/true));
-  EXPECT_NE(objective_summary(c).find("grpo: 8 completions"), std::string::npos);
+  EXPECT_NE(objective_summary(objective_plan(c)).find("grpo: 8 completions"), std::string::npos);
   auto refused = [](const Config& cfg, const RunOptions& o, bool probe, const char* want) {
     try {
       resolve_plan(cfg, o, probe);

@@ -23,6 +23,7 @@
 #include "component_fixtures.h"
 #include "q4/io/dat_file.h"
 #include "q4/model/dat_file.h"
+#include "q4/trainer/plan/setup.h"
 #include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/signals.h"
 
@@ -442,7 +443,8 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
   SeparateReference f;
   f.c.preference.reference = f.ref_path;
   std::ostringstream out;
-  const ReferenceLogprobs r = reference_logprobs(f.c, f.policy, f.train, nullptr, true, out);
+  const ReferenceLogprobs r =
+      reference_logprobs(objective_plan(f.c), f.policy, f.train, nullptr, true, out);
   EXPECT_NE(out.str().find("reference " + f.ref_path), std::string::npos) << out.str();
   // The same file loaded frozen here scores the same sums bit for bit.
   q4::model::ModelOptions o;
@@ -461,7 +463,8 @@ TEST(PreferenceObjective, ASeparateReferenceModelScoresOnceAndIsReadBack) {
   // Read back, not recomputed (the reference file is gone: loading it would fail).
   std::filesystem::remove(f.ref_path);
   std::ostringstream again;
-  const ReferenceLogprobs r2 = reference_logprobs(f.c, f.policy, f.train, nullptr, true, again);
+  const ReferenceLogprobs r2 =
+      reference_logprobs(objective_plan(f.c), f.policy, f.train, nullptr, true, again);
   EXPECT_NE(again.str().find("read from"), std::string::npos) << again.str();
   EXPECT_EQ(r2.train, r.train);
 }
@@ -473,12 +476,12 @@ TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
   SeparateReference f;
   std::ostringstream out;
   const ReferenceLogprobs by_policy =
-      reference_logprobs(f.c, f.policy, f.train, nullptr, true, out);
+      reference_logprobs(objective_plan(f.c), f.policy, f.train, nullptr, true, out);
   const std::string file = (f.tmp.path / kReferenceFile).string();
   auto error_of = [&](const Config& cc) -> std::string {
     std::ostringstream sink;
     try {
-      reference_logprobs(cc, f.policy, f.train, nullptr, true, sink);
+      reference_logprobs(objective_plan(cc), f.policy, f.train, nullptr, true, sink);
     } catch (const ConfigError& e) {
       return e.what();
     }
@@ -513,7 +516,8 @@ TEST(PreferenceObjective, TheReferenceFileIsCheckedOnRead) {
   // Without a checksum (all NaN, as in an older file): computed again, finite, written anew.
   rewrite([](at::Tensor& t) { t.fill_(std::nan("")); }, /*keep_checksum=*/false);
   std::ostringstream again;
-  const ReferenceLogprobs r = reference_logprobs(f.c, f.policy, f.train, nullptr, true, again);
+  const ReferenceLogprobs r =
+      reference_logprobs(objective_plan(f.c), f.policy, f.train, nullptr, true, again);
   EXPECT_NE(again.str().find("has no checksum"), std::string::npos) << again.str();
   EXPECT_EQ(r.train, by_policy.train);
   EXPECT_EQ(error_of(f.c).rfind("no error", 0), 0u);
@@ -530,7 +534,8 @@ TEST(PreferenceObjective, AStopSignalEndsTheReferencePass) {
   c.train.objective = ObjectiveKind::kPreference;
   request_stop(SIGINT);
   std::ostringstream out;
-  const ReferenceLogprobs r = reference_logprobs(c, policy, train, nullptr, true, out);
+  const ReferenceLogprobs r =
+      reference_logprobs(objective_plan(c), policy, train, nullptr, true, out);
   clear_stop_request();
   EXPECT_NE(out.str().find("stopped by signal 2; nothing written"), std::string::npos) << out.str();
   EXPECT_FALSE(std::filesystem::exists(tmp.path / kReferenceFile));

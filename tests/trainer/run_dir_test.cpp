@@ -11,6 +11,7 @@
 #include "q4/io/remove_tree.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/options.h"
 
 namespace fs = std::filesystem;
 using namespace q4::trainer;
@@ -124,7 +125,7 @@ TEST(RunDir, LeftoversIgnoreLockTempsIncompleteCheckpointsAndInputs) {
   TempDir t;
   Config c;
   c.output.dir = (t.path / "run").string();
-  EXPECT_TRUE(run_dir_leftovers(c, objective_needs(c)).empty());  // absent
+  EXPECT_TRUE(run_dir_leftovers(run_paths(c), objective_needs(c)).empty());  // absent
   fs::create_directories(t.path / "run");
   std::ofstream(t.path / "run" / ".lock") << "1\n";
   std::ofstream(t.path / "run" / "model.dat.tmp.999999999") << "x";
@@ -132,21 +133,21 @@ TEST(RunDir, LeftoversIgnoreLockTempsIncompleteCheckpointsAndInputs) {
   std::ofstream(t.path / "run" / "weights.dat") << "w";
   make_ckpt(t.path / "run", 3, /*done=*/false);
   c.model.weights = (t.path / "run" / "weights.dat").string();
-  EXPECT_TRUE(run_dir_leftovers(c, objective_needs(c)).empty());
+  EXPECT_TRUE(run_dir_leftovers(run_paths(c), objective_needs(c)).empty());
   make_ckpt(t.path / "run", 4, /*done=*/true);
   std::ofstream(t.path / "run" / "metrics.jsonl") << "{}\n";
-  EXPECT_EQ(run_dir_leftovers(c, objective_needs(c)),
+  EXPECT_EQ(run_dir_leftovers(run_paths(c), objective_needs(c)),
             (std::vector<std::string>{"metrics.jsonl", "step_000004"}));
   c.model.weights.clear();
-  EXPECT_EQ(run_dir_leftovers(c, objective_needs(c)).size(), 3u);
+  EXPECT_EQ(run_dir_leftovers(run_paths(c), objective_needs(c)).size(), 3u);
   // A folder holding an input (a distillation teacher's HF folder) is the run's too.
   fs::create_directories(t.path / "run" / "model-hf");
   std::ofstream(t.path / "run" / "model-hf" / "config.json") << "{}";
   c.train.objective = ObjectiveKind::kDistill;
   c.distill.teacher = (t.path / "run" / "model-hf").string();
-  EXPECT_EQ(run_dir_leftovers(c, objective_needs(c)).size(), 3u);
+  EXPECT_EQ(run_dir_leftovers(run_paths(c), objective_needs(c)).size(), 3u);
   c.distill.teacher = (t.path / "run" / "model-hf" / "config.json").string();
-  EXPECT_EQ(run_dir_leftovers(c, objective_needs(c)).size(), 3u);
+  EXPECT_EQ(run_dir_leftovers(run_paths(c), objective_needs(c)).size(), 3u);
   c.train.objective = ObjectiveKind::kCrossEntropy;  // the teacher is not read
-  EXPECT_EQ(run_dir_leftovers(c, objective_needs(c)).size(), 4u);
+  EXPECT_EQ(run_dir_leftovers(run_paths(c), objective_needs(c)).size(), 4u);
 }

@@ -154,8 +154,9 @@ int run_probe(const Config& config, const RunOptions& options, std::ostream& out
     setup.make_optimizer(plan, sync);
   }
   plan = setup.load_data(plan, 1);
-  const auto objective = make_objective(plan.config(), setup.model(), setup.batcher(), nullptr,
-                                        /*leader=*/false, out);
+  const auto objective =
+      make_objective(plan.objective_plan(), setup.model(), setup.batcher(), nullptr,
+                     /*leader=*/false, out);
   TrainStep step(plan, setup.model(), setup.optimizer(), setup.schedule(), *objective, sync,
                  nullptr, plan.step().in_backward, setup.optimizer_index());
   mark("optimizer_ready");

@@ -123,7 +123,7 @@ class Trainer {
     plan_ = setup_.load_model(plan_, /*need_tokenizer=*/false);
     build_components();
     start_step_ = checkpointer_->restore(ck, Checkpointer::RestoreFor::kExportOnly).step;
-    setup_.model().refresh_codes();
+    setup_.model().refresh_forward_weights();
     exporter_->write(start_step_, setup_.model(), setup_.source_path());
     out_ << fmt::format("exported the model of {} (step {}) in {}\n", ck.path, start_step_,
                         format_duration(ms_since(run_start_) / 1000.0));
@@ -294,7 +294,8 @@ class Trainer {
     model::Qwen3Model& model = setup_.model();
     // Without data (--export-only, zero steps) nothing trains: no teacher to load.
     // Before restore(): the preference reference is the starting model.
-    objective_ = setup_.batcher() ? make_objective(plan_.config(), model, setup_.batcher(),
+    const ObjectivePlan objective = plan_.objective_plan();
+    objective_ = setup_.batcher() ? make_objective(objective, model, setup_.batcher(),
                                                    setup_.validation_batcher(), leader(), out_)
                                   : std::make_unique<SupervisedCrossEntropy>();
     sync_ = std::make_unique<GradSync>(comm_.get(), model, model.trainable_parameters());
@@ -310,7 +311,8 @@ class Trainer {
     if (plan_.data().prompt_records && setup_.batcher()) {
       // GRPO: the rollouts are the step's batches; the batcher orders the prompts (its state,
       // checkpointed, is the position in that order and seeds the sampler).
-      rewards_.emplace(make_rewards(plan_.config().reward));
+      rewards_.emplace(make_rewards(objective.reward));
+      // RolloutSource still reads the resolved config whole (grpo.*, train.seed, batch_size).
       rollouts_ = std::make_unique<RolloutSource>(
           plan_.config(), model, plan_.device(), *setup_.tokenizer(), setup_.prompts(),
           setup_.prompt_origins(), *setup_.batcher(), *rewards_, comm_.get());
@@ -338,9 +340,9 @@ class Trainer {
                  << ", so optimizer updates run after the backward (optim.in_backward auto)\n";
           }
         });
-    setup_.model().refresh_codes();  // the restored masters' codes (optim.offload: all)
+    setup_.model().refresh_forward_weights();  // from the restored masters
     start_step_ = r.step;
-    const int64_t iterations = plan_.config().grpo.num_iterations;
+    const int64_t iterations = plan_.objective_plan().grpo.num_iterations;
     if (rollouts_ && start_step_ % iterations != 0) {
       throw ConfigError(fmt::format(
           "--resume {}: step {} is inside a generation batch of grpo.num_iterations {} (its "
@@ -354,10 +356,10 @@ class Trainer {
   // are not adapted (docs/trainer.md#--dry-run says the same).
   void print_moe_summary() {
     const auto& mc = setup_.model_config();
-    if (const auto moe = moe_summary(mc, plan_.config(), setup_.separate_lm_head()); !moe.empty()) {
+    if (const auto moe = plan_.moe_summary(mc, setup_.separate_lm_head()); !moe.empty()) {
       out_ << "  experts    " << moe << "\n";
     }
-    if (const auto note = moe_lora_note(mc, plan_.config()); !note.empty()) {
+    if (const auto note = plan_.moe_lora_note(mc); !note.empty()) {
       out_ << "  note       " << note << "\n";
     }
   }

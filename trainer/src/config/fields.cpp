@@ -31,6 +31,7 @@ std::string to_string(Dtype v) { return enum_name(v); }
 std::string to_string(DtypeOrAuto v) { return enum_name(v); }
 std::string to_string(AutoBool v) { return enum_name(v); }
 std::string to_string(Offload v) { return enum_name(v); }
+std::string to_string(ForwardWeightsOrAuto v) { return enum_name(v); }
 std::string to_string(data::DataFormat v) { return enum_name(v); }
 std::string to_string(data::OnError v) { return enum_name(v); }
 std::string to_string(data::TextUnit v) { return enum_name(v); }
@@ -241,6 +242,13 @@ std::vector<FieldRef> config_fields(Config& c) {
             Range{0.0, 1.0, true, false}, {"initializer_range"}),
       field("model.loss_chunk_tokens", &c.model.loss_chunk_tokens,
             "logit rows computed at once by the chunked cross-entropy", R::at_least(1)),
+      field("model.forward_weights", &c.model.forward_weights,
+            "how a trained NVFP4 linear gets its forward weight fake_quant(master), the same "
+            "bits each way: sweep fake-quantizes the master in every forward and recompute; "
+            "codes keeps its NVFP4 codes on the GPU (0.56 bytes a weight) and kept the "
+            "compute-dtype weight itself (2 bytes), both refreshed right after each update; "
+            "auto: kept, else codes, else sweep, the first whose memory estimate fits the GPU "
+            "with the recompute chosen (sweep on the CPU; codes with optim.offload all)"),
       field("quant.block_rule", &c.quant.block_rule,
             "each 16-value block's NVFP4 scale: max6 maps its largest magnitude to 6 (the "
             "standard); 4over6 also tries 4 and keeps the scale with the lower squared error "

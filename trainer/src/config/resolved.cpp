@@ -100,4 +100,18 @@ bool in_backward_updates(const Config& c) {
          (c.train.grad_accum == 1 || c.optim.offload == Offload::kAll);
 }
 
+std::string point_config_at_run_dir(Config& c, const std::string& run_dir) {
+  const fs::path old_dir = fs::absolute(c.output.dir).lexically_normal();
+  const fs::path new_dir = fs::absolute(run_dir).lexically_normal();
+  if (old_dir == new_dir) return "";
+  const fs::path exp(c.output.export_path);
+  if (exp.is_absolute()) {
+    const fs::path rel = exp.lexically_normal().lexically_relative(old_dir);
+    if (!rel.empty() && *rel.begin() != "..") c.output.export_path = rel.string();
+  }
+  c.output.dir = new_dir.string();
+  return "note: --resume writes into " + new_dir.string() + "; the config's output.dir " +
+         old_dir.string() + " is not used (--set output.dir=... writes elsewhere)";
+}
+
 }  // namespace q4::trainer

@@ -242,6 +242,19 @@ void validate_placement_guard_log(const Config& c) {
         "keeps the NVFP4 codes of offloaded masters; plain precision computes with "
         "the masters themselves)");
   }
+  const ForwardWeightsOrAuto fw = c.model.forward_weights;
+  if (c.optim.offload == Offload::kAll && fw != ForwardWeightsOrAuto::kAuto &&
+      fw != ForwardWeightsOrAuto::kCodes) {
+    throw ConfigError("config key model.forward_weights: " + to_string(fw) +
+                      ", but optim.offload is all (offloaded masters' linears compute from their "
+                      "codes on the GPU; use auto or codes)");
+  }
+  if (!c.model.fake_quant &&
+      (fw == ForwardWeightsOrAuto::kCodes || fw == ForwardWeightsOrAuto::kKept)) {
+    throw ConfigError("config key model.forward_weights: " + to_string(fw) +
+                      ", but model.fake_quant is false (plain precision computes with the "
+                      "masters themselves)");
+  }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
                       " (the guard watches GPU memory)");

@@ -403,14 +403,14 @@ std::string self_exe() {
 
 }  // namespace
 
-void check_inputs_before_launch(const Config& c) {
-  if (c.model.init != InitKind::kFile || model::is_hf_folder(c.model.weights)) return;
+void check_inputs_before_launch(const ModelConfig& m) {
+  if (m.init != InitKind::kFile || model::is_hf_folder(m.weights)) return;
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(c.model.weights, ec)) {
-    throw ConfigError("config key model.weights: file not found: " + c.model.weights);
+  if (!std::filesystem::is_regular_file(m.weights, ec)) {
+    throw ConfigError("config key model.weights: file not found: " + m.weights);
   }
   try {
-    const model::DatReader r(c.model.weights);  // indexes the header: sizes against the file
+    const model::DatReader r(m.weights);  // indexes the header: sizes against the file
   } catch (const c10::Error& e) {
     throw ConfigError("config key model.weights: " + std::string(e.what_without_backtrace()));
   }

@@ -2,6 +2,7 @@
 #include "q4/trainer/distributed/grad_sync.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
 
 #include <stdexcept>
@@ -213,6 +214,9 @@ void GradSync::wait_master_at(size_t i) {
   NvtxRange r("master_wait");
   w.wait();
   --masters_in_flight_;
+  // The broadcast master is current from here: so is the forward weight kept from it
+  // (model.forward_weights codes or kept), once a step, before its first reader.
+  model_.refresh_forward_weights(params_[i]);
 }
 
 }  // namespace q4::trainer

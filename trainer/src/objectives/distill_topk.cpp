@@ -10,7 +10,6 @@
 #include <ostream>
 
 #include "q4/io/dat_file.h"
-#include "q4/model/fused_divergence.h"
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/options.h"
@@ -230,13 +229,6 @@ ObjectiveOutput OfflineDistillation::compute(model::Qwen3Model& model, const Mic
     return topk_divergence_chunk(z, ids.narrow(0, row_begin, n), logprobs.narrow(0, row_begin, n),
                                  valid, temperature_, want_grad);
   };
-  term.fused = [&](at::Tensor& z, const at::Tensor& labels, int64_t row_begin, bool want_grad) {
-    const int64_t n = z.size(0);
-    const at::Tensor chunk_ids = ids.narrow(0, row_begin, n);
-    if (!model::fused_topk_distill_applies(z, labels, chunk_ids)) return model::LossRows{};
-    return model::fused_topk_distill_xent_(z, labels, chunk_ids, logprobs.narrow(0, row_begin, n),
-                                           temperature_, alpha_, want_grad);
-  };
   return distillation_output(model, micro, term);
 }
 
@@ -244,32 +236,54 @@ ObjectiveOutput OfflineDistillation::evaluate(model::Qwen3Model& model, const Mi
   return SupervisedCrossEntropy().compute(model, micro);
 }
 
+namespace {
+
+// distill.topk_file's entries (distill.h), written whole or not at all.
+void write_topk_file(const std::string& path, const at::Tensor& ids, const at::Tensor& logprobs,
+                     const std::vector<int64_t>& offsets,
+                     const std::vector<data::Example>& examples, int64_t vocab_size,
+                     double temperature) {
+  std::vector<int64_t> hashes;
+  for (const auto& e : examples) hashes.push_back(example_hash(e));
+  io::DatWriter w(path, 6);
+  w.add(kIds, ids);
+  w.add(kLogprobs, logprobs);
+  w.add(kOffsets, at::tensor(offsets, at::kLong));
+  w.add(kHashes, at::tensor(hashes, at::kLong));
+  w.add(kVocab, at::tensor({vocab_size}, at::kLong));
+  w.add(kTemperature, at::tensor({temperature}, at::kDouble));
+  w.commit();
+}
+
+}  // namespace
+
 int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, std::ostream& err) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Config& cfg = c;
+  // The config's checks before anything loads; then the plan alone.
   ObjectiveNeeds writer;
-  writer.inputs = teacher_inputs(cfg);
-  check_topk_output(cfg, writer, overwrite);  // before anything loads
-  const std::string& path = cfg.distill.topk_file;
-  check_device_available(cfg);
+  writer.inputs = teacher_inputs(c);
+  check_topk_output(run_paths(c), c.distill, writer, overwrite);
+  check_device_available(c);
   // A stop signal ends the pass at the next batch; the file is written whole or not at all.
   set_stop_message(
       "\nq4train: stop signal received: stopping at the next batch; nothing is written (a third "
       "signal kills)\n");
   install_stop_handlers();
-  RunPlan plan = resolve_plan(cfg, RunOptions{});
+  RunPlan plan = resolve_plan(c, RunOptions{});
+  const ObjectivePlan objective = plan.objective_plan();
+  const std::string& path = objective.distill.topk_file;
   RunSetup setup(out, err);
   plan = setup.load_model(plan, /*need_tokenizer=*/true, /*load_weights=*/false);
   plan = setup.load_data(plan, 1);
   const auto& examples = setup.batcher()->examples();
   const int64_t V = setup.model_config().vocab_size;
-  const int64_t K = cfg.distill.topk;
+  const int64_t K = objective.distill.topk;
   if (K > V) {
     throw ConfigError(
         fmt::format("config key distill.topk: {} is more than the vocabulary ({})", K, V));
   }
-  const model::ModelOptions mo = model_options(cfg);
-  auto teacher = load_teacher(cfg, mo, V, out);
+  const model::ModelOptions& mo = objective.model;
+  auto teacher = load_teacher(objective.teacher, mo, V, out);
   const at::Tensor& head =
       teacher->parameter(teacher->tied() ? "model.embed_tokens.weight" : "lm_head.weight").master;
   const std::vector<int64_t> offsets = example_offsets(examples);
@@ -277,8 +291,7 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
   at::Tensor ids = at::full({S, K}, -1, at::kInt);
   at::Tensor logprobs = at::empty({S, K}, at::kFloat);
   // Every training example once, in batches laid out like training's (no shuffling).
-  data::BatcherOptions bo = batcher_options(cfg, setup.tokenizer()->endoftext_id(),
-                                            plan.data().packing, plan.data().group_size);
+  data::BatcherOptions bo = plan.batcher_options(setup.tokenizer()->endoftext_id());
   bo.shuffle = false;
   bo.drop_last = false;
   data::Batcher batcher(examples, bo);
@@ -312,7 +325,7 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
     for (int64_t s = 0; s < hidden.size(0); s += chunk) {
       const int64_t n = std::min(chunk, hidden.size(0) - s);
       at::Tensor logits = at::matmul(hidden.narrow(0, s, n), head.t()).to(at::kFloat);
-      if (cfg.distill.temperature != 1.0) logits.div_(cfg.distill.temperature);
+      if (objective.distill.temperature != 1.0) logits.div_(objective.distill.temperature);
       const at::Tensor lp = at::log_softmax(logits, 1);
       const auto [v, k] = lp.topk(K, 1);
       ids.index_copy_(0, dst_t.narrow(0, s, n), k.to(at::kInt).cpu());
@@ -328,16 +341,7 @@ int run_write_teacher_topk(const Config& c, bool overwrite, std::ostream& out, s
   }
   TORCH_CHECK(written == S, "--write-teacher-topk: wrote ", written, " of ", S,
               " positions (the batcher skipped examples)");
-  std::vector<int64_t> hashes;
-  for (const auto& e : examples) hashes.push_back(example_hash(e));
-  io::DatWriter w(path, 6);
-  w.add(kIds, ids);
-  w.add(kLogprobs, logprobs);
-  w.add(kOffsets, at::tensor(offsets, at::kLong));
-  w.add(kHashes, at::tensor(hashes, at::kLong));
-  w.add(kVocab, at::tensor({V}, at::kLong));
-  w.add(kTemperature, at::tensor({cfg.distill.temperature}, at::kDouble));
-  w.commit();
+  write_topk_file(path, ids, logprobs, offsets, examples, V, objective.distill.temperature);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   out << fmt::format("teacher top-{} of {} positions ({} examples) -> {} ({:.1f} MB) in {:.1f} s\n",
                      K, S, examples.size(), path, static_cast<double>(fs::file_size(path)) / 1e6,

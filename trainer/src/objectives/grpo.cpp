@@ -183,19 +183,23 @@ std::vector<std::pair<std::string, double>> grpo_rollout_stats(
   return s;
 }
 
-void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std::string& where) {
-  const int64_t need = prompt_tokens + c.grpo.max_completion_length;
-  if (need <= c.train.seq_len) return;
+void check_grpo_prompt_length(int64_t prompt_tokens, int64_t max_completion_length,
+                              int64_t seq_len, const std::string& where) {
+  const int64_t need = prompt_tokens + max_completion_length;
+  if (need <= seq_len) return;
   throw ConfigError(where + ": the prompt's " + std::to_string(prompt_tokens) +
                     " tokens + grpo.max_completion_length " +
-                    std::to_string(c.grpo.max_completion_length) + " = " + std::to_string(need) +
-                    " exceed train.seq_len " + std::to_string(c.train.seq_len) +
+                    std::to_string(max_completion_length) + " = " + std::to_string(need) +
+                    " exceed train.seq_len " + std::to_string(seq_len) +
                     " (raise train.seq_len, lower grpo.max_completion_length or shorten the "
                     "prompt)");
 }
 
-std::string grpo_summary(const Config& c) {
-  const auto& g = c.grpo;
+void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std::string& where) {
+  check_grpo_prompt_length(prompt_tokens, c.grpo.max_completion_length, c.train.seq_len, where);
+}
+
+std::string grpo_summary(const GrpoConfig& g) {
   const GrpoLossOptions o = grpo_loss_options(g);
   std::string s = fmt::format(
       "grpo: {} completions per prompt of up to {} tokens (temperature {}, top_p {}, top_k {}); "
@@ -207,21 +211,22 @@ std::string grpo_summary(const Config& c) {
                          : std::string("beta 0: no reference model"));
 }
 
-void check_grpo_prompts(const Config& c, std::ostream& out) {
+void check_grpo_prompts(const PromptCheckPlan& c, std::ostream& out) {
   const auto tok = as_input_error("model.tokenizer",
-                                  [&] { return data::Tokenizer::from_file(c.model.tokenizer); });
-  const data::DatasetOptions options = dataset_options(c);
+                                  [&] { return data::Tokenizer::from_file(c.tokenizer); });
+  const data::DatasetOptions& options = c.dataset;
   int64_t prompts = 0;
   for (const auto& [key, files] :
-       {std::pair<const char*, const std::vector<std::string>*>{"data.files", &c.data.files},
-        {"data.eval_files", &c.data.eval_files}}) {
+       {std::pair<const char*, const std::vector<std::string>*>{"data.files", &c.files},
+        {"data.eval_files", &c.eval_files}}) {
     for (const auto& f : *files) {
       const data::PromptDataset d =
           as_input_error(key, [&] { return data::load_prompt_dataset(f, tok, options); });
       out << d.summary.to_string() << "\n";
       for (const auto& r : d.prompts) {
         const std::string where = f + ":" + std::to_string(r.source_line);
-        check_grpo_prompt_length(static_cast<int64_t>(r.prompt_ids.size()), c, where);
+        check_grpo_prompt_length(static_cast<int64_t>(r.prompt_ids.size()),
+                                 c.max_completion_length, c.seq_len, where);
         // Every field a verifier reads, as the run checks it before its first step.
         check_reward_example(c.reward, nlohmann::json::parse(r.fields.dump()), where);
       }

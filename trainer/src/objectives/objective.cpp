@@ -7,6 +7,7 @@
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/grpo.h"
 #include "q4/trainer/objectives/preference.h"
+#include "q4/trainer/plan/component_plans.h"
 #include "q4/trainer/plan/setup.h"
 
 namespace q4::trainer {
@@ -27,11 +28,11 @@ ObjectiveOutput SupervisedCrossEntropy::compute(model::Qwen3Model& model, const 
   return out;
 }
 
-std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& student,
+std::unique_ptr<Objective> make_objective(const ObjectivePlan& c, model::Qwen3Model& student,
                                           const data::Batcher* train,
                                           const data::Batcher* validation, bool leader,
                                           std::ostream& out) {
-  switch (c.train.objective) {
+  switch (c.kind) {
     case ObjectiveKind::kCrossEntropy:
       return std::make_unique<SupervisedCrossEntropy>();
     case ObjectiveKind::kDistill:
@@ -45,10 +46,10 @@ std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& st
         return std::make_unique<OfflineDistillation>(c.distill, std::move(teacher), *train);
       }
       return std::make_unique<Distillation>(
-          c.distill, load_teacher(c, student.options(), student.config().vocab_size, out));
+          c.distill, load_teacher(c.teacher, student.options(), student.config().vocab_size, out));
     case ObjectiveKind::kPreference: {
       TORCH_CHECK(train != nullptr, "preference tuning needs the training batcher");
-      out << preference_summary(c) << "\n";
+      out << preference_summary(c.preference, c.reference_file) << "\n";
       ReferenceLogprobs ref;
       if (c.preference.loss != PreferenceLossKind::kSimpo) {
         ref = reference_logprobs(c, student, *train, validation, leader, out);
@@ -56,10 +57,10 @@ std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& st
       return std::make_unique<PreferenceObjective>(c.preference, std::move(ref));
     }
     case ObjectiveKind::kGrpo: {
-      out << grpo_summary(c) << "\n";
+      out << grpo_summary(c.grpo) << "\n";
       std::unique_ptr<model::Qwen3Model> reference;
       if (c.grpo.beta > 0) {
-        reference = load_frozen_model(c, starting_model_spec(c), student.options(),
+        reference = load_frozen_model(c.starting_model, student.options(),
                                       student.config().vocab_size, out);
       }
       return std::make_unique<GrpoObjective>(c.grpo, std::move(reference));

@@ -173,8 +173,9 @@ int64_t checksum_of(const std::vector<at::Tensor>& payloads) {
 struct ReferenceFile {
   at::Tensor train, train_hashes, validation, validation_hashes;
 };
-std::optional<ReferenceFile> read_reference_file(const std::string& path, const Config& c,
-                                                 std::ostream& out) {
+// `reference`: preference.reference.
+std::optional<ReferenceFile> read_reference_file(const std::string& path,
+                                                 const std::string& reference, std::ostream& out) {
   const std::string key = "output.dir (" + std::string(kReferenceFile) + ")";
   const auto reader = as_input_error(key, [&] { return std::make_unique<io::DatReader>(path); });
   const io::DatReader& r = *reader;
@@ -226,11 +227,11 @@ std::optional<ReferenceFile> read_reference_file(const std::string& path, const 
   // against scores of the old one (or change the objective mid-run).
   const std::string was(static_cast<const char*>(model.data_ptr()),
                         static_cast<size_t>(model.numel()));
-  if (was != c.preference.reference) {
+  if (was != reference) {
     throw ConfigError(fmt::format(
         "config key preference.reference: {}, but {} holds the reference log-probabilities of {} "
         "(this run's reference); set it back, or remove the file to score with the new one",
-        model_name(c.preference.reference), path, model_name(was)));
+        model_name(reference), path, model_name(was)));
   }
   return f;
 }
@@ -314,16 +315,16 @@ std::vector<double> sequence_logprobs_of(model::Qwen3Model& model,
   return result;
 }
 
-ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
+ReferenceLogprobs reference_logprobs(const ObjectivePlan& c, model::Qwen3Model& policy,
                                      const data::Batcher& train, const data::Batcher* validation,
                                      bool write, std::ostream& out) {
-  const std::string path = (fs::path(c.output.dir) / kReferenceFile).string();
+  const std::string& path = c.reference_file;
   static const std::vector<data::Example> kNone;
   const auto& held = validation ? validation->examples() : kNone;
   ReferenceLogprobs ref;
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) {
-    if (const auto f = read_reference_file(path, c, out)) {
+    if (const auto f = read_reference_file(path, c.preference.reference, out)) {
       auto t = matching(f->train, f->train_hashes, train.examples());
       auto v = matching(f->validation, f->validation_hashes, held);
       if (t && v) {
@@ -338,11 +339,10 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
     }
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const model::ModelOptions mo = model_options(c);
   std::unique_ptr<model::Qwen3Model> loaded;
   model::Qwen3Model* reference = &policy;
   if (!c.preference.reference.empty()) {
-    loaded = load_frozen_model(c, reference_spec(c), mo, policy.config().vocab_size, out);
+    loaded = load_frozen_model(c.reference, c.model, policy.config().vocab_size, out);
     reference = loaded.get();
   }
   // Batched as training batches them (unshuffled): the same rows, padding and attention path.
@@ -377,8 +377,7 @@ ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
   return ref;
 }
 
-std::string preference_summary(const Config& c) {
-  const auto& p = c.preference;
+std::string preference_summary(const PreferenceConfig& p, const std::string& reference_file) {
   std::string s = fmt::format("preference: {} loss, beta {}", to_string(p.loss), p.beta);
   if (p.loss != PreferenceLossKind::kIpo && p.label_smoothing > 0) {
     s += fmt::format(", label smoothing {}", p.label_smoothing);
@@ -389,8 +388,7 @@ std::string preference_summary(const Config& c) {
   return s + fmt::format(
                  "; reference log-probabilities computed once, before step 1, by {} and "
                  "kept in {}",
-                 p.reference.empty() ? "the starting model" : p.reference,
-                 (fs::path(c.output.dir) / kReferenceFile).string());
+                 p.reference.empty() ? "the starting model" : p.reference, reference_file);
 }
 
 PreferenceObjective::PreferenceObjective(const PreferenceConfig& c, ReferenceLogprobs reference)

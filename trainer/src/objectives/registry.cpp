@@ -22,12 +22,16 @@ struct ObjectiveEntry {
   void (*rules)(const Config&);
   void (*rules_when_inactive)(const Config&);
   void (*needs)(const Config&, ObjectiveNeeds*);
-  std::string (*summary)(const Config&);  // --dry-run and the start; "" for none
+  std::string (*summary)(const ObjectivePlan&);  // --dry-run and the start; "" for none
 };
 
 void no_rules(const Config&) {}
 void no_needs(const Config&, ObjectiveNeeds*) {}
-std::string no_summary(const Config&) { return ""; }
+std::string no_summary(const ObjectivePlan&) { return ""; }
+std::string preference_line(const ObjectivePlan& p) {
+  return preference_summary(p.preference, p.reference_file);
+}
+std::string grpo_line(const ObjectivePlan& p) { return grpo_summary(p.grpo); }
 
 void distill_rules(const Config& c) {
   const auto& d = c.distill;
@@ -145,8 +149,8 @@ const std::array<ObjectiveEntry, 4> kObjectives = {{
     {ObjectiveKind::kDistill, "distill", distill_rules, distill_rules_when_inactive, distill_needs,
      no_summary},
     {ObjectiveKind::kPreference, "preference", preference_rules, preference_rules_when_inactive,
-     preference_needs, preference_summary},
-    {ObjectiveKind::kGrpo, "grpo", grpo_rules, no_rules, grpo_needs, grpo_summary},
+     preference_needs, preference_line},
+    {ObjectiveKind::kGrpo, "grpo", grpo_rules, no_rules, grpo_needs, grpo_line},
 }};
 
 const ObjectiveEntry& entry(ObjectiveKind kind) {
@@ -193,16 +197,19 @@ std::vector<std::pair<std::string, std::string>> teacher_inputs(const Config& c)
   return in;
 }
 
-void check_objective_models(const Config& c, int64_t vocab_size) {
-  const ObjectiveNeeds n = objective_needs(c);
-  if (n.teacher_forward && !c.distill.teacher.empty()) {
-    check_frozen_model_config(c, teacher_spec(c), vocab_size);
+void check_objective_models(const RunPlan& plan, int64_t vocab_size) {
+  const ObjectiveNeeds& n = plan.objective_needs();
+  const ObjectivePlan o = plan.objective_plan();
+  if (n.teacher_forward && !o.distill.teacher.empty()) {
+    check_frozen_model_config(o.teacher, vocab_size);
   }
-  if (n.reference_pass && !c.preference.reference.empty()) {
-    check_frozen_model_config(c, reference_spec(c), vocab_size);
+  if (n.reference_pass && !o.preference.reference.empty()) {
+    check_frozen_model_config(o.reference, vocab_size);
   }
 }
 
-std::string objective_summary(const Config& c) { return entry(c.train.objective).summary(c); }
+std::string objective_summary(const ObjectivePlan& objective) {
+  return entry(objective.kind).summary(objective);
+}
 
 }  // namespace q4::trainer

@@ -3,11 +3,14 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <iostream>
 #include <optional>
 
+#include "q4/model/hf_interop.h"
 #include "q4/trainer/plan/estimate.h"
 #include "q4/trainer/plan/setup.h"
+#include "q4/trainer/rundir/run_dir.h"
 #include "q4/trainer/runtime/memory.h"
 
 namespace q4::trainer {
@@ -135,8 +138,62 @@ RunPlan plan_memory(const RunPlan& plan, const model::Qwen3Config& mc, bool sepa
                             to_gib(a.budget.usable_bytes), to_gib(a.budget.budget_bytes),
                             a.budget.source, a.config_fits ? "" : "; " + a.summary());
   }
+  if (free_bytes) {
+    std::string line;
+    resolved = resolved.with_forward_weights(mc, separate_lm_head, *free_bytes, &line);
+    if (!line.empty()) *recompute_note += (recompute_note->empty() ? "" : "\n") + line;
+  }
   if (device_is_cuda(c) && !free_bytes) *fit_note = common_cards_note(plan, mc, separate_lm_head);
   return resolved;
+}
+
+DryRunModel dry_run_model(const RunPlan& plan) {
+  const Config& c = plan.config();
+  DryRunModel m;
+  m.config = load_model_config(c);
+  as_input_error("train.trainable", [&] {
+    trainable_spec(c).validate(m.config.num_hidden_layers);
+    return 0;
+  });
+  m.separate_lm_head = c.model.init == InitKind::kFile ? true : !m.config.tie_word_embeddings;
+  return m;
+}
+
+std::string dry_run_model_lines(const RunPlan& plan, const DryRunModel& model,
+                                const std::string& recompute_note) {
+  const Config& c = plan.config();
+  const model::Qwen3Config& mc = model.config;
+  std::string s = fmt::format(
+      "dry run: {} layers, hidden {}, intermediate {}, vocab {}; device {}, "
+      "masters {}, compute {}\n",
+      mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size, c.model.device,
+      to_string(c.model.master_dtype), to_string(resolved_compute_dtype(c)));
+  s += fmt::format("micro-batch {} x {} tokens, grad_accum {}, {} steps; optimizer state {}\n",
+                   c.train.batch_size, c.train.seq_len, plan.grad_accum(), plan.steps(),
+                   to_string(c.optim.state));
+  if (!recompute_note.empty()) s += recompute_note + "\n";
+  if (const auto moe = moe_summary(mc, c, model.separate_lm_head); !moe.empty()) s += moe + "\n";
+  if (const auto lora = lora_summary(mc, c, model.separate_lm_head); !lora.empty()) {
+    s += lora + "\n";
+  }
+  if (const auto note = moe_lora_note(mc, c); !note.empty()) s += "note: " + note + "\n";
+  return s;
+}
+
+std::string dry_run_files_and_config(const RunPlan& plan) {
+  const Config& c = plan.config();
+  std::string s;
+  if (c.model.init == InitKind::kFile && model::is_hf_folder(c.model.weights)) {
+    s += fmt::format("weights: Hugging Face folder {} (imported at load)\n", c.model.weights);
+  } else if (c.model.init == InitKind::kFile) {
+    s += fmt::format("weights file: {} ({:.3f} GiB)\n", c.model.weights,
+                     to_gib(static_cast<int64_t>(std::filesystem::file_size(c.model.weights))));
+  }
+  if (const auto left = plan.run_dir_leftovers(); !left.empty()) {
+    s += "note: output.dir " + c.output.dir + " is not empty (" + join_names(left, 4) +
+         "): a fresh run there needs --overwrite (or --resume to continue)\n";
+  }
+  return s + "resolved config:\n" + config_to_yaml(c);
 }
 
 }  // namespace q4::trainer

@@ -135,7 +135,8 @@ void add_teacher(const model::Qwen3Config& student, const Config& c, const model
   FrozenModelSpec spec;
   spec.path = c.distill.teacher;
   spec.config_path = c.distill.teacher_config;
-  const std::string path = frozen_config_path(c, spec);
+  spec.default_config = c.model.config;
+  const std::string path = frozen_config_path(spec);
   require_file(path, c.distill.teacher_config.empty() ? "distill.teacher (its config.json)"
                                                       : "distill.teacher_config");
   const auto t = as_input_error("distill.teacher_config",
@@ -201,6 +202,7 @@ MemoryBudget estimate_budget(const model::Qwen3Config& mc, const Config& c, bool
   b.masters_bytes = m.master_bytes;
   b.host_bytes = m.host_bytes;
   b.frozen_bytes = m.frozen_bytes;
+  b.forward_weights_bytes = m.forward_weight_bytes;
   const auto mode = c.optim.state;
   const auto ao = adamw_options(c);
   int64_t scratch_elems = 0;  // the CPU step's chunk: chunk_rows rows of the widest tensor
@@ -664,6 +666,7 @@ nlohmann::json MemoryBudget::to_json() const {
   }
   return {{"masters_bytes", masters_bytes},
           {"frozen_bytes", frozen_bytes},
+          {"forward_weights_bytes", forward_weights_bytes},
           {"teacher_bytes", teacher_bytes},
           {"reference_bytes", reference_bytes},
           {"gradients_bytes", gradients_bytes},
@@ -693,6 +696,10 @@ std::string MemoryBudget::to_table() const {
                         "(optim.offload: all)"
                       : "whole run");
   row("frozen", frozen_bytes, "whole run");
+  if (forward_weights_bytes > 0) {
+    row("forward weights", forward_weights_bytes,
+        "whole run; the trained NVFP4 linears' (model.forward_weights)");
+  }
   row("moments", moments_bytes,
       moments_on_host ? "whole run; in pinned host memory (optim.offload)" : "whole run");
   if (teacher_bytes > 0) row("teacher", teacher_bytes, "whole run (distillation)");

@@ -95,6 +95,20 @@ model::ModelOptions model_options(const Config& c, const RecomputePlan& recomput
   o.fake_quant = c.model.fake_quant;
   o.block_rule = c.quant.block_rule;
   o.offload_masters = c.optim.offload == Offload::kAll;
+  // auto until RunPlan::with_forward_weights writes its choice into the config: sweep.
+  switch (c.model.forward_weights) {
+    case ForwardWeightsOrAuto::kAuto:
+    case ForwardWeightsOrAuto::kSweep:
+      o.forward_weights = model::ForwardWeights::kSweep;
+      break;
+    case ForwardWeightsOrAuto::kCodes:
+      o.forward_weights = model::ForwardWeights::kCodes;
+      break;
+    case ForwardWeightsOrAuto::kKept:
+      o.forward_weights = model::ForwardWeights::kKept;
+      break;
+  }
+  if (o.offload_masters) o.forward_weights = model::ForwardWeights::kCodes;
   o.router_aux_loss_coef = c.train.router_aux_loss_coef.value;
   o.router_z_loss_coef = c.train.router_z_loss_coef;
   if (c.train.method == TrainMethod::kLora) {
@@ -216,6 +230,24 @@ data::BatcherOptions batcher_options(const Config& c, int64_t pad_id, bool pack,
     bo.flatten = true;  // varlen attention: rows end to end, no padding between them
   }
   return bo;
+}
+
+RunPaths run_paths(const Config& c) {
+  RunPaths p;
+  p.output_dir = c.output.dir;
+  p.export_path = resolved_export_path(c);
+  p.metrics = c.log.metrics;
+  p.report = c.log.report;
+  p.hf_export = c.output.hf_export != HfExport::kNone;
+  p.lora = c.train.method == TrainMethod::kLora;
+  p.random_init = c.model.init == InitKind::kRandom;
+  p.config_source = c.source;
+  p.model_config = c.model.config;
+  p.tokenizer = c.model.tokenizer;
+  p.weights = c.model.weights;
+  p.data_files = c.data.files;
+  p.eval_files = c.data.eval_files;
+  return p;
 }
 
 }  // namespace q4::trainer

@@ -25,6 +25,7 @@ RunPlan::RunPlan(const Config& config, const RunOptions& options, const Objectiv
                  bool probe)
     : config_(config),
       configured_train_(config.train),
+      configured_forward_weights_(config.model.forward_weights),
       options_(options),
       needs_(needs),
       device_(config.model.device),
@@ -87,8 +88,34 @@ RunPlan RunPlan::with_recompute(const model::Qwen3Config& mc, bool separate_lm_h
   return p;
 }
 
+RunPlan RunPlan::with_forward_weights(const model::Qwen3Config& mc, bool separate_lm_head,
+                                      int64_t free_bytes, std::string* line) const {
+  RunPlan p = *this;
+  line->clear();
+  const Config& c = config_;
+  if (c.model.forward_weights != ForwardWeightsOrAuto::kAuto || !device_.is_cuda()) return p;
+  if (c.optim.offload == Offload::kAll || !c.model.fake_quant) return p;  // codes / none
+  // With the recompute chosen before (recompute saves more time per byte than these do): the
+  // fastest whose estimate fits, kept (no per-forward pass), then codes (a dequantize pass).
+  const DeviceBudget d = device_budget(c, free_bytes);
+  for (const ForwardWeightsOrAuto mode :
+       {ForwardWeightsOrAuto::kKept, ForwardWeightsOrAuto::kCodes, ForwardWeightsOrAuto::kSweep}) {
+    p.config_.model.forward_weights = mode;
+    const int64_t bytes = estimate_budget(mc, p.config_, separate_lm_head, needs_).total_bytes();
+    if (bytes <= d.usable_bytes || mode == ForwardWeightsOrAuto::kSweep) {
+      *line = fmt::format(
+          "model.forward_weights auto: {} (estimate {:.1f} GiB of {:.1f} GiB usable, {})",
+          to_string(mode), to_gib(bytes), to_gib(d.usable_bytes), d.source);
+      break;
+    }
+  }
+  p.decide();
+  return p;
+}
+
 Config RunPlan::config_to_save() const {
   Config c = config_;
+  c.model.forward_weights = configured_forward_weights_;
   c.train.gradient_checkpointing = configured_train_.gradient_checkpointing;
   c.train.recompute_layers = configured_train_.recompute_layers;
   c.train.offload_layer_inputs = configured_train_.offload_layer_inputs;
@@ -132,6 +159,13 @@ std::string RunPlan::describe() const {
       fmt::format("plan: recompute {}; moments on the {}, masters on the {}, gradients on the {}\n",
                   recompute, on_host(placement_.moments_on_host),
                   on_host(placement_.masters_on_host), on_host(placement_.gradients_on_host));
+  const auto fw = model_options(config_).forward_weights;
+  s += fmt::format("plan: trained NVFP4 linears' forward weights: {}{}\n", io::enum_name(fw),
+                   config_.model.forward_weights == ForwardWeightsOrAuto::kAuto &&
+                           device_.is_cuda() && config_.model.fake_quant &&
+                           config_.optim.offload != Offload::kAll
+                       ? " until auto decides at start"
+                       : "");
   s += fmt::format(
       "plan: data rows in groups of {}, packing {}{}\n", data_.group_size,
       data_.packing ? "on" : "off",
@@ -162,6 +196,14 @@ ProbePlan RunPlan::probe_plan() const {
   return ProbePlan{config_.data.files, config_.output.dir, config_.model.quantize_lm_head};
 }
 
+ObjectivePlan RunPlan::objective_plan() const { return trainer::objective_plan(config_); }
+
+PromptCheckPlan RunPlan::prompt_check_plan() const { return trainer::prompt_check_plan(config_); }
+
+data::BatcherOptions RunPlan::batcher_options(int64_t pad_id) const {
+  return trainer::batcher_options(config_, pad_id, data_.packing, data_.group_size);
+}
+
 nlohmann::json RunPlan::probe_settings() const {
   const Config& c = config_;
   return {{"config", c.source},
@@ -175,6 +217,7 @@ nlohmann::json RunPlan::probe_settings() const {
           {"recompute_keep_attention", c.train.recompute_keep_attention},
           {"recompute_keep_mlp", c.train.recompute_keep_mlp},
           {"mlp_chunk_tokens", resolved_mlp_chunk_tokens(c)},
+          {"forward_weights", io::enum_name(model_options(c).forward_weights)},
           {"optim_state", to_string(c.optim.state)},
           {"data", c.data.files.empty() ? "synthetic" : "files"}};
 }
@@ -187,18 +230,28 @@ std::string RunPlan::ignored_settings_warning() const {
 
 void RunPlan::check_inputs(bool need_data) const { check_input_files(config_, needs_, need_data); }
 
-void RunPlan::check_outputs() const { check_output_paths(config_, needs_, options_.overwrite); }
+void RunPlan::check_outputs() const {
+  check_output_paths(run_paths(config_), needs_, options_.overwrite);
+}
 
 std::vector<std::string> RunPlan::run_dir_leftovers() const {
-  return trainer::run_dir_leftovers(config_, needs_);
+  return trainer::run_dir_leftovers(run_paths(config_), needs_);
 }
 
 std::vector<std::string> RunPlan::clean_stale_files() const {
-  return trainer::clean_stale_files(config_);
+  return trainer::clean_stale_files(run_paths(config_));
 }
 
 MemoryBudget RunPlan::memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const {
   return estimate_budget(mc, config_, separate_lm_head, needs_);
+}
+
+std::string RunPlan::moe_summary(const model::Qwen3Config& mc, bool separate_lm_head) const {
+  return trainer::moe_summary(mc, config_, separate_lm_head);
+}
+
+std::string RunPlan::moe_lora_note(const model::Qwen3Config& mc) const {
+  return trainer::moe_lora_note(mc, config_);
 }
 
 double RunPlan::flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const {

@@ -335,8 +335,9 @@ std::vector<data::Example> load_examples(const Config& c, bool pairs, const std:
 
 FrozenModelSpec teacher_spec(const Config& c) {
   // A full-precision teacher stays full precision (its dense linears dense).
-  return {c.distill.teacher, c.distill.teacher_config, "distill.teacher",  "distill.teacher_config",
-          "teacher",         /*keep_dense=*/true,      /*fake_quant=*/true};
+  return {
+      c.distill.teacher, c.distill.teacher_config, "distill.teacher",   "distill.teacher_config",
+      "teacher",         c.model.config,           /*keep_dense=*/true, /*fake_quant=*/true};
 }
 
 FrozenModelSpec starting_model_spec(const Config& c) {
@@ -346,8 +347,14 @@ FrozenModelSpec starting_model_spec(const Config& c) {
   } else if (model::is_hf_folder(c.model.weights)) {
     path = (fs::path(c.output.dir) / kHfImportFile).string();
   }
-  return {path,        c.model.config, "model.weights", "model.config", "reference",
-          /*keep_dense=*/!c.model.fake_quant, c.model.fake_quant};
+  return {path,
+          c.model.config,
+          "model.weights",
+          "model.config",
+          "reference",
+          c.model.config,
+          /*keep_dense=*/!c.model.fake_quant,
+          c.model.fake_quant};
 }
 
 FrozenModelSpec reference_spec(const Config& c) {
@@ -356,8 +363,36 @@ FrozenModelSpec reference_spec(const Config& c) {
           "preference.reference",
           "preference.reference_config",
           "reference",
+          c.model.config,
           /*keep_dense=*/!c.model.fake_quant,
           c.model.fake_quant};
+}
+
+ObjectivePlan objective_plan(const Config& c) {
+  ObjectivePlan p;
+  p.kind = c.train.objective;
+  p.distill = c.distill;
+  p.preference = c.preference;
+  p.grpo = c.grpo;
+  p.reward = c.reward;
+  p.teacher = teacher_spec(c);
+  p.reference = reference_spec(c);
+  p.starting_model = starting_model_spec(c);
+  p.reference_file = (fs::path(c.output.dir) / kReferenceFile).string();
+  p.model = model_options(c);
+  return p;
+}
+
+PromptCheckPlan prompt_check_plan(const Config& c) {
+  PromptCheckPlan p;
+  p.tokenizer = c.model.tokenizer;
+  p.dataset = dataset_options(c);
+  p.files = c.data.files;
+  p.eval_files = c.data.eval_files;
+  p.max_completion_length = c.grpo.max_completion_length;
+  p.seq_len = c.train.seq_len;
+  p.reward = c.reward;
+  return p;
 }
 
 FrozenModelSpec resolved_frozen_spec(const FrozenModelSpec& spec) {
@@ -374,18 +409,17 @@ FrozenModelSpec resolved_frozen_spec(const FrozenModelSpec& spec) {
   return r;
 }
 
-std::string frozen_config_path(const Config& c, const FrozenModelSpec& frozen) {
+std::string frozen_config_path(const FrozenModelSpec& frozen) {
   const FrozenModelSpec spec = resolved_frozen_spec(frozen);
   if (!spec.config_path.empty()) return spec.config_path;
   return model::is_hf_folder(spec.path) ? (fs::path(spec.path) / "config.json").string()
-                                        : c.model.config;
+                                        : spec.default_config;
 }
 
-model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& frozen,
-                                             int64_t vocab_size) {
+model::Qwen3Config check_frozen_model_config(const FrozenModelSpec& frozen, int64_t vocab_size) {
   const FrozenModelSpec spec = resolved_frozen_spec(frozen);
   if (!model::is_hf_folder(spec.path)) require_file(spec.path, spec.key);
-  const std::string config_path = frozen_config_path(c, spec);
+  const std::string config_path = frozen_config_path(spec);
   require_file(config_path,
                spec.config_path.empty() ? spec.key + " (its config.json)" : spec.config_key);
   const auto cfg = as_input_error(spec.config_key,
@@ -399,12 +433,12 @@ model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelS
   return cfg;
 }
 
-std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& frozen,
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const FrozenModelSpec& frozen,
                                                      const model::ModelOptions& student,
                                                      int64_t vocab_size, std::ostream& out) {
   const auto t0 = Clock::now();
   const FrozenModelSpec spec = resolved_frozen_spec(frozen);
-  const model::Qwen3Config cfg = check_frozen_model_config(c, spec, vocab_size);
+  const model::Qwen3Config cfg = check_frozen_model_config(spec, vocab_size);
   model::ModelOptions opt;
   opt.device = student.device;
   opt.compute_dtype = student.compute_dtype;
@@ -473,7 +507,7 @@ RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load
   }
   separate_lm_head_ = !model_->tied();
   std::string line;
-  const RunPlan resolved =
+  RunPlan resolved =
       auto_recompute ? plan.with_recompute(mc_, separate_lm_head_, free_before, &line) : plan;
   if (auto_recompute) {
     log_ << line << "\n";
@@ -482,6 +516,9 @@ RunPlan RunSetup::load_model(const RunPlan& plan, bool need_tokenizer, bool load
                           o.recompute_keep_attention, o.recompute_keep_mlp);
     model_->set_cache_adapted_weights(o.cache_adapted_weights);
   }
+  resolved = resolved.with_forward_weights(mc_, separate_lm_head_, free_before, &line);
+  if (!line.empty()) log_ << line << "\n";
+  model_->set_forward_weights(model_options(resolved.config()).forward_weights);
   log_ << fmt::format(
       "model: {} layers, hidden {}, vocab {}, {} trainable elements in {} "
       "tensors, loaded in {:.1f} s\n",

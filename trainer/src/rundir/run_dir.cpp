@@ -104,20 +104,6 @@ std::string resume_run_dir(const std::string& dir) {
   return parse_step_name(p.filename().string()) ? p.parent_path().string() : p.string();
 }
 
-std::string point_config_at_run_dir(Config& c, const std::string& run_dir) {
-  const fs::path old_dir = fs::absolute(c.output.dir).lexically_normal();
-  const fs::path new_dir = fs::absolute(run_dir).lexically_normal();
-  if (old_dir == new_dir) return "";
-  const fs::path exp(c.output.export_path);
-  if (exp.is_absolute()) {
-    const fs::path rel = exp.lexically_normal().lexically_relative(old_dir);
-    if (!rel.empty() && *rel.begin() != "..") c.output.export_path = rel.string();
-  }
-  c.output.dir = new_dir.string();
-  return "note: --resume writes into " + new_dir.string() + "; the config's output.dir " +
-         old_dir.string() + " is not used (--set output.dir=... writes elsewhere)";
-}
-
 CheckpointDir resolve_resume_dir(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) throw ConfigError("--resume " + dir + ": not a directory");
@@ -175,20 +161,20 @@ bool writable_dir(const fs::path& d) { return ::access(d.c_str(), W_OK | X_OK) =
 using NamedPaths = std::vector<std::pair<std::string, fs::path>>;
 
 // output.dir: a writable directory, or a new path whose nearest existing ancestor is one.
-void check_output_dir(const Config& c, const fs::path& dir) {
+void check_output_dir(const RunPaths& c, const fs::path& dir) {
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
-    throw ConfigError("config key output.dir: " + c.output.dir + " exists and is not a directory");
+    throw ConfigError("config key output.dir: " + c.output_dir + " exists and is not a directory");
   }
   if (fs::is_directory(dir, ec) && !writable_dir(dir)) {
-    throw ConfigError("config key output.dir: " + c.output.dir + " is not writable");
+    throw ConfigError("config key output.dir: " + c.output_dir + " is not writable");
   }
   if (!fs::exists(dir, ec)) {
     // It will be created: the nearest existing ancestor must be a writable directory.
     fs::path a = dir.parent_path();
     while (!a.empty() && !fs::exists(a, ec)) a = a.parent_path();
     if (!a.empty() && (!fs::is_directory(a, ec) || !writable_dir(a))) {
-      throw ConfigError("config key output.dir: cannot create " + c.output.dir + " (" + a.string() +
+      throw ConfigError("config key output.dir: cannot create " + c.output_dir + " (" + a.string() +
                         " is not a writable directory)");
     }
   }
@@ -196,7 +182,7 @@ void check_output_dir(const Config& c, const fs::path& dir) {
 
 // The run's inputs for the output checks: run_inputs() less <output.dir>/config.yaml, the run's
 // own copy (a fresh run refuses a config there in check_fresh_output_dir; a resume rewrites it).
-NamedPaths input_paths(const Config& c, const ObjectiveNeeds& needs, const fs::path& dir) {
+NamedPaths input_paths(const RunPaths& c, const ObjectiveNeeds& needs, const fs::path& dir) {
   NamedPaths inputs;
   for (const auto& [key, path] : run_inputs(c, needs)) {
     const fs::path p = canonical_or_self(path);
@@ -207,9 +193,9 @@ NamedPaths input_paths(const Config& c, const ObjectiveNeeds& needs, const fs::p
 }
 
 // log.metrics: a file name inside output.dir that is not one of the run's own names.
-void add_metrics_output(const Config& c, const fs::path& dir, NamedPaths* outputs) {
+void add_metrics_output(const RunPaths& c, const fs::path& dir, NamedPaths* outputs) {
   std::error_code ec;
-  const std::string& m = c.log.metrics;
+  const std::string& m = c.metrics;
   if (!m.empty()) {
     if (m == "." || m == ".." || m.find('/') != std::string::npos) {
       throw ConfigError("config key log.metrics: expected a file name inside output.dir, found '" +
@@ -228,9 +214,9 @@ void add_metrics_output(const Config& c, const fs::path& dir, NamedPaths* output
 }
 
 // output.export_path and its record: new or regular files in a writable directory.
-void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs) {
+void add_export_output(const RunPaths& c, const fs::path& dir, NamedPaths* outputs) {
   std::error_code ec;
-  const std::string exp = resolved_export_path(c);
+  const std::string& exp = c.export_path;
   if (exp.empty()) return;
   check_regular_output("output.export_path", fs::absolute(exp));  // before links resolve
   const fs::path e = canonical_or_self(exp);
@@ -263,14 +249,14 @@ void add_export_output(const Config& c, const fs::path& dir, NamedPaths* outputs
 }
 
 // The folders written next to the export: output.hf_export's and train.method lora's.
-NamedPaths export_folders(const Config& c) {
+NamedPaths export_folders(const RunPaths& c) {
   NamedPaths folders;
-  const std::string exp = resolved_export_path(c);
+  const std::string& exp = c.export_path;
   if (exp.empty()) return folders;
-  if (c.output.hf_export != HfExport::kNone) {
+  if (c.hf_export) {
     folders.push_back({"output.hf_export", canonical_or_self(hf_export_dir(exp))});
   }
-  if (c.train.method == TrainMethod::kLora) {
+  if (c.lora) {
     folders.push_back(
         {"train.method (lora's adapter folder)", canonical_or_self(adapter_dir(exp))});
   }
@@ -312,30 +298,28 @@ void check_outputs_meet_no_input(const fs::path& dir, const NamedPaths& outputs,
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
+std::vector<std::pair<std::string, std::string>> run_inputs(const RunPaths& c,
                                                             const ObjectiveNeeds& needs) {
   std::vector<std::pair<std::string, std::string>> in;
   std::error_code ec;
-  if (fs::is_regular_file(c.source, ec)) in.push_back({"the config file", c.source});
-  if (!c.model.config.empty()) in.push_back({"model.config", c.model.config});
-  if (!c.model.tokenizer.empty()) in.push_back({"model.tokenizer", c.model.tokenizer});
-  if (c.model.init == InitKind::kFile && !c.model.weights.empty()) {
-    in.push_back({"model.weights", c.model.weights});
-  }
-  for (const auto& f : c.data.files) in.push_back({"data.files", f});
-  for (const auto& f : c.data.eval_files) in.push_back({"data.eval_files", f});
+  if (fs::is_regular_file(c.config_source, ec)) in.push_back({"the config file", c.config_source});
+  if (!c.model_config.empty()) in.push_back({"model.config", c.model_config});
+  if (!c.tokenizer.empty()) in.push_back({"model.tokenizer", c.tokenizer});
+  if (!c.random_init && !c.weights.empty()) in.push_back({"model.weights", c.weights});
+  for (const auto& f : c.data_files) in.push_back({"data.files", f});
+  for (const auto& f : c.eval_files) in.push_back({"data.eval_files", f});
   in.insert(in.end(), needs.inputs.begin(), needs.inputs.end());
   return in;
 }
 
-void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overwrite) {
-  const fs::path dir = canonical_or_self(c.output.dir);
+void check_output_paths(const RunPaths& c, const ObjectiveNeeds& needs, bool overwrite) {
+  const fs::path dir = canonical_or_self(c.output_dir);
   check_output_dir(c, dir);
   const NamedPaths inputs = input_paths(c, needs, dir);
   // Outputs the run writes, by key.
   NamedPaths outputs = {{"output.dir (" + std::string(kConfigFile) + ")", dir / kConfigFile},
                         {"output.dir (" + std::string(kEvalFile) + ")", dir / kEvalFile}};
-  if (c.model.init == InitKind::kRandom) {
+  if (c.random_init) {
     outputs.push_back({"output.dir (" + std::string(kInitFile) + ")", dir / kInitFile});
   }
   if (needs.reference_pass) {
@@ -363,17 +347,17 @@ void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overw
     }
     check_regular_output(output_key(o.first), o.second);
   }
-  if (c.log.report) {
+  if (c.report) {
     check_regular_output("log.report", dir / "report.html");
     outputs.push_back({"log.report", dir / "report.html"});
   }
   NamedPaths all = outputs;
   for (const auto& f : export_folders(c)) all.push_back(f);
   check_outputs_meet_no_input(dir, all, inputs);
-  const std::string exp = resolved_export_path(c);
+  const std::string& exp = c.export_path;
   if (!exp.empty()) {
     std::error_code ec;
-    if (c.output.hf_export != HfExport::kNone) {
+    if (c.hf_export) {
       const fs::path hf = canonical_or_self(hf_export_dir(exp));
       if (fs::exists(fs::symlink_status(hf, ec)) && !fs::is_directory(hf, ec)) {
         const std::string kind = io::non_regular_kind(hf.string());
@@ -383,18 +367,18 @@ void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overw
       }
     }
     check_hf_export_folder(c, needs);
-    if (c.train.method == TrainMethod::kLora) check_adapter_folder(c, overwrite);
+    if (c.lora) check_adapter_folder(c, overwrite);
   }
 }
 
-void check_hf_export_folder(const Config& c, const ObjectiveNeeds& needs) {
-  const std::string exp = resolved_export_path(c);
-  if (c.output.hf_export == HfExport::kNone || exp.empty()) return;
+void check_hf_export_folder(const RunPaths& c, const ObjectiveNeeds& needs) {
+  const std::string& exp = c.export_path;
+  if (!c.hf_export || exp.empty()) return;
   std::vector<std::pair<std::string, std::string>> inputs = run_inputs(c, needs);
-  inputs.push_back({"output.dir", c.output.dir});
-  if (!c.model.tokenizer.empty()) {
-    inputs.push_back({"the folder of model.tokenizer",
-                      canonical_or_self(c.model.tokenizer).parent_path().string()});
+  inputs.push_back({"output.dir", c.output_dir});
+  if (!c.tokenizer.empty()) {
+    inputs.push_back(
+        {"the folder of model.tokenizer", canonical_or_self(c.tokenizer).parent_path().string()});
   }
   try {
     model::check_hf_export_dir(hf_export_dir(exp), inputs, /*overwrite=*/false);
@@ -404,9 +388,10 @@ void check_hf_export_folder(const Config& c, const ObjectiveNeeds& needs) {
   }
 }
 
-void check_topk_output(const Config& c, const ObjectiveNeeds& writer, bool overwrite) {
-  const std::string& path = c.distill.topk_file;
-  if (path.empty() || c.distill.teacher.empty()) {
+void check_topk_output(const RunPaths& c, const DistillConfig& distill,
+                       const ObjectiveNeeds& writer, bool overwrite) {
+  const std::string& path = distill.topk_file;
+  if (path.empty() || distill.teacher.empty()) {
     throw ConfigError(
         "--write-teacher-topk: set distill.teacher (the model to run) and distill.topk_file "
         "(the file to write)");
@@ -426,12 +411,12 @@ void check_topk_output(const Config& c, const ObjectiveNeeds& writer, bool overw
   }
 }
 
-std::vector<std::string> run_dir_leftovers(const Config& c, const ObjectiveNeeds& needs) {
+std::vector<std::string> run_dir_leftovers(const RunPaths& c, const ObjectiveNeeds& needs) {
   std::vector<std::string> out;
   std::error_code ec;
-  if (!fs::is_directory(c.output.dir, ec)) return out;
+  if (!fs::is_directory(c.output_dir, ec)) return out;
   const auto inputs = run_inputs(c, needs);
-  for (const auto& e : fs::directory_iterator(c.output.dir, ec)) {
+  for (const auto& e : fs::directory_iterator(c.output_dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name == kLockFile || name == kProbeFile || io::is_temp_file_name(name)) continue;
     if (parse_step_name(name) && !fs::exists(e.path() / kDoneMarker)) continue;
@@ -478,11 +463,11 @@ RunDirLock::~RunDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
-std::vector<std::string> clean_stale_files(const Config& c) {
+std::vector<std::string> clean_stale_files(const RunPaths& c) {
   std::vector<std::string> removed;
   auto add = [&](std::vector<std::string> v) { removed.insert(removed.end(), v.begin(), v.end()); };
-  add(io::remove_stale_temp_files(c.output.dir));
-  for (const auto& ck : list_checkpoints(c.output.dir)) {
+  add(io::remove_stale_temp_files(c.output_dir));
+  for (const auto& ck : list_checkpoints(c.output_dir)) {
     if (!ck.done) {
       std::error_code ec;
       q4::io::remove_tree(ck.path, ec);
@@ -491,7 +476,7 @@ std::vector<std::string> clean_stale_files(const Config& c) {
     }
     add(io::remove_stale_temp_files(ck.path));
   }
-  const std::string exp = resolved_export_path(c);
+  const std::string& exp = c.export_path;
   if (!exp.empty()) {
     const fs::path e = fs::absolute(exp);
     add(io::remove_stale_temp_files(e.parent_path().string(), e.filename().string()));
@@ -567,9 +552,9 @@ std::optional<int64_t> existing_export_step(const std::string& export_path) {
   return j["step"].get<int64_t>();
 }
 
-void check_adapter_folder(const Config& c, bool overwrite) {
-  const std::string exp = resolved_export_path(c);
-  if (exp.empty() || c.train.method != TrainMethod::kLora) return;
+void check_adapter_folder(const RunPaths& c, bool overwrite) {
+  const std::string& exp = c.export_path;
+  if (exp.empty() || !c.lora) return;
   const std::string ad = adapter_dir(exp);
   std::error_code ec;
   if (fs::exists(fs::symlink_status(ad, ec)) && !fs::is_directory(ad, ec)) {
@@ -581,8 +566,8 @@ void check_adapter_folder(const Config& c, bool overwrite) {
   // earlier export of this run (its record names this run), or one that moved with the run.
   const auto j = read_export_record(exp);
   const bool ours = existing_export_step(exp).has_value() &&
-                    (path_inside(exp, c.output.dir) ||
-                     (j.contains("run_dir") && j["run_dir"] == run_dir_key(c.output.dir)));
+                    (path_inside(exp, c.output_dir) ||
+                     (j.contains("run_dir") && j["run_dir"] == run_dir_key(c.output_dir)));
   if (!ours) {
     throw ConfigError("config key train.method: lora writes its PEFT adapter to " + ad +
                       ", a folder with files that is not the adapter of this run's export " + exp +

@@ -28,9 +28,10 @@ void GradientPath::remove_hook() {
 
 namespace {
 
-// What the one-process paths share: the optimizer's parameter indices, the codes of offloaded
-// masters refreshed after their updates, the host ring (optim.offload: all with grad_accum > 1)
-// and the device gradients kept through a micro-batch's backward.
+// What the one-process paths share: the optimizer's parameter indices, the forward weights kept
+// from masters (offloaded masters' codes, model.forward_weights codes or kept) refreshed right
+// after each update, the host ring (optim.offload: all with grad_accum > 1) and the device
+// gradients kept through a micro-batch's backward.
 class LocalPath : public GradientPath {
  public:
   LocalPath(model::Qwen3Model& model, optim::PackedAdamW& optimizer,
@@ -42,12 +43,13 @@ class LocalPath : public GradientPath {
       by_index_[static_cast<size_t>(i)] = p;
       index_[p] = i;
     }
-    // An offloaded master updated in device memory (optimizer staging) gives its codes from
-    // there.
+    // Right after each update, on its stream, from the updated values in device memory (an
+    // offloaded master's staged copy): the forward weight is refreshed while the master is
+    // fresh in cache, and an offloaded one is not read back over PCIe.
     optimizer_.set_master_updated_hook([this](int64_t i, const at::Tensor& master) {
       const model::Parameter* p = by_index_[static_cast<size_t>(i)];
-      if (p == nullptr || !p->qdata.defined()) return;
-      model_.refresh_codes(*p, master);
+      if (p == nullptr || !model::Qwen3Model::keeps_forward_weight(*p)) return;
+      model_.refresh_forward_weights(*p, master);
       refreshed_.insert(p);
     });
   }
@@ -93,12 +95,13 @@ class LocalPath : public GradientPath {
       kept_.emplace_back(&p, p.grad);
     }
   }
-  // The codes of an offloaded master after its update, unless the update gave them already.
+  // The forward weight kept from a master after its update, unless the update's hook
+  // refreshed it already.
   void refresh_after_update(const model::Parameter* p) {
-    if (refreshed_.erase(p) == 0) model_.refresh_codes(p);
+    if (refreshed_.erase(p) == 0) model_.refresh_forward_weights(p);
   }
   // The update after the backward: the model's gradients (the host ring's sums where it holds
-  // them) through the optimizer, then the codes of offloaded masters.
+  // them) through the optimizer, then the forward weights its hook did not refresh.
   optim::StepResult buffered_update(optim::StepArgs args) {
     NvtxRange r("optimizer");
     const auto params = model_.trainable_parameters();
@@ -121,7 +124,7 @@ class LocalPath : public GradientPath {
     const optim::StepResult res = optimizer_.step(grads, args);
     if (res.applied) {
       for (auto* p : params) {
-        if (refreshed_.count(p) == 0) model_.refresh_codes(p);
+        if (refreshed_.count(p) == 0) model_.refresh_forward_weights(p);
       }
     }
     refreshed_.clear();
@@ -134,7 +137,7 @@ class LocalPath : public GradientPath {
   const bool host_ring_;
   std::vector<const model::Parameter*> by_index_;  // the parameter of each optimizer index
   std::unordered_map<const model::Parameter*, int64_t> index_;  // and the reverse
-  // Offloaded masters whose codes the optimizer's master-updated hook refreshed.
+  // Parameters whose forward weights the optimizer's master-updated hook refreshed.
   std::unordered_set<const model::Parameter*> refreshed_;
   std::unique_ptr<optim::HostGradientAccumulator> ring_;
   at::Tensor staging_;  // with in-backward updates: the optimizer's share of the ring's memory

@@ -50,7 +50,8 @@ class Tokenizer {
   // consecutive id ranges always reproduces the decode of the whole range.
   // skip_special drops added tokens whose `special` flag is true. Unknown ids are an error.
   std::string decode(const std::vector<TokenId>& ids, bool skip_special = false) const;
-  // Like decode() but every invalid UTF-8 sequence is replaced by U+FFFD (for printing).
+  // Like decode() but every invalid UTF-8 sequence is replaced by U+FFFD and ids with no token
+  // (past the vocabulary, or holes in it) are skipped, as HF decodes (for printing, rewards).
   std::string decode_lossy(const std::vector<TokenId>& ids, bool skip_special = false) const;
 
   // Vocabulary token string (byte-level form for BPE tokens, literal text for added tokens)

@@ -25,6 +25,16 @@ namespace q4::model {
 
 class LinearBackend;  // the linear slot (linear_backend.h)
 
+// How a trained NVFP4 linear's forward weight, fake_quant(master) in the compute dtype, is
+// obtained (docs/design.md#training-numerics, "Forward weights"). All three give the same bits.
+enum class ForwardWeights : uint8_t {
+  kSweep,  // fake-quantized from the master by every forward and every recompute
+  kCodes,  // quantize(master) kept on the device (Parameter::qdata/scale, 0.56 bytes an element),
+           // refreshed after each update; each forward dequantizes them
+  kKept,   // fake_quant(master) itself kept in the compute dtype (Parameter::kept_weight),
+           // refreshed after each update; each forward uses it as it is
+};
+
 // Which parameter groups train. Frozen parameters get no gradient and must get no optimizer
 // state. With tied embeddings (no lm_head in the file) embed_tokens trains when either
 // `embeddings` or `lm_head` is set.
@@ -128,9 +138,13 @@ struct ModelOptions {
   // (Parameter::qdata/scale), dequantized by its forward: the weights fake_quant(master) gives,
   // bit for bit. On CUDA its master then lives in pinned host memory, where the optimizer updates
   // it (PackedAdamW::add_host_param), so the GPU holds 0.56 bytes per such parameter instead of
-  // 2 (docs/design.md#training-numerics). After a master changes, refresh_codes(). On the CPU
-  // masters stay where they are (the same forward; tests). Needs fake_quant.
+  // 2 (docs/design.md#training-numerics). After a master changes, refresh_forward_weights(). On the
+  // CPU masters stay where they are (the same forward; tests). Needs fake_quant.
   bool offload_masters = false;
+  // How trained NVFP4 linears whose masters stay on the device get their forward weight. kCodes
+  // and kKept need fake_quant; offload_masters computes from codes whatever this says (kKept is
+  // an error there). With kCodes or kKept, after a master changes, refresh_forward_weights().
+  ForwardWeights forward_weights = ForwardWeights::kSweep;
   // Adapters; with them the adapted linears are frozen (TrainableSpec::projections is ignored
   // for them) and only A, B and whatever else `trainable` selects train.
   LoraSpec lora;
@@ -160,6 +174,10 @@ struct ModelOptions {
   std::shared_ptr<const LinearBackend> linear_backend;
 
   at::ScalarType resolved_grad_dtype() const;
+  // Trained NVFP4 linears compute from device codes (offload_masters or ForwardWeights::kCodes).
+  bool computes_from_codes() const {
+    return offload_masters || forward_weights == ForwardWeights::kCodes;
+  }
   // Whether decoder layer `layer` recomputes anything in backward (checkpointed).
   bool recomputes(int64_t layer) const {
     return gradient_checkpointing && (recompute_layers < 0 || layer < recompute_layers);
@@ -229,35 +247,19 @@ struct RouterStats {
 };
 
 // A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
-// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#loss).
+// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#the-loss).
 // loss() gathers the supervised rows (flat positions of the (B, T) inputs, ascending; on CUDA
 // padded at the end with unsupervised copies) and calls `prepare` once with those positions
 // (int64 (N), on the model's device). Then for each chunk of rows [row_begin, row_begin + n)
 // `chunk` gets the student's fp32 logits (n, V), which it may overwrite, and `valid` (n) bool,
 // false on padded rows; it returns the chunk's term summed over valid rows, () fp32, and when
 // `want_grad` leaves d(term)/d(logits) in `logits` (0 on invalid rows). Called with autograd off.
-// A chunk's per-row values from LossTerm::fused: CE and term, (n) fp32 each, 0 on unsupervised
-// rows. Undefined: the term's fused form does not apply to the chunk.
-struct LossRows {
-  at::Tensor ce, term;
-};
-
 struct LossTerm {
   double weight = 1.0;  // w: loss_sum = (1 - w) * CE + w * term
   std::function<void(const at::Tensor& rows)> prepare;
   std::function<at::Tensor(at::Tensor& logits, const at::Tensor& valid, int64_t row_begin,
                            bool want_grad)>
       chunk;
-  // Optional: the term and the CE in one pass (a fused CUDA kernel, q4/model/fused_divergence.h),
-  // tried first for each chunk when the loss runs its fused kernels. It gets the chunk's logits
-  // (n, V) as the lm_head GEMM left them (compute dtype) and labels (n) (-100: unsupervised);
-  // it returns the chunk's LossRows and, when want_grad, leaves
-  // d((1 - weight) * CE + weight * term)/d(logits) in `logits`; `chunk` is then not called. It
-  // returns undefined LossRows without touching `logits` where it does not apply (the chunk then
-  // takes `chunk` and the CE's own path).
-  std::function<LossRows(at::Tensor& logits, const at::Tensor& labels, int64_t row_begin,
-                         bool want_grad)>
-      fused;
 };
 
 struct Parameter {
@@ -285,6 +287,11 @@ struct Parameter {
   // weight, ...) in the compute dtype, made by the first forward without autograd that needs it
   // and dropped when the scope ends.
   at::Tensor inference_weight;
+  // ModelOptions::forward_weights kKept, a trainable NVFP4 linear: fake_quant(master) in the
+  // compute dtype, what each forward hands its linear (as a fresh alias per use), rewritten in
+  // place by refresh_forward_weights once the master changes (after the last use of the step's
+  // graph: the optimizer updates a parameter after its gradient is complete).
+  at::Tensor kept_weight;
   int64_t pending_uses = 0;  // uses in the current graph whose gradient has not arrived yet
 };
 
@@ -362,6 +369,10 @@ struct GradientLifetime {
 struct MemoryEstimate {
   int64_t master_bytes = 0;  // trainable masters (whole run); offloaded: the linears' codes
   int64_t frozen_bytes = 0;  // frozen weights held in the compute dtype (whole run)
+  // Trained NVFP4 linears' forward weights kept from resident masters (whole run;
+  // ModelOptions::forward_weights): codes 0.5625 B an element, kept the compute dtype's size.
+  // Kept ones replace the tap copies the phases would otherwise count.
+  int64_t forward_weight_bytes = 0;
   int64_t host_bytes = 0;    // pinned host memory: offloaded layer inputs, masters and their
                              // accumulated gradients (not in the total)
   // The peak phase's terms (phases[peak_phase]).
@@ -373,7 +384,8 @@ struct MemoryEstimate {
   size_t peak_phase = 0;            // index into phases of the largest one
   // Persistent terms + the peak phase.
   int64_t total_bytes() const {
-    return master_bytes + frozen_bytes + grad_bytes + activation_bytes + loss_bytes;
+    return master_bytes + frozen_bytes + forward_weight_bytes + grad_bytes + activation_bytes +
+           loss_bytes;
   }
   const MemoryPhase* phase(MemoryPhaseKind kind) const;  // nullptr when the run skips it
 };
@@ -510,14 +522,24 @@ class Qwen3Model {
   int64_t num_trainable_elements() const;  // total elements of trainable masters
   // The routing of the last forward (empty for a dense model); one device sync.
   RouterStats router_stats() const;
-  // ModelOptions::offload_masters: the master of `p` (nullptr: of every trainable parameter) has
-  // changed (an optimizer update, a restore): re-derives its device codes, in the current
-  // stream's order. Parameters without codes are skipped.
-  void refresh_codes(const Parameter* p = nullptr);
+  // The master of `p` (nullptr: of every trainable parameter) has changed (an optimizer update,
+  // a restore, a broadcast): re-derives what its forward computes from, the device codes
+  // (offload_masters, ForwardWeights::kCodes) or the kept weight (kKept), in place and in the
+  // current stream's order. Parameters without either are skipped.
+  void refresh_forward_weights(const Parameter* p = nullptr);
   // The same for one parameter from `master` ((out, in), any device and float dtype), which holds
   // its master's current values (e.g. the optimizer's device copy of an offloaded master, so the
   // host copy is not read back over PCIe).
-  void refresh_codes(const Parameter& p, const at::Tensor& master);
+  void refresh_forward_weights(const Parameter& p, const at::Tensor& master);
+  // Whether `p` has a forward weight kept from its master (codes or kept weight) that
+  // refresh_forward_weights must follow.
+  static bool keeps_forward_weight(const Parameter& p) {
+    return p.trainable && (p.qdata.defined() || p.kept_weight.defined());
+  }
+  // ModelOptions::forward_weights for a loaded model (the trainer resolves `auto` once the
+  // device's free memory is known): makes or drops the codes or kept weights of the trainable
+  // NVFP4 linears whose masters are on the device. Not during a step.
+  void set_forward_weights(ForwardWeights mode);
 
   // Masters whose current value may still be arriving from elsewhere (data parallelism: an
   // owner's broadcast of its updated master is in flight while the next step starts). With a
@@ -648,6 +670,9 @@ at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& we
 
 }  // namespace q4::model
 
+Q4_ENUM_NAMES(q4::model::ForwardWeights, {"sweep", q4::model::ForwardWeights::kSweep},
+              {"codes", q4::model::ForwardWeights::kCodes},
+              {"kept", q4::model::ForwardWeights::kKept});
 // ModelOptions::block_rule's spellings (quant.block_rule in the config; quant/ is below q4_io).
 Q4_ENUM_NAMES(q4::quant::BlockRule, {"max6", q4::quant::BlockRule::kMax6},
               {"4over6", q4::quant::BlockRule::kFourOverSix});

@@ -182,9 +182,11 @@ class PackedAdamW {
   // on another, so both PCIe directions run at copy-engine speed while other parameters update;
   // the copies take kMaxStagedBytes of device memory while updates run (a parameter whose copies
   // would take over half of that, e.g. an embedding, is updated over PCIe through its aliases
-  // instead). `hook(index, master)`, when set, runs on the update's stream right after a staged
-  // master is updated, with its new values in device memory (valid for work ordered on that
-  // stream; e.g. requantizing the codes the forward uses without reading the host copy again).
+  // instead). `hook(index, master)`, when set, runs on the update's stream right after a
+  // master is updated, with its new values: a staged master's device copy, else the master
+  // itself (valid for work ordered on that stream; e.g. refreshing the forward
+  // weight kept from it, without reading a host copy again). Small tensors that a CUDA step
+  // updates together in one launch get no call.
   void set_master_updated_hook(std::function<void(int64_t, const at::Tensor&)> hook);
   // The device memory that staging uses, held by the caller (any size; a parameter whose copies
   // take over half of it goes through its aliases): the staging writes it only on its copy

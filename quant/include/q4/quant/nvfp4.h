@@ -64,6 +64,12 @@ at::Tensor fake_quant_nvfp4_forward(const at::Tensor& w, const std::string& name
 at::Tensor fake_quant_nvfp4_forward_unchecked(
     const at::Tensor& w, std::optional<at::ScalarType> out_dtype = std::nullopt,
     const std::string& name = "tensor", BlockRule rule = BlockRule::kMax6);
+// The unchecked fake quantization of w written into `out` (contiguous, w's shape and device,
+// fp32/fp16/bf16; on CUDA in the kernel's store where the dtypes allow, else through a cast):
+// a kept forward weight refreshed in place (ModelOptions::forward_weights).
+void fake_quant_nvfp4_forward_into(const at::Tensor& w, const at::Tensor& out,
+                                   const std::string& name = "tensor",
+                                   BlockRule rule = BlockRule::kMax6);
 // Autograd op: forward = fake_quant_nvfp4_forward(w), backward = identity (straight-through).
 // check_finite=false uses the unchecked forward (no device->host sync on CUDA; the training hot
 // path relies on the trainer's non-finite guard on loss and gradients instead).

@@ -50,6 +50,8 @@ enum class AutoBool { kAuto, kTrue, kFalse };
 using InBackward = AutoBool;
 using Recompute = AutoBool;
 enum class Offload { kNone, kMoments, kAll };  // none | moments | all
+// model.forward_weights: auto | sweep | codes | kept (model::ForwardWeights, or auto).
+enum class ForwardWeightsOrAuto { kAuto, kSweep, kCodes, kKept };
 using data::Truncation;
 enum class ProgressStyle { kAuto, kBar, kLine };  // auto | bar | line
 // none | modelopt | compressed-tensors
@@ -78,6 +80,7 @@ std::string to_string(Dtype v);
 std::string to_string(DtypeOrAuto v);
 std::string to_string(AutoBool v);
 std::string to_string(Offload v);
+std::string to_string(ForwardWeightsOrAuto v);
 std::string to_string(data::DataFormat v);
 std::string to_string(data::OnError v);
 std::string to_string(data::TextUnit v);
@@ -136,6 +139,11 @@ struct ModelConfig {
   DtypeOrAuto grad_dtype = DtypeOrAuto::kAuto;     // gradient storage
   double init_std = 0.02;                          // random init: std of linears and embeddings
   int64_t loss_chunk_tokens = 512;  // logits rows computed at once by the chunked loss
+  // How a trained NVFP4 linear's forward weight is obtained (model::ForwardWeights): fake-
+  // quantized by every forward (sweep), dequantized from device codes (codes) or kept as it is
+  // (kept), the two latter refreshed after each update. auto: the fastest that fits the device
+  // memory (RunPlan::with_forward_weights); sweep on the CPU, codes with optim.offload all.
+  ForwardWeightsOrAuto forward_weights = ForwardWeightsOrAuto::kAuto;
 };
 
 // The NVFP4 quantizer (docs/design.md#nvfp4-arithmetic).
@@ -426,7 +434,8 @@ using FieldPtr =
                  data::DataFormat*, data::OnError*, data::TextUnit*, data::ChatTemplate*,
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
                  PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*,
-                 GrpoLossType*, ScaleRewards*, quant::BlockRule*>;
+                 GrpoLossType*, ScaleRewards*, quant::BlockRule*,
+                 ForwardWeightsOrAuto*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
@@ -532,6 +541,11 @@ bool in_backward_updates(const Config& c);
 void set_recompute_layers(Config& c, int64_t n, int64_t num_layers,
                           bool offload_layer_inputs = false, int64_t keep_attention = 0,
                           int64_t keep_mlp = 0);
+// `--resume DIR` writes into DIR's run directory (docs/trainer.md#resume): sets output.dir to
+// `run_dir` and moves an absolute output.export_path that lay inside the old output.dir along
+// with it (a relative one follows by itself). Returns a one-line note when output.dir changed,
+// "" otherwise. Not called when the user set output.dir explicitly with --set.
+std::string point_config_at_run_dir(Config& c, const std::string& run_dir);
 // train.mlp_chunk_tokens with auto resolved: chunks of kAutoMlpChunkTokens when a micro-batch
 // (train.batch_size x train.seq_len) has more than kAutoMlpChunkAboveTokens tokens, else 0.
 int64_t resolved_mlp_chunk_tokens(const Config& c);
@@ -563,6 +577,10 @@ Q4_ENUM_NAMES(q4::trainer::AutoBool, {"auto", q4::trainer::AutoBool::kAuto},
               {"true", q4::trainer::AutoBool::kTrue}, {"false", q4::trainer::AutoBool::kFalse});
 Q4_ENUM_NAMES(q4::trainer::Offload, {"none", q4::trainer::Offload::kNone},
               {"moments", q4::trainer::Offload::kMoments}, {"all", q4::trainer::Offload::kAll});
+Q4_ENUM_NAMES(q4::trainer::ForwardWeightsOrAuto, {"auto", q4::trainer::ForwardWeightsOrAuto::kAuto},
+              {"sweep", q4::trainer::ForwardWeightsOrAuto::kSweep},
+              {"codes", q4::trainer::ForwardWeightsOrAuto::kCodes},
+              {"kept", q4::trainer::ForwardWeightsOrAuto::kKept});
 Q4_ENUM_NAMES(q4::trainer::ProgressStyle, {"auto", q4::trainer::ProgressStyle::kAuto},
               {"bar", q4::trainer::ProgressStyle::kBar},
               {"line", q4::trainer::ProgressStyle::kLine});

@@ -87,11 +87,11 @@ class DistComm {
 // fewest elements so far, largest first, ties by index, so every rank computes the same map.
 std::vector<int> assign_owners(const std::vector<int64_t>& numels, int world_size);
 
-struct Config;
+struct ModelConfig;
 // `q4train --nproc N`, before any rank starts: the weights file every rank would read is indexed
-// once here (model.init: file, a .dat), so that a missing, truncated or corrupt file is one
+// once here (`model`: the config's model.*; model.init: file, a .dat), so that a missing, truncated or corrupt file is one
 // ConfigError naming it (exit 2) rather than N rank failures behind a broken collective.
-void check_inputs_before_launch(const Config& c);
+void check_inputs_before_launch(const ModelConfig& model);
 
 // `q4train --nproc N`: runs `argv` (the q4train command line without --nproc) as N local ranks
 // with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set (a free localhost port), forwards

@@ -18,6 +18,7 @@
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/plan/component_plans.h"
 
 namespace q4::trainer {
 
@@ -75,10 +76,11 @@ class Distillation final : public Objective {
   at::Tensor lm_head_;  // the teacher's output projection (V, H_teacher), compute dtype
 };
 
-// The teacher of `c` (distill.teacher, distill.teacher_config) loaded beside a student computing
-// with `student` options: same device and compute dtype, nothing trainable, its vocabulary
-// `vocab_size` (the student's). Errors name the key.
-std::unique_ptr<model::Qwen3Model> load_teacher(const Config& c, const model::ModelOptions& student,
+// The teacher (`teacher`: distill.teacher, distill.teacher_config; plan/setup.h teacher_spec)
+// loaded beside a student computing with `student` options: same device and compute dtype, nothing
+// trainable, its vocabulary `vocab_size` (the student's). Errors name the key.
+std::unique_ptr<model::Qwen3Model> load_teacher(const FrozenModelSpec& teacher,
+                                                const model::ModelOptions& student,
                                                 int64_t vocab_size, std::ostream& out);
 
 // ---------------------------------------------------------------- offline: the top-K file

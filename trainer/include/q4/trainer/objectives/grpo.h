@@ -88,10 +88,14 @@ std::vector<std::pair<std::string, double>> grpo_rollout_stats(
 
 // The grpo prompt's length check: prompt + grpo.max_completion_length must fit train.seq_len.
 // ConfigError naming the keys and `where` (file:line of the prompt).
+void check_grpo_prompt_length(int64_t prompt_tokens, int64_t max_completion_length, int64_t seq_len,
+                              const std::string& where);
+// The same over the config's grpo.max_completion_length and train.seq_len, for RolloutSource
+// until it takes its slice of the plan.
 void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std::string& where);
 
-// One line for --dry-run and the start.
-std::string grpo_summary(const Config& c);
+// One line for --dry-run and the start (`g`: grpo.*).
+std::string grpo_summary(const GrpoConfig& g);
 
 // (E, L) fp32 of per-token values given in completion order (each example's completion tokens
 // consecutive, as Qwen3Model::token_logprobs returns them for rollout rows), zero past each
@@ -124,10 +128,12 @@ class GrpoObjective final : public Objective {
   std::unique_ptr<model::Qwen3Model> reference_;
 };
 
+struct PromptCheckPlan;  // plan/component_plans.h
+
 // --dry-run: reads data.files and data.eval_files as prompt records with the run's tokenizer,
 // prints each file's load summary and checks every prompt's length
 // (check_grpo_prompt_length) and its record against the rewards (check_reward_example);
 // ConfigError naming the file and line.
-void check_grpo_prompts(const Config& c, std::ostream& out);
+void check_grpo_prompts(const PromptCheckPlan& p, std::ostream& out);
 
 }  // namespace q4::trainer

@@ -76,16 +76,16 @@ class SupervisedCrossEntropy final : public Objective {
   ObjectiveOutput compute(model::Qwen3Model& model, const MicroBatch& micro) override;
 };
 
-struct Config;
+struct ObjectivePlan;  // plan/component_plans.h
 
-// The objective a run trains with (train.objective): supervised cross-entropy; distillation
-// from distill.teacher loaded on `student`'s device (its load reported on `out`), or from
-// distill.topk_file, checked against the examples of `train` (the training batcher); or
-// preference tuning, with the reference's log-probabilities of `train` and `validation` (null:
-// no held-out examples) read from the run or computed by `student` before it trains (written to
-// the run when `leader`).
-std::unique_ptr<Objective> make_objective(const Config& c, model::Qwen3Model& student,
-                                          const data::Batcher* train,
+// The objective a run trains with (`objective`, the plan's slice: train.objective and its
+// section): supervised cross-entropy; distillation from distill.teacher loaded on `student`'s
+// device (its load reported on `out`), or from distill.topk_file, checked against the examples of
+// `train` (the training batcher); or preference tuning, with the reference's log-probabilities of
+// `train` and `validation` (null: no held-out examples) read from the run or computed by `student`
+// before it trains (written to the run when `leader`).
+std::unique_ptr<Objective> make_objective(const ObjectivePlan& objective,
+                                          model::Qwen3Model& student, const data::Batcher* train,
                                           const data::Batcher* validation, bool leader,
                                           std::ostream& out);
 

@@ -17,6 +17,7 @@
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/objectives/objective.h"
+#include "q4/trainer/plan/component_plans.h"
 
 namespace q4::trainer {
 
@@ -85,16 +86,17 @@ struct ReferenceLogprobs {
   std::vector<double> train, validation;
 };
 
-// The run's reference log-probabilities: read from output.dir when the file there describes these
-// examples (a resumed run), else computed by preference.reference, or by `policy` itself (which
-// must still hold the starting weights), and written there when `write` (rank 0).
-ReferenceLogprobs reference_logprobs(const Config& c, model::Qwen3Model& policy,
+// The run's reference log-probabilities: read from `objective`.reference_file when the file
+// describes these examples (a resumed run), else computed by preference.reference (loaded with
+// `objective`.model's options), or by `policy` itself (which must still hold the starting
+// weights), and written there when `write` (rank 0).
+ReferenceLogprobs reference_logprobs(const ObjectivePlan& objective, model::Qwen3Model& policy,
                                      const data::Batcher& train, const data::Batcher* validation,
                                      bool write, std::ostream& out);
 
-// One line for --dry-run and the start: the loss, its constants and where the reference comes
-// from.
-std::string preference_summary(const Config& c);
+// One line for --dry-run and the start: the loss, its constants (`p`: preference.*) and where the
+// reference comes from (and is kept: `reference_file`).
+std::string preference_summary(const PreferenceConfig& p, const std::string& reference_file);
 
 // The preference objective: the pairs' loss (preference_loss, plus sft_weight x the chosen
 // answer's mean cross-entropy) summed over the micro-batch's pairs, its units. Logs, as TRL names

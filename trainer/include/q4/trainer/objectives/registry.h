@@ -37,10 +37,10 @@ RunPlan resolve_plan(const Config& c, const RunOptions& options, bool probe = fa
 // --write-teacher-topk reads.
 std::vector<std::pair<std::string, std::string>> teacher_inputs(const Config& c);
 
-// --dry-run: the frozen models the objective loads (an online teacher, a preference reference),
-// their files and vocabularies checked against `vocab_size` as the run checks them.
-void check_objective_models(const Config& c, int64_t vocab_size);
+// --dry-run: the frozen models the plan's objective loads (an online teacher, a preference
+// reference), their files and vocabularies checked against `vocab_size` as the run checks them.
+void check_objective_models(const RunPlan& plan, int64_t vocab_size);
 // --dry-run and the start: the objective's summary line ("" for none).
-std::string objective_summary(const Config& c);
+std::string objective_summary(const ObjectivePlan& objective);
 
 }  // namespace q4::trainer

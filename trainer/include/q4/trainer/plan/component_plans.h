@@ -11,9 +11,49 @@
 #include <vector>
 
 #include "q4/data/chat.h"
+#include "q4/data/dataset.h"
+#include "q4/model/qwen3.h"
 #include "q4/trainer/config/config.h"
 
 namespace q4::trainer {
+
+// A frozen model (a distillation teacher, a preference reference) to load beside the model that
+// trains: `path` a .dat or Hugging Face folder, `config_path` its config.json (empty: the folder's
+// config.json, else `default_config`, the run's model.config). `key` and `config_key` name them
+// in errors, `role` in messages.
+struct FrozenModelSpec {
+  std::string path, config_path, key, config_key, role;
+  std::string default_config;  // model.config
+  bool keep_dense =
+      true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
+  bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
+};
+// What the objective needs (objectives/objective.h make_objective and its helpers):
+// train.objective, its section, and the frozen models it may load.
+struct ObjectivePlan {
+  ObjectiveKind kind = ObjectiveKind::kCrossEntropy;  // train.objective
+  DistillConfig distill;                              // distill.*
+  PreferenceConfig preference;                        // preference.*
+  GrpoConfig grpo;                                    // grpo.*
+  RewardConfig reward;                                // reward.* (GRPO's rewards)
+  FrozenModelSpec teacher;                            // distill.teacher (setup.h teacher_spec)
+  FrozenModelSpec reference;                          // preference.reference (reference_spec)
+  FrozenModelSpec starting_model;  // the starting weights, GRPO's reference (starting_model_spec)
+  std::string reference_file;      // <output.dir>/reference_logprobs.dat (the reference pass)
+  // The options a frozen model is loaded with where no trained model lends its own (the
+  // preference reference, --write-teacher-topk's teacher): options.h model_options.
+  model::ModelOptions model;
+};
+
+// What --dry-run's check of GRPO's prompt files reads (objectives/grpo.h check_grpo_prompts).
+struct PromptCheckPlan {
+  std::string tokenizer;                       // model.tokenizer
+  data::DatasetOptions dataset;                // options.h dataset_options
+  std::vector<std::string> files, eval_files;  // data.files, data.eval_files
+  int64_t max_completion_length = 0;           // grpo.max_completion_length
+  int64_t seq_len = 0;                         // train.seq_len
+  RewardConfig reward;                         // reward.*
+};
 
 // guard.max_gpu_gb on the run's device.
 struct MemoryGuard {

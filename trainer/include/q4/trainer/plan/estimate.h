@@ -71,6 +71,9 @@ struct BudgetPhase {
 struct MemoryBudget {
   int64_t masters_bytes = 0;  // trainable masters
   int64_t frozen_bytes = 0;   // frozen weights as the forward holds them
+  // model.forward_weights codes or kept: the trained NVFP4 linears' forward weights kept on the
+  // device (model::MemoryEstimate::forward_weight_bytes)
+  int64_t forward_weights_bytes = 0;
   int64_t moments_bytes = 0;  // AdamW m and v as stored (packed)
   // train.objective distill with a teacher model: its weights in the compute dtype (whole run);
   // its forward's transients and the divergence's fp32 blocks are in the loss forward phase.
@@ -93,7 +96,8 @@ struct MemoryBudget {
   std::vector<BudgetPhase> phases;  // in step order, the phases this run goes through
   size_t peak_phase = 0;            // index into phases
   int64_t persistent_bytes() const {
-    return masters_bytes + frozen_bytes + moments_bytes + teacher_bytes + reference_bytes;
+    return masters_bytes + frozen_bytes + forward_weights_bytes + moments_bytes + teacher_bytes +
+           reference_bytes;
   }
   int64_t total_bytes() const {
     return persistent_bytes() + gradients_bytes + activations_bytes + logits_bytes +

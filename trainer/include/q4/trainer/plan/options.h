@@ -13,6 +13,7 @@
 #include "q4/optim/adamw.h"
 #include "q4/optim/schedule.h"
 #include "q4/trainer/config/config.h"
+#include "q4/trainer/rundir/run_dir.h"
 
 namespace q4::trainer {
 
@@ -60,5 +61,7 @@ data::ChatOptions chat_options(const ChatSettings& chat);
 // multiple of 64, so the allocator and the kernels see a handful of shapes.
 // `group` rows stay together (2: a preference pair), packed when `pack` (DataPlan).
 data::BatcherOptions batcher_options(const Config& c, int64_t pad_id, bool pack, int64_t group);
+// The run directory's paths and the run's inputs (rundir/run_dir.h), the export path resolved.
+RunPaths run_paths(const Config& c);
 
 }  // namespace q4::trainer

@@ -118,7 +118,9 @@ class RunPlan {
           bool probe = false);
 
   // The configuration as resolved so far (after with_length: the steps-based config; after
-  // with_recompute: the recompute chosen).
+  // with_recompute: the recompute chosen). The resolver's (plan/, the objective registry): the
+  // components take their slices (component_plans.h); outside plan/ only RolloutSource reads it,
+  // until it takes its slice (docs/design.md#trainer-layers).
   const Config& config() const { return config_; }
   const RunOptions& options() const { return options_; }
   const at::Device& device() const { return device_; }
@@ -146,8 +148,9 @@ class RunPlan {
   std::string export_path() const;
   // <output.dir>/<log.metrics>, or "" when the metrics file is off.
   std::string metrics_path() const;
-  // The config a run writes to its config.yaml: config() with the recompute settings as
-  // configured (auto stays auto, so a resume, maybe on another GPU, decides again).
+  // The config a run writes to its config.yaml: config() with the recompute settings and
+  // model.forward_weights as configured (auto stays auto, so a resume, maybe on another GPU,
+  // decides again).
   Config config_to_save() const;
   // The plan as --dry-run prints it: a few lines, each starting "plan: ".
   std::string describe() const;
@@ -161,6 +164,11 @@ class RunPlan {
   ReportPlan report_plan() const;
   LoopPlan loop_plan() const;
   ProbePlan probe_plan() const;
+  ObjectivePlan objective_plan() const;
+  PromptCheckPlan prompt_check_plan() const;
+  // The training batcher's settings (options.h batcher_options, as the data plan lays the rows
+  // out), `pad_id` the tokenizer's padding.
+  data::BatcherOptions batcher_options(int64_t pad_id) const;
   // The settings a probe report records (the config file, the micro-batch, dtypes, the recompute
   // as resolved, the optimizer state, the data's kind): a JSON object.
   nlohmann::json probe_settings() const;
@@ -168,6 +176,10 @@ class RunPlan {
   MemoryBudget memory_estimate(const model::Qwen3Config& mc, bool separate_lm_head) const;
   // Model FLOPs per trained token (estimate.h train_flops_per_token).
   double flops_per_token(const model::Qwen3Config& mc, bool separate_lm_head) const;
+  // The loaded model's experts line and LoRA-on-experts note (estimate.h moe_summary,
+  // moe_lora_note; "" for none).
+  std::string moe_summary(const model::Qwen3Config& mc, bool separate_lm_head) const;
+  std::string moe_lora_note(const model::Qwen3Config& mc) const;
 
   // A run whose length is configured in steps: the warmup clipped to it (`note`: the note, or
   // ""). A run whose length comes from the data is unchanged (with_length clips).
@@ -178,6 +190,12 @@ class RunPlan {
   // `free_bytes`; `line`: its line, or "" when the recompute was not auto.
   RunPlan with_recompute(const model::Qwen3Config& mc, bool separate_lm_head, int64_t free_bytes,
                          std::string* line) const;
+  // model.forward_weights auto resolved on CUDA against `free_bytes` (after with_recompute, with
+  // the recompute chosen): kept, else codes, else sweep, the first whose estimate fits
+  // device_budget's usable bytes; `line`: its line, or "" when nothing was decided here (a
+  // setting, the CPU: sweep, optim.offload all: codes).
+  RunPlan with_forward_weights(const model::Qwen3Config& mc, bool separate_lm_head,
+                               int64_t free_bytes, std::string* line) const;
   // A resume on another world size keeps the global batch with this many micro-batches a step
   // (the step plan decided again: auto's in-backward updates need grad_accum 1).
   RunPlan with_grad_accum(int64_t grad_accum) const;
@@ -205,6 +223,7 @@ class RunPlan {
 
   Config config_;
   TrainConfig configured_train_;  // train.* before with_recompute
+  ForwardWeightsOrAuto configured_forward_weights_;  // before with_forward_weights
   RunOptions options_;
   ObjectiveNeeds needs_;
   at::Device device_;

@@ -88,15 +88,6 @@ std::vector<data::Example> synthetic_examples(int64_t count, int64_t seq_len, in
 model::ModelInputs to_inputs(const data::Batch& b, const model::Qwen3Model& model,
                              const at::Device& device);
 
-// A frozen model (a distillation teacher, a preference reference) to load beside the model that
-// trains: `path` a .dat or Hugging Face folder, `config_path` its config.json (empty: the folder's
-// config.json, else model.config). `key` and `config_key` name them in errors, `role` in messages.
-struct FrozenModelSpec {
-  std::string path, config_path, key, config_key, role;
-  bool keep_dense =
-      true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
-  bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
-};
 // The run's frozen models: distill.teacher (dense linears dense, fake-quantized NVFP4 linears) and
 // preference.reference (loaded as model.weights is: a plain-precision run's dense linears dense).
 FrozenModelSpec teacher_spec(const Config& c);
@@ -105,19 +96,22 @@ FrozenModelSpec teacher_spec(const Config& c);
 // model.weights is.
 FrozenModelSpec starting_model_spec(const Config& c);
 FrozenModelSpec reference_spec(const Config& c);
+// The objective's slice of the config (component_plans.h ObjectivePlan, RunPlan::objective_plan).
+ObjectivePlan objective_plan(const Config& c);
+// What --dry-run's GRPO prompt check reads (component_plans.h PromptCheckPlan).
+PromptCheckPlan prompt_check_plan(const Config& c);
 // A run directory in spec.path (run_dir.h run_dir_model, as q4chat and q4eval take one) resolved
 // to its export, and an empty config_path to its model.config; other paths as they are.
 // ConfigError naming spec.key for a checkpoint or a run without an export.
 FrozenModelSpec resolved_frozen_spec(const FrozenModelSpec& spec);
 // The config.json a frozen model is read with (see FrozenModelSpec::config_path).
-std::string frozen_config_path(const Config& c, const FrozenModelSpec& spec);
+std::string frozen_config_path(const FrozenModelSpec& spec);
 // Its config.json, read and checked (the files exist; its vocabulary is `vocab_size`, the trained
 // model's): what load_frozen_model checks before loading anything, and what --dry-run checks.
-model::Qwen3Config check_frozen_model_config(const Config& c, const FrozenModelSpec& spec,
-                                             int64_t vocab_size);
+model::Qwen3Config check_frozen_model_config(const FrozenModelSpec& spec, int64_t vocab_size);
 // Loads it on `student`'s device in its compute dtype, nothing trainable; its vocabulary must be
 // `vocab_size` (the trained model's). The load is reported on `out`.
-std::unique_ptr<model::Qwen3Model> load_frozen_model(const Config& c, const FrozenModelSpec& spec,
+std::unique_ptr<model::Qwen3Model> load_frozen_model(const FrozenModelSpec& spec,
                                                      const model::ModelOptions& student,
                                                      int64_t vocab_size, std::ostream& out);
 

@@ -27,7 +27,24 @@ inline constexpr const char* kProbeFile = "probe.json";
 // train.objective preference: the reference's log-probabilities of every answer, computed once.
 inline constexpr const char* kReferenceFile = "reference_logprobs.dat";
 
-struct Config;
+struct DistillConfig;
+
+// The run directory's paths and the run's inputs as configured: what the output-path rules, the
+// leftovers and the start-up cleaning read (plan/options.h run_paths makes it from a config).
+struct RunPaths {
+  std::string output_dir;     // output.dir
+  std::string export_path;    // output.export_path resolved against output.dir ("" for none)
+  std::string metrics;        // log.metrics (a name in output.dir, "" for none)
+  bool report = true;         // log.report: <output.dir>/report.html
+  bool hf_export = false;     // output.hf_export set: the HF folder next to the export
+  bool lora = false;          // train.method lora: the adapter folder next to the export
+  bool random_init = false;   // model.init random: <output.dir>/init.dat
+  std::string config_source;  // the config file (Config::source)
+  std::string model_config;   // model.config
+  std::string tokenizer;      // model.tokenizer
+  std::string weights;        // model.weights (an input only with model.init file)
+  std::vector<std::string> data_files, eval_files;  // data.files, data.eval_files
+};
 
 struct CheckpointDir {
   std::string path;
@@ -48,11 +65,6 @@ std::vector<std::string> rotate_checkpoints(const std::string& run_dir, int64_t 
 // The run directory of `--resume DIR`: DIR itself, or its parent when DIR is a step_XXXXXX
 // checkpoint. Absolute, normalized; nothing is checked.
 std::string resume_run_dir(const std::string& dir);
-// `--resume DIR` writes into DIR's run directory (docs/trainer.md#resume): sets output.dir to
-// `run_dir` and moves an absolute output.export_path that lay inside the old output.dir along
-// with it (a relative one follows by itself). Returns a one-line note when output.dir changed,
-// "" otherwise. Not called when the user set output.dir explicitly with --set.
-std::string point_config_at_run_dir(Config& c, const std::string& run_dir);
 // `--resume DIR`: DIR is a complete checkpoint or a run directory (its newest complete one).
 // ConfigError naming DIR otherwise.
 CheckpointDir resolve_resume_dir(const std::string& dir);
@@ -74,7 +86,7 @@ std::string adapter_dir(const std::string& dat_path);
 // distill.teacher_config for online distillation and --write-teacher-topk, distill.topk_file
 // offline, preference.reference and preference.reference_config for a reference-based loss).
 // docs/reliability.md#inputs-and-outputs.
-std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
+std::vector<std::pair<std::string, std::string>> run_inputs(const RunPaths& paths,
                                                             const ObjectiveNeeds& needs);
 
 // Every output path, checked before anything is written or loaded (ConfigError naming the key):
@@ -89,18 +101,19 @@ std::vector<std::pair<std::string, std::string>> run_inputs(const Config& c,
 // output.hf_export's folder passes check_hf_export_folder and lora's adapter folder
 // check_adapter_folder (`overwrite`: --overwrite). `needs`: the objective's inputs, and its
 // reference file when it has a reference pass.
-void check_output_paths(const Config& c, const ObjectiveNeeds& needs, bool overwrite = false);
+void check_output_paths(const RunPaths& paths, const ObjectiveNeeds& needs, bool overwrite = false);
 
 // train.method lora's adapter folder (adapter_dir of the export): a new path, an empty folder, or
 // the adapter of an earlier export of this run (the record beside the export names this run, or
 // the export lies in output.dir); another folder with files only with `overwrite`.
-void check_adapter_folder(const Config& c, bool overwrite);
+void check_adapter_folder(const RunPaths& paths, bool overwrite);
 
-// --write-teacher-topk's output, distill.topk_file, before anything loads: set (with
-// distill.teacher); none of the inputs (run_inputs with `writer`: the teacher's files), whatever
-// `overwrite` says; a regular file or a new path in a writable directory; and not an existing
-// file unless `overwrite`.
-void check_topk_output(const Config& c, const ObjectiveNeeds& writer, bool overwrite);
+// --write-teacher-topk's output, distill.topk_file (of `distill`), before anything loads: set
+// (with distill.teacher); none of the inputs (run_inputs with `writer`: the teacher's files),
+// whatever `overwrite` says; a regular file or a new path in a writable directory; and not an
+// existing file unless `overwrite`.
+void check_topk_output(const RunPaths& paths, const DistillConfig& distill,
+                       const ObjectiveNeeds& writer, bool overwrite);
 
 // The export record: `<export>.json` beside the export, {"step", "bytes", "run_dir"}, written
 // after each export. It tells which step an existing export holds, so that an export never
@@ -131,14 +144,14 @@ void check_probe_report_path(const std::string& path, bool overwrite);
 // them (run_inputs, output.dir and the folder model.tokenizer's files are copied from), and an
 // existing non-empty folder is an earlier q4train export
 // (model::check_hf_export_dir; q4train never replaces a foreign folder's files).
-void check_hf_export_folder(const Config& c, const ObjectiveNeeds& needs);
+void check_hf_export_folder(const RunPaths& paths, const ObjectiveNeeds& needs);
 
 // What a fresh run finds in output.dir that belongs to someone (a previous run's outputs, the
 // user's files): every entry except the lock file, temp files and incomplete checkpoints of a
 // killed writer (removed at start anyway), probe.json, and the run's own inputs and folders
 // holding one (run_inputs: model.weights or a teacher kept in output.dir), which --overwrite
 // therefore never removes. Names, sorted; empty when the directory is absent or empty.
-std::vector<std::string> run_dir_leftovers(const Config& c, const ObjectiveNeeds& needs);
+std::vector<std::string> run_dir_leftovers(const RunPaths& paths, const ObjectiveNeeds& needs);
 
 // An exclusive advisory lock (flock) on <dir>/.lock, held until destruction (or the process
 // ends). A second run on the same directory fails at once with a ConfigError naming the
@@ -157,7 +170,7 @@ class RunDirLock {
 // Start-of-run cleanup (under the lock): temp files left by a killed writer in output.dir, in its
 // checkpoints and next to the export, and checkpoint directories without DONE. Returns the paths
 // removed.
-std::vector<std::string> clean_stale_files(const Config& c);
+std::vector<std::string> clean_stale_files(const RunPaths& paths);
 
 // Writes checksums.json (CRC32C and size of each named file of the checkpoint) atomically.
 void write_checkpoint_checksums(const std::string& ckpt_dir, const std::vector<std::string>& files);
