@@ -99,9 +99,11 @@ TokenSampler::TokenSampler(const SamplingParams& params, std::vector<at::Generat
 
 std::vector<int64_t> TokenSampler::next_batch(
     const at::Tensor& logits, const std::vector<const std::vector<int64_t>*>& histories,
-    std::vector<float>* logprobs) {
+    std::vector<float>* logprobs, std::vector<float>* entropy, const SampledRows* rows) {
   TORCH_CHECK(logits.dim() == 2, "sampler: expected (B, V) logits, got ", logits.sizes());
   const int64_t B = logits.size(0);
+  TORCH_CHECK(rows == nullptr || static_cast<int64_t>(rows->rows.size()) == B, "sampler: ", B,
+              " rows of logits but ", rows == nullptr ? 0 : rows->rows.size(), " row indices");
   const bool penalize = params_.repetition_penalty != 1.0;
   TORCH_CHECK(!penalize || static_cast<int64_t>(histories.size()) == B, "sampler: ", B,
               " rows of logits but ", histories.size(), " histories");
@@ -109,40 +111,52 @@ std::vector<int64_t> TokenSampler::next_batch(
   if (params_.temperature == 0 && !penalize) {
     ids = logits.argmax(-1);  // on the device, in the logits' dtype
   } else if (!penalize) {
-    ids = draw(logits.to(at::kFloat));  // on the logits' device
+    ids = draw(logits.to(at::kFloat), rows);  // on the logits' device
   } else {
     at::Tensor l = logits.to(at::kCPU, at::kFloat).clone();  // (B, V)
-    if (penalize) {
-      for (int64_t b = 0; b < B; ++b) {
-        at::Tensor row = l.select(0, b);
-        apply_repetition_penalty(row, *histories[b], params_.repetition_penalty);
-      }
+    for (int64_t b = 0; b < B; ++b) {
+      at::Tensor row = l.select(0, b);
+      apply_repetition_penalty(row, *histories[b], params_.repetition_penalty);
     }
-    if (params_.temperature == 0) {
-      ids = l.argmax(-1);
-    } else {
-      ids = draw(l);
-    }
+    ids = params_.temperature == 0 ? l.argmax(-1) : draw(l, rows);
   }
-  if (logprobs != nullptr) {
-    const at::Tensor y = ids.to(logits.device()).view({B, 1});
-    at::Tensor lp;  // (B, 1)
-    if (params_.logprobs_at_temperature && params_.temperature > 0) {
-      // Op for op as chunked_token_logprobs (chunked_loss.cpp) computes it in training.
-      at::Tensor l = logits.to(at::kFloat);
-      if (params_.temperature != 1.0) l = l / params_.temperature;
-      lp = l.gather(1, y).squeeze(1) - at::logsumexp(l, 1);
-    } else {
-      lp = logits.to(at::kFloat).log_softmax(-1).gather(1, y);
+  if (logprobs != nullptr || entropy != nullptr) {
+    std::vector<at::Tensor> host;  // (B) fp32 each: the log-probabilities, the entropies
+    if (logprobs != nullptr) host.push_back(token_logprobs(logits, ids));
+    if (entropy != nullptr) host.push_back(entropies(logits));
+    const at::Tensor both = at::stack(host).cpu();  // (1 or 2, B): one copy to the host
+    const float* p = both.data_ptr<float>();
+    if (logprobs != nullptr) {
+      logprobs->assign(p, p + B);
+      p += B;
     }
-    const at::Tensor lp_host = lp.reshape({B}).cpu();
-    logprobs->assign(lp_host.data_ptr<float>(), lp_host.data_ptr<float>() + B);
+    if (entropy != nullptr) entropy->assign(p, p + B);
   }
   const at::Tensor host = ids.to(at::kCPU, at::kLong).contiguous();
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + B);
 }
 
-at::Tensor TokenSampler::draw(const at::Tensor& logits) {
+at::Tensor TokenSampler::token_logprobs(const at::Tensor& logits, const at::Tensor& ids) const {
+  const int64_t B = logits.size(0);
+  const at::Tensor y = ids.to(logits.device()).view({B, 1});
+  if (params_.logprobs_at_temperature && params_.temperature > 0) {
+    // Op for op as chunked_token_logprobs (chunked_loss.cpp) computes it in training.
+    at::Tensor l = logits.to(at::kFloat);
+    if (params_.temperature != 1.0) l = l / params_.temperature;
+    return l.gather(1, y).squeeze(1) - at::logsumexp(l, 1);
+  }
+  return logits.to(at::kFloat).log_softmax(-1).gather(1, y).view({B});
+}
+
+at::Tensor TokenSampler::entropies(const at::Tensor& logits) const {
+  // TRL's entropy_from_logits on logits / T: logsumexp(l) - sum(softmax(l) l), which stays
+  // finite where a probability underflows to 0 (p log p would give 0 * -inf).
+  at::Tensor l = logits.to(at::kFloat);
+  if (params_.temperature > 0 && params_.temperature != 1.0) l = l / params_.temperature;
+  return at::logsumexp(l, 1) - (l.softmax(1) * l).sum(1);
+}
+
+at::Tensor TokenSampler::draw(const at::Tensor& logits, const SampledRows* rows) {
   const int64_t B = logits.size(0);
   at::Tensor l = logits / params_.temperature;
   l = filter_top_k(l, params_.top_k);
@@ -151,19 +165,30 @@ at::Tensor TokenSampler::draw(const at::Tensor& logits) {
   const at::Tensor cdf = probs.cumsum(-1);       // (B, V)
   // One uniform per row from the host generator, on any device: u · total falls in the
   // interval of exactly one token of positive probability (`right`: past the flat runs of the
-  // filtered ones).
+  // filtered ones). A part of a batch (SampledRows) draws the whole batch's uniforms and takes
+  // its rows'; with row generators each row draws from its own.
+  if (rows != nullptr) {
+    for (const int64_t r : rows->rows) {
+      TORCH_CHECK(r >= 0 && r < rows->batch_rows, "sampler: row ", r, " outside a batch of ",
+                  rows->batch_rows);
+    }
+  }
+  const int64_t batch_rows = rows == nullptr ? B : rows->batch_rows;
   at::Tensor u;
   if (row_gens_.empty()) {
-    u = at::rand({B, 1}, gen_, at::kFloat);
+    u = at::rand({batch_rows, 1}, gen_, at::kFloat);
+    if (rows != nullptr) u = u.index_select(0, at::tensor(rows->rows, at::kLong));
   } else {
-    TORCH_CHECK(static_cast<int64_t>(row_gens_.size()) == B, "sampler: ", B,
-                " rows of logits for ", row_gens_.size(), " row generators");
+    TORCH_CHECK(static_cast<int64_t>(row_gens_.size()) == batch_rows, "sampler: ", batch_rows,
+                " rows for ", row_gens_.size(), " row generators");
     u = at::empty({B, 1}, at::kFloat);
     float* up = u.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b) up[b] = at::rand({1}, row_gens_[b], at::kFloat).item<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t r = rows == nullptr ? b : rows->rows[b];
+      up[b] = at::rand({1}, row_gens_[r], at::kFloat).item<float>();
+    }
   }
-  u = u.to(logits.device());
-  const at::Tensor target = u * cdf.narrow(1, cdf.size(1) - 1, 1);
+  const at::Tensor target = u.to(logits.device()) * cdf.narrow(1, cdf.size(1) - 1, 1);
   at::Tensor ids = at::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true)
                        .clamp_max(cdf.size(1) - 1)
                        .view({B});
@@ -231,9 +256,49 @@ void mask_padding(KvCache& cache, const PaddedBatch& pb, const at::Device& dev) 
 
 }  // namespace
 
+namespace {
+
+// The rows of a decode step: active.rows[i] is the prompt (and result) index of decode row i.
+// Without compaction every row stays; with it the stopped ones leave
+// (SamplingParams::compact_finished).
+struct DecodeRows {
+  SampledRows active;      // rows in the decode batch, ascending; batch_rows = every prompt
+  std::vector<bool> done;  // per prompt: stopped
+  bool all() const { return static_cast<int64_t>(active.rows.size()) == active.batch_rows; }
+};
+
+// Whether to drop the stopped rows from the decode batch now: when at least a quarter of its
+// rows have stopped. A compaction copies the running rows' valid cache slots (about what one
+// decode step reads of them). Each compaction keeps at most 3/4 of the rows before it, so the
+// rows copied over a generation sum to at most 3x the batch (3 whole-cache copies), while no
+// step computes more than 4/3 of its running rows (docs/model.md#generation).
+bool should_compact(const DecodeRows& r) {
+  int64_t stopped = 0;
+  for (const int64_t b : r.active.rows) stopped += r.done[b] ? 1 : 0;
+  return stopped > 0 && 4 * stopped >= static_cast<int64_t>(r.active.rows.size());
+}
+
+// Drops the stopped rows of the decode batch from `cache` and `r`; `toks` (decode-row order)
+// keeps the running rows' tokens.
+void compact(DecodeRows& r, KvCache& cache, std::vector<int64_t>& toks) {
+  std::vector<int64_t> keep, rows, kept_toks;
+  for (size_t i = 0; i < r.active.rows.size(); ++i) {
+    if (r.done[r.active.rows[i]]) continue;
+    keep.push_back(static_cast<int64_t>(i));
+    rows.push_back(r.active.rows[i]);
+    kept_toks.push_back(toks[i]);
+  }
+  select_cache_rows(cache, keep);
+  r.active.rows = std::move(rows);
+  toks = std::move(kept_toks);
+}
+
+}  // namespace
+
 std::vector<GenerationResult> generate(Qwen3Model& model,
                                        const std::vector<std::vector<int64_t>>& prompts,
-                                       const SamplingParams& params, TokenSampler* sampler) {
+                                       const SamplingParams& params, TokenSampler* sampler,
+                                       const StepLogits& step_logits) {
   TORCH_CHECK(!prompts.empty(), "generate: no prompts");
   TORCH_CHECK(params.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ",
               params.max_new_tokens);
@@ -253,34 +318,45 @@ std::vector<GenerationResult> generate(Qwen3Model& model,
   KvCache cache = model.make_cache(B, pb.longest + params.max_new_tokens);
   if (pb.padded) mask_padding(cache, pb, dev);
   std::vector<std::vector<int64_t>> history(prompts);
-  std::vector<const std::vector<int64_t>*> rows;
-  for (const auto& h : history) rows.push_back(&h);
-  std::vector<bool> done(B, false);
-  std::vector<float> lp;
+  DecodeRows r;
+  r.active.batch_rows = B;
+  for (int64_t b = 0; b < B; ++b) r.active.rows.push_back(b);
+  r.done.assign(B, false);
+  std::vector<float> lp, ent;
   ModelInputs in = pb.prefill;
   for (int64_t step = 0; step < params.max_new_tokens; ++step) {
-    const std::vector<int64_t> toks = s.next_batch(model.next_token_logits(in, cache), rows,
-                                                   params.want_logprobs ? &lp : nullptr);
+    std::vector<const std::vector<int64_t>*> hist;
+    for (const int64_t b : r.active.rows) hist.push_back(&history[b]);
+    const at::Tensor logits =
+        step_logits ? step_logits(in, cache) : model.next_token_logits(in, cache);  // (B', V)
+    std::vector<int64_t> toks = s.next_batch(
+        logits, hist, params.want_logprobs ? &lp : nullptr,
+        params.want_entropy ? &ent : nullptr, r.all() ? nullptr : &r.active);
     int64_t running = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      if (done[b]) continue;
-      out[b].tokens.push_back(toks[b]);
-      if (params.want_logprobs) out[b].logprobs.push_back(lp[b]);
-      history[b].push_back(toks[b]);
-      if (is_stop(params.stop_ids, toks[b])) {
+    for (size_t i = 0; i < r.active.rows.size(); ++i) {
+      const int64_t b = r.active.rows[i];
+      if (r.done[b]) continue;
+      out[b].tokens.push_back(toks[i]);
+      if (params.want_logprobs) out[b].logprobs.push_back(lp[i]);
+      if (params.want_entropy) out[b].entropy.push_back(ent[i]);
+      history[b].push_back(toks[i]);
+      if (is_stop(params.stop_ids, toks[i])) {
         out[b].finish = FinishReason::kStop;
-        done[b] = true;
+        r.done[b] = true;
       }
-      running += done[b] ? 0 : 1;
+      running += r.done[b] ? 0 : 1;
     }
     if (running == 0 || step + 1 == params.max_new_tokens) break;
-    // Stopped rows are fed too (the batch keeps its shape); nothing of theirs is kept.
+    // Without compaction stopped rows are fed too (the batch keeps its shape); nothing of theirs
+    // is kept.
+    if (params.compact_finished && should_compact(r)) compact(r, cache, toks);
+    const auto n = static_cast<int64_t>(r.active.rows.size());
     in = ModelInputs();
-    in.input_ids = at::tensor(toks, at::kLong).view({B, 1}).to(dev);
+    in.input_ids = at::tensor(toks, at::kLong).view({n, 1}).to(dev);
     if (pb.padded) {
-      std::vector<int64_t> pos(B);
-      for (int64_t b = 0; b < B; ++b) pos[b] = pb.lengths[b] + step;
-      in.position_ids = at::tensor(pos, at::kLong).view({B, 1}).to(dev);
+      std::vector<int64_t> pos;
+      for (const int64_t b : r.active.rows) pos.push_back(pb.lengths[b] + step);
+      in.position_ids = at::tensor(pos, at::kLong).view({n, 1}).to(dev);
     }
   }
   return out;
@@ -300,6 +376,31 @@ void reserve_cache(const Qwen3Model& model, KvCache& cache, int64_t needed) {
   }
   bigger.length = cache.length;
   cache = std::move(bigger);
+}
+
+void select_cache_rows(KvCache& cache, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(!rows.empty(), "select_cache_rows: no rows to keep");
+  if (cache.k.empty()) return;
+  const int64_t batch = cache.k[0].size(0);
+  for (const int64_t r : rows) {
+    TORCH_CHECK(r >= 0 && r < batch, "select_cache_rows: row ", r, " outside a batch of ", batch);
+  }
+  const at::Tensor index = at::tensor(rows, at::kLong).to(cache.k[0].device());
+  const auto R = static_cast<int64_t>(rows.size());
+  // Layer by layer, so that the old and the new cache coexist for one layer only.
+  const auto select = [&](at::Tensor& t) {
+    at::Tensor kept = at::empty({R, t.size(1), t.size(2), t.size(3)}, t.options());
+    if (cache.length > 0) {
+      kept.narrow(2, 0, cache.length)
+          .copy_(t.narrow(2, 0, cache.length).index_select(0, index));
+    }
+    t = kept;
+  };
+  for (size_t l = 0; l < cache.k.size(); ++l) {
+    select(cache.k[l]);
+    select(cache.v[l]);
+  }
+  if (cache.key_valid.defined()) cache.key_valid = cache.key_valid.index_select(0, index);
 }
 
 GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int64_t>& new_ids,
@@ -356,6 +457,7 @@ std::vector<GenerationResult> sample_completions(Qwen3Model& model,
   SamplingParams p = params;
   p.want_logprobs = true;
   p.logprobs_at_temperature = true;
+  p.want_entropy = true;
   if (sampler == nullptr) return generate(model, rows, p);
   TORCH_CHECK(sampler->params().logprobs_at_temperature &&
                   sampler->params().temperature == params.temperature,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "q4/trainer/objectives/registry.h"
+#include "component_fixtures.h"
 #include "q4/trainer/plan/setup.h"
 
 using namespace q4::trainer;
@@ -392,6 +393,78 @@ TEST(Grpo, CompletionRowsScatterTokensInCompletionOrder) {
                               .view({3, 4});
   EXPECT_TRUE(at::equal(rows, want)) << rows;
   EXPECT_THROW(completion_rows(v, {2, 2}, 4), c10::Error);  // 5 values for 4 tokens
+}
+
+// TRL's `entropy` log: the masked mean over the trained tokens of the per-token entropies given,
+// here of softmax(logits / T) in fp64 (a truncated row masked out), absent when none are given.
+TEST(Grpo, EntropyIsLoggedAsTheMaskedMean) {
+  const Fixture f(false);
+  const at::Tensor lp = (f.logits / f.temperature).log_softmax(-1);
+  const at::Tensor h = -(lp.exp() * lp).sum(-1);  // (B, L) fp64
+  std::vector<bool> truncated(f.B, false);
+  truncated[1] = true;
+  const at::Tensor mask = completion_mask(f.lengths, truncated, f.L, /*mask_truncated=*/true);
+  double sum = 0, n = 0;
+  for (int64_t b = 0; b < f.B; ++b) {
+    if (truncated[b]) continue;
+    for (int64_t j = 0; j < f.lengths[b]; ++j) sum += h[b][j].item<double>(), n += 1;
+  }
+  GrpoTokens t;
+  t.logps = f.logp_of(f.logits).to(at::kFloat);
+  t.advantages = f.adv.to(at::kFloat);
+  t.mask = mask;
+  GrpoLossOptions o;
+  const auto names = [](const GrpoLossOutput& out) {
+    std::vector<std::string> v;
+    for (const auto& [name, value] : out.logged) v.push_back(name);
+    return v;
+  };
+  const auto none = names(grpo_loss(t, o));
+  EXPECT_EQ(std::count(none.begin(), none.end(), "entropy"), 0);
+  t.entropy = h.to(at::kFloat);
+  const GrpoLossOutput out = grpo_loss(t, o);
+  EXPECT_NEAR(logged(out, "entropy"), sum / n, 1e-6);  // fp32 mean of ~1-nat values
+  EXPECT_GT(std::abs(logged(out, "entropy") - h.mean().item<double>()), 1e-3);  // masked
+}
+
+// GrpoObjective feeds the rollout rows' entropies (RolloutRows::entropy) to the loss: its
+// logged `entropy` is their masked mean times the micro-batch's units (the step divides by the
+// units), and nothing is logged without them.
+TEST(Grpo, ObjectiveLogsTheRolloutsEntropy) {
+  q4::model::Qwen3Model m = q4::trainer::testing::tiny_model();
+  // Two rows: prompt {5, 6, 7} + completion {8, 9}; prompt {10} + completion {11, 12, 13} + pad.
+  const at::Tensor ids = at::tensor({5, 6, 7, 8, 9, 10, 11, 12, 13, 0}, at::kLong).view({2, 5});
+  const at::Tensor labels =
+      at::tensor({-100, -100, -100, 8, 9, -100, 11, 12, 13, -100}, at::kLong).view({2, 5});
+  q4::data::Batch b;
+  b.input_ids = ids;
+  b.labels = labels;
+  b.attention_mask = at::tensor({1, 1, 1, 1, 1, 1, 1, 1, 1, 0}, at::kLong).view({2, 5});
+  auto rr = std::make_shared<q4::data::RolloutRows>();
+  rr->completion_lengths = {2, 3};
+  rr->advantages = at::tensor({0.5f, -0.5f});
+  rr->mask = completion_mask(rr->completion_lengths, {false, false}, 3, false);
+  rr->entropy = at::tensor({1.0f, 2.0f, 0.0f, 3.0f, 4.0f, 5.0f}).view({2, 3});
+  b.rollout = rr;
+  MicroBatch micro;
+  micro.inputs.input_ids = ids;
+  micro.inputs.labels = labels;
+  micro.inputs.attention_mask = b.attention_mask;
+  micro.batch = &b;
+  GrpoConfig g;  // dapo: the units are the 5 completion tokens
+  GrpoObjective objective(g, nullptr);
+  ASSERT_EQ(objective.units(b), 5);
+  const auto value = [](const ObjectiveOutput& out, const std::string& name) {
+    for (const auto& [n, v] : out.logged) {
+      if (n == name) return v.item<double>();
+    }
+    return std::nan("");
+  };
+  EXPECT_NEAR(value(objective.compute(m, micro), "entropy"), 15.0, 1e-5);  // 5 x mean 3
+  auto without = std::make_shared<q4::data::RolloutRows>(*rr);
+  without->entropy = at::Tensor();
+  b.rollout = without;
+  EXPECT_TRUE(std::isnan(value(objective.compute(m, micro), "entropy")));
 }
 
 }  // namespace grpo_test

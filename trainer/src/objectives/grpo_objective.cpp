@@ -88,6 +88,7 @@ ObjectiveOutput GrpoObjective::compute(model::Qwen3Model& model, const MicroBatc
   }
   t.advantages = r.advantages.to(dev);
   t.mask = r.mask.to(dev);
+  if (r.entropy.defined()) t.entropy = r.entropy.to(dev);
   GrpoLossOutput lo = grpo_loss(t, loss_);
   ObjectiveOutput out;
   out.loss_sum = lo.loss_sum;

@@ -193,6 +193,7 @@ void RolloutSource::generate() {
   const auto N = static_cast<int64_t>(results.size());
   std::vector<int64_t> prompt_of_row(N);
   std::vector<std::vector<int64_t>> completions(N);
+  std::vector<std::vector<float>> entropies(N);
   std::vector<bool> truncated(N);
   std::vector<std::string> texts(N);
   std::vector<RewardInput> inputs(N);
@@ -200,6 +201,7 @@ void RolloutSource::generate() {
     const auto p = static_cast<size_t>(picked[static_cast<size_t>(i / G)]);
     prompt_of_row[i] = static_cast<int64_t>(p);
     completions[i] = results[i].tokens;
+    entropies[i] = results[i].entropy;
     truncated[i] = results[i].finish != model::FinishReason::kStop;
     const std::vector<data::TokenId> ids(results[i].tokens.begin(), results[i].tokens.end());
     // Invalid UTF-8 (a completion may end inside a character) as U+FFFD, as HF tokenizers
@@ -247,7 +249,7 @@ void RolloutSource::generate() {
     const int64_t i = k * G;
     samples_.push_back({inputs[i].prompt, texts[i], scores.total[i], truncated[i]});
   }
-  build_micro_batches(prompt_of_row, completions, truncated,
+  build_micro_batches(prompt_of_row, completions, entropies, truncated,
                       adv.advantages.narrow(0, rank * N, N));
   next_micro_ = 0;
   passes_ = 0;
@@ -276,6 +278,7 @@ RewardScores RolloutSource::score(const std::vector<RewardInput>& inputs,
 
 void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_row,
                                         const std::vector<std::vector<int64_t>>& completions,
+                                        const std::vector<std::vector<float>>& entropies,
                                         const std::vector<bool>& truncated,
                                         const at::Tensor& advantages) {
   const auto& g = c_.grpo;
@@ -293,6 +296,7 @@ void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_ro
     std::vector<data::Example> examples;
     auto rr = std::make_shared<data::RolloutRows>();
     std::vector<bool> trunc;
+    std::vector<float> entropy;  // the rows' completion tokens in order
     int64_t L = 1, tokens = 0;
     for (int64_t i = start; i < start + rows; ++i) {
       const auto& prompt = prompts_[static_cast<size_t>(prompt_of_row[i])].prompt_ids;
@@ -305,6 +309,8 @@ void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_ro
       }
       examples.push_back(std::move(e));
       const auto len = static_cast<int64_t>(completions[i].size());
+      TORCH_INTERNAL_ASSERT(static_cast<int64_t>(entropies[i].size()) == len);
+      entropy.insert(entropy.end(), entropies[i].begin(), entropies[i].end());
       rr->completion_lengths.push_back(len);
       trunc.push_back(truncated[i]);
       L = std::max(L, len);
@@ -318,6 +324,7 @@ void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_ro
                 " labelled tokens for ", tokens, " completion tokens");
     rr->advantages = advantages.narrow(0, start, rows).contiguous();
     rr->mask = completion_mask(rr->completion_lengths, trunc, L, g.mask_truncated_completions);
+    rr->entropy = completion_rows(at::tensor(entropy, at::kFloat), rr->completion_lengths, L);
     if (g.num_iterations > 1) {
       // The old policy of the later passes: the training forward before the first update, so
       // the first pass's ratio is exactly 1 and the later ones are pi / pi_old.

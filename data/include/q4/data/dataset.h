@@ -287,6 +287,9 @@ struct RolloutRows {
   at::Tensor advantages;                    // fp32 [E]
   at::Tensor mask;                          // fp32 [E, L]: 1 where a completion token trains
   at::Tensor old_logprobs;  // fp32 [E, L] the old policy's; undefined: the ratio is 1
+  // fp32 [E, L] each completion position's entropy (nats) of the sampling distribution (logits /
+  // temperature, full vocabulary) as the rollout recorded it, 0 past the end; undefined: none.
+  at::Tensor entropy;
 };
 
 struct Batch {

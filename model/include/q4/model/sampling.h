@@ -33,6 +33,19 @@ struct SamplingParams {
   // policy as TRL defines it, computed op for op as Qwen3Model::token_logprobs(in, temperature)
   // computes it from the same logits. false: the unprocessed logits (temperature 1).
   bool logprobs_at_temperature = false;
+  // GenerationResult::entropy: each position's entropy (nats) of softmax(logits / temperature)
+  // over the full vocabulary, before top-k and top-p (TRL's entropy_from_logits; temperature 0:
+  // of the unprocessed logits).
+  bool want_entropy = false;
+  // generate(): rows that stopped leave the decode batch (their KV cache rows and inputs are
+  // dropped) once at least a quarter of the batch's rows have stopped, so later steps compute
+  // only the running rows. Each row keeps its own uniforms (TokenSampler's SampledRows), so the
+  // tokens, log-probabilities and entropies are the uncompacted batch's bit for bit wherever a
+  // row's logits do not depend on the batch's row count. GEMMs block rows by their count
+  // (OpenBLAS's sgemm rounds a row differently in its 12-, 8- and 4-row kernels), so through
+  // the model's batched forward the logits move in their last bits (as a row alone differs from
+  // the row in a batch), and a run stays a function of its prompts, params and seed.
+  bool compact_finished = true;
   // Errors name the field as `prefix` + its name ("temperature", "top_k", "top_p",
   // "repetition_penalty", "max_new_tokens"); `cli` spells it as an option ("--top-k").
   void validate(const std::string& prefix = "", bool cli = false) const;
@@ -50,31 +63,50 @@ at::Tensor filter_top_k(const at::Tensor& logits, int64_t k);
 // top_p >= 1: unchanged. logits: (V) or (B, V) fp32 (already divided by the temperature).
 at::Tensor filter_top_p(const at::Tensor& logits, double top_p);
 
+// The logits of a decode step that holds only some rows of a batch (generate() with
+// compact_finished): logits row i is row rows[i] of a batch of `batch_rows`.
+struct SampledRows {
+  int64_t batch_rows = 0;
+  std::vector<int64_t> rows;  // ascending, each in [0, batch_rows)
+};
+
 // Picks the next token of each row from its logits. Sampling draws from one CPU generator (the
 // given one, else one seeded with params.seed): rows of a batch take consecutive draws, so a
-// batch of one draws what one row alone draws.
+// batch of one draws what one row alone draws. With SampledRows every step still draws
+// batch_rows uniforms and row r takes the r-th: a row's draws do not depend on which other rows
+// are in the step, and the generator advances as for the whole batch.
 class TokenSampler {
  public:
   explicit TokenSampler(const SamplingParams& params, at::Generator generator = {});
   // One generator per row instead (rollouts): row b's draws come from row_generators[b] alone,
   // so a row samples the same tokens in any batch (another rank's share, another batch size).
-  // Every next_batch() then takes exactly row_generators.size() rows.
+  // Every next_batch() then takes row_generators.size() rows, or SampledRows of that many (a
+  // row left out of a step draws nothing in it).
   TokenSampler(const SamplingParams& params, std::vector<at::Generator> row_generators);
   // logits (B, V), any float dtype and device; histories[b]: every token of row b so far (prompt
   // and output) for the repetition penalty (may be empty when the penalty is off). Returns the
   // B ids; with `logprobs`, also each id's log-probability under the unprocessed logits
-  // (log_softmax in fp32: the model's own distribution, as a trainer's token_logprobs computes).
+  // (log_softmax in fp32: the model's own distribution, as a trainer's token_logprobs computes;
+  // logits / temperature with logprobs_at_temperature); with `entropy`, each row's entropy of
+  // softmax(logits / temperature) in fp32 (SamplingParams::want_entropy). `rows`: which rows of
+  // a larger batch the logits hold (null: the whole batch, B rows).
   std::vector<int64_t> next_batch(const at::Tensor& logits,
                                   const std::vector<const std::vector<int64_t>*>& histories,
-                                  std::vector<float>* logprobs = nullptr);
+                                  std::vector<float>* logprobs = nullptr,
+                                  std::vector<float>* entropy = nullptr,
+                                  const SampledRows* rows = nullptr);
   // One row: logits (V).
   int64_t next(const at::Tensor& logits, const std::vector<int64_t>& history);
   const SamplingParams& params() const { return params_; }
 
  private:
   // Temperature, top-k, top-p, then one draw per row by inverse CDF (fp32 (B, V) logits on any
-  // device): the B sampled ids on that device.
-  at::Tensor draw(const at::Tensor& logits);
+  // device): the B sampled ids on that device. `rows` as in next_batch.
+  at::Tensor draw(const at::Tensor& logits, const SampledRows* rows);
+  // (B) fp32 on the logits' device: the log-probability of ids (B) under the logits (B, V), and
+  // each row's entropy (next_batch).
+  at::Tensor token_logprobs(const at::Tensor& logits, const at::Tensor& ids) const;
+  at::Tensor entropies(const at::Tensor& logits) const;
 
   SamplingParams params_;
   at::Generator gen_;
@@ -89,16 +121,25 @@ struct GenerationResult {
   std::vector<int64_t> tokens;  // generated ids, the stop id included when one came
   FinishReason finish = FinishReason::kLength;
   std::vector<float> logprobs;  // per token (SamplingParams::want_logprobs), else empty
+  std::vector<float> entropy;   // per token (SamplingParams::want_entropy), else empty
 };
+
+// A step's logits: (B, V) of the last position of `in` (B rows), which goes through `cache` (and
+// extends it by its T tokens). generate() computes them with Qwen3Model::next_token_logits.
+using StepLogits = std::function<at::Tensor(const ModelInputs& in, KvCache& cache)>;
 
 // Generates after each prompt (non-empty, ids in [0, vocab)) in one batch: one prefill, then one
 // forward of B tokens per step, until every row has stopped or reached max_new_tokens. A row
-// that stops (a stop id) gets no more tokens. `sampler` (optional) brings its generator and
-// params' sampling fields; without one a TokenSampler(params) is made. Inference only.
+// that stops (a stop id) gets no more tokens, and with SamplingParams::compact_finished leaves
+// the decode batch (select_cache_rows). `sampler` (optional) brings its generator and
+// params' sampling fields; without one a TokenSampler(params) is made. `step_logits` (optional)
+// replaces model.next_token_logits (a test's forward whose rows do not depend on the batch's
+// row count). Inference only.
 std::vector<GenerationResult> generate(Qwen3Model& model,
                                        const std::vector<std::vector<int64_t>>& prompts,
                                        const SamplingParams& params,
-                                       TokenSampler* sampler = nullptr);
+                                       TokenSampler* sampler = nullptr,
+                                       const StepLogits& step_logits = {});
 
 // Continues one sequence on `cache` (multi-turn chat keeps its cache): appends `new_ids` (prefill
 // in one pass; the cache grows when needed), then samples up to `max_new_tokens` tokens, feeding
@@ -114,14 +155,21 @@ GenerationResult decode(Qwen3Model& model, KvCache& cache, const std::vector<int
 // cache (at least doubling) when it cannot.
 void reserve_cache(const Qwen3Model& model, KvCache& cache, int64_t needed);
 
+// Keeps rows `rows` of `cache` (indices into its batch, in the order given) in every layer's
+// keys and values and in key_valid: the cache then serves a batch of rows.size() sequences.
+// Only the `length` valid slots are copied; the capacity stays.
+void select_cache_rows(KvCache& cache, const std::vector<int64_t>& rows);
+
 // ---------------------------------------------------------------- rollouts (GRPO)
 //
 // `num_generations` completions of each prompt, sampled in one batch with the KV cache through
 // the model's own forward (the weights training computes with), prompt-major: completion g of
 // prompt p is at p * num_generations + g. Each token's log-probability is recorded under
 // logits / params.temperature before top-k / top-p (logprobs_at_temperature): the old policy's
-// log-probability of GRPO's ratio. params.temperature must be > 0; params.max_new_tokens is the
-// completion's length limit; a completion without a stop id is truncated (FinishReason::kLength).
+// log-probability of GRPO's ratio, and each position's entropy of softmax(logits / temperature)
+// (want_entropy: TRL's `entropy` log). params.temperature must be > 0; params.max_new_tokens is
+// the completion's length limit; a completion without a stop id is truncated
+// (FinishReason::kLength).
 std::vector<GenerationResult> sample_completions(Qwen3Model& model,
                                                  const std::vector<std::vector<int64_t>>& prompts,
                                                  int64_t num_generations,

@@ -108,8 +108,9 @@ at::Tensor completion_rows(const at::Tensor& values, const std::vector<int64_t>&
 // grpo.temperature from the training forward (Qwen3Model::token_logprobs), the rows' advantages
 // and old log-probabilities, and with grpo.beta > 0 the reference's (a frozen copy of the
 // starting model) into grpo_loss. Units per loss_type (the file comment). Logs clip_ratio,
-// clip_ratio/low_mean, clip_ratio/high_mean and kl (beta > 0), each weighted by the micro-batch's
-// units so that the step's value is their mean over the step.
+// clip_ratio/low_mean, clip_ratio/high_mean, kl (beta > 0) and entropy (the rollout's sampling
+// entropies, RolloutRows::entropy), each weighted by the micro-batch's units so that the step's
+// value is their mean over the step.
 class GrpoObjective final : public Objective {
  public:
   // `reference`: the frozen starting model when beta > 0 (null otherwise).

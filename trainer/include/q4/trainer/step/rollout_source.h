@@ -76,9 +76,11 @@ class RolloutSource final : public BatchSource {
   void generate();
   // Scores `inputs`; RewardError on every rank when any rank's rewards fail (the order restored).
   RewardScores score(const std::vector<RewardInput>& inputs, const data::BatcherState& before);
-  // The micro-batches of `rows` completions (prompt index, tokens) with their advantages.
+  // The micro-batches of `rows` completions (prompt index, tokens, per-token sampling entropies)
+  // with their advantages.
   void build_micro_batches(const std::vector<int64_t>& prompt_of_row,
                            const std::vector<std::vector<int64_t>>& completions,
+                           const std::vector<std::vector<float>>& entropies,
                            const std::vector<bool>& truncated, const at::Tensor& advantages);
 
   const Config& c_;
