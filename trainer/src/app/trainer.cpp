@@ -312,9 +312,8 @@ class Trainer {
       // GRPO: the rollouts are the step's batches; the batcher orders the prompts (its state,
       // checkpointed, is the position in that order and seeds the sampler).
       rewards_.emplace(make_rewards(objective.reward));
-      // RolloutSource still reads the resolved config whole (grpo.*, train.seed, batch_size).
       rollouts_ = std::make_unique<RolloutSource>(
-          plan_.config(), model, plan_.device(), *setup_.tokenizer(), setup_.prompts(),
+          plan_.rollout_plan(setup_.tokenizer()->endoftext_id()), model, plan_.device(), *setup_.tokenizer(), setup_.prompts(),
           setup_.prompt_origins(), *setup_.batcher(), *rewards_, comm_.get());
     }
     evaluator_.attach(model, setup_.tokenizer(), *objective_, setup_.take_validation_batcher());

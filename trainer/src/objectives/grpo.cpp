@@ -195,10 +195,6 @@ void check_grpo_prompt_length(int64_t prompt_tokens, int64_t max_completion_leng
                     "prompt)");
 }
 
-void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std::string& where) {
-  check_grpo_prompt_length(prompt_tokens, c.grpo.max_completion_length, c.train.seq_len, where);
-}
-
 std::string grpo_summary(const GrpoConfig& g) {
   const GrpoLossOptions o = grpo_loss_options(g);
   std::string s = fmt::format(

@@ -204,6 +204,16 @@ data::BatcherOptions RunPlan::batcher_options(int64_t pad_id) const {
   return trainer::batcher_options(config_, pad_id, data_.packing, data_.group_size);
 }
 
+RolloutPlan RunPlan::rollout_plan(int64_t pad_id) const {
+  RolloutPlan r;
+  r.grpo = config_.grpo;
+  r.seed = config_.train.seed;
+  r.seq_len = config_.train.seq_len;
+  r.batch_size = config_.train.batch_size;
+  r.batcher = trainer::batcher_options(config_, pad_id, /*pack=*/false, 1);
+  return r;
+}
+
 nlohmann::json RunPlan::probe_settings() const {
   const Config& c = config_;
   return {{"config", c.source},

@@ -112,12 +112,12 @@ using rollout_detail::row_generators;
 using rollout_detail::inference_weight_budget_for;
 using rollout_detail::prompt_as_given;
 
-RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at::Device& device,
+RolloutSource::RolloutSource(RolloutPlan plan, model::Qwen3Model& model, const at::Device& device,
                              const data::Tokenizer& tokenizer,
                              const std::vector<data::PromptRecord>& prompts,
                              const std::vector<std::string>& origins, data::Batcher& order,
                              Rewards& rewards, DistComm* comm)
-    : c_(c),
+    : p_(std::move(plan)),
       model_(model),
       device_(device),
       tok_(tokenizer),
@@ -131,7 +131,8 @@ RolloutSource::RolloutSource(const Config& c, model::Qwen3Model& model, const at
               "RolloutSource: the prompt order must hold every prompt once");
   fields_.reserve(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    check_grpo_prompt_length(static_cast<int64_t>(prompts[i].prompt_ids.size()), c, origins[i]);
+    check_grpo_prompt_length(static_cast<int64_t>(prompts[i].prompt_ids.size()),
+                             p_.grpo.max_completion_length, p_.seq_len, origins[i]);
     fields_.push_back(nlohmann::json::parse(prompts[i].fields.dump()));
     rewards.check_example(fields_.back(), origins[i]);
   }
@@ -141,21 +142,40 @@ int64_t RolloutSource::generations() const { return order_.state().batches; }
 
 bool RolloutSource::at_generation_boundary() const {
   return micro_.empty() ||
-         (next_micro_ == micro_.size() && passes_ + 1 >= c_.grpo.num_iterations);
+         (next_micro_ == micro_.size() && passes_ + 1 >= p_.grpo.num_iterations);
 }
 
 data::Batch RolloutSource::next() {
   if (next_micro_ == micro_.size()) {
     ++passes_;
     next_micro_ = 0;
-    if (micro_.empty() || passes_ >= c_.grpo.num_iterations) generate();
+    if (micro_.empty() || passes_ >= p_.grpo.num_iterations) generate();
   }
   return micro_[next_micro_++];
 }
 
+namespace {
+
+// The sampler's settings for GRPO's rollouts: grpo.temperature, top_k, top_p and
+// max_completion_length; the log-probabilities at the temperature; stop at the ChatML and
+// document ends.
+model::SamplingParams sampling_params(const GrpoConfig& g, const data::Tokenizer& tok) {
+  model::SamplingParams sp;
+  sp.temperature = g.temperature;
+  sp.top_k = g.top_k;
+  sp.top_p = g.top_p;
+  sp.max_new_tokens = g.max_completion_length;
+  sp.want_logprobs = true;
+  sp.logprobs_at_temperature = true;
+  sp.stop_ids = {tok.im_end_id(), tok.endoftext_id()};
+  return sp;
+}
+
+}  // namespace
+
 void RolloutSource::generate() {
   NvtxRange range("rollout");
-  const auto& g = c_.grpo;
+  const auto& g = p_.grpo;
   const int64_t G = g.num_generations;
   const int world = comm_ ? comm_->world_size() : 1;
   const int rank = comm_ ? comm_->rank() : 0;
@@ -172,16 +192,9 @@ void RolloutSource::generate() {
     const auto& ids = prompts_[static_cast<size_t>(p)].prompt_ids;
     prompt_ids.emplace_back(ids.begin(), ids.end());
   }
-  model::SamplingParams sp;
-  sp.temperature = g.temperature;
-  sp.top_k = g.top_k;
-  sp.top_p = g.top_p;
-  sp.max_new_tokens = g.max_completion_length;
-  sp.want_logprobs = true;
-  sp.logprobs_at_temperature = true;
-  sp.stop_ids = {tok_.im_end_id(), tok_.endoftext_id()};
+  const model::SamplingParams sp = sampling_params(g, tok_);
   model::TokenSampler sampler(
-      sp, row_generators(static_cast<uint64_t>(c_.train.seed),
+      sp, row_generators(static_cast<uint64_t>(p_.seed),
                          static_cast<uint64_t>(before.batches), rank * share * G, share * G));
   std::vector<model::GenerationResult> results;
   const auto t0 = std::chrono::steady_clock::now();
@@ -281,14 +294,14 @@ void RolloutSource::build_micro_batches(const std::vector<int64_t>& prompt_of_ro
                                         const std::vector<std::vector<float>>& entropies,
                                         const std::vector<bool>& truncated,
                                         const at::Tensor& advantages) {
-  const auto& g = c_.grpo;
-  const int64_t rows = c_.train.batch_size;
+  const auto& g = p_.grpo;
+  const int64_t rows = p_.batch_size;
   const auto N = static_cast<int64_t>(completions.size());
   TORCH_CHECK(N % rows == 0, "rollouts: ", N, " completions for micro-batches of ", rows);
   micro_.clear();
   // The batcher lays the rows out as training batches them (padding, the CUDA varlen layout);
   // without shuffling or packing its rows are the examples in order.
-  data::BatcherOptions bo = batcher_options(c_, tok_.endoftext_id(), /*pack=*/false, 1);
+  data::BatcherOptions bo = p_.batcher;
   bo.batch_size = rows;
   bo.shuffle = false;
   bo.truncation = data::Truncation::kDrop;

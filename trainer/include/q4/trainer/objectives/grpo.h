@@ -90,9 +90,6 @@ std::vector<std::pair<std::string, double>> grpo_rollout_stats(
 // ConfigError naming the keys and `where` (file:line of the prompt).
 void check_grpo_prompt_length(int64_t prompt_tokens, int64_t max_completion_length, int64_t seq_len,
                               const std::string& where);
-// The same over the config's grpo.max_completion_length and train.seq_len, for RolloutSource
-// until it takes its slice of the plan.
-void check_grpo_prompt_length(int64_t prompt_tokens, const Config& c, const std::string& where);
 
 // One line for --dry-run and the start (`g`: grpo.*).
 std::string grpo_summary(const GrpoConfig& g);

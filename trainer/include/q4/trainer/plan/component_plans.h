@@ -28,6 +28,16 @@ struct FrozenModelSpec {
       true;  // an HF folder's dense linears stay dense (else NVFP4 like model.weights)
   bool fake_quant = true;  // its NVFP4 linears compute through the quantizer (ModelOptions)
 };
+// What GRPO's rollout source reads (step/rollout_source.h): the grpo section, the sampler's seed
+// and the rows' layout.
+struct RolloutPlan {
+  GrpoConfig grpo;               // grpo.*
+  int64_t seed = 0;              // train.seed
+  int64_t seq_len = 0;           // train.seq_len
+  int64_t batch_size = 0;        // train.batch_size: rows per micro-batch
+  data::BatcherOptions batcher;  // the rows' layout: unpacked, one example a group
+};
+
 // What the objective needs (objectives/objective.h make_objective and its helpers):
 // train.objective, its section, and the frozen models it may load.
 struct ObjectivePlan {

@@ -119,8 +119,7 @@ class RunPlan {
 
   // The configuration as resolved so far (after with_length: the steps-based config; after
   // with_recompute: the recompute chosen). The resolver's (plan/, the objective registry): the
-  // components take their slices (component_plans.h); outside plan/ only RolloutSource reads it,
-  // until it takes its slice (docs/design.md#trainer-layers).
+  // components take their slices (component_plans.h; docs/design.md#trainer-layers).
   const Config& config() const { return config_; }
   const RunOptions& options() const { return options_; }
   const at::Device& device() const { return device_; }
@@ -169,6 +168,8 @@ class RunPlan {
   // The training batcher's settings (options.h batcher_options, as the data plan lays the rows
   // out), `pad_id` the tokenizer's padding.
   data::BatcherOptions batcher_options(int64_t pad_id) const;
+  // GRPO's rollout source's slice (`pad_id` the tokenizer's padding).
+  RolloutPlan rollout_plan(int64_t pad_id) const;
   // The settings a probe report records (the config file, the micro-batch, dtypes, the recompute
   // as resolved, the optimizer state, the data's kind): a JSON object.
   nlohmann::json probe_settings() const;

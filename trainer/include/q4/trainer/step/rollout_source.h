@@ -28,6 +28,7 @@
 #include "q4/model/qwen3.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/distributed/distributed.h"
+#include "q4/trainer/plan/component_plans.h"
 #include "q4/trainer/rewards/rewards.h"
 #include "q4/trainer/step/batch_source.h"
 
@@ -48,7 +49,7 @@ class RolloutSource final : public BatchSource {
   // ConfigError naming its file:line. `order`'s examples are the prompts (RunSetup::prompts), one
   // batch per generation batch (with `comm`, every rank's prompts). Borrows everything; `comm`
   // (data parallel) may be null.
-  RolloutSource(const Config& c, model::Qwen3Model& model, const at::Device& device,
+  RolloutSource(RolloutPlan plan, model::Qwen3Model& model, const at::Device& device,
                 const data::Tokenizer& tokenizer, const std::vector<data::PromptRecord>& prompts,
                 const std::vector<std::string>& origins, data::Batcher& order, Rewards& rewards,
                 DistComm* comm = nullptr);
@@ -83,7 +84,7 @@ class RolloutSource final : public BatchSource {
                            const std::vector<std::vector<float>>& entropies,
                            const std::vector<bool>& truncated, const at::Tensor& advantages);
 
-  const Config& c_;
+  const RolloutPlan p_;
   model::Qwen3Model& model_;
   at::Device device_;
   const data::Tokenizer& tok_;
