@@ -148,7 +148,7 @@ TEST(DemoCuda, GrpoVariantsRaiseTheReward) {
       {"full", ""},
       {"offload", "--set optim.offload=all"},
       {"lora", "--set train.method=lora --set lora.merge_aware=false"},
-      {"lora_merge_aware", "--set train.method=lora --set optim.lr=2.0e-2"},
+      {"lora_merge_aware", "--set train.method=lora"},
       {"beta", "--set grpo.beta=0.04"},
   };
   for (const auto& [name, args] : variants) {
