@@ -41,6 +41,7 @@ function(q4_add_test name)
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LINK} q4_test_support GTest::gtest GTest::gtest_main
     q4_warnings)
+  target_compile_options(${name} PRIVATE ${Q4_TEST_OPT})
   target_compile_definitions(${name} PRIVATE
     Q4_FIXTURES_DIR="${PROJECT_SOURCE_DIR}/tests/fixtures"
     Q4_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
@@ -82,5 +83,50 @@ function(q4_add_library_tests lib)
     if(TARGET ${tool})
       add_dependencies(test_${lib} ${tool})
     endif()
+  endforeach()
+endfunction()
+
+# q4_use_precompiled_header(DIR): every static library and executable defined in DIR and below
+# reuses one precompiled header of the heavy third-party headers most sources include (ATen,
+# nlohmann/json, fmt): target q4_pch; the test binaries and their support library reuse
+# q4_pch_test, the same plus GoogleTest. C++ sources only. A target whose flags made the header
+# unusable still compiles: GCC then parses the headers itself and says so (-Winvalid-pch).
+function(q4_use_precompiled_header dir)
+  if(NOT TARGET q4_pch)
+    set(_headers ATen/ATen.h nlohmann/json.hpp fmt/format.h)
+    q4_pch_target(q4_pch "${_headers}" ${TORCH_LIBRARIES} nlohmann_json::nlohmann_json
+      fmt::fmt-header-only)
+    if(TARGET GTest::gtest)
+      q4_pch_target(q4_pch_test "${_headers};gtest/gtest.h" ${TORCH_LIBRARIES}
+        nlohmann_json::nlohmann_json fmt::fmt-header-only GTest::gtest)
+      target_compile_options(q4_pch_test PRIVATE ${Q4_TEST_OPT})
+    endif()
+  endif()
+  get_property(_targets DIRECTORY ${dir} PROPERTY BUILDSYSTEM_TARGETS)
+  foreach(t ${_targets})
+    get_target_property(_type ${t} TYPE)
+    if(NOT (_type STREQUAL "STATIC_LIBRARY" OR _type STREQUAL "EXECUTABLE") OR t MATCHES "^q4_pch")
+      continue()
+    endif()
+    if(t STREQUAL q4_test_support)  # no torch headers: the header would only cost its loading
+      continue()
+    elseif(TARGET q4_pch_test AND t MATCHES "^test_")
+      target_precompile_headers(${t} REUSE_FROM q4_pch_test)
+    else()
+      target_precompile_headers(${t} REUSE_FROM q4_pch)
+    endif()
+  endforeach()
+  get_property(_dirs DIRECTORY ${dir} PROPERTY SUBDIRECTORIES)
+  foreach(d ${_dirs})
+    q4_use_precompiled_header(${d})
+  endforeach()
+endfunction()
+
+function(q4_pch_target name headers)
+  file(WRITE ${CMAKE_BINARY_DIR}/${name}.cpp "// The source of a precompiled header's target.\n")
+  add_library(${name} STATIC ${CMAKE_BINARY_DIR}/${name}.cpp)
+  target_link_libraries(${name} PRIVATE ${ARGN})
+  foreach(h ${headers})
+    target_precompile_headers(${name} PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:<${h}>>")
   endforeach()
 endfunction()
