@@ -25,9 +25,14 @@ using json = nlohmann::ordered_json;
 constexpr char kUtf8Bom[] = "\xEF\xBB\xBF";
 
 // A malformed line; caught by the loader and turned into an error or a skip.
-struct BadLine {
-  std::string reason;
-};
+using BadLine = json_records::BadRecord;
+
+// An example's part of the summary's token counts.
+void count_example(const Example& ex, LoadSummary* s) {
+  s->tokens += static_cast<int64_t>(ex.input_ids.size());
+  for (TokenId l : ex.labels) s->supervised_tokens += l != kIgnoreIndex;
+  s->reasoning_dropped += ex.reasoning_dropped;
+}
 
 std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(),
@@ -204,20 +209,6 @@ PreferencePair parse_preference(const json& j, const Tokenizer& tok, const Datas
   return pair;
 }
 
-// A malformed line or record: an error naming the file and line, or (on_error: skip) counted and
-// reported in the summary. `unit` names what is skipped ("lines", "records").
-void skip_or_fail(LoadSummary* s, const DatasetOptions& options, const std::string& name,
-                  int64_t line, const std::string& reason, const char* unit) {
-  TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", reason,
-              options.skip_hint.empty()
-                  ? std::string()
-                  : " (" + options.skip_hint + " to skip malformed " + unit + ")");
-  ++s->skipped;
-  if (static_cast<int64_t>(s->first_skipped.size()) < LoadSummary::kMaxReported) {
-    s->first_skipped.push_back({line, reason});
-  }
-}
-
 json parse_object(const std::string& line) {
   json j;
   try {
@@ -369,7 +360,7 @@ Example parse_jsonl(const std::string& line, int64_t line_no, const Tokenizer& t
 
 }  // namespace
 
-// The JSON-array reading that the prompt loader shares (json_records.h).
+// The record reading and skip rule that the prompt loader shares (json_records.h).
 namespace json_records {
 
 // Line ends ("\n", "\r\n" or a lone "\r", as the line reader splits) in content[0, end).
@@ -460,12 +451,50 @@ void for_each_record(const std::string& content, const std::string& name, LoadSu
   }
 }
 
+void skip_or_fail(LoadSummary* s, const DatasetOptions& options, const std::string& name,
+                  int64_t line, const std::string& reason, const char* unit) {
+  TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", reason,
+              options.skip_hint.empty()
+                  ? std::string()
+                  : " (" + options.skip_hint + " to skip malformed " + unit + ")");
+  ++s->skipped;
+  if (static_cast<int64_t>(s->first_skipped.size()) < LoadSummary::kMaxReported) {
+    s->first_skipped.push_back({line, reason});
+  }
+}
+
+void load_records(const std::string& content, const std::string& name,
+                  const DatasetOptions& options, LoadSummary* summary,
+                  const std::function<void(const std::string&, int64_t)>& take) {
+  TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
+              "system_prompt: not valid UTF-8");
+  summary->path = name;
+  for_each_record(content, name, summary, [&](const std::string& text, int64_t line) {
+    try {
+      take(text, line);
+    } catch (const BadRecord& bad) {
+      skip_or_fail(summary, options, name, line, bad.reason, "records");
+    }
+  });
+}
+
+std::string read_data_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), path, ": cannot open data file");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  TORCH_CHECK(!in.bad(), path, ": read error");
+  return ss.str();
+}
+
 }  // namespace json_records
 
 namespace {
 
 using json_records::ArrayRecord;
 using json_records::count_line_ends;
+using json_records::read_data_file;
+using json_records::skip_or_fail;
 using json_records::split_json_array;
 
 DataFormat resolve_format(DataFormat f, const std::string& name) {
@@ -615,9 +644,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         Example ex = parse_jsonl(r.text, r.line, tokenizer, options, &kind);
         ++ds.summary.jsonl_formats[kind];
         ex.source_line = r.line;
-        ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
-        for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
-        ds.summary.reasoning_dropped += ex.reasoning_dropped;
+        count_example(ex, &ds.summary);
         ds.examples.push_back(std::move(ex));
       } catch (const BadLine& bad) {
         skip_or_fail(&ds.summary, options, name, r.line, bad.reason, "records");
@@ -679,9 +706,7 @@ Dataset load_dataset_from_string(const std::string& content, const std::string& 
         ex = text_example(line, tokenizer, options);
       }
       ex.source_line = line_no;
-      ds.summary.tokens += static_cast<int64_t>(ex.input_ids.size());
-      for (TokenId l : ex.labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
-      ds.summary.reasoning_dropped += ex.reasoning_dropped;
+      count_example(ex, &ds.summary);
       ds.examples.push_back(std::move(ex));
     } catch (const BadLine& bad) {
       skip_or_fail(&ds.summary, options, name, line_no, bad.reason, "lines");
@@ -695,44 +720,20 @@ PreferenceDataset load_preference_dataset_from_string(const std::string& content
                                                       const std::string& name,
                                                       const Tokenizer& tokenizer,
                                                       const DatasetOptions& options) {
-  TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
-              "system_prompt: not valid UTF-8");
   PreferenceDataset ds;
-  ds.summary.path = name;
-  // One record: parsed, counted, or skipped (on_error: skip) or an error naming file and line.
-  auto take = [&](const std::string& text, int64_t line) {
-    try {
-      check_utf8(text);
-      PreferencePair p = parse_preference(parse_object(text), tokenizer, options);
-      p.source_line = p.chosen.source_line = p.rejected.source_line = line;
-      for (const Example* e : {&p.chosen, &p.rejected}) {
-        ds.summary.tokens += static_cast<int64_t>(e->input_ids.size());
-        for (TokenId l : e->labels) ds.summary.supervised_tokens += l != kIgnoreIndex;
-        ds.summary.reasoning_dropped += e->reasoning_dropped;
-      }
-      ++ds.summary.jsonl_formats["trl preference"];
-      ds.pairs.push_back(std::move(p));
-    } catch (const BadLine& bad) {
-      skip_or_fail(&ds.summary, options, name, line, bad.reason, "records");
-    }
-  };
-  json_records::for_each_record(content, name, &ds.summary, take);
+  json_records::load_records(
+      content, name, options, &ds.summary, [&](const std::string& text, int64_t line) {
+        check_utf8(text);
+        PreferencePair p = parse_preference(parse_object(text), tokenizer, options);
+        p.source_line = p.chosen.source_line = p.rejected.source_line = line;
+        count_example(p.chosen, &ds.summary);
+        count_example(p.rejected, &ds.summary);
+        ++ds.summary.jsonl_formats["trl preference"];
+        ds.pairs.push_back(std::move(p));
+      });
   ds.summary.examples = static_cast<int64_t>(ds.pairs.size());
   return ds;
 }
-
-namespace {
-
-std::string read_data_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), path, ": cannot open data file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), path, ": read error");
-  return ss.str();
-}
-
-}  // namespace
 
 PreferenceDataset load_preference_dataset(const std::string& path, const Tokenizer& tokenizer,
                                           const DatasetOptions& options) {

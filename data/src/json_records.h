@@ -1,6 +1,6 @@
-// Reading a JSON-array data file record by record (internal to q4_data): the SFT and preference
-// loaders (dataset.cpp) and the prompt loader (prompt_dataset.cpp) share it, so every loader
-// names the line where a bad record starts.
+// Reading a data file record by record (internal to q4_data): the SFT and preference loaders
+// (dataset.cpp) and the prompt loader (prompt_dataset.cpp) share it, and the rule for a bad
+// record, so every loader names the line where a bad record starts and skips it alike.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,11 @@
 #include "q4/data/dataset.h"
 
 namespace q4::data::json_records {
+
+// A malformed line or record: its reason, turned into an error or a skip by the loader.
+struct BadRecord {
+  std::string reason;
+};
 
 // A record of a JSON-array file: the text of one top-level element and its first line.
 struct ArrayRecord {
@@ -32,5 +37,21 @@ std::vector<ArrayRecord> split_json_array(const std::string& content, size_t pos
 // summary->ignored). Sets summary->json_array and summary->lines.
 void for_each_record(const std::string& content, const std::string& name, LoadSummary* summary,
                      const std::function<void(const std::string&, int64_t)>& take);
+
+// A malformed line or record: an error naming the file and line, or (on_error: skip) counted and
+// reported in the summary. `unit` names what is skipped ("lines", "records").
+void skip_or_fail(LoadSummary* s, const DatasetOptions& options, const std::string& name,
+                  int64_t line, const std::string& reason, const char* unit);
+
+// The frame of a loader that takes a file one record at a time (preference pairs, prompts):
+// checks options.system_prompt, sets summary->path to `name` and calls take(text, line) for each
+// record (for_each_record); a record whose take throws BadRecord is skipped or an error
+// (skip_or_fail, "records"). The caller sets summary->examples.
+void load_records(const std::string& content, const std::string& name,
+                  const DatasetOptions& options, LoadSummary* summary,
+                  const std::function<void(const std::string&, int64_t)>& take);
+
+// The whole of a data file (binary: line ends are the loaders' to split); errors name `path`.
+std::string read_data_file(const std::string& path);
 
 }  // namespace q4::data::json_records

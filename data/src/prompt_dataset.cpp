@@ -7,8 +7,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <fstream>
-#include <sstream>
 
 #include "json_records.h"
 #include "q4/data/chat_json.h"
@@ -18,9 +16,7 @@ namespace q4::data {
 namespace prompt_records {
 
 // A malformed record: its reason, turned into an error or a skip by the loader.
-struct BadPrompt {
-  std::string reason;
-};
+using BadPrompt = json_records::BadRecord;
 
 bool blank(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c) != 0; });
@@ -102,41 +98,23 @@ PromptDataset load_prompt_dataset_from_string(const std::string& content, const 
                                               const Tokenizer& tokenizer,
                                               const DatasetOptions& options) {
   using namespace prompt_records;
-  TORCH_CHECK(io::utf8::find_invalid(options.system_prompt) == std::string::npos,
-              "system_prompt: not valid UTF-8");
   PromptDataset ds;
-  ds.summary.path = name;
-  auto take = [&](const std::string& text, int64_t line) {
-    try {
-      PromptRecord r = parse_prompt(text, tokenizer, options);
-      r.source_line = line;
-      ds.summary.tokens += static_cast<int64_t>(r.prompt_ids.size());
-      ++ds.summary.jsonl_formats[r.conversational ? "trl prompt (conversational)" : "trl prompt"];
-      ds.prompts.push_back(std::move(r));
-    } catch (const BadPrompt& bad) {
-      TORCH_CHECK(options.on_error == OnError::kSkip, name, ":", line, ": ", bad.reason,
-                  options.skip_hint.empty()
-                      ? std::string()
-                      : " (" + options.skip_hint + " to skip malformed records)");
-      ++ds.summary.skipped;
-      if (static_cast<int64_t>(ds.summary.first_skipped.size()) < LoadSummary::kMaxReported) {
-        ds.summary.first_skipped.push_back({line, bad.reason});
-      }
-    }
-  };
-  json_records::for_each_record(content, name, &ds.summary, take);
+  json_records::load_records(
+      content, name, options, &ds.summary, [&](const std::string& text, int64_t line) {
+        PromptRecord r = parse_prompt(text, tokenizer, options);
+        r.source_line = line;
+        ds.summary.tokens += static_cast<int64_t>(r.prompt_ids.size());
+        ++ds.summary.jsonl_formats[r.conversational ? "trl prompt (conversational)" : "trl prompt"];
+        ds.prompts.push_back(std::move(r));
+      });
   ds.summary.examples = static_cast<int64_t>(ds.prompts.size());
   return ds;
 }
 
 PromptDataset load_prompt_dataset(const std::string& path, const Tokenizer& tokenizer,
                                   const DatasetOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), path, ": cannot open data file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  TORCH_CHECK(!in.bad(), path, ": read error");
-  return load_prompt_dataset_from_string(ss.str(), path, tokenizer, options);
+  return load_prompt_dataset_from_string(json_records::read_data_file(path), path, tokenizer,
+                                         options);
 }
 
 }  // namespace q4::data

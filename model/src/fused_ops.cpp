@@ -129,10 +129,8 @@ bool float_kind(at::ScalarType t) {
 }
 
 }  // namespace
-#endif
 
 bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w) {
-#if Q4_WITH_CUDA
   if (!x.is_cuda() || !w.is_cuda() || x.scalar_type() != w.scalar_type() ||
       !float_kind(x.scalar_type()) || !x.is_contiguous() || !w.is_contiguous() || x.dim() < 1) {
     return false;
@@ -141,61 +139,30 @@ bool fused_rms_norm_applies(const at::Tensor& x, const at::Tensor& w) {
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
   return n > 0 && n % vec == 0 && w.numel() == n && aligned16(x) && aligned16(w) &&
          n * 4 * 8 <= 200 * 1024;  // the backward's shared weight-gradient slices
-#else
-  (void)x;
-  (void)w;
-  return false;
-#endif
 }
 
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-#if Q4_WITH_CUDA
   return RmsNormFn::apply(x, w, eps);
-#else
-  (void)eps;
-  TORCH_INTERNAL_ASSERT(false, "fused_rms_norm without CUDA");
-  return x;
-#endif
 }
 
 bool fused_rope_applies(const at::Tensor& x, const at::Tensor& cos) {
-#if Q4_WITH_CUDA
   return x.is_cuda() && x.dim() == 3 && cos.dim() == 2 && x.is_contiguous() &&
          cos.is_contiguous() && x.scalar_type() == cos.scalar_type() &&
          float_kind(x.scalar_type()) && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
          x.size(2) % 2 == 0;
-#else
-  (void)x;
-  (void)cos;
-  return false;
-#endif
 }
 
 at::Tensor fused_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-#if Q4_WITH_CUDA
   return RopeFn::apply(x, cos, sin.contiguous());
-#else
-  (void)cos;
-  (void)sin;
-  TORCH_INTERNAL_ASSERT(false, "fused_rope without CUDA");
-  return x;
-#endif
 }
 
 bool fused_xent_applies(const at::Tensor& logits, const at::Tensor& labels) {
-#if Q4_WITH_CUDA
   return logits.is_cuda() && labels.is_cuda() && logits.dim() == 2 && logits.is_contiguous() &&
          float_kind(logits.scalar_type()) && labels.scalar_type() == at::kLong &&
          labels.is_contiguous() && labels.numel() == logits.size(0);
-#else
-  (void)logits;
-  (void)labels;
-  return false;
-#endif
 }
 
 at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, bool want_grad) {
-#if Q4_WITH_CUDA
   c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor loss_rows = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   check_cuda(cuda::launch_softmax_xent(logits.data_ptr(), labels.data_ptr<int64_t>(),
@@ -204,13 +171,30 @@ at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor& labels, boo
                                        at::cuda::getCurrentCUDAStream()),
              "softmax cross-entropy");
   return loss_rows;
-#else
-  (void)labels;
-  (void)want_grad;
+}
+#else  // no CUDA: no fused op applies, and none is called
+
+bool fused_rms_norm_applies(const at::Tensor&, const at::Tensor&) { return false; }
+
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor&, double) {
+  TORCH_INTERNAL_ASSERT(false, "fused_rms_norm without CUDA");
+  return x;
+}
+
+bool fused_rope_applies(const at::Tensor&, const at::Tensor&) { return false; }
+
+at::Tensor fused_rope(const at::Tensor& x, const at::Tensor&, const at::Tensor&) {
+  TORCH_INTERNAL_ASSERT(false, "fused_rope without CUDA");
+  return x;
+}
+
+bool fused_xent_applies(const at::Tensor&, const at::Tensor&) { return false; }
+
+at::Tensor fused_softmax_xent_(at::Tensor& logits, const at::Tensor&, bool) {
   TORCH_INTERNAL_ASSERT(false, "fused_softmax_xent_ without CUDA");
   return logits;
-#endif
 }
+#endif
 
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, bool fused) {
 #if Q4_WITH_CUDA

@@ -104,30 +104,23 @@ void ensure_tables() {
 namespace {
 
 // ---- block codecs (device) ----
-// kBlock elements per moment block, handled by kLanes lanes of kElems consecutive elements.
+// kBlock elements per moment block, handled by kLanes lanes of kElems consecutive elements;
+// kNibbles: two codes a byte. One row per mode.
+template <int Block, int Lanes, int Elems, bool Nibbles>
+struct BlockShape {
+  static constexpr int kBlock = Block;
+  static constexpr int kLanes = Lanes;
+  static constexpr int kElems = Elems;
+  static constexpr bool kNibbles = Nibbles;
+};
 template <int MODE>
 struct BlockTraits;
 template <>
-struct BlockTraits<1> {  // int8
-  static constexpr int kBlock = 256;
-  static constexpr int kLanes = 32;
-  static constexpr int kElems = 8;
-  static constexpr bool kNibbles = false;
-};
+struct BlockTraits<1> : BlockShape<256, 32, 8, false> {};  // int8
 template <>
-struct BlockTraits<2> {  // 4-bit
-  static constexpr int kBlock = 128;
-  static constexpr int kLanes = 16;
-  static constexpr int kElems = 8;
-  static constexpr bool kNibbles = true;
-};
+struct BlockTraits<2> : BlockShape<128, 16, 8, true> {};  // 4-bit
 template <>
-struct BlockTraits<3> {  // NVFP4
-  static constexpr int kBlock = 16;
-  static constexpr int kLanes = 4;
-  static constexpr int kElems = 4;
-  static constexpr bool kNibbles = true;
-};
+struct BlockTraits<3> : BlockShape<16, 4, 4, true> {};  // NVFP4
 
 template <int MODE>
 __device__ __forceinline__ float block_scale(const void* scales, int64_t blk) {

@@ -103,17 +103,6 @@ inline model::ModelOptions cuda_recompute_options() {
   return o;
 }
 
-// A host batch as the model's inputs (CPU tests: no staging).
-inline model::ModelInputs host_inputs(const data::Batch& b) {
-  model::ModelInputs in;
-  in.input_ids = b.input_ids;
-  in.labels = b.labels;
-  in.attention_mask = b.attention_mask;
-  in.position_ids = b.position_ids;
-  in.segment_ids = b.segment_ids;
-  return in;
-}
-
 // A run's config on the CPU for the component tests.
 inline Config cpu_config(const std::string& dir, int64_t grad_accum = 1) {
   Config c;

@@ -54,6 +54,26 @@ bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
+// Passes when parsing `text` (with `ov`) fails with a message naming each of `parts`; else says
+// which part the message lacks.
+::testing::AssertionResult error_names(const std::string& text,
+                                       const std::vector<std::string>& parts,
+                                       const std::vector<Override>& ov = {}) {
+  const std::string msg = error_of(text, ov);
+  for (const std::string& part : parts) {
+    if (!contains(msg, part)) {
+      return ::testing::AssertionFailure() << "no \"" << part << "\" in: " << msg;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// did_you_mean over the config's keys for each (misspelled key, the key it suggests; "": none).
+void expect_suggestions(const std::vector<std::pair<std::string, std::string>>& cases) {
+  const auto keys = config_keys();
+  for (const auto& [typo, want] : cases) EXPECT_EQ(did_you_mean(typo, keys), want) << typo;
+}
+
 }  // namespace
 
 TEST(Config, MinimalGetsDefaultsAndResolvesPaths) {
@@ -78,50 +98,37 @@ TEST(Config, ModelDirSuppliesConfigAndTokenizer) {
 }
 
 TEST(Config, UnknownKeyNamesItWithSuggestion) {
-  std::string msg = error_of(std::string(kMinimal) + "train:\n  setps: 3\n");
-  EXPECT_TRUE(contains(msg, "train.setps")) << msg;
-  EXPECT_TRUE(contains(msg, "did you mean train.steps")) << msg;
-  EXPECT_TRUE(contains(msg, "line 9")) << msg;
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "train:\n  setps: 3\n",
+                          {"train.setps", "did you mean train.steps", "line 9"}));
 
-  msg = error_of(std::string(kMinimal) + "train:\n  lr: 0.1\n");
-  EXPECT_TRUE(contains(msg, "did you mean optim.lr")) << msg;
+  EXPECT_TRUE(
+      error_names(std::string(kMinimal) + "train:\n  lr: 0.1\n", {"did you mean optim.lr"}));
 
-  msg = error_of(std::string(kMinimal) + "optimizer:\n  lr: 0.1\n");
-  EXPECT_TRUE(contains(msg, "unknown config key optimizer")) << msg;
-  EXPECT_TRUE(contains(msg, "did you mean optim")) << msg;
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "optimizer:\n  lr: 0.1\n",
+                          {"unknown config key optimizer", "did you mean optim"}));
 
-  msg = error_of(std::string(kMinimal) + "zzzzzz: 1\n");
+  std::string msg = error_of(std::string(kMinimal) + "zzzzzz: 1\n");
   EXPECT_TRUE(contains(msg, "zzzzzz")) << msg;
   EXPECT_FALSE(contains(msg, "did you mean")) << msg;
 }
 
 TEST(Config, WrongTypesNameKeyAndLine) {
-  std::string msg = error_of(std::string(kMinimal) + "train:\n  steps: many\n");
-  EXPECT_TRUE(contains(msg, "train.steps")) << msg;
-  EXPECT_TRUE(contains(msg, "expected an integer")) << msg;
-  EXPECT_TRUE(contains(msg, "'many'")) << msg;
-  EXPECT_TRUE(contains(msg, "line 9")) << msg;
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "train:\n  steps: many\n",
+                          {"train.steps", "expected an integer", "'many'", "line 9"}));
 
-  msg = error_of(std::string(kMinimal) + "train:\n  steps: 1.5\n");
-  EXPECT_TRUE(contains(msg, "expected an integer")) << msg;
-  msg = error_of(std::string(kMinimal) + "optim:\n  lr: fast\n");
-  EXPECT_TRUE(contains(msg, "optim.lr")) << msg;
-  EXPECT_TRUE(contains(msg, "a number")) << msg;
-  msg = error_of(kMinimal, {parse_override("data.shuffle=maybe")});
-  EXPECT_TRUE(contains(msg, "data.shuffle")) << msg;
-  msg = error_of(std::string(kMinimal) + "optim:\n  state: int3\n");
-  EXPECT_TRUE(contains(msg, "optim.state")) << msg;
-  EXPECT_TRUE(contains(msg, "fp32, int8, 4bit, nvfp4")) << msg;
-  msg = error_of(std::string(kMinimal) + "train: 5\n");
-  EXPECT_TRUE(contains(msg, "config section train")) << msg;
-  msg = error_of(std::string(kMinimal) + "eval:\n  prompts: {a: 1}\n");
-  EXPECT_TRUE(contains(msg, "eval.prompts")) << msg;
+  EXPECT_TRUE(
+      error_names(std::string(kMinimal) + "train:\n  steps: 1.5\n", {"expected an integer"}));
+  EXPECT_TRUE(
+      error_names(std::string(kMinimal) + "optim:\n  lr: fast\n", {"optim.lr", "a number"}));
+  EXPECT_TRUE(error_names(kMinimal, {"data.shuffle"}, {parse_override("data.shuffle=maybe")}));
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "optim:\n  state: int3\n",
+                          {"optim.state", "fp32, int8, 4bit, nvfp4"}));
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "train: 5\n", {"config section train"}));
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "eval:\n  prompts: {a: 1}\n", {"eval.prompts"}));
 }
 
 TEST(Config, InvalidYamlNamesLine) {
-  const std::string msg = error_of("model:\n  config: [unclosed\n");
-  EXPECT_TRUE(contains(msg, "test.yaml line")) << msg;
-  EXPECT_TRUE(contains(msg, "invalid YAML")) << msg;
+  EXPECT_TRUE(error_names("model:\n  config: [unclosed\n", {"test.yaml line", "invalid YAML"}));
 }
 
 TEST(Config, RangesAndContradictions) {
@@ -253,9 +260,8 @@ TEST(Config, SetOverridesBeforeValidation) {
   EXPECT_TRUE(contains(error_of(kMinimal, {parse_override("train.steps=x")}), "from --set"));
   EXPECT_TRUE(
       contains(error_of(kMinimal, {parse_override("train.batch_size=0")}), "train.batch_size"));
-  const std::string msg = error_of(kMinimal, {parse_override("train.step=3")});
-  EXPECT_TRUE(contains(msg, "train.step")) << msg;
-  EXPECT_TRUE(contains(msg, "did you mean train.steps")) << msg;
+  EXPECT_TRUE(error_names(kMinimal, {"train.step", "did you mean train.steps"},
+                          {parse_override("train.step=3")}));
   EXPECT_THROW(parse_override("novalue"), ConfigError);
   EXPECT_THROW(parse_override("=3"), ConfigError);
   EXPECT_THROW(parse_override("a..b=3"), ConfigError);
@@ -293,12 +299,11 @@ eval:
 }
 
 TEST(Config, DidYouMean) {
-  const auto keys = config_keys();
-  EXPECT_EQ(did_you_mean("train.stpes", keys), "train.steps");
-  EXPECT_EQ(did_you_mean("optim.weightdecay", keys), "optim.weight_decay");
-  EXPECT_EQ(did_you_mean("train.lr", keys), "optim.lr");
-  EXPECT_EQ(did_you_mean("output.checkpoint_evry", keys), "output.checkpoint_every");
-  EXPECT_EQ(did_you_mean("completely.unrelated_thing", keys), "");
+  expect_suggestions({{"train.stpes", "train.steps"},
+                      {"optim.weightdecay", "optim.weight_decay"},
+                      {"train.lr", "optim.lr"},
+                      {"output.checkpoint_evry", "output.checkpoint_every"},
+                      {"completely.unrelated_thing", ""}});
 }
 
 TEST(Config, ShippedRecipesParse) {
@@ -399,15 +404,11 @@ TEST(Config, RangesComeFromTheTable) {
                        "config key train.batch_size (test.yaml line 9): expected a value in "
                        "[1, 4096], found 0"))
       << msg;
-  msg = error_of(base + "optim:\n  beta1: 1\n");
-  EXPECT_TRUE(contains(msg, "optim.beta1")) << msg;
-  EXPECT_TRUE(contains(msg, "[0, 1)")) << msg;
-  EXPECT_TRUE(contains(msg, "found 1")) << msg;
-  msg = error_of(base, {parse_override("optim.eps=0")});
-  EXPECT_TRUE(contains(msg, "optim.eps (from --set): expected a finite value > 0, found 0")) << msg;
-  msg = error_of(base, {parse_override("model.init_std=.inf")});
-  EXPECT_TRUE(contains(msg, "model.init_std")) << msg;
-  EXPECT_TRUE(contains(msg, "finite")) << msg;
+  EXPECT_TRUE(error_names(base + "optim:\n  beta1: 1\n", {"optim.beta1", "[0, 1)", "found 1"}));
+  EXPECT_TRUE(error_names(base, {"optim.eps (from --set): expected a finite value > 0, found 0"},
+                          {parse_override("optim.eps=0")}));
+  EXPECT_TRUE(
+      error_names(base, {"model.init_std", "finite"}, {parse_override("model.init_std=.inf")}));
   EXPECT_EQ(error_of(base, {parse_override("optim.schedule.min_lr_ratio=1")}), "");  // closed
   EXPECT_TRUE(
       contains(error_of(base, {parse_override("optim.schedule.min_lr_ratio=1.5")}), "[0, 1]"));
@@ -574,39 +575,34 @@ TEST(Config, EnumsParseOnceAndPrintBack) {
       << msg;
   msg = error_of(std::string(kMinimal) + "model:\n  init: [file]\n");
   EXPECT_NE(msg, "");
-  msg = error_of(std::string(kMinimal) + "optim:\n  master_rounding: {a: 1}\n");
-  EXPECT_TRUE(contains(msg, "optim.master_rounding")) << msg;
-  EXPECT_TRUE(contains(msg, "stochastic, nearest")) << msg;
+  EXPECT_TRUE(error_names(std::string(kMinimal) + "optim:\n  master_rounding: {a: 1}\n",
+                          {"optim.master_rounding", "stochastic, nearest"}));
 }
 
 // Did-you-mean across sections and for other common names of a field.
 TEST(Config, DidYouMeanAcrossSections) {
   const std::string base = kMinimal;
-  std::string msg = error_of(base + "optim:\n  learning_rate: 0.1\n");
-  EXPECT_TRUE(contains(msg, "unknown config key optim.learning_rate")) << msg;
-  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
-  msg = error_of(base, {parse_override("optim.learning_rate=0.1")});
-  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
-  msg = error_of(base + "train:\n  lr: 0.1\n");
-  EXPECT_TRUE(contains(msg, "did you mean optim.lr?")) << msg;
-  msg = error_of(base + "warmup_steps: 10\n");
-  EXPECT_TRUE(contains(msg, "unknown config key warmup_steps")) << msg;
-  EXPECT_TRUE(contains(msg, "did you mean optim.schedule.warmup_steps?")) << msg;
-  msg = error_of(base, {parse_override("train.warmup_steps=3")});
-  EXPECT_TRUE(contains(msg, "did you mean optim.schedule.warmup_steps?")) << msg;
-  msg = error_of(base + "steps: 10\n");
-  EXPECT_TRUE(contains(msg, "did you mean train.steps?")) << msg;
+  EXPECT_TRUE(error_names(base + "optim:\n  learning_rate: 0.1\n",
+                          {"unknown config key optim.learning_rate", "did you mean optim.lr?"}));
+  EXPECT_TRUE(
+      error_names(base, {"did you mean optim.lr?"}, {parse_override("optim.learning_rate=0.1")}));
+  EXPECT_TRUE(error_names(base + "train:\n  lr: 0.1\n", {"did you mean optim.lr?"}));
+  EXPECT_TRUE(error_names(
+      base + "warmup_steps: 10\n",
+      {"unknown config key warmup_steps", "did you mean optim.schedule.warmup_steps?"}));
+  EXPECT_TRUE(error_names(base, {"did you mean optim.schedule.warmup_steps?"},
+                          {parse_override("train.warmup_steps=3")}));
+  EXPECT_TRUE(error_names(base + "steps: 10\n", {"did you mean train.steps?"}));
 
-  const auto keys = config_keys();
-  EXPECT_EQ(did_you_mean("learning_rate", keys), "optim.lr");
-  EXPECT_EQ(did_you_mean("optim.learning_rate", keys), "optim.lr");
-  EXPECT_EQ(did_you_mean("train.gradient_accumulation_steps", keys), "train.grad_accum");
-  EXPECT_EQ(did_you_mean("data.max_seq_length", keys), "train.seq_len");
-  EXPECT_EQ(did_you_mean("warmup_steps", keys), "optim.schedule.warmup_steps");
-  EXPECT_EQ(did_you_mean("model.warmup_stpes", keys), "optim.schedule.warmup_steps");
-  EXPECT_EQ(did_you_mean("data.seq_len", keys), "train.seq_len");
-  EXPECT_EQ(did_you_mean("eval.lr", keys), "optim.lr");
-  EXPECT_EQ(did_you_mean("wibble.wobble", keys), "");
+  expect_suggestions({{"learning_rate", "optim.lr"},
+                      {"optim.learning_rate", "optim.lr"},
+                      {"train.gradient_accumulation_steps", "train.grad_accum"},
+                      {"data.max_seq_length", "train.seq_len"},
+                      {"warmup_steps", "optim.schedule.warmup_steps"},
+                      {"model.warmup_stpes", "optim.schedule.warmup_steps"},
+                      {"data.seq_len", "train.seq_len"},
+                      {"eval.lr", "optim.lr"},
+                      {"wibble.wobble", ""}});
 }
 
 // The resolved config prints floats as the shortest text that reads back exactly.
@@ -665,9 +661,7 @@ TEST(Config, AllocationSizesHaveRanges) {
 // leading "---" (one document) and a trailing one (an empty document) are fine.
 TEST(Config, SecondYamlDocumentIsAnError) {
   const std::string two = std::string(kMinimal) + "---\ntrain:\n  steps: 5\n";
-  const std::string msg = error_of(two);
-  EXPECT_TRUE(contains(msg, "test.yaml line 9")) << msg;
-  EXPECT_TRUE(contains(msg, "second YAML document")) << msg;
+  EXPECT_TRUE(error_names(two, {"test.yaml line 9", "second YAML document"}));
   EXPECT_EQ(error_of(std::string("---\n") + kMinimal), "");
   EXPECT_EQ(error_of(std::string(kMinimal) + "---\n# the end\n"), "");
   EXPECT_EQ(error_of(std::string("%YAML 1.2\n---\n") + kMinimal + "...\n"), "");
@@ -703,11 +697,10 @@ TEST(Config, EpochsAndWarmupRatioExcludeTheirCounterparts) {
   const std::string y = config_to_yaml(c);
   EXPECT_FALSE(contains(y, "steps: 100")) << y;
   EXPECT_EQ(config_to_yaml(parse_config(y, "back.yaml", "/x")), y);
-  std::string msg = error_of(m + "train:\n  epochs: 2\n  steps: 10\n");
-  EXPECT_TRUE(contains(msg, "train.epochs")) << msg;
-  EXPECT_TRUE(contains(msg, "train.steps (test.yaml line")) << msg;
-  msg = error_of(m, {parse_override("train.epochs=1"), parse_override("train.steps=3")});
-  EXPECT_TRUE(contains(msg, "train.steps (from --set)")) << msg;
+  EXPECT_TRUE(error_names(m + "train:\n  epochs: 2\n  steps: 10\n",
+                          {"train.epochs", "train.steps (test.yaml line"}));
+  EXPECT_TRUE(error_names(m, {"train.steps (from --set)"},
+                          {parse_override("train.epochs=1"), parse_override("train.steps=3")}));
   // A --set of one overrides the other from the file (a smoke run: --set train.steps=3).
   c = parse(m + "train:\n  epochs: 2\n", {parse_override("train.steps=3")});
   EXPECT_EQ(c.train.steps, 3);
@@ -715,14 +708,14 @@ TEST(Config, EpochsAndWarmupRatioExcludeTheirCounterparts) {
   c = parse(m + "train:\n  steps: 50\n", {parse_override("train.epochs=1")});
   EXPECT_EQ(c.train.epochs, 1);
   EXPECT_FALSE(contains(config_to_yaml(c), "steps: 50")) << config_to_yaml(c);
-  msg = error_of(m + "optim:\n  schedule: {warmup_ratio: 0.1, warmup_steps: 5}\n");
-  EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
+  EXPECT_TRUE(error_names(m + "optim:\n  schedule: {warmup_ratio: 0.1, warmup_steps: 5}\n",
+                          {"optim.schedule.warmup_ratio"}));
   c = parse(m + "optim:\n  schedule: {warmup_steps: 5}\n",
             {parse_override("optim.schedule.warmup_ratio=0.2")});
   EXPECT_EQ(c.optim.schedule.warmup_steps, 0);
   EXPECT_DOUBLE_EQ(c.optim.schedule.warmup_ratio, 0.2);
-  msg = error_of(m, {parse_override("optim.schedule.warmup_ratio=1")});
-  EXPECT_TRUE(contains(msg, "optim.schedule.warmup_ratio")) << msg;
+  EXPECT_TRUE(error_names(m, {"optim.schedule.warmup_ratio"},
+                          {parse_override("optim.schedule.warmup_ratio=1")}));
   EXPECT_EQ(did_you_mean("num_train_epochs", config_keys()), "train.epochs");
 }
 

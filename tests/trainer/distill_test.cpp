@@ -14,6 +14,7 @@
 #include "component_fixtures.h"
 #include "q4/io/dat_file.h"
 #include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -171,8 +172,8 @@ Fp64Parts fp64_parts(model::Qwen3Model& student, model::Qwen3Model& teacher, con
                      double t) {
   at::NoGradGuard no_grad;
   const auto shifted = [](const at::Tensor& x) { return x.narrow(1, 0, x.size(1) - 1); };
-  const at::Tensor zs = shifted(student.forward(host_inputs(b))).to(at::kDouble);
-  const at::Tensor zt = shifted(teacher.forward(host_inputs(b))).to(at::kDouble);
+  const at::Tensor zs = shifted(student.forward(to_inputs(b, student, at::kCPU))).to(at::kDouble);
+  const at::Tensor zt = shifted(teacher.forward(to_inputs(b, teacher, at::kCPU))).to(at::kDouble);
   const at::Tensor y = b.labels.narrow(1, 1, b.labels.size(1) - 1);
   const at::Tensor valid = y.ne(data::kIgnoreIndex).to(at::kDouble);
   const at::Tensor lp = zs.log_softmax(-1);
@@ -217,7 +218,7 @@ TEST(Distillation, ThroughTheStepMatchesFp64) {
   auto eval_batcher = random_batcher(4, 12, V, 2, /*seed=*/5);
   const data::Batch b = eval_batcher->next();
   MicroBatch mb;
-  mb.inputs = host_inputs(b);
+  mb.inputs = to_inputs(b, student, at::kCPU);
   mb.batch = &b;
   at::NoGradGuard no_grad;
   const double ev = distill.evaluate(student, mb).loss_sum.item<double>();

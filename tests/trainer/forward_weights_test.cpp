@@ -14,6 +14,7 @@
 #include "component_fixtures.h"
 #include "q4/quant/nvfp4.h"
 #include "q4/trainer/plan/estimate.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -132,8 +133,8 @@ TEST(ForwardWeights, RefreshFollowsMastersWrittenFromElsewhere) {
     auto batcher = random_batcher(2, 12, restored.config().vocab_size, 2);
     const data::Batch b = batcher->next();
     at::NoGradGuard no_grad;
-    const at::Tensor want = source.loss(host_inputs(b)).loss;
-    const at::Tensor got = restored.loss(host_inputs(b)).loss;
+    const at::Tensor want = source.loss(to_inputs(b, source, at::kCPU)).loss;
+    const at::Tensor got = restored.loss(to_inputs(b, restored, at::kCPU)).loss;
     EXPECT_TRUE(at::equal(want, got)) << io::enum_name(mode);
   }
 }
@@ -145,7 +146,7 @@ TEST(ForwardWeights, ARefreshUnderALiveGraphFailsItsBackward) {
   auto batcher = random_batcher(2, 12, m.config().vocab_size, 2);
   const data::Batch b = batcher->next();
   m.begin_grad_step();
-  const model::LossOutput out = m.loss(host_inputs(b));
+  const model::LossOutput out = m.loss(to_inputs(b, m, at::kCPU));
   m.refresh_forward_weights();
   EXPECT_THROW(out.loss_sum.backward(), c10::Error);
 }

@@ -123,6 +123,35 @@ std::vector<at::Tensor> trainable_masters(model::Qwen3Model& m) {
   return out;
 }
 
+// The two-rank step tests' run: kSteps steps over 8 random rows of 12 tokens, 2 a micro-batch
+// (each rank takes one micro-batch of a step; one process with grad_accum 2 takes both).
+constexpr int kSteps = 3;
+
+std::unique_ptr<data::Batcher> step_batcher(const model::Qwen3Model& m) {
+  return random_batcher(8, 12, m.config().vocab_size, /*batch_size=*/2);
+}
+
+// The reference: one process with grad_accum 2 steps `m`; after_step(s) runs after step s.
+std::vector<StepOutcome> one_process_steps(model::Qwen3Model& m,
+                                           const std::function<void(int)>& after_step = {}) {
+  SupervisedCrossEntropy ce;
+  StepRig rig(cpu_config("unused", /*grad_accum=*/2), m, ce);
+  auto batcher = step_batcher(m);
+  std::vector<StepOutcome> out;
+  for (int s = 0; s < kSteps; ++s) {
+    out.push_back(rig.step->run(s, *batcher));
+    if (after_step) after_step(s);
+  }
+  return out;
+}
+
+void expect_masters_equal(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(at::equal(got[i], want[i])) << "tensor " << i;
+  }
+}
+
 std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
@@ -139,20 +168,11 @@ std::string file_bytes(const std::string& path) {
 // move the next loss by far more and change the masters.
 TEST(GradSync, TwoRankStepsWithOverlappedBroadcastsEqualOneProcess) {
   if (!kGloo) GTEST_SKIP() << "q4_trainer was built without Gloo: no CPU ranks";
-  constexpr int kSteps = 3;
   auto one = bf16_model();
-  const int64_t V = one.config().vocab_size;
-  std::vector<StepOutcome> want;
   std::vector<at::Tensor> want_after_first;
-  {
-    SupervisedCrossEntropy ce;
-    StepRig rig(cpu_config("unused", /*grad_accum=*/2), one, ce);
-    auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
-    for (int s = 0; s < kSteps; ++s) {
-      want.push_back(rig.step->run(s, *batcher));
-      if (s == 0) want_after_first = trainable_masters(one);
-    }
-  }
+  const std::vector<StepOutcome> want = one_process_steps(one, [&](int s) {
+    if (s == 0) want_after_first = trainable_masters(one);
+  });
   const auto want_masters = trainable_masters(one);
 
   struct RankResult {
@@ -169,7 +189,7 @@ TEST(GradSync, TwoRankStepsWithOverlappedBroadcastsEqualOneProcess) {
     SupervisedCrossEntropy ce;
     StepRig rig(cpu_config("unused", /*grad_accum=*/1), m, ce, /*in_backward=*/false, &comm);
     const auto params = rig.sync.params();
-    auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
+    auto batcher = step_batcher(m);
     for (int s = 0; s < kSteps; ++s) {
       out.got.push_back(rig.step->run(s, *batcher));
       out.in_flight.push_back(rig.sync.masters_in_flight());
@@ -196,10 +216,7 @@ TEST(GradSync, TwoRankStepsWithOverlappedBroadcastsEqualOneProcess) {
       EXPECT_NEAR(got.got[s].loss, want[s].loss, 1e-6 * want[s].loss) << "step " << s + 1;
     }
     EXPECT_EQ(got.in_flight_after_read, 0);
-    ASSERT_EQ(got.masters.size(), want_masters.size());
-    for (size_t i = 0; i < want_masters.size(); ++i) {
-      EXPECT_TRUE(at::equal(got.masters[i], want_masters[i])) << "tensor " << i;
-    }
+    expect_masters_equal(got.masters, want_masters);
   }
 }
 
@@ -208,16 +225,8 @@ TEST(GradSync, TwoRankStepsWithOverlappedBroadcastsEqualOneProcess) {
 // masters are those of one process fake-quantizing its masters in every forward.
 TEST(GradSync, KeptForwardWeightsFollowTheBroadcasts) {
   if (!kGloo) GTEST_SKIP() << "q4_trainer was built without Gloo: no CPU ranks";
-  constexpr int kSteps = 3;
   auto one = bf16_model();
-  const int64_t V = one.config().vocab_size;
-  std::vector<StepOutcome> want;
-  {
-    SupervisedCrossEntropy ce;
-    StepRig rig(cpu_config("unused", /*grad_accum=*/2), one, ce);
-    auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
-    for (int s = 0; s < kSteps; ++s) want.push_back(rig.step->run(s, *batcher));
-  }
+  const std::vector<StepOutcome> want = one_process_steps(one);
   const auto want_masters = trainable_masters(one);
   for (const auto mode : {model::ForwardWeights::kKept, model::ForwardWeights::kCodes}) {
     std::vector<StepOutcome> got[2];
@@ -227,7 +236,7 @@ TEST(GradSync, KeptForwardWeightsFollowTheBroadcasts) {
       m.set_forward_weights(mode);
       SupervisedCrossEntropy ce;
       StepRig rig(cpu_config("unused", /*grad_accum=*/1), m, ce, /*in_backward=*/false, &comm);
-      auto batcher = random_batcher(8, 12, V, /*batch_size=*/2);
+      auto batcher = step_batcher(m);
       for (int s = 0; s < kSteps; ++s) got[comm.rank()].push_back(rig.step->run(s, *batcher));
       got_masters[comm.rank()] = trainable_masters(m);
     });
@@ -237,10 +246,7 @@ TEST(GradSync, KeptForwardWeightsFollowTheBroadcasts) {
       for (size_t s = 0; s < want.size(); ++s) {
         EXPECT_NEAR(got[r][s].loss, want[s].loss, 1e-6 * want[s].loss) << "step " << s + 1;
       }
-      ASSERT_EQ(got_masters[r].size(), want_masters.size());
-      for (size_t i = 0; i < want_masters.size(); ++i) {
-        EXPECT_TRUE(at::equal(got_masters[r][i], want_masters[i])) << "tensor " << i;
-      }
+      expect_masters_equal(got_masters[r], want_masters);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "component_fixtures.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -40,7 +41,7 @@ class HiddenEnergy final : public Objective {
 // fp64 reference of the summed next-token CE of one batch (HF shift) from the full logits.
 double ce_sum_fp64(model::Qwen3Model& model, const data::Batch& b) {
   at::NoGradGuard no_grad;
-  const at::Tensor logits = model.forward(host_inputs(b)).to(at::kDouble);  // (B, T, V)
+  const at::Tensor logits = model.forward(to_inputs(b, model, at::kCPU)).to(at::kDouble);  // (B, T, V)
   const at::Tensor lp = logits.narrow(1, 0, logits.size(1) - 1).log_softmax(-1);
   const at::Tensor y = b.labels.narrow(1, 1, b.labels.size(1) - 1);
   const at::Tensor valid = y.ne(data::kIgnoreIndex);
@@ -87,7 +88,7 @@ TEST(Objective, ASecondObjectivePlugsIntoTheStep) {
   for (int i = 0; i < 2; ++i) {
     const data::Batch b = ref_batcher->next();
     at::NoGradGuard no_grad;
-    const at::Tensor ms = model.hidden_states(host_inputs(b)).to(at::kDouble).pow(2).mean(-1);
+    const at::Tensor ms = model.hidden_states(to_inputs(b, model, at::kCPU)).to(at::kDouble).pow(2).mean(-1);
     sum += ms.sum().item<double>();
     rms += ms.sqrt().sum().item<double>();
     units += b.real_tokens;

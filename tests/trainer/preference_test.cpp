@@ -185,7 +185,6 @@ TEST(PreferenceLoss, MistakesNameTheField) {
 namespace {
 
 using q4::trainer::testing::cpu_config;
-using q4::trainer::testing::host_inputs;
 using q4::trainer::testing::random_examples;
 using q4::trainer::testing::StepRig;
 using q4::trainer::testing::tiny_model;
@@ -348,7 +347,7 @@ TEST(PreferenceObjective, LossAndGradientsMatchFp64FromFullLogits) {
   }
   const q4::data::Batch b = all.next();
   q4::trainer::MicroBatch mb;
-  mb.inputs = host_inputs(b);
+  mb.inputs = to_inputs(b, policy, at::kCPU);
   mb.batch = &b;
   std::vector<PreferenceConfig> cases(5);
   cases[1].label_smoothing = 0.2;

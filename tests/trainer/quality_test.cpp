@@ -32,6 +32,7 @@
 #include "q4/model/dat_file.h"
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/registry.h"
+#include "q4/trainer/plan/setup.h"
 
 using namespace q4;
 using namespace q4::trainer;
@@ -140,7 +141,7 @@ double heldout_loss(model::Qwen3Model& model, const std::vector<data::Example>& 
   double sum = 0;
   int64_t n = 0;
   for (int64_t i = 0; i < b.batches_per_epoch(); ++i) {
-    const auto lo = model.loss(host_inputs(b.next()));
+    const auto lo = model.loss(to_inputs(b.next(), model, at::kCPU));
     sum += lo.loss_sum.item<double>();
     n += lo.num_tokens.item<int64_t>();
   }
