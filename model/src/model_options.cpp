@@ -172,6 +172,9 @@ void ModelOptions::validate() const {
   TORCH_CHECK(forward_weights == ForwardWeights::kSweep || fake_quant,
               "ModelOptions.forward_weights ", io::enum_name(forward_weights),
               " needs fake_quant (plain precision computes with the masters themselves)");
+  TORCH_CHECK(master_init == MasterInit::kCodes || fake_quant,
+              "ModelOptions.master_init dither needs fake_quant (plain precision computes with "
+              "the masters themselves, so moving them would change the model)");
   TORCH_CHECK(!offload_masters || forward_weights != ForwardWeights::kKept,
               "ModelOptions.forward_weights kept: offloaded masters compute from codes");
   lora.validate();

@@ -14,6 +14,7 @@
 
 #include "q4/io/pinned.h"
 #include "q4/model/weights_check.h"
+#include "q4/quant/dither.h"
 #include "q4/quant/nvfp4.h"
 #include "qwen3_impl.h"
 #include "shape_text.h"
@@ -452,6 +453,16 @@ bool Qwen3Model::tied() const { return impl_->tied; }
 
 namespace {
 
+// The dither seed of the parameter at `index` of the table (ModelOptions::master_init): the run's
+// seed and the index mixed by splitmix64's finalizer, so neighbouring parameters draw unrelated
+// streams and the load order does not matter.
+uint64_t dither_seed(uint64_t seed, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 // Qwen3Model::load's pass over the entries of `weights` into the parameters of `m`.
 class WeightLoader {
  public:
@@ -539,6 +550,11 @@ class WeightLoader {
     const at::ScalarType dt = p->trainable ? m_.opt.master_dtype : m_.opt.compute_dtype;
     at::Tensor w = q4::quant::dequantize_nvfp4(pd.qdata.to(dev_), pd.scale.to(dev_), dt);
     pending_.erase(ref.name);
+    if (p->trainable && m_.opt.fake_quant && m_.opt.master_init == MasterInit::kDither) {
+      const auto index = static_cast<uint64_t>(p - m_.params.data());
+      w = q4::quant::dither_nvfp4(w, dither_seed(m_.opt.master_init_seed, index), p->name,
+                                  m_.opt.block_rule);
+    }
     finish(p, w, true);
   }
 

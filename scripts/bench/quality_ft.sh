@@ -10,6 +10,9 @@
 #             c  QAD from the NVFP4 base, (a)'s model of the same seed (before PTQ) the teacher
 #             d  LoRA r16 merge-aware from the NVFP4 base (its merged NVFP4 export)
 #             e  (b) with quant.block_rule=4over6
+#             b32  (b) with fp32 masters and moments, as (a) has them (the precision confound)
+#             bd   (b32) with model.master_init=dither (masters spread inside their rounding
+#                  cells instead of on their codes' values; differs from b32 by that alone)
 #   scores:   q4eval of every model: the task's held-out loss (answers of both instructions),
 #             spam/ham exact match, the subject-line loss, and forgetting (held-out loss on the
 #             pretraining text); scripts/bench/quality_ft_summary.py prints mean +- std per arm
@@ -19,7 +22,8 @@
 # (default runs/quality_ft-work, ignored by git, so it stays on a warm machine between calls);
 # PHASE=all (default) does both in one call. SMOKE=1: the whole pipeline on CPU with the
 # 64-wide demo model, a few steps and small data subsets (under a minute of training).
-# Env: BUILD (default build-gpu; build with SMOKE=1), SKIP_BUILD=1, WORK, SEEDS, STEPS (arm steps),
+# Env: BUILD (default build-gpu; build with SMOKE=1), SKIP_BUILD=1, WORK, SEEDS, ARMS (default
+# "a b c d e b32 bd"; c needs a), STEPS (arm steps),
 # PRETRAIN_STEPS, FT_SET (more --set arguments for every arm), EVAL_JOBS (q4eval runs at once
 # beside the training, default 4; 1 with SMOKE=1). Needs assets/corpus (tools/fetch_corpus.sh)
 # and assets/qwen3 (tools/fetch_tokenizer.sh); OUT_DIR gets at most 6 files.
@@ -30,10 +34,16 @@ phase=${PHASE:-all}
 smoke=${SMOKE:-0}
 work=${WORK:-$root/runs/quality_ft-work}
 seeds=(${SEEDS:-1 2 3})
+arms=" ${ARMS:-a b c d e b32 bd} "
 cfg=$root/configs/quality_ft
 corpus=$root/assets/corpus
 mkdir -p "$work"
 case $phase in pretrain|arms|all) ;; *) q4_die "PHASE: pretrain, arms or all, not '$phase'";; esac
+for a in $arms; do
+  case $a in a|b|c|d|e|b32|bd) ;; *) q4_die "ARMS: a b c d e b32 bd, not '$a'";; esac
+done
+[[ $arms != *" c "* || $arms == *" a "* ]] || q4_die "ARMS: c (QAD) needs a (its teacher)"
+arm() { [[ $arms == *" $1 "* ]]; }  # arm NAME: whether ARMS selects it
 
 if [ "$smoke" = 1 ]; then
   bin=${BUILD:-$root/build}/bin
@@ -135,29 +145,49 @@ fi
 [ -f "$work/eval-base_ptq-pre.json" ] || evaluate base_ptq "$work/base_ptq.dat"
 ft=("${data_ft[@]}" ${FT_SET:-})
 nvfp4=(--set "model.weights=$work/base_ptq.dat")
+fp32=(--set model.master_dtype=fp32 --set optim.state=fp32)
 for s in "${seeds[@]}"; do
-  run "a$s" "$cfg/finetune.yaml" --set "model.weights=$work/base/model.dat" \
-    --set model.fake_quant=false --set model.master_dtype=fp32 --set optim.state=fp32 \
-    --set "train.seed=$s" "${ft[@]}"
-  quantize "$work/a$s/model.dat" "$work/a${s}_ptq.dat"
-  evaluate "a${s}_plain" "$work/a$s/model.dat"
-  evaluate "a$s" "$work/a${s}_ptq.dat"
-  run "b$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}"
-  evaluate "b$s" "$work/b$s/model.dat"
-  run "c$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
-    --set train.objective=distill --set "distill.teacher=$work/a$s/model.dat"
-  evaluate "c$s" "$work/c$s/model.dat"
-  run "d$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
-    --set train.method=lora --set lora.rank=16 --set train.trainable.lm_head=false \
-    --set optim.lr=1e-3
-  evaluate "d$s" "$work/d$s/model.dat"
-  run "e$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
-    --set quant.block_rule=4over6
-  evaluate "e$s" "$work/e$s/model.dat"
+  if arm a; then
+    run "a$s" "$cfg/finetune.yaml" --set "model.weights=$work/base/model.dat" \
+      --set model.fake_quant=false "${fp32[@]}" --set "train.seed=$s" "${ft[@]}"
+    quantize "$work/a$s/model.dat" "$work/a${s}_ptq.dat"
+    evaluate "a${s}_plain" "$work/a$s/model.dat"
+    evaluate "a$s" "$work/a${s}_ptq.dat"
+  fi
+  if arm b; then
+    run "b$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}"
+    evaluate "b$s" "$work/b$s/model.dat"
+  fi
+  if arm c; then
+    run "c$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
+      --set train.objective=distill --set "distill.teacher=$work/a$s/model.dat"
+    evaluate "c$s" "$work/c$s/model.dat"
+  fi
+  if arm d; then
+    run "d$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
+      --set train.method=lora --set lora.rank=16 --set train.trainable.lm_head=false \
+      --set optim.lr=1e-3
+    evaluate "d$s" "$work/d$s/model.dat"
+  fi
+  if arm e; then
+    run "e$s" "$cfg/finetune.yaml" "${nvfp4[@]}" --set "train.seed=$s" "${ft[@]}" \
+      --set quant.block_rule=4over6
+    evaluate "e$s" "$work/e$s/model.dat"
+  fi
+  if arm b32; then
+    run "b32_$s" "$cfg/finetune.yaml" "${nvfp4[@]}" "${fp32[@]}" --set "train.seed=$s" "${ft[@]}"
+    evaluate "b32_$s" "$work/b32_$s/model.dat"
+  fi
+  if arm bd; then
+    run "bd_$s" "$cfg/finetune.yaml" "${nvfp4[@]}" "${fp32[@]}" --set model.master_init=dither \
+      --set "train.seed=$s" "${ft[@]}"
+    evaluate "bd_$s" "$work/bd_$s/model.dat"
+  fi
 done
 wait
 for f in "$work"/eval-*.err; do
   [ -s "${f%.err}.json" ] || { cat "$f"; q4_die "q4eval failed: ${f%.err}.json is empty"; }
 done
 (cd "$work" && tar -czf "$out/runs.tar.gz" ./*.log ./eval-*.json ./*/metrics.jsonl)
-python3 "$root/scripts/bench/quality_ft_summary.py" "$work" "${seeds[@]}" | tee "$out/quality_ft.md"
+ARMS="$arms" python3 "$root/scripts/bench/quality_ft_summary.py" "$work" "${seeds[@]}" |
+  tee "$out/quality_ft.md"

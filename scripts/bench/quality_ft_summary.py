@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The fine-tune benchmark's table (scripts/bench/quality_ft.sh, docs/quality.md).
 
-  quality_ft_summary.py WORK SEED...
+  [ARMS="a b ..."] quality_ft_summary.py WORK SEED...
 reads WORK/eval-NAME-{cls,subj,pre}.json (q4eval --json) of base, base_ptq and, per seed s,
-a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}; prints per arm the mean +- sample standard deviation
+a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s} (the arms ARMS selects, default all;
+an arm whose files are absent for some seed is left out with a note); prints per arm the mean
++- sample standard deviation
 over the seeds of every score, then every pair of shipped arms whose difference of means exceeds
 2 sigma, sigma = sqrt(sd_x^2 / n_x + sd_y^2 / n_y) (the standard error of the difference).
 Scores: task loss (mean token loss over the answers of both held-out instructions), spam/ham
@@ -11,6 +13,7 @@ exact match, subject-line loss, forgetting (held-out loss on pretraining text).
 """
 import json
 import math
+import os
 import sys
 
 ARMS = [("a_plain", "(a) plain fine-tune, before PTQ (not shipped)"),
@@ -18,7 +21,9 @@ ARMS = [("a_plain", "(a) plain fine-tune, before PTQ (not shipped)"),
         ("b", "(b) QAT from the NVFP4 base"),
         ("c", "(c) QAD from the NVFP4 base, teacher (a)"),
         ("d", "(d) LoRA r16 merge-aware from the NVFP4 base"),
-        ("e", "(e) QAT, 4-over-6 block rule")]
+        ("e", "(e) QAT, 4-over-6 block rule"),
+        ("b32", "(b32) QAT, fp32 masters and moments (as (a))"),
+        ("bd", "(bd) QAT, fp32 masters and moments, dithered masters")]
 SCORES = [("task_loss", "task loss", 4, -1), ("exact_match", "spam/ham exact match", 4, 1),
           ("subject_loss", "subject loss", 4, -1), ("forgetting", "pretraining loss", 4, -1)]
 
@@ -40,22 +45,35 @@ def mean_sd(xs):
 def main():
     work, seeds = sys.argv[1], sys.argv[2:]
     fixed = {"base": scores(work, "base"), "base_ptq": scores(work, "base_ptq")}
-    def run_name(arm, seed):  # a{s}_plain, a{s}, b{s}, ... as quality_ft.sh names them
-        return f"a{seed}_plain" if arm == "a_plain" else f"{arm}{seed}"
-    per = {arm: [scores(work, run_name(arm, s)) for s in seeds] for arm, _ in ARMS}
+    def run_name(arm, seed):  # a{s}_plain, a{s}, b{s}, ..., b32_{s} as quality_ft.sh names them
+        if arm == "a_plain":
+            return f"a{seed}_plain"
+        return f"{arm}{seed}" if len(arm) == 1 else f"{arm}_{seed}"
+    selected = os.environ.get("ARMS", "a b c d e b32 bd").split()
+    arms = []
+    for arm, label in ARMS:
+        if arm.split("_")[0] not in selected:
+            continue
+        missing = [s for s in seeds
+                   if not os.path.exists(f"{work}/eval-{run_name(arm, s)}-pre.json")]
+        if missing:
+            print(f"note: ({arm}) left out, no scores for seed(s) {' '.join(missing)}")
+            continue
+        arms.append((arm, label))
+    per = {arm: [scores(work, run_name(arm, s)) for s in seeds] for arm, _ in arms}
     print(f"seeds: {' '.join(seeds)}")
     print("| model | " + " | ".join(label for _, label, _, _ in SCORES) + " |")
     print("|---" * (len(SCORES) + 1) + "|")
     for key, label in (("base", "base (plain precision)"), ("base_ptq", "base, PTQ (NVFP4)")):
         print(f"| {label} | " + " | ".join(f"{fixed[key][k]:.{d}f}" for k, _, d, _ in SCORES) + " |")
     stats = {}
-    for arm, label in ARMS:
+    for arm, label in arms:
         stats[arm] = {k: mean_sd([r[k] for r in per[arm]]) for k, _, _, _ in SCORES}
         cells = [f"{stats[arm][k][0]:.{d}f} ± {stats[arm][k][1]:.{d}f}" for k, _, d, _ in SCORES]
         print(f"| {label} | " + " | ".join(cells) + " |")
     # QAD's recovery of (a)'s PTQ gap, per seed: (L_a+PTQ - L_c) / (L_a+PTQ - L_a).
     rec = []
-    for i in range(len(seeds)):
+    for i in range(len(seeds) if {"a", "a_plain", "c"} <= set(per) else 0):
         gap = per["a"][i]["task_loss"] - per["a_plain"][i]["task_loss"]
         if gap != 0:
             rec.append(100 * (per["a"][i]["task_loss"] - per["c"][i]["task_loss"]) / gap)
@@ -65,7 +83,7 @@ def main():
               f"(per seed: {', '.join(f'{r:.1f}%' for r in rec)})")
     print("\nDifferences of shipped arms beyond 2 sigma (sigma: standard error of the "
           "difference of means; 'better' by the score's direction):")
-    shipped = [a for a, _ in ARMS if a != "a_plain"]
+    shipped = [a for a, _ in arms if a != "a_plain"]
     n = len(seeds)
     found = False
     for k, label, d, sign in SCORES:

@@ -249,6 +249,12 @@ std::vector<FieldRef> config_fields(Config& c) {
             "compute-dtype weight itself (2 bytes), both refreshed right after each update; "
             "auto: kept, else codes, else sweep, the first whose memory estimate fits the GPU "
             "with the recompute chosen (sweep on the CPU; codes with optim.offload all)"),
+      field("model.master_init", &c.model.master_init,
+            "where a trained NVFP4 linear's master starts when loaded from NVFP4 codes: codes, "
+            "on its code's value; dither, moved uniformly inside the code's rounding cell "
+            "(seeded from train.seed), so the forward is unchanged but small updates flip codes "
+            "in proportion to their size (docs/design.md#dithered-masters); needs "
+            "model.fake_quant, not with train.method lora"),
       field("quant.block_rule", &c.quant.block_rule,
             "each 16-value block's NVFP4 scale: max6 maps its largest magnitude to 6 (the "
             "standard); 4over6 also tries 4 and keeps the scale with the lower squared error "

@@ -255,6 +255,16 @@ void validate_placement_guard_log(const Config& c) {
                       ", but model.fake_quant is false (plain precision computes with the "
                       "masters themselves)");
   }
+  if (c.model.master_init == model::MasterInit::kDither && !c.model.fake_quant) {
+    throw ConfigError(
+        "config key model.master_init: dither, but model.fake_quant is false (plain precision "
+        "computes with the masters themselves, so dithering them would change the model)");
+  }
+  if (c.model.master_init == model::MasterInit::kDither && c.train.method == TrainMethod::kLora) {
+    throw ConfigError(
+        "config key model.master_init: dither, but train.method is lora (adapted linears keep "
+        "their codes; no NVFP4 master trains)");
+  }
   if (c.guard.max_gpu_gb > 0 && !cuda) {
     throw ConfigError("config key guard.max_gpu_gb: set, but model.device is " + m.device +
                       " (the guard watches GPU memory)");

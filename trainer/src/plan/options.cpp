@@ -94,6 +94,8 @@ model::ModelOptions model_options(const Config& c, const RecomputePlan& recomput
   o.mlp_chunk_tokens = resolved_mlp_chunk_tokens(c);
   o.fake_quant = c.model.fake_quant;
   o.block_rule = c.quant.block_rule;
+  o.master_init = c.model.master_init;
+  o.master_init_seed = static_cast<uint64_t>(c.train.seed);
   o.offload_masters = c.optim.offload == Offload::kAll;
   // auto until RunPlan::with_forward_weights writes its choice into the config: sweep.
   switch (c.model.forward_weights) {

@@ -35,6 +35,14 @@ enum class ForwardWeights : uint8_t {
            // refreshed after each update; each forward uses it as it is
 };
 
+// Where a trainable NVFP4 linear's master starts when it is loaded from NVFP4 codes
+// (docs/design.md#dithered-masters).
+enum class MasterInit : uint8_t {
+  kCodes,   // the dequantized code itself: every master on its grid point
+  kDither,  // moved uniformly inside its code's rounding cell (quant::dither_nvfp4): the same
+            // fake_quant(master), but small updates flip codes in proportion to their size
+};
+
 // Which parameter groups train. Frozen parameters get no gradient and must get no optimizer
 // state. With tied embeddings (no lm_head in the file) embed_tokens trains when either
 // `embeddings` or `lm_head` is set.
@@ -134,6 +142,13 @@ struct ModelOptions {
   // export's quantization all use this one rule, so the exported codes are what the forward
   // computed with. Files and dequantization do not depend on it.
   q4::quant::BlockRule block_rule = q4::quant::BlockRule::kMax6;
+  // Trainable NVFP4 linears loaded from packed NVFP4 entries (load(), so also an imported HF
+  // folder) start at their codes' values or dithered inside their rounding cells, drawn from
+  // master_init_seed and the parameter's position in the table (deterministic, any device).
+  // Needs fake_quant. Adapted linears keep their codes; raw (16/32-bit) entries and random_init
+  // are not on a grid and load as they are.
+  MasterInit master_init = MasterInit::kCodes;
+  uint64_t master_init_seed = 0;
   // Each trainable NVFP4 linear computes from NVFP4 codes kept on the device, quantize(master)
   // (Parameter::qdata/scale), dequantized by its forward: the weights fake_quant(master) gives,
   // bit for bit. On CUDA its master then lives in pinned host memory, where the optimizer updates
@@ -673,6 +688,8 @@ at::Tensor chunked_token_logprobs(const at::Tensor& hidden, const at::Tensor& we
 Q4_ENUM_NAMES(q4::model::ForwardWeights, {"sweep", q4::model::ForwardWeights::kSweep},
               {"codes", q4::model::ForwardWeights::kCodes},
               {"kept", q4::model::ForwardWeights::kKept});
+Q4_ENUM_NAMES(q4::model::MasterInit, {"codes", q4::model::MasterInit::kCodes},
+              {"dither", q4::model::MasterInit::kDither});
 // ModelOptions::block_rule's spellings (quant.block_rule in the config; quant/ is below q4_io).
 Q4_ENUM_NAMES(q4::quant::BlockRule, {"max6", q4::quant::BlockRule::kMax6},
               {"4over6", q4::quant::BlockRule::kFourOverSix});

@@ -144,6 +144,10 @@ struct ModelConfig {
   // (kept), the two latter refreshed after each update. auto: the fastest that fits the device
   // memory (RunPlan::with_forward_weights); sweep on the CPU, codes with optim.offload all.
   ForwardWeightsOrAuto forward_weights = ForwardWeightsOrAuto::kAuto;
+  // Where a trained NVFP4 linear's master starts when loaded from NVFP4 codes
+  // (model::MasterInit, docs/design.md#dithered-masters): on its code's value (codes), or moved
+  // uniformly inside the code's rounding cell, seeded from train.seed (dither).
+  model::MasterInit master_init = model::MasterInit::kCodes;
 };
 
 // The NVFP4 quantizer (docs/design.md#nvfp4-arithmetic).
@@ -435,7 +439,7 @@ using FieldPtr =
                  Truncation*, ProgressStyle*, HfExport*, ObjectiveKind*, TrainMethod*, Divergence*,
                  PreferenceLossKind*, RewardKind*, std::vector<RewardFunctionConfig>*,
                  GrpoLossType*, ScaleRewards*, quant::BlockRule*,
-                 ForwardWeightsOrAuto*>;
+                 ForwardWeightsOrAuto*, model::MasterInit*>;
 
 // The allowed values of a numeric field: optional bounds, each inclusive or exclusive. Every
 // float field must also be finite.
