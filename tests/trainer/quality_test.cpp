@@ -214,12 +214,29 @@ Base pretrain_base(const model::Qwen3Config& cfg, const Examples& data,
   return b;
 }
 
+// The texts both tests read (tools/fetch_datasets.sh writes them; CI's slow job runs it first).
+::testing::AssertionResult datasets_present() {
+  for (const char* f : {"moby_dick_train.jsonl", "sotu_train.jsonl"}) {
+    const std::string path = kSource + "/assets/datasets/" + f;
+    if (!std::filesystem::exists(path)) {
+      return ::testing::AssertionFailure() << path << " is missing: run tools/fetch_datasets.sh";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Seconds since construction, for the tests' progress lines.
+struct Stopwatch {
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
+
 TEST(Quality, DistillationRecoversMoreOfThePtqGapThanQat) {
-  const std::string train_file = kSource + "/assets/datasets/moby_dick_train.jsonl";
-  ASSERT_TRUE(std::filesystem::exists(train_file))
-      << train_file << " is missing: run tools/fetch_datasets.sh";
+  ASSERT_TRUE(datasets_present());
   ComponentTempDir tmp;
-  const auto t0 = std::chrono::steady_clock::now();
+  const Stopwatch clock;
   const Corpus corpus = load_corpus();
   const auto cfg = tiny_config(tmp.path.string());
   Base base = pretrain_base(cfg, corpus.train, tmp.path);
@@ -240,7 +257,7 @@ TEST(Quality, DistillationRecoversMoreOfThePtqGapThanQat) {
   const double l_ptq = heldout_loss(ptq_model, corpus.heldout);
   std::printf("teacher %.4f, PTQ %.4f (gap %.4f) after %.0f s\n", l_teacher, l_ptq,
               l_ptq - l_teacher,
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+              clock.seconds());
   const int64_t steps = env_int("Q4_QUALITY_STEPS", 60);
   const double lr = env_double("Q4_QUALITY_LR", 3e-4);
   for (uint64_t seed : {11u, 12u, 13u}) {
@@ -257,7 +274,7 @@ TEST(Quality, DistillationRecoversMoreOfThePtqGapThanQat) {
                 static_cast<unsigned long>(seed), l_qat,
                 100 * (l_ptq - l_qat) / (l_ptq - l_teacher), l_qad,
                 100 * (l_ptq - l_qad) / (l_ptq - l_teacher),
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+                clock.seconds());
     EXPECT_LT(l_qat, l_ptq - 0.004) << "seed " << seed << ": QAT does not beat PTQ";
     EXPECT_LT(l_qad, l_qat - 0.002) << "seed " << seed << ": QAD does not beat QAT";
   }
@@ -282,14 +299,9 @@ FineTuneCorpus load_fine_tune_corpus() {
 }
 
 TEST(Quality, FineTuneOnNewData) {
-  const std::string task_file = kSource + "/assets/datasets/sotu_train.jsonl";
-  ASSERT_TRUE(std::filesystem::exists(task_file))
-      << task_file << " is missing: run tools/fetch_datasets.sh";
+  ASSERT_TRUE(datasets_present());
   ComponentTempDir tmp;
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  const Stopwatch clock;
   const FineTuneCorpus corpus = load_fine_tune_corpus();
   const auto cfg = tiny_config(tmp.path.string());
   Base b = pretrain_base(cfg, corpus.base, tmp.path);
@@ -306,7 +318,7 @@ TEST(Quality, FineTuneOnNewData) {
   {
     auto base_ptq = load(b.ptq, true, ft);
     std::printf("base: task %.4f, PTQ %.4f after %.0f s\n", heldout_loss(b.model, corpus.task_heldout),
-                score(base_ptq), elapsed());
+                score(base_ptq), clock.seconds());
   }
   const int64_t steps = env_int("Q4_QUALITY_STEPS", 60);
   const double lr = env_double("Q4_QUALITY_LR", 1e-3);
@@ -340,7 +352,7 @@ TEST(Quality, FineTuneOnNewData) {
     const double lbd = score(qat_dither), lc = score(qad);
     std::printf("seed %lu: (a) %.4f, then PTQ %.4f; (b) QAT %.4f; (bd) dithered %.4f; (c) QAD "
                 "%.4f after %.0f s\n",
-                static_cast<unsigned long>(seed), la, la_ptq, lb, lbd, lc, elapsed());
+                static_cast<unsigned long>(seed), la, la_ptq, lb, lbd, lc, clock.seconds());
     EXPECT_GT(lb, la_ptq + 0.007) << "seed " << seed << ": QAT from the masters on their codes "
                                   << "no longer trails the plain fine-tune and PTQ";
     EXPECT_LT(lbd, lb - 0.008) << "seed " << seed << ": dithered masters do not beat QAT";
