@@ -4,8 +4,10 @@
 // softmax - onehot in place and accumulates the hidden and weight gradients; backward scales
 // them by the upstream gradient. At most one (chunk, V) fp32 block exists at any time; on CUDA
 // none (one fused kernel works on the matmul's output, fused_softmax_xent_). A LossTerm (a
-// distillation divergence) gets its own fp32 copy of each chunk's logits, returns its gradient
-// in it, and the two gradients are mixed by its weight before the same two GEMMs.
+// distillation divergence) with a fused form (LossTerm::fused: on CUDA one kernel for the CE, the
+// term and their mixed gradient, over the matmul's output) takes it where it applies; otherwise
+// the term gets its own fp32 copy of each chunk's logits, returns its gradient in it, and the
+// two gradients are mixed by its weight before the same two GEMMs.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -29,6 +31,30 @@ void chunk_logit_grad(at::Tensor& e, const at::Tensor& sum, const at::Tensor& y,
   e.div_(sum.unsqueeze(1));
   e.scatter_add_(1, y.clamp_min(0).unsqueeze(1), at::full({e.size(0), 1}, -1.0, e.options()));
   e.mul_(valid.to(at::kFloat).unsqueeze(1));
+}
+
+// One chunk's CE sum added to `ce_total`; returns d(CE sum)/d(logits) when `want` (the logits'
+// dtype on the fused CUDA kernel, which overwrites `logits`; fp32 otherwise), else undefined.
+at::Tensor chunk_ce(at::Tensor& logits, const at::Tensor& y, bool want, bool fused,
+                    at::Tensor& ce_total) {
+  if (fused && fused_xent_applies(logits, y)) {
+    // CUDA: one kernel reads the logits (upcast to fp32 per element), writes the per-row CE and
+    // the gradient in place: no fp32 block.
+    ce_total.add_(fused_softmax_xent_(logits, y, want).sum());
+    return want ? logits : at::Tensor();
+  }
+  const at::Tensor valid = y.ne(kIgnoreIndex);
+  at::Tensor x = logits.to(at::kFloat);
+  const at::Tensor picked = x.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);  // (n)
+  // Row max, exp in place on the one fp32 block (at::logsumexp would allocate a second).
+  const at::Tensor mx = std::get<0>(x.max(1, /*keepdim=*/true));  // (n, 1)
+  x.sub_(mx).exp_();
+  const at::Tensor row_sum = x.sum(1);
+  const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
+  ce_total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
+  if (!want) return at::Tensor();
+  chunk_logit_grad(x, row_sum, y, valid);
+  return x;
 }
 
 // The gradients are computed in the forward, from the same logits block that gives the loss
@@ -57,35 +83,30 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       at::Tensor h = hidden.narrow(0, s, n);
       at::Tensor y = labels.narrow(0, s, n);
       at::Tensor logits = at::matmul(h, weight.t());  // (n, V) in the weight's dtype
-      // The term's own fp32 copy of the logits, taken before the CE works on them in place; it
-      // comes back holding the term's gradient.
-      at::Tensor zt;
-      if (term) {
-        zt = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-        term_total.add_(term->chunk(zt, y.ne(kIgnoreIndex), s, want));
+      at::Tensor pc;  // d(chunk's loss)/d(logits), or undefined when no gradient is wanted
+      bool done = false;
+      if (term && term->fused && fused) {
+        // The term's fused form: CE, term and their mixed gradient in one pass over the logits.
+        const LossRows r = term->fused(logits, y, s, want);
+        if (r.ce.defined()) {
+          ce_total.add_(r.ce.sum());
+          term_total.add_(r.term.sum());
+          if (want) pc = logits;
+          done = true;
+        }
       }
-      at::Tensor pc;  // d(chunk's CE sum)/d(logits): the weight's dtype (fused) or fp32
-      if (fused && fused_xent_applies(logits, y)) {
-        // CUDA: one kernel reads the logits (upcast to fp32 per element), writes the per-row
-        // CE and the gradient in place: no fp32 block.
-        ce_total.add_(fused_softmax_xent_(logits, y, want).sum());
-        if (!want) continue;
-        pc = logits;
-      } else {
-        const at::Tensor valid = y.ne(kIgnoreIndex);
-        logits = logits.to(at::kFloat);
-        at::Tensor picked = logits.gather(1, y.clamp_min(0).unsqueeze(1)).squeeze(1);  // (n)
-        // Row max, exp in place on the one fp32 block (at::logsumexp would allocate a second).
-        const at::Tensor mx = std::get<0>(logits.max(1, /*keepdim=*/true));  // (n, 1)
-        logits.sub_(mx).exp_();
-        const at::Tensor row_sum = logits.sum(1);
-        const at::Tensor lse = row_sum.log().add_(mx.squeeze(1));
-        ce_total.add_(((lse - picked) * valid.to(at::kFloat)).sum());
-        if (!want) continue;
-        chunk_logit_grad(logits, row_sum, y, valid);
-        pc = logits;
+      if (!done) {
+        // The term's own fp32 copy of the logits, taken before the CE works on them in place; it
+        // comes back holding the term's gradient.
+        at::Tensor zt;
+        if (term) {
+          zt = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+          term_total.add_(term->chunk(zt, y.ne(kIgnoreIndex), s, want));
+        }
+        pc = chunk_ce(logits, y, want, fused, ce_total);  // d(chunk's CE sum)/d(logits)
+        if (term && want) pc = zt.mul_(w).add_(pc, 1.0 - w);  // the combined gradient, fp32
       }
-      if (term) pc = zt.mul_(w).add_(pc, 1.0 - w);  // the combined gradient, fp32
+      if (!want) continue;
       pc = pc.to(hidden.scalar_type());
       if (want_h) grad_h.narrow(0, s, n).copy_(at::matmul(pc, weight));
       if (want_w) {

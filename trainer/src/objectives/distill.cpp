@@ -11,6 +11,7 @@
 #include <limits>
 #include <ostream>
 
+#include "q4/model/fused_divergence.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/plan/setup.h"
 
@@ -126,10 +127,17 @@ ObjectiveOutput Distillation::compute(model::Qwen3Model& model, const MicroBatch
   model::LossTerm term;
   term.weight = alpha_;
   term.prepare = [&](const at::Tensor& rows) { rows_hidden = hidden.index_select(0, rows); };
+  const auto teacher_logits = [&](int64_t row_begin, int64_t n) {
+    return at::matmul(rows_hidden.narrow(0, row_begin, n), lm_head_.t());
+  };
   term.chunk = [&](at::Tensor& z, const at::Tensor& valid, int64_t row_begin, bool want_grad) {
-    const at::Tensor teacher_logits =
-        at::matmul(rows_hidden.narrow(0, row_begin, z.size(0)), lm_head_.t());
-    return divergence_chunk(z, teacher_logits, valid, div_, want_grad);
+    return divergence_chunk(z, teacher_logits(row_begin, z.size(0)), valid, div_, want_grad);
+  };
+  term.fused = [&](at::Tensor& z, const at::Tensor& labels, int64_t row_begin, bool want_grad) {
+    if (!model::fused_distill_applies(z, labels)) return model::LossRows{};
+    return model::fused_distill_xent_(z, labels, teacher_logits(row_begin, z.size(0)),
+                                      div_.kind == Divergence::kReverseKl, div_.temperature,
+                                      alpha_, want_grad);
   };
   return distillation_output(model, micro, term);
 }

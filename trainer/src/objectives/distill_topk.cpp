@@ -10,6 +10,7 @@
 #include <ostream>
 
 #include "q4/io/dat_file.h"
+#include "q4/model/fused_divergence.h"
 #include "q4/trainer/objectives/distill.h"
 #include "q4/trainer/objectives/registry.h"
 #include "q4/trainer/plan/options.h"
@@ -228,6 +229,13 @@ ObjectiveOutput OfflineDistillation::compute(model::Qwen3Model& model, const Mic
     const int64_t n = z.size(0);
     return topk_divergence_chunk(z, ids.narrow(0, row_begin, n), logprobs.narrow(0, row_begin, n),
                                  valid, temperature_, want_grad);
+  };
+  term.fused = [&](at::Tensor& z, const at::Tensor& labels, int64_t row_begin, bool want_grad) {
+    const int64_t n = z.size(0);
+    const at::Tensor chunk_ids = ids.narrow(0, row_begin, n);
+    if (!model::fused_topk_distill_applies(z, labels, chunk_ids)) return model::LossRows{};
+    return model::fused_topk_distill_xent_(z, labels, chunk_ids, logprobs.narrow(0, row_begin, n),
+                                           temperature_, alpha_, want_grad);
   };
   return distillation_output(model, micro, term);
 }

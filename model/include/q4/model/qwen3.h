@@ -262,19 +262,35 @@ struct RouterStats {
 };
 
 // A term added to the cross-entropy inside the chunked loss, chunk by chunk, so that no
-// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#the-loss).
+// (rows, V) logits block of any model exists (a distillation divergence; docs/model.md#loss).
 // loss() gathers the supervised rows (flat positions of the (B, T) inputs, ascending; on CUDA
 // padded at the end with unsupervised copies) and calls `prepare` once with those positions
 // (int64 (N), on the model's device). Then for each chunk of rows [row_begin, row_begin + n)
 // `chunk` gets the student's fp32 logits (n, V), which it may overwrite, and `valid` (n) bool,
 // false on padded rows; it returns the chunk's term summed over valid rows, () fp32, and when
 // `want_grad` leaves d(term)/d(logits) in `logits` (0 on invalid rows). Called with autograd off.
+// A chunk's per-row values from LossTerm::fused: CE and term, (n) fp32 each, 0 on unsupervised
+// rows. Undefined: the term's fused form does not apply to the chunk.
+struct LossRows {
+  at::Tensor ce, term;
+};
+
 struct LossTerm {
   double weight = 1.0;  // w: loss_sum = (1 - w) * CE + w * term
   std::function<void(const at::Tensor& rows)> prepare;
   std::function<at::Tensor(at::Tensor& logits, const at::Tensor& valid, int64_t row_begin,
                            bool want_grad)>
       chunk;
+  // Optional: the term and the CE in one pass (a fused CUDA kernel, q4/model/fused_divergence.h),
+  // tried first for each chunk when the loss runs its fused kernels. It gets the chunk's logits
+  // (n, V) as the lm_head GEMM left them (compute dtype) and labels (n) (-100: unsupervised);
+  // it returns the chunk's LossRows and, when want_grad, leaves
+  // d((1 - weight) * CE + weight * term)/d(logits) in `logits`; `chunk` is then not called. It
+  // returns undefined LossRows without touching `logits` where it does not apply (the chunk then
+  // takes `chunk` and the CE's own path).
+  std::function<LossRows(at::Tensor& logits, const at::Tensor& labels, int64_t row_begin,
+                         bool want_grad)>
+      fused;
 };
 
 struct Parameter {
