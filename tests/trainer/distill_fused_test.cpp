@@ -12,6 +12,9 @@
 using namespace q4;
 using namespace q4::trainer;
 
+// In a namespace of its own: the test binaries are unity builds.
+namespace q4::test::distill_fused_test {
+
 namespace {
 
 at::Generator gen(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
@@ -97,3 +100,5 @@ TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::distill_fused_test

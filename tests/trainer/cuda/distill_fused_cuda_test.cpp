@@ -18,6 +18,9 @@
 using namespace q4;
 using namespace q4::trainer;
 
+// In a namespace of its own: the test binaries are unity builds.
+namespace q4::test::distill_fused_cuda_test {
+
 namespace {
 
 #define SKIP_WITHOUT_CUDA() \
@@ -269,3 +272,5 @@ TEST(DistillFusedCuda, ChunkedLossWithTheFusedForm) {
 }
 
 }  // namespace
+
+}  // namespace q4::test::distill_fused_cuda_test
