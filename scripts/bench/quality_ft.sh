@@ -13,6 +13,7 @@
 #             b32  (b) with fp32 masters and moments, as (a) has them (the precision confound)
 #             bd   (b32) with model.master_init=dither (masters spread inside their rounding
 #                  cells instead of on their codes' values; differs from b32 by that alone)
+#             cd   (c) with fp32 masters and moments and model.master_init=dither
 #   scores:   q4eval of every model: the task's held-out loss (answers of both instructions),
 #             spam/ham exact match, the subject-line loss, and forgetting (held-out loss on the
 #             pretraining text); scripts/bench/quality_ft_summary.py prints mean +- std per arm
@@ -23,7 +24,7 @@
 # PHASE=all (default) does both in one call. SMOKE=1: the whole pipeline on CPU with the
 # 64-wide demo model, a few steps and small data subsets (under a minute of training).
 # Env: BUILD (default build-gpu; build with SMOKE=1), SKIP_BUILD=1, WORK, SEEDS, ARMS (default
-# "a b c d e b32 bd"; c needs a), STEPS (arm steps),
+# "a b c d e b32 bd cd"; c and cd need a), STEPS (arm steps),
 # PRETRAIN_STEPS, FT_SET (more --set arguments for every arm), EVAL_JOBS (q4eval runs at once
 # beside the training, default 4; 1 with SMOKE=1). Needs assets/corpus (tools/fetch_corpus.sh)
 # and assets/qwen3 (tools/fetch_tokenizer.sh); OUT_DIR gets at most 6 files.
@@ -34,7 +35,7 @@ phase=${PHASE:-all}
 smoke=${SMOKE:-0}
 work=${WORK:-$root/runs/quality_ft-work}
 seeds=(${SEEDS:-1 2 3})
-arms=" ${ARMS:-a b c d e b32 bd} "
+arms=" ${ARMS:-a b c d e b32 bd cd} "
 cfg=$root/configs/quality_ft
 corpus=$root/assets/corpus
 mkdir -p "$work"
@@ -42,7 +43,8 @@ case $phase in pretrain|arms|all) ;; *) q4_die "PHASE: pretrain, arms or all, no
 for a in $arms; do
   case $a in a|b|c|d|e|b32|bd) ;; *) q4_die "ARMS: a b c d e b32 bd, not '$a'";; esac
 done
-[[ $arms != *" c "* || $arms == *" a "* ]] || q4_die "ARMS: c (QAD) needs a (its teacher)"
+[[ ($arms != *" c "* && $arms != *" cd "*) || $arms == *" a "* ]] ||
+  q4_die "ARMS: c and cd (QAD) need a (their teacher)"
 arm() { [[ $arms == *" $1 "* ]]; }  # arm NAME: whether ARMS selects it
 
 if [ "$smoke" = 1 ]; then
@@ -182,6 +184,12 @@ for s in "${seeds[@]}"; do
     run "bd_$s" "$cfg/finetune.yaml" "${nvfp4[@]}" "${fp32[@]}" --set model.master_init=dither \
       --set "train.seed=$s" "${ft[@]}"
     evaluate "bd_$s" "$work/bd_$s/model.dat"
+  fi
+  if arm cd; then
+    run "cd_$s" "$cfg/finetune.yaml" "${nvfp4[@]}" "${fp32[@]}" --set model.master_init=dither \
+      --set "train.seed=$s" "${ft[@]}" --set train.objective=distill \
+      --set "distill.teacher=$work/a$s/model.dat"
+    evaluate "cd_$s" "$work/cd_$s/model.dat"
   fi
 done
 wait

@@ -3,7 +3,7 @@
 
   [ARMS="a b ..."] quality_ft_summary.py WORK SEED...
 reads WORK/eval-NAME-{cls,subj,pre}.json (q4eval --json) of base, base_ptq and, per seed s,
-a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s} (the arms ARMS selects, default all;
+a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s}, cd_{s} (the arms ARMS selects, default all;
 an arm whose files are absent for some seed is left out with a note); prints per arm the mean
 +- sample standard deviation
 over the seeds of every score, then every pair of shipped arms whose difference of means exceeds
@@ -23,7 +23,8 @@ ARMS = [("a_plain", "(a) plain fine-tune, before PTQ (not shipped)"),
         ("d", "(d) LoRA r16 merge-aware from the NVFP4 base"),
         ("e", "(e) QAT, 4-over-6 block rule"),
         ("b32", "(b32) QAT, fp32 masters and moments (as (a))"),
-        ("bd", "(bd) QAT, fp32 masters and moments, dithered masters")]
+        ("bd", "(bd) QAT, fp32 masters and moments, dithered masters"),
+        ("cd", "(cd) QAD, fp32 masters and moments, dithered masters")]
 SCORES = [("task_loss", "task loss", 4, -1), ("exact_match", "spam/ham exact match", 4, 1),
           ("subject_loss", "subject loss", 4, -1), ("forgetting", "pretraining loss", 4, -1)]
 
@@ -49,7 +50,7 @@ def main():
         if arm == "a_plain":
             return f"a{seed}_plain"
         return f"{arm}{seed}" if len(arm) == 1 else f"{arm}_{seed}"
-    selected = os.environ.get("ARMS", "a b c d e b32 bd").split()
+    selected = os.environ.get("ARMS", "a b c d e b32 bd cd").split()
     arms = []
     for arm, label in ARMS:
         if arm.split("_")[0] not in selected:
@@ -72,15 +73,16 @@ def main():
         cells = [f"{stats[arm][k][0]:.{d}f} ± {stats[arm][k][1]:.{d}f}" for k, _, d, _ in SCORES]
         print(f"| {label} | " + " | ".join(cells) + " |")
     # QAD's recovery of (a)'s PTQ gap, per seed: (L_a+PTQ - L_c) / (L_a+PTQ - L_a).
-    rec = []
-    for i in range(len(seeds) if {"a", "a_plain", "c"} <= set(per) else 0):
-        gap = per["a"][i]["task_loss"] - per["a_plain"][i]["task_loss"]
-        if gap != 0:
-            rec.append(100 * (per["a"][i]["task_loss"] - per["c"][i]["task_loss"]) / gap)
-    if rec:
-        m, sd = mean_sd(rec)
-        print(f"\n(c) QAD recovers {m:.1f}% ± {sd:.1f}% of (a)'s PTQ gap in task loss "
-              f"(per seed: {', '.join(f'{r:.1f}%' for r in rec)})")
+    for qad in ("c", "cd"):
+        rec = []
+        for i in range(len(seeds) if {"a", "a_plain", qad} <= set(per) else 0):
+            gap = per["a"][i]["task_loss"] - per["a_plain"][i]["task_loss"]
+            if gap != 0:
+                rec.append(100 * (per["a"][i]["task_loss"] - per[qad][i]["task_loss"]) / gap)
+        if rec:
+            m, sd = mean_sd(rec)
+            print(f"\n({qad}) QAD recovers {m:.1f}% ± {sd:.1f}% of (a)'s PTQ gap in task loss "
+                  f"(per seed: {', '.join(f'{r:.1f}%' for r in rec)})")
     print("\nDifferences of shipped arms beyond 2 sigma (sigma: standard error of the "
           "difference of means; 'better' by the score's direction):")
     shipped = [a for a, _ in arms if a != "a_plain"]

@@ -30,6 +30,11 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 at::Generator gen(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
 
+// An fp32 copy that never aliases `x` (Tensor::to returns an fp32 tensor itself).
+at::Tensor fp32_copy(const at::Tensor& x) {
+  return x.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+}
+
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.cpu().to(at::kDouble) - b.cpu().to(at::kDouble)).abs().max().item<double>();
 }
@@ -134,8 +139,9 @@ TEST(DistillFusedCuda, MatchesFp64AndTheUnfusedPath) {
     const model::LossRows vals = model::fused_distill_xent_(g2, y, t, c.reverse, c.t, w, false);
     EXPECT_LE(max_diff(vals.term, got.term), 1e-6 * scale + 1e-6);
     EXPECT_TRUE(g2.equal(z));
-    // The unfused path: the ATen divergence on an fp32 copy and the CE's gradient, mixed.
-    at::Tensor zt = z.to(at::kFloat);
+    // The unfused path: the ATen divergence on an fp32 copy and the CE's gradient, mixed. A copy
+    // always (an fp32 z would otherwise be returned as itself and overwritten by the gradient).
+    at::Tensor zt = fp32_copy(z);
     const double unfused =
         divergence_chunk(zt, t, y.ne(-100),
                          {c.reverse ? Divergence::kReverseKl : Divergence::kForwardKl, c.t}, true)
@@ -199,7 +205,7 @@ TEST(DistillFusedCuda, TopkMatchesTheUnfusedPath) {
           ASSERT_TRUE(model::fused_topk_distill_applies(g, y, ids_d));
           const model::LossRows got =
               model::fused_topk_distill_xent_(g, y, ids_d, lp_d, temp, w, true);
-          at::Tensor zt = z.to(at::kFloat);
+          at::Tensor zt = fp32_copy(z);  // the unfused divergence writes its gradient over it
           const double unfused =
               topk_divergence_chunk(zt, ids_d, lp_d, y.ne(-100), temp, true).item<double>();
           EXPECT_NEAR(got.term.sum().item<double>(), unfused, 2e-5 * std::abs(unfused) + 1e-4);
