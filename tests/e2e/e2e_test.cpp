@@ -83,9 +83,10 @@ TEST(E2E, TrainsExportsAndMemorizes) {
   const auto evals = read_jsonl(run / "eval.jsonl");
   ASSERT_EQ(evals.size(), 4u);
   EXPECT_EQ(evals[2]["when"], "end");
-  // Checkpoints at 20 and 40, complete.
-  EXPECT_TRUE(fs::exists(run / "step_000020" / "DONE"));
-  EXPECT_TRUE(fs::exists(run / "step_000040" / "DONE"));
+  // Checkpoints every 10 steps, complete.
+  for (const char* step : {"step_000010", "step_000020", "step_000030", "step_000040"}) {
+    EXPECT_TRUE(fs::exists(run / step / "DONE")) << step;
+  }
 }
 
 TEST(E2E, ExportReloadsToTheSameLogits) {
@@ -296,13 +297,13 @@ TEST(E2E, DistillationOnlineAndFromATopkFile) {
 TEST(E2E, ResumeEqualsUninterruptedRun) {
   const fs::path base = base_dir();
   ASSERT_TRUE(fs::exists(base / "COMPLETE")) << read_text(base / "base.err");
-  // Copy the run directory and resume it from its first checkpoint.
+  // Copy the run directory and resume it from its next-to-last checkpoint.
   const fs::path dir = work_root("e2e") / "resume";
   copy_run(base, dir);
   q4::io::remove_tree(dir / "run" / "step_000040");
   fs::remove(dir / "run" / "model.dat");
   // The saved config names the base run's output.dir; point it at the copy.
-  const auto r = run_q4train({"--resume", (dir / "run" / "step_000020").string(), "--set",
+  const auto r = run_q4train({"--resume", (dir / "run" / "step_000030").string(), "--set",
                               "output.dir=" + (dir / "run").string()},
                              dir / "resume");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -454,8 +454,10 @@ std::unique_ptr<model::Qwen3Model> load_frozen_model(const FrozenModelSpec& froz
   auto m = as_input_error(spec.key, [&] {
     return std::make_unique<model::Qwen3Model>(model::load_dat_or_hf(cfg, spec.path, opt, import));
   });
+  // Flushed: a long pass may follow (--write-teacher-topk's), and a log file should show it began.
   out << fmt::format("{} {}: {} layers, hidden {}, loaded in {:.1f} s\n", spec.role, spec.path,
-                     cfg.num_hidden_layers, cfg.hidden_size, ms_since(t0) / 1000.0);
+                     cfg.num_hidden_layers, cfg.hidden_size, ms_since(t0) / 1000.0)
+      << std::flush;
   return m;
 }
 
