@@ -12,6 +12,7 @@
 
 #include "q4/data/chat.h"
 #include "q4/io/bounded_read.h"
+#include "q4/io/host_heap.h"
 #include "q4/model/hf_interop.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/rundir/run_dir.h"
@@ -228,6 +229,8 @@ model::ModelOptions inference_options(const std::string& device) {
     TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
     opt.device = at::Device(at::kCUDA, 0);
     opt.compute_dtype = at::kBFloat16;
+  } else {
+    io::keep_freed_host_blocks();  // CPU compute reuses its large blocks (q4/io/host_heap.h)
   }
   return opt;
 }

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "q4/io/atomic_file.h"
+#include "q4/io/host_heap.h"
 #include "q4/io/remove_tree.h"
 #include "q4/model/dat_file.h"
 #include "q4/quant/nvfp4.h"
@@ -665,6 +666,7 @@ std::string saved_config_path_for_resume(const std::string& resume_dir) {
 
 int run_training(const Config& config, const RunOptions& options, std::ostream& out,
                  std::ostream& err) {
+  if (!device_is_cuda(config)) io::keep_freed_host_blocks();  // CPU steps reuse their blocks
   if (!options.world.distributed()) {
     Trainer t(config, options, out, err);
     return t.run();
