@@ -15,6 +15,13 @@
 
 namespace q4::optim::detail {
 
+// out[i] = the number of entries of the ascending fp32 `sorted` below y[i] (right = false:
+// #{j : !(sorted[j] >= y)}) or not above it (right = true: #{j : !(y < sorted[j])}), int32; equal
+// to at::bucketize(y, sorted, out_int32, right) for every y, NaN and infinities included, in a
+// branchless search (bucketize's branchy one was most of a CPU step's moment encoding).
+// y, sorted and out are contiguous CPU tensors; out has y's size.
+void count_sorted_below(const at::Tensor& y, const at::Tensor& sorted, at::Tensor& out, bool right);
+
 // Named scratch slots; a slot keeps one 1-D buffer that grows to the largest request.
 enum Slot : int {
   kSlotGrad = 0,   // fp32 g

@@ -6,6 +6,7 @@
 #include "q4/optim/state_codec.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -79,13 +80,30 @@ struct MapCache {
     e2m1 = at::empty({16}, at::kFloat);
     for (int c = 0; c < 16; ++c) e2m1.data_ptr<float>()[c] = e2m1_decode(static_cast<uint8_t>(c));
     // |d| >= t for each E2M1 threshold (docs/design.md#nvfp4-arithmetic): the code magnitude is the number of thresholds
-    // <= |d| (at::bucketize with right=true).
+    // <= |d| (count_sorted_below with right=true).
     e2m1_thresholds = at::empty({q4::numerics::kE2m1Thresholds}, at::kFloat);
     for (int i = 0; i < q4::numerics::kE2m1Thresholds; ++i) {
       e2m1_thresholds.data_ptr<float>()[i] = q4::numerics::e2m1_threshold(i);
     }
   }
 };
+
+// Khuong and Morin's branchless lower/upper bound: `base` moves by half of what is left while
+// the probe is below y (right: not above it); the answer lies in [base, base + n]. Negated
+// comparisons as bucketize has them, so that a NaN y counts every entry on both sides.
+template <bool kRight>
+int32_t count_below(const float* sorted, int64_t size, float y) {
+  const float* base = sorted;
+  int64_t n = size;
+  while (n > 1) {
+    const int64_t half = n / 2;
+    const bool below = kRight ? !(y < base[half]) : !(base[half] >= y);
+    base = below ? base + half : base;
+    n -= half;
+  }
+  const bool below = kRight ? !(y < *base) : !(*base >= y);
+  return static_cast<int32_t>(base - sorted) + (below ? 1 : 0);
+}
 
 const MapCache& maps() {
   static const MapCache cache;
@@ -95,6 +113,22 @@ const MapCache& maps() {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+void count_sorted_below(const at::Tensor& y, const at::Tensor& sorted, at::Tensor& out,
+                        bool right) {
+  TORCH_INTERNAL_ASSERT(y.is_contiguous() && sorted.is_contiguous() && out.is_contiguous() &&
+                        out.numel() == y.numel() && out.scalar_type() == at::kInt);
+  const float* yp = y.data_ptr<float>();
+  const float* sp = sorted.data_ptr<float>();
+  int32_t* op = out.data_ptr<int32_t>();
+  const int64_t size = sorted.numel();
+  at::parallel_for(0, y.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      op[i] = size == 0 ? 0 : right ? count_below<true>(sp, size, yp[i])
+                                    : count_below<false>(sp, size, yp[i]);
+    }
+  });
+}
 
 const MapTensors& cpu_map(StateMode mode, Moment moment) {
   return maps().cpu[static_cast<int>(map_id(mode, moment))];
@@ -176,7 +210,7 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
     at::Tensor neg = s.get(kSlotMask, at::kBool, npad);
     at::lt_out(neg, y, 0);
     y.abs_();
-    at::bucketize_out(ci, y, maps().e2m1_thresholds, /*out_int32=*/true, /*right=*/true);
+    count_sorted_below(y, maps().e2m1_thresholds, ci, /*right=*/true);
     ci.add_(neg, 8);
   } else {
     scales.narrow(0, start / block, nb).copy_(amax);
@@ -204,7 +238,7 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
       // sr_pick(): t (= y, or the sqrt-domain value above), l = #{sr_value <= t} - 1 clamped,
       // p = (t - sr_value[l]) * inv_gap[l], code l + 1 if u < p.
       const int64_t size = mt.value.numel();
-      at::bucketize_out(ci, y, mt.sr_value, /*out_int32=*/true, /*right=*/true);
+      count_sorted_below(y, mt.sr_value, ci, /*right=*/true);
       ci.sub_(1).clamp_(0, size - 2);
       at::Tensor prob = s.get(kSlotTmp, at::kFloat, npad);
       at::index_select_out(prob, mt.sr_value, 0, ci);
@@ -217,7 +251,7 @@ void encode_chunk_cpu(const at::Tensor& x, StateMode mode, Moment moment, int64_
       at::lt_out(up, u, prob);
       ci.add_(up);
     } else {
-      at::bucketize_out(ci, y, mt.mid, /*out_int32=*/true, /*right=*/false);
+      count_sorted_below(y, mt.mid, ci, /*right=*/false);
     }
   }
   if (mode == StateMode::kInt8) {

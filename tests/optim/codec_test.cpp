@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 
+#include "../../optim/src/cpu_kernels.h"  // count_sorted_below, the CPU codec's search
 #include "../../optim/src/optim_math.h"  // code search helpers the kernels use
 #include "optim_test_util.h"
 #include "q4/io/dat_file.h"
@@ -121,6 +122,32 @@ TEST(OptimCodec, FourBitCodesAreStochasticAndUnbiased) {
                         pack_moment(x, StateMode::k4Bit, Moment::kFirst, 5).codes));
   EXPECT_FALSE(bit_equal(pack_moment(x, StateMode::k4Bit, Moment::kFirst, 5).codes,
                          pack_moment(x, StateMode::k4Bit, Moment::kFirst, 6).codes));
+}
+
+// The CPU codec's branchless search equals at::bucketize (both sides) for every kind of value:
+// the entries themselves (ties), between and beyond them, zeros of both signs, infinities, NaN;
+// on sorted arrays of 1 to 257 entries, with repeated entries.
+TEST(OptimCodec, BranchlessSearchEqualsBucketize) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const int64_t size : {1, 2, 3, 7, 16, 255, 256, 257}) {
+    at::Tensor sorted = std::get<0>(at::randn({size}, gen, at::kFloat).sort());
+    if (size > 4) sorted[2] = sorted[1];  // a repeated entry
+    sorted = sorted.contiguous();
+    const at::Tensor specials = at::tensor({0.f, -0.f, inf, -inf, std::nanf(""), 1e30f, -1e30f});
+    const at::Tensor mids = (sorted.narrow(0, 0, size - 1 > 0 ? size - 1 : 1) +
+                             sorted.narrow(0, size > 1 ? 1 : 0, size - 1 > 0 ? size - 1 : 1)) / 2;
+    const at::Tensor y =
+        at::cat({sorted, mids, specials, at::randn({4096}, gen, at::kFloat) * 3}).contiguous();
+    for (const bool right : {false, true}) {
+      at::Tensor got = at::empty({y.numel()}, at::kInt);
+      detail::count_sorted_below(y, sorted, got, right);
+      const at::Tensor want = at::bucketize(y, sorted, /*out_int32=*/true, right);
+      const at::Tensor bad = got.ne(want).nonzero();
+      EXPECT_TRUE(got.equal(want)) << "size " << size << (right ? " right" : " left") << " first at y="
+                                   << (bad.numel() ? y[bad[0][0]].item<float>() : 0.f);
+    }
+  }
 }
 
 TEST(OptimCodec, BucketedCodeSearchEqualsFullCount) {
