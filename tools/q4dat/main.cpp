@@ -14,6 +14,7 @@
 #include "../tool_main.h"
 #include "common.h"
 #include "q4dat.h"
+#include "q4/io/host_heap.h"
 
 namespace {
 
@@ -32,6 +33,7 @@ CLI::App* add_writer(CLI::App& app, const char* name, const char* about, const c
 
 int main(int argc, char** argv) {
   using namespace q4::tools;
+  q4::io::keep_freed_host_blocks();  // every subcommand computes on the host (q4/io/host_heap.h)
   CLI::App app{"q4dat: inspect and transform .dat tensor files"};
   app.require_subcommand(1);
 

@@ -13,6 +13,7 @@
 
 #include "../cli_number.h"
 #include "../tool_main.h"
+#include "q4/io/host_heap.h"
 #include "q4/model/dat_file.h"
 #include "q4/model/qwen3.h"
 #include "q4/model/qwen3_config.h"
@@ -69,6 +70,8 @@ int main(int argc, char** argv) {
           TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
           opt.device = at::Device(at::kCUDA, 0);
           opt.compute_dtype = at::kBFloat16;
+        } else {
+          q4::io::keep_freed_host_blocks();  // CPU compute (q4/io/host_heap.h)
         }
         if (dtype == "fp32") opt.compute_dtype = at::kFloat;
         if (dtype == "bf16") opt.compute_dtype = at::kBFloat16;
