@@ -41,7 +41,7 @@ corpus=$root/assets/corpus
 mkdir -p "$work"
 case $phase in pretrain|arms|all) ;; *) q4_die "PHASE: pretrain, arms or all, not '$phase'";; esac
 for a in $arms; do
-  case $a in a|b|c|d|e|b32|bd) ;; *) q4_die "ARMS: a b c d e b32 bd, not '$a'";; esac
+  case $a in a|b|c|d|e|b32|bd|cd) ;; *) q4_die "ARMS: a b c d e b32 bd cd, not '$a'";; esac
 done
 [[ ($arms != *" c "* && $arms != *" cd "*) || $arms == *" a "* ]] ||
   q4_die "ARMS: c and cd (QAD) need a (their teacher)"
