@@ -138,11 +138,8 @@ if [ "$phase" != arms ]; then
 fi
 [ -f "$work/base/model.dat" ] && [ -f "$work/base_ptq.dat" ] ||
   q4_die "$work/base/model.dat or base_ptq.dat missing: run PHASE=pretrain first (same WORK)"
-if [ "$phase" = pretrain ]; then
-  evaluate base "$work/base/model.dat"; evaluate base_ptq "$work/base_ptq.dat"; wait
-  exit 0
-fi
-
+# The base's scores are taken in the arms phase, beside the first arms' training.
+[ "$phase" != pretrain ] || exit 0
 [ -f "$work/eval-base-pre.json" ] || evaluate base "$work/base/model.dat"
 [ -f "$work/eval-base_ptq-pre.json" ] || evaluate base_ptq "$work/base_ptq.dat"
 ft=("${data_ft[@]}" ${FT_SET:-})
