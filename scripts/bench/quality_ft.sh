@@ -108,14 +108,16 @@ run() {
   echo "$name: $((SECONDS - t0)) s, $(grep -E '^done:' "$work/$name.log" | head -c 160)"
 }
 
-# evaluate NAME MODEL_DAT: three q4eval runs in the background (at most eval_jobs at once):
-# the spam/ham answers (loss and exact match), the subject lines (loss), the pretraining text.
+# evaluate NAME MODEL_DAT [--no-exact-match]: three q4eval runs in the background (at most
+# eval_jobs at once): the spam/ham answers (loss and exact match), the subject lines (loss), the
+# pretraining text. The bases are scored without exact match: they never stop after a one-word
+# answer, so greedy generation ran every prompt to its limit (minutes, for a score of 0).
 evaluate() {
-  local name=$1 model=$2 common
+  local name=$1 model=$2 em=${3:-} common
   common=(--model "$model" --config "$model_cfg" --tokenizer assets/qwen3/tokenizer.json
           --device "$device" --quiet --json)
   while [ "$(jobs -rp | wc -l)" -ge "$eval_jobs" ]; do wait -n || true; done
-  { "$bin/q4eval" "${common[@]}" --data "$held_cls" --seq-len 512 --batch-size 16 \
+  { "$bin/q4eval" "${common[@]}" --data "$held_cls" --seq-len 512 --batch-size 16 $em \
       >"$work/eval-$name-cls.json" 2>"$work/eval-$name-cls.err" &&
     "$bin/q4eval" "${common[@]}" --data "$held_subj" --seq-len 512 --batch-size 16 \
       --no-exact-match >"$work/eval-$name-subj.json" 2>"$work/eval-$name-subj.err" &&
@@ -140,8 +142,8 @@ fi
   q4_die "$work/base/model.dat or base_ptq.dat missing: run PHASE=pretrain first (same WORK)"
 # The base's scores are taken in the arms phase, beside the first arms' training.
 [ "$phase" != pretrain ] || exit 0
-[ -f "$work/eval-base-pre.json" ] || evaluate base "$work/base/model.dat"
-[ -f "$work/eval-base_ptq-pre.json" ] || evaluate base_ptq "$work/base_ptq.dat"
+[ -f "$work/eval-base-pre.json" ] || evaluate base "$work/base/model.dat" --no-exact-match
+[ -f "$work/eval-base_ptq-pre.json" ] || evaluate base_ptq "$work/base_ptq.dat" --no-exact-match
 ft=("${data_ft[@]}" ${FT_SET:-})
 nvfp4=(--set "model.weights=$work/base_ptq.dat")
 fp32=(--set model.master_dtype=fp32 --set optim.state=fp32)

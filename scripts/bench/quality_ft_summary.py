@@ -66,7 +66,8 @@ def main():
     print("| model | " + " | ".join(label for _, label, _, _ in SCORES) + " |")
     print("|---" * (len(SCORES) + 1) + "|")
     for key, label in (("base", "base (plain precision)"), ("base_ptq", "base, PTQ (NVFP4)")):
-        print(f"| {label} | " + " | ".join(f"{fixed[key][k]:.{d}f}" for k, _, d, _ in SCORES) + " |")
+        print(f"| {label} | " + " | ".join("-" if math.isnan(fixed[key][k]) else f"{fixed[key][k]:.{d}f}"
+                                          for k, _, d, _ in SCORES) + " |")
     stats = {}
     for arm, label in arms:
         stats[arm] = {k: mean_sd([r[k] for r in per[arm]]) for k, _, _, _ in SCORES}
