@@ -8,8 +8,8 @@ set -euo pipefail
 out=tests/ctest_costs.txt
 {
   sed -n '/^# /p' "$out"
-  grep -h -E 'Test +#[0-9]+: .* (Passed|Failed|\*\*\*Failed|\*\*\*Skipped) +[0-9.]+ sec$' "$@" |
-    sed -E 's/^.*Test +#[0-9]+: //; s/ \.+\**/|/; s/ +(Passed|Failed|\*\*\*Failed|\*\*\*Skipped) +/|/; s/ sec$//' |
+  grep -h -E 'Test +#[0-9]+: .*[ *](Passed|Failed|Skipped) +[0-9.]+ sec$' "$@" |
+    sed -E 's/^.*Test +#[0-9]+: //; s/ \.+\**/|/; s/ *(Passed|Failed|Skipped) +/|/; s/ sec$//' |
     awk -F'|' '$3 > m[$1] { m[$1] = $3 } END { for (k in m) if (m[k] >= 4) printf "%.0f %s\n", m[k], k }' |
     grep -v ' trainer_layers$' | sort -k1,1rn -k2
 } >"$out.tmp"
