@@ -3,8 +3,9 @@
 
   [ARMS="a b ..."] quality_ft_summary.py WORK SEED...
 reads WORK/eval-NAME-{cls,subj,pre}.json (q4eval --json) of base, base_ptq and, per seed s,
-a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s}, cd_{s} (the arms ARMS selects, default all;
-an arm whose files are absent for some seed is left out with a note); prints per arm the mean
+a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s}, cd_{s} (every arm WORK holds, from
+this call or an earlier one; an arm scored for only some seeds is left out with a note); prints
+per arm the mean
 +- sample standard deviation
 over the seeds of every score, then every pair of shipped arms whose difference of means exceeds
 2 sigma, sigma = sqrt(sd_x^2 / n_x + sd_y^2 / n_y) (the standard error of the difference).
@@ -50,13 +51,12 @@ def main():
         if arm == "a_plain":
             return f"a{seed}_plain"
         return f"{arm}{seed}" if len(arm) == 1 else f"{arm}_{seed}"
-    selected = os.environ.get("ARMS", "a b c d e b32 bd cd").split()
     arms = []
     for arm, label in ARMS:
-        if arm.split("_")[0] not in selected:
-            continue
         missing = [s for s in seeds
                    if not os.path.exists(f"{work}/eval-{run_name(arm, s)}-pre.json")]
+        if len(missing) == len(seeds):
+            continue
         if missing:
             print(f"note: ({arm}) left out, no scores for seed(s) {' '.join(missing)}")
             continue
