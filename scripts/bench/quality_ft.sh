@@ -20,10 +20,11 @@
 #             and which differences exceed 2 sigma.
 #   PHASE=pretrain|arms|all scripts/bench/quality_ft.sh [OUT_DIR]
 # Every arm at once does not fit one GPU call of 10 minutes: PHASE=all ARMS="a b c d" (build,
-# base, four arms: about 9 minutes on an H200 by the parts measured), then PHASE=arms ARMS="e b32 bd cd" on the warm
-# machine, whose WORK (default runs/quality_ft-work, ignored by git) still holds the base and
-# (a)'s models; the second call's table has every arm in WORK. SMOKE=1: the whole pipeline on CPU with the
-# 64-wide demo model, a few steps and small data subsets (under a minute of training).
+# base, four arms: about 9 minutes on an H200 by the parts measured), then PHASE=arms
+# ARMS="e b32 bd cd" on the warm machine, whose WORK (default runs/quality_ft-work, ignored by
+# git) still holds the base and (a)'s models; the second call's table has every arm in WORK.
+# SMOKE=1: the whole pipeline on CPU with the 64-wide demo model, a few steps and small data
+# subsets (under a minute of training).
 # Env: BUILD (default build-gpu; build with SMOKE=1), SKIP_BUILD=1, WORK, SEEDS, ARMS (default
 # "a b c d e b32 bd cd"; c and cd need (a)'s model of each seed, from this call or WORK),
 # STEPS (arm steps),
