@@ -64,6 +64,19 @@ inline model::Qwen3Model tiny_model(uint64_t seed = 7, bool offload_masters = fa
   return tiny_model_with(o, seed, 0.02);
 }
 
+// A chunked-loss problem (the distillation tests'): hidden states (10, 8), an lm_head (37, 8) at
+// scale 0.5, teacher logits (10, 37) at scale 2 and labels in [0, 37), each drawn from its own
+// seed: seed, seed + 1, seed + 2, seed + 3.
+struct LossProblem {
+  static constexpr int64_t N = 10, H = 8, V = 37;
+  at::Tensor h0, w0, teacher, labels;
+  explicit LossProblem(uint64_t seed)
+      : h0(at::randn({N, H}, at::detail::createCPUGenerator(seed), at::kFloat)),
+        w0(at::randn({V, H}, at::detail::createCPUGenerator(seed + 1), at::kFloat) * 0.5),
+        teacher(at::randn({N, V}, at::detail::createCPUGenerator(seed + 2), at::kFloat) * 2),
+        labels(at::randint(0, V, {N}, at::detail::createCPUGenerator(seed + 3), at::kLong)) {}
+};
+
 // `count` examples of `len` random tokens below `vocab`; the second half of each is supervised.
 inline std::vector<data::Example> random_examples(int64_t count, int64_t len, int64_t vocab,
                                                   uint64_t seed) {

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "component_fixtures.h"
 #include "q4/model/qwen3.h"
 #include "q4/trainer/objectives/distill.h"
 
@@ -16,8 +17,6 @@ using namespace q4::trainer;
 namespace q4::test::distill_fused_test {
 
 namespace {
-
-at::Generator gen(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
 
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
@@ -39,11 +38,8 @@ LossRun run(const at::Tensor& h0, const at::Tensor& w0, const at::Tensor& labels
 }
 
 TEST(ChunkedLossWithTerm, FusedFormTakesThePlaceOfTheChunk) {
-  const int64_t N = 10, H = 8, V = 37;
-  const at::Tensor h0 = at::randn({N, H}, gen(21), at::kFloat);
-  const at::Tensor w0 = at::randn({V, H}, gen(22), at::kFloat) * 0.5;
-  const at::Tensor teacher = at::randn({N, V}, gen(23), at::kFloat) * 2;
-  at::Tensor labels = at::randint(0, V, {N}, gen(24), at::kLong);
+  const trainer::testing::LossProblem p(21);
+  const at::Tensor &h0 = p.h0, &w0 = p.w0, &teacher = p.teacher, &labels = p.labels;
   labels[4] = -100;
   const double alpha = 0.3;
   const DivergenceOptions opt{Divergence::kReverseKl, 2.0};

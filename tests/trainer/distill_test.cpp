@@ -113,11 +113,8 @@ TEST(TopkDivergence, MatchesFp64AndAutograd) {
 // The chunked loss with a divergence term equals the dense (1 - a) CE + a KL over fp64 logits,
 // with its gradients with respect to hidden states and weight, across chunk boundaries.
 TEST(ChunkedLossWithTerm, MatchesTheDenseLossAndItsGradients) {
-  const int64_t N = 10, H = 8, V = 37;
-  const at::Tensor h0 = at::randn({N, H}, gen(8), at::kFloat);
-  const at::Tensor w0 = at::randn({V, H}, gen(9), at::kFloat) * 0.5;
-  const at::Tensor teacher = at::randn({N, V}, gen(10), at::kFloat) * 2;
-  at::Tensor labels = at::randint(0, V, {N}, gen(11), at::kLong);
+  const LossProblem p(8);
+  const at::Tensor &h0 = p.h0, &w0 = p.w0, &teacher = p.teacher, &labels = p.labels;
   labels[3] = -100;
   labels[7] = -100;
   const double alpha = 0.3, t = 2.0;

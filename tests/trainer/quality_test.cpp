@@ -234,12 +234,18 @@ struct Stopwatch {
   }
 };
 
-TEST(Quality, DistillationRecoversMoreOfThePtqGapThanQat) {
-  ASSERT_TRUE(datasets_present());
+// What both tests start with: the texts, a temporary folder, the stopwatch, the tiny config.
+class Quality : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(datasets_present()); }
+
   ComponentTempDir tmp;
   const Stopwatch clock;
+  const model::Qwen3Config cfg = tiny_config(tmp.path.string());
+};
+
+TEST_F(Quality, DistillationRecoversMoreOfThePtqGapThanQat) {
   const Corpus corpus = load_corpus();
-  const auto cfg = tiny_config(tmp.path.string());
   Base base = pretrain_base(cfg, corpus.train, tmp.path);
   auto& teacher = base.model;
   const std::string& dense = base.dense;
@@ -299,12 +305,8 @@ FineTuneCorpus load_fine_tune_corpus() {
   return c;
 }
 
-TEST(Quality, FineTuneOnNewData) {
-  ASSERT_TRUE(datasets_present());
-  ComponentTempDir tmp;
-  const Stopwatch clock;
+TEST_F(Quality, FineTuneOnNewData) {
   const FineTuneCorpus corpus = load_fine_tune_corpus();
-  const auto cfg = tiny_config(tmp.path.string());
   Base b = pretrain_base(cfg, corpus.base, tmp.path);
   model::TrainableSpec ft = model::TrainableSpec::everything();
   ft.embeddings = false;
