@@ -23,9 +23,11 @@
 // with (a) before PTQ as the teacher; fp32 masters and moments everywhere, 60 steps at lr 1e-3.
 // Measured (seeds 11-13, held-out loss; base 3.7939, its PTQ 3.8060): (a) then PTQ
 // 3.2389/3.2410/3.2370, (b) 3.2534/3.2588/3.2571, (bd) 3.2373/3.2368/3.2320, (c) 3.2961/3.2998/
-// 3.2949. Asserted per seed: (b) at least 0.007 above (a) then PTQ (measured 0.0145-0.0201) and
-// (bd) at least 0.008 below (b) (0.016-0.025); over the seeds, (bd)'s mean below the peer path's
-// (measured 0.0036 below; per seed 0.0016-0.0050). (c) is printed, not asserted.
+// 3.2949; on a second machine (other BLAS kernels) base 3.7950, PTQ 3.8065, (a) then PTQ
+// 3.2382/3.2422/3.2348, (b) 3.2541/3.2601/3.2573, (bd) 3.2336/3.2358/3.2333. Asserted per seed:
+// (b) at least 0.007 above (a) then PTQ (measured 0.0145-0.0225) and (bd) at least 0.008 below
+// (b) (0.016-0.025); over the seeds, (bd)'s mean below the peer path's (measured 0.0036 and
+// 0.0042 below; per seed 0.0015-0.0064). (c) is printed, not asserted.
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
