@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The fine-tune benchmark's table (scripts/bench/quality_ft.sh, docs/quality.md).
 
-  [ARMS="a b ..."] quality_ft_summary.py WORK SEED...
+  quality_ft_summary.py WORK SEED...
 reads WORK/eval-NAME-{cls,subj,pre}.json (q4eval --json) of base, base_ptq and, per seed s,
 a{s}_plain, a{s}, b{s}, c{s}, d{s}, e{s}, b32_{s}, bd_{s}, cd_{s} (every arm WORK holds, from
 this call or an earlier one; an arm scored for only some seeds is left out with a note); prints
