@@ -479,6 +479,73 @@ TEST(EvalMetrics, AnswerCaseOfPairsAndText) {
   EXPECT_EQ(q4::eval::strip(" \t a b \n"), "a b");
 }
 
+// Exact match in batches: every batch size gives the verdicts of one prompt at a time, in file
+// order; a batch generates up to its longest limit and each row is cut at its own (the second
+// case matches within its limit and would not past it); ids without a token spell no answer.
+TEST(EvalMetrics, ExactMatchInBatchesScoresEachRowAsAlone) {
+  const auto tok = q4::data::Tokenizer::from_file(kTokenizer);
+  const auto ids = [&](const std::string& text) {
+    const auto t = tok.encode(text);
+    return std::vector<int64_t>(t.begin(), t.end());
+  };
+  const int64_t newline = ids("\n").at(0), im_end = tok.im_end_id();
+  using q4::eval::AnswerCase;
+  using q4::eval::kExtraAnswerTokens;
+  std::vector<AnswerCase> cases;
+  std::vector<std::vector<int64_t>> scripted;  // what the "model" generates for case i alone
+  const auto add = [&](const std::string& reference, std::vector<int64_t> out) {
+    AnswerCase c;
+    c.prompt_ids = ids("prompt " + std::to_string(cases.size()));
+    c.reference = reference;
+    c.reference_tokens = static_cast<int64_t>(ids(reference).size());
+    cases.push_back(c);
+    scripted.push_back(std::move(out));
+  };
+  const auto then = [](std::vector<int64_t> a, const std::vector<int64_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  add("Paris.", then(ids("Paris."), {im_end}));  // a match
+  // The reference, then newlines up to its limit (stripped: a match), then text past the limit.
+  const std::vector<int64_t> pad(static_cast<size_t>(kExtraAnswerTokens), newline);
+  add("4.", then(then(ids("4."), pad), then(ids("X"), {im_end})));
+  add("Green.", then(ids("Blue."), {im_end}));                        // wrong
+  add("Apple.", {tok.vocab_size() + 3, im_end});                      // an id without a token
+  add("A much longer reference answer than the others.",             // the longest limit
+      then(ids("A much longer reference answer than the others."), {im_end}));
+  const int64_t want_matches = 3;
+
+  for (const int64_t batch : {1, 2, 3, 5, 8}) {
+    int64_t calls = 0, next = 0;
+    const auto generate = [&](const std::vector<std::vector<int64_t>>& prompts, int64_t max_new) {
+      ++calls;
+      EXPECT_LE(static_cast<int64_t>(prompts.size()), batch);
+      int64_t longest = 0;
+      std::vector<std::vector<int64_t>> out;
+      for (const auto& p : prompts) {
+        const auto i = static_cast<size_t>(next++);
+        EXPECT_EQ(p, cases.at(i).prompt_ids) << "file order";
+        longest = std::max(longest, cases[i].reference_tokens + kExtraAnswerTokens);
+        // Up to max_new tokens, stopping after a stop id, as q4::model::generate.
+        std::vector<int64_t> r;
+        for (const int64_t id : scripted[i]) {
+          if (static_cast<int64_t>(r.size()) == max_new) break;
+          r.push_back(id);
+          if (id == im_end) break;
+        }
+        out.push_back(r);
+      }
+      EXPECT_EQ(max_new, longest) << "a batch generates up to its longest limit";
+      return out;
+    };
+    const q4::eval::ExactMatch em = q4::eval::exact_match(cases, tok, batch, generate);
+    EXPECT_EQ(em.examples, 5) << "batch " << batch;
+    EXPECT_EQ(em.matches, want_matches) << "batch " << batch;
+    EXPECT_EQ(calls, (5 + batch - 1) / batch);
+    EXPECT_EQ(next, 5);
+  }
+}
+
 }  // namespace
 
 }  // namespace q4::test::eval_test

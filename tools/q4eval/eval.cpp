@@ -5,10 +5,12 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "q4/io/utf8.h"
+#include "q4/model/sampling.h"
 
 namespace q4::eval {
 
@@ -147,32 +149,63 @@ std::string strip(const std::string& text) {
   return text.substr(b, e - b + 1);
 }
 
-ExactMatch exact_match(model::Qwen3Model& model, const std::vector<data::Example>& examples,
-                       const data::Tokenizer& tokenizer) {
-  ExactMatch em;
+ExactMatch exact_match(const std::vector<AnswerCase>& cases, const data::Tokenizer& tokenizer,
+                       int64_t batch_size, const AnswerGenerator& generate) {
+  TORCH_CHECK(batch_size >= 1, "exact_match: batch_size must be >= 1, got ", batch_size);
   const int64_t im_end = tokenizer.im_end_id();
   const int64_t eot = tokenizer.endoftext_id();
-  for (const auto& e : examples) {
-    const auto c = answer_case(e, tokenizer);
-    if (!c) continue;
-    model::GenerateOptions gen;
-    gen.max_new_tokens = c->reference_tokens + kExtraAnswerTokens;
-    gen.stop_ids = {im_end, eot};
-    const std::vector<int64_t> out = model.generate(c->prompt_ids, gen);
-    std::vector<data::TokenId> ids;
-    bool decodable = true;
-    for (const int64_t id : out) {
-      if (id == im_end || id == eot) break;
-      // Embedding rows without a token (Qwen3: 151669..151935) spell no answer.
-      if (id >= tokenizer.vocab_size()) decodable = false;
-      ids.push_back(static_cast<data::TokenId>(id));
+  ExactMatch em;
+  const auto n = static_cast<int64_t>(cases.size());
+  for (int64_t b0 = 0; b0 < n; b0 += batch_size) {
+    const int64_t b1 = std::min(n, b0 + batch_size);
+    std::vector<std::vector<int64_t>> prompts;
+    int64_t longest = 0;
+    for (int64_t i = b0; i < b1; ++i) {
+      prompts.push_back(cases[i].prompt_ids);
+      longest = std::max(longest, cases[i].reference_tokens + kExtraAnswerTokens);
     }
-    ++em.examples;
-    if (decodable && strip(tokenizer.decode(ids, /*skip_special=*/true)) == strip(c->reference)) {
-      ++em.matches;
+    const auto outputs = generate(prompts, longest);
+    TORCH_CHECK(static_cast<int64_t>(outputs.size()) == b1 - b0, "exact_match: ", b1 - b0,
+                " prompts gave ", outputs.size(), " answers");
+    for (int64_t i = b0; i < b1; ++i) {
+      const AnswerCase& c = cases[i];
+      const std::vector<int64_t>& out = outputs[i - b0];
+      const auto limit = static_cast<size_t>(c.reference_tokens + kExtraAnswerTokens);
+      std::vector<data::TokenId> ids;
+      bool decodable = true;
+      for (size_t t = 0; t < out.size() && t < limit; ++t) {
+        const int64_t id = out[t];
+        if (id == im_end || id == eot) break;
+        // Embedding rows without a token (Qwen3: 151669..151935) spell no answer.
+        if (id >= tokenizer.vocab_size()) decodable = false;
+        ids.push_back(static_cast<data::TokenId>(id));
+      }
+      ++em.examples;
+      if (decodable && strip(tokenizer.decode(ids, /*skip_special=*/true)) == strip(c.reference)) {
+        ++em.matches;
+      }
     }
   }
   return em;
+}
+
+ExactMatch exact_match(model::Qwen3Model& model, const std::vector<data::Example>& examples,
+                       const data::Tokenizer& tokenizer, int64_t batch_size) {
+  std::vector<AnswerCase> cases;
+  for (const auto& e : examples) {
+    if (auto c = answer_case(e, tokenizer)) cases.push_back(std::move(*c));
+  }
+  return exact_match(cases, tokenizer, batch_size,
+                     [&](const std::vector<std::vector<int64_t>>& prompts, int64_t max_new) {
+                       model::SamplingParams p;  // temperature 0: greedy
+                       p.max_new_tokens = max_new;
+                       p.stop_ids = {tokenizer.im_end_id(), tokenizer.endoftext_id()};
+                       std::vector<std::vector<int64_t>> out;
+                       for (auto& r : model::generate(model, prompts, p)) {
+                         out.push_back(std::move(r.tokens));
+                       }
+                       return out;
+                     });
 }
 
 }  // namespace q4::eval

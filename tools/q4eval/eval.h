@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,11 +86,27 @@ struct ExactMatch {
   int64_t matches = 0;
 };
 
-// Greedy generation of each prompt/answer example's answer (KV cache, stops at <|im_end|> or
+// Greedy generation of each prompt/answer example's answer (stops at <|im_end|> or
 // <|endoftext|>, at most reference_tokens + kExtraAnswerTokens tokens): a match when the
 // decoded generation (special tokens skipped) equals the reference after strip().
 inline constexpr int64_t kExtraAnswerTokens = 16;
+
+// Generates for a batch of prompts, up to `max_new_tokens` each: every row's new tokens, its
+// stop id included when one came (q4::model::generate's GenerationResult::tokens).
+using AnswerGenerator = std::function<std::vector<std::vector<int64_t>>(
+    const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens)>;
+
+// Exact match of `cases`, `batch_size` prompts per call of `generate` in file order. A batch
+// generates up to its longest limit; each row is then cut at its own limit, so a row scores as
+// it would alone.
+ExactMatch exact_match(const std::vector<AnswerCase>& cases, const data::Tokenizer& tokenizer,
+                       int64_t batch_size, const AnswerGenerator& generate);
+
+// The same with the model's greedy batched generation (q4::model::generate with temperature 0:
+// one KV cache per batch, left-padded prompts, finished rows leave the batch). A row's logits in
+// a batch can differ from its logits alone in the last bits (GEMM row blocking), so an argmax
+// between two nearly equal logits may go either way; batch_size 1 generates each prompt alone.
 ExactMatch exact_match(model::Qwen3Model& model, const std::vector<data::Example>& examples,
-                       const data::Tokenizer& tokenizer);
+                       const data::Tokenizer& tokenizer, int64_t batch_size);
 
 }  // namespace q4::eval

@@ -213,7 +213,9 @@ int run(const Args& a) {
   r.scored_examples = batcher.num_examples();
   const double score_s = seconds_since(t1);
   // Exact match is reported when there are prompt/answer examples to generate for.
-  if (!a.no_exact_match) r.em = eval::exact_match(*loaded.model, in.examples, *in.tokenizer);
+  if (!a.no_exact_match) {
+    r.em = eval::exact_match(*loaded.model, in.examples, *in.tokenizer, r.batching.batch_size);
+  }
   print_report(a, in, loaded, r);
   if (!a.quiet) {
     std::cerr << fmt::format("q4eval: scored in {:.1f} s, {:.1f} s in all\n", score_s,
@@ -233,7 +235,8 @@ int main(int argc, char** argv) {
       ->required();
   app.add_flag("--json", a.json, "one JSON object on stdout instead of the summary line");
   app.add_option("--batch-size", a.batch_size,
-                 "rows per batch (default: a run's train.batch_size)");
+                 "rows per batch, and prompts generated at once for exact match (default: a "
+                 "run's train.batch_size)");
   app.add_option("--seq-len", a.seq_len, "tokens per row (default: a run's train.seq_len)");
   app.add_option("--truncation", a.truncation,
                  "examples longer than --seq-len: " + io::enum_choices<data::Truncation>() +
