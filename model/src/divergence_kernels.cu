@@ -104,31 +104,10 @@ __device__ __forceinline__ float kl_part(float p, float lp, float lq) {
 }
 
 // Calls f(col, x, y) for each element of the row this thread owns (y = 0.f when t is null).
-// kVec: 16-byte loads (V a multiple of the width, rows aligned).
-template <typename T, bool kVec, typename F>
-__device__ __forceinline__ void read_row(const T* x, const T* t, int64_t V, F&& f) {
-  using P = Pack<T>;
-  if (kVec) {
-    const int64_t nv = V / P::kVec;
-    for (int64_t i = threadIdx.x; i < nv; i += kThreads) {
-      P px, pt;
-      px.raw = reinterpret_cast<const uint4*>(x)[i];
-      if (t != nullptr) pt.raw = reinterpret_cast<const uint4*>(t)[i];
-#pragma unroll
-      for (int j = 0; j < P::kVec; ++j) {
-        f(i * P::kVec + j, to_float(px.get(j)), t != nullptr ? to_float(pt.get(j)) : 0.f);
-      }
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-      f(i, to_float(x[i]), t != nullptr ? to_float(t[i]) : 0.f);
-    }
-  }
-}
-
-// x[col] = f(col, x[col], y[col]) for each element this thread owns; f returns fp32.
-template <typename T, bool kVec, typename F>
-__device__ __forceinline__ void write_row(T* x, const T* t, int64_t V, F&& f) {
+// kWrite: x[col] becomes f's fp32 result in x's dtype; otherwise f's result is not used.
+// kVec: 16-byte loads and stores (V a multiple of the width, rows aligned).
+template <typename T, bool kVec, bool kWrite, typename X, typename F>
+__device__ __forceinline__ void sweep_row(X* x, const T* t, int64_t V, F&& f) {
   using P = Pack<T>;
   if (kVec) {
     const int64_t nv = V / P::kVec;
@@ -139,15 +118,35 @@ __device__ __forceinline__ void write_row(T* x, const T* t, int64_t V, F&& f) {
 #pragma unroll
       for (int j = 0; j < P::kVec; ++j) {
         const float y = t != nullptr ? to_float(pt.get(j)) : 0.f;
-        px.set(j, from_float<T>(f(i * P::kVec + j, to_float(px.get(j)), y)));
+        if constexpr (kWrite) {
+          px.set(j, from_float<T>(f(i * P::kVec + j, to_float(px.get(j)), y)));
+        } else {
+          f(i * P::kVec + j, to_float(px.get(j)), y);
+        }
       }
-      reinterpret_cast<uint4*>(x)[i] = px.raw;
+      if constexpr (kWrite) reinterpret_cast<uint4*>(x)[i] = px.raw;
     }
   } else {
     for (int64_t i = threadIdx.x; i < V; i += kThreads) {
-      x[i] = from_float<T>(f(i, to_float(x[i]), t != nullptr ? to_float(t[i]) : 0.f));
+      const float y = t != nullptr ? to_float(t[i]) : 0.f;
+      if constexpr (kWrite) {
+        x[i] = from_float<T>(f(i, to_float(x[i]), y));
+      } else {
+        f(i, to_float(x[i]), y);
+      }
     }
   }
+}
+
+template <typename T, bool kVec, typename F>
+__device__ __forceinline__ void read_row(const T* x, const T* t, int64_t V, F&& f) {
+  sweep_row<T, kVec, false>(x, t, V, f);
+}
+
+// x[col] = f(col, x[col], y[col]) for each element this thread owns; f returns fp32.
+template <typename T, bool kVec, typename F>
+__device__ __forceinline__ void write_row(T* x, const T* t, int64_t V, F&& f) {
+  sweep_row<T, kVec, true>(x, t, V, f);
 }
 
 template <typename T>
