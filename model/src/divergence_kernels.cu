@@ -149,16 +149,26 @@ __device__ __forceinline__ void write_row(T* x, const T* t, int64_t V, F&& f) {
   sweep_row<T, kVec, true>(x, t, V, f);
 }
 
-template <typename T>
-__device__ void zero_row(T* x, int64_t V) {
-  for (int64_t i = threadIdx.x; i < V; i += kThreads) x[i] = from_float<T>(0.f);
-}
-
 struct LossArgs {
   int64_t V;
   float inv_t, t, w;  // 1 / T, T, the term's weight
   bool want_grad;
 };
+
+// A row whose label is outside [0, V) gives 0 and, with gradients, a zero row x: whether it is
+// one (the kernel then returns).
+template <typename T>
+__device__ __forceinline__ bool ignored_row(int64_t row, int64_t label, T* x, float* ce_rows,
+                                            float* term_rows, const LossArgs& a) {
+  if (label < 0 || label >= a.V) {
+    if (threadIdx.x == 0) ce_rows[row] = term_rows[row] = 0.f;
+    if (a.want_grad) {
+      for (int64_t i = threadIdx.x; i < a.V; i += kThreads) x[i] = from_float<T>(0.f);
+    }
+    return true;
+  }
+  return false;
+}
 
 // Online distillation: student x and teacher y rows, forward or reverse KL.
 template <typename T, bool kVec>
@@ -173,11 +183,7 @@ __global__ void __launch_bounds__(kThreads)
   T* x = logits + row * V;
   const T* y = teacher + row * V;
   const int64_t label = labels[row];
-  if (label < 0 || label >= V) {
-    if (threadIdx.x == 0) ce_rows[row] = term_rows[row] = 0.f;
-    if (a.want_grad) zero_row(x, V);
-    return;
-  }
+  if (ignored_row(row, label, x, ce_rows, term_rows, a)) return;
   if (threadIdx.x == 0) label_logit = to_float(x[label]);
   const bool unit = a.inv_t == 1.f;
   RowStat ss, st;
@@ -280,11 +286,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t* id = ids + row * K;
   const float* lq = logprobs + row * K;
   const int64_t label = labels[row];
-  if (label < 0 || label >= V) {
-    if (threadIdx.x == 0) ce_rows[row] = term_rows[row] = 0.f;
-    if (a.want_grad) zero_row(x, V);
-    return;
-  }
+  if (ignored_row(row, label, x, ce_rows, term_rows, a)) return;
   for (int64_t i = threadIdx.x; i < words; i += kThreads) mask[i] = 0u;
   __syncthreads();
   for (int k = threadIdx.x; k < K; k += kThreads) {
