@@ -143,7 +143,7 @@ TEST(Tokenizer, InvalidUtf8IsAnErrorNamingTheOffset) {
       {"\xF4\x90\x80\x80", 0},  // above U+10FFFF
   };
   for (const auto& [text, offset] : bad) {
-    const std::string msg = error_of([&] { tok.encode(text); });
+    const std::string msg = error_of([&, &text = text] { tok.encode(text); });
     EXPECT_NE(msg.find("byte offset " + std::to_string(offset)), std::string::npos) << msg;
   }
 }

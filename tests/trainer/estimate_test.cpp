@@ -523,7 +523,7 @@ TEST(Estimate, RecomputeLayersMistakesNameTheKey) {
       {"{recompute_keep_attention: -1}", "train.recompute_keep_attention"},
   };
   for (const auto& [train, part] : refused) {
-    const std::string m = message([&] { tiny_config("train: " + train + "\n"); });
+    const std::string m = message([&train = train] { tiny_config("train: " + train + "\n"); });
     EXPECT_NE(m.find(part), std::string::npos) << train << ": " << m;
   }
   const Config c = tiny_config("train: {gradient_checkpointing: true, recompute_layers: 3}\n");

@@ -242,7 +242,7 @@ class Quality : public ::testing::Test {
   void SetUp() override { ASSERT_TRUE(datasets_present()); }
 
   ComponentTempDir tmp;
-  const Stopwatch clock;
+  const Stopwatch clock{};
   const model::Qwen3Config cfg = tiny_config(tmp.path.string());
 };
 

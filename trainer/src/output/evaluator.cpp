@@ -110,7 +110,7 @@ std::optional<Validation> Evaluator::validation_loss(int64_t step) {
     for (const auto& [name, value] : o.logged) {
       const at::Tensor x = value.detach().to(at::kDouble);
       auto it =
-          std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == name; });
+          std::find_if(sums.begin(), sums.end(), [&name = name](const auto& e) { return e.first == name; });
       if (it == sums.end()) {
         sums.emplace_back(name, x);
       } else {

@@ -52,7 +52,7 @@ void add_logged(StepOutcome* o, const std::vector<std::pair<std::string, at::Ten
   for (const auto& [name, v] : values) {
     const at::Tensor x = v.detach().to(at::kDouble) / denom;
     auto it = std::find_if(o->logged.begin(), o->logged.end(),
-                           [&](const auto& e) { return e.first == name; });
+                           [&name = name](const auto& e) { return e.first == name; });
     if (it == o->logged.end()) {
       o->logged.emplace_back(name, x);
     } else {
