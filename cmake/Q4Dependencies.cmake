@@ -132,6 +132,9 @@ target_compile_options(q4_warnings INTERFACE
 if(Q4_SANITIZE)
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer)
   add_link_options(-fsanitize=address,undefined)
+  if(Q4_FUZZ)  # libFuzzer's coverage in every object, so the fuzz targets reuse the libraries
+    add_compile_options(-fsanitize=fuzzer-no-link)
+  endif()
 endif()
 
 # Data-parallel process groups (trainer/src/distributed/distributed.cpp). Gloo (CPU): Debian's LibTorch 1.13

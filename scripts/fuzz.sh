@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (tests/fuzz, clang, build-fuzz/: only the ~10 translation units
-# they exercise) and runs each for SECONDS (default 60) from its committed seed corpus (tests/fuzz/corpus/<target>; new inputs go to a scratch copy, the
-# committed corpus is not modified). JOBS targets run at once (default: one per core; each
+# Builds the libFuzzer targets (tests/fuzz) in build-asan/, the sanitizer build shared with
+# scripts/sanitize.sh (q4_asan_build: clang -O1, ASan+UBSan; the targets link its libraries, so
+# after the sanitizer tests only their entry points compile), and runs each for SECONDS (default
+# 60) from its committed seed corpus (tests/fuzz/corpus/<target>; new inputs go to a scratch copy,
+# the committed corpus is not modified). JOBS targets run at once (default: one per core; each
 # fuzzer is one process on one core, so every target still gets SECONDS of a core). A crash,
-# leak, UB report or timeout is a finding: its input is saved under build-fuzz/findings/ and the
-# script exits 1 (commit the input to the corpus as a regression once fixed).
+# leak, UB report or timeout is a finding: its input is saved under build-asan/findings/ and the
+# script exits 1 (commit the input to the corpus as a regression once fixed; build-asan/fuzz/TARGET
+# INPUT replays it).
 # Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
@@ -13,14 +16,8 @@ shift || true
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(fuzz_dat fuzz_safetensors fuzz_config fuzz_tokenizer fuzz_dataset)
 jobs=${JOBS:-$(nproc)}
-b=build-fuzz
-build() {
-  q4_clang
-  cmake -S . -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ -DQ4_FUZZ=ON \
-    -DQ4_BUILD_TESTS=OFF >/dev/null
-  cmake --build "$b" -j "$(nproc)" --target "${targets[@]}"
-}
-q4_phase "fuzz: build" build
+b=build-asan
+q4_phase "fuzz: build" q4_asan_build "${targets[@]}"
 mkdir -p "$b/findings"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1

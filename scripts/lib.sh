@@ -22,6 +22,7 @@
 #   q4_timed_build BUILD LOG "TARGET..." [CMAKE_ARGS...]
 #                                 q4_gpu_build and "build: N s", or nothing with SKIP_BUILD=1
 #   q4_clang                      installs clang with libFuzzer's runtime when missing
+#   q4_asan_build TARGET...       builds TARGETs in build-asan/ (clang, ASan+UBSan, fuzz coverage)
 #   q4_train_run BIN WORK NAME CONFIG [--set ...]
 #                                 one q4train run (BIN/q4train) into WORK/NAME, its log WORK/NAME.log;
 #                                 on failure the log's tail and exit 1
@@ -83,7 +84,7 @@ q4_timed_build() {
   echo "build: $(( $(date +%s) - t0 )) s"
 }
 
-# q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh).
+# q4_clang: installs clang and libFuzzer's runtime when missing (scripts/fuzz.sh, scripts/sanitize.sh).
 q4_clang() {
   if ! command -v clang++ >/dev/null 2>&1 ||
      ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-*.a" >/dev/null; then
@@ -92,6 +93,17 @@ q4_clang() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends clang \
       libclang-rt-14-dev >/dev/null
   fi
+}
+
+# q4_asan_build TARGET...: builds TARGETs in build-asan/, the sanitizer build that scripts/sanitize.sh
+# and scripts/fuzz.sh share: clang at -O1, ASan+UBSan, and libFuzzer's coverage in every object
+# (Q4_FUZZ), so the unit tests and the fuzz targets link the same sanitized libraries.
+q4_asan_build() {
+  q4_clang
+  cmake -S "$root" -B "$root/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DCMAKE_CXX_COMPILER=clang++ -DQ4_SANITIZE=ON \
+    -DQ4_FUZZ=ON >/dev/null
+  cmake --build "$root/build-asan" -j "$(nproc)" --target "$@"
 }
 
 q4_train_run() {
