@@ -15,7 +15,7 @@ set -euo pipefail
 # selected): when tests move between binaries, update both lists together.
 targets=(test_io test_quant test_data test_optim)
 suites='AppendFile|AtomicFile|BoundedRead|Crc32c|RemoveTree|E2m1Ref|E4m3Fast|E4m3Ref|Nvfp4[A-Za-z]*|DatCorruptTest|DatFileTest'
-suites+='|Batcher|Chat|Dataset|DatasetFormats|Q4tok|Tokenizer'
+suites+='|Batcher|Chat|Dataset|DatasetFormats|Q4tok|Q4tokChat|Q4tokData|Tokenizer'
 suites+='|LrSchedule|OptimCodec|PackedAdamW'
 b=build-asan
 q4_phase "sanitize: build" q4_asan_build "${targets[@]}"

@@ -1,5 +1,7 @@
 // End-to-end tests of tools/q4tok (built into Q4_BIN_DIR): encode, decode and chat on the golden
-// fixtures through stdin/stdout, and exit code 2 with a line-numbered message on bad input.
+// fixtures through stdin/stdout, and exit code 2 with a line-numbered message on bad input. Three
+// suites by subcommand (Q4tok: encode/decode, Q4tokChat, Q4tokData), so that ctest -j spreads the
+// tool's process starts, which dominate the ASan run (scripts/sanitize.sh).
 // The tool must be built first (`cmake --build <dir> --target q4tok`); a missing binary fails.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -74,7 +76,7 @@ TEST(Q4tok, EncodeDecodeGolden) {
   }
 }
 
-TEST(Q4tok, ChatGolden) {
+TEST(Q4tokChat, ChatGolden) {
   test::qwen3_tokenizer();
   const json gold = test::read_json(Q4_FIXTURES_DIR "/chat_template_golden.json");
   std::string in;
@@ -121,7 +123,7 @@ TEST(Q4tok, DecodeRejectsIdsThatAreNotTokenIds) {
 
 // `q4tok data --show N`: the first N examples of every format as the model sees them: the
 // rendered chat template (or the raw text) with the trained tokens between the marks.
-TEST(Q4tok, DataShowMarksTrainedTokensInEveryFormat) {
+TEST(Q4tokData, DataShowMarksTrainedTokensInEveryFormat) {
   test::qwen3_tokenizer();
   struct Case {
     std::string suffix, content, expect;
@@ -152,7 +154,7 @@ TEST(Q4tok, DataShowMarksTrainedTokensInEveryFormat) {
 // `q4tok data` says what truncation to --seq-len does, with the counts and the warning the trainer
 // prints: a long text file is split into windows by default (nothing lost, no warning); cut_right
 // loses most of it, and past 1% of the supervised tokens the warning names the settings.
-TEST(Q4tok, DataCountsWhatTruncationLoses) {
+TEST(Q4tokData, DataCountsWhatTruncationLoses) {
   test::qwen3_tokenizer();
   std::string text;
   for (int i = 0; i < 40; ++i) text += "Sentence number " + std::to_string(i) + " of the text.\n";
@@ -185,7 +187,7 @@ TEST(Q4tok, DataCountsWhatTruncationLoses) {
   EXPECT_EQ(run_q4tok("data --text-unit page --data " + f.path(), "").exit_code, 2);
 }
 
-TEST(Q4tok, ChatTemplateAndThinkingFlags) {
+TEST(Q4tokChat, ChatTemplateAndThinkingFlags) {
   test::qwen3_tokenizer();
   // chat: the template and enable_thinking reach the generation prompt; tools are read in order.
   const std::string conv =

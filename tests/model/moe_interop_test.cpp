@@ -43,9 +43,6 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-const std::string kMoeConfig = kFixtures + "/qwen3_moe_tiny.config.json";
-const std::string kMoeWeights = kFixtures + "/qwen3_moe_tiny.weights.dat";
-const std::string kMoeHf = kFixtures + "/qwen3_moe_tiny_hf";
 const std::string kTool = std::string(Q4_BIN_DIR) + "/q4dat";
 
 json read_json(const fs::path& p) {

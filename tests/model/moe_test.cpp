@@ -27,9 +27,6 @@
 namespace q4::model {
 namespace {
 
-const std::string kMoeConfig = kFixtures + "/qwen3_moe_tiny.config.json";
-const std::string kMoeWeights = kFixtures + "/qwen3_moe_tiny.weights.dat";
-const std::string kMoeExpected = kFixtures + "/qwen3_moe_tiny.expected.dat";
 
 nlohmann::json tiny_moe_json() {
   return nlohmann::json{{"architectures", {"Qwen3MoeForCausalLM"}},

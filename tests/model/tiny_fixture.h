@@ -21,6 +21,12 @@ inline const std::string kExpected = kFixtures + "/qwen3_tiny.expected.dat";
 inline const std::string kPlainExpected = kFixtures + "/qwen3_tiny.plain_expected.dat";
 // The plain model at positions past 131,072 with the 2507 RoPE (make_far_positions_fixture.py).
 inline const std::string kFarPositions = kFixtures + "/qwen3_tiny.far_positions.dat";
+// The tiny Qwen3-MoE fixture (tests/fixtures/README.md): config, weights, the HF reference's
+// outputs, and the same model as an HF folder.
+inline const std::string kMoeConfig = kFixtures + "/qwen3_moe_tiny.config.json";
+inline const std::string kMoeWeights = kFixtures + "/qwen3_moe_tiny.weights.dat";
+inline const std::string kMoeExpected = kFixtures + "/qwen3_moe_tiny.expected.dat";
+inline const std::string kMoeHf = kFixtures + "/qwen3_moe_tiny_hf";
 
 // A model that only generates: nothing trainable, no checkpointing.
 inline ModelOptions inference_options() {

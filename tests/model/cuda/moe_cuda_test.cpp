@@ -23,9 +23,6 @@
 namespace q4::model {
 namespace {
 
-const std::string kMoeConfig = kFixtures + "/qwen3_moe_tiny.config.json";
-const std::string kMoeWeights = kFixtures + "/qwen3_moe_tiny.weights.dat";
-const std::string kMoeExpected = kFixtures + "/qwen3_moe_tiny.expected.dat";
 
 // Loss, aux loss and every gradient elementwise within the given tolerances.
 void check_moe_fixture(ModelOptions o, double rtol, double grad_rtol, double atol) {
