@@ -42,8 +42,13 @@ endif()
 # One intra-op thread per test process (LibTorch's OpenMP pool and OpenBLAS): ctest -j N runs N
 # tests at once, so their default N threads each would oversubscribe the cores (a busy OpenMP
 # pool spins; the demo run costs three times the CPU that way). A test that wants threads sets
-# them itself.
-set(_env "OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1")
+# them itself. And glibc's malloc asks for transparent huge pages for its heap
+# (glibc.malloc.hugetlb=1, inherited by the q4train, q4dat, ... processes a test starts): most of
+# a test process's time is page faults, LibTorch's static initialisation and the tiny runs'
+# 151,936-wide logits, and huge pages take the unit and end-to-end tests from 877 to 535 CPU-s on
+# 2 cores (docs/testing.md#process-starts). Without transparent huge pages, or with a glibc older
+# than 2.35, the setting does nothing.
+set(_env "OMP_NUM_THREADS=1;OPENBLAS_NUM_THREADS=1;GLIBC_TUNABLES=glibc.malloc.hugetlb=1")
 macro(_q4_add name filter labels skip)
   set(_n "${name} (${_bin})")
   set(_cost 1)

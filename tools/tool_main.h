@@ -9,17 +9,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "q4/io/process_exit.h"
 #include "tool_errors.h"
 
 namespace q4::tools {
 
-// A tool's main: parses the command line (--help exits 0, a usage error 2), then returns body()'s
-// exit code, mapping what it throws as above. `library_error_code` is the exit code of a
-// c10::Error that escapes body: 1 (a runtime failure) unless every library call of the tool reads
-// the user's input; running out of memory is always 1.
+// run_tool's exit code, the process left running.
 template <class F>
-int run_tool(const char* tool, CLI::App& app, int argc, char** argv, F&& body,
-             int library_error_code = 1) {
+int tool_exit_code(const char* tool, CLI::App& app, int argc, char** argv, F&& body,
+                   int library_error_code) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -42,6 +40,16 @@ int run_tool(const char* tool, CLI::App& app, int argc, char** argv, F&& body,
   } catch (const std::exception& e) {
     return fail(e.what(), 1);
   }
+}
+
+// A tool's main: parses the command line (--help exits 0, a usage error 2), then ends the process
+// (q4::io::end_process) with body()'s exit code, mapping what it throws as above.
+// `library_error_code` is the exit code of a c10::Error that escapes body: 1 (a runtime failure)
+// unless every library call of the tool reads the user's input; running out of memory is always 1.
+template <class F>
+[[noreturn]] void run_tool(const char* tool, CLI::App& app, int argc, char** argv, F&& body,
+                           int library_error_code = 1) {
+  io::end_process(tool_exit_code(tool, app, argc, argv, body, library_error_code));
 }
 
 }  // namespace q4::tools

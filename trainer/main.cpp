@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "q4/io/process_exit.h"
 #include "q4/trainer/app/trainer.h"
 #include "q4/trainer/config/config.h"
 #include "q4/trainer/distributed/distributed.h"
@@ -293,9 +294,9 @@ int run(Cli& o, int argc, char** argv) {
   return run_training(config, options, std::cout, std::cerr);
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
+// q4train's exit code: the command line, then the run, each failure mapped to its code.
+int exit_code(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"q4train: fine-tune NVFP4-quantized Qwen3 models (one YAML config drives a run)"};
   Cli cli;
@@ -329,3 +330,7 @@ int main(int argc, char** argv) {
     return fail(kExitRuntime, rank_tag() + e.what());
   }
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { q4::io::end_process(exit_code(argc, argv)); }

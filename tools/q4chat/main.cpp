@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
   CLI::App app{"q4chat: chat with a Qwen3 model through the chat template"};
   ChatArgs args;
   add_chat_options(app, args);
-  return q4::tools::run_tool("q4chat", app, argc, argv, [&] {
+  q4::tools::run_tool("q4chat", app, argc, argv, [&] {
     const ChatSetup setup = load_chat(args);
     Chat chat(args, setup);
     if (args.prompt.empty()) return interactive(chat);

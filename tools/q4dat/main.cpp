@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   c_imp->add_flag("--dense", imp.dense,
                   "keep dense linears dense, in the folder's types (for plain-precision training)");
 
-  return run_tool("q4dat", app, argc, argv, [&] {
+  run_tool("q4dat", app, argc, argv, [&] {
     if (c_info->parsed()) return run_info(info);
     if (c_quant->parsed()) return run_quantize(quant);
     if (c_deq->parsed()) return run_dequantize(deq);

@@ -249,5 +249,5 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--no-exact-match", a.no_exact_match, "skip the greedy generation of answers");
   app.add_flag("--quiet", a.quiet, "no load lines on stderr");
-  return tools::run_tool("q4eval", app, argc, argv, [&] { return run(a); });
+  tools::run_tool("q4eval", app, argc, argv, [&] { return run(a); });
 }

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "compute dtype fp32|bf16|fp16 (default fp32 cpu, bf16 cuda)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   // Every library call reads the user's config, weights or ids: its errors are input errors.
-  return q4::tools::run_tool(
+  q4::tools::run_tool(
       "q4gen", app, argc, argv,
       [&] {
         using namespace q4::model;

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
                  "a PEFT LoRA adapter folder: x·Wᵀ + (x·Aᵀ)·Bᵀ·alpha/r, the base frozen and "
                  "only the adapters' gradients written");
   // Every library call reads the user's config, weights or inputs: its errors are input errors.
-  return q4::tools::run_tool(
+  q4::tools::run_tool(
       "q4grad", app, argc, argv, [&] { return run(a); },
       /*library_error_code=*/2);
 }

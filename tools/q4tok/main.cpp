@@ -321,7 +321,7 @@ int main(int argc, char** argv) {
   add_commands(app, a);
   std::ios::sync_with_stdio(false);
   // Every library call reads the user's tokenizer or data: its errors are input errors.
-  return q4::tools::run_tool(
+  q4::tools::run_tool(
       "q4tok", app, argc, argv,
       [&] {
         // from_file reads the whole file: a FIFO or /dev/zero named here would never end.
