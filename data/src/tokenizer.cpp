@@ -260,12 +260,71 @@ class MergeTable {
   size_t size_ = 0;
 };
 
+// Raw bytes -> id of the BPE vocabulary: open addressing with linear probing at load factor
+// <= 0.5 over entries whose keys lie back to back in one buffer, so that loading a 151k-token
+// vocabulary allocates a few buffers instead of a node and often a string per token, and a
+// lookup takes a string_view.
+class VocabIndex {
+ public:
+  void reset(size_t expected) {
+    keys_.clear();
+    entries_.clear();
+    entries_.reserve(expected);
+    size_t cap = 16;
+    while (cap < 2 * expected) cap <<= 1;
+    slots_.assign(cap, kEmpty);
+  }
+  // Adds `bytes` -> id; false, changing nothing, when `bytes` is already a key.
+  bool insert(std::string_view bytes, TokenId id) {
+    const size_t h = std::hash<std::string_view>{}(bytes);
+    size_t i = h & mask();
+    for (; slots_[i] != kEmpty; i = (i + 1) & mask()) {
+      if (key_is(entries_[slots_[i]], h, bytes)) return false;
+    }
+    slots_[i] = static_cast<int32_t>(entries_.size());
+    entries_.push_back({keys_.size(), bytes.size(), h, id});
+    keys_.append(bytes);
+    if (2 * entries_.size() > slots_.size()) grow();
+    return true;
+  }
+  std::optional<TokenId> find(std::string_view bytes) const {
+    if (slots_.empty()) return std::nullopt;
+    const size_t h = std::hash<std::string_view>{}(bytes);
+    for (size_t i = h & mask(); slots_[i] != kEmpty; i = (i + 1) & mask()) {
+      const Entry& e = entries_[slots_[i]];
+      if (key_is(e, h, bytes)) return e.id;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  static constexpr int32_t kEmpty = -1;
+  struct Entry {
+    size_t offset, size, hash;
+    TokenId id;
+  };
+  size_t mask() const { return slots_.size() - 1; }
+  bool key_is(const Entry& e, size_t hash, std::string_view bytes) const {
+    return e.hash == hash && std::string_view(keys_).substr(e.offset, e.size) == bytes;
+  }
+  void grow() {
+    slots_.assign(2 * slots_.size(), kEmpty);
+    for (size_t k = 0; k < entries_.size(); ++k) {
+      size_t i = entries_[k].hash & mask();
+      while (slots_[i] != kEmpty) i = (i + 1) & mask();
+      slots_[i] = static_cast<int32_t>(k);
+    }
+  }
+  std::string keys_;
+  std::vector<Entry> entries_;
+  std::vector<int32_t> slots_;  // index into entries_, kEmpty for a free slot
+};
+
 }  // namespace
 
 struct Tokenizer::Impl {
   std::string source;
-  // BPE vocabulary: raw bytes -> id.
-  std::unordered_map<std::string, TokenId> vocab;
+  VocabIndex vocab;  // BPE vocabulary: raw bytes -> id
   std::array<TokenId, 256> byte_ids{};
   MergeTable merges;  // key = (left << 32) | right
   bool ignore_merges = false;
@@ -366,8 +425,7 @@ void Tokenizer::Impl::load_vocab(const json& model, const tokenizer_json::Stream
     }
   }
   auto reset = [&] {
-    vocab.clear();
-    vocab.reserve(members.size());
+    vocab.reset(members.size());
     id_bytes.assign(max_id + 1, std::string());
     id_string.assign(max_id + 1, std::string());
     id_kind.assign(max_id + 1, kAbsent);
@@ -389,10 +447,11 @@ void Tokenizer::Impl::load_vocab(const json& model, const tokenizer_json::Stream
     }
   }
   for (int b = 0; b < 256; ++b) {
-    auto it = vocab.find(std::string(1, static_cast<char>(b)));
-    TORCH_CHECK(it != vocab.end(), src, ": model.vocab: byte 0x", std::hex, b,
+    const char byte = static_cast<char>(b);
+    const std::optional<TokenId> id = vocab.find(std::string_view(&byte, 1));
+    TORCH_CHECK(id.has_value(), src, ": model.vocab: byte 0x", std::hex, b,
                 " has no token (byte-level BPE needs all 256 bytes)");
-    byte_ids[b] = it->second;
+    byte_ids[b] = *id;
   }
 }
 
@@ -412,7 +471,7 @@ bool Tokenizer::Impl::add_vocab_member(std::string_view token, const tokenizer_j
               "\" has characters outside the byte-level alphabet (only byte-level BPE "
               "vocabularies are supported)");
   const auto id = static_cast<TokenId>(m.id);
-  const bool inserted = vocab.emplace(*bytes, id).second;
+  const bool inserted = vocab.insert(*bytes, id);
   if (!checked && !inserted) return false;
   TORCH_CHECK(inserted, src, ": model.vocab: token \"", token,
               "\" duplicates another token's bytes");
@@ -503,15 +562,13 @@ void Tokenizer::Impl::load_merges(const tokenizer_json::StreamedModel& streamed,
     }
     const bool ok = byte_level_to_bytes(left_s, c2b, &lb) && byte_level_to_bytes(right_s, c2b, &rb);
     cat.assign(lb).append(rb);
-    auto li = ok ? vocab.find(lb) : vocab.end();
-    auto ri = ok ? vocab.find(rb) : vocab.end();
-    auto mi = ok ? vocab.find(cat) : vocab.end();
-    TORCH_CHECK(li != vocab.end() && ri != vocab.end() && mi != vocab.end(), src, ": model.merges[",
-                r, "]: \"", left_s, "\", \"", right_s,
+    const auto li = ok ? vocab.find(lb) : std::nullopt;
+    const auto ri = ok ? vocab.find(rb) : std::nullopt;
+    const auto mi = ok ? vocab.find(cat) : std::nullopt;
+    TORCH_CHECK(li && ri && mi, src, ": model.merges[", r, "]: \"", left_s, "\", \"", right_s,
                 "\" or their concatenation is not in the vocabulary");
-    const uint64_t key =
-        (static_cast<uint64_t>(li->second) << 32) | static_cast<uint32_t>(ri->second);
-    merges.put(key, Merge{static_cast<int32_t>(r), mi->second});
+    const uint64_t key = (static_cast<uint64_t>(*li) << 32) | static_cast<uint32_t>(*ri);
+    merges.put(key, Merge{static_cast<int32_t>(r), *mi});
   }
 }
 
@@ -590,9 +647,8 @@ void Tokenizer::Impl::bpe(std::string_view piece, std::vector<TokenId>* out) con
     return;
   }
   if (ignore_merges) {
-    auto it = vocab.find(std::string(piece));
-    if (it != vocab.end()) {
-      out->push_back(it->second);
+    if (const auto id = vocab.find(piece)) {
+      out->push_back(*id);
       return;
     }
   }
@@ -854,9 +910,7 @@ std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {
   static const ByteLevelInverse c2b = codepoint_to_byte_table();
   std::string bytes;
   if (!byte_level_to_bytes(token, c2b, &bytes)) return std::nullopt;
-  auto it = impl_->vocab.find(bytes);
-  if (it == impl_->vocab.end()) return std::nullopt;
-  return it->second;
+  return impl_->vocab.find(bytes);
 }
 
 std::string Tokenizer::id_to_token(TokenId id) const {

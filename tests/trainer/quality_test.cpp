@@ -53,7 +53,7 @@ using namespace q4;
 using namespace q4::trainer;
 using namespace q4::trainer::testing;
 
-namespace {
+namespace q4::test::quality_test {
 
 const std::string kSource = Q4_SOURCE_DIR;
 constexpr int64_t kVocab = 1024;
@@ -368,4 +368,4 @@ TEST_F(Quality, FineTuneOnNewData) {
       << "QAT from dithered masters does not ship a better NVFP4 model than the peer path";
 }
 
-}  // namespace
+}  // namespace q4::test::quality_test

@@ -28,9 +28,8 @@
 namespace fs = std::filesystem;
 using namespace q4::trainer;
 using json = nlohmann::json;
-using q4::test::contains;
 
-namespace rewards_test {
+namespace q4::test::rewards_test {
 
 const char* kModel = R"(
 model:
@@ -102,8 +101,6 @@ bool reaped(pid_t pid) {
 
 const char* kPython = "/usr/bin/python3";
 
-}  // namespace rewards_test
-using namespace rewards_test;  // NOLINT: the suite's helpers (a named namespace: unity builds)
 
 TEST(Rewards, ExactMatchNormalisesAndExtracts) {
   auto f = fn(RewardKind::kExactMatch, "exact");
@@ -423,3 +420,5 @@ TEST(RewardCommand, StartsInItsDirectoryOrSaysWhyNot) {
         << e.what();
   }
 }
+
+}  // namespace q4::test::rewards_test

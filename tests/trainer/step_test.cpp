@@ -17,7 +17,7 @@ using namespace q4;
 using namespace q4::trainer;
 using namespace q4::trainer::testing;
 
-namespace {
+namespace q4::test::step_test {
 
 std::vector<at::Tensor> masters(model::Qwen3Model& m) {
   std::vector<at::Tensor> out;
@@ -57,8 +57,6 @@ void expect_offload_matches(const Config& c, model::Qwen3Model& resident,
     EXPECT_TRUE(at::equal(a[i].cpu(), b[i].cpu())) << what << " tensor " << i;
   }
 }
-
-}  // namespace
 
 TEST(TrainStep, AccumulationEqualsOneBigBatch) {
   auto m1 = tiny_model(), m2 = tiny_model();
@@ -178,8 +176,6 @@ TEST(TrainStep, PhasesInOrder) {
   EXPECT_EQ(so.slots, 4 * 12);
 }
 
-namespace {
-
 // A gradient path that records what the step asks of it and updates nothing.
 class RecordingPath final : public GradientPath {
  public:
@@ -225,8 +221,6 @@ class ListSource final : public BatchSource {
  private:
   std::vector<data::Batch> batches_;
 };
-
-}  // namespace
 
 // TrainStep reaches the gradients and the update only through its gradient path: a path that
 // updates nothing leaves the masters as they were, sees every trainable parameter's gradient once
@@ -284,3 +278,5 @@ TEST(TrainStep, DrawsFromAnyBatchSource) {
   const auto x = masters(m1), y = masters(m2);
   for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i], y[i])) << i;
 }
+
+}  // namespace q4::test::step_test
